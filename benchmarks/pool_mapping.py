@@ -1,0 +1,108 @@
+"""Cost of the pool layer on real workers: making a pool, mapping a peer's pool, importing buffers.
+
+Runs two Nanny workers per placement (same GPU; one per GPU with rotated
+CUDA_VISIBLE_DEVICES when two GPUs are visible; host pools otherwise) and
+times, inside the importing worker, the first mapping of the peer's pool and
+the import of one allocation per size (median of repeats). Prints a table and
+writes JSON to benchmarks/results/ (and $OUT when set).
+
+    python benchmarks/pool_mapping.py [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Any
+
+import dask_gpupool
+from dask_gpupool import GPUPool
+from dask_gpupool import _testing as T
+from dask_gpupool._messages import BufferDescriptor
+from dask_gpupool._topology import local_devices
+
+MiB = 1 << 20
+
+
+def time_imports(descs: list[dict[str, Any]], repeats: int) -> dict[str, Any]:
+    """Task on the importer: time mapping the pool once, then importing each buffer."""
+    service = T.current_service()
+    parsed = [BufferDescriptor.from_msg(d) for d in descs]
+    t0 = time.perf_counter()
+    mapped = service.map_peer(parsed[0].pool)
+    map_s = time.perf_counter() - t0
+    imports = {}
+    for d in parsed:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            buf = mapped.import_buffer(d)
+            times.append(time.perf_counter() - t0)
+            mapped.release(buf)
+        imports[d.size] = statistics.median(times)
+    service.mapped.unmap(parsed[0].pool)
+    return {"map_pool_s": map_s, "import_s": imports}
+
+
+def run(placement: str, workers: list[dict[str, Any]], kind: str, sizes: list[int], repeats: int) -> dict[str, Any]:
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+    from conftest import nanny_cluster, worker_addresses
+
+    t0 = time.perf_counter()
+    with nanny_cluster(workers, GPUPool(kind=kind, max_size=f"{2 * sum(sizes) // MiB + 64} MiB")) as c:
+        setup_s = time.perf_counter() - t0
+        a, b = worker_addresses(c)
+        descs = [c.submit(T.hold, f"b{n}", n, b"x", workers=[a], pure=False).result() for n in sizes]
+        result = c.submit(time_imports, descs, repeats, workers=[b], pure=False).result()
+        for n in sizes:
+            c.submit(T.release, f"b{n}", workers=[a], pure=False).result()
+        rows = dask_gpupool.pools(c)
+    return {"placement": placement, "kind": kind, "cluster_setup_s": setup_s, "pools": len(rows), **result}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args()
+    uuids = local_devices().uuids
+    runs = []
+    if uuids:
+        sizes = [4096, MiB, 64 * MiB, 1024 * MiB]
+        same = {"env": {"CUDA_VISIBLE_DEVICES": "0"}}
+        runs.append(run("same GPU", [same, same], "device", sizes, args.repeats))
+        runs.append(run("same GPU", [same, same], "pinned", sizes[:3], args.repeats))
+        if len(uuids) >= 2:
+            rot = [{"env": {"CUDA_VISIBLE_DEVICES": "0,1"}}, {"env": {"CUDA_VISIBLE_DEVICES": "1,0"}}]
+            runs.append(run("other GPU", rot, "device", sizes, args.repeats))
+    else:
+        runs.append(run("host", [{}, {}], "host", [4096, MiB, 64 * MiB], args.repeats))
+    meta = {"python": platform.python_version(), "gpus": list(uuids), "host": platform.node(), "time": time.time()}
+    try:
+        import cuda.core
+
+        meta["cuda_core"] = cuda.core.__version__
+    except Exception:
+        pass
+    out = {"meta": meta, "runs": runs}
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for d in filter(None, [os.path.join(os.path.dirname(__file__), "results"), os.environ.get("OUT")]):
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, f"pool_mapping-{stamp}.json"), "w") as f:
+            json.dump(out, f, indent=1)
+    print(f"\n{'placement':10} {'kind':7} {'map pool':>10} " + " ".join(f"{'import ' + _h(n):>16}" for n in (4096, MiB, 64 * MiB, 1024 * MiB)))
+    for r in runs:
+        cells = [f"{r['import_s'][n] * 1e6:>13.1f} us" if n in r["import_s"] else f"{'-':>16}" for n in (4096, MiB, 64 * MiB, 1024 * MiB)]
+        print(f"{r['placement']:10} {r['kind']:7} {r['map_pool_s'] * 1e3:>7.2f} ms " + " ".join(cells))
+
+
+def _h(n: int) -> str:
+    return f"{n // MiB} MiB" if n >= MiB else f"{n // 1024} KiB"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""dask_gpupool: zero-copy handoff of GPU task results between Dask workers of one host.
+
+Every worker gets an IPC-enabled memory pool (GPU, pinned host, or shared host
+memory); the scheduler keeps a registry of pools keyed by UUID; same-host peers
+map each other's pools through an fd broker. Start with::
+
+    client.register_plugin(dask_gpupool.GPUPool())
+
+or ``dask scheduler --preload dask_gpupool``.
+"""
+
+from __future__ import annotations
+
+from dask_gpupool._api import allocate, pool_stats, pools
+from dask_gpupool._config import PoolOptions
+from dask_gpupool._errors import (
+    BrokerError,
+    BrokerRefusedError,
+    ConfigError,
+    GPUPoolError,
+    PeerAccessError,
+    PeerLostError,
+    PoolClosedError,
+    PoolExhaustedError,
+    PoolUnavailableError,
+    ProtocolError,
+    UnknownPoolError,
+)
+from dask_gpupool._messages import PoolRecord
+from dask_gpupool._preload import dask_setup
+from dask_gpupool._scheduler_plugin import GPUPool
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BrokerError",
+    "BrokerRefusedError",
+    "ConfigError",
+    "GPUPool",
+    "GPUPoolError",
+    "PeerAccessError",
+    "PeerLostError",
+    "PoolClosedError",
+    "PoolExhaustedError",
+    "PoolOptions",
+    "PoolRecord",
+    "PoolUnavailableError",
+    "ProtocolError",
+    "UnknownPoolError",
+    "allocate",
+    "dask_setup",
+    "pool_stats",
+    "pools",
+]

@@ -1,0 +1,4 @@
+from dask_gpupool._cli import main
+
+if __name__ == "__main__":
+    main()

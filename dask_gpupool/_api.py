@@ -1,0 +1,91 @@
+"""Public functions: allocate inside a task, read the registry and pool stats from a client."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from dask_gpupool._errors import PoolUnavailableError
+from dask_gpupool._messages import PoolRecord
+from dask_gpupool._worker_plugin import service_of
+
+if TYPE_CHECKING:
+    from cuda.core import Buffer
+    from distributed import Client, Worker
+
+    from dask_gpupool._service import PoolService
+
+__all__ = ["allocate", "current_service", "pool_stats", "pools"]
+
+
+def current_service() -> PoolService:
+    """The pool service of the worker running the current task.
+
+    Raises
+    ------
+    PoolUnavailableError
+        Outside a task, or on a worker without the gpupool plugin.
+    """
+    from distributed import get_worker
+
+    try:
+        worker = get_worker()
+    except ValueError:
+        raise PoolUnavailableError("not running on a Dask worker; allocate() is for tasks") from None
+    return service_of(worker)
+
+
+def allocate(nbytes: int, stream: Any = None) -> Buffer:
+    """Allocate ``nbytes`` from the current worker's pool. Call inside a task.
+
+    Parameters
+    ----------
+    nbytes : int
+        Size of the buffer.
+    stream : cuda.core.Stream, optional
+        Stream the allocation is ordered on (CUDA kinds); default: the
+        device's default stream.
+
+    Returns
+    -------
+    cuda.core.Buffer
+        Owned by the caller; the memory goes back to the pool when the buffer
+        is closed or garbage-collected. ``device`` pools give GPU memory,
+        ``pinned`` and ``host`` pools give host memory.
+
+    Raises
+    ------
+    PoolUnavailableError
+        Outside a task on a worker that runs the plugin.
+    PoolExhaustedError
+        When the pool cannot hold ``nbytes`` more.
+    """
+    return current_service().allocate(nbytes, stream)
+
+
+def pools(client: Client) -> list[PoolRecord]:
+    """The scheduler's registry: one :class:`PoolRecord` per pool.
+
+    Raises
+    ------
+    PoolUnavailableError
+        If the scheduler has no gpupool plugin.
+    """
+    rows = client.sync(client.scheduler.gpupool_pools)
+    if rows is None:  # Dask answers an unknown handler with None (and logs it)
+        raise PoolUnavailableError("the scheduler has no gpupool registry; register dask_gpupool.GPUPool() first")
+    return [PoolRecord.from_msg(r) for r in rows]
+
+
+def _worker_pool_stats(dask_worker: Worker) -> dict[str, Any]:
+    service = service_of(dask_worker)
+    return {
+        "pool": service.pool.uuid,
+        "kind": service.pool.kind,
+        **service.stats().to_msg(),
+        "mapped_pools": len(service.mapped),
+    }
+
+
+def pool_stats(client: Client) -> dict[str, dict[str, Any]]:
+    """Per worker: its pool's used and reserved bytes (now and high-water) and mapped peer pools."""
+    return client.run(_worker_pool_stats)

@@ -1,0 +1,275 @@
+"""The fd broker: hands a pool's shareable fd to same-host peers.
+
+A CUDA pool's (or a memfd's) shareable handle is a file descriptor, and the
+only way to give an fd to an unrelated process is a Unix-domain socket with
+SCM_RIGHTS (re-opening ``/proc/<pid>/fd/<n>`` fails for CUDA handles, and
+``pidfd_getfd`` needs ptrace rights). Each worker runs one :class:`FdBroker`.
+
+Protocol (``SOCK_SEQPACKET``, so each message arrives whole; msgpack maps
+from :mod:`dask_gpupool._messages`)::
+
+    peer   -> broker   HandleRequest{op: "pool-handle", pool}
+    broker -> peer     HandleReply{op: "pool-handle-ok", pool, kind, size}
+    broker -> peer     one byte, with the fd as SCM_RIGHTS ancillary data
+                   or  ErrorReply{op: "error", error, message}
+
+Trust boundary: the socket lives in a private directory (mode 0700, made by
+the broker) and the broker checks each peer's uid with ``SO_PEERCRED``:
+only processes of the same user get anything. A malformed request, one too
+large, or none within ``timeout`` closes that connection (logged once); the
+broker goes on serving others.
+
+Threads: the broker runs its own asyncio loop in a daemon thread, so it
+never blocks the worker's event loop. :func:`request_pool_fd` is blocking
+and runs in the caller's thread (a task thread or an executor).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import struct
+import tempfile
+import threading
+from collections.abc import Callable
+
+from dask_gpupool._errors import GPUPoolError, PeerLostError, ProtocolError, UnknownPoolError
+from dask_gpupool._messages import (
+    MAX_MESSAGE_BYTES,
+    ErrorReply,
+    HandleReply,
+    HandleRequest,
+    decode,
+    encode,
+    raise_for_error,
+)
+
+__all__ = ["FdBroker", "PoolLookup", "request_pool_fd"]
+
+logger = logging.getLogger(__name__)
+
+#: Returns ``(fd, reply)`` for a pool this broker serves, else ``None``. The fd stays owned by the pool.
+PoolLookup = Callable[[str], "tuple[int, HandleReply] | None"]
+
+_SOCKET_NAME = "broker.sock"
+_UNIX_PATH_MAX = 107
+_PEERCRED = struct.Struct("3i")
+
+
+class FdBroker:
+    """Serve pools' fds to same-uid peers on this host.
+
+    Parameters
+    ----------
+    lookup : PoolLookup
+        Finds the fd of a requested pool. Runs on the broker's thread.
+    directory : str or None
+        Parent of the broker's private directory (default: the temp dir).
+    timeout : float
+        Seconds a connection may wait to send its next request.
+    name : str
+        Used in log messages and the directory name (the pool UUID).
+
+    Attributes
+    ----------
+    address : str
+        Path of the socket; peers find it in the scheduler's registry.
+    served, refused : int
+        Fds handed out; connections closed for bad credentials or input.
+
+    Notes
+    -----
+    fd ownership: the listening socket and every accepted connection are the
+    broker's and closed by :meth:`close`; the pool fds it sends stay owned by
+    their pools (the kernel gives the peer its own copy).
+    """
+
+    address: str
+    served: int
+    refused: int
+    _lookup: PoolLookup
+    _timeout: float
+    _name: str
+    _dir: str
+    _sock: socket.socket
+    _loop: asyncio.AbstractEventLoop
+    _thread: threading.Thread
+    _conns: set[socket.socket]
+    _closed: bool
+
+    def __init__(self, lookup: PoolLookup, directory: str | None, timeout: float, name: str = "pool") -> None:
+        self._lookup = lookup
+        self._timeout = timeout
+        self._name = name
+        self.served = self.refused = 0
+        self._conns = set()
+        self._closed = False
+        parent = directory or tempfile.gettempdir()
+        self._dir = tempfile.mkdtemp(prefix=f"dask-gpupool-{name[:8]}-", dir=parent)  # mode 0700
+        self.address = os.path.join(self._dir, _SOCKET_NAME)
+        try:
+            if len(os.fsencode(self.address)) > _UNIX_PATH_MAX:
+                raise GPUPoolError(
+                    f"broker socket path {self.address!r} is longer than {_UNIX_PATH_MAX} bytes; "
+                    "set gpupool.broker-dir to a shorter directory"
+                )
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+            try:
+                self._sock.bind(self.address)
+                self._sock.listen(64)
+                self._sock.setblocking(False)
+            except BaseException:
+                self._sock.close()
+                raise
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(self.address)
+            os.rmdir(self._dir)
+            raise
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=f"gpupool-broker-{name[:8]}", daemon=True)
+        self._thread.start()
+        logger.debug("pool %s: broker serving at %s", name, self.address)
+
+    # -- the broker's thread ----------------------------------------------------
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._accept_task = self._loop.create_task(self._accept())
+        try:
+            self._loop.run_forever()
+        finally:
+            tasks = asyncio.all_tasks(self._loop)
+            for t in tasks:
+                t.cancel()
+            self._loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            self._loop.close()
+
+    async def _accept(self) -> None:
+        while True:
+            conn, _ = await self._loop.sock_accept(self._sock)
+            conn.setblocking(False)
+            self._conns.add(conn)
+            self._loop.create_task(self._serve(conn))
+
+    async def _serve(self, conn: socket.socket) -> None:
+        pid = -1
+        try:
+            pid, uid, _gid = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+            if uid != os.getuid():
+                self.refused += 1
+                logger.warning("pool %s: broker refused pid %d of uid %d (not ours)", self._name, pid, uid)
+                return
+            while True:
+                try:
+                    data = await asyncio.wait_for(self._loop.sock_recv(conn, MAX_MESSAGE_BYTES + 1), self._timeout)
+                except TimeoutError:
+                    logger.debug("pool %s: broker closed idle connection of pid %d", self._name, pid)
+                    return
+                if not data:
+                    return
+                await self._answer(conn, decode(data))
+        except ProtocolError as e:
+            self.refused += 1
+            logger.warning("pool %s: broker closed connection of pid %d: %s", self._name, pid, e)
+        except (ConnectionError, OSError) as e:
+            logger.debug("pool %s: broker connection of pid %d broke: %s", self._name, pid, e)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            self._conns.discard(conn)
+            conn.close()
+
+    async def _answer(self, conn: socket.socket, msg: dict[str, object]) -> None:
+        request = HandleRequest.from_msg(msg)
+        found = self._lookup(request.pool)
+        if found is None:
+            reply = ErrorReply.of(UnknownPoolError(f"pool {request.pool} is not served by this broker"))
+            await self._loop.sock_sendall(conn, encode(reply))
+            return
+        fd, handle_reply = found
+        await self._loop.sock_sendall(conn, encode(handle_reply))
+        # The fd travels in a message of its own; a seqpacket socket sends it whole or not at all.
+        while True:
+            try:
+                socket.send_fds(conn, [b"\0"], [fd])
+                break
+            except BlockingIOError:
+                await asyncio.sleep(0.001)
+        self.served += 1
+
+    # -- owner's side -------------------------------------------------------------
+
+    @property
+    def connections(self) -> int:
+        """Open peer connections."""
+        return len(self._conns)
+
+    def close(self) -> None:
+        """Stop serving, close every socket, remove the socket file and directory. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+        self._sock.close()
+        for conn in list(self._conns):
+            conn.close()
+        self._conns.clear()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.address)
+        with contextlib.suppress(FileNotFoundError):
+            os.rmdir(self._dir)
+        logger.debug("pool %s: broker closed", self._name)
+
+
+def request_pool_fd(address: str, pool: str, timeout: float) -> tuple[HandleReply, int]:
+    """Ask the broker at ``address`` for pool ``pool``'s fd. Blocking.
+
+    Returns
+    -------
+    (HandleReply, int)
+        The broker's reply and the received fd. **The caller owns the fd and
+        must close it.**
+
+    Raises
+    ------
+    PeerLostError
+        If the broker cannot be reached or hangs up.
+    UnknownPoolError
+        If the broker does not serve that pool.
+    ProtocolError
+        If the answer breaks the protocol.
+    """
+    context = f"broker {address} (pool {pool})"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    try:
+        sock.settimeout(timeout)
+        try:
+            sock.connect(address)
+            sock.sendall(encode(HandleRequest(pool)))
+            data = sock.recv(MAX_MESSAGE_BYTES + 1)
+        except OSError as e:  # refused, missing socket file, timeout, reset
+            raise PeerLostError(f"{context}: {type(e).__name__}: {e}") from e
+        if not data:
+            raise PeerLostError(f"{context}: the broker closed the connection")
+        msg = decode(data)
+        raise_for_error(msg, context)
+        reply = HandleReply.from_msg(msg)
+        if reply.pool != pool:
+            raise ProtocolError(f"{context}: reply names pool {reply.pool}")
+        try:
+            _, fds, flags, _ = socket.recv_fds(sock, 16, 4)
+        except OSError as e:
+            raise PeerLostError(f"{context}: {type(e).__name__}: {e}") from e
+        if len(fds) != 1 or flags & socket.MSG_CTRUNC:
+            for fd in fds:
+                os.close(fd)
+            raise ProtocolError(f"{context}: expected one fd, got {len(fds)}")
+        return reply, fds[0]
+    finally:
+        sock.close()

@@ -1,0 +1,196 @@
+"""Configuration: the ``gpupool`` namespace of ``dask.config``, read here only.
+
+Defaults live in ``gpupool.yaml`` and each key is documented in
+``gpupool-schema.yaml`` beside this module. :meth:`PoolOptions.from_config`
+is the one place that reads and checks them; everything else receives a
+:class:`PoolOptions`.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+from dataclasses import dataclass
+from typing import Any, Literal, cast
+
+import dask.config
+import yaml
+from dask.utils import parse_bytes, parse_timedelta
+
+from dask_gpupool._errors import ConfigError
+
+__all__ = ["KINDS", "PoolKind", "PoolOptions", "Size"]
+
+PoolKind = Literal["auto", "device", "pinned", "host"]
+KINDS: tuple[PoolKind, ...] = ("auto", "device", "pinned", "host")
+
+_HERE = pathlib.Path(__file__).parent
+with open(_HERE / "gpupool.yaml") as _f:
+    _defaults = yaml.safe_load(_f)
+dask.config.update_defaults(_defaults)
+
+
+@dataclass(frozen=True)
+class Size:
+    """A pool size: either absolute bytes or a share of some capacity.
+
+    Attributes
+    ----------
+    nbytes : int or None
+        Absolute size in bytes.
+    fraction : float or None
+        Share in (0, 1] of the memory behind the pool, resolved by
+        :meth:`resolve` once the capacity is known.
+    """
+
+    nbytes: int | None = None
+    fraction: float | None = None
+
+    @classmethod
+    def parse(cls, value: object, key: str = "gpupool.max-size") -> Size:
+        """Parse ``8589934592``, ``"8 GiB"``, ``"50%"`` or ``0.5``."""
+        valid = 'bytes (8589934592 or "8 GiB") or a share ("50%" or 0.5)'
+        if isinstance(value, bool) or value is None:
+            raise ConfigError(f"{key}={value!r} is not a size; use {valid}")
+        if isinstance(value, int):
+            if value <= 0:
+                raise ConfigError(f"{key}={value!r} must be positive; use {valid}")
+            return cls(nbytes=value)
+        if isinstance(value, float):
+            if not (0.0 < value <= 1.0) or math.isnan(value):
+                raise ConfigError(f"{key}={value!r}: a share must be in (0, 1]; use {valid}")
+            return cls(fraction=value)
+        if isinstance(value, str):
+            text = value.strip()
+            if text.endswith("%"):
+                try:
+                    share = float(text[:-1]) / 100.0
+                except ValueError:
+                    raise ConfigError(f"{key}={value!r} is not a size; use {valid}") from None
+                return cls.parse(share, key)
+            try:
+                nbytes = parse_bytes(text)
+            except (ValueError, TypeError):
+                raise ConfigError(f"{key}={value!r} is not a size; use {valid}") from None
+            return cls.parse(int(nbytes), key)
+        raise ConfigError(f"{key}={value!r} is not a size; use {valid}")
+
+    def resolve(self, capacity: int, what: str, key: str = "gpupool.max-size") -> int:
+        """Bytes for a pool backed by ``capacity`` bytes of ``what``.
+
+        Raises
+        ------
+        ConfigError
+            If an absolute size exceeds ``capacity``.
+        """
+        if self.fraction is not None:
+            return max(1, int(capacity * self.fraction))
+        assert self.nbytes is not None
+        if self.nbytes > capacity:
+            raise ConfigError(
+                f"{key}={self.nbytes} bytes exceeds the {capacity} bytes of {what}; "
+                f'use at most {capacity} bytes or a share such as "50%"'
+            )
+        return self.nbytes
+
+    def __str__(self) -> str:
+        if self.fraction is not None:
+            return f"{self.fraction:.0%}"
+        return f"{self.nbytes} bytes"
+
+
+@dataclass(frozen=True)
+class PoolOptions:
+    """Every option of a worker's pool, parsed and checked.
+
+    Attributes
+    ----------
+    kind : {"auto", "device", "pinned", "host"}
+        Requested pool kind; ``auto`` is resolved when the pool is made.
+    device : int or str
+        GPU ordinal in this process's ``CUDA_VISIBLE_DEVICES``, or a device UUID.
+    max_size : Size
+        Upper bound of the pool.
+    host_id : str or None
+        Host identity override; ``None`` means hostname + kernel boot id.
+    broker_dir : str or None
+        Parent directory of the broker's private directory.
+    broker_timeout : float
+        Seconds a broker waits for a request, and a client for a reply.
+    """
+
+    kind: PoolKind = "auto"
+    device: int | str = 0
+    max_size: Size = Size(fraction=0.5)
+    host_id: str | None = None
+    broker_dir: str | None = None
+    broker_timeout: float = 10.0
+
+    @classmethod
+    def from_config(cls, **overrides: Any) -> PoolOptions:
+        """Read ``dask.config["gpupool"]``, apply non-``None`` overrides, check all.
+
+        Override names are the keys with ``_`` for ``-`` (``max_size=...``).
+
+        Raises
+        ------
+        ConfigError
+            Naming the key, the bad value and the valid values.
+        """
+        raw: dict[str, Any] = dict(dask.config.get("gpupool", default={}) or {})
+        unknown = set(raw) - {f.replace("_", "-") for f in cls.__dataclass_fields__}
+        if unknown:
+            raise ConfigError(
+                f"unknown option(s) {sorted('gpupool.' + k for k in unknown)}; valid: "
+                f"{sorted('gpupool.' + f.replace('_', '-') for f in cls.__dataclass_fields__)}"
+            )
+        for name, value in overrides.items():
+            if name not in cls.__dataclass_fields__:
+                raise ConfigError(f"unknown option {name!r}; valid: {sorted(cls.__dataclass_fields__)}")
+            if value is not None:
+                raw[name.replace("_", "-")] = value
+        return cls(
+            kind=_parse_kind(raw.get("kind", "auto")),
+            device=_parse_device(raw.get("device", 0)),
+            max_size=Size.parse(raw.get("max-size", "50%")),
+            host_id=_parse_optional_str(raw.get("host-id"), "gpupool.host-id"),
+            broker_dir=_parse_optional_str(raw.get("broker-dir"), "gpupool.broker-dir"),
+            broker_timeout=_parse_timeout(raw.get("broker-timeout", "10s")),
+        )
+
+
+def _parse_kind(value: object) -> PoolKind:
+    if value not in KINDS:
+        raise ConfigError(f"gpupool.kind={value!r} is not a pool kind; valid: {', '.join(KINDS)}")
+    return cast(PoolKind, value)
+
+
+def _parse_device(value: object) -> int | str:
+    if isinstance(value, bool):
+        value = None
+    if isinstance(value, int) and value >= 0:
+        return value
+    if isinstance(value, str) and value.strip():
+        text = value.strip()
+        return int(text) if text.isdigit() else text
+    raise ConfigError(
+        f"gpupool.device={value!r} is not a device; valid: an ordinal >= 0 or a device UUID ('GPU-...')"
+    )
+
+
+def _parse_optional_str(value: object, key: str) -> str | None:
+    if value is None or (isinstance(value, str) and value):
+        return value
+    raise ConfigError(f"{key}={value!r} must be a non-empty string or null")
+
+
+def _parse_timeout(value: object) -> float:
+    try:
+        seconds = parse_timedelta(value, default="s")  # type: ignore[arg-type]
+    except (ValueError, TypeError, KeyError):
+        seconds = None
+    if seconds is None or seconds <= 0:
+        raise ConfigError(
+            f"gpupool.broker-timeout={value!r} is not a positive duration; valid: '10s', '500ms' or seconds"
+        )
+    return float(seconds)

@@ -1,0 +1,282 @@
+"""Shared host memory as a cuda.core memory resource, for hosts without a GPU.
+
+:class:`SharedHostMemoryResource` is the ``host`` pool kind. It follows the
+protocol of cuda.core's IPC-enabled pools so that the rest of dask_gpupool
+treats every kind alike:
+
+- the owner makes one memfd of ``max_size`` bytes (sparse: pages are backed
+  when first touched), maps it, and carves :class:`~cuda.core.Buffer` objects
+  out of it with an :class:`~dask_gpupool._arena.Arena`;
+- :attr:`~SharedHostMemoryResource.allocation_handle` is that memfd's file
+  descriptor, the equivalent of a CUDA pool's shareable handle; it crosses to
+  a peer over the fd broker (SCM_RIGHTS);
+- a peer calls :meth:`~SharedHostMemoryResource.from_allocation_handle` to
+  map the whole pool once (a *mapped* resource, which cannot allocate), then
+  :meth:`~SharedHostMemoryResource.import_buffer` with an offset and size for
+  each buffer: no copy, the peer reads the owner's pages.
+
+Works with no NVIDIA driver at all: buffers are host pointers handed to
+``Buffer.from_handle``. Like IPC-enabled CUDA pools, memory is never returned
+to the OS while the pool is open.
+
+Trust boundary: a mapped resource checks that every imported range lies
+inside the mapping, so a malformed descriptor cannot reach memory outside the
+peer's pool; it cannot check that the owner still considers the range live.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from cuda.core import Buffer, MemoryResource
+
+from dask_gpupool._arena import Arena
+from dask_gpupool._errors import PoolClosedError, ProtocolError
+
+__all__ = ["HostPoolAttributes", "SharedHostMemoryResource"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HostPoolAttributes:
+    """Statistics of a :class:`SharedHostMemoryResource`, named like cuda.core's.
+
+    Attributes
+    ----------
+    used_mem_current, used_mem_high : int
+        Bytes in live allocations, now and at most.
+    reserved_mem_current, reserved_mem_high : int
+        Bytes of the memfd ever handed out (touched pages are kept).
+    """
+
+    used_mem_current: int
+    used_mem_high: int
+    reserved_mem_current: int
+    reserved_mem_high: int
+
+
+class SharedHostMemoryResource(MemoryResource):
+    """A memfd-backed pool of host memory shareable with same-host processes.
+
+    Parameters
+    ----------
+    max_size : int
+        Size of the pool in bytes.
+
+    Notes
+    -----
+    Ownership: the resource owns its memfd and its mapping. ``close()`` closes
+    the fd at once and unmaps the memory when the last buffer of the pool is
+    freed (closing never pulls memory out from under a live buffer). Buffers
+    from :meth:`allocate` or :meth:`import_buffer` keep the resource alive.
+    """
+
+    _fd: int
+    _mmap: mmap.mmap | None
+    _base: int
+    _size: int
+    _arena: Arena | None
+    _uuid: uuid.UUID | None
+    _mapped: bool
+    _closed: bool
+    _imports: int
+    _lock: threading.Lock
+
+    def __init__(self, max_size: int) -> None:
+        if max_size <= 0:
+            raise ValueError(f"max_size must be positive, got {max_size}")
+        fd = os.memfd_create("dask-gpupool", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, max_size)
+            self._init_mapping(fd, max_size, mapped=False)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._arena = Arena(max_size)
+        self._uuid = uuid.uuid4()
+
+    def _init_mapping(self, fd: int, size: int, *, mapped: bool) -> None:
+        self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        view = ctypes.c_char.from_buffer(self._mmap)
+        self._base = ctypes.addressof(view)
+        del view  # release the export, or the mmap could never be closed
+        self._fd = fd
+        self._size = size
+        self._mapped = mapped
+        self._closed = False
+        self._imports = 0
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_allocation_handle(cls, alloc_handle: int) -> SharedHostMemoryResource:
+        """Map a peer's pool from its memfd.
+
+        Parameters
+        ----------
+        alloc_handle : int
+            The peer pool's file descriptor, as received from its broker. The
+            caller keeps ownership and closes it; the mapping does not need it.
+
+        Returns
+        -------
+        SharedHostMemoryResource
+            A mapped resource: it imports buffers and cannot allocate.
+        """
+        size = os.fstat(alloc_handle).st_size
+        if size <= 0:
+            raise ProtocolError(f"fd {alloc_handle} is not a shared memory pool (size {size})")
+        self = cls.__new__(cls)
+        self._init_mapping(os.dup(alloc_handle), size, mapped=True)
+        os.close(self._fd)  # the mapping stays valid; the dup is not needed
+        self._fd = -1
+        self._arena = None
+        self._uuid = None
+        return self
+
+    # -- the cuda.core MemoryResource interface --------------------------------
+
+    def allocate(self, size: int, *, stream: Any = None) -> Buffer:
+        """Carve a buffer of ``size`` bytes out of the pool (no stream needed).
+
+        Raises
+        ------
+        PoolClosedError
+            After :meth:`close`.
+        PoolExhaustedError
+            When the pool has no free range that large.
+        """
+        if self._closed:
+            raise PoolClosedError("host pool is closed")
+        if self._arena is None:
+            raise TypeError("a mapped host pool cannot allocate; import buffers instead")
+        offset = self._arena.allocate(size)
+        return Buffer.from_handle(self._base + offset, size, mr=self)
+
+    def deallocate(self, ptr: Any, size: int, *, stream: Any = None) -> None:
+        """Return a buffer's range to the pool (called by ``Buffer.close``)."""
+        offset = int(ptr) - self._base
+        with self._lock:
+            if self._arena is not None:
+                self._arena.free(offset)
+                last = self._arena.live == 0
+            else:
+                self._imports -= 1
+                last = self._imports == 0
+            if self._closed and last:
+                self._release()
+
+    @property
+    def is_device_accessible(self) -> bool:
+        return False
+
+    @property
+    def is_host_accessible(self) -> bool:
+        return True
+
+    @property
+    def device_id(self) -> int:
+        return -1
+
+    # -- pool interface shared with cuda.core's IPC pools ------------------------
+
+    @property
+    def allocation_handle(self) -> int:
+        """The memfd of this pool; owned by the resource, closed by :meth:`close`."""
+        if self._mapped:
+            raise TypeError("a mapped host pool has no allocation handle")
+        if self._closed:
+            raise PoolClosedError("host pool is closed")
+        return self._fd
+
+    @property
+    def uuid(self) -> uuid.UUID | None:
+        return self._uuid
+
+    @property
+    def is_mapped(self) -> bool:
+        return self._mapped
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
+
+    @property
+    def size(self) -> int:
+        """Bytes of the whole pool (its ``max_size``)."""
+        return self._size
+
+    @property
+    def attributes(self) -> HostPoolAttributes:
+        a = self._arena
+        if a is None:
+            return HostPoolAttributes(0, 0, 0, 0)
+        return HostPoolAttributes(a.used, a.used_high, a.extent, a.extent)
+
+    def offset_of(self, buf: Buffer) -> int:
+        """Offset of ``buf`` inside this pool."""
+        offset = int(buf.handle) - self._base
+        if not 0 <= offset <= self._size - buf.size:
+            raise ValueError(f"{buf!r} does not lie in this host pool")
+        return offset
+
+    def import_buffer(self, offset: int, size: int) -> Buffer:
+        """Map ``size`` bytes at ``offset`` of a peer's pool as a Buffer (no copy).
+
+        Raises
+        ------
+        ProtocolError
+            If the range does not lie inside the pool.
+        PoolClosedError
+            After :meth:`close`.
+        """
+        if not self._mapped:
+            raise TypeError("import_buffer needs a mapped pool (from_allocation_handle)")
+        if isinstance(offset, bool) or not isinstance(offset, int) or not isinstance(size, int):
+            raise ProtocolError("offset and size must be integers")
+        if offset < 0 or size < 0 or offset + size > self._size:
+            raise ProtocolError(f"range [{offset}, {offset}+{size}) lies outside the pool of {self._size} bytes")
+        with self._lock:
+            if self._closed:
+                raise PoolClosedError("mapped host pool is closed")
+            self._imports += 1
+        return Buffer.from_handle(self._base + offset, size, mr=self)
+
+    def memoryview(self, buf: Buffer) -> memoryview:
+        """A writable memoryview of ``buf``'s bytes (no copy); keep ``buf`` alive while using it."""
+        if self._mmap is None:
+            raise PoolClosedError("host pool memory is unmapped")
+        offset = int(buf.handle) - self._base
+        return memoryview(self._mmap)[offset : offset + buf.size]
+
+    def close(self) -> None:
+        """Close the pool: no new buffers; memory goes when the last buffer does. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            live = self._arena.live if self._arena is not None else self._imports
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+            if live == 0:
+                self._release()
+
+    def _release(self) -> None:
+        mm, self._mmap = self._mmap, None
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:  # a memoryview still exports it; unmapped when that goes
+                logger.debug("host pool %s: mapping still exported, left to the garbage collector", self._uuid)
+
+    def __repr__(self) -> str:
+        role = "mapped" if self._mapped else "owner"
+        return f"<SharedHostMemoryResource {role} uuid={self._uuid} size={self._size} closed={self._closed}>"

@@ -1,0 +1,283 @@
+"""The importer's side: peers' pools mapped into this process, once each.
+
+A peer's pool is mapped at most once per process and kept by a strong
+reference in :class:`MappedPools`, keyed by pool UUID. Both rules come from
+measurements (``shared/GPU.md``): importing the same CUDA pool twice returns
+the same driver pool but each wrapper destroys it on close, and cuda.core's
+own registry holds only weak references.
+
+Every CUDA import and every close of an imported object runs under
+:data:`IMPORT_LOCK`, one lock per process: with cuda-core 1.2.0 several
+threads importing at once can deadlock (NVIDIA/cuda-python#2840).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from dask_gpupool._errors import PeerAccessError, PoolClosedError, ProtocolError, UnknownPoolError
+from dask_gpupool._host_memory import SharedHostMemoryResource
+from dask_gpupool._messages import BufferDescriptor, PoolRecord
+from dask_gpupool._topology import LocalDevices
+
+if TYPE_CHECKING:
+    from cuda.core import Buffer
+
+__all__ = ["IMPORT_LOCK", "MappedPool", "MappedPools"]
+
+logger = logging.getLogger(__name__)
+
+#: Serializes every CUDA IPC import and every close of an imported object.
+IMPORT_LOCK = threading.RLock()
+
+
+def _grant_access(resource: Any, ordinal: int) -> None:
+    """Give GPU ``ordinal`` read-write access to an imported pool (cuMemPoolSetAccess)."""
+    from cuda.bindings import driver
+
+    desc = driver.CUmemAccessDesc()
+    desc.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    desc.location.id = ordinal
+    desc.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    (err,) = driver.cuMemPoolSetAccess(resource.handle, [desc], 1)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise PeerAccessError(f"cuMemPoolSetAccess for GPU {ordinal} failed: {err!r}")
+
+
+class MappedPool:
+    """A peer's pool mapped into this process; imports that peer's buffers.
+
+    Build with :meth:`open`. The mapped resource is owned by this object and
+    closed by :meth:`close`, which the cache calls after every buffer imported
+    from the pool has been released.
+
+    Attributes
+    ----------
+    record : PoolRecord
+        The registry row of the peer's pool.
+    resource : object
+        The mapped memory resource (cuda.core or shared host memory).
+    device : int or None
+        Ordinal of this process's GPU that imported buffers are used on.
+    """
+
+    record: PoolRecord
+    resource: Any
+    device: int | None
+    _closed: bool
+
+    def __init__(self, record: PoolRecord, resource: Any, device: int | None) -> None:
+        self.record = record
+        self.resource = resource
+        self.device = device
+        self._closed = False
+
+    @classmethod
+    def open(cls, record: PoolRecord, fd: int, devices: LocalDevices, own_device: int | None) -> MappedPool:
+        """Map the pool whose shareable handle is ``fd``.
+
+        Parameters
+        ----------
+        record : PoolRecord
+            The pool's registry row (kind, device UUID).
+        fd : int
+            The pool's handle as received from the owner's broker. Borrowed:
+            the caller closes it (cuda.core duplicates what it keeps).
+        devices : LocalDevices
+            The GPUs this process sees, to find the pool's GPU by UUID.
+        own_device : int or None
+            This process's GPU, which is granted access to the pool.
+
+        Raises
+        ------
+        PeerAccessError
+            If this process cannot reach the pool's memory.
+
+        Notes
+        -----
+        Call with :data:`IMPORT_LOCK` held.
+        """
+        if record.kind == "host":
+            return cls(record, SharedHostMemoryResource.from_allocation_handle(fd), own_device)
+        if own_device is None:
+            raise PeerAccessError(f"pool {record.pool} is a {record.kind} pool and this process has no GPU")
+        from cuda.core import Device
+
+        Device(own_device).set_current()
+        if record.kind == "pinned":
+            from cuda.core import PinnedMemoryResource
+
+            resource = PinnedMemoryResource.from_allocation_handle(fd)
+            try:
+                _grant_access(resource, own_device)
+            except BaseException:
+                resource.close()
+                raise
+            return cls(record, resource, own_device)
+
+        from cuda.core import DeviceMemoryResource
+
+        owner = devices.ordinal_of(record.device)
+        if owner is not None and owner != own_device and not Device(own_device).can_access_peer(owner):
+            raise PeerAccessError(
+                f"pool {record.pool} lives on GPU {record.device}, which GPU {devices.uuids[own_device]} "
+                "cannot access (no peer access)"
+            )
+        resource = DeviceMemoryResource.from_allocation_handle(owner if owner is not None else own_device, fd)
+        try:
+            if owner is None:
+                # The pool's GPU is not visible here: grant access to ours directly.
+                _grant_access(resource, own_device)
+            elif owner != own_device:
+                resource.peer_accessible_by = {own_device}
+        except BaseException:
+            resource.close()
+            raise
+        return cls(record, resource, own_device)
+
+    def import_buffer(self, desc: BufferDescriptor) -> Buffer:
+        """Map one of the peer's buffers (no copy). The caller owns the Buffer.
+
+        Raises
+        ------
+        ProtocolError
+            If the descriptor does not fit this pool's kind or size.
+        PoolClosedError
+            After :meth:`close`.
+        """
+        if self._closed:
+            raise PoolClosedError(f"mapping of pool {self.record.pool} is closed")
+        if desc.pool != self.record.pool:
+            raise ProtocolError(f"descriptor of pool {desc.pool} given to mapping of {self.record.pool}")
+        if desc.size > self.record.max_size:
+            raise ProtocolError(f"descriptor size {desc.size} exceeds pool {self.record.pool}'s max_size")
+        if self.record.kind == "host":
+            if desc.payload:
+                raise ProtocolError("host pool descriptors carry no payload")
+            return self.resource.import_buffer(desc.offset, desc.size)
+        if len(desc.payload) != BufferDescriptor.PAYLOAD_BYTES or desc.offset:
+            raise ProtocolError(f"{self.record.kind} pool descriptors carry a 64-byte payload and no offset")
+        from cuda.core import Buffer, Device
+
+        dev = Device(self.device)
+        dev.set_current()
+        ipc_desc = _ipc_descriptor(desc.payload, desc.size)
+        with IMPORT_LOCK:
+            return Buffer.from_ipc_descriptor(self.resource, ipc_desc, stream=dev.default_stream)
+
+    def release(self, buf: Buffer) -> None:
+        """Close a buffer imported from this pool, under the import lock."""
+        with IMPORT_LOCK:
+            buf.close()
+
+    def close(self) -> None:
+        """Close the mapped resource. Idempotent; call after imported buffers are released."""
+        if self._closed:
+            return
+        self._closed = True
+        with IMPORT_LOCK:
+            if self.device is not None:
+                from cuda.core import Device
+
+                Device(self.device).set_current()
+            self.resource.close()
+
+
+def _ipc_descriptor(payload: bytes, size: int) -> Any:
+    # cuda.core 1.2 does not export IPCBufferDescriptor; its pickle constructor
+    # is the supported way back from (payload, size).
+    from cuda.core._memory._ipc import IPCBufferDescriptor
+
+    return IPCBufferDescriptor._init(payload, size)
+
+
+class MappedPools:
+    """The cache of mapped peer pools of one process: at most one per UUID.
+
+    Parameters
+    ----------
+    devices : LocalDevices
+        The GPUs this process sees.
+    own_device : int or None
+        This process's GPU (granted access to mapped pools).
+    """
+
+    devices: LocalDevices
+    own_device: int | None
+    _pools: dict[str, MappedPool]
+    _closed: bool
+
+    def __init__(self, devices: LocalDevices, own_device: int | None) -> None:
+        self.devices = devices
+        self.own_device = own_device
+        self._pools = {}
+        self._closed = False
+
+    def get(self, pool: str) -> MappedPool | None:
+        """The mapping of ``pool`` if it is mapped already."""
+        return self._pools.get(pool)
+
+    def map(self, record: PoolRecord, fetch_fd: Callable[[], int]) -> MappedPool:
+        """Return the mapping of ``record``'s pool, mapping it on first use.
+
+        Parameters
+        ----------
+        record : PoolRecord
+            The pool to map.
+        fetch_fd : callable
+            Returns the pool's fd, owned by the caller of ``fetch_fd``; called
+            only when the pool is not mapped yet, outside the import lock
+            (it talks to the peer). This method closes the fd it receives.
+
+        Raises
+        ------
+        PoolClosedError
+            After :meth:`close_all`.
+        """
+        mapped = self._pools.get(record.pool)
+        if mapped is not None:
+            return mapped
+        if self._closed:
+            raise PoolClosedError("the mapped-pool cache is closed")
+        fd = fetch_fd()
+        try:
+            with IMPORT_LOCK:
+                mapped = self._pools.get(record.pool)
+                if mapped is None:
+                    mapped = MappedPool.open(record, fd, self.devices, self.own_device)
+                    self._pools[record.pool] = mapped
+                    logger.info(
+                        "pool %s: mapped %s pool of %s (pid %d)", record.pool, record.kind, record.worker, record.pid
+                    )
+        finally:
+            os.close(fd)
+        return mapped
+
+    def unmap(self, pool: str) -> None:
+        """Close and forget the mapping of ``pool`` (its imported buffers must be released)."""
+        with IMPORT_LOCK:
+            mapped = self._pools.pop(pool, None)
+        if mapped is None:
+            raise UnknownPoolError(f"pool {pool} is not mapped here")
+        mapped.close()
+
+    def __len__(self) -> int:
+        return len(self._pools)
+
+    def __contains__(self, pool: object) -> bool:
+        return pool in self._pools
+
+    def close_all(self) -> None:
+        """Close every mapping; later :meth:`map` calls fail. Idempotent."""
+        with IMPORT_LOCK:
+            self._closed = True
+            pools, self._pools = list(self._pools.values()), {}
+        for mapped in pools:
+            try:
+                mapped.close()
+            except Exception:
+                logger.exception("pool %s: closing its mapping failed", mapped.record.pool)

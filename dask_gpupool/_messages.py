@@ -1,0 +1,350 @@
+"""Typed messages that cross a process boundary.
+
+Everything dask_gpupool sends between processes is one of these frozen
+dataclasses, turned into a msgpack-safe ``dict`` by ``to_msg()`` and checked
+field by field by ``from_msg()``, which raises :class:`ProtocolError` on
+anything else. Nothing is ever pickled on the wire.
+
+Two channels carry them:
+
+- Dask's own comms (scheduler RPC and the worker's batched stream) carry
+  :class:`PoolRecord` and :class:`RegistryUpdate`.
+- The fd broker's Unix socket carries :class:`HandleRequest`,
+  :class:`HandleReply` and :class:`ErrorReply`, encoded by :func:`encode`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import msgpack
+
+from dask_gpupool import _errors
+from dask_gpupool._errors import ProtocolError
+
+__all__ = [
+    "MAX_MESSAGE_BYTES",
+    "BufferDescriptor",
+    "ErrorReply",
+    "HandleReply",
+    "HandleRequest",
+    "PoolRecord",
+    "RegistryUpdate",
+    "decode",
+    "encode",
+    "raise_for_error",
+]
+
+#: Largest broker message accepted; anything bigger is malformed.
+MAX_MESSAGE_BYTES = 64 * 1024
+
+def _field(msg: dict[str, Any], name: str, types: type | tuple[type, ...], what: str) -> Any:
+    try:
+        value = msg[name]
+    except KeyError:
+        raise ProtocolError(f"{what}: missing field {name!r}") from None
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise ProtocolError(f"{what}: field {name!r} has type bool")
+    if not isinstance(value, types):
+        raise ProtocolError(f"{what}: field {name!r} has type {type(value).__name__}")
+    return value
+
+
+def _uuid_str(value: str, what: str) -> str:
+    try:
+        return str(uuid.UUID(value))
+    except ValueError:
+        raise ProtocolError(f"{what}: {value!r} is not a UUID") from None
+
+
+def _mapping(msg: object, what: str) -> dict[str, Any]:
+    if not isinstance(msg, dict):
+        raise ProtocolError(f"{what}: expected a map, got {type(msg).__name__}")
+    return msg
+
+
+@dataclass(frozen=True)
+class PoolRecord:
+    """One row of the scheduler's registry: a worker's pool.
+
+    Attributes
+    ----------
+    pool : str
+        The pool's UUID (canonical text form); the registry key.
+    worker : str
+        Address of the worker that owns the pool.
+    pid : int
+        Process id of that worker.
+    host : str
+        Host identity (hostname + boot id, or the ``gpupool.host-id`` override).
+        Only workers with equal ``host`` map each other's pools.
+    hostname : str
+        Hostname, for people reading the registry.
+    kind : str
+        ``"device"``, ``"pinned"`` or ``"host"``.
+    device : str or None
+        UUID of the GPU the pool lives on (``device``) or whose context made it
+        (``pinned``); ``None`` for ``host`` pools.
+    max_size : int
+        Upper bound of the pool in bytes.
+    broker : str
+        Path of the owner's fd broker socket.
+    devices : tuple of str
+        UUIDs of every GPU the owner process can see.
+    """
+
+    pool: str
+    worker: str
+    pid: int
+    host: str
+    hostname: str
+    kind: str
+    device: str | None
+    max_size: int
+    broker: str
+    devices: tuple[str, ...] = ()
+
+    KINDS: ClassVar[tuple[str, ...]] = ("device", "pinned", "host")
+
+    def to_msg(self) -> dict[str, Any]:
+        return {
+            "pool": self.pool,
+            "worker": self.worker,
+            "pid": self.pid,
+            "host": self.host,
+            "hostname": self.hostname,
+            "kind": self.kind,
+            "device": self.device,
+            "max_size": self.max_size,
+            "broker": self.broker,
+            "devices": list(self.devices),
+        }
+
+    @classmethod
+    def from_msg(cls, msg: object) -> PoolRecord:
+        what = "pool record"
+        m = _mapping(msg, what)
+        kind = _field(m, "kind", str, what)
+        if kind not in cls.KINDS:
+            raise ProtocolError(f"{what}: unknown kind {kind!r}")
+        devices = _field(m, "devices", (list, tuple), what)
+        if not all(isinstance(d, str) for d in devices):
+            raise ProtocolError(f"{what}: 'devices' must be strings")
+        max_size = _field(m, "max_size", int, what)
+        pid = _field(m, "pid", int, what)
+        if max_size <= 0 or pid <= 0:
+            raise ProtocolError(f"{what}: 'max_size' and 'pid' must be positive")
+        return cls(
+            pool=_uuid_str(_field(m, "pool", str, what), what),
+            worker=_field(m, "worker", str, what),
+            pid=pid,
+            host=_field(m, "host", str, what),
+            hostname=_field(m, "hostname", str, what),
+            kind=kind,
+            device=_field(m, "device", (str, type(None)), what),
+            max_size=max_size,
+            broker=_field(m, "broker", str, what),
+            devices=tuple(devices),
+        )
+
+
+@dataclass(frozen=True)
+class BufferDescriptor:
+    """Where a buffer lives inside a peer's pool: enough for that peer to map it.
+
+    Attributes
+    ----------
+    pool : str
+        UUID of the exporting pool.
+    size : int
+        Bytes of the buffer.
+    payload : bytes
+        CUDA kinds: the 64-byte ``cuMemPoolExportPointer`` data. ``host``: empty.
+    offset : int
+        ``host``: byte offset inside the pool's memfd. CUDA kinds: 0.
+    """
+
+    pool: str
+    size: int
+    payload: bytes = b""
+    offset: int = 0
+
+    PAYLOAD_BYTES: ClassVar[int] = 64
+
+    def to_msg(self) -> dict[str, Any]:
+        return {"pool": self.pool, "size": self.size, "payload": self.payload, "offset": self.offset}
+
+    @classmethod
+    def from_msg(cls, msg: object) -> BufferDescriptor:
+        what = "buffer descriptor"
+        m = _mapping(msg, what)
+        payload = _field(m, "payload", bytes, what)
+        if len(payload) not in (0, cls.PAYLOAD_BYTES):
+            raise ProtocolError(f"{what}: payload of {len(payload)} bytes (expected 0 or {cls.PAYLOAD_BYTES})")
+        size = _field(m, "size", int, what)
+        offset = _field(m, "offset", int, what)
+        if size < 0 or offset < 0:
+            raise ProtocolError(f"{what}: negative size or offset")
+        return cls(pool=_uuid_str(_field(m, "pool", str, what), what), size=size, payload=payload, offset=offset)
+
+
+@dataclass(frozen=True)
+class RegistryUpdate:
+    """A change of the registry, or a whole snapshot of it.
+
+    Sent by the scheduler to every worker over its batched stream (op
+    ``gpupool-registry``) and returned by ``gpupool_register``.
+
+    Attributes
+    ----------
+    version : int
+        Registry version after this change; versions only grow.
+    added : tuple of PoolRecord
+        Rows added (or, in a snapshot, every row).
+    removed : tuple of str
+        Pool UUIDs removed.
+    snapshot : bool
+        ``True`` when ``added`` is the whole registry at ``version``.
+    """
+
+    version: int
+    added: tuple[PoolRecord, ...] = ()
+    removed: tuple[str, ...] = ()
+    snapshot: bool = False
+
+    def to_msg(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "added": [r.to_msg() for r in self.added],
+            "removed": list(self.removed),
+            "snapshot": self.snapshot,
+        }
+
+    @classmethod
+    def from_msg(cls, msg: object) -> RegistryUpdate:
+        what = "registry update"
+        m = _mapping(msg, what)
+        removed = _field(m, "removed", (list, tuple), what)
+        if not all(isinstance(r, str) for r in removed):
+            raise ProtocolError(f"{what}: 'removed' must be strings")
+        return cls(
+            version=_field(m, "version", int, what),
+            added=tuple(PoolRecord.from_msg(r) for r in _field(m, "added", (list, tuple), what)),
+            removed=tuple(_uuid_str(r, what) for r in removed),
+            snapshot=_field(m, "snapshot", bool, what),
+        )
+
+
+@dataclass(frozen=True)
+class HandleRequest:
+    """Broker request: send me the allocation handle (fd) of pool ``pool``."""
+
+    pool: str
+    op: ClassVar[str] = "pool-handle"
+
+    def to_msg(self) -> dict[str, Any]:
+        return {"op": self.op, "pool": self.pool}
+
+    @classmethod
+    def from_msg(cls, msg: object) -> HandleRequest:
+        what = "broker request"
+        m = _mapping(msg, what)
+        if m.get("op") != cls.op:
+            raise ProtocolError(f"{what}: unknown op {m.get('op')!r}")
+        return cls(pool=_uuid_str(_field(m, "pool", str, what), what))
+
+
+@dataclass(frozen=True)
+class HandleReply:
+    """Broker reply announcing that the next message carries the pool's fd.
+
+    The fd itself travels in a message of its own (one byte of payload, the
+    fd as SCM_RIGHTS ancillary data), right after this one.
+    """
+
+    pool: str
+    kind: str
+    size: int
+    op: ClassVar[str] = "pool-handle-ok"
+
+    def to_msg(self) -> dict[str, Any]:
+        return {"op": self.op, "pool": self.pool, "kind": self.kind, "size": self.size}
+
+    @classmethod
+    def from_msg(cls, msg: object) -> HandleReply:
+        what = "broker reply"
+        m = _mapping(msg, what)
+        if m.get("op") != cls.op:
+            raise ProtocolError(f"{what}: unexpected op {m.get('op')!r}")
+        return cls(
+            pool=_uuid_str(_field(m, "pool", str, what), what),
+            kind=_field(m, "kind", str, what),
+            size=_field(m, "size", int, what),
+        )
+
+
+@dataclass(frozen=True)
+class ErrorReply:
+    """Broker reply refusing a request.
+
+    Attributes
+    ----------
+    error : str
+        Name of a :class:`~dask_gpupool.GPUPoolError` subclass.
+    message : str
+        What went wrong, for people.
+    """
+
+    error: str
+    message: str
+    op: ClassVar[str] = "error"
+
+    def to_msg(self) -> dict[str, Any]:
+        return {"op": self.op, "error": self.error, "message": self.message}
+
+    @classmethod
+    def from_msg(cls, msg: object) -> ErrorReply:
+        what = "broker error reply"
+        m = _mapping(msg, what)
+        return cls(error=_field(m, "error", str, what), message=_field(m, "message", str, what))
+
+    @classmethod
+    def of(cls, exc: _errors.GPUPoolError) -> ErrorReply:
+        return cls(error=type(exc).__name__, message=str(exc))
+
+
+_REPLY_ERRORS: dict[str, type[_errors.GPUPoolError]] = {
+    name: getattr(_errors, name) for name in _errors.__all__ if name != "GPUPoolError"
+}
+
+
+def raise_for_error(msg: dict[str, Any], context: str) -> None:
+    """Raise the error an :class:`ErrorReply` carries; do nothing for other replies.
+
+    Unknown error names become :class:`BrokerRefusedError`, so a peer cannot
+    make us raise an arbitrary type.
+    """
+    if msg.get("op") != ErrorReply.op:
+        return
+    reply = ErrorReply.from_msg(msg)
+    exc_type = _REPLY_ERRORS.get(reply.error, _errors.BrokerRefusedError)
+    raise exc_type(f"{context}: {reply.message}")
+
+
+def encode(message: HandleRequest | HandleReply | ErrorReply) -> bytes:
+    """Serialize a broker message (msgpack)."""
+    return msgpack.packb(message.to_msg(), use_bin_type=True)
+
+
+def decode(data: bytes) -> dict[str, Any]:
+    """Parse one broker message into a map; :class:`ProtocolError` if it is not one."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        msg = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types
+        raise ProtocolError(f"undecodable message: {type(e).__name__}: {e}") from None
+    return _mapping(msg, "broker message")
+

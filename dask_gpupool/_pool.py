@@ -1,0 +1,255 @@
+"""A worker's own pool: one IPC-enabled memory resource of one of three kinds.
+
+=========  =====================================================  ==========================
+kind       memory resource                                        shared as
+=========  =====================================================  ==========================
+device     cuda.core ``DeviceMemoryResource(ipc_enabled=True)``   CUDA pool fd + 64-byte
+                                                                  pointer export per buffer
+pinned     cuda.core ``PinnedMemoryResource(ipc_enabled=True)``   same
+host       :class:`~dask_gpupool._host_memory.SharedHostMemoryResource`
+                                                                  memfd + offset per buffer
+=========  =====================================================  ==========================
+
+The :class:`Pool` owns its resource and the resource owns its allocation
+handle (the fd the broker hands to peers); :meth:`Pool.close` closes both.
+Peers' pools are mapped by :mod:`dask_gpupool._mapping`, never here.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from dask_gpupool._config import PoolOptions
+from dask_gpupool._errors import ConfigError, PoolClosedError, PoolExhaustedError
+from dask_gpupool._host_memory import SharedHostMemoryResource
+from dask_gpupool._messages import BufferDescriptor
+from dask_gpupool._topology import LocalDevices, device_memory, host_memory
+
+if TYPE_CHECKING:
+    from cuda.core import Buffer
+
+__all__ = ["Pool", "PoolStats", "ipc_payload"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """Byte counts of a pool, read from the pool's own attributes.
+
+    Attributes
+    ----------
+    used, used_high : int
+        Bytes in live allocations, now and at most.
+    reserved, reserved_high : int
+        Bytes of memory backing the pool, now and at most.
+    max_size : int
+        The pool's upper bound.
+    """
+
+    used: int
+    used_high: int
+    reserved: int
+    reserved_high: int
+    max_size: int
+
+    def to_msg(self) -> dict[str, int]:
+        return {
+            "used": self.used,
+            "used_high": self.used_high,
+            "reserved": self.reserved,
+            "reserved_high": self.reserved_high,
+            "max_size": self.max_size,
+        }
+
+
+def ipc_payload(buf: Buffer) -> bytes:
+    """The 64 bytes of ``cuMemPoolExportPointer`` data that identify ``buf`` in its pool.
+
+    cuda.core exposes them only through the descriptor's pickle protocol
+    (``__reduce__`` returns ``(constructor, (payload, size))``); this is the
+    one place that relies on it.
+    """
+    _, (payload, _size) = buf.ipc_descriptor.__reduce__()
+    return bytes(payload)
+
+
+class Pool:
+    """The IPC-enabled pool a worker allocates from and shares.
+
+    Build with :meth:`create`. Allocation is thread-safe (task threads call
+    :meth:`allocate`); :meth:`close` runs once, on teardown.
+
+    Attributes
+    ----------
+    kind : str
+        ``"device"``, ``"pinned"`` or ``"host"``.
+    uuid : str
+        The pool's UUID: its key in the scheduler's registry.
+    max_size : int
+        Upper bound in bytes.
+    device : int or None
+        Ordinal (in this process) of the GPU that holds or made the pool.
+    device_uuid : str or None
+        UUID of that GPU.
+    resource : cuda.core.MemoryResource
+        The memory resource; owned by the pool.
+    """
+
+    kind: str
+    uuid: str
+    max_size: int
+    device: int | None
+    device_uuid: str | None
+    resource: Any
+    _closed: bool
+    _lock: threading.Lock
+
+    def __init__(self, kind: str, resource: Any, max_size: int, device: int | None, device_uuid: str | None):
+        self.kind = kind
+        self.resource = resource
+        self.max_size = max_size
+        self.device = device
+        self.device_uuid = device_uuid
+        self.allocation_handle()  # exporting the handle is what gives a CUDA pool its UUID
+        self.uuid = str(resource.uuid)
+        self._closed = False
+        self._lock = threading.Lock()
+
+    @classmethod
+    def create(cls, options: PoolOptions, devices: LocalDevices) -> Pool:
+        """Make the pool ``options`` describe, on this process's devices.
+
+        Raises
+        ------
+        ConfigError
+            For a kind this host cannot provide, a device it does not see, or a
+            ``max_size`` larger than the memory behind the pool.
+        """
+        kind = options.kind
+        if kind == "auto":
+            kind = "device" if devices else "host"
+        if kind == "host":
+            size = options.max_size.resolve(host_memory(), "host memory")
+            return cls("host", SharedHostMemoryResource(size), size, None, None)
+        if not devices:
+            raise ConfigError(
+                f"gpupool.kind={kind!r} needs a CUDA device and this process sees none; "
+                "valid here: 'host' (or 'auto')"
+            )
+        ordinal = devices.resolve(options.device)
+        from cuda.core import Device
+
+        dev = Device(ordinal)
+        dev.set_current()
+        if kind == "device":
+            if not dev.properties.memory_pools_supported:
+                raise ConfigError(f"gpupool.kind='device': GPU {ordinal} does not support memory pools")
+            size = options.max_size.resolve(device_memory(ordinal), f"GPU {ordinal} ({devices.uuids[ordinal]})")
+            from cuda.core import DeviceMemoryResource, DeviceMemoryResourceOptions
+
+            resource = DeviceMemoryResource(dev, DeviceMemoryResourceOptions(ipc_enabled=True, max_size=size))
+        else:
+            if not dev.properties.host_numa_memory_pools_supported:
+                raise ConfigError(
+                    f"gpupool.kind='pinned': GPU {ordinal} does not support IPC host memory pools; "
+                    "valid here: 'device' or 'host'"
+                )
+            size = options.max_size.resolve(host_memory(), "host memory")
+            from cuda.core import PinnedMemoryResource, PinnedMemoryResourceOptions
+
+            resource = PinnedMemoryResource(PinnedMemoryResourceOptions(ipc_enabled=True, max_size=size))
+        try:
+            return cls(kind, resource, size, ordinal, devices.uuids[ordinal])
+        except BaseException:
+            resource.close()
+            raise
+
+    def allocation_handle(self) -> int:
+        """The pool's shareable fd. Owned by the pool: callers must not close it."""
+        if getattr(self, "_closed", False):
+            raise PoolClosedError(f"pool {self.uuid} is closed")
+        return int(self.resource.allocation_handle)
+
+    def allocate(self, nbytes: int, stream: Any = None) -> Buffer:
+        """A buffer of ``nbytes`` from this pool, owned by the caller.
+
+        CUDA kinds allocate stream-ordered on ``stream``, by default the
+        device's default stream (which orders the memory with all blocking
+        streams, CuPy's included). The buffer goes back to the pool when it is
+        closed or garbage-collected.
+
+        Raises
+        ------
+        PoolExhaustedError
+            When the pool cannot hold ``nbytes`` more.
+        PoolClosedError
+            After :meth:`close`.
+        """
+        if self._closed:
+            raise PoolClosedError(f"pool {self.uuid} is closed")
+        if self.kind == "host":
+            return self.resource.allocate(nbytes)
+        from cuda.core import Device
+
+        dev = Device(self.device)
+        dev.set_current()
+        try:
+            return self.resource.allocate(nbytes, stream=stream if stream is not None else dev.default_stream)
+        except Exception as e:
+            if "OUT_OF_MEMORY" in str(e):
+                stats = self.stats()
+                raise PoolExhaustedError(
+                    f"pool {self.uuid} ({self.kind}) cannot allocate {nbytes} bytes: "
+                    f"{stats.used} of {self.max_size} bytes in use"
+                ) from e
+            raise
+
+    def owns(self, buf: Buffer) -> bool:
+        """Whether ``buf`` was allocated from this pool."""
+        return buf.memory_resource is self.resource
+
+    def export(self, buf: Buffer) -> BufferDescriptor:
+        """Describe ``buf`` so that a peer that mapped this pool can map it.
+
+        The descriptor does not keep ``buf`` alive: the caller must (leases do).
+        """
+        if not self.owns(buf):
+            raise ValueError(f"{buf!r} does not belong to pool {self.uuid}")
+        if self.kind == "host":
+            return BufferDescriptor(self.uuid, buf.size, b"", self.resource.offset_of(buf))
+        return BufferDescriptor(self.uuid, buf.size, ipc_payload(buf), 0)
+
+    def stats(self) -> PoolStats:
+        """Used and reserved bytes, now and at most, from the pool's attributes."""
+        a = self.resource.attributes
+        return PoolStats(
+            int(a.used_mem_current),
+            int(a.used_mem_high),
+            int(a.reserved_mem_current),
+            int(a.reserved_mem_high),
+            self.max_size,
+        )
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Close the resource (and with it the shareable fd). Idempotent.
+
+        Buffers still alive keep their memory until they are freed (cuda.core
+        defers destroying the pool; the host pool defers unmapping).
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        logger.debug("pool %s (%s): closing", self.uuid, self.kind)
+        self.resource.close()
+
+    def __repr__(self) -> str:
+        return f"<Pool {self.kind} {self.uuid} max_size={self.max_size} device={self.device_uuid}>"

@@ -1,0 +1,166 @@
+"""The scheduler plugin: the pool registry, and the installer of the worker twin.
+
+``client.register_plugin(GPUPool(...))`` (or ``--preload dask_gpupool``) is
+all a user does: :meth:`GPUPool.start` adds the ``gpupool_*`` handlers and
+registers :class:`~dask_gpupool._worker_plugin.GPUPoolWorkerPlugin` on every
+worker, present and future. Workers register their pools through
+``gpupool_register``; rows leave with their worker (``remove_worker``) and
+every change is pushed to all workers over their batched streams.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from distributed import SchedulerPlugin
+from distributed.protocol import Serialized, deserialize
+from distributed.protocol.pickle import dumps, loads
+
+from dask_gpupool._config import PoolOptions
+from dask_gpupool._errors import GPUPoolError
+from dask_gpupool._messages import PoolRecord, RegistryUpdate
+from dask_gpupool._registry import PoolRegistry
+from dask_gpupool._worker_plugin import PLUGIN_NAME, STREAM_OP, GPUPoolWorkerPlugin
+
+if TYPE_CHECKING:
+    from distributed import Scheduler
+
+__all__ = ["GPUPool"]
+
+logger = logging.getLogger(__name__)
+
+
+class GPUPool(SchedulerPlugin):
+    """Give every worker an IPC-enabled memory pool shared with same-host peers.
+
+    Register it once; it installs its worker twin on every worker::
+
+        client.register_plugin(dask_gpupool.GPUPool())
+
+    Parameters
+    ----------
+    kind : {"auto", "device", "pinned", "host"}, optional
+        Pool kind (``gpupool.kind``).
+    device : int or str, optional
+        The worker's GPU: ordinal or UUID (``gpupool.device``).
+    max_size : int, float or str, optional
+        Pool bound: bytes, "8 GiB", "50%" or 0.5 (``gpupool.max-size``).
+    host_id : str, optional
+        Host identity override (``gpupool.host-id``).
+    broker_dir : str, optional
+        Parent of each broker's private directory (``gpupool.broker-dir``).
+    broker_timeout : str or float, optional
+        Broker timeout (``gpupool.broker-timeout``).
+
+    Options left out are read by each worker from its own dask config. Values
+    are checked here, so a typo fails at once with :class:`ConfigError`.
+
+    Attributes
+    ----------
+    registry : PoolRegistry
+        The registry (on the scheduler, once started).
+    """
+
+    name = PLUGIN_NAME
+    overrides: dict[str, Any]
+    registry: PoolRegistry
+    _scheduler: Scheduler | None
+
+    def __init__(
+        self,
+        kind: str | None = None,
+        device: int | str | None = None,
+        max_size: int | float | str | None = None,
+        host_id: str | None = None,
+        broker_dir: str | None = None,
+        broker_timeout: str | float | None = None,
+    ) -> None:
+        self.overrides = {
+            k: v
+            for k, v in dict(
+                kind=kind,
+                device=device,
+                max_size=max_size,
+                host_id=host_id,
+                broker_dir=broker_dir,
+                broker_timeout=broker_timeout,
+            ).items()
+            if v is not None
+        }
+        PoolOptions.from_config(**self.overrides)  # fail early on bad values
+        self.registry = PoolRegistry()
+        self._scheduler = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"overrides": self.overrides}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.overrides = state["overrides"]
+        self.registry = PoolRegistry()
+        self._scheduler = None
+
+    @property
+    def _handlers(self) -> dict[str, Any]:
+        return {
+            "gpupool_register": self.handle_register,
+            "gpupool_unregister": self.handle_unregister,
+            "gpupool_pools": self.handle_pools,
+        }
+
+    async def start(self, scheduler: Scheduler) -> None:
+        self._scheduler = scheduler
+        scheduler.handlers.update(self._handlers)
+        worker_plugin = dumps(GPUPoolWorkerPlugin(self.overrides))
+        responses = await scheduler.register_worker_plugin(None, worker_plugin, PLUGIN_NAME, idempotent=False)
+        failed = {w: r for w, r in responses.items() if r.get("status") == "error"}
+        if failed:
+            await scheduler.unregister_worker_plugin(None, PLUGIN_NAME)
+            self._remove_handlers()
+            worker, response = next(iter(failed.items()))
+            logger.error("gpupool: setup failed on %d worker(s), e.g. %s", len(failed), worker)
+            exc = response.get("exception")
+            if isinstance(exc, Serialized):  # replies to a broadcast arrive undeserialized
+                exc = deserialize(exc.header, exc.frames)
+            if isinstance(exc, bytes):  # ... and Dask pickles the exception inside (its own error transport)
+                exc = loads(exc)
+            if isinstance(exc, BaseException):
+                raise exc
+            raise GPUPoolError(f"gpupool setup failed on {worker}: {response.get('exception_text')}")
+        logger.info("gpupool: registry started, worker plugin installed on %d worker(s)", len(responses))
+
+    async def close(self) -> None:
+        self._remove_handlers()
+
+    def _remove_handlers(self) -> None:
+        if self._scheduler is not None:
+            for op, handler in self._handlers.items():
+                if self._scheduler.handlers.get(op) == handler:
+                    del self._scheduler.handlers[op]
+
+    def remove_worker(self, scheduler: Scheduler, worker: str, *, stimulus_id: str, **kwargs: Any) -> None:
+        self._broadcast(self.registry.remove_worker(worker))
+
+    # -- handlers (scheduler's event loop) ------------------------------------------
+
+    def handle_register(self, record: dict[str, Any]) -> dict[str, Any]:
+        """Add a worker's pool; answer with the whole registry (a snapshot)."""
+        row = PoolRecord.from_msg(record)
+        update = self.registry.add(row)
+        logger.info("pool %s: registered (%s pool of %s on %s)", row.pool, row.kind, row.worker, row.hostname)
+        self._broadcast(update, exclude=row.worker)
+        return self.registry.snapshot().to_msg()
+
+    def handle_unregister(self, pool: str) -> None:
+        self._broadcast(self.registry.remove([pool]))
+
+    def handle_pools(self) -> list[dict[str, Any]]:
+        return [r.to_msg() for r in self.registry.records()]
+
+    def _broadcast(self, update: RegistryUpdate | None, exclude: str | None = None) -> None:
+        if update is None or self._scheduler is None:
+            return
+        msg = {"op": STREAM_OP, **update.to_msg()}
+        # Only workers with a registered pool run the worker plugin and listen.
+        workers = {r.worker for r in self.registry.records()} - {exclude}
+        self._scheduler.send_all({}, {w: [msg] for w in workers if w in self._scheduler.workers})

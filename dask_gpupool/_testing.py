@@ -1,0 +1,128 @@
+"""Helpers that tests, the demo and the GPU check run inside worker processes.
+
+Kept in the package (like ``distributed.utils_test``) so that spawned Nanny
+workers can import them by name. Nothing here is used by the library itself.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from typing import TYPE_CHECKING, Any
+
+from dask_gpupool._api import current_service
+from dask_gpupool._messages import BufferDescriptor
+from dask_gpupool._worker_plugin import service_of
+
+if TYPE_CHECKING:
+    from cuda.core import Buffer
+    from distributed import Worker
+
+_held: dict[str, Buffer] = {}
+_held_lock = threading.Lock()
+
+
+def write_bytes(buf: Buffer, data: bytes) -> None:
+    """Write ``data`` at the start of ``buf`` (host or device memory); synchronous."""
+    if buf.is_host_accessible:
+        ctypes.memmove(int(buf.handle), data, len(data))
+        return
+    from cuda.bindings import driver
+    from cuda.core import Device
+
+    Device().set_current()
+    (err,) = driver.cuMemcpyHtoD(int(buf.handle), data, len(data))
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuMemcpyHtoD failed: {err!r}")
+
+
+def read_bytes(buf: Buffer, nbytes: int | None = None) -> bytes:
+    """Copy the first ``nbytes`` of ``buf`` (host or device memory) into ``bytes``."""
+    n = buf.size if nbytes is None else nbytes
+    if buf.is_host_accessible:
+        return ctypes.string_at(int(buf.handle), n)
+    from cuda.bindings import driver
+    from cuda.core import Device
+
+    Device().set_current()
+    out = ctypes.create_string_buffer(n)
+    (err,) = driver.cuMemcpyDtoH(out, int(buf.handle), n)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuMemcpyDtoH failed: {err!r}")
+    return out.raw
+
+
+def hold(key: str, nbytes: int, data: bytes) -> dict[str, Any]:
+    """Task: allocate from this worker's pool, write ``data``, keep the buffer; return its descriptor."""
+    service = current_service()
+    buf = service.allocate(nbytes)
+    write_bytes(buf, data)
+    with _held_lock:
+        _held[key] = buf
+    return service.export(buf).to_msg()
+
+
+def release(key: str) -> None:
+    """Task: free a buffer made by :func:`hold`."""
+    with _held_lock:
+        buf = _held.pop(key)
+    buf.close()
+
+
+def read_peer(desc: dict[str, Any], nbytes: int) -> bytes:
+    """Task: map the buffer a peer described (mapping its pool once), read it, release it."""
+    service = current_service()
+    d = BufferDescriptor.from_msg(desc)
+    buf = service.import_buffer(d)
+    try:
+        return read_bytes(buf, nbytes)
+    finally:
+        service.map_peer(d.pool).release(buf)
+
+
+def map_peer(pool: str) -> str:
+    """Task: map a peer's pool; return the mapped resource's repr."""
+    return repr(current_service().map_peer(pool).resource)
+
+
+def open_fds() -> list[str]:
+    """What every fd of this process points at."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    return sorted(out)
+
+
+def resources(dask_worker: Worker) -> dict[str, Any]:
+    """client.run target: what this worker holds, to check that nothing leaked."""
+    service = service_of(dask_worker)
+    fds = open_fds()
+    return {
+        "fds": len(fds),
+        "sockets": sum(f.startswith("socket:") for f in fds),
+        "memfds": sum(f.startswith("/memfd:dask-gpupool") for f in fds),
+        "broker_connections": service.broker.connections,
+        "mapped_pools": len(service.mapped),
+        "used": service.stats().used,
+        "held": len(_held),
+    }
+
+
+def unmap(pool: str) -> None:
+    """Task: close this worker's mapping of a peer's pool."""
+    current_service().mapped.unmap(pool)
+
+
+def known_pools(dask_worker: Worker) -> list[str]:
+    """client.run target: the pools in this worker's copy of the registry."""
+    return sorted(r.pool for r in service_of(dask_worker).registry.records())
+
+
+def visible_devices() -> tuple[str, ...]:
+    from dask_gpupool._topology import local_devices
+
+    return local_devices().uuids

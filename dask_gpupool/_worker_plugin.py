@@ -1,0 +1,113 @@
+"""The worker plugin: a thin adapter that gives a worker its :class:`PoolService`.
+
+Installed by the scheduler plugin (:class:`~dask_gpupool.GPUPool`) on every
+worker, present and future. On setup it makes the pool and broker, registers
+the pool with the scheduler, takes the registry snapshot from the reply and
+subscribes to registry updates (stream op ``gpupool-registry``). Teardown
+undoes all of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Any
+
+from distributed import WorkerPlugin
+from distributed.core import Status
+
+from dask_gpupool._config import PoolOptions
+from dask_gpupool._errors import PoolUnavailableError
+from dask_gpupool._messages import RegistryUpdate
+from dask_gpupool._service import PoolService
+
+if TYPE_CHECKING:
+    from distributed import Worker
+
+__all__ = ["PLUGIN_NAME", "GPUPoolWorkerPlugin", "service_of"]
+
+logger = logging.getLogger(__name__)
+
+PLUGIN_NAME = "gpupool"
+STREAM_OP = "gpupool-registry"
+
+
+class GPUPoolWorkerPlugin(WorkerPlugin):
+    """Worker twin of :class:`~dask_gpupool.GPUPool`; not meant to be registered by hand.
+
+    Parameters
+    ----------
+    overrides : dict
+        Options given to ``GPUPool(...)``; every option left out is read from
+        the worker's own ``dask.config`` at setup.
+    """
+
+    name = PLUGIN_NAME
+    overrides: dict[str, Any]
+    service: PoolService | None
+
+    def __init__(self, overrides: dict[str, Any] | None = None) -> None:
+        self.overrides = dict(overrides or {})
+        self.service = None
+
+    async def setup(self, worker: Worker) -> None:
+        options = PoolOptions.from_config(**self.overrides)
+        service = PoolService.start(options, worker.address)
+        try:
+            worker.stream_handlers[STREAM_OP] = self._on_registry_update
+            snapshot = await worker.scheduler.gpupool_register(record=service.record.to_msg())
+            if snapshot is None:  # Dask answers an unknown handler with None
+                raise PoolUnavailableError(
+                    f"pool {service.pool.uuid}: the scheduler has no gpupool registry; "
+                    "register dask_gpupool.GPUPool() or preload dask_gpupool on the scheduler"
+                )
+            service.registry.apply(RegistryUpdate.from_msg(snapshot))
+        except BaseException:
+            worker.stream_handlers.pop(STREAM_OP, None)
+            service.close()
+            raise
+        self.service = service
+
+    def _on_registry_update(self, **msg: Any) -> None:
+        if self.service is not None:
+            self.service.registry.apply(RegistryUpdate.from_msg(msg))
+
+    async def teardown(self, worker: Worker) -> None:
+        if worker.stream_handlers.get(STREAM_OP) == self._on_registry_update:
+            # Not deleted: an update already in flight would hit an unknown op, and an
+            # unknown op ends the worker's whole scheduler stream. Late updates are dropped.
+            worker.stream_handlers[STREAM_OP] = _drop_update
+        service, self.service = self.service, None
+        if service is None:
+            return
+        if worker.status == Status.running:
+            # The plugin goes while the worker stays: take the row out now. A closing
+            # worker needs no call; the scheduler drops its rows when it leaves.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(
+                    worker.scheduler.gpupool_unregister(pool=service.pool.uuid), service.options.broker_timeout
+                )
+        service.close()
+
+
+def _drop_update(**msg: Any) -> None:
+    pass
+
+
+def service_of(worker: Worker) -> PoolService:
+    """The :class:`PoolService` of ``worker``.
+
+    Raises
+    ------
+    PoolUnavailableError
+        If the worker does not run the gpupool plugin.
+    """
+    plugin = worker.plugins.get(PLUGIN_NAME)
+    service = getattr(plugin, "service", None)
+    if service is None:
+        raise PoolUnavailableError(
+            f"worker {worker.address} has no gpupool pool; register dask_gpupool.GPUPool() "
+            "or start the scheduler with --preload dask_gpupool"
+        )
+    return service

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (device tool): the whole test suite (gpu-marked tests included) and the
+# pool benchmark, full logs under $OUT, a short table last. Same script every session:
+#   carry: [".whl"]   command: bash scripts/gpu-check.sh
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu-check-out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+{ nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv;
+  python3 -c "import cuda.core, cuda.bindings, dask, distributed; print('cuda.core', cuda.core.__version__, 'cuda.bindings', cuda.bindings.__version__, 'dask', dask.__version__)"; } > "$OUT/machine.txt" 2>&1
+cat "$OUT/machine.txt"
+timeout 420 python3 -m pytest tests -p no:cacheprovider -o addopts="" -rA --timeout 180 > "$OUT/pytest.log" 2>&1
+echo "pytest exit: $?"
+timeout 150 python3 benchmarks/pool_mapping.py > "$OUT/bench.log" 2>&1
+echo "bench exit: $?"
+echo "== failures/errors"; grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20
+echo "== gpu tests"; grep -E "^(PASSED|FAILED|SKIPPED|ERROR).*test_gpu" "$OUT/pytest.log"
+echo "== summary"; tail -n 1 "$OUT/pytest.log"
+tail -n 6 "$OUT/bench.log"

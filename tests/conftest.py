@@ -1,0 +1,65 @@
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from dask_gpupool._topology import local_devices
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if local_devices():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (none visible)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@contextlib.contextmanager
+def nanny_cluster(
+    workers: list[dict[str, Any]], plugin: Any = None, **scheduler_options: Any
+) -> Iterator[Any]:
+    """A SpecCluster of real ``Nanny`` workers (one thread each) and a Client.
+
+    Each entry of ``workers`` holds extra ``Nanny`` options, e.g.
+    ``{"env": {"CUDA_VISIBLE_DEVICES": "1,0"}, "config": {"gpupool": {"host-id": "a"}}}``.
+    Yields the client; with ``plugin`` given it is registered first.
+    """
+    from distributed import Client, Nanny, Scheduler, SpecCluster
+
+    specs = {
+        f"w{i}": {"cls": Nanny, "options": {"nthreads": 1, "dashboard_address": None, **options}}
+        for i, options in enumerate(workers)
+    }
+    scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0", **scheduler_options}}
+    with SpecCluster(workers=specs, scheduler=scheduler, asynchronous=False) as cluster:
+        with Client(cluster) as client:
+            client.wait_for_workers(len(workers))
+            if plugin is not None:
+                client.register_plugin(plugin)
+            yield client
+
+
+def worker_addresses(client: Any) -> list[str]:
+    """Worker addresses ordered by worker name (w0, w1, ...)."""
+    workers = client.scheduler_info()["workers"]
+    return [a for a, _ in sorted(workers.items(), key=lambda kv: str(kv[1]["name"]))]
+
+
+def fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.fixture
+def no_fd_leak() -> Iterator[None]:
+    """Fails the test if it leaves more fds open in this process than it found."""
+    import gc
+
+    before = fd_count()
+    yield
+    gc.collect()
+    assert fd_count() <= before, "the test leaked file descriptors in the test process"

