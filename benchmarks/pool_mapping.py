@@ -94,9 +94,15 @@ def main() -> None:
         os.makedirs(d, exist_ok=True)
         with open(os.path.join(d, f"pool_mapping-{stamp}.json"), "w") as f:
             json.dump(out, f, indent=1)
-    print(f"\n{'placement':10} {'kind':7} {'map pool':>10} " + " ".join(f"{'import ' + _h(n):>16}" for n in (4096, MiB, 64 * MiB, 1024 * MiB)))
+    print(
+        f"\n{'placement':10} {'kind':7} {'map pool':>10} "
+        + " ".join(f"{'import ' + _h(n):>16}" for n in (4096, MiB, 64 * MiB, 1024 * MiB))
+    )
     for r in runs:
-        cells = [f"{r['import_s'][n] * 1e6:>13.1f} us" if n in r["import_s"] else f"{'-':>16}" for n in (4096, MiB, 64 * MiB, 1024 * MiB)]
+        cells = [
+            f"{r['import_s'][n] * 1e6:>13.1f} us" if n in r["import_s"] else f"{'-':>16}"
+            for n in (4096, MiB, 64 * MiB, 1024 * MiB)
+        ]
         print(f"{r['placement']:10} {r['kind']:7} {r['map_pool_s'] * 1e3:>7.2f} ms " + " ".join(cells))
 
 

@@ -70,6 +70,7 @@ def pools(client: Client) -> list[PoolRecord]:
     PoolUnavailableError
         If the scheduler has no gpupool plugin.
     """
+    assert client.scheduler is not None, "the client is not connected"
     rows = client.sync(client.scheduler.gpupool_pools)
     if rows is None:  # Dask answers an unknown handler with None (and logs it)
         raise PoolUnavailableError("the scheduler has no gpupool registry; register dask_gpupool.GPUPool() first")

@@ -173,9 +173,7 @@ def _parse_device(value: object) -> int | str:
     if isinstance(value, str) and value.strip():
         text = value.strip()
         return int(text) if text.isdigit() else text
-    raise ConfigError(
-        f"gpupool.device={value!r} is not a device; valid: an ordinal >= 0 or a device UUID ('GPU-...')"
-    )
+    raise ConfigError(f"gpupool.device={value!r} is not a device; valid: an ordinal >= 0 or a device UUID ('GPU-...')")
 
 
 def _parse_optional_str(value: object, key: str) -> str | None:
@@ -185,10 +183,12 @@ def _parse_optional_str(value: object, key: str) -> str | None:
 
 
 def _parse_timeout(value: object) -> float:
-    try:
-        seconds = parse_timedelta(value, default="s")  # type: ignore[arg-type]
-    except (ValueError, TypeError, KeyError):
-        seconds = None
+    seconds: float | None = None
+    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        try:
+            seconds = parse_timedelta(value, default="s")
+        except (ValueError, TypeError, KeyError):
+            seconds = None
     if seconds is None or seconds <= 0:
         raise ConfigError(
             f"gpupool.broker-timeout={value!r} is not a positive duration; valid: '10s', '500ms' or seconds"

@@ -40,6 +40,7 @@ __all__ = [
 #: Largest broker message accepted; anything bigger is malformed.
 MAX_MESSAGE_BYTES = 64 * 1024
 
+
 def _field(msg: dict[str, Any], name: str, types: type | tuple[type, ...], what: str) -> Any:
     try:
         value = msg[name]
@@ -347,4 +348,3 @@ def decode(data: bytes) -> dict[str, Any]:
     except Exception as e:  # msgpack raises several unrelated types
         raise ProtocolError(f"undecodable message: {type(e).__name__}: {e}") from None
     return _mapping(msg, "broker message")
-

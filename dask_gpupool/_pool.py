@@ -137,8 +137,7 @@ class Pool:
             return cls("host", SharedHostMemoryResource(size), size, None, None)
         if not devices:
             raise ConfigError(
-                f"gpupool.kind={kind!r} needs a CUDA device and this process sees none; "
-                "valid here: 'host' (or 'auto')"
+                f"gpupool.kind={kind!r} needs a CUDA device and this process sees none; valid here: 'host' (or 'auto')"
             )
         ordinal = devices.resolve(options.device)
         from cuda.core import Device

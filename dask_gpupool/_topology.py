@@ -42,6 +42,11 @@ def host_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def _canonical(device_uuid: str) -> str:
+    """``GPU-<uuid>``, the form nvidia-smi prints and CUDA_VISIBLE_DEVICES accepts."""
+    return "GPU-" + _normalize(device_uuid)
+
+
 def _normalize(device_uuid: str) -> str:
     text = device_uuid.strip().lower()
     return text[4:] if text.startswith("gpu-") else text
@@ -54,7 +59,7 @@ class LocalDevices:
     Attributes
     ----------
     uuids : tuple of str
-        ``uuids[i]`` is the UUID of ordinal ``i`` in this process.
+        ``uuids[i]`` is the UUID of ordinal ``i`` in this process, as ``"GPU-..."``.
     """
 
     uuids: tuple[str, ...] = ()
@@ -113,7 +118,7 @@ def local_devices() -> LocalDevices:
             return LocalDevices()
         from cuda.core import Device
 
-        return LocalDevices(tuple(str(Device(i).uuid) for i in range(count)))
+        return LocalDevices(tuple(_canonical(str(Device(i).uuid)) for i in range(count)))
     except (ImportError, RuntimeError, OSError):
         # No driver library (cuda.pathfinder raises a RuntimeError subclass).
         return LocalDevices()

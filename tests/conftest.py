@@ -20,9 +20,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @contextlib.contextmanager
-def nanny_cluster(
-    workers: list[dict[str, Any]], plugin: Any = None, **scheduler_options: Any
-) -> Iterator[Any]:
+def nanny_cluster(workers: list[dict[str, Any]], plugin: Any = None, **scheduler_options: Any) -> Iterator[Any]:
     """A SpecCluster of real ``Nanny`` workers (one thread each) and a Client.
 
     Each entry of ``workers`` holds extra ``Nanny`` options, e.g.
@@ -59,6 +57,8 @@ def no_fd_leak() -> Iterator[None]:
     """Fails the test if it leaves more fds open in this process than it found."""
     import gc
 
+    local_devices()  # the driver's own fds, opened once per process, are not the test's
+    gc.collect()
     before = fd_count()
     yield
     gc.collect()

@@ -68,7 +68,7 @@ def test_malformed_request_closes_only_that_connection(broker, payload):
     s.sendall(payload)
     assert s.recv(100) == b""  # closed without an answer
     s.close()
-    reply, fd = request_pool_fd(broker.address, POOL, 5)  # still serving
+    _reply, fd = request_pool_fd(broker.address, POOL, 5)  # still serving
     os.close(fd)
     assert broker.refused == 1
 
@@ -104,7 +104,7 @@ def test_foreign_uid_is_refused_even_if_the_directory_is_opened(memfd):
             os.setgid(65534)
             os.setuid(65534)
             try:
-                reply, fd = request_pool_fd(broker.address, POOL, 5)
+                _reply, _fd = request_pool_fd(broker.address, POOL, 5)
                 outcome = b"GOT-FD"
             except PeerLostError:
                 outcome = b"refused"

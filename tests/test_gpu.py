@@ -24,6 +24,11 @@ def handoff_round_trip(client, nbytes: int, data: bytes) -> dict:
     """A writes into its pool, B maps A's pool and reads; then both let go. Returns B's mapping repr."""
     a, b = worker_addresses(client)
     rows = {r.worker: r for r in dask_gpupool.pools(client)}
+    # Warm up once: the driver keeps some fds open after a process's first IPC import.
+    warm = client.submit(T.hold, "w", 4096, b"w", workers=[a], pure=False).result()
+    client.submit(T.read_peer, warm, 1, workers=[b], pure=False).result()
+    client.submit(T.release, "w", workers=[a], pure=False).result()
+    client.submit(T.unmap, rows[a].pool, workers=[b], pure=False).result()
     before = client.run(T.resources)
     desc = client.submit(T.hold, "g", nbytes, data, workers=[a], pure=False).result()
     for _ in range(2):

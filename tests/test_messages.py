@@ -22,7 +22,9 @@ from dask_gpupool._messages import (
 )
 
 POOL = str(uuid.uuid4())
-RECORD = PoolRecord(POOL, "tcp://1.2.3.4:5", 42, "h/boot", "h", "device", "GPU-1", 1 << 30, "/tmp/x/broker.sock", ("GPU-1",))
+RECORD = PoolRecord(
+    POOL, "tcp://1.2.3.4:5", 42, "h/boot", "h", "device", "GPU-1", 1 << 30, "/tmp/x/broker.sock", ("GPU-1",)
+)
 
 
 def wire(msg):

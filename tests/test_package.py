@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+
+import dask_gpupool
+
+ROOT = pathlib.Path(__file__).parent.parent
+
+
+def test_public_names_are_pinned():
+    assert sorted(dask_gpupool.__all__) == [
+        "BrokerError",
+        "BrokerRefusedError",
+        "ConfigError",
+        "GPUPool",
+        "GPUPoolError",
+        "PeerAccessError",
+        "PeerLostError",
+        "PoolClosedError",
+        "PoolExhaustedError",
+        "PoolOptions",
+        "PoolRecord",
+        "PoolUnavailableError",
+        "ProtocolError",
+        "UnknownPoolError",
+        "allocate",
+        "dask_setup",
+        "pool_stats",
+        "pools",
+    ]
+
+
+def test_every_error_derives_from_the_base_and_a_builtin():
+    errors = [getattr(dask_gpupool, n) for n in dask_gpupool.__all__ if n.endswith("Error")]
+    for e in errors:
+        assert issubclass(e, dask_gpupool.GPUPoolError)
+        assert e is dask_gpupool.GPUPoolError or len(e.__mro__) > 3  # also a builtin (ValueError, ...)
+
+
+def test_allocate_outside_a_worker_is_a_clear_error():
+    with pytest.raises(dask_gpupool.PoolUnavailableError, match="not running on a Dask worker"):
+        dask_gpupool.allocate(10)
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    commands = re.findall(r"```bash\n(.+?)\n```", readme)
+    assert len(commands) == 2, "the README has exactly two commands"
+    assert commands[1] in (ROOT / ".ci" / "run").read_text()
