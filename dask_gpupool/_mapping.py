@@ -44,7 +44,8 @@ def _grant_access(resource: Any, ordinal: int) -> None:
     desc.location.id = ordinal
     desc.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
     (err,) = driver.cuMemPoolSetAccess(resource.handle, [desc], 1)
-    if err != driver.CUresult.CUDA_SUCCESS:
+    # ALREADY_MAPPED: the pool is accessible from that GPU already (seen with pinned host pools).
+    if err not in (driver.CUresult.CUDA_SUCCESS, driver.CUresult.CUDA_ERROR_ALREADY_MAPPED):
         raise PeerAccessError(f"cuMemPoolSetAccess for GPU {ordinal} failed: {err!r}")
 
 

@@ -63,3 +63,35 @@ def no_fd_leak() -> Iterator[None]:
     yield
     gc.collect()
     assert fd_count() <= before, "the test leaked file descriptors in the test process"
+
+
+def handoff_round_trip(client: Any, nbytes: int, data: bytes) -> dict[str, Any]:
+    """Worker w0 writes ``data`` into its pool, w1 maps w0's pool and reads it (twice), both let go.
+
+    Checks the bytes, that the pool was mapped once, and that every worker is back to its
+    baseline afterwards: fds, sockets, memfds, broker connections, mapped pools, pool bytes.
+    One warm-up round trip comes first: a process's first CUDA use opens driver fds that stay.
+    Returns the registry rows by worker.
+    """
+    import dask_gpupool
+    from dask_gpupool import _testing as T
+
+    a, b = worker_addresses(client)
+    rows = {r.worker: r for r in dask_gpupool.pools(client)}
+
+    def trip(key: str, size: int, payload: bytes, reads: int) -> dict[str, Any]:
+        desc = client.submit(T.hold, key, size, payload, workers=[a], pure=False).result()
+        for _ in range(reads):
+            assert client.submit(T.read_peer, desc, len(payload), workers=[b], pure=False).result() == payload
+        during = client.run(T.resources)
+        client.submit(T.release, key, workers=[a], pure=False).result()
+        client.submit(T.unmap, rows[a].pool, workers=[b], pure=False).result()
+        return during
+
+    trip("warm-up", 4096, b"w", 1)
+    before = client.run(T.resources)
+    during = trip("trip", nbytes, data, 2)
+    assert during[b]["mapped_pools"] == 1  # mapped once, reused
+    assert during[a]["used"] >= nbytes
+    assert client.run(T.resources) == before
+    return rows

@@ -8,7 +8,7 @@ import stat
 import time
 
 import pytest
-from conftest import nanny_cluster, worker_addresses
+from conftest import handoff_round_trip, nanny_cluster, worker_addresses
 
 import dask_gpupool
 from dask_gpupool import GPUPool, PeerAccessError, PeerLostError
@@ -55,20 +55,7 @@ def test_registry_lists_every_pool_with_the_right_fields(client):
 
 
 def test_peer_maps_the_pool_once_and_reads_the_owners_bytes(client):
-    a, b = worker_addresses(client)
-    pool_a = by_worker(client)[a].pool
-    before = client.run(T.resources)
-    desc = client.submit(T.hold, "x", MiB, b"bytes from A", workers=[a], pure=False).result()
-    for _ in range(3):
-        got = client.submit(T.read_peer, desc, 12, workers=[b], pure=False).result()
-        assert got == b"bytes from A"
-    during = client.run(T.resources)
-    assert during[b]["mapped_pools"] == 1  # mapped once, reused
-    assert during[a]["used"] == MiB
-    client.submit(T.release, "x", workers=[a], pure=False).result()
-    client.submit(T.unmap, pool_a, workers=[b], pure=False).result()
-    after = client.run(T.resources)
-    assert after == before  # fds, sockets, memfds, broker connections, mappings, pool bytes
+    handoff_round_trip(client, MiB, b"bytes from A")
 
 
 def test_live_broker_refuses_malformed_input_and_keeps_serving(client):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import nanny_cluster, worker_addresses
+from conftest import handoff_round_trip, nanny_cluster, worker_addresses
 
 import dask_gpupool
 from dask_gpupool import GPUPool
@@ -18,28 +18,6 @@ MiB = 1 << 20
 def gpus(n: int) -> None:
     if len(local_devices().uuids) < n:
         pytest.skip(f"needs {n} GPUs, sees {len(local_devices().uuids)}")
-
-
-def handoff_round_trip(client, nbytes: int, data: bytes) -> dict:
-    """A writes into its pool, B maps A's pool and reads; then both let go. Returns B's mapping repr."""
-    a, b = worker_addresses(client)
-    rows = {r.worker: r for r in dask_gpupool.pools(client)}
-    # Warm up once: the driver keeps some fds open after a process's first IPC import.
-    warm = client.submit(T.hold, "w", 4096, b"w", workers=[a], pure=False).result()
-    client.submit(T.read_peer, warm, 1, workers=[b], pure=False).result()
-    client.submit(T.release, "w", workers=[a], pure=False).result()
-    client.submit(T.unmap, rows[a].pool, workers=[b], pure=False).result()
-    before = client.run(T.resources)
-    desc = client.submit(T.hold, "g", nbytes, data, workers=[a], pure=False).result()
-    for _ in range(2):
-        assert client.submit(T.read_peer, desc, len(data), workers=[b], pure=False).result() == data
-    during = client.run(T.resources)
-    assert during[b]["mapped_pools"] == 1 and during[a]["used"] >= nbytes
-    client.submit(T.release, "g", workers=[a], pure=False).result()
-    client.submit(T.unmap, rows[a].pool, workers=[b], pure=False).result()
-    after = client.run(T.resources)
-    assert after == before
-    return rows
 
 
 @pytest.mark.parametrize("kind", ["device", "pinned"])
