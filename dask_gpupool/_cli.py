@@ -8,6 +8,7 @@ when there are several, two workers on one GPU when there is one, and
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 from typing import Any
@@ -35,7 +36,8 @@ def demo(kind: str, workers: int, max_size: str) -> int:
         for i, s in enumerate(specs)
     }
     scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0"}}
-    with SpecCluster(workers=cluster_workers, scheduler=scheduler) as cluster, Client(cluster) as client:
+    cluster = SpecCluster(workers=cluster_workers, scheduler=scheduler, silence_logs=logging.WARNING)
+    with cluster, Client(cluster) as client:
         client.wait_for_workers(len(specs))
         client.register_plugin(dask_gpupool.GPUPool(kind=kind, max_size=max_size))
         rows = sorted(dask_gpupool.pools(client), key=lambda r: r.worker)

@@ -23,9 +23,15 @@ _held: dict[str, Buffer] = {}
 _held_lock = threading.Lock()
 
 
+def _cpu_path(buf: Buffer) -> bool:
+    # Imported (IPC-mapped) pinned buffers go through the driver: a CPU access to one
+    # took a worker down on the H200 machine (2026-11-22).
+    return buf.is_host_accessible and not buf.is_mapped
+
+
 def write_bytes(buf: Buffer, data: bytes) -> None:
     """Write ``data`` at the start of ``buf`` (host or device memory); synchronous."""
-    if buf.is_host_accessible:
+    if _cpu_path(buf):
         ctypes.memmove(int(buf.handle), data, len(data))
         return
     from cuda.bindings import driver
@@ -40,7 +46,7 @@ def write_bytes(buf: Buffer, data: bytes) -> None:
 def read_bytes(buf: Buffer, nbytes: int | None = None) -> bytes:
     """Copy the first ``nbytes`` of ``buf`` (host or device memory) into ``bytes``."""
     n = buf.size if nbytes is None else nbytes
-    if buf.is_host_accessible:
+    if _cpu_path(buf):
         return ctypes.string_at(int(buf.handle), n)
     from cuda.bindings import driver
     from cuda.core import Device
