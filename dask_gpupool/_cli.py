@@ -32,7 +32,10 @@ def demo(kind: str, workers: int, max_size: str) -> int:
     specs = _worker_specs(n_gpus if kind in ("auto", "device", "pinned") else 0, workers)
     print(f"dask_gpupool demo: {n_gpus} GPU(s) visible; starting {len(specs)} Nanny workers, pool kind {kind!r}")
     cluster_workers = {
-        f"worker-{i}": {"cls": Nanny, "options": {"nthreads": 1, "dashboard_address": None, **s}}
+        f"worker-{i}": {
+            "cls": Nanny,
+            "options": {"nthreads": 1, "dashboard_address": None, "silence_logs": logging.WARNING, **s},
+        }
         for i, s in enumerate(specs)
     }
     scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0"}}
