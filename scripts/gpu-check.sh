@@ -18,3 +18,4 @@ echo "== failures/errors"; grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -2
 echo "== gpu tests"; grep -E "^(PASSED|FAILED|SKIPPED|ERROR).*test_gpu" "$OUT/pytest.log"
 echo "== summary"; tail -n 1 "$OUT/pytest.log"
 tail -n 6 "$OUT/bench.log"
+echo "== demo"; timeout 100 python3 -m dask_gpupool demo > "$OUT/demo.log" 2>&1; echo "demo exit: $?"; tail -n 12 "$OUT/demo.log"
