@@ -38,9 +38,10 @@ def write_bytes(buf: Buffer, data: bytes) -> None:
     from cuda.core import Device
 
     Device().set_current()
-    (err,) = driver.cuMemcpyHtoD(int(buf.handle), data, len(data))
+    src = ctypes.create_string_buffer(data, len(data))
+    (err,) = driver.cuMemcpy(int(buf.handle), ctypes.addressof(src), len(data))
     if err != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"cuMemcpyHtoD failed: {err!r}")
+        raise RuntimeError(f"cuMemcpy failed: {err!r}")
 
 
 def read_bytes(buf: Buffer, nbytes: int | None = None) -> bytes:
@@ -53,9 +54,10 @@ def read_bytes(buf: Buffer, nbytes: int | None = None) -> bytes:
 
     Device().set_current()
     out = ctypes.create_string_buffer(n)
-    (err,) = driver.cuMemcpyDtoH(out, int(buf.handle), n)
+    # cuMemcpy infers the direction (unified addressing): the source may be device or pinned host memory.
+    (err,) = driver.cuMemcpy(ctypes.addressof(out), int(buf.handle), n)
     if err != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"cuMemcpyDtoH failed: {err!r}")
+        raise RuntimeError(f"cuMemcpy failed: {err!r}")
     return out.raw
 
 
