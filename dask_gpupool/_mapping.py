@@ -110,15 +110,13 @@ class MappedPool:
 
         Device(own_device).set_current()
         if record.kind == "pinned":
-            from cuda.core import PinnedMemoryResource
-
-            resource = PinnedMemoryResource.from_allocation_handle(fd)
-            try:
-                _grant_access(resource, own_device)
-            except BaseException:
-                resource.close()
-                raise
-            return cls(record, resource, own_device)
+            # Not yet: on the H200 machine (2026-11-22, cuda-core 1.2.2, driver 580) a peer's pinned
+            # pool imported and its buffers imported, but reading them took the importing worker
+            # down (CPU access) or failed (cuMemcpyDtoH: CUDA_ERROR_INVALID_VALUE). Refuse cleanly
+            # rather than hand out a buffer that kills the process.
+            raise PeerAccessError(
+                f"pool {record.pool} is a pinned pool; mapping a peer's pinned pool is not supported yet"
+            )
 
         from cuda.core import DeviceMemoryResource
 

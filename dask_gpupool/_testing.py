@@ -78,6 +78,13 @@ def release(key: str) -> None:
     buf.close()
 
 
+def read_bytes_of(key: str, nbytes: int) -> bytes:
+    """Task: read a buffer made by :func:`hold` on this worker."""
+    with _held_lock:
+        buf = _held[key]
+    return read_bytes(buf, nbytes)
+
+
 def read_peer(desc: dict[str, Any], nbytes: int) -> bytes:
     """Task: map the buffer a peer described (mapping its pool once), read it, release it."""
     service = current_service()
