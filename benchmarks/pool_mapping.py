@@ -75,7 +75,6 @@ def main() -> None:
         sizes = [4096, MiB, 64 * MiB, 1024 * MiB]
         same = {"env": {"CUDA_VISIBLE_DEVICES": "0"}}
         runs.append(run("same GPU", [same, same], "device", sizes, args.repeats))
-        runs.append(run("same GPU", [same, same], "pinned", sizes[:3], args.repeats))
         if len(uuids) >= 2:
             rot = [{"env": {"CUDA_VISIBLE_DEVICES": "0,1"}}, {"env": {"CUDA_VISIBLE_DEVICES": "1,0"}}]
             runs.append(run("other GPU", rot, "device", sizes, args.repeats))
