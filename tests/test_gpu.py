@@ -31,20 +31,17 @@ def test_two_workers_on_one_gpu():
         assert rows[a].max_size == 1 << 30
 
 
-def test_pinned_pools_register_and_peer_mapping_is_refused_cleanly():
-    """Pinned pools are made and registered; mapping a peer's is refused with a typed error (see _mapping)."""
+def test_pinned_pools_on_one_gpu():
+    """Pinned host pools: registered with the worker's GPU; a peer maps the pool and reads (CPU and GPU paths)."""
     gpus(1)
     one_gpu = {"env": {"CUDA_VISIBLE_DEVICES": "0"}}
     with nanny_cluster([one_gpu, one_gpu], GPUPool(kind="pinned", max_size="1 GiB")) as c:
+        rows = handoff_round_trip(c, 8 * MiB, b"pinned bytes written by A" * 100)
         a, b = worker_addresses(c)
-        rows = {r.worker: r for r in dask_gpupool.pools(c)}
         assert {r.kind for r in rows.values()} == {"pinned"} and rows[a].device == local_devices().uuids[0]
-        desc = c.submit(T.hold, "p", MiB, b"pinned bytes", workers=[a], pure=False).result()
-        assert c.submit(T.read_bytes_of, "p", 12, workers=[a], pure=False).result() == b"pinned bytes"
-        with pytest.raises(dask_gpupool.PeerAccessError, match="pinned pool is not supported yet"):
-            c.submit(T.read_peer, desc, 12, workers=[b], pure=False).result()
+        desc = c.submit(T.hold, "p", MiB, b"pinned, read by B's GPU", workers=[a], pure=False).result()
+        assert c.submit(T.read_peer_on_gpu, desc, 23, workers=[b], pure=False).result() == b"pinned, read by B's GPU"
         c.submit(T.release, "p", workers=[a], pure=False).result()
-        assert c.run(T.resources)[b]["mapped_pools"] == 0
 
 
 def test_one_worker_per_gpu_with_rotated_visible_devices():
