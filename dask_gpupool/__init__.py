@@ -11,12 +11,14 @@ or ``dask scheduler --preload dask_gpupool``.
 
 from __future__ import annotations
 
-from dask_gpupool._api import allocate, pool_stats, pools
+from dask_gpupool import _serialize  # noqa: F401  (registers the Dask serializers)
+from dask_gpupool._api import allocate, pool_stats, pools, stats
 from dask_gpupool._config import PoolOptions
 from dask_gpupool._errors import (
     BrokerError,
     BrokerRefusedError,
     ConfigError,
+    DataLostError,
     GPUPoolError,
     PeerAccessError,
     PeerLostError,
@@ -29,6 +31,7 @@ from dask_gpupool._errors import (
 from dask_gpupool._messages import PoolRecord
 from dask_gpupool._preload import dask_setup
 from dask_gpupool._scheduler_plugin import GPUPool
+from dask_gpupool._serialize import as_array
 
 __version__ = "0.1.0"
 
@@ -36,6 +39,7 @@ __all__ = [
     "BrokerError",
     "BrokerRefusedError",
     "ConfigError",
+    "DataLostError",
     "GPUPool",
     "GPUPoolError",
     "PeerAccessError",
@@ -48,7 +52,9 @@ __all__ = [
     "ProtocolError",
     "UnknownPoolError",
     "allocate",
+    "as_array",
     "dask_setup",
     "pool_stats",
     "pools",
+    "stats",
 ]

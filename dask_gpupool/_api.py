@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
     from dask_gpupool._service import PoolService
 
-__all__ = ["allocate", "current_service", "pool_stats", "pools"]
+__all__ = ["allocate", "current_service", "pool_stats", "pools", "stats"]
 
 
 def current_service() -> PoolService:
@@ -90,3 +90,24 @@ def _worker_pool_stats(dask_worker: Worker) -> dict[str, Any]:
 def pool_stats(client: Client) -> dict[str, dict[str, Any]]:
     """Per worker: its pool's used and reserved bytes (now and high-water) and mapped peer pools."""
     return client.run(_worker_pool_stats)
+
+
+def _worker_handoff_stats(dask_worker: Worker) -> dict[str, Any]:
+    return service_of(dask_worker).handoff_stats()
+
+
+def stats(client: Client) -> dict[str, dict[str, Any]]:
+    """Per worker: its handoff counters.
+
+    Returns
+    -------
+    dict
+        ``{worker address: counters}`` with ``exports`` and ``imports``
+        (buffers handed over / mapped), ``leases`` and ``lease_bytes`` (live
+        leases this worker granted and the bytes they keep alive),
+        ``leases_expired``, ``zero_copy_bytes`` and ``copied_bytes`` (bytes this
+        worker received by mapping / as host copies), ``copied_out_bytes``
+        (bytes it sent as host copies), ``fallbacks`` (same-host transfers that
+        were copied, by reason), ``mapped_pools`` and ``links``.
+    """
+    return client.run(_worker_handoff_stats)

@@ -13,11 +13,24 @@ from :mod:`dask_gpupool._messages`)::
     broker -> peer     one byte, with the fd as SCM_RIGHTS ancillary data
                    or  ErrorReply{op: "error", error, message}
 
+    peer   -> broker   LeaseClaim{op: "lease-claim", leases}      (no reply)
+    peer   -> broker   LeaseRelease{op: "lease-release", leases}  (no reply)
+
+    peer   -> broker   CopyRequest{op: "lease-copy", lease}
+    broker -> peer     CopyReply{op: "lease-copy-ok", lease, size}
+    broker -> peer     one byte, with a memfd holding the bytes
+                   or  ErrorReply
+
+A connection stays open as long as the peer wants (an importer keeps one to
+each exporter it imports from, see :mod:`dask_gpupool._link`); when it
+closes, the broker tells its handler, which releases the leases claimed on
+it. That is how an importer that dies gives its leases back.
+
 Trust boundary: the socket lives in a private directory (mode 0700, made by
 the broker) and the broker checks each peer's uid with ``SO_PEERCRED``:
 only processes of the same user get anything. A malformed request, one too
-large, or none within ``timeout`` closes that connection (logged once); the
-broker goes on serving others.
+large, or no first request within ``timeout`` closes that connection (logged
+once); the broker goes on serving others.
 
 Threads: the broker runs its own asyncio loop in a daemon thread, so it
 never blocks the worker's event loop. :func:`request_pool_fd` is blocking
@@ -34,25 +47,89 @@ import socket
 import struct
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Protocol, cast
 
 from dask_gpupool._errors import GPUPoolError, PeerLostError, ProtocolError, UnknownPoolError
 from dask_gpupool._messages import (
     MAX_MESSAGE_BYTES,
+    CopyReply,
+    CopyRequest,
     ErrorReply,
     HandleReply,
     HandleRequest,
+    LeaseClaim,
+    LeaseRelease,
     decode,
     encode,
+    parse_request,
     raise_for_error,
 )
 
-__all__ = ["FdBroker", "PoolLookup", "request_pool_fd"]
+__all__ = ["BrokerHandler", "FdBroker", "PoolLookup", "request_pool_fd"]
 
 logger = logging.getLogger(__name__)
 
 #: Returns ``(fd, reply)`` for a pool this broker serves, else ``None``. The fd stays owned by the pool.
 PoolLookup = Callable[[str], "tuple[int, HandleReply] | None"]
+
+
+class BrokerHandler(Protocol):
+    """What a broker asks its owner. Every method runs on the broker's thread
+    (``copy_out`` on a helper thread) and must not block for long."""
+
+    def thread_started(self) -> None:
+        """Called once on the broker's thread before it serves anything."""
+
+    def pool_handle(self, pool: str) -> tuple[int, HandleReply] | None:
+        """``(fd, reply)`` for a pool this broker serves, else ``None``. The fd stays the pool's."""
+
+    def claim(self, leases: Iterable[int], connection: int) -> None:
+        """An importer on ``connection`` imported these leased buffers."""
+
+    def release(self, leases: Iterable[int]) -> None:
+        """An importer closed its imports of these leased buffers."""
+
+    def connection_closed(self, connection: int) -> None:
+        """``connection`` closed: release what was claimed on it."""
+
+    def copy_out(self, lease: int) -> tuple[int, int]:
+        """``(memfd, size)`` holding a copy of a leased buffer; the broker closes the memfd.
+
+        Raises a :class:`~dask_gpupool.GPUPoolError` when the lease is gone.
+        """
+
+    def tick(self) -> None:
+        """Called about once a second (lease expiry)."""
+
+
+class _LookupOnly:
+    """A :class:`BrokerHandler` that serves pool fds and nothing else."""
+
+    def __init__(self, lookup: PoolLookup) -> None:
+        self._lookup = lookup
+
+    def thread_started(self) -> None:
+        pass
+
+    def pool_handle(self, pool: str) -> tuple[int, HandleReply] | None:
+        return self._lookup(pool)
+
+    def claim(self, leases: Iterable[int], connection: int) -> None:
+        pass
+
+    def release(self, leases: Iterable[int]) -> None:
+        pass
+
+    def connection_closed(self, connection: int) -> None:
+        pass
+
+    def copy_out(self, lease: int) -> tuple[int, int]:
+        raise UnknownPoolError("this broker serves no leases")
+
+    def tick(self) -> None:
+        pass
+
 
 _SOCKET_NAME = "broker.sock"
 _UNIX_PATH_MAX = 107
@@ -64,8 +141,9 @@ class FdBroker:
 
     Parameters
     ----------
-    lookup : PoolLookup
-        Finds the fd of a requested pool. Runs on the broker's thread.
+    handler : BrokerHandler or PoolLookup
+        Answers requests (runs on the broker's thread). A bare
+        :data:`PoolLookup` serves pool fds only.
     directory : str or None
         Parent of the broker's private directory (default: the temp dir).
     timeout : float
@@ -90,7 +168,8 @@ class FdBroker:
     address: str
     served: int
     refused: int
-    _lookup: PoolLookup
+    copies: int
+    _handler: BrokerHandler
     _timeout: float
     _name: str
     _dir: str
@@ -100,11 +179,14 @@ class FdBroker:
     _conns: set[socket.socket]
     _closed: bool
 
-    def __init__(self, lookup: PoolLookup, directory: str | None, timeout: float, name: str = "pool") -> None:
-        self._lookup = lookup
+    def __init__(
+        self, handler: BrokerHandler | PoolLookup, directory: str | None, timeout: float, name: str = "pool"
+    ) -> None:
+        self._handler = cast(BrokerHandler, handler) if hasattr(handler, "pool_handle") else _LookupOnly(handler)
         self._timeout = timeout
         self._name = name
-        self.served = self.refused = 0
+        self._next_connection = 0
+        self.served = self.refused = self.copies = 0
         self._conns = set()
         self._closed = False
         parent = directory or tempfile.gettempdir()
@@ -138,7 +220,12 @@ class FdBroker:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
+        try:
+            self._handler.thread_started()
+        except Exception:
+            logger.exception("pool %s: broker thread setup failed", self._name)
         self._accept_task = self._loop.create_task(self._accept())
+        self._tick_task = self._loop.create_task(self._tick())
         try:
             self._loop.run_forever()
         finally:
@@ -155,8 +242,19 @@ class FdBroker:
             self._conns.add(conn)
             self._loop.create_task(self._serve(conn))
 
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                self._handler.tick()
+            except Exception:
+                logger.exception("pool %s: broker tick failed", self._name)
+
     async def _serve(self, conn: socket.socket) -> None:
         pid = -1
+        self._next_connection += 1
+        connection = self._next_connection
+        spoke = False
         try:
             pid, uid, _gid = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
             if uid != os.getuid():
@@ -164,14 +262,19 @@ class FdBroker:
                 logger.warning("pool %s: broker refused pid %d of uid %d (not ours)", self._name, pid, uid)
                 return
             while True:
+                recv = self._loop.sock_recv(conn, MAX_MESSAGE_BYTES + 1)
                 try:
-                    data = await asyncio.wait_for(self._loop.sock_recv(conn, MAX_MESSAGE_BYTES + 1), self._timeout)
+                    # The first request must come within the timeout; after that the peer
+                    # keeps the connection for its leases as long as it likes.
+                    data = await (recv if spoke else asyncio.wait_for(recv, self._timeout))
                 except TimeoutError:
-                    logger.debug("pool %s: broker closed idle connection of pid %d", self._name, pid)
+                    self.refused += 1
+                    logger.warning("pool %s: broker closed connection of pid %d: no request", self._name, pid)
                     return
                 if not data:
                     return
-                await self._answer(conn, decode(data))
+                await self._answer(conn, decode(data), connection)
+                spoke = True
         except ProtocolError as e:
             self.refused += 1
             logger.warning("pool %s: broker closed connection of pid %d: %s", self._name, pid, e)
@@ -182,24 +285,48 @@ class FdBroker:
         finally:
             self._conns.discard(conn)
             conn.close()
+            try:
+                self._handler.connection_closed(connection)
+            except Exception:
+                logger.exception("pool %s: releasing the leases of a closed connection failed", self._name)
 
-    async def _answer(self, conn: socket.socket, msg: dict[str, object]) -> None:
-        request = HandleRequest.from_msg(msg)
-        found = self._lookup(request.pool)
-        if found is None:
-            reply = ErrorReply.of(UnknownPoolError(f"pool {request.pool} is not served by this broker"))
-            await self._loop.sock_sendall(conn, encode(reply))
-            return
-        fd, handle_reply = found
-        await self._loop.sock_sendall(conn, encode(handle_reply))
+    async def _answer(self, conn: socket.socket, msg: dict[str, object], connection: int) -> None:
+        request = parse_request(msg)
+        if isinstance(request, LeaseClaim):
+            self._handler.claim(request.leases, connection)
+        elif isinstance(request, LeaseRelease):
+            self._handler.release(request.leases)
+        elif isinstance(request, HandleRequest):
+            found = self._handler.pool_handle(request.pool)
+            if found is None:
+                reply = ErrorReply.of(UnknownPoolError(f"pool {request.pool} is not served by this broker"))
+                await self._loop.sock_sendall(conn, encode(reply))
+                return
+            fd, handle_reply = found
+            await self._loop.sock_sendall(conn, encode(handle_reply))
+            await self._send_fd(conn, fd)
+            self.served += 1
+        elif isinstance(request, CopyRequest):
+            try:
+                fd, size = await self._loop.run_in_executor(None, self._handler.copy_out, request.lease)
+            except GPUPoolError as e:
+                await self._loop.sock_sendall(conn, encode(ErrorReply.of(e)))
+                return
+            try:
+                await self._loop.sock_sendall(conn, encode(CopyReply(request.lease, size)))
+                await self._send_fd(conn, fd)
+            finally:
+                os.close(fd)
+            self.copies += 1
+
+    async def _send_fd(self, conn: socket.socket, fd: int) -> None:
         # The fd travels in a message of its own; a seqpacket socket sends it whole or not at all.
         while True:
             try:
                 socket.send_fds(conn, [b"\0"], [fd])
-                break
+                return
             except BlockingIOError:
                 await asyncio.sleep(0.001)
-        self.served += 1
 
     # -- owner's side -------------------------------------------------------------
 

@@ -117,6 +117,8 @@ class PoolOptions:
         Parent directory of the broker's private directory.
     broker_timeout : float
         Seconds a broker waits for a request, and a client for a reply.
+    lease_timeout : float
+        Seconds an exported buffer's lease may stay unclaimed before it expires.
     """
 
     kind: PoolKind = "auto"
@@ -125,6 +127,7 @@ class PoolOptions:
     host_id: str | None = None
     broker_dir: str | None = None
     broker_timeout: float = 10.0
+    lease_timeout: float = 60.0
 
     @classmethod
     def from_config(cls, **overrides: Any) -> PoolOptions:
@@ -155,7 +158,8 @@ class PoolOptions:
             max_size=Size.parse(raw.get("max-size", "50%")),
             host_id=_parse_optional_str(raw.get("host-id"), "gpupool.host-id"),
             broker_dir=_parse_optional_str(raw.get("broker-dir"), "gpupool.broker-dir"),
-            broker_timeout=_parse_timeout(raw.get("broker-timeout", "10s")),
+            broker_timeout=_parse_timeout(raw.get("broker-timeout", "10s"), "gpupool.broker-timeout"),
+            lease_timeout=_parse_timeout(raw.get("lease-timeout", "60s"), "gpupool.lease-timeout"),
         )
 
 
@@ -182,7 +186,7 @@ def _parse_optional_str(value: object, key: str) -> str | None:
     raise ConfigError(f"{key}={value!r} must be a non-empty string or null")
 
 
-def _parse_timeout(value: object) -> float:
+def _parse_timeout(value: object, key: str) -> float:
     seconds: float | None = None
     if isinstance(value, (str, int, float)) and not isinstance(value, bool):
         try:
@@ -190,7 +194,5 @@ def _parse_timeout(value: object) -> float:
         except (ValueError, TypeError, KeyError):
             seconds = None
     if seconds is None or seconds <= 0:
-        raise ConfigError(
-            f"gpupool.broker-timeout={value!r} is not a positive duration; valid: '10s', '500ms' or seconds"
-        )
+        raise ConfigError(f"{key}={value!r} is not a positive duration; valid: '10s', '500ms' or seconds")
     return float(seconds)

@@ -12,6 +12,7 @@ that catches ``ValueError`` or ``ConnectionError`` keeps working::
     ├── PoolExhaustedError(GPUPoolError, MemoryError)
     ├── UnknownPoolError(GPUPoolError, LookupError)
     ├── PeerAccessError(GPUPoolError, RuntimeError)
+    ├── DataLostError(GPUPoolError, LookupError)
     └── BrokerError(GPUPoolError, ConnectionError)
         ├── PeerLostError(BrokerError)
         └── BrokerRefusedError(BrokerError)
@@ -26,6 +27,7 @@ __all__ = [
     "BrokerError",
     "BrokerRefusedError",
     "ConfigError",
+    "DataLostError",
     "GPUPoolError",
     "PeerAccessError",
     "PeerLostError",
@@ -83,6 +85,15 @@ class PeerAccessError(GPUPoolError, RuntimeError):
 
     For example: it lives on another host, its kind does not match, or this
     process's GPU cannot be granted access to the GPU the pool lives on.
+    """
+
+
+class DataLostError(GPUPoolError, LookupError):
+    """A handed-over value can no longer be read: its lease ended or its worker left.
+
+    Raised while deserializing a handoff, only after the fallback (asking the
+    exporter for a host copy) failed too. The message names the pool and the
+    worker that held the data.
     """
 
 

@@ -69,6 +69,10 @@ class MappedPool:
     ----------
     record : PoolRecord
         The registry row of the peer's pool.
+    imports : int
+        Handed-over buffers from this pool still alive here.
+    orphaned : bool
+        The owner has left; the mapping is closed when ``imports`` drops to 0.
     resource : object
         The mapped memory resource (cuda.core or shared host memory).
     device : int or None
@@ -78,12 +82,16 @@ class MappedPool:
     record: PoolRecord
     resource: Any
     device: int | None
+    imports: int
+    orphaned: bool
     _closed: bool
 
     def __init__(self, record: PoolRecord, resource: Any, device: int | None) -> None:
         self.record = record
         self.resource = resource
         self.device = device
+        self.imports = 0  # live imports handed out through the handoff path (changed under IMPORT_LOCK)
+        self.orphaned = False  # the owner left; close when the last import goes
         self._closed = False
 
     @classmethod

@@ -10,7 +10,12 @@ Two channels carry them:
 - Dask's own comms (scheduler RPC and the worker's batched stream) carry
   :class:`PoolRecord` and :class:`RegistryUpdate`.
 - The fd broker's Unix socket carries :class:`HandleRequest`,
-  :class:`HandleReply` and :class:`ErrorReply`, encoded by :func:`encode`.
+  :class:`HandleReply`, :class:`LeaseClaim`, :class:`LeaseRelease`,
+  :class:`CopyRequest`, :class:`CopyReply` and :class:`ErrorReply`, encoded
+  by :func:`encode`.
+
+:class:`HandoffHeader` is the sub-header of a handed-over buffer or array in
+a Dask message (the frames of Dask's serialization).
 """
 
 from __future__ import annotations
@@ -26,10 +31,16 @@ from dask_gpupool._errors import ProtocolError
 
 __all__ = [
     "MAX_MESSAGE_BYTES",
+    "ArrayMeta",
     "BufferDescriptor",
+    "CopyReply",
+    "CopyRequest",
     "ErrorReply",
     "HandleReply",
     "HandleRequest",
+    "HandoffHeader",
+    "LeaseClaim",
+    "LeaseRelease",
     "PoolRecord",
     "RegistryUpdate",
     "decode",
@@ -334,7 +345,263 @@ def raise_for_error(msg: dict[str, Any], context: str) -> None:
     raise exc_type(f"{context}: {reply.message}")
 
 
-def encode(message: HandleRequest | HandleReply | ErrorReply) -> bytes:
+#: Most lease ids in one claim or release message (keeps messages under MAX_MESSAGE_BYTES).
+MAX_LEASES_PER_MESSAGE = 4096
+
+
+def _lease_ids(m: dict[str, Any], what: str) -> tuple[int, ...]:
+    ids = _field(m, "leases", (list, tuple), what)
+    if len(ids) > MAX_LEASES_PER_MESSAGE:
+        raise ProtocolError(f"{what}: {len(ids)} leases in one message (at most {MAX_LEASES_PER_MESSAGE})")
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i > 0 for i in ids):
+        raise ProtocolError(f"{what}: lease ids must be positive integers")
+    return tuple(ids)
+
+
+@dataclass(frozen=True)
+class LeaseClaim:
+    """Importer -> exporter's broker: I imported these leased buffers (no reply).
+
+    Claimed leases are tied to the connection they arrive on: when it closes
+    (the importer exits or dies) the exporter releases them.
+    """
+
+    leases: tuple[int, ...]
+    op: ClassVar[str] = "lease-claim"
+
+    def to_msg(self) -> dict[str, Any]:
+        return {"op": self.op, "leases": list(self.leases)}
+
+    @classmethod
+    def from_msg(cls, msg: object) -> LeaseClaim:
+        return cls(_lease_ids(_mapping(msg, "lease claim"), "lease claim"))
+
+
+@dataclass(frozen=True)
+class LeaseRelease:
+    """Importer -> exporter's broker: I closed my imports of these leases (no reply)."""
+
+    leases: tuple[int, ...]
+    op: ClassVar[str] = "lease-release"
+
+    def to_msg(self) -> dict[str, Any]:
+        return {"op": self.op, "leases": list(self.leases)}
+
+    @classmethod
+    def from_msg(cls, msg: object) -> LeaseRelease:
+        return cls(_lease_ids(_mapping(msg, "lease release"), "lease release"))
+
+
+@dataclass(frozen=True)
+class CopyRequest:
+    """Importer -> exporter's broker: send me a host copy of leased buffer ``lease``.
+
+    The fallback when importing failed. Answered by a :class:`CopyReply` and a
+    memfd holding the bytes, or an :class:`ErrorReply`.
+    """
+
+    lease: int
+    op: ClassVar[str] = "lease-copy"
+
+    def to_msg(self) -> dict[str, Any]:
+        return {"op": self.op, "lease": self.lease}
+
+    @classmethod
+    def from_msg(cls, msg: object) -> CopyRequest:
+        lease = _field(_mapping(msg, "copy request"), "lease", int, "copy request")
+        if lease <= 0:
+            raise ProtocolError("copy request: lease ids are positive")
+        return cls(lease)
+
+
+@dataclass(frozen=True)
+class CopyReply:
+    """Exporter's broker -> importer: the next message carries a memfd of ``size`` bytes."""
+
+    lease: int
+    size: int
+    op: ClassVar[str] = "lease-copy-ok"
+
+    def to_msg(self) -> dict[str, Any]:
+        return {"op": self.op, "lease": self.lease, "size": self.size}
+
+    @classmethod
+    def from_msg(cls, msg: object) -> CopyReply:
+        what = "copy reply"
+        m = _mapping(msg, what)
+        if m.get("op") != cls.op:
+            raise ProtocolError(f"{what}: unexpected op {m.get('op')!r}")
+        size = _field(m, "size", int, what)
+        if size < 0:
+            raise ProtocolError(f"{what}: negative size")
+        return cls(_field(m, "lease", int, what), size)
+
+
+#: Broker requests by op.
+REQUESTS: dict[str, Any] = {
+    HandleRequest.op: HandleRequest,
+    LeaseClaim.op: LeaseClaim,
+    LeaseRelease.op: LeaseRelease,
+    CopyRequest.op: CopyRequest,
+}
+
+
+def parse_request(msg: dict[str, Any]) -> HandleRequest | LeaseClaim | LeaseRelease | CopyRequest:
+    """The typed broker request ``msg`` is; :class:`ProtocolError` for anything else."""
+    op = msg.get("op")
+    cls = REQUESTS.get(op) if isinstance(op, str) else None
+    if cls is None:
+        raise ProtocolError(f"broker request: unknown op {op!r}")
+    request: HandleRequest | LeaseClaim | LeaseRelease | CopyRequest = cls.from_msg(msg)
+    return request
+
+
+@dataclass(frozen=True)
+class ArrayMeta:
+    """Shape of an array view over a handed-over buffer.
+
+    Attributes
+    ----------
+    module : {"numpy", "cupy"}
+        Which array type to rebuild.
+    shape, strides : tuple of int
+        In elements and bytes, as NumPy and CuPy spell them.
+    dtype : str
+        ``numpy.dtype.str`` (e.g. ``"<f8"``); only plain (non-object) dtypes.
+    offset : int
+        Byte offset of element 0 inside the buffer.
+    """
+
+    module: str
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: str
+    offset: int = 0
+
+    MODULES: ClassVar[tuple[str, ...]] = ("numpy", "cupy")
+
+    def to_msg(self) -> dict[str, Any]:
+        return {
+            "module": self.module,
+            "shape": list(self.shape),
+            "strides": list(self.strides),
+            "dtype": self.dtype,
+            "offset": self.offset,
+        }
+
+    @classmethod
+    def from_msg(cls, msg: object) -> ArrayMeta:
+        what = "array header"
+        m = _mapping(msg, what)
+        module = _field(m, "module", str, what)
+        if module not in cls.MODULES:
+            raise ProtocolError(f"{what}: unknown array module {module!r}")
+        shape = _field(m, "shape", (list, tuple), what)
+        strides = _field(m, "strides", (list, tuple), what)
+        if len(shape) != len(strides) or len(shape) > 64:
+            raise ProtocolError(f"{what}: shape and strides differ in length or exceed 64 dimensions")
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (*shape, *strides)):
+            raise ProtocolError(f"{what}: shape and strides must be integers")
+        if any(x < 0 for x in shape):
+            raise ProtocolError(f"{what}: negative extent")
+        dtype = _field(m, "dtype", str, what)
+        if len(dtype) > 16 or "O" in dtype:
+            raise ProtocolError(f"{what}: dtype {dtype!r} is not a plain dtype")
+        offset = _field(m, "offset", int, what)
+        if offset < 0:
+            raise ProtocolError(f"{what}: negative offset")
+        return cls(module, tuple(shape), tuple(strides), dtype, offset)
+
+
+@dataclass(frozen=True)
+class HandoffHeader:
+    """The sub-header of a handed-over buffer or array (msgpack-safe, never pickle).
+
+    Attributes
+    ----------
+    path : {"ipc", "copy"}
+        ``ipc``: the frames are empty and ``desc`` locates the memory in the
+        exporter's pool. ``copy``: the one frame holds the bytes.
+    kind : {"device", "pinned", "host"}
+        Where the data lives at the sender: GPU memory or host memory.
+    nbytes : int
+        Bytes of the buffer.
+    exporter : str
+        Address of the sending worker ("" when unknown, e.g. spilling).
+    desc : BufferDescriptor or None
+        ``ipc`` only: where the buffer lives in the exporter's pool.
+    lease : int
+        ``ipc`` only: the lease that keeps the memory alive; 0 otherwise.
+    ready : str
+        How the exporter ordered its pending work before the importer reads:
+        ``"synced"`` (the exporter's streams were synchronized before sending).
+    array : ArrayMeta or None
+        Present when the value is an array view rather than a Buffer.
+    """
+
+    path: str
+    kind: str
+    nbytes: int
+    exporter: str = ""
+    desc: BufferDescriptor | None = None
+    lease: int = 0
+    ready: str = "synced"
+    array: ArrayMeta | None = None
+
+    PATHS: ClassVar[tuple[str, ...]] = ("ipc", "copy")
+    READY: ClassVar[tuple[str, ...]] = ("synced",)
+
+    def to_msg(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "kind": self.kind,
+            "nbytes": self.nbytes,
+            "exporter": self.exporter,
+            "desc": None if self.desc is None else self.desc.to_msg(),
+            "lease": self.lease,
+            "ready": self.ready,
+            "array": None if self.array is None else self.array.to_msg(),
+        }
+
+    @classmethod
+    def from_msg(cls, msg: object) -> HandoffHeader:
+        what = "handoff header"
+        m = _mapping(msg, what)
+        path = _field(m, "path", str, what)
+        if path not in cls.PATHS:
+            raise ProtocolError(f"{what}: unknown path {path!r}")
+        kind = _field(m, "kind", str, what)
+        if kind not in PoolRecord.KINDS:
+            raise ProtocolError(f"{what}: unknown kind {kind!r}")
+        nbytes = _field(m, "nbytes", int, what)
+        lease = _field(m, "lease", int, what)
+        if nbytes < 0 or lease < 0:
+            raise ProtocolError(f"{what}: negative nbytes or lease")
+        ready = _field(m, "ready", str, what)
+        if ready not in cls.READY:
+            raise ProtocolError(f"{what}: unknown readiness {ready!r}")
+        raw_desc = _field(m, "desc", (dict, type(None)), what)
+        desc = None if raw_desc is None else BufferDescriptor.from_msg(raw_desc)
+        if path == "ipc" and (desc is None or lease == 0):
+            raise ProtocolError(f"{what}: an ipc handoff needs a descriptor and a lease")
+        if desc is not None and desc.size != nbytes:
+            raise ProtocolError(f"{what}: descriptor size {desc.size} differs from nbytes {nbytes}")
+        raw_array = _field(m, "array", (dict, type(None)), what)
+        return cls(
+            path=path,
+            kind=kind,
+            nbytes=nbytes,
+            exporter=_field(m, "exporter", str, what),
+            desc=desc,
+            lease=lease,
+            ready=ready,
+            array=None if raw_array is None else ArrayMeta.from_msg(raw_array),
+        )
+
+
+def encode(
+    message: HandleRequest | HandleReply | ErrorReply | LeaseClaim | LeaseRelease | CopyRequest | CopyReply,
+) -> bytes:
     """Serialize a broker message (msgpack)."""
     return msgpack.packb(message.to_msg(), use_bin_type=True)
 

@@ -29,6 +29,8 @@ __all__ = ["dask_setup"]
 @click.option("--gpupool-max-size", "max_size", default=None, help='gpupool.max-size ("8 GiB", "50%")')
 @click.option("--gpupool-host-id", "host_id", default=None, help="gpupool.host-id")
 @click.option("--gpupool-broker-dir", "broker_dir", default=None, help="gpupool.broker-dir")
+@click.option("--gpupool-broker-timeout", "broker_timeout", default=None, help='gpupool.broker-timeout ("10s")')
+@click.option("--gpupool-lease-timeout", "lease_timeout", default=None, help='gpupool.lease-timeout ("60s")')
 async def dask_setup(dask_object: Scheduler | Worker, **options: Any) -> None:
     plugin = GPUPool(**options)
     if isinstance(dask_object, Scheduler):

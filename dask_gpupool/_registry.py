@@ -110,6 +110,13 @@ class RegistryView:
     def get(self, pool: str) -> PoolRecord | None:
         return self._records.get(pool)
 
+    def worker_row(self, worker: str) -> PoolRecord | None:
+        """The row of the pool owned by the worker at address ``worker``, if registered."""
+        for record in list(self._records.values()):
+            if record.worker == worker:
+                return record
+        return None
+
     def records(self) -> list[PoolRecord]:
         with self._lock:
             return list(self._records.values())

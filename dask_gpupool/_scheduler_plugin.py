@@ -52,6 +52,8 @@ class GPUPool(SchedulerPlugin):
         Parent of each broker's private directory (``gpupool.broker-dir``).
     broker_timeout : str or float, optional
         Broker timeout (``gpupool.broker-timeout``).
+    lease_timeout : str or float, optional
+        How long an unclaimed lease lives (``gpupool.lease-timeout``).
 
     Options left out are read by each worker from its own dask config. Values
     are checked here, so a typo fails at once with :class:`ConfigError`.
@@ -75,6 +77,7 @@ class GPUPool(SchedulerPlugin):
         host_id: str | None = None,
         broker_dir: str | None = None,
         broker_timeout: str | float | None = None,
+        lease_timeout: str | float | None = None,
     ) -> None:
         self.overrides = {
             k: v
@@ -85,6 +88,7 @@ class GPUPool(SchedulerPlugin):
                 host_id=host_id,
                 broker_dir=broker_dir,
                 broker_timeout=broker_timeout,
+                lease_timeout=lease_timeout,
             ).items()
             if v is not None
         }

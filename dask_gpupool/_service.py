@@ -2,37 +2,128 @@
 
 :class:`PoolService` owns the worker's :class:`~dask_gpupool._pool.Pool`,
 its :class:`~dask_gpupool._broker.FdBroker`, the cache of peers' pools it
-mapped (:class:`~dask_gpupool._mapping.MappedPools`) and its copy of the
-registry (:class:`~dask_gpupool._registry.RegistryView`). The worker plugin
-is a thin adapter that makes one on setup and closes it on teardown; tests
-drive it without a cluster.
+mapped (:class:`~dask_gpupool._mapping.MappedPools`), its copy of the
+registry (:class:`~dask_gpupool._registry.RegistryView`), the leases it
+granted (:class:`~dask_gpupool._lease.LeaseTable`), its links to exporters
+(:class:`~dask_gpupool._link.PeerLink`) and its handoff counters. The worker
+plugin is a thin adapter that makes one on setup and closes it on teardown;
+tests drive it without a cluster.
 
 Threads: :meth:`start` and :meth:`close` run on the worker's event loop;
 :meth:`allocate`, :meth:`map_peer` and :meth:`import_buffer` block and run in
-task threads (or an executor), never on the event loop.
+task threads (or an executor). The handoff methods (:meth:`plan`,
+:meth:`export_ipc`, :meth:`import_handoff`, :meth:`receive_copy`) run where
+Dask serializes: the event loop or its offload thread; the only blocking
+call among them is mapping a peer's pool the first time (one broker round
+trip, bounded by ``broker-timeout``).
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import mmap
 import os
+import threading
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from dask_gpupool._broker import FdBroker, request_pool_fd
+from dask_gpupool._broker import FdBroker
 from dask_gpupool._config import PoolOptions
-from dask_gpupool._errors import PeerAccessError, PoolClosedError, ProtocolError, UnknownPoolError
-from dask_gpupool._mapping import MappedPool, MappedPools
-from dask_gpupool._messages import BufferDescriptor, HandleReply, PoolRecord
+from dask_gpupool._errors import (
+    DataLostError,
+    GPUPoolError,
+    PeerAccessError,
+    PoolClosedError,
+    PoolExhaustedError,
+    ProtocolError,
+    UnknownPoolError,
+)
+from dask_gpupool._lease import LeaseTable
+from dask_gpupool._link import ImportedMemoryResource, PeerLink, Releaser
+from dask_gpupool._mapping import IMPORT_LOCK, MappedPool, MappedPools
+from dask_gpupool._messages import ArrayMeta, BufferDescriptor, HandleReply, HandoffHeader, PoolRecord, RegistryUpdate
 from dask_gpupool._pool import Pool, PoolStats
 from dask_gpupool._registry import RegistryView
+from dask_gpupool._stats import HandoffStats
 from dask_gpupool._topology import LocalDevices, host_identity, local_devices
 
 if TYPE_CHECKING:
     from cuda.core import Buffer
 
-__all__ = ["PoolService"]
+__all__ = ["PoolService", "active_service", "buffer_kind", "copy_from_host", "copy_to_host"]
 
 logger = logging.getLogger(__name__)
+
+_ACTIVE: list[PoolService] = []
+_ACTIVE_LOCK = threading.Lock()
+
+
+def active_service() -> PoolService | None:
+    """The live pool service of this process (the worker's), if any.
+
+    Deserialization has no worker at hand; a process runs one worker with the
+    plugin (Nanny, dask-cuda), and with several the most recent one is used.
+    """
+    with _ACTIVE_LOCK:
+        return _ACTIVE[-1] if _ACTIVE else None
+
+
+def buffer_kind(buf: Buffer) -> str:
+    """``"device"``, ``"pinned"`` or ``"host"``: where a Buffer's memory is."""
+    if buf.is_device_accessible:
+        return "pinned" if buf.is_host_accessible else "device"
+    return "host"
+
+
+def copy_to_host(buf: Buffer, offset: int, nbytes: int, out: Any = None) -> Any:
+    """``nbytes`` of ``buf`` from ``offset`` in host memory (a writable buffer).
+
+    Host-accessible memory is copied with ``memmove``; device memory with
+    ``cuMemcpyDtoH`` (synchronous) after making the buffer's device current.
+    ``out`` (any writable buffer of ``nbytes``) receives the bytes if given.
+    """
+    if out is None:
+        out = bytearray(nbytes)
+    if nbytes == 0:
+        return out
+    dst = (ctypes.c_char * nbytes).from_buffer(out)
+    src = int(buf.handle) + offset
+    if buf.is_host_accessible:
+        ctypes.memmove(dst, src, nbytes)
+    else:
+        from cuda.bindings import driver
+        from cuda.core import Device
+
+        Device(buf.device_id).set_current()
+        (err,) = driver.cuMemcpyDtoH(ctypes.addressof(dst), src, nbytes)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuMemcpyDtoH of {nbytes} bytes failed: {err!r}")
+    del dst
+    return out
+
+
+def copy_from_host(buf: Buffer, data: Any) -> None:
+    """Copy a host buffer (bytes-like) to the start of ``buf``; synchronous."""
+    import numpy as np
+
+    view = memoryview(data).cast("B")
+    n = view.nbytes
+    if n == 0:
+        return
+    if n > buf.size:
+        raise ValueError(f"{n} bytes do not fit a buffer of {buf.size}")
+    src = np.frombuffer(view, dtype=np.uint8)  # no copy, read-only views too
+    if buf.is_host_accessible:
+        ctypes.memmove(int(buf.handle), src.ctypes.data, n)
+        return
+    from cuda.bindings import driver
+    from cuda.core import Device
+
+    Device(buf.device_id).set_current()
+    (err,) = driver.cuMemcpyHtoD(int(buf.handle), src.ctypes.data, n)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuMemcpyHtoD of {n} bytes failed: {err!r}")
 
 
 class PoolService:
@@ -53,6 +144,12 @@ class PoolService:
         This pool's registry row.
     devices : LocalDevices
         The GPUs this process sees.
+    leases : LeaseTable
+        Buffers of this pool handed to peers, kept alive for them.
+    handoffs : HandoffStats
+        Counters of handoffs in and out.
+    releaser : Releaser
+        Sends lease releases for buffers imported here (owned; stopped by :meth:`close`).
     """
 
     options: PoolOptions
@@ -62,9 +159,22 @@ class PoolService:
     registry: RegistryView
     record: PoolRecord
     devices: LocalDevices
+    leases: LeaseTable
+    handoffs: HandoffStats
+    releaser: Releaser
+    _links: dict[str, PeerLink]
+    _links_lock: threading.Lock
     _closed: bool
 
-    def __init__(self, options: PoolOptions, pool: Pool, broker: FdBroker, record: PoolRecord, devices: LocalDevices):
+    def __init__(
+        self,
+        options: PoolOptions,
+        pool: Pool,
+        broker: FdBroker,
+        record: PoolRecord,
+        devices: LocalDevices,
+        leases: LeaseTable | None = None,
+    ):
         self.options = options
         self.pool = pool
         self.broker = broker
@@ -72,7 +182,14 @@ class PoolService:
         self.devices = devices
         self.mapped = MappedPools(devices, pool.device if pool.kind != "host" else _own_device(options, devices))
         self.registry = RegistryView()
+        self.leases = leases if leases is not None else LeaseTable(options.lease_timeout)
+        self.handoffs = HandoffStats()
+        self.releaser = Releaser()
+        self._links = {}
+        self._links_lock = threading.Lock()
         self._closed = False
+        with _ACTIVE_LOCK:
+            _ACTIVE.append(self)
 
     @classmethod
     def start(cls, options: PoolOptions, worker_address: str, devices: LocalDevices | None = None) -> PoolService:
@@ -85,8 +202,9 @@ class PoolService:
         """
         devices = local_devices() if devices is None else devices
         pool = Pool.create(options, devices)
+        leases = LeaseTable(options.lease_timeout, on_drop=_make_current(pool))
         try:
-            broker = FdBroker(_lookup_for(pool), options.broker_dir, options.broker_timeout, pool.uuid)
+            broker = FdBroker(_ExportSide(pool, leases), options.broker_dir, options.broker_timeout, pool.uuid)
         except BaseException:
             pool.close()
             raise
@@ -111,7 +229,7 @@ class PoolService:
             pool.device_uuid or "host memory",
             broker.address,
         )
-        return cls(options, pool, broker, record, devices)
+        return cls(options, pool, broker, record, devices, leases)
 
     # -- this worker's pool --------------------------------------------------------
 
@@ -157,7 +275,7 @@ class PoolService:
             )
 
         def fetch() -> int:
-            reply, fd = request_pool_fd(record.broker, pool, self.options.broker_timeout)
+            reply, fd = self.link(record).request_pool_fd(pool)
             if reply.kind != record.kind:
                 os.close(fd)
                 raise ProtocolError(f"pool {pool}: broker says kind {reply.kind!r}, registry {record.kind!r}")
@@ -169,6 +287,221 @@ class PoolService:
         """Map a peer's buffer (mapping its pool first if needed). No copy; the caller owns the Buffer."""
         return self.map_peer(desc.pool).import_buffer(desc)
 
+    def link(self, record: PoolRecord) -> PeerLink:
+        """This worker's connection to ``record``'s broker, opened on first use (or after it broke)."""
+        with self._links_lock:
+            link = self._links.get(record.broker)
+            if link is not None and link.alive:
+                return link
+        link = PeerLink(record.broker, self.options.broker_timeout)
+        with self._links_lock:
+            old = self._links.get(record.broker)
+            if old is not None and old.alive:
+                link.close()
+                return old
+            self._links[record.broker] = link
+        return link
+
+    # -- handoffs: the exporter's side -------------------------------------------------
+
+    def plan(self, requester: str | None, scheme: str, buf: Buffer) -> tuple[PoolRecord | None, str | None]:
+        """Decide how ``buf`` goes to ``requester``: ``(its row, None)`` to hand it over,
+        ``(None, reason)`` to copy. ``reason`` is ``None`` for expected copies (another
+        host, a client) and a fallback reason (counted, warned once) for a same-host
+        peer that could have had it zero-copy.
+        """
+        row = self.registry.worker_row(requester) if requester else None
+        if row is None or row.host != self.record.host:
+            return None, None
+        reason: str | None = None
+        if row.pid == self.record.pid:
+            reason = "same-process"
+        elif scheme not in ("tcp", "tls"):
+            reason = "comm"
+        elif self._closed or self.pool.closed:
+            reason = "pool-closed"
+        elif not self.pool.owns(buf):
+            reason = "not-in-pool"
+        elif self.pool.kind == "device" and self.pool.device_uuid not in row.devices:
+            reason = "no-access"
+        elif self.pool.kind == "pinned" and not row.devices:
+            reason = "no-access"
+        if reason is not None:
+            self.handoffs.fallback(row.worker, reason, self.record.worker)
+            return None, reason
+        return row, None
+
+    def export_ipc(self, holder: Any, buf: Buffer, row: PoolRecord, array: ArrayMeta | None) -> HandoffHeader:
+        """Grant ``row``'s worker a lease on ``buf`` and describe it.
+
+        ``holder`` (``buf`` or an object that keeps it alive) stays referenced
+        by the lease until the importer releases it. Pending GPU work is
+        finished first (``ready="synced"``), so the importer may read at once.
+        """
+        desc = self.pool.export(buf)
+        if self.pool.device is not None:
+            from cuda.core import Device
+
+            dev = Device(self.pool.device)
+            dev.set_current()
+            dev.sync()
+        lease = self.leases.grant(holder, buf.size, row.worker)
+        self.handoffs.add(exports=1)
+        return HandoffHeader(
+            "ipc", self.pool.kind, buf.size, exporter=self.record.worker, desc=desc, lease=lease, array=array
+        )
+
+    # -- handoffs: the importer's side -------------------------------------------------
+
+    def import_handoff(self, header: HandoffHeader) -> Buffer:
+        """Map a handed-over buffer; fall back to a host copy from the exporter if that fails.
+
+        Returns a Buffer owned by the caller: closing it (or dropping the last
+        reference) closes the import and releases the lease.
+
+        Raises
+        ------
+        DataLostError
+            If neither the import nor the copy can be had: names pool and worker.
+        """
+        desc = header.desc
+        assert desc is not None and header.path == "ipc"
+        record = self.registry.get(desc.pool)
+        if record is None or record.worker != header.exporter:
+            raise DataLostError(
+                f"pool {desc.pool} of worker {header.exporter} is not registered (its worker left?); "
+                f"lease {header.lease} cannot be read"
+            )
+        try:
+            link = self.link(record)
+        except GPUPoolError as e:
+            raise DataLostError(f"pool {desc.pool} of worker {record.worker}: {e}") from e
+        try:
+            mapped = self.map_peer(desc.pool)
+            with IMPORT_LOCK:
+                raw = mapped.import_buffer(desc)
+                mapped.imports += 1
+        except Exception as e:  # GPUPoolError, CUDA errors: the copy path still works
+            self.handoffs.fallback(record.worker, "import-failed", self.record.worker, f"{type(e).__name__}: {e}")
+            return self.fetch_copy(header, record, link)
+        try:
+            link.claim([header.lease])
+        except GPUPoolError as e:  # the exporter is gone; its memory stays mapped until we let go
+            logger.debug("claiming lease %d of %s: %s", header.lease, record.worker, e)
+        lease = header.lease
+
+        def closed(event: Any) -> None:
+            self.releaser.put(link, lease, event)
+            if mapped.orphaned and mapped.imports == 0:
+                self.mapped.forget(mapped.record.pool)
+
+        resource = ImportedMemoryResource(raw, mapped, closed)
+        from cuda.core import Buffer
+
+        if resource.is_device_accessible and mapped.device is not None:
+            from cuda.core import Device
+
+            dev = Device(mapped.device)
+            dev.set_current()
+            buf = Buffer.from_handle(int(raw.handle), raw.size, mr=resource, stream=dev.default_stream)
+        else:
+            buf = Buffer.from_handle(int(raw.handle), raw.size, mr=resource)
+        self.handoffs.add(imports=1, zero_copy_bytes=raw.size)
+        return buf
+
+    def fetch_copy(self, header: HandoffHeader, record: PoolRecord, link: PeerLink) -> Buffer:
+        """Ask the exporter for a host copy of a leased buffer and land it in this pool."""
+        try:
+            reply, fd = link.fetch_copy(header.lease)
+        except GPUPoolError as e:
+            raise DataLostError(
+                f"lease {header.lease} on pool {record.pool} of worker {record.worker} cannot be read: {e}"
+            ) from e
+        try:
+            with mmap.mmap(fd, reply.size, prot=mmap.PROT_READ) if reply.size else _Empty() as m:
+                buf = self.receive_copy(header.kind, memoryview(m), record.worker)
+        finally:
+            os.close(fd)
+        try:
+            link.release([header.lease])
+        except GPUPoolError:
+            pass
+        return buf
+
+    def receive_copy(self, kind: str, data: Any, sender: str, need: str = "any") -> Buffer:
+        """Land a host copy in this worker's pool (so it can be handed on zero-copy).
+
+        Parameters
+        ----------
+        kind : str
+            Where the data lived at the sender.
+        data : bytes-like
+            The bytes.
+        sender : str
+            The sender's address (for stats and warnings).
+        need : {"any", "host", "device"}
+            Where the value must be readable (a NumPy array needs host memory,
+            a CuPy array GPU-accessible memory). A pool that does not fit is
+            passed over for memory outside it.
+
+        When the pool is full the bytes go to memory outside it (GPU memory for
+        ``device`` pools, host memory otherwise), counted as fallback
+        ``receiver-pool-full``.
+        """
+        view = memoryview(data).cast("B")
+        n = view.nbytes
+        fits = (
+            need == "any"
+            or (need == "host" and self.pool.kind != "device")
+            or (need == "device" and self.pool.kind != "host")
+        )
+        if not fits:
+            buf = _outside_pool(self.pool, n, need)
+        else:
+            try:
+                buf = self.pool.allocate(n)
+            except PoolExhaustedError as e:
+                self.handoffs.fallback(sender, "receiver-pool-full", self.record.worker, str(e))
+                buf = _outside_pool(self.pool, n, need)
+        copy_from_host(buf, view)
+        self.handoffs.add(copied_bytes=n)
+        return buf
+
+    # -- registry --------------------------------------------------------------------
+
+    def apply_registry(self, update: RegistryUpdate) -> None:
+        """Apply a registry change; a peer that left gives back its leases and its mappings go."""
+        gone = [r for r in (self.registry.get(p) for p in update.removed) if r is not None]
+        self.registry.apply(update)
+        for record in gone:
+            if record.pool == self.pool.uuid:
+                continue
+            n = self.leases.release_importer(record.worker)
+            if n:
+                logger.info("pool %s: released %d lease(s) of %s, which left", self.pool.uuid, n, record.worker)
+            with self._links_lock:
+                link = self._links.pop(record.broker, None)
+            if link is not None:
+                link.close()
+            mapped = self.mapped.get(record.pool)
+            if mapped is not None:
+                with IMPORT_LOCK:
+                    mapped.orphaned = True
+                    idle = mapped.imports == 0
+                if idle:
+                    self.mapped.forget(record.pool)
+
+    def handoff_stats(self) -> dict[str, Any]:
+        """Counters for :func:`dask_gpupool.stats`."""
+        return {
+            **self.handoffs.to_msg(),
+            "leases": len(self.leases),
+            "lease_bytes": self.leases.nbytes,
+            "leases_expired": self.leases.expired_total,
+            "mapped_pools": len(self.mapped),
+            "links": sum(link.alive for link in self._links.values()),
+        }
+
     # -- lifecycle -------------------------------------------------------------------
 
     @property
@@ -176,27 +509,118 @@ class PoolService:
         return self._closed
 
     def close(self) -> None:
-        """Stop the broker, unmap peers' pools, close this pool. Idempotent.
+        """Stop the broker, end leases, unmap peers' pools, close this pool. Idempotent.
 
-        Order matters: no peer can fetch the fd once the broker is closed, and
-        mapped pools are closed after (and only after) their buffers.
+        Order matters: no peer can fetch the fd once the broker is closed;
+        releases queued here are sent before the links close; mapped pools are
+        closed after (and only after) their buffers.
         """
         if self._closed:
             return
         self._closed = True
+        with _ACTIVE_LOCK:
+            if self in _ACTIVE:
+                _ACTIVE.remove(self)
         self.broker.close()
+        self.leases.clear()
+        self.releaser.close()
+        with self._links_lock:
+            links, self._links = list(self._links.values()), {}
+        for link in links:
+            link.close()
         self.mapped.close_all()
         self.pool.close()
         logger.info("pool %s: closed", self.pool.uuid)
 
 
-def _lookup_for(pool: Pool) -> Any:
-    def lookup(requested: str) -> tuple[int, HandleReply] | None:
-        if requested != pool.uuid or pool.closed:
-            return None
-        return pool.allocation_handle(), HandleReply(pool.uuid, pool.kind, pool.max_size)
+class _Empty:
+    def __enter__(self) -> bytes:
+        return b""
 
-    return lookup
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def _outside_pool(pool: Pool, nbytes: int, need: str = "any") -> Buffer:
+    """Memory for a copy that does not go to the pool: the device's default pool or host memory."""
+    device = pool.device if pool.device is not None else (0 if local_devices() else None)
+    if device is not None and (need == "device" or (need == "any" and pool.kind == "device")):
+        from cuda.core import Device
+
+        dev = Device(device)
+        dev.set_current()
+        return dev.memory_resource.allocate(nbytes, stream=dev.default_stream)
+    return host_buffer(bytearray(nbytes))
+
+
+def host_buffer(data: Any) -> Buffer:
+    """A Buffer over host memory owned by ``data`` (a writable bytes-like object)."""
+    from cuda.core import Buffer
+
+    view = memoryview(data).cast("B")
+    if view.nbytes == 0:
+        data = bytearray(1)
+        view = memoryview(data)
+    anchor = (ctypes.c_char * view.nbytes).from_buffer(view)
+    anchor._data = data  # type: ignore[attr-defined]
+    return Buffer.from_handle(ctypes.addressof(anchor), memoryview(data).nbytes, owner=anchor)
+
+
+def _make_current(pool: Pool) -> Any:
+    def make_current() -> None:
+        if pool.device is not None:
+            from cuda.core import Device
+
+            Device(pool.device).set_current()
+
+    return make_current
+
+
+class _ExportSide:
+    """The :class:`~dask_gpupool._broker.BrokerHandler` of a worker: its pool's fd and its leases."""
+
+    def __init__(self, pool: Pool, leases: LeaseTable) -> None:
+        self._pool = pool
+        self._leases = leases
+
+    def thread_started(self) -> None:
+        _make_current(self._pool)()
+
+    def pool_handle(self, pool: str) -> tuple[int, HandleReply] | None:
+        if pool != self._pool.uuid or self._pool.closed:
+            return None
+        return self._pool.allocation_handle(), HandleReply(self._pool.uuid, self._pool.kind, self._pool.max_size)
+
+    def claim(self, leases: Iterable[int], connection: int) -> None:
+        self._leases.claim(leases, connection)
+
+    def release(self, leases: Iterable[int]) -> None:
+        self._leases.release(leases)
+
+    def connection_closed(self, connection: int) -> None:
+        n = self._leases.release_connection(connection)
+        if n:
+            logger.info("pool %s: a peer's connection closed; released its %d lease(s)", self._pool.uuid, n)
+
+    def copy_out(self, lease: int) -> tuple[int, int]:
+        holder = self._leases.holder(lease)
+        if holder is None:
+            raise DataLostError(f"lease {lease} on pool {self._pool.uuid} has ended")
+        buf = holder
+        n = int(buf.size)
+        fd = os.memfd_create("dask-gpupool-copy", os.MFD_CLOEXEC)
+        try:
+            if n:
+                os.ftruncate(fd, n)
+                with mmap.mmap(fd, n) as m:
+                    copy_to_host(buf, 0, n, out=m)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, n
+
+    def tick(self) -> None:
+        self._leases.expire()
 
 
 def _own_device(options: PoolOptions, devices: LocalDevices) -> int | None:

@@ -2,9 +2,11 @@
 
 Installed by the scheduler plugin (:class:`~dask_gpupool.GPUPool`) on every
 worker, present and future. On setup it makes the pool and broker, registers
-the pool with the scheduler, takes the registry snapshot from the reply and
-subscribes to registry updates (stream op ``gpupool-registry``). Teardown
-undoes all of it.
+the pool with the scheduler, takes the registry snapshot from the reply,
+subscribes to registry updates (stream op ``gpupool-registry``) and wraps the
+worker's ``get_data`` handler so that the serializers know which worker asked
+(:func:`~dask_gpupool._serialize.install_get_data_hook`). Teardown undoes all
+of it.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 from distributed import WorkerPlugin
 from distributed.core import Status
@@ -20,6 +23,7 @@ from distributed.core import Status
 from dask_gpupool._config import PoolOptions
 from dask_gpupool._errors import PoolUnavailableError
 from dask_gpupool._messages import RegistryUpdate
+from dask_gpupool._serialize import install_get_data_hook
 from dask_gpupool._service import PoolService
 
 if TYPE_CHECKING:
@@ -46,10 +50,12 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
     name = PLUGIN_NAME
     overrides: dict[str, Any]
     service: PoolService | None
+    _get_data: Any
 
     def __init__(self, overrides: dict[str, Any] | None = None) -> None:
         self.overrides = dict(overrides or {})
         self.service = None
+        self._get_data = None
 
     async def setup(self, worker: Worker) -> None:
         options = PoolOptions.from_config(**self.overrides)
@@ -62,22 +68,27 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
                     f"pool {service.pool.uuid}: the scheduler has no gpupool registry; "
                     "register dask_gpupool.GPUPool() or preload dask_gpupool on the scheduler"
                 )
-            service.registry.apply(RegistryUpdate.from_msg(snapshot))
+            service.apply_registry(RegistryUpdate.from_msg(snapshot))
         except BaseException:
             worker.stream_handlers.pop(STREAM_OP, None)
             service.close()
             raise
+        self._get_data = install_get_data_hook(worker, service)
         self.service = service
 
     def _on_registry_update(self, **msg: Any) -> None:
         if self.service is not None:
-            self.service.registry.apply(RegistryUpdate.from_msg(msg))
+            self.service.apply_registry(RegistryUpdate.from_msg(msg))
 
     async def teardown(self, worker: Worker) -> None:
         if worker.stream_handlers.get(STREAM_OP) == self._on_registry_update:
             # Not deleted: an update already in flight would hit an unknown op, and an
             # unknown op ends the worker's whole scheduler stream. Late updates are dropped.
             worker.stream_handlers[STREAM_OP] = _drop_update
+        original = self._get_data
+        self._get_data = None
+        if callable(original) and getattr(worker.handlers.get("get_data"), "__wrapped__", None) is original:
+            worker.handlers["get_data"] = cast("Callable[..., Any]", original)
         service, self.service = self.service, None
         if service is None:
             return

@@ -15,6 +15,7 @@ def test_public_names_are_pinned():
         "BrokerError",
         "BrokerRefusedError",
         "ConfigError",
+        "DataLostError",
         "GPUPool",
         "GPUPoolError",
         "PeerAccessError",
@@ -27,9 +28,11 @@ def test_public_names_are_pinned():
         "ProtocolError",
         "UnknownPoolError",
         "allocate",
+        "as_array",
         "dask_setup",
         "pool_stats",
         "pools",
+        "stats",
     ]
 
 

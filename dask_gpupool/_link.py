@@ -1,0 +1,340 @@
+"""The importer's side of a handoff: links to exporters, imported buffers, lease releases.
+
+:class:`PeerLink` is an importer's one connection to one exporter's fd
+broker. It stays open while the importer lives: the pool fd is fetched over
+it, lease claims and releases travel on it, and when the importer dies the
+kernel closes it, which is how the exporter learns to release that
+importer's leases.
+
+:class:`ImportedMemoryResource` is the memory resource of one imported
+buffer. The Buffer handed to Dask and user code is
+``Buffer.from_handle(ptr, size, mr=ImportedMemoryResource(...))``: when it is
+closed or garbage-collected, ``deallocate`` closes the underlying import
+under the process's import lock and queues the lease release, which
+:class:`Releaser` sends in batches from its own thread, off the hot path,
+after the GPU finished the work queued on the legacy default stream (so the
+exporter never reuses memory a kernel here still reads).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from cuda.core import MemoryResource
+
+from dask_gpupool._errors import PeerLostError, ProtocolError
+from dask_gpupool._mapping import IMPORT_LOCK
+from dask_gpupool._messages import (
+    MAX_LEASES_PER_MESSAGE,
+    MAX_MESSAGE_BYTES,
+    CopyReply,
+    CopyRequest,
+    HandleReply,
+    HandleRequest,
+    LeaseClaim,
+    LeaseRelease,
+    decode,
+    encode,
+    raise_for_error,
+)
+
+if TYPE_CHECKING:
+    from cuda.core import Buffer
+
+    from dask_gpupool._mapping import MappedPool
+
+__all__ = ["ImportedMemoryResource", "PeerLink", "Releaser"]
+
+logger = logging.getLogger(__name__)
+
+
+class PeerLink:
+    """A persistent connection to one exporter's broker. Blocking; thread-safe.
+
+    Parameters
+    ----------
+    address : str
+        The exporter's broker socket (from its registry row).
+    timeout : float
+        Seconds to wait for a reply.
+
+    Notes
+    -----
+    fd ownership: the link owns its socket (closed by :meth:`close`). Fds it
+    receives are returned to the caller, who closes them.
+    """
+
+    address: str
+    timeout: float
+    _sock: socket.socket | None
+    _lock: threading.Lock
+
+    def __init__(self, address: str, timeout: float) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._lock = threading.Lock()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(address)
+        except OSError as e:
+            sock.close()
+            raise PeerLostError(f"broker {address}: {type(e).__name__}: {e}") from e
+        self._sock = sock
+
+    @property
+    def alive(self) -> bool:
+        return self._sock is not None
+
+    def _broken(self, e: BaseException) -> PeerLostError:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+        return PeerLostError(f"broker {self.address}: {type(e).__name__}: {e}")
+
+    def _exchange(self, request: HandleRequest | CopyRequest, context: str) -> tuple[dict[str, Any], int]:
+        """Send ``request``; return the reply and the fd that follows it (caller closes)."""
+        with self._lock:
+            if self._sock is None:
+                raise PeerLostError(f"{context}: link is closed")
+            try:
+                self._sock.sendall(encode(request))
+                data = self._sock.recv(MAX_MESSAGE_BYTES + 1)
+            except OSError as e:
+                raise self._broken(e) from e
+            if not data:
+                raise self._broken(ConnectionResetError("the broker closed the connection"))
+            msg = decode(data)
+            raise_for_error(msg, context)
+            try:
+                _, fds, flags, _ = socket.recv_fds(self._sock, 16, 4)
+            except OSError as e:
+                raise self._broken(e) from e
+            if len(fds) != 1 or flags & socket.MSG_CTRUNC:
+                for fd in fds:
+                    os.close(fd)
+                raise ProtocolError(f"{context}: expected one fd, got {len(fds)}")
+            return msg, fds[0]
+
+    def request_pool_fd(self, pool: str) -> tuple[HandleReply, int]:
+        """The pool's fd (**caller closes it**) and the broker's reply."""
+        context = f"broker {self.address} (pool {pool})"
+        msg, fd = self._exchange(HandleRequest(pool), context)
+        try:
+            reply = HandleReply.from_msg(msg)
+            if reply.pool != pool:
+                raise ProtocolError(f"{context}: reply names pool {reply.pool}")
+        except BaseException:
+            os.close(fd)
+            raise
+        return reply, fd
+
+    def fetch_copy(self, lease: int) -> tuple[CopyReply, int]:
+        """A memfd holding a host copy of leased buffer ``lease`` (**caller closes it**)."""
+        context = f"broker {self.address} (lease {lease})"
+        msg, fd = self._exchange(CopyRequest(lease), context)
+        try:
+            reply = CopyReply.from_msg(msg)
+            if reply.lease != lease or os.fstat(fd).st_size < reply.size:
+                raise ProtocolError(f"{context}: copy reply does not match the request")
+        except BaseException:
+            os.close(fd)
+            raise
+        return reply, fd
+
+    def _send(self, message: LeaseClaim | LeaseRelease) -> None:
+        with self._lock:
+            if self._sock is None:
+                raise PeerLostError(f"broker {self.address}: link is closed")
+            try:
+                self._sock.sendall(encode(message))
+            except OSError as e:
+                raise self._broken(e) from e
+
+    def claim(self, leases: list[int]) -> None:
+        """Tell the exporter these leases are imported here (ties them to this connection)."""
+        for i in range(0, len(leases), MAX_LEASES_PER_MESSAGE):
+            self._send(LeaseClaim(tuple(leases[i : i + MAX_LEASES_PER_MESSAGE])))
+
+    def release(self, leases: list[int]) -> None:
+        """Tell the exporter these imports are closed."""
+        for i in range(0, len(leases), MAX_LEASES_PER_MESSAGE):
+            self._send(LeaseRelease(tuple(leases[i : i + MAX_LEASES_PER_MESSAGE])))
+
+    def close(self) -> None:
+        """Close the connection (the exporter then releases leases claimed on it). Idempotent."""
+        with self._lock:
+            sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+
+
+class Releaser:
+    """Sends lease releases in batches from its own thread.
+
+    :meth:`put` is called from ``ImportedMemoryResource.deallocate`` (any
+    thread, often the garbage collector's); the thread waits for the GPU work
+    recorded with each release to finish, then sends one
+    :class:`~dask_gpupool._messages.LeaseRelease` per link.
+    """
+
+    sent: int
+    _pending: list[tuple[PeerLink, int, Any]]
+    _cond: threading.Condition
+    _closed: bool
+    _thread: threading.Thread
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self._pending = []
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="gpupool-releaser", daemon=True)
+        self._thread.start()
+
+    def put(self, link: PeerLink, lease: int, event: Any = None) -> None:
+        """Queue a release; ``event`` (a cuda.core Event or ``None``) must complete first."""
+        with self._cond:
+            self._pending.append((link, lease, event))
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._closed:
+                    self._cond.wait()
+                if not self._pending and self._closed:
+                    return
+                batch, self._pending = self._pending, []
+            self._send(batch)
+
+    def _send(self, batch: list[tuple[PeerLink, int, Any]]) -> None:
+        by_link: dict[int, tuple[PeerLink, list[int]]] = {}
+        for link, lease, event in batch:
+            if event is not None:
+                try:
+                    event.sync()
+                    event.close()
+                except Exception:  # the GPU work failed; the memory is no longer ours to guard
+                    logger.exception("waiting for GPU work before releasing lease %d failed", lease)
+            by_link.setdefault(id(link), (link, []))[1].append(lease)
+        for link, leases in by_link.values():
+            if not link.alive:
+                continue  # the exporter is gone, and with it the leases
+            try:
+                link.release(leases)
+                self.sent += len(leases)
+            except PeerLostError as e:
+                logger.debug("releasing %d lease(s): %s", len(leases), e)
+
+    def flush(self, timeout: float = 10.0) -> None:
+        """Wait until everything queued so far has been sent (tests, teardown)."""
+        done = threading.Event()
+
+        class _Marker:
+            alive = False
+
+            def release(self, leases: list[int]) -> None:  # pragma: no cover - never alive
+                pass
+
+        with self._cond:
+            self._pending.append((_Marker(), 0, _SetOnSync(done)))  # type: ignore[arg-type]
+            self._cond.notify()
+        done.wait(timeout)
+
+    def close(self) -> None:
+        """Send what is queued, then stop the thread. Idempotent."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout=10)
+
+
+class _SetOnSync:
+    def __init__(self, done: threading.Event) -> None:
+        self._done = done
+
+    def sync(self) -> None:
+        self._done.set()
+
+    def close(self) -> None:
+        pass
+
+
+class ImportedMemoryResource(MemoryResource):
+    """The memory resource of one buffer imported from a peer's pool.
+
+    Parameters
+    ----------
+    raw : cuda.core.Buffer
+        The import itself (owned: closed by :meth:`deallocate`).
+    mapped : MappedPool
+        The mapping ``raw`` came from (kept alive while the buffer lives).
+    on_close : callable
+        Called with the cuda.core Event to wait for (or ``None``) once the import
+        is closed; queues the lease release.
+
+    Notes
+    -----
+    The Buffer built over this resource is the only owner of ``raw``;
+    closing it (or losing the last reference) runs :meth:`deallocate` once.
+    """
+
+    raw: Buffer | None
+    mapped: MappedPool
+    _on_close: Callable[[Any], None]
+    _device_accessible: bool
+    _host_accessible: bool
+    _device_id: int
+
+    def __init__(self, raw: Buffer, mapped: MappedPool, on_close: Callable[[Any], None]) -> None:
+        self.raw = raw
+        self.mapped = mapped
+        self._on_close = on_close
+        self._device_accessible = bool(raw.is_device_accessible)
+        self._host_accessible = bool(raw.is_host_accessible)
+        self._device_id = int(raw.device_id)
+
+    def allocate(self, size: int, *, stream: Any = None) -> Buffer:
+        raise TypeError("an imported buffer's resource cannot allocate")
+
+    def deallocate(self, ptr: Any, size: int, *, stream: Any = None) -> None:
+        raw, self.raw = self.raw, None
+        if raw is None:
+            return
+        event = None
+        try:
+            with IMPORT_LOCK:
+                if self.mapped.device is not None and self._device_accessible:
+                    from cuda.core import Device
+
+                    dev = Device(self.mapped.device)
+                    dev.set_current()
+                    raw.close(dev.default_stream)
+                    # Work queued here on blocking streams (CuPy's default) must finish before the
+                    # exporter may reuse the memory: the releaser waits for this event.
+                    event = dev.default_stream.record()
+                else:
+                    raw.close()
+        except Exception:
+            logger.exception("closing an import from pool %s failed", self.mapped.record.pool)
+        finally:
+            self.mapped.imports -= 1
+            self._on_close(event)
+
+    @property
+    def is_device_accessible(self) -> bool:
+        return self._device_accessible
+
+    @property
+    def is_host_accessible(self) -> bool:
+        return self._host_accessible
+
+    @property
+    def device_id(self) -> int:
+        return self._device_id

@@ -1,0 +1,406 @@
+"""Dask serializers that hand pool memory over in place between same-host workers.
+
+Registered for cuda.core ``Buffer`` and for NumPy and CuPy arrays (the latter
+only those made over pool buffers with :func:`as_array`; every other array
+keeps distributed's own serializer, which these registrations delegate to).
+
+**Which path.** A value goes as an IPC descriptor only when it is being sent
+in answer to a worker's ``get_data`` (the plugin wraps that handler, so the
+requesting worker is known: :data:`_REQUEST`), the requester is a registered
+worker on the same host in another process, the comm is TCP or TLS, the
+memory lies in this worker's pool, and the requester can reach it (see
+:meth:`PoolService.plan`). Everything else - other hosts, a client's gather,
+the scheduler relaying one, spilling to disk, UCX comms, the same process -
+gets a host copy in the frames, which a receiving worker lands in its own
+pool so that it can be handed on again.
+
+**Sub-header.** ``{"gpupool": HandoffHeader.to_msg()}``: msgpack-safe, never
+pickled. Dask's own framing around it is unchanged.
+
+**Failure.** ``loads`` never lets a bare CUDA error out: an import that fails
+falls back to fetching a host copy from the exporter; only when the data is
+gone does it raise :class:`~dask_gpupool.DataLostError` naming pool and worker.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextvars
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from cuda.core import Buffer
+from distributed.protocol import dask_deserialize, dask_serialize
+
+from dask_gpupool._errors import PoolUnavailableError, ProtocolError
+from dask_gpupool._messages import ArrayMeta, HandoffHeader
+from dask_gpupool._service import active_service, buffer_kind, copy_to_host, host_buffer
+
+if TYPE_CHECKING:
+    from distributed import Worker
+
+    from dask_gpupool._service import PoolService
+
+__all__ = ["as_array", "install_get_data_hook"]
+
+KEY = "gpupool"
+
+
+# -- who asked: the get_data context ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Request:
+    requester: str | None
+    scheme: str
+    service: PoolService
+
+
+#: Set while a worker answers ``get_data``; Dask's offload thread inherits it.
+_REQUEST: contextvars.ContextVar[_Request | None] = contextvars.ContextVar("gpupool_request", default=None)
+
+
+def install_get_data_hook(worker: Worker, service: PoolService) -> Any:
+    """Wrap ``worker``'s ``get_data`` handler so serializers know the requester.
+
+    Returns the original handler (to put back on teardown).
+    """
+    from distributed.comm import parse_address
+
+    original = worker.handlers["get_data"]
+
+    async def get_data(comm: Any, keys: Any = (), who: str | None = None, **kwargs: Any) -> Any:
+        try:
+            scheme = parse_address(comm.peer_address)[0]
+        except Exception:
+            scheme = ""
+        token = _REQUEST.set(_Request(who, scheme, service))
+        try:
+            return await original(comm, keys=keys, who=who, **kwargs)
+        finally:
+            _REQUEST.reset(token)
+
+    get_data.__wrapped__ = original  # type: ignore[attr-defined]
+    worker.handlers["get_data"] = get_data
+    return original
+
+
+# -- which pool buffer an array lies in ---------------------------------------------------
+
+
+class _ViewIndex:
+    """Buffers that :func:`as_array` made arrays over, by address range (weakly held)."""
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._entries: dict[int, tuple[int, weakref.ref[Buffer]]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, buf: Buffer) -> None:
+        start, size = int(buf.handle), int(buf.size)
+        with self._lock:
+            if start not in self._entries:
+                bisect.insort(self._starts, start)
+            self._entries[start] = (size, weakref.ref(buf, self._on_death(start)))
+
+    def _on_death(self, start: int) -> Any:
+        def callback(_ref: Any) -> None:
+            self._remove(start)
+
+        return callback
+
+    def _remove(self, start: int) -> None:
+        with self._lock:
+            entry = self._entries.get(start)
+            if entry is not None and entry[1]() is None:
+                del self._entries[start]
+                i = bisect.bisect_left(self._starts, start)
+                if i < len(self._starts) and self._starts[i] == start:
+                    del self._starts[i]
+
+    def find(self, low: int, high: int) -> Buffer | None:
+        """The live buffer holding ``[low, high)``, if any."""
+        with self._lock:
+            i = bisect.bisect_right(self._starts, low) - 1
+            if i < 0:
+                return None
+            start = self._starts[i]
+            size, ref = self._entries[start]
+        buf = ref()
+        if buf is None or buf.is_closed or high > start + size:
+            return None
+        return buf
+
+    def __bool__(self) -> bool:
+        return bool(self._starts)
+
+
+_VIEWS = _ViewIndex()
+
+
+def _byte_bounds(ptr: int, shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> tuple[int, int]:
+    low = high = ptr
+    if any(n == 0 for n in shape):
+        return ptr, ptr
+    for n, st in zip(shape, strides, strict=True):
+        if st < 0:
+            low += (n - 1) * st
+        else:
+            high += (n - 1) * st
+    return low, high + itemsize
+
+
+# -- array views over Buffers ------------------------------------------------------------
+
+
+def as_array(
+    buf: Buffer,
+    shape: int | tuple[int, ...],
+    dtype: Any,
+    strides: tuple[int, ...] | None = None,
+    offset: int = 0,
+    *,
+    like: str | None = None,
+) -> Any:
+    """An array view over a pool ``Buffer`` (no copy), which hands over zero-copy too.
+
+    Parameters
+    ----------
+    buf : cuda.core.Buffer
+        Usually from :func:`dask_gpupool.allocate`. The array keeps it alive.
+    shape, dtype, strides, offset
+        As for ``numpy.ndarray``: strides in bytes (default C order), offset
+        in bytes from the start of ``buf``.
+    like : {"cupy", "numpy"}, optional
+        The array type. Default: CuPy for GPU-accessible memory (``device``
+        and ``pinned`` pools), NumPy for ``host`` pools. ``pinned`` memory can
+        be viewed either way.
+
+    Returns
+    -------
+    cupy.ndarray or numpy.ndarray
+        A view: no copy, and the array keeps ``buf`` alive.
+    """
+    import numpy as np
+
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    dt = np.dtype(dtype)
+    if strides is None:
+        strides = tuple(int(s) for s in np.empty((0,), dtype=dt).strides) if not shape else _c_strides(shape, dt)
+    low, high = _byte_bounds(int(buf.handle) + offset, shape, strides, dt.itemsize)
+    if low < int(buf.handle) or high > int(buf.handle) + buf.size:
+        raise ValueError(f"an array of shape {shape}, strides {strides} at offset {offset} does not fit {buf!r}")
+    if like is None:
+        like = "cupy" if buf.is_device_accessible else "numpy"
+    if like not in ("cupy", "numpy") or (like == "cupy" and not buf.is_device_accessible):
+        raise ValueError(f"cannot view {buf!r} as a {like} array")
+    if like == "numpy" and not buf.is_host_accessible:
+        raise ValueError(f"{buf!r} is GPU memory: view it with like='cupy'")
+    _VIEWS.add(buf)
+    if like == "cupy":
+        import cupy
+
+        mem = cupy.cuda.UnownedMemory(int(buf.handle), buf.size, buf, device_id=_device_of(buf))
+        return cupy.ndarray(shape, dt, cupy.cuda.MemoryPointer(mem, offset), strides=strides)
+    import ctypes
+
+    anchor = (ctypes.c_char * buf.size).from_address(int(buf.handle))
+    anchor._buf = buf  # the array keeps the Buffer alive through it
+    return np.ndarray(shape, dt, buffer=anchor, offset=offset, strides=strides)
+
+
+def _c_strides(shape: tuple[int, ...], dt: Any) -> tuple[int, ...]:
+    strides, step = [], dt.itemsize
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def _device_of(buf: Buffer) -> int:
+    dev = int(buf.device_id)
+    if dev >= 0:
+        return dev
+    from cuda.core import Device
+
+    return int(Device().device_id)
+
+
+# -- the serializers -----------------------------------------------------------------
+
+
+def _dumps(
+    holder: Any, buf: Buffer, ipc_meta: ArrayMeta | None, copy_meta: ArrayMeta | None, host_frame: Any
+) -> tuple[dict[str, Any], list[Any]]:
+    """Hand ``buf`` over (IPC) when the request allows it, else copy: ``host_frame()`` gives the bytes."""
+    request = _REQUEST.get()
+    service = request.service if request is not None else None
+    if service is not None and request is not None:
+        row, _reason = service.plan(request.requester, request.scheme, buf)
+        if row is not None:
+            return {KEY: service.export_ipc(holder, buf, row, ipc_meta).to_msg()}, []
+    frame = host_frame()
+    nbytes = memoryview(frame).nbytes
+    if service is not None:
+        service.handoffs.add(copied_out_bytes=nbytes)
+    exporter = service.record.worker if service is not None else ""
+    header = HandoffHeader("copy", buffer_kind(buf), nbytes, exporter=exporter, array=copy_meta)
+    return {KEY: header.to_msg()}, [frame]
+
+
+def _receive(header: HandoffHeader, frames: list[Any], need: str) -> Buffer:
+    """The Buffer a header and its frames describe, in this process.
+
+    ``need``: ``"host"`` or ``"device"`` when the value must be readable there
+    (a NumPy or CuPy array), else ``"any"``.
+    """
+    service = active_service()
+    if header.path == "ipc":
+        if service is None:
+            raise PoolUnavailableError(
+                f"a handoff from {header.exporter} reached a process without a gpupool pool; "
+                "it should have been sent as a copy"
+            )
+        return service.import_handoff(header)
+    data = frames[0] if frames else b""
+    if service is not None:
+        return service.receive_copy(header.kind, data, header.exporter, need)
+    return host_buffer(bytearray(data))  # a client: host memory it owns
+
+
+@dask_serialize.register(Buffer)
+def _serialize_buffer(buf: Buffer, context: Any = None) -> tuple[dict[str, Any], list[Any]]:
+    return _dumps(buf, buf, None, None, lambda: copy_to_host(buf, 0, buf.size))
+
+
+@dask_deserialize.register(Buffer)
+def _deserialize_buffer(header: dict[str, Any], frames: list[Any]) -> Buffer:
+    return _receive(HandoffHeader.from_msg(header[KEY]), frames, "any")
+
+
+def _dumps_array(arr: Any, module: str, ptr: int, previous: Any, context: Any) -> tuple[dict[str, Any], list[Any]]:
+    if not _VIEWS or arr.dtype.hasobject:
+        return _call(previous, arr, context)
+    shape, strides = tuple(arr.shape), tuple(arr.strides)
+    low, high = _byte_bounds(ptr, shape, strides, arr.dtype.itemsize)
+    buf = _VIEWS.find(low, high) if high > low else None
+    if buf is None:
+        return _call(previous, arr, context)
+
+    def host_frame() -> Any:
+        if module == "cupy":
+            import cupy
+
+            return memoryview(cupy.asnumpy(cupy.ascontiguousarray(arr))).cast("B")
+        import numpy as np
+
+        contiguous: Any = np.ascontiguousarray(arr)
+        return memoryview(contiguous).cast("B")
+
+    ipc_meta = ArrayMeta(module, shape, strides, arr.dtype.str, ptr - int(buf.handle))
+    copy_meta = ArrayMeta(module, shape, _c_strides(shape, arr.dtype), arr.dtype.str, 0)
+    return _dumps(buf, buf, ipc_meta, copy_meta, host_frame)
+
+
+def _loads_array(header: dict[str, Any], frames: list[Any], previous: Any) -> Any:
+    if KEY not in header:
+        return previous(header, frames)
+    h = HandoffHeader.from_msg(header[KEY])
+    meta = h.array
+    if meta is None:
+        raise ProtocolError("handoff header of an array carries no array shape")
+    buf = _receive(h, frames, "device" if meta.module == "cupy" else "host")
+    if meta.module == "numpy" or buf.is_device_accessible:
+        return as_array(buf, meta.shape, meta.dtype, meta.strides, meta.offset, like=meta.module)
+    # A CuPy array that landed in host memory (a client, or a host pool without a GPU).
+    host = as_array(buf, meta.shape, meta.dtype, meta.strides, meta.offset, like="numpy")
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            return cupy.asarray(host)
+    except Exception:
+        pass
+    return host
+
+
+def _call(fn: Any, x: Any, context: Any) -> Any:
+    from dask.utils import has_keyword
+
+    return fn(x, context=context) if has_keyword(fn, "context") else fn(x)
+
+
+def _register_numpy() -> None:
+    import numpy as np
+    from distributed.protocol import numpy as _distributed_numpy  # noqa: F401  (its registrations first)
+
+    previous_dumps = dask_serialize.dispatch(np.ndarray)
+    previous_loads = dask_deserialize.dispatch(np.ndarray)
+
+    def serialize_numpy(x: Any, context: Any = None) -> tuple[dict[str, Any], list[Any]]:
+        return _dumps_array(x, "numpy", int(x.__array_interface__["data"][0]), previous_dumps, context)
+
+    def deserialize_numpy(header: dict[str, Any], frames: list[Any]) -> Any:
+        return _loads_array(header, frames, previous_loads)
+
+    dask_serialize.register(np.ndarray)(serialize_numpy)
+    dask_deserialize.register(np.ndarray)(deserialize_numpy)
+
+
+_cupy_registered = False
+
+
+def _register_cupy() -> None:
+    global _cupy_registered
+    if _cupy_registered:
+        return
+    _cupy_registered = True
+    import cupy
+    from distributed.protocol import cupy as _distributed_cupy  # noqa: F401  (its registrations first)
+
+    previous_dumps = dask_serialize.dispatch(cupy.ndarray)
+    previous_loads = dask_deserialize.dispatch(cupy.ndarray)
+
+    def serialize_cupy(x: Any, context: Any = None) -> tuple[dict[str, Any], list[Any]]:
+        return _dumps_array(x, "cupy", int(x.data.ptr), previous_dumps, context)
+
+    def deserialize_cupy(header: dict[str, Any], frames: list[Any]) -> Any:
+        return _loads_array(header, frames, previous_loads)
+
+    dask_serialize.register(cupy.ndarray)(serialize_cupy)
+    dask_deserialize.register(cupy.ndarray)(deserialize_cupy)
+
+
+def _register_sizeof() -> None:
+    from dask.sizeof import sizeof
+
+    @sizeof.register(Buffer)
+    def _sizeof_buffer(buf: Buffer) -> int:
+        return int(buf.size)
+
+    try:
+        from dask_cuda.is_device_object import is_device_object
+    except ImportError:
+        return
+
+    @is_device_object.register(Buffer)
+    def _is_device_buffer(buf: Buffer) -> bool:
+        return bool(buf.is_device_accessible and not buf.is_host_accessible)
+
+
+def _register() -> None:
+    _register_numpy()
+    _register_sizeof()
+    import sys
+
+    if "cupy" in sys.modules:
+        _register_cupy()
+    else:
+        # Replaces distributed's lazy hooks for CuPy with ours, which run theirs first.
+        dask_serialize.register_lazy("cupy")(_register_cupy)
+        dask_deserialize.register_lazy("cupy")(_register_cupy)
+
+
+_register()

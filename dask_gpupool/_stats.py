@@ -1,0 +1,89 @@
+"""Handoff counters of one worker, and the one-warning-per-(peer, reason) rule."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+__all__ = ["FALLBACK_REASONS", "HandoffStats"]
+
+logger = logging.getLogger("dask_gpupool")
+
+#: Why a same-host transfer was copied instead of handed over, as counted in ``fallbacks``.
+FALLBACK_REASONS = {
+    "same-process": "the requester is this process",
+    "comm": "the comm is not TCP/TLS (UCX, inproc): it passes no requester",
+    "not-in-pool": "the value does not live in this worker's pool",
+    "no-access": "the requester cannot reach the memory (GPU not visible, or no GPU)",
+    "pool-closed": "this worker's pool is closing",
+    "import-failed": "the requester could not import the descriptor and fetched a copy",
+    "receiver-pool-full": "the receiver's pool was full; the copy went to memory outside it",
+}
+
+
+class HandoffStats:
+    """Counters of one worker's handoffs. Thread-safe.
+
+    Attributes
+    ----------
+    exports, imports : int
+        Buffers sent as IPC descriptors / mapped from peers.
+    zero_copy_bytes : int
+        Bytes this worker received by mapping a peer's memory.
+    copied_bytes : int
+        Bytes this worker received as host copies (any sender).
+    copied_out_bytes : int
+        Bytes this worker sent as host copies (peers, clients, spilling).
+    fallbacks : dict of str to int
+        Same-host transfers that were copied, by reason (see :data:`FALLBACK_REASONS`).
+    """
+
+    exports: int
+    imports: int
+    zero_copy_bytes: int
+    copied_bytes: int
+    copied_out_bytes: int
+    fallbacks: dict[str, int]
+    _warned: set[tuple[str, str]]
+    _lock: threading.Lock
+
+    def __init__(self) -> None:
+        self.exports = self.imports = 0
+        self.zero_copy_bytes = self.copied_bytes = self.copied_out_bytes = 0
+        self.fallbacks = {}
+        self._warned = set()
+        self._lock = threading.Lock()
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for name, n in counts.items():
+                setattr(self, name, getattr(self, name) + n)
+
+    def fallback(self, peer: str, reason: str, worker: str, detail: str = "") -> None:
+        """Count a same-host fallback; log one WARNING per (peer, reason)."""
+        with self._lock:
+            self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+            first = (peer, reason) not in self._warned
+            self._warned.add((peer, reason))
+        if first:
+            logger.warning(
+                "gpupool: %s -> %s copied instead of handed over (%s: %s)%s; further fallbacks of this kind "
+                "between them are counted in dask_gpupool.stats() without a warning",
+                worker,
+                peer,
+                reason,
+                FALLBACK_REASONS.get(reason, reason),
+                f": {detail}" if detail else "",
+            )
+
+    def to_msg(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "exports": self.exports,
+                "imports": self.imports,
+                "zero_copy_bytes": self.zero_copy_bytes,
+                "copied_bytes": self.copied_bytes,
+                "copied_out_bytes": self.copied_out_bytes,
+                "fallbacks": dict(self.fallbacks),
+            }
