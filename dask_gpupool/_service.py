@@ -28,6 +28,8 @@ import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from cuda.core import MemoryResource
+
 from dask_gpupool._broker import FdBroker
 from dask_gpupool._config import PoolOptions
 from dask_gpupool._errors import (
@@ -554,16 +556,38 @@ def _outside_pool(pool: Pool, nbytes: int, need: str = "any") -> Buffer:
 
 
 def host_buffer(data: Any) -> Buffer:
-    """A Buffer over host memory owned by ``data`` (a writable bytes-like object)."""
+    """A Buffer over host memory owned by ``data`` (a writable bytes-like object). Needs no driver."""
     from cuda.core import Buffer
 
     view = memoryview(data).cast("B")
-    if view.nbytes == 0:
-        data = bytearray(1)
-        view = memoryview(data)
-    anchor = (ctypes.c_char * view.nbytes).from_buffer(view)
-    anchor._data = data  # type: ignore[attr-defined]
-    return Buffer.from_handle(ctypes.addressof(anchor), memoryview(data).nbytes, owner=anchor)
+    nbytes = view.nbytes
+    anchor = (ctypes.c_char * max(nbytes, 1)).from_buffer(view if nbytes else bytearray(1))
+    return Buffer.from_handle(ctypes.addressof(anchor), nbytes, mr=_HostBytes(anchor, data))
+
+
+class _HostBytes(MemoryResource):
+    """The memory resource of one :func:`host_buffer`: keeps its bytes alive until the Buffer closes."""
+
+    def __init__(self, anchor: Any, data: Any) -> None:
+        self._keep: tuple[Any, Any] | None = (anchor, data)
+
+    def allocate(self, size: int, *, stream: Any = None) -> Buffer:
+        raise TypeError("a host_buffer's resource cannot allocate")
+
+    def deallocate(self, ptr: Any, size: int, *, stream: Any = None) -> None:
+        self._keep = None
+
+    @property
+    def is_device_accessible(self) -> bool:
+        return False
+
+    @property
+    def is_host_accessible(self) -> bool:
+        return True
+
+    @property
+    def device_id(self) -> int:
+        return -1
 
 
 def _make_current(pool: Pool) -> Any:

@@ -136,7 +136,11 @@ def open_fds() -> list[str]:
 
 def resources(dask_worker: Worker) -> dict[str, Any]:
     """client.run target: what this worker holds, to check that nothing leaked."""
+    import gc
+
     service = service_of(dask_worker)
+    gc.collect()
+    service.releaser.flush()
     fds = open_fds()
     return {
         "fds": len(fds),
@@ -146,6 +150,7 @@ def resources(dask_worker: Worker) -> dict[str, Any]:
         "mapped_pools": len(service.mapped),
         "used": service.stats().used,
         "held": len(_held),
+        "leases": len(service.leases),
     }
 
 
@@ -163,3 +168,97 @@ def visible_devices() -> tuple[str, ...]:
     from dask_gpupool._topology import local_devices
 
     return local_devices().uuids
+
+
+# -- handoff helpers: tasks whose inputs and outputs travel through Dask ----------------
+
+
+def make_buffer(nbytes: int, data: bytes) -> Buffer:
+    """Task: a Buffer from this worker's pool holding ``data`` at its start (the task's result)."""
+    buf = current_service().allocate(nbytes)
+    write_bytes(buf, data)
+    return buf
+
+
+def make_array(n: int, like: str | None = None) -> Any:
+    """Task: ``arange(n)`` as float64 in an array view over a pool buffer."""
+    import numpy as np
+
+    from dask_gpupool import as_array
+
+    buf = current_service().allocate(n * 8)
+    arr = as_array(buf, (n,), "f8", like=like)
+    if type(arr).__module__.startswith("cupy"):
+        import cupy
+
+        arr[...] = cupy.arange(n, dtype="f8")
+        cupy.cuda.runtime.deviceSynchronize()
+    else:
+        arr[...] = np.arange(n, dtype="f8")
+    return arr
+
+
+def keep(x: Any) -> Any:
+    """Task: return the input itself (the consumer then holds the handed-over value)."""
+    return x
+
+
+def describe(x: Any) -> dict[str, Any]:
+    """Task: how a value arrived here: imported from a peer (zero-copy) or not, and where it points."""
+    from dask_gpupool._link import ImportedMemoryResource
+
+    if hasattr(x, "memory_resource"):
+        buf = x
+    else:  # an array view over a Buffer
+        buf = _buffer_of(x)
+    return {
+        "type": f"{type(x).__module__}.{type(x).__name__}",
+        "imported": isinstance(getattr(buf, "memory_resource", None), ImportedMemoryResource),
+        "in_own_pool": buf is not None and current_service().pool.owns(buf),
+    }
+
+
+def _buffer_of(arr: Any) -> Any:
+    from dask_gpupool._serialize import _VIEWS
+
+    if type(arr).__module__.startswith("cupy"):
+        ptr = int(arr.data.ptr)
+    else:
+        ptr = int(arr.__array_interface__["data"][0])
+    return _VIEWS.find(ptr, ptr + max(arr.nbytes, 1))
+
+
+def head(x: Any, nbytes: int) -> bytes:
+    """Task: the first ``nbytes`` of a Buffer, or of an array's data."""
+    if hasattr(x, "memory_resource"):
+        return read_bytes(x, nbytes)
+    if type(x).__module__.startswith("cupy"):
+        return bytes(x.get().tobytes()[:nbytes])
+    return bytes(x.tobytes()[:nbytes])
+
+
+def total(x: Any) -> float:
+    """Task: the sum of an array (read where it lives)."""
+    return float(x.sum())
+
+
+def overwrite(buf: Buffer, data: bytes) -> None:
+    """Task: write ``data`` at the start of ``buf`` (the producer's own copy of the key)."""
+    write_bytes(buf, data)
+
+
+def scribble(nbytes: int, data: bytes) -> None:
+    """Task: allocate ``nbytes`` from this pool, fill its start with ``data``, free it."""
+    buf = current_service().allocate(nbytes)
+    write_bytes(buf, data)
+    buf.close()
+
+
+def handoff_counters(dask_worker: Worker) -> dict[str, Any]:
+    """client.run target: handoff counters plus pool bytes."""
+    service = service_of(dask_worker)
+    import gc
+
+    gc.collect()
+    service.releaser.flush()
+    return {**service.handoff_stats(), "used": service.stats().used}

@@ -1,0 +1,183 @@
+"""Zero-copy handoff between real Nanny workers with ``host`` pools (runs in CI, no GPU)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from conftest import nanny_cluster, worker_addresses
+
+import dask_gpupool
+from dask_gpupool import GPUPool
+from dask_gpupool import _testing as T
+
+MiB = 1 << 20
+HOST_POOL = GPUPool(kind="host", max_size="64 MiB")
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def counters(client: Any, *workers: str) -> dict[str, dict[str, Any]]:
+    return client.run(T.handoff_counters, workers=list(workers) or None)
+
+
+def warm_up(client: Any, a: str, b: str) -> dict[str, Any]:
+    """One handoff each way (opens links and mappings that then stay); returns the resource baseline."""
+    for src, dst in ((a, b), (b, a)):
+        x = client.submit(T.make_buffer, 4096, b"w", workers=[src], pure=False)
+        client.submit(T.head, x, 1, workers=[dst], pure=False).result()
+        del x
+    wait_for(lambda: all(c["leases"] == 0 for c in counters(client).values()), what="warm-up leases to end")
+    return client.run(T.resources)
+
+
+def back_to(client: Any, baseline: dict[str, Any]) -> None:
+    wait_for(lambda: client.run(T.resources) == baseline, what="every worker back to its baseline")
+
+
+def test_same_host_handoff_maps_the_producers_memory():
+    with nanny_cluster([{}, {}], HOST_POOL) as c:
+        a, b = worker_addresses(c)
+        baseline = warm_up(c, a, b)
+        before = counters(c)
+
+        x = c.submit(T.make_buffer, MiB, b"written by A", workers=[a], pure=False)
+        y = c.submit(T.keep, x, workers=[b], pure=False)
+        assert c.submit(T.describe, y, workers=[b], pure=False).result()["imported"]
+        assert c.submit(T.head, y, 12, workers=[b], pure=False).result() == b"written by A"
+
+        # A byte A writes afterwards is visible to B: B reads A's memory, not a copy.
+        c.submit(T.overwrite, x, b"WRITTEN BY A", workers=[a], pure=False).result()
+        assert c.submit(T.head, y, 12, workers=[b], pure=False).result() == b"WRITTEN BY A"
+
+        now = counters(c)
+        assert now[b]["copied_bytes"] == before[b]["copied_bytes"]
+        assert now[b]["zero_copy_bytes"] - before[b]["zero_copy_bytes"] == MiB
+        assert now[a]["exports"] - before[a]["exports"] == 1
+        assert now[a]["leases"] == 1 and now[a]["lease_bytes"] == MiB
+        assert now[b]["fallbacks"] == {} and now[a]["fallbacks"] == {}
+
+        # After B drops the result, A's lease count and pool bytes return to their baseline.
+        del y
+        c.submit(T.keep, 0, workers=[b], pure=False).result()
+        del x
+        back_to(c, baseline)
+
+
+def test_arrays_over_pool_buffers_hand_over_and_plain_arrays_do_not():
+    import numpy as np
+
+    with nanny_cluster([{}, {}], HOST_POOL) as c:
+        a, b = worker_addresses(c)
+        baseline = warm_up(c, a, b)
+        arr = c.submit(T.make_array, 1000, workers=[a], pure=False)
+        info = c.submit(T.describe, c.submit(T.keep, arr, workers=[b], pure=False), workers=[b], pure=False)
+        assert info.result() == {"type": "numpy.ndarray", "imported": True, "in_own_pool": False}
+        assert c.submit(T.total, arr, workers=[b], pure=False).result() == float(np.arange(1000).sum())
+        plain = c.submit(np.arange, 10, workers=[a], pure=False)
+        assert c.submit(T.total, plain, workers=[b], pure=False).result() == 45.0
+        # A client gets a host copy.
+        np.testing.assert_array_equal(arr.result(), np.arange(1000, dtype="f8"))
+        del arr, info, plain
+        back_to(c, baseline)
+
+
+def test_other_host_ids_copy_and_land_in_the_receivers_pool():
+    hosts = [{"config": {"gpupool": {"host-id": "host-a"}}}, {"config": {"gpupool": {"host-id": "host-b"}}}]
+    with nanny_cluster(hosts, HOST_POOL) as c:
+        a, b = worker_addresses(c)
+        before = counters(c)
+        x = c.submit(T.make_buffer, MiB, b"copied", workers=[a], pure=False)
+        y = c.submit(T.keep, x, workers=[b], pure=False)
+        assert c.submit(T.describe, y, workers=[b], pure=False).result() == {
+            "type": "cuda.core._memory._buffer.Buffer",
+            "imported": False,
+            "in_own_pool": True,
+        }
+        assert c.submit(T.head, y, 6, workers=[b], pure=False).result() == b"copied"
+        now = counters(c)
+        assert now[b]["copied_bytes"] - before[b]["copied_bytes"] == MiB
+        assert now[b]["zero_copy_bytes"] == before[b]["zero_copy_bytes"]
+        assert now[a]["leases"] == 0 and now[a]["copied_out_bytes"] - before[a]["copied_out_bytes"] == MiB
+        assert now[a]["fallbacks"] == {}  # another host is not a fallback
+
+
+def test_client_gather_gets_a_host_copy():
+    with nanny_cluster([{}], HOST_POOL) as c:
+        (a,) = worker_addresses(c)
+        x = c.submit(T.make_buffer, 4096, b"to the client", workers=[a], pure=False)
+        buf = x.result()
+        assert T.read_bytes(buf, 13) == b"to the client"
+        assert type(buf.memory_resource).__name__ == "_HostBytes"
+        assert counters(c)[a]["leases"] == 0
+
+
+def test_amm_dropping_the_producers_replica_keeps_the_memory_leased():
+    with nanny_cluster([{}, {}], HOST_POOL) as c:
+        a, b = worker_addresses(c)
+        baseline = warm_up(c, a, b)
+        x = c.submit(T.make_buffer, MiB, b"still here", workers=[a], pure=False)
+        c.submit(T.head, x, 1, workers=[b], pure=False).result()  # B now holds a replica of x
+        wait_for(lambda: len(c.who_has(x)[x.key]) == 2, what="two replicas")
+
+        def drop(dask_scheduler: Any, key: Any = x.key, addr: str = a) -> None:
+            dask_scheduler.request_remove_replicas(addr, [key], stimulus_id="test-drop-replica")
+
+        c.run_on_scheduler(drop)
+        wait_for(lambda: c.who_has(x)[x.key] == (b,), what="A's replica to go")
+        # A frees its key, but the lease keeps the memory: a new allocation cannot take it.
+        assert counters(c)[a]["leases"] == 1 and counters(c)[a]["used"] >= MiB
+        c.submit(T.scribble, MiB, b"SCRIBBLED!", workers=[a], pure=False).result()
+        assert c.submit(T.head, x, 10, workers=[b], pure=False).result() == b"still here"
+        del x
+        back_to(c, baseline)
+
+
+def test_sigkill_of_the_importer_releases_its_leases():
+    with nanny_cluster([{}, {}], HOST_POOL) as c:
+        a, b = worker_addresses(c)
+        x = c.submit(T.make_buffer, MiB, b"leased", workers=[a], pure=False)
+        y = c.submit(T.keep, x, workers=[b], pure=False)
+        y.result()
+        assert counters(c)[a]["leases"] == 1
+        victim = next(r for r in dask_gpupool.pools(c) if r.worker == b)
+        os.kill(victim.pid, signal.SIGKILL)
+        wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="A to release B's lease")
+        del x, y
+        wait_for(lambda: counters(c, a)[a]["used"] == 0, what="A's pool bytes to return")
+
+
+def test_unclaimed_lease_expires():
+    """A lease granted to a requester that never imports (the descriptor was lost) expires."""
+    from dask_gpupool._config import PoolOptions
+    from dask_gpupool._lease import LeaseTable
+
+    table = LeaseTable(PoolOptions(lease_timeout=0.05).lease_timeout)
+    held = bytearray(8)
+    lease = table.grant(held, 8, "tcp://peer:1")
+    assert table.expire(time.monotonic()) == 0
+    assert table.expire(time.monotonic() + 1) == 1 and len(table) == 0 and table.expired_total == 1
+    claimed = table.grant(held, 8, "tcp://peer:1")
+    table.claim([claimed], connection=7)
+    assert table.expire(time.monotonic() + 1) == 0
+    assert table.release_connection(7) == 1 and table.nbytes == 0
+    assert lease != claimed
+
+
+@pytest.mark.parametrize("bad", [{"gpupool": {"path": "ipc", "kind": "host", "nbytes": 8}}, {"gpupool": 3}])
+def test_malformed_handoff_header_is_a_protocol_error(bad):
+    from cuda.core import Buffer
+    from distributed.protocol import dask_deserialize
+
+    with pytest.raises(dask_gpupool.ProtocolError):
+        dask_deserialize.dispatch(Buffer)(bad, [])
