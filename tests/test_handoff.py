@@ -139,7 +139,7 @@ def test_amm_dropping_the_producers_replica_keeps_the_memory_leased():
         assert counters(c)[a]["leases"] == 1 and counters(c)[a]["used"] >= MiB
         c.submit(T.scribble, MiB, b"SCRIBBLED!", workers=[a], pure=False).result()
         assert c.submit(T.head, x, 10, workers=[b], pure=False).result() == b"still here"
-        del x
+        x.release()
         back_to(c, baseline)
 
 
