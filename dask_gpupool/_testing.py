@@ -262,3 +262,46 @@ def handoff_counters(dask_worker: Worker) -> dict[str, Any]:
     gc.collect()
     service.releaser.flush()
     return {**service.handoff_stats(), "used": service.stats().used}
+
+
+def fill(nbytes: int, value: int) -> Buffer:
+    """Task: a pool Buffer of ``nbytes`` with every byte set to ``value`` (GPU memset or memset)."""
+    buf = current_service().allocate(nbytes)
+    set_all(buf, value)
+    return buf
+
+
+def set_all(buf: Buffer, value: int) -> None:
+    if buf.is_host_accessible:
+        ctypes.memset(int(buf.handle), value, buf.size)
+        return
+    from cuda.bindings import driver
+    from cuda.core import Device
+
+    Device(buf.device_id).set_current()
+    (err,) = driver.cuMemsetD8(int(buf.handle), value, buf.size)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuMemsetD8 failed: {err!r}")
+
+
+def scribble_all(nbytes: int, value: int) -> None:
+    """Task: allocate ``nbytes`` from this pool, set every byte to ``value``, free it."""
+    buf = current_service().allocate(nbytes)
+    set_all(buf, value)
+    buf.close()
+
+
+def all_equal(x: Any, value: int) -> bool:
+    """Task: whether every byte of a Buffer is ``value``, read where it lives (GPU or CPU)."""
+    import numpy as np
+
+    from dask_gpupool import as_array
+
+    if x.is_device_accessible:
+        import cupy
+
+        arr = as_array(x, (x.size,), "u1", like="cupy")
+        ok = bool((arr == value).all())
+        cupy.cuda.runtime.deviceSynchronize()
+        return ok
+    return bool((np.frombuffer(read_bytes(x), dtype="u1") == value).all())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import handoff_round_trip, nanny_cluster, worker_addresses
+from test_handoff import stress
 
 import dask_gpupool
 from dask_gpupool import GPUPool
@@ -81,3 +82,79 @@ def test_device_pool_stats_and_full_pool():
         stats, err = c.submit(fill, workers=[a], pure=False).result()
         assert stats["used_high"] >= 48 * MiB and stats["reserved_high"] >= 48 * MiB
         assert "cannot allocate" in err
+
+
+# -- zero-copy handoff (issue 3) ---------------------------------------------------------
+
+
+def _handoff_roundtrip(c, nbytes: int) -> None:
+    """Buffer and CuPy array from w0 to w1: mapped, not copied; writes visible; leases end; nothing leaks."""
+    import numpy as np
+    from test_handoff import back_to, counters, warm_up
+
+    a, b = worker_addresses(c)
+    baseline = warm_up(c, a, b)
+    before = counters(c)
+    x = c.submit(T.make_buffer, nbytes, b"device bytes from A", workers=[a], pure=False)
+    y = c.submit(T.keep, x, workers=[b], pure=False)
+    assert c.submit(T.describe, y, workers=[b], pure=False).result()["imported"]
+    assert c.submit(T.head, y, 19, workers=[b], pure=False).result() == b"device bytes from A"
+    c.submit(T.overwrite, x, b"DEVICE BYTES FROM A", workers=[a], pure=False).result()
+    assert c.submit(T.head, y, 19, workers=[b], pure=False).result() == b"DEVICE BYTES FROM A"
+    arr = c.submit(T.make_array, 1 << 20, workers=[a], pure=False)
+    got = c.submit(T.describe, c.submit(T.keep, arr, workers=[b], pure=False), workers=[b], pure=False).result()
+    assert got == {"type": "cupy.ndarray", "imported": True, "in_own_pool": False}
+    assert c.submit(T.total, arr, workers=[b], pure=False).result() == float(np.arange(1 << 20).sum())
+    now = counters(c)
+    assert now[b]["copied_bytes"] == before[b]["copied_bytes"]
+    assert now[b]["zero_copy_bytes"] - before[b]["zero_copy_bytes"] == nbytes + 8 * (1 << 20)
+    assert now[a]["leases"] == 2
+    del x, y, arr, got
+    back_to(c, baseline)
+
+
+def test_handoff_two_workers_on_one_gpu():
+    gpus(1)
+    one_gpu = {"env": {"CUDA_VISIBLE_DEVICES": local_devices().uuids[0]}}
+    with nanny_cluster([one_gpu, one_gpu], GPUPool(kind="device", max_size="2 GiB")) as c:
+        _handoff_roundtrip(c, 64 * MiB)
+
+
+def test_handoff_one_worker_per_gpu():
+    gpus(2)
+    rotated = [{"env": {"CUDA_VISIBLE_DEVICES": "0,1"}}, {"env": {"CUDA_VISIBLE_DEVICES": "1,0"}}]
+    with nanny_cluster(rotated, GPUPool(kind="device", max_size="2 GiB")) as c:
+        _handoff_roundtrip(c, 64 * MiB)
+
+
+def test_handoff_pinned_pools():
+    gpus(1)
+    one_gpu = {"env": {"CUDA_VISIBLE_DEVICES": "0"}}
+    with nanny_cluster([one_gpu, one_gpu], GPUPool(kind="pinned", max_size="1 GiB")) as c:
+        _handoff_roundtrip(c, 8 * MiB)
+
+
+def test_handoff_copies_across_host_ids_on_gpus():
+    gpus(1)
+    hosts = [{"env": {"CUDA_VISIBLE_DEVICES": "0"}, "config": {"gpupool": {"host-id": f"host-{i}"}}} for i in range(2)]
+    with nanny_cluster(hosts, GPUPool(kind="device", max_size="1 GiB")) as c:
+        a, b = worker_addresses(c)
+        x = c.submit(T.fill, 32 * MiB, 7, workers=[a], pure=False)
+        y = c.submit(T.keep, x, workers=[b], pure=False)
+        assert c.submit(T.describe, y, workers=[b], pure=False).result()["in_own_pool"]
+        assert c.submit(T.all_equal, y, 7, workers=[b], pure=False).result()
+        assert c.run(T.handoff_counters)[b]["copied_bytes"] == 32 * MiB
+
+
+def test_stress_producers_release_while_consumers_read_one_gpu():
+    gpus(1)
+    one_gpu = {"env": {"CUDA_VISIBLE_DEVICES": "0"}}
+    with nanny_cluster([one_gpu, one_gpu], GPUPool(kind="device", max_size="4 GiB")) as c:
+        assert stress(c, 20, 16 * MiB) > 5
+
+
+def test_stress_producers_release_while_consumers_read_two_gpus():
+    gpus(2)
+    rotated = [{"env": {"CUDA_VISIBLE_DEVICES": "0,1"}}, {"env": {"CUDA_VISIBLE_DEVICES": "1,0"}}]
+    with nanny_cluster(rotated, GPUPool(kind="device", max_size="4 GiB")) as c:
+        assert stress(c, 20, 16 * MiB) > 5

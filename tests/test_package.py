@@ -53,3 +53,18 @@ def test_ci_runs_the_readme_test_command():
     commands = re.findall(r"```bash\n(.+?)\n```", readme)
     assert len(commands) == 2, "the README has exactly two commands"
     assert commands[1] in (ROOT / ".ci" / "run").read_text()
+
+
+def test_zero_copy_example_runs():
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "zero_copy_handoff.py")],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    assert out.stdout.rstrip().endswith("OK") and "copied in 0 bytes" in out.stdout
