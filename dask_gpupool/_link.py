@@ -272,7 +272,10 @@ class ImportedMemoryResource(MemoryResource):
     Parameters
     ----------
     raw : cuda.core.Buffer
-        The import itself (owned: closed by :meth:`deallocate`).
+        The import itself, shared with other users of the same allocation in
+        this process (:meth:`MappedPool.acquire`); the last one closes it.
+    key : object
+        Its key for :meth:`MappedPool.unshare`.
     mapped : MappedPool
         The mapping ``raw`` came from (kept alive while the buffer lives).
     on_close : callable
@@ -285,16 +288,18 @@ class ImportedMemoryResource(MemoryResource):
     closing it (or losing the last reference) runs :meth:`deallocate` once.
     """
 
-    raw: Buffer | None
     mapped: MappedPool
+    _key: Any
+    _open: bool
     _on_close: Callable[[Any], None]
     _device_accessible: bool
     _host_accessible: bool
     _device_id: int
 
-    def __init__(self, raw: Buffer, mapped: MappedPool, on_close: Callable[[Any], None]) -> None:
-        self.raw = raw
+    def __init__(self, raw: Buffer, key: Any, mapped: MappedPool, on_close: Callable[[Any], None]) -> None:
         self.mapped = mapped
+        self._key = key
+        self._open = True
         self._on_close = on_close
         self._device_accessible = bool(raw.is_device_accessible)
         self._host_accessible = bool(raw.is_host_accessible)
@@ -304,27 +309,28 @@ class ImportedMemoryResource(MemoryResource):
         raise TypeError("an imported buffer's resource cannot allocate")
 
     def deallocate(self, ptr: Any, size: int, *, stream: Any = None) -> None:
-        raw, self.raw = self.raw, None
-        if raw is None:
+        if not self._open:
             return
+        self._open = False
         event = None
         try:
             with IMPORT_LOCK:
+                raw = self.mapped.unshare(self._key)
                 if self.mapped.device is not None and self._device_accessible:
                     from cuda.core import Device
 
                     dev = Device(self.mapped.device)
                     dev.set_current()
-                    raw.close(dev.default_stream)
+                    if raw is not None:
+                        raw.close(dev.default_stream)
                     # Work queued here on blocking streams (CuPy's default) must finish before the
                     # exporter may reuse the memory: the releaser waits for this event.
                     event = dev.default_stream.record()
-                else:
+                elif raw is not None:
                     raw.close()
         except Exception:
             logger.exception("closing an import from pool %s failed", self.mapped.record.pool)
         finally:
-            self.mapped.imports -= 1
             self._on_close(event)
 
     @property

@@ -84,6 +84,7 @@ class MappedPool:
     device: int | None
     imports: int
     orphaned: bool
+    _shared: dict[tuple[bytes, int, int], list[Any]]
     _closed: bool
 
     def __init__(self, record: PoolRecord, resource: Any, device: int | None) -> None:
@@ -92,6 +93,7 @@ class MappedPool:
         self.device = device
         self.imports = 0  # live imports handed out through the handoff path (changed under IMPORT_LOCK)
         self.orphaned = False  # the owner left; close when the last import goes
+        self._shared = {}
         self._closed = False
 
     @classmethod
@@ -187,6 +189,39 @@ class MappedPool:
         ipc_desc = _ipc_descriptor(desc.payload, desc.size)
         with IMPORT_LOCK:
             return Buffer.from_ipc_descriptor(self.resource, ipc_desc, stream=dev.default_stream)
+
+    def acquire(self, desc: BufferDescriptor) -> tuple[tuple[bytes, int, int], Buffer]:
+        """Import ``desc``'s buffer, or share the live import of the same allocation.
+
+        One allocation is imported at most once per process at a time: a
+        second import of an allocation already mapped here, closed on its own,
+        would unmap the memory under the first (Dask can fetch one key twice,
+        e.g. after the AMM dropped a replica). Returns a key for
+        :meth:`unshare`.
+        """
+        key = (desc.payload, desc.offset, desc.size)
+        with IMPORT_LOCK:
+            entry = self._shared.get(key)
+            if entry is not None:
+                entry[1] += 1
+                self.imports += 1
+                return key, entry[0]
+            raw = self.import_buffer(desc)
+            self._shared[key] = [raw, 1]
+            self.imports += 1
+            return key, raw
+
+    def unshare(self, key: tuple[bytes, int, int]) -> Buffer | None:
+        """Drop one user of a shared import; return the import to close when it was the last."""
+        with IMPORT_LOCK:
+            self.imports -= 1
+            entry = self._shared[key]
+            entry[1] -= 1
+            if entry[1] > 0:
+                return None
+            del self._shared[key]
+            raw: Buffer = entry[0]
+            return raw
 
     def release(self, buf: Buffer) -> None:
         """Close a buffer imported from this pool, under the import lock."""

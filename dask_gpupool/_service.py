@@ -380,9 +380,7 @@ class PoolService:
             raise DataLostError(f"pool {desc.pool} of worker {record.worker}: {e}") from e
         try:
             mapped = self.map_peer(desc.pool)
-            with IMPORT_LOCK:
-                raw = mapped.import_buffer(desc)
-                mapped.imports += 1
+            key, raw = mapped.acquire(desc)
         except Exception as e:  # GPUPoolError, CUDA errors: the copy path still works
             self.handoffs.fallback(record.worker, "import-failed", self.record.worker, f"{type(e).__name__}: {e}")
             return self.fetch_copy(header, record, link)
@@ -397,7 +395,7 @@ class PoolService:
             if mapped.orphaned and mapped.imports == 0:
                 self.mapped.forget(mapped.record.pool)
 
-        resource = ImportedMemoryResource(raw, mapped, closed)
+        resource = ImportedMemoryResource(raw, key, mapped, closed)
         from cuda.core import Buffer
 
         if resource.is_device_accessible and mapped.device is not None:

@@ -123,7 +123,12 @@ def test_client_gather_gets_a_host_copy():
 
 
 def test_amm_dropping_the_producers_replica_keeps_the_memory_leased():
-    with nanny_cluster([{}, {}], HOST_POOL) as c:
+    import dask
+
+    # The AMM's own timer is off so that it cannot drop B's replica first; the test makes the
+    # same request the AMM's ReduceReplicas policy makes, for A's replica.
+    amm_off = dask.config.set({"distributed.scheduler.active-memory-manager.start": False})
+    with amm_off, nanny_cluster([{}, {}], HOST_POOL) as c:
         a, b = worker_addresses(c)
         baseline = warm_up(c, a, b)
         x = c.submit(T.make_buffer, MiB, b"still here", workers=[a], pure=False)
@@ -141,6 +146,33 @@ def test_amm_dropping_the_producers_replica_keeps_the_memory_leased():
         assert c.submit(T.head, x, 10, workers=[b], pure=False).result() == b"still here"
         x.release()
         back_to(c, baseline)
+
+
+def test_fetching_one_key_twice_shares_one_import():
+    """B fetches x again while it still holds its first import (AMM dropped B's replica meanwhile)."""
+    import dask
+
+    with dask.config.set({"distributed.scheduler.active-memory-manager.start": False}):
+        with nanny_cluster([{}, {}], HOST_POOL) as c:
+            a, b = worker_addresses(c)
+            baseline = warm_up(c, a, b)
+            x = c.submit(T.make_buffer, MiB, b"one allocation", workers=[a], pure=False)
+            y = c.submit(T.keep, x, workers=[b], pure=False)
+            y.result()
+
+            def drop(dask_scheduler: Any, key: Any = x.key, addr: str = b) -> None:
+                dask_scheduler.request_remove_replicas(addr, [key], stimulus_id="test-drop-replica")
+
+            c.run_on_scheduler(drop)
+            wait_for(lambda: c.who_has(x)[x.key] == (a,), what="B's replica of x to go")
+            z = c.submit(T.keep, x, workers=[b], pure=False)
+            assert c.submit(T.head, z, 14, workers=[b], pure=False).result() == b"one allocation"
+            assert counters(c, a)[a]["leases"] == 2  # one lease per handoff, one import in B
+            y.release()
+            assert c.submit(T.head, z, 14, workers=[b], pure=False).result() == b"one allocation"
+            x.release()
+            z.release()
+            back_to(c, baseline)
 
 
 def test_sigkill_of_the_importer_releases_its_leases():
