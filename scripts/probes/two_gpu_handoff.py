@@ -1,0 +1,59 @@
+"""Probe: which cross-GPU handoff pattern breaks the consumer's context (GPU machine, 2 GPUs).
+
+``python3 scripts/probes/two_gpu_handoff.py``: a fresh two-worker cluster (rotated
+CUDA_VISIBLE_DEVICES, device pools) per variant; prints ok or the first error.
+"""
+
+from __future__ import annotations
+
+import logging
+
+MiB = 1 << 20
+
+
+def variant(name: str, n: int, nbytes: int, producer: str, reader: str) -> str:
+    from distributed import Client, Nanny, Scheduler, SpecCluster
+
+    from dask_gpupool import GPUPool
+    from dask_gpupool import _testing as T
+
+    envs = [{"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_VISIBLE_DEVICES": "1,0"}]
+    workers = {
+        f"w{i}": {"cls": Nanny, "options": {"nthreads": 1, "env": e, "silence_logs": logging.ERROR}}
+        for i, e in enumerate(envs)
+    }
+    sched = {"cls": Scheduler, "options": {"dashboard_address": None}}
+    with SpecCluster(workers=workers, scheduler=sched, silence_logs=logging.ERROR) as cl, Client(cl) as c:
+        c.wait_for_workers(2)
+        c.register_plugin(GPUPool(kind="device", max_size="2 GiB"))
+        a, b = sorted(c.scheduler_info()["workers"], key=lambda w: c.scheduler_info()["workers"][w]["name"])
+        try:
+            if producer == "fill":
+                xs = [c.submit(T.fill, nbytes, 5, workers=[a], pure=False) for _ in range(n)]
+            else:
+                xs = [c.submit(T.make_buffer, nbytes, b"\x05", workers=[a], pure=False) for _ in range(n)]
+            ys = [c.submit(T.keep, x, workers=[b], pure=False) for x in xs]
+            if reader == "head":
+                got = c.gather([c.submit(T.head, y, 1, workers=[b], pure=False) for y in ys])
+                ok = all(g == b"\x05" for g in got)
+            else:
+                ok = all(c.gather([c.submit(T.all_equal, y, 5, workers=[b], pure=False) for y in ys]))
+            return f"{name:40s} {'ok' if ok else 'WRONG DATA'}"
+        except Exception as e:
+            return f"{name:40s} FAILED {type(e).__name__}: {str(e)[:120]}"
+
+
+def main() -> None:
+    for args in [
+        ("1 x make_buffer 16MiB, head", 1, 16 * MiB, "make", "head"),
+        ("1 x fill 16MiB, head", 1, 16 * MiB, "fill", "head"),
+        ("1 x fill 16MiB, all_equal", 1, 16 * MiB, "fill", "all_equal"),
+        ("8 x make_buffer 16MiB, head", 8, 16 * MiB, "make", "head"),
+        ("8 x fill 1MiB, head", 8, MiB, "fill", "head"),
+        ("8 x fill 16MiB, head", 8, 16 * MiB, "fill", "head"),
+    ]:
+        print(variant(*args), flush=True)
+
+
+if __name__ == "__main__":
+    main()
