@@ -119,6 +119,9 @@ class PoolOptions:
         Seconds a broker waits for a request, and a client for a reply.
     lease_timeout : float
         Seconds an exported buffer's lease may stay unclaimed before it expires.
+    peer_gpu_handoff : bool
+        Hand ``device`` buffers over zero-copy to a worker on another GPU too
+        (off by default until a known fault is fixed; see docs/gpu-checks.md).
     """
 
     kind: PoolKind = "auto"
@@ -128,6 +131,7 @@ class PoolOptions:
     broker_dir: str | None = None
     broker_timeout: float = 10.0
     lease_timeout: float = 60.0
+    peer_gpu_handoff: bool = False
 
     @classmethod
     def from_config(cls, **overrides: Any) -> PoolOptions:
@@ -160,7 +164,16 @@ class PoolOptions:
             broker_dir=_parse_optional_str(raw.get("broker-dir"), "gpupool.broker-dir"),
             broker_timeout=_parse_timeout(raw.get("broker-timeout", "10s"), "gpupool.broker-timeout"),
             lease_timeout=_parse_timeout(raw.get("lease-timeout", "60s"), "gpupool.lease-timeout"),
+            peer_gpu_handoff=_parse_bool(raw.get("peer-gpu-handoff", False), "gpupool.peer-gpu-handoff"),
         )
+
+
+def _parse_bool(value: object, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "yes", "no", "1", "0"):
+        return value.strip().lower() in ("true", "yes", "1")
+    raise ConfigError(f"{key}={value!r} is not a boolean; valid: true or false")
 
 
 def _parse_kind(value: object) -> PoolKind:

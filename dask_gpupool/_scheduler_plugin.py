@@ -54,6 +54,8 @@ class GPUPool(SchedulerPlugin):
         Broker timeout (``gpupool.broker-timeout``).
     lease_timeout : str or float, optional
         How long an unclaimed lease lives (``gpupool.lease-timeout``).
+    peer_gpu_handoff : bool, optional
+        Zero-copy handoffs to workers on another GPU (``gpupool.peer-gpu-handoff``).
 
     Options left out are read by each worker from its own dask config. Values
     are checked here, so a typo fails at once with :class:`ConfigError`.
@@ -78,6 +80,7 @@ class GPUPool(SchedulerPlugin):
         broker_dir: str | None = None,
         broker_timeout: str | float | None = None,
         lease_timeout: str | float | None = None,
+        peer_gpu_handoff: bool | None = None,
     ) -> None:
         self.overrides = {
             k: v
@@ -89,6 +92,7 @@ class GPUPool(SchedulerPlugin):
                 broker_dir=broker_dir,
                 broker_timeout=broker_timeout,
                 lease_timeout=lease_timeout,
+                peer_gpu_handoff=peer_gpu_handoff,
             ).items()
             if v is not None
         }

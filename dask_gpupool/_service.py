@@ -326,6 +326,8 @@ class PoolService:
             reason = "not-in-pool"
         elif self.pool.kind == "device" and self.pool.device_uuid not in row.devices:
             reason = "no-access"
+        elif self.pool.kind == "device" and row.device != self.pool.device_uuid and not self.options.peer_gpu_handoff:
+            reason = "other-gpu"
         elif self.pool.kind == "pinned" and not row.devices:
             reason = "no-access"
         if reason is not None:

@@ -7,8 +7,9 @@ A task on worker A writes an array into A's pool (``dask_gpupool.allocate`` +
 memory instead of receiving a copy: the script shows that a write A makes
 afterwards is visible to B, and prints both workers' handoff stats.
 
-Uses the GPU when there is one (CuPy arrays in ``device`` pools; one worker
-per GPU when there are two or more), shared host memory otherwise (NumPy
+Uses the GPU when there is one (CuPy arrays in ``device`` pools, both workers
+on GPU 0; handoffs between GPUs are off by default, see the
+``gpupool.peer-gpu-handoff`` option), shared host memory otherwise (NumPy
 arrays in ``host`` pools), with no change to the code below.
 """
 
@@ -45,10 +46,7 @@ def main() -> None:
     from dask_gpupool._topology import local_devices
 
     gpus = len(local_devices().uuids)
-    if gpus >= 2:
-        envs = [{"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_VISIBLE_DEVICES": "1,0"}]
-    else:
-        envs = [{}, {}]
+    envs: list[dict[str, str]] = [{}, {}]  # both workers on GPU 0 (ordinal 0 of what they see)
     workers = {
         f"w{i}": {"cls": Nanny, "options": {"nthreads": 1, "env": env, "silence_logs": logging.WARNING}}
         for i, env in enumerate(envs)

@@ -123,8 +123,20 @@ def test_handoff_two_workers_on_one_gpu():
 def test_handoff_one_worker_per_gpu():
     gpus(2)
     rotated = [{"env": {"CUDA_VISIBLE_DEVICES": "0,1"}}, {"env": {"CUDA_VISIBLE_DEVICES": "1,0"}}]
-    with nanny_cluster(rotated, GPUPool(kind="device", max_size="2 GiB")) as c:
+    with nanny_cluster(rotated, GPUPool(kind="device", max_size="2 GiB", peer_gpu_handoff=True)) as c:
         _handoff_roundtrip(c, 64 * MiB)
+
+
+def test_handoff_to_another_gpu_is_copied_by_default():
+    gpus(2)
+    rotated = [{"env": {"CUDA_VISIBLE_DEVICES": "0,1"}}, {"env": {"CUDA_VISIBLE_DEVICES": "1,0"}}]
+    with nanny_cluster(rotated, GPUPool(kind="device", max_size="2 GiB")) as c:
+        a, b = worker_addresses(c)
+        x = c.submit(T.fill, 16 * MiB, 9, workers=[a], pure=False)
+        y = c.submit(T.keep, x, workers=[b], pure=False)
+        assert c.submit(T.all_equal, y, 9, workers=[b], pure=False).result()
+        got = c.run(T.handoff_counters)
+        assert got[b]["copied_bytes"] == 16 * MiB and got[a]["fallbacks"] == {"other-gpu": 1}
 
 
 def test_handoff_pinned_pools():
@@ -156,5 +168,5 @@ def test_stress_producers_release_while_consumers_read_one_gpu():
 def test_stress_producers_release_while_consumers_read_two_gpus():
     gpus(2)
     rotated = [{"env": {"CUDA_VISIBLE_DEVICES": "0,1"}}, {"env": {"CUDA_VISIBLE_DEVICES": "1,0"}}]
-    with nanny_cluster(rotated, GPUPool(kind="device", max_size="4 GiB")) as c:
+    with nanny_cluster(rotated, GPUPool(kind="device", max_size="4 GiB", peer_gpu_handoff=True)) as c:
         assert stress(c, 20, 16 * MiB) > 5
