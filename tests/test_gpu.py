@@ -165,6 +165,11 @@ def test_stress_producers_release_while_consumers_read_one_gpu():
         assert stress(c, 20, 16 * MiB) > 5
 
 
+@pytest.mark.xfail(
+    reason="known fault (docs/gpu-checks.md): concurrent 16 MiB handoffs across two H200s break the consumer's "
+    "CUDA context; gpupool.peer-gpu-handoff is off by default until it is fixed",
+    strict=False,
+)
 def test_stress_producers_release_while_consumers_read_two_gpus():
     gpus(2)
     rotated = [{"env": {"CUDA_VISIBLE_DEVICES": "0,1"}}, {"env": {"CUDA_VISIBLE_DEVICES": "1,0"}}]
