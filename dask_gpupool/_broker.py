@@ -50,7 +50,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Protocol, cast
 
-from dask_gpupool._errors import GPUPoolError, PeerLostError, ProtocolError, UnknownPoolError
+from dask_gpupool._errors import GPUPoolError, ProtocolError, UnknownPoolError
 from dask_gpupool._messages import (
     MAX_MESSAGE_BYTES,
     CopyReply,
@@ -63,7 +63,6 @@ from dask_gpupool._messages import (
     decode,
     encode,
     parse_request,
-    raise_for_error,
 )
 
 __all__ = ["BrokerHandler", "FdBroker", "PoolLookup", "request_pool_fd"]
@@ -355,7 +354,10 @@ class FdBroker:
 
 
 def request_pool_fd(address: str, pool: str, timeout: float) -> tuple[HandleReply, int]:
-    """Ask the broker at ``address`` for pool ``pool``'s fd. Blocking.
+    """Ask the broker at ``address`` for pool ``pool``'s fd over a one-shot connection. Blocking.
+
+    Workers keep a :class:`~dask_gpupool._link.PeerLink` per exporter instead;
+    this is the same exchange for callers that need only the fd.
 
     Returns
     -------
@@ -372,31 +374,10 @@ def request_pool_fd(address: str, pool: str, timeout: float) -> tuple[HandleRepl
     ProtocolError
         If the answer breaks the protocol.
     """
-    context = f"broker {address} (pool {pool})"
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    from dask_gpupool._link import PeerLink
+
+    link = PeerLink(address, timeout)
     try:
-        sock.settimeout(timeout)
-        try:
-            sock.connect(address)
-            sock.sendall(encode(HandleRequest(pool)))
-            data = sock.recv(MAX_MESSAGE_BYTES + 1)
-        except OSError as e:  # refused, missing socket file, timeout, reset
-            raise PeerLostError(f"{context}: {type(e).__name__}: {e}") from e
-        if not data:
-            raise PeerLostError(f"{context}: the broker closed the connection")
-        msg = decode(data)
-        raise_for_error(msg, context)
-        reply = HandleReply.from_msg(msg)
-        if reply.pool != pool:
-            raise ProtocolError(f"{context}: reply names pool {reply.pool}")
-        try:
-            _, fds, flags, _ = socket.recv_fds(sock, 16, 4)
-        except OSError as e:
-            raise PeerLostError(f"{context}: {type(e).__name__}: {e}") from e
-        if len(fds) != 1 or flags & socket.MSG_CTRUNC:
-            for fd in fds:
-                os.close(fd)
-            raise ProtocolError(f"{context}: expected one fd, got {len(fds)}")
-        return reply, fds[0]
+        return link.request_pool_fd(pool)
     finally:
-        sock.close()
+        link.close()

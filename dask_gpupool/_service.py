@@ -20,6 +20,7 @@ trip, bounded by ``broker-timeout``).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import mmap
@@ -420,7 +421,7 @@ class PoolService:
                 f"lease {header.lease} on pool {record.pool} of worker {record.worker} cannot be read: {e}"
             ) from e
         try:
-            with mmap.mmap(fd, reply.size, prot=mmap.PROT_READ) if reply.size else _Empty() as m:
+            with mmap.mmap(fd, reply.size, prot=mmap.PROT_READ) if reply.size else contextlib.nullcontext(b"") as m:
                 buf = self.receive_copy(header.kind, memoryview(m), record.worker)
         finally:
             os.close(fd)
@@ -533,14 +534,6 @@ class PoolService:
         self.mapped.close_all()
         self.pool.close()
         logger.info("pool %s: closed", self.pool.uuid)
-
-
-class _Empty:
-    def __enter__(self) -> bytes:
-        return b""
-
-    def __exit__(self, *exc: object) -> None:
-        pass
 
 
 def _outside_pool(pool: Pool, nbytes: int, need: str = "any") -> Buffer:
