@@ -81,6 +81,7 @@ class RegistryView:
         self._records = {}
         self._added_at = {}
         self._removed_at = {}
+        self._by_worker: dict[str, str] = {}
         self._lock = threading.Lock()
 
     def apply(self, update: RegistryUpdate) -> None:
@@ -91,6 +92,7 @@ class RegistryView:
                     continue
                 if self._added_at.get(r.pool, -1) <= v:
                     self._records[r.pool] = r
+                    self._by_worker[r.worker] = r.pool
                     self._added_at[r.pool] = v
                     self._removed_at.pop(r.pool, None)
             for pool in update.removed:
@@ -103,7 +105,9 @@ class RegistryView:
 
     def _drop(self, pool: str, version: int) -> None:
         if self._added_at.get(pool, -1) <= version:
-            self._records.pop(pool, None)
+            gone = self._records.pop(pool, None)
+            if gone is not None and self._by_worker.get(gone.worker) == pool:
+                del self._by_worker[gone.worker]
             self._added_at.pop(pool, None)
             self._removed_at[pool] = version
 
@@ -111,11 +115,9 @@ class RegistryView:
         return self._records.get(pool)
 
     def worker_row(self, worker: str) -> PoolRecord | None:
-        """The row of the pool owned by the worker at address ``worker``, if registered."""
-        for record in list(self._records.values()):
-            if record.worker == worker:
-                return record
-        return None
+        """The row of the pool owned by the worker at address ``worker``, if registered (no scan)."""
+        pool = self._by_worker.get(worker)
+        return None if pool is None else self._records.get(pool)
 
     def records(self) -> list[PoolRecord]:
         with self._lock:
