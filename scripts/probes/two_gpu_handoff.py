@@ -7,17 +7,35 @@ CUDA_VISIBLE_DEVICES, device pools) per variant; prints ok or the first error.
 from __future__ import annotations
 
 import logging
+import os
+import sys
+from typing import Any
 
 MiB = 1 << 20
+OUT = os.environ.get("OUT", "/tmp")
 
 
-def variant(name: str, n: int, nbytes: int, producer: str, reader: str) -> str:
+def _debug_log(tag: str) -> None:
+    """Worker: send dask_gpupool's DEBUG log to $OUT/<tag>-<pid>.log; dump tracebacks on a crash."""
+    import faulthandler
+
+    path = os.path.join(OUT, f"{tag}-{os.getpid()}.log")
+    h = logging.FileHandler(path)
+    h.setFormatter(logging.Formatter("%(asctime)s %(threadName)s %(name)s %(levelname)s %(message)s"))
+    for name in ("dask_gpupool", "distributed.worker"):
+        lg = logging.getLogger(name)
+        lg.addHandler(h)
+        lg.setLevel(logging.DEBUG)
+    faulthandler.enable(open(path + ".fault", "w"))
+
+
+def variant(name: str, n: int, nbytes: int, producer: str, reader: str, env: dict[str, str] | None = None) -> str:
     from distributed import Client, Nanny, Scheduler, SpecCluster
 
-    from dask_gpupool import GPUPool
+    from dask_gpupool import GPUPool, stats
     from dask_gpupool import _testing as T
 
-    envs = [{"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_VISIBLE_DEVICES": "1,0"}]
+    envs = [{"CUDA_VISIBLE_DEVICES": "0,1", **(env or {})}, {"CUDA_VISIBLE_DEVICES": "1,0", **(env or {})}]
     workers = {
         f"w{i}": {"cls": Nanny, "options": {"nthreads": 1, "env": e, "silence_logs": logging.ERROR}}
         for i, e in enumerate(envs)
@@ -25,7 +43,9 @@ def variant(name: str, n: int, nbytes: int, producer: str, reader: str) -> str:
     sched = {"cls": Scheduler, "options": {"dashboard_address": None}}
     with SpecCluster(workers=workers, scheduler=sched, silence_logs=logging.ERROR) as cl, Client(cl) as c:
         c.wait_for_workers(2)
-        c.register_plugin(GPUPool(kind="device", max_size="2 GiB"))
+        c.register_plugin(GPUPool(kind="device", max_size="2 GiB", peer_gpu_handoff=True))
+        tag = "".join(ch if ch.isalnum() else "_" for ch in name)
+        c.run(_debug_log, tag)
         a, b = sorted(c.scheduler_info()["workers"], key=lambda w: c.scheduler_info()["workers"][w]["name"])
         try:
             if producer == "fill":
@@ -38,21 +58,28 @@ def variant(name: str, n: int, nbytes: int, producer: str, reader: str) -> str:
                 ok = all(g == b"\x05" for g in got)
             else:
                 ok = all(c.gather([c.submit(T.all_equal, y, 5, workers=[b], pure=False) for y in ys]))
-            return f"{name:40s} {'ok' if ok else 'WRONG DATA'}"
+            st = stats(c)[b]
+            how = f"zero-copy {st['zero_copy_bytes'] >> 20} MiB, copied {st['copied_bytes'] >> 20} MiB"
+            how += f" {st['fallbacks']}"
+            return f"{name:40s} {'ok' if ok else 'WRONG DATA'}  ({how})"
         except Exception as e:
-            return f"{name:40s} FAILED {type(e).__name__}: {str(e)[:120]}"
+            return f"{name:40s} FAILED {type(e).__name__}: {str(e)[:160]}"
 
 
 def main() -> None:
-    for args in [
+    no_offload = {"DASK_DISTRIBUTED__COMM__OFFLOAD": "100GiB"}
+    variants: list[tuple[Any, ...]] = [
         ("1 x make_buffer 16MiB, head", 1, 16 * MiB, "make", "head"),
-        ("1 x fill 16MiB, head", 1, 16 * MiB, "fill", "head"),
-        ("1 x fill 16MiB, all_equal", 1, 16 * MiB, "fill", "all_equal"),
-        ("8 x make_buffer 16MiB, head", 8, 16 * MiB, "make", "head"),
         ("8 x fill 1MiB, head", 8, MiB, "fill", "head"),
-        ("8 x fill 16MiB, head", 8, 16 * MiB, "fill", "head"),
-    ]:
-        print(variant(*args), flush=True)
+        ("8 x make_buffer 16MiB, head", 8, 16 * MiB, "make", "head"),
+        ("8 x make_buffer 16MiB, head, no offload", 8, 16 * MiB, "make", "head", no_offload),
+        ("8 x fill 16MiB, all_equal", 8, 16 * MiB, "fill", "all_equal"),
+        ("8 x fill 16MiB, all_equal, no offload", 8, 16 * MiB, "fill", "all_equal", no_offload),
+    ]
+    only = sys.argv[1:]
+    for args in variants:
+        if not only or any(o in args[0] for o in only):
+            print(variant(*args), flush=True)
 
 
 if __name__ == "__main__":
