@@ -29,6 +29,25 @@ def _debug_log(tag: str) -> None:
     faulthandler.enable(open(path + ".fault", "w"))
 
 
+def inspect_read(x: Any) -> str:
+    """Worker task: where the handed-over Buffer points, which context is current, and a 1-byte read."""
+    import ctypes
+
+    from cuda.bindings import driver
+
+    err, ctx_dev = driver.cuCtxGetDevice()
+    cur = int(ctx_dev) if err == driver.CUresult.CUDA_SUCCESS else f"none ({err.name})"
+    ptr = int(x.handle)
+    err, ordinal = driver.cuPointerGetAttribute(driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr)
+    out = ctypes.create_string_buffer(1)
+    from cuda.core import Device
+
+    Device().set_current()
+    (e1,) = driver.cuMemcpy(ctypes.addressof(out), ptr, 1)
+    where = f"ptr {ptr:#x} dev_id {x.device_id} ordinal {ordinal} ({err.name}) ctx-before {cur}"
+    return f"{where} read {e1.name} {out.raw!r}"
+
+
 def variant(name: str, n: int, nbytes: int, producer: str, reader: str, env: dict[str, str] | None = None) -> str:
     from distributed import Client, Nanny, Scheduler, SpecCluster
 
@@ -53,7 +72,11 @@ def variant(name: str, n: int, nbytes: int, producer: str, reader: str, env: dic
             else:
                 xs = [c.submit(T.make_buffer, nbytes, b"\x05", workers=[a], pure=False) for _ in range(n)]
             ys = [c.submit(T.keep, x, workers=[b], pure=False) for x in xs]
-            if reader == "head":
+            if reader == "inspect":
+                got = [c.submit(inspect_read, y, workers=[b], pure=False).result() for y in ys]
+                print("\n".join(got), flush=True)
+                ok = all("SUCCESS" in g.split("read ")[1] for g in got)
+            elif reader == "head":
                 got = c.gather([c.submit(T.head, y, 1, workers=[b], pure=False) for y in ys])
                 ok = all(g == b"\x05" for g in got)
             else:
@@ -73,6 +96,9 @@ def main() -> None:
         ("8 x fill 1MiB, head", 8, MiB, "fill", "head"),
         ("8 x make_buffer 16MiB, head", 8, 16 * MiB, "make", "head"),
         ("8 x make_buffer 16MiB, head, no offload", 8, 16 * MiB, "make", "head", no_offload),
+        ("8 x fill 16MiB, head", 8, 16 * MiB, "fill", "head"),
+        ("8 x make_buffer 16MiB, all_equal", 8, 16 * MiB, "make", "all_equal"),
+        ("8 x make_buffer 16MiB, inspect", 8, 16 * MiB, "make", "inspect"),
         ("8 x fill 16MiB, all_equal", 8, 16 * MiB, "fill", "all_equal"),
         ("8 x fill 16MiB, all_equal, no offload", 8, 16 * MiB, "fill", "all_equal", no_offload),
     ]
