@@ -411,7 +411,12 @@ class PoolService:
             buf = Buffer.from_handle(int(raw.handle), raw.size, mr=resource)
         self.handoffs.add(imports=1, zero_copy_bytes=raw.size)
         logger.debug(
-            "lease %d of %s: mapped %d bytes at %#x (GPU %s)", lease, record.worker, raw.size, int(raw.handle), mapped.device
+            "lease %d of %s: mapped %d bytes at %#x (GPU %s)",
+            lease,
+            record.worker,
+            raw.size,
+            int(raw.handle),
+            mapped.device,
         )
         return buf
 
