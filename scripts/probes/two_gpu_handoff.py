@@ -71,6 +71,8 @@ def variant(name: str, n: int, nbytes: int, producer: str, reader: str, env: dic
                 xs = [c.submit(T.fill, nbytes, 5, workers=[a], pure=False) for _ in range(n)]
             else:
                 xs = [c.submit(T.make_buffer, nbytes, b"\x05", workers=[a], pure=False) for _ in range(n)]
+            if "produced first" in name:
+                c.gather(c.submit(lambda *_: None, *xs, workers=[a], pure=False))
             ys = [c.submit(T.keep, x, workers=[b], pure=False) for x in xs]
             if reader == "inspect":
                 got = [c.submit(inspect_read, y, workers=[b], pure=False).result() for y in ys]
@@ -97,6 +99,7 @@ def main() -> None:
         ("8 x make_buffer 16MiB, head", 8, 16 * MiB, "make", "head"),
         ("8 x make_buffer 16MiB, head, no offload", 8, 16 * MiB, "make", "head", no_offload),
         ("8 x fill 16MiB, head", 8, 16 * MiB, "fill", "head"),
+        ("8 x make_buffer 16MiB, head, produced first", 8, 16 * MiB, "make", "head"),
         ("8 x make_buffer 16MiB, all_equal", 8, 16 * MiB, "make", "all_equal"),
         ("8 x make_buffer 16MiB, inspect", 8, 16 * MiB, "make", "inspect"),
         ("8 x fill 16MiB, all_equal", 8, 16 * MiB, "fill", "all_equal"),

@@ -40,17 +40,37 @@ def exporter(conn: Any, n: int, size: int, opts: dict[str, Any]) -> None:
     dev = Device(0)
     dev.set_current()
     mr = DeviceMemoryResource(0, DeviceMemoryResourceOptions(ipc_enabled=True, max_size=opts.get("max_size", 2 << 30)))
-    bufs = [mr.allocate(size, stream=dev.default_stream) for _ in range(n)]
-    for i, b in enumerate(bufs):
-        _check(driver.cuMemsetD8Async(int(b.handle), i + 1, size, dev.default_stream.handle))
-    dev.sync()
-    reduction.send_handle(conn, int(mr.allocation_handle), int(conn.recv()))
-    descs = []
-    for b in bufs:
+    bufs: list[Any] = []
+
+    def make(i: int) -> tuple[bytes, int]:
+        b = mr.allocate(size, stream=dev.default_stream)
+        if opts.get("write") == "ends":  # like the Dask probe's make_buffer: two 1-byte writes
+            dev.sync()
+            for off in (0, size - 1):
+                one = ctypes.create_string_buffer(bytes([i + 1]), 1)
+                _check(driver.cuMemcpy(int(b.handle) + off, ctypes.addressof(one), 1))
+        else:
+            _check(driver.cuMemsetD8Async(int(b.handle), i + 1, size, dev.default_stream.handle))
+        dev.sync()
+        bufs.append(b)
         _, (payload, sz) = b.ipc_descriptor.__reduce__()
-        descs.append((bytes(payload), sz))
-    conn.send(descs)
-    conn.recv()  # importer done
+        return bytes(payload), sz
+
+    pid = int(conn.recv())
+    if opts.get("interleave"):
+        # Like Dask: the importer maps the pool and buffer i while this process makes buffer i + 1.
+        first = make(0)
+        reduction.send_handle(conn, int(mr.allocation_handle), pid)
+        conn.send([first])
+        for i in range(1, n):
+            conn.recv()  # the importer imported the previous one
+            conn.send([make(i)])
+    else:
+        descs = [make(i) for i in range(n)]
+        reduction.send_handle(conn, int(mr.allocation_handle), pid)
+        conn.send(descs)
+    while conn.recv() != "done":  # acks, then the importer is done
+        pass
     for b in bufs:
         b.close(dev.default_stream)
     dev.sync()
@@ -96,21 +116,22 @@ def importer(conn: Any, n: int, size: int, opts: dict[str, Any], out: Any) -> No
 
         if opts.get("access", "before") == "before":
             grant()
-        descs = conn.recv()
         bufs = []
-        for payload, sz in descs:
-            if opts.get("owner_ctx"):
-                owner.set_current()
-                stream = owner.default_stream
-            else:
-                own.set_current()
-                stream = own.default_stream
-            b = Buffer.from_ipc_descriptor(mr, IPCBufferDescriptor._init(payload, sz), stream=stream)
-            bufs.append(b)
-            if opts.get("sync_each"):
-                own.sync()
-            if opts.get("access") == "each":
-                grant()
+        while len(bufs) < n:
+            for payload, sz in conn.recv():
+                if opts.get("owner_ctx"):
+                    owner.set_current()
+                    stream = owner.default_stream
+                else:
+                    own.set_current()
+                    stream = own.default_stream
+                b = Buffer.from_ipc_descriptor(mr, IPCBufferDescriptor._init(payload, sz), stream=stream)
+                bufs.append(b)
+                if opts.get("sync_each"):
+                    own.sync()
+                if opts.get("access") == "each":
+                    grant()
+            conn.send("ack")
         if opts.get("access") == "after":
             grant()
         own.set_current()
@@ -157,7 +178,15 @@ def variant(name: str, n: int, size: int, **opts: Any) -> str:
 
 def main() -> None:
     only = sys.argv[1:]
+    il = {"interleave": True}
     variants: list[tuple[str, int, int, dict[str, Any]]] = [
+        ("8 x 16MiB interleaved", 8, 16 * MiB, il),
+        ("8 x 16MiB interleaved, ends", 8, 16 * MiB, {**il, "write": "ends"}),
+        ("8 x 16MiB ends", 8, 16 * MiB, {"write": "ends"}),
+        ("8 x 16MiB interleaved, access each", 8, 16 * MiB, {**il, "access": "each"}),
+        ("8 x 16MiB interleaved, access after", 8, 16 * MiB, {**il, "access": "after"}),
+        ("8 x 1MiB interleaved", 8, MiB, il),
+        ("8 x 64MiB interleaved", 8, 64 * MiB, il),
         ("1 x 16MiB", 1, 16 * MiB, {}),
         ("8 x 1MiB", 8, MiB, {}),
         ("8 x 16MiB", 8, 16 * MiB, {}),
