@@ -29,12 +29,38 @@ def _debug_log(tag: str) -> None:
     faulthandler.enable(open(path + ".fault", "w"))
 
 
+def patch_imports(mode: str) -> None:
+    """Worker: wrap MappedPool.import_buffer to check the context after each import ("check"),
+    or re-grant access to the own GPU after each import ("regrant")."""
+    from cuda.bindings import driver
+
+    from dask_gpupool import _mapping
+
+    orig = _mapping.MappedPool.import_buffer
+    log = logging.getLogger("dask_gpupool.probe")
+
+    def import_buffer(self: Any, desc: Any) -> Any:
+        if "check" in mode:
+            (err,) = driver.cuCtxSynchronize()
+            log.warning("before import: ctx sync %s", err.name)
+        buf = orig(self, desc)
+        if "regrant" in mode:
+            _mapping._grant_access(self.resource, self.device)
+        if "check" in mode:
+            (err,) = driver.cuCtxSynchronize()
+            log.warning("after import of %#x: ctx sync %s", int(buf.handle), err.name)
+        return buf
+
+    _mapping.MappedPool.import_buffer = import_buffer  # type: ignore[method-assign]
+
+
 def inspect_read(x: Any) -> str:
     """Worker task: where the handed-over Buffer points, which context is current, and a 1-byte read."""
     import ctypes
 
     from cuda.bindings import driver
 
+    (sticky,) = driver.cuCtxSynchronize()
     err, ctx_dev = driver.cuCtxGetDevice()
     cur = int(ctx_dev) if err == driver.CUresult.CUDA_SUCCESS else f"none ({err.name})"
     ptr = int(x.handle)
@@ -44,11 +70,13 @@ def inspect_read(x: Any) -> str:
 
     Device().set_current()
     (e1,) = driver.cuMemcpy(ctypes.addressof(out), ptr, 1)
-    where = f"ptr {ptr:#x} dev_id {x.device_id} ordinal {ordinal} ({err.name}) ctx-before {cur}"
+    where = f"ptr {ptr:#x} dev_id {x.device_id} ordinal {ordinal} ({err.name}) ctx-before {cur} sync {sticky.name}"
     return f"{where} read {e1.name} {out.raw!r}"
 
 
-def variant(name: str, n: int, nbytes: int, producer: str, reader: str, env: dict[str, str] | None = None) -> str:
+def variant(
+    name: str, n: int, nbytes: int, producer: str, reader: str, env: dict[str, str] | None = None, patch: str = ""
+) -> str:
     from distributed import Client, Nanny, Scheduler, SpecCluster
 
     from dask_gpupool import GPUPool, stats
@@ -65,6 +93,8 @@ def variant(name: str, n: int, nbytes: int, producer: str, reader: str, env: dic
         c.register_plugin(GPUPool(kind="device", max_size="2 GiB", peer_gpu_handoff=True))
         tag = "".join(ch if ch.isalnum() else "_" for ch in name)
         c.run(_debug_log, tag)
+        if patch:
+            c.run(patch_imports, patch)
         a, b = sorted(c.scheduler_info()["workers"], key=lambda w: c.scheduler_info()["workers"][w]["name"])
         try:
             if producer == "fill":
@@ -102,6 +132,8 @@ def main() -> None:
         ("8 x make_buffer 16MiB, head, produced first", 8, 16 * MiB, "make", "head"),
         ("8 x make_buffer 16MiB, all_equal", 8, 16 * MiB, "make", "all_equal"),
         ("8 x make_buffer 16MiB, inspect", 8, 16 * MiB, "make", "inspect"),
+        ("8 x make_buffer 16MiB, inspect, check", 8, 16 * MiB, "make", "inspect", None, "check"),
+        ("8 x make_buffer 16MiB, inspect, regrant", 8, 16 * MiB, "make", "inspect", None, "regrant"),
         ("8 x fill 16MiB, all_equal", 8, 16 * MiB, "fill", "all_equal"),
         ("8 x fill 16MiB, all_equal, no offload", 8, 16 * MiB, "fill", "all_equal", no_offload),
     ]

@@ -63,7 +63,8 @@ def exporter(conn: Any, n: int, size: int, opts: dict[str, Any]) -> None:
         reduction.send_handle(conn, int(mr.allocation_handle), pid)
         conn.send([first])
         for i in range(1, n):
-            conn.recv()  # the importer imported the previous one
+            if not opts.get("free_run"):
+                conn.recv()  # the importer imported the previous one
             conn.send([make(i)])
     else:
         descs = [make(i) for i in range(n)]
@@ -186,6 +187,9 @@ def main() -> None:
         ("8 x 16MiB interleaved, access each", 8, 16 * MiB, {**il, "access": "each"}),
         ("8 x 16MiB interleaved, access after", 8, 16 * MiB, {**il, "access": "after"}),
         ("8 x 1MiB interleaved", 8, MiB, il),
+        ("8 x 16MiB free-running", 8, 16 * MiB, {**il, "free_run": True}),
+        ("8 x 16MiB free-running, ends", 8, 16 * MiB, {**il, "free_run": True, "write": "ends"}),
+        ("32 x 16MiB free-running, ends", 32, 16 * MiB, {**il, "free_run": True, "write": "ends"}),
         ("8 x 64MiB interleaved", 8, 64 * MiB, il),
         ("1 x 16MiB", 1, 16 * MiB, {}),
         ("8 x 1MiB", 8, MiB, {}),
