@@ -39,11 +39,21 @@ def patch_imports(mode: str) -> None:
     orig = _mapping.MappedPool.import_buffer
     log = logging.getLogger("dask_gpupool.probe")
 
+    def import_owner_ctx(self: Any, desc: Any) -> Any:
+        from cuda.core import Buffer, Device
+
+        dev = Device(self.resource.device_id)
+        dev.set_current()
+        with _mapping.IMPORT_LOCK:
+            return Buffer.from_ipc_descriptor(
+                self.resource, _mapping._ipc_descriptor(desc.payload, desc.size), stream=dev.default_stream
+            )
+
     def import_buffer(self: Any, desc: Any) -> Any:
         if "check" in mode:
             (err,) = driver.cuCtxSynchronize()
             log.warning("before import: ctx sync %s", err.name)
-        buf = orig(self, desc)
+        buf = import_owner_ctx(self, desc) if "ownerctx" in mode else orig(self, desc)
         if "regrant" in mode:
             _mapping._grant_access(self.resource, self.device)
         if "check" in mode:
@@ -52,6 +62,18 @@ def patch_imports(mode: str) -> None:
         return buf
 
     _mapping.MappedPool.import_buffer = import_buffer  # type: ignore[method-assign]
+
+
+def exporter_grants_peers(dask_worker: Any) -> str:
+    """Worker: grant every other visible GPU access to this worker's own pool (in the owner's process)."""
+    from cuda.core import system
+
+    from dask_gpupool._worker_plugin import service_of
+
+    pool = service_of(dask_worker).pool
+    others = {i for i in range(system.get_num_devices()) if i != pool.device}
+    pool.resource.peer_accessible_by = others
+    return f"pool {pool.uuid} accessible by {sorted(others)}"
 
 
 def inspect_read(x: Any) -> str:
@@ -95,6 +117,8 @@ def variant(
         c.run(_debug_log, tag)
         if patch:
             c.run(patch_imports, patch)
+        if "exporter-peer" in patch:
+            print(c.run(exporter_grants_peers), flush=True)
         a, b = sorted(c.scheduler_info()["workers"], key=lambda w: c.scheduler_info()["workers"][w]["name"])
         try:
             if producer == "fill":
@@ -123,6 +147,11 @@ def variant(
 
 def main() -> None:
     no_offload = {"DASK_DISTRIBUTED__COMM__OFFLOAD": "100GiB"}
+    one_conn = {
+        "DASK_DISTRIBUTED__WORKER__CONNECTIONS__OUTGOING": "1",
+        "DASK_DISTRIBUTED__WORKER__CONNECTIONS__INCOMING": "1",
+        "DASK_DISTRIBUTED__WORKER__TRANSFER__MESSAGE_BYTES_LIMIT": "4GiB",
+    }
     variants: list[tuple[Any, ...]] = [
         ("1 x make_buffer 16MiB, head", 1, 16 * MiB, "make", "head"),
         ("8 x fill 1MiB, head", 8, MiB, "fill", "head"),
@@ -134,6 +163,9 @@ def main() -> None:
         ("8 x make_buffer 16MiB, inspect", 8, 16 * MiB, "make", "inspect"),
         ("8 x make_buffer 16MiB, inspect, check", 8, 16 * MiB, "make", "inspect", None, "check"),
         ("8 x make_buffer 16MiB, inspect, regrant", 8, 16 * MiB, "make", "inspect", None, "regrant"),
+        ("8 x make_buffer 16MiB, head, ownerctx", 8, 16 * MiB, "make", "head", None, "ownerctx"),
+        ("8 x make_buffer 16MiB, head, exporter-peer", 8, 16 * MiB, "make", "head", None, "exporter-peer"),
+        ("8 x make_buffer 16MiB, head, 1conn", 8, 16 * MiB, "make", "head", one_conn),
         ("8 x fill 16MiB, all_equal", 8, 16 * MiB, "fill", "all_equal"),
         ("8 x fill 16MiB, all_equal, no offload", 8, 16 * MiB, "fill", "all_equal", no_offload),
     ]
