@@ -105,6 +105,9 @@ class PoolRecord:
         Path of the owner's fd broker socket.
     devices : tuple of str
         UUIDs of every GPU the owner process can see.
+    peers : tuple of str
+        UUIDs of the other GPUs the owner granted access to its ``device``
+        pool; workers there get its buffers zero-copy, others get copies.
     """
 
     pool: str
@@ -117,6 +120,7 @@ class PoolRecord:
     max_size: int
     broker: str
     devices: tuple[str, ...] = ()
+    peers: tuple[str, ...] = ()
 
     KINDS: ClassVar[tuple[str, ...]] = ("device", "pinned", "host")
 
@@ -132,6 +136,7 @@ class PoolRecord:
             "max_size": self.max_size,
             "broker": self.broker,
             "devices": list(self.devices),
+            "peers": list(self.peers),
         }
 
     @classmethod
@@ -142,8 +147,9 @@ class PoolRecord:
         if kind not in cls.KINDS:
             raise ProtocolError(f"{what}: unknown kind {kind!r}")
         devices = _field(m, "devices", (list, tuple), what)
-        if not all(isinstance(d, str) for d in devices):
-            raise ProtocolError(f"{what}: 'devices' must be strings")
+        peers = _field(m, "peers", (list, tuple), what)
+        if not all(isinstance(d, str) for d in (*devices, *peers)):
+            raise ProtocolError(f"{what}: 'devices' and 'peers' must be strings")
         max_size = _field(m, "max_size", int, what)
         pid = _field(m, "pid", int, what)
         if max_size <= 0 or pid <= 0:
@@ -159,6 +165,7 @@ class PoolRecord:
             max_size=max_size,
             broker=_field(m, "broker", str, what),
             devices=tuple(devices),
+            peers=tuple(peers),
         )
 
 

@@ -31,7 +31,7 @@ from dask_gpupool._topology import LocalDevices, device_memory, host_memory
 if TYPE_CHECKING:
     from cuda.core import Buffer
 
-__all__ = ["Pool", "PoolStats", "ipc_payload"]
+__all__ = ["Pool", "PoolStats", "grant_peers", "ipc_payload"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +77,33 @@ def ipc_payload(buf: Buffer) -> bytes:
     return bytes(payload)
 
 
+def grant_peers(resource: Any, ordinal: int, devices: LocalDevices) -> tuple[str, ...]:
+    """Grant every other visible GPU with peer access to GPU ``ordinal`` access to ``resource``.
+
+    Done in the owner's process, before any import: on two H200s (driver 580)
+    a peer that mapped this pool's buffers across GPUs while it was still
+    growing, and had been granted access only in its own process, lost its
+    CUDA context (``CUDA_ERROR_LAUNCH_FAILED`` during an import); with access
+    granted here first, the same handoffs read the right bytes
+    (``scripts/probes/two_gpu_handoff.py``, ``docs/gpu-checks.md``).
+
+    Returns the UUIDs of the GPUs granted access. A GPU that cannot reach
+    ``ordinal`` (no peer access) is left out; so is every GPU when granting
+    fails, which is logged: buffers then go to those GPUs as copies.
+    """
+    from cuda.core import Device
+
+    others = [i for i in range(len(devices.uuids)) if i != ordinal and Device(i).can_access_peer(ordinal)]
+    if not others:
+        return ()
+    try:
+        resource.peer_accessible_by = set(others)
+    except Exception as e:
+        logger.warning("GPU %d: granting GPUs %s access to the pool failed (%s); they get copies", ordinal, others, e)
+        return ()
+    return tuple(devices.uuids[i] for i in others)
+
+
 class Pool:
     """The IPC-enabled pool a worker allocates from and shares.
 
@@ -95,6 +122,10 @@ class Pool:
         Ordinal (in this process) of the GPU that holds or made the pool.
     device_uuid : str or None
         UUID of that GPU.
+    peers : tuple of str
+        UUIDs of the other GPUs this process granted access to a ``device``
+        pool (see :func:`grant_peers`); only workers on these GPUs (or on the
+        pool's own) are handed its buffers zero-copy.
     resource : cuda.core.MemoryResource
         The memory resource; owned by the pool.
     """
@@ -104,16 +135,26 @@ class Pool:
     max_size: int
     device: int | None
     device_uuid: str | None
+    peers: tuple[str, ...]
     resource: Any
     _closed: bool
     _lock: threading.Lock
 
-    def __init__(self, kind: str, resource: Any, max_size: int, device: int | None, device_uuid: str | None):
+    def __init__(
+        self,
+        kind: str,
+        resource: Any,
+        max_size: int,
+        device: int | None,
+        device_uuid: str | None,
+        peers: tuple[str, ...] = (),
+    ):
         self.kind = kind
         self.resource = resource
         self.max_size = max_size
         self.device = device
         self.device_uuid = device_uuid
+        self.peers = peers
         self.allocation_handle()  # exporting the handle is what gives a CUDA pool its UUID
         self.uuid = str(resource.uuid)
         self._closed = False
@@ -151,6 +192,12 @@ class Pool:
             from cuda.core import DeviceMemoryResource, DeviceMemoryResourceOptions
 
             resource = DeviceMemoryResource(dev, DeviceMemoryResourceOptions(ipc_enabled=True, max_size=size))
+            try:
+                peers = grant_peers(resource, ordinal, devices) if options.peer_gpu_handoff else ()
+            except BaseException:
+                resource.close()
+                raise
+            return cls(kind, resource, size, ordinal, devices.uuids[ordinal], peers)
         else:
             if not dev.properties.host_numa_memory_pools_supported:
                 raise ConfigError(

@@ -223,6 +223,7 @@ class PoolService:
             max_size=pool.max_size,
             broker=broker.address,
             devices=devices.uuids,
+            peers=pool.peers,
         )
         logger.info(
             "pool %s: %s pool of %d bytes on %s, broker %s",
@@ -327,7 +328,7 @@ class PoolService:
             reason = "not-in-pool"
         elif self.pool.kind == "device" and self.pool.device_uuid not in row.devices:
             reason = "no-access"
-        elif self.pool.kind == "device" and row.device != self.pool.device_uuid and not self.options.peer_gpu_handoff:
+        elif self.pool.kind == "device" and row.device not in (self.pool.device_uuid, *self.pool.peers):
             reason = "other-gpu"
         elif self.pool.kind == "pinned" and not row.devices:
             reason = "no-access"

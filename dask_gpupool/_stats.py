@@ -16,7 +16,10 @@ FALLBACK_REASONS = {
     "comm": "the comm is not TCP/TLS (UCX, inproc): it passes no requester",
     "not-in-pool": "the value does not live in this worker's pool",
     "no-access": "the requester cannot reach the memory (GPU not visible, or no GPU)",
-    "other-gpu": "the requester works on another GPU and gpupool.peer-gpu-handoff is off",
+    "other-gpu": (
+        "the requester works on another GPU that this pool is not shared with "
+        "(gpupool.peer-gpu-handoff is off, or the GPUs have no peer access)"
+    ),
     "pool-closed": "this worker's pool is closing",
     "import-failed": "the requester could not import the descriptor and fetched a copy",
     "receiver-pool-full": "the receiver's pool was full; the copy went to memory outside it",

@@ -123,14 +123,41 @@ def test_handoff_two_workers_on_one_gpu():
 def test_handoff_one_worker_per_gpu():
     gpus(2)
     rotated = [{"env": {"CUDA_VISIBLE_DEVICES": "0,1"}}, {"env": {"CUDA_VISIBLE_DEVICES": "1,0"}}]
-    with nanny_cluster(rotated, GPUPool(kind="device", max_size="2 GiB", peer_gpu_handoff=True)) as c:
+    with nanny_cluster(rotated, GPUPool(kind="device", max_size="2 GiB")) as c:
+        a, b = worker_addresses(c)
+        rows = {r.worker: r for r in dask_gpupool.pools(c)}
+        assert rows[a].peers == (rows[b].device,) and rows[b].peers == (rows[a].device,)
         _handoff_roundtrip(c, 64 * MiB)
 
 
-def test_handoff_to_another_gpu_is_copied_by_default():
+def test_concurrent_handoffs_across_gpus_while_the_producer_allocates():
+    # The pattern that broke the consumer's context before pools granted peers access
+    # themselves: the consumer imports buffer i while the producer's pool grows for i + 1.
     gpus(2)
     rotated = [{"env": {"CUDA_VISIBLE_DEVICES": "0,1"}}, {"env": {"CUDA_VISIBLE_DEVICES": "1,0"}}]
+    from test_handoff import back_to, warm_up
+
     with nanny_cluster(rotated, GPUPool(kind="device", max_size="2 GiB")) as c:
+        a, b = worker_addresses(c)
+
+        def batch() -> None:
+            xs = [c.submit(T.make_buffer, 16 * MiB, bytes([i + 1]), workers=[a], pure=False) for i in range(8)]
+            ys = [c.submit(T.keep, x, workers=[b], pure=False) for x in xs]
+            got = c.gather([c.submit(T.head, y, 1, workers=[b], pure=False) for y in ys])
+            assert got == [bytes([i + 1]) for i in range(8)]
+            assert c.run(T.handoff_counters)[b]["copied_bytes"] == 0
+
+        batch()  # cold: the consumer maps the pool while it grows
+        baseline = warm_up(c, a, b)
+        batch()
+        batch()
+        back_to(c, baseline)
+
+
+def test_handoff_to_another_gpu_is_copied_when_turned_off():
+    gpus(2)
+    rotated = [{"env": {"CUDA_VISIBLE_DEVICES": "0,1"}}, {"env": {"CUDA_VISIBLE_DEVICES": "1,0"}}]
+    with nanny_cluster(rotated, GPUPool(kind="device", max_size="2 GiB", peer_gpu_handoff=False)) as c:
         a, b = worker_addresses(c)
         x = c.submit(T.fill, 16 * MiB, 9, workers=[a], pure=False)
         y = c.submit(T.keep, x, workers=[b], pure=False)
@@ -165,13 +192,8 @@ def test_stress_producers_release_while_consumers_read_one_gpu():
         assert stress(c, 20, 16 * MiB) > 5
 
 
-@pytest.mark.xfail(
-    reason="known fault (docs/gpu-checks.md): concurrent 16 MiB handoffs across two H200s break the consumer's "
-    "CUDA context; gpupool.peer-gpu-handoff is off by default until it is fixed",
-    strict=False,
-)
 def test_stress_producers_release_while_consumers_read_two_gpus():
     gpus(2)
     rotated = [{"env": {"CUDA_VISIBLE_DEVICES": "0,1"}}, {"env": {"CUDA_VISIBLE_DEVICES": "1,0"}}]
-    with nanny_cluster(rotated, GPUPool(kind="device", max_size="4 GiB", peer_gpu_handoff=True)) as c:
+    with nanny_cluster(rotated, GPUPool(kind="device", max_size="4 GiB")) as c:
         assert stress(c, 20, 16 * MiB) > 5

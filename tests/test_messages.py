@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import uuid
 
 import msgpack
@@ -23,8 +24,9 @@ from dask_gpupool._messages import (
 
 POOL = str(uuid.uuid4())
 RECORD = PoolRecord(
-    POOL, "tcp://1.2.3.4:5", 42, "h/boot", "h", "device", "GPU-1", 1 << 30, "/tmp/x/broker.sock", ("GPU-1",)
+    POOL, "tcp://1.2.3.4:5", 42, "h/boot", "h", "device", "GPU-1", 1 << 30, "/tmp/x/broker.sock", ("GPU-1", "GPU-2")
 )
+RECORD = dataclasses.replace(RECORD, peers=("GPU-2",))
 
 
 def wire(msg):
@@ -54,6 +56,8 @@ def test_broker_messages_round_trip():
         {"pid": True},
         {"max_size": -1},
         {"devices": [1]},
+        {"peers": [None]},
+        {"peers": "GPU-2"},
         {"device": 3},
     ],
 )
