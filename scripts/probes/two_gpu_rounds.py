@@ -1,0 +1,165 @@
+"""Probe: rounds of cross-GPU export / import / release / reuse with cuda.core alone (2 GPUs).
+
+``python3 scripts/probes/two_gpu_rounds.py [name filter...]``: per variant a
+fresh exporter (GPU 0) and importer (GPU 1, rotated ``CUDA_VISIBLE_DEVICES``).
+Each round the exporter makes ``n`` buffers (memset to a round-specific
+value), the importer imports and reads them, closes its imports and
+synchronizes, and only then does the exporter free them and scribble over
+the freed memory (allocate, memset 0, free), as the Dask stress test does.
+Prints how many rounds passed, or the first failure.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+MiB = 1 << 20
+
+
+def _check(res: Any) -> Any:
+    from cuda.bindings import driver
+
+    if res[0] != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(repr(res[0]))
+    return res[1:]
+
+
+def _set_threshold(mr: Any) -> None:
+    from cuda.bindings import driver
+
+    attr = driver.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD
+    _check(driver.cuMemPoolSetAttribute(mr.handle, attr, driver.cuuint64_t(2**64 - 1)))
+
+
+def exporter(conn: Any, rounds: int, n: int, size: int, opts: dict[str, Any]) -> None:
+    os.environ["CUDA_VISIBLE_DEVICES"] = "0,1"
+    from multiprocessing import reduction
+
+    from cuda.bindings import driver
+    from cuda.core import Device, DeviceMemoryResource, DeviceMemoryResourceOptions
+
+    dev = Device(0)
+    dev.set_current()
+    s = dev.default_stream
+    mr = DeviceMemoryResource(0, DeviceMemoryResourceOptions(ipc_enabled=True, max_size=2 << 30))
+    if opts.get("exporter_grant"):
+        mr.peer_accessible_by = {1}
+    if opts.get("threshold"):
+        _set_threshold(mr)
+    reduction.send_handle(conn, int(mr.allocation_handle), int(conn.recv()))
+    for r in range(rounds):
+        bufs = []
+        for i in range(n):
+            b = mr.allocate(size, stream=s)
+            _check(driver.cuMemsetD8Async(int(b.handle), (r * n + i) % 250 + 1, size, s.handle))
+            bufs.append(b)
+        dev.sync()
+        descs = []
+        for b in bufs:
+            _, (payload, sz) = b.ipc_descriptor.__reduce__()
+            descs.append((bytes(payload), sz))
+        conn.send(descs)
+        if conn.recv() != "released":
+            break
+        for b in bufs:
+            b.close(s)
+        for _ in range(n):
+            t = mr.allocate(size, stream=s)
+            _check(driver.cuMemsetD8Async(int(t.handle), 0, size, s.handle))
+            t.close(s)
+        dev.sync()
+    conn.send(None)
+    mr.close()
+
+
+def importer(conn: Any, rounds: int, n: int, size: int, opts: dict[str, Any], out: Any) -> None:
+    os.environ["CUDA_VISIBLE_DEVICES"] = "1,0"
+    from multiprocessing import reduction
+
+    from cuda.bindings import driver
+    from cuda.core import Buffer, Device, DeviceMemoryResource
+    from cuda.core._memory._ipc import IPCBufferDescriptor
+
+    conn.send(os.getpid())
+    done = 0
+    result = ""
+    try:
+        own = Device(0)
+        own.set_current()
+        fd = reduction.recv_handle(conn)
+        mr = DeviceMemoryResource.from_allocation_handle(1, fd)
+        os.close(fd)
+        own.set_current()
+        mr.peer_accessible_by = {0}
+        for r in range(rounds):
+            descs = conn.recv()
+            bufs = [
+                Buffer.from_ipc_descriptor(mr, IPCBufferDescriptor._init(p, sz), stream=own.default_stream)
+                for p, sz in descs
+            ]
+            for i, b in enumerate(bufs):
+                one = ctypes.create_string_buffer(1)
+                _check(driver.cuMemcpy(ctypes.addressof(one), int(b.handle) + size - 1, 1))
+                if one.raw[0] != (r * n + i) % 250 + 1:
+                    raise AssertionError(f"round {r} buffer {i}: read {one.raw[0]}")
+            for b in bufs:
+                b.close(own.default_stream)
+            own.sync()
+            if opts.get("sleep"):
+                time.sleep(opts["sleep"])
+            conn.send("released")
+            done += 1
+        conn.recv()
+        mr.close()
+        result = f"ok, {done} rounds"
+    except Exception as e:
+        result = f"FAILED in round {done}: {type(e).__name__}: {e}"
+        traceback.print_exc()
+        conn.send("failed")
+    finally:
+        out.put(result)
+
+
+def variant(name: str, rounds: int, n: int, size: int, **opts: Any) -> str:
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    q = ctx.Queue()
+    pe = ctx.Process(target=exporter, args=(a, rounds, n, size, opts))
+    pi = ctx.Process(target=importer, args=(b, rounds, n, size, opts, q))
+    pe.start()
+    pi.start()
+    t0 = time.monotonic()
+    try:
+        result = q.get(timeout=120)
+    except Exception as e:
+        result = f"TIMEOUT {e}"
+    took = time.monotonic() - t0
+    for p in (pe, pi):
+        p.join(20)
+        if p.is_alive():
+            p.kill()
+    return f"{name:44s} {result[:160]}  ({took:.1f} s)"
+
+
+def main() -> None:
+    only = sys.argv[1:]
+    for name, rounds, n, size, opts in [
+        ("rounds 8 x 16MiB", 40, 8, 16 * MiB, {}),
+        ("rounds 8 x 16MiB, exporter grant", 40, 8, 16 * MiB, {"exporter_grant": True}),
+        ("rounds 8 x 16MiB, threshold", 40, 8, 16 * MiB, {"threshold": True}),
+        ("rounds 8 x 16MiB, exporter grant + threshold", 40, 8, 16 * MiB, {"exporter_grant": True, "threshold": True}),
+        ("rounds 8 x 1MiB", 40, 8, MiB, {}),
+        ("rounds 8 x 1MiB, exporter grant", 40, 8, MiB, {"exporter_grant": True}),
+    ]:
+        if not only or any(o in name for o in only):
+            print(variant(name, rounds, n, size, **opts), flush=True)
+
+
+if __name__ == "__main__":
+    main()
