@@ -53,6 +53,8 @@ def exporter(conn: Any, rounds: int, n: int, size: int, opts: dict[str, Any]) ->
     if opts.get("threshold"):
         _set_threshold(mr)
     reduction.send_handle(conn, int(mr.allocation_handle), int(conn.recv()))
+    prev: list[Any] = []
+    overlap = opts.get("overlap")
     for r in range(rounds):
         bufs = []
         for i in range(n):
@@ -67,7 +69,9 @@ def exporter(conn: Any, rounds: int, n: int, size: int, opts: dict[str, Any]) ->
         conn.send(descs)
         if conn.recv() != "released":
             break
-        for b in bufs:
+        # Without overlap the importer released this round's buffers; with it, the previous round's.
+        done, prev = (prev, bufs) if overlap else (bufs, [])
+        for b in done:
             b.close(s)
         for _ in range(n):
             t = mr.allocate(size, stream=s)
@@ -97,19 +101,30 @@ def importer(conn: Any, rounds: int, n: int, size: int, opts: dict[str, Any], ou
         os.close(fd)
         own.set_current()
         mr.peer_accessible_by = {0}
+        prev: list[Any] = []
+        overlap = opts.get("overlap")
         for r in range(rounds):
             descs = conn.recv()
+            if overlap == "close-first":  # free the previous round's imports, unsynchronized, then import
+                for b in prev:
+                    b.close(own.default_stream)
             bufs = [
                 Buffer.from_ipc_descriptor(mr, IPCBufferDescriptor._init(p, sz), stream=own.default_stream)
                 for p, sz in descs
             ]
+            if overlap == "import-first":
+                for b in prev:
+                    b.close(own.default_stream)
             for i, b in enumerate(bufs):
                 one = ctypes.create_string_buffer(1)
                 _check(driver.cuMemcpy(ctypes.addressof(one), int(b.handle) + size - 1, 1))
                 if one.raw[0] != (r * n + i) % 250 + 1:
                     raise AssertionError(f"round {r} buffer {i}: read {one.raw[0]}")
-            for b in bufs:
-                b.close(own.default_stream)
+            if overlap:
+                prev = bufs
+            else:
+                for b in bufs:
+                    b.close(own.default_stream)
             own.sync()
             if opts.get("sleep"):
                 time.sleep(opts["sleep"])
@@ -149,14 +164,32 @@ def variant(name: str, rounds: int, n: int, size: int, **opts: Any) -> str:
 
 def main() -> None:
     only = sys.argv[1:]
-    for name, rounds, n, size, opts in [
+    grant: dict[str, Any] = {"exporter_grant": True}
+    variants: list[tuple[str, int, int, int, dict[str, Any]]] = [
         ("rounds 8 x 16MiB", 40, 8, 16 * MiB, {}),
         ("rounds 8 x 16MiB, exporter grant", 40, 8, 16 * MiB, {"exporter_grant": True}),
         ("rounds 8 x 16MiB, threshold", 40, 8, 16 * MiB, {"threshold": True}),
         ("rounds 8 x 16MiB, exporter grant + threshold", 40, 8, 16 * MiB, {"exporter_grant": True, "threshold": True}),
+        ("rounds 8 x 16MiB, overlap close-first", 40, 8, 16 * MiB, {"overlap": "close-first"}),
+        ("rounds 8 x 16MiB, overlap import-first", 40, 8, 16 * MiB, {"overlap": "import-first"}),
+        (
+            "rounds 8 x 16MiB, overlap close-first, grant",
+            40,
+            8,
+            16 * MiB,
+            {"overlap": "close-first", **grant},
+        ),
+        (
+            "rounds 8 x 16MiB, overlap import-first, grant",
+            40,
+            8,
+            16 * MiB,
+            {"overlap": "import-first", **grant},
+        ),
         ("rounds 8 x 1MiB", 40, 8, MiB, {}),
         ("rounds 8 x 1MiB, exporter grant", 40, 8, MiB, {"exporter_grant": True}),
-    ]:
+    ]
+    for name, rounds, n, size, opts in variants:
         if not only or any(o in name for o in only):
             print(variant(name, rounds, n, size, **opts), flush=True)
 
