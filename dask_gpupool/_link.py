@@ -303,7 +303,11 @@ class ImportedMemoryResource(MemoryResource):
         self._on_close = on_close
         self._device_accessible = bool(raw.is_device_accessible)
         self._host_accessible = bool(raw.is_host_accessible)
-        self._device_id = int(raw.device_id)
+        # The GPU that uses the import: this process's own GPU (granted access to the pool), not the
+        # pool's resident GPU. Array libraries run on it; CuPy would otherwise enable context peer
+        # access to the owner's GPU for every kernel, which broke imports across H200s
+        # (docs/gpu-checks.md).
+        self._device_id = int(mapped.device) if mapped.device is not None else int(raw.device_id)
 
     def allocate(self, size: int, *, stream: Any = None) -> Buffer:
         raise TypeError("an imported buffer's resource cannot allocate")

@@ -101,6 +101,12 @@ def importer(conn: Any, rounds: int, n: int, size: int, opts: dict[str, Any], ou
         os.close(fd)
         own.set_current()
         mr.peer_accessible_by = {0}
+        if opts.get("ctx_peer"):  # what CuPy does for an array whose device_id is the owner's GPU
+            owner = Device(1)
+            owner.set_current()
+            owner_ctx = owner.context.handle
+            own.set_current()
+            _check((driver.cuCtxEnablePeerAccess(owner_ctx, 0)[0],))
         prev: list[Any] = []
         overlap = opts.get("overlap")
         for r in range(rounds):
@@ -185,6 +191,15 @@ def main() -> None:
             8,
             16 * MiB,
             {"overlap": "import-first", **grant},
+        ),
+        ("rounds 8 x 16MiB, ctx peer", 40, 8, 16 * MiB, {"ctx_peer": True}),
+        ("rounds 8 x 16MiB, ctx peer, grant", 40, 8, 16 * MiB, {"ctx_peer": True, **grant}),
+        (
+            "rounds 8 x 16MiB, ctx peer, overlap close-first, grant",
+            40,
+            8,
+            16 * MiB,
+            {"ctx_peer": True, "overlap": "close-first", **grant},
         ),
         ("rounds 8 x 1MiB", 40, 8, MiB, {}),
         ("rounds 8 x 1MiB, exporter grant", 40, 8, MiB, {"exporter_grant": True}),
