@@ -67,6 +67,13 @@ def exporter(conn: Any, rounds: int, n: int, size: int, opts: dict[str, Any]) ->
             _, (payload, sz) = b.ipc_descriptor.__reduce__()
             descs.append((bytes(payload), sz))
         conn.send(descs)
+        if opts.get("busy"):  # grow and shrink the pool while the importer imports and reads
+            while not conn.poll():
+                ts = [mr.allocate(size, stream=s) for _ in range(n)]
+                for t in ts:
+                    _check(driver.cuMemsetD8Async(int(t.handle), 0, size, s.handle))
+                    t.close(s)
+                dev.sync()
         if conn.recv() != "released":
             break
         # Without overlap the importer released this round's buffers; with it, the previous round's.
@@ -121,6 +128,14 @@ def importer(conn: Any, rounds: int, n: int, size: int, opts: dict[str, Any], ou
             if overlap == "import-first":
                 for b in prev:
                     b.close(own.default_stream)
+            if opts.get("cupy"):  # read every byte with a kernel on this GPU, as the Dask test does
+                import cupy
+
+                for i, b in enumerate(bufs):
+                    mem = cupy.cuda.UnownedMemory(int(b.handle), size, b, device_id=0)
+                    arr = cupy.ndarray((size,), "u1", cupy.cuda.MemoryPointer(mem, 0))
+                    if not bool((arr == (r * n + i) % 250 + 1).all()):
+                        raise AssertionError(f"round {r} buffer {i}: wrong bytes (kernel)")
             for i, b in enumerate(bufs):
                 one = ctypes.create_string_buffer(1)
                 _check(driver.cuMemcpy(ctypes.addressof(one), int(b.handle) + size - 1, 1))
@@ -201,6 +216,16 @@ def main() -> None:
             16 * MiB,
             {"ctx_peer": True, "overlap": "close-first", **grant},
         ),
+        ("rounds 8 x 16MiB, busy, grant", 40, 8, 16 * MiB, {"busy": True, **grant}),
+        ("rounds 8 x 16MiB, busy, cupy, grant", 40, 8, 16 * MiB, {"busy": True, "cupy": True, **grant}),
+        (
+            "rounds 8 x 16MiB, busy, cupy, grant, threshold",
+            40,
+            8,
+            16 * MiB,
+            {"busy": True, "cupy": True, "threshold": True, **grant},
+        ),
+        ("rounds 8 x 16MiB, busy, cupy", 40, 8, 16 * MiB, {"busy": True, "cupy": True}),
         ("rounds 8 x 1MiB", 40, 8, MiB, {}),
         ("rounds 8 x 1MiB, exporter grant", 40, 8, MiB, {"exporter_grant": True}),
     ]
