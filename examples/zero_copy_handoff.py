@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import logging
 
+import dask
+
 import dask_gpupool
 
 N = 1 << 24  # float64 elements: 128 MiB
@@ -52,7 +54,11 @@ def main() -> None:
         for i, env in enumerate(envs)
     }
     scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0"}}
-    with SpecCluster(workers=workers, scheduler=scheduler, silence_logs=logging.WARNING) as cluster:
+    # The demo writes into A's copy of a result after B got it. Dask treats results as immutable,
+    # and its Active Memory Manager may drop A's replica (A would then fetch B's back as a copy):
+    # its timer is off here so that A keeps its own.
+    amm_off = dask.config.set({"distributed.scheduler.active-memory-manager.start": False})
+    with amm_off, SpecCluster(workers=workers, scheduler=scheduler, silence_logs=logging.WARNING) as cluster:
         with Client(cluster) as client:
             client.wait_for_workers(2)
             client.register_plugin(dask_gpupool.GPUPool(max_size="1 GiB"))

@@ -26,7 +26,14 @@ def nanny_cluster(workers: list[dict[str, Any]], plugin: Any = None, **scheduler
     Each entry of ``workers`` holds extra ``Nanny`` options, e.g.
     ``{"env": {"CUDA_VISIBLE_DEVICES": "1,0"}, "config": {"gpupool": {"host-id": "a"}}}``.
     Yields the client; with ``plugin`` given it is registered first.
+
+    The Active Memory Manager's timer is off: tests that write into a
+    producer's buffer after a handoff need the producer's replica to stay
+    (ReduceReplicas may drop it, and a task pinned to the producer would then
+    fetch a copy back from the consumer and write into that). A GPU run saw
+    this once. Tests of the AMM make its requests themselves.
     """
+    import dask
     from distributed import Client, Nanny, Scheduler, SpecCluster
 
     specs = {
@@ -34,7 +41,8 @@ def nanny_cluster(workers: list[dict[str, Any]], plugin: Any = None, **scheduler
         for i, options in enumerate(workers)
     }
     scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0", **scheduler_options}}
-    with SpecCluster(workers=specs, scheduler=scheduler, asynchronous=False) as cluster:
+    amm_off = dask.config.set({"distributed.scheduler.active-memory-manager.start": False})
+    with amm_off, SpecCluster(workers=specs, scheduler=scheduler, asynchronous=False) as cluster:
         with Client(cluster) as client:
             client.wait_for_workers(len(workers))
             if plugin is not None:

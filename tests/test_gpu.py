@@ -123,7 +123,7 @@ def test_handoff_two_workers_on_one_gpu():
 def test_handoff_one_worker_per_gpu():
     gpus(2)
     rotated = [{"env": {"CUDA_VISIBLE_DEVICES": "0,1"}}, {"env": {"CUDA_VISIBLE_DEVICES": "1,0"}}]
-    with nanny_cluster(rotated, GPUPool(kind="device", max_size="2 GiB")) as c:
+    with nanny_cluster(rotated, GPUPool(kind="device", max_size="2 GiB", peer_gpu_handoff=True)) as c:
         a, b = worker_addresses(c)
         rows = {r.worker: r for r in dask_gpupool.pools(c)}
         assert rows[a].peers == (rows[b].device,) and rows[b].peers == (rows[a].device,)
@@ -137,7 +137,7 @@ def test_concurrent_handoffs_across_gpus_while_the_producer_allocates():
     rotated = [{"env": {"CUDA_VISIBLE_DEVICES": "0,1"}}, {"env": {"CUDA_VISIBLE_DEVICES": "1,0"}}]
     from test_handoff import back_to, warm_up
 
-    with nanny_cluster(rotated, GPUPool(kind="device", max_size="2 GiB")) as c:
+    with nanny_cluster(rotated, GPUPool(kind="device", max_size="2 GiB", peer_gpu_handoff=True)) as c:
         a, b = worker_addresses(c)
 
         def batch() -> None:
@@ -154,10 +154,11 @@ def test_concurrent_handoffs_across_gpus_while_the_producer_allocates():
         back_to(c, baseline)
 
 
-def test_handoff_to_another_gpu_is_copied_when_turned_off():
+def test_handoff_to_another_gpu_is_copied_by_default():
     gpus(2)
     rotated = [{"env": {"CUDA_VISIBLE_DEVICES": "0,1"}}, {"env": {"CUDA_VISIBLE_DEVICES": "1,0"}}]
-    with nanny_cluster(rotated, GPUPool(kind="device", max_size="2 GiB", peer_gpu_handoff=False)) as c:
+    with nanny_cluster(rotated, GPUPool(kind="device", max_size="2 GiB")) as c:
+        assert all(r.peers == () for r in dask_gpupool.pools(c))
         a, b = worker_addresses(c)
         x = c.submit(T.fill, 16 * MiB, 9, workers=[a], pure=False)
         y = c.submit(T.keep, x, workers=[b], pure=False)
@@ -192,8 +193,13 @@ def test_stress_producers_release_while_consumers_read_one_gpu():
         assert stress(c, 20, 16 * MiB) > 5
 
 
+@pytest.mark.xfail(
+    reason="known fault (docs/gpu-checks.md): with releases and reuse, cross-GPU handoffs on two H200s break the "
+    "consumer's CUDA context within seconds; gpupool.peer-gpu-handoff is off by default until it is fixed",
+    strict=False,
+)
 def test_stress_producers_release_while_consumers_read_two_gpus():
     gpus(2)
     rotated = [{"env": {"CUDA_VISIBLE_DEVICES": "0,1"}}, {"env": {"CUDA_VISIBLE_DEVICES": "1,0"}}]
-    with nanny_cluster(rotated, GPUPool(kind="device", max_size="4 GiB")) as c:
+    with nanny_cluster(rotated, GPUPool(kind="device", max_size="4 GiB", peer_gpu_handoff=True)) as c:
         assert stress(c, 20, 16 * MiB) > 5

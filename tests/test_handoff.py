@@ -123,12 +123,9 @@ def test_client_gather_gets_a_host_copy():
 
 
 def test_amm_dropping_the_producers_replica_keeps_the_memory_leased():
-    import dask
-
-    # The AMM's own timer is off so that it cannot drop B's replica first; the test makes the
-    # same request the AMM's ReduceReplicas policy makes, for A's replica.
-    amm_off = dask.config.set({"distributed.scheduler.active-memory-manager.start": False})
-    with amm_off, nanny_cluster([{}, {}], HOST_POOL) as c:
+    # nanny_cluster turns the AMM's own timer off, so that it cannot drop B's replica first;
+    # the test makes the same request the AMM's ReduceReplicas policy makes, for A's replica.
+    with nanny_cluster([{}, {}], HOST_POOL) as c:
         a, b = worker_addresses(c)
         baseline = warm_up(c, a, b)
         x = c.submit(T.make_buffer, MiB, b"still here", workers=[a], pure=False)
