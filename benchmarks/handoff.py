@@ -1,0 +1,338 @@
+"""Handoff of one task result between two workers of one host, per method and size.
+
+A result is made on worker A and consumed by a task pinned to worker B. For
+each method, placement and size the benchmark records, median of
+``--repeats``:
+
+- ``transfer``: the consumer's own transfer duration from Dask's transfer log
+  (``worker.transfer_incoming_log``), the metric the issue names;
+- ``task``: the end-to-end time of the dependent task (submit to result, the
+  result already in A's memory).
+
+Methods:
+
+============  ==========================================================
+tcp           Dask over TCP, a CuPy array (NumPy on a host run): today's default
+ucxx          Dask over UCXX, a CuPy array (only when distributed-ucxx imports)
+gpupool       dask_gpupool zero-copy: an array over a pool buffer
+gpupool-copy  dask_gpupool's host-copy path, forced with different host ids
+============  ==========================================================
+
+Placements: ``same`` (two workers on GPU 0) and ``other`` (one worker per
+GPU, rotated ``CUDA_VISIBLE_DEVICES``, zero-copy with
+``peer_gpu_handoff=True``). With no GPU, one ``host`` placement with
+NumPy arrays and host pools (a smoke run). The 1 KiB row of each method is
+the floor of a Dask round trip on that comm.
+
+Writes JSON (machine, GPUs, driver, versions, every sample) to
+``benchmarks/results/`` and ``$OUT``, prints a table and draws a log-log plot
+when matplotlib is there. Results are written after every method, so a run
+cut short keeps what it measured.
+
+    python benchmarks/handoff.py [--sizes 1KiB,1MiB,...] [--repeats 5] [--methods tcp,gpupool,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import dask
+from dask.utils import format_bytes, parse_bytes
+
+import dask_gpupool
+from dask_gpupool import GPUPool
+from dask_gpupool._topology import local_devices
+
+DEFAULT_SIZES = "1KiB,1MiB,64MiB,256MiB,1GiB,4GiB,8GiB"
+METHODS = ("tcp", "ucxx", "gpupool", "gpupool-copy")
+
+
+# -- tasks (run on the workers) --------------------------------------------------------
+
+
+def produce(nbytes: int, lib: str, pool: bool) -> Any:
+    """A float64 array of ``nbytes`` (rounded down to 8), set to 1; over a pool buffer if ``pool``."""
+    n = max(nbytes // 8, 1)
+    if pool:
+        buf = dask_gpupool.allocate(n * 8)
+        arr = dask_gpupool.as_array(buf, (n,), "f8", like=lib)
+        arr[...] = 1.0
+    elif lib == "cupy":
+        import cupy
+
+        arr = cupy.ones(n, dtype="f8")
+    else:
+        import numpy as np
+
+        arr = np.ones(n, dtype="f8")
+    if lib == "cupy":
+        import cupy
+
+        cupy.cuda.runtime.deviceSynchronize()
+    return arr
+
+
+def consume(arr: Any) -> int:
+    """The dependent task: touches nothing but the array's metadata (the handoff is what is timed)."""
+    return int(arr.nbytes)
+
+
+def last_transfer(dask_worker: Any, key: str) -> float | None:
+    """The duration of the consumer's latest incoming transfer that carried ``key``."""
+    for entry in reversed(dask_worker.transfer_incoming_log):
+        if key in entry.get("keys", {}):
+            return float(entry["duration"])
+    return None
+
+
+def device_used(dask_worker: Any) -> int:
+    """Bytes in use on this worker's GPU (cuMemGetInfo), or 0 without one."""
+    try:
+        from cuda.bindings import driver
+        from cuda.core import Device
+
+        Device(0).set_current()
+        err, free, total = driver.cuMemGetInfo()
+        return int(total - free) if err == driver.CUresult.CUDA_SUCCESS else 0
+    except Exception:
+        return 0
+
+
+# -- the driver ------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def cluster(workers: list[dict[str, Any]], protocol: str, plugin: Any) -> Iterator[Any]:
+    from distributed import Client, Nanny, Scheduler, SpecCluster
+
+    specs = {
+        f"w{i}": {
+            "cls": Nanny,
+            "options": {
+                "nthreads": 1,
+                "dashboard_address": None,
+                "protocol": protocol,
+                "silence_logs": logging.ERROR,
+                **o,
+            },
+        }
+        for i, o in enumerate(workers)
+    }
+    sched = {"cls": Scheduler, "options": {"dashboard_address": None, "protocol": protocol}}
+    cfg = {"distributed.scheduler.active-memory-manager.start": False}
+    if protocol == "ucxx":
+        cfg.update({f"distributed.comm.ucx.{k}": True for k in ("create-cuda-context", "nvlink", "tcp", "cuda-copy")})
+    with (
+        dask.config.set(cfg),
+        SpecCluster(workers=specs, scheduler=sched, silence_logs=logging.ERROR) as cl,
+        Client(cl) as c,
+    ):
+        c.wait_for_workers(len(workers))
+        if plugin is not None:
+            c.register_plugin(plugin)
+        yield c
+
+
+def measure(
+    c: Any, sizes: list[int], repeats: int, lib: str, pool: bool, deadline: float, log: Any
+) -> list[dict[str, Any]]:
+    info = c.scheduler_info()["workers"]
+    a, b = sorted(info, key=lambda w: str(info[w]["name"]))
+    rows = []
+    for nbytes in sizes:
+        samples: list[dict[str, float]] = []
+        extra: int | None = None
+        for i in range(repeats + 1):  # the first is a warm-up
+            if time.monotonic() > deadline:
+                log(f"    {format_bytes(nbytes)}: out of time after {len(samples)} samples")
+                break
+            x = c.submit(produce, nbytes, lib, pool, workers=[a], pure=False)
+            x.result()
+            before = c.run(device_used, workers=[b])[b] if i == 1 else 0
+            t0 = time.perf_counter()
+            y = c.submit(consume, x, workers=[b], pure=False)
+            y.result()
+            task = time.perf_counter() - t0
+            transfer = c.run(last_transfer, key=x.key, workers=[b])[b]
+            if i == 1:  # B still holds what it received for x: the device memory the handoff took there
+                extra = c.run(device_used, workers=[b])[b] - before
+            del x, y
+            if i > 0 and transfer is not None:
+                samples.append({"transfer_s": transfer, "task_s": task})
+        if not samples:
+            continue
+        row: dict[str, Any] = {
+            "nbytes": nbytes,
+            "transfer_s": statistics.median(s["transfer_s"] for s in samples),
+            "task_s": statistics.median(s["task_s"] for s in samples),
+            "extra_device_bytes_on_consumer": extra,
+            "samples": samples,
+        }
+        rows.append(row)
+        log(
+            f"    {format_bytes(nbytes):>10}  transfer {row['transfer_s'] * 1e3:9.2f} ms  "
+            f"task {row['task_s'] * 1e3:9.2f} ms  (n={len(samples)})"
+        )
+    return rows
+
+
+def machine() -> dict[str, Any]:
+    import distributed
+
+    m: dict[str, Any] = {
+        "host": platform.node(),
+        "python": sys.version.split()[0],
+        "dask": dask.__version__,
+        "distributed": distributed.__version__,
+        "dask_gpupool": dask_gpupool.__version__,
+    }
+    with contextlib.suppress(Exception):
+        q = "name,driver_version,memory.total,uuid"
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"], capture_output=True, text=True, check=True
+        )
+        m["gpus"] = [line.strip() for line in out.stdout.splitlines() if line.strip()]
+    for mod in ("cuda.core", "cuda.bindings", "cupy", "distributed_ucxx", "ucxx", "rmm"):
+        with contextlib.suppress(Exception):
+            m[mod] = __import__(mod, fromlist=["__version__"]).__version__
+    return m
+
+
+def placements(gpus: int) -> dict[str, list[dict[str, Any]]]:
+    if gpus == 0:
+        return {"host": [{}, {}]}
+    out = {"same": [{"env": {"CUDA_VISIBLE_DEVICES": "0"}}] * 2}
+    if gpus >= 2:
+        out["other"] = [{"env": {"CUDA_VISIBLE_DEVICES": "0,1"}}, {"env": {"CUDA_VISIBLE_DEVICES": "1,0"}}]
+    return out
+
+
+def method_setup(
+    method: str, place: str, workers: list[dict[str, Any]], gpus: int, max_size: str
+) -> tuple[str, list[dict[str, Any]], Any, bool] | None:
+    """(protocol, worker options, plugin, pool) for a method, or None when it cannot run here."""
+    kind = "device" if gpus else "host"
+    if method == "tcp":
+        return "tcp", workers, None, False
+    if method == "ucxx":
+        if not gpus:
+            return None
+        try:
+            import distributed_ucxx  # noqa: F401
+        except ImportError:
+            return None
+        return "ucxx", workers, None, False
+    plugin = GPUPool(kind=kind, max_size=max_size, peer_gpu_handoff=place == "other" or None)
+    if method == "gpupool":
+        return "tcp", workers, plugin, True
+    hosts = [{**w, "config": {"gpupool": {"host-id": f"bench-host-{i}"}}} for i, w in enumerate(workers)]
+    return "tcp", hosts, plugin, True
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default=DEFAULT_SIZES)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--methods", default="tcp,ucxx,gpupool,gpupool-copy")
+    p.add_argument("--placements", default="")
+    p.add_argument("--budget", type=float, default=540.0, help="seconds; later sizes are skipped past it")
+    args = p.parse_args()
+    sizes = [int(parse_bytes(s)) for s in args.sizes.split(",")]
+    gpus = len(local_devices().uuids)
+    lib = "cupy" if gpus else "numpy"
+    if not gpus:
+        sizes = [s for s in sizes if s <= 256 << 20]
+    max_size = f"{2 * max(sizes) // (1 << 20) + 256} MiB"
+    start = time.monotonic()
+    deadline = start + args.budget
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    result: dict[str, Any] = {"machine": machine(), "lib": lib, "repeats": args.repeats, "runs": []}
+    places = placements(gpus)
+    if args.placements:
+        places = {k: v for k, v in places.items() if k in args.placements.split(",")}
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    for place, workers in places.items():
+        for method in args.methods.split(","):
+            setup = method_setup(method, place, workers, gpus, max_size)
+            if setup is None:
+                log(f"{place:5s} {method}: not available here, skipped")
+                continue
+            protocol, wopts, plugin, pool = setup
+            log(f"{place:5s} {method} ({protocol})")
+            try:
+                with cluster(wopts, protocol, plugin) as c:
+                    rows = measure(c, sizes, args.repeats, lib, pool, deadline, log)
+                    stats = dask_gpupool.stats(c) if plugin is not None else {}
+            except Exception as e:  # one method failing must not lose the others
+                log(f"    FAILED: {type(e).__name__}: {e}")
+                rows, stats = [], {"error": {"message": f"{type(e).__name__}: {e}"}}
+            result["runs"].append({"placement": place, "method": method, "rows": rows, "stats": stats})
+            write(result, stamp)
+    table(result)
+    plot(result, stamp)
+
+
+def write(result: dict[str, Any], stamp: str) -> None:
+    for d in (os.path.join(os.path.dirname(__file__), "results"), os.environ.get("OUT")):
+        if d:
+            os.makedirs(d, exist_ok=True)
+            with open(os.path.join(d, f"handoff-{stamp}.json"), "w") as f:
+                json.dump(result, f, indent=1, default=str)
+
+
+def table(result: dict[str, Any]) -> None:
+    sizes = sorted({r["nbytes"] for run in result["runs"] for r in run["rows"]})
+    print("\nconsumer transfer time, median (ms); [end-to-end dependent task]")
+    print(f"{'placement':9s} {'method':13s}" + "".join(f"{format_bytes(s):>18s}" for s in sizes))
+    for run in result["runs"]:
+        by = {r["nbytes"]: r for r in run["rows"]}
+        cells = "".join(
+            f"{by[s]['transfer_s'] * 1e3:9.2f} [{by[s]['task_s'] * 1e3:6.1f}]" if s in by else f"{'-':>18s}"
+            for s in sizes
+        )
+        print(f"{run['placement']:9s} {run['method']:13s}{cells}")
+
+
+def plot(result: dict[str, Any], stamp: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    places = sorted({run["placement"] for run in result["runs"]})
+    fig, axes = plt.subplots(1, len(places), figsize=(6 * len(places), 4.5), squeeze=False)
+    for ax, place in zip(axes[0], places, strict=True):
+        for run in result["runs"]:
+            if run["placement"] != place or not run["rows"]:
+                continue
+            xs = [r["nbytes"] for r in run["rows"]]
+            ax.loglog(xs, [r["transfer_s"] * 1e3 for r in run["rows"]], marker="o", label=run["method"])
+        ax.set_title(f"{place} ({result['lib']})")
+        ax.set_xlabel("bytes")
+        ax.set_ylabel("consumer transfer time (ms)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    for d in (os.path.join(os.path.dirname(__file__), "results"), os.environ.get("OUT")):
+        if d:
+            fig.savefig(os.path.join(d, f"handoff-{stamp}.png"), dpi=110)
+
+
+if __name__ == "__main__":
+    main()
