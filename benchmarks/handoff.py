@@ -244,7 +244,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default=DEFAULT_SIZES)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--methods", default="tcp,ucxx,gpupool,gpupool-copy")
+    p.add_argument("--methods", default="gpupool,ucxx,gpupool-copy,tcp")
     p.add_argument("--placements", default="")
     p.add_argument("--budget", type=float, default=540.0, help="seconds; later sizes are skipped past it")
     args = p.parse_args()
@@ -265,23 +265,27 @@ def main() -> None:
     def log(msg: str) -> None:
         print(msg, flush=True)
 
+    todo = []
     for place, workers in places.items():
         for method in args.methods.split(","):
             setup = method_setup(method, place, workers, gpus, max_size)
             if setup is None:
                 log(f"{place:5s} {method}: not available here, skipped")
-                continue
-            protocol, wopts, plugin, pool = setup
-            log(f"{place:5s} {method} ({protocol})")
-            try:
-                with cluster(wopts, protocol, plugin) as c:
-                    rows = measure(c, sizes, args.repeats, lib, pool, deadline, log)
-                    stats = dask_gpupool.stats(c) if plugin is not None else {}
-            except Exception as e:  # one method failing must not lose the others
-                log(f"    FAILED: {type(e).__name__}: {e}")
-                rows, stats = [], {"error": {"message": f"{type(e).__name__}: {e}"}}
-            result["runs"].append({"placement": place, "method": method, "rows": rows, "stats": stats})
-            write(result, stamp)
+            else:
+                todo.append((place, method, setup))
+    for i, (place, method, (protocol, wopts, plugin, pool)) in enumerate(todo):
+        # An equal share of what is left of the budget, so that a slow method cannot starve the rest.
+        share = time.monotonic() + (deadline - time.monotonic()) / (len(todo) - i)
+        log(f"{place:5s} {method} ({protocol})")
+        try:
+            with cluster(wopts, protocol, plugin) as c:
+                rows = measure(c, sizes, args.repeats, lib, pool, share, log)
+                stats = dask_gpupool.stats(c) if plugin is not None else {}
+        except Exception as e:  # one method failing must not lose the others
+            log(f"    FAILED: {type(e).__name__}: {e}")
+            rows, stats = [], {"error": {"message": f"{type(e).__name__}: {e}"}}
+        result["runs"].append({"placement": place, "method": method, "rows": rows, "stats": stats})
+        write(result, stamp)
     table(result)
     plot(result, stamp)
 

@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine (device tool): the whole test suite (gpu-marked tests included) and the
-# pool benchmark, full logs under $OUT, a short table last. Same script every session:
-#   carry: [".whl"]   command: bash scripts/gpu-check.sh
+# Runs on the GPU machine (device tool): the whole test suite (gpu-marked tests included), the
+# pool-mapping benchmark, the demo, the example and the handoff benchmark; full logs under $OUT, the
+# handoff table last. Same script every session:
+#   carry: [".whl", ".whl-ucx"]   command: bash scripts/gpu-check.sh
+# .whl-ucx (optional) holds the UCXX wheels of shared/GPU.md for the benchmark's ucxx rows.
+# HANDOFF_BUDGET (seconds, default 360) bounds the handoff benchmark; 0 skips it.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-check-out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+WHEELS=(.whl/*.whl)
+[ -d .whl-ucx ] && WHEELS+=(.whl-ucx/*.whl)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${WHEELS[@]}" || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 { nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv;
   python3 -c "import cuda.core, cuda.bindings, dask, distributed; print('cuda.core', cuda.core.__version__, 'cuda.bindings', cuda.bindings.__version__, 'dask', dask.__version__)"; } > "$OUT/machine.txt" 2>&1
@@ -21,3 +26,11 @@ echo "== summary"; tail -n 1 "$OUT/pytest.log"
 tail -n 6 "$OUT/bench.log"
 echo "== demo"; timeout 100 python3 -m dask_gpupool demo > "$OUT/demo.log" 2>&1; echo "demo exit: $?"; tail -n 4 "$OUT/demo.log"
 echo "== example"; timeout 120 python3 examples/zero_copy_handoff.py > "$OUT/example.log" 2>&1; echo "example exit: $?"; tail -n 6 "$OUT/example.log"
+BUDGET=${HANDOFF_BUDGET:-360}
+if [ "$BUDGET" != 0 ]; then
+  echo "== handoff benchmark"
+  timeout $((BUDGET + 120)) python3 benchmarks/handoff.py --budget "$BUDGET" > "$OUT/handoff.log" 2>&1
+  echo "handoff exit: $?"
+  grep -E "not available|FAILED|out of time" "$OUT/handoff.log" | head -10
+  sed -n '/^consumer transfer time/,$p' "$OUT/handoff.log"
+fi
