@@ -168,6 +168,8 @@ def measure(
             if i == 1:  # B still holds what it received for x: the device memory the handoff took there
                 extra = c.run(device_used, workers=[b])[b] - before
             del x, y
+            if pool:
+                wait_for_leases(c)
             if i > 0 and transfer is not None:
                 samples.append({"transfer_s": transfer, "task_s": task})
         if not samples:
@@ -185,6 +187,19 @@ def measure(
             f"task {row['task_s'] * 1e3:9.2f} ms  (n={len(samples)})"
         )
     return rows
+
+
+def live_leases(dask_worker: Any) -> int:
+    from dask_gpupool._worker_plugin import service_of
+
+    return len(service_of(dask_worker).leases)
+
+
+def wait_for_leases(c: Any, timeout: float = 30.0) -> None:
+    """Between samples: wait until the producer's leases are released (its memory is free again)."""
+    deadline = time.monotonic() + timeout
+    while sum(c.run(live_leases).values()) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def machine() -> dict[str, Any]:
@@ -219,7 +234,7 @@ def placements(gpus: int) -> dict[str, list[dict[str, Any]]]:
 
 
 def method_setup(
-    method: str, place: str, workers: list[dict[str, Any]], gpus: int, max_size: str
+    method: str, place: str, workers: list[dict[str, Any]], gpus: int, max_size: str, segment_size: str | None
 ) -> tuple[str, list[dict[str, Any]], Any, bool] | None:
     """(protocol, worker options, plugin, pool) for a method, or None when it cannot run here."""
     kind = "device" if gpus else "host"
@@ -233,7 +248,12 @@ def method_setup(
         except ImportError:
             return None
         return "ucxx", workers, None, False
-    plugin = GPUPool(kind=kind, max_size=max_size, peer_gpu_handoff=place == "other" or None)
+    plugin = GPUPool(
+        kind=kind,
+        max_size=max_size,
+        peer_gpu_handoff=place == "other" or None,
+        segment_size=segment_size if gpus else None,
+    )
     if method == "gpupool":
         return "tcp", workers, plugin, True
     hosts = [{**w, "config": {"gpupool": {"host-id": f"bench-host-{i}"}}} for i, w in enumerate(workers)]
@@ -247,17 +267,24 @@ def main() -> None:
     p.add_argument("--methods", default="gpupool,ucxx,gpupool-copy,tcp")
     p.add_argument("--placements", default="")
     p.add_argument("--budget", type=float, default=540.0, help="seconds; later sizes are skipped past it")
+    p.add_argument("--segment-size", default="1GiB", help="gpupool.segment-size of the gpupool methods; 0: off")
     args = p.parse_args()
     sizes = [int(parse_bytes(s)) for s in args.sizes.split(",")]
     gpus = len(local_devices().uuids)
     lib = "cupy" if gpus else "numpy"
     if not gpus:
         sizes = [s for s in sizes if s <= 256 << 20]
-    max_size = f"{2 * max(sizes) // (1 << 20) + 256} MiB"
+    max_size = f"{3 * max(sizes) // (1 << 20) + 1024} MiB"
     start = time.monotonic()
     deadline = start + args.budget
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    result: dict[str, Any] = {"machine": machine(), "lib": lib, "repeats": args.repeats, "runs": []}
+    result: dict[str, Any] = {
+        "machine": machine(),
+        "lib": lib,
+        "repeats": args.repeats,
+        "segment_size": args.segment_size if gpus else None,
+        "runs": [],
+    }
     places = placements(gpus)
     if args.placements:
         places = {k: v for k, v in places.items() if k in args.placements.split(",")}
@@ -268,7 +295,7 @@ def main() -> None:
     todo = []
     for place, workers in places.items():
         for method in args.methods.split(","):
-            setup = method_setup(method, place, workers, gpus, max_size)
+            setup = method_setup(method, place, workers, gpus, max_size, args.segment_size)
             if setup is None:
                 log(f"{place:5s} {method}: not available here, skipped")
             else:

@@ -119,6 +119,10 @@ class PoolOptions:
         Seconds a broker waits for a request, and a client for a reply.
     lease_timeout : float
         Seconds an exported buffer's lease may stay unclaimed before it expires.
+    segment_size : int
+        ``device`` pools: bytes of the segments buffers are placed in, which
+        peers map once (:mod:`dask_gpupool._segments`); 0 turns segments off
+        (each buffer is its own CUDA allocation, imported anew by each peer).
     peer_gpu_handoff : bool
         Hand ``device`` buffers over zero-copy to workers on other GPUs too:
         the pool grants those GPUs access when it is made. Off (the default
@@ -134,6 +138,7 @@ class PoolOptions:
     broker_timeout: float = 10.0
     lease_timeout: float = 60.0
     peer_gpu_handoff: bool = False
+    segment_size: int = 0
 
     @classmethod
     def from_config(cls, **overrides: Any) -> PoolOptions:
@@ -167,6 +172,7 @@ class PoolOptions:
             broker_timeout=_parse_timeout(raw.get("broker-timeout", "10s"), "gpupool.broker-timeout"),
             lease_timeout=_parse_timeout(raw.get("lease-timeout", "60s"), "gpupool.lease-timeout"),
             peer_gpu_handoff=_parse_bool(raw.get("peer-gpu-handoff", False), "gpupool.peer-gpu-handoff"),
+            segment_size=_parse_nbytes(raw.get("segment-size", 0), "gpupool.segment-size"),
         )
 
 
@@ -199,6 +205,20 @@ def _parse_optional_str(value: object, key: str) -> str | None:
     if value is None or (isinstance(value, str) and value):
         return value
     raise ConfigError(f"{key}={value!r} must be a non-empty string or null")
+
+
+def _parse_nbytes(value: object, key: str) -> int:
+    nbytes: int | None = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        nbytes = value
+    elif isinstance(value, str):
+        try:
+            nbytes = int(parse_bytes(value))
+        except (ValueError, TypeError):
+            nbytes = None
+    if nbytes is None or nbytes < 0:
+        raise ConfigError(f"{key}={value!r} is not a size; valid: '1 GiB', '256MiB', bytes, or 0 for off")
+    return nbytes
 
 
 def _parse_timeout(value: object, key: str) -> float:

@@ -73,6 +73,8 @@ class MappedPool:
         Handed-over buffers from this pool still alive here.
     orphaned : bool
         The owner has left; the mapping is closed when ``imports`` drops to 0.
+    segments : int
+        Segments of the peer's pool imported here (kept mapped until :meth:`close`).
     resource : object
         The mapped memory resource (cuda.core or shared host memory).
     device : int or None
@@ -85,6 +87,7 @@ class MappedPool:
     imports: int
     orphaned: bool
     _shared: dict[tuple[bytes, int, int], list[Any]]
+    _segments: dict[bytes, list[Any]]
     _closed: bool
 
     def __init__(self, record: PoolRecord, resource: Any, device: int | None) -> None:
@@ -94,7 +97,12 @@ class MappedPool:
         self.imports = 0  # live imports handed out through the handoff path (changed under IMPORT_LOCK)
         self.orphaned = False  # the owner left; close when the last import goes
         self._shared = {}
+        self._segments = {}
         self._closed = False
+
+    @property
+    def segments(self) -> int:
+        return len(self._segments)
 
     @classmethod
     def open(cls, record: PoolRecord, fd: int, devices: LocalDevices, own_device: int | None) -> MappedPool:
@@ -180,41 +188,70 @@ class MappedPool:
             if desc.payload:
                 raise ProtocolError("host pool descriptors carry no payload")
             return self.resource.import_buffer(desc.offset, desc.size)
-        if len(desc.payload) != BufferDescriptor.PAYLOAD_BYTES or desc.offset:
+        if len(desc.payload) != BufferDescriptor.PAYLOAD_BYTES or desc.offset or desc.extent:
             raise ProtocolError(f"{self.record.kind} pool descriptors carry a 64-byte payload and no offset")
+        return self._import(desc.payload, desc.size)
+
+    def _import(self, payload: bytes, size: int) -> Buffer:
         from cuda.core import Buffer, Device
 
         dev = Device(self.device)
         dev.set_current()
-        ipc_desc = _ipc_descriptor(desc.payload, desc.size)
+        ipc_desc = _ipc_descriptor(payload, size)
         with IMPORT_LOCK:
             return Buffer.from_ipc_descriptor(self.resource, ipc_desc, stream=dev.default_stream)
 
-    def acquire(self, desc: BufferDescriptor) -> tuple[tuple[bytes, int, int], Buffer]:
+    def acquire(self, desc: BufferDescriptor) -> tuple[tuple[bytes, int, int], Buffer, int]:
         """Import ``desc``'s buffer, or share the live import of the same allocation.
 
         One allocation is imported at most once per process at a time: a
         second import of an allocation already mapped here, closed on its own,
         would unmap the memory under the first (Dask can fetch one key twice,
-        e.g. after the AMM dropped a replica). Returns a key for
-        :meth:`unshare`.
+        e.g. after the AMM dropped a replica). A segment (``desc.extent``) is
+        imported on first use and kept mapped until :meth:`close`: the owner
+        frees segments only when its pool closes. Returns a key for
+        :meth:`unshare`, the import, and the buffer's address.
+
+        Raises
+        ------
+        ProtocolError
+            If the descriptor does not fit this pool.
         """
-        key = (desc.payload, desc.offset, desc.size)
         with IMPORT_LOCK:
+            if desc.extent:
+                if self.record.kind != "device" or len(desc.payload) != BufferDescriptor.PAYLOAD_BYTES:
+                    raise ProtocolError(f"segment descriptor given to a {self.record.kind} pool mapping")
+                if desc.extent > self.record.max_size or desc.offset + desc.size > desc.extent:
+                    raise ProtocolError(f"segment of {desc.extent} bytes does not fit pool {self.record.pool}")
+                if self._closed:
+                    raise PoolClosedError(f"mapping of pool {self.record.pool} is closed")
+                seg = self._segments.get(desc.payload)
+                if seg is None:
+                    seg = self._segments[desc.payload] = [self._import(desc.payload, desc.extent), 0]
+                seg[1] += 1
+                self.imports += 1
+                return (desc.payload, 0, -1), seg[0], int(seg[0].handle) + desc.offset
+            key = (desc.payload, desc.offset, desc.size)
             entry = self._shared.get(key)
             if entry is not None:
                 entry[1] += 1
                 self.imports += 1
-                return key, entry[0]
+                return key, entry[0], int(entry[0].handle)
             raw = self.import_buffer(desc)
             self._shared[key] = [raw, 1]
             self.imports += 1
-            return key, raw
+            return key, raw, int(raw.handle)
 
     def unshare(self, key: tuple[bytes, int, int]) -> Buffer | None:
-        """Drop one user of a shared import; return the import to close when it was the last."""
+        """Drop one user of a shared import; return the import to close when it was the last.
+
+        Segments stay mapped (``None``).
+        """
         with IMPORT_LOCK:
             self.imports -= 1
+            if key[2] == -1:
+                self._segments[key[0]][1] -= 1
+                return None
             entry = self._shared[key]
             entry[1] -= 1
             if entry[1] > 0:
@@ -234,10 +271,17 @@ class MappedPool:
             return
         self._closed = True
         with IMPORT_LOCK:
+            segments, self._segments = list(self._segments.values()), {}
             if self.device is not None:
                 from cuda.core import Device
 
-                Device(self.device).set_current()
+                dev = Device(self.device)
+                dev.set_current()
+                for raw, _users in segments:
+                    try:
+                        raw.close(dev.default_stream)
+                    except Exception:
+                        logger.exception("pool %s: closing a segment import failed", self.record.pool)
             self.resource.close()
 
 

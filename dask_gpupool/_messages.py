@@ -180,20 +180,33 @@ class BufferDescriptor:
     size : int
         Bytes of the buffer.
     payload : bytes
-        CUDA kinds: the 64-byte ``cuMemPoolExportPointer`` data. ``host``: empty.
+        CUDA kinds: the 64-byte ``cuMemPoolExportPointer`` data of the
+        allocation holding the buffer. ``host``: empty.
     offset : int
-        ``host``: byte offset inside the pool's memfd. CUDA kinds: 0.
+        ``host``: byte offset inside the pool's memfd. CUDA kinds: offset
+        inside the segment ``payload`` describes (0 without segments).
+    extent : int
+        CUDA kinds with segments: the segment's size, which the peer imports
+        once and keeps mapped (:mod:`dask_gpupool._segments`). 0: the payload
+        describes the buffer itself.
     """
 
     pool: str
     size: int
     payload: bytes = b""
     offset: int = 0
+    extent: int = 0
 
     PAYLOAD_BYTES: ClassVar[int] = 64
 
     def to_msg(self) -> dict[str, Any]:
-        return {"pool": self.pool, "size": self.size, "payload": self.payload, "offset": self.offset}
+        return {
+            "pool": self.pool,
+            "size": self.size,
+            "payload": self.payload,
+            "offset": self.offset,
+            "extent": self.extent,
+        }
 
     @classmethod
     def from_msg(cls, msg: object) -> BufferDescriptor:
@@ -204,9 +217,18 @@ class BufferDescriptor:
             raise ProtocolError(f"{what}: payload of {len(payload)} bytes (expected 0 or {cls.PAYLOAD_BYTES})")
         size = _field(m, "size", int, what)
         offset = _field(m, "offset", int, what)
-        if size < 0 or offset < 0:
-            raise ProtocolError(f"{what}: negative size or offset")
-        return cls(pool=_uuid_str(_field(m, "pool", str, what), what), size=size, payload=payload, offset=offset)
+        extent = _field(m, "extent", int, what)
+        if size < 0 or offset < 0 or extent < 0:
+            raise ProtocolError(f"{what}: negative size, offset or extent")
+        if extent and (not payload or offset + size > extent):
+            raise ProtocolError(f"{what}: {size} bytes at offset {offset} do not fit a segment of {extent} bytes")
+        return cls(
+            pool=_uuid_str(_field(m, "pool", str, what), what),
+            size=size,
+            payload=payload,
+            offset=offset,
+            extent=extent,
+        )
 
 
 @dataclass(frozen=True)

@@ -197,6 +197,10 @@ class Pool:
             except BaseException:
                 resource.close()
                 raise
+            if options.segment_size:
+                from dask_gpupool._segments import SegmentedResource
+
+                resource = SegmentedResource(resource, min(options.segment_size, size), ordinal, ipc_payload)
             return cls(kind, resource, size, ordinal, devices.uuids[ordinal], peers)
         else:
             if not dev.properties.host_numa_memory_pools_supported:
@@ -267,6 +271,10 @@ class Pool:
             raise ValueError(f"{buf!r} does not belong to pool {self.uuid}")
         if self.kind == "host":
             return BufferDescriptor(self.uuid, buf.size, b"", self.resource.offset_of(buf))
+        locate = getattr(self.resource, "locate", None)
+        if locate is not None:  # a SegmentedResource: the segment and the offset inside it
+            segment, offset = locate(int(buf.handle))
+            return BufferDescriptor(self.uuid, buf.size, segment.payload, offset, segment.size)
         return BufferDescriptor(self.uuid, buf.size, ipc_payload(buf), 0)
 
     def stats(self) -> PoolStats:

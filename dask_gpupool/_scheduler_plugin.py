@@ -56,6 +56,8 @@ class GPUPool(SchedulerPlugin):
         How long an unclaimed lease lives (``gpupool.lease-timeout``).
     peer_gpu_handoff : bool, optional
         Zero-copy handoffs to workers on another GPU (``gpupool.peer-gpu-handoff``).
+    segment_size : int or str, optional
+        Segments of ``device`` pools, e.g. ``"1 GiB"`` (``gpupool.segment-size``).
 
     Options left out are read by each worker from its own dask config. Values
     are checked here, so a typo fails at once with :class:`ConfigError`.
@@ -81,6 +83,7 @@ class GPUPool(SchedulerPlugin):
         broker_timeout: str | float | None = None,
         lease_timeout: str | float | None = None,
         peer_gpu_handoff: bool | None = None,
+        segment_size: int | str | None = None,
     ) -> None:
         self.overrides = {
             k: v
@@ -93,6 +96,7 @@ class GPUPool(SchedulerPlugin):
                 broker_timeout=broker_timeout,
                 lease_timeout=lease_timeout,
                 peer_gpu_handoff=peer_gpu_handoff,
+                segment_size=segment_size,
             ).items()
             if v is not None
         }

@@ -384,7 +384,7 @@ class PoolService:
             raise DataLostError(f"pool {desc.pool} of worker {record.worker}: {e}") from e
         try:
             mapped = self.map_peer(desc.pool)
-            key, raw = mapped.acquire(desc)
+            key, raw, ptr = mapped.acquire(desc)
         except Exception as e:  # GPUPoolError, CUDA errors: the copy path still works
             self.handoffs.fallback(record.worker, "import-failed", self.record.worker, f"{type(e).__name__}: {e}")
             return self.fetch_copy(header, record, link)
@@ -407,16 +407,16 @@ class PoolService:
 
             dev = Device(mapped.device)
             dev.set_current()
-            buf = Buffer.from_handle(int(raw.handle), raw.size, mr=resource, stream=dev.default_stream)
+            buf = Buffer.from_handle(ptr, desc.size, mr=resource, stream=dev.default_stream)
         else:
-            buf = Buffer.from_handle(int(raw.handle), raw.size, mr=resource)
-        self.handoffs.add(imports=1, zero_copy_bytes=raw.size)
+            buf = Buffer.from_handle(ptr, desc.size, mr=resource)
+        self.handoffs.add(imports=1, zero_copy_bytes=desc.size)
         logger.debug(
             "lease %d of %s: mapped %d bytes at %#x (GPU %s)",
             lease,
             record.worker,
-            raw.size,
-            int(raw.handle),
+            desc.size,
+            ptr,
             mapped.device,
         )
         return buf

@@ -154,6 +154,16 @@ def resources(dask_worker: Worker) -> dict[str, Any]:
     }
 
 
+def mapped_segments(dask_worker: Worker) -> int:
+    """client.run target: segments of peers' pools this worker keeps mapped."""
+    service = service_of(dask_worker)
+    total = 0
+    for r in service.registry.records():
+        mapped = service.mapped.get(r.pool)
+        total += mapped.segments if mapped is not None else 0
+    return total
+
+
 def unmap(pool: str) -> None:
     """Task: close this worker's mapping of a peer's pool."""
     current_service().mapped.unmap(pool)

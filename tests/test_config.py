@@ -63,11 +63,20 @@ def test_config_values_and_overrides():
     assert options.max_size == Size(nbytes=2**30)
     assert options.broker_timeout == 0.5
     assert options.device == "GPU-abc"
+    assert options.segment_size == 0
+    assert PoolOptions.from_config(segment_size="1 GiB").segment_size == 2**30
 
 
 @pytest.mark.parametrize(
     ("key", "value"),
-    [("gpupool.device", -1), ("gpupool.broker-timeout", "soon"), ("gpupool.host-id", ""), ("gpupool.colour", 1)],
+    [
+        ("gpupool.device", -1),
+        ("gpupool.broker-timeout", "soon"),
+        ("gpupool.host-id", ""),
+        ("gpupool.colour", 1),
+        ("gpupool.segment-size", "big"),
+        ("gpupool.segment-size", -1),
+    ],
 )
 def test_bad_config_values_name_the_key(key, value):
     with dask.config.set({key: value}), pytest.raises(ConfigError, match=key.replace(".", r"\.")):

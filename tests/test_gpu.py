@@ -167,6 +167,31 @@ def test_handoff_to_another_gpu_is_copied_by_default():
         assert got[b]["copied_bytes"] == 16 * MiB and got[a]["fallbacks"] == {"other-gpu": 1}
 
 
+def test_handoff_with_segments_on_one_gpu():
+    """Buffers placed in segments: B maps a segment once and later handoffs reuse it."""
+    gpus(1)
+    one_gpu = {"env": {"CUDA_VISIBLE_DEVICES": "0"}}
+    with nanny_cluster([one_gpu, one_gpu], GPUPool(kind="device", max_size="4 GiB", segment_size="256 MiB")) as c:
+        a, b = worker_addresses(c)
+        _handoff_roundtrip(c, 64 * MiB)
+        segments = c.run(T.mapped_segments, workers=[b])[b]
+        # A larger buffer gets a segment of its own; the next one of that size reuses it.
+        for _ in range(2):
+            x = c.submit(T.fill, 300 * MiB, 3, workers=[a], pure=False)
+            y = c.submit(T.keep, x, workers=[b], pure=False)
+            assert c.submit(T.all_equal, y, 3, workers=[b], pure=False).result()
+            del x, y
+        assert c.run(T.mapped_segments, workers=[b])[b] == segments + 1
+        assert c.run(T.handoff_counters)[b]["copied_bytes"] == 0
+
+
+def test_stress_with_segments_one_gpu():
+    gpus(1)
+    one_gpu = {"env": {"CUDA_VISIBLE_DEVICES": "0"}}
+    with nanny_cluster([one_gpu, one_gpu], GPUPool(kind="device", max_size="4 GiB", segment_size="256 MiB")) as c:
+        assert stress(c, 10, 16 * MiB) > 3
+
+
 def test_handoff_pinned_pools():
     gpus(1)
     one_gpu = {"env": {"CUDA_VISIBLE_DEVICES": "0"}}

@@ -40,6 +40,8 @@ def test_records_and_updates_round_trip_through_msgpack():
     assert RegistryUpdate.from_msg(wire(update.to_msg())) == update
     desc = BufferDescriptor(POOL, 100, b"\1" * 64, 0)
     assert BufferDescriptor.from_msg(wire(desc.to_msg())) == desc
+    in_segment = BufferDescriptor(POOL, 100, b"\1" * 64, 4096, 1 << 30)
+    assert BufferDescriptor.from_msg(wire(in_segment.to_msg())) == in_segment
 
 
 def test_broker_messages_round_trip():
@@ -73,6 +75,9 @@ def test_malformed_record_is_a_protocol_error(change):
         {"pool": POOL, "size": -1, "payload": b"", "offset": 0},
         {"pool": POOL, "size": 1, "payload": "text", "offset": 0},
         {"pool": POOL, "size": 1, "payload": b""},
+        {"pool": POOL, "size": 8, "payload": b"\0" * 64, "offset": 4, "extent": 8},
+        {"pool": POOL, "size": 8, "payload": b"", "offset": 0, "extent": 8},
+        {"pool": POOL, "size": 8, "payload": b"\0" * 64, "offset": 0, "extent": -1},
         [POOL, 1],
     ],
 )

@@ -1,0 +1,116 @@
+"""SegmentedResource bookkeeping over a host-memory upstream (no GPU needed)."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import pytest
+from cuda.core import Buffer, MemoryResource
+
+from dask_gpupool import PoolClosedError, PoolExhaustedError
+from dask_gpupool._segments import BUFFER_ALIGNMENT, SEGMENT_ALIGNMENT, SegmentedResource
+
+MiB = 1 << 20
+
+
+class HostUpstream(MemoryResource):
+    """Plain host memory with a capacity, standing in for the CUDA pool segments come from."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.live: dict[int, Any] = {}
+        self.closed = False
+
+    def allocate(self, size: int, *, stream: Any = None) -> Buffer:
+        if sum(len(b) for b in self.live.values()) + size > self.capacity:
+            raise PoolExhaustedError(f"upstream full: {size} bytes")
+        raw = ctypes.create_string_buffer(size)
+        self.live[ctypes.addressof(raw)] = raw
+        return Buffer.from_handle(ctypes.addressof(raw), size, mr=self)
+
+    def deallocate(self, ptr: Any, size: int, *, stream: Any = None) -> None:
+        del self.live[int(ptr)]
+
+    def close(self) -> None:
+        self.closed = True
+
+    @property
+    def is_device_accessible(self) -> bool:
+        return False
+
+    @property
+    def is_host_accessible(self) -> bool:
+        return True
+
+    @property
+    def device_id(self) -> int:
+        return -1
+
+
+def segmented(capacity: int = 64 * MiB, segment: int = 8 * MiB) -> tuple[SegmentedResource, HostUpstream]:
+    up = HostUpstream(capacity)
+    return SegmentedResource(up, segment, None, lambda b: int(b.handle).to_bytes(8, "little")), up
+
+
+def test_buffers_share_a_segment_and_locate_back():
+    res, up = segmented()
+    bufs = [res.allocate(100 + i) for i in range(10)]
+    assert res.segments == 1 and len(up.live) == 1
+    seg, _first = res.locate(int(bufs[0].handle))
+    assert seg.size == 8 * MiB and seg.payload == seg.base.to_bytes(8, "little")
+    for b in bufs:
+        s, offset = res.locate(int(b.handle))
+        assert s is seg and offset % BUFFER_ALIGNMENT == 0 and int(b.handle) == seg.base + offset
+    assert res.attributes.used_mem_current == 10 * BUFFER_ALIGNMENT
+    for b in bufs:
+        b.close()
+    assert res.attributes.used_mem_current == 0 and res.attributes.reserved_mem_current == 8 * MiB
+
+
+def test_a_freed_range_is_reused_and_a_full_segment_adds_another():
+    res, _up = segmented()
+    a = res.allocate(6 * MiB)
+    b = res.allocate(6 * MiB)  # does not fit next to a
+    assert res.segments == 2
+    a_addr = int(a.handle)
+    a.close()
+    c = res.allocate(5 * MiB)
+    assert int(c.handle) == a_addr and res.segments == 2
+    del b, c
+
+
+def test_a_buffer_larger_than_a_segment_gets_its_own_and_keeps_it():
+    res, _up = segmented()
+    big = res.allocate(20 * MiB + 1)
+    seg, offset = res.locate(int(big.handle))
+    assert offset == 0 and seg.size == 22 * MiB and seg.size % SEGMENT_ALIGNMENT == 0
+    big.close()
+    again = res.allocate(21 * MiB)
+    assert res.locate(int(again.handle))[0] is seg and res.segments == 1
+    assert res.attributes.reserved_mem_high == 22 * MiB
+
+
+def test_a_full_upstream_is_a_clear_error_and_loses_nothing():
+    res, _up = segmented(capacity=16 * MiB)
+    a = res.allocate(8 * MiB)
+    b = res.allocate(8 * MiB)
+    with pytest.raises(PoolExhaustedError, match="no segment has room"):
+        res.allocate(MiB)
+    assert res.attributes.used_mem_current == 16 * MiB
+    b.close()
+    res.allocate(MiB).close()
+    del a
+
+
+def test_unknown_addresses_and_close():
+    res, up = segmented()
+    keep = res.allocate(MiB)
+    with pytest.raises(ValueError, match="in no segment"):
+        res.locate(1)
+    res.close()
+    res.close()
+    assert up.closed and not up.live
+    with pytest.raises(PoolClosedError):
+        res.allocate(1)
+    del keep  # freeing after close is a no-op
