@@ -8,6 +8,10 @@ SCM_RIGHTS (re-opening ``/proc/<pid>/fd/<n>`` fails for CUDA handles, and
 Protocol (``SOCK_SEQPACKET``, so each message arrives whole; msgpack maps
 from :mod:`dask_gpupool._messages`)::
 
+    peer   -> broker   Hello{op: "hello", token}                 (first, always)
+    broker -> peer     Welcome{op: "welcome"}
+                   or  ErrorReply{error: "NotAMemberError"}, then closes
+
     peer   -> broker   HandleRequest{op: "pool-handle", pool}
     broker -> peer     HandleReply{op: "pool-handle-ok", pool, kind, size}
     broker -> peer     one byte, with the fd as SCM_RIGHTS ancillary data
@@ -27,10 +31,13 @@ closes, the broker tells its handler, which releases the leases claimed on
 it. That is how an importer that dies gives its leases back.
 
 Trust boundary: the socket lives in a private directory (mode 0700, made by
-the broker) and the broker checks each peer's uid with ``SO_PEERCRED``:
-only processes of the same user get anything. A malformed request, one too
-large, or no first request within ``timeout`` closes that connection (logged
-once); the broker goes on serving others.
+the broker); the broker checks each peer's uid with ``SO_PEERCRED`` and then
+the cluster's membership token, which the first message must carry (compared
+with :func:`hmac.compare_digest`): only processes of the same user that are
+members of this cluster get anything. Until the worker has the token (from
+the scheduler's registry) the broker refuses everyone. A malformed request,
+one too large, or no first message within ``timeout`` closes that connection
+(logged once); the broker goes on serving others. See docs/security.md.
 
 Threads: the broker runs its own asyncio loop in a daemon thread, so it
 never blocks the worker's event loop. :func:`request_pool_fd` is blocking
@@ -41,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import os
 import socket
@@ -50,7 +58,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Protocol, cast
 
-from dask_gpupool._errors import GPUPoolError, ProtocolError, UnknownPoolError
+from dask_gpupool._errors import GPUPoolError, NotAMemberError, ProtocolError, UnknownPoolError
 from dask_gpupool._messages import (
     MAX_MESSAGE_BYTES,
     CopyReply,
@@ -58,8 +66,10 @@ from dask_gpupool._messages import (
     ErrorReply,
     HandleReply,
     HandleRequest,
+    Hello,
     LeaseClaim,
     LeaseRelease,
+    Welcome,
     decode,
     encode,
     parse_request,
@@ -149,6 +159,9 @@ class FdBroker:
         Seconds a connection may wait to send its next request.
     name : str
         Used in log messages and the directory name (the pool UUID).
+    token : bytes or None
+        The cluster's membership token; ``None`` refuses everyone until
+        :attr:`token` is set.
 
     Attributes
     ----------
@@ -168,6 +181,7 @@ class FdBroker:
     served: int
     refused: int
     copies: int
+    token: bytes | None
     _handler: BrokerHandler
     _timeout: float
     _name: str
@@ -179,8 +193,14 @@ class FdBroker:
     _closed: bool
 
     def __init__(
-        self, handler: BrokerHandler | PoolLookup, directory: str | None, timeout: float, name: str = "pool"
+        self,
+        handler: BrokerHandler | PoolLookup,
+        directory: str | None,
+        timeout: float,
+        name: str = "pool",
+        token: bytes | None = None,
     ) -> None:
+        self.token = token
         self._handler = cast(BrokerHandler, handler) if hasattr(handler, "pool_handle") else _LookupOnly(handler)
         self._timeout = timeout
         self._name = name
@@ -272,8 +292,18 @@ class FdBroker:
                     return
                 if not data:
                     return
+                if not spoke:
+                    if not self._member(Hello.from_msg(decode(data))):
+                        self.refused += 1
+                        logger.warning("pool %s: broker refused pid %d: not a member of this cluster", self._name, pid)
+                        refusal = NotAMemberError(f"pool {self._name}: not a member of this cluster (token mismatch)")
+                        with contextlib.suppress(OSError):
+                            await self._loop.sock_sendall(conn, encode(ErrorReply.of(refusal)))
+                        return
+                    await self._loop.sock_sendall(conn, encode(Welcome()))
+                    spoke = True
+                    continue
                 await self._answer(conn, decode(data), connection)
-                spoke = True
         except ProtocolError as e:
             self.refused += 1
             logger.warning("pool %s: broker closed connection of pid %d: %s", self._name, pid, e)
@@ -288,6 +318,10 @@ class FdBroker:
                 self._handler.connection_closed(connection)
             except Exception:
                 logger.exception("pool %s: releasing the leases of a closed connection failed", self._name)
+
+    def _member(self, hello: Hello) -> bool:
+        token = self.token
+        return token is not None and hmac.compare_digest(hello.token, token)
 
     async def _answer(self, conn: socket.socket, msg: dict[str, object], connection: int) -> None:
         request = parse_request(msg)
@@ -353,7 +387,7 @@ class FdBroker:
         logger.debug("pool %s: broker closed", self._name)
 
 
-def request_pool_fd(address: str, pool: str, timeout: float) -> tuple[HandleReply, int]:
+def request_pool_fd(address: str, pool: str, timeout: float, token: bytes) -> tuple[HandleReply, int]:
     """Ask the broker at ``address`` for pool ``pool``'s fd over a one-shot connection. Blocking.
 
     Workers keep a :class:`~dask_gpupool._link.PeerLink` per exporter instead;
@@ -369,6 +403,8 @@ def request_pool_fd(address: str, pool: str, timeout: float) -> tuple[HandleRepl
     ------
     PeerLostError
         If the broker cannot be reached or hangs up.
+    NotAMemberError
+        If ``token`` is not the cluster's.
     UnknownPoolError
         If the broker does not serve that pool.
     ProtocolError
@@ -376,7 +412,7 @@ def request_pool_fd(address: str, pool: str, timeout: float) -> tuple[HandleRepl
     """
     from dask_gpupool._link import PeerLink
 
-    link = PeerLink(address, timeout)
+    link = PeerLink(address, timeout, token)
     try:
         return link.request_pool_fd(pool)
     finally:

@@ -15,7 +15,8 @@ that catches ``ValueError`` or ``ConnectionError`` keeps working::
     ├── DataLostError(GPUPoolError, LookupError)
     └── BrokerError(GPUPoolError, ConnectionError)
         ├── PeerLostError(BrokerError)
-        └── BrokerRefusedError(BrokerError)
+        ├── BrokerRefusedError(BrokerError)
+        └── NotAMemberError(BrokerError)
 
 Two errors are kept apart on purpose: :class:`PoolClosedError` means *you*
 closed it, :class:`PeerLostError` means the other side went away under you.
@@ -29,6 +30,7 @@ __all__ = [
     "ConfigError",
     "DataLostError",
     "GPUPoolError",
+    "NotAMemberError",
     "PeerAccessError",
     "PeerLostError",
     "PoolClosedError",
@@ -107,3 +109,11 @@ class PeerLostError(BrokerError):
 
 class BrokerRefusedError(BrokerError):
     """The peer's broker answered, and refused the request."""
+
+
+class NotAMemberError(BrokerError):
+    """A broker refused a process that did not prove membership of its cluster.
+
+    Brokers serve only processes of the same uid that present the cluster's
+    token (handed to workers by the scheduler's registry); see docs/security.md.
+    """

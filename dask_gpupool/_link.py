@@ -36,8 +36,10 @@ from dask_gpupool._messages import (
     CopyRequest,
     HandleReply,
     HandleRequest,
+    Hello,
     LeaseClaim,
     LeaseRelease,
+    Welcome,
     decode,
     encode,
     raise_for_error,
@@ -62,6 +64,8 @@ class PeerLink:
         The exporter's broker socket (from its registry row).
     timeout : float
         Seconds to wait for a reply.
+    token : bytes
+        The cluster's membership token, sent first (see :mod:`dask_gpupool._broker`).
 
     Notes
     -----
@@ -74,7 +78,7 @@ class PeerLink:
     _sock: socket.socket | None
     _lock: threading.Lock
 
-    def __init__(self, address: str, timeout: float) -> None:
+    def __init__(self, address: str, timeout: float, token: bytes) -> None:
         self.address = address
         self.timeout = timeout
         self._lock = threading.Lock()
@@ -82,9 +86,20 @@ class PeerLink:
         try:
             sock.settimeout(timeout)
             sock.connect(address)
+            sock.sendall(encode(Hello(token)))
+            data = sock.recv(MAX_MESSAGE_BYTES + 1)
         except OSError as e:
             sock.close()
             raise PeerLostError(f"broker {address}: {type(e).__name__}: {e}") from e
+        try:
+            if not data:
+                raise PeerLostError(f"broker {address}: closed the connection at hello")
+            msg = decode(data)
+            raise_for_error(msg, f"broker {address}")
+            Welcome.from_msg(msg)
+        except BaseException:
+            sock.close()
+            raise
         self._sock = sock
 
     @property

@@ -21,7 +21,7 @@ a Dask message (the frames of Dask's serialization).
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import msgpack
@@ -31,6 +31,7 @@ from dask_gpupool._errors import ProtocolError
 
 __all__ = [
     "MAX_MESSAGE_BYTES",
+    "TOKEN_BYTES",
     "ArrayMeta",
     "BufferDescriptor",
     "CopyReply",
@@ -39,10 +40,13 @@ __all__ = [
     "HandleReply",
     "HandleRequest",
     "HandoffHeader",
+    "Hello",
     "LeaseClaim",
     "LeaseRelease",
+    "Membership",
     "PoolRecord",
     "RegistryUpdate",
+    "Welcome",
     "decode",
     "encode",
     "raise_for_error",
@@ -466,6 +470,84 @@ class CopyReply:
         return cls(_field(m, "lease", int, what), size)
 
 
+#: Bytes of a cluster membership token.
+TOKEN_BYTES = 32
+
+
+@dataclass(frozen=True)
+class Hello:
+    """First message on every broker connection: the cluster's membership token.
+
+    The broker compares it in constant time with the token its worker got
+    from the scheduler's registry and closes the connection on a mismatch.
+    """
+
+    token: bytes = field(repr=False)
+    op: ClassVar[str] = "hello"
+
+    def to_msg(self) -> dict[str, Any]:
+        return {"op": self.op, "token": self.token}
+
+    @classmethod
+    def from_msg(cls, msg: object) -> Hello:
+        what = "broker hello"
+        m = _mapping(msg, what)
+        if m.get("op") != cls.op:
+            raise ProtocolError(f"{what}: the first message must be a hello, got op {m.get('op')!r}")
+        token = _field(m, "token", bytes, what)
+        if len(token) != TOKEN_BYTES:
+            raise ProtocolError(f"{what}: token of {len(token)} bytes (expected {TOKEN_BYTES})")
+        return cls(token)
+
+
+@dataclass(frozen=True)
+class Welcome:
+    """Broker reply to a :class:`Hello` with the right token; the connection may now make requests."""
+
+    op: ClassVar[str] = "welcome"
+
+    def to_msg(self) -> dict[str, Any]:
+        return {"op": self.op}
+
+    @classmethod
+    def from_msg(cls, msg: object) -> Welcome:
+        m = _mapping(msg, "broker welcome")
+        if m.get("op") != cls.op:
+            raise ProtocolError(f"broker welcome: unexpected op {m.get('op')!r}")
+        return cls()
+
+
+@dataclass(frozen=True)
+class Membership:
+    """The scheduler's answer to a worker registering its pool.
+
+    Attributes
+    ----------
+    snapshot : RegistryUpdate
+        The whole registry.
+    token : bytes
+        The cluster's membership token (:data:`TOKEN_BYTES`): the worker's
+        broker serves only peers presenting it, and the worker presents it to
+        others'. It travels only over the scheduler comm (TLS when the cluster
+        is secured).
+    """
+
+    snapshot: RegistryUpdate
+    token: bytes = field(repr=False)
+
+    def to_msg(self) -> dict[str, Any]:
+        return {"snapshot": self.snapshot.to_msg(), "token": self.token}
+
+    @classmethod
+    def from_msg(cls, msg: object) -> Membership:
+        what = "registration reply"
+        m = _mapping(msg, what)
+        token = _field(m, "token", bytes, what)
+        if len(token) != TOKEN_BYTES:
+            raise ProtocolError(f"{what}: token of {len(token)} bytes (expected {TOKEN_BYTES})")
+        return cls(RegistryUpdate.from_msg(_field(m, "snapshot", dict, what)), token)
+
+
 #: Broker requests by op.
 REQUESTS: dict[str, Any] = {
     HandleRequest.op: HandleRequest,
@@ -629,7 +711,15 @@ class HandoffHeader:
 
 
 def encode(
-    message: HandleRequest | HandleReply | ErrorReply | LeaseClaim | LeaseRelease | CopyRequest | CopyReply,
+    message: Hello
+    | Welcome
+    | HandleRequest
+    | HandleReply
+    | ErrorReply
+    | LeaseClaim
+    | LeaseRelease
+    | CopyRequest
+    | CopyReply,
 ) -> bytes:
     """Serialize a broker message (msgpack)."""
     return msgpack.packb(message.to_msg(), use_bin_type=True)

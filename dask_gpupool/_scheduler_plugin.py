@@ -11,6 +11,7 @@ every change is pushed to all workers over their batched streams.
 from __future__ import annotations
 
 import logging
+import secrets
 from typing import TYPE_CHECKING, Any
 
 from distributed import SchedulerPlugin
@@ -19,7 +20,7 @@ from distributed.protocol.pickle import dumps, loads
 
 from dask_gpupool._config import PoolOptions
 from dask_gpupool._errors import GPUPoolError
-from dask_gpupool._messages import PoolRecord, RegistryUpdate
+from dask_gpupool._messages import TOKEN_BYTES, Membership, PoolRecord, RegistryUpdate
 from dask_gpupool._registry import PoolRegistry
 from dask_gpupool._worker_plugin import PLUGIN_NAME, STREAM_OP, GPUPoolWorkerPlugin
 
@@ -66,11 +67,19 @@ class GPUPool(SchedulerPlugin):
     ----------
     registry : PoolRegistry
         The registry (on the scheduler, once started).
+
+    Notes
+    -----
+    The plugin holds the cluster's membership token, made where the plugin
+    lives (never pickled: a copy sent to the scheduler makes its own). Workers
+    get it in the answer to their registration, over the scheduler comm, and
+    their brokers serve only peers presenting it (docs/security.md).
     """
 
     name = PLUGIN_NAME
     overrides: dict[str, Any]
     registry: PoolRegistry
+    _token: bytes
     _scheduler: Scheduler | None
 
     def __init__(
@@ -102,6 +111,7 @@ class GPUPool(SchedulerPlugin):
         }
         PoolOptions.from_config(**self.overrides)  # fail early on bad values
         self.registry = PoolRegistry()
+        self._token = secrets.token_bytes(TOKEN_BYTES)
         self._scheduler = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -110,6 +120,7 @@ class GPUPool(SchedulerPlugin):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.overrides = state["overrides"]
         self.registry = PoolRegistry()
+        self._token = secrets.token_bytes(TOKEN_BYTES)
         self._scheduler = None
 
     @property
@@ -156,12 +167,12 @@ class GPUPool(SchedulerPlugin):
     # -- handlers (scheduler's event loop) ------------------------------------------
 
     def handle_register(self, record: dict[str, Any]) -> dict[str, Any]:
-        """Add a worker's pool; answer with the whole registry (a snapshot)."""
+        """Add a worker's pool; answer with the whole registry and the cluster's token."""
         row = PoolRecord.from_msg(record)
         update = self.registry.add(row)
         logger.info("pool %s: registered (%s pool of %s on %s)", row.pool, row.kind, row.worker, row.hostname)
         self._broadcast(update, exclude=row.worker)
-        return self.registry.snapshot().to_msg()
+        return Membership(self.registry.snapshot(), self._token).to_msg()
 
     def handle_unregister(self, pool: str) -> None:
         self._broadcast(self.registry.remove([pool]))

@@ -36,6 +36,7 @@ from dask_gpupool._config import PoolOptions
 from dask_gpupool._errors import (
     DataLostError,
     GPUPoolError,
+    NotAMemberError,
     PeerAccessError,
     PoolClosedError,
     PoolExhaustedError,
@@ -45,7 +46,15 @@ from dask_gpupool._errors import (
 from dask_gpupool._lease import LeaseTable
 from dask_gpupool._link import ImportedMemoryResource, PeerLink, Releaser
 from dask_gpupool._mapping import IMPORT_LOCK, MappedPool, MappedPools
-from dask_gpupool._messages import ArrayMeta, BufferDescriptor, HandleReply, HandoffHeader, PoolRecord, RegistryUpdate
+from dask_gpupool._messages import (
+    ArrayMeta,
+    BufferDescriptor,
+    HandleReply,
+    HandoffHeader,
+    Membership,
+    PoolRecord,
+    RegistryUpdate,
+)
 from dask_gpupool._pool import Pool, PoolStats
 from dask_gpupool._registry import RegistryView
 from dask_gpupool._stats import HandoffStats
@@ -188,6 +197,7 @@ class PoolService:
         self.leases = leases if leases is not None else LeaseTable(options.lease_timeout)
         self.handoffs = HandoffStats()
         self.releaser = Releaser()
+        self.token: bytes | None = None  # the cluster's membership token, from the scheduler (join)
         self._links = {}
         self._links_lock = threading.Lock()
         self._closed = False
@@ -297,7 +307,9 @@ class PoolService:
             link = self._links.get(record.broker)
             if link is not None and link.alive:
                 return link
-        link = PeerLink(record.broker, self.options.broker_timeout)
+        if self.token is None:
+            raise NotAMemberError(f"pool {self.pool.uuid}: not registered with the scheduler yet (no cluster token)")
+        link = PeerLink(record.broker, self.options.broker_timeout, self.token)
         with self._links_lock:
             old = self._links.get(record.broker)
             if old is not None and old.alive:
@@ -480,6 +492,22 @@ class PoolService:
         return buf
 
     # -- registry --------------------------------------------------------------------
+
+    def join(self, membership: Membership) -> None:
+        """Take the scheduler's answer to our registration: the registry and the cluster's token.
+
+        From now on the broker serves peers presenting the token, and links
+        present it. A new token (the scheduler restarted) drops the links
+        made with the old one.
+        """
+        old, self.token = self.token, membership.token
+        self.broker.token = membership.token
+        if old is not None and old != membership.token:
+            with self._links_lock:
+                links, self._links = list(self._links.values()), {}
+            for link in links:
+                link.close()
+        self.apply_registry(membership.snapshot)
 
     def apply_registry(self, update: RegistryUpdate) -> None:
         """Apply a registry change; a peer that left gives back its leases and its mappings go."""

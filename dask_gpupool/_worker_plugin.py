@@ -22,7 +22,7 @@ from distributed.core import Status
 
 from dask_gpupool._config import PoolOptions
 from dask_gpupool._errors import PoolUnavailableError
-from dask_gpupool._messages import RegistryUpdate
+from dask_gpupool._messages import Membership, RegistryUpdate
 from dask_gpupool._serialize import install_get_data_hook
 from dask_gpupool._service import PoolService
 
@@ -62,13 +62,13 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         service = PoolService.start(options, worker.address)
         try:
             worker.stream_handlers[STREAM_OP] = self._on_registry_update
-            snapshot = await worker.scheduler.gpupool_register(record=service.record.to_msg())
-            if snapshot is None:  # Dask answers an unknown handler with None
+            reply = await worker.scheduler.gpupool_register(record=service.record.to_msg())
+            if reply is None:  # Dask answers an unknown handler with None
                 raise PoolUnavailableError(
                     f"pool {service.pool.uuid}: the scheduler has no gpupool registry; "
                     "register dask_gpupool.GPUPool() or preload dask_gpupool on the scheduler"
                 )
-            service.apply_registry(RegistryUpdate.from_msg(snapshot))
+            service.join(Membership.from_msg(reply))
         except BaseException:
             worker.stream_handlers.pop(STREAM_OP, None)
             service.close()

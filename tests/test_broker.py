@@ -9,11 +9,12 @@ import uuid
 import msgpack
 import pytest
 
-from dask_gpupool import PeerLostError, UnknownPoolError
+from dask_gpupool import NotAMemberError, PeerLostError, UnknownPoolError
 from dask_gpupool._broker import FdBroker, request_pool_fd
-from dask_gpupool._messages import HandleReply
+from dask_gpupool._messages import HandleReply, HandleRequest, encode
 
 POOL = str(uuid.uuid4())
+TOKEN = b"cluster-token-0123456789abcdef!!"
 
 
 @pytest.fixture
@@ -26,7 +27,10 @@ def memfd():
 
 @pytest.fixture
 def broker(memfd, tmp_path):
-    b = FdBroker(lambda p: (memfd, HandleReply(POOL, "host", 4096)) if p == POOL else None, str(tmp_path), 1.0, POOL)
+    def lookup(p: str) -> tuple[int, HandleReply] | None:
+        return (memfd, HandleReply(POOL, "host", 4096)) if p == POOL else None
+
+    b = FdBroker(lookup, str(tmp_path), 1.0, POOL, TOKEN)
     yield b
     b.close()
 
@@ -40,7 +44,7 @@ def connect(address: str) -> socket.socket:
 
 def test_fd_crosses_to_the_peer(broker, memfd):
     os.pwrite(memfd, b"pool bytes", 0)
-    reply, fd = request_pool_fd(broker.address, POOL, 5)
+    reply, fd = request_pool_fd(broker.address, POOL, 5, TOKEN)
     try:
         assert reply == HandleReply(POOL, "host", 4096)
         assert fd != memfd and os.pread(fd, 10, 0) == b"pool bytes"
@@ -56,7 +60,7 @@ def test_socket_lives_in_a_private_directory(broker):
 
 def test_unknown_pool_is_a_typed_error(broker):
     with pytest.raises(UnknownPoolError, match="not served"):
-        request_pool_fd(broker.address, str(uuid.uuid4()), 5)
+        request_pool_fd(broker.address, str(uuid.uuid4()), 5, TOKEN)
 
 
 @pytest.mark.parametrize(
@@ -68,7 +72,7 @@ def test_malformed_request_closes_only_that_connection(broker, payload):
     s.sendall(payload)
     assert s.recv(100) == b""  # closed without an answer
     s.close()
-    _reply, fd = request_pool_fd(broker.address, POOL, 5)  # still serving
+    _reply, fd = request_pool_fd(broker.address, POOL, 5, TOKEN)  # still serving
     os.close(fd)
     assert broker.refused == 1
 
@@ -83,16 +87,44 @@ def test_silent_peer_is_dropped_after_the_timeout(broker):
     assert broker.connections == 0
 
 
+def test_a_peer_without_the_token_gets_nothing(broker):
+    with pytest.raises(NotAMemberError, match="not a member"):
+        request_pool_fd(broker.address, POOL, 5, b"x" * len(TOKEN))
+    assert (broker.refused, broker.served) == (1, 0)
+    _reply, fd = request_pool_fd(broker.address, POOL, 5, TOKEN)  # members are still served
+    os.close(fd)
+
+
+def test_a_request_before_the_hello_is_refused(broker):
+    s = connect(broker.address)
+    s.sendall(encode(HandleRequest(POOL)))
+    assert s.recv(100) == b""  # closed; no fd came
+    s.close()
+    assert (broker.refused, broker.served) == (1, 0)
+
+
+def test_a_broker_without_a_token_refuses_everyone(memfd, tmp_path):
+    b = FdBroker(lambda p: (memfd, HandleReply(POOL, "host", 4096)), str(tmp_path), 1.0, POOL)
+    try:
+        with pytest.raises(NotAMemberError):
+            request_pool_fd(b.address, POOL, 5, TOKEN)
+        b.token = TOKEN  # the worker got the cluster's token from the scheduler
+        _reply, fd = request_pool_fd(b.address, POOL, 5, TOKEN)
+        os.close(fd)
+    finally:
+        b.close()
+
+
 def test_dead_broker_is_peer_lost(tmp_path):
     with pytest.raises(PeerLostError):
-        request_pool_fd(str(tmp_path / "nobody.sock"), POOL, 1)
+        request_pool_fd(str(tmp_path / "nobody.sock"), POOL, 1, TOKEN)
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another uid")
 def test_foreign_uid_is_refused_even_if_the_directory_is_opened(memfd):
     parent = tempfile.mkdtemp(dir="/tmp")
     os.chmod(parent, 0o755)
-    broker = FdBroker(lambda p: (memfd, HandleReply(POOL, "host", 4096)), parent, 1.0, POOL)
+    broker = FdBroker(lambda p: (memfd, HandleReply(POOL, "host", 4096)), parent, 1.0, POOL, TOKEN)
     directory = os.path.dirname(broker.address)
     os.chmod(directory, 0o755)  # an operator's mistake: the uid check must still hold
     os.chmod(broker.address, 0o777)
@@ -104,7 +136,7 @@ def test_foreign_uid_is_refused_even_if_the_directory_is_opened(memfd):
             os.setgid(65534)
             os.setuid(65534)
             try:
-                _reply, _fd = request_pool_fd(broker.address, POOL, 5)
+                _reply, _fd = request_pool_fd(broker.address, POOL, 5, TOKEN)
                 outcome = b"GOT-FD"
             except PeerLostError:
                 outcome = b"refused"
@@ -125,8 +157,8 @@ def test_foreign_uid_is_refused_even_if_the_directory_is_opened(memfd):
 
 
 def test_close_removes_socket_and_directory_and_leaks_no_fd(memfd, tmp_path, no_fd_leak):
-    b = FdBroker(lambda p: (memfd, HandleReply(POOL, "host", 4096)), str(tmp_path), 1.0, POOL)
-    _, fd = request_pool_fd(b.address, POOL, 5)
+    b = FdBroker(lambda p: (memfd, HandleReply(POOL, "host", 4096)), str(tmp_path), 1.0, POOL, TOKEN)
+    _, fd = request_pool_fd(b.address, POOL, 5, TOKEN)
     os.close(fd)
     idle = connect(b.address)  # a connection still open at close time
     b.close()

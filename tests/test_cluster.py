@@ -11,7 +11,7 @@ import pytest
 from conftest import handoff_round_trip, nanny_cluster, worker_addresses
 
 import dask_gpupool
-from dask_gpupool import GPUPool, PeerAccessError, PeerLostError
+from dask_gpupool import GPUPool, NotAMemberError, PeerAccessError, PeerLostError
 from dask_gpupool import _testing as T
 from dask_gpupool._broker import request_pool_fd
 
@@ -75,6 +75,19 @@ def test_live_broker_refuses_malformed_input_and_keeps_serving(client):
     client.submit(T.unmap, row.pool, workers=[b], pure=False).result()
 
 
+def test_same_uid_without_the_cluster_token_gets_nothing(client):
+    a, b = worker_addresses(client)
+    row = by_worker(client)[a]
+    for token in (bytes(32), os.urandom(32)):
+        with pytest.raises(NotAMemberError):
+            request_pool_fd(row.broker, row.pool, 2, token)
+    # the worker keeps serving its members
+    desc = client.submit(T.hold, "z", 4096, b"members only", workers=[a], pure=False).result()
+    assert client.submit(T.read_peer, desc, 12, workers=[b], pure=False).result() == b"members only"
+    client.submit(T.release, "z", workers=[a], pure=False).result()
+    client.submit(T.unmap, row.pool, workers=[b], pure=False).result()
+
+
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another uid")
 def test_another_uid_gets_nothing_from_a_worker_broker(client):
     a, _ = worker_addresses(client)
@@ -86,7 +99,7 @@ def test_another_uid_gets_nothing_from_a_worker_broker(client):
             os.setgid(65534)
             os.setuid(65534)
             try:
-                request_pool_fd(row.broker, row.pool, 2)
+                request_pool_fd(row.broker, row.pool, 2, bytes(32))
             except PeerLostError:
                 code = 0
         finally:

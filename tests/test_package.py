@@ -18,6 +18,7 @@ def test_public_names_are_pinned():
         "DataLostError",
         "GPUPool",
         "GPUPoolError",
+        "NotAMemberError",
         "PeerAccessError",
         "PeerLostError",
         "PoolClosedError",
