@@ -557,9 +557,9 @@ REQUESTS: dict[str, Any] = {
 }
 
 
-def parse_request(msg: dict[str, Any]) -> HandleRequest | LeaseClaim | LeaseRelease | CopyRequest:
+def parse_request(msg: object) -> HandleRequest | LeaseClaim | LeaseRelease | CopyRequest:
     """The typed broker request ``msg`` is; :class:`ProtocolError` for anything else."""
-    op = msg.get("op")
+    op = _mapping(msg, "broker request").get("op")
     cls = REQUESTS.get(op) if isinstance(op, str) else None
     if cls is None:
         raise ProtocolError(f"broker request: unknown op {op!r}")

@@ -385,6 +385,8 @@ class PoolService:
         desc = header.desc
         assert desc is not None and header.path == "ipc"
         record = self.registry.get(desc.pool)
+        if record is not None and record.pid == os.getpid():
+            raise ProtocolError(f"handoff header: pool {desc.pool} is this process's own; it is never handed over")
         if record is None or record.worker != header.exporter:
             raise DataLostError(
                 f"pool {desc.pool} of worker {header.exporter} is not registered (its worker left?); "

@@ -154,6 +154,46 @@ def resources(dask_worker: Worker) -> dict[str, Any]:
     }
 
 
+def deserialize_headers(headers: list[dict[str, Any]], dask_worker: Worker) -> list[dict[str, Any]]:
+    """client.run target (fuzzing): feed handoff headers to this worker's Buffer deserializer.
+
+    Per header: the error it raised (``None`` if it gave a Buffer, which is
+    closed at once), whether that error is one of ours, and which pools it
+    newly mapped. Mappings made here are closed again at the end.
+    """
+    from cuda.core import Buffer
+    from distributed.protocol import dask_deserialize
+
+    from dask_gpupool._errors import GPUPoolError
+    from dask_gpupool._serialize import KEY
+
+    service = service_of(dask_worker)
+    loads = dask_deserialize.dispatch(Buffer)
+    out = []
+    mapped_here: set[str] = set()
+    for header in headers:
+        before = {r.pool for r in service.registry.records() if r.pool in service.mapped}
+        error, typed = None, False
+        try:
+            loads({KEY: header}, [])
+        except GPUPoolError as e:
+            error, typed = f"{type(e).__name__}: {e}", True
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+        after = {r.pool for r in service.registry.records() if r.pool in service.mapped}
+        mapped_here |= after - before
+        out.append({"error": error, "typed": typed, "mapped_new": sorted(after - before)})
+    import gc
+
+    gc.collect()
+    service.releaser.flush()
+    for pool in mapped_here:
+        mapped = service.mapped.get(pool)
+        if mapped is not None and mapped.imports == 0:
+            service.mapped.unmap(pool)
+    return out
+
+
 def mapped_segments(dask_worker: Worker) -> int:
     """client.run target: segments of peers' pools this worker keeps mapped."""
     service = service_of(dask_worker)
