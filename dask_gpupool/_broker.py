@@ -96,8 +96,8 @@ class BrokerHandler(Protocol):
     def claim(self, leases: Iterable[int], connection: int) -> None:
         """An importer on ``connection`` imported these leased buffers."""
 
-    def release(self, leases: Iterable[int]) -> None:
-        """An importer closed its imports of these leased buffers."""
+    def release(self, leases: Iterable[int], connection: int) -> None:
+        """An importer on ``connection`` closed its imports of these leased buffers."""
 
     def connection_closed(self, connection: int) -> None:
         """``connection`` closed: release what was claimed on it."""
@@ -127,7 +127,7 @@ class _LookupOnly:
     def claim(self, leases: Iterable[int], connection: int) -> None:
         pass
 
-    def release(self, leases: Iterable[int]) -> None:
+    def release(self, leases: Iterable[int], connection: int) -> None:
         pass
 
     def connection_closed(self, connection: int) -> None:
@@ -328,7 +328,7 @@ class FdBroker:
         if isinstance(request, LeaseClaim):
             self._handler.claim(request.leases, connection)
         elif isinstance(request, LeaseRelease):
-            self._handler.release(request.leases)
+            self._handler.release(request.leases, connection)
         elif isinstance(request, HandleRequest):
             found = self._handler.pool_handle(request.pool)
             if found is None:

@@ -127,10 +127,21 @@ class LeaseTable:
             lease = self._leases.get(lease_id)
             return None if lease is None else lease.holder
 
-    def release(self, lease_ids: Iterable[int]) -> int:
-        """End these leases (unknown ids are ignored); return how many ended."""
+    def release(self, lease_ids: Iterable[int], connection: int | None = None) -> int:
+        """End these leases; return how many ended.
+
+        With ``connection`` (a release that came over a broker connection),
+        only leases claimed on that connection end: an importer releases its
+        own imports, never another's, and a lease nobody claimed yet cannot be
+        ended under the importer about to map it. Unknown ids are ignored.
+        """
         with self._lock:
-            gone = [self._leases.pop(i) for i in lease_ids if i in self._leases]
+            ids = [
+                i
+                for i in lease_ids
+                if i in self._leases and (connection is None or self._leases[i].connection == connection)
+            ]
+            gone = [self._leases.pop(i) for i in ids]
         return self._drop(gone, "released")
 
     def release_connection(self, connection: int) -> int:

@@ -438,6 +438,7 @@ class PoolService:
     def fetch_copy(self, header: HandoffHeader, record: PoolRecord, link: PeerLink) -> Buffer:
         """Ask the exporter for a host copy of a leased buffer and land it in this pool."""
         try:
+            link.claim([header.lease])  # ours now: only this connection may release it
             reply, fd = link.fetch_copy(header.lease)
         except GPUPoolError as e:
             raise DataLostError(
@@ -650,8 +651,8 @@ class _ExportSide:
     def claim(self, leases: Iterable[int], connection: int) -> None:
         self._leases.claim(leases, connection)
 
-    def release(self, leases: Iterable[int]) -> None:
-        self._leases.release(leases)
+    def release(self, leases: Iterable[int], connection: int) -> None:
+        self._leases.release(leases, connection)
 
     def connection_closed(self, connection: int) -> None:
         n = self._leases.release_connection(connection)

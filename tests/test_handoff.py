@@ -199,8 +199,11 @@ def test_unclaimed_lease_expires():
     claimed = table.grant(held, 8, "tcp://peer:1")
     table.claim([claimed], connection=7)
     assert table.expire(time.monotonic() + 1) == 0
+    assert table.release([claimed], connection=8) == 0  # another importer's connection cannot end it
     assert table.release_connection(7) == 1 and table.nbytes == 0
     assert lease != claimed
+    unclaimed = table.grant(held, 8, "tcp://peer:1")
+    assert table.release([unclaimed], connection=7) == 0 and len(table) == 1  # nor a lease nobody claimed
 
 
 def stress(c, seconds: float, nbytes: int) -> int:
