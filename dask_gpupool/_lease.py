@@ -183,6 +183,17 @@ class LeaseTable:
             gone, self._leases = list(self._leases.values()), {}
         return self._drop(gone, "released")
 
+    def detach(self) -> list[Any]:
+        """Empty the table *without* freeing: return the holders of every live lease (teardown).
+
+        For pools whose memory a peer must never see freed under it (CUDA
+        pools): the caller keeps the holders until the process exits.
+        """
+        with self._lock:
+            gone, self._leases = list(self._leases.values()), {}
+            self.released_total += len(gone)
+        return [lease.holder for lease in gone]
+
     def _drop(self, gone: list[Lease], how: str) -> int:
         if not gone:
             return 0

@@ -13,9 +13,11 @@ same segment is pointer arithmetic and a lease.
 Ownership and lifetime
 ----------------------
 - The resource owns its segments. A segment is never freed while the pool
-  lives, so a peer may keep it mapped between handoffs; :meth:`close` frees
-  them all, after the broker has stopped (no peer can map anything new) and
-  when peers have been told the pool is gone (its registry row is removed).
+  lives, so a peer may keep it mapped between handoffs. Peers drop their
+  mappings only when the pool leaves the registry, which happens after it
+  closed, so :meth:`close` does not free segments either: it keeps them in
+  :data:`RETIRED` until the process exits (the driver keeps importers'
+  mappings valid past the exporter's exit, never past an explicit free).
   Like the CUDA pool below it, which never returns memory to the OS, the
   segments stay reserved up to the high-water mark.
 - Buffers are placed with :class:`~dask_gpupool._arena.Arena` (first fit,
@@ -42,9 +44,12 @@ from dask_gpupool._errors import PoolClosedError, PoolExhaustedError
 if TYPE_CHECKING:
     from cuda.core import Buffer
 
-__all__ = ["Segment", "SegmentStats", "SegmentedResource"]
+__all__ = ["RETIRED", "Segment", "SegmentStats", "SegmentedResource"]
 
 logger = logging.getLogger(__name__)
+
+#: Segments of closed resources, kept (not freed) until the process exits: peers may still map them.
+RETIRED: list[Any] = []
 
 #: Granularity of segment sizes (CUDA's large-page size).
 SEGMENT_ALIGNMENT = 2 << 20
@@ -231,18 +236,22 @@ class SegmentedResource(MemoryResource):
         """How many segments the resource holds."""
         return len(self._segments)
 
-    def close(self) -> None:
-        """Free every segment and close the upstream pool. Idempotent.
+    def close(self, free_segments: bool = False) -> None:
+        """Close the resource and the upstream pool. Idempotent.
 
-        Call when no peer maps a segment any more (the pool's broker is
-        closed and its registry row removed); buffers still alive here must
-        not be used after.
+        Segments are kept in :data:`RETIRED` (peers may still map them)
+        unless ``free_segments`` is true, which is only safe when no other
+        process ever imported them. Buffers still alive here must not be used
+        after.
         """
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             segments, self._segments, self._bases, self._pending = self._segments, [], [], []
+        if not free_segments:
+            RETIRED.extend(seg.buffer for seg in segments)
+            segments = []
         for seg in segments:
             try:
                 if self._device is not None:

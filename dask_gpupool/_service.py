@@ -565,7 +565,21 @@ class PoolService:
             if self in _ACTIVE:
                 _ACTIVE.remove(self)
         self.broker.close()
-        self.leases.clear()
+        if self.pool.kind == "host":
+            self.leases.clear()  # peers' mappings of the memfd keep its pages; nothing is reused here
+        else:
+            held = self.leases.detach()
+            if held:
+                # Freeing memory a peer still maps is undefined (same GPU: it reads what comes next;
+                # other GPU: CUDA_ERROR_CONTAINED). Keep it until this process exits, when the driver
+                # lets the importers' mappings live on.
+                _KEPT_UNTIL_EXIT.extend(held)
+                logger.warning(
+                    "pool %s: closed with %d lease(s) still held by peers; their memory is kept until "
+                    "this process exits",
+                    self.pool.uuid,
+                    len(held),
+                )
         self.releaser.close()
         with self._links_lock:
             links, self._links = list(self._links.values()), {}
@@ -574,6 +588,10 @@ class PoolService:
         self.mapped.close_all()
         self.pool.close()
         logger.info("pool %s: closed", self.pool.uuid)
+
+
+#: Exported buffers of closed CUDA pools that peers still mapped (see :meth:`PoolService.close`).
+_KEPT_UNTIL_EXIT: list[Any] = []
 
 
 def _outside_pool(pool: Pool, nbytes: int, need: str = "any") -> Buffer:

@@ -108,9 +108,20 @@ def test_unknown_addresses_and_close():
     keep = res.allocate(MiB)
     with pytest.raises(ValueError, match="in no segment"):
         res.locate(1)
-    res.close()
+    res.close(free_segments=True)
     res.close()
     assert up.closed and not up.live
     with pytest.raises(PoolClosedError):
         res.allocate(1)
     del keep  # freeing after close is a no-op
+
+
+def test_closing_keeps_segments_a_peer_may_still_map():
+    from dask_gpupool._segments import RETIRED
+
+    res, up = segmented()
+    res.allocate(MiB).close()
+    before = len(RETIRED)
+    res.close()  # peers may map the segment: it is kept, not freed, until the process exits
+    assert up.closed and len(up.live) == 1 and len(RETIRED) == before + 1
+    RETIRED.pop()
