@@ -1,0 +1,117 @@
+"""Faults with real worker processes, killed for real (issue 5), on ``host`` pools (CI).
+
+Each case ends with the surviving workers back to their baseline: fds, sockets,
+broker connections, mappings, leases and pool bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from conftest import nanny_cluster, worker_addresses
+from test_handoff import HOST_POOL, counters, wait_for, warm_up
+
+import dask_gpupool
+from dask_gpupool import GPUPool
+from dask_gpupool import _testing as T
+
+MiB = 1 << 20
+
+
+def pid_of(c, worker: str) -> int:
+    return next(r.pid for r in dask_gpupool.pools(c) if r.worker == worker)
+
+
+def test_sigkill_of_the_producer_leaves_the_consumers_mapping_readable_and_dask_recomputes():
+    with nanny_cluster([{}, {}], HOST_POOL) as c:
+        a, b = worker_addresses(c)
+        base_b = c.run(T.resources, workers=[b])[b]
+        x = c.submit(T.make_buffer, MiB, b"made on A", workers=[a], pure=False)
+        y = c.submit(T.keep, x, workers=[b], pure=False)
+        assert c.submit(T.describe, y, workers=[b], pure=False).result()["imported"]
+        # (allowed elsewhere: the restarted A has a new address, and a task pinned to a dead
+        # address waits for it forever, which is Dask's rule, not ours)
+        lost = c.submit(T.make_buffer, MiB, b"only on A", workers=[a], allow_other_workers=True, pure=False)
+        lost.result()
+        assert c.who_has(lost)[lost.key] == (a,)
+        os.kill(pid_of(c, a), signal.SIGKILL)
+        # B's mapping of the dead producer's memory stays readable
+        assert c.submit(T.head, y, 9, workers=[b], pure=False).result() == b"made on A"
+        # a key that lived only on A is recomputed (on the restarted A), not lost or hung
+        c.wait_for_workers(2, timeout=60)
+        assert c.submit(T.head, lost, 9, pure=False).result(timeout=60) == b"only on A"
+        del x, y, lost
+        # B drops its mapping of the dead pool and its link: back to where it started
+        wait_for(lambda: c.run(T.resources, workers=[b])[b] == base_b, what="B back to its baseline")
+
+
+def test_sigkill_of_the_consumer_between_export_and_claim_expires_the_lease():
+    plugin = GPUPool(kind="host", max_size="64 MiB", lease_timeout="1s")
+    with nanny_cluster([{}, {}], plugin) as c:
+        a, b = worker_addresses(c)
+        base_a = c.run(T.resources, workers=[a])[a]
+        x = c.submit(T.make_buffer, MiB, b"unclaimed", workers=[a], pure=False)
+        x.result()
+        # A grants a lease as if B asked for x, and B dies before it could claim it
+        c.run(T.grant_unclaimed_lease, x.key, b, workers=[a])
+        assert counters(c, a)[a]["leases"] == 1
+        os.kill(pid_of(c, b), signal.SIGKILL)
+        wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="the unclaimed lease to expire")
+        del x
+        wait_for(lambda: c.run(T.resources, workers=[a])[a] == base_a, what="A back to its baseline")
+
+
+def test_retiring_the_producer_keeps_the_consumers_data():
+    with nanny_cluster([{}, {}, {}], HOST_POOL) as c:
+        a, b, _ = worker_addresses(c)
+        x = c.submit(T.make_buffer, MiB, b"retired A", workers=[a], pure=False)
+        y = c.submit(T.keep, x, workers=[b], pure=False)
+        assert c.submit(T.describe, y, workers=[b], pure=False).result()["imported"]
+        c.retire_workers([a], close_workers=True)
+        wait_for(lambda: a not in c.scheduler_info()["workers"], what="A to retire")
+        # B's value is a view of A's memory: it must stay right after A is gone
+        assert c.submit(T.head, y, 9, workers=[b], pure=False).result() == b"retired A"
+        assert c.submit(T.head, x, 9, workers=[b], pure=False).result() == b"retired A"
+        del x, y
+        wait_for(lambda: c.run(T.resources, workers=[b])[b]["mapped_pools"] == 0, what="B to drop A's pool")
+
+
+def test_a_full_receiver_pool_falls_back_to_memory_outside_it():
+    small = [{"config": {"gpupool": {"host-id": f"host-{i}", "max-size": "4 MiB"}}} for i in range(2)]
+    with nanny_cluster(small, GPUPool(kind="host")) as c:
+        a, b = worker_addresses(c)
+        hog = c.submit(T.make_buffer, 3 * MiB, b"hog", workers=[b], pure=False)
+        hog.result()
+        x = c.submit(T.make_buffer, 2 * MiB, b"does not fit", workers=[a], pure=False)
+        assert c.submit(T.head, x, 12, workers=[b], pure=False).result() == b"does not fit"
+        assert counters(c, b)[b]["fallbacks"] == {"receiver-pool-full": 1}
+
+
+def test_a_full_pool_is_a_clear_error_of_ours():
+    with nanny_cluster([{}], GPUPool(kind="host", max_size="4 MiB")) as c:
+
+        def too_much() -> str:
+            try:
+                dask_gpupool.allocate(8 * MiB)
+            except dask_gpupool.PoolExhaustedError as e:
+                return str(e)
+            return "no error"
+
+        assert "cannot allocate" in c.submit(too_much, pure=False).result()
+
+
+def test_consumer_killed_while_holding_many_leases_releases_them_all():
+    with nanny_cluster([{}, {}], HOST_POOL) as c:
+        a, b = worker_addresses(c)
+        baseline = warm_up(c, a, b)
+        xs = [c.submit(T.make_buffer, 4096, b"x", workers=[a], pure=False) for _ in range(200)]
+        ys = [c.submit(T.keep, x, workers=[b], pure=False) for x in xs]
+        c.gather(ys)
+        assert counters(c, a)[a]["leases"] == 200
+        os.kill(pid_of(c, b), signal.SIGKILL)
+        wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="A to release B's 200 leases")
+        del xs, ys
+        c.wait_for_workers(2, timeout=60)
+        # the restarted B has a new baseline; A's pool bytes and leases are what must come back
+        wait_for(lambda: counters(c, a)[a]["used"] == baseline[a]["used"], what="A's pool bytes back")
