@@ -196,7 +196,7 @@ def deserialize_headers(headers: list[dict[str, Any]], dask_worker: Worker) -> l
 
 def grant_unclaimed_lease(key: str, importer: str, dask_worker: Worker) -> int:
     """client.run target: grant ``importer`` a lease on this worker's value of ``key``, as an export would."""
-    buf = dask_worker.data[key]
+    buf: Any = dask_worker.data[key]
     return service_of(dask_worker).leases.grant(buf, int(buf.size), importer)
 
 
