@@ -242,7 +242,10 @@ class Pool:
         if self._closed:
             raise PoolClosedError(f"pool {self.uuid} is closed")
         if self.kind == "host":
-            return self.resource.allocate(nbytes)
+            try:
+                return self.resource.allocate(nbytes)
+            except PoolExhaustedError as e:
+                raise PoolExhaustedError(f"pool {self.uuid} (host) {e}") from None
         from cuda.core import Device
 
         dev = Device(self.device)
@@ -250,6 +253,8 @@ class Pool:
         try:
             return self.resource.allocate(nbytes, stream=stream if stream is not None else dev.default_stream)
         except Exception as e:
+            if isinstance(e, PoolExhaustedError):  # from the segments
+                raise PoolExhaustedError(f"pool {self.uuid} ({self.kind}) {e}") from None
             if "OUT_OF_MEMORY" in str(e):
                 stats = self.stats()
                 raise PoolExhaustedError(

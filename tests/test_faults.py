@@ -98,7 +98,9 @@ def test_a_full_pool_is_a_clear_error_of_ours():
                 return str(e)
             return "no error"
 
-        assert "cannot allocate" in c.submit(too_much, pure=False).result()
+        (row,) = dask_gpupool.pools(c)
+        message = c.submit(too_much, pure=False).result()
+        assert "cannot allocate" in message and row.pool in message
 
 
 def test_consumer_killed_while_holding_many_leases_releases_them_all():
