@@ -200,6 +200,11 @@ def grant_unclaimed_lease(key: str, importer: str, dask_worker: Worker) -> int:
     return service_of(dask_worker).leases.grant(buf, int(buf.size), importer)
 
 
+def has_cluster_token(dask_worker: Worker) -> bool:
+    """client.run target: whether this worker got the cluster's membership token (not the token itself)."""
+    return service_of(dask_worker).token is not None
+
+
 def mapped_segments(dask_worker: Worker) -> int:
     """client.run target: segments of peers' pools this worker keeps mapped."""
     service = service_of(dask_worker)

@@ -20,7 +20,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @contextlib.contextmanager
-def nanny_cluster(workers: list[dict[str, Any]], plugin: Any = None, **scheduler_options: Any) -> Iterator[Any]:
+def nanny_cluster(
+    workers: list[dict[str, Any]], plugin: Any = None, security: Any = None, **scheduler_options: Any
+) -> Iterator[Any]:
     """A SpecCluster of real ``Nanny`` workers (one thread each) and a Client.
 
     Each entry of ``workers`` holds extra ``Nanny`` options, e.g.
@@ -36,14 +38,15 @@ def nanny_cluster(workers: list[dict[str, Any]], plugin: Any = None, **scheduler
     import dask
     from distributed import Client, Nanny, Scheduler, SpecCluster
 
+    secured = {"security": security, "protocol": "tls"} if security is not None else {}
     specs = {
-        f"w{i}": {"cls": Nanny, "options": {"nthreads": 1, "dashboard_address": None, **options}}
+        f"w{i}": {"cls": Nanny, "options": {"nthreads": 1, "dashboard_address": None, **secured, **options}}
         for i, options in enumerate(workers)
     }
-    scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0", **scheduler_options}}
+    scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0", **secured, **scheduler_options}}
     amm_off = dask.config.set({"distributed.scheduler.active-memory-manager.start": False})
-    with amm_off, SpecCluster(workers=specs, scheduler=scheduler, asynchronous=False) as cluster:
-        with Client(cluster) as client:
+    with amm_off, SpecCluster(workers=specs, scheduler=scheduler, asynchronous=False, security=security) as cluster:
+        with Client(cluster, security=security) as client:
             client.wait_for_workers(len(workers))
             if plugin is not None:
                 client.register_plugin(plugin)

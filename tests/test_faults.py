@@ -117,3 +117,20 @@ def test_consumer_killed_while_holding_many_leases_releases_them_all():
         c.wait_for_workers(2, timeout=60)
         # the restarted B has a new baseline; A's pool bytes and leases are what must come back
         wait_for(lambda: counters(c, a)[a]["used"] == baseline[a]["used"], what="A's pool bytes back")
+
+
+def test_handoffs_on_a_tls_secured_cluster():
+    """With distributed.Security the scheduler comm (which carries the cluster token) is TLS, and
+    handoffs between workers (over tls://) are still zero-copy."""
+    from distributed.security import Security
+
+    security = Security.temporary()
+    with nanny_cluster([{}, {}], HOST_POOL, security=security) as c:
+        a, b = worker_addresses(c)
+        assert a.startswith("tls://") and c.scheduler.address.startswith("tls://")
+        assert all(c.run(T.has_cluster_token).values())
+        x = c.submit(T.make_buffer, MiB, b"over tls", workers=[a], pure=False)
+        y = c.submit(T.keep, x, workers=[b], pure=False)
+        assert c.submit(T.describe, y, workers=[b], pure=False).result()["imported"]
+        assert c.submit(T.head, y, 8, workers=[b], pure=False).result() == b"over tls"
+        assert counters(c, b)[b]["copied_bytes"] == 0
