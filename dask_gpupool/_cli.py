@@ -1,8 +1,12 @@
-"""``python -m dask_gpupool demo``: a local cluster with the plugin, its registry, and a peer mapping a pool.
+"""The command line: ``python -m dask_gpupool {demo,info}``.
 
-Uses GPUs when present: one worker per GPU with rotated ``CUDA_VISIBLE_DEVICES``
-when there are several, two workers on one GPU when there is one, and
-``host`` pools (shared host memory) when there is none.
+``demo`` starts a local cluster with the plugin, prints its registry and has a
+peer map a pool. It uses GPUs when present: one worker per GPU with rotated
+``CUDA_VISIBLE_DEVICES`` when there are several, two workers on one GPU when
+there is one, and ``host`` pools (shared host memory) when there is none.
+
+``info SCHEDULER_ADDRESS`` connects to a running cluster and prints its pool
+registry and every worker's pool and handoff statistics as tables.
 """
 
 from __future__ import annotations
@@ -69,6 +73,47 @@ def demo(kind: str, workers: int, max_size: str) -> int:
     return 0 if ok else 1
 
 
+def info(address: str, timeout: float) -> int:
+    """Print the registry and per-worker stats of the cluster at ``address``; 0 on success, 2 if it has no pools."""
+    from dask.utils import format_bytes
+    from distributed import Client
+
+    import dask_gpupool
+
+    with Client(address, timeout=timeout) as client:
+        try:
+            rows = sorted(dask_gpupool.pools(client), key=lambda r: r.worker)
+        except dask_gpupool.PoolUnavailableError as e:
+            print(f"{address}: {e}", file=sys.stderr)
+            return 2
+        usage = dask_gpupool.pool_stats(client)
+        handoffs = dask_gpupool.stats(client)
+    print(f"{len(rows)} pool(s) at {address}\n")
+    print(
+        f"{'worker':28} {'host':16} {'kind':6} {'device':14} {'used':>10} {'reserved':>10} {'max':>10}  "
+        f"{'peers':>5}  pool"
+    )
+    for r in rows:
+        u = usage.get(r.worker, {})
+        print(
+            f"{r.worker:28} {r.hostname[:16]:16} {r.kind:6} {(r.device or '-')[:14]:14} "
+            f"{format_bytes(u.get('used', 0)):>10} {format_bytes(u.get('reserved', 0)):>10} "
+            f"{format_bytes(r.max_size):>10}  {len(r.peers):>5}  {r.pool}"
+        )
+    print(
+        f"\n{'worker':28} {'exports':>8} {'imports':>8} {'leases':>7} {'leased':>10} {'zero-copy in':>13} "
+        f"{'copied in':>10} {'copied out':>10}  fallbacks"
+    )
+    for w, h in sorted(handoffs.items()):
+        fallbacks = ", ".join(f"{k} {v}" for k, v in sorted(h["fallbacks"].items())) or "-"
+        print(
+            f"{w:28} {h['exports']:>8} {h['imports']:>8} {h['leases']:>7} {format_bytes(h['lease_bytes']):>10} "
+            f"{format_bytes(h['zero_copy_bytes']):>13} {format_bytes(h['copied_bytes']):>10} "
+            f"{format_bytes(h['copied_out_bytes']):>10}  {fallbacks}"
+        )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m dask_gpupool")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -76,6 +121,11 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("--kind", default="auto", choices=["auto", "device", "pinned", "host"])
     d.add_argument("--workers", type=int, default=2, help="workers when there are fewer than two GPUs")
     d.add_argument("--max-size", default="1 GiB")
+    i = sub.add_parser("info", help="print a running cluster's pool registry and per-worker stats")
+    i.add_argument("address", help="the scheduler's address, e.g. tcp://10.0.0.1:8786")
+    i.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the scheduler")
     args = parser.parse_args(argv)
     if args.command == "demo":
         sys.exit(demo(args.kind, max(2, args.workers), args.max_size))
+    if args.command == "info":
+        sys.exit(info(args.address, args.timeout))

@@ -163,3 +163,37 @@ def test_teardown_removes_broker_sockets():
         brokers = [r.broker for r in dask_gpupool.pools(c)]
         assert all(os.path.exists(p) for p in brokers)
     assert not any(os.path.exists(os.path.dirname(p)) for p in brokers)
+
+
+def test_info_command_prints_the_registry_and_stats():
+    import subprocess
+    import sys
+
+    from test_handoff import warm_up
+
+    with nanny_cluster([{}, {}], PLUGIN) as c:
+        a, b = worker_addresses(c)
+        warm_up(c, a, b)
+        out = subprocess.run(
+            [sys.executable, "-m", "dask_gpupool", "info", c.scheduler.address],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stderr
+        assert "2 pool(s)" in out.stdout and a in out.stdout and b in out.stdout
+        assert "zero-copy in" in out.stdout and "host" in out.stdout
+
+
+def test_info_command_on_a_cluster_without_the_plugin_says_so():
+    import subprocess
+    import sys
+
+    with nanny_cluster([{}]) as c:
+        out = subprocess.run(
+            [sys.executable, "-m", "dask_gpupool", "info", c.scheduler.address],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 2 and "no gpupool registry" in out.stderr
