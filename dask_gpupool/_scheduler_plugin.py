@@ -18,6 +18,7 @@ from distributed import SchedulerPlugin
 from distributed.protocol import Serialized, deserialize
 from distributed.protocol.pickle import dumps, loads
 
+from dask_gpupool import _metrics
 from dask_gpupool._config import PoolOptions
 from dask_gpupool._errors import GPUPoolError
 from dask_gpupool._messages import TOKEN_BYTES, Membership, PoolRecord, RegistryUpdate
@@ -134,6 +135,7 @@ class GPUPool(SchedulerPlugin):
     async def start(self, scheduler: Scheduler) -> None:
         self._scheduler = scheduler
         scheduler.handlers.update(self._handlers)
+        _metrics.register_scheduler(self._pools_by_kind)
         worker_plugin = dumps(GPUPoolWorkerPlugin(self.overrides))
         responses = await scheduler.register_worker_plugin(None, worker_plugin, PLUGIN_NAME, idempotent=False)
         failed = {w: r for w, r in responses.items() if r.get("status") == "error"}
@@ -176,6 +178,12 @@ class GPUPool(SchedulerPlugin):
 
     def handle_unregister(self, pool: str) -> None:
         self._broadcast(self.registry.remove([pool]))
+
+    def _pools_by_kind(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for r in self.registry.records():
+            counts[r.kind] = counts.get(r.kind, 0) + 1
+        return counts
 
     def handle_pools(self) -> list[dict[str, Any]]:
         return [r.to_msg() for r in self.registry.records()]

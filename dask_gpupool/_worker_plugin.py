@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, cast
 from distributed import WorkerPlugin
 from distributed.core import Status
 
+from dask_gpupool import _metrics
 from dask_gpupool._config import PoolOptions
 from dask_gpupool._errors import PoolUnavailableError
 from dask_gpupool._messages import Membership, RegistryUpdate
@@ -75,6 +76,7 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
             raise
         self._get_data = install_get_data_hook(worker, service)
         self.service = service
+        _metrics.register()  # on the worker's /metrics (when prometheus_client is installed)
 
     def _on_registry_update(self, **msg: Any) -> None:
         if self.service is not None:

@@ -197,3 +197,29 @@ def test_info_command_on_a_cluster_without_the_plugin_says_so():
             timeout=120,
         )
         assert out.returncode == 2 and "no gpupool registry" in out.stderr
+
+
+def test_prometheus_metrics_on_dasks_own_endpoints():
+    pytest.importorskip("prometheus_client")
+    import urllib.request
+
+    from test_handoff import warm_up
+
+    def scrape(host: str, port: int) -> str:
+        with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    with nanny_cluster([{"dashboard_address": ":0"}] * 2, PLUGIN) as c:
+        a, b = worker_addresses(c)
+        warm_up(c, a, b)
+        info = c.scheduler_info()
+        host = info["address"].split("://")[1].rsplit(":", 1)[0]
+        text = scrape(host, info["workers"][b]["services"]["dashboard"])
+        assert 'dask_worker_gpupool_handoffs_total{direction="import"' in text
+        assert 'dask_worker_gpupool_received_bytes_total{path="zero-copy"' in text
+        assert "dask_worker_gpupool_pool_bytes" in text and 'reason="other-gpu"' in text
+        prefix = 'dask_worker_gpupool_handoffs_total{direction="import"'
+        imported = [line for line in text.splitlines() if line.startswith(prefix)]
+        assert imported and float(imported[0].rsplit(" ", 1)[1]) >= 1
+        text = scrape(host, info["services"]["dashboard"])
+        assert 'dask_scheduler_gpupool_pools{kind="host"} 2.0' in text
