@@ -19,7 +19,7 @@ MiB = 1 << 20
 HOST_POOL = GPUPool(kind="host", max_size="64 MiB")
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
+def wait_for(predicate: Callable[[], bool], timeout: float = 60.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
@@ -41,8 +41,14 @@ def warm_up(client: Any, a: str, b: str) -> dict[str, Any]:
     return client.run(T.resources)
 
 
-def back_to(client: Any, baseline: dict[str, Any]) -> None:
-    wait_for(lambda: client.run(T.resources) == baseline, what="every worker back to its baseline")
+def back_to(client: Any, baseline: dict[str, Any], timeout: float = 60.0) -> None:
+    """Wait until every worker's resources equal ``baseline``; on timeout, fail showing the difference."""
+    deadline = time.monotonic() + timeout
+    now = client.run(T.resources)
+    while now != baseline and time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = client.run(T.resources)
+    assert now == baseline, "a worker did not return to its baseline (left: now, right: baseline)"
 
 
 def test_same_host_handoff_maps_the_producers_memory():
