@@ -18,8 +18,9 @@ from distributed import SchedulerPlugin
 from distributed.protocol import Serialized, deserialize
 from distributed.protocol.pickle import dumps, loads
 
-from dask_gpupool import _metrics
+from dask_gpupool import _dashboard, _metrics
 from dask_gpupool._config import PoolOptions
+from dask_gpupool._dashboard import STATS_OP
 from dask_gpupool._errors import GPUPoolError
 from dask_gpupool._messages import TOKEN_BYTES, Membership, PoolRecord, RegistryUpdate
 from dask_gpupool._registry import PoolRegistry
@@ -80,6 +81,7 @@ class GPUPool(SchedulerPlugin):
     name = PLUGIN_NAME
     overrides: dict[str, Any]
     registry: PoolRegistry
+    worker_stats: dict[str, dict[str, Any]]
     _token: bytes
     _scheduler: Scheduler | None
 
@@ -112,6 +114,7 @@ class GPUPool(SchedulerPlugin):
         }
         PoolOptions.from_config(**self.overrides)  # fail early on bad values
         self.registry = PoolRegistry()
+        self.worker_stats = {}
         self._token = secrets.token_bytes(TOKEN_BYTES)
         self._scheduler = None
 
@@ -121,6 +124,7 @@ class GPUPool(SchedulerPlugin):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.overrides = state["overrides"]
         self.registry = PoolRegistry()
+        self.worker_stats = {}
         self._token = secrets.token_bytes(TOKEN_BYTES)
         self._scheduler = None
 
@@ -135,7 +139,10 @@ class GPUPool(SchedulerPlugin):
     async def start(self, scheduler: Scheduler) -> None:
         self._scheduler = scheduler
         scheduler.handlers.update(self._handlers)
+        # Never removed: an unknown op would end that worker's whole stream (see _drop_stats).
+        scheduler.stream_handlers[STATS_OP] = self.handle_stats
         _metrics.register_scheduler(self._pools_by_kind)
+        _dashboard.install(scheduler, self.snapshot)
         worker_plugin = dumps(GPUPoolWorkerPlugin(self.overrides))
         responses = await scheduler.register_worker_plugin(None, worker_plugin, PLUGIN_NAME, idempotent=False)
         failed = {w: r for w, r in responses.items() if r.get("status") == "error"}
@@ -162,9 +169,28 @@ class GPUPool(SchedulerPlugin):
             for op, handler in self._handlers.items():
                 if self._scheduler.handlers.get(op) == handler:
                     del self._scheduler.handlers[op]
+            if self._scheduler.stream_handlers.get(STATS_OP) == self.handle_stats:
+                self._scheduler.stream_handlers[STATS_OP] = _drop_stats
 
     def remove_worker(self, scheduler: Scheduler, worker: str, *, stimulus_id: str, **kwargs: Any) -> None:
+        self.worker_stats.pop(worker, None)
         self._broadcast(self.registry.remove_worker(worker))
+
+    def handle_stats(self, worker: str, stats: dict[str, Any]) -> None:
+        """A worker's periodic statistics push (its batched stream); kept for the /gpupool page."""
+        if isinstance(stats, dict) and worker in self._scheduler_workers():
+            self.worker_stats[worker] = stats
+
+    def _scheduler_workers(self) -> Any:
+        return self._scheduler.workers if self._scheduler is not None else {}
+
+    def snapshot(self) -> dict[str, Any]:
+        """What the /gpupool page shows: registry rows with their pools' bytes, and per-worker handoffs."""
+        pools = []
+        for r in sorted(self.registry.records(), key=lambda r: r.worker):
+            s = self.worker_stats.get(r.worker, {})
+            pools.append({**r.to_msg(), "used": s.get("used"), "reserved": s.get("reserved")})
+        return {"pools": pools, "workers": dict(self.worker_stats)}
 
     # -- handlers (scheduler's event loop) ------------------------------------------
 
@@ -195,3 +221,7 @@ class GPUPool(SchedulerPlugin):
         # Only workers with a registered pool run the worker plugin and listen.
         workers = {r.worker for r in self.registry.records()} - {exclude}
         self._scheduler.send_all({}, {w: [msg] for w in workers if w in self._scheduler.workers})
+
+
+def _drop_stats(**msg: Any) -> None:
+    """Stands in for the stats handler after the plugin closed: late pushes are dropped."""

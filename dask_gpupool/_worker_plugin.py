@@ -19,9 +19,11 @@ from typing import TYPE_CHECKING, Any, cast
 
 from distributed import WorkerPlugin
 from distributed.core import Status
+from tornado.ioloop import PeriodicCallback
 
 from dask_gpupool import _metrics
 from dask_gpupool._config import PoolOptions
+from dask_gpupool._dashboard import STATS_INTERVAL, STATS_OP
 from dask_gpupool._errors import PoolUnavailableError
 from dask_gpupool._messages import Membership, RegistryUpdate
 from dask_gpupool._serialize import install_get_data_hook
@@ -52,11 +54,13 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
     overrides: dict[str, Any]
     service: PoolService | None
     _get_data: Any
+    _push: PeriodicCallback | None
 
     def __init__(self, overrides: dict[str, Any] | None = None) -> None:
         self.overrides = dict(overrides or {})
         self.service = None
         self._get_data = None
+        self._push = None
 
     async def setup(self, worker: Worker) -> None:
         options = PoolOptions.from_config(**self.overrides)
@@ -77,12 +81,30 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         self._get_data = install_get_data_hook(worker, service)
         self.service = service
         _metrics.register()  # on the worker's /metrics (when prometheus_client is installed)
+        self._push = PeriodicCallback(lambda: self._push_stats(worker), STATS_INTERVAL * 1000)
+        self._push.start()
+        self._push_stats(worker)
+
+    def _push_stats(self, worker: Worker) -> None:
+        """Send this worker's pool and handoff stats to the scheduler (the /gpupool page)."""
+        service = self.service
+        stream = getattr(worker, "batched_stream", None)
+        if service is None or service.closed or stream is None or stream.closed():
+            return
+        try:
+            stats = {**service.handoff_stats(), **service.stats().to_msg()}
+            stream.send({"op": STATS_OP, "stats": stats})
+        except Exception:  # a closing stream; the next push or the teardown settles it
+            logger.debug("gpupool: stats push failed", exc_info=True)
 
     def _on_registry_update(self, **msg: Any) -> None:
         if self.service is not None:
             self.service.apply_registry(RegistryUpdate.from_msg(msg))
 
     async def teardown(self, worker: Worker) -> None:
+        if self._push is not None:
+            self._push.stop()
+            self._push = None
         if worker.stream_handlers.get(STREAM_OP) == self._on_registry_update:
             # Not deleted: an update already in flight would hit an unknown op, and an
             # unknown op ends the worker's whole scheduler stream. Late updates are dropped.

@@ -223,3 +223,30 @@ def test_prometheus_metrics_on_dasks_own_endpoints():
         assert imported and float(imported[0].rsplit(" ", 1)[1]) >= 1
         text = scrape(host, info["services"]["dashboard"])
         assert 'dask_scheduler_gpupool_pools{kind="host"} 2.0' in text
+
+
+def test_dashboard_page_lists_pools_and_handoffs():
+    import json
+    import urllib.request
+
+    from test_handoff import wait_for, warm_up
+
+    with nanny_cluster([{}, {}], PLUGIN) as c:
+        a, b = worker_addresses(c)
+        warm_up(c, a, b)
+        info = c.scheduler_info()
+        host = info["address"].split("://")[1].rsplit(":", 1)[0]
+        base = f"http://{host}:{info['services']['dashboard']}"
+
+        def page(path: str) -> str:
+            with urllib.request.urlopen(base + path, timeout=10) as r:
+                return r.read().decode()
+
+        def imports_seen() -> bool:
+            snap = json.loads(page("/gpupool.json"))
+            return len(snap["pools"]) == 2 and all(snap["workers"].get(w, {}).get("imports") == 1 for w in (a, b))
+
+        wait_for(imports_seen, what="both workers' pushed stats on the page")
+        html = page("/gpupool")
+        assert "2 pool(s)" in html and a in html and b in html and "zero-copy in" in html
+        assert "http-equiv='refresh'" in html

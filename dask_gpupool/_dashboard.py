@@ -1,0 +1,102 @@
+"""The scheduler's ``/gpupool`` page (and ``/gpupool.json``).
+
+Workers push their pool and handoff statistics to the scheduler every
+:data:`STATS_INTERVAL` seconds over their batched stream
+(:data:`STATS_OP`); the scheduler plugin keeps the latest per worker. The
+page lists the registry's pools (owner, host, kind, device, used and
+reserved bytes, peers) and every worker's handoffs (zero-copy vs copied
+bytes, fallbacks by reason, live leases), and reloads itself. It is served
+by the scheduler's own HTTP server, next to Dask's dashboard.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from collections.abc import Callable
+from typing import Any
+
+from tornado import web
+
+__all__ = ["STATS_INTERVAL", "STATS_OP", "install"]
+
+#: Seconds between a worker's statistics pushes (and the page's reloads).
+STATS_INTERVAL = 2.0
+#: Batched-stream op of a worker's statistics push.
+STATS_OP = "gpupool-stats"
+
+Source = Callable[[], dict[str, Any]]
+
+
+def _bytes(n: Any) -> str:
+    from dask.utils import format_bytes
+
+    return format_bytes(int(n)) if isinstance(n, int) else "-"
+
+
+class _Page(web.RequestHandler):
+    def initialize(self, holder: dict[str, Source]) -> None:
+        self._holder = holder
+
+    def get(self) -> None:
+        snap = self._holder["source"]()
+        e = html.escape
+        rows = "".join(
+            f"<tr><td>{e(p['worker'])}</td><td>{e(p['hostname'])}</td><td>{e(p['kind'])}</td>"
+            f"<td>{e(p['device'] or '-')}</td><td>{_bytes(p.get('used'))}</td><td>{_bytes(p.get('reserved'))}</td>"
+            f"<td>{_bytes(p['max_size'])}</td><td>{len(p['peers'])}</td><td><code>{e(p['pool'])}</code></td></tr>"
+            for p in snap["pools"]
+        )
+        stats = "".join(
+            f"<tr><td>{e(w)}</td><td>{s.get('exports', 0)}</td><td>{s.get('imports', 0)}</td>"
+            f"<td>{s.get('leases', 0)}</td><td>{_bytes(s.get('lease_bytes', 0))}</td>"
+            f"<td>{_bytes(s.get('zero_copy_bytes', 0))}</td><td>{_bytes(s.get('copied_bytes', 0))}</td>"
+            f"<td>{_bytes(s.get('copied_out_bytes', 0))}</td>"
+            f"<td>{e(', '.join(f'{k}: {v}' for k, v in sorted(s.get('fallbacks', {}).items())) or '-')}</td></tr>"
+            for w, s in sorted(snap["workers"].items())
+        )
+        self.set_header("Content-Type", "text/html; charset=utf-8")
+        self.write(
+            "<!doctype html><html><head><meta charset='utf-8'>"
+            f"<meta http-equiv='refresh' content='{int(STATS_INTERVAL)}'><title>gpupool</title>"
+            "<style>body{font-family:sans-serif;margin:1em}table{border-collapse:collapse;margin-bottom:1.5em}"
+            "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}th{background:#eee}"
+            "td:first-child{text-align:left}</style></head><body>"
+            f"<h2>gpupool: {len(snap['pools'])} pool(s)</h2>"
+            "<table><tr><th>worker</th><th>host</th><th>kind</th><th>device</th><th>used</th><th>reserved</th>"
+            f"<th>max</th><th>peers</th><th>pool</th></tr>{rows}</table>"
+            "<h2>Handoffs per worker</h2>"
+            "<table><tr><th>worker</th><th>exports</th><th>imports</th><th>live leases</th><th>leased</th>"
+            "<th>zero-copy in</th><th>copied in</th><th>copied out</th><th>fallbacks</th></tr>"
+            f"{stats}</table><p>Reloads every {STATS_INTERVAL:g} s. JSON: <a href='gpupool.json'>gpupool.json</a>"
+            "</p></body></html>"
+        )
+
+
+class _Json(web.RequestHandler):
+    def initialize(self, holder: dict[str, Source]) -> None:
+        self._holder = holder
+
+    def get(self) -> None:
+        self.set_header("Content-Type", "application/json")
+        self.write(json.dumps(self._holder["source"]()))
+
+
+def install(scheduler: Any, source: Source) -> bool:
+    """Serve ``/gpupool`` and ``/gpupool.json`` on the scheduler's HTTP server from ``source``.
+
+    Idempotent per scheduler (a later call replaces the source). ``False``
+    when the scheduler runs no HTTP server.
+    """
+    app = getattr(scheduler, "http_application", None)
+    if app is None:
+        return False
+    holder: dict[str, Source] | None = getattr(scheduler, "_gpupool_page", None)
+    if holder is None:
+        holder = {"source": source}
+        app.add_handlers(
+            ".*$", [(r"/gpupool", _Page, {"holder": holder}), (r"/gpupool\.json", _Json, {"holder": holder})]
+        )
+        scheduler._gpupool_page = holder
+    holder["source"] = source
+    return True
