@@ -69,3 +69,29 @@ def test_zero_copy_example_runs():
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert out.stdout.rstrip().endswith("OK") and "copied in 0 bytes" in out.stdout
+
+
+def test_etl_example_runs_small_on_host_pools(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "etl_pipeline.py"),
+            "--size",
+            "8MiB",
+            "--chunks",
+            "6",
+            "--plot",
+            str(tmp_path / "etl.png"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    assert out.stdout.rstrip().endswith("OK")
+    line = next(x for x in out.stdout.splitlines() if x.startswith("dask_gpupool: zero-copy"))
+    assert "zero-copy 0 B" not in line  # chunks did cross between workers zero-copy
