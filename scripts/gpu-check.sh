@@ -26,6 +26,7 @@ echo "== summary"; tail -n 1 "$OUT/pytest.log"
 tail -n 6 "$OUT/bench.log"
 echo "== demo"; timeout 100 python3 -m dask_gpupool demo > "$OUT/demo.log" 2>&1; echo "demo exit: $?"; tail -n 4 "$OUT/demo.log"
 echo "== example"; timeout 120 python3 examples/zero_copy_handoff.py > "$OUT/example.log" 2>&1; echo "example exit: $?"; tail -n 6 "$OUT/example.log"
+echo "== etl example (CuPy chunks, 3 workers on GPU 0)"; timeout 150 python3 examples/etl_pipeline.py --size 1GiB --chunks 16 --plot "$OUT/etl_shared.png" > "$OUT/etl.log" 2>&1; echo "etl exit: $?"; grep -v "^20\|^gpupool:" "$OUT/etl.log" | tail -n 9
 BUDGET=${HANDOFF_BUDGET:-360}
 if [ "$BUDGET" != 0 ]; then
   echo "== handoff benchmark"
