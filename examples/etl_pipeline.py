@@ -186,7 +186,8 @@ def main() -> None:
     results = {}
     for label, plugin in [
         ("plain Dask", None),
-        ("dask_gpupool", dask_gpupool.GPUPool(max_size=f"{4 * size // (1 << 20) + 64} MiB", peer_gpu_handoff=True)),
+        # Across GPUs (--layout per-gpu) handoffs are copies unless gpupool.peer-gpu-handoff is on (README).
+        ("dask_gpupool", dask_gpupool.GPUPool(max_size=f"{4 * size // (1 << 20) + 64} MiB")),
     ]:
         with dask.config.set({"distributed.scheduler.active-memory-manager.start": False}):
             cl, client = cluster(workers, plugin)
