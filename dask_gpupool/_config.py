@@ -151,7 +151,10 @@ class PoolOptions:
         ConfigError
             Naming the key, the bad value and the valid values.
         """
-        raw: dict[str, Any] = dict(dask.config.get("gpupool", default={}) or {})
+        # Dask treats "_" and "-" in keys alike (DASK_GPUPOOL__MAX_SIZE sets gpupool.max_size): so do we.
+        raw: dict[str, Any] = {
+            str(k).replace("_", "-"): v for k, v in (dask.config.get("gpupool", default={}) or {}).items()
+        }
         unknown = set(raw) - {f.replace("_", "-") for f in cls.__dataclass_fields__}
         if unknown:
             raise ConfigError(

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import pathlib
 
 import dask.config
@@ -81,6 +82,15 @@ def test_config_values_and_overrides():
 def test_bad_config_values_name_the_key(key, value):
     with dask.config.set({key: value}), pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         PoolOptions.from_config()
+
+
+def test_underscores_in_keys_are_dashes_as_in_dask(monkeypatch):
+    monkeypatch.setenv("DASK_GPUPOOL__MAX_SIZE", "3 GiB")
+    monkeypatch.setenv("DASK_GPUPOOL__LEASE_TIMEOUT", "5s")
+    config = dask.config.collect(env=dict(os.environ))
+    with dask.config.set(gpupool=config["gpupool"]):
+        options = PoolOptions.from_config()
+    assert options.max_size == Size(nbytes=3 * 2**30) and options.lease_timeout == 5.0
 
 
 def test_plugin_checks_options_when_built():
