@@ -250,3 +250,60 @@ def test_dashboard_page_lists_pools_and_handoffs():
         html = page("/gpupool")
         assert "2 pool(s)" in html and a in html and b in html and "zero-copy in" in html
         assert "http-equiv='refresh'" in html
+
+
+def test_cli_preload_cluster_configured_by_environment(tmp_path):
+    """`dask scheduler --preload dask_gpupool` + `dask worker`, options from DASK_GPUPOOL__* variables."""
+    import contextlib
+    import socket
+    import subprocess
+    import sys
+    import time as _time
+
+    from distributed import Client
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "DASK_GPUPOOL__KIND": "host", "DASK_GPUPOOL__MAX_SIZE": "64MiB"}
+    dask_cli = [sys.executable, "-m", "distributed.cli.dask_scheduler"]
+    address = f"tcp://127.0.0.1:{port}"
+    worker_cli = [sys.executable, "-m", "distributed.cli.dask_worker", address, "--nworkers", "2", "--nthreads", "1"]
+    logs = contextlib.ExitStack()
+    procs = [
+        subprocess.Popen(
+            [*dask_cli, "--host", "127.0.0.1", "--port", str(port), "--no-dashboard", "--preload", "dask_gpupool"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=logs.enter_context(open(tmp_path / "scheduler.log", "w")),
+        )
+    ]
+    try:
+        procs.append(
+            subprocess.Popen(
+                [*worker_cli, "--no-dashboard"],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=logs.enter_context(open(tmp_path / "worker.log", "w")),
+            )
+        )
+        with Client(address, timeout=30) as c:
+            c.wait_for_workers(2, timeout=60)
+            deadline = _time.monotonic() + 30
+            while len(dask_gpupool.pools(c)) < 2 and _time.monotonic() < deadline:
+                _time.sleep(0.2)
+            rows = dask_gpupool.pools(c)
+            assert len(rows) == 2 and all(r.kind == "host" and r.max_size == 64 << 20 for r in rows)
+            a, b = sorted(r.worker for r in rows)
+            desc = c.submit(T.hold, "cli", 4096, b"from the CLI", workers=[a], pure=False).result()
+            assert c.submit(T.read_peer, desc, 12, workers=[b], pure=False).result() == b"from the CLI"
+            c.submit(T.release, "cli", workers=[a], pure=False).result()
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        logs.close()
