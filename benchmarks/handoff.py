@@ -15,6 +15,7 @@ Methods:
 tcp           Dask over TCP, a CuPy array (NumPy on a host run): today's default
 ucxx          Dask over UCXX, a CuPy array (only when distributed-ucxx imports)
 gpupool       dask_gpupool zero-copy: an array over a pool buffer
+gpupool-cupy  dask_gpupool zero-copy of plain CuPy arrays (gpupool.cupy-allocator routes CuPy to the pool)
 gpupool-copy  dask_gpupool's host-copy path, forced with different host ids
 ============  ==========================================================
 
@@ -55,7 +56,7 @@ from dask_gpupool import GPUPool
 from dask_gpupool._topology import local_devices
 
 DEFAULT_SIZES = "1KiB,1MiB,64MiB,256MiB,1GiB,4GiB,8GiB"
-METHODS = ("tcp", "ucxx", "gpupool", "gpupool-copy")
+METHODS = ("tcp", "ucxx", "gpupool", "gpupool-cupy", "gpupool-copy")
 
 
 # -- tasks (run on the workers) --------------------------------------------------------
@@ -145,7 +146,7 @@ def cluster(workers: list[dict[str, Any]], protocol: str, plugin: Any) -> Iterat
 
 
 def measure(
-    c: Any, sizes: list[int], repeats: int, lib: str, pool: bool, deadline: float, log: Any
+    c: Any, sizes: list[int], repeats: int, lib: str, pool: bool, deadline: float, log: Any, plugin_on: bool
 ) -> list[dict[str, Any]]:
     info = c.scheduler_info()["workers"]
     a, b = sorted(info, key=lambda w: str(info[w]["name"]))
@@ -168,7 +169,7 @@ def measure(
             if i == 1:  # B still holds what it received for x: the device memory the handoff took there
                 extra = c.run(device_used, workers=[b])[b] - before
             del x, y
-            if pool:
+            if plugin_on:
                 wait_for_leases(c)
             if i > 0 and transfer is not None:
                 samples.append({"transfer_s": transfer, "task_s": task})
@@ -248,14 +249,19 @@ def method_setup(
         except ImportError:
             return None
         return "ucxx", workers, None, False
+    if method == "gpupool-cupy" and not gpus:
+        return None
     plugin = GPUPool(
         kind=kind,
         max_size=max_size,
         peer_gpu_handoff=place == "other" or None,
         segment_size=segment_size if gpus else None,
+        cupy_allocator=method == "gpupool-cupy" or None,
     )
     if method == "gpupool":
         return "tcp", workers, plugin, True
+    if method == "gpupool-cupy":  # plain cupy.ones, routed to the pool
+        return "tcp", workers, plugin, False
     hosts = [{**w, "config": {"gpupool": {"host-id": f"bench-host-{i}"}}} for i, w in enumerate(workers)]
     return "tcp", hosts, plugin, True
 
@@ -264,7 +270,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default=DEFAULT_SIZES)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--methods", default="gpupool,ucxx,gpupool-copy,tcp")
+    p.add_argument("--methods", default="gpupool,ucxx,gpupool-cupy,gpupool-copy,tcp")
     p.add_argument("--placements", default="")
     p.add_argument("--budget", type=float, default=540.0, help="seconds; later sizes are skipped past it")
     p.add_argument("--segment-size", default="1GiB", help="gpupool.segment-size of the gpupool methods; 0: off")
@@ -306,7 +312,7 @@ def main() -> None:
         log(f"{place:5s} {method} ({protocol})")
         try:
             with cluster(wopts, protocol, plugin) as c:
-                rows = measure(c, sizes, args.repeats, lib, pool, share, log)
+                rows = measure(c, sizes, args.repeats, lib, pool, share, log, plugin is not None)
                 stats = dask_gpupool.stats(c) if plugin is not None else {}
         except Exception as e:  # one method failing must not lose the others
             log(f"    FAILED: {type(e).__name__}: {e}")

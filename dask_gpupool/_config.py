@@ -119,6 +119,9 @@ class PoolOptions:
         Seconds a broker waits for a request, and a client for a reply.
     lease_timeout : float
         Seconds an exported buffer's lease may stay unclaimed before it expires.
+    cupy_allocator : bool
+        Route CuPy's allocations on the worker through its ``device`` or
+        ``pinned`` pool, so that plain CuPy results hand over zero-copy.
     segment_size : int
         ``device`` pools: bytes of the segments buffers are placed in, which
         peers map once (:mod:`dask_gpupool._segments`); 0 turns segments off
@@ -139,6 +142,7 @@ class PoolOptions:
     lease_timeout: float = 60.0
     peer_gpu_handoff: bool = False
     segment_size: int = 0
+    cupy_allocator: bool = False
 
     @classmethod
     def from_config(cls, **overrides: Any) -> PoolOptions:
@@ -176,6 +180,7 @@ class PoolOptions:
             lease_timeout=_parse_timeout(raw.get("lease-timeout", "60s"), "gpupool.lease-timeout"),
             peer_gpu_handoff=_parse_bool(raw.get("peer-gpu-handoff", False), "gpupool.peer-gpu-handoff"),
             segment_size=_parse_nbytes(raw.get("segment-size", 0), "gpupool.segment-size"),
+            cupy_allocator=_parse_bool(raw.get("cupy-allocator", False), "gpupool.cupy-allocator"),
         )
 
 

@@ -61,6 +61,8 @@ class GPUPool(SchedulerPlugin):
         Zero-copy handoffs to workers on another GPU (``gpupool.peer-gpu-handoff``).
     segment_size : int or str, optional
         Segments of ``device`` pools, e.g. ``"1 GiB"`` (``gpupool.segment-size``).
+    cupy_allocator : bool, optional
+        Route CuPy's allocations through the pool (``gpupool.cupy-allocator``).
 
     Options left out are read by each worker from its own dask config. Values
     are checked here, so a typo fails at once with :class:`ConfigError`.
@@ -96,6 +98,7 @@ class GPUPool(SchedulerPlugin):
         lease_timeout: str | float | None = None,
         peer_gpu_handoff: bool | None = None,
         segment_size: int | str | None = None,
+        cupy_allocator: bool | None = None,
     ) -> None:
         self.overrides = {
             k: v
@@ -109,6 +112,7 @@ class GPUPool(SchedulerPlugin):
                 lease_timeout=lease_timeout,
                 peer_gpu_handoff=peer_gpu_handoff,
                 segment_size=segment_size,
+                cupy_allocator=cupy_allocator,
             ).items()
             if v is not None
         }

@@ -259,6 +259,15 @@ def make_array(n: int, like: str | None = None) -> Any:
     return arr
 
 
+def plain_cupy(n: int) -> Any:
+    """Task: ``cupy.arange(n)`` as float64, made by plain CuPy (pool memory only if CuPy is routed there)."""
+    import cupy
+
+    arr = cupy.arange(n, dtype="f8")
+    cupy.cuda.runtime.deviceSynchronize()
+    return arr
+
+
 def keep(x: Any) -> Any:
     """Task: return the input itself (the consumer then holds the handed-over value)."""
     return x

@@ -61,6 +61,7 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         self.service = None
         self._get_data = None
         self._push = None
+        self._cupy_previous: Any = None
 
     async def setup(self, worker: Worker) -> None:
         options = PoolOptions.from_config(**self.overrides)
@@ -80,6 +81,10 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
             raise
         self._get_data = install_get_data_hook(worker, service)
         self.service = service
+        if options.cupy_allocator and service.pool.kind in ("device", "pinned"):
+            from dask_gpupool import _cupy
+
+            self._cupy_previous = _cupy.install(service)
         _metrics.register()  # on the worker's /metrics (when prometheus_client is installed)
         self._push = PeriodicCallback(lambda: self._push_stats(worker), STATS_INTERVAL * 1000)
         self._push.start()
@@ -102,6 +107,11 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
             self.service.apply_registry(RegistryUpdate.from_msg(msg))
 
     async def teardown(self, worker: Worker) -> None:
+        if self._cupy_previous is not None:
+            from dask_gpupool import _cupy
+
+            _cupy.uninstall(self._cupy_previous)
+            self._cupy_previous = None
         if self._push is not None:
             self._push.stop()
             self._push = None

@@ -64,7 +64,8 @@ def test_config_values_and_overrides():
     assert options.max_size == Size(nbytes=2**30)
     assert options.broker_timeout == 0.5
     assert options.device == "GPU-abc"
-    assert options.segment_size == 0
+    assert options.segment_size == 0 and options.cupy_allocator is False
+    assert PoolOptions.from_config(cupy_allocator="true").cupy_allocator is True
     assert PoolOptions.from_config(segment_size="1 GiB").segment_size == 2**30
 
 

@@ -192,6 +192,24 @@ def test_stress_with_segments_one_gpu():
         assert stress(c, 10, 16 * MiB) > 3
 
 
+def test_plain_cupy_arrays_hand_over_when_cupy_allocates_from_the_pool():
+    gpus(1)
+    import numpy as np
+
+    one_gpu = {"env": {"CUDA_VISIBLE_DEVICES": "0"}}
+    with nanny_cluster([one_gpu, one_gpu], GPUPool(kind="device", max_size="2 GiB", cupy_allocator=True)) as c:
+        a, b = worker_addresses(c)
+        x = c.submit(T.plain_cupy, 1 << 20, workers=[a], pure=False)
+        y = c.submit(T.keep, x, workers=[b], pure=False)
+        assert c.submit(T.describe, y, workers=[b], pure=False).result() == {
+            "type": "cupy.ndarray",
+            "imported": True,
+            "in_own_pool": False,
+        }
+        assert c.submit(T.total, y, workers=[b], pure=False).result() == float(np.arange(1 << 20).sum())
+        assert c.run(T.handoff_counters)[b]["copied_bytes"] == 0
+
+
 def test_handoff_pinned_pools():
     gpus(1)
     one_gpu = {"env": {"CUDA_VISIBLE_DEVICES": "0"}}
