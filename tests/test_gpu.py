@@ -246,3 +246,47 @@ def test_stress_producers_release_while_consumers_read_two_gpus():
     rotated = [{"env": {"CUDA_VISIBLE_DEVICES": "0,1"}}, {"env": {"CUDA_VISIBLE_DEVICES": "1,0"}}]
     with nanny_cluster(rotated, GPUPool(kind="device", max_size="4 GiB", peer_gpu_handoff=True)) as c:
         assert stress(c, 20, 16 * MiB) > 5
+
+
+# -- faults on GPU pools (issue 5) --------------------------------------------------------
+
+
+def test_sigkill_of_the_consumer_releases_its_leases_on_a_device_pool():
+    gpus(1)
+    import os
+    import signal
+
+    from test_handoff import counters, wait_for
+
+    one_gpu = {"env": {"CUDA_VISIBLE_DEVICES": "0"}}
+    with nanny_cluster([one_gpu, one_gpu], GPUPool(kind="device", max_size="1 GiB")) as c:
+        a, b = worker_addresses(c)
+        xs = [c.submit(T.fill, 16 * MiB, 4, workers=[a], pure=False) for _ in range(8)]
+        ys = [c.submit(T.keep, x, workers=[b], pure=False) for x in xs]
+        c.gather(ys)
+        assert counters(c, a)[a]["leases"] == 8
+        os.kill(next(r.pid for r in dask_gpupool.pools(c) if r.worker == b), signal.SIGKILL)
+        wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="A to release the dead consumer's leases")
+        del xs, ys
+        wait_for(lambda: counters(c, a)[a]["used"] == 0, what="A's pool bytes to return")
+
+
+def test_sigkill_of_the_producer_leaves_the_consumers_device_mapping_readable():
+    gpus(1)
+    import os
+    import signal
+
+    from test_handoff import wait_for
+
+    one_gpu = {"env": {"CUDA_VISIBLE_DEVICES": "0"}}
+    with nanny_cluster([one_gpu, one_gpu], GPUPool(kind="device", max_size="1 GiB")) as c:
+        a, b = worker_addresses(c)
+        base_b = c.run(T.resources, workers=[b])[b]
+        x = c.submit(T.fill, 16 * MiB, 6, workers=[a], pure=False)
+        y = c.submit(T.keep, x, workers=[b], pure=False)
+        assert c.submit(T.describe, y, workers=[b], pure=False).result()["imported"]
+        os.kill(next(r.pid for r in dask_gpupool.pools(c) if r.worker == a), signal.SIGKILL)
+        # the dead exporter's memory stays mapped and right until B lets go (shared/GPU.md)
+        assert c.submit(T.all_equal, y, 6, workers=[b], pure=False).result()
+        del x, y
+        wait_for(lambda: c.run(T.resources, workers=[b])[b] == base_b, what="B back to its baseline")
