@@ -53,6 +53,7 @@ from dask.utils import format_bytes, parse_bytes
 
 import dask_gpupool
 from dask_gpupool import GPUPool
+from dask_gpupool import _testing as T
 from dask_gpupool._topology import local_devices
 
 DEFAULT_SIZES = "1KiB,1MiB,64MiB,256MiB,1GiB,4GiB,8GiB"
@@ -87,14 +88,6 @@ def produce(nbytes: int, lib: str, pool: bool) -> Any:
 def consume(arr: Any) -> int:
     """The dependent task: touches nothing but the array's metadata (the handoff is what is timed)."""
     return int(arr.nbytes)
-
-
-def last_transfer(dask_worker: Any, key: str) -> float | None:
-    """The duration of the consumer's latest incoming transfer that carried ``key``."""
-    for entry in reversed(dask_worker.transfer_incoming_log):
-        if key in entry.get("keys", {}):
-            return float(entry["duration"])
-    return None
 
 
 def device_used(dask_worker: Any) -> int:
@@ -165,7 +158,7 @@ def measure(
             y = c.submit(consume, x, workers=[b], pure=False)
             y.result()
             task = time.perf_counter() - t0
-            transfer = c.run(last_transfer, key=x.key, workers=[b])[b]
+            transfer = c.run(T.last_transfer, key=x.key, workers=[b])[b]
             if i == 1:  # B still holds what it received for x: the device memory the handoff took there
                 extra = c.run(device_used, workers=[b])[b] - before
             del x, y
@@ -190,16 +183,10 @@ def measure(
     return rows
 
 
-def live_leases(dask_worker: Any) -> int:
-    from dask_gpupool._worker_plugin import service_of
-
-    return len(service_of(dask_worker).leases)
-
-
 def wait_for_leases(c: Any, timeout: float = 30.0) -> None:
     """Between samples: wait until the producer's leases are released (its memory is free again)."""
     deadline = time.monotonic() + timeout
-    while sum(c.run(live_leases).values()) and time.monotonic() < deadline:
+    while any(s["leases"] for s in c.run(T.handoff_counters).values()) and time.monotonic() < deadline:
         time.sleep(0.01)
 
 

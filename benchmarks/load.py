@@ -50,13 +50,6 @@ def snapshot(c: Any) -> dict[str, dict[str, Any]]:
     return {w: {**res[w], "rss": mem[w]} for w in res}
 
 
-def transfer_of(dask_worker: Any, key: str) -> float | None:
-    for entry in reversed(dask_worker.transfer_incoming_log):
-        if key in entry.get("keys", {}):
-            return float(entry["duration"])
-    return None
-
-
 def consume(*xs: Any) -> int:
     return len(xs)
 
@@ -67,7 +60,7 @@ def small_handoffs(c: Any, a: str, b: str, n: int) -> float:
         x = c.submit(T.make_buffer, 4096, b"s", workers=[a], pure=False)
         x.result()
         c.submit(consume, x, workers=[b], pure=False).result()
-        t = c.run(transfer_of, key=x.key, workers=[b])[b]
+        t = c.run(T.last_transfer, key=x.key, workers=[b])[b]
         if t is not None:
             times.append(t)
         del x

@@ -40,7 +40,7 @@ from cuda.core import Buffer, MemoryResource
 from dask_gpupool._arena import Arena
 from dask_gpupool._errors import PoolClosedError, ProtocolError
 
-__all__ = ["HostPoolAttributes", "SharedHostMemoryResource"]
+__all__ = ["HostOnlyResource", "HostPoolAttributes", "SharedHostMemoryResource"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,23 @@ class HostPoolAttributes:
     reserved_mem_high: int
 
 
-class SharedHostMemoryResource(MemoryResource):
+class HostOnlyResource(MemoryResource):
+    """Base of memory resources that hand out plain host memory (no GPU, no driver needed)."""
+
+    @property
+    def is_device_accessible(self) -> bool:
+        return False
+
+    @property
+    def is_host_accessible(self) -> bool:
+        return True
+
+    @property
+    def device_id(self) -> int:
+        return -1
+
+
+class SharedHostMemoryResource(HostOnlyResource):
     """A memfd-backed pool of host memory shareable with same-host processes.
 
     Parameters
@@ -172,18 +188,6 @@ class SharedHostMemoryResource(MemoryResource):
                 last = self._imports == 0
             if self._closed and last:
                 self._release()
-
-    @property
-    def is_device_accessible(self) -> bool:
-        return False
-
-    @property
-    def is_host_accessible(self) -> bool:
-        return True
-
-    @property
-    def device_id(self) -> int:
-        return -1
 
     # -- pool interface shared with cuda.core's IPC pools ------------------------
 

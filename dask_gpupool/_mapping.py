@@ -43,6 +43,9 @@ logger = logging.getLogger(__name__)
 #: Serializes every CUDA IPC import and every close of an imported object.
 IMPORT_LOCK = threading.RLock()
 
+#: The size field of an :meth:`MappedPool.acquire` key that names a segment (kept mapped) rather than an import.
+_SEGMENT = -1
+
 
 def _grant_access(resource: Any, ordinal: int) -> None:
     """Give GPU ``ordinal`` read-write access to an imported pool (cuMemPoolSetAccess)."""
@@ -230,7 +233,7 @@ class MappedPool:
                     seg = self._segments[desc.payload] = [self._import(desc.payload, desc.extent), 0]
                 seg[1] += 1
                 self.imports += 1
-                return (desc.payload, 0, -1), seg[0], int(seg[0].handle) + desc.offset
+                return (desc.payload, 0, _SEGMENT), seg[0], int(seg[0].handle) + desc.offset
             key = (desc.payload, desc.offset, desc.size)
             entry = self._shared.get(key)
             if entry is not None:
@@ -249,7 +252,7 @@ class MappedPool:
         """
         with IMPORT_LOCK:
             self.imports -= 1
-            if key[2] == -1:
+            if key[2] == _SEGMENT:
                 self._segments[key[0]][1] -= 1
                 return None
             entry = self._shared[key]

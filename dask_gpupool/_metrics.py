@@ -41,11 +41,10 @@ _scheduler_source: Callable[[], dict[str, int]] | None = None
 def _worker_metrics() -> Iterator[Any]:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-    from dask_gpupool._service import _ACTIVE, _ACTIVE_LOCK
+    from dask_gpupool._service import active_services
     from dask_gpupool._stats import FALLBACK_REASONS
 
-    with _ACTIVE_LOCK:
-        services = [s for s in _ACTIVE if not s.closed]
+    services = active_services()
     name = "dask_worker_gpupool_"
     pool_bytes = GaugeMetricFamily(name + "pool_bytes", "Bytes of this worker's pool.", labels=["pool", "state"])
     leases = GaugeMetricFamily(name + "leases", "Live leases this worker granted to importers.", labels=["pool"])

@@ -31,7 +31,7 @@ from dask_gpupool._topology import LocalDevices, device_memory, host_memory
 if TYPE_CHECKING:
     from cuda.core import Buffer
 
-__all__ = ["Pool", "PoolStats", "grant_peers", "ipc_payload"]
+__all__ = ["KEPT_UNTIL_EXIT", "Pool", "PoolStats", "grant_peers", "ipc_payload", "keep_until_exit"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,23 @@ def ipc_payload(buf: Buffer) -> bytes:
     """
     _, (payload, _size) = buf.ipc_descriptor.__reduce__()
     return bytes(payload)
+
+
+#: Memory of closed CUDA pools that peers may still map: kept, never freed, until the process exits.
+KEPT_UNTIL_EXIT: list[Any] = []
+
+
+def keep_until_exit(items: Any) -> int:
+    """Keep ``items`` (Buffers, or objects holding them) alive until the process exits; return how many.
+
+    Freeing memory that a peer still maps is undefined (same GPU: the peer
+    reads what comes next; other GPU: CUDA_ERROR_CONTAINED). The driver keeps
+    importers' mappings valid past the exporter's *exit*, so a closing CUDA
+    pool hands what peers may map here instead of freeing it.
+    """
+    before = len(KEPT_UNTIL_EXIT)
+    KEPT_UNTIL_EXIT.extend(items)
+    return len(KEPT_UNTIL_EXIT) - before
 
 
 def grant_peers(resource: Any, ordinal: int, devices: LocalDevices) -> tuple[str, ...]:
@@ -241,20 +258,17 @@ class Pool:
         """
         if self._closed:
             raise PoolClosedError(f"pool {self.uuid} is closed")
-        if self.kind == "host":
-            try:
-                return self.resource.allocate(nbytes)
-            except PoolExhaustedError as e:
-                raise PoolExhaustedError(f"pool {self.uuid} (host) {e}") from None
-        from cuda.core import Device
-
-        dev = Device(self.device)
-        dev.set_current()
         try:
+            if self.kind == "host":
+                return self.resource.allocate(nbytes)
+            from cuda.core import Device
+
+            dev = Device(self.device)
+            dev.set_current()
             return self.resource.allocate(nbytes, stream=stream if stream is not None else dev.default_stream)
+        except PoolExhaustedError as e:  # the host arena's or the segments': name the pool
+            raise PoolExhaustedError(f"pool {self.uuid} ({self.kind}) {e}") from None
         except Exception as e:
-            if isinstance(e, PoolExhaustedError):  # from the segments
-                raise PoolExhaustedError(f"pool {self.uuid} ({self.kind}) {e}") from None
             if "OUT_OF_MEMORY" in str(e):
                 stats = self.stats()
                 raise PoolExhaustedError(

@@ -15,8 +15,8 @@ Ownership and lifetime
 - The resource owns its segments. A segment is never freed while the pool
   lives, so a peer may keep it mapped between handoffs. Peers drop their
   mappings only when the pool leaves the registry, which happens after it
-  closed, so :meth:`close` does not free segments either: it keeps them in
-  :data:`RETIRED` until the process exits (the driver keeps importers'
+  closed, so :meth:`close` does not free segments either: it hands them to
+  :func:`~dask_gpupool._pool.keep_until_exit` (the driver keeps importers'
   mappings valid past the exporter's exit, never past an explicit free).
   Like the CUDA pool below it, which never returns memory to the OS, the
   segments stay reserved up to the high-water mark.
@@ -40,16 +40,14 @@ from cuda.core import MemoryResource
 
 from dask_gpupool._arena import Arena
 from dask_gpupool._errors import PoolClosedError, PoolExhaustedError
+from dask_gpupool._pool import keep_until_exit
 
 if TYPE_CHECKING:
     from cuda.core import Buffer
 
-__all__ = ["RETIRED", "Segment", "SegmentStats", "SegmentedResource"]
+__all__ = ["Segment", "SegmentStats", "SegmentedResource"]
 
 logger = logging.getLogger(__name__)
-
-#: Segments of closed resources, kept (not freed) until the process exits: peers may still map them.
-RETIRED: list[Any] = []
 
 #: Granularity of segment sizes (CUDA's large-page size).
 SEGMENT_ALIGNMENT = 2 << 20
@@ -239,7 +237,7 @@ class SegmentedResource(MemoryResource):
     def close(self, free_segments: bool = False) -> None:
         """Close the resource and the upstream pool. Idempotent.
 
-        Segments are kept in :data:`RETIRED` (peers may still map them)
+        Segments are kept until the process exits (peers may still map them)
         unless ``free_segments`` is true, which is only safe when no other
         process ever imported them. Buffers still alive here must not be used
         after.
@@ -250,7 +248,7 @@ class SegmentedResource(MemoryResource):
             self._closed = True
             segments, self._segments, self._bases, self._pending = self._segments, [], [], []
         if not free_segments:
-            RETIRED.extend(seg.buffer for seg in segments)
+            keep_until_exit(seg.buffer for seg in segments)
             segments = []
         for seg in segments:
             try:

@@ -29,8 +29,6 @@ import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from cuda.core import MemoryResource
-
 from dask_gpupool._broker import FdBroker
 from dask_gpupool._config import PoolOptions
 from dask_gpupool._errors import (
@@ -43,6 +41,7 @@ from dask_gpupool._errors import (
     ProtocolError,
     UnknownPoolError,
 )
+from dask_gpupool._host_memory import HostOnlyResource
 from dask_gpupool._lease import LeaseTable
 from dask_gpupool._link import ImportedMemoryResource, PeerLink, Releaser
 from dask_gpupool._mapping import IMPORT_LOCK, MappedPool, MappedPools
@@ -55,7 +54,7 @@ from dask_gpupool._messages import (
     PoolRecord,
     RegistryUpdate,
 )
-from dask_gpupool._pool import Pool, PoolStats
+from dask_gpupool._pool import Pool, PoolStats, keep_until_exit
 from dask_gpupool._registry import RegistryView
 from dask_gpupool._stats import HandoffStats
 from dask_gpupool._topology import LocalDevices, host_identity, local_devices
@@ -79,6 +78,12 @@ def active_service() -> PoolService | None:
     """
     with _ACTIVE_LOCK:
         return _ACTIVE[-1] if _ACTIVE else None
+
+
+def active_services() -> list[PoolService]:
+    """Every live pool service of this process (one per worker running the plugin here)."""
+    with _ACTIVE_LOCK:
+        return [s for s in _ACTIVE if not s.closed]
 
 
 def buffer_kind(buf: Buffer) -> str:
@@ -568,17 +573,13 @@ class PoolService:
         if self.pool.kind == "host":
             self.leases.clear()  # peers' mappings of the memfd keep its pages; nothing is reused here
         else:
-            held = self.leases.detach()
+            held = keep_until_exit(self.leases.detach())
             if held:
-                # Freeing memory a peer still maps is undefined (same GPU: it reads what comes next;
-                # other GPU: CUDA_ERROR_CONTAINED). Keep it until this process exits, when the driver
-                # lets the importers' mappings live on.
-                _KEPT_UNTIL_EXIT.extend(held)
                 logger.warning(
                     "pool %s: closed with %d lease(s) still held by peers; their memory is kept until "
                     "this process exits",
                     self.pool.uuid,
-                    len(held),
+                    held,
                 )
         self.releaser.close()
         with self._links_lock:
@@ -588,10 +589,6 @@ class PoolService:
         self.mapped.close_all()
         self.pool.close()
         logger.info("pool %s: closed", self.pool.uuid)
-
-
-#: Exported buffers of closed CUDA pools that peers still mapped (see :meth:`PoolService.close`).
-_KEPT_UNTIL_EXIT: list[Any] = []
 
 
 def _outside_pool(pool: Pool, nbytes: int, need: str = "any") -> Buffer:
@@ -616,7 +613,7 @@ def host_buffer(data: Any) -> Buffer:
     return Buffer.from_handle(ctypes.addressof(anchor), nbytes, mr=_HostBytes(anchor, data))
 
 
-class _HostBytes(MemoryResource):
+class _HostBytes(HostOnlyResource):
     """The memory resource of one :func:`host_buffer`: keeps its bytes alive until the Buffer closes."""
 
     def __init__(self, anchor: Any, data: Any) -> None:
@@ -627,18 +624,6 @@ class _HostBytes(MemoryResource):
 
     def deallocate(self, ptr: Any, size: int, *, stream: Any = None) -> None:
         self._keep = None
-
-    @property
-    def is_device_accessible(self) -> bool:
-        return False
-
-    @property
-    def is_host_accessible(self) -> bool:
-        return True
-
-    @property
-    def device_id(self) -> int:
-        return -1
 
 
 def _make_current(pool: Pool) -> Any:

@@ -200,6 +200,14 @@ def grant_unclaimed_lease(key: str, importer: str, dask_worker: Worker) -> int:
     return service_of(dask_worker).leases.grant(buf, int(buf.size), importer)
 
 
+def last_transfer(dask_worker: Worker, key: str) -> float | None:
+    """client.run target (benchmarks): duration of this worker's latest incoming transfer that carried ``key``."""
+    for entry in reversed(dask_worker.transfer_incoming_log):
+        if key in entry.get("keys", {}):
+            return float(entry["duration"])
+    return None
+
+
 def has_cluster_token(dask_worker: Worker) -> bool:
     """client.run target: whether this worker got the cluster's membership token (not the token itself)."""
     return service_of(dask_worker).token is not None

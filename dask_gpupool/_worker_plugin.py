@@ -55,13 +55,14 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
     service: PoolService | None
     _get_data: Any
     _push: PeriodicCallback | None
+    _cupy_previous: Any
 
     def __init__(self, overrides: dict[str, Any] | None = None) -> None:
         self.overrides = dict(overrides or {})
         self.service = None
         self._get_data = None
         self._push = None
-        self._cupy_previous: Any = None
+        self._cupy_previous = None
 
     async def setup(self, worker: Worker) -> None:
         options = PoolOptions.from_config(**self.overrides)

@@ -59,6 +59,13 @@ def worker_addresses(client: Any) -> list[str]:
     return [a for a, _ in sorted(workers.items(), key=lambda kv: str(kv[1]["name"]))]
 
 
+def pid_of(client: Any, worker: str) -> int:
+    """The pid of ``worker``'s process, from the pool registry."""
+    import dask_gpupool
+
+    return next(r.pid for r in dask_gpupool.pools(client) if r.worker == worker)
+
+
 def fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
 

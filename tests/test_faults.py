@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import signal
 
-from conftest import nanny_cluster, worker_addresses
+from conftest import nanny_cluster, pid_of, worker_addresses
 from test_handoff import HOST_POOL, counters, wait_for, warm_up
 
 import dask_gpupool
@@ -17,10 +17,6 @@ from dask_gpupool import GPUPool
 from dask_gpupool import _testing as T
 
 MiB = 1 << 20
-
-
-def pid_of(c, worker: str) -> int:
-    return next(r.pid for r in dask_gpupool.pools(c) if r.worker == worker)
 
 
 def test_sigkill_of_the_producer_leaves_the_consumers_mapping_readable_and_dask_recomputes():

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import handoff_round_trip, nanny_cluster, worker_addresses
+from conftest import handoff_round_trip, nanny_cluster, pid_of, worker_addresses
 from test_handoff import stress
 
 import dask_gpupool
@@ -265,7 +265,7 @@ def test_sigkill_of_the_consumer_releases_its_leases_on_a_device_pool():
         ys = [c.submit(T.keep, x, workers=[b], pure=False) for x in xs]
         c.gather(ys)
         assert counters(c, a)[a]["leases"] == 8
-        os.kill(next(r.pid for r in dask_gpupool.pools(c) if r.worker == b), signal.SIGKILL)
+        os.kill(pid_of(c, b), signal.SIGKILL)
         wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="A to release the dead consumer's leases")
         del xs, ys
         wait_for(lambda: counters(c, a)[a]["used"] == 0, what="A's pool bytes to return")
@@ -285,7 +285,7 @@ def test_sigkill_of_the_producer_leaves_the_consumers_device_mapping_readable():
         x = c.submit(T.fill, 16 * MiB, 6, workers=[a], pure=False)
         y = c.submit(T.keep, x, workers=[b], pure=False)
         assert c.submit(T.describe, y, workers=[b], pure=False).result()["imported"]
-        os.kill(next(r.pid for r in dask_gpupool.pools(c) if r.worker == a), signal.SIGKILL)
+        os.kill(pid_of(c, a), signal.SIGKILL)
         # the dead exporter's memory stays mapped and right until B lets go (shared/GPU.md)
         assert c.submit(T.all_equal, y, 6, workers=[b], pure=False).result()
         del x, y

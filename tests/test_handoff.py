@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from conftest import nanny_cluster, worker_addresses
+from conftest import nanny_cluster, pid_of, worker_addresses
 
 import dask_gpupool
 from dask_gpupool import GPUPool
@@ -185,8 +185,7 @@ def test_sigkill_of_the_importer_releases_its_leases():
         y = c.submit(T.keep, x, workers=[b], pure=False)
         y.result()
         assert counters(c)[a]["leases"] == 1
-        victim = next(r for r in dask_gpupool.pools(c) if r.worker == b)
-        os.kill(victim.pid, signal.SIGKILL)
+        os.kill(pid_of(c, b), signal.SIGKILL)
         wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="A to release B's lease")
         del x, y
         wait_for(lambda: counters(c, a)[a]["used"] == 0, what="A's pool bytes to return")

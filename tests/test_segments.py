@@ -6,15 +6,16 @@ import ctypes
 from typing import Any
 
 import pytest
-from cuda.core import Buffer, MemoryResource
+from cuda.core import Buffer
 
 from dask_gpupool import PoolClosedError, PoolExhaustedError
+from dask_gpupool._host_memory import HostOnlyResource
 from dask_gpupool._segments import BUFFER_ALIGNMENT, SEGMENT_ALIGNMENT, SegmentedResource
 
 MiB = 1 << 20
 
 
-class HostUpstream(MemoryResource):
+class HostUpstream(HostOnlyResource):
     """Plain host memory with a capacity, standing in for the CUDA pool segments come from."""
 
     def __init__(self, capacity: int) -> None:
@@ -34,18 +35,6 @@ class HostUpstream(MemoryResource):
 
     def close(self) -> None:
         self.closed = True
-
-    @property
-    def is_device_accessible(self) -> bool:
-        return False
-
-    @property
-    def is_host_accessible(self) -> bool:
-        return True
-
-    @property
-    def device_id(self) -> int:
-        return -1
 
 
 def segmented(capacity: int = 64 * MiB, segment: int = 8 * MiB) -> tuple[SegmentedResource, HostUpstream]:
@@ -117,11 +106,11 @@ def test_unknown_addresses_and_close():
 
 
 def test_closing_keeps_segments_a_peer_may_still_map():
-    from dask_gpupool._segments import RETIRED
+    from dask_gpupool._pool import KEPT_UNTIL_EXIT
 
     res, up = segmented()
     res.allocate(MiB).close()
-    before = len(RETIRED)
+    before = len(KEPT_UNTIL_EXIT)
     res.close()  # peers may map the segment: it is kept, not freed, until the process exits
-    assert up.closed and len(up.live) == 1 and len(RETIRED) == before + 1
-    RETIRED.pop()
+    assert up.closed and len(up.live) == 1 and len(KEPT_UNTIL_EXIT) == before + 1
+    KEPT_UNTIL_EXIT.pop()

@@ -98,10 +98,7 @@ def importer(conn: Any, n: int, size: int, opts: dict[str, Any], out: Any) -> No
         if opts.get("owner_ctx"):
             owner.set_current()
         fd = reduction.recv_handle(conn)
-        if opts.get("from_ordinal", 1) == 1:
-            mr = DeviceMemoryResource.from_allocation_handle(1, fd)
-        else:
-            mr = DeviceMemoryResource.from_allocation_handle(0, fd)
+        mr = DeviceMemoryResource.from_allocation_handle(1, fd)  # the owner's GPU is ordinal 1 here
         os.close(fd)
         own.set_current()
 
