@@ -7,6 +7,12 @@ the import of one allocation per size (median of repeats). Prints a table and
 writes JSON to benchmarks/results/ (and $OUT when set).
 
     python benchmarks/pool_mapping.py [--repeats 5]
+    python benchmarks/pool_mapping.py --large   # single imports of 5-8 GiB, content checked
+
+``--large`` answers issue 4's question whether importing one allocation larger
+than 5 GiB works on this GPU (a driver crash was reported on others): the
+producer fills each allocation with one byte value on the GPU, the importer
+imports it, checks every byte on its own GPU, and releases it.
 """
 
 from __future__ import annotations
@@ -49,6 +55,51 @@ def time_imports(descs: list[dict[str, Any]], repeats: int) -> dict[str, Any]:
     return {"map_pool_s": map_s, "import_s": imports}
 
 
+def hold_filled(key: str, nbytes: int, value: int) -> dict[str, Any]:
+    """Task on the producer: a pool allocation with every byte ``value``, kept; its descriptor."""
+    service = T.current_service()
+    buf = service.allocate(nbytes)
+    T.set_all(buf, value)
+    with T._held_lock:
+        T._held[key] = buf
+    return service.export(buf).to_msg()
+
+
+def check_large(desc: dict[str, Any], value: int) -> dict[str, Any]:
+    """Task on the importer: import one allocation, check every byte, release it."""
+    service = T.current_service()
+    d = BufferDescriptor.from_msg(desc)
+    mapped = service.map_peer(d.pool)
+    t0 = time.perf_counter()
+    try:
+        buf = mapped.import_buffer(d)
+    except Exception as e:
+        return {"size": d.size, "ok": False, "error": f"{type(e).__name__}: {e}"}
+    import_s = time.perf_counter() - t0
+    try:
+        ok = T.all_equal(buf, value)
+    except Exception as e:
+        return {"size": d.size, "ok": False, "import_s": import_s, "error": f"{type(e).__name__}: {e}"}
+    finally:
+        mapped.release(buf)
+    return {"size": d.size, "ok": ok, "import_s": import_s}
+
+
+def run_large(placement: str, workers: list[dict[str, Any]], sizes: list[int]) -> dict[str, Any]:
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+    from conftest import nanny_cluster, worker_addresses
+
+    checks = []
+    with nanny_cluster(workers, GPUPool(kind="device", max_size=f"{max(sizes) // MiB + 64} MiB")) as c:
+        a, b = worker_addresses(c)
+        for i, n in enumerate(sizes):
+            desc = c.submit(hold_filled, f"L{n}", n, 0x40 + i, workers=[a], pure=False).result()
+            checks.append(c.submit(check_large, desc, 0x40 + i, workers=[b], pure=False).result())
+            c.submit(T.release, f"L{n}", workers=[a], pure=False).result()
+            print(placement, checks[-1], flush=True)
+    return {"placement": placement, "kind": "device", "large": checks}
+
+
 def run(placement: str, workers: list[dict[str, Any]], kind: str, sizes: list[int], repeats: int) -> dict[str, Any]:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
     from conftest import nanny_cluster, worker_addresses
@@ -68,10 +119,19 @@ def run(placement: str, workers: list[dict[str, Any]], kind: str, sizes: list[in
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--large", action="store_true", help="import single 5-8 GiB allocations and check them")
     args = p.parse_args()
     uuids = local_devices().uuids
     runs = []
-    if uuids:
+    if args.large:
+        if not uuids:
+            sys.exit("--large needs a GPU")
+        sizes = [5 << 30, 6 << 30, 8 << 30]
+        runs.append(run_large("same GPU", [{"env": {"CUDA_VISIBLE_DEVICES": "0"}}] * 2, sizes))
+        if len(uuids) >= 2:
+            rot = [{"env": {"CUDA_VISIBLE_DEVICES": "0,1"}}, {"env": {"CUDA_VISIBLE_DEVICES": "1,0"}}]
+            runs.append(run_large("other GPU", rot, sizes))
+    elif uuids:
         sizes = [4096, MiB, 64 * MiB, 1024 * MiB]
         same = {"env": {"CUDA_VISIBLE_DEVICES": "0"}}
         runs.append(run("same GPU", [same, same], "device", sizes, args.repeats))
@@ -93,6 +153,14 @@ def main() -> None:
         os.makedirs(d, exist_ok=True)
         with open(os.path.join(d, f"pool_mapping-{stamp}.json"), "w") as f:
             json.dump(out, f, indent=1)
+    if args.large:
+        print(f"\n{'placement':10} {'size':>8} {'import':>10}  result")
+        for r in runs:
+            for ch in r["large"]:
+                t = f"{ch['import_s'] * 1e3:7.2f} ms" if "import_s" in ch else f"{'-':>10}"
+                res = "all bytes right" if ch["ok"] else ch.get("error", "WRONG BYTES")
+                print(f"{r['placement']:10} {ch['size'] >> 30:>4} GiB {t}  {res}")
+        return
     print(
         f"\n{'placement':10} {'kind':7} {'map pool':>10} "
         + " ".join(f"{'import ' + _h(n):>16}" for n in (4096, MiB, 64 * MiB, 1024 * MiB))
