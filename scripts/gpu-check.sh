@@ -7,6 +7,9 @@
 # HANDOFF_BUDGET (seconds, default 360) bounds the handoff benchmark; 0 skips it.
 # PART=tests runs the suite, the demo and the example; PART=bench the benchmarks and the ETL example;
 # unset runs both (more than one 10-minute device call can hold when the handoff budget is large).
+# PYTEST_K selects tests (pytest -k); HANDOFF_ARGS adds options to benchmarks/handoff.py; ETL=0 and
+# LARGE=0 skip the ETL example and the 5-8 GiB import check; MAPPING=0 the pool-mapping benchmark; DEMO=0
+# the demo and the example.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-check-out}
 mkdir -p "$OUT"
@@ -19,25 +22,33 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 cat "$OUT/machine.txt"
 PART=${PART:-all}
 if [ "$PART" != bench ]; then
-timeout 480 python3 -m pytest tests -p no:cacheprovider -o addopts="" -rA --durations=8 --timeout 180 > "$OUT/pytest.log" 2>&1
+timeout 480 python3 -m pytest tests ${PYTEST_K:+-k "$PYTEST_K"} -p no:cacheprovider -o addopts="" -rA --durations=8 --timeout 180 > "$OUT/pytest.log" 2>&1
 echo "pytest exit: $?"
 echo "== failures/errors"; grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20
 echo "== gpu tests"; grep -E "^(PASSED|FAILED|SKIPPED|ERROR).*test_gpu" "$OUT/pytest.log"
 echo "== slowest"; grep -E "^[0-9.]+s call" "$OUT/pytest.log" | head -8
 echo "== summary"; tail -n 1 "$OUT/pytest.log"
+if [ "${DEMO:-1}" != 0 ]; then
 echo "== demo"; timeout 100 python3 -m dask_gpupool demo > "$OUT/demo.log" 2>&1; echo "demo exit: $?"; tail -n 4 "$OUT/demo.log"
 echo "== example"; timeout 120 python3 examples/zero_copy_handoff.py > "$OUT/example.log" 2>&1; echo "example exit: $?"; tail -n 6 "$OUT/example.log"
 fi
+fi
 if [ "$PART" != tests ]; then
+if [ "${MAPPING:-1}" != 0 ]; then
 timeout 150 python3 benchmarks/pool_mapping.py > "$OUT/bench.log" 2>&1
 echo "pool mapping exit: $?"; tail -n 4 "$OUT/bench.log"
+fi
+if [ "${LARGE:-1}" != 0 ]; then
 echo "== single imports of 5-8 GiB"; timeout 150 python3 benchmarks/pool_mapping.py --large > "$OUT/large.log" 2>&1
 echo "large exit: $?"; sed -n '/^placement/,$p' "$OUT/large.log"
+fi
+if [ "${ETL:-1}" != 0 ]; then
 echo "== etl example (CuPy chunks, 3 workers on GPU 0)"; timeout 150 python3 examples/etl_pipeline.py --size 1GiB --chunks 16 --plot "$OUT/etl_shared.png" > "$OUT/etl.log" 2>&1; echo "etl exit: $?"; grep -v "^20\|^gpupool:" "$OUT/etl.log" | tail -n 9
+fi
 BUDGET=${HANDOFF_BUDGET:-360}
 if [ "$BUDGET" != 0 ]; then
   echo "== handoff benchmark"
-  timeout $((BUDGET + 120)) python3 benchmarks/handoff.py --budget "$BUDGET" > "$OUT/handoff.log" 2>&1
+  timeout $((BUDGET + 120)) python3 benchmarks/handoff.py --budget "$BUDGET" ${HANDOFF_ARGS:-} > "$OUT/handoff.log" 2>&1
   echo "handoff exit: $?"
   grep -E "not available|FAILED|out of time" "$OUT/handoff.log" | head -10
   sed -n '/^consumer transfer time/,$p' "$OUT/handoff.log"

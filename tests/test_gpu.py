@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import handoff_round_trip, nanny_cluster, pid_of, worker_addresses
-from test_handoff import stress
+from test_handoff import counters, stress, wait_for
 
 import dask_gpupool
 from dask_gpupool import GPUPool
@@ -181,6 +181,8 @@ def test_handoff_with_segments_on_one_gpu():
             y = c.submit(T.keep, x, workers=[b], pure=False)
             assert c.submit(T.all_equal, y, 3, workers=[b], pure=False).result()
             del x, y
+            # the segment is free again only once B let go of its lease
+            wait_for(lambda: counters(c, a)[a]["used"] == 0, what="A's pool bytes to return")
         assert c.run(T.mapped_segments, workers=[b])[b] == segments + 1
         assert c.run(T.handoff_counters)[b]["copied_bytes"] == 0
 
@@ -276,12 +278,16 @@ def test_sigkill_of_the_producer_leaves_the_consumers_device_mapping_readable():
     import os
     import signal
 
-    from test_handoff import wait_for
+    from test_handoff import back_to
 
     one_gpu = {"env": {"CUDA_VISIBLE_DEVICES": "0"}}
     with nanny_cluster([one_gpu, one_gpu], GPUPool(kind="device", max_size="1 GiB")) as c:
         a, b = worker_addresses(c)
-        base_b = c.run(T.resources, workers=[b])[b]
+        # B checks a buffer of its own first: CuPy is loaded before the baseline
+        own = c.submit(T.fill, MiB, 1, workers=[b], pure=False)
+        assert c.submit(T.all_equal, own, 1, workers=[b], pure=False).result()
+        del own
+        base_b = c.run(T.resources, workers=[b])
         x = c.submit(T.fill, 16 * MiB, 6, workers=[a], pure=False)
         y = c.submit(T.keep, x, workers=[b], pure=False)
         assert c.submit(T.describe, y, workers=[b], pure=False).result()["imported"]
@@ -289,4 +295,4 @@ def test_sigkill_of_the_producer_leaves_the_consumers_device_mapping_readable():
         # the dead exporter's memory stays mapped and right until B lets go (shared/GPU.md)
         assert c.submit(T.all_equal, y, 6, workers=[b], pure=False).result()
         del x, y
-        wait_for(lambda: c.run(T.resources, workers=[b])[b] == base_b, what="B back to its baseline")
+        back_to(c, base_b, workers=[b])

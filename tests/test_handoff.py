@@ -41,14 +41,22 @@ def warm_up(client: Any, a: str, b: str) -> dict[str, Any]:
     return client.run(T.resources)
 
 
-def back_to(client: Any, baseline: dict[str, Any], timeout: float = 60.0) -> None:
-    """Wait until every worker's resources equal ``baseline``; on timeout, fail showing the difference."""
+def back_to(client: Any, baseline: dict[str, Any], timeout: float = 60.0, workers: list[str] | None = None) -> None:
+    """Wait until the workers' resources equal ``baseline``; on timeout, fail naming what differs.
+
+    ``baseline`` maps worker address to :func:`~dask_gpupool._testing.resources`; with ``workers``
+    only those are compared (for example the survivors of a kill).
+    """
     deadline = time.monotonic() + timeout
-    now = client.run(T.resources)
+    now = client.run(T.resources, workers=workers)
     while now != baseline and time.monotonic() < deadline:
         time.sleep(0.1)
-        now = client.run(T.resources)
-    assert now == baseline, "a worker did not return to its baseline (left: now, right: baseline)"
+        now = client.run(T.resources, workers=workers)
+    diff = {
+        w: {k: (now.get(w, {}).get(k), v) for k, v in base.items() if now.get(w, {}).get(k) != v}
+        for w, base in baseline.items()
+    }
+    assert now == baseline, f"not back to the baseline, (now, baseline) by worker: {diff}"
 
 
 def test_same_host_handoff_maps_the_producers_memory():
