@@ -50,6 +50,7 @@ from typing import Any
 
 import dask
 from dask.utils import format_bytes, parse_bytes
+from distributed import wait
 
 import dask_gpupool
 from dask_gpupool import GPUPool
@@ -152,7 +153,7 @@ def measure(
                 log(f"    {format_bytes(nbytes)}: out of time after {len(samples)} samples")
                 break
             x = c.submit(produce, nbytes, lib, pool, workers=[a], pure=False)
-            x.result()
+            wait(x)  # not x.result(): that would copy the array to the client on every sample
             before = c.run(device_used, workers=[b])[b] if i == 1 else 0
             t0 = time.perf_counter()
             y = c.submit(consume, x, workers=[b], pure=False)
@@ -257,7 +258,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default=DEFAULT_SIZES)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--methods", default="gpupool,ucxx,gpupool-cupy,gpupool-copy,tcp")
+    p.add_argument(
+        "--methods",
+        default="gpupool,ucxx,gpupool-cupy,gpupool-copy,tcp",
+        help="comma-separated; PLACEMENT:METHOD runs a method in that placement only",
+    )
     p.add_argument("--placements", default="")
     p.add_argument("--budget", type=float, default=540.0, help="seconds; later sizes are skipped past it")
     p.add_argument("--segment-size", default="1GiB", help="gpupool.segment-size of the gpupool methods; 0: off")
@@ -287,7 +292,10 @@ def main() -> None:
 
     todo = []
     for place, workers in places.items():
-        for method in args.methods.split(","):
+        for token in args.methods.split(","):
+            only, _, method = token.rpartition(":")  # "other:gpupool": that placement only
+            if only and only != place:
+                continue
             setup = method_setup(method, place, workers, gpus, max_size, args.segment_size)
             if setup is None:
                 log(f"{place:5s} {method}: not available here, skipped")

@@ -86,17 +86,23 @@ def check_large(desc: dict[str, Any], value: int) -> dict[str, Any]:
 
 
 def run_large(placement: str, workers: list[dict[str, Any]], sizes: list[int]) -> dict[str, Any]:
+    """One cluster per size (a pool of just that size), so that one size cannot starve the next."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
     from conftest import nanny_cluster, worker_addresses
 
     checks = []
-    with nanny_cluster(workers, GPUPool(kind="device", max_size=f"{max(sizes) // MiB + 64} MiB")) as c:
-        a, b = worker_addresses(c)
-        for i, n in enumerate(sizes):
-            desc = c.submit(hold_filled, f"L{n}", n, 0x40 + i, workers=[a], pure=False).result()
-            checks.append(c.submit(check_large, desc, 0x40 + i, workers=[b], pure=False).result())
-            c.submit(T.release, f"L{n}", workers=[a], pure=False).result()
-            print(placement, checks[-1], flush=True)
+    for i, n in enumerate(sizes):
+        t0 = time.perf_counter()
+        try:
+            with nanny_cluster(workers, GPUPool(kind="device", max_size=f"{n // MiB + 64} MiB")) as c:
+                a, b = worker_addresses(c)
+                desc = c.submit(hold_filled, f"L{n}", n, 0x40 + i, workers=[a], pure=False).result(timeout=60)
+                checks.append(c.submit(check_large, desc, 0x40 + i, workers=[b], pure=False).result(timeout=60))
+                c.submit(T.release, f"L{n}", workers=[a], pure=False).result(timeout=60)
+        except Exception as e:
+            checks.append({"size": n, "ok": False, "error": f"{type(e).__name__}: {e}"})
+        checks[-1]["wall_s"] = time.perf_counter() - t0
+        print(placement, checks[-1], flush=True)
     return {"placement": placement, "kind": "device", "large": checks}
 
 
@@ -120,13 +126,14 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--large", action="store_true", help="import single 5-8 GiB allocations and check them")
+    p.add_argument("--large-sizes", default="5,6,8", help="GiB, comma-separated (with --large)")
     args = p.parse_args()
     uuids = local_devices().uuids
     runs = []
     if args.large:
         if not uuids:
             sys.exit("--large needs a GPU")
-        sizes = [5 << 30, 6 << 30, 8 << 30]
+        sizes = [int(float(x) * (1 << 30)) for x in args.large_sizes.split(",")]
         runs.append(run_large("same GPU", [{"env": {"CUDA_VISIBLE_DEVICES": "0"}}] * 2, sizes))
         if len(uuids) >= 2:
             rot = [{"env": {"CUDA_VISIBLE_DEVICES": "0,1"}}, {"env": {"CUDA_VISIBLE_DEVICES": "1,0"}}]
@@ -159,7 +166,7 @@ def main() -> None:
             for ch in r["large"]:
                 t = f"{ch['import_s'] * 1e3:7.2f} ms" if "import_s" in ch else f"{'-':>10}"
                 res = "all bytes right" if ch["ok"] else ch.get("error", "WRONG BYTES")
-                print(f"{r['placement']:10} {ch['size'] >> 30:>4} GiB {t}  {res}")
+                print(f"{r['placement']:10} {ch['size'] / (1 << 30):>5.2f} GiB {t}  {res}")
         return
     print(
         f"\n{'placement':10} {'kind':7} {'map pool':>10} "

@@ -331,9 +331,22 @@ class PoolService:
         host, a client) and a fallback reason (counted, warned once) for a same-host
         peer that could have had it zero-copy.
         """
+        row, reason = self.route(requester, scheme, buf)
+        if row is None:
+            return None, None
+        if reason is not None:
+            self.handoffs.fallback(row.worker, reason, self.record.worker)
+            return None, reason
+        return row, None
+
+    def route(self, requester: str | None, scheme: str, buf: Buffer) -> tuple[PoolRecord | None, str | None]:
+        """:meth:`plan`'s decision without counting it: ``(requester's row or None, reason to copy or None)``.
+
+        ``(None, None)`` is an expected copy (no same-host row); ``(row, None)`` a handoff.
+        """
         row = self.registry.worker_row(requester) if requester else None
         if row is None or row.host != self.record.host:
-            return None, None
+            return None, "other-host"
         reason: str | None = None
         if row.pid == self.record.pid:
             reason = "same-process"
@@ -349,10 +362,7 @@ class PoolService:
             reason = "other-gpu"
         elif self.pool.kind == "pinned" and not row.devices:
             reason = "no-access"
-        if reason is not None:
-            self.handoffs.fallback(row.worker, reason, self.record.worker)
-            return None, reason
-        return row, None
+        return row, reason
 
     def export_ipc(self, holder: Any, buf: Buffer, row: PoolRecord, array: ArrayMeta | None) -> HandoffHeader:
         """Grant ``row``'s worker a lease on ``buf`` and describe it.

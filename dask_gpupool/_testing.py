@@ -6,6 +6,7 @@ workers can import them by name. Nothing here is used by the library itself.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import os
 import threading
@@ -134,6 +135,15 @@ def open_fds() -> list[str]:
     return sorted(out)
 
 
+def _fd_kind(target: str) -> str:
+    """An fd's target without what differs between instances: ``socket:[123]`` -> ``socket``."""
+    if target.startswith(("socket:", "pipe:")):
+        return target.split(":", 1)[0]
+    if target.startswith("/memfd:dask-gpupool"):
+        return "/memfd:dask-gpupool"
+    return target
+
+
 def resources(dask_worker: Worker) -> dict[str, Any]:
     """client.run target: what this worker holds, to check that nothing leaked."""
     import gc
@@ -144,6 +154,7 @@ def resources(dask_worker: Worker) -> dict[str, Any]:
     fds = open_fds()
     return {
         "fds": len(fds),
+        "fd_kinds": dict(collections.Counter(_fd_kind(f) for f in fds)),
         "sockets": sum(f.startswith("socket:") for f in fds),
         "memfds": sum(f.startswith("/memfd:dask-gpupool") for f in fds),
         "broker_connections": service.broker.connections,
@@ -383,3 +394,10 @@ def all_equal(x: Any, value: int) -> bool:
         cupy.cuda.runtime.deviceSynchronize()
         return ok
     return bool((np.frombuffer(read_bytes(x), dtype="u1") == value).all())
+
+
+def serialized_inline(keys: list[str], who: str, dask_worker: Worker) -> bool:
+    """client.run target: whether a ``get_data`` for ``keys`` from ``who`` skips Dask's offload thread."""
+    from dask_gpupool._serialize import _all_handed_over
+
+    return _all_handed_over(dask_worker, service_of(dask_worker), keys, who, "tcp")

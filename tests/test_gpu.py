@@ -287,6 +287,7 @@ def test_sigkill_of_the_producer_leaves_the_consumers_device_mapping_readable():
         own = c.submit(T.fill, MiB, 1, workers=[b], pure=False)
         assert c.submit(T.all_equal, own, 1, workers=[b], pure=False).result()
         del own
+        wait_for(lambda: counters(c, b)[b]["used"] == 0, what="B's own buffer to go")
         base_b = c.run(T.resources, workers=[b])
         x = c.submit(T.fill, 16 * MiB, 6, workers=[a], pure=False)
         y = c.submit(T.keep, x, workers=[b], pure=False)

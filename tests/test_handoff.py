@@ -257,3 +257,27 @@ def test_malformed_handoff_header_is_a_protocol_error(bad):
 
     with pytest.raises(dask_gpupool.ProtocolError):
         dask_deserialize.dispatch(Buffer)(bad, [])
+
+
+def test_handoff_replies_skip_the_offload_thread_and_copies_keep_it():
+    """Dask offloads serializing any reply over 10 MiB (by sizeof) to a thread; a reply of
+    descriptors only is serialized on the event loop (0.5 ms less per transfer)."""
+    import numpy as np
+
+    with nanny_cluster([{}, {}], HOST_POOL) as c:
+        a, b = worker_addresses(c)
+        pooled = c.submit(T.make_array, 4 * MiB, workers=[a], pure=False)
+        plain = c.submit(np.ones, 4 * MiB, workers=[a], pure=False)
+        c.gather([pooled, plain])
+
+        def inline(keys: list[str], who: str) -> bool:
+            return c.run(T.serialized_inline, keys, who, workers=[a])[a]
+
+        assert inline([pooled.key], b)
+        assert not inline([plain.key], b)  # a copy: its serialization stays in the thread
+        assert not inline([pooled.key, plain.key], b)
+        assert not inline([pooled.key], a)  # same process
+        assert not inline([pooled.key], "tcp://127.0.0.1:1")  # not a registered worker (a client)
+        assert not inline(["no-such-key"], b)
+        # and the handoff itself still works
+        assert c.submit(T.total, pooled, workers=[b], pure=False).result() == float(sum(range(4 * MiB)))
