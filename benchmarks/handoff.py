@@ -31,6 +31,11 @@ when matplotlib is there. Results are written after every method, so a run
 cut short keeps what it measured.
 
     python benchmarks/handoff.py [--sizes 1KiB,1MiB,...] [--repeats 5] [--methods tcp,gpupool,...]
+    python benchmarks/handoff.py --replot results/a.json results/b.log --stamp NAME
+
+``--replot`` redraws the table and the plot from saved JSON results and from
+this script's logs (a run stopped by a time limit leaves its log, whose row
+lines carry the medians), labelling each line with the file it came from.
 """
 
 from __future__ import annotations
@@ -140,11 +145,20 @@ def cluster(workers: list[dict[str, Any]], protocol: str, plugin: Any) -> Iterat
 
 
 def measure(
-    c: Any, sizes: list[int], repeats: int, lib: str, pool: bool, deadline: float, log: Any, plugin_on: bool
-) -> list[dict[str, Any]]:
+    c: Any,
+    sizes: list[int],
+    repeats: int,
+    lib: str,
+    pool: bool,
+    deadline: float,
+    log: Any,
+    plugin_on: bool,
+    rows: list[dict[str, Any]],
+    save: Any,
+) -> None:
+    """Append a row per size to ``rows`` and ``save()`` after each (a run cut short keeps them)."""
     info = c.scheduler_info()["workers"]
     a, b = sorted(info, key=lambda w: str(info[w]["name"]))
-    rows = []
     for nbytes in sizes:
         samples: list[dict[str, float]] = []
         extra: int | None = None
@@ -177,11 +191,11 @@ def measure(
             "samples": samples,
         }
         rows.append(row)
+        save()
         log(
             f"    {format_bytes(nbytes):>10}  transfer {row['transfer_s'] * 1e3:9.2f} ms  "
             f"task {row['task_s'] * 1e3:9.2f} ms  (n={len(samples)})"
         )
-    return rows
 
 
 def wait_for_leases(c: Any, timeout: float = 30.0) -> None:
@@ -266,7 +280,14 @@ def main() -> None:
     p.add_argument("--placements", default="")
     p.add_argument("--budget", type=float, default=540.0, help="seconds; later sizes are skipped past it")
     p.add_argument("--segment-size", default="1GiB", help="gpupool.segment-size of the gpupool methods; 0: off")
+    p.add_argument("--replot", nargs="+", metavar="FILE", help="JSON results or logs to redraw (runs nothing)")
+    p.add_argument("--stamp", default=None, help="name part of the files --replot writes")
     args = p.parse_args()
+    if args.replot:
+        merged = replot(args.replot)
+        table(merged)
+        plot(merged, args.stamp or time.strftime("%Y%m%d-%H%M%S") + "-replot")
+        return
     sizes = [int(parse_bytes(s)) for s in args.sizes.split(",")]
     gpus = len(local_devices().uuids)
     lib = "cupy" if gpus else "numpy"
@@ -305,17 +326,59 @@ def main() -> None:
         # An equal share of what is left of the budget, so that a slow method cannot starve the rest.
         share = time.monotonic() + (deadline - time.monotonic()) / (len(todo) - i)
         log(f"{place:5s} {method} ({protocol})")
+        run: dict[str, Any] = {"placement": place, "method": method, "rows": [], "stats": {}}
+        result["runs"].append(run)
         try:
             with cluster(wopts, protocol, plugin) as c:
-                rows = measure(c, sizes, args.repeats, lib, pool, share, log, plugin is not None)
-                stats = dask_gpupool.stats(c) if plugin is not None else {}
+                measure(
+                    c,
+                    sizes,
+                    args.repeats,
+                    lib,
+                    pool,
+                    share,
+                    log,
+                    plugin is not None,
+                    run["rows"],
+                    lambda: write(result, stamp),
+                )
+                run["stats"] = dask_gpupool.stats(c) if plugin is not None else {}
         except Exception as e:  # one method failing must not lose the others
             log(f"    FAILED: {type(e).__name__}: {e}")
-            rows, stats = [], {"error": {"message": f"{type(e).__name__}: {e}"}}
-        result["runs"].append({"placement": place, "method": method, "rows": rows, "stats": stats})
+            run["stats"] = {"error": {"message": f"{type(e).__name__}: {e}"}}
         write(result, stamp)
     table(result)
     plot(result, stamp)
+
+
+def replot(paths: list[str]) -> dict[str, Any]:
+    """Runs from saved JSON results and logs, each method labelled ``method (file)``."""
+    import re
+
+    runs: list[dict[str, Any]] = []
+    lib = "cupy"
+    for path in paths:
+        name = os.path.basename(path)
+        if path.endswith(".json"):
+            with open(path) as f:
+                saved = json.load(f)
+            lib = saved.get("lib", lib)
+            runs += [{**r, "method": f"{r['method']} ({name})"} for r in saved["runs"] if r["rows"]]
+            continue
+        run: dict[str, Any] | None = None
+        with open(path) as f:
+            for line in f:
+                head = re.match(r"^(\w+)\s+(\S+) \((\w+)\)$", line.strip())
+                row = re.match(r"^\s*([\d.]+ \w+)\s+transfer\s+([\d.]+) ms\s+task\s+([\d.]+) ms", line)
+                if head:
+                    run = {"placement": head.group(1), "method": f"{head.group(2)} ({name})", "rows": []}
+                    runs.append(run)
+                elif row and run is not None:
+                    nbytes = int(parse_bytes(row.group(1).replace(" ", "")))
+                    run["rows"].append(
+                        {"nbytes": nbytes, "transfer_s": float(row.group(2)) / 1e3, "task_s": float(row.group(3)) / 1e3}
+                    )
+    return {"lib": lib, "runs": [r for r in runs if r["rows"]]}
 
 
 def write(result: dict[str, Any], stamp: str) -> None:
@@ -329,14 +392,15 @@ def write(result: dict[str, Any], stamp: str) -> None:
 def table(result: dict[str, Any]) -> None:
     sizes = sorted({r["nbytes"] for run in result["runs"] for r in run["rows"]})
     print("\nconsumer transfer time, median (ms); [end-to-end dependent task]")
-    print(f"{'placement':9s} {'method':13s}" + "".join(f"{format_bytes(s):>18s}" for s in sizes))
+    width = max([13, *(len(run["method"]) for run in result["runs"])])
+    print(f"{'placement':9s} {'method':{width}s}" + "".join(f"{format_bytes(s):>18s}" for s in sizes))
     for run in result["runs"]:
         by = {r["nbytes"]: r for r in run["rows"]}
         cells = "".join(
             f"{by[s]['transfer_s'] * 1e3:9.2f} [{by[s]['task_s'] * 1e3:6.1f}]" if s in by else f"{'-':>18s}"
             for s in sizes
         )
-        print(f"{run['placement']:9s} {run['method']:13s}{cells}")
+        print(f"{run['placement']:9s} {run['method']:{width}s}{cells}")
 
 
 def plot(result: dict[str, Any], stamp: str) -> None:

@@ -126,6 +126,10 @@ class PoolOptions:
         ``device`` pools: bytes of the segments buffers are placed in, which
         peers map once (:mod:`dask_gpupool._segments`); 0 turns segments off
         (each buffer is its own CUDA allocation, imported anew by each peer).
+    import_limit : int
+        ``device`` pools: the largest CUDA allocation (a buffer, or the
+        segment it lies in) handed over zero-copy; larger ones are copied
+        (fallback ``too-large``). 0: no limit.
     peer_gpu_handoff : bool
         Hand ``device`` buffers over zero-copy to workers on other GPUs too:
         the pool grants those GPUs access when it is made. Off (the default
@@ -142,6 +146,7 @@ class PoolOptions:
     lease_timeout: float = 60.0
     peer_gpu_handoff: bool = False
     segment_size: int = 0
+    import_limit: int = 5 << 30
     cupy_allocator: bool = False
 
     @classmethod
@@ -170,6 +175,14 @@ class PoolOptions:
                 raise ConfigError(f"unknown option {name!r}; valid: {sorted(cls.__dataclass_fields__)}")
             if value is not None:
                 raw[name.replace("_", "-")] = value
+        segment_size = _parse_nbytes(raw.get("segment-size", 0), "gpupool.segment-size")
+        import_limit = _parse_nbytes(raw.get("import-limit", "5 GiB"), "gpupool.import-limit")
+        if import_limit and segment_size > import_limit:
+            raise ConfigError(
+                f"gpupool.segment-size={raw.get('segment-size')!r} is larger than gpupool.import-limit="
+                f"{raw.get('import-limit', '5 GiB')!r}: no peer could map a segment; valid: a segment size "
+                f"up to the import limit"
+            )
         return cls(
             kind=_parse_kind(raw.get("kind", "auto")),
             device=_parse_device(raw.get("device", 0)),
@@ -179,7 +192,8 @@ class PoolOptions:
             broker_timeout=_parse_timeout(raw.get("broker-timeout", "10s"), "gpupool.broker-timeout"),
             lease_timeout=_parse_timeout(raw.get("lease-timeout", "60s"), "gpupool.lease-timeout"),
             peer_gpu_handoff=_parse_bool(raw.get("peer-gpu-handoff", False), "gpupool.peer-gpu-handoff"),
-            segment_size=_parse_nbytes(raw.get("segment-size", 0), "gpupool.segment-size"),
+            segment_size=segment_size,
+            import_limit=import_limit,
             cupy_allocator=_parse_bool(raw.get("cupy-allocator", False), "gpupool.cupy-allocator"),
         )
 

@@ -281,6 +281,16 @@ class Pool:
         """Whether ``buf`` was allocated from this pool."""
         return buf.memory_resource is self.resource
 
+    def import_size(self, buf: Buffer) -> int:
+        """Bytes a peer imports to map ``buf``: its segment's size with segments, else its own.
+
+        0 for ``host`` pools, which peers map whole, once.
+        """
+        if self.kind == "host":
+            return 0
+        locate = getattr(self.resource, "locate", None)
+        return int(locate(int(buf.handle))[0].size) if locate is not None else int(buf.size)
+
     def export(self, buf: Buffer) -> BufferDescriptor:
         """Describe ``buf`` so that a peer that mapped this pool can map it.
 

@@ -61,6 +61,8 @@ class GPUPool(SchedulerPlugin):
         Zero-copy handoffs to workers on another GPU (``gpupool.peer-gpu-handoff``).
     segment_size : int or str, optional
         Segments of ``device`` pools, e.g. ``"1 GiB"`` (``gpupool.segment-size``).
+    import_limit : int or str, optional
+        Largest CUDA allocation handed over zero-copy (``gpupool.import-limit``).
     cupy_allocator : bool, optional
         Route CuPy's allocations through the pool (``gpupool.cupy-allocator``).
 
@@ -98,6 +100,7 @@ class GPUPool(SchedulerPlugin):
         lease_timeout: str | float | None = None,
         peer_gpu_handoff: bool | None = None,
         segment_size: int | str | None = None,
+        import_limit: int | str | None = None,
         cupy_allocator: bool | None = None,
     ) -> None:
         self.overrides = {
@@ -112,6 +115,7 @@ class GPUPool(SchedulerPlugin):
                 lease_timeout=lease_timeout,
                 peer_gpu_handoff=peer_gpu_handoff,
                 segment_size=segment_size,
+                import_limit=import_limit,
                 cupy_allocator=cupy_allocator,
             ).items()
             if v is not None

@@ -362,6 +362,8 @@ class PoolService:
             reason = "other-gpu"
         elif self.pool.kind == "pinned" and not row.devices:
             reason = "no-access"
+        elif self.pool.kind == "device" and 0 < self.options.import_limit < self.pool.import_size(buf):
+            reason = "too-large"
         return row, reason
 
     def export_ipc(self, holder: Any, buf: Buffer, row: PoolRecord, array: ArrayMeta | None) -> HandoffHeader:

@@ -21,6 +21,7 @@ FALLBACK_REASONS = {
         "(gpupool.peer-gpu-handoff is off, or the GPUs have no peer access)"
     ),
     "pool-closed": "this worker's pool is closing",
+    "too-large": "the CUDA allocation to import is larger than gpupool.import-limit",
     "import-failed": "the requester could not import the descriptor and fetched a copy",
     "receiver-pool-full": "the receiver's pool was full; the copy went to memory outside it",
 }

@@ -67,6 +67,13 @@ def test_config_values_and_overrides():
     assert options.segment_size == 0 and options.cupy_allocator is False
     assert PoolOptions.from_config(cupy_allocator="true").cupy_allocator is True
     assert PoolOptions.from_config(segment_size="1 GiB").segment_size == 2**30
+    assert options.import_limit == 5 * 2**30
+    assert PoolOptions.from_config(import_limit=0, segment_size="8 GiB").segment_size == 8 * 2**30
+
+
+def test_segments_larger_than_the_import_limit_are_refused():
+    with pytest.raises(ConfigError, match=r"gpupool\.segment-size=.*gpupool\.import-limit"):
+        PoolOptions.from_config(segment_size="6 GiB")
 
 
 @pytest.mark.parametrize(
@@ -78,6 +85,7 @@ def test_config_values_and_overrides():
         ("gpupool.colour", 1),
         ("gpupool.segment-size", "big"),
         ("gpupool.segment-size", -1),
+        ("gpupool.import-limit", "huge"),
     ],
 )
 def test_bad_config_values_name_the_key(key, value):

@@ -22,10 +22,12 @@ MiB = 1 << 20
 
 def test_sigkill_of_the_producer_leaves_the_consumers_mapping_readable_and_dask_recomputes():
     # A carries a worker resource that its restarted process keeps: the lost key is recomputed
-    # there and read there, so B's baseline stays comparable (B never meets the new A).
-    with nanny_cluster([{"resources": {"A": 1}}, {}], HOST_POOL) as c:
-        a, b = worker_addresses(c)
-        base_b = c.run(T.resources, workers=[b])
+    # there and read there, so B never meets the new A. C is B's warm-up partner: the first
+    # import and close in a process can initialize CUDA once when the host has a GPU (a GPU run
+    # saw B gain a CUDA context's fds), which is not what this test looks for.
+    with nanny_cluster([{"resources": {"A": 1}}, {}, {}], HOST_POOL) as c:
+        a, b, third = worker_addresses(c)
+        base_b = {b: warm_up(c, b, third)[b]}
         x = c.submit(T.make_buffer, MiB, b"made on A", workers=[a], pure=False)
         y = c.submit(T.keep, x, workers=[b], pure=False)
         assert c.submit(T.describe, y, workers=[b], pure=False).result()["imported"]
@@ -36,7 +38,7 @@ def test_sigkill_of_the_producer_leaves_the_consumers_mapping_readable_and_dask_
         # B's mapping of the dead producer's memory stays readable
         assert c.submit(T.head, y, 9, workers=[b], pure=False).result() == b"made on A"
         # a key that lived only on A is recomputed (on the restarted A), not lost or hung
-        c.wait_for_workers(2, timeout=60)
+        c.wait_for_workers(3, timeout=60)
         assert c.submit(T.head, lost, 9, resources={"A": 1}, pure=False).result(timeout=60) == b"only on A"
         del x, y, lost
         # B drops its mapping of the dead pool and its link: back to where it started

@@ -297,3 +297,18 @@ def test_sigkill_of_the_producer_leaves_the_consumers_device_mapping_readable():
         assert c.submit(T.all_equal, y, 6, workers=[b], pure=False).result()
         del x, y
         back_to(c, base_b, workers=[b])
+
+
+def test_buffers_over_the_import_limit_are_copied():
+    """gpupool.import-limit: a larger CUDA allocation goes as a copy (fallback too-large), a smaller one zero-copy."""
+    gpus(1)
+    one_gpu = {"env": {"CUDA_VISIBLE_DEVICES": "0"}}
+    with nanny_cluster([one_gpu, one_gpu], GPUPool(kind="device", max_size="1 GiB", import_limit="64 MiB")) as c:
+        a, b = worker_addresses(c)
+        small = c.submit(T.fill, 16 * MiB, 4, workers=[a], pure=False)
+        large = c.submit(T.fill, 128 * MiB, 5, workers=[a], pure=False)
+        assert c.submit(T.all_equal, c.submit(T.keep, small, workers=[b], pure=False), 4, workers=[b]).result()
+        assert c.submit(T.all_equal, c.submit(T.keep, large, workers=[b], pure=False), 5, workers=[b]).result()
+        got = c.run(T.handoff_counters)
+        assert got[b]["zero_copy_bytes"] == 16 * MiB and got[b]["copied_bytes"] == 128 * MiB
+        assert got[a]["fallbacks"] == {"too-large": 1}
