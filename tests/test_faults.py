@@ -134,3 +134,79 @@ def test_handoffs_on_a_tls_secured_cluster():
         assert c.submit(T.describe, y, workers=[b], pure=False).result()["imported"]
         assert c.submit(T.head, y, 8, workers=[b], pure=False).result() == b"over tls"
         assert counters(c, b)[b]["copied_bytes"] == 0
+
+
+def test_scheduler_restart_workers_leave_nothing_and_a_restarted_cluster_hands_over(tmp_path):
+    """Dask 2026.8 workers do not reconnect to a new scheduler: when theirs dies they close (and
+    `dask worker` exits). Ours must close cleanly then, leaving no broker socket or directory, and a
+    supervisor's restart of scheduler and workers must give a working cluster with new pools."""
+    import socket
+    import subprocess
+    import sys
+
+    from distributed import Client
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    import pathlib
+    import shutil
+    import tempfile
+
+    # short: a Unix socket path has at most 107 bytes, and pytest's tmp_path can be longer
+    brokers = pathlib.Path(tempfile.mkdtemp(prefix="gp-", dir="/tmp"))
+    env = {
+        **os.environ,
+        "DASK_GPUPOOL__KIND": "host",
+        "DASK_GPUPOOL__MAX_SIZE": "64MiB",
+        "DASK_GPUPOOL__BROKER_DIR": str(brokers),
+    }
+    address = f"tcp://127.0.0.1:{port}"
+    scheduler_cli = [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", str(port)]
+    worker_cli = [sys.executable, "-m", "distributed.cli.dask_worker", address, "--nworkers", "2", "--nthreads", "1"]
+    procs: list[subprocess.Popen] = []
+
+    def start(cmd: list[str], log: str) -> subprocess.Popen:
+        with open(tmp_path / log, "a") as err:
+            p = subprocess.Popen(
+                [*cmd, "--no-dashboard", "--preload", "dask_gpupool"], env=env, stdout=subprocess.DEVNULL, stderr=err
+            )
+        procs.append(p)
+        return p
+
+    def handoff(text: bytes) -> list[str]:
+        with Client(address, timeout=30) as c:
+            c.wait_for_workers(2, timeout=60)
+            wait_for(lambda: len(dask_gpupool.pools(c)) == 2, what="both pools to register")
+            a, b = sorted(r.worker for r in dask_gpupool.pools(c))
+            x = c.submit(T.make_buffer, MiB, text, workers=[a], pure=False)
+            y = c.submit(T.keep, x, workers=[b], pure=False)
+            assert c.submit(T.describe, y, workers=[b], pure=False).result()["imported"]
+            assert c.submit(T.head, y, len(text), workers=[b], pure=False).result() == text
+            return [r.pool for r in dask_gpupool.pools(c)]
+
+    try:
+        scheduler = start(scheduler_cli, "scheduler.log")
+        workers = start(worker_cli, "worker.log")
+        first = handoff(b"before the restart")
+        assert len(list(brokers.iterdir())) == 2  # one private directory per broker
+
+        scheduler.kill()
+        scheduler.wait(30)
+        workers.wait(60)  # the workers close when their scheduler is gone, and `dask worker` exits
+        assert list(brokers.iterdir()) == []  # every broker removed its socket and directory
+
+        start(scheduler_cli, "scheduler.log")  # what a supervisor does
+        start(worker_cli, "worker.log")
+        second = handoff(b"after the restart")
+        assert not set(first) & set(second)  # new pools, registered anew (with the new cluster's token)
+    finally:
+        for p in reversed(procs):
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        shutil.rmtree(brokers, ignore_errors=True)
