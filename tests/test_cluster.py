@@ -307,3 +307,58 @@ def test_cli_preload_cluster_configured_by_environment(tmp_path):
             except subprocess.TimeoutExpired:
                 p.kill()
         logs.close()
+
+
+def test_dashboard_page_in_a_headless_browser(tmp_path):
+    """The /gpupool page as Debian's chromium renders it (skips where chromium is not installed).
+
+    With GPUPOOL_SCREENSHOT=path the screenshot is also written there (docs/_static/gpupool-page.png).
+    """
+    import shutil
+    import subprocess
+
+    from distributed import wait
+    from test_handoff import wait_for, warm_up
+
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.skip("no chromium (Debian package 'chromium')")
+
+    def render(url: str, *extra: str) -> str:
+        out = subprocess.run(
+            [
+                browser,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                f"--user-data-dir={tmp_path / 'profile'}",
+                "--window-size=1280,720",
+                *extra,
+                url,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout
+
+    with nanny_cluster([{}, {}, {}], PLUGIN) as c:
+        a, b, third = worker_addresses(c)
+        warm_up(c, a, b)
+        x = c.submit(T.make_buffer, 3 * MiB, b"x", workers=[a], pure=False)
+        y = c.submit(T.keep, x, workers=[third], pure=False)  # a live lease on A, held by the third worker
+        wait(y)  # not y.result(): the client's copy would show as copied out
+        info = c.scheduler_info()
+        host = info["address"].split("://")[1].rsplit(":", 1)[0]
+        url = f"http://{host}:{info['services']['dashboard']}/gpupool"
+        # the workers push their stats every 2 s: wait until the browser shows A's 3 MiB lease
+        wait_for(lambda: "3.00 MiB" in render(url, "--dump-dom"), what="the page to show the pushed stats")
+        dom = render(url, "--dump-dom")
+        assert "3 pool(s)" in dom and "live leases" in dom and all(w in dom for w in (a, b, third))
+        shot = tmp_path / "gpupool.png"
+        render(url, f"--screenshot={shot}")
+        assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
+        if os.environ.get("GPUPOOL_SCREENSHOT"):
+            shutil.copy(shot, os.environ["GPUPOOL_SCREENSHOT"])
+        del x, y
