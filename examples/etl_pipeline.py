@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 import time
 from typing import Any
 
@@ -95,9 +96,17 @@ def total_of(block: Any) -> float:
     return float(block.sum())
 
 
-def run(client: Any, size: int, chunks: int, lib: str, pool: bool) -> dict[str, Any]:
+def run(client: Any, size: int, chunks: int, lib: str, pool: bool, show_progress: bool = False) -> dict[str, Any]:
     import dask.array as da
-    from distributed import wait
+    from distributed import progress
+
+    def wait(x: Any) -> None:
+        """Dask's own progress bar (text in a terminal) when asked for; either way, until done."""
+        from distributed import wait as _wait
+
+        if show_progress:
+            progress(x)
+        _wait(x)
 
     n = size // 16  # two float64 rows
     per = max(n // chunks, 1)
@@ -126,7 +135,9 @@ def run(client: Any, size: int, chunks: int, lib: str, pool: bool) -> dict[str, 
 
     t0 = time.perf_counter()
     joined = [client.submit(combine, b, table, pure=False) for b in blocks]
-    total = sum(client.gather([client.submit(total_of, j, pure=False) for j in joined]))
+    sums = [client.submit(total_of, j, pure=False) for j in joined]
+    wait(sums)
+    total = sum(client.gather(sums))
     stages["combine"] = time.perf_counter() - t0
 
     after = _counters(client, pool)
@@ -168,6 +179,12 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=3, help="workers (on GPU 0 with --layout shared)")
     p.add_argument("--layout", choices=["shared", "per-gpu"], default="shared")
     p.add_argument("--plot", default="etl_pipeline.png")
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=sys.stdout.isatty(),
+        help="show Dask's progress bar for each stage (default: when printing to a terminal)",
+    )
     args = p.parse_args()
     from dask_gpupool._topology import local_devices
 
@@ -192,7 +209,8 @@ def main() -> None:
         with dask.config.set({"distributed.scheduler.active-memory-manager.start": False}):
             cl, client = cluster(workers, plugin)
             with cl, client:
-                results[label] = run(client, size, args.chunks, lib, plugin is not None)
+                print(f"-- {label}", flush=True)
+                results[label] = run(client, size, args.chunks, lib, plugin is not None, args.progress)
     print(f"\n{'stage':16}" + "".join(f"{k:>16}" for k in results))
     for stage in next(iter(results.values()))["stages"]:
         print(f"{stage:16}" + "".join(f"{r['stages'][stage] * 1e3:>13.1f} ms" for r in results.values()))
