@@ -27,6 +27,7 @@ from __future__ import annotations
 import bisect
 import contextvars
 import threading
+import traceback
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -71,8 +72,14 @@ def install_get_data_hook(worker: Worker, service: PoolService) -> Any:
     (10 MiB), and a handoff's values are that large although what is
     serialized is a descriptor of a few hundred bytes. The thread hop cost
     about 0.5 ms per transfer, more than the rest of a handoff. Only that
-    comm's ``allow_offload`` changes, for that reply. Returns the original
-    handler (to put back on teardown).
+    comm's ``allow_offload`` changes, for that reply.
+
+    When the reply fails (the requester died), the frames of the exception's
+    traceback are cleared: Dask logs the failure with its traceback and keeps
+    the record in the worker's log deque (``distributed.admin.log-length``
+    records), whose frames would otherwise keep the values of the reply, and
+    with them pool memory, alive. Returns the original handler (to put back
+    on teardown).
     """
     from distributed.comm import parse_address
 
@@ -89,6 +96,11 @@ def install_get_data_hook(worker: Worker, service: PoolService) -> Any:
             comm.allow_offload = False
         try:
             return await original(comm, keys=keys, who=who, **kwargs)
+        except BaseException as e:
+            # Dask logs a failed reply (requester gone) with its traceback, and the worker's log deque keeps
+            # that record: the frames would keep the reply's values, and so pool memory, alive.
+            traceback.clear_frames(e.__traceback__)
+            raise
         finally:
             _REQUEST.reset(token)
             if inline:

@@ -11,6 +11,7 @@ import signal
 
 import pytest
 from conftest import nanny_cluster, pid_of, worker_addresses
+from distributed import wait
 from test_handoff import HOST_POOL, back_to, counters, wait_for, warm_up
 
 import dask_gpupool
@@ -116,6 +117,29 @@ def test_consumer_killed_while_holding_many_leases_releases_them_all():
         c.wait_for_workers(2, timeout=60)
         # the restarted B has a new baseline; A's pool bytes and leases are what must come back
         wait_for(lambda: counters(c, a)[a]["used"] == baseline[a]["used"], what="A's pool bytes back")
+
+
+def test_consumer_killed_while_importing_leaves_the_producer_at_baseline():
+    """B is SIGKILLed while it fetches (imports) 400 keys from A: leases it claimed end with its
+    connection, leases granted for replies it never read expire, and A is back to its baseline.
+
+    This found that Dask's log deque kept the values of a failed reply alive through the logged
+    traceback's frames (the get_data hook now clears them).
+    """
+    plugin = GPUPool(kind="host", max_size="64 MiB", lease_timeout="2s")
+    with nanny_cluster([{}, {}], plugin) as c:
+        a, b = worker_addresses(c)
+        baseline = c.run(T.resources, workers=[a])
+        xs = [c.submit(T.make_buffer, 4096, b"x", workers=[a], pure=False) for _ in range(400)]
+        wait(xs)
+        ys = [c.submit(T.keep, x, workers=[b], pure=False) for x in xs]
+        wait_for(lambda: counters(c, a)[a]["leases"] > 0, timeout=30, what="B to start importing")
+        os.kill(pid_of(c, b), signal.SIGKILL)
+        del ys
+        wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="A to end every lease of the dead importer")
+        del xs
+        c.wait_for_workers(2, timeout=60)
+        back_to(c, baseline, workers=[a])
 
 
 def test_handoffs_on_a_tls_secured_cluster():
