@@ -44,6 +44,36 @@ def rss(dask_worker: Any) -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def dask_logs(dask_worker: Any) -> dict[str, int]:
+    """Entries in the worker's bounded Dask logs (transfer logs, state-machine logs, log records)."""
+    state = dask_worker.state
+    handler = getattr(dask_worker, "_deque_handler", None)
+    return {
+        "transfer_incoming_log": len(dask_worker.transfer_incoming_log),
+        "transfer_outgoing_log": len(dask_worker.transfer_outgoing_log),
+        "state_log": len(state.log),
+        "stimulus_log": len(state.stimulus_log),
+        "log_records": len(handler.deque) if handler is not None else 0,
+    }
+
+
+def rss_without_dask_logs(dask_worker: Any) -> int:
+    """RSS after emptying the worker's bounded Dask logs and returning free heap to the OS."""
+    import ctypes
+    import gc
+
+    dask_worker.transfer_incoming_log.clear()
+    dask_worker.transfer_outgoing_log.clear()
+    dask_worker.state.log.clear()
+    dask_worker.state.stimulus_log.clear()
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+    return rss(dask_worker)
+
+
 def snapshot(c: Any) -> dict[str, dict[str, Any]]:
     res = c.run(T.resources)
     mem = c.run(rss)
@@ -119,7 +149,13 @@ def stream(c: Any, seconds: float, fan_in: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     rounds = 0
     pending: list[Any] = []
+    samples = []  # RSS along the way: growth that levels off is the heap settling, growth that does not is a leak
+    next_sample = t0
     while time.perf_counter() - t0 < seconds:
+        if time.perf_counter() >= next_sample:
+            handoffs = sum(v["imports"] for v in c.run(T.handoff_counters).values())
+            samples.append({"t": time.perf_counter() - t0, "handoffs": handoffs, "rss": c.run(rss)})
+            next_sample += seconds / 8
         pending.extend(one_round())
         rounds += 1
         if len(pending) >= 8 * len(workers):  # keep a bounded window in flight
@@ -133,12 +169,20 @@ def stream(c: Any, seconds: float, fan_in: int) -> dict[str, Any]:
     copies = sum(after[w]["copied_bytes"] - before[w]["copied_bytes"] for w in workers)
     settle()
     end = snapshot(c)
+    logs = c.run(dask_logs)
+    # Where the RSS growth went: Dask's own logs are bounded (transfer logs 100,000 entries, the
+    # state machine's log and stimulus log, log records), so growth they hold levels off.
+    trimmed = c.run(rss_without_dask_logs)
+    for w in end:
+        end[w]["dask_logs"] = logs[w]
+        end[w]["rss_without_dask_logs"] = trimmed[w]
     return {
         "seconds": elapsed,
         "rounds": rounds,
         "handoffs": imports,
         "handoffs_per_s": imports / elapsed,
         "copied_bytes": copies,
+        "rss_samples": samples,
         "start": start,
         "end": end,
     }
@@ -181,12 +225,16 @@ def main() -> None:
         f"across {args.workers} workers, copied bytes {st['copied_bytes']}",
         flush=True,
     )
+    for sample in st["rss_samples"]:
+        mib = sorted(v >> 20 for v in sample["rss"].values())
+        print(f"  at {sample['t']:5.1f} s, {sample['handoffs']:6d} handoffs: worker RSS {mib} MiB", flush=True)
     for w in st["start"]:
         s, e = st["start"][w], st["end"][w]
         print(
             f"  {w}: rss {s['rss'] >> 20} -> {e['rss'] >> 20} MiB, fds {s['fds']} -> {e['fds']}, "
             f"sockets {s['sockets']} -> {e['sockets']}, leases {s['leases']} -> {e['leases']}, "
-            f"pool used {s['used']} -> {e['used']}",
+            f"pool used {s['used']} -> {e['used']}; rss {e['rss_without_dask_logs'] >> 20} MiB with Dask's "
+            f"logs emptied ({e['dask_logs']})",
             flush=True,
         )
     stamp = time.strftime("%Y%m%d-%H%M%S")

@@ -113,3 +113,27 @@ def handoff_round_trip(client: Any, nbytes: int, data: bytes) -> dict[str, Any]:
     assert during[a]["used"] >= nbytes
     assert client.run(T.resources) == before
     return rows
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def stop_processes(procs: list[Any]) -> None:
+    """Terminate the ``subprocess.Popen`` objects still running (last started first), then reap them all."""
+    import subprocess
+
+    for p in reversed(procs):
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(30)

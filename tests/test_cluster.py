@@ -8,7 +8,7 @@ import stat
 import time
 
 import pytest
-from conftest import handoff_round_trip, nanny_cluster, worker_addresses
+from conftest import free_port, handoff_round_trip, nanny_cluster, stop_processes, worker_addresses
 
 import dask_gpupool
 from dask_gpupool import GPUPool, NotAMemberError, PeerAccessError, PeerLostError
@@ -255,16 +255,13 @@ def test_dashboard_page_lists_pools_and_handoffs():
 def test_cli_preload_cluster_configured_by_environment(tmp_path):
     """`dask scheduler --preload dask_gpupool` + `dask worker`, options from DASK_GPUPOOL__* variables."""
     import contextlib
-    import socket
     import subprocess
     import sys
     import time as _time
 
     from distributed import Client
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "DASK_GPUPOOL__KIND": "host", "DASK_GPUPOOL__MAX_SIZE": "64MiB"}
     dask_cli = [sys.executable, "-m", "distributed.cli.dask_scheduler"]
     address = f"tcp://127.0.0.1:{port}"
@@ -299,13 +296,7 @@ def test_cli_preload_cluster_configured_by_environment(tmp_path):
             assert c.submit(T.read_peer, desc, 12, workers=[b], pure=False).result() == b"from the CLI"
             c.submit(T.release, "cli", workers=[a], pure=False).result()
     finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs)
         logs.close()
 
 

@@ -10,7 +10,7 @@ import os
 import signal
 
 import pytest
-from conftest import nanny_cluster, pid_of, worker_addresses
+from conftest import free_port, nanny_cluster, pid_of, stop_processes, worker_addresses
 from distributed import wait
 from test_handoff import HOST_POOL, back_to, counters, wait_for, warm_up
 
@@ -164,15 +164,12 @@ def test_scheduler_restart_workers_leave_nothing_and_a_restarted_cluster_hands_o
     """Dask 2026.8 workers do not reconnect to a new scheduler: when theirs dies they close (and
     `dask worker` exits). Ours must close cleanly then, leaving no broker socket or directory, and a
     supervisor's restart of scheduler and workers must give a working cluster with new pools."""
-    import socket
     import subprocess
     import sys
 
     from distributed import Client
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     import pathlib
     import shutil
     import tempfile
@@ -225,12 +222,5 @@ def test_scheduler_restart_workers_leave_nothing_and_a_restarted_cluster_hands_o
         second = handoff(b"after the restart")
         assert not set(first) & set(second)  # new pools, registered anew (with the new cluster's token)
     finally:
-        for p in reversed(procs):
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs)
         shutil.rmtree(brokers, ignore_errors=True)
