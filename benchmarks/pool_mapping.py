@@ -55,55 +55,79 @@ def time_imports(descs: list[dict[str, Any]], repeats: int) -> dict[str, Any]:
     return {"map_pool_s": map_s, "import_s": imports}
 
 
-def hold_filled(key: str, nbytes: int, value: int) -> dict[str, Any]:
-    """Task on the producer: a pool allocation with every byte ``value``, kept; its descriptor."""
+def step(name: str, *args: Any) -> float:
+    """Task: one step of a large handoff, timed; the buffers live in ``T._held`` between steps."""
     service = T.current_service()
-    buf = service.allocate(nbytes)
-    T.set_all(buf, value)
-    with T._held_lock:
-        T._held[key] = buf
-    return service.export(buf).to_msg()
-
-
-def check_large(desc: dict[str, Any], value: int) -> dict[str, Any]:
-    """Task on the importer: import one allocation, check every byte, release it."""
-    service = T.current_service()
-    d = BufferDescriptor.from_msg(desc)
-    mapped = service.map_peer(d.pool)
     t0 = time.perf_counter()
-    try:
-        buf = mapped.import_buffer(d)
-    except Exception as e:
-        return {"size": d.size, "ok": False, "error": f"{type(e).__name__}: {e}"}
-    import_s = time.perf_counter() - t0
-    try:
-        ok = T.all_equal(buf, value)
-    except Exception as e:
-        return {"size": d.size, "ok": False, "import_s": import_s, "error": f"{type(e).__name__}: {e}"}
-    finally:
-        mapped.release(buf)
-    return {"size": d.size, "ok": ok, "import_s": import_s}
+    if name == "allocate":  # producer
+        key, nbytes = args
+        buf = service.allocate(nbytes)
+        with T._held_lock:
+            T._held[key] = buf
+    elif name == "fill":  # producer: every byte set on the GPU
+        key, value = args
+        T.set_all(T._held[key], value)
+    elif name == "import":  # importer
+        key, desc = args
+        d = BufferDescriptor.from_msg(desc)
+        buf = service.map_peer(d.pool).import_buffer(d)
+        with T._held_lock:
+            T._held[key] = buf
+    elif name == "check":  # importer: every byte read on its GPU
+        key, value = args
+        if not T.all_equal(T._held[key], value):
+            raise AssertionError("imported bytes differ from what the producer wrote")
+    elif name == "release":  # importer: closed under the import lock, by its mapping
+        key, desc = args
+        with T._held_lock:
+            buf = T._held.pop(key)
+        service.map_peer(BufferDescriptor.from_msg(desc).pool).release(buf)
+    return time.perf_counter() - t0
 
 
-def run_large(placement: str, workers: list[dict[str, Any]], sizes: list[int]) -> dict[str, Any]:
-    """One cluster per size (a pool of just that size), so that one size cannot starve the next."""
+def export(key: str) -> dict[str, Any]:
+    """Task on the producer: the descriptor of a held buffer."""
+    return T.current_service().export(T._held[key]).to_msg()
+
+
+def run_large(placement: str, workers: list[dict[str, Any]], sizes: list[int], kind: str = "device") -> dict[str, Any]:
+    """One cluster per size (a pool of just that size); each step timed on its own, so a stall names its step."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
     from conftest import nanny_cluster, worker_addresses
 
     checks = []
     for i, n in enumerate(sizes):
         t0 = time.perf_counter()
+        check: dict[str, Any] = {"size": n, "ok": False}
         try:
-            with nanny_cluster(workers, GPUPool(kind="device", max_size=f"{n // MiB + 64} MiB")) as c:
+            with nanny_cluster(workers, GPUPool(kind=kind, max_size=f"{n // MiB + 64} MiB")) as c:
                 a, b = worker_addresses(c)
-                desc = c.submit(hold_filled, f"L{n}", n, 0x40 + i, workers=[a], pure=False).result(timeout=60)
-                checks.append(c.submit(check_large, desc, 0x40 + i, workers=[b], pure=False).result(timeout=60))
-                c.submit(T.release, f"L{n}", workers=[a], pure=False).result(timeout=60)
+                value = 0x40 + i
+                plan: list[tuple[str, str, tuple[Any, ...]]] = [
+                    ("allocate", a, ("L", n)),
+                    ("fill", a, ("L", value)),
+                    ("export", a, ()),
+                    ("import", b, ()),
+                    ("check", b, ("I", value)),
+                    ("release", b, ()),
+                ]
+                desc = None
+                for name, where, args in plan:
+                    check["step"] = name
+                    if name == "export":
+                        desc = c.submit(export, "L", workers=[where], pure=False).result(timeout=60)
+                        continue
+                    call_args = ("I", desc) if name in ("import", "release") else args
+                    check[f"{name}_s"] = c.submit(step, name, *call_args, workers=[where], pure=False).result(
+                        timeout=60
+                    )
+                check["ok"], check["step"] = True, "done"
         except Exception as e:
-            checks.append({"size": n, "ok": False, "error": f"{type(e).__name__}: {e}"})
-        checks[-1]["wall_s"] = time.perf_counter() - t0
-        print(placement, checks[-1], flush=True)
-    return {"placement": placement, "kind": "device", "large": checks}
+            check["error"] = f"{type(e).__name__}: {e}"
+        check["wall_s"] = time.perf_counter() - t0
+        checks.append(check)
+        print(placement, check, flush=True)
+    return {"placement": placement, "kind": kind, "large": checks}
 
 
 def run(placement: str, workers: list[dict[str, Any]], kind: str, sizes: list[int], repeats: int) -> dict[str, Any]:
@@ -165,7 +189,7 @@ def main() -> None:
         for r in runs:
             for ch in r["large"]:
                 t = f"{ch['import_s'] * 1e3:7.2f} ms" if "import_s" in ch else f"{'-':>10}"
-                res = "all bytes right" if ch["ok"] else ch.get("error", "WRONG BYTES")
+                res = "all bytes right" if ch["ok"] else f"stopped at {ch.get('step')}: {ch.get('error')}"
                 print(f"{r['placement']:10} {ch['size'] / (1 << 30):>5.2f} GiB {t}  {res}")
         return
     print(
