@@ -72,7 +72,8 @@ def install_get_data_hook(worker: Worker, service: PoolService) -> Any:
     (10 MiB), and a handoff's values are that large although what is
     serialized is a descriptor of a few hundred bytes. The thread hop cost
     about 0.5 ms per transfer, more than the rest of a handoff. Only that
-    comm's ``allow_offload`` changes, for that reply.
+    comm's ``allow_offload`` changes, for that reply, and the check runs only
+    for replies Dask would offload (by the keys' recorded sizes).
 
     When the reply fails (the requester died), the frames of the exception's
     traceback are cleared: Dask logs the failure with its traceback and keeps
@@ -91,7 +92,7 @@ def install_get_data_hook(worker: Worker, service: PoolService) -> Any:
         except Exception:
             scheme = ""
         token = _REQUEST.set(_Request(who, scheme, service))
-        inline = getattr(comm, "allow_offload", False) and _all_handed_over(worker, service, keys, who, scheme)
+        inline = getattr(comm, "allow_offload", False) and _inline_reply(worker, service, keys, who, scheme)
         if inline:
             comm.allow_offload = False
         try:
@@ -109,6 +110,27 @@ def install_get_data_hook(worker: Worker, service: PoolService) -> Any:
     get_data.__wrapped__ = original  # type: ignore[attr-defined]
     worker.handlers["get_data"] = get_data
     return original
+
+
+def _inline_reply(worker: Worker, service: PoolService, keys: Any, who: str | None, scheme: str) -> bool:
+    """Whether to serialize a reply on the event loop: Dask would offload it, and all of it is descriptors."""
+    return _offloaded(worker, keys) and _all_handed_over(worker, service, keys, who, scheme)
+
+
+def _offloaded(worker: Worker, keys: Any) -> bool:
+    """Whether Dask would offload serializing the reply: its values' recorded size passes the threshold.
+
+    (Dask's own test is ``sizeof`` of the whole message; the recorded ``nbytes`` of the
+    keys is that, less a few hundred bytes.) Below it nothing is to be gained, so the
+    handoff check is not done twice on the common path of small values.
+    """
+    from distributed.comm import utils
+
+    threshold = utils.OFFLOAD_THRESHOLD
+    if not threshold:
+        return False
+    tasks = worker.state.tasks
+    return sum((ts.nbytes or 0) for k in keys if (ts := tasks.get(k)) is not None) > threshold
 
 
 def _all_handed_over(worker: Worker, service: PoolService, keys: Any, who: str | None, scheme: str) -> bool:
@@ -138,14 +160,17 @@ def pool_buffer_of(value: Any) -> Buffer | None:
         return None
     module = type(value).__module__.split(".", 1)[0]
     if module == "numpy":
-        ptr = int(value.__array_interface__["data"][0])
-    elif module == "cupy":
-        ptr = int(value.data.ptr)
-    else:
+        return _viewed_buffer(value, int(value.__array_interface__["data"][0]))
+    if module == "cupy":
+        return _viewed_buffer(value, int(value.data.ptr))
+    return None
+
+
+def _viewed_buffer(arr: Any, ptr: int) -> Buffer | None:
+    """The live pool buffer holding all of array ``arr`` (data at ``ptr``), if any."""
+    if not _VIEWS or arr.dtype.hasobject:
         return None
-    if value.dtype.hasobject:
-        return None
-    low, high = _byte_bounds(ptr, tuple(value.shape), tuple(value.strides), value.dtype.itemsize)
+    low, high = _byte_bounds(ptr, tuple(arr.shape), tuple(arr.strides), arr.dtype.itemsize)
     return _VIEWS.find(low, high) if high > low else None
 
 
@@ -343,13 +368,10 @@ def _deserialize_buffer(header: dict[str, Any], frames: list[Any]) -> Buffer:
 
 
 def _dumps_array(arr: Any, module: str, ptr: int, previous: Any, context: Any) -> tuple[dict[str, Any], list[Any]]:
-    if not _VIEWS or arr.dtype.hasobject:
-        return _call(previous, arr, context)
-    shape, strides = tuple(arr.shape), tuple(arr.strides)
-    low, high = _byte_bounds(ptr, shape, strides, arr.dtype.itemsize)
-    buf = _VIEWS.find(low, high) if high > low else None
+    buf = _viewed_buffer(arr, ptr)
     if buf is None:
         return _call(previous, arr, context)
+    shape, strides = tuple(arr.shape), tuple(arr.strides)
 
     def host_frame() -> Any:
         if module == "cupy":

@@ -346,7 +346,7 @@ class PoolService:
         """
         row = self.registry.worker_row(requester) if requester else None
         if row is None or row.host != self.record.host:
-            return None, "other-host"
+            return None, None
         reason: str | None = None
         if row.pid == self.record.pid:
             reason = "same-process"

@@ -151,12 +151,12 @@ def resources(dask_worker: Worker) -> dict[str, Any]:
     service = service_of(dask_worker)
     gc.collect()
     service.releaser.flush()
-    fds = open_fds()
+    kinds = collections.Counter(_fd_kind(f) for f in open_fds())
     return {
-        "fds": len(fds),
-        "fd_kinds": dict(collections.Counter(_fd_kind(f) for f in fds)),
-        "sockets": sum(f.startswith("socket:") for f in fds),
-        "memfds": sum(f.startswith("/memfd:dask-gpupool") for f in fds),
+        "fds": sum(kinds.values()),
+        "fd_kinds": dict(kinds),
+        "sockets": kinds["socket"],
+        "memfds": kinds["/memfd:dask-gpupool"],
         "broker_connections": service.broker.connections,
         "mapped_pools": len(service.mapped),
         "used": service.stats().used,
@@ -398,6 +398,6 @@ def all_equal(x: Any, value: int) -> bool:
 
 def serialized_inline(keys: list[str], who: str, dask_worker: Worker) -> bool:
     """client.run target: whether a ``get_data`` for ``keys`` from ``who`` skips Dask's offload thread."""
-    from dask_gpupool._serialize import _all_handed_over
+    from dask_gpupool._serialize import _inline_reply
 
-    return _all_handed_over(dask_worker, service_of(dask_worker), keys, who, "tcp")
+    return _inline_reply(dask_worker, service_of(dask_worker), keys, who, "tcp")

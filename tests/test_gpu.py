@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 from conftest import handoff_round_trip, nanny_cluster, pid_of, worker_addresses
-from test_handoff import counters, stress, wait_for
+from test_handoff import back_to, counters, stress, wait_for, warm_up
 
 import dask_gpupool
 from dask_gpupool import GPUPool
@@ -90,7 +93,6 @@ def test_device_pool_stats_and_full_pool():
 def _handoff_roundtrip(c, nbytes: int) -> None:
     """Buffer and CuPy array from w0 to w1: mapped, not copied; writes visible; leases end; nothing leaks."""
     import numpy as np
-    from test_handoff import back_to, counters, warm_up
 
     a, b = worker_addresses(c)
     baseline = warm_up(c, a, b)
@@ -135,7 +137,6 @@ def test_concurrent_handoffs_across_gpus_while_the_producer_allocates():
     # themselves: the consumer imports buffer i while the producer's pool grows for i + 1.
     gpus(2)
     rotated = [{"env": {"CUDA_VISIBLE_DEVICES": "0,1"}}, {"env": {"CUDA_VISIBLE_DEVICES": "1,0"}}]
-    from test_handoff import back_to, warm_up
 
     with nanny_cluster(rotated, GPUPool(kind="device", max_size="2 GiB", peer_gpu_handoff=True)) as c:
         a, b = worker_addresses(c)
@@ -255,10 +256,6 @@ def test_stress_producers_release_while_consumers_read_two_gpus():
 
 def test_sigkill_of_the_consumer_releases_its_leases_on_a_device_pool():
     gpus(1)
-    import os
-    import signal
-
-    from test_handoff import counters, wait_for
 
     one_gpu = {"env": {"CUDA_VISIBLE_DEVICES": "0"}}
     with nanny_cluster([one_gpu, one_gpu], GPUPool(kind="device", max_size="1 GiB")) as c:
@@ -275,10 +272,6 @@ def test_sigkill_of_the_consumer_releases_its_leases_on_a_device_pool():
 
 def test_sigkill_of_the_producer_leaves_the_consumers_device_mapping_readable():
     gpus(1)
-    import os
-    import signal
-
-    from test_handoff import back_to
 
     one_gpu = {"env": {"CUDA_VISIBLE_DEVICES": "0"}}
     with nanny_cluster([one_gpu, one_gpu], GPUPool(kind="device", max_size="1 GiB")) as c:

@@ -279,5 +279,8 @@ def test_handoff_replies_skip_the_offload_thread_and_copies_keep_it():
         assert not inline([pooled.key], a)  # same process
         assert not inline([pooled.key], "tcp://127.0.0.1:1")  # not a registered worker (a client)
         assert not inline(["no-such-key"], b)
+        small = c.submit(T.make_array, 128, workers=[a], pure=False)
+        c.gather(small)
+        assert not inline([small.key], b)  # under Dask's offload threshold: nothing to gain, no check
         # and the handoff itself still works
         assert c.submit(T.total, pooled, workers=[b], pure=False).result() == float(sum(range(4 * MiB)))
