@@ -244,6 +244,23 @@ def known_pools(dask_worker: Worker) -> list[str]:
     return sorted(r.pool for r in service_of(dask_worker).registry.records())
 
 
+def make_cuda_context() -> bool:
+    """client.run target: make GPU 0's primary CUDA context current here, if this host has a GPU.
+
+    A ``host``-pool worker on a GPU host makes a CUDA context once, at a moment
+    not yet pinned down (docs/gpu-checks.md); a test that compares fds with a
+    baseline makes it first. Returns whether a GPU was there.
+    """
+    from dask_gpupool._topology import local_devices
+
+    if not local_devices().uuids:
+        return False
+    from cuda.core import Device
+
+    Device(0).set_current()
+    return True
+
+
 def visible_devices() -> tuple[str, ...]:
     from dask_gpupool._topology import local_devices
 

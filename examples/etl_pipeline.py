@@ -8,11 +8,15 @@ another worker on the host needs is handed over zero-copy; without the plugin
 the same graph runs on plain Dask.
 
 CuPy chunks on GPU pools when GPUs are visible (``--layout shared``: all
-workers on GPU 0; ``--layout per-gpu``: one worker per GPU), NumPy chunks on
-``host`` pools otherwise. Prints the time of each stage, the bytes handed over
-zero-copy and copied, and saves a bar plot when matplotlib is installed.
+workers on GPU 0; ``--layout per-gpu``: one worker per GPU; ``--layout
+dask-cuda``: dask-cuda's ``LocalCUDACluster``, one worker per GPU), NumPy chunks
+on ``host`` pools otherwise. Across GPUs, handoffs are zero-copy only with
+``--peer-gpu-handoff`` (``gpupool.peer-gpu-handoff``; copies otherwise).
+Prints the time of each stage, the bytes handed over zero-copy and copied,
+and saves a bar plot when matplotlib is installed.
 
     python examples/etl_pipeline.py [--size 64MiB] [--chunks 16] [--workers 3] [--layout shared]
+        [--segment-size 1GiB] [--peer-gpu-handoff]
 """
 
 from __future__ import annotations
@@ -156,15 +160,20 @@ def _counters(client: Any, pool: bool) -> dict[str, int]:
     return {k: sum(s[k] for s in stats.values()) for k in ("zero_copy_bytes", "copied_bytes")}
 
 
-def cluster(workers: list[dict[str, Any]], plugin: Any) -> Any:
+def cluster(workers: list[dict[str, Any]], plugin: Any, dask_cuda: bool = False) -> Any:
     from distributed import Client, Nanny, Scheduler, SpecCluster
 
-    specs = {
-        f"w{i}": {"cls": Nanny, "options": {"nthreads": 1, "silence_logs": logging.WARNING, **w}}
-        for i, w in enumerate(workers)
-    }
-    sched = {"cls": Scheduler, "options": {"dashboard_address": ":0"}}
-    cl = SpecCluster(workers=specs, scheduler=sched, silence_logs=logging.WARNING)
+    if dask_cuda:
+        from dask_cuda import LocalCUDACluster
+
+        cl = LocalCUDACluster(threads_per_worker=1, dashboard_address=":0", silence_logs=logging.WARNING)
+    else:
+        specs = {
+            f"w{i}": {"cls": Nanny, "options": {"nthreads": 1, "silence_logs": logging.WARNING, **w}}
+            for i, w in enumerate(workers)
+        }
+        sched = {"cls": Scheduler, "options": {"dashboard_address": ":0"}}
+        cl = SpecCluster(workers=specs, scheduler=sched, silence_logs=logging.WARNING)
     client = Client(cl)
     client.wait_for_workers(len(workers))
     if plugin is not None:
@@ -177,7 +186,11 @@ def main() -> None:
     p.add_argument("--size", default="64MiB", help="bytes of the generated data")
     p.add_argument("--chunks", type=int, default=16)
     p.add_argument("--workers", type=int, default=3, help="workers (on GPU 0 with --layout shared)")
-    p.add_argument("--layout", choices=["shared", "per-gpu"], default="shared")
+    p.add_argument("--layout", choices=["shared", "per-gpu", "dask-cuda"], default="shared")
+    p.add_argument("--segment-size", default=None, help="gpupool.segment-size (device pools; default: off)")
+    p.add_argument(
+        "--peer-gpu-handoff", action="store_true", help="gpupool.peer-gpu-handoff: zero-copy across GPUs too"
+    )
     p.add_argument("--plot", default="etl_pipeline.png")
     p.add_argument(
         "--progress",
@@ -190,7 +203,7 @@ def main() -> None:
 
     gpus = len(local_devices().uuids)
     lib = "cupy" if gpus else "numpy"
-    if gpus and args.layout == "per-gpu":
+    if gpus and args.layout != "shared":
         order = list(range(gpus))
         workers = [{"env": {"CUDA_VISIBLE_DEVICES": ",".join(map(str, order[i:] + order[:i]))}} for i in range(gpus)]
     else:
@@ -203,11 +216,17 @@ def main() -> None:
     results = {}
     for label, plugin in [
         ("plain Dask", None),
-        # Across GPUs (--layout per-gpu) handoffs are copies unless gpupool.peer-gpu-handoff is on (README).
-        ("dask_gpupool", dask_gpupool.GPUPool(max_size=f"{4 * size // (1 << 20) + 64} MiB")),
+        (
+            "dask_gpupool",
+            dask_gpupool.GPUPool(
+                max_size=f"{4 * size // (1 << 20) + 64} MiB",
+                segment_size=args.segment_size if gpus else None,
+                peer_gpu_handoff=args.peer_gpu_handoff or None,
+            ),
+        ),
     ]:
         with dask.config.set({"distributed.scheduler.active-memory-manager.start": False}):
-            cl, client = cluster(workers, plugin)
+            cl, client = cluster(workers, plugin, dask_cuda=bool(gpus) and args.layout == "dask-cuda")
             with cl, client:
                 print(f"-- {label}", flush=True)
                 results[label] = run(client, size, args.chunks, lib, plugin is not None, args.progress)

@@ -9,7 +9,9 @@
 # unset runs both (more than one 10-minute device call can hold when the handoff budget is large).
 # PYTEST_K selects tests (pytest -k); HANDOFF_ARGS adds options to benchmarks/handoff.py; ETL=0 and
 # LARGE=0 skip the ETL example and the 5-8 GiB import check; MAPPING=0 the pool-mapping benchmark; DEMO=0
-# the demo and the example.
+# the demo and the example; SUBALLOC=0 the sub-allocator benchmark. ETL_LAYOUTS (default "shared") lists
+# the ETL example's layouts (shared, per-gpu, dask-cuda); ETL_ARGS adds options to it. Everything under $OUT
+# is packed into logs.tgz at the end when more than 8 files would come back.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-check-out}
 mkdir -p "$OUT"
@@ -42,8 +44,16 @@ if [ "${LARGE:-1}" != 0 ]; then
 echo "== single imports of 5-8 GiB"; timeout 150 python3 benchmarks/pool_mapping.py --large > "$OUT/large.log" 2>&1
 echo "large exit: $?"; sed -n '/^placement/,$p' "$OUT/large.log"
 fi
+if [ "${SUBALLOC:-1}" != 0 ]; then
+echo "== sub-allocator: arena vs RMM"; timeout 120 python3 benchmarks/suballocator.py > "$OUT/suballocator.log" 2>&1
+echo "suballocator exit: $?"; sed -n '/^case/,$p' "$OUT/suballocator.log"
+fi
 if [ "${ETL:-1}" != 0 ]; then
-echo "== etl example (CuPy chunks, 3 workers on GPU 0)"; timeout 150 python3 examples/etl_pipeline.py --size 1GiB --chunks 16 --plot "$OUT/etl_shared.png" > "$OUT/etl.log" 2>&1; echo "etl exit: $?"; grep -v "^20\|^gpupool:" "$OUT/etl.log" | tail -n 9
+for layout in ${ETL_LAYOUTS:-shared}; do
+echo "== etl example, layout $layout (CuPy chunks) ${ETL_ARGS:-}"
+timeout 150 python3 examples/etl_pipeline.py --size 1GiB --chunks 16 --layout "$layout" ${ETL_ARGS:-} --plot "$OUT/etl_$layout.png" > "$OUT/etl_$layout.log" 2>&1
+echo "etl exit: $?"; grep -v "^20\|^gpupool:" "$OUT/etl_$layout.log" | tail -n 9
+done
 fi
 BUDGET=${HANDOFF_BUDGET:-360}
 if [ "$BUDGET" != 0 ]; then
@@ -53,4 +63,7 @@ if [ "$BUDGET" != 0 ]; then
   grep -E "not available|FAILED|out of time" "$OUT/handoff.log" | head -10
   sed -n '/^consumer transfer time/,$p' "$OUT/handoff.log"
 fi
+fi
+if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
+  (cd "$OUT" && tar czf /tmp/logs.tgz --exclude=logs.tgz . && find . -type f -delete && mv /tmp/logs.tgz .)
 fi

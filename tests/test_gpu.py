@@ -195,6 +195,42 @@ def test_stress_with_segments_one_gpu():
         assert stress(c, 10, 16 * MiB) > 3
 
 
+def test_stress_with_segments_two_gpus():
+    """Across two GPUs with segments: each segment is imported once and stays mapped, so the
+    per-allocation imports under which the consumer's context broke (docs/gpu-checks.md) are gone."""
+    gpus(2)
+    rotated = [{"env": {"CUDA_VISIBLE_DEVICES": "0,1"}}, {"env": {"CUDA_VISIBLE_DEVICES": "1,0"}}]
+    plugin = GPUPool(kind="device", max_size="4 GiB", segment_size="256 MiB", peer_gpu_handoff=True)
+    with nanny_cluster(rotated, plugin) as c:
+        assert stress(c, 20, 16 * MiB) > 5
+        b = worker_addresses(c)[1]
+        seen = c.run(T.handoff_counters, workers=[b])[b]
+        assert seen["zero_copy_bytes"] > 0 and seen["copied_bytes"] == 0, seen
+
+
+def test_dask_cuda_local_cuda_cluster_hands_over_across_gpus():
+    """dask-cuda's own cluster (one worker per GPU, CUDA_VISIBLE_DEVICES rotated) with the plugin registered."""
+    gpus(2)
+    dask_cuda = pytest.importorskip("dask_cuda")
+    from distributed import Client
+
+    plugin = GPUPool(kind="device", max_size="1 GiB", segment_size="256 MiB", peer_gpu_handoff=True)
+    with dask_cuda.LocalCUDACluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cluster:
+        with Client(cluster) as c:
+            c.register_plugin(plugin)
+            a, b = worker_addresses(c)
+            rows = {r.worker: r for r in dask_gpupool.pools(c)}
+            assert rows[a].device != rows[b].device, "dask-cuda gives each worker its own GPU"
+            baseline = warm_up(c, a, b)
+            x = c.submit(T.fill, 32 * MiB, 9, workers=[a], pure=False)
+            y = c.submit(T.keep, x, workers=[b], pure=False)
+            assert c.submit(T.describe, y, workers=[b], pure=False).result()["imported"]
+            assert c.submit(T.all_equal, y, 9, workers=[b], pure=False).result()
+            assert c.run(T.handoff_counters, workers=[b])[b]["zero_copy_bytes"] >= 32 * MiB
+            del x, y
+            back_to(c, baseline)
+
+
 def test_plain_cupy_arrays_hand_over_when_cupy_allocates_from_the_pool():
     gpus(1)
     import numpy as np
