@@ -303,8 +303,16 @@ class PoolService:
         return self.mapped.map(record, fetch)
 
     def import_buffer(self, desc: BufferDescriptor) -> Buffer:
-        """Map a peer's buffer (mapping its pool first if needed). No copy; the caller owns the Buffer."""
-        return self.map_peer(desc.pool).import_buffer(desc)
+        """Map a peer's buffer (mapping its pool first if needed). No copy, no lease; the caller owns the Buffer.
+
+        A buffer inside a segment is a view of the segment's mapping, which
+        stays mapped after the view is closed (like every segment import).
+        """
+        mapped = self.map_peer(desc.pool)
+        if not desc.extent:
+            return mapped.import_buffer(desc)
+        key, raw, ptr = mapped.acquire(desc)
+        return _view(ImportedMemoryResource(raw, key, mapped, lambda event: None), mapped, ptr, desc.size)
 
     def link(self, record: PoolRecord) -> PeerLink:
         """This worker's connection to ``record``'s broker, opened on first use (or after it broke)."""
@@ -430,17 +438,7 @@ class PoolService:
             if mapped.orphaned and mapped.imports == 0:
                 self.mapped.forget(mapped.record.pool)
 
-        resource = ImportedMemoryResource(raw, key, mapped, closed)
-        from cuda.core import Buffer
-
-        if resource.is_device_accessible and mapped.device is not None:
-            from cuda.core import Device
-
-            dev = Device(mapped.device)
-            dev.set_current()
-            buf = Buffer.from_handle(ptr, desc.size, mr=resource, stream=dev.default_stream)
-        else:
-            buf = Buffer.from_handle(ptr, desc.size, mr=resource)
+        buf = _view(ImportedMemoryResource(raw, key, mapped, closed), mapped, ptr, desc.size)
         self.handoffs.add(imports=1, zero_copy_bytes=desc.size)
         logger.debug(
             "lease %d of %s: mapped %d bytes at %#x (GPU %s)",
@@ -703,3 +701,16 @@ def _own_device(options: PoolOptions, devices: LocalDevices) -> int | None:
         return devices.resolve(options.device)
     except Exception:
         return None
+
+
+def _view(resource: ImportedMemoryResource, mapped: MappedPool, ptr: int, size: int) -> Buffer:
+    """The Buffer over an import (``resource`` runs its close); stream-ordered on the importer's GPU."""
+    from cuda.core import Buffer
+
+    if resource.is_device_accessible and mapped.device is not None:
+        from cuda.core import Device
+
+        dev = Device(mapped.device)
+        dev.set_current()
+        return Buffer.from_handle(ptr, size, mr=resource, stream=dev.default_stream)
+    return Buffer.from_handle(ptr, size, mr=resource)
