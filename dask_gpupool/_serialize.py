@@ -433,14 +433,33 @@ def _register_numpy() -> None:
     dask_deserialize.register(np.ndarray)(deserialize_numpy)
 
 
-_cupy_registered = False
+#: "no", "registering" (a dispatch inside the registration re-enters it) or "yes".
+_cupy_registered = "no"
 
 
-def _register_cupy() -> None:
+def register_cupy() -> None:
+    """Register the CuPy serializers now (a GPU worker's setup calls this when CuPy is installed).
+
+    Otherwise they are registered lazily, on the first CuPy array Dask
+    serializes or deserializes. A failed registration is not marked done: the
+    next dispatch retries it and raises the error.
+    """
     global _cupy_registered
-    if _cupy_registered:
+    if _cupy_registered != "no":
         return
-    _cupy_registered = True
+    _cupy_registered = "registering"
+    try:
+        _register_cupy_now()
+    except BaseException:
+        _cupy_registered = "no"
+        raise
+    _cupy_registered = "yes"
+
+
+_register_cupy = register_cupy
+
+
+def _register_cupy_now() -> None:
     import cupy
     from distributed.protocol import cupy as _distributed_cupy  # noqa: F401  (its registrations first)
 

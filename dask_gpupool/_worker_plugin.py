@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
@@ -82,6 +83,12 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
             raise
         self._get_data = install_get_data_hook(worker, service)
         self.service = service
+        if service.pool.kind in ("device", "pinned") and importlib.util.find_spec("cupy") is not None:
+            # CuPy's serializers at setup rather than lazily inside Dask's first dispatch: a dask-cuda
+            # worker was seen with no CuPy deserializer after the lazy path (docs/gpu-checks.md).
+            from dask_gpupool._serialize import register_cupy
+
+            register_cupy()
         if options.cupy_allocator and service.pool.kind in ("device", "pinned"):
             from dask_gpupool import _cupy
 
