@@ -285,6 +285,10 @@ class MappedPool:
                         raw.close(dev.default_stream)
                     except Exception:
                         logger.exception("pool %s: closing a segment import failed", self.record.pool)
+                if segments:
+                    # The frees are stream-ordered: let them finish before the imported pool goes. GPU runs
+                    # with segments kept one driver fd per closed mapping without this (docs/gpu-checks.md).
+                    dev.default_stream.sync()
             self.resource.close()
 
 
