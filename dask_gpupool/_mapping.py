@@ -285,10 +285,10 @@ class MappedPool:
                         raw.close(dev.default_stream)
                     except Exception:
                         logger.exception("pool %s: closing a segment import failed", self.record.pool)
-                if segments:
-                    # The frees are stream-ordered: let them finish before the imported pool goes. GPU runs
-                    # with segments kept one driver fd per closed mapping without this (docs/gpu-checks.md).
-                    dev.default_stream.sync()
+                # Frees of imports (segments here, buffers just before when the last handoff closed the
+                # mapping) are stream-ordered: let them finish before the imported pool goes. Without this,
+                # GPU runs kept one /dev/nvidiactl fd per closed mapping now and then (docs/gpu-checks.md).
+                dev.default_stream.sync()
             self.resource.close()
 
 
