@@ -276,8 +276,9 @@ def test_stress_producers_release_while_consumers_read_one_gpu():
 
 
 @pytest.mark.xfail(
-    reason="known fault (docs/gpu-checks.md): with releases and reuse, cross-GPU handoffs on two H200s break the "
-    "consumer's CUDA context within seconds; gpupool.peer-gpu-handoff is off by default until it is fixed",
+    reason="known fault (docs/gpu-checks.md): without segments, each buffer imported on its own, cross-GPU handoffs "
+    "with releases and reuse break the consumer's CUDA context within seconds on two H200s; with segments the same "
+    "stress passes (test_stress_with_segments_two_gpus)",
     strict=False,
 )
 def test_stress_producers_release_while_consumers_read_two_gpus():
