@@ -284,3 +284,18 @@ def test_handoff_replies_skip_the_offload_thread_and_copies_keep_it():
         assert not inline([small.key], b)  # under Dask's offload threshold: nothing to gain, no check
         # and the handoff itself still works
         assert c.submit(T.total, pooled, workers=[b], pure=False).result() == float(sum(range(4 * MiB)))
+
+
+def test_a_failed_cupy_registration_is_retried_not_marked_done():
+    """Without CuPy the registration fails each time it is asked for, and never counts as done
+    (a dask-cuda worker once lost its CuPy deserializer to a registration marked done too early)."""
+    import importlib.util
+
+    from dask_gpupool import _serialize
+
+    if importlib.util.find_spec("cupy") is not None:
+        pytest.skip("CuPy is installed here")
+    for _ in range(2):
+        with pytest.raises(ImportError):
+            _serialize.register_cupy()
+        assert _serialize._cupy_registered == "no"
