@@ -456,9 +456,6 @@ def register_cupy() -> None:
     _cupy_registered = "yes"
 
 
-_register_cupy = register_cupy
-
-
 def _register_cupy_now() -> None:
     import cupy
     from distributed.protocol import cupy as _distributed_cupy  # noqa: F401  (its registrations first)
@@ -499,11 +496,11 @@ def _register() -> None:
     import sys
 
     if "cupy" in sys.modules:
-        _register_cupy()
+        register_cupy()
     else:
         # Replaces distributed's lazy hooks for CuPy with ours, which run theirs first.
-        dask_serialize.register_lazy("cupy")(_register_cupy)
-        dask_deserialize.register_lazy("cupy")(_register_cupy)
+        dask_serialize.register_lazy("cupy")(register_cupy)
+        dask_deserialize.register_lazy("cupy")(register_cupy)
 
 
 _register()

@@ -88,7 +88,10 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
             # worker was seen with no CuPy deserializer after the lazy path (docs/gpu-checks.md).
             from dask_gpupool._serialize import register_cupy
 
-            register_cupy()
+            try:
+                register_cupy()
+            except Exception:  # the lazy registration retries on the first CuPy array
+                logger.warning("gpupool: registering CuPy's serializers failed; retried on first use", exc_info=True)
         if options.cupy_allocator and service.pool.kind in ("device", "pinned"):
             from dask_gpupool import _cupy
 
