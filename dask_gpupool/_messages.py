@@ -81,6 +81,14 @@ def _mapping(msg: object, what: str) -> dict[str, Any]:
     return msg
 
 
+def _message(msg: object, op: str, what: str) -> dict[str, Any]:
+    """``msg`` as a map whose ``op`` is ``op``."""
+    m = _mapping(msg, what)
+    if m.get("op") != op:
+        raise ProtocolError(f"{what}: expected op {op!r}, got {m.get('op')!r}")
+    return m
+
+
 @dataclass(frozen=True)
 class PoolRecord:
     """One row of the scheduler's registry: a worker's pool.
@@ -295,9 +303,7 @@ class HandleRequest:
     @classmethod
     def from_msg(cls, msg: object) -> HandleRequest:
         what = "broker request"
-        m = _mapping(msg, what)
-        if m.get("op") != cls.op:
-            raise ProtocolError(f"{what}: unknown op {m.get('op')!r}")
+        m = _message(msg, cls.op, what)
         return cls(pool=_uuid_str(_field(m, "pool", str, what), what))
 
 
@@ -320,9 +326,7 @@ class HandleReply:
     @classmethod
     def from_msg(cls, msg: object) -> HandleReply:
         what = "broker reply"
-        m = _mapping(msg, what)
-        if m.get("op") != cls.op:
-            raise ProtocolError(f"{what}: unexpected op {m.get('op')!r}")
+        m = _message(msg, cls.op, what)
         return cls(
             pool=_uuid_str(_field(m, "pool", str, what), what),
             kind=_field(m, "kind", str, what),
@@ -461,9 +465,7 @@ class CopyReply:
     @classmethod
     def from_msg(cls, msg: object) -> CopyReply:
         what = "copy reply"
-        m = _mapping(msg, what)
-        if m.get("op") != cls.op:
-            raise ProtocolError(f"{what}: unexpected op {m.get('op')!r}")
+        m = _message(msg, cls.op, what)
         size = _field(m, "size", int, what)
         if size < 0:
             raise ProtocolError(f"{what}: negative size")
@@ -491,9 +493,7 @@ class Hello:
     @classmethod
     def from_msg(cls, msg: object) -> Hello:
         what = "broker hello"
-        m = _mapping(msg, what)
-        if m.get("op") != cls.op:
-            raise ProtocolError(f"{what}: the first message must be a hello, got op {m.get('op')!r}")
+        m = _message(msg, cls.op, what)
         token = _field(m, "token", bytes, what)
         if len(token) != TOKEN_BYTES:
             raise ProtocolError(f"{what}: token of {len(token)} bytes (expected {TOKEN_BYTES})")
@@ -511,9 +511,7 @@ class Welcome:
 
     @classmethod
     def from_msg(cls, msg: object) -> Welcome:
-        m = _mapping(msg, "broker welcome")
-        if m.get("op") != cls.op:
-            raise ProtocolError(f"broker welcome: unexpected op {m.get('op')!r}")
+        _message(msg, cls.op, "broker welcome")
         return cls()
 
 
