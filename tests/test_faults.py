@@ -12,7 +12,7 @@ import signal
 import pytest
 from conftest import free_port, nanny_cluster, pid_of, stop_processes, worker_addresses
 from distributed import wait
-from test_handoff import HOST_POOL, back_to, counters, wait_for, warm_up
+from test_handoff import HOST_POOL, back_to, counters, kill_consumer_holding_leases, wait_for, warm_up
 
 import dask_gpupool
 from dask_gpupool import GPUPool
@@ -110,12 +110,8 @@ def test_consumer_killed_while_holding_many_leases_releases_them_all():
         a, b = worker_addresses(c)
         baseline = warm_up(c, a, b)
         xs = [c.submit(T.make_buffer, 4096, b"x", workers=[a], pure=False) for _ in range(200)]
-        ys = [c.submit(T.keep, x, workers=[b], pure=False) for x in xs]
-        c.gather(ys)
-        assert counters(c, a)[a]["leases"] == 200
-        os.kill(pid_of(c, b), signal.SIGKILL)
-        wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="A to release B's 200 leases")
-        del xs, ys
+        kill_consumer_holding_leases(c, a, b, xs)
+        del xs
         c.wait_for_workers(2, timeout=60)
         # the restarted B has a new baseline; A's pool bytes and leases are what must come back
         wait_for(lambda: counters(c, a)[a]["used"] == baseline[a]["used"], what="A's pool bytes back")

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 from conftest import handoff_round_trip, nanny_cluster, pid_of, worker_addresses
-from test_handoff import back_to, counters, stress, wait_for, warm_up
+from test_handoff import back_to, counters, kill_consumer_holding_leases, stress, wait_for, warm_up
 
 import dask_gpupool
 from dask_gpupool import GPUPool
@@ -17,6 +17,10 @@ from dask_gpupool._topology import local_devices
 pytestmark = pytest.mark.gpu
 
 MiB = 1 << 20
+#: A worker on GPU 0 (two of them share it).
+ONE_GPU = {"env": {"CUDA_VISIBLE_DEVICES": "0"}}
+#: dask-cuda's layout on two GPUs: each worker's own GPU is its ordinal 0, and both GPUs are visible.
+ROTATED = [{"env": {"CUDA_VISIBLE_DEVICES": "0,1"}}, {"env": {"CUDA_VISIBLE_DEVICES": "1,0"}}]
 
 
 def gpus(n: int) -> None:
@@ -38,8 +42,7 @@ def test_two_workers_on_one_gpu():
 def test_pinned_pools_on_one_gpu():
     """Pinned host pools: registered with the worker's GPU; a peer maps the pool and reads (CPU and GPU paths)."""
     gpus(1)
-    one_gpu = {"env": {"CUDA_VISIBLE_DEVICES": "0"}}
-    with nanny_cluster([one_gpu, one_gpu], GPUPool(kind="pinned", max_size="1 GiB")) as c:
+    with nanny_cluster([ONE_GPU, ONE_GPU], GPUPool(kind="pinned", max_size="1 GiB")) as c:
         rows = handoff_round_trip(c, 8 * MiB, b"pinned bytes written by A" * 100)
         a, b = worker_addresses(c)
         assert {r.kind for r in rows.values()} == {"pinned"} and rows[a].device == local_devices().uuids[0]
@@ -51,8 +54,7 @@ def test_pinned_pools_on_one_gpu():
 def test_one_worker_per_gpu_with_rotated_visible_devices():
     gpus(2)
     uuids = local_devices().uuids
-    rotated = [{"env": {"CUDA_VISIBLE_DEVICES": "0,1"}}, {"env": {"CUDA_VISIBLE_DEVICES": "1,0"}}]
-    with nanny_cluster(rotated, GPUPool(kind="device", max_size="1 GiB")) as c:
+    with nanny_cluster(ROTATED, GPUPool(kind="device", max_size="1 GiB")) as c:
         rows = handoff_round_trip(c, 64 * MiB, b"across NVLink" * 1000)
         a, b = worker_addresses(c)
         assert (rows[a].device, rows[b].device) == (uuids[0], uuids[1])
@@ -124,8 +126,7 @@ def test_handoff_two_workers_on_one_gpu():
 
 def test_handoff_one_worker_per_gpu():
     gpus(2)
-    rotated = [{"env": {"CUDA_VISIBLE_DEVICES": "0,1"}}, {"env": {"CUDA_VISIBLE_DEVICES": "1,0"}}]
-    with nanny_cluster(rotated, GPUPool(kind="device", max_size="2 GiB", peer_gpu_handoff=True)) as c:
+    with nanny_cluster(ROTATED, GPUPool(kind="device", max_size="2 GiB", peer_gpu_handoff=True)) as c:
         a, b = worker_addresses(c)
         rows = {r.worker: r for r in dask_gpupool.pools(c)}
         assert rows[a].peers == (rows[b].device,) and rows[b].peers == (rows[a].device,)
@@ -136,9 +137,8 @@ def test_concurrent_handoffs_across_gpus_while_the_producer_allocates():
     # The pattern that broke the consumer's context before pools granted peers access
     # themselves: the consumer imports buffer i while the producer's pool grows for i + 1.
     gpus(2)
-    rotated = [{"env": {"CUDA_VISIBLE_DEVICES": "0,1"}}, {"env": {"CUDA_VISIBLE_DEVICES": "1,0"}}]
 
-    with nanny_cluster(rotated, GPUPool(kind="device", max_size="2 GiB", peer_gpu_handoff=True)) as c:
+    with nanny_cluster(ROTATED, GPUPool(kind="device", max_size="2 GiB", peer_gpu_handoff=True)) as c:
         a, b = worker_addresses(c)
 
         def batch() -> None:
@@ -157,8 +157,7 @@ def test_concurrent_handoffs_across_gpus_while_the_producer_allocates():
 
 def test_handoff_to_another_gpu_is_copied_by_default():
     gpus(2)
-    rotated = [{"env": {"CUDA_VISIBLE_DEVICES": "0,1"}}, {"env": {"CUDA_VISIBLE_DEVICES": "1,0"}}]
-    with nanny_cluster(rotated, GPUPool(kind="device", max_size="2 GiB")) as c:
+    with nanny_cluster(ROTATED, GPUPool(kind="device", max_size="2 GiB")) as c:
         assert all(r.peers == () for r in dask_gpupool.pools(c))
         a, b = worker_addresses(c)
         x = c.submit(T.fill, 16 * MiB, 9, workers=[a], pure=False)
@@ -171,8 +170,7 @@ def test_handoff_to_another_gpu_is_copied_by_default():
 def test_handoff_with_segments_on_one_gpu():
     """Buffers placed in segments: B maps a segment once and later handoffs reuse it."""
     gpus(1)
-    one_gpu = {"env": {"CUDA_VISIBLE_DEVICES": "0"}}
-    with nanny_cluster([one_gpu, one_gpu], GPUPool(kind="device", max_size="4 GiB", segment_size="256 MiB")) as c:
+    with nanny_cluster([ONE_GPU, ONE_GPU], GPUPool(kind="device", max_size="4 GiB", segment_size="256 MiB")) as c:
         a, b = worker_addresses(c)
         _handoff_roundtrip(c, 64 * MiB)
         segments = c.run(T.mapped_segments, workers=[b])[b]
@@ -190,8 +188,7 @@ def test_handoff_with_segments_on_one_gpu():
 
 def test_stress_with_segments_one_gpu():
     gpus(1)
-    one_gpu = {"env": {"CUDA_VISIBLE_DEVICES": "0"}}
-    with nanny_cluster([one_gpu, one_gpu], GPUPool(kind="device", max_size="4 GiB", segment_size="256 MiB")) as c:
+    with nanny_cluster([ONE_GPU, ONE_GPU], GPUPool(kind="device", max_size="4 GiB", segment_size="256 MiB")) as c:
         assert stress(c, 10, 16 * MiB) > 3
 
 
@@ -199,9 +196,8 @@ def test_stress_with_segments_two_gpus():
     """Across two GPUs with segments: each segment is imported once and stays mapped, so the
     per-allocation imports under which the consumer's context broke (docs/gpu-checks.md) are gone."""
     gpus(2)
-    rotated = [{"env": {"CUDA_VISIBLE_DEVICES": "0,1"}}, {"env": {"CUDA_VISIBLE_DEVICES": "1,0"}}]
     plugin = GPUPool(kind="device", max_size="4 GiB", segment_size="256 MiB", peer_gpu_handoff=True)
-    with nanny_cluster(rotated, plugin) as c:
+    with nanny_cluster(ROTATED, plugin) as c:
         assert stress(c, 20, 16 * MiB) > 5
         b = worker_addresses(c)[1]
         seen = c.run(T.handoff_counters, workers=[b])[b]
@@ -235,8 +231,7 @@ def test_plain_cupy_arrays_hand_over_when_cupy_allocates_from_the_pool():
     gpus(1)
     import numpy as np
 
-    one_gpu = {"env": {"CUDA_VISIBLE_DEVICES": "0"}}
-    with nanny_cluster([one_gpu, one_gpu], GPUPool(kind="device", max_size="2 GiB", cupy_allocator=True)) as c:
+    with nanny_cluster([ONE_GPU, ONE_GPU], GPUPool(kind="device", max_size="2 GiB", cupy_allocator=True)) as c:
         a, b = worker_addresses(c)
         x = c.submit(T.plain_cupy, 1 << 20, workers=[a], pure=False)
         y = c.submit(T.keep, x, workers=[b], pure=False)
@@ -251,8 +246,7 @@ def test_plain_cupy_arrays_hand_over_when_cupy_allocates_from_the_pool():
 
 def test_handoff_pinned_pools():
     gpus(1)
-    one_gpu = {"env": {"CUDA_VISIBLE_DEVICES": "0"}}
-    with nanny_cluster([one_gpu, one_gpu], GPUPool(kind="pinned", max_size="1 GiB")) as c:
+    with nanny_cluster([ONE_GPU, ONE_GPU], GPUPool(kind="pinned", max_size="1 GiB")) as c:
         _handoff_roundtrip(c, 8 * MiB)
 
 
@@ -270,8 +264,7 @@ def test_handoff_copies_across_host_ids_on_gpus():
 
 def test_stress_producers_release_while_consumers_read_one_gpu():
     gpus(1)
-    one_gpu = {"env": {"CUDA_VISIBLE_DEVICES": "0"}}
-    with nanny_cluster([one_gpu, one_gpu], GPUPool(kind="device", max_size="4 GiB")) as c:
+    with nanny_cluster([ONE_GPU, ONE_GPU], GPUPool(kind="device", max_size="4 GiB")) as c:
         assert stress(c, 20, 16 * MiB) > 5
 
 
@@ -283,8 +276,7 @@ def test_stress_producers_release_while_consumers_read_one_gpu():
 )
 def test_stress_producers_release_while_consumers_read_two_gpus():
     gpus(2)
-    rotated = [{"env": {"CUDA_VISIBLE_DEVICES": "0,1"}}, {"env": {"CUDA_VISIBLE_DEVICES": "1,0"}}]
-    with nanny_cluster(rotated, GPUPool(kind="device", max_size="4 GiB", peer_gpu_handoff=True)) as c:
+    with nanny_cluster(ROTATED, GPUPool(kind="device", max_size="4 GiB", peer_gpu_handoff=True)) as c:
         assert stress(c, 20, 16 * MiB) > 5
 
 
@@ -294,24 +286,18 @@ def test_stress_producers_release_while_consumers_read_two_gpus():
 def test_sigkill_of_the_consumer_releases_its_leases_on_a_device_pool():
     gpus(1)
 
-    one_gpu = {"env": {"CUDA_VISIBLE_DEVICES": "0"}}
-    with nanny_cluster([one_gpu, one_gpu], GPUPool(kind="device", max_size="1 GiB")) as c:
+    with nanny_cluster([ONE_GPU, ONE_GPU], GPUPool(kind="device", max_size="1 GiB")) as c:
         a, b = worker_addresses(c)
         xs = [c.submit(T.fill, 16 * MiB, 4, workers=[a], pure=False) for _ in range(8)]
-        ys = [c.submit(T.keep, x, workers=[b], pure=False) for x in xs]
-        c.gather(ys)
-        assert counters(c, a)[a]["leases"] == 8
-        os.kill(pid_of(c, b), signal.SIGKILL)
-        wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="A to release the dead consumer's leases")
-        del xs, ys
+        kill_consumer_holding_leases(c, a, b, xs)
+        del xs
         wait_for(lambda: counters(c, a)[a]["used"] == 0, what="A's pool bytes to return")
 
 
 def test_sigkill_of_the_producer_leaves_the_consumers_device_mapping_readable():
     gpus(1)
 
-    one_gpu = {"env": {"CUDA_VISIBLE_DEVICES": "0"}}
-    with nanny_cluster([one_gpu, one_gpu], GPUPool(kind="device", max_size="1 GiB")) as c:
+    with nanny_cluster([ONE_GPU, ONE_GPU], GPUPool(kind="device", max_size="1 GiB")) as c:
         a, b = worker_addresses(c)
         # B checks a buffer of its own first: CuPy is loaded before the baseline
         own = c.submit(T.fill, MiB, 1, workers=[b], pure=False)
@@ -332,8 +318,7 @@ def test_sigkill_of_the_producer_leaves_the_consumers_device_mapping_readable():
 def test_buffers_over_the_import_limit_are_copied():
     """gpupool.import-limit: a larger CUDA allocation goes as a copy (fallback too-large), a smaller one zero-copy."""
     gpus(1)
-    one_gpu = {"env": {"CUDA_VISIBLE_DEVICES": "0"}}
-    with nanny_cluster([one_gpu, one_gpu], GPUPool(kind="device", max_size="1 GiB", import_limit="64 MiB")) as c:
+    with nanny_cluster([ONE_GPU, ONE_GPU], GPUPool(kind="device", max_size="1 GiB", import_limit="64 MiB")) as c:
         a, b = worker_addresses(c)
         small = c.submit(T.fill, 16 * MiB, 4, workers=[a], pure=False)
         large = c.submit(T.fill, 128 * MiB, 5, workers=[a], pure=False)

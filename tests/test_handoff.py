@@ -219,6 +219,15 @@ def test_unclaimed_lease_expires():
     assert table.release([unclaimed], connection=7) == 0 and len(table) == 1  # nor a lease nobody claimed
 
 
+def kill_consumer_holding_leases(c: Any, a: str, b: str, xs: list[Any]) -> None:
+    """B keeps every key of ``xs`` (A's results, so B imports them), is SIGKILLed, and A releases all the leases."""
+    ys = [c.submit(T.keep, x, workers=[b], pure=False) for x in xs]
+    c.gather(ys)
+    assert counters(c, a)[a]["leases"] == len(xs)
+    os.kill(pid_of(c, b), signal.SIGKILL)
+    wait_for(lambda: counters(c, a)[a]["leases"] == 0, what=f"A to release the dead consumer's {len(xs)} leases")
+
+
 def stress(c, seconds: float, nbytes: int) -> int:
     """Producers drop their keys while consumers still read; freed memory is scribbled over at once.
 
