@@ -83,7 +83,8 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
             raise
         self._get_data = install_get_data_hook(worker, service)
         self.service = service
-        if service.pool.kind in ("device", "pinned") and importlib.util.find_spec("cupy") is not None:
+        gpu_pool = service.pool.kind in ("device", "pinned")
+        if gpu_pool and importlib.util.find_spec("cupy") is not None:
             # CuPy's serializers at setup rather than lazily inside Dask's first dispatch: a dask-cuda
             # worker was seen with no CuPy deserializer after the lazy path (docs/gpu-checks.md).
             from dask_gpupool._serialize import register_cupy
@@ -92,7 +93,7 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
                 register_cupy()
             except Exception:  # the lazy registration retries on the first CuPy array
                 logger.warning("gpupool: registering CuPy's serializers failed; retried on first use", exc_info=True)
-        if options.cupy_allocator and service.pool.kind in ("device", "pinned"):
+        if gpu_pool and options.cupy_allocator:
             from dask_gpupool import _cupy
 
             self._cupy_previous = _cupy.install(service)
