@@ -190,6 +190,8 @@ def measure(
             "extra_device_bytes_on_consumer": extra,
             "samples": samples,
         }
+        if plugin_on:  # pinned staging kept by each side of the pipelined copy path (0 when unused)
+            row["staging_bytes"] = {w: s["staging_bytes"] for w, s in c.run(T.handoff_counters).items()}
         rows.append(row)
         save()
         log(

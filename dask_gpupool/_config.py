@@ -130,6 +130,12 @@ class PoolOptions:
         ``device`` pools: the largest CUDA allocation (a buffer, or the
         segment it lies in) handed over zero-copy; larger ones are copied
         (fallback ``too-large``). 0: no limit.
+    copy_chunk_size : int
+        Chunk of the pipelined copy path (:mod:`dask_gpupool._copy`); 0 sends
+        every copy in Dask's frames.
+    copy_stream_threshold : int
+        Smallest copy sent over the pipelined copy path; smaller ones travel
+        in Dask's frames.
     peer_gpu_handoff : bool
         Hand ``device`` buffers over zero-copy to workers on other GPUs too:
         the pool grants those GPUs access when it is made. Off (the default
@@ -148,6 +154,8 @@ class PoolOptions:
     segment_size: int = 0
     import_limit: int = 5 << 30
     cupy_allocator: bool = False
+    copy_chunk_size: int = 16 << 20
+    copy_stream_threshold: int = 4 << 20
 
     @classmethod
     def from_config(cls, **overrides: Any) -> PoolOptions:
@@ -195,6 +203,10 @@ class PoolOptions:
             segment_size=segment_size,
             import_limit=import_limit,
             cupy_allocator=_parse_bool(raw.get("cupy-allocator", False), "gpupool.cupy-allocator"),
+            copy_chunk_size=_parse_nbytes(raw.get("copy-chunk-size", "16 MiB"), "gpupool.copy-chunk-size"),
+            copy_stream_threshold=_parse_nbytes(
+                raw.get("copy-stream-threshold", "4 MiB"), "gpupool.copy-stream-threshold"
+            ),
         )
 
 

@@ -45,6 +45,8 @@ __all__ = [
     "LeaseRelease",
     "Membership",
     "PoolRecord",
+    "PullReply",
+    "PullRequest",
     "RegistryUpdate",
     "Welcome",
     "decode",
@@ -516,6 +518,58 @@ class Welcome:
 
 
 @dataclass(frozen=True)
+class PullRequest:
+    """Importer -> exporter's copy server: stream me the bytes of leased buffer ``lease``.
+
+    ``proof`` is HMAC-SHA256 of ``pull:<pool>:<lease>`` under the cluster's
+    membership token (:func:`dask_gpupool._copy.pull_proof`): only members
+    of the cluster can make one, and it names one lease of one pool.
+    """
+
+    pool: str
+    lease: int
+    proof: bytes = field(repr=False)
+    op: ClassVar[str] = "pull"
+
+    def to_msg(self) -> dict[str, Any]:
+        return {"op": self.op, "pool": self.pool, "lease": self.lease, "proof": self.proof}
+
+    @classmethod
+    def from_msg(cls, msg: object) -> PullRequest:
+        what = "pull request"
+        m = _message(msg, cls.op, what)
+        lease = _field(m, "lease", int, what)
+        if lease <= 0:
+            raise ProtocolError(f"{what}: lease ids are positive")
+        proof = _field(m, "proof", bytes, what)
+        if len(proof) != TOKEN_BYTES:
+            raise ProtocolError(f"{what}: proof of {len(proof)} bytes (expected {TOKEN_BYTES})")
+        return cls(_uuid_str(_field(m, "pool", str, what), what), lease, proof)
+
+
+@dataclass(frozen=True)
+class PullReply:
+    """Exporter's copy server -> importer: ``size`` raw bytes follow, sent in chunks of ``chunk``."""
+
+    lease: int
+    size: int
+    chunk: int
+    op: ClassVar[str] = "pull-ok"
+
+    def to_msg(self) -> dict[str, Any]:
+        return {"op": self.op, "lease": self.lease, "size": self.size, "chunk": self.chunk}
+
+    @classmethod
+    def from_msg(cls, msg: object) -> PullReply:
+        what = "pull reply"
+        m = _message(msg, cls.op, what)
+        size, chunk = _field(m, "size", int, what), _field(m, "chunk", int, what)
+        if size < 0 or chunk <= 0:
+            raise ProtocolError(f"{what}: size {size} or chunk {chunk} out of range")
+        return cls(_field(m, "lease", int, what), size, chunk)
+
+
+@dataclass(frozen=True)
 class Membership:
     """The scheduler's answer to a worker registering its pool.
 
@@ -628,9 +682,11 @@ class HandoffHeader:
 
     Attributes
     ----------
-    path : {"ipc", "copy"}
+    path : {"ipc", "copy", "stream"}
         ``ipc``: the frames are empty and ``desc`` locates the memory in the
-        exporter's pool. ``copy``: the one frame holds the bytes.
+        exporter's pool. ``copy``: the one frame holds the bytes. ``stream``:
+        the frames are empty; the importer pulls the bytes from the copy
+        server at ``address`` (:mod:`dask_gpupool._copy`).
     kind : {"device", "pinned", "host"}
         Where the data lives at the sender: GPU memory or host memory.
     nbytes : int
@@ -640,12 +696,14 @@ class HandoffHeader:
     desc : BufferDescriptor or None
         ``ipc`` only: where the buffer lives in the exporter's pool.
     lease : int
-        ``ipc`` only: the lease that keeps the memory alive; 0 otherwise.
+        ``ipc`` and ``stream``: the lease that keeps the memory alive; 0 otherwise.
     ready : str
         How the exporter ordered its pending work before the importer reads:
         ``"synced"`` (the exporter's streams were synchronized before sending).
     array : ArrayMeta or None
         Present when the value is an array view rather than a Buffer.
+    address : str
+        ``stream`` only: the exporter's copy server, ``tcp://host:port``.
     """
 
     path: str
@@ -656,8 +714,9 @@ class HandoffHeader:
     lease: int = 0
     ready: str = "synced"
     array: ArrayMeta | None = None
+    address: str = ""
 
-    PATHS: ClassVar[tuple[str, ...]] = ("ipc", "copy")
+    PATHS: ClassVar[tuple[str, ...]] = ("ipc", "copy", "stream")
     READY: ClassVar[tuple[str, ...]] = ("synced",)
 
     def to_msg(self) -> dict[str, Any]:
@@ -670,6 +729,7 @@ class HandoffHeader:
             "lease": self.lease,
             "ready": self.ready,
             "array": None if self.array is None else self.array.to_msg(),
+            "address": self.address,
         }
 
     @classmethod
@@ -693,6 +753,9 @@ class HandoffHeader:
         desc = None if raw_desc is None else BufferDescriptor.from_msg(raw_desc)
         if path == "ipc" and (desc is None or lease == 0):
             raise ProtocolError(f"{what}: an ipc handoff needs a descriptor and a lease")
+        address = _field(m, "address", str, what) if "address" in m else ""
+        if path == "stream" and (lease == 0 or not address.startswith("tcp://")):
+            raise ProtocolError(f"{what}: a stream handoff needs a lease and a tcp:// address")
         if desc is not None and desc.size != nbytes:
             raise ProtocolError(f"{what}: descriptor size {desc.size} differs from nbytes {nbytes}")
         raw_array = _field(m, "array", (dict, type(None)), what)
@@ -705,6 +768,7 @@ class HandoffHeader:
             lease=lease,
             ready=ready,
             array=None if raw_array is None else ArrayMeta.from_msg(raw_array),
+            address=address,
         )
 
 

@@ -319,15 +319,30 @@ def _device_of(buf: Buffer) -> int:
 
 
 def _dumps(
-    holder: Any, buf: Buffer, ipc_meta: ArrayMeta | None, copy_meta: ArrayMeta | None, host_frame: Any
+    holder: Any,
+    buf: Buffer,
+    ipc_meta: ArrayMeta | None,
+    copy_meta: ArrayMeta | None,
+    host_frame: Any,
+    span: tuple[int, int] | None,
 ) -> tuple[dict[str, Any], list[Any]]:
-    """Hand ``buf`` over (IPC) when the request allows it, else copy: ``host_frame()`` gives the bytes."""
+    """Hand ``buf`` over (IPC) when the request allows it, else copy.
+
+    A copy is streamed (:mod:`dask_gpupool._copy`) when ``span``, the
+    ``(offset, nbytes)`` of ``buf`` that holds the value contiguously, is
+    given and the request allows it; otherwise ``host_frame()`` gives the
+    bytes for Dask's frames.
+    """
     request = _REQUEST.get()
     service = request.service if request is not None else None
     if service is not None and request is not None:
         row, _reason = service.plan(request.requester, request.scheme, buf)
         if row is not None:
             return {KEY: service.export_ipc(holder, buf, row, ipc_meta).to_msg()}, []
+        if span is not None:
+            row = service.stream_route(request.requester, request.scheme, span[1])
+            if row is not None:
+                return {KEY: service.export_stream(holder, buf, span[0], span[1], row, copy_meta).to_msg()}, []
     frame = host_frame()
     nbytes = memoryview(frame).nbytes
     if service is not None:
@@ -351,6 +366,13 @@ def _receive(header: HandoffHeader, frames: list[Any], need: str) -> Buffer:
                 "it should have been sent as a copy"
             )
         return service.import_handoff(header)
+    if header.path == "stream":
+        if service is None:
+            raise PoolUnavailableError(
+                f"a streamed copy from {header.exporter} reached a process without a gpupool pool; "
+                "it should have been sent in the frames"
+            )
+        return service.pull_copy(header, need)
     data = frames[0] if frames else b""
     if service is not None:
         return service.receive_copy(header.kind, data, header.exporter, need)
@@ -359,7 +381,7 @@ def _receive(header: HandoffHeader, frames: list[Any], need: str) -> Buffer:
 
 @dask_serialize.register(Buffer)
 def _serialize_buffer(buf: Buffer, context: Any = None) -> tuple[dict[str, Any], list[Any]]:
-    return _dumps(buf, buf, None, None, lambda: copy_to_host(buf, 0, buf.size))
+    return _dumps(buf, buf, None, None, lambda: copy_to_host(buf, 0, buf.size), (0, int(buf.size)))
 
 
 @dask_deserialize.register(Buffer)
@@ -383,9 +405,11 @@ def _dumps_array(arr: Any, module: str, ptr: int, previous: Any, context: Any) -
         contiguous: Any = np.ascontiguousarray(arr)
         return memoryview(contiguous).cast("B")
 
-    ipc_meta = ArrayMeta(module, shape, strides, arr.dtype.str, ptr - int(buf.handle))
+    offset = ptr - int(buf.handle)
+    ipc_meta = ArrayMeta(module, shape, strides, arr.dtype.str, offset)
     copy_meta = ArrayMeta(module, shape, _c_strides(shape, arr.dtype), arr.dtype.str, 0)
-    return _dumps(buf, buf, ipc_meta, copy_meta, host_frame)
+    span = (offset, int(arr.nbytes)) if arr.flags.c_contiguous else None
+    return _dumps(buf, buf, ipc_meta, copy_meta, host_frame, span)
 
 
 def _loads_array(header: dict[str, Any], frames: list[Any], previous: Any) -> Any:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from dask_gpupool._broker import FdBroker
 from dask_gpupool._config import PoolOptions
+from dask_gpupool._copy import STAGING, CopyServer, Staged, pull
 from dask_gpupool._errors import (
     DataLostError,
     GPUPoolError,
@@ -167,6 +168,10 @@ class PoolService:
         Counters of handoffs in and out.
     releaser : Releaser
         Sends lease releases for buffers imported here (owned; stopped by :meth:`close`).
+    copier : CopyServer or None
+        Serves this worker's copies over the pipelined copy path (owned;
+        closed by :meth:`close`); ``None`` when that path is off or the
+        worker does not listen on ``tcp``.
     """
 
     options: PoolOptions
@@ -179,6 +184,7 @@ class PoolService:
     leases: LeaseTable
     handoffs: HandoffStats
     releaser: Releaser
+    copier: CopyServer | None
     _links: dict[str, PeerLink]
     _links_lock: threading.Lock
     _closed: bool
@@ -191,6 +197,7 @@ class PoolService:
         record: PoolRecord,
         devices: LocalDevices,
         leases: LeaseTable | None = None,
+        copier: CopyServer | None = None,
     ):
         self.options = options
         self.pool = pool
@@ -202,6 +209,7 @@ class PoolService:
         self.leases = leases if leases is not None else LeaseTable(options.lease_timeout)
         self.handoffs = HandoffStats()
         self.releaser = Releaser()
+        self.copier = copier
         self.token: bytes | None = None  # the cluster's membership token, from the scheduler (join)
         self._links = {}
         self._links_lock = threading.Lock()
@@ -226,6 +234,12 @@ class PoolService:
         except BaseException:
             pool.close()
             raise
+        try:
+            copier = _copy_server(options, pool, leases, worker_address)
+        except BaseException:
+            broker.close()
+            pool.close()
+            raise
         host, hostname = host_identity(options.host_id)
         record = PoolRecord(
             pool=pool.uuid,
@@ -248,7 +262,7 @@ class PoolService:
             pool.device_uuid or "host memory",
             broker.address,
         )
-        return cls(options, pool, broker, record, devices, leases)
+        return cls(options, pool, broker, record, devices, leases, copier)
 
     # -- this worker's pool --------------------------------------------------------
 
@@ -394,6 +408,48 @@ class PoolService:
             "ipc", self.pool.kind, buf.size, exporter=self.record.worker, desc=desc, lease=lease, array=array
         )
 
+    def stream_route(self, requester: str | None, scheme: str, nbytes: int) -> PoolRecord | None:
+        """The requester's row when a copy of ``nbytes`` to it goes over the pipelined copy path, else ``None``.
+
+        That is: a worker of this cluster in another process, over a ``tcp``
+        comm, at least ``copy-stream-threshold`` bytes, with this worker's
+        copy server running.
+        """
+        if self.copier is None or scheme != "tcp" or nbytes < max(self.options.copy_stream_threshold, 1):
+            return None
+        row = self.registry.worker_row(requester) if requester else None
+        if row is None or (row.host == self.record.host and row.pid == self.record.pid):
+            return None
+        return row
+
+    def export_stream(
+        self, holder: Any, buf: Buffer, offset: int, nbytes: int, row: PoolRecord, array: ArrayMeta | None
+    ) -> HandoffHeader:
+        """Grant ``row``'s worker a stream lease on ``nbytes`` of ``buf`` from ``offset``, to pull.
+
+        ``holder`` stays referenced by the lease until the copy server has
+        copied the last chunk out (or the lease expires unpulled). Pending
+        GPU work is finished first, as for :meth:`export_ipc`.
+        """
+        assert self.copier is not None
+        if buf.is_device_accessible:
+            from cuda.core import Device
+
+            dev = Device(int(buf.device_id) if int(buf.device_id) >= 0 else (self.pool.device or 0))
+            dev.set_current()
+            dev.sync()
+        lease = self.leases.grant(Staged(holder, buf, offset, nbytes), nbytes, row.worker)
+        self.handoffs.add(copied_out_bytes=nbytes, streamed_out_bytes=nbytes)
+        return HandoffHeader(
+            "stream",
+            buffer_kind(buf),
+            nbytes,
+            exporter=self.record.worker,
+            lease=lease,
+            array=array,
+            address=self.copier.address,
+        )
+
     # -- handoffs: the importer's side -------------------------------------------------
 
     def import_handoff(self, header: HandoffHeader) -> Buffer:
@@ -492,22 +548,53 @@ class PoolService:
         """
         view = memoryview(data).cast("B")
         n = view.nbytes
+        buf = self._landing(n, sender, need)
+        copy_from_host(buf, view)
+        self.handoffs.add(copied_bytes=n)
+        return buf
+
+    def pull_copy(self, header: HandoffHeader, need: str = "any") -> Buffer:
+        """Pull a ``stream`` handoff from the exporter's copy server into this worker's pool. Blocking.
+
+        Lands like :meth:`receive_copy`. Returns a Buffer owned by the caller.
+
+        Raises
+        ------
+        DataLostError
+            If the exporter left, refused (lease ended) or the transfer broke;
+            names lease, pool and worker.
+        """
+        assert header.path == "stream"
+        record = self.registry.worker_row(header.exporter)
+        if record is None:
+            raise DataLostError(
+                f"worker {header.exporter} is not registered (it left?); lease {header.lease} cannot be pulled"
+            )
+        if self.token is None:
+            raise NotAMemberError(f"pool {self.pool.uuid}: not registered with the scheduler yet (no cluster token)")
+        buf = self._landing(header.nbytes, header.exporter, need)
+        try:
+            pull(header.address, record.pool, header.lease, self.token, buf, self.options.broker_timeout)
+        except BaseException:
+            buf.close()
+            raise
+        self.handoffs.add(copied_bytes=header.nbytes, streamed_bytes=header.nbytes)
+        return buf
+
+    def _landing(self, n: int, sender: str, need: str) -> Buffer:
+        """Memory for a copy of ``n`` bytes: this pool if it fits ``need`` and has room, else outside it."""
         fits = (
             need == "any"
             or (need == "host" and self.pool.kind != "device")
             or (need == "device" and self.pool.kind != "host")
         )
         if not fits:
-            buf = _outside_pool(self.pool, n, need)
-        else:
-            try:
-                buf = self.pool.allocate(n)
-            except PoolExhaustedError as e:
-                self.handoffs.fallback(sender, "receiver-pool-full", self.record.worker, str(e))
-                buf = _outside_pool(self.pool, n, need)
-        copy_from_host(buf, view)
-        self.handoffs.add(copied_bytes=n)
-        return buf
+            return _outside_pool(self.pool, n, need)
+        try:
+            return self.pool.allocate(n)
+        except PoolExhaustedError as e:
+            self.handoffs.fallback(sender, "receiver-pool-full", self.record.worker, str(e))
+            return _outside_pool(self.pool, n, need)
 
     # -- registry --------------------------------------------------------------------
 
@@ -520,6 +607,8 @@ class PoolService:
         """
         old, self.token = self.token, membership.token
         self.broker.token = membership.token
+        if self.copier is not None:
+            self.copier.token = membership.token
         if old is not None and old != membership.token:
             with self._links_lock:
                 links, self._links = list(self._links.values()), {}
@@ -558,6 +647,8 @@ class PoolService:
             "leases_expired": self.leases.expired_total,
             "mapped_pools": len(self.mapped),
             "links": sum(link.alive for link in self._links.values()),
+            "pulls": 0 if self.copier is None else self.copier.transfers,
+            "staging_bytes": STAGING.nbytes,
         }
 
     # -- lifecycle -------------------------------------------------------------------
@@ -580,6 +671,8 @@ class PoolService:
             if self in _ACTIVE:
                 _ACTIVE.remove(self)
         self.broker.close()
+        if self.copier is not None:
+            self.copier.close()  # waits for the pulls in flight: their leases end with them
         if self.pool.kind == "host":
             self.leases.clear()  # peers' mappings of the memfd keep its pages; nothing is reused here
         else:
@@ -597,8 +690,26 @@ class PoolService:
         for link in links:
             link.close()
         self.mapped.close_all()
+        if not active_services():
+            STAGING.clear()  # the process's pinned staging slots go with its last pool
         self.pool.close()
         logger.info("pool %s: closed", self.pool.uuid)
+
+
+def _copy_server(options: PoolOptions, pool: Pool, leases: LeaseTable, worker_address: str) -> CopyServer | None:
+    """The worker's copy server, listening on the worker's interface; ``None`` when off or not ``tcp``."""
+    if not options.copy_chunk_size or not worker_address.startswith("tcp://"):
+        return None
+    from distributed.comm import get_address_host
+
+    return CopyServer(
+        pool.uuid,
+        leases,
+        get_address_host(worker_address),
+        options.broker_timeout,
+        options.copy_chunk_size,
+        pool.device,
+    )
 
 
 def _outside_pool(pool: Pool, nbytes: int, need: str = "any") -> Buffer:

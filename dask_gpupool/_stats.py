@@ -40,6 +40,9 @@ class HandoffStats:
         Bytes this worker received as host copies (any sender).
     copied_out_bytes : int
         Bytes this worker sent as host copies (peers, clients, spilling).
+    streamed_bytes, streamed_out_bytes : int
+        The part of ``copied_bytes`` / ``copied_out_bytes`` that went over the
+        pipelined copy path (:mod:`dask_gpupool._copy`) rather than in Dask's frames.
     fallbacks : dict of str to int
         Same-host transfers that were copied, by reason (see :data:`FALLBACK_REASONS`).
     """
@@ -49,6 +52,8 @@ class HandoffStats:
     zero_copy_bytes: int
     copied_bytes: int
     copied_out_bytes: int
+    streamed_bytes: int
+    streamed_out_bytes: int
     fallbacks: dict[str, int]
     _warned: set[tuple[str, str]]
     _lock: threading.Lock
@@ -56,6 +61,7 @@ class HandoffStats:
     def __init__(self) -> None:
         self.exports = self.imports = 0
         self.zero_copy_bytes = self.copied_bytes = self.copied_out_bytes = 0
+        self.streamed_bytes = self.streamed_out_bytes = 0
         self.fallbacks = {}
         self._warned = set()
         self._lock = threading.Lock()
@@ -90,5 +96,7 @@ class HandoffStats:
                 "zero_copy_bytes": self.zero_copy_bytes,
                 "copied_bytes": self.copied_bytes,
                 "copied_out_bytes": self.copied_out_bytes,
+                "streamed_bytes": self.streamed_bytes,
+                "streamed_out_bytes": self.streamed_out_bytes,
                 "fallbacks": dict(self.fallbacks),
             }

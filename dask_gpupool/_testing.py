@@ -162,6 +162,7 @@ def resources(dask_worker: Worker) -> dict[str, Any]:
         "used": service.stats().used,
         "held": len(_held),
         "leases": len(service.leases),
+        "pulls": 0 if service.copier is None else service.copier.transfers,
     }
 
 

@@ -35,6 +35,8 @@ from dask_gpupool._messages import (
     Hello,
     Membership,
     PoolRecord,
+    PullReply,
+    PullRequest,
     RegistryUpdate,
     decode,
     encode,
@@ -69,6 +71,8 @@ PARSERS = [
     HandleReply.from_msg,
     CopyReply.from_msg,
     ErrorReply.from_msg,
+    PullRequest.from_msg,
+    PullReply.from_msg,
 ]
 VALID = {
     "record": PoolRecord(POOL, "tcp://h:1", 7, "h/b", "h", "device", "GPU-1", MiB, "/tmp/b.sock", ("GPU-1",)).to_msg(),
@@ -85,6 +89,8 @@ VALID = {
     },
     "hello": Hello(TOKEN).to_msg(),
     "request": {"op": "pool-handle", "pool": POOL},
+    "stream": HandoffHeader("stream", "device", 64, "tcp://h:1", lease=3, address="tcp://h:2").to_msg(),
+    "pull": PullRequest(POOL, 3, b"p" * 32).to_msg(),
 }
 PARSER_OF = {
     "record": PoolRecord.from_msg,
@@ -92,6 +98,8 @@ PARSER_OF = {
     "header": HandoffHeader.from_msg,
     "hello": Hello.from_msg,
     "request": parse_request,
+    "stream": HandoffHeader.from_msg,
+    "pull": PullRequest.from_msg,
 }
 
 

@@ -251,15 +251,38 @@ def test_handoff_pinned_pools():
 
 
 def test_handoff_copies_across_host_ids_on_gpus():
+    """Other hosts get copies: large ones pulled through pinned staging in chunks, small ones in the frames."""
+    import numpy as np
+
     gpus(1)
-    hosts = [{"env": {"CUDA_VISIBLE_DEVICES": "0"}, "config": {"gpupool": {"host-id": f"host-{i}"}}} for i in range(2)]
+    config = {"copy-chunk-size": "4 MiB"}
+    hosts = [{**ONE_GPU, "config": {"gpupool": {"host-id": f"host-{i}", **config}}} for i in range(2)]
     with nanny_cluster(hosts, GPUPool(kind="device", max_size="1 GiB")) as c:
         a, b = worker_addresses(c)
-        x = c.submit(T.fill, 32 * MiB, 7, workers=[a], pure=False)
+        warm_up(c, a, b)
+        # the first pull allocates the process's pinned staging, kept for the next ones
+        c.submit(
+            T.all_equal, c.submit(T.fill, 8 * MiB, 1, workers=[a], pure=False), 1, workers=[b], pure=False
+        ).result()
+        wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="the warm-up pull's lease to end")
+        baseline = c.run(T.resources)
+        before = counters(c)
+        x = c.submit(T.fill, 32 * MiB + 3, 7, workers=[a], pure=False)
         y = c.submit(T.keep, x, workers=[b], pure=False)
         assert c.submit(T.describe, y, workers=[b], pure=False).result()["in_own_pool"]
         assert c.submit(T.all_equal, y, 7, workers=[b], pure=False).result()
-        assert c.run(T.handoff_counters)[b]["copied_bytes"] == 32 * MiB
+        n = 5_000_001  # float64: 9 chunks and a short one
+        arr = c.submit(T.make_array, n, "cupy", workers=[a], pure=False)
+        assert c.submit(T.total, arr, workers=[b], pure=False).result() == float(np.arange(n).sum())
+        small = c.submit(T.fill, MiB, 5, workers=[a], pure=False)
+        assert c.submit(T.all_equal, small, 5, workers=[b], pure=False).result()
+        now = counters(c)
+        streamed = 32 * MiB + 3 + n * 8
+        assert now[b]["streamed_bytes"] - before[b]["streamed_bytes"] == streamed
+        assert now[b]["copied_bytes"] - before[b]["copied_bytes"] == streamed + MiB
+        assert now[a]["streamed_out_bytes"] - before[a]["streamed_out_bytes"] == streamed
+        del x, y, arr, small
+        back_to(c, baseline)
 
 
 def test_stress_producers_release_while_consumers_read_one_gpu():

@@ -126,6 +126,35 @@ def test_other_host_ids_copy_and_land_in_the_receivers_pool():
         assert now[a]["fallbacks"] == {}  # another host is not a fallback
 
 
+def test_large_copies_to_another_host_are_pulled_in_chunks_and_leave_nothing():
+    """Copies from ``copy-stream-threshold`` up go over the pipelined copy path, smaller ones in the frames."""
+    import numpy as np
+
+    hosts = [{"config": {"gpupool": {"host-id": h, "copy-chunk-size": "1 MiB"}}} for h in ("host-a", "host-b")]
+    with nanny_cluster(hosts, HOST_POOL) as c:
+        a, b = worker_addresses(c)
+        baseline = warm_up(c, a, b)
+        before = counters(c)
+        n = 1_000_003  # 8 chunks and a short one
+        arr = c.submit(T.make_array, n, workers=[a], pure=False)
+        got = c.submit(T.keep, arr, workers=[b], pure=False)
+        assert c.submit(T.total, got, workers=[b], pure=False).result() == float(np.arange(n).sum())
+        info = c.submit(T.describe, got, workers=[b], pure=False).result()
+        assert info == {"type": "numpy.ndarray", "imported": False, "in_own_pool": True}
+        big = c.submit(T.make_buffer, 6 * MiB, b"pulled", workers=[a], pure=False)
+        small = c.submit(T.make_buffer, MiB, b"framed", workers=[a], pure=False)
+        heads = [c.submit(T.head, x, 6, workers=[b], pure=False) for x in (big, small)]
+        assert c.gather(heads) == [b"pulled", b"framed"]
+        now = counters(c)
+        streamed = n * 8 + 6 * MiB
+        assert now[b]["streamed_bytes"] - before[b]["streamed_bytes"] == streamed
+        assert now[b]["copied_bytes"] - before[b]["copied_bytes"] == streamed + MiB
+        assert now[a]["streamed_out_bytes"] - before[a]["streamed_out_bytes"] == streamed
+        assert now[a]["fallbacks"] == {} and now[b]["fallbacks"] == {}
+        del arr, got, big, small, heads
+        back_to(c, baseline)
+
+
 def test_client_gather_gets_a_host_copy():
     with nanny_cluster([{}], HOST_POOL) as c:
         (a,) = worker_addresses(c)

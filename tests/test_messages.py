@@ -15,7 +15,10 @@ from dask_gpupool._messages import (
     ErrorReply,
     HandleReply,
     HandleRequest,
+    HandoffHeader,
     PoolRecord,
+    PullReply,
+    PullRequest,
     RegistryUpdate,
     decode,
     encode,
@@ -47,6 +50,22 @@ def test_records_and_updates_round_trip_through_msgpack():
 def test_broker_messages_round_trip():
     for m in (HandleRequest(POOL), HandleReply(POOL, "host", 10)):
         assert type(m).from_msg(decode(encode(m))) == m
+
+
+def test_copy_path_messages_round_trip_and_refuse_bad_fields():
+    for m in (PullRequest(POOL, 9, b"p" * 32), PullReply(9, 1 << 30, 16 << 20)):
+        assert type(m).from_msg(wire(m.to_msg())) == m
+    header = HandoffHeader("stream", "device", 64, "tcp://h:1", lease=3, address="tcp://h:2")
+    assert HandoffHeader.from_msg(wire(header.to_msg())) == header
+    for bad in ({"lease": 0}, {"address": ""}, {"address": "ucx://h:2"}):
+        with pytest.raises(ProtocolError, match="stream handoff needs"):
+            HandoffHeader.from_msg({**header.to_msg(), **bad})
+    with pytest.raises(ProtocolError, match="proof of 3 bytes"):
+        PullRequest.from_msg({**PullRequest(POOL, 9, b"p" * 32).to_msg(), "proof": b"abc"})
+    with pytest.raises(ProtocolError, match="lease ids are positive"):
+        PullRequest.from_msg({**PullRequest(POOL, 9, b"p" * 32).to_msg(), "lease": -1})
+    with pytest.raises(ProtocolError, match="out of range"):
+        PullReply.from_msg({**PullReply(9, 10, 16).to_msg(), "chunk": 0})
 
 
 @pytest.mark.parametrize(

@@ -148,7 +148,7 @@ def pipeline(dev: Any, src: Any) -> None:
     """Device -> pinned -> TCP -> pinned -> device, chunked, with ``SLOTS`` staging chunks per side."""
     from cuda.core import DeviceMemoryResource, PinnedMemoryResource
 
-    dst = DeviceMemoryResource(dev).allocate(SIZE)
+    dst = DeviceMemoryResource(dev).allocate(SIZE, stream=dev.default_stream)
     chunks = [(off, min(CHUNK, SIZE - off)) for off in range(0, SIZE, CHUNK)]
 
     def run(pairs: list[tuple[socket.socket, socket.socket]]) -> float:

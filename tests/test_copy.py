@@ -1,0 +1,140 @@
+"""The pipelined copy path's server and client on host memory (runs in CI, no GPU)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import time
+import uuid
+
+import msgpack
+import pytest
+from conftest import no_fd_leak  # noqa: F401  (fixture)
+
+from dask_gpupool import DataLostError, NotAMemberError
+from dask_gpupool._copy import CopyServer, Staged, pull, pull_proof
+from dask_gpupool._lease import LeaseTable
+from dask_gpupool._service import host_buffer
+from dask_gpupool._testing import read_bytes
+
+POOL = str(uuid.uuid4())
+TOKEN = b"t" * 32
+CHUNK = 1 << 16
+
+
+@pytest.fixture
+def server(no_fd_leak):  # noqa: F811
+    leases = LeaseTable(60.0)
+    srv = CopyServer(POOL, leases, "127.0.0.1", 5.0, CHUNK, None)
+    srv.token = TOKEN
+    yield srv, leases
+    srv.close()
+    assert len(leases) == 0 and srv.transfers == 0
+
+
+def offer(leases: LeaseTable, data: bytes, offset: int = 0) -> tuple[int, int]:
+    """Grant a stream lease on ``data[offset:]`` held in a host Buffer; return (lease, nbytes)."""
+    buf = host_buffer(bytearray(data))
+    n = len(data) - offset
+    return leases.grant(Staged(buf, buf, offset, n), n, "tcp://importer:1"), n
+
+
+def wait_for(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def test_pull_receives_every_chunk_and_ends_the_lease(server):
+    srv, leases = server
+    data = os.urandom(5 * CHUNK + 123)
+    lease, n = offer(leases, data, offset=7)
+    dst = host_buffer(bytearray(n))
+    pull(srv.address, POOL, lease, TOKEN, dst, 5.0)
+    assert read_bytes(dst, n) == data[7:]
+    wait_for(lambda: len(leases) == 0)
+    with pytest.raises(DataLostError, match="ended or was pulled already"):
+        pull(srv.address, POOL, lease, TOKEN, host_buffer(bytearray(n)), 5.0)
+
+
+def test_a_pull_without_the_token_is_refused_and_the_lease_stays(server):
+    srv, leases = server
+    lease, n = offer(leases, b"x" * 1000)
+    with pytest.raises(DataLostError) as info:
+        pull(srv.address, POOL, lease, b"u" * 32, host_buffer(bytearray(n)), 5.0)
+    assert isinstance(info.value.__cause__, NotAMemberError)
+    assert len(leases) == 1
+    pull(srv.address, POOL, lease, TOKEN, host_buffer(bytearray(n)), 5.0)  # the member still gets it
+    wait_for(lambda: len(leases) == 0)
+
+
+def test_an_unknown_pool_or_lease_is_data_lost(server):
+    srv, _leases = server
+    with pytest.raises(DataLostError, match="has ended"):
+        pull(srv.address, POOL, 12345, TOKEN, host_buffer(bytearray(8)), 5.0)
+    other = str(uuid.uuid4())
+    with pytest.raises(DataLostError, match="not served here"):
+        pull(srv.address, other, 12345, TOKEN, host_buffer(bytearray(8)), 5.0)
+
+
+def test_an_ipc_lease_cannot_be_pulled_or_ended_by_a_pull(server):
+    srv, leases = server
+    ipc = leases.grant(host_buffer(bytearray(8)), 8, "tcp://importer:1")
+    with pytest.raises(DataLostError, match="not a stream lease"):
+        pull(srv.address, POOL, ipc, TOKEN, host_buffer(bytearray(8)), 5.0)
+    assert leases.holder(ipc) is not None
+    leases.release([ipc])
+
+
+def test_a_size_mismatch_is_refused_before_any_byte_lands(server):
+    srv, leases = server
+    lease, n = offer(leases, b"y" * 100)
+    with pytest.raises(DataLostError, match="asked lease"):
+        pull(srv.address, POOL, lease, TOKEN, host_buffer(bytearray(n + 1)), 5.0)
+    wait_for(lambda: len(leases) == 0 and srv.transfers == 0)  # the server saw the connection close
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"\xff\xff\xff\xff",  # a length over the limit
+        struct.pack("!I", 3) + b"\xc1\xc1\xc1",  # not msgpack
+        struct.pack("!I", 1) + msgpack.packb(1),  # not a map
+        b"\0\0",  # cut short
+    ],
+)
+def test_a_malformed_request_closes_only_that_connection(server, raw):
+    srv, leases = server
+    host, port = srv.address[len("tcp://") :].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(raw)
+        s.shutdown(socket.SHUT_WR)
+        s.settimeout(5)
+        while s.recv(4096):
+            pass
+    lease, n = offer(leases, b"z" * 10)
+    pull(srv.address, POOL, lease, TOKEN, host_buffer(bytearray(n)), 5.0)  # still serving
+    wait_for(lambda: len(leases) == 0)
+
+
+def test_an_importer_that_hangs_up_mid_transfer_releases_the_lease(server):
+    srv, leases = server
+    lease, _n = offer(leases, b"w" * (64 * CHUNK))
+    host, port = srv.address[len("tcp://") :].rsplit(":", 1)
+    request = {"op": "pull", "pool": POOL, "lease": lease, "proof": pull_proof(TOKEN, POOL, lease)}
+    data = msgpack.packb(request, use_bin_type=True)
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(struct.pack("!I", len(data)) + data)
+        s.recv(CHUNK)  # the reply and some bytes, then hang up
+    wait_for(lambda: len(leases) == 0 and srv.transfers == 0)
+
+
+def test_a_dead_exporter_is_data_lost(no_fd_leak):  # noqa: F811
+    leases = LeaseTable(60.0)
+    srv = CopyServer(POOL, leases, "127.0.0.1", 5.0, CHUNK, None)
+    address = srv.address
+    srv.close()
+    with pytest.raises(DataLostError, match="ConnectionRefusedError"):
+        pull(address, POOL, 1, TOKEN, host_buffer(bytearray(8)), 5.0)
