@@ -304,6 +304,7 @@ def main() -> None:
         "lib": lib,
         "repeats": args.repeats,
         "segment_size": args.segment_size if gpus else None,
+        "gpupool_config": dask.config.get("gpupool"),  # with DASK_GPUPOOL__* from the environment
         "runs": [],
     }
     places = placements(gpus)

@@ -136,6 +136,9 @@ class PoolOptions:
     copy_stream_threshold : int
         Smallest copy sent over the pipelined copy path; smaller ones travel
         in Dask's frames.
+    copy_streams : int
+        Connections (lanes) one copy is pulled over, each with its own
+        staging and CUDA stream; at most 16.
     peer_gpu_handoff : bool
         Hand ``device`` buffers over zero-copy to workers on other GPUs too:
         the pool grants those GPUs access when it is made. Off (the default
@@ -156,6 +159,7 @@ class PoolOptions:
     cupy_allocator: bool = False
     copy_chunk_size: int = 16 << 20
     copy_stream_threshold: int = 4 << 20
+    copy_streams: int = 4
 
     @classmethod
     def from_config(cls, **overrides: Any) -> PoolOptions:
@@ -207,6 +211,7 @@ class PoolOptions:
             copy_stream_threshold=_parse_nbytes(
                 raw.get("copy-stream-threshold", "4 MiB"), "gpupool.copy-stream-threshold"
             ),
+            copy_streams=_parse_count(raw.get("copy-streams", 4), "gpupool.copy-streams", 1, 16),
         )
 
 
@@ -253,6 +258,14 @@ def _parse_nbytes(value: object, key: str) -> int:
     if nbytes is None or nbytes < 0:
         raise ConfigError(f"{key}={value!r} is not a size; valid: '1 GiB', '256MiB', bytes, or 0 for off")
     return nbytes
+
+
+def _parse_count(value: object, key: str, low: int, high: int) -> int:
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ConfigError(f"{key}={value!r} is not a count; valid: an integer from {low} to {high}")
+    return value
 
 
 def _parse_timeout(value: object, key: str) -> float:

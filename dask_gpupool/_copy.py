@@ -69,12 +69,12 @@ if TYPE_CHECKING:
 
     from dask_gpupool._lease import LeaseTable
 
-__all__ = ["SLOTS", "STAGING", "CopyServer", "Staged", "Staging", "pull", "pull_proof"]
+__all__ = ["SLOTS", "STAGING", "CopyServer", "Staged", "Staging", "lanes", "pull", "pull_proof"]
 
 logger = logging.getLogger(__name__)
 
-#: Pinned staging chunks per transfer on each side: one being sent (or copied in), the others being filled.
-SLOTS = 3
+#: Pinned staging chunks per lane on each side: one being sent (or copied in) while the other is filled.
+SLOTS = 2
 
 _LENGTH = struct.Struct("!I")
 
@@ -256,10 +256,27 @@ class CopyServer:
             stream.close()
 
 
+def lanes(nbytes: int, chunk: int, streams: int) -> list[tuple[int, int]]:
+    """Split ``nbytes`` into at most ``streams`` contiguous ``(offset, nbytes)`` lanes of whole chunks."""
+    chunks = -(-nbytes // chunk) if nbytes else 1
+    per = -(-chunks // max(1, min(streams, chunks))) * chunk
+    return [(off, min(per, nbytes - off)) for off in range(0, max(nbytes, 1), per)] if nbytes else [(0, 0)]
+
+
 def pull(
-    address: str, pool: str, lease: int, token: bytes, dst: Buffer, timeout: float, device: int | None = None
+    address: str,
+    pool: str,
+    leases: list[int],
+    token: bytes,
+    dst: Buffer,
+    timeout: float,
+    device: int | None = None,
 ) -> None:
-    """Pull the bytes of stream lease ``lease`` of ``pool`` from ``address`` into ``dst``. Blocking.
+    """Pull stream leases ``leases`` of ``pool`` from ``address`` into ``dst``, one connection each. Blocking.
+
+    Each lease is one lane: a contiguous part of the value, in order; lane k
+    lands after the bytes of lanes 0..k-1. Lanes after the first are received
+    in threads of a shared executor, the first in the calling thread.
 
     Parameters
     ----------
@@ -272,29 +289,70 @@ def pull(
     Raises
     ------
     DataLostError
-        The exporter cannot be reached, refused, or the connection broke.
+        The exporter cannot be reached, refused (a lease ended), or a
+        connection broke. Leases of lanes not pulled expire at the exporter.
     """
     host, port = _parse(address)
+    conns: list[socket.socket] = []
+    what = f"pulling lease(s) {list(leases)} of pool {pool} from {address}"
     try:
-        with socket.create_connection((host, port), timeout=timeout) as conn:
+        for lease in leases:
+            conn = socket.create_connection((host, port), timeout=timeout)
+            conns.append(conn)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             _send_message(conn, PullRequest(pool, lease, pull_proof(token, pool, lease)).to_msg())
+        offset, parts = 0, []
+        for conn, lease in zip(conns, leases, strict=True):
             msg = decode(_recv_message(conn))
             raise_for_error(msg, f"copy server {address}")
             reply = PullReply.from_msg(msg)
-            if reply.lease != lease or reply.size != dst.size:
-                raise ProtocolError(
-                    f"pull reply for lease {reply.lease} of {reply.size} bytes; asked lease {lease} of {dst.size}"
-                )
-            _receive(conn, dst, reply.chunk, device)
+            if reply.lease != lease or offset + reply.size > dst.size:
+                raise ProtocolError(f"pull reply for lease {reply.lease} of {reply.size} bytes; asked lease {lease}")
+            parts.append((conn, offset, reply.size, reply.chunk))
+            offset += reply.size
+        if offset != dst.size:
+            raise ProtocolError(f"the lanes hold {offset} bytes, the value {dst.size}")
+        others = [_executor().submit(_receive, c, dst, off, n, chunk, device) for c, off, n, chunk in parts[1:]]
+        first, off, n, chunk = parts[0]
+        try:
+            _receive(first, dst, off, n, chunk, device)
+        except BaseException:
+            for c in conns:  # the other lanes stop at once instead of at their timeout
+                with contextlib.suppress(OSError):
+                    c.shutdown(socket.SHUT_RDWR)
+            raise
+        finally:
+            for f in others:
+                f.exception()  # wait for every lane before the connections close
+        for f in others:
+            f.result()
     except (OSError, GPUPoolError) as e:
         if isinstance(e, DataLostError):
             raise
-        raise DataLostError(f"pulling lease {lease} of pool {pool} from {address}: {type(e).__name__}: {e}") from e
+        raise DataLostError(f"{what}: {type(e).__name__}: {e}") from e
+    finally:
+        for conn in conns:
+            conn.close()
 
 
-def _receive(conn: socket.socket, dst: Buffer, chunk: int, device: int | None) -> None:
-    start, n = int(dst.handle), int(dst.size)
+_EXECUTOR: Any = None
+_EXECUTOR_LOCK = threading.Lock()
+
+
+def _executor() -> Any:
+    """The threads that receive lanes after the first (made on first use, shared by the process)."""
+    global _EXECUTOR
+    with _EXECUTOR_LOCK:
+        if _EXECUTOR is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _EXECUTOR = ThreadPoolExecutor(max_workers=16, thread_name_prefix="gpupool-pull")
+        return _EXECUTOR
+
+
+def _receive(conn: socket.socket, dst: Buffer, offset: int, n: int, chunk: int, device: int | None) -> None:
+    """Receive ``n`` bytes into ``dst`` from ``offset``, chunk by chunk."""
+    start = int(dst.handle) + offset
     if dst.is_host_accessible:
         for off, size in _chunks(n, chunk):
             _recv_exactly(conn, _view(start + off, size))
@@ -335,7 +393,7 @@ class Staging:
     A set is given back only after its transfer's stream was synchronized.
     """
 
-    def __init__(self, keep: int = 2) -> None:
+    def __init__(self, keep: int = 8) -> None:
         self._keep = keep
         self._free: dict[tuple[int, int], list[list[Buffer]]] = {}
         self._lock = threading.Lock()

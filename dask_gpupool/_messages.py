@@ -30,6 +30,7 @@ from dask_gpupool import _errors
 from dask_gpupool._errors import ProtocolError
 
 __all__ = [
+    "MAX_LANES",
     "MAX_MESSAGE_BYTES",
     "TOKEN_BYTES",
     "ArrayMeta",
@@ -53,6 +54,9 @@ __all__ = [
     "encode",
     "raise_for_error",
 ]
+
+#: Most connections (lanes) one streamed copy is pulled over.
+MAX_LANES = 16
 
 #: Largest broker message accepted; anything bigger is malformed.
 MAX_MESSAGE_BYTES = 64 * 1024
@@ -704,6 +708,10 @@ class HandoffHeader:
         Present when the value is an array view rather than a Buffer.
     address : str
         ``stream`` only: the exporter's copy server, ``tcp://host:port``.
+    lanes : tuple of int
+        ``stream`` only: the leases of the lanes after the first (``lease``):
+        the value is pulled over one connection per lease, each lease holding
+        the next contiguous part (at most :data:`MAX_LANES` in all).
     """
 
     path: str
@@ -715,6 +723,7 @@ class HandoffHeader:
     ready: str = "synced"
     array: ArrayMeta | None = None
     address: str = ""
+    lanes: tuple[int, ...] = ()
 
     PATHS: ClassVar[tuple[str, ...]] = ("ipc", "copy", "stream")
     READY: ClassVar[tuple[str, ...]] = ("synced",)
@@ -730,6 +739,7 @@ class HandoffHeader:
             "ready": self.ready,
             "array": None if self.array is None else self.array.to_msg(),
             "address": self.address,
+            "lanes": list(self.lanes),
         }
 
     @classmethod
@@ -756,6 +766,13 @@ class HandoffHeader:
         address = _field(m, "address", str, what) if "address" in m else ""
         if path == "stream" and (lease == 0 or not address.startswith("tcp://")):
             raise ProtocolError(f"{what}: a stream handoff needs a lease and a tcp:// address")
+        raw_lanes = _field(m, "lanes", (list, tuple), what) if "lanes" in m else []
+        if len(raw_lanes) >= MAX_LANES or not all(
+            isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in raw_lanes
+        ):
+            raise ProtocolError(f"{what}: lanes must be fewer than {MAX_LANES} positive lease ids")
+        if raw_lanes and path != "stream":
+            raise ProtocolError(f"{what}: only a stream handoff has lanes")
         if desc is not None and desc.size != nbytes:
             raise ProtocolError(f"{what}: descriptor size {desc.size} differs from nbytes {nbytes}")
         raw_array = _field(m, "array", (dict, type(None)), what)
@@ -769,6 +786,7 @@ class HandoffHeader:
             ready=ready,
             array=None if raw_array is None else ArrayMeta.from_msg(raw_array),
             address=address,
+            lanes=tuple(raw_lanes),
         )
 
 

@@ -65,6 +65,11 @@ class GPUPool(SchedulerPlugin):
         Largest CUDA allocation handed over zero-copy (``gpupool.import-limit``).
     cupy_allocator : bool, optional
         Route CuPy's allocations through the pool (``gpupool.cupy-allocator``).
+    copy_chunk_size, copy_stream_threshold : int or str, optional
+        The pipelined copy path's chunk, and the smallest copy it carries
+        (``gpupool.copy-chunk-size``, ``gpupool.copy-stream-threshold``).
+    copy_streams : int, optional
+        Connections one copy is pulled over (``gpupool.copy-streams``).
 
     Options left out are read by each worker from its own dask config. Values
     are checked here, so a typo fails at once with :class:`ConfigError`.
@@ -102,6 +107,9 @@ class GPUPool(SchedulerPlugin):
         segment_size: int | str | None = None,
         import_limit: int | str | None = None,
         cupy_allocator: bool | None = None,
+        copy_chunk_size: int | str | None = None,
+        copy_stream_threshold: int | str | None = None,
+        copy_streams: int | None = None,
     ) -> None:
         self.overrides = {
             k: v
@@ -117,6 +125,9 @@ class GPUPool(SchedulerPlugin):
                 segment_size=segment_size,
                 import_limit=import_limit,
                 cupy_allocator=cupy_allocator,
+                copy_chunk_size=copy_chunk_size,
+                copy_stream_threshold=copy_stream_threshold,
+                copy_streams=copy_streams,
             ).items()
             if v is not None
         }

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from dask_gpupool._broker import FdBroker
 from dask_gpupool._config import PoolOptions
-from dask_gpupool._copy import STAGING, CopyServer, Staged, pull
+from dask_gpupool._copy import STAGING, CopyServer, Staged, lanes, pull
 from dask_gpupool._errors import (
     DataLostError,
     GPUPoolError,
@@ -438,16 +438,18 @@ class PoolService:
             dev = Device(int(buf.device_id) if int(buf.device_id) >= 0 else (self.pool.device or 0))
             dev.set_current()
             dev.sync()
-        lease = self.leases.grant(Staged(holder, buf, offset, nbytes), nbytes, row.worker)
+        parts = lanes(nbytes, self.options.copy_chunk_size, self.options.copy_streams)
+        leases = [self.leases.grant(Staged(holder, buf, offset + off, n), n, row.worker) for off, n in parts]
         self.handoffs.add(copied_out_bytes=nbytes, streamed_out_bytes=nbytes)
         return HandoffHeader(
             "stream",
             buffer_kind(buf),
             nbytes,
             exporter=self.record.worker,
-            lease=lease,
+            lease=leases[0],
             array=array,
             address=self.copier.address,
+            lanes=tuple(leases[1:]),
         )
 
     # -- handoffs: the importer's side -------------------------------------------------
@@ -574,7 +576,8 @@ class PoolService:
             raise NotAMemberError(f"pool {self.pool.uuid}: not registered with the scheduler yet (no cluster token)")
         buf = self._landing(header.nbytes, header.exporter, need)
         try:
-            pull(header.address, record.pool, header.lease, self.token, buf, self.options.broker_timeout)
+            leases = [header.lease, *header.lanes]
+            pull(header.address, record.pool, leases, self.token, buf, self.options.broker_timeout)
         except BaseException:
             buf.close()
             raise

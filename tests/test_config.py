@@ -69,6 +69,8 @@ def test_config_values_and_overrides():
     assert PoolOptions.from_config(segment_size="1 GiB").segment_size == 2**30
     assert options.import_limit == 5 * 2**30
     assert PoolOptions.from_config(import_limit=0, segment_size="8 GiB").segment_size == 8 * 2**30
+    assert (options.copy_chunk_size, options.copy_stream_threshold, options.copy_streams) == (16 << 20, 4 << 20, 4)
+    assert PoolOptions.from_config(copy_streams="2", copy_chunk_size=0).copy_streams == 2
 
 
 def test_segments_larger_than_the_import_limit_are_refused():
@@ -86,6 +88,11 @@ def test_segments_larger_than_the_import_limit_are_refused():
         ("gpupool.segment-size", "big"),
         ("gpupool.segment-size", -1),
         ("gpupool.import-limit", "huge"),
+        ("gpupool.copy-chunk-size", "-1 MiB"),
+        ("gpupool.copy-stream-threshold", "some"),
+        ("gpupool.copy-streams", 0),
+        ("gpupool.copy-streams", 17),
+        ("gpupool.copy-streams", "four"),
     ],
 )
 def test_bad_config_values_name_the_key(key, value):

@@ -13,7 +13,7 @@ import pytest
 from conftest import no_fd_leak  # noqa: F401  (fixture)
 
 from dask_gpupool import DataLostError, NotAMemberError
-from dask_gpupool._copy import CopyServer, Staged, pull, pull_proof
+from dask_gpupool._copy import CopyServer, Staged, lanes, pull, pull_proof
 from dask_gpupool._lease import LeaseTable
 from dask_gpupool._service import host_buffer
 from dask_gpupool._testing import read_bytes
@@ -52,38 +52,67 @@ def test_pull_receives_every_chunk_and_ends_the_lease(server):
     data = os.urandom(5 * CHUNK + 123)
     lease, n = offer(leases, data, offset=7)
     dst = host_buffer(bytearray(n))
-    pull(srv.address, POOL, lease, TOKEN, dst, 5.0)
+    pull(srv.address, POOL, [lease], TOKEN, dst, 5.0)
     assert read_bytes(dst, n) == data[7:]
     wait_for(lambda: len(leases) == 0)
     with pytest.raises(DataLostError, match="ended or was pulled already"):
-        pull(srv.address, POOL, lease, TOKEN, host_buffer(bytearray(n)), 5.0)
+        pull(srv.address, POOL, [lease], TOKEN, host_buffer(bytearray(n)), 5.0)
+
+
+def test_lanes_split_whole_chunks_and_each_lands_at_its_offset(server):
+    assert lanes(10 * CHUNK + 5, CHUNK, 4) == [
+        (0, 3 * CHUNK),
+        (3 * CHUNK, 3 * CHUNK),
+        (6 * CHUNK, 3 * CHUNK),
+        (9 * CHUNK, CHUNK + 5),
+    ]
+    assert lanes(CHUNK - 1, CHUNK, 4) == [(0, CHUNK - 1)]
+    assert lanes(3 * CHUNK, CHUNK, 1) == [(0, 3 * CHUNK)]
+    srv, leases = server
+    data = os.urandom(10 * CHUNK + 5)
+    src = host_buffer(bytearray(data))
+    ids = [leases.grant(Staged(src, src, off, n), n, "tcp://importer:1") for off, n in lanes(len(data), CHUNK, 4)]
+    dst = host_buffer(bytearray(len(data)))
+    pull(srv.address, POOL, ids, TOKEN, dst, 5.0)
+    assert read_bytes(dst, len(data)) == data
+    wait_for(lambda: len(leases) == 0)
+
+
+def test_a_lost_lane_fails_the_pull_and_the_other_lanes_end(server):
+    srv, leases = server
+    src = host_buffer(bytearray(4 * CHUNK))
+    ids = [leases.grant(Staged(src, src, off, n), n, "tcp://importer:1") for off, n in lanes(4 * CHUNK, CHUNK, 2)]
+    leases.release([ids[1]])  # as if expired
+    with pytest.raises(DataLostError, match="has ended"):
+        pull(srv.address, POOL, ids, TOKEN, host_buffer(bytearray(4 * CHUNK)), 5.0)
+    wait_for(lambda: len(leases) == 0 and srv.transfers == 0)
 
 
 def test_a_pull_without_the_token_is_refused_and_the_lease_stays(server):
     srv, leases = server
     lease, n = offer(leases, b"x" * 1000)
     with pytest.raises(DataLostError) as info:
-        pull(srv.address, POOL, lease, b"u" * 32, host_buffer(bytearray(n)), 5.0)
+        pull(srv.address, POOL, [lease], b"u" * 32, host_buffer(bytearray(n)), 5.0)
     assert isinstance(info.value.__cause__, NotAMemberError)
     assert len(leases) == 1
-    pull(srv.address, POOL, lease, TOKEN, host_buffer(bytearray(n)), 5.0)  # the member still gets it
+    pull(srv.address, POOL, [lease], TOKEN, host_buffer(bytearray(n)), 5.0)  # the member still gets it
     wait_for(lambda: len(leases) == 0)
 
 
 def test_an_unknown_pool_or_lease_is_data_lost(server):
     srv, _leases = server
     with pytest.raises(DataLostError, match="has ended"):
-        pull(srv.address, POOL, 12345, TOKEN, host_buffer(bytearray(8)), 5.0)
+        pull(srv.address, POOL, [12345], TOKEN, host_buffer(bytearray(8)), 5.0)
     other = str(uuid.uuid4())
     with pytest.raises(DataLostError, match="not served here"):
-        pull(srv.address, other, 12345, TOKEN, host_buffer(bytearray(8)), 5.0)
+        pull(srv.address, other, [12345], TOKEN, host_buffer(bytearray(8)), 5.0)
 
 
 def test_an_ipc_lease_cannot_be_pulled_or_ended_by_a_pull(server):
     srv, leases = server
     ipc = leases.grant(host_buffer(bytearray(8)), 8, "tcp://importer:1")
     with pytest.raises(DataLostError, match="not a stream lease"):
-        pull(srv.address, POOL, ipc, TOKEN, host_buffer(bytearray(8)), 5.0)
+        pull(srv.address, POOL, [ipc], TOKEN, host_buffer(bytearray(8)), 5.0)
     assert leases.holder(ipc) is not None
     leases.release([ipc])
 
@@ -91,8 +120,8 @@ def test_an_ipc_lease_cannot_be_pulled_or_ended_by_a_pull(server):
 def test_a_size_mismatch_is_refused_before_any_byte_lands(server):
     srv, leases = server
     lease, n = offer(leases, b"y" * 100)
-    with pytest.raises(DataLostError, match="asked lease"):
-        pull(srv.address, POOL, lease, TOKEN, host_buffer(bytearray(n + 1)), 5.0)
+    with pytest.raises(DataLostError, match="the lanes hold 100 bytes, the value 101"):
+        pull(srv.address, POOL, [lease], TOKEN, host_buffer(bytearray(n + 1)), 5.0)
     wait_for(lambda: len(leases) == 0 and srv.transfers == 0)  # the server saw the connection close
 
 
@@ -115,7 +144,7 @@ def test_a_malformed_request_closes_only_that_connection(server, raw):
         while s.recv(4096):
             pass
     lease, n = offer(leases, b"z" * 10)
-    pull(srv.address, POOL, lease, TOKEN, host_buffer(bytearray(n)), 5.0)  # still serving
+    pull(srv.address, POOL, [lease], TOKEN, host_buffer(bytearray(n)), 5.0)  # still serving
     wait_for(lambda: len(leases) == 0)
 
 
@@ -137,4 +166,4 @@ def test_a_dead_exporter_is_data_lost(no_fd_leak):  # noqa: F811
     address = srv.address
     srv.close()
     with pytest.raises(DataLostError, match="ConnectionRefusedError"):
-        pull(address, POOL, 1, TOKEN, host_buffer(bytearray(8)), 5.0)
+        pull(address, POOL, [1], TOKEN, host_buffer(bytearray(8)), 5.0)

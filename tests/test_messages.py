@@ -55,11 +55,16 @@ def test_broker_messages_round_trip():
 def test_copy_path_messages_round_trip_and_refuse_bad_fields():
     for m in (PullRequest(POOL, 9, b"p" * 32), PullReply(9, 1 << 30, 16 << 20)):
         assert type(m).from_msg(wire(m.to_msg())) == m
-    header = HandoffHeader("stream", "device", 64, "tcp://h:1", lease=3, address="tcp://h:2")
+    header = HandoffHeader("stream", "device", 64, "tcp://h:1", lease=3, address="tcp://h:2", lanes=(4, 5))
     assert HandoffHeader.from_msg(wire(header.to_msg())) == header
     for bad in ({"lease": 0}, {"address": ""}, {"address": "ucx://h:2"}):
         with pytest.raises(ProtocolError, match="stream handoff needs"):
             HandoffHeader.from_msg({**header.to_msg(), **bad})
+    for lanes in ([0], [True], ["4"], list(range(1, 17))):
+        with pytest.raises(ProtocolError, match="lanes must be"):
+            HandoffHeader.from_msg({**header.to_msg(), "lanes": lanes})
+    with pytest.raises(ProtocolError, match="only a stream handoff has lanes"):
+        HandoffHeader.from_msg({**header.to_msg(), "path": "copy"})
     with pytest.raises(ProtocolError, match="proof of 3 bytes"):
         PullRequest.from_msg({**PullRequest(POOL, 9, b"p" * 32).to_msg(), "proof": b"abc"})
     with pytest.raises(ProtocolError, match="lease ids are positive"):
