@@ -121,6 +121,10 @@ def cluster(workers: list[dict[str, Any]], protocol: str, plugin: Any) -> Iterat
             "cls": Nanny,
             "options": {
                 "nthreads": 1,
+                # No host memory limit: Dask counts a device array's nbytes as managed memory, and with the
+                # default limit (host memory / cores: 8 GiB here) an 8 GiB result is spilled to disk through
+                # a host copy and pauses the worker, which is what stalled the 8 GiB rows of earlier runs.
+                "memory_limit": 0,
                 "dashboard_address": None,
                 "protocol": protocol,
                 "silence_logs": logging.ERROR,
