@@ -12,7 +12,10 @@ memory lies in this worker's pool, and the requester can reach it (see
 :meth:`PoolService.plan`). Everything else - other hosts, a client's gather,
 the scheduler relaying one, spilling to disk, UCX comms, the same process -
 gets a host copy in the frames, which a receiving worker lands in its own
-pool so that it can be handed on again.
+pool so that it can be handed on again. Copies to a worker over ``tcp`` from
+``gpupool.copy-stream-threshold`` up are not put in the frames: the receiver
+pulls them from the sender's copy server, chunked and pipelined
+(:mod:`dask_gpupool._copy`).
 
 **Sub-header.** ``{"gpupool": HandoffHeader.to_msg()}``: msgpack-safe, never
 pickled. Dask's own framing around it is unchanged.

@@ -111,8 +111,28 @@ def handoff_round_trip(client: Any, nbytes: int, data: bytes) -> dict[str, Any]:
     during = trip("trip", nbytes, data, 2)
     assert during[b]["mapped_pools"] == 1  # mapped once, reused
     assert during[a]["used"] >= nbytes
-    assert client.run(T.resources) == before
+    after = client.run(T.resources)
+    assert after == before, f"not back to the baseline, (after, before) by worker: {resource_diff(after, before)}"
     return rows
+
+
+def resource_diff(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    """What differs between two :func:`~dask_gpupool._testing.resources` snapshots, fd kinds one by one."""
+    out: dict[str, Any] = {}
+    for w, base in before.items():
+        now = after.get(w, {})
+        diff = {k: (now.get(k), v) for k, v in base.items() if k != "fd_kinds" and now.get(k) != v}
+        kinds_now, kinds_base = now.get("fd_kinds", {}), base.get("fd_kinds", {})
+        diff.update(
+            {
+                f"fd {k}": (kinds_now.get(k, 0), kinds_base.get(k, 0))
+                for k in {*kinds_now, *kinds_base}
+                if kinds_now.get(k, 0) != kinds_base.get(k, 0)
+            }
+        )
+        if diff:
+            out[w] = diff
+    return out
 
 
 def free_port() -> int:
