@@ -112,23 +112,18 @@ class CopyServer:
         Seconds a connection may wait for the next message or chunk.
     chunk : int
         Bytes per chunk.
-    device : int or None
-        The GPU whose memory it copies out of (``None``: host memory only).
 
     fd ownership: the listening socket and every accepted connection are the
     server's; :meth:`close` closes the listener and waits for the serving
     threads, which close their connections.
     """
 
-    def __init__(
-        self, pool: str, leases: LeaseTable, host: str, timeout: float, chunk: int, device: int | None
-    ) -> None:
+    def __init__(self, pool: str, leases: LeaseTable, host: str, timeout: float, chunk: int) -> None:
         self.pool = pool
         self.token: bytes | None = None  # the cluster's; None refuses every pull
         self._leases = leases
         self._timeout = timeout
         self._chunk = chunk
-        self._device = device
         self._connections = itertools.count(-1, -1)  # negative: broker connections count up from 1
         self._threads: set[threading.Thread] = set()
         self._lock = threading.Lock()
@@ -230,7 +225,7 @@ class CopyServer:
             return
         from cuda.core import Device
 
-        dev = Device(self._device if self._device is not None else buf.device_id)
+        dev = Device(buf.device_id)  # device memory: the GPU it is on (an imported view's is this process's GPU)
         dev.set_current()
         stream = dev.create_stream()
         slots = STAGING.take(int(dev.device_id), self._chunk, stream)
@@ -258,9 +253,11 @@ class CopyServer:
 
 def lanes(nbytes: int, chunk: int, streams: int) -> list[tuple[int, int]]:
     """Split ``nbytes`` into at most ``streams`` contiguous ``(offset, nbytes)`` lanes of whole chunks."""
-    chunks = -(-nbytes // chunk) if nbytes else 1
+    if nbytes == 0:
+        return [(0, 0)]
+    chunks = -(-nbytes // chunk)
     per = -(-chunks // max(1, min(streams, chunks))) * chunk
-    return [(off, min(per, nbytes - off)) for off in range(0, max(nbytes, 1), per)] if nbytes else [(0, 0)]
+    return [(off, min(per, nbytes - off)) for off in range(0, nbytes, per)]
 
 
 def pull(
@@ -270,7 +267,6 @@ def pull(
     token: bytes,
     dst: Buffer,
     timeout: float,
-    device: int | None = None,
 ) -> None:
     """Pull stream leases ``leases`` of ``pool`` from ``address`` into ``dst``, one connection each. Blocking.
 
@@ -282,9 +278,8 @@ def pull(
     ----------
     dst : Buffer
         Receives the bytes from its start; owned by the caller, who closes it
-        on failure. GPU memory is filled through pinned staging slots.
-    device : int, optional
-        The GPU of ``dst`` (default: its ``device_id``).
+        on failure. GPU memory is filled through pinned staging slots on
+        ``dst``'s GPU.
 
     Raises
     ------
@@ -312,10 +307,10 @@ def pull(
             offset += reply.size
         if offset != dst.size:
             raise ProtocolError(f"the lanes hold {offset} bytes, the value {dst.size}")
-        others = [_executor().submit(_receive, c, dst, off, n, chunk, device) for c, off, n, chunk in parts[1:]]
+        others = [_executor().submit(_receive, c, dst, off, n, chunk) for c, off, n, chunk in parts[1:]]
         first, off, n, chunk = parts[0]
         try:
-            _receive(first, dst, off, n, chunk, device)
+            _receive(first, dst, off, n, chunk)
         except BaseException:
             for c in conns:  # the other lanes stop at once instead of at their timeout
                 with contextlib.suppress(OSError):
@@ -350,7 +345,7 @@ def _executor() -> Any:
         return _EXECUTOR
 
 
-def _receive(conn: socket.socket, dst: Buffer, offset: int, n: int, chunk: int, device: int | None) -> None:
+def _receive(conn: socket.socket, dst: Buffer, offset: int, n: int, chunk: int) -> None:
     """Receive ``n`` bytes into ``dst`` from ``offset``, chunk by chunk."""
     start = int(dst.handle) + offset
     if dst.is_host_accessible:
@@ -359,7 +354,7 @@ def _receive(conn: socket.socket, dst: Buffer, offset: int, n: int, chunk: int, 
         return
     from cuda.core import Device
 
-    dev = Device(device if device is not None else dst.device_id)
+    dev = Device(dst.device_id)
     dev.set_current()
     stream = dev.create_stream()
     stream.wait(dev.default_stream)  # dst was allocated on the default stream

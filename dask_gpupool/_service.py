@@ -711,7 +711,6 @@ def _copy_server(options: PoolOptions, pool: Pool, leases: LeaseTable, worker_ad
         get_address_host(worker_address),
         options.broker_timeout,
         options.copy_chunk_size,
-        pool.device,
     )
 
 

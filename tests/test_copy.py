@@ -26,7 +26,7 @@ CHUNK = 1 << 16
 @pytest.fixture
 def server(no_fd_leak):  # noqa: F811
     leases = LeaseTable(60.0)
-    srv = CopyServer(POOL, leases, "127.0.0.1", 5.0, CHUNK, None)
+    srv = CopyServer(POOL, leases, "127.0.0.1", 5.0, CHUNK)
     srv.token = TOKEN
     yield srv, leases
     srv.close()
@@ -162,7 +162,7 @@ def test_an_importer_that_hangs_up_mid_transfer_releases_the_lease(server):
 
 def test_a_dead_exporter_is_data_lost(no_fd_leak):  # noqa: F811
     leases = LeaseTable(60.0)
-    srv = CopyServer(POOL, leases, "127.0.0.1", 5.0, CHUNK, None)
+    srv = CopyServer(POOL, leases, "127.0.0.1", 5.0, CHUNK)
     address = srv.address
     srv.close()
     with pytest.raises(DataLostError, match="ConnectionRefusedError"):
