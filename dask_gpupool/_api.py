@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
     from dask_gpupool._service import PoolService
 
-__all__ = ["allocate", "current_service", "pool_stats", "pools", "stats"]
+__all__ = ["allocate", "current_service", "pool_stats", "pools", "stats", "trim"]
 
 
 def current_service() -> PoolService:
@@ -111,3 +111,36 @@ def stats(client: Client) -> dict[str, dict[str, Any]]:
         were copied, by reason), ``mapped_pools`` and ``links``.
     """
     return client.run(_worker_handoff_stats)
+
+
+async def _worker_trim(dask_worker: Worker) -> dict[str, int]:
+    service = service_of(dask_worker)
+    row = service.retire_segments()
+    if row is not None:
+        await dask_worker.scheduler.gpupool_register(record=row.to_msg())  # peers learn retire_below
+    return {
+        "retire_below": 0 if row is None else row.retire_below,
+        "segments": getattr(service.pool.resource, "segments", 0),
+        "segments_retiring": getattr(service.pool.resource, "retiring", 0),
+        "reserved": service.stats().reserved,
+    }
+
+
+def trim(client: Client) -> dict[str, dict[str, int]]:
+    """Give segment memory back: every worker retires the segments of its ``device`` pool.
+
+    Retired segments take no new buffers. Each is freed (returned to the
+    CUDA pool) once no buffer lives in it and every peer that mapped it has
+    unmapped it, which peers do as soon as none of their imports from it is
+    alive (the retire protocol, :mod:`dask_gpupool._segments`). New buffers
+    go to new segments. Pools without segments are left as they are.
+
+    Returns
+    -------
+    dict
+        ``{worker address: counters}`` right after the call: ``retire_below``
+        (segment ids below it are retired; 0 without segments), ``segments``
+        and ``segments_retiring`` (held, and retired but not freed yet), and
+        ``reserved`` (bytes the pool holds).
+    """
+    return client.run(_worker_trim)

@@ -19,6 +19,7 @@ from :mod:`dask_gpupool._messages`)::
 
     peer   -> broker   LeaseClaim{op: "lease-claim", leases}      (no reply)
     peer   -> broker   LeaseRelease{op: "lease-release", leases}  (no reply)
+    peer   -> broker   SegmentRelease{op: "segment-release", segments}  (no reply)
 
     peer   -> broker   CopyRequest{op: "lease-copy", lease}
     broker -> peer     CopyReply{op: "lease-copy-ok", lease, size}
@@ -69,6 +70,7 @@ from dask_gpupool._messages import (
     Hello,
     LeaseClaim,
     LeaseRelease,
+    SegmentRelease,
     Welcome,
     decode,
     encode,
@@ -99,6 +101,9 @@ class BrokerHandler(Protocol):
     def release(self, leases: Iterable[int], connection: int) -> None:
         """An importer on ``connection`` closed its imports of these leased buffers."""
 
+    def segments_released(self, segments: tuple[tuple[int, int], ...], connection: int) -> None:
+        """An importer on ``connection`` unmapped these retiring segments ``(id, claims)``."""
+
     def connection_closed(self, connection: int) -> None:
         """``connection`` closed: release what was claimed on it."""
 
@@ -128,6 +133,9 @@ class _LookupOnly:
         pass
 
     def release(self, leases: Iterable[int], connection: int) -> None:
+        pass
+
+    def segments_released(self, segments: tuple[tuple[int, int], ...], connection: int) -> None:
         pass
 
     def connection_closed(self, connection: int) -> None:
@@ -319,6 +327,11 @@ class FdBroker:
             except Exception:
                 logger.exception("pool %s: releasing the leases of a closed connection failed", self._name)
 
+    @property
+    def handler(self) -> BrokerHandler:
+        """What this broker asks (its owner's :class:`BrokerHandler`)."""
+        return self._handler
+
     def _member(self, hello: Hello) -> bool:
         token = self.token
         return token is not None and hmac.compare_digest(hello.token, token)
@@ -329,6 +342,8 @@ class FdBroker:
             self._handler.claim(request.leases, connection)
         elif isinstance(request, LeaseRelease):
             self._handler.release(request.leases, connection)
+        elif isinstance(request, SegmentRelease):
+            self._handler.segments_released(request.segments, connection)
         elif isinstance(request, HandleRequest):
             found = self._handler.pool_handle(request.pool)
             if found is None:

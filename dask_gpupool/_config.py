@@ -126,6 +126,9 @@ class PoolOptions:
         ``device`` pools: bytes of the segments buffers are placed in, which
         peers map once (:mod:`dask_gpupool._segments`); 0 turns segments off
         (each buffer is its own CUDA allocation, imported anew by each peer).
+    suballocator : {"auto", "rmm", "arena"}
+        What places buffers inside segments: RMM's pool (``auto`` when RMM is
+        installed) or the in-tree arena.
     import_limit : int
         ``device`` pools: the largest CUDA allocation (a buffer, or the
         segment it lies in) handed over zero-copy; larger ones are copied
@@ -141,9 +144,11 @@ class PoolOptions:
         staging and CUDA stream; at most 16.
     peer_gpu_handoff : bool
         Hand ``device`` buffers over zero-copy to workers on other GPUs too:
-        the pool grants those GPUs access when it is made. Off (the default
-        while a known fault under stress is open, docs/gpu-checks.md): they
-        get copies, counted as fallback ``other-gpu``.
+        the pool grants those GPUs access when it is made. ``auto`` (the
+        default) means on with segments and off without: cross-GPU handoffs
+        of buffers imported one by one break the importer's CUDA context under
+        stress (docs/gpu-checks.md). Off, they get copies, counted as fallback
+        ``other-gpu``.
     """
 
     kind: PoolKind = "auto"
@@ -153,8 +158,9 @@ class PoolOptions:
     broker_dir: str | None = None
     broker_timeout: float = 10.0
     lease_timeout: float = 60.0
-    peer_gpu_handoff: bool = False
-    segment_size: int = 0
+    peer_gpu_handoff: bool = True
+    segment_size: int = 1 << 30
+    suballocator: str = "auto"
     import_limit: int = 5 << 30
     cupy_allocator: bool = False
     copy_chunk_size: int = 16 << 20
@@ -187,7 +193,12 @@ class PoolOptions:
                 raise ConfigError(f"unknown option {name!r}; valid: {sorted(cls.__dataclass_fields__)}")
             if value is not None:
                 raw[name.replace("_", "-")] = value
-        segment_size = _parse_nbytes(raw.get("segment-size", 0), "gpupool.segment-size")
+        segment_size = _parse_nbytes(raw.get("segment-size", "1 GiB"), "gpupool.segment-size")
+        peer = raw.get("peer-gpu-handoff", "auto")
+        peer_gpu_handoff = segment_size > 0 if peer == "auto" else _parse_bool(peer, "gpupool.peer-gpu-handoff")
+        suballocator = raw.get("suballocator", "auto")
+        if suballocator not in ("auto", "rmm", "arena"):
+            raise ConfigError(f"gpupool.suballocator={suballocator!r} is not a suballocator; valid: auto, rmm, arena")
         import_limit = _parse_nbytes(raw.get("import-limit", "5 GiB"), "gpupool.import-limit")
         if import_limit and segment_size > import_limit:
             raise ConfigError(
@@ -203,8 +214,9 @@ class PoolOptions:
             broker_dir=_parse_optional_str(raw.get("broker-dir"), "gpupool.broker-dir"),
             broker_timeout=_parse_timeout(raw.get("broker-timeout", "10s"), "gpupool.broker-timeout"),
             lease_timeout=_parse_timeout(raw.get("lease-timeout", "60s"), "gpupool.lease-timeout"),
-            peer_gpu_handoff=_parse_bool(raw.get("peer-gpu-handoff", False), "gpupool.peer-gpu-handoff"),
+            peer_gpu_handoff=peer_gpu_handoff,
             segment_size=segment_size,
+            suballocator=suballocator,
             import_limit=import_limit,
             cupy_allocator=_parse_bool(raw.get("cupy-allocator", False), "gpupool.cupy-allocator"),
             copy_chunk_size=_parse_nbytes(raw.get("copy-chunk-size", "16 MiB"), "gpupool.copy-chunk-size"),

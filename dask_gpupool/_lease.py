@@ -62,6 +62,9 @@ class Lease:
         ``time.monotonic()`` at grant.
     connection : int or None
         The broker connection that claimed it; ``None`` until claimed.
+    segment : int
+        Id of the segment the buffer lies in (0: none); a claim tells the
+        segment which connection maps it (:mod:`dask_gpupool._segments`).
     """
 
     id: int
@@ -70,6 +73,7 @@ class Lease:
     importer: str
     granted: float
     connection: int | None = None
+    segment: int = 0
 
 
 class LeaseTable:
@@ -102,16 +106,19 @@ class LeaseTable:
         self._lock = threading.Lock()
         self._on_drop = on_drop or (lambda: None)
 
-    def grant(self, holder: Any, nbytes: int, importer: str) -> int:
+    def grant(self, holder: Any, nbytes: int, importer: str, segment: int = 0) -> int:
         """Keep ``holder`` alive for ``importer``; return the lease id."""
         with self._lock:
             lease_id = next(self._ids)  # type: ignore[call-overload]
-            self._leases[lease_id] = Lease(lease_id, holder, nbytes, importer, time.monotonic())
+            self._leases[lease_id] = Lease(lease_id, holder, nbytes, importer, time.monotonic(), None, segment)
             self.granted_total += 1
         return lease_id
 
-    def claim(self, lease_ids: Iterable[int], connection: int) -> int:
-        """Tie leases to the broker connection they were claimed on; return how many were live."""
+    def claim(self, lease_ids: Iterable[int], connection: int, segments: list[int] | None = None) -> int:
+        """Tie leases to the broker connection they were claimed on; return how many were live.
+
+        The segment ids of the claimed leases that have one are appended to ``segments``.
+        """
         n = 0
         with self._lock:
             for i in lease_ids:
@@ -119,6 +126,8 @@ class LeaseTable:
                 if lease is not None and lease.connection is None:
                     lease.connection = connection
                     n += 1
+                    if lease.segment and segments is not None:
+                        segments.append(lease.segment)
         return n
 
     def holder(self, lease_id: int) -> Any | None:

@@ -39,6 +39,7 @@ from dask_gpupool._messages import (
     Hello,
     LeaseClaim,
     LeaseRelease,
+    SegmentRelease,
     Welcome,
     decode,
     encode,
@@ -162,7 +163,7 @@ class PeerLink:
             raise
         return reply, fd
 
-    def _send(self, message: LeaseClaim | LeaseRelease) -> None:
+    def _send(self, message: LeaseClaim | LeaseRelease | SegmentRelease) -> None:
         with self._lock:
             if self._sock is None:
                 raise PeerLostError(f"broker {self.address}: link is closed")
@@ -181,6 +182,11 @@ class PeerLink:
         for i in range(0, len(leases), MAX_LEASES_PER_MESSAGE):
             self._send(LeaseRelease(tuple(leases[i : i + MAX_LEASES_PER_MESSAGE])))
 
+    def release_segments(self, segments: list[tuple[int, int]]) -> None:
+        """Tell the exporter these retiring segments are unmapped here: ``(id, leases claimed on it)``."""
+        for i in range(0, len(segments), MAX_LEASES_PER_MESSAGE):
+            self._send(SegmentRelease(tuple(segments[i : i + MAX_LEASES_PER_MESSAGE])))
+
     def close(self) -> None:
         """Close the connection (the exporter then releases leases claimed on it). Idempotent."""
         with self._lock:
@@ -195,27 +201,34 @@ class Releaser:
     :meth:`put` is called from ``ImportedMemoryResource.deallocate`` (any
     thread, often the garbage collector's); the thread waits for the GPU work
     recorded with each release to finish, then sends one
-    :class:`~dask_gpupool._messages.LeaseRelease` per link.
+    :class:`~dask_gpupool._messages.LeaseRelease` (and one
+    :class:`~dask_gpupool._messages.SegmentRelease` for unmapped retiring
+    segments) per link.
     """
 
     sent: int
-    _pending: list[tuple[PeerLink, int, Any]]
+    segments_sent: int
+    _pending: list[tuple[PeerLink, int, Any, tuple[tuple[int, int], ...]]]
     _cond: threading.Condition
     _closed: bool
     _thread: threading.Thread
 
     def __init__(self) -> None:
-        self.sent = 0
+        self.sent = self.segments_sent = 0
         self._pending = []
         self._cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="gpupool-releaser", daemon=True)
         self._thread.start()
 
-    def put(self, link: PeerLink, lease: int, event: Any = None) -> None:
-        """Queue a release; ``event`` (a cuda.core Event or ``None``) must complete first."""
+    def put(self, link: PeerLink, lease: int, event: Any = None, segments: tuple[tuple[int, int], ...] = ()) -> None:
+        """Queue a release; ``event`` (a cuda.core Event or ``None``) must complete first.
+
+        ``lease`` 0 releases no lease; ``segments`` are ``(id, claims)`` of
+        segment imports closed before ``event`` was recorded.
+        """
         with self._cond:
-            self._pending.append((link, lease, event))
+            self._pending.append((link, lease, event, segments))
             self._cond.notify()
 
     def _run(self) -> None:
@@ -228,24 +241,31 @@ class Releaser:
                 batch, self._pending = self._pending, []
             self._send(batch)
 
-    def _send(self, batch: list[tuple[PeerLink, int, Any]]) -> None:
-        by_link: dict[int, tuple[PeerLink, list[int]]] = {}
-        for link, lease, event in batch:
+    def _send(self, batch: list[tuple[PeerLink, int, Any, tuple[tuple[int, int], ...]]]) -> None:
+        by_link: dict[int, tuple[PeerLink, list[int], list[tuple[int, int]]]] = {}
+        for link, lease, event, segments in batch:
             if event is not None:
                 try:
                     event.sync()
                     event.close()
                 except Exception:  # the GPU work failed; the memory is no longer ours to guard
                     logger.exception("waiting for GPU work before releasing lease %d failed", lease)
-            by_link.setdefault(id(link), (link, []))[1].append(lease)
-        for link, leases in by_link.values():
+            entry = by_link.setdefault(id(link), (link, [], []))
+            if lease:
+                entry[1].append(lease)
+            entry[2].extend(segments)
+        for link, leases, segs in by_link.values():
             if not link.alive:
                 continue  # the exporter is gone, and with it the leases
             try:
-                link.release(leases)
-                self.sent += len(leases)
+                if leases:
+                    link.release(leases)
+                    self.sent += len(leases)
+                if segs:
+                    link.release_segments(segs)
+                    self.segments_sent += len(segs)
             except PeerLostError as e:
-                logger.debug("releasing %d lease(s): %s", len(leases), e)
+                logger.debug("releasing %d lease(s), %d segment(s): %s", len(leases), len(segs), e)
 
     def flush(self, timeout: float = 10.0) -> None:
         """Wait until everything queued so far has been sent (tests, teardown)."""
@@ -258,7 +278,7 @@ class Releaser:
                 pass
 
         with self._cond:
-            self._pending.append((_Marker(), 0, _SetOnSync(done)))  # type: ignore[arg-type]
+            self._pending.append((_Marker(), 0, _SetOnSync(done), ()))  # type: ignore[arg-type]
             self._cond.notify()
         done.wait(timeout)
 
@@ -294,8 +314,9 @@ class ImportedMemoryResource(MemoryResource):
     mapped : MappedPool
         The mapping ``raw`` came from (kept alive while the buffer lives).
     on_close : callable
-        Called with the cuda.core Event to wait for (or ``None``) once the import
-        is closed; queues the lease release.
+        Called with the cuda.core Event to wait for (or ``None``) and the
+        ``(id, claims)`` of a retiring segment unmapped with it (or ``None``)
+        once the import is closed; queues the lease (and segment) release.
 
     Notes
     -----
@@ -306,12 +327,12 @@ class ImportedMemoryResource(MemoryResource):
     mapped: MappedPool
     _key: Any
     _open: bool
-    _on_close: Callable[[Any], None]
+    _on_close: Callable[[Any, Any], None]
     _device_accessible: bool
     _host_accessible: bool
     _device_id: int
 
-    def __init__(self, raw: Buffer, key: Any, mapped: MappedPool, on_close: Callable[[Any], None]) -> None:
+    def __init__(self, raw: Buffer, key: Any, mapped: MappedPool, on_close: Callable[[Any, Any], None]) -> None:
         self.mapped = mapped
         self._key = key
         self._open = True
@@ -331,10 +352,10 @@ class ImportedMemoryResource(MemoryResource):
         if not self._open:
             return
         self._open = False
-        event = None
+        event = segment = None
         try:
             with IMPORT_LOCK:
-                raw = self.mapped.unshare(self._key)
+                raw, segment = self.mapped.unshare(self._key)
                 if self.mapped.device is not None and self._device_accessible:
                     from cuda.core import Device
 
@@ -350,7 +371,7 @@ class ImportedMemoryResource(MemoryResource):
         except Exception:
             logger.exception("closing an import from pool %s failed", self.mapped.record.pool)
         finally:
-            self._on_close(event)
+            self._on_close(event, segment)
 
     @property
     def is_device_accessible(self) -> bool:

@@ -77,7 +77,11 @@ class MappedPool:
     orphaned : bool
         The owner has left; the mapping is closed when ``imports`` drops to 0.
     segments : int
-        Segments of the peer's pool imported here (kept mapped until :meth:`close`).
+        Segments of the peer's pool imported here (kept mapped until the
+        owner retires them, or :meth:`close`).
+    retire_below : int
+        The owner's ``retire_below`` as last seen: segments with a smaller id
+        are unmapped once no buffer imported from them is alive here.
     resource : object
         The mapped memory resource (cuda.core or shared host memory).
     device : int or None
@@ -89,6 +93,7 @@ class MappedPool:
     device: int | None
     imports: int
     orphaned: bool
+    retire_below: int
     _shared: dict[tuple[bytes, int, int], list[Any]]
     _segments: dict[bytes, list[Any]]
     _closed: bool
@@ -99,8 +104,9 @@ class MappedPool:
         self.device = device
         self.imports = 0  # live imports handed out through the handoff path (changed under IMPORT_LOCK)
         self.orphaned = False  # the owner left; close when the last import goes
+        self.retire_below = record.retire_below
         self._shared = {}
-        self._segments = {}
+        self._segments = {}  # payload -> [import, users, segment id, leases claimed on it in all]
         self._closed = False
 
     @property
@@ -204,16 +210,17 @@ class MappedPool:
         with IMPORT_LOCK:
             return Buffer.from_ipc_descriptor(self.resource, ipc_desc, stream=dev.default_stream)
 
-    def acquire(self, desc: BufferDescriptor) -> tuple[tuple[bytes, int, int], Buffer, int]:
+    def acquire(self, desc: BufferDescriptor, claimed: bool = True) -> tuple[tuple[bytes, int, int], Buffer, int]:
         """Import ``desc``'s buffer, or share the live import of the same allocation.
 
         One allocation is imported at most once per process at a time: a
         second import of an allocation already mapped here, closed on its own,
         would unmap the memory under the first (Dask can fetch one key twice,
         e.g. after the AMM dropped a replica). A segment (``desc.extent``) is
-        imported on first use and kept mapped until :meth:`close`: the owner
-        frees segments only when its pool closes. Returns a key for
-        :meth:`unshare`, the import, and the buffer's address.
+        imported on first use and kept mapped until the owner retires it
+        (:meth:`retire`) or :meth:`close`. ``claimed``: the caller claims a
+        lease for this import (counted per segment for ``SegmentRelease``).
+        Returns a key for :meth:`unshare`, the import, and the buffer's address.
 
         Raises
         ------
@@ -230,8 +237,9 @@ class MappedPool:
                     raise PoolClosedError(f"mapping of pool {self.record.pool} is closed")
                 seg = self._segments.get(desc.payload)
                 if seg is None:
-                    seg = self._segments[desc.payload] = [self._import(desc.payload, desc.extent), 0]
+                    seg = self._segments[desc.payload] = [self._import(desc.payload, desc.extent), 0, desc.segment, 0]
                 seg[1] += 1
+                seg[3] += int(claimed)
                 self.imports += 1
                 return (desc.payload, 0, _SEGMENT), seg[0], int(seg[0].handle) + desc.offset
             key = (desc.payload, desc.offset, desc.size)
@@ -245,23 +253,59 @@ class MappedPool:
             self.imports += 1
             return key, raw, int(raw.handle)
 
-    def unshare(self, key: tuple[bytes, int, int]) -> Buffer | None:
+    def unshare(self, key: tuple[bytes, int, int]) -> tuple[Buffer | None, tuple[int, int] | None]:
         """Drop one user of a shared import; return the import to close when it was the last.
 
-        Segments stay mapped (``None``).
+        Segments stay mapped, unless retiring and this was their last user:
+        then the segment's import is returned with its ``(id, claims)`` for a
+        ``SegmentRelease``, sent once the import is closed.
         """
         with IMPORT_LOCK:
             self.imports -= 1
             if key[2] == _SEGMENT:
-                self._segments[key[0]][1] -= 1
-                return None
+                seg = self._segments[key[0]]
+                seg[1] -= 1
+                if seg[1] or not 0 < seg[2] < self.retire_below:
+                    return None, None
+                del self._segments[key[0]]
+                return seg[0], ((seg[2], seg[3]) if seg[3] else None)
             entry = self._shared[key]
             entry[1] -= 1
             if entry[1] > 0:
-                return None
+                return None, None
             del self._shared[key]
             raw: Buffer = entry[0]
-            return raw
+            return raw, None
+
+    def retire(self, below: int) -> tuple[list[Buffer], list[tuple[int, int]]]:
+        """The owner retires segments with ids below ``below``: take those no import here uses.
+
+        Returns their imports (the caller closes them, then sends the
+        ``(id, claims)`` pairs in a ``SegmentRelease``); the others go when
+        their last user does (:meth:`unshare`).
+        """
+        with IMPORT_LOCK:
+            self.retire_below = max(self.retire_below, below)
+            gone = [k for k, seg in self._segments.items() if not seg[1] and 0 < seg[2] < self.retire_below]
+            segs = [self._segments.pop(k) for k in gone]
+        return [seg[0] for seg in segs], [(seg[2], seg[3]) for seg in segs if seg[3]]
+
+    def close_segment_imports(self, raws: list[Buffer]) -> Any:
+        """Close segment imports :meth:`retire` or :meth:`unshare` handed out; return the event to wait for."""
+        if not raws:
+            return None
+        with IMPORT_LOCK:
+            if self.device is None:
+                for raw in raws:
+                    raw.close()
+                return None
+            from cuda.core import Device
+
+            dev = Device(self.device)
+            dev.set_current()
+            for raw in raws:
+                raw.close(dev.default_stream)
+            return dev.default_stream.record()
 
     def release(self, buf: Buffer) -> None:
         """Close a buffer imported from this pool, under the import lock."""
@@ -280,7 +324,7 @@ class MappedPool:
 
                 dev = Device(self.device)
                 dev.set_current()
-                for raw, _users in segments:
+                for raw, *_ in segments:
                     try:
                         raw.close(dev.default_stream)
                     except Exception:

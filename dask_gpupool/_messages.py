@@ -49,6 +49,7 @@ __all__ = [
     "PullReply",
     "PullRequest",
     "RegistryUpdate",
+    "SegmentRelease",
     "Welcome",
     "decode",
     "encode",
@@ -126,6 +127,10 @@ class PoolRecord:
     peers : tuple of str
         UUIDs of the other GPUs the owner granted access to its ``device``
         pool; workers there get its buffers zero-copy, others get copies.
+    retire_below : int
+        Segments of this pool with a smaller id are retiring: a peer unmaps
+        each once no buffer it imported from it is alive, and says so with a
+        :class:`SegmentRelease` (:mod:`dask_gpupool._segments`). 0: none.
     """
 
     pool: str
@@ -139,6 +144,7 @@ class PoolRecord:
     broker: str
     devices: tuple[str, ...] = ()
     peers: tuple[str, ...] = ()
+    retire_below: int = 0
 
     KINDS: ClassVar[tuple[str, ...]] = ("device", "pinned", "host")
 
@@ -155,6 +161,7 @@ class PoolRecord:
             "broker": self.broker,
             "devices": list(self.devices),
             "peers": list(self.peers),
+            "retire_below": self.retire_below,
         }
 
     @classmethod
@@ -172,6 +179,9 @@ class PoolRecord:
         pid = _field(m, "pid", int, what)
         if max_size <= 0 or pid <= 0:
             raise ProtocolError(f"{what}: 'max_size' and 'pid' must be positive")
+        retire_below = _field(m, "retire_below", int, what)
+        if retire_below < 0:
+            raise ProtocolError(f"{what}: negative 'retire_below'")
         return cls(
             pool=_uuid_str(_field(m, "pool", str, what), what),
             worker=_field(m, "worker", str, what),
@@ -184,6 +194,7 @@ class PoolRecord:
             broker=_field(m, "broker", str, what),
             devices=tuple(devices),
             peers=tuple(peers),
+            retire_below=retire_below,
         )
 
 
@@ -207,6 +218,10 @@ class BufferDescriptor:
         CUDA kinds with segments: the segment's size, which the peer imports
         once and keeps mapped (:mod:`dask_gpupool._segments`). 0: the payload
         describes the buffer itself.
+    segment : int
+        With ``extent``: the segment's id in its pool (positive), named in
+        :class:`SegmentRelease` and compared with the pool's
+        ``retire_below``. 0 otherwise.
     """
 
     pool: str
@@ -214,6 +229,7 @@ class BufferDescriptor:
     payload: bytes = b""
     offset: int = 0
     extent: int = 0
+    segment: int = 0
 
     PAYLOAD_BYTES: ClassVar[int] = 64
 
@@ -224,6 +240,7 @@ class BufferDescriptor:
             "payload": self.payload,
             "offset": self.offset,
             "extent": self.extent,
+            "segment": self.segment,
         }
 
     @classmethod
@@ -240,12 +257,16 @@ class BufferDescriptor:
             raise ProtocolError(f"{what}: negative size, offset or extent")
         if extent and (not payload or offset + size > extent):
             raise ProtocolError(f"{what}: {size} bytes at offset {offset} do not fit a segment of {extent} bytes")
+        segment = _field(m, "segment", int, what)
+        if segment < 0 or bool(segment) != bool(extent):
+            raise ProtocolError(f"{what}: segment id {segment} with extent {extent} (both set, or neither)")
         return cls(
             pool=_uuid_str(_field(m, "pool", str, what), what),
             size=size,
             payload=payload,
             offset=offset,
             extent=extent,
+            segment=segment,
         )
 
 
@@ -436,6 +457,42 @@ class LeaseRelease:
 
 
 @dataclass(frozen=True)
+class SegmentRelease:
+    """Importer -> exporter's broker: I unmapped these retiring segments (no reply).
+
+    Attributes
+    ----------
+    segments : tuple of (int, int)
+        ``(segment id, leases on it this importer claimed in all)``: the
+        exporter counts the segment unmapped by this connection only if no
+        claim arrived after the ones counted here (see :mod:`dask_gpupool._segments`).
+    """
+
+    segments: tuple[tuple[int, int], ...]
+    op: ClassVar[str] = "segment-release"
+
+    def to_msg(self) -> dict[str, Any]:
+        return {"op": self.op, "segments": [list(s) for s in self.segments]}
+
+    @classmethod
+    def from_msg(cls, msg: object) -> SegmentRelease:
+        what = "segment release"
+        items = _field(_mapping(msg, what), "segments", (list, tuple), what)
+        if len(items) > MAX_LEASES_PER_MESSAGE:
+            raise ProtocolError(f"{what}: {len(items)} segments in one message (at most {MAX_LEASES_PER_MESSAGE})")
+        out = []
+        for item in items:
+            if (
+                not isinstance(item, (list, tuple))
+                or len(item) != 2
+                or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in item)
+            ):
+                raise ProtocolError(f"{what}: each entry is [segment id, claims], both positive integers")
+            out.append((item[0], item[1]))
+        return cls(tuple(out))
+
+
+@dataclass(frozen=True)
 class CopyRequest:
     """Importer -> exporter's broker: send me a host copy of leased buffer ``lease``.
 
@@ -609,17 +666,18 @@ REQUESTS: dict[str, Any] = {
     HandleRequest.op: HandleRequest,
     LeaseClaim.op: LeaseClaim,
     LeaseRelease.op: LeaseRelease,
+    SegmentRelease.op: SegmentRelease,
     CopyRequest.op: CopyRequest,
 }
 
 
-def parse_request(msg: object) -> HandleRequest | LeaseClaim | LeaseRelease | CopyRequest:
+def parse_request(msg: object) -> HandleRequest | LeaseClaim | LeaseRelease | SegmentRelease | CopyRequest:
     """The typed broker request ``msg`` is; :class:`ProtocolError` for anything else."""
     op = _mapping(msg, "broker request").get("op")
     cls = REQUESTS.get(op) if isinstance(op, str) else None
     if cls is None:
         raise ProtocolError(f"broker request: unknown op {op!r}")
-    request: HandleRequest | LeaseClaim | LeaseRelease | CopyRequest = cls.from_msg(msg)
+    request: HandleRequest | LeaseClaim | LeaseRelease | SegmentRelease | CopyRequest = cls.from_msg(msg)
     return request
 
 
@@ -798,6 +856,7 @@ def encode(
     | ErrorReply
     | LeaseClaim
     | LeaseRelease
+    | SegmentRelease
     | CopyRequest
     | CopyReply,
 ) -> bytes:

@@ -217,7 +217,9 @@ class Pool:
             if options.segment_size:
                 from dask_gpupool._segments import SegmentedResource
 
-                resource = SegmentedResource(resource, min(options.segment_size, size), ordinal, ipc_payload)
+                resource = SegmentedResource(
+                    resource, min(options.segment_size, size), ordinal, ipc_payload, options.suballocator
+                )
             return cls(kind, resource, size, ordinal, devices.uuids[ordinal], peers)
         else:
             if not dev.properties.host_numa_memory_pools_supported:
@@ -303,7 +305,7 @@ class Pool:
         locate = getattr(self.resource, "locate", None)
         if locate is not None:  # a SegmentedResource: the segment and the offset inside it
             segment, offset = locate(int(buf.handle))
-            return BufferDescriptor(self.uuid, buf.size, segment.payload, offset, segment.size)
+            return BufferDescriptor(self.uuid, buf.size, segment.payload, offset, segment.size, segment.id)
         return BufferDescriptor(self.uuid, buf.size, ipc_payload(buf), 0)
 
     def stats(self) -> PoolStats:

@@ -57,10 +57,12 @@ class GPUPool(SchedulerPlugin):
         Broker timeout (``gpupool.broker-timeout``).
     lease_timeout : str or float, optional
         How long an unclaimed lease lives (``gpupool.lease-timeout``).
-    peer_gpu_handoff : bool, optional
+    peer_gpu_handoff : bool or "auto", optional
         Zero-copy handoffs to workers on another GPU (``gpupool.peer-gpu-handoff``).
     segment_size : int or str, optional
-        Segments of ``device`` pools, e.g. ``"1 GiB"`` (``gpupool.segment-size``).
+        Segments of ``device`` pools, e.g. ``"1 GiB"``; 0 for none (``gpupool.segment-size``).
+    suballocator : {"auto", "rmm", "arena"}, optional
+        What places buffers inside segments (``gpupool.suballocator``).
     import_limit : int or str, optional
         Largest CUDA allocation handed over zero-copy (``gpupool.import-limit``).
     cupy_allocator : bool, optional
@@ -103,8 +105,9 @@ class GPUPool(SchedulerPlugin):
         broker_dir: str | None = None,
         broker_timeout: str | float | None = None,
         lease_timeout: str | float | None = None,
-        peer_gpu_handoff: bool | None = None,
+        peer_gpu_handoff: bool | str | None = None,
         segment_size: int | str | None = None,
+        suballocator: str | None = None,
         import_limit: int | str | None = None,
         cupy_allocator: bool | None = None,
         copy_chunk_size: int | str | None = None,
@@ -123,6 +126,7 @@ class GPUPool(SchedulerPlugin):
                 lease_timeout=lease_timeout,
                 peer_gpu_handoff=peer_gpu_handoff,
                 segment_size=segment_size,
+                suballocator=suballocator,
                 import_limit=import_limit,
                 cupy_allocator=cupy_allocator,
                 copy_chunk_size=copy_chunk_size,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import logging
 import mmap
 import os
@@ -325,8 +326,8 @@ class PoolService:
         mapped = self.map_peer(desc.pool)
         if not desc.extent:
             return mapped.import_buffer(desc)
-        key, raw, ptr = mapped.acquire(desc)
-        return _view(ImportedMemoryResource(raw, key, mapped, lambda event: None), mapped, ptr, desc.size)
+        key, raw, ptr = mapped.acquire(desc, claimed=False)
+        return _view(ImportedMemoryResource(raw, key, mapped, lambda event, segment: None), mapped, ptr, desc.size)
 
     def link(self, record: PoolRecord) -> PeerLink:
         """This worker's connection to ``record``'s broker, opened on first use (or after it broke)."""
@@ -402,7 +403,7 @@ class PoolService:
             dev = Device(self.pool.device)
             dev.set_current()
             dev.sync()
-        lease = self.leases.grant(holder, buf.size, row.worker)
+        lease = self.leases.grant(holder, buf.size, row.worker, desc.segment)
         self.handoffs.add(exports=1)
         return HandoffHeader(
             "ipc", self.pool.kind, buf.size, exporter=self.record.worker, desc=desc, lease=lease, array=array
@@ -491,8 +492,8 @@ class PoolService:
             logger.debug("claiming lease %d of %s: %s", header.lease, record.worker, e)
         lease = header.lease
 
-        def closed(event: Any) -> None:
-            self.releaser.put(link, lease, event)
+        def closed(event: Any, segment: tuple[int, int] | None) -> None:
+            self.releaser.put(link, lease, event, (segment,) if segment else ())
             if mapped.orphaned and mapped.imports == 0:
                 self.mapped.forget(mapped.record.pool)
 
@@ -620,9 +621,18 @@ class PoolService:
         self.apply_registry(membership.snapshot)
 
     def apply_registry(self, update: RegistryUpdate) -> None:
-        """Apply a registry change; a peer that left gives back its leases and its mappings go."""
+        """Apply a registry change; a peer that left gives back its leases and its mappings go.
+
+        A peer that retired segments (its row's ``retire_below`` grew) gets
+        back those mapped here that no import uses (the rest go with their
+        last import).
+        """
         gone = [r for r in (self.registry.get(p) for p in update.removed) if r is not None]
         self.registry.apply(update)
+        for record in update.added:
+            mapped = self.mapped.get(record.pool)
+            if mapped is not None and record.retire_below > mapped.retire_below:
+                self._unmap_retired(mapped, record)
         for record in gone:
             if record.pool == self.pool.uuid:
                 continue
@@ -641,6 +651,35 @@ class PoolService:
                 if idle:
                     self.mapped.forget(record.pool)
 
+    def _unmap_retired(self, mapped: MappedPool, record: PoolRecord) -> None:
+        raws, released = mapped.retire(record.retire_below)
+        try:
+            event = mapped.close_segment_imports(raws)
+        except Exception:
+            logger.exception("pool %s: closing retired segment imports failed", record.pool)
+            return
+        with self._links_lock:
+            link = self._links.get(record.broker)
+        if released and link is not None:
+            self.releaser.put(link, 0, event, tuple(released))
+        elif event is not None:
+            event.close()
+        if raws:
+            logger.info("pool %s: unmapped %d retired segment(s) of %s", record.pool, len(raws), record.worker)
+
+    def retire_segments(self) -> PoolRecord | None:
+        """Retire this pool's segments (:meth:`SegmentedResource.retire`); return the row to publish.
+
+        ``None`` when the pool has no segments. The caller re-registers the
+        returned row so that peers learn the new ``retire_below``.
+        """
+        retire = getattr(self.pool.resource, "retire", None)
+        if retire is None:
+            return None
+        below = retire()
+        self.record = dataclasses.replace(self.record, retire_below=below)
+        return self.record
+
     def handoff_stats(self) -> dict[str, Any]:
         """Counters for :func:`dask_gpupool.stats`."""
         return {
@@ -651,6 +690,9 @@ class PoolService:
             "mapped_pools": len(self.mapped),
             "links": sum(link.alive for link in self._links.values()),
             "pulls": 0 if self.copier is None else self.copier.transfers,
+            "segments": getattr(self.pool.resource, "segments", 0),
+            "segments_retiring": getattr(self.pool.resource, "retiring", 0),
+            "segments_released": self.releaser.segments_sent,
             "staging_bytes": STAGING.nbytes,
         }
 
@@ -673,6 +715,8 @@ class PoolService:
         with _ACTIVE_LOCK:
             if self in _ACTIVE:
                 _ACTIVE.remove(self)
+        if isinstance(self.broker.handler, _ExportSide):
+            self.broker.handler.closing = True
         self.broker.close()
         if self.copier is not None:
             self.copier.close()  # waits for the pulls in flight: their leases end with them
@@ -688,11 +732,13 @@ class PoolService:
                     held,
                 )
         self.releaser.close()
+        # Mappings before links: an exporter frees a retired segment once the connection that mapped
+        # it closes, so the segment imports here must be closed by then.
+        self.mapped.close_all()
         with self._links_lock:
             links, self._links = list(self._links.values()), {}
         for link in links:
             link.close()
-        self.mapped.close_all()
         if not active_services():
             STAGING.clear()  # the process's pinned staging slots go with its last pool
         self.pool.close()
@@ -765,6 +811,7 @@ class _ExportSide:
     def __init__(self, pool: Pool, leases: LeaseTable) -> None:
         self._pool = pool
         self._leases = leases
+        self.closing = False  # the broker closes every connection: peers did not unmap anything
 
     def thread_started(self) -> None:
         _make_current(self._pool)()
@@ -775,15 +822,26 @@ class _ExportSide:
         return self._pool.allocation_handle(), HandleReply(self._pool.uuid, self._pool.kind, self._pool.max_size)
 
     def claim(self, leases: Iterable[int], connection: int) -> None:
-        self._leases.claim(leases, connection)
+        segments: list[int] = []
+        self._leases.claim(leases, connection, segments)
+        if segments:
+            self._pool.resource.note_claims(segments, connection)
 
     def release(self, leases: Iterable[int], connection: int) -> None:
         self._leases.release(leases, connection)
+
+    def segments_released(self, segments: tuple[tuple[int, int], ...], connection: int) -> None:
+        note = getattr(self._pool.resource, "note_released", None)
+        if note is not None:
+            note(list(segments), connection)
 
     def connection_closed(self, connection: int) -> None:
         n = self._leases.release_connection(connection)
         if n:
             logger.info("pool %s: a peer's connection closed; released its %d lease(s)", self._pool.uuid, n)
+        drop = getattr(self._pool.resource, "drop_connection", None)
+        if drop is not None and not self.closing:
+            drop(connection)
 
     def copy_out(self, lease: int) -> tuple[int, int]:
         holder = self._leases.holder(lease)

@@ -64,9 +64,14 @@ def test_config_values_and_overrides():
     assert options.max_size == Size(nbytes=2**30)
     assert options.broker_timeout == 0.5
     assert options.device == "GPU-abc"
-    assert options.segment_size == 0 and options.cupy_allocator is False
+    assert options.segment_size == 2**30 and options.cupy_allocator is False
+    assert options.peer_gpu_handoff is True and options.suballocator == "auto"  # "auto": on with segments
     assert PoolOptions.from_config(cupy_allocator="true").cupy_allocator is True
-    assert PoolOptions.from_config(segment_size="1 GiB").segment_size == 2**30
+    no_segments = PoolOptions.from_config(segment_size=0)
+    assert no_segments.segment_size == 0 and no_segments.peer_gpu_handoff is False
+    assert PoolOptions.from_config(segment_size=0, peer_gpu_handoff=True).peer_gpu_handoff is True
+    assert PoolOptions.from_config(peer_gpu_handoff="false").peer_gpu_handoff is False
+    assert PoolOptions.from_config(suballocator="arena").suballocator == "arena"
     assert options.import_limit == 5 * 2**30
     assert PoolOptions.from_config(import_limit=0, segment_size="8 GiB").segment_size == 8 * 2**30
     assert (options.copy_chunk_size, options.copy_stream_threshold, options.copy_streams) == (16 << 20, 4 << 20, 4)
@@ -93,6 +98,8 @@ def test_segments_larger_than_the_import_limit_are_refused():
         ("gpupool.copy-streams", 0),
         ("gpupool.copy-streams", 17),
         ("gpupool.copy-streams", "four"),
+        ("gpupool.suballocator", "jemalloc"),
+        ("gpupool.peer-gpu-handoff", "sometimes"),
     ],
 )
 def test_bad_config_values_name_the_key(key, value):

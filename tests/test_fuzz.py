@@ -38,6 +38,7 @@ from dask_gpupool._messages import (
     PullReply,
     PullRequest,
     RegistryUpdate,
+    SegmentRelease,
     decode,
     encode,
     parse_request,
@@ -76,7 +77,7 @@ PARSERS = [
 ]
 VALID = {
     "record": PoolRecord(POOL, "tcp://h:1", 7, "h/b", "h", "device", "GPU-1", MiB, "/tmp/b.sock", ("GPU-1",)).to_msg(),
-    "descriptor": BufferDescriptor(POOL, 64, b"\1" * 64, 128, MiB).to_msg(),
+    "descriptor": BufferDescriptor(POOL, 64, b"\1" * 64, 128, MiB, 3).to_msg(),
     "header": {
         "path": "ipc",
         "kind": "device",
@@ -91,6 +92,7 @@ VALID = {
     "request": {"op": "pool-handle", "pool": POOL},
     "stream": HandoffHeader("stream", "device", 64, "tcp://h:1", lease=3, address="tcp://h:2").to_msg(),
     "pull": PullRequest(POOL, 3, b"p" * 32).to_msg(),
+    "segment-release": SegmentRelease(((3, 2), (4, 1))).to_msg(),
 }
 PARSER_OF = {
     "record": PoolRecord.from_msg,
@@ -100,6 +102,7 @@ PARSER_OF = {
     "request": parse_request,
     "stream": HandoffHeader.from_msg,
     "pull": PullRequest.from_msg,
+    "segment-release": parse_request,
 }
 
 
@@ -221,6 +224,7 @@ def headers(pools: list[str], exporters: list[str]) -> st.SearchStrategy[dict[st
             "payload": st.sampled_from([b"", b"\0" * 64, b"x" * 63]),
             "offset": st.integers(min_value=0, max_value=2**40),
             "extent": st.sampled_from([0, 0, MiB, 2**40]),
+            "segment": st.sampled_from([0, 0, 1, 2**40]),
         }
     )
     hostile = st.fixed_dictionaries(
@@ -245,7 +249,7 @@ def headers(pools: list[str], exporters: list[str]) -> st.SearchStrategy[dict[st
             "exporter": exporter,
             "lease": lease,
             "ready": "synced",
-            "desc": {**d, "payload": b"", "extent": 0},
+            "desc": {**d, "payload": b"", "extent": 0, "segment": 0},
             "array": None,
         },
         desc,

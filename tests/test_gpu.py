@@ -167,6 +167,48 @@ def test_handoff_to_another_gpu_is_copied_by_default():
         assert got[b]["copied_bytes"] == 16 * MiB and got[a]["fallbacks"] == {"other-gpu": 1}
 
 
+def test_rmm_places_buffers_in_segments_and_retiring_frees_them():
+    """RMM's pool over segments of an IPC pool (no Dask): every buffer lies inside one segment of at most
+    the segment size, large ones get their own, a full upstream is a clear error, retire frees all."""
+    gpus(1)
+    pytest.importorskip("rmm")
+    from cuda.core import Device, DeviceMemoryResource, DeviceMemoryResourceOptions
+
+    from dask_gpupool._pool import ipc_payload
+    from dask_gpupool._segments import SegmentedResource
+
+    dev = Device(0)
+    dev.set_current()
+    up = DeviceMemoryResource(dev, DeviceMemoryResourceOptions(ipc_enabled=True, max_size=1 << 30))
+    res = SegmentedResource(up, 256 * MiB, 0, ipc_payload, "rmm")
+    assert res.suballocator == "rmm"
+    sizes = [0, 1, 4096, 100 * MiB, 200 * MiB, 250 * MiB, 3 * MiB]
+    bufs = [res.allocate(n) for n in sizes]
+    for b in bufs:
+        seg, offset = res.locate(int(b.handle))
+        assert not seg.own and seg.size <= 256 * MiB and offset + b.size <= seg.size
+    assert res.segments >= 3
+    big = res.allocate(300 * MiB)
+    seg, offset = res.locate(int(big.handle))
+    assert seg.own and offset == 0
+    stream = dev.create_stream()
+    other = res.allocate(MiB, stream=stream)  # stream-ordered: freed on its stream, reused after it
+    other.close(stream)
+    with pytest.raises(dask_gpupool.PoolExhaustedError, match="no segment has room"):
+        res.allocate(250 * MiB)  # the 1 GiB upstream is full
+    assert res.attributes.used_mem_current >= sum(sizes) + 300 * MiB
+    for b in [*bufs, big]:
+        b.close()
+    assert res.attributes.used_mem_current == 0
+    res.retire()
+    assert res.segments == 0 and res.attributes.reserved_mem_current == 0
+    again = res.allocate(MiB)  # a new generation
+    assert res.locate(int(again.handle))[0].id >= res.retire_below
+    again.close()
+    res.close()
+    stream.close()
+
+
 def test_handoff_with_segments_on_one_gpu():
     """Buffers placed in segments: B maps a segment once and later handoffs reuse it."""
     gpus(1)
@@ -184,6 +226,40 @@ def test_handoff_with_segments_on_one_gpu():
             wait_for(lambda: counters(c, a)[a]["used"] == 0, what="A's pool bytes to return")
         assert c.run(T.mapped_segments, workers=[b])[b] == segments + 1
         assert c.run(T.handoff_counters)[b]["copied_bytes"] == 0
+
+
+def test_trim_frees_retired_segments_once_the_peer_let_go():
+    """The retire protocol: A retires its segments; B's live import keeps one; when B lets go it
+    unmaps it and says so, and A frees it. New buffers go to new segments, mapped afresh."""
+    gpus(1)
+    with nanny_cluster([ONE_GPU, ONE_GPU], GPUPool(kind="device", max_size="4 GiB", segment_size="256 MiB")) as c:
+        a, b = worker_addresses(c)
+        baseline = warm_up(c, a, b)
+        x = c.submit(T.fill, 64 * MiB, 3, workers=[a], pure=False)
+        y = c.submit(T.keep, x, workers=[b], pure=False)
+        assert c.submit(T.all_equal, y, 3, workers=[b], pure=False).result()
+        del x
+        mapped = c.run(T.mapped_segments, workers=[b])[b]
+        assert mapped >= 1
+        trimmed = dask_gpupool.trim(c)
+        assert trimmed[a]["retire_below"] > 0 and trimmed[a]["segments_retiring"] >= 1, trimmed
+        # B still reads its import: the segment under it stays
+        assert c.submit(T.all_equal, y, 3, workers=[b], pure=False).result()
+        assert counters(c, a)[a]["segments_retiring"] >= 1
+        del y
+        wait_for(lambda: counters(c, a)[a]["segments_retiring"] == 0, what="A to free its retired segments")
+        assert c.run(T.mapped_segments, workers=[b])[b] == 0
+        assert counters(c, b)[b]["segments_released"] >= 1
+        stats = dask_gpupool.pool_stats(c)
+        assert stats[a]["used"] == 0 and stats[a]["reserved"] == 0, stats[a]
+        # after the trim: new segments, mapped afresh, right bytes
+        x = c.submit(T.fill, 32 * MiB, 7, workers=[a], pure=False)
+        assert c.submit(T.all_equal, c.submit(T.keep, x, workers=[b], pure=False), 7, workers=[b], pure=False).result()
+        assert c.run(T.mapped_segments, workers=[b])[b] == 1
+        del x
+        dask_gpupool.trim(c)
+        wait_for(lambda: counters(c, a)[a]["segments"] == 0, what="A to free the second segment")
+        back_to(c, baseline)
 
 
 def test_stress_with_segments_one_gpu():

@@ -20,8 +20,10 @@ from dask_gpupool._messages import (
     PullReply,
     PullRequest,
     RegistryUpdate,
+    SegmentRelease,
     decode,
     encode,
+    parse_request,
     raise_for_error,
 )
 
@@ -43,8 +45,21 @@ def test_records_and_updates_round_trip_through_msgpack():
     assert RegistryUpdate.from_msg(wire(update.to_msg())) == update
     desc = BufferDescriptor(POOL, 100, b"\1" * 64, 0)
     assert BufferDescriptor.from_msg(wire(desc.to_msg())) == desc
-    in_segment = BufferDescriptor(POOL, 100, b"\1" * 64, 4096, 1 << 30)
+    in_segment = BufferDescriptor(POOL, 100, b"\1" * 64, 4096, 1 << 30, 7)
     assert BufferDescriptor.from_msg(wire(in_segment.to_msg())) == in_segment
+    retired = dataclasses.replace(RECORD, retire_below=5)
+    assert PoolRecord.from_msg(wire(retired.to_msg())) == retired
+    release = SegmentRelease(((7, 3), (8, 1)))
+    assert parse_request(wire(release.to_msg())) == release
+
+
+@pytest.mark.parametrize(
+    "segments",
+    [[[0, 1]], [[1, -1]], [[1]], [[1, 2, 3]], [[True, 1]], [["1", 1]], "1,1", [[1, 1]] * 4097],
+)
+def test_malformed_segment_release_is_a_protocol_error(segments):
+    with pytest.raises(ProtocolError, match="segment release"):
+        parse_request({"op": "segment-release", "segments": segments})
 
 
 def test_broker_messages_round_trip():
@@ -85,6 +100,8 @@ def test_copy_path_messages_round_trip_and_refuse_bad_fields():
         {"peers": [None]},
         {"peers": "GPU-2"},
         {"device": 3},
+        {"retire_below": -1},
+        {"retire_below": "1"},
     ],
 )
 def test_malformed_record_is_a_protocol_error(change):
@@ -102,6 +119,9 @@ def test_malformed_record_is_a_protocol_error(change):
         {"pool": POOL, "size": 8, "payload": b"\0" * 64, "offset": 4, "extent": 8},
         {"pool": POOL, "size": 8, "payload": b"", "offset": 0, "extent": 8},
         {"pool": POOL, "size": 8, "payload": b"\0" * 64, "offset": 0, "extent": -1},
+        {"pool": POOL, "size": 8, "payload": b"\0" * 64, "offset": 0, "extent": 8, "segment": 0},
+        {"pool": POOL, "size": 8, "payload": b"\0" * 64, "offset": 0, "extent": 0, "segment": 2},
+        {"pool": POOL, "size": 8, "payload": b"\0" * 64, "offset": 0, "extent": 8, "segment": -1},
         [POOL, 1],
     ],
 )

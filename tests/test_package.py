@@ -34,6 +34,7 @@ def test_public_names_are_pinned():
         "pool_stats",
         "pools",
         "stats",
+        "trim",
     ]
 
 

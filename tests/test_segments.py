@@ -105,12 +105,82 @@ def test_unknown_addresses_and_close():
     del keep  # freeing after close is a no-op
 
 
-def test_closing_keeps_segments_a_peer_may_still_map():
+def test_closing_frees_unmapped_segments_and_keeps_those_a_peer_may_still_map():
     from dask_gpupool._pool import KEPT_UNTIL_EXIT
 
     res, up = segmented()
-    res.allocate(MiB).close()
+    a = res.allocate(MiB)
+    b = res.allocate(7 * MiB + 1)  # a second arena segment
+    assert res.segments == 2
+    seg_a = res.locate(int(a.handle))[0]
+    res.note_claims([seg_a.id], connection=3)  # a peer claimed a lease on a: it maps a's segment
+    a.close()
+    b.close()
     before = len(KEPT_UNTIL_EXIT)
-    res.close()  # peers may map the segment: it is kept, not freed, until the process exits
+    res.close()
     assert up.closed and len(up.live) == 1 and len(KEPT_UNTIL_EXIT) == before + 1
+    assert int(KEPT_UNTIL_EXIT[-1].handle) == seg_a.base
     KEPT_UNTIL_EXIT.pop()
+
+
+def test_retired_segments_go_once_no_buffer_lives_in_them_and_no_peer_maps_them():
+    res, up = segmented()
+    idle = res.allocate(MiB)
+    seg_idle = res.locate(int(idle.handle))[0]
+    idle.close()
+    held = res.allocate(7 * MiB + 1)
+    mapped = res.allocate(6 * MiB)
+    seg_held, seg_mapped = (res.locate(int(x.handle))[0] for x in (held, mapped))
+    assert seg_idle is seg_held and seg_mapped is not seg_held
+    res.note_claims([seg_mapped.id, seg_mapped.id], connection=5)
+    mapped.close()
+    below = res.retire()
+    assert below == max(seg_held.id, seg_mapped.id) + 1 and res.retiring == 2 and len(up.live) == 2
+
+    fresh = res.allocate(MiB)  # retired segments take no new buffers
+    assert res.locate(int(fresh.handle))[0].id >= below and res.segments == 3
+    held.close()  # its segment: no buffer, no peer
+    assert res.segments == 2 and res.retiring == 1
+
+    res.note_released([(seg_mapped.id, 1)], connection=5)  # stale: a second claim crossed it
+    assert res.retiring == 1
+    res.note_released([(seg_mapped.id, 2)], connection=5)
+    assert res.retiring == 0 and res.segments == 1 and len(up.live) == 1
+    fresh.close()
+    res.close(free_segments=True)
+    assert not up.live
+
+
+def test_a_closed_connection_unmaps_and_unknown_releases_are_ignored():
+    res, up = segmented()
+    buf = res.allocate(MiB)
+    seg = res.locate(int(buf.handle))[0]
+    res.note_claims([seg.id, 999], connection=1)
+    res.note_claims([seg.id], connection=2)
+    buf.close()
+    res.retire()
+    res.note_released([(999, 1), (seg.id, 1)], connection=7)  # a connection that claimed nothing
+    res.drop_connection(1)
+    assert res.retiring == 1
+    res.drop_connection(2)
+    assert res.retiring == 0 and not up.live
+
+
+def test_large_buffers_get_own_segments_that_later_large_buffers_reuse_until_retired():
+    res, up = segmented()
+    big = res.allocate(20 * MiB + 1)
+    seg, offset = res.locate(int(big.handle))
+    assert seg.own and offset == 0 and seg.size == 22 * MiB
+    big.close()
+    again = res.allocate(21 * MiB)
+    assert res.locate(int(again.handle))[0] is seg  # the spare, reused
+    other = res.allocate(12 * MiB)  # the 22 MiB spare is in use: a segment of its own
+    assert res.locate(int(other.handle))[0] is not seg
+    again.close()
+    small = res.allocate(9 * MiB)  # 10 MiB needed; the 22 MiB spare would waste over half
+    assert res.locate(int(small.handle))[0] is not seg
+    res.retire()
+    assert seg.base not in up.live  # a retired spare nobody maps is freed
+    for b in (other, small):
+        b.close()
+    assert not up.live
