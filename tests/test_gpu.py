@@ -179,7 +179,7 @@ def test_rmm_places_buffers_in_segments_and_retiring_frees_them():
 
     dev = Device(0)
     dev.set_current()
-    up = DeviceMemoryResource(dev, DeviceMemoryResourceOptions(ipc_enabled=True, max_size=1 << 30))
+    up = DeviceMemoryResource(dev, DeviceMemoryResourceOptions(ipc_enabled=True, max_size=1536 * MiB))
     res = SegmentedResource(up, 256 * MiB, 0, ipc_payload, "rmm")
     assert res.suballocator == "rmm"
     sizes = [0, 1, 4096, 100 * MiB, 200 * MiB, 250 * MiB, 3 * MiB]
@@ -195,7 +195,7 @@ def test_rmm_places_buffers_in_segments_and_retiring_frees_them():
     other = res.allocate(MiB, stream=stream)  # stream-ordered: freed on its stream, reused after it
     other.close(stream)
     with pytest.raises(dask_gpupool.PoolExhaustedError, match="no segment has room"):
-        res.allocate(250 * MiB)  # the 1 GiB upstream is full
+        res.allocate(1 << 30)  # about 1068 MiB of the 1536 MiB upstream are in segments
     assert res.attributes.used_mem_current >= sum(sizes) + 300 * MiB
     for b in [*bufs, big]:
         b.close()
