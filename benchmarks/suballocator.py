@@ -6,13 +6,13 @@ measures as fast and as robust. This script measures both, one process, one
 GPU, the same seeded workload:
 
 - ``arena``: :class:`~dask_gpupool._arena.Arena` alone (offsets, no memory).
-- ``segments``: :class:`~dask_gpupool._segments.SegmentedResource` over an
-  IPC-enabled cuda.core ``DeviceMemoryResource`` - what a ``device`` pool with
-  ``gpupool.segment-size`` runs: a cuda.core ``Buffer`` per allocation and a
-  stream-ordered free (event recorded, range reused once it completed).
-- ``rmm``: ``rmm.mr.PoolMemoryResource`` over ``rmm.mr.CallbackMemoryResource``
+- ``segments-arena`` / ``segments-rmm``: :class:`~dask_gpupool._segments.SegmentedResource`
+  over an IPC-enabled cuda.core ``DeviceMemoryResource``, placing buffers with
+  the in-tree arena or with RMM - what a ``device`` pool with segments runs: a
+  cuda.core ``Buffer`` per allocation and a stream-ordered free.
+- ``rmm``: bare ``rmm.mr.PoolMemoryResource`` over ``rmm.mr.CallbackMemoryResource``
   whose callbacks take segments from the same kind of cuda.core pool; each
-  allocation wrapped in a cuda.core ``Buffer`` as the pool would need.
+  allocation wrapped in a cuda.core ``Buffer`` (the floor for ``segments-rmm``).
 - ``cuda.core``: the IPC-enabled pool itself, one allocation per buffer (the
   layout without segments).
 
@@ -82,11 +82,11 @@ def cuda_pool(dev: Any) -> Any:
     return DeviceMemoryResource(dev, DeviceMemoryResourceOptions(ipc_enabled=True, max_size=16 * SEGMENT))
 
 
-def segments_case(dev: Any) -> Case:
+def segments_case(dev: Any, suballocator: str) -> Case:
     from dask_gpupool._pool import ipc_payload
     from dask_gpupool._segments import SegmentedResource
 
-    mr = SegmentedResource(cuda_pool(dev), SEGMENT, dev.device_id, ipc_payload)
+    mr = SegmentedResource(cuda_pool(dev), SEGMENT, dev.device_id, ipc_payload, suballocator)
     stream = dev.default_stream
 
     def alloc(n: int) -> Any:
@@ -165,13 +165,14 @@ def main() -> None:
         dev.set_current()
         gpu = dev.name
         versions["cuda.core"] = cuda.core.__version__
-        cases["segments"] = lambda: segments_case(dev)
+        cases["segments-arena"] = lambda: segments_case(dev, "arena")
         cases["cuda.core"] = lambda: core_case(dev)
         try:
             import rmm
 
             versions["rmm"] = rmm.__version__
             cases["rmm"] = lambda: rmm_case(dev)
+            cases["segments-rmm"] = lambda: segments_case(dev, "rmm")
         except Exception as e:  # reported; the other cases still run
             print(f"rmm not available: {e}")
     rows = []
@@ -184,16 +185,16 @@ def main() -> None:
             reserved = max(reserved, reserved_of())
             close()
         rows.append({"case": name, "us_per_pair": statistics.median(us), "runs": us, "reserved_at_end": reserved})
-        print(f"{name:10s} {statistics.median(us):8.2f} us per free+allocate pair   runs {[round(u, 2) for u in us]}")
+        print(f"{name:14s} {statistics.median(us):8.2f} us per free+allocate pair   runs {[round(u, 2) for u in us]}")
     result = {"gpu": gpu, "versions": versions, "args": vars(args), "live_bytes_last": live_bytes, "rows": rows}
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for d in ("benchmarks/results", os.environ.get("OUT")):
         if d and os.path.isdir(d):
             with open(os.path.join(d, f"suballocator-{stamp}.json"), "w") as f:
                 json.dump(result, f, indent=1)
-    print(f"{'case':10s} {'us/pair':>8s}")
+    print(f"{'case':14s} {'us/pair':>8s}")
     for row in rows:
-        print(f"{row['case']:10s} {row['us_per_pair']:8.2f}")
+        print(f"{row['case']:14s} {row['us_per_pair']:8.2f}")
     sys.stdout.flush()
 
 

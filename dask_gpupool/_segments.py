@@ -451,9 +451,10 @@ class SegmentedResource(MemoryResource):
             segments, self._segments, self._bases, self._pending = self._segments, [], [], []
             self._by_id = {}
             generations, self._retired_generations = self._retired_generations, []
+        for g in generations:
+            g.pool = None  # RMM gives its blocks back through _give, which finds them unregistered: kept
         if segments:
             keep_until_exit(seg.buffer for seg in segments)
-            keep_until_exit(g.pool for g in generations)  # destroying them would free their segments
             logger.info("closing with %d segment(s) a peer may still map: kept until this process exits", len(segments))
         self.upstream.close()
 
