@@ -201,11 +201,7 @@ class PoolOptions:
             raise ConfigError(f"gpupool.suballocator={suballocator!r} is not a suballocator; valid: auto, rmm, arena")
         import_limit = _parse_nbytes(raw.get("import-limit", "5 GiB"), "gpupool.import-limit")
         if import_limit and segment_size > import_limit:
-            raise ConfigError(
-                f"gpupool.segment-size={raw.get('segment-size')!r} is larger than gpupool.import-limit="
-                f"{raw.get('import-limit', '5 GiB')!r}: no peer could map a segment; valid: a segment size "
-                f"up to the import limit"
-            )
+            segment_size = import_limit  # a larger segment could not be mapped by any peer
         return cls(
             kind=_parse_kind(raw.get("kind", "auto")),
             device=_parse_device(raw.get("device", 0)),

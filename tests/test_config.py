@@ -78,9 +78,9 @@ def test_config_values_and_overrides():
     assert PoolOptions.from_config(copy_streams="2", copy_chunk_size=0).copy_streams == 2
 
 
-def test_segments_larger_than_the_import_limit_are_refused():
-    with pytest.raises(ConfigError, match=r"gpupool\.segment-size=.*gpupool\.import-limit"):
-        PoolOptions.from_config(segment_size="6 GiB")
+def test_segments_are_at_most_the_import_limit():
+    assert PoolOptions.from_config(segment_size="6 GiB").segment_size == 5 << 30
+    assert PoolOptions.from_config(import_limit="64 MiB").segment_size == 64 << 20
 
 
 @pytest.mark.parametrize(

@@ -155,9 +155,17 @@ def test_concurrent_handoffs_across_gpus_while_the_producer_allocates():
         back_to(c, baseline)
 
 
-def test_handoff_to_another_gpu_is_copied_by_default():
+def test_handoff_to_another_gpu_is_zero_copy_by_default_and_copied_without_segments():
     gpus(2)
-    with nanny_cluster(ROTATED, GPUPool(kind="device", max_size="2 GiB")) as c:
+    with nanny_cluster(ROTATED, GPUPool(kind="device", max_size="2 GiB")) as c:  # segments on: peers granted
+        assert all(len(r.peers) == 1 for r in dask_gpupool.pools(c))
+        a, b = worker_addresses(c)
+        x = c.submit(T.fill, 16 * MiB, 9, workers=[a], pure=False)
+        y = c.submit(T.keep, x, workers=[b], pure=False)
+        assert c.submit(T.all_equal, y, 9, workers=[b], pure=False).result()
+        got = c.run(T.handoff_counters)
+        assert got[b]["zero_copy_bytes"] == 16 * MiB and got[b]["copied_bytes"] == 0, got
+    with nanny_cluster(ROTATED, GPUPool(kind="device", max_size="2 GiB", segment_size=0)) as c:
         assert all(r.peers == () for r in dask_gpupool.pools(c))
         a, b = worker_addresses(c)
         x = c.submit(T.fill, 16 * MiB, 9, workers=[a], pure=False)
@@ -375,7 +383,8 @@ def test_stress_producers_release_while_consumers_read_one_gpu():
 )
 def test_stress_producers_release_while_consumers_read_two_gpus():
     gpus(2)
-    with nanny_cluster(ROTATED, GPUPool(kind="device", max_size="4 GiB", peer_gpu_handoff=True)) as c:
+    plugin = GPUPool(kind="device", max_size="4 GiB", segment_size=0, peer_gpu_handoff=True)
+    with nanny_cluster(ROTATED, plugin) as c:
         assert stress(c, 20, 16 * MiB) > 5
 
 
