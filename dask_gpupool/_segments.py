@@ -227,6 +227,8 @@ class SegmentedResource(MemoryResource):
     _closed: bool
     _lock: threading.RLock
     _home_handle: int | None
+    _home_stream: Any
+    _dev: Any
     _rmm_streams: dict[int, Any]
 
     def __init__(
@@ -257,6 +259,7 @@ class SegmentedResource(MemoryResource):
         self._closed = False
         self._lock = threading.RLock()
         self._home_handle = None
+        self._home_stream = self._dev = None
         self._rmm_streams = {}
 
     # -- MemoryResource ----------------------------------------------------------------
@@ -304,6 +307,7 @@ class SegmentedResource(MemoryResource):
             self._collect()
             return
         if self.suballocator == "rmm":
+            self._home()  # RMM records its free event on the GPU: make it current in this thread (maybe the GC's)
             seg.generation.pool.deallocate(int(ptr), max(size, 1), self._rmm_stream(stream))
             with self._lock:
                 seg.live -= 1
@@ -462,14 +466,17 @@ class SegmentedResource(MemoryResource):
 
     def _home(self) -> Any:
         """The GPU's default stream, with the GPU made current (device segments only)."""
-        from cuda.core import Device
+        dev = self._dev
+        if dev is None:
+            from cuda.core import Device
 
-        dev = Device(self._device)
-        dev.set_current()
-        home = dev.default_stream
-        if self._home_handle is None:
-            self._home_handle = int(home.handle)
-        return home
+            dev = self._dev = Device(self._device)
+            dev.set_current()
+            self._home_stream = dev.default_stream
+            self._home_handle = int(self._home_stream.handle)
+        else:
+            dev.set_current()
+        return self._home_stream
 
     def _rmm_stream(self, stream: Any) -> Any:
         handle = int(stream.handle) if stream is not None else int(self._home().handle)
@@ -483,16 +490,18 @@ class SegmentedResource(MemoryResource):
         return rs
 
     def _allocate_rmm(self, size: int, stream: Any) -> int:
-        with self._lock:
-            gen = self._generation
-            if gen is None:
-                gen = self._generation = self._new_generation(size)
+        gen = self._generation
+        if gen is None:
+            with self._lock:
+                gen = self._generation
+                if gen is None:
+                    gen = self._generation = self._new_generation(size)
         try:
             ptr = int(gen.pool.allocate(max(size, 1), self._rmm_stream(stream)))  # RMM gives no address for 0
         except MemoryError as e:
             raise self._exhausted(size, e) from None
-        seg, _ = self.locate(ptr)
         with self._lock:
+            seg = self._segments[bisect.bisect_right(self._bases, ptr) - 1]
             seg.live += 1
             self._used += -(-max(size, 1) // RMM_ALIGNMENT) * RMM_ALIGNMENT
             self._used_high = max(self._used_high, self._used)
