@@ -10,8 +10,9 @@ the same graph runs on plain Dask.
 CuPy chunks on GPU pools when GPUs are visible (``--layout shared``: all
 workers on GPU 0; ``--layout per-gpu``: one worker per GPU; ``--layout
 dask-cuda``: dask-cuda's ``LocalCUDACluster``, one worker per GPU), NumPy chunks
-on ``host`` pools otherwise. Across GPUs, handoffs are zero-copy only with
-``--peer-gpu-handoff`` (``gpupool.peer-gpu-handoff``; copies otherwise).
+on ``host`` pools otherwise. Across GPUs, handoffs are zero-copy with
+segments (``gpupool.peer-gpu-handoff: auto``); ``--segment-size 0`` turns
+segments off, and with them cross-GPU zero-copy unless ``--peer-gpu-handoff``.
 Prints the time of each stage, the bytes handed over zero-copy and copied,
 and saves a bar plot when matplotlib is installed.
 
@@ -187,10 +188,8 @@ def main() -> None:
     p.add_argument("--chunks", type=int, default=16)
     p.add_argument("--workers", type=int, default=3, help="workers (on GPU 0 with --layout shared)")
     p.add_argument("--layout", choices=["shared", "per-gpu", "dask-cuda"], default="shared")
-    p.add_argument("--segment-size", default=None, help="gpupool.segment-size (device pools; default: off)")
-    p.add_argument(
-        "--peer-gpu-handoff", action="store_true", help="gpupool.peer-gpu-handoff: zero-copy across GPUs too"
-    )
+    p.add_argument("--segment-size", default=None, help="gpupool.segment-size (device pools; default 1 GiB)")
+    p.add_argument("--peer-gpu-handoff", action="store_true", help="gpupool.peer-gpu-handoff: true (default: auto)")
     p.add_argument("--plot", default="etl_pipeline.png")
     p.add_argument(
         "--progress",
