@@ -821,10 +821,10 @@ class HandoffHeader:
         desc = None if raw_desc is None else BufferDescriptor.from_msg(raw_desc)
         if path == "ipc" and (desc is None or lease == 0):
             raise ProtocolError(f"{what}: an ipc handoff needs a descriptor and a lease")
-        address = _field(m, "address", str, what) if "address" in m else ""
+        address = _field(m, "address", str, what)
         if path == "stream" and (lease == 0 or not address.startswith("tcp://")):
             raise ProtocolError(f"{what}: a stream handoff needs a lease and a tcp:// address")
-        raw_lanes = _field(m, "lanes", (list, tuple), what) if "lanes" in m else []
+        raw_lanes = _field(m, "lanes", (list, tuple), what)
         if len(raw_lanes) >= MAX_LANES or not all(
             isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in raw_lanes
         ):

@@ -87,6 +87,8 @@ VALID = {
         "ready": "synced",
         "desc": BufferDescriptor(POOL, 64, b"\1" * 64, 0).to_msg(),
         "array": None,
+        "address": "",
+        "lanes": [],
     },
     "hello": Hello(TOKEN).to_msg(),
     "request": {"op": "pool-handle", "pool": POOL},
@@ -237,6 +239,8 @@ def headers(pools: list[str], exporters: list[str]) -> st.SearchStrategy[dict[st
             "ready": st.sampled_from(["synced", "synced", "later"]),
             "desc": st.one_of(st.none(), desc),
             "array": st.none(),
+            "address": st.sampled_from(["", "tcp://10.0.0.1:1"]),
+            "lanes": st.sampled_from([[], [1], [0]]),
         }
     )
     # Well-formed headers that lie: sizes and offsets beyond the pool, unknown leases, another
@@ -251,6 +255,8 @@ def headers(pools: list[str], exporters: list[str]) -> st.SearchStrategy[dict[st
             "ready": "synced",
             "desc": {**d, "payload": b"", "extent": 0, "segment": 0},
             "array": None,
+            "address": "",
+            "lanes": [],
         },
         desc,
         st.sampled_from([*exporters, "tcp://10.0.0.1:1"]),

@@ -78,6 +78,9 @@ def test_copy_path_messages_round_trip_and_refuse_bad_fields():
     for lanes in ([0], [True], ["4"], list(range(1, 17))):
         with pytest.raises(ProtocolError, match="lanes must be"):
             HandoffHeader.from_msg({**header.to_msg(), "lanes": lanes})
+    for missing in ("address", "lanes"):
+        with pytest.raises(ProtocolError, match=f"missing field '{missing}'"):
+            HandoffHeader.from_msg({k: v for k, v in header.to_msg().items() if k != missing})
     with pytest.raises(ProtocolError, match="only a stream handoff has lanes"):
         HandoffHeader.from_msg({**header.to_msg(), "path": "copy"})
     with pytest.raises(ProtocolError, match="proof of 3 bytes"):
