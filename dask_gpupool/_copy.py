@@ -63,6 +63,7 @@ from dask_gpupool._messages import (
     decode,
     raise_for_error,
 )
+from dask_gpupool._topology import current_gpu
 
 if TYPE_CHECKING:
     from cuda.core import Buffer
@@ -223,10 +224,7 @@ class CopyServer:
             for off, size in _chunks(n, self._chunk):
                 conn.sendall(_view(start + off, size))
             return
-        from cuda.core import Device
-
-        dev = Device(buf.device_id)  # device memory: the GPU it is on (an imported view's is this process's GPU)
-        dev.set_current()
+        dev = current_gpu(buf.device_id)  # the GPU it is on (an imported view's is this process's GPU)
         stream = dev.create_stream()
         slots = STAGING.take(int(dev.device_id), self._chunk, stream)
         try:
@@ -352,10 +350,7 @@ def _receive(conn: socket.socket, dst: Buffer, offset: int, n: int, chunk: int) 
         for off, size in _chunks(n, chunk):
             _recv_exactly(conn, _view(start + off, size))
         return
-    from cuda.core import Device
-
-    dev = Device(dst.device_id)
-    dev.set_current()
+    dev = current_gpu(dst.device_id)
     stream = dev.create_stream()
     stream.wait(dev.default_stream)  # dst was allocated on the default stream
     slots = STAGING.take(int(dev.device_id), chunk, stream)

@@ -45,6 +45,7 @@ from dask_gpupool._messages import (
     encode,
     raise_for_error,
 )
+from dask_gpupool._topology import current_gpu
 
 if TYPE_CHECKING:
     from cuda.core import Buffer
@@ -357,10 +358,7 @@ class ImportedMemoryResource(MemoryResource):
             with IMPORT_LOCK:
                 raw, segment = self.mapped.unshare(self._key)
                 if self.mapped.device is not None and self._device_accessible:
-                    from cuda.core import Device
-
-                    dev = Device(self.mapped.device)
-                    dev.set_current()
+                    dev = current_gpu(self.mapped.device)
                     if raw is not None:
                         raw.close(dev.default_stream)
                     # Work queued here on blocking streams (CuPy's default) must finish before the

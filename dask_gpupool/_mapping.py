@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from dask_gpupool._errors import PeerAccessError, PoolClosedError, ProtocolError, UnknownPoolError
 from dask_gpupool._host_memory import SharedHostMemoryResource
 from dask_gpupool._messages import BufferDescriptor, PoolRecord
-from dask_gpupool._topology import LocalDevices
+from dask_gpupool._topology import LocalDevices, current_gpu
 
 if TYPE_CHECKING:
     from cuda.core import Buffer
@@ -142,9 +142,7 @@ class MappedPool:
             return cls(record, SharedHostMemoryResource.from_allocation_handle(fd), own_device)
         if own_device is None:
             raise PeerAccessError(f"pool {record.pool} is a {record.kind} pool and this process has no GPU")
-        from cuda.core import Device
-
-        Device(own_device).set_current()
+        own = current_gpu(own_device)
         if record.kind == "pinned":
             from cuda.core import PinnedMemoryResource
 
@@ -160,7 +158,7 @@ class MappedPool:
         from cuda.core import DeviceMemoryResource
 
         owner = devices.ordinal_of(record.device)
-        if owner is not None and owner != own_device and not Device(own_device).can_access_peer(owner):
+        if owner is not None and owner != own_device and not own.can_access_peer(owner):
             raise PeerAccessError(
                 f"pool {record.pool} lives on GPU {record.device}, which GPU {devices.uuids[own_device]} "
                 "cannot access (no peer access)"
@@ -202,10 +200,9 @@ class MappedPool:
         return self._import(desc.payload, desc.size)
 
     def _import(self, payload: bytes, size: int) -> Buffer:
-        from cuda.core import Buffer, Device
+        from cuda.core import Buffer
 
-        dev = Device(self.device)
-        dev.set_current()
+        dev = current_gpu(self.device)
         ipc_desc = _ipc_descriptor(payload, size)
         with IMPORT_LOCK:
             return Buffer.from_ipc_descriptor(self.resource, ipc_desc, stream=dev.default_stream)
@@ -299,10 +296,7 @@ class MappedPool:
                 for raw in raws:
                     raw.close()
                 return None
-            from cuda.core import Device
-
-            dev = Device(self.device)
-            dev.set_current()
+            dev = current_gpu(self.device)
             for raw in raws:
                 raw.close(dev.default_stream)
             return dev.default_stream.record()
@@ -320,10 +314,7 @@ class MappedPool:
         with IMPORT_LOCK:
             segments, self._segments = list(self._segments.values()), {}
             if self.device is not None:
-                from cuda.core import Device
-
-                dev = Device(self.device)
-                dev.set_current()
+                dev = current_gpu(self.device)
                 for raw, *_ in segments:
                     try:
                         raw.close(dev.default_stream)

@@ -26,7 +26,7 @@ from dask_gpupool._config import PoolOptions
 from dask_gpupool._errors import ConfigError, PoolClosedError, PoolExhaustedError
 from dask_gpupool._host_memory import SharedHostMemoryResource
 from dask_gpupool._messages import BufferDescriptor
-from dask_gpupool._topology import LocalDevices, device_memory, host_memory
+from dask_gpupool._topology import LocalDevices, current_gpu, device_memory, host_memory
 
 if TYPE_CHECKING:
     from cuda.core import Buffer
@@ -198,10 +198,7 @@ class Pool:
                 f"gpupool.kind={kind!r} needs a CUDA device and this process sees none; valid here: 'host' (or 'auto')"
             )
         ordinal = devices.resolve(options.device)
-        from cuda.core import Device
-
-        dev = Device(ordinal)
-        dev.set_current()
+        dev = current_gpu(ordinal)
         if kind == "device":
             if not dev.properties.memory_pools_supported:
                 raise ConfigError(f"gpupool.kind='device': GPU {ordinal} does not support memory pools")
@@ -263,10 +260,7 @@ class Pool:
         try:
             if self.kind == "host":
                 return self.resource.allocate(nbytes)
-            from cuda.core import Device
-
-            dev = Device(self.device)
-            dev.set_current()
+            dev = current_gpu(self.device)
             return self.resource.allocate(nbytes, stream=stream if stream is not None else dev.default_stream)
         except PoolExhaustedError as e:  # the host arena's or the segments': name the pool
             raise PoolExhaustedError(f"pool {self.uuid} ({self.kind}) {e}") from None

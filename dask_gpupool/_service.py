@@ -59,7 +59,7 @@ from dask_gpupool._messages import (
 from dask_gpupool._pool import Pool, PoolStats, keep_until_exit
 from dask_gpupool._registry import RegistryView
 from dask_gpupool._stats import HandoffStats
-from dask_gpupool._topology import LocalDevices, host_identity, local_devices
+from dask_gpupool._topology import LocalDevices, current_gpu, host_identity, local_devices
 
 if TYPE_CHECKING:
     from cuda.core import Buffer
@@ -112,9 +112,8 @@ def copy_to_host(buf: Buffer, offset: int, nbytes: int, out: Any = None) -> Any:
         ctypes.memmove(dst, src, nbytes)
     else:
         from cuda.bindings import driver
-        from cuda.core import Device
 
-        Device(buf.device_id).set_current()
+        current_gpu(buf.device_id)
         (err,) = driver.cuMemcpyDtoH(ctypes.addressof(dst), src, nbytes)
         if err != driver.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"cuMemcpyDtoH of {nbytes} bytes failed: {err!r}")
@@ -137,9 +136,8 @@ def copy_from_host(buf: Buffer, data: Any) -> None:
         ctypes.memmove(int(buf.handle), src.ctypes.data, n)
         return
     from cuda.bindings import driver
-    from cuda.core import Device
 
-    Device(buf.device_id).set_current()
+    current_gpu(buf.device_id)
     (err,) = driver.cuMemcpyHtoD(int(buf.handle), src.ctypes.data, n)
     if err != driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuMemcpyHtoD of {n} bytes failed: {err!r}")
@@ -398,11 +396,7 @@ class PoolService:
         """
         desc = self.pool.export(buf)
         if self.pool.device is not None:
-            from cuda.core import Device
-
-            dev = Device(self.pool.device)
-            dev.set_current()
-            dev.sync()
+            current_gpu(self.pool.device).sync()
         lease = self.leases.grant(holder, buf.size, row.worker, desc.segment)
         self.handoffs.add(exports=1)
         return HandoffHeader(
@@ -434,11 +428,7 @@ class PoolService:
         """
         assert self.copier is not None
         if buf.is_device_accessible:
-            from cuda.core import Device
-
-            dev = Device(int(buf.device_id) if int(buf.device_id) >= 0 else (self.pool.device or 0))
-            dev.set_current()
-            dev.sync()
+            current_gpu(int(buf.device_id) if int(buf.device_id) >= 0 else (self.pool.device or 0)).sync()
         parts = lanes(nbytes, self.options.copy_chunk_size, self.options.copy_streams)
         leases = [self.leases.grant(Staged(holder, buf, offset + off, n), n, row.worker) for off, n in parts]
         self.handoffs.add(copied_out_bytes=nbytes, streamed_out_bytes=nbytes)
@@ -764,10 +754,7 @@ def _outside_pool(pool: Pool, nbytes: int, need: str = "any") -> Buffer:
     """Memory for a copy that does not go to the pool: the device's default pool or host memory."""
     device = pool.device if pool.device is not None else (0 if local_devices() else None)
     if device is not None and (need == "device" or (need == "any" and pool.kind == "device")):
-        from cuda.core import Device
-
-        dev = Device(device)
-        dev.set_current()
+        dev = current_gpu(device)
         return dev.memory_resource.allocate(nbytes, stream=dev.default_stream)
     return host_buffer(bytearray(nbytes))
 
@@ -798,9 +785,7 @@ class _HostBytes(HostOnlyResource):
 def _make_current(pool: Pool) -> Any:
     def make_current() -> None:
         if pool.device is not None:
-            from cuda.core import Device
-
-            Device(pool.device).set_current()
+            current_gpu(pool.device)
 
     return make_current
 
@@ -879,9 +864,6 @@ def _view(resource: ImportedMemoryResource, mapped: MappedPool, ptr: int, size: 
     from cuda.core import Buffer
 
     if resource.is_device_accessible and mapped.device is not None:
-        from cuda.core import Device
-
-        dev = Device(mapped.device)
-        dev.set_current()
+        dev = current_gpu(mapped.device)
         return Buffer.from_handle(ptr, size, mr=resource, stream=dev.default_stream)
     return Buffer.from_handle(ptr, size, mr=resource)

@@ -11,10 +11,11 @@ import functools
 import os
 import socket
 from dataclasses import dataclass
+from typing import Any
 
 from dask_gpupool._errors import ConfigError
 
-__all__ = ["LocalDevices", "host_identity", "host_memory", "local_devices"]
+__all__ = ["LocalDevices", "current_gpu", "host_identity", "host_memory", "local_devices"]
 
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
@@ -135,3 +136,17 @@ def device_memory(ordinal: int) -> int:
     if err != driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuDeviceTotalMem({ordinal}) failed: {err!r}")
     return int(total)
+
+
+def current_gpu(ordinal: int | None) -> Any:
+    """The cuda.core ``Device`` ``ordinal`` (``None``: the thread's current one), made current in the calling thread.
+
+    CUDA calls run against the calling thread's current context, and our code
+    runs on many threads (task threads, the event loop, the broker's, the
+    garbage collector's), so every CUDA path starts here.
+    """
+    from cuda.core import Device
+
+    dev = Device(ordinal)
+    dev.set_current()
+    return dev
