@@ -165,7 +165,6 @@ class _Generation:
         import rmm.mr
 
         self.segments: list[Segment] = []
-        self.retiring = False
         self._owner = owner
         self.upstream = rmm.mr.CallbackMemoryResource(self._take, self._give)
         self.pool: Any = rmm.mr.PoolMemoryResource(self.upstream, initial, None)
@@ -392,12 +391,7 @@ class SegmentedResource(MemoryResource):
             if self._closed:
                 raise PoolClosedError("the segmented resource is closed")
             self.retire_below = self._next_id
-            for seg in self._segments:
-                seg.retiring = True
-            if self._generation is not None:
-                self._generation.retiring = True
-                self._retired_generations.append(self._generation)
-                self._generation = None
+            self._retire_all()
         self._collect()
         return self.retire_below
 
@@ -443,12 +437,7 @@ class SegmentedResource(MemoryResource):
         with self._lock:
             if self._closed:
                 return
-            for seg in self._segments:
-                seg.retiring = True
-            if self._generation is not None:
-                self._generation.retiring = True
-                self._retired_generations.append(self._generation)
-                self._generation = None
+            self._retire_all()
         self._collect(force=free_segments)
         with self._lock:
             self._closed = True
@@ -577,6 +566,14 @@ class SegmentedResource(MemoryResource):
             self._reserved_high = max(self._reserved_high, sum(s.size for s in self._segments))
         logger.debug("segment %d: %d bytes at %#x (%d in all)", seg.id, size, seg.base, len(self._segments))
         return seg
+
+    def _retire_all(self) -> None:
+        """Mark every segment retiring; new buffers go to a new RMM pool (call with ``_lock`` held)."""
+        for seg in self._segments:
+            seg.retiring = True
+        if self._generation is not None:
+            self._retired_generations.append(self._generation)
+            self._generation = None
 
     def _exhausted(self, size: int, e: BaseException) -> PoolExhaustedError:
         with self._lock:
