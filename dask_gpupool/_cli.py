@@ -7,6 +7,9 @@ there is one, and ``host`` pools (shared host memory) when there is none.
 
 ``info SCHEDULER_ADDRESS`` connects to a running cluster and prints its pool
 registry and every worker's pool and handoff statistics as tables.
+
+``trim SCHEDULER_ADDRESS`` has every worker retire its pool's segments
+(:func:`dask_gpupool.trim`) and prints what each holds right after.
 """
 
 from __future__ import annotations
@@ -102,15 +105,42 @@ def info(address: str, timeout: float) -> int:
         )
     print(
         f"\n{'worker':28} {'exports':>8} {'imports':>8} {'leases':>7} {'leased':>10} {'zero-copy in':>13} "
-        f"{'copied in':>10} {'copied out':>10}  fallbacks"
+        f"{'copied in':>10} {'copied out':>10} {'segments':>9}  fallbacks"
     )
     for w, h in sorted(handoffs.items()):
         fallbacks = ", ".join(f"{k} {v}" for k, v in sorted(h["fallbacks"].items())) or "-"
         print(
             f"{w:28} {h['exports']:>8} {h['imports']:>8} {h['leases']:>7} {format_bytes(h['lease_bytes']):>10} "
             f"{format_bytes(h['zero_copy_bytes']):>13} {format_bytes(h['copied_bytes']):>10} "
-            f"{format_bytes(h['copied_out_bytes']):>10}  {fallbacks}"
+            f"{format_bytes(h['copied_out_bytes']):>10} {_segments(h):>9}  {fallbacks}"
         )
+    return 0
+
+
+def _segments(h: dict[str, Any]) -> str:
+    """``held`` or ``held (retiring)``."""
+    held, retiring = h.get("segments", 0), h.get("segments_retiring", 0)
+    return f"{held} ({retiring})" if retiring else str(held)
+
+
+def trim(address: str, timeout: float) -> int:
+    """Retire every worker's segments (:func:`dask_gpupool.trim`) and print the result; 0 on success."""
+    from dask.utils import format_bytes
+    from distributed import Client
+
+    import dask_gpupool
+
+    with Client(address, timeout=timeout) as client:
+        try:
+            dask_gpupool.pools(client)
+        except dask_gpupool.PoolUnavailableError as e:
+            print(f"{address}: {e}", file=sys.stderr)
+            return 2
+        result = dask_gpupool.trim(client)
+    print(f"{'worker':28} {'segments':>9} {'retiring':>9} {'reserved':>10}")
+    for w, t in sorted(result.items()):
+        print(f"{w:28} {t['segments']:>9} {t['segments_retiring']:>9} {format_bytes(t['reserved']):>10}")
+    print("\nRetiring segments are freed as soon as no buffer lives in them and no peer maps them.")
     return 0
 
 
@@ -124,8 +154,13 @@ def main(argv: list[str] | None = None) -> None:
     i = sub.add_parser("info", help="print a running cluster's pool registry and per-worker stats")
     i.add_argument("address", help="the scheduler's address, e.g. tcp://10.0.0.1:8786")
     i.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the scheduler")
+    t = sub.add_parser("trim", help="give back segment memory: every worker retires its pool's segments")
+    t.add_argument("address", help="the scheduler's address, e.g. tcp://10.0.0.1:8786")
+    t.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the scheduler")
     args = parser.parse_args(argv)
     if args.command == "demo":
         sys.exit(demo(args.kind, max(2, args.workers), args.max_size))
     if args.command == "info":
         sys.exit(info(args.address, args.timeout))
+    if args.command == "trim":
+        sys.exit(trim(args.address, args.timeout))

@@ -52,6 +52,7 @@ class _Page(web.RequestHandler):
             f"<td>{s.get('leases', 0)}</td><td>{_bytes(s.get('lease_bytes', 0))}</td>"
             f"<td>{_bytes(s.get('zero_copy_bytes', 0))}</td><td>{_bytes(s.get('copied_bytes', 0))}</td>"
             f"<td>{_bytes(s.get('copied_out_bytes', 0))}</td>"
+            f"<td>{s.get('segments', 0)} ({s.get('segments_retiring', 0)})</td>"
             f"<td>{e(', '.join(f'{k}: {v}' for k, v in sorted(s.get('fallbacks', {}).items())) or '-')}</td></tr>"
             for w, s in sorted(snap["workers"].items())
         )
@@ -67,7 +68,8 @@ class _Page(web.RequestHandler):
             f"<th>max</th><th>peers</th><th>pool</th></tr>{rows}</table>"
             "<h2>Handoffs per worker</h2>"
             "<table><tr><th>worker</th><th>exports</th><th>imports</th><th>live leases</th><th>leased</th>"
-            "<th>zero-copy in</th><th>copied in</th><th>copied out</th><th>fallbacks</th></tr>"
+            "<th>zero-copy in</th><th>copied in</th><th>copied out</th><th>segments (retiring)</th>"
+            "<th>fallbacks</th></tr>"
             f"{stats}</table><p>Reloads every {STATS_INTERVAL:g} s. JSON: <a href='gpupool.json'>gpupool.json</a>"
             "</p></body></html>"
         )

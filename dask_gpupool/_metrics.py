@@ -16,6 +16,7 @@ metric                                                    type     labels
 ``dask_worker_gpupool_sent_copy_bytes_total``             counter
 ``dask_worker_gpupool_fallbacks_total``                   counter  ``reason`` (see ``FALLBACK_REASONS``)
 ``dask_worker_gpupool_leases_expired_total``              counter
+``dask_worker_gpupool_segments``                          gauge    ``state``: held, retiring
 ``dask_scheduler_gpupool_pools``                          gauge    ``kind``
 ========================================================  =======  ==============================
 
@@ -59,6 +60,9 @@ def _worker_metrics() -> Iterator[Any]:
         name + "fallbacks", "Same-host transfers copied instead of handed over, by reason.", labels=["pool", "reason"]
     )
     expired = CounterMetricFamily(name + "leases_expired", "Leases that expired unclaimed.", labels=["pool"])
+    segments = GaugeMetricFamily(
+        name + "segments", "Segments of this worker's device pool, by state (held, retiring).", labels=["pool", "state"]
+    )
     for s in services:
         pool = s.pool.uuid
         st = s.stats()
@@ -77,7 +81,9 @@ def _worker_metrics() -> Iterator[Any]:
         for reason in FALLBACK_REASONS:
             fallbacks.add_metric([pool, reason], h["fallbacks"].get(reason, 0))
         expired.add_metric([pool], h["leases_expired"])
-    yield from (pool_bytes, leases, leased, mapped, handoffs, received, sent, fallbacks, expired)
+        segments.add_metric([pool, "held"], h["segments"])
+        segments.add_metric([pool, "retiring"], h["segments_retiring"])
+    yield from (pool_bytes, leases, leased, mapped, handoffs, received, sent, fallbacks, expired, segments)
 
 
 class _Collector:

@@ -165,7 +165,7 @@ def test_teardown_removes_broker_sockets():
     assert not any(os.path.exists(os.path.dirname(p)) for p in brokers)
 
 
-def test_info_command_prints_the_registry_and_stats():
+def test_info_and_trim_commands_print_the_registry_and_stats():
     import subprocess
     import sys
 
@@ -182,7 +182,18 @@ def test_info_command_prints_the_registry_and_stats():
         )
         assert out.returncode == 0, out.stderr
         assert "2 pool(s)" in out.stdout and a in out.stdout and b in out.stdout
-        assert "zero-copy in" in out.stdout and "host" in out.stdout
+        assert "zero-copy in" in out.stdout and "host" in out.stdout and "segments" in out.stdout
+        # trim: host pools have no segments, so it retires nothing and says so per worker
+        out = subprocess.run(
+            [sys.executable, "-m", "dask_gpupool", "trim", c.scheduler.address],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stderr
+        assert a in out.stdout and b in out.stdout and "retiring" in out.stdout
+        for w, t in dask_gpupool.trim(c).items():
+            assert (t["retire_below"], t["segments"], t["segments_retiring"]) == (0, 0, 0), (w, t)
 
 
 def test_info_command_on_a_cluster_without_the_plugin_says_so():
@@ -218,6 +229,7 @@ def test_prometheus_metrics_on_dasks_own_endpoints():
         assert 'dask_worker_gpupool_handoffs_total{direction="import"' in text
         assert 'dask_worker_gpupool_received_bytes_total{path="zero-copy"' in text
         assert "dask_worker_gpupool_pool_bytes" in text and 'reason="other-gpu"' in text
+        assert 'dask_worker_gpupool_segments{pool="' in text and 'state="retiring"' in text
         prefix = 'dask_worker_gpupool_handoffs_total{direction="import"'
         imported = [line for line in text.splitlines() if line.startswith(prefix)]
         assert imported and float(imported[0].rsplit(" ", 1)[1]) >= 1
