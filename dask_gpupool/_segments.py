@@ -30,6 +30,8 @@ Placement
 - A buffer larger than the segment size gets a segment of its own (rounded
   up to 2 MiB), kept when the buffer is freed and reused by a later buffer
   that fits it (at most twice as small), so repeated large results map once.
+  When the upstream pool is full, such idle segments that no peer maps are
+  freed and the allocation is tried once more.
 
 Ownership, lifetime and retirement
 ----------------------------------
@@ -280,12 +282,19 @@ class SegmentedResource(MemoryResource):
         if self._device is not None:
             home = self._home()
             stream = home if stream is None else stream
-        if size > self.segment_size:
-            ptr = self._allocate_own(size, stream)
-        elif self.suballocator == "rmm":
-            ptr = self._allocate_rmm(size, stream)
-        else:
-            ptr = self._allocate_arena(size, stream)
+        place = (
+            self._allocate_own
+            if size > self.segment_size
+            else self._allocate_rmm
+            if self.suballocator == "rmm"
+            else self._allocate_arena
+        )
+        try:
+            ptr = place(size, stream)
+        except PoolExhaustedError:
+            if not self._drop_spares():
+                raise
+            ptr = place(size, stream)  # the upstream has the spares' memory back
         if stream is None:
             return Buffer.from_handle(ptr, size, mr=self)
         return Buffer.from_handle(ptr, size, mr=self, stream=stream)
@@ -566,6 +575,21 @@ class SegmentedResource(MemoryResource):
             self._reserved_high = max(self._reserved_high, sum(s.size for s in self._segments))
         logger.debug("segment %d: %d bytes at %#x (%d in all)", seg.id, size, seg.base, len(self._segments))
         return seg
+
+    def _drop_spares(self) -> int:
+        """Free own segments that hold no buffer and that no peer maps (a full pool's last resort); how many."""
+        with self._lock:
+            spares = [s for s in self._segments if s.own and not s.live and not s.mapped]
+        if not spares:
+            return 0
+        if self._device is not None:
+            self._home()
+            self._dev.sync()  # their last buffers' frees have run
+        for s in spares:
+            self._release_segment(s.base)
+        freed = sum(s.size for s in spares)
+        logger.info("pool full: freed %d idle large-buffer segment(s), %d bytes", len(spares), freed)
+        return len(spares)
 
     def _retire_all(self) -> None:
         """Mark every segment retiring; new buffers go to a new RMM pool (call with ``_lock`` held)."""

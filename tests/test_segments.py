@@ -184,3 +184,18 @@ def test_large_buffers_get_own_segments_that_later_large_buffers_reuse_until_ret
     for b in (other, small):
         b.close()
     assert not up.live
+
+
+def test_a_full_upstream_frees_idle_large_buffer_segments_no_peer_maps():
+    res, up = segmented(capacity=64 * MiB)
+    a = res.allocate(30 * MiB)
+    b = res.allocate(30 * MiB)
+    seg_b = res.locate(int(b.handle))[0]
+    res.note_claims([seg_b.id], connection=4)  # a peer maps b's segment: it must stay
+    a.close()
+    b.close()
+    big = res.allocate(34 * MiB)  # no spare fits (30 < 34) and 4 MiB are left: a's idle segment goes
+    assert len(up.live) == 2 and res.locate(int(big.handle))[0].size == 34 * MiB
+    assert any(int(k) == seg_b.base for k in up.live)
+    with pytest.raises(PoolExhaustedError):
+        res.allocate(40 * MiB)  # b's segment is mapped, big's is in use: nothing more to free
