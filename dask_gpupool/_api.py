@@ -118,10 +118,11 @@ async def _worker_trim(dask_worker: Worker) -> dict[str, int]:
     row = service.retire_segments()
     if row is not None:
         await dask_worker.scheduler.gpupool_register(record=row.to_msg())  # peers learn retire_below
+    counters = service.handoff_stats()
     return {
         "retire_below": 0 if row is None else row.retire_below,
-        "segments": getattr(service.pool.resource, "segments", 0),
-        "segments_retiring": getattr(service.pool.resource, "retiring", 0),
+        "segments": counters["segments"],
+        "segments_retiring": counters["segments_retiring"],
         "reserved": service.stats().reserved,
     }
 

@@ -312,7 +312,8 @@ class SegmentedResource(MemoryResource):
             with self._lock:
                 seg.live, seg.free_event = 0, event
                 self._used -= seg.size
-            self._collect()
+            if seg.retiring:
+                self._collect()
             return
         if self.suballocator == "rmm":
             self._home()  # RMM records its free event on the GPU: make it current in this thread (maybe the GC's)
@@ -578,15 +579,15 @@ class SegmentedResource(MemoryResource):
 
     def _drop_spares(self) -> int:
         """Free own segments that hold no buffer and that no peer maps (a full pool's last resort); how many."""
-        with self._lock:
-            spares = [s for s in self._segments if s.own and not s.live and not s.mapped]
+        with self._lock:  # unregistered here, so that no allocation takes one meanwhile
+            spares = [self._unregister(s) for s in list(self._segments) if s.own and not s.live and not s.mapped]
         if not spares:
             return 0
         if self._device is not None:
             self._home()
             self._dev.sync()  # their last buffers' frees have run
         for s in spares:
-            self._release_segment(s.base)
+            self._free(s)
         freed = sum(s.size for s in spares)
         logger.info("pool full: freed %d idle large-buffer segment(s), %d bytes", len(spares), freed)
         return len(spares)
@@ -613,9 +614,17 @@ class SegmentedResource(MemoryResource):
             i = bisect.bisect_left(self._bases, ptr)
             if i == len(self._bases) or self._bases[i] != ptr:
                 return  # unregistered already (close)
-            seg = self._segments.pop(i)
-            del self._bases[i]
-            del self._by_id[seg.id]
+            seg = self._unregister(self._segments[i])
+        self._free(seg)
+
+    def _unregister(self, seg: Segment) -> Segment:
+        """Take ``seg`` out of the lookup tables (call with ``_lock`` held); return it."""
+        i = bisect.bisect_left(self._bases, seg.base)
+        del self._segments[i], self._bases[i], self._by_id[seg.id]
+        return seg
+
+    def _free(self, seg: Segment) -> None:
+        """Give an unregistered segment back to the upstream pool."""
         try:
             if self._device is not None:
                 home = self._home()
@@ -639,18 +648,17 @@ class SegmentedResource(MemoryResource):
             def free(s: Segment) -> bool:
                 return s.retiring and (force or (s.live == 0 and not s.mapped))
 
-            singles = [s for s in self._segments if s.generation is None and free(s)]
+            singles = [self._unregister(s) for s in list(self._segments) if s.generation is None and free(s)]
             done = [g for g in self._retired_generations if all(free(s) for s in g.segments)]
             for g in done:
                 self._retired_generations.remove(g)
         if not singles and not done:
             return
         if self._device is not None:
-            from cuda.core import Device
-
-            Device(self._device).sync()  # frees queued on any stream have run
+            self._home()
+            self._dev.sync()  # frees queued on any stream have run
         for s in singles:
-            self._release_segment(s.base)
+            self._free(s)
         for g in done:
             pool, g.pool = g.pool, None
             del pool  # RMM releases its upstream blocks through _give

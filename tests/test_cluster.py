@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import stat
+import subprocess
 import time
 
 import pytest
@@ -165,31 +166,25 @@ def test_teardown_removes_broker_sockets():
     assert not any(os.path.exists(os.path.dirname(p)) for p in brokers)
 
 
-def test_info_and_trim_commands_print_the_registry_and_stats():
-    import subprocess
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m dask_gpupool ARGS`` in a subprocess, its output captured."""
     import sys
 
+    return subprocess.run([sys.executable, "-m", "dask_gpupool", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_info_and_trim_commands_print_the_registry_and_stats():
     from test_handoff import warm_up
 
     with nanny_cluster([{}, {}], PLUGIN) as c:
         a, b = worker_addresses(c)
         warm_up(c, a, b)
-        out = subprocess.run(
-            [sys.executable, "-m", "dask_gpupool", "info", c.scheduler.address],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        out = cli("info", c.scheduler.address)
         assert out.returncode == 0, out.stderr
         assert "2 pool(s)" in out.stdout and a in out.stdout and b in out.stdout
         assert "zero-copy in" in out.stdout and "host" in out.stdout and "segments" in out.stdout
         # trim: host pools have no segments, so it retires nothing and says so per worker
-        out = subprocess.run(
-            [sys.executable, "-m", "dask_gpupool", "trim", c.scheduler.address],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        out = cli("trim", c.scheduler.address)
         assert out.returncode == 0, out.stderr
         assert a in out.stdout and b in out.stdout and "retiring" in out.stdout
         for w, t in dask_gpupool.trim(c).items():
@@ -197,16 +192,8 @@ def test_info_and_trim_commands_print_the_registry_and_stats():
 
 
 def test_info_command_on_a_cluster_without_the_plugin_says_so():
-    import subprocess
-    import sys
-
     with nanny_cluster([{}]) as c:
-        out = subprocess.run(
-            [sys.executable, "-m", "dask_gpupool", "info", c.scheduler.address],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        out = cli("info", c.scheduler.address)
         assert out.returncode == 2 and "no gpupool registry" in out.stderr
 
 
