@@ -52,6 +52,7 @@ import contextlib
 import hmac
 import logging
 import os
+import select
 import socket
 import struct
 import tempfile
@@ -62,6 +63,7 @@ from typing import Protocol, cast
 from dask_gpupool._errors import GPUPoolError, NotAMemberError, ProtocolError, UnknownPoolError
 from dask_gpupool._messages import (
     MAX_MESSAGE_BYTES,
+    ClaimReply,
     CopyReply,
     CopyRequest,
     ErrorReply,
@@ -70,6 +72,8 @@ from dask_gpupool._messages import (
     Hello,
     LeaseClaim,
     LeaseRelease,
+    Resync,
+    ResyncReply,
     SegmentRelease,
     Welcome,
     decode,
@@ -87,34 +91,45 @@ PoolLookup = Callable[[str], "tuple[int, HandleReply] | None"]
 
 class BrokerHandler(Protocol):
     """What a broker asks its owner. Every method runs on the broker's thread
-    (``copy_out`` on a helper thread) and must not block for long."""
+    (``copy_out`` on a helper thread) and must not block for long.
+
+    ``importer`` is the worker address a connection named in its
+    :class:`~dask_gpupool._messages.Hello`, accepted by :meth:`identify`;
+    ``""`` for connections that only fetch pool fds.
+    """
 
     def thread_started(self) -> None:
         """Called once on the broker's thread before it serves anything."""
 
+    def identify(self, importer: str, pid: int) -> bool:
+        """Whether process ``pid`` (``SO_PEERCRED``; 0 when not visible here) may act for worker ``importer``."""
+
     def pool_handle(self, pool: str) -> tuple[int, HandleReply] | None:
         """``(fd, reply)`` for a pool this broker serves, else ``None``. The fd stays the pool's."""
 
-    def claim(self, leases: Iterable[int], connection: int) -> None:
-        """An importer on ``connection`` imported these leased buffers."""
+    def claim(self, leases: Iterable[int], importer: str) -> list[int]:
+        """``importer`` imported these leased buffers; return the ids refused."""
 
-    def release(self, leases: Iterable[int], connection: int) -> None:
-        """An importer on ``connection`` closed its imports of these leased buffers."""
+    def release(self, leases: Iterable[int], importer: str) -> None:
+        """``importer`` closed its imports of these leased buffers."""
 
-    def segments_released(self, segments: tuple[tuple[int, int], ...], connection: int) -> None:
-        """An importer on ``connection`` unmapped these retiring segments ``(id, claims)``."""
+    def resync(self, leases: set[int], importer: str) -> int:
+        """``importer`` holds exactly ``leases`` (after a broken link); return how many others ended."""
 
-    def connection_closed(self, connection: int) -> None:
-        """``connection`` closed: release what was claimed on it."""
+    def segments_released(self, segments: tuple[tuple[int, int], ...], importer: str) -> None:
+        """``importer`` unmapped these retiring segments ``(id, claims)``."""
 
-    def copy_out(self, lease: int) -> tuple[int, int]:
-        """``(memfd, size)`` holding a copy of a leased buffer; the broker closes the memfd.
+    def importer_exited(self, importer: str) -> None:
+        """``importer``'s process is gone: release everything it held."""
+
+    def copy_out(self, lease: int, importer: str) -> tuple[int, int]:
+        """``(memfd, size)`` holding a copy of a leased buffer of ``importer``; the broker closes the memfd.
 
         Raises a :class:`~dask_gpupool.GPUPoolError` when the lease is gone.
         """
 
     def tick(self) -> None:
-        """Called about once a second (lease expiry)."""
+        """Called about once a second (logs leases unclaimed for long)."""
 
 
 class _LookupOnly:
@@ -126,22 +141,28 @@ class _LookupOnly:
     def thread_started(self) -> None:
         pass
 
+    def identify(self, importer: str, pid: int) -> bool:
+        return True
+
     def pool_handle(self, pool: str) -> tuple[int, HandleReply] | None:
         return self._lookup(pool)
 
-    def claim(self, leases: Iterable[int], connection: int) -> None:
+    def claim(self, leases: Iterable[int], importer: str) -> list[int]:
+        return list(leases)
+
+    def release(self, leases: Iterable[int], importer: str) -> None:
         pass
 
-    def release(self, leases: Iterable[int], connection: int) -> None:
+    def resync(self, leases: set[int], importer: str) -> int:
+        return 0
+
+    def segments_released(self, segments: tuple[tuple[int, int], ...], importer: str) -> None:
         pass
 
-    def segments_released(self, segments: tuple[tuple[int, int], ...], connection: int) -> None:
+    def importer_exited(self, importer: str) -> None:
         pass
 
-    def connection_closed(self, connection: int) -> None:
-        pass
-
-    def copy_out(self, lease: int) -> tuple[int, int]:
+    def copy_out(self, lease: int, importer: str) -> tuple[int, int]:
         raise UnknownPoolError("this broker serves no leases")
 
     def tick(self) -> None:
@@ -149,6 +170,8 @@ class _LookupOnly:
 
 
 _SOCKET_NAME = "broker.sock"
+#: Most lease ids one resync may name (an importer's live imports of one exporter).
+_MAX_RESYNC = 1 << 20
 _UNIX_PATH_MAX = 107
 _PEERCRED = struct.Struct("3i")
 
@@ -198,6 +221,7 @@ class FdBroker:
     _loop: asyncio.AbstractEventLoop
     _thread: threading.Thread
     _conns: set[socket.socket]
+    _watched: dict[int, tuple[int, str]]
     _closed: bool
 
     def __init__(
@@ -215,6 +239,7 @@ class FdBroker:
         self._next_connection = 0
         self.served = self.refused = self.copies = 0
         self._conns = set()
+        self._watched = {}
         self._closed = False
         parent = directory or tempfile.gettempdir()
         self._dir = tempfile.mkdtemp(prefix=f"dask-gpupool-{name[:8]}-", dir=parent)  # mode 0700
@@ -260,6 +285,10 @@ class FdBroker:
             for t in tasks:
                 t.cancel()
             self._loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            for pidfd, _ in self._watched.values():
+                self._loop.remove_reader(pidfd)
+                os.close(pidfd)
+            self._watched.clear()
             self._loop.close()
 
     async def _accept(self) -> None:
@@ -279,9 +308,9 @@ class FdBroker:
 
     async def _serve(self, conn: socket.socket) -> None:
         pid = -1
-        self._next_connection += 1
-        connection = self._next_connection
         spoke = False
+        importer = ""
+        resync: set[int] = set()
         try:
             pid, uid, _gid = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
             if uid != os.getuid():
@@ -301,17 +330,21 @@ class FdBroker:
                 if not data:
                     return
                 if not spoke:
-                    if not self._member(Hello.from_msg(decode(data))):
+                    hello = Hello.from_msg(decode(data))
+                    refusal = self._refusal(hello, pid)
+                    if refusal is not None:
                         self.refused += 1
-                        logger.warning("pool %s: broker refused pid %d: not a member of this cluster", self._name, pid)
-                        refusal = NotAMemberError(f"pool {self._name}: not a member of this cluster (token mismatch)")
+                        logger.warning("pool %s: broker refused pid %d: %s", self._name, pid, refusal)
                         with contextlib.suppress(OSError):
                             await self._loop.sock_sendall(conn, encode(ErrorReply.of(refusal)))
                         return
+                    importer = hello.worker
+                    if importer:
+                        self._watch(pid, importer)
                     await self._loop.sock_sendall(conn, encode(Welcome()))
                     spoke = True
                     continue
-                await self._answer(conn, decode(data), connection)
+                await self._answer(conn, decode(data), importer, resync)
         except ProtocolError as e:
             self.refused += 1
             logger.warning("pool %s: broker closed connection of pid %d: %s", self._name, pid, e)
@@ -322,29 +355,69 @@ class FdBroker:
         finally:
             self._conns.discard(conn)
             conn.close()
-            try:
-                self._handler.connection_closed(connection)
-            except Exception:
-                logger.exception("pool %s: releasing the leases of a closed connection failed", self._name)
+            # A closed connection is not a dead importer (its link may have timed out on us while we
+            # were stalled): its leases stay until it releases them, resyncs, or its process exits.
+            if importer and pid > 0:
+                self._check_exited(pid)
+
+    def _refusal(self, hello: Hello, pid: int) -> GPUPoolError | None:
+        token = self.token
+        if token is None or not hmac.compare_digest(hello.token, token):
+            return NotAMemberError(f"pool {self._name}: not a member of this cluster (token mismatch)")
+        if hello.worker and not self._handler.identify(hello.worker, pid):
+            return NotAMemberError(
+                f"pool {self._name}: pid {pid} is not the process of worker {hello.worker} in the registry"
+            )
+        return None
+
+    # -- importer processes: leases end when they exit ---------------------------
+
+    def _watch(self, pid: int, importer: str) -> None:
+        """Watch ``pid`` (the importer ``importer``) with a pidfd; its exit releases its leases."""
+        if pid <= 0 or pid in self._watched:
+            return
+        try:
+            pidfd = os.pidfd_open(pid)
+        except (AttributeError, OSError) as e:  # no pidfds here, or it is gone already
+            logger.debug("pool %s: cannot watch pid %d: %s", self._name, pid, e)
+            if isinstance(e, ProcessLookupError):
+                self._handler.importer_exited(importer)
+            return
+        self._watched[pid] = (pidfd, importer)
+        self._loop.add_reader(pidfd, self._exited, pid)
+
+    def _exited(self, pid: int) -> None:
+        pidfd, importer = self._watched.pop(pid)
+        self._loop.remove_reader(pidfd)
+        os.close(pidfd)
+        logger.info("pool %s: importer %s (pid %d) exited; releasing what it held", self._name, importer, pid)
+        try:
+            self._handler.importer_exited(importer)
+        except Exception:
+            logger.exception("pool %s: releasing the leases of %s failed", self._name, importer)
+
+    def _check_exited(self, pid: int) -> None:
+        """Right after a connection closed: release at once if its process is gone already."""
+        entry = self._watched.get(pid)
+        if entry is None:
+            return
+        ready, _, _ = select.select([entry[0]], [], [], 0)
+        if ready:
+            self._exited(pid)
+
+    @property
+    def watched(self) -> int:
+        """Importer processes watched (for leak checks)."""
+        return len(self._watched)
 
     @property
     def handler(self) -> BrokerHandler:
         """What this broker asks (its owner's :class:`BrokerHandler`)."""
         return self._handler
 
-    def _member(self, hello: Hello) -> bool:
-        token = self.token
-        return token is not None and hmac.compare_digest(hello.token, token)
-
-    async def _answer(self, conn: socket.socket, msg: dict[str, object], connection: int) -> None:
+    async def _answer(self, conn: socket.socket, msg: dict[str, object], importer: str, resync: set[int]) -> None:
         request = parse_request(msg)
-        if isinstance(request, LeaseClaim):
-            self._handler.claim(request.leases, connection)
-        elif isinstance(request, LeaseRelease):
-            self._handler.release(request.leases, connection)
-        elif isinstance(request, SegmentRelease):
-            self._handler.segments_released(request.segments, connection)
-        elif isinstance(request, HandleRequest):
+        if isinstance(request, HandleRequest):
             found = self._handler.pool_handle(request.pool)
             if found is None:
                 reply = ErrorReply.of(UnknownPoolError(f"pool {request.pool} is not served by this broker"))
@@ -354,9 +427,27 @@ class FdBroker:
             await self._loop.sock_sendall(conn, encode(handle_reply))
             await self._send_fd(conn, fd)
             self.served += 1
+            return
+        if not importer:
+            raise ProtocolError(f"{request.op} on a connection that named no worker")
+        if isinstance(request, LeaseClaim):
+            refused = self._handler.claim(request.leases, importer)
+            await self._loop.sock_sendall(conn, encode(ClaimReply(tuple(refused))))
+        elif isinstance(request, LeaseRelease):
+            self._handler.release(request.leases, importer)
+        elif isinstance(request, Resync):
+            resync.update(request.leases)
+            if len(resync) > _MAX_RESYNC:
+                raise ProtocolError(f"resync of more than {_MAX_RESYNC} leases")
+            if request.done:
+                ended = self._handler.resync(set(resync), importer)
+                resync.clear()
+                await self._loop.sock_sendall(conn, encode(ResyncReply(ended)))
+        elif isinstance(request, SegmentRelease):
+            self._handler.segments_released(request.segments, importer)
         elif isinstance(request, CopyRequest):
             try:
-                fd, size = await self._loop.run_in_executor(None, self._handler.copy_out, request.lease)
+                fd, size = await self._loop.run_in_executor(None, self._handler.copy_out, request.lease, importer)
             except GPUPoolError as e:
                 await self._loop.sock_sendall(conn, encode(ErrorReply.of(e)))
                 return

@@ -26,7 +26,8 @@ side, whatever the size.
 **Leases.** The lease (:class:`~dask_gpupool._lease.LeaseTable`) keeps the
 exporter's memory alive until the server has copied the last chunk out of it;
 a pull claims it for its connection, and a failed or dropped connection
-releases it. A lease never pulled expires after ``gpupool.lease-timeout``.
+releases it (the importer reads a copy, never this memory). A lease never
+pulled ends with the ``get_data`` reply that carried it.
 
 **Who may pull.** ``proof`` is HMAC-SHA256 of ``pull:<pool>:<lease>`` under the
 cluster's membership token: only members of the cluster can make one, and it
@@ -196,11 +197,11 @@ class CopyServer:
                     self._send(conn, staged)
                 finally:
                     del staged  # the lease's release below is what frees the memory
-                    self._leases.release([lease], connection)
+                    self._leases.release_stream(lease, connection)
         except Exception as e:
             logger.warning("pool %s: pull of lease %d failed: %s: %s", self.pool, lease, type(e).__name__, e)
             if lease:
-                self._leases.release([lease], connection)
+                self._leases.release_stream(lease, connection)
         finally:
             with self._lock:
                 self._threads.discard(threading.current_thread())
@@ -214,7 +215,7 @@ class CopyServer:
         staged = self._leases.holder(request.lease)
         if staged is not None and not isinstance(staged, Staged):
             raise ProtocolError(f"lease {request.lease} on pool {self.pool} is not a stream lease")
-        if staged is None or not self._leases.claim([request.lease], connection):
+        if staged is None or not self._leases.claim_stream(request.lease, connection):
             raise DataLostError(f"lease {request.lease} on pool {self.pool} has ended or was pulled already")
         return staged
 

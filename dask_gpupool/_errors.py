@@ -12,7 +12,7 @@ that catches ``ValueError`` or ``ConnectionError`` keeps working::
     ├── PoolExhaustedError(GPUPoolError, MemoryError)
     ├── UnknownPoolError(GPUPoolError, LookupError)
     ├── PeerAccessError(GPUPoolError, RuntimeError)
-    ├── DataLostError(GPUPoolError, LookupError)
+    ├── DataLostError(GPUPoolError, ConnectionError)
     └── BrokerError(GPUPoolError, ConnectionError)
         ├── PeerLostError(BrokerError)
         ├── BrokerRefusedError(BrokerError)
@@ -90,12 +90,15 @@ class PeerAccessError(GPUPoolError, RuntimeError):
     """
 
 
-class DataLostError(GPUPoolError, LookupError):
-    """A handed-over value can no longer be read: its lease ended or its worker left.
+class DataLostError(GPUPoolError, ConnectionError):
+    """A handed-over value could not be received: its lease ended, its worker left or cannot be reached.
 
     Raised while deserializing a handoff, only after the fallback (asking the
-    exporter for a host copy) failed too. The message names the pool and the
-    worker that held the data.
+    exporter for a host copy) failed too, and for any other failure to
+    receive a value. The message names the pool and the worker that held the
+    data. It is a ``ConnectionError`` on purpose: Dask treats it as a failed
+    transfer and fetches the key again (the exporter then sends a copy) or
+    has it recomputed, rather than leaving the dependent task waiting.
     """
 
 

@@ -5,21 +5,36 @@ descriptor, it first *grants a lease*: the :class:`LeaseTable` keeps a strong
 reference to the buffer (or the array that holds it), independent of
 ``worker.data``. Dask releasing the key, the Active Memory Manager dropping
 this replica, or a retire therefore cannot free memory a peer maps: the
-buffer goes back to the pool only when its last lease is released.
+buffer goes back to the pool only when its lease ends.
 
 Why this is not optional: a peer that reads an allocation its owner freed
 reads whatever reuses the memory (same GPU), or kills its own CUDA context
-with ``CUDA_ERROR_CONTAINED`` (other GPU), see ``shared/GPU.md``.
+with ``CUDA_ERROR_CONTAINED`` (other GPU), see ``docs/reliability.md``.
 
-A lease ends when
+**A lease ends only when its importer is known to be done with it.** That is
+when
 
 - the importer releases it (a :class:`~dask_gpupool._messages.LeaseRelease`
-  on its broker connection, after it closed its import);
-- the importer's broker connection closes (it exited or died) while the lease
-  is claimed on it;
-- the importer leaves the cluster (the registry drops its pool);
-- it was never claimed within ``lease_timeout`` seconds (the message was lost,
-  or the requester dropped it before importing).
+  from that worker, after it closed its import), or leaves it out of a
+  :class:`~dask_gpupool._messages.Resync` after a broken link;
+- the importer is known dead: its process exited (the broker watches it with
+  a pidfd) or it left the registry;
+- it was never claimed and the ``get_data`` reply that carried it has ended
+  (:meth:`LeaseTable.settle`): the importer sends its ``"OK"`` only after its
+  claims were acknowledged, so a lease still unclaimed then will never be
+  used; a reply that failed is never used either, because a claim that
+  arrives after the lease ended is refused and the importer never hands out
+  memory whose claim was refused.
+
+No timer ends a lease, and a broker connection closing does not either (a
+link can break while its importer lives: an exporter stalled past
+``broker-timeout``). Unclaimed leases are therefore bounded by Dask's
+in-flight ``get_data`` replies (``distributed.worker.connections.outgoing``
+per worker); ``lease-timeout`` only logs leases that stay unclaimed that long.
+
+Lease ids are random 62-bit numbers, scoped to their importer: a claim or a
+release names leases, and only those granted to the worker on the other end
+of that connection are affected.
 
 Threads: grants happen where Dask serializes (event loop or its offload
 thread), claims and releases on the broker's thread; one lock guards the
@@ -30,9 +45,8 @@ current) first.
 
 from __future__ import annotations
 
-import itertools
 import logging
-import random
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -51,20 +65,26 @@ class Lease:
     Attributes
     ----------
     id : int
-        Sent in the handoff header; positive.
+        Sent in the handoff header; positive, random.
     holder : object
         The strong reference: the exported Buffer or the array over it.
     nbytes : int
         Bytes of the buffer.
     importer : str
-        Address of the worker it was granted to.
+        Address of the worker it was granted to; only that worker may claim
+        or release it.
     granted : float
         ``time.monotonic()`` at grant.
+    claimed : bool
+        The importer acknowledged it (IPC leases over the broker; stream
+        leases once the copy server started the pull).
     connection : int or None
-        The broker connection that claimed it; ``None`` until claimed.
+        The copy-server connection pulling a stream lease; ``None`` for IPC leases.
     segment : int
         Id of the segment the buffer lies in (0: none); a claim tells the
-        segment which connection maps it (:mod:`dask_gpupool._segments`).
+        segment which importer maps it (:mod:`dask_gpupool._segments`).
+    warned : bool
+        Logged once as unclaimed for longer than ``timeout``.
     """
 
     id: int
@@ -72,8 +92,10 @@ class Lease:
     nbytes: int
     importer: str
     granted: float
+    claimed: bool = False
     connection: int | None = None
     segment: int = 0
+    warned: bool = False
 
 
 class LeaseTable:
@@ -82,7 +104,8 @@ class LeaseTable:
     Parameters
     ----------
     timeout : float
-        Seconds a granted lease may stay unclaimed before :meth:`expire` ends it.
+        Seconds after which a lease still unclaimed is logged (once) by
+        :meth:`overdue`. It is not ended: see the module docstring.
     on_drop : callable, optional
         Called (no arguments) right before the table lets go of holders, in the
         same thread, so that freeing GPU memory finds its device current.
@@ -91,106 +114,147 @@ class LeaseTable:
     timeout: float
     granted_total: int
     released_total: int
-    expired_total: int
+    abandoned_total: int
     _leases: dict[int, Lease]
-    _ids: Iterable[int]
     _lock: threading.Lock
     _on_drop: Callable[[], None]
 
     def __init__(self, timeout: float, on_drop: Callable[[], None] | None = None) -> None:
         self.timeout = timeout
-        self.granted_total = self.released_total = self.expired_total = 0
+        self.granted_total = self.released_total = self.abandoned_total = 0
         self._leases = {}
-        # Random start: a stale id from an earlier process is unlikely to name a live lease.
-        self._ids = itertools.count(random.randrange(1, 1 << 40))
         self._lock = threading.Lock()
         self._on_drop = on_drop or (lambda: None)
 
     def grant(self, holder: Any, nbytes: int, importer: str, segment: int = 0) -> int:
-        """Keep ``holder`` alive for ``importer``; return the lease id."""
+        """Keep ``holder`` alive for ``importer``; return the lease id (random, positive)."""
         with self._lock:
-            lease_id = next(self._ids)  # type: ignore[call-overload]
-            self._leases[lease_id] = Lease(lease_id, holder, nbytes, importer, time.monotonic(), None, segment)
+            while True:
+                lease_id = secrets.randbits(62) + 1
+                if lease_id not in self._leases:
+                    break
+            self._leases[lease_id] = Lease(lease_id, holder, nbytes, importer, time.monotonic(), segment=segment)
             self.granted_total += 1
         return lease_id
 
-    def claim(self, lease_ids: Iterable[int], connection: int, segments: list[int] | None = None) -> int:
-        """Tie leases to the broker connection they were claimed on; return how many were live.
+    def claim(self, lease_ids: Iterable[int], importer: str, segments: list[int] | None = None) -> list[int]:
+        """``importer`` acknowledges these leases; return the ids refused (ended, or not its own).
 
-        The segment ids of the claimed leases that have one are appended to ``segments``.
+        Claiming a lease twice is harmless. The segment ids of newly claimed
+        leases that have one are appended to ``segments``.
         """
-        n = 0
+        refused = []
         with self._lock:
             for i in lease_ids:
                 lease = self._leases.get(i)
-                if lease is not None and lease.connection is None:
-                    lease.connection = connection
-                    n += 1
+                if lease is None or lease.importer != importer or lease.connection is not None:
+                    refused.append(i)
+                    continue
+                if not lease.claimed:
+                    lease.claimed = True
                     if lease.segment and segments is not None:
                         segments.append(lease.segment)
-        return n
+        return refused
+
+    def claim_stream(self, lease_id: int, connection: int) -> bool:
+        """Tie an unclaimed stream lease to the copy-server connection pulling it; whether it was free."""
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            if lease is None or lease.claimed:
+                return False
+            lease.claimed, lease.connection = True, connection
+            return True
 
     def holder(self, lease_id: int) -> Any | None:
-        """The object a live lease keeps alive, or ``None`` (for the copy fallback)."""
+        """The object a live lease keeps alive, or ``None``."""
         with self._lock:
             lease = self._leases.get(lease_id)
             return None if lease is None else lease.holder
 
-    def release(self, lease_ids: Iterable[int], connection: int | None = None) -> int:
+    def holder_for(self, lease_id: int, importer: str) -> Any | None:
+        """The object a live lease of ``importer`` keeps alive, or ``None`` (the broker's copy fallback)."""
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            return None if lease is None or lease.importer != importer else lease.holder
+
+    def release(self, lease_ids: Iterable[int], importer: str | None = None) -> int:
         """End these leases; return how many ended.
 
-        With ``connection`` (a release that came over a broker connection),
-        only leases claimed on that connection end: an importer releases its
-        own imports, never another's, and a lease nobody claimed yet cannot be
-        ended under the importer about to map it. Unknown ids are ignored.
+        With ``importer`` (a release that came from a peer), only that
+        worker's leases end: an importer releases its own imports, never
+        another's. Unknown ids are ignored.
         """
         with self._lock:
-            ids = [
-                i
+            gone = [
+                self._leases.pop(i)
                 for i in lease_ids
-                if i in self._leases and (connection is None or self._leases[i].connection == connection)
+                if i in self._leases and (importer is None or self._leases[i].importer == importer)
             ]
-            gone = [self._leases.pop(i) for i in ids]
-        return self._drop(gone, "released")
+        return self._drop(gone)
 
-    def release_connection(self, connection: int) -> int:
-        """End every lease claimed on ``connection`` (it closed)."""
+    def release_stream(self, lease_id: int, connection: int) -> int:
+        """End a stream lease pulled over copy-server ``connection`` (done, or the pull failed)."""
         with self._lock:
-            ids = [i for i, lease in self._leases.items() if lease.connection == connection]
-            gone = [self._leases.pop(i) for i in ids]
-        return self._drop(gone, "released")
+            lease = self._leases.get(lease_id)
+            gone = [self._leases.pop(lease_id)] if lease is not None and lease.connection == connection else []
+        return self._drop(gone)
 
     def release_importer(self, importer: str) -> int:
-        """End every lease granted to ``importer`` (it left the cluster)."""
+        """End every lease granted to ``importer``: it is known dead, or it left the cluster."""
         with self._lock:
-            ids = [i for i, lease in self._leases.items() if lease.importer == importer]
-            gone = [self._leases.pop(i) for i in ids]
-        return self._drop(gone, "released")
+            gone = [self._leases.pop(i) for i, lease in list(self._leases.items()) if lease.importer == importer]
+        return self._drop(gone)
 
-    def expire(self, now: float | None = None) -> int:
-        """End leases granted more than ``timeout`` seconds ago and never claimed."""
+    def resync(self, importer: str, live: Iterable[int]) -> int:
+        """``importer`` still holds exactly ``live``: end its claimed leases not in it; return how many.
+
+        Its unclaimed leases are left alone (their replies may still be on
+        the way); leases in ``live`` that were not claimed yet count as claimed.
+        """
+        keep = set(live)
+        with self._lock:
+            gone = []
+            for i, lease in list(self._leases.items()):
+                if lease.importer != importer or lease.connection is not None:
+                    continue
+                if i in keep:
+                    lease.claimed = True
+                elif lease.claimed:
+                    gone.append(self._leases.pop(i))
+        return self._drop(gone)
+
+    def settle(self, lease_ids: Iterable[int]) -> int:
+        """The reply that carried these leases has ended: end those never claimed; return how many."""
+        with self._lock:
+            gone = [self._leases.pop(i) for i in lease_ids if i in self._leases and not self._leases[i].claimed]
+            self.abandoned_total += len(gone)
+        return self._drop(gone)
+
+    def overdue(self, now: float | None = None) -> int:
+        """Log (once per lease) leases unclaimed for more than ``timeout`` seconds; return how many are."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            ids = [
-                i
-                for i, lease in self._leases.items()
-                if lease.connection is None and now - lease.granted > self.timeout
+            late = [
+                lease for lease in self._leases.values() if not lease.claimed and now - lease.granted > self.timeout
             ]
-            gone = [self._leases.pop(i) for i in ids]
-        if gone:
+            new = [lease for lease in late if not lease.warned]
+            for lease in new:
+                lease.warned = True
+        if new:
             logger.warning(
-                "%d lease(s) granted to %s expired unclaimed after %.0f s",
-                len(gone),
-                sorted({lease.importer for lease in gone}),
+                "%d lease(s) granted to %s unclaimed for more than %.0f s (kept until the importer claims them, "
+                "its reply fails, or it dies)",
+                len(new),
+                sorted({lease.importer for lease in new}),
                 self.timeout,
             )
-        return self._drop(gone, "expired")
+        return len(late)
 
     def clear(self) -> int:
         """End every lease (teardown)."""
         with self._lock:
             gone, self._leases = list(self._leases.values()), {}
-        return self._drop(gone, "released")
+        return self._drop(gone)
 
     def detach(self) -> list[Any]:
         """Empty the table *without* freeing: return the holders of every live lease (teardown).
@@ -203,14 +267,11 @@ class LeaseTable:
             self.released_total += len(gone)
         return [lease.holder for lease in gone]
 
-    def _drop(self, gone: list[Lease], how: str) -> int:
+    def _drop(self, gone: list[Lease]) -> int:
         if not gone:
             return 0
         with self._lock:
-            if how == "expired":
-                self.expired_total += len(gone)
-            else:
-                self.released_total += len(gone)
+            self.released_total += len(gone)
         self._on_drop()
         for lease in gone:
             lease.holder = None
@@ -224,6 +285,12 @@ class LeaseTable:
         """Bytes kept alive by live leases."""
         with self._lock:
             return sum(lease.nbytes for lease in self._leases.values())
+
+    @property
+    def unclaimed(self) -> int:
+        """Live leases not claimed yet."""
+        with self._lock:
+            return sum(not lease.claimed for lease in self._leases.values())
 
     def importers(self) -> dict[str, int]:
         """Live leases per importer."""

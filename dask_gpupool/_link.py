@@ -22,16 +22,17 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Collection
+from typing import TYPE_CHECKING, Any, Union
 
 from cuda.core import MemoryResource
 
-from dask_gpupool._errors import PeerLostError, ProtocolError
+from dask_gpupool._errors import GPUPoolError, PeerLostError, ProtocolError
 from dask_gpupool._mapping import IMPORT_LOCK
 from dask_gpupool._messages import (
     MAX_LEASES_PER_MESSAGE,
     MAX_MESSAGE_BYTES,
+    ClaimReply,
     CopyReply,
     CopyRequest,
     HandleReply,
@@ -39,6 +40,8 @@ from dask_gpupool._messages import (
     Hello,
     LeaseClaim,
     LeaseRelease,
+    Resync,
+    ResyncReply,
     SegmentRelease,
     Welcome,
     decode,
@@ -52,7 +55,9 @@ if TYPE_CHECKING:
 
     from dask_gpupool._mapping import MappedPool
 
-__all__ = ["ImportedMemoryResource", "PeerLink", "Releaser"]
+__all__ = ["ImportedMemoryResource", "LinkFactory", "PeerLink", "Releaser"]
+
+Message = Union[HandleRequest, CopyRequest, LeaseClaim, LeaseRelease, SegmentRelease, Resync]  # noqa: UP007
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +70,16 @@ class PeerLink:
     address : str
         The exporter's broker socket (from its registry row).
     timeout : float
-        Seconds to wait for a reply.
+        Seconds to wait for a reply (and for a send to go out).
     token : bytes
         The cluster's membership token, sent first (see :mod:`dask_gpupool._broker`).
+    worker : str
+        This (the importer's) worker address; the exporter scopes lease claims
+        to it. ``""`` for a link that only fetches pool fds.
+    live : collection of int
+        Leases of this exporter this worker still holds, sent as a
+        :class:`~dask_gpupool._messages.Resync` before the link is returned
+        (non-empty only when a link broke and is opened again).
 
     Notes
     -----
@@ -80,7 +92,9 @@ class PeerLink:
     _sock: socket.socket | None
     _lock: threading.Lock
 
-    def __init__(self, address: str, timeout: float, token: bytes) -> None:
+    def __init__(
+        self, address: str, timeout: float, token: bytes, worker: str = "", live: Collection[int] = ()
+    ) -> None:
         self.address = address
         self.timeout = timeout
         self._lock = threading.Lock()
@@ -88,7 +102,7 @@ class PeerLink:
         try:
             sock.settimeout(timeout)
             sock.connect(address)
-            sock.sendall(encode(Hello(token)))
+            sock.sendall(encode(Hello(token, worker)))
             data = sock.recv(MAX_MESSAGE_BYTES + 1)
         except OSError as e:
             sock.close()
@@ -103,6 +117,12 @@ class PeerLink:
             sock.close()
             raise
         self._sock = sock
+        if live:
+            try:
+                self._resync(sorted(live))
+            except BaseException:
+                self.close()
+                raise
 
     @property
     def alive(self) -> bool:
@@ -114,20 +134,26 @@ class PeerLink:
             sock.close()
         return PeerLostError(f"broker {self.address}: {type(e).__name__}: {e}")
 
+    def _request(self, request: Message, context: str) -> dict[str, Any]:
+        """Send ``request`` and return the reply (errors raised). Call with ``_lock`` held."""
+        if self._sock is None:
+            raise PeerLostError(f"{context}: link is closed")
+        try:
+            self._sock.sendall(encode(request))
+            data = self._sock.recv(MAX_MESSAGE_BYTES + 1)
+        except OSError as e:
+            raise self._broken(e) from e
+        if not data:
+            raise self._broken(ConnectionResetError("the broker closed the connection"))
+        msg = decode(data)
+        raise_for_error(msg, context)
+        return msg
+
     def _exchange(self, request: HandleRequest | CopyRequest, context: str) -> tuple[dict[str, Any], int]:
         """Send ``request``; return the reply and the fd that follows it (caller closes)."""
         with self._lock:
-            if self._sock is None:
-                raise PeerLostError(f"{context}: link is closed")
-            try:
-                self._sock.sendall(encode(request))
-                data = self._sock.recv(MAX_MESSAGE_BYTES + 1)
-            except OSError as e:
-                raise self._broken(e) from e
-            if not data:
-                raise self._broken(ConnectionResetError("the broker closed the connection"))
-            msg = decode(data)
-            raise_for_error(msg, context)
+            msg = self._request(request, context)
+            assert self._sock is not None
             try:
                 _, fds, flags, _ = socket.recv_fds(self._sock, 16, 4)
             except OSError as e:
@@ -137,6 +163,21 @@ class PeerLink:
                     os.close(fd)
                 raise ProtocolError(f"{context}: expected one fd, got {len(fds)}")
             return msg, fds[0]
+
+    def _resync(self, live: list[int]) -> None:
+        context = f"broker {self.address} (resync of {len(live)} leases)"
+        with self._lock:
+            for i in range(0, len(live), MAX_LEASES_PER_MESSAGE):
+                chunk = tuple(live[i : i + MAX_LEASES_PER_MESSAGE])
+                done = i + MAX_LEASES_PER_MESSAGE >= len(live)
+                if not done:
+                    self._send_locked(Resync(chunk, False))
+                    continue
+                reply = ResyncReply.from_msg(self._request(Resync(chunk, True), context))
+                if reply.ended:
+                    logger.info(
+                        "%s: the exporter ended %d lease(s) released while the link was down", context, reply.ended
+                    )
 
     def request_pool_fd(self, pool: str) -> tuple[HandleReply, int]:
         """The pool's fd (**caller closes it**) and the broker's reply."""
@@ -164,19 +205,42 @@ class PeerLink:
             raise
         return reply, fd
 
-    def _send(self, message: LeaseClaim | LeaseRelease | SegmentRelease) -> None:
-        with self._lock:
-            if self._sock is None:
-                raise PeerLostError(f"broker {self.address}: link is closed")
-            try:
-                self._sock.sendall(encode(message))
-            except OSError as e:
-                raise self._broken(e) from e
+    def _send_locked(self, message: Message) -> None:
+        if self._sock is None:
+            raise PeerLostError(f"broker {self.address}: link is closed")
+        try:
+            self._sock.sendall(encode(message))
+        except OSError as e:
+            raise self._broken(e) from e
 
-    def claim(self, leases: list[int]) -> None:
-        """Tell the exporter these leases are imported here (ties them to this connection)."""
-        for i in range(0, len(leases), MAX_LEASES_PER_MESSAGE):
-            self._send(LeaseClaim(tuple(leases[i : i + MAX_LEASES_PER_MESSAGE])))
+    def _send(self, message: Message) -> None:
+        with self._lock:
+            self._send_locked(message)
+
+    def claim(self, leases: list[int], on_held: Callable[[list[int]], bool] | None = None) -> list[int]:
+        """Claim these leases and wait for the answer; return the ids the exporter refused.
+
+        ``on_held`` is called with the held ids before the link is let go
+        (so that a resync on another link cannot miss them); if it returns
+        ``False`` they count as refused too.
+
+        Raises
+        ------
+        PeerLostError
+            If the exporter cannot be reached or does not answer within ``timeout``.
+        """
+        refused: list[int] = []
+        context = f"broker {self.address} (claim)"
+        with self._lock:
+            for i in range(0, len(leases), MAX_LEASES_PER_MESSAGE):
+                chunk = leases[i : i + MAX_LEASES_PER_MESSAGE]
+                reply = ClaimReply.from_msg(self._request(LeaseClaim(tuple(chunk)), context))
+                bad = set(reply.refused)
+                held = [lease for lease in chunk if lease not in bad]
+                if held and on_held is not None and not on_held(held):
+                    bad.update(held)
+                refused.extend(lease for lease in chunk if lease in bad)
+        return refused
 
     def release(self, leases: list[int]) -> None:
         """Tell the exporter these imports are closed."""
@@ -189,97 +253,202 @@ class PeerLink:
             self._send(SegmentRelease(tuple(segments[i : i + MAX_LEASES_PER_MESSAGE])))
 
     def close(self) -> None:
-        """Close the connection (the exporter then releases leases claimed on it). Idempotent."""
+        """Close the connection. Idempotent.
+
+        The exporter keeps this worker's leases (a closed link is not a dead
+        importer): they end when it releases them, resyncs, or exits.
+        """
         with self._lock:
             sock, self._sock = self._sock, None
         if sock is not None:
             sock.close()
 
 
+#: Returns the live link to an exporter's broker (opening and resyncing one if needed), or
+#: ``None`` when that exporter left the cluster. Raises :class:`PeerLostError` when it cannot be reached.
+LinkFactory = Callable[[str], "PeerLink | None"]
+
+
 class Releaser:
-    """Sends lease releases in batches from its own thread.
+    """Sends lease releases in batches from its own thread, and keeps the importer's live leases.
 
     :meth:`put` is called from ``ImportedMemoryResource.deallocate`` (any
     thread, often the garbage collector's); the thread waits for the GPU work
-    recorded with each release to finish, then sends one
-    :class:`~dask_gpupool._messages.LeaseRelease` (and one
+    recorded with each release to finish, then drops the lease from the live
+    set and sends one :class:`~dask_gpupool._messages.LeaseRelease` (and one
     :class:`~dask_gpupool._messages.SegmentRelease` for unmapped retiring
-    segments) per link.
+    segments) per exporter.
+
+    When a send fails (the exporter stalled past ``broker-timeout``, its
+    socket buffer full), nothing is dropped: the exporter keeps the leases,
+    and this thread opens the link again with backoff. The new link starts
+    with a :class:`~dask_gpupool._messages.Resync` of the live set, which
+    ends every lease released meanwhile; segment releases are sent again.
+    It gives up on an exporter only when ``links`` says it left the cluster.
+
+    Parameters
+    ----------
+    links : LinkFactory
+        Opens (or returns) the link to an exporter, by broker address.
     """
 
     sent: int
     segments_sent: int
-    _pending: list[tuple[PeerLink, int, Any, tuple[tuple[int, int], ...]]]
+    resyncs: int
+    _pending: list[tuple[str, int, Any, tuple[tuple[int, int], ...]]]
+    _live: dict[str, set[int]]
+    _epoch: dict[str, int]
+    _retry: dict[str, list[tuple[int, int]]]
     _cond: threading.Condition
     _closed: bool
     _thread: threading.Thread
 
-    def __init__(self) -> None:
-        self.sent = self.segments_sent = 0
+    def __init__(self, links: LinkFactory) -> None:
+        self.sent = self.segments_sent = self.resyncs = 0
+        self._links = links
         self._pending = []
+        self._live = {}
+        self._epoch = {}
+        self._retry = {}
         self._cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="gpupool-releaser", daemon=True)
         self._thread.start()
 
-    def put(self, link: PeerLink, lease: int, event: Any = None, segments: tuple[tuple[int, int], ...] = ()) -> None:
+    # -- the live set ------------------------------------------------------------
+
+    def epoch(self, exporter: str) -> int:
+        """A number that changes whenever a resync of ``exporter`` snapshots the live set."""
+        with self._cond:
+            return self._epoch.get(exporter, 0)
+
+    def hold(self, exporter: str, leases: list[int], *, epoch: int) -> bool:
+        """Add claimed leases to the live set, unless a resync snapshot was taken since ``epoch``."""
+        with self._cond:
+            if self._epoch.get(exporter, 0) != epoch:
+                return False
+            self._live.setdefault(exporter, set()).update(leases)
+            return True
+
+    def snapshot(self, exporter: str) -> list[int]:
+        """The live leases of ``exporter``, for a resync; claims in flight must be held again."""
+        with self._cond:
+            self._epoch[exporter] = self._epoch.get(exporter, 0) + 1
+            return sorted(self._live.get(exporter, ()))
+
+    def live(self, exporter: str | None = None) -> int:
+        """Leases held (of one exporter, or all)."""
+        with self._cond:
+            if exporter is not None:
+                return len(self._live.get(exporter, ()))
+            return sum(len(v) for v in self._live.values())
+
+    def forget(self, exporter: str) -> None:
+        """``exporter`` left the cluster: nothing to release there any more."""
+        with self._cond:
+            self._live.pop(exporter, None)
+            self._retry.pop(exporter, None)
+
+    # -- releases ------------------------------------------------------------------
+
+    def put(self, exporter: str, lease: int, event: Any = None, segments: tuple[tuple[int, int], ...] = ()) -> None:
         """Queue a release; ``event`` (a cuda.core Event or ``None``) must complete first.
 
         ``lease`` 0 releases no lease; ``segments`` are ``(id, claims)`` of
         segment imports closed before ``event`` was recorded.
         """
         with self._cond:
-            self._pending.append((link, lease, event, segments))
+            self._pending.append((exporter, lease, event, segments))
             self._cond.notify()
 
     def _run(self) -> None:
+        backoff = 0.05
         while True:
             with self._cond:
-                while not self._pending and not self._closed:
-                    self._cond.wait()
+                if not self._pending and not self._closed:
+                    self._cond.wait(backoff if self._retry else None)
                 if not self._pending and self._closed:
                     return
                 batch, self._pending = self._pending, []
             self._send(batch)
+            if self._retry_failed():
+                backoff = 0.05
+            else:
+                backoff = min(backoff * 2, 2.0)
 
-    def _send(self, batch: list[tuple[PeerLink, int, Any, tuple[tuple[int, int], ...]]]) -> None:
-        by_link: dict[int, tuple[PeerLink, list[int], list[tuple[int, int]]]] = {}
-        for link, lease, event, segments in batch:
+    def _send(self, batch: list[tuple[str, int, Any, tuple[tuple[int, int], ...]]]) -> None:
+        by_exporter: dict[str, tuple[list[int], list[tuple[int, int]]]] = {}
+        markers = []
+        for exporter, lease, event, segments in batch:
+            if not exporter:  # flush(): done once everything before it was handled
+                markers.append(event)
+                continue
             if event is not None:
                 try:
                     event.sync()
                     event.close()
                 except Exception:  # the GPU work failed; the memory is no longer ours to guard
                     logger.exception("waiting for GPU work before releasing lease %d failed", lease)
-            entry = by_link.setdefault(id(link), (link, [], []))
+            entry = by_exporter.setdefault(exporter, ([], []))
             if lease:
-                entry[1].append(lease)
-            entry[2].extend(segments)
-        for link, leases, segs in by_link.values():
-            if not link.alive:
-                continue  # the exporter is gone, and with it the leases
-            try:
-                if leases:
-                    link.release(leases)
-                    self.sent += len(leases)
-                if segs:
-                    link.release_segments(segs)
-                    self.segments_sent += len(segs)
-            except PeerLostError as e:
-                logger.debug("releasing %d lease(s), %d segment(s): %s", len(leases), len(segs), e)
+                entry[0].append(lease)
+            entry[1].extend(segments)
+        with self._cond:
+            for exporter, (leases, _) in by_exporter.items():
+                live = self._live.get(exporter)
+                if live is not None:
+                    live.difference_update(leases)
+                    if not live:
+                        del self._live[exporter]
+        for exporter, (leases, segs) in by_exporter.items():
+            if not leases and not segs:
+                continue
+            with self._cond:
+                if exporter in self._retry:  # the link is down: the resync will end these leases
+                    self._retry[exporter].extend(segs)
+                    continue
+            self._deliver(exporter, leases, segs)
+        for marker in markers:
+            marker.sync()
+
+    def _deliver(self, exporter: str, leases: list[int], segs: list[tuple[int, int]]) -> bool:
+        try:
+            link = self._links(exporter)
+            if link is None:  # the exporter left: its leases went with it
+                self.forget(exporter)
+                return True
+            if leases:
+                link.release(leases)
+                self.sent += len(leases)
+            if segs:
+                link.release_segments(segs)
+                self.segments_sent += len(segs)
+            return True
+        except GPUPoolError as e:
+            logger.info(
+                "releasing %d lease(s), %d segment(s) at %s failed (%s); retrying", len(leases), len(segs), exporter, e
+            )
+            with self._cond:
+                self._retry.setdefault(exporter, []).extend(segs)
+            return False
+
+    def _retry_failed(self) -> bool:
+        """Open broken links again (they resync on opening) and resend segment releases; whether all went."""
+        with self._cond:
+            retry, self._retry = self._retry, {}
+        ok = True
+        for exporter, segs in retry.items():
+            if not self._deliver(exporter, [], segs):
+                ok = False
+            else:
+                self.resyncs += 1
+        return ok
 
     def flush(self, timeout: float = 10.0) -> None:
-        """Wait until everything queued so far has been sent (tests, teardown)."""
+        """Wait until everything queued so far has been handled (tests, teardown)."""
         done = threading.Event()
-
-        class _Marker:
-            alive = False
-
-            def release(self, leases: list[int]) -> None:  # pragma: no cover - never alive
-                pass
-
         with self._cond:
-            self._pending.append((_Marker(), 0, _SetOnSync(done), ()))  # type: ignore[arg-type]
+            self._pending.append(("", 0, _SetOnSync(done), ()))
             self._cond.notify()
         done.wait(timeout)
 
@@ -292,6 +461,8 @@ class Releaser:
 
 
 class _SetOnSync:
+    """A stand-in event whose ``sync`` marks a :meth:`Releaser.flush` done."""
+
     def __init__(self, done: threading.Event) -> None:
         self._done = done
 

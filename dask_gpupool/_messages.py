@@ -35,6 +35,7 @@ __all__ = [
     "TOKEN_BYTES",
     "ArrayMeta",
     "BufferDescriptor",
+    "ClaimReply",
     "CopyReply",
     "CopyRequest",
     "ErrorReply",
@@ -49,6 +50,8 @@ __all__ = [
     "PullReply",
     "PullRequest",
     "RegistryUpdate",
+    "Resync",
+    "ResyncReply",
     "SegmentRelease",
     "Welcome",
     "decode",
@@ -424,10 +427,12 @@ def _lease_ids(m: dict[str, Any], what: str) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class LeaseClaim:
-    """Importer -> exporter's broker: I imported these leased buffers (no reply).
+    """Importer -> exporter's broker: I imported these leased buffers. Answered by a :class:`ClaimReply`.
 
-    Claimed leases are tied to the connection they arrive on: when it closes
-    (the importer exits or dies) the exporter releases them.
+    A lease can be claimed only by the worker it was granted to (the one
+    that said so in its :class:`Hello`). The importer hands a buffer to its
+    user only once the reply says its lease is held; a refused lease ended
+    (its reply to the importer failed, or it was never this importer's).
     """
 
     leases: tuple[int, ...]
@@ -439,6 +444,67 @@ class LeaseClaim:
     @classmethod
     def from_msg(cls, msg: object) -> LeaseClaim:
         return cls(_lease_ids(_mapping(msg, "lease claim"), "lease claim"))
+
+
+@dataclass(frozen=True)
+class ClaimReply:
+    """Broker -> importer: which leases of a :class:`LeaseClaim` were refused (the rest are held)."""
+
+    refused: tuple[int, ...]
+    op: ClassVar[str] = "claim-ok"
+
+    def to_msg(self) -> dict[str, Any]:
+        return {"op": self.op, "leases": list(self.refused)}
+
+    @classmethod
+    def from_msg(cls, msg: object) -> ClaimReply:
+        what = "claim reply"
+        return cls(_lease_ids(_message(msg, cls.op, what), what))
+
+
+@dataclass(frozen=True)
+class Resync:
+    """Importer -> exporter's broker, first on a new connection: the leases I still hold.
+
+    Sent when a link is opened again after one broke (an exporter that
+    stalled past ``broker-timeout``, say). The exporter ends the leases it
+    counted as claimed by this worker that are not listed: their releases
+    were lost with the old connection. Chunks of at most
+    :data:`MAX_LEASES_PER_MESSAGE`; the last has ``done`` set and is answered
+    by a :class:`ResyncReply`.
+    """
+
+    leases: tuple[int, ...]
+    done: bool
+    op: ClassVar[str] = "resync"
+
+    def to_msg(self) -> dict[str, Any]:
+        return {"op": self.op, "leases": list(self.leases), "done": self.done}
+
+    @classmethod
+    def from_msg(cls, msg: object) -> Resync:
+        what = "lease resync"
+        m = _mapping(msg, what)
+        return cls(_lease_ids(m, what), _field(m, "done", bool, what))
+
+
+@dataclass(frozen=True)
+class ResyncReply:
+    """Broker -> importer: the resync is applied; ``ended`` leases were released by it."""
+
+    ended: int
+    op: ClassVar[str] = "resync-ok"
+
+    def to_msg(self) -> dict[str, Any]:
+        return {"op": self.op, "ended": self.ended}
+
+    @classmethod
+    def from_msg(cls, msg: object) -> ResyncReply:
+        what = "resync reply"
+        ended = _field(_message(msg, cls.op, what), "ended", int, what)
+        if ended < 0:
+            raise ProtocolError(f"{what}: negative count")
+        return cls(ended)
 
 
 @dataclass(frozen=True)
@@ -541,17 +607,22 @@ TOKEN_BYTES = 32
 
 @dataclass(frozen=True)
 class Hello:
-    """First message on every broker connection: the cluster's membership token.
+    """First message on every broker connection: the cluster's membership token and who is asking.
 
-    The broker compares it in constant time with the token its worker got
-    from the scheduler's registry and closes the connection on a mismatch.
+    The broker compares the token in constant time with the one its worker
+    got from the scheduler's registry and closes the connection on a
+    mismatch. ``worker`` is the importer's worker address (``""`` for a
+    caller that only fetches pool fds); the broker accepts it only if the
+    registry row of that worker names the process at the other end of the
+    socket (``SO_PEERCRED``), and scopes lease claims to it.
     """
 
     token: bytes = field(repr=False)
+    worker: str = ""
     op: ClassVar[str] = "hello"
 
     def to_msg(self) -> dict[str, Any]:
-        return {"op": self.op, "token": self.token}
+        return {"op": self.op, "token": self.token, "worker": self.worker}
 
     @classmethod
     def from_msg(cls, msg: object) -> Hello:
@@ -560,7 +631,10 @@ class Hello:
         token = _field(m, "token", bytes, what)
         if len(token) != TOKEN_BYTES:
             raise ProtocolError(f"{what}: token of {len(token)} bytes (expected {TOKEN_BYTES})")
-        return cls(token)
+        worker = _field(m, "worker", str, what)
+        if len(worker) > 1024:
+            raise ProtocolError(f"{what}: worker address of {len(worker)} characters")
+        return cls(token, worker)
 
 
 @dataclass(frozen=True)
@@ -668,16 +742,19 @@ REQUESTS: dict[str, Any] = {
     LeaseRelease.op: LeaseRelease,
     SegmentRelease.op: SegmentRelease,
     CopyRequest.op: CopyRequest,
+    Resync.op: Resync,
 }
 
 
-def parse_request(msg: object) -> HandleRequest | LeaseClaim | LeaseRelease | SegmentRelease | CopyRequest:
+def parse_request(
+    msg: object,
+) -> HandleRequest | LeaseClaim | LeaseRelease | SegmentRelease | CopyRequest | Resync:
     """The typed broker request ``msg`` is; :class:`ProtocolError` for anything else."""
     op = _mapping(msg, "broker request").get("op")
     cls = REQUESTS.get(op) if isinstance(op, str) else None
     if cls is None:
         raise ProtocolError(f"broker request: unknown op {op!r}")
-    request: HandleRequest | LeaseClaim | LeaseRelease | SegmentRelease | CopyRequest = cls.from_msg(msg)
+    request: HandleRequest | LeaseClaim | LeaseRelease | SegmentRelease | CopyRequest | Resync = cls.from_msg(msg)
     return request
 
 
@@ -858,7 +935,10 @@ def encode(
     | LeaseRelease
     | SegmentRelease
     | CopyRequest
-    | CopyReply,
+    | CopyReply
+    | ClaimReply
+    | Resync
+    | ResyncReply,
 ) -> bytes:
     """Serialize a broker message (msgpack)."""
     return msgpack.packb(message.to_msg(), use_bin_type=True)

@@ -15,7 +15,7 @@ metric                                                    type     labels
 ``dask_worker_gpupool_received_bytes_total``              counter  ``path``: zero-copy, copy
 ``dask_worker_gpupool_sent_copy_bytes_total``             counter
 ``dask_worker_gpupool_fallbacks_total``                   counter  ``reason`` (see ``FALLBACK_REASONS``)
-``dask_worker_gpupool_leases_expired_total``              counter
+``dask_worker_gpupool_leases_abandoned_total``              counter
 ``dask_worker_gpupool_segments``                          gauge    ``state``: held, retiring
 ``dask_scheduler_gpupool_pools``                          gauge    ``kind``
 ========================================================  =======  ==============================
@@ -59,7 +59,9 @@ def _worker_metrics() -> Iterator[Any]:
     fallbacks = CounterMetricFamily(
         name + "fallbacks", "Same-host transfers copied instead of handed over, by reason.", labels=["pool", "reason"]
     )
-    expired = CounterMetricFamily(name + "leases_expired", "Leases that expired unclaimed.", labels=["pool"])
+    expired = CounterMetricFamily(
+        name + "leases_abandoned", "Leases that ended unclaimed (their transfer failed).", labels=["pool"]
+    )
     segments = GaugeMetricFamily(
         name + "segments", "Segments of this worker's device pool, by state (held, retiring).", labels=["pool", "state"]
     )
@@ -80,7 +82,7 @@ def _worker_metrics() -> Iterator[Any]:
         sent.add_metric([pool], h["copied_out_bytes"])
         for reason in FALLBACK_REASONS:
             fallbacks.add_metric([pool, reason], h["fallbacks"].get(reason, 0))
-        expired.add_metric([pool], h["leases_expired"])
+        expired.add_metric([pool], h["leases_abandoned"])
         segments.add_metric([pool, "held"], h["segments"])
         segments.add_metric([pool, "retiring"], h["segments_retiring"])
     yield from (pool_bytes, leases, leased, mapped, handoffs, received, sent, fallbacks, expired, segments)

@@ -28,17 +28,19 @@ gone does it raise :class:`~dask_gpupool.DataLostError` naming pool and worker.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import contextvars
 import threading
 import traceback
 import weakref
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from cuda.core import Buffer
 from distributed.protocol import dask_deserialize, dask_serialize
 
-from dask_gpupool._errors import PoolUnavailableError, ProtocolError
+from dask_gpupool._errors import DataLostError, PoolUnavailableError, ProtocolError
 from dask_gpupool._messages import ArrayMeta, HandoffHeader
 from dask_gpupool._service import active_service, buffer_kind, copy_to_host, host_buffer
 
@@ -60,6 +62,8 @@ class _Request:
     requester: str | None
     scheme: str
     service: PoolService
+    #: Leases granted for this reply; settled (the unclaimed ones ended) when it ends.
+    granted: list[int] = field(default_factory=list)
 
 
 #: Set while a worker answers ``get_data``; Dask's offload thread inherits it.
@@ -98,6 +102,7 @@ def install_get_data_hook(worker: Worker, service: PoolService) -> Any:
         inline = getattr(comm, "allow_offload", False) and _inline_reply(worker, service, keys, who, scheme)
         if inline:
             comm.allow_offload = False
+        request = _REQUEST.get()
         try:
             return await original(comm, keys=keys, who=who, **kwargs)
         except BaseException as e:
@@ -109,6 +114,10 @@ def install_get_data_hook(worker: Worker, service: PoolService) -> Any:
             _REQUEST.reset(token)
             if inline:
                 comm.allow_offload = True
+            # The requester acknowledges a reply ("OK") only after its claims were answered, and a failed
+            # reply is never used: either way a lease still unclaimed now never will be.
+            if request is not None and request.granted:
+                service.settle(request.granted, who)
 
     get_data.__wrapped__ = original  # type: ignore[attr-defined]
     worker.handlers["get_data"] = get_data
@@ -341,11 +350,15 @@ def _dumps(
     if service is not None and request is not None:
         row, _reason = service.plan(request.requester, request.scheme, buf)
         if row is not None:
-            return {KEY: service.export_ipc(holder, buf, row, ipc_meta).to_msg()}, []
+            header = service.export_ipc(holder, buf, row, ipc_meta)
+            request.granted.append(header.lease)
+            return {KEY: header.to_msg()}, []
         if span is not None:
             row = service.stream_route(request.requester, request.scheme, span[1])
             if row is not None:
-                return {KEY: service.export_stream(holder, buf, span[0], span[1], row, copy_meta).to_msg()}, []
+                header = service.export_stream(holder, buf, span[0], span[1], row, copy_meta)
+                request.granted.extend((header.lease, *header.lanes))
+                return {KEY: header.to_msg()}, []
     frame = host_frame()
     nbytes = memoryview(frame).nbytes
     if service is not None:
@@ -355,11 +368,32 @@ def _dumps(
     return {KEY: header.to_msg()}, [frame]
 
 
+@contextlib.contextmanager
+def _lost_on_failure(raw_header: Any) -> Iterator[None]:
+    """Turn every failure to receive a handed-over value into :class:`DataLostError`.
+
+    :class:`DataLostError` is a ``ConnectionError``. Dask 2026.8 leaves a
+    task waiting forever when a deserializer raises anything else (its
+    ``gather_dep`` turns other errors into a failed dependency that is never
+    retried), while for an ``OSError`` it treats the transfer as failed and
+    fetches the key again, from the same worker or another, or has it
+    recomputed. The exporter then sends this worker copies
+    (:meth:`PoolService.settle`), so the retry succeeds.
+    """
+    try:
+        yield
+    except DataLostError:
+        raise
+    except Exception as e:
+        exporter = raw_header.get("exporter", "?") if isinstance(raw_header, dict) else "?"
+        raise DataLostError(f"a value from worker {exporter} could not be received: {type(e).__name__}: {e}") from e
+
+
 def _receive(header: HandoffHeader, frames: list[Any], need: str) -> Buffer:
     """The Buffer a header and its frames describe, in this process.
 
     ``need``: ``"host"`` or ``"device"`` when the value must be readable there
-    (a NumPy or CuPy array), else ``"any"``.
+    (a NumPy or CuPy array), else ``"any"``. Callers wrap it in :func:`_lost_on_failure`.
     """
     service = active_service()
     if header.path == "ipc":
@@ -389,7 +423,9 @@ def _serialize_buffer(buf: Buffer, context: Any = None) -> tuple[dict[str, Any],
 
 @dask_deserialize.register(Buffer)
 def _deserialize_buffer(header: dict[str, Any], frames: list[Any]) -> Buffer:
-    return _receive(HandoffHeader.from_msg(header[KEY]), frames, "any")
+    with _lost_on_failure(header.get(KEY)):
+        return _receive(HandoffHeader.from_msg(header.get(KEY)), frames, "any")
+    raise AssertionError("unreachable")  # pragma: no cover (mypy: a context manager may swallow)
 
 
 def _dumps_array(arr: Any, module: str, ptr: int, previous: Any, context: Any) -> tuple[dict[str, Any], list[Any]]:
@@ -418,11 +454,12 @@ def _dumps_array(arr: Any, module: str, ptr: int, previous: Any, context: Any) -
 def _loads_array(header: dict[str, Any], frames: list[Any], previous: Any) -> Any:
     if KEY not in header:
         return previous(header, frames)
-    h = HandoffHeader.from_msg(header[KEY])
-    meta = h.array
-    if meta is None:
-        raise ProtocolError("handoff header of an array carries no array shape")
-    buf = _receive(h, frames, "device" if meta.module == "cupy" else "host")
+    with _lost_on_failure(header[KEY]):
+        h = HandoffHeader.from_msg(header[KEY])
+        meta = h.array
+        if meta is None:
+            raise ProtocolError("handoff header of an array carries no array shape")
+        buf = _receive(h, frames, "device" if meta.module == "cupy" else "host")
     if meta.module == "numpy" or buf.is_device_accessible:
         return as_array(buf, meta.shape, meta.dtype, meta.strides, meta.offset, like=meta.module)
     # A CuPy array that landed in host memory (a client, or a host pool without a GPU).

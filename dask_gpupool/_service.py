@@ -23,10 +23,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import logging
 import mmap
 import os
 import threading
+import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -197,6 +199,7 @@ class PoolService:
         devices: LocalDevices,
         leases: LeaseTable | None = None,
         copier: CopyServer | None = None,
+        registry: RegistryView | None = None,
     ):
         self.options = options
         self.pool = pool
@@ -204,10 +207,11 @@ class PoolService:
         self.record = record
         self.devices = devices
         self.mapped = MappedPools(devices, pool.device if pool.kind != "host" else _own_device(options, devices))
-        self.registry = RegistryView()
+        self.registry = registry if registry is not None else RegistryView()
         self.leases = leases if leases is not None else LeaseTable(options.lease_timeout)
         self.handoffs = HandoffStats()
-        self.releaser = Releaser()
+        self.releaser = Releaser(self._link_to)
+        self._unreachable: dict[str, float] = {}  # peer -> until when its handoffs go as copies
         self.copier = copier
         self.token: bytes | None = None  # the cluster's membership token, from the scheduler (join)
         self._links = {}
@@ -228,8 +232,12 @@ class PoolService:
         devices = local_devices() if devices is None else devices
         pool = Pool.create(options, devices)
         leases = LeaseTable(options.lease_timeout, on_drop=_make_current(pool))
+        registry = RegistryView()
+        host, hostname = host_identity(options.host_id)
         try:
-            broker = FdBroker(_ExportSide(pool, leases), options.broker_dir, options.broker_timeout, pool.uuid)
+            broker = FdBroker(
+                _ExportSide(pool, leases, registry, host), options.broker_dir, options.broker_timeout, pool.uuid
+            )
         except BaseException:
             pool.close()
             raise
@@ -239,7 +247,6 @@ class PoolService:
             broker.close()
             pool.close()
             raise
-        host, hostname = host_identity(options.host_id)
         record = PoolRecord(
             pool=pool.uuid,
             worker=worker_address,
@@ -261,7 +268,7 @@ class PoolService:
             pool.device_uuid or "host memory",
             broker.address,
         )
-        return cls(options, pool, broker, record, devices, leases, copier)
+        return cls(options, pool, broker, record, devices, leases, copier, registry)
 
     # -- this worker's pool --------------------------------------------------------
 
@@ -335,7 +342,9 @@ class PoolService:
                 return link
         if self.token is None:
             raise NotAMemberError(f"pool {self.pool.uuid}: not registered with the scheduler yet (no cluster token)")
-        link = PeerLink(record.broker, self.options.broker_timeout, self.token)
+        # A link opened again after one broke first resyncs the leases still held from this exporter.
+        live = self.releaser.snapshot(record.broker)
+        link = PeerLink(record.broker, self.options.broker_timeout, self.token, self.record.worker, live)
         with self._links_lock:
             old = self._links.get(record.broker)
             if old is not None and old.alive:
@@ -343,6 +352,46 @@ class PoolService:
                 return old
             self._links[record.broker] = link
         return link
+
+    def _link_to(self, broker: str) -> PeerLink | None:
+        """The live link to the exporter whose broker is ``broker`` (the releaser's :data:`LinkFactory`)."""
+        record = next((r for r in self.registry.records() if r.broker == broker), None)
+        if record is None or self._closed:
+            return None
+        return self.link(record)
+
+    def _claim(self, record: PoolRecord, link: PeerLink, leases: list[int]) -> None:
+        """Claim ``leases`` of ``record``'s pool and wait for the exporter's answer. Blocking.
+
+        Returns once every lease is held (and in the live set that a resync
+        sends). A broken link is opened again once.
+
+        Raises
+        ------
+        DataLostError
+            If the exporter refused a lease (it ended) or cannot be reached.
+        """
+        for attempt in (0, 1):
+            epoch = self.releaser.epoch(record.broker)
+            try:
+                refused = link.claim(leases, functools.partial(self.releaser.hold, record.broker, epoch=epoch))
+            except GPUPoolError as e:
+                if attempt:
+                    raise DataLostError(f"claiming leases {leases} of worker {record.worker}: {e}") from e
+                try:
+                    link = self.link(record)
+                except GPUPoolError as e2:
+                    raise DataLostError(f"claiming leases {leases} of worker {record.worker}: {e2}") from e2
+                continue
+            if not refused:
+                return
+            if attempt:
+                raise DataLostError(
+                    f"worker {record.worker} refused lease(s) {refused} on pool {record.pool}: they ended "
+                    "(the reply that carried them failed, or they were not granted to this worker)"
+                )
+            leases = refused  # once more: a resync on another link may have raced the claim
+            link = self.link(record)
 
     # -- handoffs: the exporter's side -------------------------------------------------
 
@@ -377,6 +426,8 @@ class PoolService:
             reason = "pool-closed"
         elif not self.pool.owns(buf):
             reason = "not-in-pool"
+        elif self._is_unreachable(row.worker):
+            reason = "peer-unreachable"
         elif self.pool.kind == "device" and self.pool.device_uuid not in row.devices:
             reason = "no-access"
         elif self.pool.kind == "device" and row.device not in (self.pool.device_uuid, *self.pool.peers):
@@ -397,7 +448,7 @@ class PoolService:
         desc = self.pool.export(buf)
         if self.pool.device is not None:
             current_gpu(self.pool.device).sync()
-        lease = self.leases.grant(holder, buf.size, row.worker, desc.segment)
+        lease = self.leases.grant(_Exported(holder, buf), buf.size, row.worker, desc.segment)
         self.handoffs.add(exports=1)
         return HandoffHeader(
             "ipc", self.pool.kind, buf.size, exporter=self.record.worker, desc=desc, lease=lease, array=array
@@ -415,7 +466,41 @@ class PoolService:
         row = self.registry.worker_row(requester) if requester else None
         if row is None or (row.host == self.record.host and row.pid == self.record.pid):
             return None
+        if self._is_unreachable(row.worker):
+            return None
         return row
+
+    def _is_unreachable(self, worker: str) -> bool:
+        until = self._unreachable.get(worker)
+        if until is None:
+            return False
+        if time.monotonic() < until:
+            return True
+        self._unreachable.pop(worker, None)
+        return False
+
+    def settle(self, leases: list[int], requester: str | None) -> int:
+        """The ``get_data`` reply that carried ``leases`` to ``requester`` ended: end the unclaimed ones.
+
+        An importer claims (and waits for the answer) before it acknowledges
+        a reply, so a lease unclaimed now will never be used. A reply whose
+        leases were left unclaimed failed at the importer (or never reached
+        it): for ``lease-timeout`` seconds its handoffs go as copies instead
+        (fallback ``peer-unreachable``), so that Dask's retry of the transfer
+        succeeds. Returns how many leases ended.
+        """
+        n = self.leases.settle(leases)
+        if n and requester:
+            self._unreachable[requester] = time.monotonic() + self.options.lease_timeout
+            logger.warning(
+                "pool %s: %d lease(s) sent to %s were never claimed (its transfer failed); its handoffs go "
+                "as copies for %.0f s",
+                self.pool.uuid,
+                n,
+                requester,
+                self.options.lease_timeout,
+            )
+        return n
 
     def export_stream(
         self, holder: Any, buf: Buffer, offset: int, nbytes: int, row: PoolRecord, array: ArrayMeta | None
@@ -476,18 +561,22 @@ class PoolService:
         except Exception as e:  # GPUPoolError, CUDA errors: the copy path still works
             self.handoffs.fallback(record.worker, "import-failed", self.record.worker, f"{type(e).__name__}: {e}")
             return self.fetch_copy(header, record, link)
-        try:
-            link.claim([header.lease])
-        except GPUPoolError as e:  # the exporter is gone; its memory stays mapped until we let go
-            logger.debug("claiming lease %d of %s: %s", header.lease, record.worker, e)
         lease = header.lease
+        broker = record.broker
 
         def closed(event: Any, segment: tuple[int, int] | None) -> None:
-            self.releaser.put(link, lease, event, (segment,) if segment else ())
+            self.releaser.put(broker, lease, event, (segment,) if segment else ())
             if mapped.orphaned and mapped.imports == 0:
                 self.mapped.forget(mapped.record.pool)
 
         buf = _view(ImportedMemoryResource(raw, key, mapped, closed), mapped, ptr, desc.size)
+        try:
+            # Nothing is read from the memory before the exporter acknowledged the lease: a refused
+            # lease has ended, and its memory may already hold another buffer.
+            self._claim(record, link, [lease])
+        except BaseException:
+            buf.close()
+            raise
         self.handoffs.add(imports=1, zero_copy_bytes=desc.size)
         logger.debug(
             "lease %d of %s: mapped %d bytes at %#x (GPU %s)",
@@ -502,8 +591,8 @@ class PoolService:
     def fetch_copy(self, header: HandoffHeader, record: PoolRecord, link: PeerLink) -> Buffer:
         """Ask the exporter for a host copy of a leased buffer and land it in this pool."""
         try:
-            link.claim([header.lease])  # ours now: only this connection may release it
-            reply, fd = link.fetch_copy(header.lease)
+            self._claim(record, link, [header.lease])  # ours now: only this worker may release it
+            reply, fd = self.link(record).fetch_copy(header.lease)
         except GPUPoolError as e:
             raise DataLostError(
                 f"lease {header.lease} on pool {record.pool} of worker {record.worker} cannot be read: {e}"
@@ -513,10 +602,7 @@ class PoolService:
                 buf = self.receive_copy(header.kind, memoryview(m), record.worker)
         finally:
             os.close(fd)
-        try:
-            link.release([header.lease])
-        except GPUPoolError:
-            pass
+        self.releaser.put(record.broker, header.lease)
         return buf
 
     def receive_copy(self, kind: str, data: Any, sender: str, need: str = "any") -> Buffer:
@@ -633,6 +719,8 @@ class PoolService:
                 link = self._links.pop(record.broker, None)
             if link is not None:
                 link.close()
+            self.releaser.forget(record.broker)
+            self._unreachable.pop(record.worker, None)
             mapped = self.mapped.get(record.pool)
             if mapped is not None:
                 with IMPORT_LOCK:
@@ -651,7 +739,7 @@ class PoolService:
         with self._links_lock:
             link = self._links.get(record.broker)
         if released and link is not None:
-            self.releaser.put(link, 0, event, tuple(released))
+            self.releaser.put(record.broker, 0, event, tuple(released))
         elif event is not None:
             event.close()
         if raws:
@@ -676,7 +764,10 @@ class PoolService:
             **self.handoffs.to_msg(),
             "leases": len(self.leases),
             "lease_bytes": self.leases.nbytes,
-            "leases_expired": self.leases.expired_total,
+            "leases_unclaimed": self.leases.unclaimed,
+            "leases_abandoned": self.leases.abandoned_total,
+            "imports_held": self.releaser.live(),
+            "resyncs": self.releaser.resyncs,
             "mapped_pools": len(self.mapped),
             "links": sum(link.alive for link in self._links.values()),
             "pulls": 0 if self.copier is None else self.copier.transfers,
@@ -790,63 +881,93 @@ def _make_current(pool: Pool) -> Any:
     return make_current
 
 
-class _ExportSide:
-    """The :class:`~dask_gpupool._broker.BrokerHandler` of a worker: its pool's fd and its leases."""
+class _Exported:
+    """What an IPC lease keeps alive: the value handed over (``holder``) and the pool buffer under it."""
 
-    def __init__(self, pool: Pool, leases: LeaseTable) -> None:
+    __slots__ = ("buf", "holder")
+
+    def __init__(self, holder: Any, buf: Buffer) -> None:
+        self.holder, self.buf = holder, buf
+
+
+class _ExportSide:
+    """The :class:`~dask_gpupool._broker.BrokerHandler` of a worker: its pool's fd and its leases.
+
+    Runs on the broker's thread. Importers are worker addresses, accepted
+    (:meth:`identify`) only when this worker's copy of the registry has a row
+    for that worker on this host whose pid is the connecting process's.
+    """
+
+    def __init__(self, pool: Pool, leases: LeaseTable, registry: RegistryView, host: str) -> None:
         self._pool = pool
         self._leases = leases
+        self._registry = registry
+        self._host = host
         self.closing = False  # the broker closes every connection: peers did not unmap anything
 
     def thread_started(self) -> None:
         _make_current(self._pool)()
+
+    def identify(self, importer: str, pid: int) -> bool:
+        row = self._registry.worker_row(importer)
+        # pid 0: the peer lives in another pid namespace; the token and the registry row must do.
+        return row is not None and row.host == self._host and (pid == 0 or row.pid == pid)
 
     def pool_handle(self, pool: str) -> tuple[int, HandleReply] | None:
         if pool != self._pool.uuid or self._pool.closed:
             return None
         return self._pool.allocation_handle(), HandleReply(self._pool.uuid, self._pool.kind, self._pool.max_size)
 
-    def claim(self, leases: Iterable[int], connection: int) -> None:
+    def claim(self, leases: Iterable[int], importer: str) -> list[int]:
         segments: list[int] = []
-        self._leases.claim(leases, connection, segments)
+        refused = self._leases.claim(leases, importer, segments)
         if segments:
-            self._pool.resource.note_claims(segments, connection)
+            self._pool.resource.note_claims(segments, importer)
+        return refused
 
-    def release(self, leases: Iterable[int], connection: int) -> None:
-        self._leases.release(leases, connection)
+    def release(self, leases: Iterable[int], importer: str) -> None:
+        self._leases.release(leases, importer)
 
-    def segments_released(self, segments: tuple[tuple[int, int], ...], connection: int) -> None:
+    def resync(self, leases: set[int], importer: str) -> int:
+        n = self._leases.resync(importer, leases)
+        if n:
+            logger.info("pool %s: %s resynced; ended %d lease(s) it had released", self._pool.uuid, importer, n)
+        return n
+
+    def segments_released(self, segments: tuple[tuple[int, int], ...], importer: str) -> None:
         note = getattr(self._pool.resource, "note_released", None)
         if note is not None:
-            note(list(segments), connection)
+            note(list(segments), importer)
 
-    def connection_closed(self, connection: int) -> None:
-        n = self._leases.release_connection(connection)
+    def importer_exited(self, importer: str) -> None:
+        n = self._leases.release_importer(importer)
         if n:
-            logger.info("pool %s: a peer's connection closed; released its %d lease(s)", self._pool.uuid, n)
+            logger.info("pool %s: importer %s exited; released its %d lease(s)", self._pool.uuid, importer, n)
         drop = getattr(self._pool.resource, "drop_connection", None)
         if drop is not None and not self.closing:
-            drop(connection)
+            drop(importer)
 
-    def copy_out(self, lease: int) -> tuple[int, int]:
-        holder = self._leases.holder(lease)
+    def copy_out(self, lease: int, importer: str) -> tuple[int, int]:
+        holder = self._leases.holder_for(lease, importer)
         if holder is None:
-            raise DataLostError(f"lease {lease} on pool {self._pool.uuid} has ended")
-        buf = holder
-        n = int(buf.size)
+            raise DataLostError(f"lease {lease} on pool {self._pool.uuid} has ended (or is not {importer}'s)")
+        if isinstance(holder, Staged):  # a stream lease: its span of the buffer
+            buf, offset, n = holder.buf, holder.offset, holder.nbytes
+        else:
+            buf, offset, n = holder.buf, 0, int(holder.buf.size)
         fd = os.memfd_create("dask-gpupool-copy", os.MFD_CLOEXEC)
         try:
             if n:
                 os.ftruncate(fd, n)
                 with mmap.mmap(fd, n) as m:
-                    copy_to_host(buf, 0, n, out=m)
+                    copy_to_host(buf, offset, n, out=m)
         except BaseException:
             os.close(fd)
             raise
         return fd, n
 
     def tick(self) -> None:
-        self._leases.expire()
+        self._leases.overdue()
 
 
 def _own_device(options: PoolOptions, devices: LocalDevices) -> int | None:

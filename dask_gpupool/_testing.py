@@ -162,6 +162,7 @@ def resources(dask_worker: Worker) -> dict[str, Any]:
         "used": service.stats().used,
         "held": len(_held),
         "leases": len(service.leases),
+        "imports_held": service.releaser.live(),
         "pulls": 0 if service.copier is None else service.copier.transfers,
     }
 
@@ -208,8 +209,10 @@ def deserialize_headers(headers: list[dict[str, Any]], dask_worker: Worker) -> l
 
 def grant_unclaimed_lease(key: str, importer: str, dask_worker: Worker) -> int:
     """client.run target: grant ``importer`` a lease on this worker's value of ``key``, as an export would."""
+    from dask_gpupool._service import _Exported
+
     buf: Any = dask_worker.data[key]
-    return service_of(dask_worker).leases.grant(buf, int(buf.size), importer)
+    return service_of(dask_worker).leases.grant(_Exported(buf, buf), int(buf.size), importer)
 
 
 def last_transfer(dask_worker: Worker, key: str) -> float | None:
@@ -419,3 +422,89 @@ def serialized_inline(keys: list[str], who: str, dask_worker: Worker) -> bool:
     from dask_gpupool._serialize import _inline_reply
 
     return _inline_reply(dask_worker, service_of(dask_worker), keys, who, "tcp")
+
+
+# -- fault injection for the lease tests (tests/test_leases.py) ------------------------------
+
+_blocker: dict[str, threading.Event] = {}
+
+
+def block_imports() -> None:
+    """client.run target: hold this process's import lock from a thread until :func:`unblock_imports`.
+
+    A handoff arriving meanwhile stops inside the import, after the exporter
+    granted its lease and before this worker claims it: the window in which
+    a stalled consumer used to lose its lease.
+    """
+    from dask_gpupool._mapping import IMPORT_LOCK
+
+    held, go = threading.Event(), threading.Event()
+    _blocker["go"] = go
+
+    def hold() -> None:
+        with IMPORT_LOCK:
+            held.set()
+            go.wait(120)
+
+    threading.Thread(target=hold, name="gpupool-test-block-imports", daemon=True).start()
+    held.wait(10)
+
+
+def unblock_imports() -> None:
+    """client.run target: let go of the import lock taken by :func:`block_imports`."""
+    go = _blocker.pop("go", None)
+    if go is not None:
+        go.set()
+
+
+def hide_broker(dask_worker: Worker) -> str:
+    """client.run target: move this worker's broker socket aside (peers can no longer open a link); return the path."""
+    service = service_of(dask_worker)
+    os.rename(service.broker.address, service.broker.address + ".hidden")
+    return service.broker.address
+
+
+def restore_broker(dask_worker: Worker) -> None:
+    """client.run target: undo :func:`hide_broker`."""
+    service = service_of(dask_worker)
+    os.rename(service.broker.address + ".hidden", service.broker.address)
+
+
+def close_links(dask_worker: Worker) -> int:
+    """client.run target: close this worker's links to exporters (as if each broke); return how many."""
+    service = service_of(dask_worker)
+    with service._links_lock:
+        links, service._links = list(service._links.values()), {}
+    for link in links:
+        link.close()
+    return len(links)
+
+
+def stop_copy_server(dask_worker: Worker) -> None:
+    """client.run target: close this worker's copy server (pulls from it then fail)."""
+    service = service_of(dask_worker)
+    assert service.copier is not None
+    service.copier.close()
+
+
+def forget_pool(pool: str, dask_worker: Worker) -> None:
+    """client.run target: drop ``pool`` from this worker's copy of the registry (a stale or lying view)."""
+    from dask_gpupool._messages import RegistryUpdate
+
+    registry = service_of(dask_worker).registry
+    registry.apply(RegistryUpdate(version=registry.version, removed=(pool,)))
+
+
+def lease_counts(dask_worker: Worker) -> dict[str, int]:
+    """client.run target: live, unclaimed and held-import counts of this worker's leases."""
+    service = service_of(dask_worker)
+    import gc
+
+    gc.collect()
+    service.releaser.flush()
+    return {
+        "leases": len(service.leases),
+        "unclaimed": service.leases.unclaimed,
+        "held": service.releaser.live(),
+        "resyncs": service.releaser.resyncs,
+    }

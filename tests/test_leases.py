@@ -1,0 +1,206 @@
+"""Leases that hold through stalls, broken links and lying members (issue 15, cases 1, 2 and 4).
+
+Real ``Nanny`` worker processes on ``host`` pools, stopped with SIGSTOP and
+resumed with SIGCONT. Each case reads the bytes a stalled or surviving reader
+sees after the producer reused every byte it could, and ends back at the
+baseline (fds, sockets, leases, pool bytes). ``tests/test_gpu.py`` runs the
+stalled-consumer and stalled-producer cases on ``device`` pools.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+from conftest import nanny_cluster, pid_of, worker_addresses
+from test_handoff import back_to, counters, wait_for, warm_up
+
+import dask_gpupool
+from dask_gpupool import GPUPool
+from dask_gpupool import _testing as T
+from dask_gpupool._lease import LeaseTable
+
+MiB = 1 << 20
+
+
+# -- the lease table -------------------------------------------------------------------
+
+
+def test_leases_end_only_when_their_importer_is_done():
+    table = LeaseTable(0.01)
+    held = bytearray(8)
+    a = table.grant(held, 8, "tcp://b:1")
+    other = table.grant(held, 8, "tcp://c:1")
+    assert a != other and a > 0 and other > 0
+
+    # no timer ends a lease: overdue only counts (and logs once)
+    assert table.overdue(time.monotonic() + 10) == 2 and len(table) == 2
+    # a lease is claimed only by the worker it was granted to
+    assert table.claim([a, other], "tcp://b:1") == [other]
+    assert table.claim([a], "tcp://b:1") == []  # twice is harmless
+    # another worker can neither claim nor release it
+    assert table.claim([a], "tcp://c:1") == [a]
+    assert table.release([a], "tcp://c:1") == 0 and len(table) == 2
+    # the reply that carried them ended: unclaimed ones end, claimed ones stay
+    assert table.settle([a, other]) == 1 and table.abandoned_total == 1
+    assert table.holder(a) is held and table.holder(other) is None
+    # a claim after the reply ended is refused
+    assert table.claim([other], "tcp://c:1") == [other]
+    # resync: claimed leases not in the live set end, unclaimed ones are left alone
+    b2 = table.grant(held, 8, "tcp://b:1")
+    assert table.resync("tcp://b:1", []) == 1 and table.holder(b2) is held and table.holder(a) is None
+    # resync of a lease not claimed yet counts it as claimed
+    assert table.resync("tcp://b:1", [b2]) == 0 and table.unclaimed == 0
+    # the importer died
+    assert table.release_importer("tcp://b:1") == 1 and len(table) == 0 and table.nbytes == 0
+
+
+def test_stream_leases_are_pulled_once():
+    table = LeaseTable(60)
+    lease = table.grant(bytearray(8), 8, "tcp://b:1")
+    assert table.claim_stream(lease, -1) and not table.claim_stream(lease, -2)
+    assert table.release_stream(lease, -2) == 0 and table.release_stream(lease, -1) == 1
+
+
+# -- case 1: a consumer stalled between grant and claim ------------------------------------
+
+
+def test_a_consumer_stalled_past_lease_timeout_reads_the_original_bytes():
+    """B stops after A granted the lease and before B claimed it, for longer than ``lease-timeout``.
+
+    Before: the lease expired, B's claim went unanswered and B read what A
+    wrote into the reused memory. Now the lease waits for B.
+    """
+    plugin = GPUPool(kind="host", max_size="64 MiB", lease_timeout="1s")
+    with nanny_cluster([{}, {}], plugin) as c:
+        a, b = worker_addresses(c)
+        baseline = warm_up(c, a, b)
+        x = c.submit(T.make_buffer, MiB, b"original", workers=[a], pure=False)
+        x.result()
+        c.run(T.block_imports, workers=[b])
+        y = c.submit(T.keep, x, workers=[b], pure=False)
+        wait_for(lambda: c.run(T.lease_counts, workers=[a])[a]["unclaimed"] == 1, what="A to grant B a lease")
+        pid_b = pid_of(c, b)
+        os.kill(pid_b, signal.SIGSTOP)
+        try:
+            time.sleep(3)  # three lease timeouts
+        finally:
+            os.kill(pid_b, signal.SIGCONT)
+        c.run(T.unblock_imports, workers=[b])
+        y.result(timeout=60)
+        assert c.submit(T.describe, y, workers=[b], pure=False).result()["imported"]
+        # A drops its key and reuses every byte of its pool it can
+        del x
+        wait_for(lambda: c.run(T.lease_counts, workers=[a])[a]["leases"] == 1, what="A's key to go")
+        for _ in range(8):
+            c.submit(T.scribble_all, MiB, ord("S"), workers=[a], pure=False).result()
+        assert c.submit(T.head, y, 8, workers=[b], pure=False).result() == b"original"
+        del y
+        back_to(c, baseline)
+
+
+# -- case 2: a producer stalled past broker-timeout while its consumer releases ---------------
+
+
+def test_a_producer_stalled_past_broker_timeout_keeps_the_leases_its_consumer_holds():
+    """A stops while B releases imports one by one until B's link to A times out and closes.
+
+    Before: A, on resuming, saw the connection close and ended every lease
+    claimed on it, including one B still held: B's data changed. Now a
+    closed link is not a dead importer: B opens a new link and resyncs.
+    """
+    plugin = GPUPool(kind="host", max_size="256 MiB", broker_timeout="1s")
+    with nanny_cluster([{}, {}], plugin) as c:
+        a, b = worker_addresses(c)
+        baseline = warm_up(c, a, b)
+        z = c.submit(T.make_buffer, MiB, b"keep me!", workers=[a], pure=False)
+        kept = c.submit(T.keep, z, workers=[b], pure=False)
+        xs = [c.submit(T.make_buffer, 4096, b"x", workers=[a], pure=False) for _ in range(300)]
+        ys = [c.submit(T.keep, x, workers=[b], pure=False) for x in xs]
+        c.gather(ys)
+        kept.result()
+        assert c.run(T.lease_counts, workers=[a])[a]["leases"] == 301
+        pid_a = pid_of(c, a)
+        os.kill(pid_a, signal.SIGSTOP)
+        try:
+            for x, y in zip(xs, ys, strict=True):  # one release message each, until A's socket buffer is full
+                x.release()  # B's replica of x is the same import as y
+                y.release()
+                time.sleep(0.01)
+            del xs, ys
+            time.sleep(3)  # B's send times out (1 s) and its link closes
+        finally:
+            os.kill(pid_a, signal.SIGCONT)
+        wait_for(lambda: c.run(T.lease_counts, workers=[a])[a]["leases"] == 1, what="A to end the released leases")
+        assert c.run(T.lease_counts, workers=[b])[b]["resyncs"] >= 1
+        del z
+        for _ in range(64):
+            c.submit(T.scribble_all, 4 * MiB, ord("S"), workers=[a], pure=False).result()
+        assert c.submit(T.head, kept, 8, workers=[b], pure=False).result() == b"keep me!"
+        del kept
+        back_to(c, baseline)
+
+
+# -- case 4: every failure reaches the task or heals -------------------------------------------
+
+
+def _fallbacks(c: Any, worker: str) -> dict[str, int]:
+    return counters(c, worker)[worker]["fallbacks"]
+
+
+def test_a_link_that_cannot_be_opened_becomes_a_copy_not_a_hung_task():
+    plugin = GPUPool(kind="host", max_size="64 MiB")
+    with nanny_cluster([{}, {}], plugin) as c:
+        a, b = worker_addresses(c)
+        warm_up(c, a, b)
+        x = c.submit(T.make_buffer, MiB, b"reachable", workers=[a], pure=False)
+        x.result()
+        c.run(T.hide_broker, workers=[a])
+        c.run(T.close_links, workers=[b])
+        try:
+            y = c.submit(T.head, x, 9, workers=[b], pure=False)
+            assert y.result(timeout=60) == b"reachable"
+            assert _fallbacks(c, a).get("peer-unreachable", 0) >= 1
+            assert c.run(T.lease_counts, workers=[a])[a]["leases"] == 0
+        finally:
+            c.run(T.restore_broker, workers=[a])
+
+
+def test_a_pull_that_fails_becomes_a_copy_in_the_frames():
+    # Two "hosts": A's values reach B over the pipelined copy path (a pull from A's copy server).
+    plugin = GPUPool(kind="host", max_size="64 MiB", copy_stream_threshold="64 KiB")
+    workers = [{"config": {"gpupool": {"host-id": "one"}}}, {"config": {"gpupool": {"host-id": "two"}}}]
+    with nanny_cluster(workers, plugin) as c:
+        a, b = worker_addresses(c)
+        x = c.submit(T.make_buffer, MiB, b"streamed", workers=[a], pure=False)
+        assert c.submit(T.head, x, 8, workers=[b], pure=False).result() == b"streamed"
+        assert counters(c, b)[b]["streamed_bytes"] == MiB
+        c.run(T.stop_copy_server, workers=[a])
+        x2 = c.submit(T.make_buffer, MiB, b"in frames", workers=[a], pure=False)
+        assert c.submit(T.head, x2, 9, workers=[b], pure=False).result(timeout=60) == b"in frames"
+        assert c.run(T.lease_counts, workers=[a])[a]["leases"] == 0
+
+
+def test_a_header_naming_an_unknown_pool_becomes_a_copy():
+    plugin = GPUPool(kind="host", max_size="64 MiB")
+    with nanny_cluster([{}, {}], plugin) as c:
+        a, b = worker_addresses(c)
+        pool_a = {r.worker: r.pool for r in dask_gpupool.pools(c)}[a]
+        x = c.submit(T.make_buffer, MiB, b"known", workers=[a], pure=False)
+        x.result()
+        c.run(T.forget_pool, pool_a, workers=[b])
+        assert c.submit(T.head, x, 5, workers=[b], pure=False).result(timeout=60) == b"known"
+        assert c.run(T.lease_counts, workers=[a])[a]["leases"] == 0
+
+
+def test_a_failed_receive_is_a_connection_error_for_dask():
+    from cuda.core import Buffer
+    from distributed.protocol import dask_deserialize
+
+    with pytest.raises(dask_gpupool.DataLostError) as info:
+        dask_deserialize.dispatch(Buffer)({"gpupool": {"path": "ipc", "kind": "host", "nbytes": 8}}, [])
+    assert isinstance(info.value, ConnectionError)
+    assert isinstance(info.value.__cause__, dask_gpupool.ProtocolError)
