@@ -37,13 +37,21 @@ from dask_gpupool._messages import HandleReply, decode
 from dask_gpupool._service import host_buffer
 from dask_gpupool._testing import read_bytes
 
-POOL = str(uuid.uuid4())
+POOL = str(uuid.UUID(int=15))  # the same in the spawned owner, which imports this module anew
 TOKEN = b"cluster-token-0123456789abcdef!!"
 CHUNK = 1 << 16
 PAYLOAD = b"served after the flood"
 #: fds the owner may open beyond those it holds when the flood starts.
 HEADROOM = 24
 FLOOD = 120
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _resource_tracker() -> None:
+    """Start multiprocessing's resource tracker before any fd count: spawning starts it once, and its pipe stays."""
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
 
 
 def wait_for(predicate: Any, timeout: float = 30.0, what: str = "condition") -> None:
@@ -91,13 +99,13 @@ def _owner(kind: str, timeout: float, pipe: Any) -> None:
             "fds": fds(),
             "threads": threading.active_count(),
             "connections": server.connections if kind == "broker" else server.transfers,
-            "refused": server.refused,
+            "refused": getattr(server, "refused", None),
             "accept_errors": getattr(server, "accept_errors", None),
             "accepting": not server._accept_task.done() if kind == "broker" else server._acceptor.is_alive(),
             "leases": len(leases),
         }
 
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     limit = len(os.listdir("/proc/self/fd")) + HEADROOM
     resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
     pipe.send((server.address, limit, stats()))
@@ -318,8 +326,7 @@ _FLOODER = textwrap.dedent(
     socks = []
     for _ in range(n):
         s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        s.settimeout(10)
-        s.connect(address)
+        s.connect(address)  # blocking: waits while the listen backlog is full
         socks.append(s)
     print(json.dumps({"connected": len(socks)}), flush=True)
     sys.stdin.readline()  # hold every connection until told
@@ -383,7 +390,7 @@ def test_a_flood_beyond_the_per_peer_bound_is_refused_while_another_peer_is_serv
         assert got["connected"] == bound + 36
         wait_for(lambda: broker.refused == 36, what="36 connections refused")
         assert broker.connections == bound  # the flooder's first 64 are kept (until the deadline)
-        reply, fd = request_pool_fd(broker.address, POOL, 10, TOKEN)  # another pid: served
+        _reply, fd = request_pool_fd(broker.address, POOL, 10, TOKEN)  # another pid: served
         try:
             assert os.pread(fd, len(PAYLOAD), 0) == PAYLOAD
         finally:
@@ -408,7 +415,7 @@ def test_a_flood_beyond_the_total_bound_is_refused_and_served_again_after(memfd,
         lambda p: (memfd, HandleReply(POOL, "host", 4096)), str(tmp_path), 30.0, POOL, TOKEN, max_connections=8
     )
     try:
-        proc, got = start_flooder(broker.address, 20)
+        proc, _got = start_flooder(broker.address, 20)
         wait_for(lambda: broker.refused == 12, what="12 connections refused")
         assert broker.connections == 8
         with pytest.raises((BrokerRefusedError, PeerLostError)):
