@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hmac
 import logging
 import os
@@ -60,7 +61,14 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Protocol, cast
 
-from dask_gpupool._errors import GPUPoolError, NotAMemberError, ProtocolError, UnknownPoolError
+from dask_gpupool._errors import (
+    BrokerRefusedError,
+    ConfigError,
+    GPUPoolError,
+    NotAMemberError,
+    ProtocolError,
+    UnknownPoolError,
+)
 from dask_gpupool._messages import (
     MAX_MESSAGE_BYTES,
     ClaimReply,
@@ -175,6 +183,15 @@ _MAX_RESYNC = 1 << 20
 _UNIX_PATH_MAX = 107
 _PEERCRED = struct.Struct("3i")
 
+#: Open connections one peer process (``SO_PEERCRED`` pid) may hold to a broker; more are refused.
+MAX_PER_PEER = 64
+#: Open connections a broker holds in all; more are refused.
+MAX_CONNECTIONS = 1024
+#: Accept errors that mean "try again": a connection that went away while queued.
+_ACCEPT_RETRY = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EINTR, errno.EAGAIN})
+#: Longest pause of an accept loop that met an error it backs off from (EMFILE, ENFILE, ENOBUFS, ENOMEM).
+ACCEPT_BACKOFF_MAX = 1.0
+
 
 class FdBroker:
     """Serve pools' fds to same-uid peers on this host.
@@ -193,25 +210,50 @@ class FdBroker:
     token : bytes or None
         The cluster's membership token; ``None`` refuses everyone until
         :attr:`token` is set.
+    max_per_peer : int
+        Open connections one peer process (its ``SO_PEERCRED`` pid) may hold;
+        further ones are refused (:data:`MAX_PER_PEER`).
+    max_connections : int
+        Open connections in all; further ones are refused
+        (:data:`MAX_CONNECTIONS`).
 
     Attributes
     ----------
     address : str
         Path of the socket; peers find it in the scheduler's registry.
     served, refused : int
-        Fds handed out; connections closed for bad credentials or input.
+        Fds handed out; connections closed for bad credentials or input, for
+        no hello within ``timeout`` of their accept, or over a bound.
+    accept_errors : int
+        Times accepting failed for want of resources (``EMFILE``, ``ENFILE``,
+        ...); the broker paused and went on accepting each time.
+    max_per_peer, max_connections : int
+        The bounds above.
 
     Notes
     -----
     fd ownership: the listening socket and every accepted connection are the
     broker's and closed by :meth:`close`; the pool fds it sends stay owned by
-    their pools (the kernel gives the peer its own copy).
+    their pools (the kernel gives the peer its own copy). A connection refused
+    over a bound is closed by the broker's thread at once, after a
+    best-effort :class:`BrokerRefusedError` reply.
+
+    Load: a peer that does not send its hello within ``timeout`` of its
+    accept is closed (one message, whole, on a ``SOCK_SEQPACKET`` socket, so
+    no trickle can stretch it); at most ``max_per_peer`` connections per pid
+    and ``max_connections`` in all are open; when the process runs out of fds
+    the accept loop logs once, backs off up to :data:`ACCEPT_BACKOFF_MAX`
+    seconds (on its own asyncio loop, which keeps serving the open
+    connections) and accepts again. See docs/reliability.md.
     """
 
     address: str
     served: int
     refused: int
     copies: int
+    accept_errors: int
+    max_per_peer: int
+    max_connections: int
     token: bytes | None
     _handler: BrokerHandler
     _timeout: float
@@ -222,6 +264,8 @@ class FdBroker:
     _thread: threading.Thread
     _conns: set[socket.socket]
     _watched: dict[int, tuple[int, str]]
+    _per_pid: dict[int, int]
+    _refusing: set[int]
     _closed: bool
 
     def __init__(
@@ -231,8 +275,16 @@ class FdBroker:
         timeout: float,
         name: str = "pool",
         token: bytes | None = None,
+        max_per_peer: int = MAX_PER_PEER,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
+        if max_per_peer < 1 or max_connections < 1:
+            raise ConfigError(f"broker bounds must be positive integers: {max_per_peer=}, {max_connections=}")
         self.token = token
+        self.max_per_peer, self.max_connections = max_per_peer, max_connections
+        self.accept_errors = 0
+        self._per_pid = {}  # open connections by peer pid (broker thread only)
+        self._refusing = set()  # pids (-1: everyone) refused since their last close: warned once
         self._handler = cast(BrokerHandler, handler) if hasattr(handler, "pool_handle") else _LookupOnly(handler)
         self._timeout = timeout
         self._name = name
@@ -292,11 +344,79 @@ class FdBroker:
             self._loop.close()
 
     async def _accept(self) -> None:
+        """Accept peers until the broker closes; no error ends it.
+
+        Out of fds (``EMFILE``/``ENFILE``) or memory, it logs once, pauses
+        (50 ms, doubling up to :data:`ACCEPT_BACKOFF_MAX`) and tries again; the
+        queued peers wait in the listen backlog meanwhile. Runs on the
+        broker's thread.
+        """
+        pause = 0.0
         while True:
-            conn, _ = await self._loop.sock_accept(self._sock)
-            conn.setblocking(False)
+            try:
+                conn, _ = await self._loop.sock_accept(self._sock)
+            except asyncio.CancelledError:
+                raise
+            except OSError as e:
+                if self._closed or self._sock.fileno() < 0:
+                    return
+                if e.errno in _ACCEPT_RETRY:
+                    continue
+                self.accept_errors += 1
+                if not pause:
+                    logger.warning(
+                        "pool %s: broker cannot accept (%s); retrying, backing off up to %.0f s",
+                        self._name,
+                        e,
+                        ACCEPT_BACKOFF_MAX,
+                    )
+                pause = min(max(2 * pause, 0.05), ACCEPT_BACKOFF_MAX)
+                await asyncio.sleep(pause)
+                continue
+            if pause:
+                logger.warning("pool %s: broker accepts again", self._name)
+                pause = 0.0
+            self._admit(conn)
+
+    def _admit(self, conn: socket.socket) -> None:
+        """Serve ``conn`` if its pid and the broker are under their bounds; else refuse and close it."""
+        conn.setblocking(False)
+        try:
+            pid = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))[0]
+        except OSError:
+            conn.close()
+            return
+        if len(self._conns) >= self.max_connections:
+            why, who = f"{len(self._conns)} connections open (gpupool broker bound {self.max_connections})", -1
+        elif self._per_pid.get(pid, 0) >= self.max_per_peer:
+            why, who = f"pid {pid} holds {self.max_per_peer} connections (the bound per peer)", pid
+        else:
+            self._per_pid[pid] = self._per_pid.get(pid, 0) + 1
             self._conns.add(conn)
-            self._loop.create_task(self._serve(conn))
+            self._loop.create_task(self._serve_counted(conn, pid))
+            return
+        self.refused += 1
+        if who not in self._refusing:
+            self._refusing.add(who)
+            logger.warning("pool %s: broker refuses connections: %s", self._name, why)
+        refusal = BrokerRefusedError(f"pool {self._name}: broker refused the connection: {why}")
+        with contextlib.suppress(OSError):
+            conn.send(encode(ErrorReply.of(refusal)))  # best effort; never waits
+        conn.close()
+
+    async def _serve_counted(self, conn: socket.socket, pid: int) -> None:
+        """:meth:`_serve`, counted against ``pid``'s bound while it runs."""
+        try:
+            await self._serve(conn)
+        finally:
+            left = self._per_pid.get(pid, 1) - 1
+            if left > 0:
+                self._per_pid[pid] = left
+            else:
+                self._per_pid.pop(pid, None)
+                self._refusing.discard(pid)  # warn again about this pid's next flood, not its every refusal
+            if len(self._conns) < self.max_connections // 2:
+                self._refusing.discard(-1)
 
     async def _tick(self) -> None:
         while True:
@@ -486,6 +606,7 @@ class FdBroker:
         for conn in list(self._conns):
             conn.close()
         self._conns.clear()
+        self._per_pid.clear()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.address)
         with contextlib.suppress(FileNotFoundError):

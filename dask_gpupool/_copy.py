@@ -36,15 +36,25 @@ would in Dask's ``tcp`` frames; with ``tls`` comms the copy path is not used
 (copies stay in Dask's frames, encrypted).
 
 **Threads.** The server accepts in one thread and serves each connection in a
-thread of its own (blocking sockets). :func:`pull` blocks the thread that
+thread of its own (blocking sockets), at most ``max_connections`` of them and
+``max_per_peer`` per remote IP; connections beyond are closed at once and
+counted in :attr:`CopyServer.refused`. :func:`pull` blocks the thread that
 deserializes, which for these small messages is Dask's event loop, for the
 length of the transfer (on two H200s: docs/performance.md).
+
+**Load.** The whole request must arrive within ``timeout`` of the accept (a
+deadline, not a timeout per ``recv``: a client trickling a byte at a time is
+dropped at it). When accepting fails for want of fds or memory (``EMFILE``,
+``ENFILE``, ``ENOBUFS``, ``ENOMEM``) the acceptor logs once, pauses (50 ms,
+doubling up to :data:`ACCEPT_BACKOFF_MAX`) and accepts again. See
+docs/reliability.md.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import hashlib
 import hmac
 import itertools
@@ -52,10 +62,11 @@ import logging
 import socket
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from dask_gpupool._errors import DataLostError, GPUPoolError, NotAMemberError, ProtocolError
+from dask_gpupool._errors import ConfigError, DataLostError, GPUPoolError, NotAMemberError, ProtocolError
 from dask_gpupool._messages import (
     MAX_MESSAGE_BYTES,
     ErrorReply,
@@ -79,6 +90,15 @@ logger = logging.getLogger(__name__)
 SLOTS = 2
 
 _LENGTH = struct.Struct("!I")
+
+#: Connections (each served by a thread) one remote IP may hold to a copy server; more are refused.
+MAX_PER_PEER = 128
+#: Connections (threads) a copy server serves at once; more are refused.
+MAX_CONNECTIONS = 512
+#: Longest pause of the acceptor after an accept error it backs off from (EMFILE, ENFILE, ENOBUFS, ENOMEM).
+ACCEPT_BACKOFF_MAX = 1.0
+#: Accept errors that mean "try again": a connection that went away while queued.
+_ACCEPT_RETRY = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EINTR, errno.EAGAIN})
 
 
 def pull_proof(token: bytes, pool: str, lease: int) -> bytes:
@@ -111,24 +131,57 @@ class CopyServer:
     host : str
         The interface to listen on (the worker's).
     timeout : float
-        Seconds a connection may wait for the next message or chunk.
+        Seconds from a connection's accept to the end of its request (a
+        deadline for the whole request), then seconds each chunk may take to
+        send.
     chunk : int
         Bytes per chunk.
+    max_per_peer : int
+        Connections one remote IP may hold open (:data:`MAX_PER_PEER`).
+    max_connections : int
+        Connections, hence serving threads, in all (:data:`MAX_CONNECTIONS`).
+
+    Attributes
+    ----------
+    refused : int
+        Connections closed over a bound, or for no whole request within
+        ``timeout`` of their accept.
+    accept_errors : int
+        Times accepting failed for want of resources; the acceptor paused and
+        went on each time.
 
     fd ownership: the listening socket and every accepted connection are the
     server's; :meth:`close` closes the listener and waits for the serving
-    threads, which close their connections.
+    threads, which close their connections. The acceptor thread closes a
+    connection it refuses. Threads: one acceptor, plus one thread per served
+    connection, at most ``max_connections``.
     """
 
-    def __init__(self, pool: str, leases: LeaseTable, host: str, timeout: float, chunk: int) -> None:
+    def __init__(
+        self,
+        pool: str,
+        leases: LeaseTable,
+        host: str,
+        timeout: float,
+        chunk: int,
+        max_per_peer: int = MAX_PER_PEER,
+        max_connections: int = MAX_CONNECTIONS,
+    ) -> None:
+        if max_per_peer < 1 or max_connections < 1:
+            raise ConfigError(f"copy server bounds must be positive integers: {max_per_peer=}, {max_connections=}")
         self.pool = pool
         self.token: bytes | None = None  # the cluster's; None refuses every pull
+        self.max_per_peer, self.max_connections = max_per_peer, max_connections
+        self.refused = self.accept_errors = 0
         self._leases = leases
         self._timeout = timeout
         self._chunk = chunk
         self._connections = itertools.count(-1, -1)  # negative: broker connections count up from 1
         self._threads: set[threading.Thread] = set()
+        self._per_ip: dict[str, int] = {}  # open connections by remote IP (under _lock)
+        self._refusing: set[str] = set()  # IPs ("" for the total bound) warned about since they were last under it
         self._lock = threading.Lock()
+        self._stop = threading.Event()  # set by close(): ends the acceptor's back-off
         self._closed = False
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -150,6 +203,7 @@ class CopyServer:
                 return
             self._closed = True
             threads = list(self._threads)
+        self._stop.set()
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
@@ -164,28 +218,109 @@ class CopyServer:
             return len(self._threads)
 
     def _accept(self) -> None:
+        """The acceptor thread: accept until :meth:`close`; no error ends it.
+
+        Out of fds or memory it logs once, pauses (50 ms, doubling up to
+        :data:`ACCEPT_BACKOFF_MAX`) and tries again; queued peers wait in the
+        listen backlog meanwhile.
+        """
+        pause = 0.0
         while True:
             try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return  # closed
+                conn, peer = self._sock.accept()
+            except OSError as e:
+                with self._lock:
+                    if self._closed:
+                        return
+                    if e.errno not in _ACCEPT_RETRY:
+                        self.accept_errors += 1
+                if e.errno in _ACCEPT_RETRY:
+                    continue
+                if not pause:
+                    logger.warning(
+                        "pool %s: copy server cannot accept (%s); retrying, backing off up to %.0f s",
+                        self.pool,
+                        e,
+                        ACCEPT_BACKOFF_MAX,
+                    )
+                pause = min(max(2 * pause, 0.05), ACCEPT_BACKOFF_MAX)
+                if self._stop.wait(pause):
+                    return
+                continue
+            if pause:
+                logger.warning("pool %s: copy server accepts again", self.pool)
+                pause = 0.0
+            accepted = time.monotonic()
+            ip = str(peer[0])
+            why = ""
             with self._lock:
                 if self._closed:
                     conn.close()
                     return
-                t = threading.Thread(target=self._serve, args=(conn,), name="gpupool-copy-pull", daemon=True)
-                self._threads.add(t)
-            t.start()
+                if len(self._threads) >= self.max_connections:
+                    why, who = f"{len(self._threads)} transfers running (the bound)", ""
+                elif self._per_ip.get(ip, 0) >= self.max_per_peer:
+                    why, who = f"{ip} holds {self.max_per_peer} connections (the bound per peer)", ip
+                else:
+                    t = threading.Thread(
+                        target=self._serve, args=(conn, ip, accepted), name="gpupool-copy-pull", daemon=True
+                    )
+                    self._threads.add(t)
+                    self._per_ip[ip] = self._per_ip.get(ip, 0) + 1
+                if why:
+                    self.refused += 1
+                    warn = who not in self._refusing
+                    self._refusing.add(who)
+            if why:
+                if warn:
+                    logger.warning("pool %s: copy server refuses connections: %s", self.pool, why)
+                conn.close()
+                continue
+            try:
+                t.start()
+            except RuntimeError as e:  # no thread could be made: refuse this one, like a bound
+                logger.warning("pool %s: copy server refused a connection: %s", self.pool, e)
+                self._done(t, ip, refused=True)
+                conn.close()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _done(self, t: threading.Thread, ip: str, refused: bool = False) -> None:
+        """Forget serving thread ``t`` of a connection from ``ip``."""
+        with self._lock:
+            self._threads.discard(t)
+            left = self._per_ip.get(ip, 1) - 1
+            if left > 0:
+                self._per_ip[ip] = left
+            else:
+                self._per_ip.pop(ip, None)
+                self._refusing.discard(ip)
+            if len(self._threads) < self.max_connections // 2:
+                self._refusing.discard("")
+            self.refused += refused
+
+    def _serve(self, conn: socket.socket, ip: str, accepted: float) -> None:
         connection = next(self._connections)
         lease = 0
         try:
             with conn:
-                conn.settimeout(self._timeout)
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 try:
-                    request = PullRequest.from_msg(decode(_recv_message(conn)))
+                    message = _recv_message(conn, deadline=accepted + self._timeout)
+                except TimeoutError:
+                    with self._lock:
+                        self.refused += 1
+                    logger.info(
+                        "pool %s: copy server dropped a connection from %s: no whole request within %.3g s",
+                        self.pool,
+                        ip,
+                        self._timeout,
+                    )
+                    return
+                except (ConnectionError, OSError) as e:  # hung up before its request: nothing to log loudly
+                    logger.debug("pool %s: copy server connection from %s ended: %s", self.pool, ip, e)
+                    return
+                conn.settimeout(self._timeout)
+                try:
+                    request = PullRequest.from_msg(decode(message))
                     lease = request.lease
                     staged = self._claim(request, connection)
                 except GPUPoolError as e:
@@ -203,8 +338,7 @@ class CopyServer:
             if lease:
                 self._leases.release_stream(lease, connection)
         finally:
-            with self._lock:
-                self._threads.discard(threading.current_thread())
+            self._done(threading.current_thread(), ip)
 
     def _claim(self, request: PullRequest, connection: int) -> Staged:
         token = self.token
@@ -458,20 +592,27 @@ def _send_message(conn: socket.socket, msg: dict[str, Any]) -> None:
     conn.sendall(_LENGTH.pack(len(data)) + data)
 
 
-def _recv_message(conn: socket.socket) -> bytes:
+def _recv_message(conn: socket.socket, deadline: float | None = None) -> bytes:
+    """One length-prefixed message; whole by ``deadline`` (``time.monotonic()``) if given, else ``TimeoutError``."""
     head = bytearray(_LENGTH.size)
-    _recv_exactly(conn, memoryview(head))
+    _recv_exactly(conn, memoryview(head), deadline)
     (n,) = _LENGTH.unpack(head)
     if n > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"message of {n} bytes exceeds {MAX_MESSAGE_BYTES}")
     data = bytearray(n)
-    _recv_exactly(conn, memoryview(data))
+    _recv_exactly(conn, memoryview(data), deadline)
     return bytes(data)
 
 
-def _recv_exactly(conn: socket.socket, view: memoryview) -> None:
+def _recv_exactly(conn: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill ``view``; with a ``deadline`` each ``recv`` waits only for the time left (``TimeoutError`` after)."""
     got = 0
     while got < len(view):
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{got} of {len(view)} bytes by the deadline")
+            conn.settimeout(left)
         k = conn.recv_into(view[got:])
         if k == 0:
             raise ConnectionError(f"peer closed the connection after {got} of {len(view)} bytes")
