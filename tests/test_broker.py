@@ -3,7 +3,10 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -282,3 +285,80 @@ def test_link_refuses_a_loose_or_foreign_broker_directory(tmp_path, how, no_fd_l
         with pytest.raises(BrokerRefusedError, match="directory"):
             PeerLink(address, 5, TOKEN)
         assert outcome() == b"N"  # refused before connecting
+
+
+# -- directories of brokers that died without closing (issue 15) ------------------------------------
+
+BROKER_PROCESS = """
+import sys, time
+from dask_gpupool._broker import FdBroker
+b = FdBroker(lambda p: None, sys.argv[1], 1.0, "killed00", b"x" * 32)
+print(b.address, flush=True)
+time.sleep(600)
+"""
+
+
+def killed_broker(parent: str) -> str:
+    """Run an FdBroker in a process of its own, SIGKILL it, and return its (left-over) directory."""
+    proc = subprocess.Popen([sys.executable, "-c", BROKER_PROCESS, parent], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        address = proc.stdout.readline().strip()
+        assert address, "the broker process did not start"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        if proc.stdout is not None:
+            proc.stdout.close()
+    assert os.path.exists(address)  # a SIGKILLed broker cannot clean up
+    return os.path.dirname(address)
+
+
+def make_old(*paths: str) -> None:
+    old = time.time() - 3600
+    for p in paths:
+        os.utime(p, (old, old), follow_symlinks=False)
+
+
+def test_a_broker_start_removes_our_stale_broker_directories_and_nothing_else(memfd, tmp_path, no_fd_leak):
+    parent = str(tmp_path / "b")  # short: socket paths have 107 bytes
+    os.mkdir(parent, 0o700)
+    lookup = lambda p: (memfd, HandleReply(POOL, "host", 4096)) if p == POOL else None  # noqa: E731
+    live = FdBroker(lookup, parent, 1.0, POOL, TOKEN)
+    try:
+        stale = killed_broker(parent)
+        young = killed_broker(parent)  # died a moment ago: it could be a broker starting, so it stays
+        empty = os.path.join(parent, "dask-gpupool-empty0-x")  # ours, no socket: a broker died before bind
+        os.mkdir(empty, 0o700)
+        notes = os.path.join(parent, "dask-gpupool-notes")  # holds something else: only the socket is ours to remove
+        os.mkdir(notes, 0o700)
+        with open(os.path.join(notes, "keep.txt"), "w") as f:
+            f.write("not a broker's")
+        os.mkdir(tmp_path / "e", 0o700)
+        elsewhere = killed_broker(str(tmp_path / "e"))  # stale, but reached only through a link
+        link = os.path.join(parent, "dask-gpupool-link")
+        os.symlink(elsewhere, link)
+        other = os.path.join(parent, "other-dir")
+        os.mkdir(other, 0o700)
+        kept = [os.path.dirname(live.address), young, notes, link, elsewhere, other]
+        if os.getuid() == 0:  # another user's directory is never touched
+            foreign = os.path.join(parent, "dask-gpupool-foreign")
+            os.mkdir(foreign, 0o700)
+            os.chown(foreign, 65534, 65534)
+            make_old(foreign)
+            kept.append(foreign)
+        make_old(stale, empty, notes, elsewhere, link, other, os.path.dirname(live.address))
+
+        fresh = FdBroker(lookup, parent, 1.0, POOL, TOKEN)
+        fresh.close()
+
+        assert not os.path.exists(stale) and not os.path.exists(empty)
+        assert all(os.path.lexists(p) for p in kept), [p for p in kept if not os.path.lexists(p)]
+        assert os.path.exists(os.path.join(young, "broker.sock")) and os.path.exists(os.path.join(notes, "keep.txt"))
+        _reply, fd = request_pool_fd(live.address, POOL, 5, TOKEN)  # the live broker still serves
+        os.close(fd)
+    finally:
+        live.close()
