@@ -7,6 +7,12 @@ page lists the registry's pools (owner, host, kind, device, used and
 reserved bytes, peers) and every worker's handoffs (zero-copy vs copied
 bytes, fallbacks by reason, live leases), and reloads itself. It is served
 by the scheduler's own HTTP server, next to Dask's dashboard.
+
+Trust boundary: the pushed statistics are each worker's own claim. The page
+escapes every value and key it shows (:func:`html.escape`, whatever the
+value's type), and ``/gpupool.json`` carries no raw ``<``, ``>`` or ``&``.
+
+Threads: both handlers run on the scheduler's event loop.
 """
 
 from __future__ import annotations
@@ -34,26 +40,37 @@ def _bytes(n: Any) -> str:
     return format_bytes(int(n)) if isinstance(n, int) else "-"
 
 
+def _text(value: Any) -> str:
+    """``value`` as HTML text: every pushed value is the worker's claim, escaped whatever its type."""
+    return html.escape(str(value))
+
+
+def _fallbacks(value: Any) -> str:
+    if not isinstance(value, dict):
+        return _text(value)
+    return _text(", ".join(f"{k}: {v}" for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))) or "-")
+
+
 class _Page(web.RequestHandler):
     def initialize(self, holder: dict[str, Source]) -> None:
         self._holder = holder
 
     def get(self) -> None:
         snap = self._holder["source"]()
-        e = html.escape
         rows = "".join(
-            f"<tr><td>{e(p['worker'])}</td><td>{e(p['hostname'])}</td><td>{e(p['kind'])}</td>"
-            f"<td>{e(p['device'] or '-')}</td><td>{_bytes(p.get('used'))}</td><td>{_bytes(p.get('reserved'))}</td>"
-            f"<td>{_bytes(p['max_size'])}</td><td>{len(p['peers'])}</td><td><code>{e(p['pool'])}</code></td></tr>"
+            f"<tr><td>{_text(p['worker'])}</td><td>{_text(p['hostname'])}</td><td>{_text(p['kind'])}</td>"
+            f"<td>{_text(p['device'] or '-')}</td><td>{_bytes(p.get('used'))}</td>"
+            f"<td>{_bytes(p.get('reserved'))}</td><td>{_bytes(p['max_size'])}</td><td>{len(p['peers'])}</td>"
+            f"<td><code>{_text(p['pool'])}</code></td></tr>"
             for p in snap["pools"]
         )
         stats = "".join(
-            f"<tr><td>{e(w)}</td><td>{s.get('exports', 0)}</td><td>{s.get('imports', 0)}</td>"
-            f"<td>{s.get('leases', 0)}</td><td>{_bytes(s.get('lease_bytes', 0))}</td>"
+            f"<tr><td>{_text(w)}</td><td>{_text(s.get('exports', 0))}</td><td>{_text(s.get('imports', 0))}</td>"
+            f"<td>{_text(s.get('leases', 0))}</td><td>{_bytes(s.get('lease_bytes', 0))}</td>"
             f"<td>{_bytes(s.get('zero_copy_bytes', 0))}</td><td>{_bytes(s.get('copied_bytes', 0))}</td>"
             f"<td>{_bytes(s.get('copied_out_bytes', 0))}</td>"
-            f"<td>{s.get('segments', 0)} ({s.get('segments_retiring', 0)})</td>"
-            f"<td>{e(', '.join(f'{k}: {v}' for k, v in sorted(s.get('fallbacks', {}).items())) or '-')}</td></tr>"
+            f"<td>{_text(s.get('segments', 0))} ({_text(s.get('segments_retiring', 0))})</td>"
+            f"<td>{_fallbacks(s.get('fallbacks', {}))}</td></tr>"
             for w, s in sorted(snap["workers"].items())
         )
         self.set_header("Content-Type", "text/html; charset=utf-8")
@@ -81,7 +98,11 @@ class _Json(web.RequestHandler):
 
     def get(self) -> None:
         self.set_header("Content-Type", "application/json")
-        self.write(json.dumps(self._holder["source"]()))
+        self.set_header("X-Content-Type-Options", "nosniff")
+        # No raw <, > or & (JSON's \u escapes instead): the pushed strings cannot open or close
+        # markup where this is embedded. Values JSON cannot carry (bytes) go as their repr.
+        text = json.dumps(self._holder["source"](), skipkeys=True, default=repr)
+        self.write(text.replace("&", "\\u0026").replace("<", "\\u003c").replace(">", "\\u003e"))
 
 
 def install(scheduler: Any, source: Source) -> bool:

@@ -19,7 +19,11 @@ Works with no NVIDIA driver at all: buffers are host pointers handed to
 ``Buffer.from_handle``. Like IPC-enabled CUDA pools, memory is never returned
 to the OS while the pool is open.
 
-Trust boundary: a mapped resource checks that every imported range lies
+Trust boundary: the memfd is sealed once sized (``F_SEAL_SHRINK``,
+``F_SEAL_GROW``, ``F_SEAL_SEAL``), so no process that receives the fd can
+``ftruncate`` it, which would make every mapper's reads past the new end
+SIGBUS. Peers can still write the pool's bytes (they map it read-write, as
+CUDA IPC peers do). A mapped resource checks that every imported range lies
 inside the mapping, so a malformed descriptor cannot reach memory outside the
 peer's pool; it cannot check that the owner still considers the range live.
 """
@@ -27,6 +31,7 @@ peer's pool; it cannot check that the owner still considers the range live.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import logging
 import mmap
 import os
@@ -43,6 +48,9 @@ from dask_gpupool._errors import PoolClosedError, ProtocolError
 __all__ = ["HostOnlyResource", "HostPoolAttributes", "SharedHostMemoryResource"]
 
 logger = logging.getLogger(__name__)
+
+#: Seals added to the pool's memfd once it is sized: its size is fixed for good.
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 @dataclass(frozen=True)
@@ -89,6 +97,10 @@ class SharedHostMemoryResource(HostOnlyResource):
 
     Notes
     -----
+    The memfd is sealed against resizing (``F_SEAL_SHRINK | F_SEAL_GROW |
+    F_SEAL_SEAL``) before it is mapped or shared: a peer that receives it
+    cannot ``ftruncate`` it under other mappers.
+
     Ownership: the resource owns its memfd and its mapping. ``close()`` closes
     the fd at once and unmaps the memory when the last buffer of the pool is
     freed (closing never pulls memory out from under a live buffer). Buffers
@@ -109,9 +121,10 @@ class SharedHostMemoryResource(HostOnlyResource):
     def __init__(self, max_size: int) -> None:
         if max_size <= 0:
             raise ValueError(f"max_size must be positive, got {max_size}")
-        fd = os.memfd_create("dask-gpupool", os.MFD_CLOEXEC)
+        fd = os.memfd_create("dask-gpupool", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, max_size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
             self._init_mapping(fd, max_size, mapped=False)
         except BaseException:
             os.close(fd)

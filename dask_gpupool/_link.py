@@ -21,13 +21,15 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import stat
+import struct
 import threading
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any, Union
 
 from cuda.core import MemoryResource
 
-from dask_gpupool._errors import GPUPoolError, PeerLostError, ProtocolError
+from dask_gpupool._errors import BrokerRefusedError, GPUPoolError, PeerLostError, ProtocolError
 from dask_gpupool._mapping import IMPORT_LOCK
 from dask_gpupool._messages import (
     MAX_LEASES_PER_MESSAGE,
@@ -80,11 +82,26 @@ class PeerLink:
         Leases of this exporter this worker still holds, sent as a
         :class:`~dask_gpupool._messages.Resync` before the link is returned
         (non-empty only when a link broke and is opened again).
+    expected_pid : int or None
+        The exporter's pid (its registry row's); when given, a listener of
+        another pid is refused.
+
+    Raises
+    ------
+    BrokerRefusedError
+        Before the token is sent: when the socket's directory is not a
+        directory (a symlink included) owned by this process's uid, or is
+        group- or other-writable; or when ``SO_PEERCRED`` shows that the
+        listening process is of another uid, or not ``expected_pid``.
+    PeerLostError
+        When the broker cannot be reached or hangs up.
 
     Notes
     -----
-    fd ownership: the link owns its socket (closed by :meth:`close`). Fds it
-    receives are returned to the caller, who closes them.
+    fd ownership: the link owns its socket (closed by :meth:`close`, and at
+    once when the checks refuse the broker). Fds it receives are returned to
+    the caller, who closes them. Threads: the constructor and every request
+    block the calling thread.
     """
 
     address: str
@@ -93,17 +110,44 @@ class PeerLink:
     _lock: threading.Lock
 
     def __init__(
-        self, address: str, timeout: float, token: bytes, worker: str = "", live: Collection[int] = ()
+        self,
+        address: str,
+        timeout: float,
+        token: bytes,
+        worker: str = "",
+        live: Collection[int] = (),
+        expected_pid: int | None = None,
     ) -> None:
         self.address = address
         self.timeout = timeout
         self._lock = threading.Lock()
+        # Who answers must be the exporter: its directory ours and closed to others (lstat: a link is
+        # refused), the listener of our uid (and its pid the registry's), all before the token is sent.
+        directory = os.path.dirname(os.path.abspath(address))
+        try:
+            st = os.lstat(directory)
+        except OSError as e:
+            raise PeerLostError(f"broker {address}: {type(e).__name__}: {e}") from e
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+            raise BrokerRefusedError(
+                f"broker {address}: its directory is not a directory of ours closed to group and others "
+                f"(owner uid {st.st_uid}, mode {stat.filemode(st.st_mode)}); refusing to connect"
+            )
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
             sock.settimeout(timeout)
             sock.connect(address)
+            pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            if uid != os.getuid() or (expected_pid is not None and pid != expected_pid):
+                sock.close()
+                wanted = f"uid {os.getuid()}" + (f", expected pid {expected_pid}" if expected_pid is not None else "")
+                raise BrokerRefusedError(
+                    f"broker {address}: listened on by pid {pid} of uid {uid} ({wanted}); not sending it the token"
+                )
             sock.sendall(encode(Hello(token, worker)))
             data = sock.recv(MAX_MESSAGE_BYTES + 1)
+        except BrokerRefusedError:  # a ConnectionError, so an OSError: not a lost peer
+            raise
         except OSError as e:
             sock.close()
             raise PeerLostError(f"broker {address}: {type(e).__name__}: {e}") from e

@@ -344,7 +344,9 @@ class PoolService:
             raise NotAMemberError(f"pool {self.pool.uuid}: not registered with the scheduler yet (no cluster token)")
         # A link opened again after one broke first resyncs the leases still held from this exporter.
         live = self.releaser.snapshot(record.broker)
-        link = PeerLink(record.broker, self.options.broker_timeout, self.token, self.record.worker, live)
+        link = PeerLink(
+            record.broker, self.options.broker_timeout, self.token, self.record.worker, live, expected_pid=record.pid
+        )
         with self._links_lock:
             old = self._links.get(record.broker)
             if old is not None and old.alive:

@@ -1,17 +1,24 @@
 from __future__ import annotations
 
+import contextlib
 import os
+import select
+import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable, Iterator
 
 import msgpack
 import pytest
 
-from dask_gpupool import NotAMemberError, PeerLostError, UnknownPoolError
+from dask_gpupool import BrokerRefusedError, NotAMemberError, PeerLostError, UnknownPoolError
 from dask_gpupool._broker import FdBroker, request_pool_fd
-from dask_gpupool._messages import HandleReply, HandleRequest, encode
+from dask_gpupool._link import PeerLink
+from dask_gpupool._messages import HandleReply, HandleRequest, Hello, encode
 
 POOL = str(uuid.uuid4())
 TOKEN = b"cluster-token-0123456789abcdef!!"
@@ -139,9 +146,12 @@ def test_foreign_uid_is_refused_even_if_the_directory_is_opened(memfd):
             os.setgid(65534)
             os.setuid(65534)
             try:
-                _reply, _fd = request_pool_fd(broker.address, POOL, 5, TOKEN)
-                outcome = b"GOT-FD"
-            except PeerLostError:
+                # A raw client, not a PeerLink: a link refuses this broker itself (its directory is not
+                # nobody's); here the broker's own check is under test.
+                s = connect(broker.address)
+                s.sendall(encode(Hello(TOKEN)))
+                outcome = b"refused" if s.recv(100) == b"" else b"ANSWERED"
+            except (BrokenPipeError, ConnectionResetError):  # closed before, or with, the hello unread
                 outcome = b"refused"
             except Exception as e:
                 outcome = repr(e).encode()
@@ -170,3 +180,185 @@ def test_close_removes_socket_and_directory_and_leaks_no_fd(memfd, tmp_path, no_
     assert not os.path.exists(b.address)
     assert not os.path.exists(os.path.dirname(b.address))
     assert os.listdir(tmp_path) == []
+
+
+# -- the importer checks who answers on a broker socket (issue 15) ----------------------------------
+
+
+@contextlib.contextmanager
+def planted_listener(path: str, uid: int | None = None) -> Iterator[tuple[int, Callable[[], bytes]]]:
+    """A broker-like listener at ``path`` in a forked process (of ``uid``, when root gives it one).
+
+    The socket is bound here (the directory may be closed to ``uid``); the child calls ``listen``, so
+    ``SO_PEERCRED`` names the child. Yields ``(pid, outcome)``: ``outcome()`` ends the child and returns
+    ``b"N"`` if nobody connected, else ``b"R"`` followed by the bytes it received before the peer hung up.
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.bind(path)
+    out_r, out_w = os.pipe()
+    stop_r, stop_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the planted listener
+        try:
+            os.close(out_r)
+            os.close(stop_w)
+            if uid is not None:
+                os.setgid(uid)
+                os.setuid(uid)
+            sock.listen(1)
+            os.write(out_w, b"L")
+            ready, _, _ = select.select([sock, stop_r], [], [], 60)
+            if sock in ready:
+                conn, _ = sock.accept()
+                conn.settimeout(30)
+                os.write(out_w, b"R" + conn.recv(65536))
+            else:
+                os.write(out_w, b"N")
+        finally:
+            os._exit(0)
+    sock.close()
+    os.close(out_w)
+    os.close(stop_r)
+    assert os.read(out_r, 1) == b"L"
+    outcome: list[bytes] = []
+
+    def finish() -> bytes:
+        if not outcome:
+            os.close(stop_w)
+            chunks = []
+            while chunk := os.read(out_r, 65536):
+                chunks.append(chunk)
+            os.close(out_r)
+            os.waitpid(pid, 0)
+            outcome.append(b"".join(chunks))
+        return outcome[0]
+
+    try:
+        yield pid, finish
+    finally:
+        finish()
+
+
+def test_link_checks_the_broker_pid_before_it_sends_the_token(broker, no_fd_leak):
+    """A listener that is not the registry row's process gets a closed connection and never the token."""
+    planted = os.path.join(tempfile.mkdtemp(dir=os.path.dirname(os.path.dirname(broker.address))), "broker.sock")
+    with planted_listener(planted) as (pid, outcome):
+        with pytest.raises(BrokerRefusedError, match=rf"pid {pid}.*expected pid {os.getpid()}"):
+            PeerLink(planted, 5, TOKEN, expected_pid=os.getpid())
+        assert outcome() == b"R"  # it was connected to, and got not a byte
+    link = PeerLink(broker.address, 5, TOKEN, expected_pid=os.getpid())  # the real broker runs in this process
+    _reply, fd = link.request_pool_fd(POOL)
+    os.close(fd)
+    link.close()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="a listener of another uid needs root (a process of ours cannot fake one)")
+def test_link_refuses_a_broker_of_another_uid(tmp_path, no_fd_leak):
+    planted = str(tmp_path / "broker.sock")
+    with planted_listener(planted, uid=65534) as (_pid, outcome):
+        with pytest.raises(BrokerRefusedError, match="uid 65534"):
+            PeerLink(planted, 5, TOKEN)
+        assert outcome() == b"R"  # connected (to check its credentials), never sent the token
+
+
+def _loosen(directory: str, how: str) -> str:
+    """Make ``directory`` one a link must refuse; returns the socket path to use."""
+    if how == "symlink":
+        link = directory + "-link"
+        os.symlink(directory, link)
+        return os.path.join(link, "broker.sock")
+    if how == "foreign":
+        os.chown(directory, 65534, 65534)
+    else:
+        os.chmod(directory, {"group-writable": 0o770, "other-writable": 0o703}[how])
+    return os.path.join(directory, "broker.sock")
+
+
+@pytest.mark.parametrize("how", ["group-writable", "other-writable", "symlink", "foreign"])
+def test_link_refuses_a_loose_or_foreign_broker_directory(tmp_path, how, no_fd_leak):
+    if how == "foreign" and os.getuid() != 0:
+        pytest.skip("giving a directory to another uid needs root")
+    directory = str(tmp_path / "dask-gpupool-planted")
+    os.mkdir(directory, 0o700)
+    with planted_listener(os.path.join(directory, "broker.sock")) as (_pid, outcome):
+        address = _loosen(directory, how)
+        with pytest.raises(BrokerRefusedError, match="directory"):
+            PeerLink(address, 5, TOKEN)
+        assert outcome() == b"N"  # refused before connecting
+
+
+# -- directories of brokers that died without closing (issue 15) ------------------------------------
+
+BROKER_PROCESS = """
+import sys, time
+from dask_gpupool._broker import FdBroker
+b = FdBroker(lambda p: None, sys.argv[1], 1.0, "killed00", b"x" * 32)
+print(b.address, flush=True)
+time.sleep(600)
+"""
+
+
+def killed_broker(parent: str) -> str:
+    """Run an FdBroker in a process of its own, SIGKILL it, and return its (left-over) directory."""
+    proc = subprocess.Popen([sys.executable, "-c", BROKER_PROCESS, parent], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        address = proc.stdout.readline().strip()
+        assert address, "the broker process did not start"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        if proc.stdout is not None:
+            proc.stdout.close()
+    assert os.path.exists(address)  # a SIGKILLed broker cannot clean up
+    return os.path.dirname(address)
+
+
+def make_old(*paths: str) -> None:
+    old = time.time() - 3600
+    for p in paths:
+        os.utime(p, (old, old), follow_symlinks=False)
+
+
+def test_a_broker_start_removes_our_stale_broker_directories_and_nothing_else(memfd, tmp_path, no_fd_leak):
+    parent = str(tmp_path / "b")  # short: socket paths have 107 bytes
+    os.mkdir(parent, 0o700)
+    lookup = lambda p: (memfd, HandleReply(POOL, "host", 4096)) if p == POOL else None  # noqa: E731
+    live = FdBroker(lookup, parent, 1.0, POOL, TOKEN)
+    try:
+        stale = killed_broker(parent)
+        young = killed_broker(parent)  # died a moment ago: it could be a broker starting, so it stays
+        empty = os.path.join(parent, "dask-gpupool-empty0-x")  # ours, no socket: a broker died before bind
+        os.mkdir(empty, 0o700)
+        notes = os.path.join(parent, "dask-gpupool-notes")  # holds something else: only the socket is ours to remove
+        os.mkdir(notes, 0o700)
+        with open(os.path.join(notes, "keep.txt"), "w") as f:
+            f.write("not a broker's")
+        os.mkdir(tmp_path / "e", 0o700)
+        elsewhere = killed_broker(str(tmp_path / "e"))  # stale, but reached only through a link
+        link = os.path.join(parent, "dask-gpupool-link")
+        os.symlink(elsewhere, link)
+        other = os.path.join(parent, "other-dir")
+        os.mkdir(other, 0o700)
+        kept = [os.path.dirname(live.address), young, notes, link, elsewhere, other]
+        if os.getuid() == 0:  # another user's directory is never touched
+            foreign = os.path.join(parent, "dask-gpupool-foreign")
+            os.mkdir(foreign, 0o700)
+            os.chown(foreign, 65534, 65534)
+            make_old(foreign)
+            kept.append(foreign)
+        make_old(stale, empty, notes, elsewhere, link, other, os.path.dirname(live.address))
+
+        fresh = FdBroker(lookup, parent, 1.0, POOL, TOKEN)
+        fresh.close()
+
+        assert not os.path.exists(stale) and not os.path.exists(empty)
+        assert all(os.path.lexists(p) for p in kept), [p for p in kept if not os.path.lexists(p)]
+        assert os.path.exists(os.path.join(young, "broker.sock")) and os.path.exists(os.path.join(notes, "keep.txt"))
+        _reply, fd = request_pool_fd(live.address, POOL, 5, TOKEN)  # the live broker still serves
+        os.close(fd)
+    finally:
+        live.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 from conftest import free_port, nanny_cluster, pid_of, stop_processes, worker_addresses
@@ -222,3 +223,35 @@ def test_scheduler_restart_workers_leave_nothing_and_a_restarted_cluster_hands_o
     finally:
         stop_processes(procs)
         shutil.rmtree(brokers, ignore_errors=True)
+
+
+def test_a_restarted_worker_removes_the_broker_directory_its_killed_process_left():
+    """A SIGKILLed worker cannot remove its broker's directory; the next broker started in that
+    broker-dir (here: the Nanny's restarted worker) removes it, and leaves the live peer's (issue 15)."""
+    import shutil
+    import tempfile
+
+    parent = tempfile.mkdtemp(prefix="gp-")  # short: socket paths have 107 bytes
+    try:
+        plugin = GPUPool(kind="host", max_size="64 MiB", broker_dir=parent)
+        with nanny_cluster([{}, {}], plugin) as c:
+            a, b = worker_addresses(c)
+            rows = {r.worker: r for r in dask_gpupool.pools(c)}
+            dead, live = (os.path.dirname(rows[w].broker) for w in (a, b))
+            old = time.time() - 3600  # both look old: only the dead one's socket is not listened on
+            for d in (dead, live):
+                os.utime(d, (old, old))
+            base_b = c.run(T.resources, workers=[b])
+            os.kill(rows[a].pid, signal.SIGKILL)
+            assert os.path.exists(os.path.join(dead, "broker.sock"))  # left behind
+            wait_for(
+                lambda: {r.pool for r in dask_gpupool.pools(c)} - {rows[a].pool, rows[b].pool},
+                what="the restarted worker's pool",
+            )
+            assert not os.path.exists(dead)
+            assert os.path.exists(os.path.join(live, "broker.sock"))
+            assert len(os.listdir(parent)) == 2  # the live peer's and the restarted worker's
+            back_to(c, base_b, workers=[b])
+        assert os.listdir(parent) == []
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)

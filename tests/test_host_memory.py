@@ -81,3 +81,44 @@ def test_mapping_holds_no_fd_of_the_caller():
     buf = owner.allocate(8)
     write_bytes(buf, b"12345678")
     assert read_bytes(mapped.import_buffer(owner.offset_of(buf), 8)) == b"12345678"
+
+
+def test_a_receiver_cannot_resize_the_pool_and_mappings_still_read(tmp_path, no_fd_leak):
+    """The memfd is sealed against shrinking and growing: a peer that gets the fd (over a real
+    broker) cannot ftruncate it, which would SIGBUS every process that maps the pool."""
+    import fcntl
+
+    from dask_gpupool._broker import FdBroker, request_pool_fd
+    from dask_gpupool._messages import HandleReply
+
+    owner = SharedHostMemoryResource(1 << 20)
+    buf = owner.allocate(4096)
+    write_bytes(buf, b"still here")
+    pool = str(owner.uuid)
+    token = b"t" * 32
+    broker = FdBroker(
+        lambda p: (owner.allocation_handle, HandleReply(pool, "host", owner.size)), str(tmp_path), 5, pool, token
+    )
+    try:
+        _reply, fd = request_pool_fd(broker.address, pool, 5, token)
+    finally:
+        broker.close()
+    try:
+        mapped = SharedHostMemoryResource.from_allocation_handle(fd)
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        assert seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW and seals & fcntl.F_SEAL_SEAL
+        for size in (0, 4096, (1 << 20) - 1, 1 << 21):
+            with pytest.raises(PermissionError):
+                os.ftruncate(fd, size)
+        with pytest.raises(PermissionError):  # nor can the seals be taken back or changed
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
+        assert os.fstat(fd).st_size == 1 << 20
+    finally:
+        os.close(fd)
+    view = mapped.import_buffer(owner.offset_of(buf), buf.size)
+    assert read_bytes(view, 10) == b"still here"  # both mappings still read the pool
+    assert read_bytes(buf, 10) == b"still here"
+    view.close()
+    mapped.close()
+    buf.close()
+    owner.close()
