@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+import uuid
 from typing import Any
 
 import pytest
@@ -74,32 +75,36 @@ def test_a_consumer_stalled_past_lease_timeout_reads_the_original_bytes():
     Before: the lease expired, B's claim went unanswered and B read what A
     wrote into the reused memory. Now the lease waits for B.
     """
-    plugin = GPUPool(kind="host", max_size="64 MiB", lease_timeout="1s")
-    with nanny_cluster([{}, {}], plugin) as c:
-        a, b = worker_addresses(c)
-        baseline = warm_up(c, a, b)
-        x = c.submit(T.make_buffer, MiB, b"original", workers=[a], pure=False)
-        x.result()
-        c.run(T.block_imports, workers=[b])
-        y = c.submit(T.keep, x, workers=[b], pure=False)
-        wait_for(lambda: c.run(T.lease_counts, workers=[a])[a]["unclaimed"] == 1, what="A to grant B a lease")
-        pid_b = pid_of(c, b)
-        os.kill(pid_b, signal.SIGSTOP)
-        try:
-            time.sleep(3)  # three lease timeouts
-        finally:
-            os.kill(pid_b, signal.SIGCONT)
-        c.run(T.unblock_imports, workers=[b])
-        y.result(timeout=60)
-        assert c.submit(T.describe, y, workers=[b], pure=False).result()["imported"]
-        # A drops its key and reuses every byte of its pool it can
-        del x
-        wait_for(lambda: c.run(T.lease_counts, workers=[a])[a]["leases"] == 1, what="A's key to go")
-        for _ in range(8):
-            c.submit(T.scribble_all, MiB, ord("S"), workers=[a], pure=False).result()
-        assert c.submit(T.head, y, 8, workers=[b], pure=False).result() == b"original"
-        del y
-        back_to(c, baseline)
+    with nanny_cluster([{}, {}], GPUPool(kind="host", max_size="64 MiB", lease_timeout="1s")) as c:
+        stalled_consumer(c, MiB)
+
+
+def stalled_consumer(c: Any, nbytes: int, stop: float = 3.0) -> None:
+    """Case 1 on any pool kind: the cluster's ``lease-timeout`` should be well under ``stop`` seconds."""
+    a, b = worker_addresses(c)
+    baseline = warm_up(c, a, b)
+    x = c.submit(T.make_buffer, nbytes, b"original", workers=[a], pure=False)
+    x.result()
+    c.run(T.block_imports, workers=[b])
+    y = c.submit(T.keep, x, workers=[b], pure=False)
+    wait_for(lambda: c.run(T.lease_counts, workers=[a])[a]["unclaimed"] == 1, what="A to grant B a lease")
+    pid_b = pid_of(c, b)
+    os.kill(pid_b, signal.SIGSTOP)
+    try:
+        time.sleep(stop)
+    finally:
+        os.kill(pid_b, signal.SIGCONT)
+    c.run(T.unblock_imports, workers=[b])
+    y.result(timeout=60)
+    assert c.submit(T.describe, y, workers=[b], pure=False).result()["imported"]
+    # A drops its key and reuses every byte of its pool it can
+    del x
+    wait_for(lambda: c.run(T.lease_counts, workers=[a])[a]["leases"] == 1, what="A's key to go")
+    for _ in range(8):
+        c.submit(T.scribble_all, nbytes, ord("S"), workers=[a], pure=False).result()
+    assert c.submit(T.head, y, 8, workers=[b], pure=False).result() == b"original"
+    del y
+    back_to(c, baseline)
 
 
 # -- case 2: a producer stalled past broker-timeout while its consumer releases ---------------
@@ -112,36 +117,40 @@ def test_a_producer_stalled_past_broker_timeout_keeps_the_leases_its_consumer_ho
     claimed on it, including one B still held: B's data changed. Now a
     closed link is not a dead importer: B opens a new link and resyncs.
     """
-    plugin = GPUPool(kind="host", max_size="256 MiB", broker_timeout="1s")
-    with nanny_cluster([{}, {}], plugin) as c:
-        a, b = worker_addresses(c)
-        baseline = warm_up(c, a, b)
-        z = c.submit(T.make_buffer, MiB, b"keep me!", workers=[a], pure=False)
-        kept = c.submit(T.keep, z, workers=[b], pure=False)
-        xs = [c.submit(T.make_buffer, 4096, b"x", workers=[a], pure=False) for _ in range(300)]
-        ys = [c.submit(T.keep, x, workers=[b], pure=False) for x in xs]
-        c.gather(ys)
-        kept.result()
-        assert c.run(T.lease_counts, workers=[a])[a]["leases"] == 301
-        pid_a = pid_of(c, a)
-        os.kill(pid_a, signal.SIGSTOP)
-        try:
-            for x, y in zip(xs, ys, strict=True):  # one release message each, until A's socket buffer is full
-                x.release()  # B's replica of x is the same import as y
-                y.release()
-                time.sleep(0.01)
-            del xs, ys
-            time.sleep(3)  # B's send times out (1 s) and its link closes
-        finally:
-            os.kill(pid_a, signal.SIGCONT)
-        wait_for(lambda: c.run(T.lease_counts, workers=[a])[a]["leases"] == 1, what="A to end the released leases")
-        assert c.run(T.lease_counts, workers=[b])[b]["resyncs"] >= 1
-        del z
-        for _ in range(64):
-            c.submit(T.scribble_all, 4 * MiB, ord("S"), workers=[a], pure=False).result()
-        assert c.submit(T.head, kept, 8, workers=[b], pure=False).result() == b"keep me!"
-        del kept
-        back_to(c, baseline)
+    with nanny_cluster([{}, {}], GPUPool(kind="host", max_size="256 MiB", broker_timeout="1s")) as c:
+        stalled_producer(c, MiB)
+
+
+def stalled_producer(c: Any, nbytes: int, stop: float = 3.0) -> None:
+    """Case 2 on any pool kind: the cluster's ``broker-timeout`` should be well under ``stop`` seconds."""
+    a, b = worker_addresses(c)
+    baseline = warm_up(c, a, b)
+    z = c.submit(T.make_buffer, nbytes, b"keep me!", workers=[a], pure=False)
+    kept = c.submit(T.keep, z, workers=[b], pure=False)
+    xs = [c.submit(T.make_buffer, 4096, b"x", workers=[a], pure=False) for _ in range(300)]
+    ys = [c.submit(T.keep, x, workers=[b], pure=False) for x in xs]
+    c.gather(ys)
+    kept.result()
+    assert c.run(T.lease_counts, workers=[a])[a]["leases"] == 301
+    pid_a = pid_of(c, a)
+    os.kill(pid_a, signal.SIGSTOP)
+    try:
+        for x, y in zip(xs, ys, strict=True):  # one release message each, until A's socket buffer is full
+            x.release()  # B's replica of x is the same import as y
+            y.release()
+            time.sleep(0.01)
+        del xs, ys
+        time.sleep(stop)  # B's send times out and its link closes
+    finally:
+        os.kill(pid_a, signal.SIGCONT)
+    wait_for(lambda: c.run(T.lease_counts, workers=[a])[a]["leases"] == 1, what="A to end the released leases")
+    assert c.run(T.lease_counts, workers=[b])[b]["resyncs"] >= 1
+    del z
+    for _ in range(64):
+        c.submit(T.scribble_all, max(nbytes, 4 * MiB), ord("S"), workers=[a], pure=False).result()
+    assert c.submit(T.head, kept, 8, workers=[b], pure=False).result() == b"keep me!"
+    del kept
+    back_to(c, baseline)
 
 
 # -- case 4: every failure reaches the task or heals -------------------------------------------
@@ -204,3 +213,102 @@ def test_a_failed_receive_is_a_connection_error_for_dask():
         dask_deserialize.dispatch(Buffer)({"gpupool": {"path": "ipc", "kind": "host", "nbytes": 8}}, [])
     assert isinstance(info.value, ConnectionError)
     assert isinstance(info.value.__cause__, dask_gpupool.ProtocolError)
+
+
+# -- the broker: claims scoped to the worker on the other end ------------------------------
+
+
+@pytest.fixture
+def exporter(tmp_path):
+    """A real host pool, its lease table and broker, and a registry with two importers in this process."""
+    from dask_gpupool._broker import FdBroker
+    from dask_gpupool._config import PoolOptions
+    from dask_gpupool._messages import PoolRecord, RegistryUpdate
+    from dask_gpupool._pool import Pool
+    from dask_gpupool._registry import RegistryView
+    from dask_gpupool._service import _ExportSide
+    from dask_gpupool._topology import LocalDevices
+
+    pool = Pool.create(PoolOptions(kind="host", max_size="16 MiB"), LocalDevices(()))
+    leases = LeaseTable(60)
+    registry = RegistryView()
+    rows = [
+        PoolRecord(str(uuid.uuid4()), f"tcp://127.0.0.1:{port}", os.getpid(), "h", "h", "host", None, MiB, "/x")
+        for port in (1, 2)
+    ]
+    registry.apply(RegistryUpdate(version=1, added=tuple(rows)))
+    broker = FdBroker(_ExportSide(pool, leases, registry, "h"), str(tmp_path), 2.0, pool.uuid, TOKEN)
+    try:
+        yield pool, leases, broker, [r.worker for r in rows]
+    finally:
+        broker.close()
+        leases.clear()
+        pool.close()
+
+
+TOKEN = b"cluster-token-0123456789abcdef!!"
+
+
+def test_another_worker_can_neither_claim_nor_release_a_lease(exporter):
+    from dask_gpupool._link import PeerLink
+    from dask_gpupool._service import _Exported
+
+    pool, leases, broker, (b, c) = exporter
+    buf = pool.allocate(4096)
+    lease = leases.grant(_Exported(buf, buf), 4096, b)
+    del buf
+    as_c, as_b = PeerLink(broker.address, 2.0, TOKEN, c), PeerLink(broker.address, 2.0, TOKEN, b)
+    try:
+        assert as_c.claim([lease]) == [lease]  # not C's: refused, and nothing else happens
+        as_c.release([lease])
+        assert as_b.claim([lease]) == []
+        as_c.release([lease])
+        as_c.claim([1])  # a round trip: C's release above has been handled
+        assert len(leases) == 1
+        # closing B's link does not end B's lease: B's process lives
+        as_b.close()
+        time.sleep(0.2)
+        assert len(leases) == 1
+        as_b = PeerLink(broker.address, 2.0, TOKEN, b, live=[])  # a resync that no longer lists it
+        assert len(leases) == 0 and pool.stats().used == 0
+    finally:
+        as_b.close()
+        as_c.close()
+
+
+def test_a_process_that_is_not_the_registered_worker_is_refused(exporter):
+    from dask_gpupool._link import PeerLink
+
+    _pool, _leases, broker, _ = exporter
+    with pytest.raises(dask_gpupool.NotAMemberError, match="not the process of worker"):
+        PeerLink(broker.address, 2.0, TOKEN, "tcp://127.0.0.1:3")
+
+
+def test_copies_of_ipc_and_stream_leases_go_only_to_their_importer(exporter):
+    import mmap
+
+    from dask_gpupool._copy import Staged
+    from dask_gpupool._link import PeerLink
+    from dask_gpupool._service import _Exported
+
+    pool, leases, broker, (b, c) = exporter
+    buf = pool.allocate(8192)
+    T.write_bytes(buf, b"0123456789")
+    ipc = leases.grant(_Exported(buf, buf), 8192, b)
+    stream = leases.grant(Staged(buf, buf, 4, 6), 6, b)
+    del buf
+    as_b, as_c = PeerLink(broker.address, 2.0, TOKEN, b), PeerLink(broker.address, 2.0, TOKEN, c)
+    try:
+        for lease, want in ((ipc, b"0123456789"), (stream, b"456789")):
+            reply, fd = as_b.fetch_copy(lease)
+            try:
+                with mmap.mmap(fd, reply.size, prot=mmap.PROT_READ) as m:
+                    assert m[: len(want)] == want
+            finally:
+                os.close(fd)
+        with pytest.raises(dask_gpupool.DataLostError, match="has ended"):
+            as_c.fetch_copy(ipc)
+    finally:
+        as_b.close()
+        as_c.close()
+        leases.clear()

@@ -1,0 +1,303 @@
+"""Chaos: a zero-copy workload while random workers are stopped and killed.
+
+Real ``Nanny`` workers (``device`` pools when GPUs are visible, ``host`` pools
+otherwise). For ``--seconds``, rounds run back to back: in each, ``--pairs``
+producer/consumer pairs (random, distinct workers) hand over a buffer of
+``--nbytes`` filled with a value of the round; the producer's key is then
+dropped and the producer scribbles over every byte of its pool it can get
+(``--scribbles`` buffers); the consumer checks that every byte it holds is
+still the round's value. Meanwhile a chaos thread picks a random worker every
+``--every`` seconds (on average) and either SIGKILLs it (``--kill-share`` of
+the picks; its Nanny restarts it) or SIGSTOPs it for up to twice the larger of
+``lease-timeout`` and ``broker-timeout``, then SIGCONTs it.
+
+Reported:
+
+- rounds and handoffs checked;
+- **wrong bytes**: checks that read anything but the round's value (must be 0);
+- **CUDA errors**: task errors whose text names a CUDA error (must be 0);
+- **hung rounds**: rounds not finished within ``--round-timeout`` (must be 0);
+- task errors by type (a consumer killed mid-task is retried by Dask; errors
+  that still reach the client are listed);
+- per worker name, fds, sockets, leases, held imports and pool bytes after a
+  warm-up at the start and after a quiet period at the end.
+
+Writes JSON to ``benchmarks/results/chaos-*.json`` (and ``$OUT``).
+
+    python benchmarks/chaos.py [--seconds 600] [--workers 4] [--layout auto]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import random
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+import dask
+
+from dask_gpupool import GPUPool
+from dask_gpupool import _testing as T
+from dask_gpupool._topology import local_devices
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+MiB = 1 << 20
+
+
+def worker_specs(n: int, gpus: int) -> list[dict[str, Any]]:
+    """``n`` workers: on ``gpus`` GPUs round-robin in dask-cuda's rotated layout, else plain."""
+    if not gpus:
+        return [{} for _ in range(n)]
+    specs = []
+    for i in range(n):
+        g = i % gpus
+        order = [str((g + k) % gpus) for k in range(gpus)]
+        specs.append({"env": {"CUDA_VISIBLE_DEVICES": ",".join(order)}})
+    return specs
+
+
+def pids(client: Any) -> dict[str, int]:
+    return client.run(os.getpid)
+
+
+def names(client: Any) -> dict[str, str]:
+    """worker address -> name (stable across a Nanny's restarts)."""
+    return {addr: str(w["name"]) for addr, w in client.scheduler_info(n_workers=-1)["workers"].items()}
+
+
+def snapshot(client: Any) -> dict[str, dict[str, Any]]:
+    by_addr = client.run(T.resources)
+    counts = client.run(T.lease_counts)
+    nm = names(client)
+    out = {}
+    for addr, res in by_addr.items():
+        out[nm.get(addr, addr)] = {
+            "fds": res["fds"],
+            "sockets": res["sockets"],
+            "leases": res["leases"],
+            "imports_held": res["imports_held"],
+            "pool_used": res["used"],
+            "mapped_pools": res["mapped_pools"],
+            "unclaimed": counts[addr]["unclaimed"],
+        }
+    return out
+
+
+class Chaos(threading.Thread):
+    """Stops and kills random worker processes until :meth:`stop`."""
+
+    def __init__(self, client: Any, every: float, kill_share: float, max_stop: float, seed: int) -> None:
+        super().__init__(name="chaos", daemon=True)
+        self.client = client
+        self.every, self.kill_share, self.max_stop = every, kill_share, max_stop
+        self.rng = random.Random(seed)
+        self.kills = self.stops = 0
+        self.stopped_seconds = 0.0
+        self.events: list[tuple[float, str, str, float]] = []
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        t0 = time.monotonic()
+        while not self._done.wait(self.rng.expovariate(1 / self.every)):
+            try:
+                workers = pids(self.client)
+            except Exception:
+                continue
+            if not workers:
+                continue
+            addr = self.rng.choice(sorted(workers))
+            pid = workers[addr]
+            try:
+                if self.rng.random() < self.kill_share:
+                    os.kill(pid, signal.SIGKILL)
+                    self.kills += 1
+                    self.events.append((time.monotonic() - t0, "kill", addr, 0.0))
+                else:
+                    pause = self.rng.uniform(0.1, self.max_stop)
+                    os.kill(pid, signal.SIGSTOP)
+                    try:
+                        self._done.wait(pause)
+                    finally:
+                        os.kill(pid, signal.SIGCONT)
+                    self.stops += 1
+                    self.stopped_seconds += pause
+                    self.events.append((time.monotonic() - t0, "stop", addr, round(pause, 2)))
+            except ProcessLookupError:
+                pass
+
+    def stop(self) -> None:
+        self._done.set()
+        self.join(60)
+
+
+def one_round(client: Any, rnd: int, args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
+    workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    pairs = []
+    for i in range(args.pairs):
+        p, c = rng.sample(workers, 2)
+        pairs.append((p, c, (rnd * args.pairs + i) % 250 + 1))
+    xs = [client.submit(T.fill, args.nbytes, v, workers=[p], pure=False) for p, _, v in pairs]
+    ys = [client.submit(T.keep, x, workers=[c], pure=False) for x, (_, c, _) in zip(xs, pairs, strict=True)]
+    first = [client.submit(T.all_equal, y, v, workers=[c], pure=False) for y, (_, c, v) in zip(ys, pairs, strict=True)]
+    out: dict[str, Any] = {"checks": 0, "wrong": 0, "errors": collections.Counter(), "hung": False}
+
+    def gather(futs: list[Any]) -> list[Any]:
+        from distributed import wait
+
+        try:
+            wait(futs, timeout=args.round_timeout)
+        except TimeoutError:
+            pass
+        not_done = {f for f in futs if not f.done()}
+        if not_done:
+            out["hung"] = True
+        results = []
+        for f in futs:
+            if f in not_done:
+                results.append(None)
+                continue
+            try:
+                results.append(f.result())
+            except Exception as e:
+                out["errors"][type(e).__name__ + (": CUDA" if "CUDA" in str(e) else "")] += 1
+                results.append(None)
+        return results
+
+    for ok in gather(first):
+        if ok is not None:
+            out["checks"] += 1
+            out["wrong"] += int(not ok)
+    for x in xs:
+        x.release()
+    scribbles = [
+        client.submit(T.scribble_all, args.nbytes, 0, workers=[p], pure=False)
+        for p, _, _ in pairs
+        for _ in range(args.scribbles)
+    ]
+    second = [client.submit(T.all_equal, y, v, workers=[c], pure=False) for y, (_, c, v) in zip(ys, pairs, strict=True)]
+    for ok in gather(second):
+        if ok is not None:
+            out["checks"] += 1
+            out["wrong"] += int(not ok)
+    gather(scribbles)
+    del xs, ys, first, second, scribbles
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=600)
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--gpus", type=int, default=-1, help="GPUs to spread workers over (-1: all visible)")
+    parser.add_argument("--pairs", type=int, default=4)
+    parser.add_argument("--nbytes", type=int, default=8 * MiB)
+    parser.add_argument("--scribbles", type=int, default=2)
+    parser.add_argument("--every", type=float, default=3.0, help="mean seconds between chaos events")
+    parser.add_argument("--kill-share", type=float, default=0.25)
+    parser.add_argument("--lease-timeout", type=float, default=2.0)
+    parser.add_argument("--broker-timeout", type=float, default=2.0)
+    parser.add_argument("--round-timeout", type=float, default=180.0)
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args()
+
+    from conftest import nanny_cluster
+
+    visible = len(local_devices().uuids)
+    gpus = visible if args.gpus < 0 else min(args.gpus, visible)
+    kind = "device" if gpus else "host"
+    plugin = GPUPool(
+        kind=kind,
+        max_size="2 GiB" if gpus else "512 MiB",
+        lease_timeout=args.lease_timeout,
+        broker_timeout=args.broker_timeout,
+    )
+    max_stop = 2 * max(args.lease_timeout, args.broker_timeout)
+    config = {"distributed.scheduler.allowed-failures": 1000}
+    rng = random.Random(args.seed)
+    result: dict[str, Any] = {"args": vars(args), "kind": kind, "gpus": gpus, "devices": local_devices().uuids}
+    with dask.config.set(config), nanny_cluster(worker_specs(args.workers, gpus), plugin) as client:
+        for _ in range(2):  # warm-up: links and mappings between every pair
+            one_round(client, 0, argparse.Namespace(**{**vars(args), "pairs": args.workers * 2}), rng)
+        time.sleep(1)
+        result["start"] = snapshot(client)
+        chaos = Chaos(client, args.every, args.kill_share, max_stop, args.seed)
+        totals: dict[str, Any] = {"rounds": 0, "checks": 0, "wrong": 0, "hung": 0, "errors": collections.Counter()}
+        t0 = time.monotonic()
+        chaos.start()
+        try:
+            rnd = 1
+            while time.monotonic() - t0 < args.seconds:
+                r = one_round(client, rnd, args, rng)
+                totals["rounds"] += 1
+                totals["checks"] += r["checks"]
+                totals["wrong"] += r["wrong"]
+                totals["hung"] += int(r["hung"])
+                totals["errors"].update(r["errors"])
+                rnd += 1
+                if rnd % 20 == 0:
+                    print(
+                        f"t={time.monotonic() - t0:6.0f}s rounds={totals['rounds']} checks={totals['checks']} "
+                        f"wrong={totals['wrong']} hung={totals['hung']} kills={chaos.kills} stops={chaos.stops} "
+                        f"errors={dict(totals['errors'])}",
+                        flush=True,
+                    )
+        finally:
+            chaos.stop()
+        elapsed = time.monotonic() - t0
+        client.wait_for_workers(args.workers, timeout=120)
+        # quiet period: a few rounds without chaos, then everything released
+        for _ in range(2):
+            one_round(client, 0, argparse.Namespace(**{**vars(args), "pairs": args.workers * 2}), rng)
+        deadline = time.monotonic() + 120
+        end = snapshot(client)
+        while time.monotonic() < deadline and any(v["leases"] or v["pool_used"] for v in end.values()):
+            time.sleep(1)
+            end = snapshot(client)
+        result["end"] = end
+        cuda_errors = sum(n for k, n in totals["errors"].items() if k.endswith(": CUDA"))
+        result.update(
+            seconds=round(elapsed, 1),
+            rounds=totals["rounds"],
+            checks=totals["checks"],
+            wrong=totals["wrong"],
+            hung=totals["hung"],
+            cuda_errors=cuda_errors,
+            errors=dict(totals["errors"]),
+            kills=chaos.kills,
+            stops=chaos.stops,
+            stopped_seconds=round(chaos.stopped_seconds, 1),
+            events=chaos.events,
+        )
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    text = json.dumps(result, indent=1, default=str)
+    for folder in (os.path.join(os.path.dirname(__file__), "results"), os.environ.get("OUT")):
+        if folder:
+            os.makedirs(folder, exist_ok=True)
+            with open(os.path.join(folder, f"chaos-{stamp}.json"), "w") as f:
+                f.write(text)
+    print(f"\nchaos: {kind} pools, {args.workers} workers on {gpus or 'no'} GPU(s), {result['seconds']} s")
+    print(
+        f"rounds {result['rounds']}, handoffs checked {result['checks']}, kills {result['kills']}, "
+        f"stops {result['stops']} ({result['stopped_seconds']} s stopped, each up to {max_stop:.0f} s)"
+    )
+    print(f"wrong bytes: {result['wrong']}   CUDA errors: {result['cuda_errors']}   hung rounds: {result['hung']}")
+    print(f"task errors reaching the client: {result['errors'] or 'none'}")
+    print(f"{'worker':8} {'':5} {'fds':>5} {'sockets':>7} {'leases':>6} {'held':>5} {'pool bytes':>11}")
+    for name in sorted(result["end"]):
+        for when in ("start", "end"):
+            v = result[when].get(name, {})
+            print(
+                f"{name:8} {when:5} {v.get('fds', '-'):>5} {v.get('sockets', '-'):>7} {v.get('leases', '-'):>6} "
+                f"{v.get('imports_held', '-'):>5} {v.get('pool_used', '-'):>11}"
+            )
+
+
+if __name__ == "__main__":
+    main()
