@@ -153,7 +153,7 @@ def test_a_worker_cannot_register_update_or_unregister_another_workers_row(clien
         ],
         workers=[b],
     )
-    wait_rejected(client, before, {"another-worker": 4, "not-its-row": 2, "malformed": 2})
+    wait_rejected(client, before, {"another-worker": 5, "row-changed": 1, "malformed": 2})
     assert by_worker(client) == rows
     assert client.run(T.known_pools) == {w: sorted(r.pool for r in rows.values()) for w in rows}
     assert all(client.run(T.has_cluster_token).values())
