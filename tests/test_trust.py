@@ -192,3 +192,28 @@ def test_a_worker_joining_later_gets_its_membership_and_its_row_leaves_with_it(c
     wait_for(lambda: all(len(p) == 2 for p in client.run(T.known_pools).values()), what="views without it")
     back_to(client, baseline)
     assert os.path.exists(rows[a].broker) and os.path.exists(rows[b].broker)
+
+
+def test_a_worker_updates_its_own_row_and_removing_the_plugin_takes_the_rows_out(client):
+    """The accepted paths: a worker raises its own ``retire_below`` (what ``trim`` sends); the plugin
+    removed from running workers takes their rows out over their own streams; registered again, every
+    worker gets the new token and hands over zero-copy. Runs last: it replaces the module's plugin."""
+    a, b = worker_addresses(client)
+    rows = by_worker(client)
+    raised = dataclasses.replace(rows[b], retire_below=3)
+    client.run(send_on_own_stream, [{"op": UPDATE_OP, "record": raised.to_msg()}], workers=[b])
+    wait_for(lambda: by_worker(client)[b] == raised, what="the scheduler to take B's own update")
+
+    def view_of_b(dask_worker: Any) -> int:
+        row = dask_gpupool._worker_plugin.service_of(dask_worker).registry.get(rows[b].pool)
+        return -1 if row is None else row.retire_below
+
+    wait_for(lambda: client.run(view_of_b, workers=[a])[a] == 3, what="A to learn B's update")
+    client.unregister_worker_plugin("gpupool")
+    wait_for(lambda: dask_gpupool.pools(client) == [], what="the rows to leave with the plugin")
+    client.register_plugin(PLUGIN)  # a new scheduler plugin: a new token, every worker registers again
+    new_rows = by_worker(client)
+    assert set(new_rows) == {a, b} and not {r.pool for r in new_rows.values()} & {r.pool for r in rows.values()}
+    assert all(client.run(T.has_cluster_token).values())
+    handoff_round_trip(client, MiB, b"registered again")
+    assert rejected(client) == {}  # the new plugin counts afresh, and refused nothing
