@@ -74,7 +74,7 @@ def rpc(client: Any, op: str, **kwargs: Any) -> Any:
         return e
 
 
-def test_a_client_calling_register_gets_no_token_and_leaves_no_row(client):
+def test_a_client_calling_register_gets_no_token_and_leaves_no_row(client, no_fd_leak):
     rows = by_worker(client)
     before = rejected(client)
     made_up = dataclasses.replace(next(iter(rows.values())), pool=str(uuid.uuid4()), worker=MADE_UP, pid=1)
@@ -90,7 +90,7 @@ def test_a_client_calling_register_gets_no_token_and_leaves_no_row(client):
     assert set().union(*client.run(T.known_pools).values()) == {r.pool for r in rows.values()}
 
 
-def test_a_client_cannot_unregister_a_live_workers_pool_nor_end_its_leases(client):
+def test_a_client_cannot_unregister_a_live_workers_pool_nor_end_its_leases(client, no_fd_leak):
     a, b = worker_addresses(client)
     baseline = warm_up(client, a, b)
     rows = by_worker(client)
@@ -109,7 +109,7 @@ def test_a_client_cannot_unregister_a_live_workers_pool_nor_end_its_leases(clien
     back_to(client, baseline)
 
 
-def test_a_client_cannot_overwrite_a_workers_row_over_rpc_or_its_own_stream(client, tmp_path):
+def test_a_client_cannot_overwrite_a_workers_row_over_rpc_or_its_own_stream(client, tmp_path, no_fd_leak):
     a, b = worker_addresses(client)
     rows = by_worker(client)
     before = rejected(client)
