@@ -17,10 +17,10 @@ The registration handshake, all on the worker's stream, in order:
    ``gpupool-joined`` goes back. Until then the broker refuses everyone.
 3. The scheduler publishes the row; peers learn it from ``gpupool-registry``.
    This worker applies its snapshot and the updates it held only when its own
-   row comes back that way (:meth:`GPUPoolWorkerPlugin._on_registry_update`):
-   until then its registry view is empty, so it hands over and imports
-   nothing zero-copy (copies only), and no peer is handed a descriptor of a
-   pool that does not know it yet.
+   row comes back that way (:meth:`GPUPoolWorkerPlugin._on_registry_update`).
+   Until then its registry view is empty, so it hands its peers copies only;
+   and peers, which learn its row only from that publication, hand it
+   nothing zero-copy before it holds the token and the registry.
 """
 
 from __future__ import annotations
@@ -142,8 +142,8 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         may connect as soon as the row is published); the registry snapshot
         is held until this worker's own row comes back published
         (:meth:`_on_registry_update`). Then ``gpupool-joined`` tells the
-        scheduler to publish the row. Never raises: an exception here would
-        end the worker's stream.
+        scheduler to publish the row. A malformed message is logged, not
+        raised: an exception here would end the worker's stream.
         """
         service, worker = self.service, self._worker
         if service is None or service.closed or worker is None:
@@ -158,7 +158,7 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         worker.batched_stream.send({"op": JOINED_OP, "pool": service.pool.uuid})
 
     def _on_registry_update(self, **msg: Any) -> None:
-        """A registry change pushed by the scheduler (this worker's stream; event loop). Never raises."""
+        """A registry change pushed by the scheduler (this worker's stream; event loop); a malformed one is logged."""
         service = self.service
         if service is None:
             return
