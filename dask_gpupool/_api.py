@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from dask_gpupool._errors import PoolUnavailableError
 from dask_gpupool._messages import PoolRecord
+from dask_gpupool._ops import UPDATE_OP
 from dask_gpupool._worker_plugin import service_of
 
 if TYPE_CHECKING:
@@ -117,7 +118,9 @@ async def _worker_trim(dask_worker: Worker) -> dict[str, int]:
     service = service_of(dask_worker)
     row = service.retire_segments()
     if row is not None:
-        await dask_worker.scheduler.gpupool_register(record=row.to_msg())  # peers learn retire_below
+        # Over this worker's own stream (the scheduler takes row changes only from their worker): peers learn
+        # retire_below from the update the scheduler then pushes.
+        dask_worker.batched_stream.send({"op": UPDATE_OP, "record": row.to_msg()})
     counters = service.handoff_stats()
     return {
         "retire_below": 0 if row is None else row.retire_below,

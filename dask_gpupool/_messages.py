@@ -7,8 +7,9 @@ anything else. Nothing is ever pickled on the wire.
 
 Two channels carry them:
 
-- Dask's own comms (scheduler RPC and the worker's batched stream) carry
-  :class:`PoolRecord` and :class:`RegistryUpdate`.
+- Dask's own comms carry :class:`PoolRecord`, :class:`Membership` and
+  :class:`RegistryUpdate`: each worker's batched stream, both ways (ops in
+  :mod:`dask_gpupool._ops`), and the read-only ``gpupool_pools`` RPC.
 - The fd broker's Unix socket carries :class:`HandleRequest`,
   :class:`HandleReply`, :class:`LeaseClaim`, :class:`LeaseRelease`,
   :class:`CopyRequest`, :class:`CopyReply` and :class:`ErrorReply`, encoded
@@ -278,7 +279,7 @@ class RegistryUpdate:
     """A change of the registry, or a whole snapshot of it.
 
     Sent by the scheduler to every worker over its batched stream (op
-    ``gpupool-registry``) and returned by ``gpupool_register``.
+    ``gpupool-registry``); a snapshot of it is part of :class:`Membership`.
 
     Attributes
     ----------
@@ -706,7 +707,7 @@ class PullReply:
 
 @dataclass(frozen=True)
 class Membership:
-    """The scheduler's answer to a worker registering its pool.
+    """The scheduler's answer to a worker registering its pool (op ``gpupool-membership``).
 
     Attributes
     ----------
@@ -715,8 +716,8 @@ class Membership:
     token : bytes
         The cluster's membership token (:data:`TOKEN_BYTES`): the worker's
         broker serves only peers presenting it, and the worker presents it to
-        others'. It travels only over the scheduler comm (TLS when the cluster
-        is secured).
+        others'. It travels only over the registering worker's own stream
+        from the scheduler (TLS when the cluster is secured).
     """
 
     snapshot: RegistryUpdate

@@ -49,6 +49,14 @@ class PoolRegistry:
         """Drop every pool owned by ``worker``."""
         return self.remove([r.pool for r in self._records.values() if r.worker == worker])
 
+    def get(self, pool: str) -> PoolRecord | None:
+        """The row of ``pool``, if registered."""
+        return self._records.get(pool)
+
+    def owners(self) -> set[str]:
+        """Addresses of the workers that own a row."""
+        return {r.worker for r in self._records.values()}
+
     def snapshot(self) -> RegistryUpdate:
         """The whole table as one update."""
         return RegistryUpdate(self.version, added=tuple(self._records.values()), snapshot=True)

@@ -1,17 +1,30 @@
 """The worker plugin: a thin adapter that gives a worker its :class:`PoolService`.
 
 Installed by the scheduler plugin (:class:`~dask_gpupool.GPUPool`) on every
-worker, present and future. On setup it makes the pool and broker, registers
-the pool with the scheduler, takes the registry snapshot from the reply,
-subscribes to registry updates (stream op ``gpupool-registry``) and wraps the
+worker, present and future. On setup it makes the pool and broker, wraps the
 worker's ``get_data`` handler so that the serializers know which worker asked
-(:func:`~dask_gpupool._serialize.install_get_data_hook`). Teardown undoes all
-of it.
+(:func:`~dask_gpupool._serialize.install_get_data_hook`) and registers the
+pool over the worker's own batched stream (:mod:`dask_gpupool._ops`).
+Teardown undoes all of it.
+
+The registration handshake, all on the worker's stream, in order:
+
+1. ``gpupool-register`` (this worker's row) goes to the scheduler at the end
+   of setup. Setup does not wait for the answer: a worker joining a running
+   cluster sets its plugins up before it reads its stream.
+2. ``gpupool-membership`` comes back (:meth:`GPUPoolWorkerPlugin._on_membership`,
+   event loop): the broker, copy server and links take the token at once, and
+   ``gpupool-joined`` goes back. Until then the broker refuses everyone.
+3. The scheduler publishes the row; peers learn it from ``gpupool-registry``.
+   This worker applies its snapshot and the updates it held only when its own
+   row comes back that way (:meth:`GPUPoolWorkerPlugin._on_registry_update`).
+   Until then its registry view is empty, so it hands its peers copies only;
+   and peers, which learn its row only from that publication, hand it
+   nothing zero-copy before it holds the token and the registry.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import importlib.util
 import logging
@@ -25,8 +38,9 @@ from tornado.ioloop import PeriodicCallback
 from dask_gpupool import _metrics
 from dask_gpupool._config import PoolOptions
 from dask_gpupool._dashboard import STATS_INTERVAL, STATS_OP
-from dask_gpupool._errors import PoolUnavailableError
+from dask_gpupool._errors import PoolUnavailableError, ProtocolError
 from dask_gpupool._messages import Membership, RegistryUpdate
+from dask_gpupool._ops import JOINED_OP, MEMBERSHIP_OP, PLUGIN_NAME, REGISTER_OP, REGISTRY_OP, UNREGISTER_OP
 from dask_gpupool._serialize import install_get_data_hook
 from dask_gpupool._service import PoolService
 
@@ -37,8 +51,8 @@ __all__ = ["PLUGIN_NAME", "GPUPoolWorkerPlugin", "service_of"]
 
 logger = logging.getLogger(__name__)
 
-PLUGIN_NAME = "gpupool"
-STREAM_OP = "gpupool-registry"
+#: Kept for code that imported it from here: :data:`dask_gpupool._ops.REGISTRY_OP`.
+STREAM_OP = REGISTRY_OP
 
 
 class GPUPoolWorkerPlugin(WorkerPlugin):
@@ -54,6 +68,8 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
     name = PLUGIN_NAME
     overrides: dict[str, Any]
     service: PoolService | None
+    _worker: Worker | None
+    _held: list[RegistryUpdate] | None
     _get_data: Any
     _push: PeriodicCallback | None
     _cupy_previous: Any
@@ -61,6 +77,8 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
     def __init__(self, overrides: dict[str, Any] | None = None) -> None:
         self.overrides = dict(overrides or {})
         self.service = None
+        self._worker = None
+        self._held = None  # registry updates held until this worker's own row is published
         self._get_data = None
         self._push = None
         self._cupy_previous = None
@@ -69,18 +87,19 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         options = PoolOptions.from_config(**self.overrides)
         service = PoolService.start(options, worker.address)
         try:
-            worker.stream_handlers[STREAM_OP] = self._on_registry_update
-            reply = await worker.scheduler.gpupool_register(record=service.record.to_msg())
-            if reply is None:  # Dask answers an unknown handler with None
+            # An op the scheduler does not know would end this worker's stream: ask first, read-only.
+            if await worker.scheduler.gpupool_pools() is None:  # Dask answers an unknown handler with None
                 raise PoolUnavailableError(
                     f"pool {service.pool.uuid}: the scheduler has no gpupool registry; "
                     "register dask_gpupool.GPUPool() or preload dask_gpupool on the scheduler"
                 )
-            service.join(Membership.from_msg(reply))
         except BaseException:
-            worker.stream_handlers.pop(STREAM_OP, None)
             service.close()
             raise
+        self._worker = worker
+        self._held = []
+        worker.stream_handlers[REGISTRY_OP] = self._on_registry_update
+        worker.stream_handlers[MEMBERSHIP_OP] = self._on_membership
         self._get_data = install_get_data_hook(worker, service)
         self.service = service
         gpu_pool = service.pool.kind in ("device", "pinned")
@@ -101,6 +120,8 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         self._push = PeriodicCallback(lambda: self._push_stats(worker), STATS_INTERVAL * 1000)
         self._push.start()
         self._push_stats(worker)
+        # Last, with nothing after it that can fail: the answer arrives on this stream (_on_membership).
+        worker.batched_stream.send({"op": REGISTER_OP, "record": service.record.to_msg()})
 
     def _push_stats(self, worker: Worker) -> None:
         """Send this worker's pool and handoff stats to the scheduler (the /gpupool page)."""
@@ -114,9 +135,56 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         except Exception:  # a closing stream; the next push or the teardown settles it
             logger.debug("gpupool: stats push failed", exc_info=True)
 
+    def _on_membership(self, **msg: Any) -> None:
+        """The scheduler's answer to this worker's registration (its stream; event loop).
+
+        The token goes to the broker, copy server and links at once (peers
+        may connect as soon as the row is published); the registry snapshot
+        is held until this worker's own row comes back published
+        (:meth:`_on_registry_update`). Then ``gpupool-joined`` tells the
+        scheduler to publish the row. A malformed message is logged, not
+        raised: an exception here would end the worker's stream.
+        """
+        service, worker = self.service, self._worker
+        if service is None or service.closed or worker is None:
+            return
+        try:
+            membership = Membership.from_msg(msg)
+        except ProtocolError:
+            logger.error("pool %s: malformed membership from the scheduler", service.pool.uuid, exc_info=True)
+            return
+        service.join(Membership(RegistryUpdate(0), membership.token))
+        self._hold([membership.snapshot])
+        worker.batched_stream.send({"op": JOINED_OP, "pool": service.pool.uuid})
+
     def _on_registry_update(self, **msg: Any) -> None:
-        if self.service is not None:
-            self.service.apply_registry(RegistryUpdate.from_msg(msg))
+        """A registry change pushed by the scheduler (this worker's stream; event loop); a malformed one is logged."""
+        service = self.service
+        if service is None:
+            return
+        try:
+            update = RegistryUpdate.from_msg(msg)
+        except ProtocolError:
+            logger.error("pool %s: malformed registry update from the scheduler", service.pool.uuid, exc_info=True)
+            return
+        self._hold([update])
+
+    def _hold(self, updates: list[RegistryUpdate]) -> None:
+        """Apply ``updates``, or hold them while this worker's own row is not published yet.
+
+        Held updates are applied together, in arrival order (the view sorts
+        out their versions), with the one that publishes this worker's row.
+        """
+        service = self.service
+        if service is None:
+            return
+        if self._held is not None:
+            self._held.extend(updates)
+            if not any(r.pool == service.pool.uuid for u in updates if not u.snapshot for r in u.added):
+                return
+            updates, self._held = self._held, None
+        for update in updates:
+            service.apply_registry(update)
 
     async def teardown(self, worker: Worker) -> None:
         if self._cupy_previous is not None:
@@ -127,24 +195,26 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         if self._push is not None:
             self._push.stop()
             self._push = None
-        if worker.stream_handlers.get(STREAM_OP) == self._on_registry_update:
-            # Not deleted: an update already in flight would hit an unknown op, and an
-            # unknown op ends the worker's whole scheduler stream. Late updates are dropped.
-            worker.stream_handlers[STREAM_OP] = _drop_update
+        for op, handler in ((REGISTRY_OP, self._on_registry_update), (MEMBERSHIP_OP, self._on_membership)):
+            if worker.stream_handlers.get(op) == handler:
+                # Not deleted: a message already in flight would hit an unknown op, and an
+                # unknown op ends the worker's whole scheduler stream. Late messages are dropped.
+                worker.stream_handlers[op] = _drop_update
         original = self._get_data
         self._get_data = None
         if callable(original) and getattr(worker.handlers.get("get_data"), "__wrapped__", None) is original:
             worker.handlers["get_data"] = cast("Callable[..., Any]", original)
         service, self.service = self.service, None
+        self._worker, self._held = None, None
         if service is None:
             return
-        if worker.status == Status.running:
-            # The plugin goes while the worker stays: take the row out now. A closing
-            # worker needs no call; the scheduler drops its rows when it leaves.
+        stream = getattr(worker, "batched_stream", None)
+        if worker.status == Status.running and stream is not None and not stream.closed():
+            # The plugin goes while the worker stays: take the row out, over this worker's own stream
+            # (ahead of any later registration on it). A closing worker sends nothing; the scheduler
+            # drops its rows when it leaves.
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(
-                    worker.scheduler.gpupool_unregister(pool=service.pool.uuid), service.options.broker_timeout
-                )
+                stream.send({"op": UNREGISTER_OP, "pool": service.pool.uuid})
         service.close()
 
 

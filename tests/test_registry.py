@@ -50,3 +50,14 @@ def test_snapshot_drops_rows_it_no_longer_has():
     reg.remove([a.pool])
     view.apply(reg.snapshot())
     assert len(view) == 0
+
+
+def test_registry_finds_rows_by_pool_and_names_their_owners():
+    reg = PoolRegistry()
+    a, b = record("tcp://a"), record("tcp://b")
+    reg.add(a)
+    reg.add(b)
+    assert reg.get(a.pool) == a and reg.get(str(uuid.uuid4())) is None
+    assert reg.owners() == {"tcp://a", "tcp://b"}
+    reg.remove_worker("tcp://a")
+    assert reg.get(a.pool) is None and reg.owners() == {"tcp://b"}
