@@ -11,8 +11,11 @@
 # LARGE=0 skip the ETL example and the 5-8 GiB import check; MAPPING=0 the pool-mapping benchmark; DEMO=0
 # the demo and the example; SUBALLOC=0 the sub-allocator benchmark. ETL_LAYOUTS (default "shared") lists
 # the ETL example's layouts (shared, per-gpu, dask-cuda); ETL_ARGS adds options to it. Everything under $OUT
-# is packed into logs.tgz at the end when more than 8 files would come back.
+# is packed into logs.tgz at the end when more than 8 files would come back. CHAOS_SECONDS (default 0: skipped)
+# runs benchmarks/chaos.py for that long (CHAOS_ARGS adds options). The exit status is pytest's (0 when the tests
+# passed or were not run), so a caller sees a failed suite.
 set -uo pipefail
+TESTS_RC=0
 OUT=${OUT:-/tmp/gpu-check-out}
 mkdir -p "$OUT"
 WHEELS=(.whl/*.whl)
@@ -24,10 +27,11 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 cat "$OUT/machine.txt"
 PART=${PART:-all}
 if [ "$PART" != bench ]; then
-timeout 480 python3 -m pytest tests ${PYTEST_K:+-k "$PYTEST_K"} -p no:cacheprovider -o addopts="" -rA --durations=8 --timeout 180 > "$OUT/pytest.log" 2>&1
-echo "pytest exit: $?"
+timeout ${PYTEST_TIMEOUT:-480} python3 -m pytest tests ${PYTEST_K:+-k "$PYTEST_K"} -p no:cacheprovider -o addopts="" -rA --durations=8 --timeout 180 > "$OUT/pytest.log" 2>&1
+TESTS_RC=$?
+echo "pytest exit: $TESTS_RC"
 echo "== failures/errors"; grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20
-echo "== gpu tests"; grep -E "^(PASSED|FAILED|SKIPPED|ERROR).*test_gpu" "$OUT/pytest.log"
+echo "== gpu tests"; grep -E "^(PASSED|FAILED|SKIPPED|ERROR).*(test_gpu|test_leases)" "$OUT/pytest.log"
 echo "== slowest"; grep -E "^[0-9.]+s call" "$OUT/pytest.log" | head -8
 echo "== summary"; tail -n 1 "$OUT/pytest.log"
 if [ "${DEMO:-1}" != 0 ]; then
@@ -64,6 +68,12 @@ if [ "$BUDGET" != 0 ]; then
   sed -n '/^consumer transfer time/,$p' "$OUT/handoff.log"
 fi
 fi
+if [ "${CHAOS_SECONDS:-0}" != 0 ]; then
+  echo "== chaos (${CHAOS_SECONDS} s)"
+  timeout $((CHAOS_SECONDS + 240)) python3 benchmarks/chaos.py --seconds "$CHAOS_SECONDS" ${CHAOS_ARGS:-} > "$OUT/chaos.log" 2>&1
+  echo "chaos exit: $?"; sed -n '/^chaos:/,$p' "$OUT/chaos.log"
+fi
 if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
   (cd "$OUT" && tar czf /tmp/logs.tgz --exclude=logs.tgz . && find . -type f -delete && mv /tmp/logs.tgz .)
 fi
+exit "$TESTS_RC"
