@@ -143,9 +143,15 @@ def one_round(client: Any, rnd: int, args: argparse.Namespace, rng: random.Rando
     for i in range(args.pairs):
         p, c = rng.sample(workers, 2)
         pairs.append((p, c, (rnd * args.pairs + i) % 250 + 1))
-    xs = [client.submit(T.fill, args.nbytes, v, workers=[p], pure=False) for p, _, v in pairs]
-    ys = [client.submit(T.keep, x, workers=[c], pure=False) for x, (_, c, _) in zip(xs, pairs, strict=True)]
-    first = [client.submit(T.all_equal, y, v, workers=[c], pure=False) for y, (_, c, v) in zip(ys, pairs, strict=True)]
+    xs = [client.submit(T.fill, args.nbytes, v, workers=[p], pure=False, allow_other_workers=True) for p, _, v in pairs]
+    ys = [
+        client.submit(T.keep, x, workers=[c], pure=False, allow_other_workers=True)
+        for x, (_, c, _) in zip(xs, pairs, strict=True)
+    ]
+    first = [
+        client.submit(T.all_equal, y, v, workers=[c], pure=False, allow_other_workers=True)
+        for y, (_, c, v) in zip(ys, pairs, strict=True)
+    ]
     out: dict[str, Any] = {"checks": 0, "wrong": 0, "errors": collections.Counter(), "hung": False}
 
     def gather(futs: list[Any]) -> list[Any]:
@@ -177,11 +183,14 @@ def one_round(client: Any, rnd: int, args: argparse.Namespace, rng: random.Rando
     for x in xs:
         x.release()
     scribbles = [
-        client.submit(T.scribble_all, args.nbytes, 0, workers=[p], pure=False)
+        client.submit(T.scribble_all, args.nbytes, 0, workers=[p], pure=False, allow_other_workers=True)
         for p, _, _ in pairs
         for _ in range(args.scribbles)
     ]
-    second = [client.submit(T.all_equal, y, v, workers=[c], pure=False) for y, (_, c, v) in zip(ys, pairs, strict=True)]
+    second = [
+        client.submit(T.all_equal, y, v, workers=[c], pure=False, allow_other_workers=True)
+        for y, (_, c, v) in zip(ys, pairs, strict=True)
+    ]
     for ok in gather(second):
         if ok is not None:
             out["checks"] += 1

@@ -78,10 +78,11 @@ class PeerLink:
     worker : str
         This (the importer's) worker address; the exporter scopes lease claims
         to it. ``""`` for a link that only fetches pool fds.
-    live : collection of int
+    live : collection of int, optional
         Leases of this exporter this worker still holds, sent as a
         :class:`~dask_gpupool._messages.Resync` before the link is returned
-        (non-empty only when a link broke and is opened again).
+        (the exporter ends this worker's other claimed leases: their
+        releases may have been lost with an earlier link).
     expected_pid : int or None
         The exporter's pid (its registry row's); when given, a listener of
         another pid is refused.
@@ -115,7 +116,7 @@ class PeerLink:
         timeout: float,
         token: bytes,
         worker: str = "",
-        live: Collection[int] = (),
+        live: Collection[int] | None = None,
         expected_pid: int | None = None,
     ) -> None:
         self.address = address
@@ -161,7 +162,7 @@ class PeerLink:
             sock.close()
             raise
         self._sock = sock
-        if live:
+        if live is not None:
             try:
                 self._resync(sorted(live))
             except BaseException:
@@ -211,7 +212,7 @@ class PeerLink:
     def _resync(self, live: list[int]) -> None:
         context = f"broker {self.address} (resync of {len(live)} leases)"
         with self._lock:
-            for i in range(0, len(live), MAX_LEASES_PER_MESSAGE):
+            for i in range(0, max(len(live), 1), MAX_LEASES_PER_MESSAGE):
                 chunk = tuple(live[i : i + MAX_LEASES_PER_MESSAGE])
                 done = i + MAX_LEASES_PER_MESSAGE >= len(live)
                 if not done:

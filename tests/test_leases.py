@@ -229,7 +229,7 @@ def exporter(tmp_path):
     from dask_gpupool._service import _ExportSide
     from dask_gpupool._topology import LocalDevices
 
-    pool = Pool.create(PoolOptions(kind="host", max_size="16 MiB"), LocalDevices(()))
+    pool = Pool.create(PoolOptions.from_config(kind="host", max_size="16 MiB"), LocalDevices(()))
     leases = LeaseTable(60)
     registry = RegistryView()
     rows = [
