@@ -157,16 +157,20 @@ def one_round(client: Any, rnd: int, args: argparse.Namespace, rng: random.Rando
     def gather(futs: list[Any]) -> list[Any]:
         from distributed import wait
 
-        try:
-            wait(futs, timeout=args.round_timeout)
-        except TimeoutError:
-            pass
-        not_done = {f for f in futs if not f.done()}
-        if not_done:
+        deadline = time.monotonic() + args.round_timeout
+        while True:
+            pending = [f for f in futs if f.status == "pending"]
+            if not pending or time.monotonic() > deadline:
+                break
+            try:
+                wait(pending, timeout=max(0.1, deadline - time.monotonic()))
+            except Exception:  # a timeout, or a cancelled future: each is reported below
+                pass
+        if pending:
             out["hung"] = True
         results = []
         for f in futs:
-            if f in not_done:
+            if f.status == "pending":
                 results.append(None)
                 continue
             try:

@@ -106,7 +106,10 @@ def stats(client: Client) -> dict[str, dict[str, Any]]:
         ``{worker address: counters}`` with ``exports`` and ``imports``
         (buffers handed over / mapped), ``leases`` and ``lease_bytes`` (live
         leases this worker granted and the bytes they keep alive),
-        ``leases_expired``, ``zero_copy_bytes`` and ``copied_bytes`` (bytes this
+        ``leases_unclaimed`` (granted, not claimed yet), ``leases_abandoned``
+        (ended unclaimed: their transfer failed), ``imports_held`` (peers'
+        leases this worker holds), ``resyncs`` (links opened again after one
+        broke), ``zero_copy_bytes`` and ``copied_bytes`` (bytes this
         worker received by mapping / as host copies), ``copied_out_bytes``
         (bytes it sent as host copies), ``fallbacks`` (same-host transfers that
         were copied, by reason), ``mapped_pools`` and ``links``.

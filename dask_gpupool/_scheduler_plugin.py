@@ -74,7 +74,8 @@ class GPUPool(SchedulerPlugin):
     broker_timeout : str or float, optional
         Broker timeout (``gpupool.broker-timeout``).
     lease_timeout : str or float, optional
-        How long an unclaimed lease lives (``gpupool.lease-timeout``).
+        After how long an unclaimed lease is logged, and how long a peer whose
+        transfer failed gets copies (``gpupool.lease-timeout``); no timer ends a lease.
     peer_gpu_handoff : bool or "auto", optional
         Zero-copy handoffs to workers on another GPU (``gpupool.peer-gpu-handoff``).
     segment_size : int or str, optional
