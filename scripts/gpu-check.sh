@@ -7,7 +7,7 @@
 # HANDOFF_BUDGET (seconds, default 360) bounds the handoff benchmark; 0 skips it.
 # PART=tests runs the suite, the demo and the example; PART=bench the benchmarks and the ETL example;
 # unset runs both (more than one 10-minute device call can hold when the handoff budget is large).
-# PYTEST_K selects tests (pytest -k); HANDOFF_ARGS adds options to benchmarks/handoff.py; ETL=0 and
+# PYTEST_K selects tests (pytest -k), PYTEST_ARGS adds pytest options; HANDOFF_ARGS adds options to benchmarks/handoff.py; ETL=0 and
 # LARGE=0 skip the ETL example and the 5-8 GiB import check; MAPPING=0 the pool-mapping benchmark; DEMO=0
 # the demo and the example; SUBALLOC=0 the sub-allocator benchmark. ETL_LAYOUTS (default "shared") lists
 # the ETL example's layouts (shared, per-gpu, dask-cuda); ETL_ARGS adds options to it. Everything under $OUT
@@ -27,7 +27,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 cat "$OUT/machine.txt"
 PART=${PART:-all}
 if [ "$PART" != bench ]; then
-timeout ${PYTEST_TIMEOUT:-480} python3 -m pytest tests ${PYTEST_K:+-k "$PYTEST_K"} -p no:cacheprovider -o addopts="" -rA --durations=8 --timeout 180 > "$OUT/pytest.log" 2>&1
+timeout ${PYTEST_TIMEOUT:-480} python3 -m pytest tests ${PYTEST_K:+-k "$PYTEST_K"} -p no:cacheprovider -o addopts="" -rA --durations=8 --timeout 180 ${PYTEST_ARGS:-} > "$OUT/pytest.log" 2>&1
 TESTS_RC=$?
 echo "pytest exit: $TESTS_RC"
 echo "== failures/errors"; grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20
