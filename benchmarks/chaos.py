@@ -138,7 +138,11 @@ class Chaos(threading.Thread):
 
 
 def one_round(client: Any, rnd: int, args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
+    client.wait_for_workers(2, timeout=300)  # killed workers are restarting
     workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    while len(workers) < 2:
+        time.sleep(0.5)
+        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
     pairs = []
     for i in range(args.pairs):
         p, c = rng.sample(workers, 2)

@@ -426,35 +426,27 @@ def serialized_inline(keys: list[str], who: str, dask_worker: Worker) -> bool:
 
 # -- fault injection for the lease tests (tests/test_leases.py) ------------------------------
 
-_blocker: dict[str, threading.Event] = {}
 
-
-def block_imports() -> None:
-    """client.run target: hold this process's import lock from a thread until :func:`unblock_imports`.
+def block_imports(seconds: float) -> None:
+    """client.run target: hold this process's import lock from a thread for ``seconds``.
 
     A handoff arriving meanwhile stops inside the import, after the exporter
     granted its lease and before this worker claims it: the window in which
-    a stalled consumer used to lose its lease.
+    a stalled consumer used to lose its lease. The thread lets go by itself
+    (the import may block this worker's event loop, so no later
+    ``client.run`` could reach it).
     """
     from dask_gpupool._mapping import IMPORT_LOCK
 
-    held, go = threading.Event(), threading.Event()
-    _blocker["go"] = go
+    held = threading.Event()
 
     def hold() -> None:
         with IMPORT_LOCK:
             held.set()
-            go.wait(120)
+            threading.Event().wait(seconds)
 
     threading.Thread(target=hold, name="gpupool-test-block-imports", daemon=True).start()
     held.wait(10)
-
-
-def unblock_imports() -> None:
-    """client.run target: let go of the import lock taken by :func:`block_imports`."""
-    go = _blocker.pop("go", None)
-    if go is not None:
-        go.set()
 
 
 def hide_broker(dask_worker: Worker) -> str:

@@ -85,7 +85,7 @@ def stalled_consumer(c: Any, nbytes: int, stop: float = 3.0) -> None:
     baseline = warm_up(c, a, b)
     x = c.submit(T.make_buffer, nbytes, b"original", workers=[a], pure=False)
     x.result()
-    c.run(T.block_imports, workers=[b])
+    c.run(T.block_imports, stop + 2, workers=[b])  # B's import waits, then claims: stop + 2 s after this
     y = c.submit(T.keep, x, workers=[b], pure=False)
     wait_for(lambda: c.run(T.lease_counts, workers=[a])[a]["unclaimed"] == 1, what="A to grant B a lease")
     pid_b = pid_of(c, b)
@@ -94,7 +94,6 @@ def stalled_consumer(c: Any, nbytes: int, stop: float = 3.0) -> None:
         time.sleep(stop)
     finally:
         os.kill(pid_b, signal.SIGCONT)
-    c.run(T.unblock_imports, workers=[b])
     y.result(timeout=60)
     assert c.submit(T.describe, y, workers=[b], pure=False).result()["imported"]
     # A drops its key and reuses every byte of its pool it can
