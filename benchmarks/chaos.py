@@ -208,6 +208,19 @@ def one_round(client: Any, rnd: int, args: argparse.Namespace, rng: random.Rando
     return out
 
 
+def warm_all(client: Any, nbytes: int) -> None:
+    """One handoff for every ordered pair of workers: every link and mapping the workload can open is open."""
+    workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    checks = []
+    for p in workers:
+        for c in workers:
+            if p != c:
+                x = client.submit(T.fill, nbytes, 7, workers=[p], pure=False)
+                checks.append(client.submit(T.all_equal, x, 7, workers=[c], pure=False))
+    assert all(client.gather(checks))
+    del checks
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=600)
@@ -240,8 +253,7 @@ def main() -> None:
     rng = random.Random(args.seed)
     result: dict[str, Any] = {"args": vars(args), "kind": kind, "gpus": gpus, "devices": local_devices().uuids}
     with dask.config.set(config), nanny_cluster(worker_specs(args.workers, gpus), plugin) as client:
-        for _ in range(2):  # warm-up: links and mappings between every pair
-            one_round(client, 0, argparse.Namespace(**{**vars(args), "pairs": args.workers * 2}), rng)
+        warm_all(client, args.nbytes)
         time.sleep(1)
         result["start"] = snapshot(client)
         chaos = Chaos(client, args.every, args.kill_share, max_stop, args.seed)
@@ -269,9 +281,8 @@ def main() -> None:
             chaos.stop()
         elapsed = time.monotonic() - t0
         client.wait_for_workers(args.workers, timeout=120)
-        # quiet period: a few rounds without chaos, then everything released
-        for _ in range(2):
-            one_round(client, 0, argparse.Namespace(**{**vars(args), "pairs": args.workers * 2}), rng)
+        # quiet period: every pair once more without chaos, then everything released
+        warm_all(client, args.nbytes)
         deadline = time.monotonic() + 120
         end = snapshot(client)
         while time.monotonic() < deadline and any(v["leases"] or v["pool_used"] for v in end.values()):
