@@ -8,7 +8,7 @@ SCM_RIGHTS (re-opening ``/proc/<pid>/fd/<n>`` fails for CUDA handles, and
 Protocol (``SOCK_SEQPACKET``, so each message arrives whole; msgpack maps
 from :mod:`dask_gpupool._messages`)::
 
-    peer   -> broker   Hello{op: "hello", token}                 (first, always)
+    peer   -> broker   Hello{op: "hello", token, worker}         (first, always)
     broker -> peer     Welcome{op: "welcome"}
                    or  ErrorReply{error: "NotAMemberError"}, then closes
 
@@ -17,8 +17,11 @@ from :mod:`dask_gpupool._messages`)::
     broker -> peer     one byte, with the fd as SCM_RIGHTS ancillary data
                    or  ErrorReply{op: "error", error, message}
 
-    peer   -> broker   LeaseClaim{op: "lease-claim", leases}      (no reply)
+    peer   -> broker   LeaseClaim{op: "lease-claim", leases}
+    broker -> peer     ClaimReply{op: "claim-ok", leases: the refused ones}
     peer   -> broker   LeaseRelease{op: "lease-release", leases}  (no reply)
+    peer   -> broker   Resync{op: "resync", leases, done}         (first on a reopened link)
+    broker -> peer     ResyncReply{op: "resync-ok", ended}        (after the chunk with done)
     peer   -> broker   SegmentRelease{op: "segment-release", segments}  (no reply)
 
     peer   -> broker   CopyRequest{op: "lease-copy", lease}
@@ -27,9 +30,13 @@ from :mod:`dask_gpupool._messages`)::
                    or  ErrorReply
 
 A connection stays open as long as the peer wants (an importer keeps one to
-each exporter it imports from, see :mod:`dask_gpupool._link`); when it
-closes, the broker tells its handler, which releases the leases claimed on
-it. That is how an importer that dies gives its leases back.
+each exporter it imports from, see :mod:`dask_gpupool._link`). Lease requests
+act only on leases of the worker the connection named in its ``Hello``
+(accepted by :meth:`BrokerHandler.identify`). A connection closing ends
+nothing: the broker watches each importer's process with a pidfd and tells
+its handler when that process exits (:meth:`BrokerHandler.importer_exited`).
+That is how an importer that dies gives its leases back, while one whose
+link merely broke keeps them (it reopens the link and resyncs).
 
 Trust boundary: the socket lives in a private directory (mode 0700, made by
 the broker); the broker checks each peer's uid with ``SO_PEERCRED`` and then

@@ -118,7 +118,8 @@ class PoolOptions:
     broker_timeout : float
         Seconds a broker waits for a request, and a client for a reply.
     lease_timeout : float
-        Seconds an exported buffer's lease may stay unclaimed before it expires.
+        Seconds after which a lease still unclaimed is logged, and for which a
+        peer whose transfer failed gets copies (no timer ends a lease).
     cupy_allocator : bool
         Route CuPy's allocations on the worker through its ``device`` or
         ``pinned`` pool, so that plain CuPy results hand over zero-copy.

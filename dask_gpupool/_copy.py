@@ -418,7 +418,7 @@ def pull(
     ------
     DataLostError
         The exporter cannot be reached, refused (a lease ended), or a
-        connection broke. Leases of lanes not pulled expire at the exporter.
+        connection broke. Leases of lanes not pulled end with the exporter's reply.
     """
     host, port = _parse(address)
     conns: list[socket.socket] = []

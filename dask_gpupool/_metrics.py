@@ -59,7 +59,7 @@ def _worker_metrics() -> Iterator[Any]:
     fallbacks = CounterMetricFamily(
         name + "fallbacks", "Same-host transfers copied instead of handed over, by reason.", labels=["pool", "reason"]
     )
-    expired = CounterMetricFamily(
+    abandoned = CounterMetricFamily(
         name + "leases_abandoned", "Leases that ended unclaimed (their transfer failed).", labels=["pool"]
     )
     segments = GaugeMetricFamily(
@@ -82,10 +82,10 @@ def _worker_metrics() -> Iterator[Any]:
         sent.add_metric([pool], h["copied_out_bytes"])
         for reason in FALLBACK_REASONS:
             fallbacks.add_metric([pool, reason], h["fallbacks"].get(reason, 0))
-        expired.add_metric([pool], h["leases_abandoned"])
+        abandoned.add_metric([pool], h["leases_abandoned"])
         segments.add_metric([pool, "held"], h["segments"])
         segments.add_metric([pool, "retiring"], h["segments_retiring"])
-    yield from (pool_bytes, leases, leased, mapped, handoffs, received, sent, fallbacks, expired, segments)
+    yield from (pool_bytes, leases, leased, mapped, handoffs, received, sent, fallbacks, abandoned, segments)
 
 
 class _Collector:

@@ -48,9 +48,9 @@ starts the retire protocol:
    from it is alive, then sends a ``SegmentRelease`` naming the segment and
    how many leases on it it had claimed in all.
 3. Here a segment counts as mapped by a peer connection while the leases
-   claimed on it over that connection outnumber those the peer's last
+   claimed on it by that peer (worker) outnumber those the peer's last
    release accounted for (a release that crosses a newer claim does not
-   count), and stops being mapped when the connection closes.
+   count), and stops being mapped when the peer's process exits.
 4. A retiring segment with no live buffer and no mapping peer is freed; an
    RMM generation is freed when all its segments are.
 

@@ -28,12 +28,10 @@ gone does it raise :class:`~dask_gpupool.DataLostError` naming pool and worker.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import contextvars
 import threading
 import traceback
 import weakref
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -368,9 +366,8 @@ def _dumps(
     return {KEY: header.to_msg()}, [frame]
 
 
-@contextlib.contextmanager
-def _lost_on_failure(raw_header: Any) -> Iterator[None]:
-    """Turn every failure to receive a handed-over value into :class:`DataLostError`.
+def _lost(raw_header: Any, e: Exception) -> DataLostError:
+    """The :class:`DataLostError` every failure to receive a handed-over value is raised as.
 
     :class:`DataLostError` is a ``ConnectionError``. Dask 2026.8 leaves a
     task waiting forever when a deserializer raises anything else (its
@@ -380,20 +377,15 @@ def _lost_on_failure(raw_header: Any) -> Iterator[None]:
     recomputed. The exporter then sends this worker copies
     (:meth:`PoolService.settle`), so the retry succeeds.
     """
-    try:
-        yield
-    except DataLostError:
-        raise
-    except Exception as e:
-        exporter = raw_header.get("exporter", "?") if isinstance(raw_header, dict) else "?"
-        raise DataLostError(f"a value from worker {exporter} could not be received: {type(e).__name__}: {e}") from e
+    exporter = raw_header.get("exporter", "?") if isinstance(raw_header, dict) else "?"
+    return DataLostError(f"a value from worker {exporter} could not be received: {type(e).__name__}: {e}")
 
 
 def _receive(header: HandoffHeader, frames: list[Any], need: str) -> Buffer:
     """The Buffer a header and its frames describe, in this process.
 
     ``need``: ``"host"`` or ``"device"`` when the value must be readable there
-    (a NumPy or CuPy array), else ``"any"``. Callers wrap it in :func:`_lost_on_failure`.
+    (a NumPy or CuPy array), else ``"any"``. Callers raise its failures as :func:`_lost`.
     """
     service = active_service()
     if header.path == "ipc":
@@ -423,9 +415,13 @@ def _serialize_buffer(buf: Buffer, context: Any = None) -> tuple[dict[str, Any],
 
 @dask_deserialize.register(Buffer)
 def _deserialize_buffer(header: dict[str, Any], frames: list[Any]) -> Buffer:
-    with _lost_on_failure(header.get(KEY)):
-        return _receive(HandoffHeader.from_msg(header.get(KEY)), frames, "any")
-    raise AssertionError("unreachable")  # pragma: no cover (mypy: a context manager may swallow)
+    raw = header.get(KEY)
+    try:
+        return _receive(HandoffHeader.from_msg(raw), frames, "any")
+    except DataLostError:
+        raise
+    except Exception as e:
+        raise _lost(raw, e) from e
 
 
 def _dumps_array(arr: Any, module: str, ptr: int, previous: Any, context: Any) -> tuple[dict[str, Any], list[Any]]:
@@ -454,12 +450,16 @@ def _dumps_array(arr: Any, module: str, ptr: int, previous: Any, context: Any) -
 def _loads_array(header: dict[str, Any], frames: list[Any], previous: Any) -> Any:
     if KEY not in header:
         return previous(header, frames)
-    with _lost_on_failure(header[KEY]):
+    try:
         h = HandoffHeader.from_msg(header[KEY])
         meta = h.array
         if meta is None:
             raise ProtocolError("handoff header of an array carries no array shape")
         buf = _receive(h, frames, "device" if meta.module == "cupy" else "host")
+    except DataLostError:
+        raise
+    except Exception as e:
+        raise _lost(header[KEY], e) from e
     if meta.module == "numpy" or buf.is_device_accessible:
         return as_array(buf, meta.shape, meta.dtype, meta.strides, meta.offset, like=meta.module)
     # A CuPy array that landed in host memory (a client, or a host pool without a GPU).

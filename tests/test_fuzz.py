@@ -28,6 +28,7 @@ from dask_gpupool import _testing as T
 from dask_gpupool._broker import FdBroker, request_pool_fd
 from dask_gpupool._messages import (
     BufferDescriptor,
+    ClaimReply,
     CopyReply,
     ErrorReply,
     HandleReply,
@@ -38,6 +39,8 @@ from dask_gpupool._messages import (
     PullReply,
     PullRequest,
     RegistryUpdate,
+    Resync,
+    ResyncReply,
     SegmentRelease,
     decode,
     encode,
@@ -74,6 +77,8 @@ PARSERS = [
     ErrorReply.from_msg,
     PullRequest.from_msg,
     PullReply.from_msg,
+    ClaimReply.from_msg,
+    ResyncReply.from_msg,
 ]
 VALID = {
     "record": PoolRecord(POOL, "tcp://h:1", 7, "h/b", "h", "device", "GPU-1", MiB, "/tmp/b.sock", ("GPU-1",)).to_msg(),
@@ -90,8 +95,12 @@ VALID = {
         "address": "",
         "lanes": [],
     },
-    "hello": Hello(TOKEN).to_msg(),
+    "hello": Hello(TOKEN, "tcp://h:2").to_msg(),
     "request": {"op": "pool-handle", "pool": POOL},
+    "claim": {"op": "lease-claim", "leases": [3, 1 << 61]},
+    "claim-reply": ClaimReply((3,)).to_msg(),
+    "resync": Resync((3, 4), True).to_msg(),
+    "resync-reply": ResyncReply(2).to_msg(),
     "stream": HandoffHeader("stream", "device", 64, "tcp://h:1", lease=3, address="tcp://h:2").to_msg(),
     "pull": PullRequest(POOL, 3, b"p" * 32).to_msg(),
     "segment-release": SegmentRelease(((3, 2), (4, 1))).to_msg(),
@@ -105,6 +114,10 @@ PARSER_OF = {
     "stream": HandoffHeader.from_msg,
     "pull": PullRequest.from_msg,
     "segment-release": parse_request,
+    "claim": parse_request,
+    "claim-reply": ClaimReply.from_msg,
+    "resync": parse_request,
+    "resync-reply": ResyncReply.from_msg,
 }
 
 

@@ -311,3 +311,55 @@ def test_copies_of_ipc_and_stream_leases_go_only_to_their_importer(exporter):
         as_b.close()
         as_c.close()
         leases.clear()
+
+
+CHILD = """
+import sys
+from dask_gpupool._link import PeerLink
+address, token, worker = sys.argv[1], bytes.fromhex(sys.argv[2]), sys.argv[3]
+lease = int(sys.stdin.readline())
+link = PeerLink(address, 5.0, token, worker)
+assert link.claim([lease]) == []
+link.close()
+print("closed", flush=True)
+sys.stdin.readline()  # stays alive until killed
+"""
+
+
+def test_a_closed_link_keeps_the_leases_and_the_importers_exit_ends_them(exporter):
+    """Link loss is not importer death: the broker ends the leases only when the importer's process exits."""
+    import subprocess
+    import sys
+
+    from dask_gpupool._messages import PoolRecord, RegistryUpdate
+    from dask_gpupool._service import _Exported
+
+    pool, leases, broker, _ = exporter
+    worker = "tcp://127.0.0.1:9"
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, broker.address, TOKEN.hex(), worker],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        row = PoolRecord(str(uuid.uuid4()), worker, child.pid, "h", "h", "host", None, MiB, "/x")
+        broker.handler._registry.apply(RegistryUpdate(version=2, added=(row,)))  # type: ignore[attr-defined]
+        buf = pool.allocate(4096)
+        lease = leases.grant(_Exported(buf, buf), 4096, worker)
+        del buf
+        assert child.stdin is not None and child.stdout is not None
+        child.stdin.write(f"{lease}\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "closed"
+        time.sleep(0.5)
+        assert len(leases) == 1 and leases.unclaimed == 0  # claimed, its link closed, still held
+        child.kill()
+        child.wait(10)
+        deadline = time.monotonic() + 10
+        while len(leases) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(leases) == 0 and pool.stats().used == 0 and broker.watched == 0
+    finally:
+        child.kill()
+        child.wait(10)
