@@ -440,13 +440,18 @@ def test_buffers_over_the_import_limit_are_copied():
 # -- leases through stalls (issue 15, cases 1 and 2) on device pools ----------------------------
 
 
+def layout_workers(layout: str) -> list[dict]:
+    """Two workers on one GPU, or one on each of two (skips when the GPUs are missing)."""
+    gpus(2 if layout == "two-gpus" else 1)
+    return ROTATED if layout == "two-gpus" else [ONE_GPU, ONE_GPU]
+
+
 @pytest.mark.parametrize("layout", ["one-gpu", "two-gpus"])
 def test_a_stalled_consumer_reads_the_original_device_bytes(layout):
     from test_leases import stalled_consumer
 
-    gpus(2 if layout == "two-gpus" else 1)
-    workers = ROTATED if layout == "two-gpus" else [ONE_GPU, ONE_GPU]
-    with nanny_cluster(workers, GPUPool(kind="device", max_size="1 GiB", lease_timeout="1s")) as c:
+    plugin = GPUPool(kind="device", max_size="1 GiB", lease_timeout="1s")
+    with nanny_cluster(layout_workers(layout), plugin) as c:
         # a stalled consumer across GPUs must not kill its CUDA context either: it reads after resuming
         stalled_consumer(c, 8 * MiB)
 
@@ -455,7 +460,6 @@ def test_a_stalled_consumer_reads_the_original_device_bytes(layout):
 def test_a_stalled_producer_keeps_the_device_leases_its_consumer_holds(layout):
     from test_leases import stalled_producer
 
-    gpus(2 if layout == "two-gpus" else 1)
-    workers = ROTATED if layout == "two-gpus" else [ONE_GPU, ONE_GPU]
-    with nanny_cluster(workers, GPUPool(kind="device", max_size="1 GiB", broker_timeout="1s")) as c:
+    plugin = GPUPool(kind="device", max_size="1 GiB", broker_timeout="1s")
+    with nanny_cluster(layout_workers(layout), plugin) as c:
         stalled_producer(c, 8 * MiB)
