@@ -25,6 +25,22 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 { nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv;
   python3 -c "import cuda.core, cuda.bindings, dask, distributed; print('cuda.core', cuda.core.__version__, 'cuda.bindings', cuda.bindings.__version__, 'dask', dask.__version__)"; } > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
+# CHAOS_BG=start starts the chaos benchmark (CHAOS_SECONDS, default 600) in a session of its own and returns: a
+# 10-minute run does not fit one device call. CHAOS_BG=collect, in the next call on the still-warm machine, waits
+# for it and brings its log and JSON back.
+if [ "${CHAOS_BG:-}" = start ]; then
+  mkdir -p /tmp/chaos-out
+  OUT=/tmp/chaos-out setsid nohup python3 benchmarks/chaos.py --seconds "${CHAOS_SECONDS:-600}" ${CHAOS_ARGS:-} \
+    > /tmp/chaos-out/chaos.log 2>&1 < /dev/null &
+  echo "chaos started in the background (pid $!)"
+  exit 0
+fi
+if [ "${CHAOS_BG:-}" = collect ]; then
+  for _ in $(seq 300); do pgrep -f "[b]enchmarks/chaos.py --seconds" > /dev/null || break; sleep 1; done
+  cp /tmp/chaos-out/* "$OUT"/ 2>/dev/null
+  grep "^t=" /tmp/chaos-out/chaos.log | tail -2; sed -n '/^chaos:/,$p' /tmp/chaos-out/chaos.log
+  exit 0
+fi
 PART=${PART:-all}
 if [ "$PART" != bench ]; then
 timeout ${PYTEST_TIMEOUT:-480} python3 -m pytest tests ${PYTEST_K:+-k "$PYTEST_K"} -p no:cacheprovider -o addopts="" -rA --durations=8 --timeout 180 ${PYTEST_ARGS:-} > "$OUT/pytest.log" 2>&1
