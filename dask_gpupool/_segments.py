@@ -64,6 +64,7 @@ from __future__ import annotations
 import bisect
 import logging
 import threading
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -124,7 +125,7 @@ class Segment:
     retiring : bool
         Freed once no buffer lives in it and no peer maps it.
     claims, released : dict
-        Per peer connection: leases claimed on buffers in it, and the claim
+        Per peer (worker address): leases claimed on buffers in it, and the claim
         count the peer's last ``SegmentRelease`` accounted for.
     free_event : object
         Own segments: the event of its last buffer's free (reuse waits for it).
@@ -140,8 +141,8 @@ class Segment:
     generation: Any = None
     live: int = 0
     retiring: bool = False
-    claims: dict[int, int] = field(default_factory=dict)
-    released: dict[int, int] = field(default_factory=dict)
+    claims: dict[Hashable, int] = field(default_factory=dict)
+    released: dict[Hashable, int] = field(default_factory=dict)
     free_event: Any = None
 
     @property
@@ -405,15 +406,18 @@ class SegmentedResource(MemoryResource):
         self._collect()
         return self.retire_below
 
-    def note_claims(self, segment_ids: list[int], connection: int) -> None:
-        """A peer claimed leases on buffers in these segments (one id per lease) over ``connection``."""
+    def note_claims(self, segment_ids: list[int], connection: Hashable) -> None:
+        """A peer claimed leases on buffers in these segments (one id per lease).
+
+        ``connection`` names the peer: its worker address (the broker's importer).
+        """
         with self._lock:
             for seg_id in segment_ids:
                 seg = self._by_id.get(seg_id)
                 if seg is not None:
                     seg.claims[connection] = seg.claims.get(connection, 0) + 1
 
-    def note_released(self, releases: list[tuple[int, int]], connection: int) -> None:
+    def note_released(self, releases: list[tuple[int, int]], connection: Hashable) -> None:
         """A peer unmapped segments: ``(segment id, leases it had claimed on it in all)`` pairs."""
         with self._lock:
             for seg_id, claimed in releases:
@@ -422,8 +426,8 @@ class SegmentedResource(MemoryResource):
                     seg.released[connection] = claimed
         self._collect()
 
-    def drop_connection(self, connection: int) -> None:
-        """A peer connection closed: it maps nothing any more."""
+    def drop_connection(self, connection: Hashable) -> None:
+        """A peer is gone (its process exited, or it left the registry): it maps nothing any more."""
         with self._lock:
             for seg in self._segments:
                 seg.claims.pop(connection, None)

@@ -717,6 +717,9 @@ class PoolService:
             n = self.leases.release_importer(record.worker)
             if n:
                 logger.info("pool %s: released %d lease(s) of %s, which left", self.pool.uuid, n, record.worker)
+            drop = getattr(self.pool.resource, "drop_connection", None)
+            if drop is not None:  # it closed its mappings before it left (PoolService.close)
+                drop(record.worker)
             with self._links_lock:
                 link = self._links.pop(record.broker, None)
             if link is not None:
