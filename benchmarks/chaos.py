@@ -85,6 +85,8 @@ def snapshot(client: Any) -> dict[str, dict[str, Any]]:
             "imports_held": res["imports_held"],
             "pool_used": res["used"],
             "mapped_pools": res["mapped_pools"],
+            "broker_connections": res["broker_connections"],
+            "fd_kinds": res["fd_kinds"],
             "unclaimed": counts[addr]["unclaimed"],
         }
     return out
