@@ -51,9 +51,6 @@ __all__ = ["PLUGIN_NAME", "GPUPoolWorkerPlugin", "service_of"]
 
 logger = logging.getLogger(__name__)
 
-#: Kept for code that imported it from here: :data:`dask_gpupool._ops.REGISTRY_OP`.
-STREAM_OP = REGISTRY_OP
-
 
 class GPUPoolWorkerPlugin(WorkerPlugin):
     """Worker twin of :class:`~dask_gpupool.GPUPool`; not meant to be registered by hand.
