@@ -82,7 +82,7 @@ def exporter(path: str, mechanism: str, ordinal: int) -> None:
         from cuda.core import DeviceMemoryResource, DeviceMemoryResourceOptions
 
         mr = DeviceMemoryResource(dev, DeviceMemoryResourceOptions(ipc_enabled=True, max_size=1 << 30))
-        buf = mr.allocate(SIZE)
+        buf = mr.allocate(SIZE, stream=dev.default_stream)
         ptr = int(buf.handle)
         fd = int(mr.allocation_handle)
         _, (payload, _size) = buf.ipc_descriptor.__reduce__()
@@ -197,7 +197,7 @@ def case(mechanism: str, owner: int, ordinal: int) -> dict[str, Any]:
                 reads[when] = "importer exited"
                 return
             parent.send("read")
-            reads[when] = parent.recv() if parent.poll(120) else "no answer in 120 s"
+            reads[when] = parent.recv() if parent.poll(60) else "no answer in 60 s"
 
         read("exporter alive")
         os.kill(ex.pid, signal.SIGKILL)
@@ -221,7 +221,7 @@ def main() -> None:
 
     n = system.get_num_devices() if hasattr(system, "get_num_devices") else system.num_devices
     placements = [(0, 0)] + ([(0, 1)] if n > 1 else [])
-    results = [case(m, e, i) for m in ("pool", "vmm") for e, i in placements]
+    results = [case(m, e, i) for m in os.environ.get("MECHANISMS", "pool vmm").split() for e, i in placements]
     for r in results:
         print(json.dumps(r))
     print(f"\n{'mechanism':<6} {'placement':<10} {'exporter alive':<16} {'after SIGKILL':<30} after reuse of its GPU")

@@ -124,6 +124,12 @@ class BrokerHandler(Protocol):
     def pool_handle(self, pool: str) -> tuple[int, HandleReply] | None:
         """``(fd, reply)`` for a pool this broker serves, else ``None``. The fd stays the pool's."""
 
+    def segment_handle(self, pool: str, segment: int, importer: str) -> tuple[int, HandleReply]:
+        """``(fd, reply)`` for VMM segment ``segment`` of ``pool``; the **broker closes the fd** after sending.
+
+        Raises a :class:`~dask_gpupool.GPUPoolError` for an unknown pool or segment.
+        """
+
     def claim(self, leases: Iterable[int], importer: str) -> list[int]:
         """``importer`` imported these leased buffers; return the ids refused."""
 
@@ -163,6 +169,9 @@ class _LookupOnly:
 
     def pool_handle(self, pool: str) -> tuple[int, HandleReply] | None:
         return self._lookup(pool)
+
+    def segment_handle(self, pool: str, segment: int, importer: str) -> tuple[int, HandleReply]:
+        raise UnknownPoolError(f"pool {pool}: this broker serves pool handles only")
 
     def claim(self, leases: Iterable[int], importer: str) -> list[int]:
         return list(leases)
@@ -547,6 +556,21 @@ class FdBroker:
 
     async def _answer(self, conn: socket.socket, msg: dict[str, object], importer: str, resync: set[int]) -> None:
         request = parse_request(msg)
+        if isinstance(request, HandleRequest) and request.segment:
+            if not importer:
+                raise ProtocolError("segment handle request on a connection that named no worker")
+            try:
+                fd, handle_reply = self._handler.segment_handle(request.pool, request.segment, importer)
+            except GPUPoolError as e:
+                await self._loop.sock_sendall(conn, encode(ErrorReply.of(e)))
+                return
+            try:
+                await self._loop.sock_sendall(conn, encode(handle_reply))
+                await self._send_fd(conn, fd)
+            finally:
+                os.close(fd)
+            self.served += 1
+            return
         if isinstance(request, HandleRequest):
             found = self._handler.pool_handle(request.pool)
             if found is None:

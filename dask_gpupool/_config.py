@@ -130,6 +130,13 @@ class PoolOptions:
     suballocator : {"auto", "rmm", "arena"}
         What places buffers inside segments: RMM's pool (``auto`` when RMM is
         installed) or the in-tree arena.
+    segment_memory : {"auto", "vmm", "pool"}
+        ``device`` pools: what segments are made of. ``vmm``: CUDA virtual
+        memory exported as POSIX fds, whose memory outlives its maker for the
+        peers that map it (:mod:`dask_gpupool._vmm`); ``pool``: allocations of
+        the IPC-enabled pool, which a peer on another GPU can no longer read
+        once their owner's process died. ``auto``: ``vmm`` when the GPU
+        supports it.
     import_limit : int
         ``device`` pools: the largest CUDA allocation (a buffer, or the
         segment it lies in) handed over zero-copy; larger ones are copied
@@ -145,11 +152,13 @@ class PoolOptions:
         staging and CUDA stream; at most 16.
     peer_gpu_handoff : bool
         Hand ``device`` buffers over zero-copy to workers on other GPUs too:
-        the pool grants those GPUs access when it is made. ``auto`` (the
-        default) means on with segments and off without: cross-GPU handoffs
-        of buffers imported one by one break the importer's CUDA context under
-        stress (docs/gpu-checks.md). Off, they get copies, counted as fallback
-        ``other-gpu``.
+        the pool grants those GPUs access when it is made. Only VMM segments
+        go (``segment_memory``): pool memory imported on another GPU breaks
+        the importer's CUDA context once its owner dies, and buffers imported
+        one by one broke it under stress (docs/gpu-checks.md). ``auto`` (the
+        default) means on with segments; :class:`~dask_gpupool._pool.Pool`
+        turns it off when the GPU cannot make VMM segments. Off, such
+        transfers get copies, counted as fallback ``other-gpu``.
     """
 
     kind: PoolKind = "auto"
@@ -162,6 +171,7 @@ class PoolOptions:
     peer_gpu_handoff: bool = True
     segment_size: int = 1 << 30
     suballocator: str = "auto"
+    segment_memory: str = "auto"
     import_limit: int = 5 << 30
     cupy_allocator: bool = False
     copy_chunk_size: int = 16 << 20
@@ -200,6 +210,17 @@ class PoolOptions:
         suballocator = raw.get("suballocator", "auto")
         if suballocator not in ("auto", "rmm", "arena"):
             raise ConfigError(f"gpupool.suballocator={suballocator!r} is not a suballocator; valid: auto, rmm, arena")
+        segment_memory = raw.get("segment-memory", "auto")
+        if segment_memory not in ("auto", "vmm", "pool"):
+            raise ConfigError(f"gpupool.segment-memory={segment_memory!r} is not valid; valid: auto, vmm, pool")
+        if peer_gpu_handoff and peer != "auto" and (segment_memory == "pool" or not segment_size):
+            raise ConfigError(
+                "gpupool.peer-gpu-handoff=true needs segments of VMM memory (gpupool.segment-size > 0 and "
+                f"gpupool.segment-memory auto or vmm; got {segment_size} and {segment_memory!r}): pool memory "
+                "read from another GPU breaks the reader's CUDA context once its owner's process dies"
+            )
+        if peer == "auto" and segment_memory == "pool":
+            peer_gpu_handoff = False
         import_limit = _parse_nbytes(raw.get("import-limit", "5 GiB"), "gpupool.import-limit")
         if import_limit and segment_size > import_limit:
             segment_size = import_limit  # a larger segment could not be mapped by any peer
@@ -214,6 +235,7 @@ class PoolOptions:
             peer_gpu_handoff=peer_gpu_handoff,
             segment_size=segment_size,
             suballocator=suballocator,
+            segment_memory=segment_memory,
             import_limit=import_limit,
             cupy_allocator=_parse_bool(raw.get("cupy-allocator", False), "gpupool.cupy-allocator"),
             copy_chunk_size=_parse_nbytes(raw.get("copy-chunk-size", "16 MiB"), "gpupool.copy-chunk-size"),

@@ -237,6 +237,19 @@ class PeerLink:
             raise
         return reply, fd
 
+    def request_segment_fd(self, pool: str, segment: int) -> tuple[HandleReply, int]:
+        """The fd of VMM segment ``segment`` of ``pool`` (**caller closes it**) and the broker's reply."""
+        context = f"broker {self.address} (pool {pool}, segment {segment})"
+        msg, fd = self._exchange(HandleRequest(pool, segment), context)
+        try:
+            reply = HandleReply.from_msg(msg)
+            if reply.pool != pool or reply.segment != segment:
+                raise ProtocolError(f"{context}: reply names pool {reply.pool}, segment {reply.segment}")
+        except BaseException:
+            os.close(fd)
+            raise
+        return reply, fd
+
     def fetch_copy(self, lease: int) -> tuple[CopyReply, int]:
         """A memfd holding a host copy of leased buffer ``lease`` (**caller closes it**)."""
         context = f"broker {self.address} (lease {lease})"

@@ -95,7 +95,7 @@ class MappedPool:
     orphaned: bool
     retire_below: int
     _shared: dict[tuple[bytes, int, int], list[Any]]
-    _segments: dict[bytes, list[Any]]
+    _segments: dict[int, list[Any]]
     _closed: bool
 
     def __init__(self, record: PoolRecord, resource: Any, device: int | None) -> None:
@@ -106,7 +106,7 @@ class MappedPool:
         self.orphaned = False  # the owner left; close when the last import goes
         self.retire_below = record.retire_below
         self._shared = {}
-        self._segments = {}  # payload -> [import, users, segment id, leases claimed on it in all]
+        self._segments = {}  # segment id -> [import, users, segment id, leases claimed on it in all]
         self._closed = False
 
     @property
@@ -207,7 +207,9 @@ class MappedPool:
         with IMPORT_LOCK:
             return Buffer.from_ipc_descriptor(self.resource, ipc_desc, stream=dev.default_stream)
 
-    def acquire(self, desc: BufferDescriptor, claimed: bool = True) -> tuple[tuple[bytes, int, int], Buffer, int]:
+    def acquire(
+        self, desc: BufferDescriptor, claimed: bool = True, segment_fd: Callable[[], int] | None = None
+    ) -> tuple[tuple[Any, int, int], Any, int]:
         """Import ``desc``'s buffer, or share the live import of the same allocation.
 
         One allocation is imported at most once per process at a time: a
@@ -215,30 +217,21 @@ class MappedPool:
         would unmap the memory under the first (Dask can fetch one key twice,
         e.g. after the AMM dropped a replica). A segment (``desc.extent``) is
         imported on first use and kept mapped until the owner retires it
-        (:meth:`retire`) or :meth:`close`. ``claimed``: the caller claims a
-        lease for this import (counted per segment for ``SegmentRelease``).
-        Returns a key for :meth:`unshare`, the import, and the buffer's address.
+        (:meth:`retire`) or :meth:`close`; a VMM segment (no payload) is
+        mapped from the fd ``segment_fd()`` returns (fetched from the owner's
+        broker, outside the import lock; closed here). ``claimed``: the caller
+        claims a lease for this import (counted per segment for
+        ``SegmentRelease``). Returns a key for :meth:`unshare`, the import,
+        and the buffer's address.
 
         Raises
         ------
         ProtocolError
             If the descriptor does not fit this pool.
         """
+        if desc.extent:
+            return self._acquire_segment(desc, claimed, segment_fd)
         with IMPORT_LOCK:
-            if desc.extent:
-                if self.record.kind != "device" or len(desc.payload) != BufferDescriptor.PAYLOAD_BYTES:
-                    raise ProtocolError(f"segment descriptor given to a {self.record.kind} pool mapping")
-                if desc.extent > self.record.max_size or desc.offset + desc.size > desc.extent:
-                    raise ProtocolError(f"segment of {desc.extent} bytes does not fit pool {self.record.pool}")
-                if self._closed:
-                    raise PoolClosedError(f"mapping of pool {self.record.pool} is closed")
-                seg = self._segments.get(desc.payload)
-                if seg is None:
-                    seg = self._segments[desc.payload] = [self._import(desc.payload, desc.extent), 0, desc.segment, 0]
-                seg[1] += 1
-                seg[3] += int(claimed)
-                self.imports += 1
-                return (desc.payload, 0, _SEGMENT), seg[0], int(seg[0].handle) + desc.offset
             key = (desc.payload, desc.offset, desc.size)
             entry = self._shared.get(key)
             if entry is not None:
@@ -250,7 +243,49 @@ class MappedPool:
             self.imports += 1
             return key, raw, int(raw.handle)
 
-    def unshare(self, key: tuple[bytes, int, int]) -> tuple[Buffer | None, tuple[int, int] | None]:
+    def _acquire_segment(
+        self, desc: BufferDescriptor, claimed: bool, segment_fd: Callable[[], int] | None
+    ) -> tuple[tuple[Any, int, int], Any, int]:
+        vmm = not desc.payload
+        if self.record.kind != "device" or len(desc.payload) not in (0, BufferDescriptor.PAYLOAD_BYTES):
+            raise ProtocolError(f"segment descriptor given to a {self.record.kind} pool mapping")
+        if desc.extent > self.record.max_size or desc.offset + desc.size > desc.extent:
+            raise ProtocolError(f"segment of {desc.extent} bytes does not fit pool {self.record.pool}")
+        if vmm and (segment_fd is None or self.device is None):
+            raise ProtocolError(f"segment {desc.segment} of pool {self.record.pool}: no way to fetch and map it")
+        for attempt in (0, 1):
+            fresh = None
+            with IMPORT_LOCK:
+                if self._closed:
+                    raise PoolClosedError(f"mapping of pool {self.record.pool} is closed")
+                seg = self._segments.get(desc.segment)
+                if seg is None and not vmm:
+                    seg = self._segments[desc.segment] = [self._import(desc.payload, desc.extent), 0, desc.segment, 0]
+                if seg is not None:
+                    seg[1] += 1
+                    seg[3] += int(claimed)
+                    self.imports += 1
+                    return (desc.segment, 0, _SEGMENT), seg[0], int(seg[0].handle) + desc.offset
+            if attempt:
+                break
+            assert segment_fd is not None and self.device is not None
+            fd = segment_fd()  # a broker round trip: not under the import lock
+            try:
+                from dask_gpupool._vmm import VmmMapping
+
+                current_gpu(self.device)
+                fresh = VmmMapping.open(fd, desc.extent, self.device)
+            finally:
+                os.close(fd)
+            with IMPORT_LOCK:
+                if not self._closed and desc.segment not in self._segments:
+                    self._segments[desc.segment] = [fresh, 0, desc.segment, 0]
+                    fresh = None
+            if fresh is not None:  # another thread mapped it meanwhile, or the mapping closed
+                fresh.close()
+        raise PoolClosedError(f"mapping of pool {self.record.pool} is closed")
+
+    def unshare(self, key: tuple[Any, int, int]) -> tuple[Buffer | None, tuple[int, int] | None]:
         """Drop one user of a shared import; return the import to close when it was the last.
 
         Segments stay mapped, unless retiring and this was their last user:

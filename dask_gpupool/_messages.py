@@ -214,7 +214,9 @@ class BufferDescriptor:
         Bytes of the buffer.
     payload : bytes
         CUDA kinds: the 64-byte ``cuMemPoolExportPointer`` data of the
-        allocation holding the buffer. ``host``: empty.
+        allocation holding the buffer. ``host``, and segments of VMM memory
+        (whose fd the peer fetches from the owner's broker by ``segment``):
+        empty.
     offset : int
         ``host``: byte offset inside the pool's memfd. CUDA kinds: offset
         inside the segment ``payload`` describes (0 without segments).
@@ -259,7 +261,7 @@ class BufferDescriptor:
         extent = _field(m, "extent", int, what)
         if size < 0 or offset < 0 or extent < 0:
             raise ProtocolError(f"{what}: negative size, offset or extent")
-        if extent and (not payload or offset + size > extent):
+        if extent and offset + size > extent:
             raise ProtocolError(f"{what}: {size} bytes at offset {offset} do not fit a segment of {extent} bytes")
         segment = _field(m, "segment", int, what)
         if segment < 0 or bool(segment) != bool(extent):
@@ -323,45 +325,60 @@ class RegistryUpdate:
 
 @dataclass(frozen=True)
 class HandleRequest:
-    """Broker request: send me the allocation handle (fd) of pool ``pool``."""
+    """Broker request: send me the shareable handle (fd) of pool ``pool``, or of its segment ``segment``.
+
+    ``segment`` 0 asks for the pool's own handle; a positive id for one of
+    its VMM segments (a descriptor with an ``extent`` and no payload).
+    """
 
     pool: str
+    segment: int = 0
     op: ClassVar[str] = "pool-handle"
 
     def to_msg(self) -> dict[str, Any]:
-        return {"op": self.op, "pool": self.pool}
+        return {"op": self.op, "pool": self.pool, "segment": self.segment}
 
     @classmethod
     def from_msg(cls, msg: object) -> HandleRequest:
         what = "broker request"
         m = _message(msg, cls.op, what)
-        return cls(pool=_uuid_str(_field(m, "pool", str, what), what))
+        segment = _field(m, "segment", int, what) if "segment" in m else 0
+        if segment < 0:
+            raise ProtocolError(f"{what}: negative segment id")
+        return cls(pool=_uuid_str(_field(m, "pool", str, what), what), segment=segment)
 
 
 @dataclass(frozen=True)
 class HandleReply:
-    """Broker reply announcing that the next message carries the pool's fd.
+    """Broker reply announcing that the next message carries the fd asked for.
 
     The fd itself travels in a message of its own (one byte of payload, the
-    fd as SCM_RIGHTS ancillary data), right after this one.
+    fd as SCM_RIGHTS ancillary data), right after this one. ``size``: the
+    pool's ``max_size``, or the segment's size.
     """
 
     pool: str
     kind: str
     size: int
+    segment: int = 0
     op: ClassVar[str] = "pool-handle-ok"
 
     def to_msg(self) -> dict[str, Any]:
-        return {"op": self.op, "pool": self.pool, "kind": self.kind, "size": self.size}
+        return {"op": self.op, "pool": self.pool, "kind": self.kind, "size": self.size, "segment": self.segment}
 
     @classmethod
     def from_msg(cls, msg: object) -> HandleReply:
         what = "broker reply"
         m = _message(msg, cls.op, what)
+        size = _field(m, "size", int, what)
+        segment = _field(m, "segment", int, what) if "segment" in m else 0
+        if size < 0 or segment < 0:
+            raise ProtocolError(f"{what}: negative size or segment id")
         return cls(
             pool=_uuid_str(_field(m, "pool", str, what), what),
             kind=_field(m, "kind", str, what),
-            size=_field(m, "size", int, what),
+            size=size,
+            segment=segment,
         )
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dask_gpupool._config import PoolOptions
-from dask_gpupool._errors import ConfigError, PoolClosedError, PoolExhaustedError
+from dask_gpupool._errors import ConfigError, PoolClosedError, PoolExhaustedError, UnknownPoolError
 from dask_gpupool._host_memory import SharedHostMemoryResource
 from dask_gpupool._messages import BufferDescriptor
 from dask_gpupool._topology import LocalDevices, current_gpu, device_memory, host_memory
@@ -64,6 +64,38 @@ class PoolStats:
             "reserved_high": self.reserved_high,
             "max_size": self.max_size,
         }
+
+
+def _no_payload(buf: Buffer) -> bytes:
+    """VMM segments carry no payload: peers fetch the segment's fd by id."""
+    return b""
+
+
+def _segment_memory(options: PoolOptions, ordinal: int, size: int) -> Any:
+    """The :class:`~dask_gpupool._vmm.VmmMemoryResource` segments come from, or ``None`` for pool memory.
+
+    Raises
+    ------
+    ConfigError
+        For ``segment-memory: vmm`` on a GPU without VMM fd export.
+    """
+    if not options.segment_size or options.segment_memory == "pool":
+        return None
+    from dask_gpupool._vmm import VmmMemoryResource, vmm_supported
+
+    if not vmm_supported(ordinal):
+        if options.segment_memory == "vmm":
+            raise ConfigError(
+                f"gpupool.segment-memory='vmm': GPU {ordinal} cannot export virtual memory as POSIX fds; "
+                "valid here: 'pool' (or 'auto')"
+            )
+        logger.warning(
+            "GPU %d cannot export virtual memory as POSIX fds: segments are pool memory and workers on "
+            "other GPUs get copies (gpupool.segment-memory)",
+            ordinal,
+        )
+        return None
+    return VmmMemoryResource(ordinal, size)
 
 
 def ipc_payload(buf: Buffer) -> bytes:
@@ -207,7 +239,11 @@ class Pool:
 
             resource = DeviceMemoryResource(dev, DeviceMemoryResourceOptions(ipc_enabled=True, max_size=size))
             try:
-                peers = grant_peers(resource, ordinal, devices) if options.peer_gpu_handoff else ()
+                memory = _segment_memory(options, ordinal, size)
+                # Cross-GPU handoffs only of VMM segments: a peer on another GPU reading pool memory
+                # after its owner died gets CUDA_ERROR_CONTAINED (dask_gpupool._vmm).
+                cross = options.peer_gpu_handoff and memory is not None
+                peers = grant_peers(resource, ordinal, devices) if cross else ()
             except BaseException:
                 resource.close()
                 raise
@@ -215,7 +251,12 @@ class Pool:
                 from dask_gpupool._segments import SegmentedResource
 
                 resource = SegmentedResource(
-                    resource, min(options.segment_size, size), ordinal, ipc_payload, options.suballocator
+                    resource,
+                    min(options.segment_size, size),
+                    ordinal,
+                    ipc_payload if memory is None else _no_payload,
+                    options.suballocator,
+                    memory,
                 )
             return cls(kind, resource, size, ordinal, devices.uuids[ordinal], peers)
         else:
@@ -233,6 +274,22 @@ class Pool:
         except BaseException:
             resource.close()
             raise
+
+    def segment_fd(self, segment: int) -> tuple[int, int]:
+        """A new fd of one of this pool's VMM segments and its size; the **caller closes the fd**.
+
+        Raises
+        ------
+        UnknownPoolError
+            If the pool has no such segment (or no segments exported by fd).
+        """
+        if self._closed:
+            raise PoolClosedError(f"pool {self.uuid} is closed")
+        segment_fd = getattr(self.resource, "segment_fd", None)
+        if segment_fd is None:
+            raise UnknownPoolError(f"pool {self.uuid} has no segments")
+        fd, size = segment_fd(segment)
+        return int(fd), int(size)
 
     def allocation_handle(self) -> int:
         """The pool's shareable fd. Owned by the pool: callers must not close it."""

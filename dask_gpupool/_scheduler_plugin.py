@@ -82,6 +82,9 @@ class GPUPool(SchedulerPlugin):
         Segments of ``device`` pools, e.g. ``"1 GiB"``; 0 for none (``gpupool.segment-size``).
     suballocator : {"auto", "rmm", "arena"}, optional
         What places buffers inside segments (``gpupool.suballocator``).
+    segment_memory : {"auto", "vmm", "pool"}, optional
+        What segments are made of (``gpupool.segment-memory``): ``vmm`` memory
+        stays readable by peers after its owner died.
     import_limit : int or str, optional
         Largest CUDA allocation handed over zero-copy (``gpupool.import-limit``).
     cupy_allocator : bool, optional
@@ -139,6 +142,7 @@ class GPUPool(SchedulerPlugin):
         peer_gpu_handoff: bool | str | None = None,
         segment_size: int | str | None = None,
         suballocator: str | None = None,
+        segment_memory: str | None = None,
         import_limit: int | str | None = None,
         cupy_allocator: bool | None = None,
         copy_chunk_size: int | str | None = None,
@@ -158,6 +162,7 @@ class GPUPool(SchedulerPlugin):
                 peer_gpu_handoff=peer_gpu_handoff,
                 segment_size=segment_size,
                 suballocator=suballocator,
+                segment_memory=segment_memory,
                 import_limit=import_limit,
                 cupy_allocator=cupy_allocator,
                 copy_chunk_size=copy_chunk_size,

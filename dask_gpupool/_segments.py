@@ -71,7 +71,7 @@ from typing import TYPE_CHECKING, Any
 from cuda.core import MemoryResource
 
 from dask_gpupool._arena import Arena
-from dask_gpupool._errors import PoolClosedError, PoolExhaustedError
+from dask_gpupool._errors import PoolClosedError, PoolExhaustedError, UnknownPoolError
 from dask_gpupool._pool import keep_until_exit
 
 if TYPE_CHECKING:
@@ -198,10 +198,16 @@ class SegmentedResource(MemoryResource):
     device : int or None
         Ordinal of the GPU the upstream pool lives on (``None`` for host memory).
     payload_of : callable
-        Returns a segment Buffer's IPC payload (bytes).
+        Returns a segment Buffer's IPC payload (bytes); ``b""`` for segments
+        that peers fetch by id (VMM).
     suballocator : {"auto", "rmm", "arena"}
         What places buffers inside segments; ``"auto"``: RMM on a GPU when it
         imports, else the arena.
+    memory : cuda.core.MemoryResource, optional
+        Where segments come from, when not ``upstream`` itself: a
+        :class:`~dask_gpupool._vmm.VmmMemoryResource`, whose memory outlives
+        this process for peers that map it (owned from now on). ``upstream``
+        then only names the pool (UUID, shareable handle).
 
     Notes
     -----
@@ -211,6 +217,7 @@ class SegmentedResource(MemoryResource):
     """
 
     upstream: Any
+    memory: Any
     segment_size: int
     suballocator: str
     retire_below: int
@@ -234,7 +241,13 @@ class SegmentedResource(MemoryResource):
     _rmm_streams: dict[int, Any]
 
     def __init__(
-        self, upstream: Any, segment_size: int, device: int | None, payload_of: Any, suballocator: str = "auto"
+        self,
+        upstream: Any,
+        segment_size: int,
+        device: int | None,
+        payload_of: Any,
+        suballocator: str = "auto",
+        memory: Any = None,
     ) -> None:
         if segment_size <= 0:
             raise ValueError(f"segment_size must be positive, got {segment_size}")
@@ -245,6 +258,7 @@ class SegmentedResource(MemoryResource):
         elif suballocator == "rmm" and (device is None or not rmm_available()):
             raise ValueError("suballocator='rmm' needs a GPU and the rmm package (pip install rmm-cu12 or rmm-cu13)")
         self.upstream = upstream
+        self.memory = upstream if memory is None else memory
         self.segment_size = -(-segment_size // SEGMENT_ALIGNMENT) * SEGMENT_ALIGNMENT
         self.suballocator = suballocator
         self.retire_below = 0
@@ -389,6 +403,28 @@ class SegmentedResource(MemoryResource):
         """How many segments the resource holds."""
         return len(self._segments)
 
+    @property
+    def exports_segments(self) -> bool:
+        """Whether peers map segments by fd (VMM) rather than through the pool's handle."""
+        return self.memory is not self.upstream
+
+    def segment_fd(self, segment_id: int) -> tuple[int, int]:
+        """A new fd of segment ``segment_id`` and its size, for a peer; the **caller closes the fd**.
+
+        Raises
+        ------
+        UnknownPoolError
+            If there is no such segment (never made, or freed) or segments are
+            not exported by fd here.
+        """
+        if not self.exports_segments:
+            raise UnknownPoolError("this pool's segments are mapped through the pool, not by fd")
+        with self._lock:  # a segment is unregistered under the lock before it is freed
+            seg = self._by_id.get(segment_id)
+            if seg is None:
+                raise UnknownPoolError(f"segment {segment_id} is not in this pool (freed, or never made)")
+            return self.memory.export_fd(seg.base), seg.size
+
     # -- the retire protocol (owner's side) ----------------------------------------------
 
     def retire(self) -> int:
@@ -463,6 +499,8 @@ class SegmentedResource(MemoryResource):
         if segments:
             keep_until_exit(seg.buffer for seg in segments)
             logger.info("closing with %d segment(s) a peer may still map: kept until this process exits", len(segments))
+        if self.memory is not self.upstream:
+            self.memory.close()
         self.upstream.close()
 
     # -- internals -----------------------------------------------------------------------
@@ -555,7 +593,7 @@ class SegmentedResource(MemoryResource):
         if stream is None and self._device is not None:
             stream = self._home()
         try:
-            buf = self.upstream.allocate(size, stream=stream)
+            buf = self.memory.allocate(size, stream=stream)
         except Exception as e:
             if not isinstance(e, PoolExhaustedError) and "OUT_OF_MEMORY" not in str(e):
                 raise
@@ -563,7 +601,8 @@ class SegmentedResource(MemoryResource):
                 raise MemoryError(str(e)) from None  # RMM tries a smaller segment, then gives up
             raise self._exhausted(size, e) from None
         with self._lock:
-            seg = Segment(buf, int(buf.handle), size, self._payload_of(buf), self._next_id, own=own)
+            # VMM rounds up to its granularity: the segment is what was made
+            seg = Segment(buf, int(buf.handle), max(size, int(buf.size)), self._payload_of(buf), self._next_id, own=own)
             self._next_id += 1
             if own:
                 seg.live = 1

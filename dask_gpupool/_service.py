@@ -29,7 +29,7 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from dask_gpupool._broker import FdBroker
@@ -331,8 +331,22 @@ class PoolService:
         mapped = self.map_peer(desc.pool)
         if not desc.extent:
             return mapped.import_buffer(desc)
-        key, raw, ptr = mapped.acquire(desc, claimed=False)
+        key, raw, ptr = mapped.acquire(desc, claimed=False, segment_fd=self._segment_fetcher(mapped.record, desc))
         return _view(ImportedMemoryResource(raw, key, mapped, lambda event, segment: None), mapped, ptr, desc.size)
+
+    def _segment_fetcher(self, record: PoolRecord, desc: BufferDescriptor) -> Callable[[], int]:
+        """What fetches the fd of ``desc``'s VMM segment from its owner's broker (the caller closes the fd)."""
+
+        def fetch() -> int:
+            reply, fd = self.link(record).request_segment_fd(desc.pool, desc.segment)
+            if reply.size < desc.extent:
+                os.close(fd)
+                raise ProtocolError(
+                    f"pool {desc.pool}: segment {desc.segment} has {reply.size} bytes, the descriptor {desc.extent}"
+                )
+            return fd
+
+        return fetch
 
     def link(self, record: PoolRecord) -> PeerLink:
         """This worker's connection to ``record``'s broker, opened on first use (or after it broke)."""
@@ -559,7 +573,7 @@ class PoolService:
             raise DataLostError(f"pool {desc.pool} of worker {record.worker}: {e}") from e
         try:
             mapped = self.map_peer(desc.pool)
-            key, raw, ptr = mapped.acquire(desc)
+            key, raw, ptr = mapped.acquire(desc, segment_fd=self._segment_fetcher(record, desc))
         except Exception as e:  # GPUPoolError, CUDA errors: the copy path still works
             self.handoffs.fallback(record.worker, "import-failed", self.record.worker, f"{type(e).__name__}: {e}")
             return self.fetch_copy(header, record, link)
@@ -922,6 +936,12 @@ class _ExportSide:
         if pool != self._pool.uuid or self._pool.closed:
             return None
         return self._pool.allocation_handle(), HandleReply(self._pool.uuid, self._pool.kind, self._pool.max_size)
+
+    def segment_handle(self, pool: str, segment: int, importer: str) -> tuple[int, HandleReply]:
+        if pool != self._pool.uuid:
+            raise UnknownPoolError(f"pool {pool} is not served by this broker")
+        fd, size = self._pool.segment_fd(segment)
+        return fd, HandleReply(self._pool.uuid, self._pool.kind, size, segment)
 
     def claim(self, leases: Iterable[int], importer: str) -> list[int]:
         segments: list[int] = []

@@ -250,6 +250,33 @@ def test_link_checks_the_broker_pid_before_it_sends_the_token(broker, no_fd_leak
     _reply, fd = link.request_pool_fd(POOL)
     os.close(fd)
     link.close()
+    wait_closed(broker)
+
+
+def wait_closed(broker: FdBroker) -> None:
+    """Wait until the broker (in this process, on its own thread) closed its ends of every connection."""
+    deadline = time.monotonic() + 5
+    while broker.connections and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert broker.connections == 0
+
+
+def test_a_segment_handle_is_asked_for_by_a_named_worker_only(memfd, tmp_path, no_fd_leak):
+    """Segment fds (VMM segments) go to connections that named a worker; a broker without segments says so."""
+    broker = FdBroker(lambda p: (memfd, HandleReply(POOL, "host", 4096)), str(tmp_path), 1.0, POOL, TOKEN)
+    link = PeerLink(broker.address, 5, TOKEN, "tcp://10.0.0.1:4000", expected_pid=os.getpid())
+    with pytest.raises(UnknownPoolError, match="pool handles only"):
+        link.request_segment_fd(POOL, 3)
+    _reply, fd = link.request_pool_fd(POOL)  # the link still works
+    os.close(fd)
+    link.close()
+    anonymous = PeerLink(broker.address, 5, TOKEN, expected_pid=os.getpid())
+    with pytest.raises(PeerLostError):
+        anonymous.request_segment_fd(POOL, 3)  # closed without an answer
+    anonymous.close()
+    wait_closed(broker)
+    assert broker.refused == 1
+    broker.close()  # it watched this process (the named link's): that pidfd goes with it
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="a listener of another uid needs root (a process of ours cannot fake one)")

@@ -69,13 +69,25 @@ def test_config_values_and_overrides():
     assert PoolOptions.from_config(cupy_allocator="true").cupy_allocator is True
     no_segments = PoolOptions.from_config(segment_size=0)
     assert no_segments.segment_size == 0 and no_segments.peer_gpu_handoff is False
-    assert PoolOptions.from_config(segment_size=0, peer_gpu_handoff=True).peer_gpu_handoff is True
     assert PoolOptions.from_config(peer_gpu_handoff="false").peer_gpu_handoff is False
     assert PoolOptions.from_config(suballocator="arena").suballocator == "arena"
     assert options.import_limit == 5 * 2**30
     assert PoolOptions.from_config(import_limit=0, segment_size="8 GiB").segment_size == 8 * 2**30
     assert (options.copy_chunk_size, options.copy_stream_threshold, options.copy_streams) == (16 << 20, 4 << 20, 4)
     assert PoolOptions.from_config(copy_streams="2", copy_chunk_size=0).copy_streams == 2
+
+
+def test_cross_gpu_handoffs_need_segments_of_vmm_memory():
+    """Pool memory read from another GPU after its owner died breaks the reader (dask_gpupool._vmm)."""
+    assert PoolOptions.from_config().segment_memory == "auto"
+    pool_memory = PoolOptions.from_config(segment_memory="pool")
+    assert pool_memory.segment_memory == "pool" and pool_memory.peer_gpu_handoff is False
+    assert PoolOptions.from_config(segment_memory="vmm").peer_gpu_handoff is True
+    for bad in ({"segment_memory": "pool", "peer_gpu_handoff": True}, {"segment_size": 0, "peer_gpu_handoff": "true"}):
+        with pytest.raises(ConfigError, match="peer-gpu-handoff=true needs segments of VMM memory"):
+            PoolOptions.from_config(**bad)
+    with pytest.raises(ConfigError, match=r"gpupool\.segment-memory='cuda'.*valid: auto, vmm, pool"):
+        PoolOptions.from_config(segment_memory="cuda")
 
 
 def test_segments_are_at_most_the_import_limit():

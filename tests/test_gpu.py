@@ -155,7 +155,7 @@ def test_concurrent_handoffs_across_gpus_while_the_producer_allocates():
         back_to(c, baseline)
 
 
-def test_handoff_to_another_gpu_is_zero_copy_by_default_and_copied_without_segments():
+def test_handoff_to_another_gpu_is_zero_copy_by_default_and_copied_without_vmm_segments():
     gpus(2)
     with nanny_cluster(ROTATED, GPUPool(kind="device", max_size="2 GiB")) as c:  # segments on: peers granted
         assert all(len(r.peers) == 1 for r in dask_gpupool.pools(c))
@@ -165,7 +165,13 @@ def test_handoff_to_another_gpu_is_zero_copy_by_default_and_copied_without_segme
         assert c.submit(T.all_equal, y, 9, workers=[b], pure=False).result()
         got = c.run(T.handoff_counters)
         assert got[b]["zero_copy_bytes"] == 16 * MiB and got[b]["copied_bytes"] == 0, got
-    with nanny_cluster(ROTATED, GPUPool(kind="device", max_size="2 GiB", segment_size=0)) as c:
+    for options in ({"segment_size": 0}, {"segment_memory": "pool"}):
+        copied_to_another_gpu(**options)
+
+
+def copied_to_another_gpu(**options) -> None:
+    """Without VMM segments a handoff to a worker on another GPU is a copy (fallback ``other-gpu``)."""
+    with nanny_cluster(ROTATED, GPUPool(kind="device", max_size="2 GiB", **options)) as c:
         assert all(r.peers == () for r in dask_gpupool.pools(c))
         a, b = worker_addresses(c)
         x = c.submit(T.fill, 16 * MiB, 9, workers=[a], pure=False)
@@ -173,6 +179,48 @@ def test_handoff_to_another_gpu_is_zero_copy_by_default_and_copied_without_segme
         assert c.submit(T.all_equal, y, 9, workers=[b], pure=False).result()
         got = c.run(T.handoff_counters)
         assert got[b]["copied_bytes"] == 16 * MiB and got[a]["fallbacks"] == {"other-gpu": 1}
+
+
+def test_vmm_memory_outlives_its_maker_for_an_importer():
+    """VmmMemoryResource + VmmMapping in one process: the import holds its own reference to the memory."""
+    gpus(1)
+    from cuda.core import Device
+
+    from dask_gpupool._vmm import VmmMapping, VmmMemoryResource, vmm_supported
+
+    dev = Device(0)
+    dev.set_current()
+    if not vmm_supported(0):
+        pytest.skip("GPU 0 cannot export virtual memory as POSIX fds")
+    res = VmmMemoryResource(0, 64 * MiB)
+    buf = res.allocate(3 * MiB)
+    assert buf.size == res.round(3 * MiB) and res.used == buf.size
+    T.set_all(buf, 9)
+    fd = res.export_fd(int(buf.handle))
+    try:
+        mapping = VmmMapping.open(fd, buf.size, 0)
+    finally:
+        os.close(fd)
+    buf.close(dev.default_stream)  # the maker lets go first
+    assert res.used == 0
+    import cupy
+
+    mem = cupy.cuda.UnownedMemory(mapping.handle, mapping.size, mapping, device_id=0)
+    arr = cupy.ndarray((mapping.size,), cupy.uint8, cupy.cuda.MemoryPointer(mem, 0))
+    refill = [res.allocate(8 * MiB) for _ in range(6)]  # new allocations get other memory
+    for r in refill:
+        T.set_all(r, 1)
+    assert bool((arr == 9).all())
+    mapping.close(dev.default_stream)
+    with pytest.raises(dask_gpupool.PoolExhaustedError, match="of 67108864 bytes in use"):
+        res.allocate(32 * MiB)
+    with pytest.raises(KeyError):
+        res.export_fd(12345)
+    for r in refill:
+        r.close()
+    res.close()
+    with pytest.raises(dask_gpupool.PoolClosedError):
+        res.allocate(MiB)
 
 
 def test_rmm_places_buffers_in_segments_and_retiring_frees_them():
@@ -375,19 +423,6 @@ def test_stress_producers_release_while_consumers_read_one_gpu():
         assert stress(c, 20, 16 * MiB) > 5
 
 
-@pytest.mark.xfail(
-    reason="known fault (docs/gpu-checks.md): without segments, each buffer imported on its own, cross-GPU handoffs "
-    "with releases and reuse break the consumer's CUDA context within seconds on two H200s; with segments the same "
-    "stress passes (test_stress_with_segments_two_gpus)",
-    strict=False,
-)
-def test_stress_producers_release_while_consumers_read_two_gpus():
-    gpus(2)
-    plugin = GPUPool(kind="device", max_size="4 GiB", segment_size=0, peer_gpu_handoff=True)
-    with nanny_cluster(ROTATED, plugin) as c:
-        assert stress(c, 20, 16 * MiB) > 5
-
-
 # -- faults on GPU pools (issue 5) --------------------------------------------------------
 
 
@@ -402,10 +437,15 @@ def test_sigkill_of_the_consumer_releases_its_leases_on_a_device_pool():
         wait_for(lambda: counters(c, a)[a]["used"] == 0, what="A's pool bytes to return")
 
 
-def test_sigkill_of_the_producer_leaves_the_consumers_device_mapping_readable():
-    gpus(1)
+@pytest.mark.parametrize("layout", ["one-gpu", "two-gpus"])
+def test_sigkill_of_the_producer_leaves_the_consumers_device_mapping_readable(layout):
+    """A's process dies while B holds an import: B still reads A's bytes, even once A's GPU memory is reused.
 
-    with nanny_cluster([ONE_GPU, ONE_GPU], GPUPool(kind="device", max_size="1 GiB")) as c:
+    Across GPUs this needs VMM segments (the default): pool memory read from another GPU after its
+    owner died gave CUDA_ERROR_CONTAINED (benchmarks/exporter_death.py, the chaos run on two H200s).
+    """
+    workers = layout_workers(layout)
+    with nanny_cluster(workers, GPUPool(kind="device", max_size="1 GiB")) as c:
         a, b = worker_addresses(c)
         # B checks a buffer of its own first: CuPy is loaded before the baseline
         own = c.submit(T.fill, MiB, 1, workers=[b], pure=False)
@@ -417,7 +457,12 @@ def test_sigkill_of_the_producer_leaves_the_consumers_device_mapping_readable():
         y = c.submit(T.keep, x, workers=[b], pure=False)
         assert c.submit(T.describe, y, workers=[b], pure=False).result()["imported"]
         os.kill(pid_of(c, a), signal.SIGKILL)
-        # the dead exporter's memory stays mapped and right until B lets go (shared/GPU.md)
+        # the dead exporter's memory stays mapped and right until B lets go
+        assert c.submit(T.all_equal, y, 6, workers=[b], pure=False).result()
+        wait_for(lambda: len(worker_addresses(c)) == 2 and a not in worker_addresses(c), what="A's restart")
+        (a2,) = [w for w in worker_addresses(c) if w != b]
+        # A's successor fills most of the GPU A used: the memory under B's import is not handed out again
+        c.submit(T.scribble_all, 768 * MiB, 0x55, workers=[a2], pure=False).result()
         assert c.submit(T.all_equal, y, 6, workers=[b], pure=False).result()
         del x, y
         back_to(c, base_b, workers=[b])

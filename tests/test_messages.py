@@ -63,8 +63,28 @@ def test_malformed_segment_release_is_a_protocol_error(segments):
 
 
 def test_broker_messages_round_trip():
-    for m in (HandleRequest(POOL), HandleReply(POOL, "host", 10)):
+    for m in (
+        HandleRequest(POOL),
+        HandleReply(POOL, "host", 10),
+        HandleRequest(POOL, 3),
+        HandleReply(POOL, "device", 10, 3),
+    ):
         assert type(m).from_msg(decode(encode(m))) == m
+    # a peer of the previous release sends no segment: it asks for the pool's handle
+    assert HandleRequest.from_msg({"op": "pool-handle", "pool": POOL}) == HandleRequest(POOL)
+    for bad in ({"segment": -1}, {"segment": "1"}):
+        with pytest.raises(ProtocolError):
+            HandleRequest.from_msg({**HandleRequest(POOL).to_msg(), **bad})
+    with pytest.raises(ProtocolError, match="negative"):
+        HandleReply.from_msg({**HandleReply(POOL, "device", 10, 3).to_msg(), "segment": -2})
+
+
+def test_a_vmm_segment_descriptor_carries_no_payload():
+    """A segment of VMM memory is named by its id: the peer fetches its fd from the owner's broker."""
+    desc = BufferDescriptor(POOL, 8, b"", 4096, 1 << 21, 3)
+    assert BufferDescriptor.from_msg(wire(desc.to_msg())) == desc
+    with pytest.raises(ProtocolError, match="do not fit"):
+        BufferDescriptor.from_msg({**desc.to_msg(), "offset": 1 << 21})
 
 
 def test_copy_path_messages_round_trip_and_refuse_bad_fields():
