@@ -283,7 +283,7 @@ def main() -> None:
             chaos.stop()
         elapsed = time.monotonic() - t0
         try:
-            client.wait_for_workers(args.workers, timeout=120)
+            client.wait_for_workers(args.workers, timeout=30)
         except Exception as e:  # SpecCluster sometimes closes a Nanny whose worker was killed as it started
             print(f"not every worker came back: {e}; comparing the ones that did", flush=True)
         result["workers_at_end"] = sorted(names(client).values())

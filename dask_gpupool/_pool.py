@@ -4,7 +4,8 @@
 kind       memory resource                                        shared as
 =========  =====================================================  ==========================
 device     cuda.core ``DeviceMemoryResource(ipc_enabled=True)``   CUDA pool fd + 64-byte
-                                                                  pointer export per buffer
+           (with segments: :class:`SegmentedResource` over         pointer export per buffer;
+           :class:`~dask_gpupool._vmm.VmmMemoryResource`)          segments: one fd each, by id
 pinned     cuda.core ``PinnedMemoryResource(ipc_enabled=True)``   same
 host       :class:`~dask_gpupool._host_memory.SharedHostMemoryResource`
                                                                   memfd + offset per buffer

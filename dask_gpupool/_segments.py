@@ -55,8 +55,10 @@ starts the retire protocol:
    RMM generation is freed when all its segments are.
 
 :meth:`close` frees what the protocol allows and hands the rest to
-:func:`~dask_gpupool._pool.keep_until_exit` (the driver keeps importers'
-mappings valid past the exporter's exit, never past an explicit free).
+:func:`~dask_gpupool._pool.keep_until_exit`. Segments of VMM memory
+(:mod:`dask_gpupool._vmm`, the default) stay readable by a peer that maps
+them even after they are freed here or this process died (the peer holds its
+own reference); pool-memory segments do not across GPUs.
 """
 
 from __future__ import annotations
