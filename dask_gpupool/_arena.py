@@ -89,10 +89,14 @@ class Arena:
                 self.used_high = max(self.used_high, self.used)
                 self.extent = max(self.extent, offset + size)
                 return offset
-        raise PoolExhaustedError(
-            f"cannot allocate {nbytes} bytes: {self.capacity - self.used} of {self.capacity} bytes free, "
-            f"none contiguous enough"
-        )
+        free = self.capacity - self.used
+        if size > self.capacity:
+            why = f"more than the whole pool ({self.capacity} bytes)"
+        elif size > free:
+            why = f"{free} of {self.capacity} bytes free"
+        else:
+            why = f"{free} of {self.capacity} bytes free, but no free range of {size} bytes (fragmented)"
+        raise PoolExhaustedError(f"cannot allocate {nbytes} bytes: {why}")
 
     def free(self, offset: int) -> int:
         """Release the allocation at ``offset``; return its (rounded) size.

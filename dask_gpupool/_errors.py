@@ -74,8 +74,15 @@ class PoolClosedError(GPUPoolError, RuntimeError):
     """The pool (or the mapping of a peer's pool) was closed by its owner here."""
 
 
-class PoolExhaustedError(GPUPoolError, MemoryError):
-    """An allocation does not fit in the pool's ``max_size``."""
+class PoolExhaustedError(MemoryError, GPUPoolError):
+    """An allocation does not fit in the pool's ``max_size``.
+
+    ``MemoryError`` comes first on purpose: the class then gets
+    ``MemoryError``'s constructor, and tblib (how distributed sends a task's
+    exception to the client) can rebuild it. The other order reached the
+    client as a bare ``Exception`` (``MemoryError.__new__(PoolExhaustedError)
+    is not safe``).
+    """
 
 
 class UnknownPoolError(GPUPoolError, LookupError):
