@@ -88,9 +88,18 @@ def _worker_pool_stats(dask_worker: Worker) -> dict[str, Any]:
     }
 
 
+def _per_worker(client: Client, fn: Any) -> dict[str, dict[str, Any]]:
+    """``client.run(fn)``; a worker where it fails (no pool: its set-up failed) gets ``{"error": text}``."""
+    results = client.run(fn, on_error="return")
+    return {w: {"error": f"{type(r).__name__}: {r}"} if isinstance(r, BaseException) else r for w, r in results.items()}
+
+
 def pool_stats(client: Client) -> dict[str, dict[str, Any]]:
-    """Per worker: its pool's used and reserved bytes (now and high-water) and mapped peer pools."""
-    return client.run(_worker_pool_stats)
+    """Per worker: its pool's used and reserved bytes (now and high-water) and mapped peer pools.
+
+    A worker without a pool (its set-up failed) is listed as ``{"error": why}``.
+    """
+    return _per_worker(client, _worker_pool_stats)
 
 
 def _worker_handoff_stats(dask_worker: Worker) -> dict[str, Any]:
@@ -112,9 +121,10 @@ def stats(client: Client) -> dict[str, dict[str, Any]]:
         broke), ``zero_copy_bytes`` and ``copied_bytes`` (bytes this
         worker received by mapping / as host copies), ``copied_out_bytes``
         (bytes it sent as host copies), ``fallbacks`` (same-host transfers that
-        were copied, by reason), ``mapped_pools`` and ``links``.
+        were copied, by reason), ``mapped_pools`` and ``links``. A worker
+        without a pool (its set-up failed) is listed as ``{"error": why}``.
     """
-    return client.run(_worker_handoff_stats)
+    return _per_worker(client, _worker_handoff_stats)
 
 
 async def _worker_trim(dask_worker: Worker) -> dict[str, int]:

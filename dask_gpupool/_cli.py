@@ -108,6 +108,9 @@ def info(address: str, timeout: float) -> int:
         f"{'copied in':>10} {'copied out':>10} {'segments':>9}  fallbacks"
     )
     for w, h in sorted(handoffs.items()):
+        if "error" in h:
+            print(f"{w:28} no pool: {h['error']}")
+            continue
         fallbacks = ", ".join(f"{k} {v}" for k, v in sorted(h["fallbacks"].items())) or "-"
         print(
             f"{w:28} {h['exports']:>8} {h['imports']:>8} {h['leases']:>7} {format_bytes(h['lease_bytes']):>10} "

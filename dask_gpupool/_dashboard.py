@@ -65,7 +65,10 @@ class _Page(web.RequestHandler):
             for p in snap["pools"]
         )
         stats = "".join(
-            f"<tr><td>{_text(w)}</td><td>{_text(s.get('exports', 0))}</td><td>{_text(s.get('imports', 0))}</td>"
+            f"<tr><td>{_text(w)}</td><td colspan='9' style='text-align:left;color:#b00'>"
+            f"no pool: {_text(s['error'])}</td></tr>"
+            if "error" in s
+            else f"<tr><td>{_text(w)}</td><td>{_text(s.get('exports', 0))}</td><td>{_text(s.get('imports', 0))}</td>"
             f"<td>{_text(s.get('leases', 0))}</td><td>{_bytes(s.get('lease_bytes', 0))}</td>"
             f"<td>{_bytes(s.get('zero_copy_bytes', 0))}</td><td>{_bytes(s.get('copied_bytes', 0))}</td>"
             f"<td>{_bytes(s.get('copied_out_bytes', 0))}</td>"

@@ -4,8 +4,9 @@ Scheduler: installs :class:`~dask_gpupool.GPUPool`, exactly as
 ``client.register_plugin`` would. Worker: asks its scheduler to install
 ``GPUPool`` if it has none yet (idempotent), and receives the worker plugin
 from the scheduler like every other worker; so a cluster whose workers alone
-preload dask_gpupool ends up the same. Options come from ``--preload-argv``
-or from dask config.
+preload dask_gpupool ends up the same. Options come from the preload's
+arguments (``--gpupool-<key> VALUE`` after ``--preload dask_gpupool``, one
+per ``gpupool.*`` key) or from dask config.
 """
 
 from __future__ import annotations
@@ -13,26 +14,44 @@ from __future__ import annotations
 from typing import Any
 
 import click
+import dask
 from distributed import Scheduler, Worker
 from distributed.protocol.pickle import dumps
 
-from dask_gpupool._config import KINDS
+from dask_gpupool._config import KINDS, PoolOptions
 from dask_gpupool._scheduler_plugin import GPUPool
 from dask_gpupool._worker_plugin import PLUGIN_NAME
 
 __all__ = ["dask_setup"]
 
 
+def _with_every_option(command: Any) -> Any:
+    """Add ``--gpupool-<key>`` for every ``gpupool.*`` option (the values are checked by :class:`GPUPool`)."""
+    for name in reversed(list(PoolOptions.__dataclass_fields__)):
+        key = name.replace("_", "-")
+        kind: Any = click.Choice(KINDS) if name == "kind" else None
+        command = click.option(f"--gpupool-{key}", name, type=kind, default=None, help=f"gpupool.{key}")(command)
+    return command
+
+
 @click.command(name="dask_gpupool")
-@click.option("--gpupool-kind", "kind", type=click.Choice(KINDS), default=None, help="gpupool.kind")
-@click.option("--gpupool-device", "device", default=None, help="gpupool.device (ordinal or UUID)")
-@click.option("--gpupool-max-size", "max_size", default=None, help='gpupool.max-size ("8 GiB", "50%")')
-@click.option("--gpupool-host-id", "host_id", default=None, help="gpupool.host-id")
-@click.option("--gpupool-broker-dir", "broker_dir", default=None, help="gpupool.broker-dir")
-@click.option("--gpupool-broker-timeout", "broker_timeout", default=None, help='gpupool.broker-timeout ("10s")')
-@click.option("--gpupool-lease-timeout", "lease_timeout", default=None, help='gpupool.lease-timeout ("60s")')
+@_with_every_option
 async def dask_setup(dask_object: Scheduler | Worker, **options: Any) -> None:
-    plugin = GPUPool(**options)
+    """Install dask_gpupool (``--preload dask_gpupool``); options as ``--gpupool-<key> VALUE`` arguments.
+
+    On a worker, the options (arguments over the worker's dask config) are
+    checked here, before the worker starts, and become that worker's dask
+    config. A bad value raises :class:`~dask_gpupool.ConfigError` naming the
+    key; distributed logs it and starts the worker anyway, and the worker
+    then joins without a pool, reported as such by ``stats()``, ``info`` and
+    the ``/gpupool`` page.
+    """
+    options = {k: v for k, v in options.items() if v is not None}
+    plugin = GPUPool(**options)  # checks every value, with this process's dask config
+    if not isinstance(dask_object, Scheduler) and options:
+        # This worker's own config from now on: its plugin reads the options the scheduler's GPUPool
+        # does not set from here, whichever process registered GPUPool first.
+        dask.config.set({f"gpupool.{k.replace('_', '-')}": v for k, v in options.items()})
     if isinstance(dask_object, Scheduler):
         await dask_object.register_scheduler_plugin(plugin, name=PLUGIN_NAME, idempotent=True)
     else:

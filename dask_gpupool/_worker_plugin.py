@@ -65,6 +65,8 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
     name = PLUGIN_NAME
     overrides: dict[str, Any]
     service: PoolService | None
+    #: Why :meth:`setup` failed (``"ConfigError: ..."``), or ``None``.
+    failure: str | None
     _worker: Worker | None
     _held: list[RegistryUpdate] | None
     _get_data: Any
@@ -74,6 +76,7 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
     def __init__(self, overrides: dict[str, Any] | None = None) -> None:
         self.overrides = dict(overrides or {})
         self.service = None
+        self.failure = None
         self._worker = None
         self._held = None  # registry updates held until this worker's own row is published
         self._get_data = None
@@ -81,6 +84,20 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         self._cupy_previous = None
 
     async def setup(self, worker: Worker) -> None:
+        """Make the pool and join the registry; on failure, remember why (see :func:`service_of`) and raise."""
+        try:
+            await self._setup(worker)
+        except BaseException as e:
+            self.failure = f"{type(e).__name__}: {e}"
+            # Dask logs the exception with its traceback; the failure is also what stats(), info and
+            # the /gpupool page show for this worker, so the rest of the cluster can still be asked.
+            stream = getattr(worker, "batched_stream", None)
+            if stream is not None and not stream.closed():
+                with contextlib.suppress(Exception):
+                    stream.send({"op": STATS_OP, "stats": {"error": self.failure}})
+            raise
+
+    async def _setup(self, worker: Worker) -> None:
         options = PoolOptions.from_config(**self.overrides)
         service = PoolService.start(options, worker.address)
         try:
@@ -229,6 +246,9 @@ def service_of(worker: Worker) -> PoolService:
     """
     plugin = worker.plugins.get(PLUGIN_NAME)
     service = getattr(plugin, "service", None)
+    failure = getattr(plugin, "failure", None)
+    if service is None and failure is not None:
+        raise PoolUnavailableError(f"worker {worker.address} has no gpupool pool: its set-up failed: {failure}")
     if service is None:
         raise PoolUnavailableError(
             f"worker {worker.address} has no gpupool pool; register dask_gpupool.GPUPool() "

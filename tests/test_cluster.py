@@ -419,3 +419,93 @@ def test_dashboard_page_escapes_every_pushed_value():
         assert kind.startswith("application/json") and "<" not in raw
         assert all(json.loads(raw)["workers"][w] == stats for w, stats in by_worker.items())
         assert c.run(T.resources) == before  # the workers hold nothing more for it
+
+
+def test_a_worker_whose_pool_set_up_failed_is_reported_and_the_others_still_answer(tmp_path):
+    """A worker joins with a bad gpupool config (no preload of its own): stats, pool_stats, info and the page
+    name its failure; the other workers' pools work and are listed (issue 20)."""
+    import json
+    import sys
+    import urllib.request
+
+    from distributed import Client
+    from test_handoff import wait_for
+
+    port, dash = free_port(), free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    env = {**os.environ, "DASK_GPUPOOL__KIND": "host", "DASK_GPUPOOL__MAX_SIZE": "64MiB"}
+    scheduler = [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", str(port)]
+    worker = [sys.executable, "-m", "distributed.cli.dask_worker", address, "--nthreads", "1", "--no-dashboard"]
+    procs = [
+        subprocess.Popen(
+            [*scheduler, "--dashboard-address", f"127.0.0.1:{dash}", "--preload", "dask_gpupool"],
+            env=env,
+            stderr=subprocess.DEVNULL,
+        )
+    ]
+    try:
+        procs.append(subprocess.Popen([*worker, "--nworkers", "2"], env=env, stderr=subprocess.DEVNULL))
+        with Client(address, timeout=30) as c:
+            c.wait_for_workers(2, timeout=60)
+            wait_for(lambda: len(dask_gpupool.pools(c)) == 2, what="the two good workers' pools")
+            good = set(c.scheduler_info()["workers"])
+            bad_env = {**env, "DASK_GPUPOOL__SUBALLOCATOR": "jemalloc"}
+            procs.append(subprocess.Popen(worker, env=bad_env, stderr=subprocess.DEVNULL))
+            c.wait_for_workers(3, timeout=60)
+            (w,) = set(c.scheduler_info()["workers"]) - good
+            a, b = sorted(good)
+            desc = c.submit(T.hold, "ok", 4096, b"the others still hand over", workers=[a], pure=False).result()
+            assert c.submit(T.read_peer, desc, 26, workers=[b], pure=False).result() == b"the others still hand over"
+            c.submit(T.release, "ok", workers=[a], pure=False).result()
+            for got in (dask_gpupool.stats(c), dask_gpupool.pool_stats(c)):
+                assert set(got) == good | {w}
+                assert not any("error" in got[g] for g in good)
+                assert "its set-up failed: ConfigError: gpupool.suballocator='jemalloc'" in got[w]["error"]
+
+            def page(path: str) -> str:
+                with urllib.request.urlopen(f"http://127.0.0.1:{dash}{path}", timeout=10) as r:
+                    return r.read().decode()
+
+            wait_for(lambda: "error" in json.loads(page("/gpupool.json"))["workers"].get(w, {}), what="w's failure")
+            assert "no pool: ConfigError: gpupool.suballocator=&#x27;jemalloc&#x27;" in page("/gpupool")
+            out = cli("info", address)
+            assert out.returncode == 0, out.stderr
+            assert "2 pool(s)" in out.stdout and f"{w:28} no pool: PoolUnavailableError" in out.stdout
+    finally:
+        stop_processes(procs)
+
+
+def test_preload_arguments_set_every_option_and_a_bad_value_is_logged_and_reported(tmp_path):
+    """`dask worker --preload dask_gpupool --gpupool-<key> VALUE ...` sets options; a worker whose config is bad
+    logs a ConfigError naming the key at start-up and is reported without a pool (issue 20)."""
+    import sys
+
+    from distributed import Client
+    from test_handoff import wait_for
+
+    port = free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    env = {**os.environ, "DASK_GPUPOOL__KIND": "host"}
+    scheduler = [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", str(port)]
+    worker = [sys.executable, "-m", "distributed.cli.dask_worker", address, "--nthreads", "1", "--no-dashboard"]
+    args = ["--preload", "dask_gpupool", "--gpupool-max-size", "32MiB", "--gpupool-copy-streams", "2"]
+    procs = [subprocess.Popen([*scheduler, "--no-dashboard", "--preload", "dask_gpupool"], env=env)]
+    try:
+        procs.append(subprocess.Popen([*worker, *args], env=env, stderr=subprocess.DEVNULL))
+        with Client(address, timeout=30) as c:
+            c.wait_for_workers(1, timeout=60)
+            wait_for(lambda: len(dask_gpupool.pools(c)) == 1, what="the good worker's pool")
+            (row,) = dask_gpupool.pools(c)
+            assert row.kind == "host" and row.max_size == 32 << 20
+            bad_log = tmp_path / "bad-worker.log"
+            with open(bad_log, "w") as log:
+                bad_env = {**env, "DASK_GPUPOOL__KIND": "gpu"}
+                procs.append(subprocess.Popen([*worker, "--preload", "dask_gpupool"], env=bad_env, stderr=log))
+                c.wait_for_workers(2, timeout=60)
+            assert "ConfigError: gpupool.kind='gpu' is not a pool kind" in bad_log.read_text()
+            (bad,) = set(c.scheduler_info()["workers"]) - {row.worker}
+            wait_for(lambda: "error" in dask_gpupool.stats(c)[bad], what="the bad worker's failure")
+            assert "gpupool.kind='gpu'" in dask_gpupool.stats(c)[bad]["error"]
+            assert [r.worker for r in dask_gpupool.pools(c)] == [row.worker]
+    finally:
+        stop_processes(procs)
