@@ -144,13 +144,16 @@ async def _worker_trim(dask_worker: Worker) -> dict[str, int]:
 
 
 def trim(client: Client) -> dict[str, dict[str, int]]:
-    """Give segment memory back: every worker retires the segments of its ``device`` pool.
+    """Give pool memory back, on every worker.
 
-    Retired segments take no new buffers. Each is freed (returned to the
-    CUDA pool) once no buffer lives in it and every peer that mapped it has
-    unmapped it, which peers do as soon as none of their imports from it is
-    alive (the retire protocol, :mod:`dask_gpupool._segments`). New buffers
-    go to new segments. Pools without segments are left as they are.
+    ``device`` pools retire their segments. Retired segments take no new
+    buffers. Each is freed once no buffer lives in it and every peer that
+    mapped it has unmapped it, which peers do as soon as none of their
+    imports from it is alive (the retire protocol,
+    :mod:`dask_gpupool._segments`). New buffers go to new segments. ``host``
+    pools give every free page back to the OS at once (large buffers' pages
+    go back when they are freed anyway). ``pinned`` pools and ``device``
+    pools without segments are left as they are.
 
     Returns
     -------

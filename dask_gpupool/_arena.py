@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+from typing import Any
 
 from dask_gpupool._errors import PoolExhaustedError
 
@@ -125,6 +126,17 @@ class Arena:
             self._free_offsets.insert(i, offset)
             self._free_sizes[offset] = size
             return end - offset
+
+    def each_free(self, fn: Any) -> int:
+        """Call ``fn(offset, size)`` for every free range, with allocation blocked meanwhile; the free bytes.
+
+        No range can be handed out while ``fn`` runs on it (the host pool
+        gives free pages back to the OS this way).
+        """
+        with self._lock:
+            for offset in self._free_offsets:
+                fn(offset, self._free_sizes[offset])
+            return self.capacity - self.used
 
     def size_of(self, offset: int) -> int | None:
         """Size of the live allocation at ``offset``, or ``None``."""

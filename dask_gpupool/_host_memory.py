@@ -16,8 +16,15 @@ treats every kind alike:
   each buffer: no copy, the peer reads the owner's pages.
 
 Works with no NVIDIA driver at all: buffers are host pointers handed to
-``Buffer.from_handle``. Like IPC-enabled CUDA pools, memory is never returned
-to the OS while the pool is open.
+``Buffer.from_handle``.
+
+Memory goes back to the OS: a freed buffer's whole pages (from 64 KiB) are
+removed from the memfd at once (``madvise(MADV_REMOVE)``, a hole punched in
+the file), so neither the owner nor any peer that mapped them keeps them
+resident; :meth:`~SharedHostMemoryResource.trim` does the same for every free
+range, small ones included. A page is removed only while no buffer uses it:
+before its range goes back to the arena, or with allocation blocked. The
+pool's ``reserved`` bytes are the memfd's resident pages (``st_blocks``).
 
 Trust boundary: the memfd is sealed once sized (``F_SEAL_SHRINK``,
 ``F_SEAL_GROW``, ``F_SEAL_SEAL``), so no process that receives the fd can
@@ -49,6 +56,9 @@ __all__ = ["HostOnlyResource", "HostPoolAttributes", "SharedHostMemoryResource"]
 
 logger = logging.getLogger(__name__)
 
+#: Freed buffers from this size up give their whole pages back at once (smaller ones at :meth:`trim`).
+_GIVE_BACK_MIN = 64 << 10
+
 #: Seals added to the pool's memfd once it is sized: its size is fixed for good.
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
@@ -62,7 +72,8 @@ class HostPoolAttributes:
     used_mem_current, used_mem_high : int
         Bytes in live allocations, now and at most.
     reserved_mem_current, reserved_mem_high : int
-        Bytes of the memfd ever handed out (touched pages are kept).
+        Bytes of the memfd resident in memory (its ``st_blocks``), now and
+        at most as last read.
     """
 
     used_mem_current: int
@@ -116,6 +127,7 @@ class SharedHostMemoryResource(HostOnlyResource):
     _mapped: bool
     _closed: bool
     _imports: int
+    _reserved_high: int
     _lock: threading.Lock
 
     def __init__(self, max_size: int) -> None:
@@ -142,6 +154,7 @@ class SharedHostMemoryResource(HostOnlyResource):
         self._mapped = mapped
         self._closed = False
         self._imports = 0
+        self._reserved_high = 0
         self._lock = threading.Lock()
 
     @classmethod
@@ -190,10 +203,13 @@ class SharedHostMemoryResource(HostOnlyResource):
         return Buffer.from_handle(self._base + offset, size, mr=self)
 
     def deallocate(self, ptr: Any, size: int, *, stream: Any = None) -> None:
-        """Return a buffer's range to the pool (called by ``Buffer.close``)."""
+        """Return a buffer's range to the pool (called by ``Buffer.close``), its whole pages to the OS."""
         offset = int(ptr) - self._base
         with self._lock:
             if self._arena is not None:
+                held = self._arena.size_of(offset)
+                if held is not None and held >= _GIVE_BACK_MIN:
+                    self._give_back(offset, held)  # still this buffer's: no one else can be using it
                 self._arena.free(offset)
                 last = self._arena.live == 0
             else:
@@ -230,12 +246,40 @@ class SharedHostMemoryResource(HostOnlyResource):
         """Bytes of the whole pool (its ``max_size``)."""
         return self._size
 
+    def trim(self) -> int:
+        """Give every free page of the pool back to the OS; return the pool's resident bytes after.
+
+        Allocation waits meanwhile. Only the owner trims (a mapped resource returns 0).
+        """
+        with self._lock:
+            if self._arena is None or self._closed:
+                return 0
+            self._arena.each_free(self._give_back)
+        return self.attributes.reserved_mem_current
+
+    def _give_back(self, offset: int, size: int) -> None:
+        """Remove the whole pages inside ``[offset, offset + size)`` from the memfd (they read as zeros after)."""
+        page = mmap.PAGESIZE
+        start = -(-offset // page) * page
+        end = (offset + size) // page * page
+        if end > start and self._mmap is not None:
+            self._mmap.madvise(mmap.MADV_REMOVE, start, end - start)
+
+    def _resident(self) -> int:
+        """Bytes of the memfd backed by memory now (0 once its fd is closed)."""
+        if self._fd < 0:
+            return 0
+        resident = os.fstat(self._fd).st_blocks * 512
+        self._reserved_high = max(self._reserved_high, resident)
+        return resident
+
     @property
     def attributes(self) -> HostPoolAttributes:
         a = self._arena
         if a is None:
             return HostPoolAttributes(0, 0, 0, 0)
-        return HostPoolAttributes(a.used, a.used_high, a.extent, a.extent)
+        resident = self._resident()
+        return HostPoolAttributes(a.used, a.used_high, resident, self._reserved_high)
 
     def offset_of(self, buf: Buffer) -> int:
         """Offset of ``buf`` inside this pool."""

@@ -279,11 +279,25 @@ def as_array(
     -------
     cupy.ndarray or numpy.ndarray
         A view: no copy, and the array keeps ``buf`` alive.
+
+    Raises
+    ------
+    TypeError
+        If ``buf`` is not a cuda.core ``Buffer``.
+    ValueError
+        For an object dtype, or an array that does not fit ``buf``.
     """
     import numpy as np
 
+    if not isinstance(buf, Buffer):
+        raise TypeError(
+            f"as_array views a cuda.core Buffer (from dask_gpupool.allocate), not a {type(buf).__module__}."
+            f"{type(buf).__qualname__}"
+        )
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     dt = np.dtype(dtype)
+    if dt.hasobject:
+        raise ValueError(f"dtype {dt} holds Python objects, which cannot live in pool memory")
     if strides is None:
         strides = tuple(int(s) for s in np.empty((0,), dtype=dt).strides) if not shape else _c_strides(shape, dt)
     low, high = _byte_bounds(int(buf.handle) + offset, shape, strides, dt.itemsize)

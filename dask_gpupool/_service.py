@@ -765,11 +765,15 @@ class PoolService:
             logger.info("pool %s: unmapped %d retired segment(s) of %s", record.pool, len(raws), record.worker)
 
     def retire_segments(self) -> PoolRecord | None:
-        """Retire this pool's segments (:meth:`SegmentedResource.retire`); return the row to publish.
+        """Give memory back: retire this pool's segments (:meth:`SegmentedResource.retire`), or trim a
+        host pool's free pages (:meth:`SharedHostMemoryResource.trim`); return the row to publish.
 
         ``None`` when the pool has no segments. The caller re-registers the
         returned row so that peers learn the new ``retire_below``.
         """
+        trim = getattr(self.pool.resource, "trim", None)
+        if trim is not None:  # a host pool: its free pages go back to the OS at once
+            trim()
         retire = getattr(self.pool.resource, "retire", None)
         if retire is None:
             return None

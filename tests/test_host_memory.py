@@ -27,14 +27,45 @@ def test_peer_mapping_sees_owner_bytes_without_copy(no_fd_leak):
     owner.close()
 
 
-def test_attributes_track_used_and_reserved():
+def test_attributes_track_used_and_resident_bytes():
     owner = SharedHostMemoryResource(1 << 20)
     a, b = owner.allocate(4096), owner.allocate(100)
     assert owner.attributes.used_mem_current == 4096 + 256
-    a.close()
+    assert owner.attributes.reserved_mem_current == 0  # sparse: nothing written yet
+    write_bytes(a, b"x" * 4096)
+    assert owner.attributes.reserved_mem_current == 4096
+    a.close()  # small: its page stays until a trim
     attrs = owner.attributes
-    assert (attrs.used_mem_current, attrs.used_mem_high, attrs.reserved_mem_current) == (256, 4352, 4352)
+    assert (attrs.used_mem_current, attrs.used_mem_high, attrs.reserved_mem_current) == (256, 4352, 4096)
+    assert owner.trim() == 0 and owner.attributes.reserved_mem_high == 4096
     b.close()
+    owner.close()
+
+
+def test_freed_memory_goes_back_to_the_os_for_owner_and_peers(no_fd_leak):
+    """A freed large buffer's pages leave the memfd at once; a trim takes the small free ones (issue 20)."""
+    owner = SharedHostMemoryResource(64 << 20)
+    big = owner.allocate(16 << 20)
+    small = owner.allocate(1000)
+    write_bytes(big, b"\x07" * (16 << 20))
+    write_bytes(small, b"s" * 1000)
+    mapped = SharedHostMemoryResource.from_allocation_handle(owner.allocation_handle)
+    view = mapped.import_buffer(owner.offset_of(big), big.size)
+    assert read_bytes(view, 4) == b"\x07" * 4
+    view.close()  # the peer lets go first, as its lease requires
+    resident = owner.attributes.reserved_mem_current
+    assert resident >= (16 << 20) + 4096
+    big.close()
+    assert owner.attributes.reserved_mem_current <= resident - (16 << 20)
+    assert read_bytes(small, 1) == b"s"  # its neighbour keeps its bytes
+    small.close()
+    assert owner.attributes.reserved_mem_current == 4096  # one small page is left ...
+    owner.trim()
+    assert owner.attributes.reserved_mem_current == 0  # ... until a trim
+    again = owner.allocate(16 << 20)  # the pages come back as zeros when touched
+    assert read_bytes(again, 4) == b"\0" * 4
+    again.close()
+    mapped.close()
     owner.close()
 
 
@@ -122,3 +153,62 @@ def test_a_receiver_cannot_resize_the_pool_and_mappings_still_read(tmp_path, no_
     mapped.close()
     buf.close()
     owner.close()
+
+
+def test_as_array_views_a_pool_buffer_and_refuses_anything_else():
+    from dask_gpupool import as_array
+
+    owner = SharedHostMemoryResource(1 << 20)
+    buf = owner.allocate(800)
+    arr = as_array(buf, (10, 10), "f8")
+    arr[...] = 2.0
+    assert isinstance(arr, np.ndarray) and float(as_array(buf, 100, "f8").sum()) == 200.0
+    with pytest.raises(TypeError, match=r"as_array views a cuda\.core Buffer .*not a numpy\.ndarray"):
+        as_array(np.zeros(10), 10, "f8")
+    with pytest.raises(ValueError, match="holds Python objects"):
+        as_array(buf, 10, object)
+    with pytest.raises(ValueError, match="does not fit"):
+        as_array(buf, 101, "f8")
+    del arr
+    buf.close()
+    owner.close()
+
+
+def _rss_shmem() -> int:
+    """Bytes of shared memory resident in this process (``RssShmem`` of /proc/self/status)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssShmem:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def test_a_handoff_and_release_leave_no_shared_memory_resident_in_either_worker():
+    """256 MiB handed over between Nanny workers, then released: both workers' RssShmem drops, and the
+    owner's pool reports it; a trim takes what is left (issue 20)."""
+    from conftest import nanny_cluster, worker_addresses
+    from test_handoff import back_to, counters, wait_for, warm_up
+
+    import dask_gpupool
+    from dask_gpupool import GPUPool
+    from dask_gpupool import _testing as T
+
+    size = 256 << 20
+    with nanny_cluster([{}, {}], GPUPool(kind="host", max_size="1 GiB")) as c:
+        a, b = worker_addresses(c)
+        baseline = warm_up(c, a, b)
+        before = c.run(lambda: _rss_shmem())
+        x = c.submit(T.fill, size, 7, workers=[a], pure=False)
+        y = c.submit(T.keep, x, workers=[b], pure=False)
+        assert c.submit(T.all_equal, y, 7, workers=[b], pure=False).result()
+        during = c.run(lambda: _rss_shmem())
+        assert min(during[a] - before[a], during[b] - before[b]) >= size * 0.9  # both map the same pages
+        assert counters(c, b)[b]["zero_copy_bytes"] >= size
+        del x, y
+        wait_for(lambda: dask_gpupool.pool_stats(c)[a]["used"] == 0, what="A's buffer to go")
+        after = c.run(lambda: _rss_shmem())
+        assert after[a] - before[a] < size // 8 and after[b] - before[b] < size // 8, (before, after)
+        assert dask_gpupool.pool_stats(c)[a]["reserved"] < size // 8
+        trimmed = dask_gpupool.trim(c)
+        assert trimmed[a]["reserved"] == trimmed[b]["reserved"] == 0  # nothing live: every page went back
+        back_to(c, baseline)
