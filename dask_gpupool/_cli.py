@@ -1,24 +1,35 @@
-"""The command line: ``python -m dask_gpupool {demo,info}``.
+"""The command line: ``dask gpupool {demo,info,trim}`` (also ``python -m dask_gpupool ...``).
+
+``dask gpupool`` is found by Dask's own ``dask`` command through the
+``dask_cli`` entry point, as ``dask cuda`` is for dask-cuda.
 
 ``demo`` starts a local cluster with the plugin, prints its registry and has a
 peer map a pool. It uses GPUs when present: one worker per GPU with rotated
 ``CUDA_VISIBLE_DEVICES`` when there are several, two workers on one GPU when
 there is one, and ``host`` pools (shared host memory) when there is none.
 
-``info SCHEDULER_ADDRESS`` connects to a running cluster and prints its pool
-registry and every worker's pool and handoff statistics as tables.
+``info [ADDRESS]`` connects to a running cluster and prints its pool registry
+and every worker's pool and handoff statistics as tables.
 
-``trim SCHEDULER_ADDRESS`` has every worker retire its pool's segments
+``trim [ADDRESS]`` has every worker give its pool's memory back
 (:func:`dask_gpupool.trim`) and prints what each holds right after.
+
+``info`` and ``trim`` take the scheduler's address, or ``--scheduler-file``,
+and Dask's TLS options (``--tls-ca-file``, ``--tls-cert``, ``--tls-key``). A
+scheduler that cannot be reached is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import logging
+import os
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
+
+import click
 
 
 def _worker_specs(n_gpus: int, workers: int) -> list[dict[str, Any]]:
@@ -76,14 +87,14 @@ def demo(kind: str, workers: int, max_size: str) -> int:
     return 0 if ok else 1
 
 
-def info(address: str, timeout: float) -> int:
-    """Print the registry and per-worker stats of the cluster at ``address``; 0 on success, 2 if it has no pools."""
+def info(target: _Target) -> int:
+    """Print the registry and per-worker stats of the cluster; 0 on success, 2 if it has no pools."""
     from dask.utils import format_bytes
-    from distributed import Client
 
     import dask_gpupool
 
-    with Client(address, timeout=timeout) as client:
+    address = target.name
+    with target.client() as client:
         try:
             rows = sorted(dask_gpupool.pools(client), key=lambda r: r.worker)
         except dask_gpupool.PoolUnavailableError as e:
@@ -126,14 +137,14 @@ def _segments(h: dict[str, Any]) -> str:
     return f"{held} ({retiring})" if retiring else str(held)
 
 
-def trim(address: str, timeout: float) -> int:
-    """Retire every worker's segments (:func:`dask_gpupool.trim`) and print the result; 0 on success."""
+def trim(target: _Target) -> int:
+    """Give every worker's pool memory back (:func:`dask_gpupool.trim`) and print the result; 0 on success."""
     from dask.utils import format_bytes
-    from distributed import Client
 
     import dask_gpupool
 
-    with Client(address, timeout=timeout) as client:
+    address = target.name
+    with target.client() as client:
         try:
             dask_gpupool.pools(client)
         except dask_gpupool.PoolUnavailableError as e:
@@ -147,23 +158,104 @@ def trim(address: str, timeout: float) -> int:
     return 0
 
 
+class _Target:
+    """Which scheduler to connect to, and how (an address or a scheduler file; TLS when asked)."""
+
+    def __init__(
+        self,
+        address: str | None,
+        scheduler_file: str | None,
+        timeout: float,
+        tls_ca_file: str | None,
+        tls_cert: str | None,
+        tls_key: str | None,
+    ) -> None:
+        if (address is None) == (scheduler_file is None):
+            raise click.UsageError("give the scheduler's ADDRESS or --scheduler-file, one of them")
+        self.address, self.scheduler_file, self.timeout = address, scheduler_file, timeout
+        self.security = None
+        if tls_ca_file or tls_cert or tls_key:
+            from distributed.security import Security
+
+            self.security = Security(
+                tls_ca_file=tls_ca_file, tls_client_cert=tls_cert, tls_client_key=tls_key, require_encryption=True
+            )
+
+    @property
+    def name(self) -> str:
+        return self.address or f"the scheduler of {self.scheduler_file}"
+
+    @contextlib.contextmanager
+    def client(self) -> Iterator[Any]:
+        from distributed import Client
+
+        try:
+            client = Client(
+                self.address,
+                scheduler_file=self.scheduler_file,
+                timeout=self.timeout,
+                security=self.security,
+                set_as_default=False,
+            )
+        except (OSError, TimeoutError, ValueError) as e:
+            click.echo(f"cannot reach {self.name}: {type(e).__name__}: {e}", err=True)
+            raise SystemExit(2) from None
+        with client:
+            yield client
+
+
+def _connection_options(fn: Any) -> Any:
+    for option in reversed(
+        [
+            click.argument("address", required=False),
+            click.option(
+                "--scheduler-file", default=None, help="the scheduler's file (dask scheduler --scheduler-file)"
+            ),
+            click.option(
+                "--timeout", type=float, default=10.0, show_default=True, help="seconds to reach the scheduler"
+            ),
+            click.option("--tls-ca-file", default=None, help="CA certificate(s) file for TLS (PEM)"),
+            click.option("--tls-cert", default=None, help="client certificate file for TLS (PEM)"),
+            click.option("--tls-key", default=None, help="client key file for TLS (PEM)"),
+        ]
+    ):
+        fn = option(fn)
+    return fn
+
+
+@click.group(name="gpupool", help="dask_gpupool: zero-copy handoffs between same-host workers.")
+def gpupool() -> None:
+    pass
+
+
+@gpupool.command(name="demo", help="Start a local cluster with the plugin and show a peer mapping a pool.")
+@click.option("--kind", default="auto", type=click.Choice(["auto", "device", "pinned", "host"]), show_default=True)
+@click.option("--workers", type=int, default=2, show_default=True, help="workers when there are fewer than two GPUs")
+@click.option("--max-size", default="1 GiB", show_default=True)
+def _demo_command(kind: str, workers: int, max_size: str) -> None:
+    sys.exit(demo(kind, max(2, workers), max_size))
+
+
+@gpupool.command(name="info", help="Print a running cluster's pool registry and per-worker stats.")
+@_connection_options
+def _info_command(**options: Any) -> None:
+    sys.exit(info(_Target(**options)))
+
+
+@gpupool.command(name="trim", help="Give pool memory back on every worker (segments retired, free host pages).")
+@_connection_options
+def _trim_command(**options: Any) -> None:
+    sys.exit(trim(_Target(**options)))
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m dask_gpupool")
-    sub = parser.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="start a local cluster with the plugin and show a peer mapping a pool")
-    d.add_argument("--kind", default="auto", choices=["auto", "device", "pinned", "host"])
-    d.add_argument("--workers", type=int, default=2, help="workers when there are fewer than two GPUs")
-    d.add_argument("--max-size", default="1 GiB")
-    i = sub.add_parser("info", help="print a running cluster's pool registry and per-worker stats")
-    i.add_argument("address", help="the scheduler's address, e.g. tcp://10.0.0.1:8786")
-    i.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the scheduler")
-    t = sub.add_parser("trim", help="give back segment memory: every worker retires its pool's segments")
-    t.add_argument("address", help="the scheduler's address, e.g. tcp://10.0.0.1:8786")
-    t.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the scheduler")
-    args = parser.parse_args(argv)
-    if args.command == "demo":
-        sys.exit(demo(args.kind, max(2, args.workers), args.max_size))
-    if args.command == "info":
-        sys.exit(info(args.address, args.timeout))
-    if args.command == "trim":
-        sys.exit(trim(args.address, args.timeout))
+    """``python -m dask_gpupool`` and the ``dask-gpupool`` script: the ``dask gpupool`` commands."""
+    try:
+        try:
+            gpupool.main(args=argv, prog_name="python -m dask_gpupool")
+        finally:
+            sys.stdout.flush()  # here, where a closed pipe can still be caught
+    except BrokenPipeError:  # the reader went away (``... | head``): stop quietly, as a Unix tool does
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        sys.exit(1)

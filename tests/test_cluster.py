@@ -193,6 +193,60 @@ def test_info_and_trim_commands_print_the_registry_and_stats():
             assert (t["retire_below"], t["segments"], t["segments_retiring"]) == (0, 0, 0), (w, t)
 
 
+def test_dask_gpupool_commands_take_a_scheduler_file_tls_and_report_a_bad_address_in_one_line(tmp_path):
+    """`dask gpupool info|trim` (Dask's own command, through the dask_cli entry point): an address or
+    --scheduler-file, Dask's TLS options; an unreachable scheduler is one line and status 2; a closed pipe
+    is no traceback (issue 20)."""
+    import json
+    import sys
+
+    from distributed.security import Security
+
+    pytest.importorskip("cryptography", reason="Security.temporary needs cryptography")
+    dask_cmd = [sys.executable, "-m", "dask", "gpupool"]
+    out = subprocess.run([*dask_cmd, "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "info" in out.stdout and "trim" in out.stdout
+    security = Security.temporary()
+    files = {}
+    for name, pem in (
+        ("ca", security.tls_ca_file),
+        ("cert", security.tls_client_cert),
+        ("key", security.tls_client_key),
+    ):
+        files[name] = tmp_path / f"{name}.pem"
+        files[name].write_text(pem)
+    tls = ["--tls-ca-file", str(files["ca"]), "--tls-cert", str(files["cert"]), "--tls-key", str(files["key"])]
+    with nanny_cluster([{}, {}], PLUGIN, security=security) as c:
+        address = c.scheduler.address
+        assert address.startswith("tls://")
+        scheduler_file = tmp_path / "scheduler.json"
+        scheduler_file.write_text(json.dumps({"address": address, "type": "Scheduler"}))
+        out = subprocess.run(
+            [*dask_cmd, "info", "--scheduler-file", str(scheduler_file), *tls],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stderr
+        assert "2 pool(s)" in out.stdout
+        out = subprocess.run([*dask_cmd, "trim", address, *tls], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and "retiring" in out.stdout, out.stderr
+        closed = subprocess.run(  # `true` reads nothing and is gone before the first line is written
+            f"{sys.executable} -m dask_gpupool info {address} {' '.join(tls)} | true",
+            shell=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert "Traceback" not in closed.stderr and "BrokenPipe" not in closed.stderr, closed.stderr
+    port = free_port()
+    out = cli("info", f"tcp://127.0.0.1:{port}", "--timeout", "1")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip().startswith(f"cannot reach tcp://127.0.0.1:{port}") and "Traceback" not in out.stderr
+    out = cli("info")
+    assert out.returncode == 2 and "give the scheduler's ADDRESS or --scheduler-file" in out.stderr
+
+
 def test_info_command_on_a_cluster_without_the_plugin_says_so():
     with nanny_cluster([{}]) as c:
         out = cli("info", c.scheduler.address)
