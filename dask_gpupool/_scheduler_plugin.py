@@ -95,9 +95,6 @@ class GPUPool(SchedulerPlugin):
     copy_streams : int, optional
         Connections one copy is pulled over (``gpupool.copy-streams``).
 
-    Options left out are read by each worker from its own dask config. Values
-    are checked here, so a typo fails at once with :class:`ConfigError`.
-
     Attributes
     ----------
     registry : PoolRegistry
@@ -110,6 +107,13 @@ class GPUPool(SchedulerPlugin):
         ``"row-changed"`` (an update changing more than ``retire_below``) and
         ``"not-its-row"`` (no such row of this worker). Each is logged once
         per message as a WARNING.
+
+    Raises
+    ------
+    ConfigError
+        For a bad option value: values are checked here, so a typo fails at
+        once. Options left out are read by each worker from its own dask
+        config when it sets its pool up.
 
     Notes
     -----
