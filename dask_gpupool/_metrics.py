@@ -20,9 +20,10 @@ metric                                                    type     labels
 ``dask_scheduler_gpupool_pools``                          gauge    ``kind``
 ========================================================  =======  ==============================
 
-Every worker metric also carries a ``pool`` label (the pool's UUID), so that
-several workers in one process (tests, ``LocalCluster(processes=False)``)
-stay apart. ``prometheus_client`` is optional, as it is for Dask: without it
+Every worker metric also carries a ``worker`` label (the worker's Dask name),
+so that several workers in one process (tests, ``LocalCluster(processes=False)``)
+stay apart, and a restarted worker (a new pool UUID, a new address) continues
+its series. ``prometheus_client`` is optional, as it is for Dask: without it
 nothing is registered.
 """
 
@@ -47,26 +48,30 @@ def _worker_metrics() -> Iterator[Any]:
 
     services = active_services()
     name = "dask_worker_gpupool_"
-    pool_bytes = GaugeMetricFamily(name + "pool_bytes", "Bytes of this worker's pool.", labels=["pool", "state"])
-    leases = GaugeMetricFamily(name + "leases", "Live leases this worker granted to importers.", labels=["pool"])
-    leased = GaugeMetricFamily(name + "leased_bytes", "Bytes kept alive by live leases.", labels=["pool"])
-    mapped = GaugeMetricFamily(name + "mapped_pools", "Peers' pools mapped by this worker.", labels=["pool"])
-    handoffs = CounterMetricFamily(name + "handoffs", "Zero-copy handoffs, by direction.", labels=["pool", "direction"])
-    received = CounterMetricFamily(
-        name + "received_bytes", "Bytes received from same-host peers, by path.", labels=["pool", "path"]
+    pool_bytes = GaugeMetricFamily(name + "pool_bytes", "Bytes of this worker's pool.", labels=["worker", "state"])
+    leases = GaugeMetricFamily(name + "leases", "Live leases this worker granted to importers.", labels=["worker"])
+    leased = GaugeMetricFamily(name + "leased_bytes", "Bytes kept alive by live leases.", labels=["worker"])
+    mapped = GaugeMetricFamily(name + "mapped_pools", "Peers' pools mapped by this worker.", labels=["worker"])
+    handoffs = CounterMetricFamily(
+        name + "handoffs", "Zero-copy handoffs, by direction.", labels=["worker", "direction"]
     )
-    sent = CounterMetricFamily(name + "sent_copy_bytes", "Bytes sent to peers as host copies.", labels=["pool"])
+    received = CounterMetricFamily(
+        name + "received_bytes", "Bytes received from same-host peers, by path.", labels=["worker", "path"]
+    )
+    sent = CounterMetricFamily(name + "sent_copy_bytes", "Bytes sent to peers as host copies.", labels=["worker"])
     fallbacks = CounterMetricFamily(
-        name + "fallbacks", "Same-host transfers copied instead of handed over, by reason.", labels=["pool", "reason"]
+        name + "fallbacks", "Same-host transfers copied instead of handed over, by reason.", labels=["worker", "reason"]
     )
     abandoned = CounterMetricFamily(
-        name + "leases_abandoned", "Leases that ended unclaimed (their transfer failed).", labels=["pool"]
+        name + "leases_abandoned", "Leases that ended unclaimed (their transfer failed).", labels=["worker"]
     )
     segments = GaugeMetricFamily(
-        name + "segments", "Segments of this worker's device pool, by state (held, retiring).", labels=["pool", "state"]
+        name + "segments",
+        "Segments of this worker's device pool, by state (held, retiring).",
+        labels=["worker", "state"],
     )
     for s in services:
-        pool = s.pool.uuid
+        pool = s.name  # the worker's name: a restarted worker continues its series
         st = s.stats()
         h = s.handoff_stats()
         pool_bytes.add_metric([pool, "used"], st.used)

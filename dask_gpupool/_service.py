@@ -205,6 +205,8 @@ class PoolService:
         self.pool = pool
         self.broker = broker
         self.record = record
+        #: What metrics call this worker: its Dask name once the plugin sets it (stable across restarts).
+        self.name = record.worker
         self.devices = devices
         self.mapped = MappedPools(devices, pool.device if pool.kind != "host" else _own_device(options, devices))
         self.registry = registry if registry is not None else RegistryView()

@@ -100,6 +100,7 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
     async def _setup(self, worker: Worker) -> None:
         options = PoolOptions.from_config(**self.overrides)
         service = PoolService.start(options, worker.address)
+        service.name = str(worker.name)
         try:
             # An op the scheduler does not know would end this worker's stream: ask first, read-only.
             if await worker.scheduler.gpupool_pools() is None:  # Dask answers an unknown handler with None

@@ -269,12 +269,17 @@ def test_prometheus_metrics_on_dasks_own_endpoints():
         info = c.scheduler_info()
         host = info["address"].split("://")[1].rsplit(":", 1)[0]
         text = scrape(host, info["workers"][b]["services"]["dashboard"])
-        assert 'dask_worker_gpupool_handoffs_total{direction="import"' in text
-        assert 'dask_worker_gpupool_received_bytes_total{path="zero-copy"' in text
-        assert "dask_worker_gpupool_pool_bytes" in text and 'reason="other-gpu"' in text
-        assert 'dask_worker_gpupool_segments{pool="' in text and 'state="retiring"' in text
-        prefix = 'dask_worker_gpupool_handoffs_total{direction="import"'
-        imported = [line for line in text.splitlines() if line.startswith(prefix)]
+        samples = [line for line in text.splitlines() if line.startswith("dask_worker_gpupool_")]
+
+        def sample(name: str, label: str) -> list[str]:
+            return [line for line in samples if line.startswith(name + "{") and label in line]
+
+        assert sample("dask_worker_gpupool_received_bytes_total", 'path="zero-copy"')
+        assert sample("dask_worker_gpupool_pool_bytes", 'state="used"') and 'reason="other-gpu"' in text
+        assert sample("dask_worker_gpupool_segments", 'state="retiring"')
+        # labelled by the worker's name, which a restarted worker keeps, not by its pool's UUID
+        assert samples and all('worker="w1"' in line and "pool=" not in line for line in samples)
+        imported = sample("dask_worker_gpupool_handoffs_total", 'direction="import"')
         assert imported and float(imported[0].rsplit(" ", 1)[1]) >= 1
         text = scrape(host, info["services"]["dashboard"])
         assert 'dask_scheduler_gpupool_pools{kind="host"} 2.0' in text
