@@ -12,7 +12,7 @@ or ``dask scheduler --preload dask_gpupool``.
 from __future__ import annotations
 
 from dask_gpupool import _serialize  # noqa: F401  (registers the Dask serializers)
-from dask_gpupool._api import allocate, pool_stats, pools, stats, trim
+from dask_gpupool._api import allocate, pool_stats, pools, stats, to_pool, trim
 from dask_gpupool._config import PoolOptions
 from dask_gpupool._errors import (
     BrokerError,
@@ -59,5 +59,6 @@ __all__ = [
     "pool_stats",
     "pools",
     "stats",
+    "to_pool",
     "trim",
 ]

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
     from dask_gpupool._service import PoolService
 
-__all__ = ["allocate", "current_service", "pool_stats", "pools", "stats", "trim"]
+__all__ = ["allocate", "current_service", "pool_stats", "pools", "stats", "to_pool", "trim"]
 
 
 def current_service() -> PoolService:
@@ -61,6 +61,45 @@ def allocate(nbytes: int, stream: Any = None) -> Buffer:
         When the pool cannot hold ``nbytes`` more.
     """
     return current_service().allocate(nbytes, stream)
+
+
+def to_pool(array: Any) -> Any:
+    """A copy of a NumPy or CuPy ``array`` in the current worker's pool, so that it hands over zero-copy.
+
+    For a task that got its result from a library that allocates on its own
+    (``dask.array`` chunks, CuPy's or NumPy's functions): returning
+    ``to_pool(result)`` costs one copy here, on the producer, and saves the
+    copies of every same-host transfer after it. Outside a worker with a pool
+    (plain Dask, or the plugin not registered), ``array`` itself is returned.
+
+    Returns
+    -------
+    cupy.ndarray or numpy.ndarray
+        Same type, shape, dtype and values (C order), over a pool buffer;
+        or ``array``.
+
+    Raises
+    ------
+    PoolExhaustedError
+        When the pool cannot hold the copy.
+    TypeError
+        For anything but a NumPy or CuPy array.
+    """
+    from dask_gpupool._serialize import as_array
+
+    module = type(array).__module__.split(".", 1)[0]
+    if module not in ("numpy", "cupy"):
+        raise TypeError(f"to_pool takes a NumPy or CuPy array, not {type(array).__module__}.{type(array).__qualname__}")
+    try:
+        buf = current_service().allocate(max(int(array.nbytes), 1))
+    except PoolUnavailableError:
+        return array
+    if module == "cupy" and not buf.is_device_accessible:  # a host pool on a GPU worker: leave it on the GPU
+        buf.close()
+        return array
+    out = as_array(buf, tuple(array.shape), array.dtype, like=module)
+    out[...] = array
+    return out
 
 
 def pools(client: Client) -> list[PoolRecord]:

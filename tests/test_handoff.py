@@ -319,3 +319,29 @@ def test_a_failed_cupy_registration_is_retried_not_marked_done():
         with pytest.raises(ImportError):
             _serialize.register_cupy()
         assert _serialize._cupy_registered == "no"
+
+
+def _numpy_result(n: int) -> Any:
+    """Task: an array NumPy allocated itself, put in the pool."""
+    import numpy as np
+
+    return dask_gpupool.to_pool(np.arange(n, dtype="f8").reshape(2, -1).T)  # a strided view, copied in C order
+
+
+def test_to_pool_puts_a_library_array_in_the_pool_so_it_hands_over_zero_copy():
+    """dask_gpupool.to_pool (what the ETL example used to hand-write, issue 20)."""
+    import numpy as np
+
+    assert dask_gpupool.to_pool(arr := np.ones(3)) is arr  # outside a worker: the array itself
+    with pytest.raises(TypeError, match=r"to_pool takes a NumPy or CuPy array, not builtins\.list"):
+        dask_gpupool.to_pool([1, 2])
+    with nanny_cluster([{}, {}], GPUPool(kind="host", max_size="64 MiB")) as c:
+        a, b = worker_addresses(c)
+        baseline = warm_up(c, a, b)
+        before = counters(c, b)[b]["zero_copy_bytes"]
+        x = c.submit(_numpy_result, 1 << 20, workers=[a], pure=False)
+        total = c.submit(lambda arr: (float(arr[:, 1].sum()), arr.flags.c_contiguous), x, workers=[b], pure=False)
+        assert total.result() == (float(np.arange(1 << 19, 1 << 20).sum()), True)
+        assert counters(c, b)[b]["zero_copy_bytes"] - before == 8 << 20
+        del x, total
+        back_to(c, baseline)

@@ -34,6 +34,7 @@ def test_public_names_are_pinned():
         "pool_stats",
         "pools",
         "stats",
+        "to_pool",
         "trim",
     ]
 
@@ -96,3 +97,4 @@ def test_etl_example_runs_small_on_host_pools(tmp_path):
     assert out.stdout.rstrip().endswith("OK")
     line = next(x for x in out.stdout.splitlines() if x.startswith("dask_gpupool: zero-copy"))
     assert "zero-copy 0 B" not in line  # chunks did cross between workers zero-copy
+    assert "plain Dask: every transfer is Dask's own (no plugin, nothing counted)" in out.stdout
