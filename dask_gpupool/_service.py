@@ -420,20 +420,25 @@ class PoolService:
         peer that could have had it zero-copy.
         """
         row, reason = self.route(requester, scheme, buf)
-        if row is None:
-            return None, None
         if reason is not None:
-            self.handoffs.fallback(row.worker, reason, self.record.worker)
+            self.handoffs.fallback(row.worker if row is not None else str(requester), reason, self.record.worker)
             return None, reason
         return row, None
 
     def route(self, requester: str | None, scheme: str, buf: Buffer) -> tuple[PoolRecord | None, str | None]:
         """:meth:`plan`'s decision without counting it: ``(requester's row or None, reason to copy or None)``.
 
-        ``(None, None)`` is an expected copy (no same-host row); ``(row, None)`` a handoff.
+        ``(None, None)`` is an expected copy (another host, a client); ``(row, None)`` a handoff;
+        ``(None, "unknown-requester")`` a worker at this host's address with no row here (it has
+        no pool, or its row has not reached this worker yet).
         """
         row = self.registry.worker_row(requester) if requester else None
-        if row is None or row.host != self.record.host:
+        if row is None:
+            same_address = requester is not None and _host_of(requester) == _host_of(self.record.worker)
+            if same_address and self.pool.owns(buf) and not self._closed:
+                return None, "unknown-requester"
+            return None, None
+        if row.host != self.record.host:
             return None, None
         reason: str | None = None
         if row.pid == self.record.pid:
@@ -1009,6 +1014,16 @@ def _own_device(options: PoolOptions, devices: LocalDevices) -> int | None:
         return devices.resolve(options.device)
     except Exception:
         return None
+
+
+def _host_of(address: str) -> str:
+    """The host part of a Dask address (``tcp://10.0.0.1:8786`` -> ``10.0.0.1``); ``""`` if it has none."""
+    from distributed.comm import get_address_host
+
+    try:
+        return str(get_address_host(address))
+    except Exception:
+        return ""
 
 
 def _view(resource: ImportedMemoryResource, mapped: MappedPool, ptr: int, size: int) -> Buffer:

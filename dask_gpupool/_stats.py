@@ -24,6 +24,10 @@ FALLBACK_REASONS = {
     "too-large": "the CUDA allocation to import is larger than gpupool.import-limit",
     "import-failed": "the requester could not import the descriptor and fetched a copy",
     "receiver-pool-full": "the receiver's pool was full; the copy went to memory outside it",
+    "unknown-requester": (
+        "the requester, at this host's address, has no pool in this worker's registry view "
+        "(its gpupool set-up failed, or its row has not arrived yet)"
+    ),
 }
 
 

@@ -516,6 +516,11 @@ def test_a_worker_whose_pool_set_up_failed_is_reported_and_the_others_still_answ
             desc = c.submit(T.hold, "ok", 4096, b"the others still hand over", workers=[a], pure=False).result()
             assert c.submit(T.read_peer, desc, 26, workers=[b], pure=False).result() == b"the others still hand over"
             c.submit(T.release, "ok", workers=[a], pure=False).result()
+            # a pool value fetched by the poolless worker: copied, and counted with its reason
+            v = c.submit(T.fill, 4096, 3, workers=[a], pure=False)
+            assert c.submit(T.all_equal, v, 3, workers=[w], pure=False).result()
+            assert dask_gpupool.stats(c)[a]["fallbacks"] == {"unknown-requester": 1}
+            del v
             for got in (dask_gpupool.stats(c), dask_gpupool.pool_stats(c)):
                 assert set(got) == good | {w}
                 assert not any("error" in got[g] for g in good)
