@@ -23,7 +23,10 @@ removed from the memfd at once (``madvise(MADV_REMOVE)``, a hole punched in
 the file), so neither the owner nor any peer that mapped them keeps them
 resident; :meth:`~SharedHostMemoryResource.trim` does the same for every free
 range, small ones included. A page is removed only while no buffer uses it:
-before its range goes back to the arena, or with allocation blocked. The
+before its range goes back to the arena, or with allocation blocked; and
+never after :meth:`~SharedHostMemoryResource.keep_pages`, once the pool is
+closed, or while the interpreter exits: then buffers a peer still maps are
+freed without their leases ending. The
 pool's ``reserved`` bytes are the memfd's resident pages (``st_blocks``).
 
 Trust boundary: the memfd is sealed once sized (``F_SEAL_SHRINK``,
@@ -42,6 +45,7 @@ import fcntl
 import logging
 import mmap
 import os
+import sys
 import threading
 import uuid
 from dataclasses import dataclass
@@ -128,6 +132,7 @@ class SharedHostMemoryResource(HostOnlyResource):
     _closed: bool
     _imports: int
     _reserved_high: int
+    _keep_pages: bool
     _lock: threading.Lock
 
     def __init__(self, max_size: int) -> None:
@@ -155,6 +160,7 @@ class SharedHostMemoryResource(HostOnlyResource):
         self._closed = False
         self._imports = 0
         self._reserved_high = 0
+        self._keep_pages = False
         self._lock = threading.Lock()
 
     @classmethod
@@ -208,8 +214,11 @@ class SharedHostMemoryResource(HostOnlyResource):
         with self._lock:
             if self._arena is not None:
                 held = self._arena.size_of(offset)
-                if held is not None and held >= _GIVE_BACK_MIN:
-                    self._give_back(offset, held)  # still this buffer's: no one else can be using it
+                # Not once the pool is closed or the interpreter exits: buffers a peer still maps (leases
+                # kept until exit) are freed then, and a hole punched under the peer would read as zeros.
+                keep = self._closed or self._keep_pages or sys.is_finalizing()
+                if held is not None and held >= _GIVE_BACK_MIN and not keep:
+                    self._give_back(offset, held)  # still this buffer's: no one else in this pool uses it
                 self._arena.free(offset)
                 last = self._arena.live == 0
             else:
@@ -245,6 +254,16 @@ class SharedHostMemoryResource(HostOnlyResource):
     def size(self) -> int:
         """Bytes of the whole pool (its ``max_size``)."""
         return self._size
+
+    def keep_pages(self) -> None:
+        """From now on freed buffers keep their pages: the caller frees buffers that peers may still map.
+
+        The pool service calls this before it drops the leases still open at
+        teardown (the peers' mappings keep the memfd's pages; a hole punched
+        under them would read as zeros).
+        """
+        with self._lock:
+            self._keep_pages = True
 
     def trim(self) -> int:
         """Give every free page of the pool back to the OS; return the pool's resident bytes after.

@@ -832,7 +832,8 @@ class PoolService:
         if self.copier is not None:
             self.copier.close()  # waits for the pulls in flight: their leases end with them
         if self.pool.kind == "host":
-            self.leases.clear()  # peers' mappings of the memfd keep its pages; nothing is reused here
+            self.pool.resource.keep_pages()  # leased buffers go now; peers' mappings of the memfd keep their pages
+            self.leases.clear()  # nothing is reused here
         else:
             held = keep_until_exit(self.leases.detach())
             if held:
