@@ -17,6 +17,8 @@ ucxx          Dask over UCXX, a CuPy array (only when distributed-ucxx imports)
 gpupool       dask_gpupool zero-copy: an array over a pool buffer
 gpupool-cupy  dask_gpupool zero-copy of plain CuPy arrays (gpupool.cupy-allocator routes CuPy to the pool)
 gpupool-copy  dask_gpupool's host-copy path, forced with different host ids
+ucxx+gpupool  Dask over UCXX with the plugin at its defaults, an array over a pool buffer
+ucxx+gpupool-plain  the same cluster, a plain CuPy array (the plugin must cost UCXX nothing)
 ============  ==========================================================
 
 Placements: ``same`` (two workers on GPU 0) and ``other`` (one worker per
@@ -63,7 +65,7 @@ from dask_gpupool import _testing as T
 from dask_gpupool._topology import local_devices
 
 DEFAULT_SIZES = "1KiB,1MiB,64MiB,256MiB,1GiB,4GiB,8GiB"
-METHODS = ("tcp", "ucxx", "gpupool", "gpupool-cupy", "gpupool-copy")
+METHODS = ("tcp", "ucxx", "gpupool", "gpupool-cupy", "gpupool-copy", "ucxx+gpupool", "ucxx+gpupool-plain")
 
 
 # -- tasks (run on the workers) --------------------------------------------------------
@@ -249,14 +251,16 @@ def method_setup(
     kind = "device" if gpus else "host"
     if method == "tcp":
         return "tcp", workers, None, False
-    if method == "ucxx":
+    if method.startswith("ucxx"):
         if not gpus:
             return None
         try:
             import distributed_ucxx  # noqa: F401
         except ImportError:
             return None
-        return "ucxx", workers, None, False
+        if method == "ucxx":
+            return "ucxx", workers, None, False
+        return "ucxx", workers, GPUPool(kind=kind, max_size=max_size), method == "ucxx+gpupool"
     if method == "gpupool-cupy" and not gpus:
         return None
     plugin = GPUPool(
