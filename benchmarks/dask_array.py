@@ -1,0 +1,141 @@
+"""A dask.array program with and without the plugin at its default settings: what registering it costs.
+
+Issue 16 asks that registering dask_gpupool never makes a cluster slower where
+it does not help. This runs one program on the same cluster layout twice (a
+fresh cluster each time), plain Dask and ``GPUPool()`` with no options, and
+times each stage (median of ``--repeats``, after one warm-up):
+
+- ``transpose``: ``(x + x.T).sum()`` — every chunk meets the chunk mirrored across the diagonal;
+- ``rechunk``: ``x.rechunk(..., method="tasks")`` to row panels, then ``.sum()``;
+- ``matmul``: ``(x @ x).sum()``.
+
+Chunks are CuPy arrays when a GPU is visible (two workers per GPU, rotated
+``CUDA_VISIBLE_DEVICES``), NumPy otherwise (two workers). The comm is TCP
+(``--protocol ucxx`` for UCXX). Prints a table and the plugin's zero-copy and
+copied bytes; writes JSON to ``benchmarks/results/`` (and ``$OUT``).
+
+    python benchmarks/dask_array.py [--n 8192] [--chunks 2048] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from typing import Any
+
+import dask
+import dask.array as da
+from distributed import Client, Nanny, Scheduler, SpecCluster, wait
+
+import dask_gpupool
+from dask_gpupool._topology import local_devices
+
+STAGES = ("transpose", "rechunk", "matmul")
+
+
+def program(x: Any, stage: str, chunk: int) -> Any:
+    if stage == "transpose":
+        return (x + x.T).sum()
+    if stage == "rechunk":
+        return x.rechunk((chunk // 2, x.shape[1]), method="tasks").sum()
+    return (x @ x).sum()
+
+
+def run(workers: list[dict[str, Any]], plugin: Any, args: argparse.Namespace, gpu: bool) -> dict[str, Any]:
+    specs = {
+        f"w{i}": {
+            "cls": Nanny,
+            "options": {
+                "nthreads": 1,
+                "memory_limit": 0,
+                "dashboard_address": None,
+                "protocol": args.protocol,
+                "silence_logs": logging.ERROR,
+                **w,
+            },
+        }
+        for i, w in enumerate(workers)
+    }
+    sched = {"cls": Scheduler, "options": {"dashboard_address": None, "protocol": args.protocol}}
+    cfg: dict[str, Any] = {"distributed.scheduler.active-memory-manager.start": False}
+    if args.protocol == "ucxx":
+        cfg.update({f"distributed.comm.ucx.{k}": True for k in ("create-cuda-context", "nvlink", "tcp", "cuda-copy")})
+    with dask.config.set(cfg), SpecCluster(specs, sched, silence_logs=logging.ERROR) as cl, Client(cl) as c:
+        c.wait_for_workers(len(workers))
+        if plugin is not None:
+            c.register_plugin(plugin)
+        x = da.random.default_rng(42).random((args.n, args.n), chunks=args.chunks)  # the same values in each run
+        if gpu:
+            import cupy
+
+            x = x.map_blocks(cupy.asarray)
+        x = x.persist()
+        wait(x)
+        times: dict[str, float] = {}
+        checks: dict[str, float] = {}
+        for stage in STAGES:
+            samples = []
+            for i in range(args.repeats + 1):
+                t0 = time.perf_counter()
+                total = float(program(x, stage, args.chunks).compute())
+                if i:  # the first is a warm-up
+                    samples.append(time.perf_counter() - t0)
+            times[stage] = statistics.median(samples)
+            checks[stage] = total
+        moved = {"zero_copy_bytes": 0, "copied_bytes": 0}
+        if plugin is not None:
+            for s in dask_gpupool.stats(c).values():
+                for k in moved:
+                    moved[k] += s.get(k, 0)
+        return {"times": times, "checks": checks, **moved}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n", type=int, default=8192)
+    p.add_argument("--chunks", type=int, default=2048)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--protocol", default="tcp", choices=["tcp", "ucxx"])
+    args = p.parse_args()
+    gpus = len(local_devices().uuids)
+    gpu = gpus > 0
+    if gpus >= 2:
+        order = list(range(gpus))
+        rotated = [",".join(map(str, order[i:] + order[:i])) for i in range(gpus)]
+        workers = [{"env": {"CUDA_VISIBLE_DEVICES": r}} for r in rotated for _ in range(2)]
+    else:
+        workers = [{}, {}]
+    results = {}
+    for label, plugin in (("plain Dask", None), ("with GPUPool()", dask_gpupool.GPUPool())):
+        results[label] = run(workers, plugin, args, gpu)
+        print(f"-- {label}: " + ", ".join(f"{s} {t * 1e3:.1f} ms" for s, t in results[label]["times"].items()))
+    base, pool = results["plain Dask"], results["with GPUPool()"]
+    print(
+        f"\n{args.n}x{args.n} f8 in {args.chunks}-chunks, {len(workers)} workers, {'CuPy' if gpu else 'NumPy'}, "
+        f"{args.protocol}; median of {args.repeats} (ms)"
+    )
+    print(f"{'stage':10} {'plain Dask':>12} {'GPUPool()':>12} {'ratio':>7}")
+    for s in STAGES:
+        print(
+            f"{s:10} {base['times'][s] * 1e3:>12.1f} {pool['times'][s] * 1e3:>12.1f} "
+            f"{pool['times'][s] / base['times'][s]:>7.2f}"
+        )
+    print(f"plugin: zero-copy {pool['zero_copy_bytes']} B, copied {pool['copied_bytes']} B")
+    same = all(abs(base["checks"][s] - pool["checks"][s]) <= 1e-6 * abs(base["checks"][s]) for s in STAGES)
+    print("values agree" if same else "VALUES DIFFER")
+    out = {"host": platform.node(), "gpus": gpus, "args": vars(args), "results": results}
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for folder in (os.path.join(os.path.dirname(__file__), "results"), os.environ.get("OUT")):
+        if folder:
+            os.makedirs(folder, exist_ok=True)
+            with open(os.path.join(folder, f"dask_array-{stamp}.json"), "w") as f:
+                json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
