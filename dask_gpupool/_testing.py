@@ -281,6 +281,26 @@ def make_buffer(nbytes: int, data: bytes) -> Buffer:
     return buf
 
 
+def serializer_families(n: int) -> dict[str, str]:
+    """Task: which serializer family distributed picks, with a UCX comm's list, for a pool array and a pool Buffer.
+
+    ``"cuda"`` means device frames (UCX moves them GPU to GPU); ``"dask"`` means our serializer, a host copy
+    outside a same-host TCP handoff (issue 16).
+    """
+    from distributed.protocol import serialize
+
+    ucx = ("cuda", "dask", "pickle", "error")
+    arr = make_array(n)
+    buf = current_service().allocate(n)
+    try:
+        return {
+            "pool array": serialize(arr, serializers=ucx)[0]["serializer"],
+            "pool buffer": serialize(buf, serializers=ucx)[0]["serializer"],
+        }
+    finally:
+        buf.close()
+
+
 def make_array(n: int, like: str | None = None) -> Any:
     """Task: ``arange(n)`` as float64 in an array view over a pool buffer."""
     import numpy as np

@@ -508,3 +508,17 @@ def test_a_stalled_producer_keeps_the_device_leases_its_consumer_holds(layout):
     plugin = GPUPool(kind="device", max_size="1 GiB", broker_timeout="1s")
     with nanny_cluster(layout_workers(layout), plugin) as c:
         stalled_producer(c, 8 * MiB)
+
+
+# -- UCX comms (issue 16) ------------------------------------------------------------------
+
+
+def test_the_serializer_family_a_ucx_comm_gets_for_pool_memory():
+    """Diagnosis for issue 16: with a UCX comm's serializer list, a pool array should go as device frames
+    ("cuda"). A pool Buffer has no "cuda" serializer yet (a host copy through ours): recorded, not asserted."""
+    gpus(1)
+    with nanny_cluster([ONE_GPU], GPUPool(kind="device", max_size="1 GiB")) as c:
+        (a,) = worker_addresses(c)
+        got = c.submit(T.serializer_families, MiB, workers=[a], pure=False).result()
+        print("serializer families with a UCX comm's list:", got)
+        assert got["pool array"] == "cuda", got
