@@ -217,6 +217,10 @@ class GPUPool(SchedulerPlugin):
     async def start(self, scheduler: Scheduler) -> None:
         from dask_gpupool._worker_plugin import GPUPoolWorkerPlugin  # the class, pickled for workers
 
+        if self._scheduler is scheduler:
+            # A plugin that a preload registered (and so started) is started again by distributed once
+            # the preloads are done: once is enough.
+            return
         self._scheduler = scheduler
         self._joined = asyncio.Event()
         scheduler.handlers.update(self._handlers)
@@ -230,6 +234,7 @@ class GPUPool(SchedulerPlugin):
         if failed:
             await scheduler.unregister_worker_plugin(None, PLUGIN_NAME)
             self._remove_handlers()
+            self._scheduler = None
             worker, response = next(iter(failed.items()))
             logger.error("gpupool: setup failed on %d worker(s), e.g. %s", len(failed), worker)
             exc = response.get("exception")

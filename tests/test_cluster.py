@@ -358,6 +358,8 @@ def test_cli_preload_cluster_configured_by_environment(tmp_path):
     finally:
         stop_processes(procs)
         logs.close()
+    # distributed starts a preloaded plugin again after the preloads: ours sets the workers up once
+    assert (tmp_path / "scheduler.log").read_text().count("Registering Worker plugin gpupool") == 1
 
 
 def test_dashboard_page_in_a_headless_browser(tmp_path):
