@@ -573,7 +573,7 @@ def _register() -> None:
     _register_sizeof()
     import sys
 
-    if "cupy" in sys.modules:
+    if sys.modules.get("cupy") is not None:  # imported already (None: an import that is blocked)
         register_cupy()
     else:
         # Replaces distributed's lazy hooks for CuPy with ours, which run theirs first.

@@ -78,7 +78,15 @@ def test_unknown_pool_is_a_typed_error(broker):
     [b"\xc1garbage", msgpack.packb([1, 2, 3]), msgpack.packb({"op": "pool-handle", "pool": 7}), b"x" * 70000],
 )
 def test_malformed_request_closes_only_that_connection(broker, payload):
+    """A member (past its hello) that sends garbage is dropped; other connections are served."""
     s = connect(broker.address)
+    s.sendall(encode(Hello(TOKEN)))
+    assert msgpack.unpackb(s.recv(1000))["op"] == "welcome"  # a member now
+    s.sendall(encode(HandleRequest(POOL)))  # a well-formed request is answered
+    assert HandleReply.from_msg(msgpack.unpackb(s.recv(100))) == HandleReply(POOL, "host", 4096)
+    _, fds, _, _ = socket.recv_fds(s, 16, 1)
+    for fd in fds:
+        os.close(fd)
     s.sendall(payload)
     assert s.recv(100) == b""  # closed without an answer
     s.close()

@@ -64,12 +64,21 @@ def test_live_broker_refuses_malformed_input_and_keeps_serving(client):
     row = by_worker(client)[a]
     import socket
 
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    s.settimeout(5)
-    s.connect(row.broker)
-    s.sendall(b"\x93\x01\x02")
-    assert s.recv(10) == b""
-    s.close()
+    import msgpack
+
+    from dask_gpupool._messages import Hello, encode
+
+    token = client.run(lambda dask_worker: dask_worker.plugins["gpupool"].service.token, workers=[a])[a]
+    for member in (False, True):  # before the hello, and past it (a member that then sends garbage)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.settimeout(5)
+        s.connect(row.broker)
+        if member:
+            s.sendall(encode(Hello(token)))
+            assert msgpack.unpackb(s.recv(1000))["op"] == "welcome"
+        s.sendall(b"\x93\x01\x02")
+        assert s.recv(10) == b""
+        s.close()
     desc = client.submit(T.hold, "y", 4096, b"still here", workers=[a], pure=False).result()
     assert client.submit(T.read_peer, desc, 10, workers=[b], pure=False).result() == b"still here"
     client.submit(T.release, "y", workers=[a], pure=False).result()
@@ -135,7 +144,14 @@ def test_entries_vanish_when_a_worker_is_killed():
         # the Nanny restarts the worker, which registers a fresh pool
         wait_for(lambda: len(dask_gpupool.pools(c)) == 2)
         assert victim.pool not in {r.pool for r in dask_gpupool.pools(c)}
-        assert not os.path.exists(os.path.dirname(victim.broker)) or True  # a killed process cannot clean up
+        # A killed broker cannot remove its directory; the next broker start does (min_age 0 here, not the
+        # default that keeps directories of brokers still starting), and it leaves the live brokers' alone.
+        from dask_gpupool._broker import remove_stale_broker_dirs
+
+        victim_dir = os.path.dirname(victim.broker)
+        remove_stale_broker_dirs(os.path.dirname(victim_dir), min_age=0)
+        assert not os.path.exists(victim_dir)
+        assert all(os.path.exists(r.broker) for r in dask_gpupool.pools(c))
 
 
 def test_bad_option_fails_setup_naming_it_and_leaves_nothing_behind():

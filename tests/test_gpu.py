@@ -24,8 +24,10 @@ ROTATED = [{"env": {"CUDA_VISIBLE_DEVICES": "0,1"}}, {"env": {"CUDA_VISIBLE_DEVI
 
 
 def gpus(n: int) -> None:
+    """Skip unless ``n`` GPUs are visible, and CuPy (which the checks read device memory with) imports."""
     if len(local_devices().uuids) < n:
         pytest.skip(f"needs {n} GPUs, sees {len(local_devices().uuids)}")
+    pytest.importorskip("cupy", reason="the GPU tests read device memory with CuPy")
 
 
 def test_two_workers_on_one_gpu():

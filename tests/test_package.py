@@ -43,7 +43,8 @@ def test_every_error_derives_from_the_base_and_a_builtin():
     errors = [getattr(dask_gpupool, n) for n in dask_gpupool.__all__ if n.endswith("Error")]
     for e in errors:
         assert issubclass(e, dask_gpupool.GPUPoolError)
-        assert e is dask_gpupool.GPUPoolError or len(e.__mro__) > 3  # also a builtin (ValueError, ...)
+        builtins = [b for b in e.__mro__ if b.__module__ == "builtins" and b not in (Exception, BaseException, object)]
+        assert e is dask_gpupool.GPUPoolError or builtins, f"{e.__name__} is no builtin error (ValueError, ...)"
 
 
 def test_allocate_outside_a_worker_is_a_clear_error():
