@@ -12,7 +12,7 @@ metric                                                    type     labels
 ``dask_worker_gpupool_leased_bytes``                      gauge
 ``dask_worker_gpupool_mapped_pools``                      gauge
 ``dask_worker_gpupool_handoffs_total``                    counter  ``direction``: export, import
-``dask_worker_gpupool_received_bytes_total``              counter  ``path``: zero-copy, copy
+``dask_worker_gpupool_received_bytes_total``              counter  ``path``: zero-copy, copy, device-frames
 ``dask_worker_gpupool_sent_copy_bytes_total``             counter
 ``dask_worker_gpupool_fallbacks_total``                   counter  ``reason`` (see ``FALLBACK_REASONS``)
 ``dask_worker_gpupool_leases_abandoned_total``              counter
@@ -84,6 +84,7 @@ def _worker_metrics() -> Iterator[Any]:
         handoffs.add_metric([pool, "import"], h["imports"])
         received.add_metric([pool, "zero-copy"], h["zero_copy_bytes"])
         received.add_metric([pool, "copy"], h["copied_bytes"])
+        received.add_metric([pool, "device-frames"], h["device_frames_bytes"])
         sent.add_metric([pool], h["copied_out_bytes"])
         for reason in FALLBACK_REASONS:
             fallbacks.add_metric([pool, reason], h["fallbacks"].get(reason, 0))

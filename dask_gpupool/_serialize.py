@@ -17,6 +17,12 @@ pool so that it can be handed on again. Copies to a worker over ``tcp`` from
 pulls them from the sender's copy server, chunked and pipelined
 (:mod:`dask_gpupool._copy`).
 
+**UCX comms.** A device ``Buffer`` also has a serializer of distributed's
+``"cuda"`` family, which only comms that carry device frames ask for (UCX):
+it goes as one device frame that the comm moves GPU to GPU, never as a host
+copy (counted in ``device_frames_out_bytes``; to a same-host peer also as
+fallback ``comm``). CuPy arrays keep distributed's own ``"cuda"`` serializer.
+
 **Sub-header.** ``{"gpupool": HandoffHeader.to_msg()}``: msgpack-safe, never
 pickled. Dask's own framing around it is unchanged.
 
@@ -568,9 +574,72 @@ def _register_sizeof() -> None:
         return bool(buf.is_device_accessible and not buf.is_host_accessible)
 
 
+# -- UCX comms: device frames -------------------------------------------------------
+
+
+class _DeviceFrame:
+    """A range of device memory as a frame that a UCX comm sends GPU to GPU.
+
+    distributed-ucxx sends a frame from device memory when it has
+    ``__cuda_array_interface__`` (and takes its size from ``nbytes``). The
+    frame keeps ``owner`` (the Buffer) alive until the comm lets go of it.
+    """
+
+    def __init__(self, ptr: int, nbytes: int, owner: Any) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "strides": None,
+            "version": 3,
+            "stream": None,  # pool memory is ordered on the default stream, which the comm syncs before sending
+        }
+        self.nbytes = nbytes
+        self.owner = owner
+
+
+def _cuda_serialize_buffer(buf: Buffer) -> tuple[dict[str, Any], list[Any]]:
+    """A device ``Buffer`` as one device frame, for comms that carry them (the ``"cuda"`` family: UCX).
+
+    Counted in ``device_frames_out_bytes``; to a same-host worker also as
+    fallback ``comm`` (not zero-copy). Host memory, and empty buffers, go on
+    to the ``"dask"`` family (a host frame).
+    """
+    if not buf.is_device_accessible or buf.is_host_accessible or not buf.size:
+        raise NotImplementedError("host memory goes in a host frame")
+    request = _REQUEST.get()
+    service = request.service if request is not None else active_service()
+    if service is not None:
+        service.handoffs.add(device_frames_out_bytes=int(buf.size))
+        if request is not None and request.requester is not None:
+            row = service.registry.worker_row(request.requester)
+            if row is not None and row.host == service.record.host and row.pid != service.record.pid:
+                service.handoffs.fallback(row.worker, "comm", service.record.worker)
+    return {"nbytes": int(buf.size)}, [_DeviceFrame(int(buf.handle), int(buf.size), buf)]
+
+
+def _cuda_deserialize_buffer(header: dict[str, Any], frames: list[Any]) -> Buffer:
+    """The device frame a comm received, as a ``Buffer`` that keeps the frame's memory alive."""
+    (frame,) = frames
+    nbytes = int(header["nbytes"])
+    ptr = int(frame.__cuda_array_interface__["data"][0])
+    service = active_service()
+    if service is not None:
+        service.handoffs.add(device_frames_bytes=nbytes)
+    return Buffer.from_handle(ptr, nbytes, owner=frame)
+
+
+def _register_cuda() -> None:
+    from distributed.protocol.cuda import cuda_deserialize, cuda_serialize
+
+    cuda_serialize.register(Buffer)(_cuda_serialize_buffer)
+    cuda_deserialize.register(Buffer)(_cuda_deserialize_buffer)
+
+
 def _register() -> None:
     _register_numpy()
     _register_sizeof()
+    _register_cuda()
     import sys
 
     if sys.modules.get("cupy") is not None:  # imported already (None: an import that is blocked)

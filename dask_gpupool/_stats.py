@@ -13,7 +13,10 @@ logger = logging.getLogger("dask_gpupool")
 #: Why a same-host transfer was copied instead of handed over, as counted in ``fallbacks``.
 FALLBACK_REASONS = {
     "same-process": "the requester is this process",
-    "comm": "the comm is not TCP/TLS (UCX, inproc): it passes no requester",
+    "comm": (
+        "the comm is not TCP/TLS (UCX, inproc): device buffers go as device frames the comm moves, "
+        "host memory as a host copy"
+    ),
     "not-in-pool": "the value does not live in this worker's pool",
     "no-access": "the requester cannot reach the memory (GPU not visible, or no GPU)",
     "other-gpu": (
@@ -47,6 +50,9 @@ class HandoffStats:
     streamed_bytes, streamed_out_bytes : int
         The part of ``copied_bytes`` / ``copied_out_bytes`` that went over the
         pipelined copy path (:mod:`dask_gpupool._copy`) rather than in Dask's frames.
+    device_frames_bytes, device_frames_out_bytes : int
+        Bytes of ``Buffer`` values received / sent as device frames (UCX
+        comms: the comm moves them GPU to GPU; not zero-copy, not a host copy).
     fallbacks : dict of str to int
         Same-host transfers that were copied, by reason (see :data:`FALLBACK_REASONS`).
     """
@@ -58,6 +64,8 @@ class HandoffStats:
     copied_out_bytes: int
     streamed_bytes: int
     streamed_out_bytes: int
+    device_frames_bytes: int
+    device_frames_out_bytes: int
     fallbacks: dict[str, int]
     _warned: set[tuple[str, str]]
     _lock: threading.Lock
@@ -66,6 +74,7 @@ class HandoffStats:
         self.exports = self.imports = 0
         self.zero_copy_bytes = self.copied_bytes = self.copied_out_bytes = 0
         self.streamed_bytes = self.streamed_out_bytes = 0
+        self.device_frames_bytes = self.device_frames_out_bytes = 0
         self.fallbacks = {}
         self._warned = set()
         self._lock = threading.Lock()
@@ -102,5 +111,7 @@ class HandoffStats:
                 "copied_out_bytes": self.copied_out_bytes,
                 "streamed_bytes": self.streamed_bytes,
                 "streamed_out_bytes": self.streamed_out_bytes,
+                "device_frames_bytes": self.device_frames_bytes,
+                "device_frames_out_bytes": self.device_frames_out_bytes,
                 "fallbacks": dict(self.fallbacks),
             }

@@ -516,11 +516,36 @@ def test_a_stalled_producer_keeps_the_device_leases_its_consumer_holds(layout):
 
 
 def test_the_serializer_family_a_ucx_comm_gets_for_pool_memory():
-    """Diagnosis for issue 16: with a UCX comm's serializer list, a pool array should go as device frames
-    ("cuda"). A pool Buffer has no "cuda" serializer yet (a host copy through ours): recorded, not asserted."""
+    """Issue 16: with a UCX comm's serializer list, pool arrays and pool Buffers go as device frames ("cuda"),
+    never through our host copy."""
     gpus(1)
     with nanny_cluster([ONE_GPU], GPUPool(kind="device", max_size="1 GiB")) as c:
         (a,) = worker_addresses(c)
         got = c.submit(T.serializer_families, MiB, workers=[a], pure=False).result()
         print("serializer families with a UCX comm's list:", got)
-        assert got["pool array"] == "cuda", got
+        assert got == {"pool array": "cuda", "pool buffer": "cuda"}, got
+
+
+def test_on_ucxx_a_pool_buffer_and_arrays_travel_as_device_frames():
+    """Issue 16 on a UCXX cluster (two workers on one GPU): a pool Buffer, a pool array and a plain CuPy array
+    reach the consumer with the right values; the Buffer as a device frame, counted, and none as a host copy."""
+    gpus(1)
+    pytest.importorskip("distributed_ucxx")
+    import dask
+    import numpy as np
+
+    ucx = {f"distributed.comm.ucx.{k}": True for k in ("create-cuda-context", "nvlink", "tcp", "cuda-copy")}
+    workers = [{**ONE_GPU, "protocol": "ucxx"}, {**ONE_GPU, "protocol": "ucxx"}]
+    with dask.config.set(ucx), nanny_cluster(workers, GPUPool(kind="device", max_size="1 GiB"), protocol="ucxx") as c:
+        a, b = worker_addresses(c)
+        assert a.startswith("ucxx://")
+        x = c.submit(T.make_buffer, MiB, b"over ucx", workers=[a], pure=False)
+        assert c.submit(T.head, x, 8, workers=[b], pure=False).result() == b"over ucx"
+        arr = c.submit(T.make_array, 1 << 20, workers=[a], pure=False)
+        assert c.submit(T.total, arr, workers=[b], pure=False).result() == float(np.arange(1 << 20).sum())
+        plain = c.submit(T.plain_cupy, 1 << 20, workers=[a], pure=False)
+        assert c.submit(T.total, plain, workers=[b], pure=False).result() == float(np.arange(1 << 20).sum())
+        got = c.run(T.handoff_counters)
+        assert got[a]["device_frames_out_bytes"] == MiB and got[b]["device_frames_bytes"] == MiB, got
+        assert got[a]["fallbacks"] == {"comm": 1}, got  # the Buffer, to a same-host peer: not zero-copy
+        assert got[a]["copied_out_bytes"] == 0 and got[b]["copied_bytes"] == 0, got  # no host copy

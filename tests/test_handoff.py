@@ -354,3 +354,23 @@ def test_to_pool_puts_a_library_array_in_the_pool_so_it_hands_over_zero_copy():
         assert counters(c, b)[b]["zero_copy_bytes"] - before == 8 << 20
         del x, total
         back_to(c, baseline)
+
+
+def test_on_a_comm_that_asks_for_device_frames_a_host_buffer_still_goes_in_a_host_frame():
+    """The "cuda" serializer family (UCX comms) takes device Buffers only (issue 16); host memory falls through
+    to ours in the "dask" family, and the frame type UCX reads is shaped as distributed-ucxx expects."""
+    from distributed.protocol import deserialize, serialize
+
+    from dask_gpupool._serialize import _DeviceFrame
+    from dask_gpupool._service import host_buffer
+
+    buf = host_buffer(bytearray(b"host bytes"))
+    header, frames = serialize(buf, serializers=("cuda", "dask", "pickle", "error"))
+    assert header["serializer"] == "dask"
+    back = deserialize(header, frames, deserializers=("cuda", "dask", "pickle", "error"))
+    from dask_gpupool._testing import read_bytes
+
+    assert read_bytes(back, 10) == b"host bytes"
+    frame = _DeviceFrame(0x1000, 64, owner=buf)
+    assert frame.nbytes == 64 and frame.__cuda_array_interface__["shape"] == (64,)
+    assert frame.__cuda_array_interface__["data"] == (0x1000, False) and frame.owner is buf
