@@ -69,8 +69,9 @@ def to_pool(array: Any) -> Any:
     For a task that got its result from a library that allocates on its own
     (``dask.array`` chunks, CuPy's or NumPy's functions): returning
     ``to_pool(result)`` costs one copy here, on the producer, and saves the
-    copies of every same-host transfer after it. Outside a worker with a pool
-    (plain Dask, or the plugin not registered), ``array`` itself is returned.
+    copies of every same-host transfer after it. An array in this worker's
+    pool already, and any array outside a worker with a pool (plain Dask, or
+    the plugin not registered), is returned as it is.
 
     Returns
     -------
@@ -85,15 +86,19 @@ def to_pool(array: Any) -> Any:
     TypeError
         For anything but a NumPy or CuPy array.
     """
-    from dask_gpupool._serialize import as_array
+    from dask_gpupool._serialize import as_array, pool_buffer_of
 
     module = type(array).__module__.split(".", 1)[0]
     if module not in ("numpy", "cupy"):
         raise TypeError(f"to_pool takes a NumPy or CuPy array, not {type(array).__module__}.{type(array).__qualname__}")
     try:
-        buf = current_service().allocate(max(int(array.nbytes), 1))
+        service = current_service()
     except PoolUnavailableError:
         return array
+    held = pool_buffer_of(array)
+    if held is not None and service.pool.owns(held):
+        return array  # in this worker's pool already
+    buf = service.allocate(max(int(array.nbytes), 1))
     if module == "cupy" and not buf.is_device_accessible:  # a host pool on a GPU worker: leave it on the GPU
         buf.close()
         return array

@@ -337,6 +337,14 @@ def _numpy_result(n: int) -> Any:
     return dask_gpupool.to_pool(np.arange(n, dtype="f8").reshape(2, -1).T)  # a strided view, copied in C order
 
 
+def _to_pool_twice() -> bool:
+    """Task: an array in the pool already is not copied again."""
+    import numpy as np
+
+    once = dask_gpupool.to_pool(np.ones(4))
+    return dask_gpupool.to_pool(once) is once
+
+
 def test_to_pool_puts_a_library_array_in_the_pool_so_it_hands_over_zero_copy():
     """dask_gpupool.to_pool (what the ETL example used to hand-write, issue 20)."""
     import numpy as np
@@ -352,6 +360,7 @@ def test_to_pool_puts_a_library_array_in_the_pool_so_it_hands_over_zero_copy():
         total = c.submit(lambda arr: (float(arr[:, 1].sum()), arr.flags.c_contiguous), x, workers=[b], pure=False)
         assert total.result() == (float(np.arange(1 << 19, 1 << 20).sum()), True)
         assert counters(c, b)[b]["zero_copy_bytes"] - before == 8 << 20
+        assert c.submit(_to_pool_twice, workers=[a], pure=False).result()
         del x, total
         back_to(c, baseline)
 
