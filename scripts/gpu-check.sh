@@ -11,7 +11,8 @@
 # LARGE=0 skip the ETL example and the 5-8 GiB import check; MAPPING=0 the pool-mapping benchmark; DEMO=0
 # the demo and the example; SUBALLOC=0 the sub-allocator benchmark. ETL_LAYOUTS (default "shared") lists
 # the ETL example's layouts (shared, per-gpu, dask-cuda); ETL_ARGS adds options to it. Everything under $OUT
-# is packed into logs.tgz at the end when more than 8 files would come back. CHAOS_SECONDS (default 0: skipped)
+# is packed into logs.tgz at the end when more than 8 files would come back. DEATH=1 runs benchmarks/exporter_death.py
+# (what an importer reads after its exporter's SIGKILL, pool vs VMM memory). CHAOS_SECONDS (default 0: skipped)
 # runs benchmarks/chaos.py for that long (CHAOS_ARGS adds options). The exit status is pytest's (0 when the tests
 # passed or were not run), so a caller sees a failed suite.
 set -uo pipefail
@@ -83,6 +84,10 @@ if [ "$BUDGET" != 0 ]; then
   grep -E "not available|FAILED|out of time" "$OUT/handoff.log" | head -10
   sed -n '/^consumer transfer time/,$p' "$OUT/handoff.log"
 fi
+fi
+if [ "${DEATH:-0}" != 0 ]; then  # what an importer reads after its exporter's SIGKILL: pool vs VMM memory
+  echo "== exporter death"; timeout 280 python3 benchmarks/exporter_death.py > "$OUT/exporter_death.log" 2>&1
+  echo "exporter death exit: $?"; sed -n '/^mechanism/,$p' "$OUT/exporter_death.log"
 fi
 if [ "${CHAOS_SECONDS:-0}" != 0 ]; then
   echo "== chaos (${CHAOS_SECONDS} s)"
