@@ -6,7 +6,7 @@ import logging
 import threading
 from typing import Any
 
-__all__ = ["FALLBACK_REASONS", "HandoffStats"]
+__all__ = ["FALLBACK_ADVICE", "FALLBACK_REASONS", "HandoffStats"]
 
 logger = logging.getLogger("dask_gpupool")
 
@@ -31,6 +31,29 @@ FALLBACK_REASONS = {
         "the requester, at this host's address, has no pool in this worker's registry view "
         "(its gpupool set-up failed, or its row has not arrived yet)"
     ),
+    "peer-unreachable": (
+        "a recent transfer to this peer failed (its link could not be opened, or its claim never came): "
+        "it gets copies for gpupool.lease-timeout"
+    ),
+}
+
+
+#: What to change so that a fallback of each reason becomes a zero-copy handoff (said in its one WARNING).
+FALLBACK_ADVICE = {
+    "same-process": "nothing: values within one process are not copied by Dask anyway",
+    "comm": "use a tcp:// or tls:// comm between same-host workers for zero-copy handoffs",
+    "not-in-pool": (
+        "make the result in the pool: dask_gpupool.allocate + as_array, dask_gpupool.to_pool(result), "
+        "or gpupool.cupy-allocator for plain CuPy"
+    ),
+    "no-access": "make the producer's GPU visible to the consumer (CUDA_VISIBLE_DEVICES), or accept copies",
+    "other-gpu": "keep gpupool.segment-size above 0 and gpupool.segment-memory auto or vmm, on GPUs with peer access",
+    "pool-closed": "nothing: the worker is closing",
+    "too-large": "raise gpupool.import-limit, or make smaller results",
+    "import-failed": "see the consumer's log for the import error",
+    "receiver-pool-full": "raise the receiver's gpupool.max-size, or free its buffers sooner",
+    "unknown-requester": "see that worker's entry in dask_gpupool.stats(client): its pool set-up may have failed",
+    "peer-unreachable": "see both workers' logs: the peer's broker or copy server could not be reached",
 }
 
 
@@ -91,14 +114,16 @@ class HandoffStats:
             first = (peer, reason) not in self._warned
             self._warned.add((peer, reason))
         if first:
+            advice = FALLBACK_ADVICE.get(reason)
             logger.warning(
-                "gpupool: %s -> %s copied instead of handed over (%s: %s)%s; further fallbacks of this kind "
+                "gpupool: %s -> %s copied instead of handed over (%s: %s)%s%s; further fallbacks of this kind "
                 "between them are counted in dask_gpupool.stats() without a warning",
                 worker,
                 peer,
                 reason,
                 FALLBACK_REASONS.get(reason, reason),
                 f": {detail}" if detail else "",
+                f". To hand it over: {advice}" if advice else "",
             )
 
     def to_msg(self) -> dict[str, Any]:

@@ -1,0 +1,40 @@
+"""Every fallback reason the code can count is named, explained and comes with advice (issue 16)."""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+from dask_gpupool._stats import FALLBACK_ADVICE, FALLBACK_REASONS, HandoffStats
+
+PACKAGE = Path(__file__).resolve().parent.parent / "dask_gpupool"
+
+
+def reasons_in_the_code() -> set[str]:
+    found: set[str] = set()
+    for path in PACKAGE.glob("*.py"):
+        text = path.read_text()
+        found.update(re.findall(r'reason = "([a-z-]+)"', text))
+        found.update(re.findall(r'return None, "([a-z-]+)"', text))
+        found.update(re.findall(r'\.fallback\([^)]*?"([a-z-]+)"', text, re.S))
+    return found
+
+
+def test_every_counted_reason_is_explained_and_advised():
+    used = reasons_in_the_code()
+    assert {"comm", "not-in-pool", "peer-unreachable", "unknown-requester", "import-failed"} <= used
+    assert used <= set(FALLBACK_REASONS), used - set(FALLBACK_REASONS)
+    assert set(FALLBACK_ADVICE) == set(FALLBACK_REASONS)
+
+
+def test_a_fallback_is_counted_each_time_and_warned_once_per_peer_and_reason_with_advice(caplog):
+    stats = HandoffStats()
+    with caplog.at_level(logging.WARNING, logger="dask_gpupool"):
+        for _ in range(3):
+            stats.fallback("tcp://10.0.0.2:1", "not-in-pool", "tcp://10.0.0.1:1")
+        stats.fallback("tcp://10.0.0.3:1", "not-in-pool", "tcp://10.0.0.1:1")
+    assert stats.to_msg()["fallbacks"] == {"not-in-pool": 4}
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 2  # one per peer
+    assert all("To hand it over: make the result in the pool" in w for w in warnings)
