@@ -383,3 +383,24 @@ def test_on_a_comm_that_asks_for_device_frames_a_host_buffer_still_goes_in_a_hos
     frame = _DeviceFrame(0x1000, 64, owner=buf)
     assert frame.nbytes == 64 and frame.__cuda_array_interface__["shape"] == (64,)
     assert frame.__cuda_array_interface__["data"] == (0x1000, False) and frame.owner is buf
+
+
+def test_arrays_outside_the_pool_get_exactly_distributeds_serialization():
+    """The NumPy wrapper hands every array that is not over a pool buffer to distributed's own serializer,
+    with or without a context (decided once; benchmarks/serializer_overhead.py times it)."""
+    import distributed.protocol.numpy as distributed_numpy
+    import numpy as np
+    from distributed.protocol import dask_serialize
+
+    from dask_gpupool._serialize import _with_context
+
+    x = np.arange(10.0)
+    ours = dask_serialize.dispatch(np.ndarray)
+    assert ours is not distributed_numpy.serialize_numpy_ndarray
+    h1, f1 = ours(x)
+    h2, f2 = distributed_numpy.serialize_numpy_ndarray(x)
+    assert h1 == h2 and [bytes(f) for f in f1] == [bytes(f) for f in f2]
+    seen = []
+    _with_context(lambda x, context=None: seen.append(context))(x, "ctx")
+    _with_context(lambda x: seen.append("none"))(x, "ctx")
+    assert seen == ["ctx", "none"]
