@@ -21,16 +21,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import platform
 import statistics
 import time
 from typing import Any
 
-import dask
 import dask.array as da
-from distributed import Client, Nanny, Scheduler, SpecCluster, wait
+from distributed import wait
+from handoff import cluster  # benchmarks/handoff.py (this directory is on sys.path when run as a script)
 
 import dask_gpupool
 from dask_gpupool._topology import local_devices
@@ -47,28 +46,7 @@ def program(x: Any, stage: str, chunk: int) -> Any:
 
 
 def run(workers: list[dict[str, Any]], plugin: Any, args: argparse.Namespace, gpu: bool) -> dict[str, Any]:
-    specs = {
-        f"w{i}": {
-            "cls": Nanny,
-            "options": {
-                "nthreads": 1,
-                "memory_limit": 0,
-                "dashboard_address": None,
-                "protocol": args.protocol,
-                "silence_logs": logging.ERROR,
-                **w,
-            },
-        }
-        for i, w in enumerate(workers)
-    }
-    sched = {"cls": Scheduler, "options": {"dashboard_address": None, "protocol": args.protocol}}
-    cfg: dict[str, Any] = {"distributed.scheduler.active-memory-manager.start": False}
-    if args.protocol == "ucxx":
-        cfg.update({f"distributed.comm.ucx.{k}": True for k in ("create-cuda-context", "nvlink", "tcp", "cuda-copy")})
-    with dask.config.set(cfg), SpecCluster(specs, sched, silence_logs=logging.ERROR) as cl, Client(cl) as c:
-        c.wait_for_workers(len(workers))
-        if plugin is not None:
-            c.register_plugin(plugin)
+    with cluster(workers, args.protocol, plugin) as c:  # the handoff benchmark's cluster: same options
         x = da.random.default_rng(42).random((args.n, args.n), chunks=args.chunks)  # the same values in each run
         if gpu:
             import cupy

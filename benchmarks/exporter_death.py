@@ -16,7 +16,7 @@ Mechanisms:
 - ``vmm``: ``cuMemCreate`` with a POSIX-fd handle, imported with
   ``cuMemImportFromShareableHandle`` and mapped with ``cuMemMap`` /
   ``cuMemSetAccess`` (the importer holds its own reference to the physical
-  memory).
+  memory); both through dask_gpupool's own :mod:`dask_gpupool._vmm` classes.
 
     python benchmarks/exporter_death.py      # every mechanism x placement the GPUs allow
 """
@@ -45,33 +45,6 @@ def _check(err: Any, what: str) -> None:
         raise RuntimeError(f"{what}: {err!r}")
 
 
-def _vmm_prop(ordinal: int) -> Any:
-    from cuda.bindings import driver
-
-    prop = driver.CUmemAllocationProp()
-    prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-    prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    prop.location.id = ordinal
-    prop.requestedHandleTypes = driver.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-    return prop
-
-
-def _vmm_map(handle: Any, size: int, ordinal: int) -> int:
-    from cuda.bindings import driver
-
-    err, ptr = driver.cuMemAddressReserve(size, 0, 0, 0)
-    _check(err, "cuMemAddressReserve")
-    (err,) = driver.cuMemMap(ptr, size, 0, handle, 0)
-    _check(err, "cuMemMap")
-    acc = driver.CUmemAccessDesc()
-    acc.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    acc.location.id = ordinal
-    acc.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-    (err,) = driver.cuMemSetAccess(ptr, size, [acc], 1)
-    _check(err, "cuMemSetAccess")
-    return int(ptr)
-
-
 def exporter(path: str, mechanism: str, ordinal: int) -> None:
     from cuda.bindings import driver
     from cuda.core import Device
@@ -86,21 +59,13 @@ def exporter(path: str, mechanism: str, ordinal: int) -> None:
         ptr = int(buf.handle)
         fd = int(mr.allocation_handle)
         _, (payload, _size) = buf.ipc_descriptor.__reduce__()
-    else:
-        prop = _vmm_prop(ordinal)
-        err, gran = driver.cuMemGetAllocationGranularity(
-            prop, driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
-        )
-        _check(err, "cuMemGetAllocationGranularity")
-        assert SIZE % gran == 0
-        err, handle = driver.cuMemCreate(SIZE, prop, 0)
-        _check(err, "cuMemCreate")
-        err, fd = driver.cuMemExportToShareableHandle(
-            handle, driver.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0
-        )
-        _check(err, "cuMemExportToShareableHandle")
-        fd = int(fd)
-        ptr = _vmm_map(handle, SIZE, ordinal)
+    else:  # what device pools' segments are made of (dask_gpupool._vmm)
+        from dask_gpupool._vmm import VmmMemoryResource
+
+        vmm = VmmMemoryResource(ordinal, 1 << 30)
+        buf = vmm.allocate(SIZE)
+        ptr = int(buf.handle)
+        fd = vmm.export_fd(ptr)
         payload = b""
     (err,) = driver.cuMemsetD8(ptr, FILL, SIZE)
     _check(err, "cuMemsetD8")
@@ -115,7 +80,6 @@ def exporter(path: str, mechanism: str, ordinal: int) -> None:
 
 
 def importer(conn: Any, path: str, mechanism: str, owner: int, ordinal: int) -> None:
-    from cuda.bindings import driver
     from cuda.core import Buffer, Device
 
     dev = Device(ordinal)
@@ -141,12 +105,11 @@ def importer(conn: Any, path: str, mechanism: str, owner: int, ordinal: int) -> 
         buf = Buffer.from_ipc_descriptor(mr, IPCBufferDescriptor._init(msg, SIZE), stream=dev.default_stream)
         ptr = int(buf.handle)
     else:
-        err, handle = driver.cuMemImportFromShareableHandle(
-            fd, driver.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-        )
-        _check(err, "cuMemImportFromShareableHandle")
+        from dask_gpupool._vmm import VmmMapping
+
+        mapping = VmmMapping.open(fd, SIZE, ordinal)  # its own reference to the memory
         os.close(fd)
-        ptr = _vmm_map(handle, SIZE, ordinal)
+        ptr = mapping.handle
     mem = cupy.cuda.UnownedMemory(ptr, SIZE, None, device_id=ordinal)
     arr = cupy.ndarray((SIZE,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
     while True:

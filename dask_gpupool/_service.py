@@ -434,9 +434,10 @@ class PoolService:
         """
         row = self.registry.worker_row(requester) if requester else None
         if row is None:
-            same_address = requester is not None and _host_of(requester) == _host_of(self.record.worker)
-            if same_address and self.pool.owns(buf) and not self._closed:
-                return None, "unknown-requester"
+            # Address parsing only for pool memory (what could have been handed over), not for every value.
+            if requester is not None and not self._closed and self.pool.owns(buf):
+                if _host_of(requester) == _host_of(self.record.worker):
+                    return None, "unknown-requester"
             return None, None
         if row.host != self.record.host:
             return None, None
