@@ -19,10 +19,14 @@ from __future__ import annotations
 
 import html
 import json
+import logging
+import sys
 from collections.abc import Callable
 from typing import Any
 
 from tornado import web
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["STATS_INTERVAL", "STATS_OP", "install"]
 
@@ -124,5 +128,27 @@ def install(scheduler: Any, source: Source) -> bool:
             ".*$", [(r"/gpupool", _Page, {"holder": holder}), (r"/gpupool\.json", _Json, {"holder": holder})]
         )
         scheduler._gpupool_page = holder
+        _link_from_dashboard(scheduler)
     holder["source"] = source
     return True
+
+
+def _link_from_dashboard(scheduler: Any) -> None:
+    """Add "GPU Pool" to the "More..." menu of Dask's Bokeh dashboard, when it runs.
+
+    Dask builds that menu from ``distributed.dashboard.scheduler.template_variables(scheduler)``,
+    memoized per scheduler; its ``plots`` list is shared by every page rendered afterwards, so an
+    entry appended here shows on each page opened from now on. Nothing happens when the
+    dashboard does not run (no Bokeh) or a future Dask lays the menu out differently.
+    """
+    if "distributed.dashboard.scheduler" not in sys.modules:
+        return  # no Bokeh dashboard in this scheduler (importing it would need Bokeh)
+    try:
+        from distributed.dashboard.scheduler import template_variables
+
+        plots = template_variables(scheduler)["plots"]
+        if not any(p.get("url") == "gpupool" for p in plots):
+            plots.append({"url": "gpupool", "name": "GPU Pool"})
+            plots.sort(key=lambda p: p["name"])
+    except Exception:  # a dashboard laid out differently: the page still serves at /gpupool
+        logger.debug("could not add /gpupool to the dashboard's menu", exc_info=True)

@@ -326,6 +326,8 @@ def test_dashboard_page_lists_pools_and_handoffs():
         html = page("/gpupool")
         assert "2 pool(s)" in html and a in html and b in html and "zero-copy in" in html
         assert "http-equiv='refresh'" in html
+        # linked from Dask's own dashboard: the "More..." menu of every page (Bokeh is a test dependency)
+        assert '<a href="gpupool">GPU Pool</a>' in page("/status")
 
 
 def test_cli_preload_cluster_configured_by_environment(tmp_path):
