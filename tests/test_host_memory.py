@@ -183,6 +183,16 @@ def _rss_shmem() -> int:
     return 0
 
 
+def _peer_pages_left_out(dask_worker) -> int:
+    """Bytes the worker's ``rss`` holds above the process memory Dask reads (``monitor.get_process_memory``)."""
+    import psutil
+
+    from dask_gpupool._host_memory import peer_resident_bytes
+
+    peer_resident_bytes(max_age=0)  # a fresh figure for the call below
+    return psutil.Process().memory_info().rss - dask_worker.monitor.get_process_memory()
+
+
 def test_a_handoff_and_release_leave_no_shared_memory_resident_in_either_worker():
     """256 MiB handed over between Nanny workers, then released: both workers' RssShmem drops, and the
     owner's pool reports it; a trim takes what is left (issue 20)."""
@@ -203,11 +213,15 @@ def test_a_handoff_and_release_leave_no_shared_memory_resident_in_either_worker(
         assert c.submit(T.all_equal, y, 7, workers=[b], pure=False).result()
         during = c.run(lambda: _rss_shmem())
         assert min(during[a] - before[a], during[b] - before[b]) >= size * 0.9  # both map the same pages
+        # ... but B's process memory, as Dask sees it (pause threshold, the scheduler's figures), leaves A's pages out
+        peer = c.run(_peer_pages_left_out)
+        assert peer[b] >= size * 0.9 and peer[a] < size // 8, peer
         assert counters(c, b)[b]["zero_copy_bytes"] >= size
         del x, y
         wait_for(lambda: dask_gpupool.pool_stats(c)[a]["used"] == 0, what="A's buffer to go")
         after = c.run(lambda: _rss_shmem())
         assert after[a] - before[a] < size // 8 and after[b] - before[b] < size // 8, (before, after)
+        assert max(c.run(_peer_pages_left_out).values()) < size // 8
         assert dask_gpupool.pool_stats(c)[a]["reserved"] < size // 8
         trimmed = dask_gpupool.trim(c)
         assert trimmed[a]["reserved"] == trimmed[b]["reserved"] == 0  # nothing live: every page went back
