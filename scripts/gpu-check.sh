@@ -12,8 +12,8 @@
 # the demo and the example; SUBALLOC=0 the sub-allocator benchmark. ETL_LAYOUTS (default "shared") lists
 # the ETL example's layouts (shared, per-gpu, dask-cuda); ETL_ARGS adds options to it. Everything under $OUT
 # is packed into logs.tgz at the end when more than 8 files would come back. DEATH=1 runs benchmarks/exporter_death.py
-# (what an importer reads after its exporter's SIGKILL, pool vs VMM memory). DASK_ARRAY=1 runs benchmarks/dask_array.py
-# (plugin vs none at defaults) for each of DASK_ARRAY_PROTOCOLS (default "tcp"; "tcp ucxx" both), DASK_ARRAY_ARGS adds options. CHAOS_SECONDS (default 0: skipped)
+# (what an importer reads after its exporter's SIGKILL, pool vs VMM memory). ARRAY_BENCH=1 runs benchmarks/dask_array.py
+# (plugin vs none at defaults; not DASK_*: Dask reads every DASK_* variable as config) for each of ARRAY_BENCH_PROTOCOLS (default "tcp"; "tcp ucxx" both), ARRAY_BENCH_ARGS adds options. CHAOS_SECONDS (default 0: skipped)
 # runs benchmarks/chaos.py for that long (CHAOS_ARGS adds options). The exit status is pytest's (0 when the tests
 # passed or were not run), so a caller sees a failed suite.
 set -uo pipefail
@@ -86,10 +86,10 @@ if [ "$BUDGET" != 0 ]; then
   sed -n '/^consumer transfer time/,$p' "$OUT/handoff.log"
 fi
 fi
-if [ "${DASK_ARRAY:-0}" != 0 ]; then  # issue 16: a dask.array program with and without GPUPool() at its defaults
-  for proto in ${DASK_ARRAY_PROTOCOLS:-tcp}; do
+if [ "${ARRAY_BENCH:-0}" != 0 ]; then  # issue 16: a dask.array program with and without GPUPool() at its defaults
+  for proto in ${ARRAY_BENCH_PROTOCOLS:-tcp}; do
     echo "== dask.array, plugin vs none ($proto)"
-    timeout 240 python3 benchmarks/dask_array.py --protocol "$proto" ${DASK_ARRAY_ARGS:-} > "$OUT/dask_array_$proto.log" 2>&1
+    timeout 240 python3 benchmarks/dask_array.py --protocol "$proto" ${ARRAY_BENCH_ARGS:-} > "$OUT/dask_array_$proto.log" 2>&1
     echo "dask_array exit: $?"; sed -n '/^-- /p;/^[0-9]*x[0-9]* f8/,$p' "$OUT/dask_array_$proto.log"
   done
 fi
