@@ -7,7 +7,7 @@ keeps distributed's own serializer, which these registrations delegate to).
 **Which path.** A value goes as an IPC descriptor only when it is being sent
 in answer to a worker's ``get_data`` (the plugin wraps that handler, so the
 requesting worker is known: :data:`_REQUEST`), the requester is a registered
-worker on the same host in another process, the comm is TCP or TLS, the
+worker on the same host in another process, the comm is TCP, TLS or UCX, the
 memory lies in this worker's pool, and the requester can reach it (see
 :meth:`PoolService.plan`). Everything else - other hosts, a client's gather,
 the scheduler relaying one, spilling to disk, UCX comms, the same process -
@@ -17,11 +17,15 @@ pool so that it can be handed on again. Copies to a worker over ``tcp`` from
 pulls them from the sender's copy server, chunked and pipelined
 (:mod:`dask_gpupool._copy`).
 
-**UCX comms.** A device ``Buffer`` also has a serializer of distributed's
-``"cuda"`` family, which only comms that carry device frames ask for (UCX):
-it goes as one device frame that the comm moves GPU to GPU, never as a host
-copy (counted in ``device_frames_out_bytes``; to a same-host peer also as
-fallback ``comm``). CuPy arrays keep distributed's own ``"cuda"`` serializer.
+**UCX comms.** Device ``Buffer`` objects and CuPy arrays also have
+serializers of distributed's ``"cuda"`` family, which only comms that carry
+device frames ask for (UCX). Pool memory asked for by a same-host worker that
+can map it goes as an IPC descriptor there too; otherwise as device frames
+that the comm moves GPU to GPU, never as a host copy. Device frames of pool
+memory are first copied into ``cuMemAlloc`` memory, which UCX can send
+through ``cuda_ipc`` (:class:`_Staging`); other CuPy arrays go as
+distributed's own frames. Counted in ``device_frames_out_bytes``,
+``device_staged_bytes`` and ``device_frames_bytes``.
 
 **Sub-header.** ``{"gpupool": HandoffHeader.to_msg()}``: msgpack-safe, never
 pickled. Dask's own framing around it is unchanged.
@@ -565,6 +569,13 @@ def _register_cupy_now() -> None:
     dask_serialize.register(cupy.ndarray)(serialize_cupy)
     dask_deserialize.register(cupy.ndarray)(deserialize_cupy)
 
+    from distributed.protocol.cuda import cuda_deserialize, cuda_serialize
+
+    previous_cuda_dumps = cuda_serialize.dispatch(cupy.ndarray)
+    previous_cuda_loads = cuda_deserialize.dispatch(cupy.ndarray)
+    cuda_serialize.register(cupy.ndarray)(lambda x: _cuda_dumps_cupy(x, previous_cuda_dumps))
+    cuda_deserialize.register(cupy.ndarray)(lambda h, f: _cuda_loads_cupy(h, f, previous_cuda_loads))
+
 
 def _register_sizeof() -> None:
     from dask.sizeof import sizeof
@@ -591,7 +602,7 @@ class _DeviceFrame:
 
     distributed-ucxx sends a frame from device memory when it has
     ``__cuda_array_interface__`` (and takes its size from ``nbytes``). The
-    frame keeps ``owner`` (the Buffer) alive until the comm lets go of it.
+    frame keeps ``owner`` alive until the comm lets go of it.
     """
 
     def __init__(self, ptr: int, nbytes: int, owner: Any) -> None:
@@ -601,41 +612,165 @@ class _DeviceFrame:
             "data": (ptr, False),
             "strides": None,
             "version": 3,
-            "stream": None,  # pool memory is ordered on the default stream, which the comm syncs before sending
+            "stream": None,  # written on the legacy default stream and synchronized before the comm sees it
         }
         self.nbytes = nbytes
         self.owner = owner
 
 
-def _cuda_serialize_buffer(buf: Buffer) -> tuple[dict[str, Any], list[Any]]:
-    """A device ``Buffer`` as one device frame, for comms that carry them (the ``"cuda"`` family: UCX).
+class _Staging:
+    """Device memory from ``cuMemAlloc``, freed (in its context) when the object is collected.
 
-    Counted in ``device_frames_out_bytes``; to a same-host worker also as
-    fallback ``comm`` (not zero-copy). Host memory, and empty buffers, go on
-    to the ``"dask"`` family (a host frame).
+    Why: UCX sends a device frame between processes of one host through its
+    ``cuda_ipc`` transport only from memory it can export. UCX 1.21 (what
+    distributed-ucxx 0.52 needs) exports ``cuMemAlloc`` memory (legacy IPC)
+    and, with fabric handles only, pool and VMM memory; the pool and VMM
+    memory of dask_gpupool allows POSIX file descriptors, so UCX moved it
+    through host staging at about 0.4 GB/s (2.3 s for 1 GiB on an H100, where
+    ``cuMemAlloc`` memory took 4.5 ms). A device-to-device copy here first
+    costs about 0.3 ms per GiB. ``ptr`` is owned by this object.
+    """
+
+    def __init__(self, nbytes: int) -> None:
+        from cuda.bindings import driver
+
+        err, ctx = driver.cuCtxGetCurrent()
+        _check(err, "cuCtxGetCurrent")
+        err, ptr = driver.cuMemAlloc(max(nbytes, 1))
+        _check(err, f"cuMemAlloc({nbytes})")
+        self.ptr = int(ptr)
+        self.nbytes = nbytes
+        self._finalizer = weakref.finalize(self, _free_staging, ctx, self.ptr)
+
+    @classmethod
+    def copy_of(cls, ptr: int, nbytes: int) -> _Staging:
+        """A copy of ``nbytes`` device bytes at ``ptr``, finished when this returns."""
+        from cuda.bindings import driver
+
+        staged = cls(nbytes)
+        _check(driver.cuMemcpyDtoDAsync(staged.ptr, ptr, nbytes, driver.CUstream(0))[0], "cuMemcpyDtoDAsync")
+        _check(driver.cuStreamSynchronize(driver.CUstream(0))[0], "cuStreamSynchronize")
+        return staged
+
+
+def _free_staging(ctx: Any, ptr: int) -> None:
+    from cuda.bindings import driver
+
+    if driver.cuCtxPushCurrent(ctx)[0] != driver.CUresult.CUDA_SUCCESS:
+        return  # the context is gone (the process is exiting): so is the memory
+    try:
+        driver.cuMemFree(ptr)
+    finally:
+        driver.cuCtxPopCurrent()
+
+
+def _check(err: Any, what: str) -> None:
+    from cuda.bindings import driver
+
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"{what} failed: {err!r}")
+
+
+def _hand_over_on_device_comm(holder: Any, buf: Buffer, meta: ArrayMeta | None) -> dict[str, Any] | None:
+    """The header of a zero-copy handoff when a same-host worker asked for ``buf`` over a UCX comm, else ``None``.
+
+    Counts the fallback reason when a same-host peer could not have it zero-copy.
+    """
+    request = _REQUEST.get()
+    if request is None:
+        return None
+    row, _reason = request.service.plan(request.requester, request.scheme, buf)
+    if row is None:
+        return None
+    header = request.service.export_ipc(holder, buf, row, meta)
+    request.granted.append(header.lease)
+    return {KEY: header.to_msg()}
+
+
+def _count_device_frames(nbytes: int, *, staged: bool, out: bool) -> None:
+    request = _REQUEST.get() if out else None
+    service = request.service if request is not None else active_service()
+    if service is None:
+        return
+    if out:
+        service.handoffs.add(device_frames_out_bytes=nbytes, device_staged_bytes=nbytes if staged else 0)
+    else:
+        service.handoffs.add(device_frames_bytes=nbytes)
+
+
+def _cuda_serialize_buffer(buf: Buffer) -> tuple[dict[str, Any], list[Any]]:
+    """A device ``Buffer`` for comms that carry device frames (the ``"cuda"`` family: UCX).
+
+    To a same-host worker that can map it: an IPC descriptor, as over TCP.
+    Otherwise one device frame, copied first into memory UCX can send GPU to
+    GPU (:class:`_Staging`; counted in ``device_frames_out_bytes`` and
+    ``device_staged_bytes``), never a host copy. Host memory, and empty
+    buffers, go on to the ``"dask"`` family (a host frame).
     """
     if not buf.is_device_accessible or buf.is_host_accessible or not buf.size:
         raise NotImplementedError("host memory goes in a host frame")
-    request = _REQUEST.get()
-    service = request.service if request is not None else active_service()
-    if service is not None:
-        service.handoffs.add(device_frames_out_bytes=int(buf.size))
-        if request is not None and request.requester is not None:
-            row = service.registry.worker_row(request.requester)
-            if row is not None and row.host == service.record.host and row.pid != service.record.pid:
-                service.handoffs.fallback(row.worker, "comm", service.record.worker)
-    return {"nbytes": int(buf.size)}, [_DeviceFrame(int(buf.handle), int(buf.size), buf)]
+    handed = _hand_over_on_device_comm(buf, buf, None)
+    if handed is not None:
+        return handed, []
+    nbytes = int(buf.size)
+    staged = _Staging.copy_of(int(buf.handle), nbytes)
+    _count_device_frames(nbytes, staged=True, out=True)
+    return {"nbytes": nbytes}, [_DeviceFrame(staged.ptr, nbytes, staged)]
 
 
 def _cuda_deserialize_buffer(header: dict[str, Any], frames: list[Any]) -> Buffer:
-    """The device frame a comm received, as a ``Buffer`` that keeps the frame's memory alive."""
+    """A handed-over Buffer, or the device frame a comm received (a ``Buffer`` that keeps the frame alive)."""
+    if KEY in header:
+        return _deserialize_buffer(header, frames)
     (frame,) = frames
     nbytes = int(header["nbytes"])
     ptr = int(frame.__cuda_array_interface__["data"][0])
-    service = active_service()
-    if service is not None:
-        service.handoffs.add(device_frames_bytes=nbytes)
+    _count_device_frames(nbytes, staged=False, out=False)
     return Buffer.from_handle(ptr, nbytes, owner=frame)
+
+
+def _cuda_dumps_cupy(x: Any, previous: Any) -> tuple[dict[str, Any], list[Any]]:
+    """A CuPy array for a comm that carries device frames: handed over, staged or distributed's own frames.
+
+    An array over pool memory (this worker's, or one it imported) goes to a
+    same-host worker that can map it as an IPC descriptor; otherwise it is
+    copied into :class:`_Staging` memory (C order) and sent as distributed's
+    device frames from there. Every other array is distributed's serializer
+    untouched, only counted.
+    """
+    buf = _viewed_buffer(x, int(x.data.ptr)) if _VIEWS else None
+    if buf is None:
+        header, frames = previous(x)
+        _count_device_frames(int(x.nbytes), staged=False, out=True)
+        return header, frames
+    import cupy
+
+    meta = ArrayMeta("cupy", tuple(x.shape), tuple(x.strides), x.dtype.str, int(x.data.ptr) - int(buf.handle))
+    handed = _hand_over_on_device_comm(buf, buf, meta)
+    if handed is not None:
+        return handed, []
+    nbytes = int(x.nbytes)
+    if x.flags.c_contiguous:
+        staged = _Staging.copy_of(int(x.data.ptr), nbytes)
+    else:
+        staged = _Staging(nbytes)
+        mem = cupy.cuda.UnownedMemory(staged.ptr, max(nbytes, 1), staged)
+        view = cupy.ndarray(x.shape, x.dtype, cupy.cuda.MemoryPointer(mem, 0))
+        with cupy.cuda.Stream.null:
+            view[...] = x
+        cupy.cuda.Stream.null.synchronize()
+    mem = cupy.cuda.UnownedMemory(staged.ptr, max(nbytes, 1), staged)
+    header, frames = previous(cupy.ndarray(x.shape, x.dtype, cupy.cuda.MemoryPointer(mem, 0)))
+    _count_device_frames(nbytes, staged=True, out=True)
+    return header, frames
+
+
+def _cuda_loads_cupy(header: dict[str, Any], frames: list[Any], previous: Any) -> Any:
+    if KEY in header:
+        return _loads_array(header, frames, previous)
+    arr = previous(header, frames)
+    _count_device_frames(int(arr.nbytes), staged=False, out=False)
+    return arr
 
 
 def _register_cuda() -> None:

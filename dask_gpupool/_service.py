@@ -70,6 +70,10 @@ __all__ = ["PoolService", "active_service", "buffer_kind", "copy_from_host", "co
 
 logger = logging.getLogger(__name__)
 
+#: Comms over which a same-host worker gets IPC descriptors: the bytes of a descriptor travel in
+#: Dask's frames, so any comm that carries frames between processes would do; these are the ones tested.
+HANDOFF_SCHEMES = ("tcp", "tls", "ucx", "ucxx")
+
 _ACTIVE: list[PoolService] = []
 _ACTIVE_LOCK = threading.Lock()
 
@@ -444,7 +448,7 @@ class PoolService:
         reason: str | None = None
         if row.pid == self.record.pid:
             reason = "same-process"
-        elif scheme not in ("tcp", "tls"):
+        elif scheme not in HANDOFF_SCHEMES:
             reason = "comm"
         elif self._closed or self.pool.closed:
             reason = "pool-closed"

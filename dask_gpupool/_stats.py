@@ -13,10 +13,7 @@ logger = logging.getLogger("dask_gpupool")
 #: Why a same-host transfer was copied instead of handed over, as counted in ``fallbacks``.
 FALLBACK_REASONS = {
     "same-process": "the requester is this process",
-    "comm": (
-        "the comm is not TCP/TLS (UCX, inproc): device buffers go as device frames the comm moves, "
-        "host memory as a host copy"
-    ),
+    "comm": "the comm is not TCP, TLS or UCX (inproc, websockets): the value goes in the comm's frames",
     "not-in-pool": "the value does not live in this worker's pool",
     "no-access": "the requester cannot reach the memory (GPU not visible, or no GPU)",
     "other-gpu": (
@@ -41,7 +38,7 @@ FALLBACK_REASONS = {
 #: What to change so that a fallback of each reason becomes a zero-copy handoff (said in its one WARNING).
 FALLBACK_ADVICE = {
     "same-process": "nothing: values within one process are not copied by Dask anyway",
-    "comm": "use a tcp:// or tls:// comm between same-host workers for zero-copy handoffs",
+    "comm": "use a tcp://, tls:// or ucx(x):// comm between same-host workers for zero-copy handoffs",
     "not-in-pool": (
         "make the result in the pool: dask_gpupool.allocate + as_array, dask_gpupool.to_pool(result), "
         "or gpupool.cupy-allocator for plain CuPy"
@@ -74,8 +71,12 @@ class HandoffStats:
         The part of ``copied_bytes`` / ``copied_out_bytes`` that went over the
         pipelined copy path (:mod:`dask_gpupool._copy`) rather than in Dask's frames.
     device_frames_bytes, device_frames_out_bytes : int
-        Bytes of ``Buffer`` values received / sent as device frames (UCX
-        comms: the comm moves them GPU to GPU; not zero-copy, not a host copy).
+        Bytes of ``Buffer`` values and CuPy arrays received / sent as device
+        frames (UCX comms: the comm moves them GPU to GPU; not zero-copy, not
+        a host copy).
+    device_staged_bytes : int
+        The part of ``device_frames_out_bytes`` that was pool memory, copied
+        device to device into memory UCX can send through ``cuda_ipc`` first.
     fallbacks : dict of str to int
         Same-host transfers that were copied, by reason (see :data:`FALLBACK_REASONS`).
     """
@@ -89,6 +90,7 @@ class HandoffStats:
     streamed_out_bytes: int
     device_frames_bytes: int
     device_frames_out_bytes: int
+    device_staged_bytes: int
     fallbacks: dict[str, int]
     _warned: set[tuple[str, str]]
     _lock: threading.Lock
@@ -97,7 +99,7 @@ class HandoffStats:
         self.exports = self.imports = 0
         self.zero_copy_bytes = self.copied_bytes = self.copied_out_bytes = 0
         self.streamed_bytes = self.streamed_out_bytes = 0
-        self.device_frames_bytes = self.device_frames_out_bytes = 0
+        self.device_frames_bytes = self.device_frames_out_bytes = self.device_staged_bytes = 0
         self.fallbacks = {}
         self._warned = set()
         self._lock = threading.Lock()
@@ -138,5 +140,6 @@ class HandoffStats:
                 "streamed_out_bytes": self.streamed_out_bytes,
                 "device_frames_bytes": self.device_frames_bytes,
                 "device_frames_out_bytes": self.device_frames_out_bytes,
+                "device_staged_bytes": self.device_staged_bytes,
                 "fallbacks": dict(self.fallbacks),
             }

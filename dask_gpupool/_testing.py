@@ -328,6 +328,11 @@ def plain_cupy(n: int) -> Any:
     return arr
 
 
+def every_other(x: Any) -> Any:
+    """Task: ``x[::2]``, a strided view of the same memory."""
+    return x[::2]
+
+
 def keep(x: Any) -> Any:
     """Task: return the input itself (the consumer then holds the handed-over value)."""
     return x

@@ -526,26 +526,49 @@ def test_the_serializer_family_a_ucx_comm_gets_for_pool_memory():
         assert got == {"pool array": "cuda", "pool buffer": "cuda"}, got
 
 
-def test_on_ucxx_a_pool_buffer_and_arrays_travel_as_device_frames():
-    """Issue 16 on a UCXX cluster (two workers on one GPU): a pool Buffer, a pool array and a plain CuPy array
-    reach the consumer with the right values; the Buffer as a device frame, counted, and none as a host copy."""
-    gpus(1)
+@pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
+def test_on_ucxx_pool_memory_hands_over_or_travels_as_device_frames(placement):
+    """Issue 16 on UCXX clusters, on one GPU and across two: values reach the consumer with the right bytes and
+    never as a host copy. Same host: a pool Buffer and a pool array go zero-copy (descriptors in UCX's frames).
+    Workers that look like two hosts (host-id): pool memory goes as device frames, staged first into memory UCX
+    can send GPU to GPU, counted. A plain CuPy array goes as distributed's own device frames, counted."""
+    gpus(2 if placement == "two-gpus" else 1)
     pytest.importorskip("distributed_ucxx")
     import dask
     import numpy as np
 
     ucx = {f"distributed.comm.ucx.{k}": True for k in ("create-cuda-context", "nvlink", "tcp", "cuda-copy")}
-    workers = [{**ONE_GPU, "protocol": "ucxx"}, {**ONE_GPU, "protocol": "ucxx"}]
-    with dask.config.set(ucx), nanny_cluster(workers, GPUPool(kind="device", max_size="1 GiB"), protocol="ucxx") as c:
-        a, b = worker_addresses(c)
-        assert a.startswith("ucxx://")
-        x = c.submit(T.make_buffer, MiB, b"over ucx", workers=[a], pure=False)
-        assert c.submit(T.head, x, 8, workers=[b], pure=False).result() == b"over ucx"
-        arr = c.submit(T.make_array, 1 << 20, workers=[a], pure=False)
-        assert c.submit(T.total, arr, workers=[b], pure=False).result() == float(np.arange(1 << 20).sum())
-        plain = c.submit(T.plain_cupy, 1 << 20, workers=[a], pure=False)
-        assert c.submit(T.total, plain, workers=[b], pure=False).result() == float(np.arange(1 << 20).sum())
-        got = c.run(T.handoff_counters)
-        assert got[a]["device_frames_out_bytes"] == MiB and got[b]["device_frames_bytes"] == MiB, got
-        assert got[a]["fallbacks"] == {"comm": 1}, got  # the Buffer, to a same-host peer: not zero-copy
-        assert got[a]["copied_out_bytes"] == 0 and got[b]["copied_bytes"] == 0, got  # no host copy
+    layout = ROTATED if placement == "two-gpus" else [ONE_GPU, ONE_GPU]
+    total = float(np.arange(1 << 20).sum())
+    for hosts in ("same", "two"):
+        workers = [
+            {**w, "protocol": "ucxx", **({"config": {"gpupool": {"host-id": f"host-{i}"}}} if hosts == "two" else {})}
+            for i, w in enumerate(layout)
+        ]
+        plugin = GPUPool(kind="device", max_size="1 GiB")
+        with dask.config.set(ucx), nanny_cluster(workers, plugin, protocol="ucxx") as c:
+            a, b = worker_addresses(c)
+            assert a.startswith("ucxx://")
+            x = c.submit(T.make_buffer, MiB, b"over ucx", workers=[a], pure=False)
+            assert c.submit(T.head, x, 8, workers=[b], pure=False).result() == b"over ucx"
+            arr = c.submit(T.make_array, 1 << 20, "cupy", workers=[a], pure=False)
+            assert c.submit(T.total, arr, workers=[b], pure=False).result() == total
+            strided = c.submit(T.every_other, arr, workers=[a], pure=False)  # a non-contiguous view of pool memory
+            assert c.submit(T.total, strided, workers=[b], pure=False).result() == float(np.arange(0, 1 << 20, 2).sum())
+            plain = c.submit(T.plain_cupy, 1 << 20, workers=[a], pure=False)
+            assert c.submit(T.total, plain, workers=[b], pure=False).result() == total
+            got = c.run(T.handoff_counters)
+            print(placement, hosts, "hosts:", {w: {k: v for k, v in got[w].items() if v} for w in (a, b)})
+            assert got[a]["copied_out_bytes"] == 0 and got[b]["copied_bytes"] == 0, got  # never a host copy
+            pool_bytes = MiB + 8 * MiB + 4 * MiB  # the Buffer, the array, its strided view
+            if hosts == "same":
+                assert got[b]["zero_copy_bytes"] >= MiB + 8 * MiB, got  # the Buffer and the array (and the view's)
+                assert got[a]["device_staged_bytes"] == 0, got
+                assert got[a]["device_frames_out_bytes"] == 8 * MiB == got[b]["device_frames_bytes"], got  # plain
+            else:
+                assert got[b]["zero_copy_bytes"] == 0, got
+                assert got[a]["device_staged_bytes"] == pool_bytes, got
+                assert got[a]["device_frames_out_bytes"] == pool_bytes + 8 * MiB == got[b]["device_frames_bytes"]
+            assert not got[a]["fallbacks"], got
+            del x, arr, strided, plain
+            wait_for(lambda c=c, a=a: counters(c, a)[a]["leases"] == 0, what="the leases to end")
