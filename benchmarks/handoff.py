@@ -19,6 +19,7 @@ gpupool-cupy  dask_gpupool zero-copy of plain CuPy arrays (gpupool.cupy-allocato
 gpupool-copy  dask_gpupool's host-copy path, forced with different host ids
 ucxx+gpupool  Dask over UCXX with the plugin at its defaults, an array over a pool buffer
 ucxx+gpupool-plain  the same cluster, a plain CuPy array (the plugin must cost UCXX nothing)
+ucxx+gpupool-staged  ucxx+gpupool with different host ids: pool memory as device frames, staged for UCX
 ============  ==========================================================
 
 Placements: ``same`` (two workers on GPU 0) and ``other`` (one worker per
@@ -65,7 +66,16 @@ from dask_gpupool import _testing as T
 from dask_gpupool._topology import local_devices
 
 DEFAULT_SIZES = "1KiB,1MiB,64MiB,256MiB,1GiB,4GiB,8GiB"
-METHODS = ("tcp", "ucxx", "gpupool", "gpupool-cupy", "gpupool-copy", "ucxx+gpupool", "ucxx+gpupool-plain")
+METHODS = (
+    "tcp",
+    "ucxx",
+    "gpupool",
+    "gpupool-cupy",
+    "gpupool-copy",
+    "ucxx+gpupool",
+    "ucxx+gpupool-plain",
+    "ucxx+gpupool-staged",
+)
 
 
 # -- tasks (run on the workers) --------------------------------------------------------
@@ -260,7 +270,9 @@ def method_setup(
             return None
         if method == "ucxx":
             return "ucxx", workers, None, False
-        return "ucxx", workers, GPUPool(kind=kind, max_size=max_size), method == "ucxx+gpupool"
+        if method == "ucxx+gpupool-staged":
+            workers = [{**w, "config": {"gpupool": {"host-id": f"bench-host-{i}"}}} for i, w in enumerate(workers)]
+        return "ucxx", workers, GPUPool(kind=kind, max_size=max_size), method != "ucxx+gpupool-plain"
     if method == "gpupool-cupy" and not gpus:
         return None
     plugin = GPUPool(
