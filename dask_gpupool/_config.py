@@ -141,6 +141,10 @@ class PoolOptions:
         ``device`` pools: the largest CUDA allocation (a buffer, or the
         segment it lies in) handed over zero-copy; larger ones are copied
         (fallback ``too-large``). 0: no limit.
+    ucx_handoff_threshold : int
+        Smallest value handed over zero-copy to a same-host worker on UCX
+        comms; smaller pool memory goes as device frames, which UCX moves
+        faster than a handoff's round trips. 0: every value is handed over.
     copy_chunk_size : int
         Chunk of the pipelined copy path (:mod:`dask_gpupool._copy`); 0 sends
         every copy in Dask's frames.
@@ -174,6 +178,7 @@ class PoolOptions:
     segment_memory: str = "auto"
     import_limit: int = 5 << 30
     cupy_allocator: bool = False
+    ucx_handoff_threshold: int = 64 << 20
     copy_chunk_size: int = 16 << 20
     copy_stream_threshold: int = 4 << 20
     copy_streams: int = 4
@@ -238,6 +243,9 @@ class PoolOptions:
             segment_memory=segment_memory,
             import_limit=import_limit,
             cupy_allocator=_parse_bool(raw.get("cupy-allocator", False), "gpupool.cupy-allocator"),
+            ucx_handoff_threshold=_parse_nbytes(
+                raw.get("ucx-handoff-threshold", "64 MiB"), "gpupool.ucx-handoff-threshold"
+            ),
             copy_chunk_size=_parse_nbytes(raw.get("copy-chunk-size", "16 MiB"), "gpupool.copy-chunk-size"),
             copy_stream_threshold=_parse_nbytes(
                 raw.get("copy-stream-threshold", "4 MiB"), "gpupool.copy-stream-threshold"

@@ -89,6 +89,8 @@ class GPUPool(SchedulerPlugin):
         Largest CUDA allocation handed over zero-copy (``gpupool.import-limit``).
     cupy_allocator : bool, optional
         Route CuPy's allocations through the pool (``gpupool.cupy-allocator``).
+    ucx_handoff_threshold : int or str, optional
+        Smallest value handed over zero-copy on UCX comms (``gpupool.ucx-handoff-threshold``).
     copy_chunk_size, copy_stream_threshold : int or str, optional
         The pipelined copy path's chunk, and the smallest copy it carries
         (``gpupool.copy-chunk-size``, ``gpupool.copy-stream-threshold``).
@@ -149,6 +151,7 @@ class GPUPool(SchedulerPlugin):
         segment_memory: str | None = None,
         import_limit: int | str | None = None,
         cupy_allocator: bool | None = None,
+        ucx_handoff_threshold: int | str | None = None,
         copy_chunk_size: int | str | None = None,
         copy_stream_threshold: int | str | None = None,
         copy_streams: int | None = None,
@@ -169,6 +172,7 @@ class GPUPool(SchedulerPlugin):
                 segment_memory=segment_memory,
                 import_limit=import_limit,
                 cupy_allocator=cupy_allocator,
+                ucx_handoff_threshold=ucx_handoff_threshold,
                 copy_chunk_size=copy_chunk_size,
                 copy_stream_threshold=copy_stream_threshold,
                 copy_streams=copy_streams,

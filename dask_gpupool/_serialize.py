@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import bisect
 import contextvars
+import logging
 import threading
 import traceback
 import weakref
@@ -51,6 +52,7 @@ from distributed.protocol import dask_deserialize, dask_serialize
 from dask_gpupool._errors import DataLostError, PoolUnavailableError, ProtocolError
 from dask_gpupool._messages import ArrayMeta, HandoffHeader
 from dask_gpupool._service import active_service, buffer_kind, copy_to_host, host_buffer
+from dask_gpupool._topology import current_gpu
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -60,6 +62,8 @@ if TYPE_CHECKING:
 __all__ = ["as_array", "install_get_data_hook"]
 
 KEY = "gpupool"
+
+logger = logging.getLogger(__name__)
 
 
 # -- who asked: the get_data context ---------------------------------------------------
@@ -631,9 +635,10 @@ class _Staging:
     costs about 0.3 ms per GiB. ``ptr`` is owned by this object.
     """
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, device: int) -> None:
         from cuda.bindings import driver
 
+        current_gpu(device)  # serializers also run in Dask's offload thread, with no context current
         err, ctx = driver.cuCtxGetCurrent()
         _check(err, "cuCtxGetCurrent")
         err, ptr = driver.cuMemAlloc(max(nbytes, 1))
@@ -643,11 +648,11 @@ class _Staging:
         self._finalizer = weakref.finalize(self, _free_staging, ctx, self.ptr)
 
     @classmethod
-    def copy_of(cls, ptr: int, nbytes: int) -> _Staging:
-        """A copy of ``nbytes`` device bytes at ``ptr``, finished when this returns."""
+    def copy_of(cls, ptr: int, nbytes: int, device: int) -> _Staging:
+        """A copy of ``nbytes`` bytes at ``ptr`` on GPU ``device``, finished when this returns."""
         from cuda.bindings import driver
 
-        staged = cls(nbytes)
+        staged = cls(nbytes, device)
         _check(driver.cuMemcpyDtoDAsync(staged.ptr, ptr, nbytes, driver.CUstream(0))[0], "cuMemcpyDtoDAsync")
         _check(driver.cuStreamSynchronize(driver.CUstream(0))[0], "cuStreamSynchronize")
         return staged
@@ -671,13 +676,15 @@ def _check(err: Any, what: str) -> None:
         raise RuntimeError(f"{what} failed: {err!r}")
 
 
-def _hand_over_on_device_comm(holder: Any, buf: Buffer, meta: ArrayMeta | None) -> dict[str, Any] | None:
+def _hand_over_on_device_comm(holder: Any, buf: Buffer, meta: ArrayMeta | None, nbytes: int) -> dict[str, Any] | None:
     """The header of a zero-copy handoff when a same-host worker asked for ``buf`` over a UCX comm, else ``None``.
 
-    Counts the fallback reason when a same-host peer could not have it zero-copy.
+    Not below ``gpupool.ucx-handoff-threshold`` bytes (``nbytes``, the value's
+    size): UCX moves small device frames faster than a handoff. Counts the
+    fallback reason when a same-host peer could not have it zero-copy.
     """
     request = _REQUEST.get()
-    if request is None:
+    if request is None or nbytes < request.service.options.ucx_handoff_threshold:
         return None
     row, _reason = request.service.plan(request.requester, request.scheme, buf)
     if row is None:
@@ -709,11 +716,16 @@ def _cuda_serialize_buffer(buf: Buffer) -> tuple[dict[str, Any], list[Any]]:
     """
     if not buf.is_device_accessible or buf.is_host_accessible or not buf.size:
         raise NotImplementedError("host memory goes in a host frame")
-    handed = _hand_over_on_device_comm(buf, buf, None)
+    nbytes = int(buf.size)
+    handed = _hand_over_on_device_comm(buf, buf, None, nbytes)
     if handed is not None:
         return handed, []
-    nbytes = int(buf.size)
-    staged = _Staging.copy_of(int(buf.handle), nbytes)
+    try:
+        staged = _Staging.copy_of(int(buf.handle), nbytes, _device_of(buf))
+    except Exception as e:  # no device memory for the copy: the pool memory itself (UCX's slow path, still right)
+        _staging_failed(e)
+        _count_device_frames(nbytes, staged=False, out=True)
+        return {"nbytes": nbytes}, [_DeviceFrame(int(buf.handle), nbytes, buf)]
     _count_device_frames(nbytes, staged=True, out=True)
     return {"nbytes": nbytes}, [_DeviceFrame(staged.ptr, nbytes, staged)]
 
@@ -746,23 +758,53 @@ def _cuda_dumps_cupy(x: Any, previous: Any) -> tuple[dict[str, Any], list[Any]]:
     import cupy
 
     meta = ArrayMeta("cupy", tuple(x.shape), tuple(x.strides), x.dtype.str, int(x.data.ptr) - int(buf.handle))
-    handed = _hand_over_on_device_comm(buf, buf, meta)
+    nbytes = int(x.nbytes)
+    handed = _hand_over_on_device_comm(buf, buf, meta, nbytes)
     if handed is not None:
         return handed, []
-    nbytes = int(x.nbytes)
-    if x.flags.c_contiguous:
-        staged = _Staging.copy_of(int(x.data.ptr), nbytes)
-    else:
-        staged = _Staging(nbytes)
-        mem = cupy.cuda.UnownedMemory(staged.ptr, max(nbytes, 1), staged)
-        view = cupy.ndarray(x.shape, x.dtype, cupy.cuda.MemoryPointer(mem, 0))
-        with cupy.cuda.Stream.null:
-            view[...] = x
-        cupy.cuda.Stream.null.synchronize()
-    mem = cupy.cuda.UnownedMemory(staged.ptr, max(nbytes, 1), staged)
+    try:
+        staged = _stage_cupy(x)
+    except Exception as e:  # no device memory for the copy: distributed's frames of the pool memory itself
+        _staging_failed(e)
+        header, frames = previous(x)
+        _count_device_frames(nbytes, staged=False, out=True)
+        return header, frames
+    mem = cupy.cuda.UnownedMemory(staged.ptr, max(nbytes, 1), staged, device_id=x.device.id)
     header, frames = previous(cupy.ndarray(x.shape, x.dtype, cupy.cuda.MemoryPointer(mem, 0)))
     _count_device_frames(nbytes, staged=True, out=True)
     return header, frames
+
+
+def _stage_cupy(x: Any) -> _Staging:
+    """A C-ordered copy of CuPy array ``x`` in :class:`_Staging` memory, finished when this returns."""
+    import cupy
+
+    nbytes, device = int(x.nbytes), int(x.device.id)
+    if x.flags.c_contiguous:
+        return _Staging.copy_of(int(x.data.ptr), nbytes, device)
+    staged = _Staging(nbytes, device)
+    with cupy.cuda.Device(device), cupy.cuda.Stream.null:
+        mem = cupy.cuda.UnownedMemory(staged.ptr, max(nbytes, 1), staged, device_id=device)
+        view = cupy.ndarray(x.shape, x.dtype, cupy.cuda.MemoryPointer(mem, 0))
+        view[...] = x
+        cupy.cuda.Stream.null.synchronize()
+    return staged
+
+
+_staging_warned = False
+
+
+def _staging_failed(e: Exception) -> None:
+    """Log (once per process) that pool memory goes to UCX unstaged, which UCX 1.21 moves through the host."""
+    global _staging_warned
+    if not _staging_warned:
+        _staging_warned = True
+        logger.warning(
+            "gpupool: could not stage pool memory for UCX (%s: %s); sent as it is, which UCX moves through host "
+            "memory (slow). Further cases are not logged.",
+            type(e).__name__,
+            e,
+        )
 
 
 def _cuda_loads_cupy(header: dict[str, Any], frames: list[Any], previous: Any) -> Any:

@@ -529,9 +529,10 @@ def test_the_serializer_family_a_ucx_comm_gets_for_pool_memory():
 @pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
 def test_on_ucxx_pool_memory_hands_over_or_travels_as_device_frames(placement):
     """Issue 16 on UCXX clusters, on one GPU and across two: values reach the consumer with the right bytes and
-    never as a host copy. Same host: a pool Buffer and a pool array go zero-copy (descriptors in UCX's frames).
-    Workers that look like two hosts (host-id): pool memory goes as device frames, staged first into memory UCX
-    can send GPU to GPU, counted. A plain CuPy array goes as distributed's own device frames, counted."""
+    never as a host copy. Same host: pool arrays from gpupool.ucx-handoff-threshold (here 4 MiB) up go zero-copy
+    (descriptors in UCX's frames), a smaller pool Buffer as device frames staged into memory UCX can send GPU to
+    GPU. Workers that look like two hosts (host-id): all pool memory goes as staged device frames. A plain CuPy
+    array goes as distributed's own device frames. All of it counted."""
     gpus(2 if placement == "two-gpus" else 1)
     pytest.importorskip("distributed_ucxx")
     import dask
@@ -545,7 +546,7 @@ def test_on_ucxx_pool_memory_hands_over_or_travels_as_device_frames(placement):
             {**w, "protocol": "ucxx", **({"config": {"gpupool": {"host-id": f"host-{i}"}}} if hosts == "two" else {})}
             for i, w in enumerate(layout)
         ]
-        plugin = GPUPool(kind="device", max_size="1 GiB")
+        plugin = GPUPool(kind="device", max_size="1 GiB", ucx_handoff_threshold="4 MiB")
         with dask.config.set(ucx), nanny_cluster(workers, plugin, protocol="ucxx") as c:
             a, b = worker_addresses(c)
             assert a.startswith("ucxx://")
@@ -562,9 +563,9 @@ def test_on_ucxx_pool_memory_hands_over_or_travels_as_device_frames(placement):
             assert got[a]["copied_out_bytes"] == 0 and got[b]["copied_bytes"] == 0, got  # never a host copy
             pool_bytes = MiB + 8 * MiB + 4 * MiB  # the Buffer, the array, its strided view
             if hosts == "same":
-                assert got[b]["zero_copy_bytes"] >= MiB + 8 * MiB, got  # the Buffer and the array (and the view's)
-                assert got[a]["device_staged_bytes"] == 0, got
-                assert got[a]["device_frames_out_bytes"] == 8 * MiB == got[b]["device_frames_bytes"], got  # plain
+                assert got[b]["zero_copy_bytes"] >= 8 * MiB, got  # the array and its view (4 MiB: not below)
+                assert got[a]["device_staged_bytes"] == MiB, got  # the Buffer, below the threshold
+                assert got[a]["device_frames_out_bytes"] == 9 * MiB == got[b]["device_frames_bytes"], got
             else:
                 assert got[b]["zero_copy_bytes"] == 0, got
                 assert got[a]["device_staged_bytes"] == pool_bytes, got
