@@ -178,7 +178,7 @@ class PoolOptions:
     segment_memory: str = "auto"
     import_limit: int = 5 << 30
     cupy_allocator: bool = False
-    ucx_handoff_threshold: int = 64 << 20
+    ucx_handoff_threshold: int = 0
     copy_chunk_size: int = 16 << 20
     copy_stream_threshold: int = 4 << 20
     copy_streams: int = 4
@@ -244,7 +244,7 @@ class PoolOptions:
             import_limit=import_limit,
             cupy_allocator=_parse_bool(raw.get("cupy-allocator", False), "gpupool.cupy-allocator"),
             ucx_handoff_threshold=_parse_nbytes(
-                raw.get("ucx-handoff-threshold", "64 MiB"), "gpupool.ucx-handoff-threshold"
+                raw.get("ucx-handoff-threshold", 0), "gpupool.ucx-handoff-threshold"
             ),
             copy_chunk_size=_parse_nbytes(raw.get("copy-chunk-size", "16 MiB"), "gpupool.copy-chunk-size"),
             copy_stream_threshold=_parse_nbytes(

@@ -72,8 +72,8 @@ def test_config_values_and_overrides():
     assert PoolOptions.from_config(peer_gpu_handoff="false").peer_gpu_handoff is False
     assert PoolOptions.from_config(suballocator="arena").suballocator == "arena"
     assert options.import_limit == 5 * 2**30
-    assert options.ucx_handoff_threshold == 64 << 20
-    assert PoolOptions.from_config(ucx_handoff_threshold=0).ucx_handoff_threshold == 0
+    assert options.ucx_handoff_threshold == 0
+    assert PoolOptions.from_config(ucx_handoff_threshold="64 MiB").ucx_handoff_threshold == 64 << 20
     assert PoolOptions.from_config(import_limit=0, segment_size="8 GiB").segment_size == 8 * 2**30
     assert (options.copy_chunk_size, options.copy_stream_threshold, options.copy_streams) == (16 << 20, 4 << 20, 4)
     assert PoolOptions.from_config(copy_streams="2", copy_chunk_size=0).copy_streams == 2
