@@ -300,6 +300,13 @@ def main() -> None:
         help="comma-separated; PLACEMENT:METHOD runs a method in that placement only",
     )
     p.add_argument("--placements", default="")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every method this many times, interleaved (A B A B ...): a fresh cluster each, the table shows "
+        "the median over rounds, so cluster-to-cluster drift does not pass for a method's cost",
+    )
     p.add_argument("--budget", type=float, default=540.0, help="seconds; later sizes are skipped past it")
     p.add_argument("--segment-size", default="1GiB", help="gpupool.segment-size of the gpupool methods; 0: off")
     p.add_argument("--replot", nargs="+", metavar="FILE", help="JSON results or logs to redraw (runs nothing)")
@@ -345,11 +352,14 @@ def main() -> None:
                 log(f"{place:5s} {method}: not available here, skipped")
             else:
                 todo.append((place, method, setup))
+    todo = todo * args.rounds
     for i, (place, method, (protocol, wopts, plugin, pool)) in enumerate(todo):
         # An equal share of what is left of the budget, so that a slow method cannot starve the rest.
         share = time.monotonic() + (deadline - time.monotonic()) / (len(todo) - i)
         log(f"{place:5s} {method} ({protocol})")
         run: dict[str, Any] = {"placement": place, "method": method, "rows": [], "stats": {}}
+        if args.rounds > 1:
+            run["round"] = i * args.rounds // len(todo)
         result["runs"].append(run)
         try:
             with cluster(wopts, protocol, plugin) as c:
@@ -413,17 +423,41 @@ def write(result: dict[str, Any], stamp: str) -> None:
 
 
 def table(result: dict[str, Any]) -> None:
-    sizes = sorted({r["nbytes"] for run in result["runs"] for r in run["rows"]})
+    runs = _over_rounds(result["runs"])
+    sizes = sorted({r["nbytes"] for run in runs for r in run["rows"]})
     print("\nconsumer transfer time, median (ms); [end-to-end dependent task]")
-    width = max([13, *(len(run["method"]) for run in result["runs"])])
+    width = max([13, *(len(run["method"]) for run in runs)])
     print(f"{'placement':9s} {'method':{width}s}" + "".join(f"{format_bytes(s):>18s}" for s in sizes))
-    for run in result["runs"]:
+    for run in runs:
         by = {r["nbytes"]: r for r in run["rows"]}
         cells = "".join(
             f"{by[s]['transfer_s'] * 1e3:9.2f} [{by[s]['task_s'] * 1e3:6.1f}]" if s in by else f"{'-':>18s}"
             for s in sizes
         )
         print(f"{run['placement']:9s} {run['method']:{width}s}{cells}")
+
+
+def _over_rounds(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One run per (placement, method): with ``--rounds``, each size's median over the rounds' medians."""
+    grouped: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for run in runs:
+        grouped.setdefault((run["placement"], run["method"]), []).append(run)
+    out = []
+    for (place, method), group in grouped.items():
+        by_size: dict[int, list[dict[str, Any]]] = {}
+        for run in group:
+            for row in run["rows"]:
+                by_size.setdefault(row["nbytes"], []).append(row)
+        rows = [
+            {
+                "nbytes": n,
+                "transfer_s": statistics.median(r["transfer_s"] for r in rs),
+                "task_s": statistics.median(r["task_s"] for r in rs),
+            }
+            for n, rs in sorted(by_size.items())
+        ]
+        out.append({"placement": place, "method": method, "rows": rows})
+    return out
 
 
 def plot(result: dict[str, Any], stamp: str) -> None:
@@ -434,10 +468,11 @@ def plot(result: dict[str, Any], stamp: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    places = sorted({run["placement"] for run in result["runs"]})
+    runs = _over_rounds(result["runs"])
+    places = sorted({run["placement"] for run in runs})
     fig, axes = plt.subplots(1, len(places), figsize=(6 * len(places), 4.5), squeeze=False)
     for ax, place in zip(axes[0], places, strict=True):
-        for run in result["runs"]:
+        for run in runs:
             if run["placement"] != place or not run["rows"]:
                 continue
             xs = [r["nbytes"] for r in run["rows"]]

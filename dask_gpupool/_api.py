@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any
 
 from dask_gpupool._errors import PoolUnavailableError
@@ -179,8 +180,12 @@ async def _worker_trim(dask_worker: Worker) -> dict[str, int]:
         # retire_below from the update the scheduler then pushes.
         dask_worker.batched_stream.send({"op": UPDATE_OP, "record": row.to_msg()})
     counters = service.handoff_stats()
+    staging = 0
+    if "dask_gpupool._ucx_staging" in sys.modules:  # loaded only once a value went to UCX as device frames
+        staging = sys.modules["dask_gpupool._ucx_staging"].free_kept()
     return {
         "retire_below": 0 if row is None else row.retire_below,
+        "ucx_staging_freed": staging,
         "segments": counters["segments"],
         "segments_retiring": counters["segments_retiring"],
         "reserved": service.stats().reserved,
@@ -197,7 +202,8 @@ def trim(client: Client) -> dict[str, dict[str, int]]:
     :mod:`dask_gpupool._segments`). New buffers go to new segments. ``host``
     pools give every free page back to the OS at once (large buffers' pages
     go back when they are freed anyway). ``pinned`` pools and ``device``
-    pools without segments are left as they are.
+    pools without segments are left as they are. Device memory kept for
+    sending pool memory over UCX (:mod:`dask_gpupool._ucx_staging`) is freed.
 
     Returns
     -------
@@ -205,6 +211,7 @@ def trim(client: Client) -> dict[str, dict[str, int]]:
         ``{worker address: counters}`` right after the call: ``retire_below``
         (segment ids below it are retired; 0 without segments), ``segments``
         and ``segments_retiring`` (held, and retired but not freed yet), and
-        ``reserved`` (bytes the pool holds).
+        ``reserved`` (bytes the pool holds), ``ucx_staging_freed`` (bytes of
+        kept UCX staging memory freed).
     """
     return client.run(_worker_trim)

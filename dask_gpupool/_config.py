@@ -243,9 +243,7 @@ class PoolOptions:
             segment_memory=segment_memory,
             import_limit=import_limit,
             cupy_allocator=_parse_bool(raw.get("cupy-allocator", False), "gpupool.cupy-allocator"),
-            ucx_handoff_threshold=_parse_nbytes(
-                raw.get("ucx-handoff-threshold", 0), "gpupool.ucx-handoff-threshold"
-            ),
+            ucx_handoff_threshold=_parse_nbytes(raw.get("ucx-handoff-threshold", 0), "gpupool.ucx-handoff-threshold"),
             copy_chunk_size=_parse_nbytes(raw.get("copy-chunk-size", "16 MiB"), "gpupool.copy-chunk-size"),
             copy_stream_threshold=_parse_nbytes(
                 raw.get("copy-stream-threshold", "4 MiB"), "gpupool.copy-stream-threshold"

@@ -23,7 +23,7 @@ device frames ask for (UCX). Pool memory asked for by a same-host worker that
 can map it goes as an IPC descriptor there too; otherwise as device frames
 that the comm moves GPU to GPU, never as a host copy. Device frames of pool
 memory are first copied into ``cuMemAlloc`` memory, which UCX can send
-through ``cuda_ipc`` (:class:`_Staging`); other CuPy arrays go as
+through ``cuda_ipc`` (:class:`~dask_gpupool._ucx_staging.UcxStaging`); other CuPy arrays go as
 distributed's own frames. Counted in ``device_frames_out_bytes``,
 ``device_staged_bytes`` and ``device_frames_bytes``.
 
@@ -52,7 +52,7 @@ from distributed.protocol import dask_deserialize, dask_serialize
 from dask_gpupool._errors import DataLostError, PoolUnavailableError, ProtocolError
 from dask_gpupool._messages import ArrayMeta, HandoffHeader
 from dask_gpupool._service import active_service, buffer_kind, copy_to_host, host_buffer
-from dask_gpupool._topology import current_gpu
+from dask_gpupool._ucx_staging import UcxStaging
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -622,60 +622,6 @@ class _DeviceFrame:
         self.owner = owner
 
 
-class _Staging:
-    """Device memory from ``cuMemAlloc``, freed (in its context) when the object is collected.
-
-    Why: UCX sends a device frame between processes of one host through its
-    ``cuda_ipc`` transport only from memory it can export. UCX 1.21 (what
-    distributed-ucxx 0.52 needs) exports ``cuMemAlloc`` memory (legacy IPC)
-    and, with fabric handles only, pool and VMM memory; the pool and VMM
-    memory of dask_gpupool allows POSIX file descriptors, so UCX moved it
-    through host staging at about 0.4 GB/s (2.3 s for 1 GiB on an H100, where
-    ``cuMemAlloc`` memory took 4.5 ms). A device-to-device copy here first
-    costs about 0.3 ms per GiB. ``ptr`` is owned by this object.
-    """
-
-    def __init__(self, nbytes: int, device: int) -> None:
-        from cuda.bindings import driver
-
-        current_gpu(device)  # serializers also run in Dask's offload thread, with no context current
-        err, ctx = driver.cuCtxGetCurrent()
-        _check(err, "cuCtxGetCurrent")
-        err, ptr = driver.cuMemAlloc(max(nbytes, 1))
-        _check(err, f"cuMemAlloc({nbytes})")
-        self.ptr = int(ptr)
-        self.nbytes = nbytes
-        self._finalizer = weakref.finalize(self, _free_staging, ctx, self.ptr)
-
-    @classmethod
-    def copy_of(cls, ptr: int, nbytes: int, device: int) -> _Staging:
-        """A copy of ``nbytes`` bytes at ``ptr`` on GPU ``device``, finished when this returns."""
-        from cuda.bindings import driver
-
-        staged = cls(nbytes, device)
-        _check(driver.cuMemcpyDtoDAsync(staged.ptr, ptr, nbytes, driver.CUstream(0))[0], "cuMemcpyDtoDAsync")
-        _check(driver.cuStreamSynchronize(driver.CUstream(0))[0], "cuStreamSynchronize")
-        return staged
-
-
-def _free_staging(ctx: Any, ptr: int) -> None:
-    from cuda.bindings import driver
-
-    if driver.cuCtxPushCurrent(ctx)[0] != driver.CUresult.CUDA_SUCCESS:
-        return  # the context is gone (the process is exiting): so is the memory
-    try:
-        driver.cuMemFree(ptr)
-    finally:
-        driver.cuCtxPopCurrent()
-
-
-def _check(err: Any, what: str) -> None:
-    from cuda.bindings import driver
-
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"{what} failed: {err!r}")
-
-
 def _hand_over_on_device_comm(holder: Any, buf: Buffer, meta: ArrayMeta | None, nbytes: int) -> dict[str, Any] | None:
     """The header of a zero-copy handoff when a same-host worker asked for ``buf`` over a UCX comm, else ``None``.
 
@@ -710,7 +656,7 @@ def _cuda_serialize_buffer(buf: Buffer) -> tuple[dict[str, Any], list[Any]]:
 
     To a same-host worker that can map it: an IPC descriptor, as over TCP.
     Otherwise one device frame, copied first into memory UCX can send GPU to
-    GPU (:class:`_Staging`; counted in ``device_frames_out_bytes`` and
+    GPU (:class:`~dask_gpupool._ucx_staging.UcxStaging`; counted in ``device_frames_out_bytes`` and
     ``device_staged_bytes``), never a host copy. Host memory, and empty
     buffers, go on to the ``"dask"`` family (a host frame).
     """
@@ -721,7 +667,7 @@ def _cuda_serialize_buffer(buf: Buffer) -> tuple[dict[str, Any], list[Any]]:
     if handed is not None:
         return handed, []
     try:
-        staged = _Staging.copy_of(int(buf.handle), nbytes, _device_of(buf))
+        staged = UcxStaging.copy_of(int(buf.handle), nbytes, _device_of(buf))
     except Exception as e:  # no device memory for the copy: the pool memory itself (UCX's slow path, still right)
         _staging_failed(e)
         _count_device_frames(nbytes, staged=False, out=True)
@@ -746,7 +692,7 @@ def _cuda_dumps_cupy(x: Any, previous: Any) -> tuple[dict[str, Any], list[Any]]:
 
     An array over pool memory (this worker's, or one it imported) goes to a
     same-host worker that can map it as an IPC descriptor; otherwise it is
-    copied into :class:`_Staging` memory (C order) and sent as distributed's
+    copied into :class:`~dask_gpupool._ucx_staging.UcxStaging` memory (C order) and sent as distributed's
     device frames from there. Every other array is distributed's serializer
     untouched, only counted.
     """
@@ -775,14 +721,14 @@ def _cuda_dumps_cupy(x: Any, previous: Any) -> tuple[dict[str, Any], list[Any]]:
     return header, frames
 
 
-def _stage_cupy(x: Any) -> _Staging:
-    """A C-ordered copy of CuPy array ``x`` in :class:`_Staging` memory, finished when this returns."""
+def _stage_cupy(x: Any) -> UcxStaging:
+    """A C-ordered copy of CuPy array ``x`` in staging memory, complete when this returns."""
     import cupy
 
     nbytes, device = int(x.nbytes), int(x.device.id)
     if x.flags.c_contiguous:
-        return _Staging.copy_of(int(x.data.ptr), nbytes, device)
-    staged = _Staging(nbytes, device)
+        return UcxStaging.copy_of(int(x.data.ptr), nbytes, device)
+    staged = UcxStaging(nbytes, device)
     with cupy.cuda.Device(device), cupy.cuda.Stream.null:
         mem = cupy.cuda.UnownedMemory(staged.ptr, max(nbytes, 1), staged, device_id=device)
         view = cupy.ndarray(x.shape, x.dtype, cupy.cuda.MemoryPointer(mem, 0))

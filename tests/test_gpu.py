@@ -570,6 +570,7 @@ def test_on_ucxx_pool_memory_hands_over_or_travels_as_device_frames(placement):
                 assert got[b]["zero_copy_bytes"] == 0, got
                 assert got[a]["device_staged_bytes"] == pool_bytes, got
                 assert got[a]["device_frames_out_bytes"] == pool_bytes + 8 * MiB == got[b]["device_frames_bytes"]
+                assert dask_gpupool.trim(c)[a]["ucx_staging_freed"] > 0  # the staging kept for reuse goes back
             assert not got[a]["fallbacks"], got
             del x, arr, strided, plain
             wait_for(lambda c=c, a=a: counters(c, a)[a]["leases"] == 0, what="the leases to end")

@@ -404,3 +404,13 @@ def test_arrays_outside_the_pool_get_exactly_distributeds_serialization():
     _with_context(lambda x, context=None: seen.append(context))(x, "ctx")
     _with_context(lambda x: seen.append("none"))(x, "ctx")
     assert seen == ["ctx", "none"]
+
+
+def test_ucx_staging_sizes_round_to_few_classes():
+    """Staging copies for UCX are kept for reuse by size class (powers of two to 64 MiB, then 64 MiB steps)."""
+    from dask_gpupool._ucx_staging import size_class
+
+    MiB = 1 << 20
+    assert [size_class(n) for n in (0, 1, MiB)] == [MiB] * 3
+    assert [size_class(n) for n in (MiB + 1, 3 * MiB, 64 * MiB)] == [2 * MiB, 4 * MiB, 64 * MiB]
+    assert [size_class(n) for n in (64 * MiB + 1, 1 << 30, (8 << 30) + 5)] == [128 * MiB, 1 << 30, (8 << 30) + 64 * MiB]
