@@ -3,7 +3,7 @@
 Stages: **generate** (random values and integer keys), **transform**
 (pairs of chunks merged, then elementwise), **reduce by key** (per-chunk sums by key, combined across
 chunks), **combine** (join-like: every value meets the per-key table). Each
-stage's chunks are placed in the worker's pool (``pooled``), so a chunk that
+stage's chunks are placed in the worker's pool (``dask_gpupool.to_pool``), so a chunk that
 another worker on the host needs is handed over zero-copy; without the plugin
 the same graph runs on plain Dask.
 
