@@ -32,7 +32,7 @@ from distributed import wait
 from handoff import cluster  # benchmarks/handoff.py (this directory is on sys.path when run as a script)
 
 import dask_gpupool
-from dask_gpupool._topology import local_devices
+from dask_gpupool.memory.topology import local_devices
 
 STAGES = ("transpose", "rechunk", "matmul")
 

@@ -16,7 +16,7 @@ Mechanisms:
 - ``vmm``: ``cuMemCreate`` with a POSIX-fd handle, imported with
   ``cuMemImportFromShareableHandle`` and mapped with ``cuMemMap`` /
   ``cuMemSetAccess`` (the importer holds its own reference to the physical
-  memory); both through dask_gpupool's own :mod:`dask_gpupool._vmm` classes.
+  memory); both through dask_gpupool's own :mod:`dask_gpupool.memory.vmm` classes.
 
     python benchmarks/exporter_death.py      # every mechanism x placement the GPUs allow
 """
@@ -59,8 +59,8 @@ def exporter(path: str, mechanism: str, ordinal: int) -> None:
         ptr = int(buf.handle)
         fd = int(mr.allocation_handle)
         _, (payload, _size) = buf.ipc_descriptor.__reduce__()
-    else:  # what device pools' segments are made of (dask_gpupool._vmm)
-        from dask_gpupool._vmm import VmmMemoryResource
+    else:  # what device pools' segments are made of (dask_gpupool.memory.vmm)
+        from dask_gpupool.memory.vmm import VmmMemoryResource
 
         vmm = VmmMemoryResource(ordinal, 1 << 30)
         buf = vmm.allocate(SIZE)
@@ -105,7 +105,7 @@ def importer(conn: Any, path: str, mechanism: str, owner: int, ordinal: int) -> 
         buf = Buffer.from_ipc_descriptor(mr, IPCBufferDescriptor._init(msg, SIZE), stream=dev.default_stream)
         ptr = int(buf.handle)
     else:
-        from dask_gpupool._vmm import VmmMapping
+        from dask_gpupool.memory.vmm import VmmMapping
 
         mapping = VmmMapping.open(fd, SIZE, ordinal)  # its own reference to the memory
         os.close(fd)

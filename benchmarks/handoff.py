@@ -62,8 +62,8 @@ from distributed import wait
 
 import dask_gpupool
 from dask_gpupool import GPUPool
-from dask_gpupool import _testing as T
-from dask_gpupool._topology import local_devices
+from dask_gpupool import testing as T
+from dask_gpupool.memory.topology import local_devices
 
 DEFAULT_SIZES = "1KiB,1MiB,64MiB,256MiB,1GiB,4GiB,8GiB"
 METHODS = (

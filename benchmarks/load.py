@@ -33,8 +33,8 @@ import dask
 
 import dask_gpupool
 from dask_gpupool import GPUPool
-from dask_gpupool import _testing as T
-from dask_gpupool._topology import local_devices
+from dask_gpupool import testing as T
+from dask_gpupool.memory.topology import local_devices
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 

@@ -28,9 +28,9 @@ from typing import Any
 
 import dask_gpupool
 from dask_gpupool import GPUPool
-from dask_gpupool import _testing as T
-from dask_gpupool._messages import BufferDescriptor
-from dask_gpupool._topology import local_devices
+from dask_gpupool import testing as T
+from dask_gpupool.memory.topology import local_devices
+from dask_gpupool.wire.messages import BufferDescriptor
 
 MiB = 1 << 20
 

@@ -5,8 +5,8 @@ IPC-exportable segments from the cuda.core pool, unless a home-made allocator
 measures as fast and as robust. This script measures both, one process, one
 GPU, the same seeded workload:
 
-- ``arena``: :class:`~dask_gpupool._arena.Arena` alone (offsets, no memory).
-- ``segments-arena`` / ``segments-rmm``: :class:`~dask_gpupool._segments.SegmentedResource`
+- ``arena``: :class:`~dask_gpupool.memory.arena.Arena` alone (offsets, no memory).
+- ``segments-arena`` / ``segments-rmm``: :class:`~dask_gpupool.memory.segments.SegmentedResource`
   over an IPC-enabled cuda.core ``DeviceMemoryResource``, placing buffers with
   the in-tree arena or with RMM - what a ``device`` pool with segments runs: a
   cuda.core ``Buffer`` per allocation and a stream-ordered free.
@@ -39,8 +39,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from dask_gpupool._arena import Arena
-from dask_gpupool._topology import local_devices
+from dask_gpupool.memory.arena import Arena
+from dask_gpupool.memory.topology import local_devices
 
 MiB = 1 << 20
 SEGMENT = 1 << 30
@@ -83,8 +83,8 @@ def cuda_pool(dev: Any) -> Any:
 
 
 def segments_case(dev: Any, suballocator: str) -> Case:
-    from dask_gpupool._pool import ipc_payload
-    from dask_gpupool._segments import SegmentedResource
+    from dask_gpupool.memory.pool import ipc_payload
+    from dask_gpupool.memory.segments import SegmentedResource
 
     mr = SegmentedResource(cuda_pool(dev), SEGMENT, dev.device_id, ipc_payload, suballocator)
     stream = dev.default_stream

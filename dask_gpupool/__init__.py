@@ -11,10 +11,13 @@ or ``dask scheduler --preload dask_gpupool``.
 
 from __future__ import annotations
 
-from dask_gpupool import _serialize  # noqa: F401  (registers the Dask serializers)
-from dask_gpupool._api import allocate, pool_stats, pools, stats, to_pool, trim
-from dask_gpupool._config import PoolOptions
-from dask_gpupool._errors import (
+from dask_gpupool.config import PoolOptions
+from dask_gpupool.dask import serializers as _serialize  # noqa: F401  (registers the Dask serializers)
+from dask_gpupool.dask.api import allocate, pool_stats, pools, stats, to_pool, trim
+from dask_gpupool.dask.preload import dask_setup
+from dask_gpupool.dask.scheduler_plugin import GPUPool
+from dask_gpupool.dask.serializers import as_array
+from dask_gpupool.errors import (
     BrokerError,
     BrokerRefusedError,
     ConfigError,
@@ -29,10 +32,7 @@ from dask_gpupool._errors import (
     ProtocolError,
     UnknownPoolError,
 )
-from dask_gpupool._messages import PoolRecord
-from dask_gpupool._preload import dask_setup
-from dask_gpupool._scheduler_plugin import GPUPool
-from dask_gpupool._serialize import as_array
+from dask_gpupool.wire.messages import PoolRecord
 
 __version__ = "0.1.0"
 

@@ -187,7 +187,7 @@ def main() -> None:
         help="show Dask's progress bar for each stage (default: when printing to a terminal)",
     )
     args = p.parse_args()
-    from dask_gpupool._topology import local_devices
+    from dask_gpupool.memory.topology import local_devices
 
     gpus = len(local_devices().uuids)
     lib = "cupy" if gpus else "numpy"

@@ -45,7 +45,7 @@ def consume(arr) -> tuple[float, float]:
 def main() -> None:
     from distributed import Client, Nanny, Scheduler, SpecCluster
 
-    from dask_gpupool._topology import local_devices
+    from dask_gpupool.memory.topology import local_devices
 
     gpus = len(local_devices().uuids)
     envs: list[dict[str, str]] = [{}, {}]  # both workers on GPU 0 (ordinal 0 of what they see)

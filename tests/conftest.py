@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from dask_gpupool._topology import local_devices
+from dask_gpupool.memory.topology import local_devices
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -92,7 +92,7 @@ def handoff_round_trip(client: Any, nbytes: int, data: bytes) -> dict[str, Any]:
     Returns the registry rows by worker.
     """
     import dask_gpupool
-    from dask_gpupool import _testing as T
+    from dask_gpupool import testing as T
 
     a, b = worker_addresses(client)
     rows = {r.worker: r for r in dask_gpupool.pools(client)}
@@ -117,7 +117,7 @@ def handoff_round_trip(client: Any, nbytes: int, data: bytes) -> dict[str, Any]:
 
 
 def resource_diff(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
-    """What differs between two :func:`~dask_gpupool._testing.resources` snapshots, fd kinds one by one."""
+    """What differs between two :func:`~dask_gpupool.testing.resources` snapshots, fd kinds one by one."""
     out: dict[str, Any] = {}
     for w, base in before.items():
         now = after.get(w, {})

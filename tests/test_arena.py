@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dask_gpupool import PoolExhaustedError
-from dask_gpupool._arena import Arena
+from dask_gpupool.memory.arena import Arena
 
 
 def test_allocations_are_aligned_and_disjoint():

@@ -16,9 +16,9 @@ import msgpack
 import pytest
 
 from dask_gpupool import BrokerRefusedError, NotAMemberError, PeerLostError, UnknownPoolError
-from dask_gpupool._broker import FdBroker, request_pool_fd
-from dask_gpupool._link import PeerLink
-from dask_gpupool._messages import HandleReply, HandleRequest, Hello, encode
+from dask_gpupool.transport.broker import FdBroker, request_pool_fd
+from dask_gpupool.transport.link import PeerLink
+from dask_gpupool.wire.messages import HandleReply, HandleRequest, Hello, encode
 
 POOL = str(uuid.uuid4())
 TOKEN = b"cluster-token-0123456789abcdef!!"
@@ -326,7 +326,7 @@ def test_link_refuses_a_loose_or_foreign_broker_directory(tmp_path, how, no_fd_l
 
 BROKER_PROCESS = """
 import sys, time
-from dask_gpupool._broker import FdBroker
+from dask_gpupool.transport.broker import FdBroker
 b = FdBroker(lambda p: None, sys.argv[1], 1.0, "killed00", b"x" * 32)
 print(b.address, flush=True)
 time.sleep(600)

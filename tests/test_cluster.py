@@ -13,8 +13,8 @@ from conftest import free_port, handoff_round_trip, nanny_cluster, stop_processe
 
 import dask_gpupool
 from dask_gpupool import BrokerRefusedError, GPUPool, NotAMemberError, PeerAccessError, PeerLostError
-from dask_gpupool import _testing as T
-from dask_gpupool._broker import request_pool_fd
+from dask_gpupool import testing as T
+from dask_gpupool.transport.broker import request_pool_fd
 
 MiB = 1 << 20
 PLUGIN = GPUPool(kind="host", max_size="64MiB", broker_timeout="2s")
@@ -66,7 +66,7 @@ def test_live_broker_refuses_malformed_input_and_keeps_serving(client):
 
     import msgpack
 
-    from dask_gpupool._messages import Hello, encode
+    from dask_gpupool.wire.messages import Hello, encode
 
     token = client.run(lambda dask_worker: dask_worker.plugins["gpupool"].service.token, workers=[a])[a]
     for member in (False, True):  # before the hello, and past it (a member that then sends garbage)
@@ -146,7 +146,7 @@ def test_entries_vanish_when_a_worker_is_killed():
         assert victim.pool not in {r.pool for r in dask_gpupool.pools(c)}
         # A killed broker cannot remove its directory; the next broker start does (min_age 0 here, not the
         # default that keeps directories of brokers still starting), and it leaves the live brokers' alone.
-        from dask_gpupool._broker import remove_stale_broker_dirs
+        from dask_gpupool.transport.broker import remove_stale_broker_dirs
 
         victim_dir = os.path.dirname(victim.broker)
         remove_stale_broker_dirs(os.path.dirname(victim_dir), min_age=0)
@@ -447,7 +447,7 @@ def test_dashboard_page_escapes_every_pushed_value():
 
     from test_handoff import wait_for
 
-    from dask_gpupool._dashboard import STATS_OP
+    from dask_gpupool.ops.dashboard import STATS_OP
 
     evil = "<script>alert(1)</script>"
     pushes = [

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from dask_gpupool import ConfigError, GPUPool, PoolOptions
-from dask_gpupool._config import Size
+from dask_gpupool.config import Size
 
 HERE = pathlib.Path(__file__).parent.parent / "dask_gpupool"
 
@@ -80,7 +80,7 @@ def test_config_values_and_overrides():
 
 
 def test_cross_gpu_handoffs_need_segments_of_vmm_memory():
-    """Pool memory read from another GPU after its owner died breaks the reader (dask_gpupool._vmm)."""
+    """Pool memory read from another GPU after its owner died breaks the reader (dask_gpupool.memory.vmm)."""
     assert PoolOptions.from_config().segment_memory == "auto"
     pool_memory = PoolOptions.from_config(segment_memory="pool")
     assert pool_memory.segment_memory == "pool" and pool_memory.peer_gpu_handoff is False

@@ -13,10 +13,10 @@ import pytest
 from conftest import no_fd_leak  # noqa: F401  (fixture)
 
 from dask_gpupool import DataLostError, NotAMemberError
-from dask_gpupool._copy import CopyServer, Staged, lanes, pull, pull_proof
-from dask_gpupool._lease import LeaseTable
-from dask_gpupool._service import host_buffer
-from dask_gpupool._testing import read_bytes
+from dask_gpupool.handoff.leases import LeaseTable
+from dask_gpupool.handoff.service import host_buffer
+from dask_gpupool.testing import read_bytes
+from dask_gpupool.transport.stream import CopyServer, Staged, lanes, pull, pull_proof
 
 POOL = str(uuid.uuid4())
 TOKEN = b"t" * 32

@@ -8,7 +8,8 @@ import pytest
 from conftest import nanny_cluster
 
 import dask_gpupool
-from dask_gpupool import GPUPool, _errors
+from dask_gpupool import GPUPool
+from dask_gpupool import errors as _errors
 
 ERRORS = [getattr(_errors, name) for name in _errors.__all__]
 

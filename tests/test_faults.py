@@ -17,7 +17,7 @@ from test_handoff import HOST_POOL, back_to, counters, kill_consumer_holding_lea
 
 import dask_gpupool
 from dask_gpupool import GPUPool
-from dask_gpupool import _testing as T
+from dask_gpupool import testing as T
 
 MiB = 1 << 20
 

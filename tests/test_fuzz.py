@@ -24,9 +24,9 @@ from hypothesis import strategies as st
 
 import dask_gpupool
 from dask_gpupool import GPUPool, ProtocolError
-from dask_gpupool import _testing as T
-from dask_gpupool._broker import FdBroker, request_pool_fd
-from dask_gpupool._messages import (
+from dask_gpupool import testing as T
+from dask_gpupool.transport.broker import FdBroker, request_pool_fd
+from dask_gpupool.wire.messages import (
     BufferDescriptor,
     ClaimReply,
     CopyReply,

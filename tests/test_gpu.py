@@ -11,8 +11,8 @@ from test_handoff import back_to, counters, kill_consumer_holding_leases, stress
 
 import dask_gpupool
 from dask_gpupool import GPUPool
-from dask_gpupool import _testing as T
-from dask_gpupool._topology import local_devices
+from dask_gpupool import testing as T
+from dask_gpupool.memory.topology import local_devices
 
 pytestmark = pytest.mark.gpu
 
@@ -188,7 +188,7 @@ def test_vmm_memory_outlives_its_maker_for_an_importer():
     gpus(1)
     from cuda.core import Device
 
-    from dask_gpupool._vmm import VmmMapping, VmmMemoryResource, vmm_supported
+    from dask_gpupool.memory.vmm import VmmMapping, VmmMemoryResource, vmm_supported
 
     dev = Device(0)
     dev.set_current()
@@ -232,8 +232,8 @@ def test_rmm_places_buffers_in_segments_and_retiring_frees_them():
     pytest.importorskip("rmm")
     from cuda.core import Device, DeviceMemoryResource, DeviceMemoryResourceOptions
 
-    from dask_gpupool._pool import ipc_payload
-    from dask_gpupool._segments import SegmentedResource
+    from dask_gpupool.memory.pool import ipc_payload
+    from dask_gpupool.memory.segments import SegmentedResource
 
     dev = Device(0)
     dev.set_current()

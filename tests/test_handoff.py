@@ -13,7 +13,7 @@ from conftest import nanny_cluster, pid_of, worker_addresses
 
 import dask_gpupool
 from dask_gpupool import GPUPool
-from dask_gpupool import _testing as T
+from dask_gpupool import testing as T
 
 MiB = 1 << 20
 HOST_POOL = GPUPool(kind="host", max_size="64 MiB")
@@ -44,7 +44,7 @@ def warm_up(client: Any, a: str, b: str) -> dict[str, Any]:
 def back_to(client: Any, baseline: dict[str, Any], timeout: float = 60.0, workers: list[str] | None = None) -> None:
     """Wait until the workers' resources equal ``baseline``; on timeout, fail naming what differs.
 
-    ``baseline`` maps worker address to :func:`~dask_gpupool._testing.resources`; with ``workers``
+    ``baseline`` maps worker address to :func:`~dask_gpupool.testing.resources`; with ``workers``
     only those are compared (for example the survivors of a kill).
     """
     deadline = time.monotonic() + timeout
@@ -315,7 +315,7 @@ def test_a_failed_cupy_registration_is_retried_not_marked_done():
 
     code = (
         "import sys; sys.modules['cupy'] = None\n"
-        "from dask_gpupool import _serialize\n"
+        "from dask_gpupool.dask import serializers as _serialize\n"
         "for _ in range(2):\n"
         "    try:\n"
         "        _serialize.register_cupy()\n"
@@ -370,14 +370,14 @@ def test_on_a_comm_that_asks_for_device_frames_a_host_buffer_still_goes_in_a_hos
     to ours in the "dask" family, and the frame type UCX reads is shaped as distributed-ucxx expects."""
     from distributed.protocol import deserialize, serialize
 
-    from dask_gpupool._serialize import _DeviceFrame
-    from dask_gpupool._service import host_buffer
+    from dask_gpupool.dask.serializers import _DeviceFrame
+    from dask_gpupool.handoff.service import host_buffer
 
     buf = host_buffer(bytearray(b"host bytes"))
     header, frames = serialize(buf, serializers=("cuda", "dask", "pickle", "error"))
     assert header["serializer"] == "dask"
     back = deserialize(header, frames, deserializers=("cuda", "dask", "pickle", "error"))
-    from dask_gpupool._testing import read_bytes
+    from dask_gpupool.testing import read_bytes
 
     assert read_bytes(back, 10) == b"host bytes"
     frame = _DeviceFrame(0x1000, 64, owner=buf)
@@ -392,7 +392,7 @@ def test_arrays_outside_the_pool_get_exactly_distributeds_serialization():
     import numpy as np
     from distributed.protocol import dask_serialize
 
-    from dask_gpupool._serialize import _with_context
+    from dask_gpupool.dask.serializers import _with_context
 
     x = np.arange(10.0)
     ours = dask_serialize.dispatch(np.ndarray)
@@ -408,7 +408,7 @@ def test_arrays_outside_the_pool_get_exactly_distributeds_serialization():
 
 def test_ucx_staging_sizes_round_to_few_classes():
     """Staging copies for UCX are kept for reuse by size class (powers of two to 64 MiB, then 64 MiB steps)."""
-    from dask_gpupool._ucx_staging import size_class
+    from dask_gpupool.memory.ucx_staging import size_class
 
     MiB = 1 << 20
     assert [size_class(n) for n in (0, 1, MiB)] == [MiB] * 3

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from dask_gpupool import PoolClosedError, PoolExhaustedError, ProtocolError
-from dask_gpupool._host_memory import SharedHostMemoryResource
-from dask_gpupool._testing import read_bytes, write_bytes
+from dask_gpupool.memory.host import SharedHostMemoryResource
+from dask_gpupool.testing import read_bytes, write_bytes
 
 
 def test_peer_mapping_sees_owner_bytes_without_copy(no_fd_leak):
@@ -119,8 +119,8 @@ def test_a_receiver_cannot_resize_the_pool_and_mappings_still_read(tmp_path, no_
     broker) cannot ftruncate it, which would SIGBUS every process that maps the pool."""
     import fcntl
 
-    from dask_gpupool._broker import FdBroker, request_pool_fd
-    from dask_gpupool._messages import HandleReply
+    from dask_gpupool.transport.broker import FdBroker, request_pool_fd
+    from dask_gpupool.wire.messages import HandleReply
 
     owner = SharedHostMemoryResource(1 << 20)
     buf = owner.allocate(4096)
@@ -187,7 +187,7 @@ def _peer_pages_left_out(dask_worker) -> int:
     """Bytes the worker's ``rss`` holds above the process memory Dask reads (``monitor.get_process_memory``)."""
     import psutil
 
-    from dask_gpupool._host_memory import peer_resident_bytes
+    from dask_gpupool.memory.host import peer_resident_bytes
 
     peer_resident_bytes(max_age=0)  # a fresh figure for the call below
     return psutil.Process().memory_info().rss - dask_worker.monitor.get_process_memory()
@@ -201,7 +201,7 @@ def test_a_handoff_and_release_leave_no_shared_memory_resident_in_either_worker(
 
     import dask_gpupool
     from dask_gpupool import GPUPool
-    from dask_gpupool import _testing as T
+    from dask_gpupool import testing as T
 
     size = 256 << 20
     with nanny_cluster([{}, {}], GPUPool(kind="host", max_size="1 GiB")) as c:

@@ -21,8 +21,8 @@ from test_handoff import back_to, counters, wait_for, warm_up
 
 import dask_gpupool
 from dask_gpupool import GPUPool
-from dask_gpupool import _testing as T
-from dask_gpupool._lease import LeaseTable
+from dask_gpupool import testing as T
+from dask_gpupool.handoff.leases import LeaseTable
 
 MiB = 1 << 20
 
@@ -220,13 +220,13 @@ def test_a_failed_receive_is_a_connection_error_for_dask():
 @pytest.fixture
 def exporter(tmp_path):
     """A real host pool, its lease table and broker, and a registry with two importers in this process."""
-    from dask_gpupool._broker import FdBroker
-    from dask_gpupool._config import PoolOptions
-    from dask_gpupool._messages import PoolRecord, RegistryUpdate
-    from dask_gpupool._pool import Pool
-    from dask_gpupool._registry import RegistryView
-    from dask_gpupool._service import _ExportSide
-    from dask_gpupool._topology import LocalDevices
+    from dask_gpupool.config import PoolOptions
+    from dask_gpupool.handoff.registry import RegistryView
+    from dask_gpupool.handoff.service import _ExportSide
+    from dask_gpupool.memory.pool import Pool
+    from dask_gpupool.memory.topology import LocalDevices
+    from dask_gpupool.transport.broker import FdBroker
+    from dask_gpupool.wire.messages import PoolRecord, RegistryUpdate
 
     pool = Pool.create(PoolOptions.from_config(kind="host", max_size="16 MiB"), LocalDevices(()))
     leases = LeaseTable(60)
@@ -249,8 +249,8 @@ TOKEN = b"cluster-token-0123456789abcdef!!"
 
 
 def test_another_worker_can_neither_claim_nor_release_a_lease(exporter):
-    from dask_gpupool._link import PeerLink
-    from dask_gpupool._service import _Exported
+    from dask_gpupool.handoff.service import _Exported
+    from dask_gpupool.transport.link import PeerLink
 
     pool, leases, broker, (b, c) = exporter
     buf = pool.allocate(4096)
@@ -276,7 +276,7 @@ def test_another_worker_can_neither_claim_nor_release_a_lease(exporter):
 
 
 def test_a_process_that_is_not_the_registered_worker_is_refused(exporter):
-    from dask_gpupool._link import PeerLink
+    from dask_gpupool.transport.link import PeerLink
 
     _pool, _leases, broker, _ = exporter
     with pytest.raises(dask_gpupool.NotAMemberError, match="not the process of worker"):
@@ -286,9 +286,9 @@ def test_a_process_that_is_not_the_registered_worker_is_refused(exporter):
 def test_copies_of_ipc_and_stream_leases_go_only_to_their_importer(exporter):
     import mmap
 
-    from dask_gpupool._copy import Staged
-    from dask_gpupool._link import PeerLink
-    from dask_gpupool._service import _Exported
+    from dask_gpupool.handoff.service import _Exported
+    from dask_gpupool.transport.link import PeerLink
+    from dask_gpupool.transport.stream import Staged
 
     pool, leases, broker, (b, c) = exporter
     buf = pool.allocate(8192)
@@ -315,7 +315,7 @@ def test_copies_of_ipc_and_stream_leases_go_only_to_their_importer(exporter):
 
 CHILD = """
 import sys
-from dask_gpupool._link import PeerLink
+from dask_gpupool.transport.link import PeerLink
 address, token, worker = sys.argv[1], bytes.fromhex(sys.argv[2]), sys.argv[3]
 lease = int(sys.stdin.readline())
 link = PeerLink(address, 5.0, token, worker)
@@ -331,8 +331,8 @@ def test_a_closed_link_keeps_the_leases_and_the_importers_exit_ends_them(exporte
     import subprocess
     import sys
 
-    from dask_gpupool._messages import PoolRecord, RegistryUpdate
-    from dask_gpupool._service import _Exported
+    from dask_gpupool.handoff.service import _Exported
+    from dask_gpupool.wire.messages import PoolRecord, RegistryUpdate
 
     pool, leases, broker, _ = exporter
     worker = "tcp://127.0.0.1:9"

@@ -30,12 +30,12 @@ import pytest
 from conftest import no_fd_leak  # noqa: F401  (fixture)
 
 from dask_gpupool import BrokerRefusedError, PeerLostError
-from dask_gpupool._broker import FdBroker, request_pool_fd
-from dask_gpupool._copy import CopyServer, Staged, pull, pull_proof
-from dask_gpupool._lease import LeaseTable
-from dask_gpupool._messages import HandleReply, decode
-from dask_gpupool._service import host_buffer
-from dask_gpupool._testing import read_bytes
+from dask_gpupool.handoff.leases import LeaseTable
+from dask_gpupool.handoff.service import host_buffer
+from dask_gpupool.testing import read_bytes
+from dask_gpupool.transport.broker import FdBroker, request_pool_fd
+from dask_gpupool.transport.stream import CopyServer, Staged, pull, pull_proof
+from dask_gpupool.wire.messages import HandleReply, decode
 
 POOL = str(uuid.UUID(int=15))  # the same in the spawned owner, which imports this module anew
 TOKEN = b"cluster-token-0123456789abcdef!!"

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dask_gpupool import BrokerRefusedError, ProtocolError, UnknownPoolError
-from dask_gpupool._messages import (
+from dask_gpupool.wire.messages import (
     MAX_MESSAGE_BYTES,
     BufferDescriptor,
     ErrorReply,

@@ -9,8 +9,8 @@ import pytest
 from cuda.core import Buffer
 
 from dask_gpupool import PoolClosedError, PoolExhaustedError
-from dask_gpupool._host_memory import HostOnlyResource
-from dask_gpupool._segments import BUFFER_ALIGNMENT, SEGMENT_ALIGNMENT, SegmentedResource
+from dask_gpupool.memory.host import HostOnlyResource
+from dask_gpupool.memory.segments import BUFFER_ALIGNMENT, SEGMENT_ALIGNMENT, SegmentedResource
 
 MiB = 1 << 20
 
@@ -106,7 +106,7 @@ def test_unknown_addresses_and_close():
 
 
 def test_closing_frees_unmapped_segments_and_keeps_those_a_peer_may_still_map():
-    from dask_gpupool._pool import KEPT_UNTIL_EXIT
+    from dask_gpupool.memory.pool import KEPT_UNTIL_EXIT
 
     res, up = segmented()
     a = res.allocate(MiB)

@@ -6,14 +6,14 @@ import logging
 import re
 from pathlib import Path
 
-from dask_gpupool._stats import FALLBACK_ADVICE, FALLBACK_REASONS, HandoffStats
+from dask_gpupool.handoff.stats import FALLBACK_ADVICE, FALLBACK_REASONS, HandoffStats
 
 PACKAGE = Path(__file__).resolve().parent.parent / "dask_gpupool"
 
 
 def reasons_in_the_code() -> set[str]:
     found: set[str] = set()
-    for path in PACKAGE.glob("*.py"):
+    for path in PACKAGE.rglob("*.py"):
         text = path.read_text()
         found.update(re.findall(r'reason = "([a-z-]+)"', text))
         found.update(re.findall(r'return None, "([a-z-]+)"', text))

@@ -24,9 +24,9 @@ from test_handoff import back_to, counters, wait_for, warm_up
 
 import dask_gpupool
 from dask_gpupool import GPUPool, NotAMemberError
-from dask_gpupool import _testing as T
-from dask_gpupool._messages import PoolRecord
-from dask_gpupool._ops import REGISTER_OP, UNREGISTER_OP, UPDATE_OP
+from dask_gpupool import testing as T
+from dask_gpupool.core import REGISTER_OP, UNREGISTER_OP, UPDATE_OP
+from dask_gpupool.wire.messages import PoolRecord
 
 MiB = 1 << 20
 PLUGIN = GPUPool(kind="host", max_size="64 MiB", broker_timeout="2s")
@@ -225,7 +225,7 @@ def test_a_worker_updates_its_own_row_and_removing_the_plugin_takes_the_rows_out
     wait_for(lambda: by_worker(client)[b] == raised, what="the scheduler to take B's own update")
 
     def view_of_b(dask_worker: Any) -> int:
-        row = dask_gpupool._worker_plugin.service_of(dask_worker).registry.get(rows[b].pool)
+        row = dask_gpupool.dask.worker_plugin.service_of(dask_worker).registry.get(rows[b].pool)
         return -1 if row is None else row.retire_below
 
     wait_for(lambda: client.run(view_of_b, workers=[a])[a] == 3, what="A to learn B's update")

@@ -233,7 +233,7 @@ def main() -> None:
     try:
         from cuda.core import Device
 
-        from dask_gpupool._topology import local_devices
+        from dask_gpupool.memory.topology import local_devices
 
         if not local_devices().uuids:
             raise RuntimeError("no GPU visible")

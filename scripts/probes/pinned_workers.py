@@ -15,7 +15,7 @@ def main() -> None:
     from distributed import Client, Nanny, Scheduler, SpecCluster
 
     from dask_gpupool import GPUPool, pools
-    from dask_gpupool import _testing as T
+    from dask_gpupool import testing as T
 
     env = {"CUDA_VISIBLE_DEVICES": "0", "PYTHONFAULTHANDLER": "1"}
     specs = {f"w{i}": {"cls": Nanny, "options": {"nthreads": 1, "env": env}} for i in range(2)}

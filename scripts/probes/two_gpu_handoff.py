@@ -34,7 +34,7 @@ def patch_imports(mode: str) -> None:
     or re-grant access to the own GPU after each import ("regrant")."""
     from cuda.bindings import driver
 
-    from dask_gpupool import _mapping
+    from dask_gpupool.handoff import importer as _mapping
 
     orig = _mapping.MappedPool.import_buffer
     log = logging.getLogger("dask_gpupool.probe")
@@ -68,7 +68,7 @@ def exporter_grants_peers(dask_worker: Any) -> str:
     """Worker: grant every other visible GPU access to this worker's own pool (in the owner's process)."""
     from cuda.core import system
 
-    from dask_gpupool._worker_plugin import service_of
+    from dask_gpupool.dask.worker_plugin import service_of
 
     pool = service_of(dask_worker).pool
     others = {i for i in range(system.get_num_devices()) if i != pool.device}
@@ -102,7 +102,7 @@ def variant(
     from distributed import Client, Nanny, Scheduler, SpecCluster
 
     from dask_gpupool import GPUPool, stats
-    from dask_gpupool import _testing as T
+    from dask_gpupool import testing as T
 
     envs = [{"CUDA_VISIBLE_DEVICES": "0,1", **(env or {})}, {"CUDA_VISIBLE_DEVICES": "1,0", **(env or {})}]
     workers = {

@@ -1,0 +1,317 @@
+"""Configuration: the ``gpupool`` namespace of ``dask.config``, read here only.
+
+Defaults live in ``gpupool.yaml`` and each key is documented in
+``gpupool-schema.yaml`` beside this module. :meth:`PoolOptions.from_config`
+is the one place that reads and checks them; everything else receives a
+:class:`PoolOptions`.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+from dataclasses import dataclass
+from typing import Any, Literal, cast
+
+import dask.config
+import yaml
+from dask.utils import parse_bytes, parse_timedelta
+
+from dask_gpupool.errors import ConfigError
+
+__all__ = ["KINDS", "PoolKind", "PoolOptions", "Size"]
+
+PoolKind = Literal["auto", "device", "pinned", "host"]
+KINDS: tuple[PoolKind, ...] = ("auto", "device", "pinned", "host")
+
+_HERE = pathlib.Path(__file__).parent
+with open(_HERE / "gpupool.yaml") as _f:
+    _defaults = yaml.safe_load(_f)
+dask.config.update_defaults(_defaults)
+
+
+@dataclass(frozen=True)
+class Size:
+    """A pool size: either absolute bytes or a share of some capacity.
+
+    Attributes
+    ----------
+    nbytes : int or None
+        Absolute size in bytes.
+    fraction : float or None
+        Share in (0, 1] of the memory behind the pool, resolved by
+        :meth:`resolve` once the capacity is known.
+    """
+
+    nbytes: int | None = None
+    fraction: float | None = None
+
+    @classmethod
+    def parse(cls, value: object, key: str = "gpupool.max-size") -> Size:
+        """Parse ``8589934592``, ``"8 GiB"``, ``"50%"`` or ``0.5``."""
+        valid = 'bytes (8589934592 or "8 GiB") or a share ("50%" or 0.5)'
+        if isinstance(value, bool) or value is None:
+            raise ConfigError(f"{key}={value!r} is not a size; use {valid}")
+        if isinstance(value, int):
+            if value <= 0:
+                raise ConfigError(f"{key}={value!r} must be positive; use {valid}")
+            return cls(nbytes=value)
+        if isinstance(value, float):
+            if not (0.0 < value <= 1.0) or math.isnan(value):
+                raise ConfigError(f"{key}={value!r}: a share must be in (0, 1]; use {valid}")
+            return cls(fraction=value)
+        if isinstance(value, str):
+            text = value.strip()
+            if text.endswith("%"):
+                try:
+                    share = float(text[:-1]) / 100.0
+                except ValueError:
+                    raise ConfigError(f"{key}={value!r} is not a size; use {valid}") from None
+                return cls.parse(share, key)
+            try:
+                nbytes = parse_bytes(text)
+            except (ValueError, TypeError):
+                raise ConfigError(f"{key}={value!r} is not a size; use {valid}") from None
+            return cls.parse(int(nbytes), key)
+        raise ConfigError(f"{key}={value!r} is not a size; use {valid}")
+
+    def resolve(self, capacity: int, what: str, key: str = "gpupool.max-size") -> int:
+        """Bytes for a pool backed by ``capacity`` bytes of ``what``.
+
+        Raises
+        ------
+        ConfigError
+            If an absolute size exceeds ``capacity``.
+        """
+        if self.fraction is not None:
+            return max(1, int(capacity * self.fraction))
+        assert self.nbytes is not None
+        if self.nbytes > capacity:
+            raise ConfigError(
+                f"{key}={self.nbytes} bytes exceeds the {capacity} bytes of {what}; "
+                f'use at most {capacity} bytes or a share such as "50%"'
+            )
+        return self.nbytes
+
+    def __str__(self) -> str:
+        if self.fraction is not None:
+            return f"{self.fraction:.0%}"
+        return f"{self.nbytes} bytes"
+
+
+@dataclass(frozen=True)
+class PoolOptions:
+    """Every option of a worker's pool, parsed and checked.
+
+    Attributes
+    ----------
+    kind : {"auto", "device", "pinned", "host"}
+        Requested pool kind; ``auto`` is resolved when the pool is made.
+    device : int or str
+        GPU ordinal in this process's ``CUDA_VISIBLE_DEVICES``, or a device UUID.
+    max_size : Size
+        Upper bound of the pool.
+    host_id : str or None
+        Host identity override; ``None`` means hostname + kernel boot id.
+    broker_dir : str or None
+        Parent directory of the broker's private directory.
+    broker_timeout : float
+        Seconds a broker waits for a request, and a client for a reply.
+    lease_timeout : float
+        Seconds after which a lease still unclaimed is logged, and for which a
+        peer whose transfer failed gets copies (no timer ends a lease).
+    cupy_allocator : bool
+        Route CuPy's allocations on the worker through its ``device`` or
+        ``pinned`` pool, so that plain CuPy results hand over zero-copy.
+    segment_size : int
+        ``device`` pools: bytes of the segments buffers are placed in, which
+        peers map once (:mod:`dask_gpupool.memory.segments`); 0 turns segments off
+        (each buffer is its own CUDA allocation, imported anew by each peer).
+    suballocator : {"auto", "rmm", "arena"}
+        What places buffers inside segments: RMM's pool (``auto`` when RMM is
+        installed) or the in-tree arena.
+    segment_memory : {"auto", "vmm", "pool"}
+        ``device`` pools: what segments are made of. ``vmm``: CUDA virtual
+        memory exported as POSIX fds, whose memory outlives its maker for the
+        peers that map it (:mod:`dask_gpupool.memory.vmm`); ``pool``: allocations of
+        the IPC-enabled pool, which a peer on another GPU can no longer read
+        once their owner's process died. ``auto``: ``vmm`` when the GPU
+        supports it.
+    import_limit : int
+        ``device`` pools: the largest CUDA allocation (a buffer, or the
+        segment it lies in) handed over zero-copy; larger ones are copied
+        (fallback ``too-large``). 0: no limit.
+    ucx_handoff_threshold : int
+        Smallest value handed over zero-copy to a same-host worker on UCX
+        comms; smaller pool memory goes as device frames, which UCX moves
+        faster than a handoff's round trips. 0: every value is handed over.
+    copy_chunk_size : int
+        Chunk of the pipelined copy path (:mod:`dask_gpupool.transport.stream`); 0 sends
+        every copy in Dask's frames.
+    copy_stream_threshold : int
+        Smallest copy sent over the pipelined copy path; smaller ones travel
+        in Dask's frames.
+    copy_streams : int
+        Connections (lanes) one copy is pulled over, each with its own
+        staging and CUDA stream; at most 16.
+    peer_gpu_handoff : bool
+        Hand ``device`` buffers over zero-copy to workers on other GPUs too:
+        the pool grants those GPUs access when it is made. Only VMM segments
+        go (``segment_memory``): pool memory imported on another GPU breaks
+        the importer's CUDA context once its owner dies, and buffers imported
+        one by one broke it under stress (docs/gpu-checks.md). ``auto`` (the
+        default) means on with segments; :class:`~dask_gpupool.memory.pool.Pool`
+        turns it off when the GPU cannot make VMM segments. Off, such
+        transfers get copies, counted as fallback ``other-gpu``.
+    """
+
+    kind: PoolKind = "auto"
+    device: int | str = 0
+    max_size: Size = Size(fraction=0.5)
+    host_id: str | None = None
+    broker_dir: str | None = None
+    broker_timeout: float = 10.0
+    lease_timeout: float = 60.0
+    peer_gpu_handoff: bool = True
+    segment_size: int = 1 << 30
+    suballocator: str = "auto"
+    segment_memory: str = "auto"
+    import_limit: int = 5 << 30
+    cupy_allocator: bool = False
+    ucx_handoff_threshold: int = 0
+    copy_chunk_size: int = 16 << 20
+    copy_stream_threshold: int = 4 << 20
+    copy_streams: int = 4
+
+    @classmethod
+    def from_config(cls, **overrides: Any) -> PoolOptions:
+        """Read ``dask.config["gpupool"]``, apply non-``None`` overrides, check all.
+
+        Override names are the keys with ``_`` for ``-`` (``max_size=...``).
+
+        Raises
+        ------
+        ConfigError
+            Naming the key, the bad value and the valid values.
+        """
+        # Dask treats "_" and "-" in keys alike (DASK_GPUPOOL__MAX_SIZE sets gpupool.max_size): so do we.
+        raw: dict[str, Any] = {
+            str(k).replace("_", "-"): v for k, v in (dask.config.get("gpupool", default={}) or {}).items()
+        }
+        unknown = set(raw) - {f.replace("_", "-") for f in cls.__dataclass_fields__}
+        if unknown:
+            raise ConfigError(
+                f"unknown option(s) {sorted('gpupool.' + k for k in unknown)}; valid: "
+                f"{sorted('gpupool.' + f.replace('_', '-') for f in cls.__dataclass_fields__)}"
+            )
+        for name, value in overrides.items():
+            if name not in cls.__dataclass_fields__:
+                raise ConfigError(f"unknown option {name!r}; valid: {sorted(cls.__dataclass_fields__)}")
+            if value is not None:
+                raw[name.replace("_", "-")] = value
+        segment_size = _parse_nbytes(raw.get("segment-size", "1 GiB"), "gpupool.segment-size")
+        peer = raw.get("peer-gpu-handoff", "auto")
+        peer_gpu_handoff = segment_size > 0 if peer == "auto" else _parse_bool(peer, "gpupool.peer-gpu-handoff")
+        suballocator = raw.get("suballocator", "auto")
+        if suballocator not in ("auto", "rmm", "arena"):
+            raise ConfigError(f"gpupool.suballocator={suballocator!r} is not a suballocator; valid: auto, rmm, arena")
+        segment_memory = raw.get("segment-memory", "auto")
+        if segment_memory not in ("auto", "vmm", "pool"):
+            raise ConfigError(f"gpupool.segment-memory={segment_memory!r} is not valid; valid: auto, vmm, pool")
+        if peer_gpu_handoff and peer != "auto" and (segment_memory == "pool" or not segment_size):
+            raise ConfigError(
+                "gpupool.peer-gpu-handoff=true needs segments of VMM memory (gpupool.segment-size > 0 and "
+                f"gpupool.segment-memory auto or vmm; got {segment_size} and {segment_memory!r}): pool memory "
+                "read from another GPU breaks the reader's CUDA context once its owner's process dies"
+            )
+        if peer == "auto" and segment_memory == "pool":
+            peer_gpu_handoff = False
+        import_limit = _parse_nbytes(raw.get("import-limit", "5 GiB"), "gpupool.import-limit")
+        if import_limit and segment_size > import_limit:
+            segment_size = import_limit  # a larger segment could not be mapped by any peer
+        return cls(
+            kind=_parse_kind(raw.get("kind", "auto")),
+            device=_parse_device(raw.get("device", 0)),
+            max_size=Size.parse(raw.get("max-size", "50%")),
+            host_id=_parse_optional_str(raw.get("host-id"), "gpupool.host-id"),
+            broker_dir=_parse_optional_str(raw.get("broker-dir"), "gpupool.broker-dir"),
+            broker_timeout=_parse_timeout(raw.get("broker-timeout", "10s"), "gpupool.broker-timeout"),
+            lease_timeout=_parse_timeout(raw.get("lease-timeout", "60s"), "gpupool.lease-timeout"),
+            peer_gpu_handoff=peer_gpu_handoff,
+            segment_size=segment_size,
+            suballocator=suballocator,
+            segment_memory=segment_memory,
+            import_limit=import_limit,
+            cupy_allocator=_parse_bool(raw.get("cupy-allocator", False), "gpupool.cupy-allocator"),
+            ucx_handoff_threshold=_parse_nbytes(raw.get("ucx-handoff-threshold", 0), "gpupool.ucx-handoff-threshold"),
+            copy_chunk_size=_parse_nbytes(raw.get("copy-chunk-size", "16 MiB"), "gpupool.copy-chunk-size"),
+            copy_stream_threshold=_parse_nbytes(
+                raw.get("copy-stream-threshold", "4 MiB"), "gpupool.copy-stream-threshold"
+            ),
+            copy_streams=_parse_count(raw.get("copy-streams", 4), "gpupool.copy-streams", 1, 16),
+        )
+
+
+def _parse_bool(value: object, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "yes", "no", "1", "0"):
+        return value.strip().lower() in ("true", "yes", "1")
+    raise ConfigError(f"{key}={value!r} is not a boolean; valid: true or false")
+
+
+def _parse_kind(value: object) -> PoolKind:
+    if value not in KINDS:
+        raise ConfigError(f"gpupool.kind={value!r} is not a pool kind; valid: {', '.join(KINDS)}")
+    return cast(PoolKind, value)
+
+
+def _parse_device(value: object) -> int | str:
+    if isinstance(value, bool):
+        value = None
+    if isinstance(value, int) and value >= 0:
+        return value
+    if isinstance(value, str) and value.strip():
+        text = value.strip()
+        return int(text) if text.isdigit() else text
+    raise ConfigError(f"gpupool.device={value!r} is not a device; valid: an ordinal >= 0 or a device UUID ('GPU-...')")
+
+
+def _parse_optional_str(value: object, key: str) -> str | None:
+    if value is None or (isinstance(value, str) and value):
+        return value
+    raise ConfigError(f"{key}={value!r} must be a non-empty string or null")
+
+
+def _parse_nbytes(value: object, key: str) -> int:
+    nbytes: int | None = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        nbytes = value
+    elif isinstance(value, str):
+        try:
+            nbytes = int(parse_bytes(value))
+        except (ValueError, TypeError):
+            nbytes = None
+    if nbytes is None or nbytes < 0:
+        raise ConfigError(f"{key}={value!r} is not a size; valid: '1 GiB', '256MiB', bytes, or 0 for off")
+    return nbytes
+
+
+def _parse_count(value: object, key: str, low: int, high: int) -> int:
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ConfigError(f"{key}={value!r} is not a count; valid: an integer from {low} to {high}")
+    return value
+
+
+def _parse_timeout(value: object, key: str) -> float:
+    seconds: float | None = None
+    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        try:
+            seconds = parse_timedelta(value, default="s")
+        except (ValueError, TypeError, KeyError):
+            seconds = None
+    if seconds is None or seconds <= 0:
+        raise ConfigError(f"{key}={value!r} is not a positive duration; valid: '10s', '500ms' or seconds")
+    return float(seconds)

@@ -1,0 +1,217 @@
+"""Public functions: allocate inside a task, read the registry and pool stats from a client."""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any
+
+from dask_gpupool.core import UPDATE_OP
+from dask_gpupool.dask.worker_plugin import service_of
+from dask_gpupool.errors import PoolUnavailableError
+from dask_gpupool.wire.messages import PoolRecord
+
+if TYPE_CHECKING:
+    from cuda.core import Buffer
+    from distributed import Client, Worker
+
+    from dask_gpupool.handoff.service import PoolService
+
+__all__ = ["allocate", "current_service", "pool_stats", "pools", "stats", "to_pool", "trim"]
+
+
+def current_service() -> PoolService:
+    """The pool service of the worker running the current task.
+
+    Raises
+    ------
+    PoolUnavailableError
+        Outside a task, or on a worker without the gpupool plugin.
+    """
+    from distributed import get_worker
+
+    try:
+        worker = get_worker()
+    except ValueError:
+        raise PoolUnavailableError("not running on a Dask worker; allocate() is for tasks") from None
+    return service_of(worker)
+
+
+def allocate(nbytes: int, stream: Any = None) -> Buffer:
+    """Allocate ``nbytes`` from the current worker's pool. Call inside a task.
+
+    Parameters
+    ----------
+    nbytes : int
+        Size of the buffer.
+    stream : cuda.core.Stream, optional
+        Stream the allocation is ordered on (CUDA kinds); default: the
+        device's default stream.
+
+    Returns
+    -------
+    cuda.core.Buffer
+        Owned by the caller; the memory goes back to the pool when the buffer
+        is closed or garbage-collected. ``device`` pools give GPU memory,
+        ``pinned`` and ``host`` pools give host memory.
+
+    Raises
+    ------
+    PoolUnavailableError
+        Outside a task on a worker that runs the plugin.
+    PoolExhaustedError
+        When the pool cannot hold ``nbytes`` more.
+    """
+    return current_service().allocate(nbytes, stream)
+
+
+def to_pool(array: Any) -> Any:
+    """A copy of a NumPy or CuPy ``array`` in the current worker's pool, so that it hands over zero-copy.
+
+    For a task that got its result from a library that allocates on its own
+    (``dask.array`` chunks, CuPy's or NumPy's functions): returning
+    ``to_pool(result)`` costs one copy here, on the producer, and saves the
+    copies of every same-host transfer after it. An array in this worker's
+    pool already, and any array outside a worker with a pool (plain Dask, or
+    the plugin not registered), is returned as it is.
+
+    Returns
+    -------
+    cupy.ndarray or numpy.ndarray
+        Same type, shape, dtype and values (C order), over a pool buffer;
+        or ``array``.
+
+    Raises
+    ------
+    PoolExhaustedError
+        When the pool cannot hold the copy.
+    TypeError
+        For anything but a NumPy or CuPy array.
+    """
+    from dask_gpupool.dask.serializers import as_array, pool_buffer_of
+
+    module = type(array).__module__.split(".", 1)[0]
+    if module not in ("numpy", "cupy"):
+        raise TypeError(f"to_pool takes a NumPy or CuPy array, not {type(array).__module__}.{type(array).__qualname__}")
+    try:
+        service = current_service()
+    except PoolUnavailableError:
+        return array
+    held = pool_buffer_of(array)
+    if held is not None and service.pool.owns(held):
+        return array  # in this worker's pool already
+    buf = service.allocate(max(int(array.nbytes), 1))
+    if module == "cupy" and not buf.is_device_accessible:  # a host pool on a GPU worker: leave it on the GPU
+        buf.close()
+        return array
+    out = as_array(buf, tuple(array.shape), array.dtype, like=module)
+    out[...] = array
+    return out
+
+
+def pools(client: Client) -> list[PoolRecord]:
+    """The scheduler's registry: one :class:`PoolRecord` per pool.
+
+    Raises
+    ------
+    PoolUnavailableError
+        If the scheduler has no gpupool plugin.
+    """
+    assert client.scheduler is not None, "the client is not connected"
+    rows = client.sync(client.scheduler.gpupool_pools)
+    if rows is None:  # Dask answers an unknown handler with None (and logs it)
+        raise PoolUnavailableError("the scheduler has no gpupool registry; register dask_gpupool.GPUPool() first")
+    return [PoolRecord.from_msg(r) for r in rows]
+
+
+def _worker_pool_stats(dask_worker: Worker) -> dict[str, Any]:
+    service = service_of(dask_worker)
+    return {
+        "pool": service.pool.uuid,
+        "kind": service.pool.kind,
+        **service.stats().to_msg(),
+        "mapped_pools": len(service.mapped),
+    }
+
+
+def _per_worker(client: Client, fn: Any) -> dict[str, dict[str, Any]]:
+    """``client.run(fn)``; a worker where it fails (no pool: its set-up failed) gets ``{"error": text}``."""
+    results = client.run(fn, on_error="return")
+    return {w: {"error": f"{type(r).__name__}: {r}"} if isinstance(r, BaseException) else r for w, r in results.items()}
+
+
+def pool_stats(client: Client) -> dict[str, dict[str, Any]]:
+    """Per worker: its pool's used and reserved bytes (now and high-water) and mapped peer pools.
+
+    A worker without a pool (its set-up failed) is listed as ``{"error": why}``.
+    """
+    return _per_worker(client, _worker_pool_stats)
+
+
+def _worker_handoff_stats(dask_worker: Worker) -> dict[str, Any]:
+    return service_of(dask_worker).handoff_stats()
+
+
+def stats(client: Client) -> dict[str, dict[str, Any]]:
+    """Per worker: its handoff counters.
+
+    Returns
+    -------
+    dict
+        ``{worker address: counters}`` with ``exports`` and ``imports``
+        (buffers handed over / mapped), ``leases`` and ``lease_bytes`` (live
+        leases this worker granted and the bytes they keep alive),
+        ``leases_unclaimed`` (granted, not claimed yet), ``leases_abandoned``
+        (ended unclaimed: their transfer failed), ``imports_held`` (peers'
+        leases this worker holds), ``resyncs`` (links opened again after one
+        broke), ``zero_copy_bytes`` and ``copied_bytes`` (bytes this
+        worker received by mapping / as host copies), ``copied_out_bytes``
+        (bytes it sent as host copies), ``fallbacks`` (same-host transfers that
+        were copied, by reason), ``mapped_pools`` and ``links``. A worker
+        without a pool (its set-up failed) is listed as ``{"error": why}``.
+    """
+    return _per_worker(client, _worker_handoff_stats)
+
+
+async def _worker_trim(dask_worker: Worker) -> dict[str, int]:
+    service = service_of(dask_worker)
+    row = service.retire_segments()
+    if row is not None:
+        # Over this worker's own stream (the scheduler takes row changes only from their worker): peers learn
+        # retire_below from the update the scheduler then pushes.
+        dask_worker.batched_stream.send({"op": UPDATE_OP, "record": row.to_msg()})
+    counters = service.handoff_stats()
+    staging = 0
+    if "dask_gpupool.memory.ucx_staging" in sys.modules:  # loaded only once a value went to UCX as device frames
+        staging = sys.modules["dask_gpupool.memory.ucx_staging"].free_kept()
+    return {
+        "retire_below": 0 if row is None else row.retire_below,
+        "ucx_staging_freed": staging,
+        "segments": counters["segments"],
+        "segments_retiring": counters["segments_retiring"],
+        "reserved": service.stats().reserved,
+    }
+
+
+def trim(client: Client) -> dict[str, dict[str, int]]:
+    """Give pool memory back, on every worker.
+
+    ``device`` pools retire their segments. Retired segments take no new
+    buffers. Each is freed once no buffer lives in it and every peer that
+    mapped it has unmapped it, which peers do as soon as none of their
+    imports from it is alive (the retire protocol,
+    :mod:`dask_gpupool.memory.segments`). New buffers go to new segments. ``host``
+    pools give every free page back to the OS at once (large buffers' pages
+    go back when they are freed anyway). ``pinned`` pools and ``device``
+    pools without segments are left as they are. Device memory kept for
+    sending pool memory over UCX (:mod:`dask_gpupool.memory.ucx_staging`) is freed.
+
+    Returns
+    -------
+    dict
+        ``{worker address: counters}`` right after the call: ``retire_below``
+        (segment ids below it are retired; 0 without segments), ``segments``
+        and ``segments_retiring`` (held, and retired but not freed yet), and
+        ``reserved`` (bytes the pool holds), ``ucx_staging_freed`` (bytes of
+        kept UCX staging memory freed).
+    """
+    return client.run(_worker_trim)

@@ -1,0 +1,58 @@
+"""``--preload dask_gpupool`` for ``dask scheduler`` and ``dask worker``.
+
+Scheduler: installs :class:`~dask_gpupool.GPUPool`, exactly as
+``client.register_plugin`` would. Worker: asks its scheduler to install
+``GPUPool`` if it has none yet (idempotent), and receives the worker plugin
+from the scheduler like every other worker; so a cluster whose workers alone
+preload dask_gpupool ends up the same. Options come from the preload's
+arguments (``--gpupool-<key> VALUE`` after ``--preload dask_gpupool``, one
+per ``gpupool.*`` key) or from dask config.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+import dask
+from distributed import Scheduler, Worker
+from distributed.protocol.pickle import dumps
+
+from dask_gpupool.config import KINDS, PoolOptions
+from dask_gpupool.dask.scheduler_plugin import GPUPool
+from dask_gpupool.dask.worker_plugin import PLUGIN_NAME
+
+__all__ = ["dask_setup"]
+
+
+def _with_every_option(command: Any) -> Any:
+    """Add ``--gpupool-<key>`` for every ``gpupool.*`` option (the values are checked by :class:`GPUPool`)."""
+    for name in reversed(list(PoolOptions.__dataclass_fields__)):
+        key = name.replace("_", "-")
+        kind: Any = click.Choice(KINDS) if name == "kind" else None
+        command = click.option(f"--gpupool-{key}", name, type=kind, default=None, help=f"gpupool.{key}")(command)
+    return command
+
+
+@click.command(name="dask_gpupool")
+@_with_every_option
+async def dask_setup(dask_object: Scheduler | Worker, **options: Any) -> None:
+    """Install dask_gpupool (``--preload dask_gpupool``); options as ``--gpupool-<key> VALUE`` arguments.
+
+    On a worker, the options (arguments over the worker's dask config) are
+    checked here, before the worker starts, and become that worker's dask
+    config. A bad value raises :class:`~dask_gpupool.ConfigError` naming the
+    key; distributed logs it and starts the worker anyway, and the worker
+    then joins without a pool, reported as such by ``stats()``, ``info`` and
+    the ``/gpupool`` page.
+    """
+    options = {k: v for k, v in options.items() if v is not None}
+    plugin = GPUPool(**options)  # checks every value, with this process's dask config
+    if not isinstance(dask_object, Scheduler) and options:
+        # This worker's own config from now on: its plugin reads the options the scheduler's GPUPool
+        # does not set from here, whichever process registered GPUPool first.
+        dask.config.set({f"gpupool.{k.replace('_', '-')}": v for k, v in options.items()})
+    if isinstance(dask_object, Scheduler):
+        await dask_object.register_scheduler_plugin(plugin, name=PLUGIN_NAME, idempotent=True)
+    else:
+        await dask_object.scheduler.register_scheduler_plugin(plugin=dumps(plugin), name=PLUGIN_NAME, idempotent=True)

@@ -1,0 +1,294 @@
+"""The worker plugin: a thin adapter that gives a worker its :class:`PoolService`.
+
+Installed by the scheduler plugin (:class:`~dask_gpupool.GPUPool`) on every
+worker, present and future. On setup it makes the pool and broker, wraps the
+worker's ``get_data`` handler so that the serializers know which worker asked
+(:func:`~dask_gpupool.dask.serializers.install_get_data_hook`) and registers the
+pool over the worker's own batched stream (:mod:`dask_gpupool.core`).
+Teardown undoes all of it.
+
+The registration handshake, all on the worker's stream, in order:
+
+1. ``gpupool-register`` (this worker's row) goes to the scheduler at the end
+   of setup. Setup does not wait for the answer: a worker joining a running
+   cluster sets its plugins up before it reads its stream.
+2. ``gpupool-membership`` comes back (:meth:`GPUPoolWorkerPlugin._on_membership`,
+   event loop): the broker, copy server and links take the token at once, and
+   ``gpupool-joined`` goes back. Until then the broker refuses everyone.
+3. The scheduler publishes the row; peers learn it from ``gpupool-registry``.
+   This worker applies its snapshot and the updates it held only when its own
+   row comes back that way (:meth:`GPUPoolWorkerPlugin._on_registry_update`).
+   Until then its registry view is empty, so it hands its peers copies only;
+   and peers, which learn its row only from that publication, hand it
+   nothing zero-copy before it holds the token and the registry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
+
+from distributed import WorkerPlugin
+from distributed.core import Status
+from tornado.ioloop import PeriodicCallback
+
+from dask_gpupool.config import PoolOptions
+from dask_gpupool.core import JOINED_OP, MEMBERSHIP_OP, PLUGIN_NAME, REGISTER_OP, REGISTRY_OP, UNREGISTER_OP
+from dask_gpupool.dask.serializers import install_get_data_hook
+from dask_gpupool.errors import PoolUnavailableError, ProtocolError
+from dask_gpupool.handoff.service import PoolService
+from dask_gpupool.memory.host import peer_resident_bytes
+from dask_gpupool.ops import metrics as _metrics
+from dask_gpupool.ops.dashboard import STATS_INTERVAL, STATS_OP
+from dask_gpupool.wire.messages import Membership, RegistryUpdate
+
+if TYPE_CHECKING:
+    from distributed import Worker
+
+__all__ = ["PLUGIN_NAME", "GPUPoolWorkerPlugin", "service_of"]
+
+logger = logging.getLogger(__name__)
+
+
+class GPUPoolWorkerPlugin(WorkerPlugin):
+    """Worker twin of :class:`~dask_gpupool.GPUPool`; not meant to be registered by hand.
+
+    Parameters
+    ----------
+    overrides : dict
+        Options given to ``GPUPool(...)``; every option left out is read from
+        the worker's own ``dask.config`` at setup.
+    """
+
+    name = PLUGIN_NAME
+    overrides: dict[str, Any]
+    service: PoolService | None
+    #: Why :meth:`setup` failed (``"ConfigError: ..."``), or ``None``.
+    failure: str | None
+    _worker: Worker | None
+    _held: list[RegistryUpdate] | None
+    _get_data: Any
+    _push: PeriodicCallback | None
+    _cupy_previous: Any
+
+    def __init__(self, overrides: dict[str, Any] | None = None) -> None:
+        self.overrides = dict(overrides or {})
+        self.service = None
+        self.failure = None
+        self._worker = None
+        self._held = None  # registry updates held until this worker's own row is published
+        self._get_data = None
+        self._push = None
+        self._cupy_previous = None
+
+    async def setup(self, worker: Worker) -> None:
+        """Make the pool and join the registry; on failure, remember why (see :func:`service_of`) and raise."""
+        try:
+            await self._setup(worker)
+        except BaseException as e:
+            self.failure = f"{type(e).__name__}: {e}"
+            # Dask logs the exception with its traceback; the failure is also what stats(), info and
+            # the /gpupool page show for this worker, so the rest of the cluster can still be asked.
+            stream = getattr(worker, "batched_stream", None)
+            if stream is not None and not stream.closed():
+                with contextlib.suppress(Exception):
+                    stream.send({"op": STATS_OP, "stats": {"error": self.failure}})
+            raise
+
+    async def _setup(self, worker: Worker) -> None:
+        options = PoolOptions.from_config(**self.overrides)
+        service = PoolService.start(options, worker.address)
+        service.name = str(worker.name)
+        try:
+            # An op the scheduler does not know would end this worker's stream: ask first, read-only.
+            if await worker.scheduler.gpupool_pools() is None:  # Dask answers an unknown handler with None
+                raise PoolUnavailableError(
+                    f"pool {service.pool.uuid}: the scheduler has no gpupool registry; "
+                    "register dask_gpupool.GPUPool() or preload dask_gpupool on the scheduler"
+                )
+        except BaseException:
+            service.close()
+            raise
+        self._worker = worker
+        self._held = []
+        worker.stream_handlers[REGISTRY_OP] = self._on_registry_update
+        worker.stream_handlers[MEMBERSHIP_OP] = self._on_membership
+        self._get_data = install_get_data_hook(worker, service)
+        _count_own_memory_only(worker)
+        self.service = service
+        gpu_pool = service.pool.kind in ("device", "pinned")
+        if gpu_pool and importlib.util.find_spec("cupy") is not None:
+            # CuPy's serializers at setup rather than lazily inside Dask's first dispatch: a dask-cuda
+            # worker was seen with no CuPy deserializer after the lazy path (docs/gpu-checks.md).
+            from dask_gpupool.dask.serializers import register_cupy
+
+            try:
+                register_cupy()
+            except Exception:  # the lazy registration retries on the first CuPy array
+                logger.warning("gpupool: registering CuPy's serializers failed; retried on first use", exc_info=True)
+        if gpu_pool and options.cupy_allocator:
+            from dask_gpupool.dask import cupy_routing as _cupy
+
+            self._cupy_previous = _cupy.install(service)
+        _metrics.register()  # on the worker's /metrics (when prometheus_client is installed)
+        self._push = PeriodicCallback(lambda: self._push_stats(worker), STATS_INTERVAL * 1000)
+        self._push.start()
+        self._push_stats(worker)
+        # Last, with nothing after it that can fail: the answer arrives on this stream (_on_membership).
+        worker.batched_stream.send({"op": REGISTER_OP, "record": service.record.to_msg()})
+
+    def _push_stats(self, worker: Worker) -> None:
+        """Send this worker's pool and handoff stats to the scheduler (the /gpupool page)."""
+        service = self.service
+        stream = getattr(worker, "batched_stream", None)
+        if service is None or service.closed or stream is None or stream.closed():
+            return
+        try:
+            stats = {**service.handoff_stats(), **service.stats().to_msg()}
+            stream.send({"op": STATS_OP, "stats": stats})
+        except Exception:  # a closing stream; the next push or the teardown settles it
+            logger.debug("gpupool: stats push failed", exc_info=True)
+
+    def _on_membership(self, **msg: Any) -> None:
+        """The scheduler's answer to this worker's registration (its stream; event loop).
+
+        The token goes to the broker, copy server and links at once (peers
+        may connect as soon as the row is published); the registry snapshot
+        is held until this worker's own row comes back published
+        (:meth:`_on_registry_update`). Then ``gpupool-joined`` tells the
+        scheduler to publish the row. A malformed message is logged, not
+        raised: an exception here would end the worker's stream.
+        """
+        service, worker = self.service, self._worker
+        if service is None or service.closed or worker is None:
+            return
+        try:
+            membership = Membership.from_msg(msg)
+        except ProtocolError:
+            logger.error("pool %s: malformed membership from the scheduler", service.pool.uuid, exc_info=True)
+            return
+        service.join(Membership(RegistryUpdate(0), membership.token))
+        self._hold([membership.snapshot])
+        worker.batched_stream.send({"op": JOINED_OP, "pool": service.pool.uuid})
+
+    def _on_registry_update(self, **msg: Any) -> None:
+        """A registry change pushed by the scheduler (this worker's stream; event loop); a malformed one is logged."""
+        service = self.service
+        if service is None:
+            return
+        try:
+            update = RegistryUpdate.from_msg(msg)
+        except ProtocolError:
+            logger.error("pool %s: malformed registry update from the scheduler", service.pool.uuid, exc_info=True)
+            return
+        self._hold([update])
+
+    def _hold(self, updates: list[RegistryUpdate]) -> None:
+        """Apply ``updates``, or hold them while this worker's own row is not published yet.
+
+        Held updates are applied together, in arrival order (the view sorts
+        out their versions), with the one that publishes this worker's row.
+        """
+        service = self.service
+        if service is None:
+            return
+        if self._held is not None:
+            self._held.extend(updates)
+            if not any(r.pool == service.pool.uuid for u in updates if not u.snapshot for r in u.added):
+                return
+            updates, self._held = self._held, None
+        for update in updates:
+            service.apply_registry(update)
+
+    async def teardown(self, worker: Worker) -> None:
+        if self._cupy_previous is not None:
+            from dask_gpupool.dask import cupy_routing as _cupy
+
+            _cupy.uninstall(self._cupy_previous)
+            self._cupy_previous = None
+        if self._push is not None:
+            self._push.stop()
+            self._push = None
+        for op, handler in ((REGISTRY_OP, self._on_registry_update), (MEMBERSHIP_OP, self._on_membership)):
+            if worker.stream_handlers.get(op) == handler:
+                # Not deleted: a message already in flight would hit an unknown op, and an
+                # unknown op ends the worker's whole scheduler stream. Late messages are dropped.
+                worker.stream_handlers[op] = _drop_update
+        _count_own_memory_only(worker, undo=True)
+        original = self._get_data
+        self._get_data = None
+        if callable(original) and getattr(worker.handlers.get("get_data"), "__wrapped__", None) is original:
+            worker.handlers["get_data"] = cast("Callable[..., Any]", original)
+        service, self.service = self.service, None
+        self._worker, self._held = None, None
+        if service is None:
+            return
+        stream = getattr(worker, "batched_stream", None)
+        if worker.status == Status.running and stream is not None and not stream.closed():
+            # The plugin goes while the worker stays: take the row out, over this worker's own stream
+            # (ahead of any later registration on it). A closing worker sends nothing; the scheduler
+            # drops its rows when it leaves.
+            with contextlib.suppress(Exception):
+                stream.send({"op": UNREGISTER_OP, "pool": service.pool.uuid})
+        service.close()
+
+
+def _drop_update(**msg: Any) -> None:
+    pass
+
+
+def _count_own_memory_only(worker: Worker, *, undo: bool = False) -> None:
+    """Make the process memory Dask reads for ``worker`` leave out the pages of peer pools it maps.
+
+    Dask samples a worker's memory with ``worker.monitor.get_process_memory()``
+    (the process's ``rss``): the figure behind the pause threshold, the spill
+    decisions on process memory, and the memory the scheduler and dashboard
+    show. The kernel counts a shared page in the ``rss`` of every process that
+    touched it, so a ``host`` pool handoff would count the producer's memory
+    twice: in the producer, which owns it, and in every consumer that read it
+    (:func:`~dask_gpupool.memory.host.peer_resident_bytes`). The wrapper
+    subtracts the latter. ``undo=True`` puts Dask's own method back.
+
+    The nanny's terminate threshold reads ``rss`` itself, in another process:
+    it still counts mapped peer pages (docs/cpu-users.md).
+    """
+    monitor = getattr(worker, "monitor", None)
+    current = getattr(monitor, "get_process_memory", None)
+    if monitor is None or current is None:
+        return
+    if undo:
+        if getattr(current, "__wrapped__", None) is not None:
+            monitor.get_process_memory = current.__wrapped__
+        return
+    if getattr(current, "__wrapped__", None) is not None:
+        return  # already wrapped
+
+    def get_process_memory() -> int:
+        return max(current() - peer_resident_bytes(), 0)
+
+    get_process_memory.__wrapped__ = current  # type: ignore[attr-defined]
+    monitor.get_process_memory = get_process_memory
+
+
+def service_of(worker: Worker) -> PoolService:
+    """The :class:`PoolService` of ``worker``.
+
+    Raises
+    ------
+    PoolUnavailableError
+        If the worker does not run the gpupool plugin.
+    """
+    plugin = worker.plugins.get(PLUGIN_NAME)
+    service = getattr(plugin, "service", None)
+    failure = getattr(plugin, "failure", None)
+    if service is None and failure is not None:
+        raise PoolUnavailableError(f"worker {worker.address} has no gpupool pool: its set-up failed: {failure}")
+    if service is None:
+        raise PoolUnavailableError(
+            f"worker {worker.address} has no gpupool pool; register dask_gpupool.GPUPool() "
+            "or start the scheduler with --preload dask_gpupool"
+        )
+    return service

@@ -1,0 +1,301 @@
+"""The exporter's side of a handoff: leases that keep exported memory alive.
+
+When a worker hands a buffer of its pool to a same-host peer as an IPC
+descriptor, it first *grants a lease*: the :class:`LeaseTable` keeps a strong
+reference to the buffer (or the array that holds it), independent of
+``worker.data``. Dask releasing the key, the Active Memory Manager dropping
+this replica, or a retire therefore cannot free memory a peer maps: the
+buffer goes back to the pool only when its lease ends.
+
+Why this is not optional: a peer that reads an allocation its owner freed
+reads whatever reuses the memory (same GPU), or kills its own CUDA context
+with ``CUDA_ERROR_CONTAINED`` (other GPU), see ``docs/reliability.md``.
+
+**A lease ends only when its importer is known to be done with it.** That is
+when
+
+- the importer releases it (a :class:`~dask_gpupool.wire.messages.LeaseRelease`
+  from that worker, after it closed its import), or leaves it out of a
+  :class:`~dask_gpupool.wire.messages.Resync` after a broken link;
+- the importer is known dead: its process exited (the broker watches it with
+  a pidfd) or it left the registry;
+- it was never claimed and the ``get_data`` reply that carried it has ended
+  (:meth:`LeaseTable.settle`): the importer sends its ``"OK"`` only after its
+  claims were acknowledged, so a lease still unclaimed then will never be
+  used; a reply that failed is never used either, because a claim that
+  arrives after the lease ended is refused and the importer never hands out
+  memory whose claim was refused.
+
+No timer ends a lease, and a broker connection closing does not either (a
+link can break while its importer lives: an exporter stalled past
+``broker-timeout``). Unclaimed leases are therefore bounded by Dask's
+in-flight ``get_data`` replies (``distributed.worker.connections.outgoing``
+per worker); ``lease-timeout`` only logs leases that stay unclaimed that long.
+
+Lease ids are random 62-bit numbers, scoped to their importer: a claim or a
+release names leases, and only those granted to the worker on the other end
+of that connection are affected.
+
+Threads: grants happen where Dask serializes (event loop or its offload
+thread), claims and releases on the broker's thread; one lock guards the
+table. Dropping the last reference frees the buffer in the calling thread,
+so :class:`LeaseTable` calls ``on_drop`` (which makes the pool's device
+current) first.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Lease", "LeaseTable"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Lease:
+    """One exported buffer, kept alive for one importer.
+
+    Attributes
+    ----------
+    id : int
+        Sent in the handoff header; positive, random.
+    holder : object
+        The strong reference: the exported Buffer or the array over it.
+    nbytes : int
+        Bytes of the buffer.
+    importer : str
+        Address of the worker it was granted to; only that worker may claim
+        or release it.
+    granted : float
+        ``time.monotonic()`` at grant.
+    claimed : bool
+        The importer acknowledged it (IPC leases over the broker; stream
+        leases once the copy server started the pull).
+    connection : int or None
+        The copy-server connection pulling a stream lease; ``None`` for IPC leases.
+    segment : int
+        Id of the segment the buffer lies in (0: none); a claim tells the
+        segment which importer maps it (:mod:`dask_gpupool.memory.segments`).
+    warned : bool
+        Logged once as unclaimed for longer than ``timeout``.
+    """
+
+    id: int
+    holder: Any = field(repr=False)
+    nbytes: int
+    importer: str
+    granted: float
+    claimed: bool = False
+    connection: int | None = None
+    segment: int = 0
+    warned: bool = False
+
+
+class LeaseTable:
+    """All live leases of one exporter.
+
+    Parameters
+    ----------
+    timeout : float
+        Seconds after which a lease still unclaimed is logged (once) by
+        :meth:`overdue`. It is not ended: see the module docstring.
+    on_drop : callable, optional
+        Called (no arguments) right before the table lets go of holders, in the
+        same thread, so that freeing GPU memory finds its device current.
+    """
+
+    timeout: float
+    granted_total: int
+    released_total: int
+    abandoned_total: int
+    _leases: dict[int, Lease]
+    _lock: threading.Lock
+    _on_drop: Callable[[], None]
+
+    def __init__(self, timeout: float, on_drop: Callable[[], None] | None = None) -> None:
+        self.timeout = timeout
+        self.granted_total = self.released_total = self.abandoned_total = 0
+        self._leases = {}
+        self._lock = threading.Lock()
+        self._on_drop = on_drop or (lambda: None)
+
+    def grant(self, holder: Any, nbytes: int, importer: str, segment: int = 0) -> int:
+        """Keep ``holder`` alive for ``importer``; return the lease id (random, positive)."""
+        with self._lock:
+            while True:
+                lease_id = secrets.randbits(62) + 1
+                if lease_id not in self._leases:
+                    break
+            self._leases[lease_id] = Lease(lease_id, holder, nbytes, importer, time.monotonic(), segment=segment)
+            self.granted_total += 1
+        return lease_id
+
+    def claim(self, lease_ids: Iterable[int], importer: str, segments: list[int] | None = None) -> list[int]:
+        """``importer`` acknowledges these leases; return the ids refused (ended, or not its own).
+
+        Claiming a lease twice is harmless. The segment ids of newly claimed
+        leases that have one are appended to ``segments``.
+        """
+        refused = []
+        with self._lock:
+            for i in lease_ids:
+                lease = self._leases.get(i)
+                if lease is None or lease.importer != importer or lease.connection is not None:
+                    refused.append(i)
+                    continue
+                if not lease.claimed:
+                    lease.claimed = True
+                    if lease.segment and segments is not None:
+                        segments.append(lease.segment)
+        return refused
+
+    def claim_stream(self, lease_id: int, connection: int) -> bool:
+        """Tie an unclaimed stream lease to the copy-server connection pulling it; whether it was free."""
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            if lease is None or lease.claimed:
+                return False
+            lease.claimed, lease.connection = True, connection
+            return True
+
+    def holder(self, lease_id: int) -> Any | None:
+        """The object a live lease keeps alive, or ``None``."""
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            return None if lease is None else lease.holder
+
+    def holder_for(self, lease_id: int, importer: str) -> Any | None:
+        """The object a live lease of ``importer`` keeps alive, or ``None`` (the broker's copy fallback)."""
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            return None if lease is None or lease.importer != importer else lease.holder
+
+    def release(self, lease_ids: Iterable[int], importer: str | None = None) -> int:
+        """End these leases; return how many ended.
+
+        With ``importer`` (a release that came from a peer), only that
+        worker's leases end: an importer releases its own imports, never
+        another's. Unknown ids are ignored.
+        """
+        with self._lock:
+            gone = [
+                self._leases.pop(i)
+                for i in lease_ids
+                if i in self._leases and (importer is None or self._leases[i].importer == importer)
+            ]
+        return self._drop(gone)
+
+    def release_stream(self, lease_id: int, connection: int) -> int:
+        """End a stream lease pulled over copy-server ``connection`` (done, or the pull failed)."""
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            gone = [self._leases.pop(lease_id)] if lease is not None and lease.connection == connection else []
+        return self._drop(gone)
+
+    def release_importer(self, importer: str) -> int:
+        """End every lease granted to ``importer``: it is known dead, or it left the cluster."""
+        with self._lock:
+            gone = [self._leases.pop(i) for i, lease in list(self._leases.items()) if lease.importer == importer]
+        return self._drop(gone)
+
+    def resync(self, importer: str, live: Iterable[int]) -> int:
+        """``importer`` still holds exactly ``live``: end its claimed leases not in it; return how many.
+
+        Its unclaimed leases are left alone (their replies may still be on
+        the way); leases in ``live`` that were not claimed yet count as claimed.
+        """
+        keep = set(live)
+        with self._lock:
+            gone = []
+            for i, lease in list(self._leases.items()):
+                if lease.importer != importer or lease.connection is not None:
+                    continue
+                if i in keep:
+                    lease.claimed = True
+                elif lease.claimed:
+                    gone.append(self._leases.pop(i))
+        return self._drop(gone)
+
+    def settle(self, lease_ids: Iterable[int]) -> int:
+        """The reply that carried these leases has ended: end those never claimed; return how many."""
+        with self._lock:
+            gone = [self._leases.pop(i) for i in lease_ids if i in self._leases and not self._leases[i].claimed]
+            self.abandoned_total += len(gone)
+        return self._drop(gone)
+
+    def overdue(self, now: float | None = None) -> int:
+        """Log (once per lease) leases unclaimed for more than ``timeout`` seconds; return how many are."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            late = [
+                lease for lease in self._leases.values() if not lease.claimed and now - lease.granted > self.timeout
+            ]
+            new = [lease for lease in late if not lease.warned]
+            for lease in new:
+                lease.warned = True
+        if new:
+            logger.warning(
+                "%d lease(s) granted to %s unclaimed for more than %.0f s (kept until the importer claims them, "
+                "its reply fails, or it dies)",
+                len(new),
+                sorted({lease.importer for lease in new}),
+                self.timeout,
+            )
+        return len(late)
+
+    def clear(self) -> int:
+        """End every lease (teardown)."""
+        with self._lock:
+            gone, self._leases = list(self._leases.values()), {}
+        return self._drop(gone)
+
+    def detach(self) -> list[Any]:
+        """Empty the table *without* freeing: return the holders of every live lease (teardown).
+
+        For pools whose memory a peer must never see freed under it (CUDA
+        pools): the caller keeps the holders until the process exits.
+        """
+        with self._lock:
+            gone, self._leases = list(self._leases.values()), {}
+            self.released_total += len(gone)
+        return [lease.holder for lease in gone]
+
+    def _drop(self, gone: list[Lease]) -> int:
+        if not gone:
+            return 0
+        with self._lock:
+            self.released_total += len(gone)
+        self._on_drop()
+        for lease in gone:
+            lease.holder = None
+        return len(gone)
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes kept alive by live leases."""
+        with self._lock:
+            return sum(lease.nbytes for lease in self._leases.values())
+
+    @property
+    def unclaimed(self) -> int:
+        """Live leases not claimed yet."""
+        with self._lock:
+            return sum(not lease.claimed for lease in self._leases.values())
+
+    def importers(self) -> dict[str, int]:
+        """Live leases per importer."""
+        with self._lock:
+            out: dict[str, int] = {}
+            for lease in self._leases.values():
+                out[lease.importer] = out.get(lease.importer, 0) + 1
+            return out

@@ -1,0 +1,145 @@
+"""Handoff counters of one worker, and the one-warning-per-(peer, reason) rule."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+__all__ = ["FALLBACK_ADVICE", "FALLBACK_REASONS", "HandoffStats"]
+
+logger = logging.getLogger("dask_gpupool")
+
+#: Why a same-host transfer was copied instead of handed over, as counted in ``fallbacks``.
+FALLBACK_REASONS = {
+    "same-process": "the requester is this process",
+    "comm": "the comm is not TCP, TLS or UCX (inproc, websockets): the value goes in the comm's frames",
+    "not-in-pool": "the value does not live in this worker's pool",
+    "no-access": "the requester cannot reach the memory (GPU not visible, or no GPU)",
+    "other-gpu": (
+        "the requester works on another GPU that this pool is not shared with "
+        "(gpupool.peer-gpu-handoff is off, or the GPUs have no peer access)"
+    ),
+    "pool-closed": "this worker's pool is closing",
+    "too-large": "the CUDA allocation to import is larger than gpupool.import-limit",
+    "import-failed": "the requester could not import the descriptor and fetched a copy",
+    "receiver-pool-full": "the receiver's pool was full; the copy went to memory outside it",
+    "unknown-requester": (
+        "the requester, at this host's address, has no pool in this worker's registry view "
+        "(its gpupool set-up failed, or its row has not arrived yet)"
+    ),
+    "peer-unreachable": (
+        "a recent transfer to this peer failed (its link could not be opened, or its claim never came): "
+        "it gets copies for gpupool.lease-timeout"
+    ),
+}
+
+
+#: What to change so that a fallback of each reason becomes a zero-copy handoff (said in its one WARNING).
+FALLBACK_ADVICE = {
+    "same-process": "nothing: values within one process are not copied by Dask anyway",
+    "comm": "use a tcp://, tls:// or ucx(x):// comm between same-host workers for zero-copy handoffs",
+    "not-in-pool": (
+        "make the result in the pool: dask_gpupool.allocate + as_array, dask_gpupool.to_pool(result), "
+        "or gpupool.cupy-allocator for plain CuPy"
+    ),
+    "no-access": "make the producer's GPU visible to the consumer (CUDA_VISIBLE_DEVICES), or accept copies",
+    "other-gpu": "keep gpupool.segment-size above 0 and gpupool.segment-memory auto or vmm, on GPUs with peer access",
+    "pool-closed": "nothing: the worker is closing",
+    "too-large": "raise gpupool.import-limit, or make smaller results",
+    "import-failed": "see the consumer's log for the import error",
+    "receiver-pool-full": "raise the receiver's gpupool.max-size, or free its buffers sooner",
+    "unknown-requester": "see that worker's entry in dask_gpupool.stats(client): its pool set-up may have failed",
+    "peer-unreachable": "see both workers' logs: the peer's broker or copy server could not be reached",
+}
+
+
+class HandoffStats:
+    """Counters of one worker's handoffs. Thread-safe.
+
+    Attributes
+    ----------
+    exports, imports : int
+        Buffers sent as IPC descriptors / mapped from peers.
+    zero_copy_bytes : int
+        Bytes this worker received by mapping a peer's memory.
+    copied_bytes : int
+        Bytes this worker received as host copies (any sender).
+    copied_out_bytes : int
+        Bytes this worker sent as host copies (peers, clients, spilling).
+    streamed_bytes, streamed_out_bytes : int
+        The part of ``copied_bytes`` / ``copied_out_bytes`` that went over the
+        pipelined copy path (:mod:`dask_gpupool.transport.stream`) rather than in Dask's frames.
+    device_frames_bytes, device_frames_out_bytes : int
+        Bytes of ``Buffer`` values and CuPy arrays received / sent as device
+        frames (UCX comms: the comm moves them GPU to GPU; not zero-copy, not
+        a host copy).
+    device_staged_bytes : int
+        The part of ``device_frames_out_bytes`` that was pool memory, copied
+        device to device into memory UCX can send through ``cuda_ipc`` first.
+    fallbacks : dict of str to int
+        Same-host transfers that were copied, by reason (see :data:`FALLBACK_REASONS`).
+    """
+
+    exports: int
+    imports: int
+    zero_copy_bytes: int
+    copied_bytes: int
+    copied_out_bytes: int
+    streamed_bytes: int
+    streamed_out_bytes: int
+    device_frames_bytes: int
+    device_frames_out_bytes: int
+    device_staged_bytes: int
+    fallbacks: dict[str, int]
+    _warned: set[tuple[str, str]]
+    _lock: threading.Lock
+
+    def __init__(self) -> None:
+        self.exports = self.imports = 0
+        self.zero_copy_bytes = self.copied_bytes = self.copied_out_bytes = 0
+        self.streamed_bytes = self.streamed_out_bytes = 0
+        self.device_frames_bytes = self.device_frames_out_bytes = self.device_staged_bytes = 0
+        self.fallbacks = {}
+        self._warned = set()
+        self._lock = threading.Lock()
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for name, n in counts.items():
+                setattr(self, name, getattr(self, name) + n)
+
+    def fallback(self, peer: str, reason: str, worker: str, detail: str = "") -> None:
+        """Count a same-host fallback; log one WARNING per (peer, reason)."""
+        with self._lock:
+            self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+            first = (peer, reason) not in self._warned
+            self._warned.add((peer, reason))
+        if first:
+            advice = FALLBACK_ADVICE.get(reason)
+            logger.warning(
+                "gpupool: %s -> %s copied instead of handed over (%s: %s)%s%s; further fallbacks of this kind "
+                "between them are counted in dask_gpupool.stats() without a warning",
+                worker,
+                peer,
+                reason,
+                FALLBACK_REASONS.get(reason, reason),
+                f": {detail}" if detail else "",
+                f". To hand it over: {advice}" if advice else "",
+            )
+
+    def to_msg(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "exports": self.exports,
+                "imports": self.imports,
+                "zero_copy_bytes": self.zero_copy_bytes,
+                "copied_bytes": self.copied_bytes,
+                "copied_out_bytes": self.copied_out_bytes,
+                "streamed_bytes": self.streamed_bytes,
+                "streamed_out_bytes": self.streamed_out_bytes,
+                "device_frames_bytes": self.device_frames_bytes,
+                "device_frames_out_bytes": self.device_frames_out_bytes,
+                "device_staged_bytes": self.device_staged_bytes,
+                "fallbacks": dict(self.fallbacks),
+            }

@@ -1,0 +1,423 @@
+"""Shared host memory as a cuda.core memory resource, for hosts without a GPU.
+
+:class:`SharedHostMemoryResource` is the ``host`` pool kind. It follows the
+protocol of cuda.core's IPC-enabled pools so that the rest of dask_gpupool
+treats every kind alike:
+
+- the owner makes one memfd of ``max_size`` bytes (sparse: pages are backed
+  when first touched), maps it, and carves :class:`~cuda.core.Buffer` objects
+  out of it with an :class:`~dask_gpupool.memory.arena.Arena`;
+- :attr:`~SharedHostMemoryResource.allocation_handle` is that memfd's file
+  descriptor, the equivalent of a CUDA pool's shareable handle; it crosses to
+  a peer over the fd broker (SCM_RIGHTS);
+- a peer calls :meth:`~SharedHostMemoryResource.from_allocation_handle` to
+  map the whole pool once (a *mapped* resource, which cannot allocate), then
+  :meth:`~SharedHostMemoryResource.import_buffer` with an offset and size for
+  each buffer: no copy, the peer reads the owner's pages.
+
+Works with no NVIDIA driver at all: buffers are host pointers handed to
+``Buffer.from_handle``.
+
+Memory goes back to the OS: a freed buffer's whole pages (from 64 KiB) are
+removed from the memfd at once (``madvise(MADV_REMOVE)``, a hole punched in
+the file), so neither the owner nor any peer that mapped them keeps them
+resident; :meth:`~SharedHostMemoryResource.trim` does the same for every free
+range, small ones included. A page is removed only while no buffer uses it:
+before its range goes back to the arena, or with allocation blocked; and
+never after :meth:`~SharedHostMemoryResource.keep_pages`, once the pool is
+closed, or while the interpreter exits: then buffers a peer still maps are
+freed without their leases ending. The
+pool's ``reserved`` bytes are the memfd's resident pages (``st_blocks``).
+
+Trust boundary: the memfd is sealed once sized (``F_SEAL_SHRINK``,
+``F_SEAL_GROW``, ``F_SEAL_SEAL``), so no process that receives the fd can
+``ftruncate`` it, which would make every mapper's reads past the new end
+SIGBUS. Peers can still write the pool's bytes (they map it read-write, as
+CUDA IPC peers do). A mapped resource checks that every imported range lies
+inside the mapping, so a malformed descriptor cannot reach memory outside the
+peer's pool; it cannot check that the owner still considers the range live.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import logging
+import mmap
+import os
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from cuda.core import Buffer, MemoryResource
+
+from dask_gpupool.errors import PoolClosedError, ProtocolError
+from dask_gpupool.memory.arena import Arena
+
+__all__ = ["HostOnlyResource", "HostPoolAttributes", "SharedHostMemoryResource", "peer_resident_bytes"]
+
+logger = logging.getLogger(__name__)
+
+#: Freed buffers from this size up give their whole pages back at once (smaller ones at :meth:`trim`).
+_GIVE_BACK_MIN = 64 << 10
+
+#: Seals added to the pool's memfd once it is sized: its size is fixed for good.
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+#: Peer pools mapped in this process: mapping start address -> size. Kept by
+#: SharedHostMemoryResource (added when a peer's pool is mapped, removed when it is unmapped).
+_peer_mappings: dict[int, int] = {}
+#: (valid until, bytes): the last figure of peer_resident_bytes().
+_peer_resident_cache: tuple[float, int] = (float("-inf"), 0)
+
+
+def peer_resident_bytes(max_age: float = 1.0) -> int:
+    """Bytes of peer pools resident in this process: memory it maps but does not own.
+
+    The kernel counts a shared page in the ``rss`` (``RssShmem``) of every
+    process that touched it, so after a handoff the producer's pages appear
+    in the consumer's resident memory too. They belong to the producer, which
+    counts them already. This is their ``Rss`` in ``/proc/self/smaps``, summed
+    over this process's mappings of peer pools; what to subtract from the
+    process's ``rss`` for the memory it owns.
+
+    Parameters
+    ----------
+    max_age : float
+        Seconds a figure is reused, at least. Reading ``smaps`` walks every
+        mapping of the process (about 20 ms for a Python process with a
+        256 MiB peer mapping, on the CI machine), while Dask samples process
+        memory every 100 ms: a figure is also reused for 50 times what its read
+        took, so this costs at most 2% of one core.
+
+    Returns
+    -------
+    int
+        0 at once when no peer pool is mapped, or where ``smaps`` cannot be read.
+    """
+    global _peer_resident_cache
+    starts = set(_peer_mappings)
+    if not starts:
+        return 0
+    now = time.monotonic()
+    until, cached = _peer_resident_cache
+    if now < until and max_age > 0:
+        return cached
+    total = 0
+    try:
+        with open("/proc/self/smaps") as f:
+            counting = False
+            for line in f:
+                if counting and line.startswith("Rss:"):
+                    total += int(line.split()[1]) * 1024
+                    counting = False
+                elif not line[:1].isupper():  # a mapping's header line ("start-end perms ..."), not a field
+                    counting = int(line.split("-", 1)[0], 16) in starts
+    except (OSError, ValueError):
+        return 0
+    took = time.monotonic() - now
+    _peer_resident_cache = (now + max(max_age, 50 * took), total)
+    return total
+
+
+@dataclass(frozen=True)
+class HostPoolAttributes:
+    """Statistics of a :class:`SharedHostMemoryResource`, named like cuda.core's.
+
+    Attributes
+    ----------
+    used_mem_current, used_mem_high : int
+        Bytes in live allocations, now and at most.
+    reserved_mem_current, reserved_mem_high : int
+        Bytes of the memfd resident in memory (its ``st_blocks``), now and
+        at most as last read.
+    """
+
+    used_mem_current: int
+    used_mem_high: int
+    reserved_mem_current: int
+    reserved_mem_high: int
+
+
+class HostOnlyResource(MemoryResource):
+    """Base of memory resources that hand out plain host memory (no GPU, no driver needed)."""
+
+    @property
+    def is_device_accessible(self) -> bool:
+        return False
+
+    @property
+    def is_host_accessible(self) -> bool:
+        return True
+
+    @property
+    def device_id(self) -> int:
+        return -1
+
+
+class SharedHostMemoryResource(HostOnlyResource):
+    """A memfd-backed pool of host memory shareable with same-host processes.
+
+    Parameters
+    ----------
+    max_size : int
+        Size of the pool in bytes.
+
+    Notes
+    -----
+    The memfd is sealed against resizing (``F_SEAL_SHRINK | F_SEAL_GROW |
+    F_SEAL_SEAL``) before it is mapped or shared: a peer that receives it
+    cannot ``ftruncate`` it under other mappers.
+
+    Ownership: the resource owns its memfd and its mapping. ``close()`` closes
+    the fd at once and unmaps the memory when the last buffer of the pool is
+    freed (closing never pulls memory out from under a live buffer). Buffers
+    from :meth:`allocate` or :meth:`import_buffer` keep the resource alive.
+    """
+
+    _fd: int
+    _mmap: mmap.mmap | None
+    _base: int
+    _size: int
+    _arena: Arena | None
+    _uuid: uuid.UUID | None
+    _mapped: bool
+    _closed: bool
+    _imports: int
+    _reserved_high: int
+    _keep_pages: bool
+    _lock: threading.Lock
+
+    def __init__(self, max_size: int) -> None:
+        if max_size <= 0:
+            raise ValueError(f"max_size must be positive, got {max_size}")
+        fd = os.memfd_create("dask-gpupool", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, max_size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+            self._init_mapping(fd, max_size, mapped=False)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._arena = Arena(max_size)
+        self._uuid = uuid.uuid4()
+
+    def _init_mapping(self, fd: int, size: int, *, mapped: bool) -> None:
+        self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        view = ctypes.c_char.from_buffer(self._mmap)
+        self._base = ctypes.addressof(view)
+        del view  # release the export, or the mmap could never be closed
+        self._fd = fd
+        self._size = size
+        self._mapped = mapped
+        self._closed = False
+        self._imports = 0
+        self._reserved_high = 0
+        self._keep_pages = False
+        self._lock = threading.Lock()
+        if mapped:
+            _peer_mappings[self._base] = size
+
+    @classmethod
+    def from_allocation_handle(cls, alloc_handle: int) -> SharedHostMemoryResource:
+        """Map a peer's pool from its memfd.
+
+        Parameters
+        ----------
+        alloc_handle : int
+            The peer pool's file descriptor, as received from its broker. The
+            caller keeps ownership and closes it; the mapping does not need it.
+
+        Returns
+        -------
+        SharedHostMemoryResource
+            A mapped resource: it imports buffers and cannot allocate.
+        """
+        size = os.fstat(alloc_handle).st_size
+        if size <= 0:
+            raise ProtocolError(f"fd {alloc_handle} is not a shared memory pool (size {size})")
+        self = cls.__new__(cls)
+        self._init_mapping(os.dup(alloc_handle), size, mapped=True)
+        os.close(self._fd)  # the mapping stays valid; the dup is not needed
+        self._fd = -1
+        self._arena = None
+        self._uuid = None
+        return self
+
+    # -- the cuda.core MemoryResource interface --------------------------------
+
+    def allocate(self, size: int, *, stream: Any = None) -> Buffer:
+        """Carve a buffer of ``size`` bytes out of the pool (no stream needed).
+
+        Raises
+        ------
+        PoolClosedError
+            After :meth:`close`.
+        PoolExhaustedError
+            When the pool has no free range that large.
+        """
+        if self._closed:
+            raise PoolClosedError("host pool is closed")
+        if self._arena is None:
+            raise TypeError("a mapped host pool cannot allocate; import buffers instead")
+        offset = self._arena.allocate(size)
+        return Buffer.from_handle(self._base + offset, size, mr=self)
+
+    def deallocate(self, ptr: Any, size: int, *, stream: Any = None) -> None:
+        """Return a buffer's range to the pool (called by ``Buffer.close``), its whole pages to the OS."""
+        offset = int(ptr) - self._base
+        with self._lock:
+            if self._arena is not None:
+                held = self._arena.size_of(offset)
+                # Not once the pool is closed or the interpreter exits: buffers a peer still maps (leases
+                # kept until exit) are freed then, and a hole punched under the peer would read as zeros.
+                keep = self._closed or self._keep_pages or sys.is_finalizing()
+                if held is not None and held >= _GIVE_BACK_MIN and not keep:
+                    self._give_back(offset, held)  # still this buffer's: no one else in this pool uses it
+                self._arena.free(offset)
+                last = self._arena.live == 0
+            else:
+                self._imports -= 1
+                last = self._imports == 0
+            if self._closed and last:
+                self._release()
+
+    # -- pool interface shared with cuda.core's IPC pools ------------------------
+
+    @property
+    def allocation_handle(self) -> int:
+        """The memfd of this pool; owned by the resource, closed by :meth:`close`."""
+        if self._mapped:
+            raise TypeError("a mapped host pool has no allocation handle")
+        if self._closed:
+            raise PoolClosedError("host pool is closed")
+        return self._fd
+
+    @property
+    def uuid(self) -> uuid.UUID | None:
+        return self._uuid
+
+    @property
+    def is_mapped(self) -> bool:
+        return self._mapped
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
+
+    @property
+    def size(self) -> int:
+        """Bytes of the whole pool (its ``max_size``)."""
+        return self._size
+
+    def keep_pages(self) -> None:
+        """From now on freed buffers keep their pages: the caller frees buffers that peers may still map.
+
+        The pool service calls this before it drops the leases still open at
+        teardown (the peers' mappings keep the memfd's pages; a hole punched
+        under them would read as zeros).
+        """
+        with self._lock:
+            self._keep_pages = True
+
+    def trim(self) -> int:
+        """Give every free page of the pool back to the OS; return the pool's resident bytes after.
+
+        Allocation waits meanwhile. Only the owner trims (a mapped resource returns 0).
+        """
+        with self._lock:
+            if self._arena is None or self._closed:
+                return 0
+            self._arena.each_free(self._give_back)
+        return self.attributes.reserved_mem_current
+
+    def _give_back(self, offset: int, size: int) -> None:
+        """Remove the whole pages inside ``[offset, offset + size)`` from the memfd (they read as zeros after)."""
+        page = mmap.PAGESIZE
+        start = -(-offset // page) * page
+        end = (offset + size) // page * page
+        if end > start and self._mmap is not None:
+            self._mmap.madvise(mmap.MADV_REMOVE, start, end - start)
+
+    def _resident(self) -> int:
+        """Bytes of the memfd backed by memory now (0 once its fd is closed)."""
+        if self._fd < 0:
+            return 0
+        resident = os.fstat(self._fd).st_blocks * 512
+        self._reserved_high = max(self._reserved_high, resident)
+        return resident
+
+    @property
+    def attributes(self) -> HostPoolAttributes:
+        a = self._arena
+        if a is None:
+            return HostPoolAttributes(0, 0, 0, 0)
+        resident = self._resident()
+        return HostPoolAttributes(a.used, a.used_high, resident, self._reserved_high)
+
+    def offset_of(self, buf: Buffer) -> int:
+        """Offset of ``buf`` inside this pool."""
+        offset = int(buf.handle) - self._base
+        if not 0 <= offset <= self._size - buf.size:
+            raise ValueError(f"{buf!r} does not lie in this host pool")
+        return offset
+
+    def import_buffer(self, offset: int, size: int) -> Buffer:
+        """Map ``size`` bytes at ``offset`` of a peer's pool as a Buffer (no copy).
+
+        Raises
+        ------
+        ProtocolError
+            If the range does not lie inside the pool.
+        PoolClosedError
+            After :meth:`close`.
+        """
+        if not self._mapped:
+            raise TypeError("import_buffer needs a mapped pool (from_allocation_handle)")
+        if isinstance(offset, bool) or not isinstance(offset, int) or not isinstance(size, int):
+            raise ProtocolError("offset and size must be integers")
+        if offset < 0 or size < 0 or offset + size > self._size:
+            raise ProtocolError(f"range [{offset}, {offset}+{size}) lies outside the pool of {self._size} bytes")
+        with self._lock:
+            if self._closed:
+                raise PoolClosedError("mapped host pool is closed")
+            self._imports += 1
+        return Buffer.from_handle(self._base + offset, size, mr=self)
+
+    def memoryview(self, buf: Buffer) -> memoryview:
+        """A writable memoryview of ``buf``'s bytes (no copy); keep ``buf`` alive while using it."""
+        if self._mmap is None:
+            raise PoolClosedError("host pool memory is unmapped")
+        offset = int(buf.handle) - self._base
+        return memoryview(self._mmap)[offset : offset + buf.size]
+
+    def close(self) -> None:
+        """Close the pool: no new buffers; memory goes when the last buffer does. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            live = self._arena.live if self._arena is not None else self._imports
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+            if live == 0:
+                self._release()
+
+    def _release(self) -> None:
+        mm, self._mmap = self._mmap, None
+        if mm is not None and self._mapped:
+            _peer_mappings.pop(self._base, None)
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:  # a memoryview still exports it; unmapped when that goes
+                logger.debug("host pool %s: mapping still exported, left to the garbage collector", self._uuid)
+
+    def __repr__(self) -> str:
+        role = "mapped" if self._mapped else "owner"
+        return f"<SharedHostMemoryResource {role} uuid={self._uuid} size={self._size} closed={self._closed}>"

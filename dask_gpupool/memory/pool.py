@@ -1,0 +1,392 @@
+"""A worker's own pool: one IPC-enabled memory resource of one of three kinds.
+
+=========  =====================================================  ==========================
+kind       memory resource                                        shared as
+=========  =====================================================  ==========================
+device     cuda.core ``DeviceMemoryResource(ipc_enabled=True)``   CUDA pool fd + 64-byte
+           (with segments: :class:`SegmentedResource` over         pointer export per buffer;
+           :class:`~dask_gpupool.memory.vmm.VmmMemoryResource`)          segments: one fd each, by id
+pinned     cuda.core ``PinnedMemoryResource(ipc_enabled=True)``   same
+host       :class:`~dask_gpupool.memory.host.SharedHostMemoryResource`
+                                                                  memfd + offset per buffer
+=========  =====================================================  ==========================
+
+The :class:`Pool` owns its resource and the resource owns its allocation
+handle (the fd the broker hands to peers); :meth:`Pool.close` closes both.
+Peers' pools are mapped by :mod:`dask_gpupool.handoff.importer`, never here.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from dask_gpupool.config import PoolOptions
+from dask_gpupool.errors import ConfigError, PoolClosedError, PoolExhaustedError, UnknownPoolError
+from dask_gpupool.memory.host import SharedHostMemoryResource
+from dask_gpupool.memory.topology import LocalDevices, current_gpu, device_memory, host_memory
+from dask_gpupool.wire.messages import BufferDescriptor
+
+if TYPE_CHECKING:
+    from cuda.core import Buffer
+
+__all__ = ["KEPT_UNTIL_EXIT", "Pool", "PoolStats", "grant_peers", "ipc_payload", "keep_until_exit"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """Byte counts of a pool, read from the pool's own attributes.
+
+    Attributes
+    ----------
+    used, used_high : int
+        Bytes in live allocations, now and at most.
+    reserved, reserved_high : int
+        Bytes of memory backing the pool, now and at most.
+    max_size : int
+        The pool's upper bound.
+    """
+
+    used: int
+    used_high: int
+    reserved: int
+    reserved_high: int
+    max_size: int
+
+    def to_msg(self) -> dict[str, int]:
+        return {
+            "used": self.used,
+            "used_high": self.used_high,
+            "reserved": self.reserved,
+            "reserved_high": self.reserved_high,
+            "max_size": self.max_size,
+        }
+
+
+def _no_payload(buf: Buffer) -> bytes:
+    """VMM segments carry no payload: peers fetch the segment's fd by id."""
+    return b""
+
+
+def _segment_memory(options: PoolOptions, ordinal: int, size: int) -> Any:
+    """The :class:`~dask_gpupool.memory.vmm.VmmMemoryResource` segments come from, or ``None`` for pool memory.
+
+    Raises
+    ------
+    ConfigError
+        For ``segment-memory: vmm`` on a GPU without VMM fd export.
+    """
+    if not options.segment_size or options.segment_memory == "pool":
+        return None
+    from dask_gpupool.memory.vmm import VmmMemoryResource, vmm_supported
+
+    if not vmm_supported(ordinal):
+        if options.segment_memory == "vmm":
+            raise ConfigError(
+                f"gpupool.segment-memory='vmm': GPU {ordinal} cannot export virtual memory as POSIX fds; "
+                "valid here: 'pool' (or 'auto')"
+            )
+        logger.warning(
+            "GPU %d cannot export virtual memory as POSIX fds: segments are pool memory and workers on "
+            "other GPUs get copies (gpupool.segment-memory)",
+            ordinal,
+        )
+        return None
+    return VmmMemoryResource(ordinal, size)
+
+
+def ipc_payload(buf: Buffer) -> bytes:
+    """The 64 bytes of ``cuMemPoolExportPointer`` data that identify ``buf`` in its pool.
+
+    cuda.core exposes them only through the descriptor's pickle protocol
+    (``__reduce__`` returns ``(constructor, (payload, size))``); this is the
+    one place that relies on it.
+    """
+    _, (payload, _size) = buf.ipc_descriptor.__reduce__()
+    return bytes(payload)
+
+
+#: Memory of closed CUDA pools that peers may still map: kept, never freed, until the process exits.
+KEPT_UNTIL_EXIT: list[Any] = []
+
+
+def keep_until_exit(items: Any) -> int:
+    """Keep ``items`` (Buffers, or objects holding them) alive until the process exits; return how many.
+
+    Freeing memory that a peer still maps is undefined (same GPU: the peer
+    reads what comes next; other GPU: CUDA_ERROR_CONTAINED). The driver keeps
+    importers' mappings valid past the exporter's *exit*, so a closing CUDA
+    pool hands what peers may map here instead of freeing it.
+    """
+    before = len(KEPT_UNTIL_EXIT)
+    KEPT_UNTIL_EXIT.extend(items)
+    return len(KEPT_UNTIL_EXIT) - before
+
+
+def grant_peers(resource: Any, ordinal: int, devices: LocalDevices) -> tuple[str, ...]:
+    """Grant every other visible GPU with peer access to GPU ``ordinal`` access to ``resource``.
+
+    Done in the owner's process, before any import: on two H200s (driver 580)
+    a peer that mapped this pool's buffers across GPUs while it was still
+    growing, and had been granted access only in its own process, lost its
+    CUDA context (``CUDA_ERROR_LAUNCH_FAILED`` during an import); with access
+    granted here first, the same handoffs read the right bytes
+    (``scripts/probes/two_gpu_handoff.py``, ``docs/gpu-checks.md``).
+
+    Returns the UUIDs of the GPUs granted access. A GPU that cannot reach
+    ``ordinal`` (no peer access) is left out; so is every GPU when granting
+    fails, which is logged: buffers then go to those GPUs as copies.
+    """
+    from cuda.core import Device
+
+    others = [i for i in range(len(devices.uuids)) if i != ordinal and Device(i).can_access_peer(ordinal)]
+    if not others:
+        return ()
+    try:
+        resource.peer_accessible_by = set(others)
+    except Exception as e:
+        logger.warning("GPU %d: granting GPUs %s access to the pool failed (%s); they get copies", ordinal, others, e)
+        return ()
+    return tuple(devices.uuids[i] for i in others)
+
+
+class Pool:
+    """The IPC-enabled pool a worker allocates from and shares.
+
+    Build with :meth:`create`. Allocation is thread-safe (task threads call
+    :meth:`allocate`); :meth:`close` runs once, on teardown.
+
+    Attributes
+    ----------
+    kind : str
+        ``"device"``, ``"pinned"`` or ``"host"``.
+    uuid : str
+        The pool's UUID: its key in the scheduler's registry.
+    max_size : int
+        Upper bound in bytes.
+    device : int or None
+        Ordinal (in this process) of the GPU that holds or made the pool.
+    device_uuid : str or None
+        UUID of that GPU.
+    peers : tuple of str
+        UUIDs of the other GPUs this process granted access to a ``device``
+        pool (see :func:`grant_peers`); only workers on these GPUs (or on the
+        pool's own) are handed its buffers zero-copy.
+    resource : cuda.core.MemoryResource
+        The memory resource; owned by the pool.
+    """
+
+    kind: str
+    uuid: str
+    max_size: int
+    device: int | None
+    device_uuid: str | None
+    peers: tuple[str, ...]
+    resource: Any
+    _closed: bool
+    _lock: threading.Lock
+
+    def __init__(
+        self,
+        kind: str,
+        resource: Any,
+        max_size: int,
+        device: int | None,
+        device_uuid: str | None,
+        peers: tuple[str, ...] = (),
+    ):
+        self.kind = kind
+        self.resource = resource
+        self.max_size = max_size
+        self.device = device
+        self.device_uuid = device_uuid
+        self.peers = peers
+        self.allocation_handle()  # exporting the handle is what gives a CUDA pool its UUID
+        self.uuid = str(resource.uuid)
+        self._closed = False
+        self._lock = threading.Lock()
+
+    @classmethod
+    def create(cls, options: PoolOptions, devices: LocalDevices) -> Pool:
+        """Make the pool ``options`` describe, on this process's devices.
+
+        Raises
+        ------
+        ConfigError
+            For a kind this host cannot provide, a device it does not see, or a
+            ``max_size`` larger than the memory behind the pool.
+        """
+        kind = options.kind
+        if kind == "auto":
+            kind = "device" if devices else "host"
+        if kind == "host":
+            size = options.max_size.resolve(host_memory(), "host memory")
+            return cls("host", SharedHostMemoryResource(size), size, None, None)
+        if not devices:
+            raise ConfigError(
+                f"gpupool.kind={kind!r} needs a CUDA device and this process sees none; valid here: 'host' (or 'auto')"
+            )
+        ordinal = devices.resolve(options.device)
+        dev = current_gpu(ordinal)
+        if kind == "device":
+            if not dev.properties.memory_pools_supported:
+                raise ConfigError(f"gpupool.kind='device': GPU {ordinal} does not support memory pools")
+            size = options.max_size.resolve(device_memory(ordinal), f"GPU {ordinal} ({devices.uuids[ordinal]})")
+            from cuda.core import DeviceMemoryResource, DeviceMemoryResourceOptions
+
+            resource = DeviceMemoryResource(dev, DeviceMemoryResourceOptions(ipc_enabled=True, max_size=size))
+            try:
+                memory = _segment_memory(options, ordinal, size)
+                # Cross-GPU handoffs only of VMM segments: a peer on another GPU reading pool memory
+                # after its owner died gets CUDA_ERROR_CONTAINED (dask_gpupool.memory.vmm).
+                cross = options.peer_gpu_handoff and memory is not None
+                peers = grant_peers(resource, ordinal, devices) if cross else ()
+            except BaseException:
+                resource.close()
+                raise
+            if options.segment_size:
+                from dask_gpupool.memory.segments import SegmentedResource
+
+                resource = SegmentedResource(
+                    resource,
+                    min(options.segment_size, size),
+                    ordinal,
+                    ipc_payload if memory is None else _no_payload,
+                    options.suballocator,
+                    memory,
+                )
+            return cls(kind, resource, size, ordinal, devices.uuids[ordinal], peers)
+        else:
+            if not dev.properties.host_numa_memory_pools_supported:
+                raise ConfigError(
+                    f"gpupool.kind='pinned': GPU {ordinal} does not support IPC host memory pools; "
+                    "valid here: 'device' or 'host'"
+                )
+            size = options.max_size.resolve(host_memory(), "host memory")
+            from cuda.core import PinnedMemoryResource, PinnedMemoryResourceOptions
+
+            resource = PinnedMemoryResource(PinnedMemoryResourceOptions(ipc_enabled=True, max_size=size))
+        try:
+            return cls(kind, resource, size, ordinal, devices.uuids[ordinal])
+        except BaseException:
+            resource.close()
+            raise
+
+    def segment_fd(self, segment: int) -> tuple[int, int]:
+        """A new fd of one of this pool's VMM segments and its size; the **caller closes the fd**.
+
+        Raises
+        ------
+        UnknownPoolError
+            If the pool has no such segment (or no segments exported by fd).
+        """
+        if self._closed:
+            raise PoolClosedError(f"pool {self.uuid} is closed")
+        segment_fd = getattr(self.resource, "segment_fd", None)
+        if segment_fd is None:
+            raise UnknownPoolError(f"pool {self.uuid} has no segments")
+        fd, size = segment_fd(segment)
+        return int(fd), int(size)
+
+    def allocation_handle(self) -> int:
+        """The pool's shareable fd. Owned by the pool: callers must not close it."""
+        if getattr(self, "_closed", False):
+            raise PoolClosedError(f"pool {self.uuid} is closed")
+        return int(self.resource.allocation_handle)
+
+    def allocate(self, nbytes: int, stream: Any = None) -> Buffer:
+        """A buffer of ``nbytes`` from this pool, owned by the caller.
+
+        CUDA kinds allocate stream-ordered on ``stream``, by default the
+        device's default stream (which orders the memory with all blocking
+        streams, CuPy's included). The buffer goes back to the pool when it is
+        closed or garbage-collected.
+
+        Raises
+        ------
+        PoolExhaustedError
+            When the pool cannot hold ``nbytes`` more.
+        PoolClosedError
+            After :meth:`close`.
+        """
+        if self._closed:
+            raise PoolClosedError(f"pool {self.uuid} is closed")
+        try:
+            if self.kind == "host":
+                return self.resource.allocate(nbytes)
+            dev = current_gpu(self.device)
+            return self.resource.allocate(nbytes, stream=stream if stream is not None else dev.default_stream)
+        except PoolExhaustedError as e:  # the host arena's or the segments': name the pool
+            raise PoolExhaustedError(f"pool {self.uuid} ({self.kind}) {e}") from None
+        except Exception as e:
+            if "OUT_OF_MEMORY" in str(e):
+                stats = self.stats()
+                raise PoolExhaustedError(
+                    f"pool {self.uuid} ({self.kind}) cannot allocate {nbytes} bytes: "
+                    f"{stats.used} of {self.max_size} bytes in use"
+                ) from e
+            raise
+
+    def owns(self, buf: Buffer) -> bool:
+        """Whether ``buf`` was allocated from this pool."""
+        return buf.memory_resource is self.resource
+
+    def import_size(self, buf: Buffer) -> int:
+        """Bytes a peer imports to map ``buf``: its segment's size with segments, else its own.
+
+        0 for ``host`` pools, which peers map whole, once.
+        """
+        if self.kind == "host":
+            return 0
+        locate = getattr(self.resource, "locate", None)
+        return int(locate(int(buf.handle))[0].size) if locate is not None else int(buf.size)
+
+    def export(self, buf: Buffer) -> BufferDescriptor:
+        """Describe ``buf`` so that a peer that mapped this pool can map it.
+
+        The descriptor does not keep ``buf`` alive: the caller must (leases do).
+        """
+        if not self.owns(buf):
+            raise ValueError(f"{buf!r} does not belong to pool {self.uuid}")
+        if self.kind == "host":
+            return BufferDescriptor(self.uuid, buf.size, b"", self.resource.offset_of(buf))
+        locate = getattr(self.resource, "locate", None)
+        if locate is not None:  # a SegmentedResource: the segment and the offset inside it
+            segment, offset = locate(int(buf.handle))
+            return BufferDescriptor(self.uuid, buf.size, segment.payload, offset, segment.size, segment.id)
+        return BufferDescriptor(self.uuid, buf.size, ipc_payload(buf), 0)
+
+    def stats(self) -> PoolStats:
+        """Used and reserved bytes, now and at most, from the pool's attributes."""
+        a = self.resource.attributes
+        return PoolStats(
+            int(a.used_mem_current),
+            int(a.used_mem_high),
+            int(a.reserved_mem_current),
+            int(a.reserved_mem_high),
+            self.max_size,
+        )
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Close the resource (and with it the shareable fd). Idempotent.
+
+        Buffers still alive keep their memory until they are freed (cuda.core
+        defers destroying the pool; the host pool defers unmapping).
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        logger.debug("pool %s (%s): closing", self.uuid, self.kind)
+        self.resource.close()
+
+    def __repr__(self) -> str:
+        return f"<Pool {self.kind} {self.uuid} max_size={self.max_size} device={self.device_uuid}>"

@@ -1,0 +1,149 @@
+"""Device memory UCX can send between processes: where pool memory is copied before it goes as device frames.
+
+UCX sends a device frame to another process of the host through its
+``cuda_ipc`` transport only from memory it can export. UCX 1.21 (what
+distributed-ucxx 0.52 needs) exports ``cuMemAlloc`` memory (legacy IPC
+handles) and, through fabric handles only, pool and VMM memory. dask_gpupool's
+pool and VMM memory allows POSIX file descriptors, not fabric handles, so UCX
+moved it through host memory: 2.3 s for 1 GiB on an H100, where ``cuMemAlloc``
+memory took 4.5 ms (docs/performance.md). UCX 1.22 adds POSIX file
+descriptors (openucx/ucx#11183); until distributed-ucxx can use it, device
+frames of pool memory are copied here first.
+
+The receiving side of ``cuda_ipc`` opens each exported allocation once and
+caches the mapping (about 1 ms per new allocation), so freed staging memory is
+kept for reuse: at most :data:`KEEP_PER_CLASS` free allocations of each size
+class and :data:`KEEP_BYTES` in all, per process. Sizes are rounded up to a
+power of two up to 64 MiB, to a multiple of 64 MiB above.
+
+Ownership: a :class:`UcxStaging` owns its allocation until it is collected; the
+allocation then goes back to the process's free list, or is freed
+(``cuMemFree``, in the context it was made in) when the list is full.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+from dask_gpupool.memory.topology import current_gpu
+
+__all__ = ["KEEP_BYTES", "KEEP_PER_CLASS", "UcxStaging", "free_kept"]
+
+#: Free staging allocations kept for reuse, per size class and in all (bytes), per process.
+KEEP_PER_CLASS = 2
+KEEP_BYTES = 4 << 30
+
+_lock = threading.Lock()
+#: (context handle as int, size class) -> free allocations [(context, pointer)].
+_free: dict[tuple[int, int], list[tuple[Any, int]]] = {}
+_kept_bytes = 0
+
+
+def size_class(nbytes: int) -> int:
+    """The allocation size a staging copy of ``nbytes`` bytes gets."""
+    if nbytes <= 1 << 20:
+        return 1 << 20
+    if nbytes <= 64 << 20:
+        return 1 << (nbytes - 1).bit_length()
+    return -(-nbytes // (64 << 20)) * (64 << 20)
+
+
+class UcxStaging:
+    """``nbytes`` of ``cuMemAlloc`` device memory on GPU ``device``, kept or freed when collected.
+
+    Raises
+    ------
+    RuntimeError
+        When the driver cannot allocate (the GPU is full).
+    """
+
+    ptr: int
+    nbytes: int
+
+    def __init__(self, nbytes: int, device: int) -> None:
+        from cuda.bindings import driver
+
+        current_gpu(device)  # serializers also run in Dask's offload thread, with no context current
+        err, ctx = driver.cuCtxGetCurrent()
+        _check(err, "cuCtxGetCurrent")
+        size = size_class(nbytes)
+        key = (int(ctx), size)
+        ptr = _take(key)
+        if ptr is None:
+            err, dptr = driver.cuMemAlloc(size)
+            if err == driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY and free_kept():
+                err, dptr = driver.cuMemAlloc(size)  # the kept ones were in the way
+            _check(err, f"cuMemAlloc({size})")
+            ptr = int(dptr)
+        self.ptr = ptr
+        self.nbytes = nbytes
+        weakref.finalize(self, _give, key, ctx, ptr)
+
+    @classmethod
+    def copy_of(cls, ptr: int, nbytes: int, device: int) -> UcxStaging:
+        """A copy of the ``nbytes`` bytes at ``ptr`` on GPU ``device``, complete when this returns."""
+        from cuda.bindings import driver
+
+        staged = cls(nbytes, device)
+        stream = driver.CUstream(0)  # the legacy default stream: ordered after the pool's work on it
+        _check(driver.cuMemcpyDtoDAsync(staged.ptr, ptr, nbytes, stream)[0], "cuMemcpyDtoDAsync")
+        _check(driver.cuStreamSynchronize(stream)[0], "cuStreamSynchronize")
+        return staged
+
+
+def _take(key: tuple[int, int]) -> int | None:
+    global _kept_bytes
+    with _lock:
+        free = _free.get(key)
+        if not free:
+            return None
+        _kept_bytes -= key[1]
+        return free.pop()[1]
+
+
+def _give(key: tuple[int, int], ctx: Any, ptr: int) -> None:
+    global _kept_bytes
+    with _lock:
+        free = _free.setdefault(key, [])
+        if len(free) < KEEP_PER_CLASS and _kept_bytes + key[1] <= KEEP_BYTES:
+            free.append((ctx, ptr))
+            _kept_bytes += key[1]
+            return
+    _release(ctx, ptr)
+
+
+def free_kept() -> int:
+    """Free every kept staging allocation of this process; returns the bytes freed."""
+    global _kept_bytes
+    with _lock:
+        kept = [(key, entry) for key, entries in _free.items() for entry in entries]
+        _free.clear()
+        _kept_bytes = 0
+    for _key, (ctx, ptr) in kept:
+        _release(ctx, ptr)
+    return sum(key[1] for key, _ in kept)
+
+
+def kept_bytes() -> int:
+    """Bytes of free staging allocations kept for reuse in this process."""
+    return _kept_bytes
+
+
+def _release(ctx: Any, ptr: int) -> None:
+    from cuda.bindings import driver
+
+    if driver.cuCtxPushCurrent(ctx)[0] != driver.CUresult.CUDA_SUCCESS:
+        return  # the context is gone (the process is exiting): so is the memory
+    try:
+        driver.cuMemFree(ptr)
+    finally:
+        driver.cuCtxPopCurrent()
+
+
+def _check(err: Any, what: str) -> None:
+    from cuda.bindings import driver
+
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"{what} failed: {err!r}")

@@ -1,0 +1,261 @@
+"""The command line: ``dask gpupool {demo,info,trim}`` (also ``python -m dask_gpupool ...``).
+
+``dask gpupool`` is found by Dask's own ``dask`` command through the
+``dask_cli`` entry point, as ``dask cuda`` is for dask-cuda.
+
+``demo`` starts a local cluster with the plugin, prints its registry and has a
+peer map a pool. It uses GPUs when present: one worker per GPU with rotated
+``CUDA_VISIBLE_DEVICES`` when there are several, two workers on one GPU when
+there is one, and ``host`` pools (shared host memory) when there is none.
+
+``info [ADDRESS]`` connects to a running cluster and prints its pool registry
+and every worker's pool and handoff statistics as tables.
+
+``trim [ADDRESS]`` has every worker give its pool's memory back
+(:func:`dask_gpupool.trim`) and prints what each holds right after.
+
+``info`` and ``trim`` take the scheduler's address, or ``--scheduler-file``,
+and Dask's TLS options (``--tls-ca-file``, ``--tls-cert``, ``--tls-key``). A
+scheduler that cannot be reached is one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import click
+
+
+def _worker_specs(n_gpus: int, workers: int) -> list[dict[str, Any]]:
+    if n_gpus >= 2:
+        order = list(range(n_gpus))
+        return [{"env": {"CUDA_VISIBLE_DEVICES": ",".join(map(str, order[i:] + order[:i]))}} for i in range(n_gpus)]
+    return [{} for _ in range(workers)]
+
+
+def demo(kind: str, workers: int, max_size: str) -> int:
+    from distributed import Client, Nanny, Scheduler, SpecCluster
+
+    import dask_gpupool
+    from dask_gpupool import testing as T
+    from dask_gpupool.memory.topology import local_devices
+
+    n_gpus = len(local_devices().uuids)
+    specs = _worker_specs(n_gpus if kind in ("auto", "device", "pinned") else 0, workers)
+    print(f"dask_gpupool demo: {n_gpus} GPU(s) visible; starting {len(specs)} Nanny workers, pool kind {kind!r}")
+    cluster_workers = {
+        f"worker-{i}": {
+            "cls": Nanny,
+            "options": {"nthreads": 1, "dashboard_address": None, "silence_logs": logging.WARNING, **s},
+        }
+        for i, s in enumerate(specs)
+    }
+    scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0"}}
+    cluster = SpecCluster(workers=cluster_workers, scheduler=scheduler, silence_logs=logging.WARNING)
+    with cluster, Client(cluster) as client:
+        client.wait_for_workers(len(specs))
+        client.register_plugin(dask_gpupool.GPUPool(kind=kind, max_size=max_size))
+        rows = sorted(dask_gpupool.pools(client), key=lambda r: r.worker)
+        print("\nRegistry (scheduler), one row per pool:")
+        print(f"  {'pool':36}  {'worker':24} {'pid':>7}  {'kind':6}  {'max_size':>14}  device")
+        for r in rows:
+            print(f"  {r.pool:36}  {r.worker:24} {r.pid:>7}  {r.kind:6}  {r.max_size:>14,}  {r.device or '-'}")
+        owner, peer = rows[0], rows[1]
+        message = f"written by {owner.worker} into its {owner.kind} pool".encode()
+        desc = client.submit(T.hold, "demo", 1 << 20, message, workers=[owner.worker], pure=False).result()
+        t0 = time.perf_counter()
+        got = client.submit(T.read_peer, desc, len(message), workers=[peer.worker], pure=False).result()
+        took = time.perf_counter() - t0
+        print(f"\n{peer.worker} mapped pool {owner.pool[:8]}… (fd over the broker) and read:\n  {got.decode()!r}")
+        print(f"  round trip of that task: {took * 1e3:.1f} ms (includes mapping the pool the first time)")
+        stats = dask_gpupool.pool_stats(client)
+        print("\nPool stats (from the pools' own attributes):")
+        for w, s in sorted(stats.items()):
+            print(
+                f"  {w:24} used {s['used']:>10,}  high {s['used_high']:>10,}  "
+                f"reserved {s['reserved']:>10,}  mapped peer pools {s['mapped_pools']}"
+            )
+        client.submit(T.release, "demo", workers=[owner.worker], pure=False).result()
+        ok = got == message
+    print("\nOK" if ok else "\nMISMATCH")
+    return 0 if ok else 1
+
+
+def info(target: _Target) -> int:
+    """Print the registry and per-worker stats of the cluster; 0 on success, 2 if it has no pools."""
+    from dask.utils import format_bytes
+
+    import dask_gpupool
+
+    address = target.name
+    with target.client() as client:
+        try:
+            rows = sorted(dask_gpupool.pools(client), key=lambda r: r.worker)
+        except dask_gpupool.PoolUnavailableError as e:
+            print(f"{address}: {e}", file=sys.stderr)
+            return 2
+        usage = dask_gpupool.pool_stats(client)
+        handoffs = dask_gpupool.stats(client)
+    print(f"{len(rows)} pool(s) at {address}\n")
+    print(
+        f"{'worker':28} {'host':16} {'kind':6} {'device':14} {'used':>10} {'reserved':>10} {'max':>10}  "
+        f"{'peers':>5}  pool"
+    )
+    for r in rows:
+        u = usage.get(r.worker, {})
+        print(
+            f"{r.worker:28} {r.hostname[:16]:16} {r.kind:6} {(r.device or '-')[:14]:14} "
+            f"{format_bytes(u.get('used', 0)):>10} {format_bytes(u.get('reserved', 0)):>10} "
+            f"{format_bytes(r.max_size):>10}  {len(r.peers):>5}  {r.pool}"
+        )
+    print(
+        f"\n{'worker':28} {'exports':>8} {'imports':>8} {'leases':>7} {'leased':>10} {'zero-copy in':>13} "
+        f"{'copied in':>10} {'copied out':>10} {'segments':>9}  fallbacks"
+    )
+    for w, h in sorted(handoffs.items()):
+        if "error" in h:
+            print(f"{w:28} no pool: {h['error']}")
+            continue
+        fallbacks = ", ".join(f"{k} {v}" for k, v in sorted(h["fallbacks"].items())) or "-"
+        print(
+            f"{w:28} {h['exports']:>8} {h['imports']:>8} {h['leases']:>7} {format_bytes(h['lease_bytes']):>10} "
+            f"{format_bytes(h['zero_copy_bytes']):>13} {format_bytes(h['copied_bytes']):>10} "
+            f"{format_bytes(h['copied_out_bytes']):>10} {_segments(h):>9}  {fallbacks}"
+        )
+    return 0
+
+
+def _segments(h: dict[str, Any]) -> str:
+    """``held`` or ``held (retiring)``."""
+    held, retiring = h.get("segments", 0), h.get("segments_retiring", 0)
+    return f"{held} ({retiring})" if retiring else str(held)
+
+
+def trim(target: _Target) -> int:
+    """Give every worker's pool memory back (:func:`dask_gpupool.trim`) and print the result; 0 on success."""
+    from dask.utils import format_bytes
+
+    import dask_gpupool
+
+    address = target.name
+    with target.client() as client:
+        try:
+            dask_gpupool.pools(client)
+        except dask_gpupool.PoolUnavailableError as e:
+            print(f"{address}: {e}", file=sys.stderr)
+            return 2
+        result = dask_gpupool.trim(client)
+    print(f"{'worker':28} {'segments':>9} {'retiring':>9} {'reserved':>10}")
+    for w, t in sorted(result.items()):
+        print(f"{w:28} {t['segments']:>9} {t['segments_retiring']:>9} {format_bytes(t['reserved']):>10}")
+    print("\nRetiring segments are freed as soon as no buffer lives in them and no peer maps them.")
+    return 0
+
+
+class _Target:
+    """Which scheduler to connect to, and how (an address or a scheduler file; TLS when asked)."""
+
+    def __init__(
+        self,
+        address: str | None,
+        scheduler_file: str | None,
+        timeout: float,
+        tls_ca_file: str | None,
+        tls_cert: str | None,
+        tls_key: str | None,
+    ) -> None:
+        if (address is None) == (scheduler_file is None):
+            raise click.UsageError("give the scheduler's ADDRESS or --scheduler-file, one of them")
+        self.address, self.scheduler_file, self.timeout = address, scheduler_file, timeout
+        self.security = None
+        if tls_ca_file or tls_cert or tls_key:
+            from distributed.security import Security
+
+            self.security = Security(
+                tls_ca_file=tls_ca_file, tls_client_cert=tls_cert, tls_client_key=tls_key, require_encryption=True
+            )
+
+    @property
+    def name(self) -> str:
+        return self.address or f"the scheduler of {self.scheduler_file}"
+
+    @contextlib.contextmanager
+    def client(self) -> Iterator[Any]:
+        from distributed import Client
+
+        try:
+            client = Client(
+                self.address,
+                scheduler_file=self.scheduler_file,
+                timeout=self.timeout,
+                security=self.security,
+                set_as_default=False,
+            )
+        except (OSError, TimeoutError, ValueError) as e:
+            click.echo(f"cannot reach {self.name}: {type(e).__name__}: {e}", err=True)
+            raise SystemExit(2) from None
+        with client:
+            yield client
+
+
+def _connection_options(fn: Any) -> Any:
+    for option in reversed(
+        [
+            click.argument("address", required=False),
+            click.option(
+                "--scheduler-file", default=None, help="the scheduler's file (dask scheduler --scheduler-file)"
+            ),
+            click.option(
+                "--timeout", type=float, default=10.0, show_default=True, help="seconds to reach the scheduler"
+            ),
+            click.option("--tls-ca-file", default=None, help="CA certificate(s) file for TLS (PEM)"),
+            click.option("--tls-cert", default=None, help="client certificate file for TLS (PEM)"),
+            click.option("--tls-key", default=None, help="client key file for TLS (PEM)"),
+        ]
+    ):
+        fn = option(fn)
+    return fn
+
+
+@click.group(name="gpupool", help="dask_gpupool: zero-copy handoffs between same-host workers.")
+def gpupool() -> None:
+    pass
+
+
+@gpupool.command(name="demo", help="Start a local cluster with the plugin and show a peer mapping a pool.")
+@click.option("--kind", default="auto", type=click.Choice(["auto", "device", "pinned", "host"]), show_default=True)
+@click.option("--workers", type=int, default=2, show_default=True, help="workers when there are fewer than two GPUs")
+@click.option("--max-size", default="1 GiB", show_default=True)
+def _demo_command(kind: str, workers: int, max_size: str) -> None:
+    sys.exit(demo(kind, max(2, workers), max_size))
+
+
+@gpupool.command(name="info", help="Print a running cluster's pool registry and per-worker stats.")
+@_connection_options
+def _info_command(**options: Any) -> None:
+    sys.exit(info(_Target(**options)))
+
+
+@gpupool.command(name="trim", help="Give pool memory back on every worker (segments retired, free host pages).")
+@_connection_options
+def _trim_command(**options: Any) -> None:
+    sys.exit(trim(_Target(**options)))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m dask_gpupool`` and the ``dask-gpupool`` script: the ``dask gpupool`` commands."""
+    try:
+        try:
+            gpupool.main(args=argv, prog_name="python -m dask_gpupool")
+        finally:
+            sys.stdout.flush()  # here, where a closed pipe can still be caught
+    except BrokenPipeError:  # the reader went away (``... | head``): stop quietly, as a Unix tool does
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        sys.exit(1)

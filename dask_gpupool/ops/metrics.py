@@ -1,0 +1,139 @@
+"""Prometheus metrics on Dask's own ``/metrics`` endpoints.
+
+Dask serves ``prometheus_client``'s default registry on every worker's and
+the scheduler's HTTP server. The plugins add one collector per process to
+that registry (:func:`register`), named in Dask's style:
+
+========================================================  =======  ==============================
+metric                                                    type     labels
+========================================================  =======  ==============================
+``dask_worker_gpupool_pool_bytes``                        gauge    ``state``: used, reserved, max
+``dask_worker_gpupool_leases``                            gauge
+``dask_worker_gpupool_leased_bytes``                      gauge
+``dask_worker_gpupool_mapped_pools``                      gauge
+``dask_worker_gpupool_handoffs_total``                    counter  ``direction``: export, import
+``dask_worker_gpupool_received_bytes_total``              counter  ``path``: zero-copy, copy, device-frames
+``dask_worker_gpupool_sent_copy_bytes_total``             counter
+``dask_worker_gpupool_fallbacks_total``                   counter  ``reason`` (see ``FALLBACK_REASONS``)
+``dask_worker_gpupool_leases_abandoned_total``              counter
+``dask_worker_gpupool_segments``                          gauge    ``state``: held, retiring
+``dask_scheduler_gpupool_pools``                          gauge    ``kind``
+========================================================  =======  ==============================
+
+Every worker metric also carries a ``worker`` label (the worker's Dask name),
+so that several workers in one process (tests, ``LocalCluster(processes=False)``)
+stay apart, and a restarted worker (a new pool UUID, a new address) continues
+its series. ``prometheus_client`` is optional, as it is for Dask: without it
+nothing is registered.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+__all__ = ["register", "register_scheduler"]
+
+_lock = threading.Lock()
+_registered: set[str] = set()
+_scheduler_source: Callable[[], dict[str, int]] | None = None
+
+
+def _worker_metrics() -> Iterator[Any]:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    from dask_gpupool.handoff.service import active_services
+    from dask_gpupool.handoff.stats import FALLBACK_REASONS
+
+    services = active_services()
+    name = "dask_worker_gpupool_"
+    pool_bytes = GaugeMetricFamily(name + "pool_bytes", "Bytes of this worker's pool.", labels=["worker", "state"])
+    leases = GaugeMetricFamily(name + "leases", "Live leases this worker granted to importers.", labels=["worker"])
+    leased = GaugeMetricFamily(name + "leased_bytes", "Bytes kept alive by live leases.", labels=["worker"])
+    mapped = GaugeMetricFamily(name + "mapped_pools", "Peers' pools mapped by this worker.", labels=["worker"])
+    handoffs = CounterMetricFamily(
+        name + "handoffs", "Zero-copy handoffs, by direction.", labels=["worker", "direction"]
+    )
+    received = CounterMetricFamily(
+        name + "received_bytes", "Bytes received from same-host peers, by path.", labels=["worker", "path"]
+    )
+    sent = CounterMetricFamily(name + "sent_copy_bytes", "Bytes sent to peers as host copies.", labels=["worker"])
+    fallbacks = CounterMetricFamily(
+        name + "fallbacks", "Same-host transfers copied instead of handed over, by reason.", labels=["worker", "reason"]
+    )
+    abandoned = CounterMetricFamily(
+        name + "leases_abandoned", "Leases that ended unclaimed (their transfer failed).", labels=["worker"]
+    )
+    segments = GaugeMetricFamily(
+        name + "segments",
+        "Segments of this worker's device pool, by state (held, retiring).",
+        labels=["worker", "state"],
+    )
+    for s in services:
+        pool = s.name  # the worker's name: a restarted worker continues its series
+        st = s.stats()
+        h = s.handoff_stats()
+        pool_bytes.add_metric([pool, "used"], st.used)
+        pool_bytes.add_metric([pool, "reserved"], st.reserved)
+        pool_bytes.add_metric([pool, "max"], s.pool.max_size)
+        leases.add_metric([pool], h["leases"])
+        leased.add_metric([pool], h["lease_bytes"])
+        mapped.add_metric([pool], h["mapped_pools"])
+        handoffs.add_metric([pool, "export"], h["exports"])
+        handoffs.add_metric([pool, "import"], h["imports"])
+        received.add_metric([pool, "zero-copy"], h["zero_copy_bytes"])
+        received.add_metric([pool, "copy"], h["copied_bytes"])
+        received.add_metric([pool, "device-frames"], h["device_frames_bytes"])
+        sent.add_metric([pool], h["copied_out_bytes"])
+        for reason in FALLBACK_REASONS:
+            fallbacks.add_metric([pool, reason], h["fallbacks"].get(reason, 0))
+        abandoned.add_metric([pool], h["leases_abandoned"])
+        segments.add_metric([pool, "held"], h["segments"])
+        segments.add_metric([pool, "retiring"], h["segments_retiring"])
+    yield from (pool_bytes, leases, leased, mapped, handoffs, received, sent, fallbacks, abandoned, segments)
+
+
+class _Collector:
+    def __init__(self, collect: Callable[[], Iterator[Any]]) -> None:
+        self._collect = collect
+
+    def collect(self) -> Iterator[Any]:
+        yield from self._collect()
+
+
+def _register(key: str, collect: Callable[[], Iterator[Any]]) -> bool:
+    try:
+        import prometheus_client
+    except ImportError:
+        return False
+    with _lock:
+        if key not in _registered:
+            prometheus_client.REGISTRY.register(_Collector(collect))
+            _registered.add(key)
+    return True
+
+
+def register() -> bool:
+    """Add the worker collector to this process's Prometheus registry (once); ``False`` without prometheus_client."""
+    return _register("worker", _worker_metrics)
+
+
+def register_scheduler(pools_by_kind: Callable[[], dict[str, int]]) -> bool:
+    """Add the scheduler collector (once per process); ``pools_by_kind`` reads the live registry.
+
+    A later call (the plugin registered again) replaces the source.
+    """
+    global _scheduler_source
+    _scheduler_source = pools_by_kind
+
+    def collect() -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        g = GaugeMetricFamily("dask_scheduler_gpupool_pools", "Pools in the gpupool registry.", labels=["kind"])
+        counts = _scheduler_source() if _scheduler_source is not None else {}
+        for kind in ("device", "pinned", "host"):
+            g.add_metric([kind], counts.get(kind, 0))
+        yield g
+
+    return _register("scheduler", collect)

@@ -1,0 +1,774 @@
+"""The fd broker: hands a pool's shareable fd to same-host peers.
+
+A CUDA pool's (or a memfd's) shareable handle is a file descriptor, and the
+only way to give an fd to an unrelated process is a Unix-domain socket with
+SCM_RIGHTS (re-opening ``/proc/<pid>/fd/<n>`` fails for CUDA handles, and
+``pidfd_getfd`` needs ptrace rights). Each worker runs one :class:`FdBroker`.
+
+Protocol (``SOCK_SEQPACKET``, so each message arrives whole; msgpack maps
+from :mod:`dask_gpupool.wire.messages`)::
+
+    peer   -> broker   Hello{op: "hello", token, worker}         (first, always)
+    broker -> peer     Welcome{op: "welcome"}
+                   or  ErrorReply{error: "NotAMemberError"}, then closes
+
+    peer   -> broker   HandleRequest{op: "pool-handle", pool}
+    broker -> peer     HandleReply{op: "pool-handle-ok", pool, kind, size}
+    broker -> peer     one byte, with the fd as SCM_RIGHTS ancillary data
+                   or  ErrorReply{op: "error", error, message}
+
+    peer   -> broker   LeaseClaim{op: "lease-claim", leases}
+    broker -> peer     ClaimReply{op: "claim-ok", leases: the refused ones}
+    peer   -> broker   LeaseRelease{op: "lease-release", leases}  (no reply)
+    peer   -> broker   Resync{op: "resync", leases, done}         (first on a reopened link)
+    broker -> peer     ResyncReply{op: "resync-ok", ended}        (after the chunk with done)
+    peer   -> broker   SegmentRelease{op: "segment-release", segments}  (no reply)
+
+    peer   -> broker   CopyRequest{op: "lease-copy", lease}
+    broker -> peer     CopyReply{op: "lease-copy-ok", lease, size}
+    broker -> peer     one byte, with a memfd holding the bytes
+                   or  ErrorReply
+
+A connection stays open as long as the peer wants (an importer keeps one to
+each exporter it imports from, see :mod:`dask_gpupool.transport.link`). Lease requests
+act only on leases of the worker the connection named in its ``Hello``
+(accepted by :meth:`BrokerHandler.identify`). A connection closing ends
+nothing: the broker watches each importer's process with a pidfd and tells
+its handler when that process exits (:meth:`BrokerHandler.importer_exited`).
+That is how an importer that dies gives its leases back, while one whose
+link merely broke keeps them (it reopens the link and resyncs).
+
+Trust boundary: the socket lives in a private directory (mode 0700, made by
+the broker); the broker checks each peer's uid with ``SO_PEERCRED`` and then
+the cluster's membership token, which the first message must carry (compared
+with :func:`hmac.compare_digest`): only processes of the same user that are
+members of this cluster get anything. Until the worker has the token (from
+the scheduler's registry) the broker refuses everyone. A malformed request,
+one too large, or no first message within ``timeout`` closes that connection
+(logged once); the broker goes on serving others. See docs/security.md.
+
+Threads: the broker runs its own asyncio loop in a daemon thread, so it
+never blocks the worker's event loop. :func:`request_pool_fd` is blocking
+and runs in the caller's thread (a task thread or an executor).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import hmac
+import logging
+import os
+import select
+import socket
+import stat
+import struct
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Protocol, cast
+
+from dask_gpupool.errors import (
+    BrokerRefusedError,
+    ConfigError,
+    GPUPoolError,
+    NotAMemberError,
+    ProtocolError,
+    UnknownPoolError,
+)
+from dask_gpupool.wire.messages import (
+    MAX_MESSAGE_BYTES,
+    ClaimReply,
+    CopyReply,
+    CopyRequest,
+    ErrorReply,
+    HandleReply,
+    HandleRequest,
+    Hello,
+    LeaseClaim,
+    LeaseRelease,
+    Resync,
+    ResyncReply,
+    SegmentRelease,
+    Welcome,
+    decode,
+    encode,
+    parse_request,
+)
+
+__all__ = ["BrokerHandler", "FdBroker", "PoolLookup", "remove_stale_broker_dirs", "request_pool_fd"]
+
+logger = logging.getLogger(__name__)
+
+#: Returns ``(fd, reply)`` for a pool this broker serves, else ``None``. The fd stays owned by the pool.
+PoolLookup = Callable[[str], "tuple[int, HandleReply] | None"]
+
+
+class BrokerHandler(Protocol):
+    """What a broker asks its owner. Every method runs on the broker's thread
+    (``copy_out`` on a helper thread) and must not block for long.
+
+    ``importer`` is the worker address a connection named in its
+    :class:`~dask_gpupool.wire.messages.Hello`, accepted by :meth:`identify`;
+    ``""`` for connections that only fetch pool fds.
+    """
+
+    def thread_started(self) -> None:
+        """Called once on the broker's thread before it serves anything."""
+
+    def identify(self, importer: str, pid: int) -> bool:
+        """Whether process ``pid`` (``SO_PEERCRED``; 0 when not visible here) may act for worker ``importer``."""
+
+    def pool_handle(self, pool: str) -> tuple[int, HandleReply] | None:
+        """``(fd, reply)`` for a pool this broker serves, else ``None``. The fd stays the pool's."""
+
+    def segment_handle(self, pool: str, segment: int, importer: str) -> tuple[int, HandleReply]:
+        """``(fd, reply)`` for VMM segment ``segment`` of ``pool``; the **broker closes the fd** after sending.
+
+        Raises a :class:`~dask_gpupool.GPUPoolError` for an unknown pool or segment.
+        """
+
+    def claim(self, leases: Iterable[int], importer: str) -> list[int]:
+        """``importer`` imported these leased buffers; return the ids refused."""
+
+    def release(self, leases: Iterable[int], importer: str) -> None:
+        """``importer`` closed its imports of these leased buffers."""
+
+    def resync(self, leases: set[int], importer: str) -> int:
+        """``importer`` holds exactly ``leases`` (after a broken link); return how many others ended."""
+
+    def segments_released(self, segments: tuple[tuple[int, int], ...], importer: str) -> None:
+        """``importer`` unmapped these retiring segments ``(id, claims)``."""
+
+    def importer_exited(self, importer: str) -> None:
+        """``importer``'s process is gone: release everything it held."""
+
+    def copy_out(self, lease: int, importer: str) -> tuple[int, int]:
+        """``(memfd, size)`` holding a copy of a leased buffer of ``importer``; the broker closes the memfd.
+
+        Raises a :class:`~dask_gpupool.GPUPoolError` when the lease is gone.
+        """
+
+    def tick(self) -> None:
+        """Called about once a second (logs leases unclaimed for long)."""
+
+
+class _LookupOnly:
+    """A :class:`BrokerHandler` that serves pool fds and nothing else."""
+
+    def __init__(self, lookup: PoolLookup) -> None:
+        self._lookup = lookup
+
+    def thread_started(self) -> None:
+        pass
+
+    def identify(self, importer: str, pid: int) -> bool:
+        return True
+
+    def pool_handle(self, pool: str) -> tuple[int, HandleReply] | None:
+        return self._lookup(pool)
+
+    def segment_handle(self, pool: str, segment: int, importer: str) -> tuple[int, HandleReply]:
+        raise UnknownPoolError(f"pool {pool}: this broker serves pool handles only")
+
+    def claim(self, leases: Iterable[int], importer: str) -> list[int]:
+        return list(leases)
+
+    def release(self, leases: Iterable[int], importer: str) -> None:
+        pass
+
+    def resync(self, leases: set[int], importer: str) -> int:
+        return 0
+
+    def segments_released(self, segments: tuple[tuple[int, int], ...], importer: str) -> None:
+        pass
+
+    def importer_exited(self, importer: str) -> None:
+        pass
+
+    def copy_out(self, lease: int, importer: str) -> tuple[int, int]:
+        raise UnknownPoolError("this broker serves no leases")
+
+    def tick(self) -> None:
+        pass
+
+
+_SOCKET_NAME = "broker.sock"
+#: Most lease ids one resync may name (an importer's live imports of one exporter).
+_MAX_RESYNC = 1 << 20
+_UNIX_PATH_MAX = 107
+_PEERCRED = struct.Struct("3i")
+
+#: Open connections one peer process (``SO_PEERCRED`` pid) may hold to a broker; more are refused.
+MAX_PER_PEER = 64
+#: Open connections a broker holds in all; more are refused.
+MAX_CONNECTIONS = 1024
+#: Accept errors that mean "try again": a connection that went away while queued.
+_ACCEPT_RETRY = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EINTR, errno.EAGAIN})
+#: Longest pause of an accept loop that met an error it backs off from (EMFILE, ENFILE, ENOBUFS, ENOMEM).
+ACCEPT_BACKOFF_MAX = 1.0
+
+
+class FdBroker:
+    """Serve pools' fds to same-uid peers on this host.
+
+    Parameters
+    ----------
+    handler : BrokerHandler or PoolLookup
+        Answers requests (runs on the broker's thread). A bare
+        :data:`PoolLookup` serves pool fds only.
+    directory : str or None
+        Parent of the broker's private directory (default: the temp dir).
+    timeout : float
+        Seconds a connection may wait to send its next request.
+    name : str
+        Used in log messages and the directory name (the pool UUID).
+    token : bytes or None
+        The cluster's membership token; ``None`` refuses everyone until
+        :attr:`token` is set.
+    max_per_peer : int
+        Open connections one peer process (its ``SO_PEERCRED`` pid) may hold;
+        further ones are refused (:data:`MAX_PER_PEER`).
+    max_connections : int
+        Open connections in all; further ones are refused
+        (:data:`MAX_CONNECTIONS`).
+
+    Attributes
+    ----------
+    address : str
+        Path of the socket; peers find it in the scheduler's registry.
+    served, refused : int
+        Fds handed out; connections closed for bad credentials or input, for
+        no hello within ``timeout`` of their accept, or over a bound.
+    accept_errors : int
+        Times accepting failed for want of resources (``EMFILE``, ``ENFILE``,
+        ...); the broker paused and went on accepting each time.
+    max_per_peer, max_connections : int
+        The bounds above.
+
+    Notes
+    -----
+    fd ownership: the listening socket and every accepted connection are the
+    broker's and closed by :meth:`close`; the pool fds it sends stay owned by
+    their pools (the kernel gives the peer its own copy). A connection refused
+    over a bound is closed by the broker's thread at once, after a
+    best-effort :class:`BrokerRefusedError` reply.
+
+    Load: a peer that does not send its hello within ``timeout`` of its
+    accept is closed (one message, whole, on a ``SOCK_SEQPACKET`` socket, so
+    no trickle can stretch it); at most ``max_per_peer`` connections per pid
+    and ``max_connections`` in all are open; when the process runs out of fds
+    the accept loop logs once, backs off up to :data:`ACCEPT_BACKOFF_MAX`
+    seconds (on its own asyncio loop, which keeps serving the open
+    connections) and accepts again. See docs/reliability.md.
+    """
+
+    address: str
+    served: int
+    refused: int
+    copies: int
+    accept_errors: int
+    max_per_peer: int
+    max_connections: int
+    token: bytes | None
+    _handler: BrokerHandler
+    _timeout: float
+    _name: str
+    _dir: str
+    _sock: socket.socket
+    _loop: asyncio.AbstractEventLoop
+    _thread: threading.Thread
+    _conns: set[socket.socket]
+    _watched: dict[int, tuple[int, str]]
+    _per_pid: dict[int, int]
+    _refusing: set[int]
+    _closed: bool
+
+    def __init__(
+        self,
+        handler: BrokerHandler | PoolLookup,
+        directory: str | None,
+        timeout: float,
+        name: str = "pool",
+        token: bytes | None = None,
+        max_per_peer: int = MAX_PER_PEER,
+        max_connections: int = MAX_CONNECTIONS,
+    ) -> None:
+        if max_per_peer < 1 or max_connections < 1:
+            raise ConfigError(f"broker bounds must be positive integers: {max_per_peer=}, {max_connections=}")
+        self.token = token
+        self.max_per_peer, self.max_connections = max_per_peer, max_connections
+        self.accept_errors = 0
+        self._per_pid = {}  # open connections by peer pid (broker thread only)
+        self._refusing = set()  # pids (-1: everyone) refused since their last close: warned once
+        self._handler = cast(BrokerHandler, handler) if hasattr(handler, "pool_handle") else _LookupOnly(handler)
+        self._timeout = timeout
+        self._name = name
+        self._next_connection = 0
+        self.served = self.refused = self.copies = 0
+        self._conns = set()
+        self._watched = {}
+        self._closed = False
+        parent = directory or tempfile.gettempdir()
+        remove_stale_broker_dirs(parent)
+        self._dir = tempfile.mkdtemp(prefix=f"dask-gpupool-{name[:8]}-", dir=parent)  # mode 0700
+        self.address = os.path.join(self._dir, _SOCKET_NAME)
+        try:
+            if len(os.fsencode(self.address)) > _UNIX_PATH_MAX:
+                raise GPUPoolError(
+                    f"broker socket path {self.address!r} is longer than {_UNIX_PATH_MAX} bytes; "
+                    "set gpupool.broker-dir to a shorter directory"
+                )
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+            try:
+                self._sock.bind(self.address)
+                self._sock.listen(64)
+                self._sock.setblocking(False)
+            except BaseException:
+                self._sock.close()
+                raise
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(self.address)
+            os.rmdir(self._dir)
+            raise
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=f"gpupool-broker-{name[:8]}", daemon=True)
+        self._thread.start()
+        logger.debug("pool %s: broker serving at %s", name, self.address)
+
+    # -- the broker's thread ----------------------------------------------------
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._handler.thread_started()
+        except Exception:
+            logger.exception("pool %s: broker thread setup failed", self._name)
+        self._accept_task = self._loop.create_task(self._accept())
+        self._tick_task = self._loop.create_task(self._tick())
+        try:
+            self._loop.run_forever()
+        finally:
+            tasks = asyncio.all_tasks(self._loop)
+            for t in tasks:
+                t.cancel()
+            self._loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            for pidfd, _ in self._watched.values():
+                self._loop.remove_reader(pidfd)
+                os.close(pidfd)
+            self._watched.clear()
+            self._loop.close()
+
+    async def _accept(self) -> None:
+        """Accept peers until the broker closes; no error ends it.
+
+        Out of fds (``EMFILE``/``ENFILE``) or memory, it logs once, pauses
+        (50 ms, doubling up to :data:`ACCEPT_BACKOFF_MAX`) and tries again; the
+        queued peers wait in the listen backlog meanwhile. Runs on the
+        broker's thread.
+        """
+        pause = 0.0
+        while True:
+            try:
+                conn, _ = await self._loop.sock_accept(self._sock)
+            except asyncio.CancelledError:
+                raise
+            except OSError as e:
+                if self._closed or self._sock.fileno() < 0:
+                    return
+                if e.errno in _ACCEPT_RETRY:
+                    continue
+                self.accept_errors += 1
+                if not pause:
+                    logger.warning(
+                        "pool %s: broker cannot accept (%s); retrying, backing off up to %.0f s",
+                        self._name,
+                        e,
+                        ACCEPT_BACKOFF_MAX,
+                    )
+                pause = min(max(2 * pause, 0.05), ACCEPT_BACKOFF_MAX)
+                await asyncio.sleep(pause)
+                continue
+            if pause:
+                logger.warning("pool %s: broker accepts again", self._name)
+                pause = 0.0
+            self._admit(conn)
+
+    def _admit(self, conn: socket.socket) -> None:
+        """Serve ``conn`` if its pid and the broker are under their bounds; else refuse and close it."""
+        conn.setblocking(False)
+        try:
+            pid = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))[0]
+        except OSError:
+            conn.close()
+            return
+        if len(self._conns) >= self.max_connections:
+            why, who = f"{len(self._conns)} connections open (gpupool broker bound {self.max_connections})", -1
+        elif self._per_pid.get(pid, 0) >= self.max_per_peer:
+            why, who = f"pid {pid} holds {self.max_per_peer} connections (the bound per peer)", pid
+        else:
+            self._per_pid[pid] = self._per_pid.get(pid, 0) + 1
+            self._conns.add(conn)
+            self._loop.create_task(self._serve_counted(conn, pid))
+            return
+        self.refused += 1
+        if who not in self._refusing:
+            self._refusing.add(who)
+            logger.warning("pool %s: broker refuses connections: %s", self._name, why)
+        refusal = BrokerRefusedError(f"pool {self._name}: broker refused the connection: {why}")
+        with contextlib.suppress(OSError):
+            conn.send(encode(ErrorReply.of(refusal)))  # best effort; never waits
+        conn.close()
+
+    async def _serve_counted(self, conn: socket.socket, pid: int) -> None:
+        """:meth:`_serve`, counted against ``pid``'s bound while it runs."""
+        try:
+            await self._serve(conn)
+        finally:
+            left = self._per_pid.get(pid, 1) - 1
+            if left > 0:
+                self._per_pid[pid] = left
+            else:
+                self._per_pid.pop(pid, None)
+                self._refusing.discard(pid)  # warn again about this pid's next flood, not its every refusal
+            if len(self._conns) < self.max_connections // 2:
+                self._refusing.discard(-1)
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                self._handler.tick()
+            except Exception:
+                logger.exception("pool %s: broker tick failed", self._name)
+
+    async def _serve(self, conn: socket.socket) -> None:
+        pid = -1
+        spoke = False
+        importer = ""
+        resync: set[int] = set()
+        try:
+            pid, uid, _gid = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+            if uid != os.getuid():
+                self.refused += 1
+                logger.warning("pool %s: broker refused pid %d of uid %d (not ours)", self._name, pid, uid)
+                return
+            while True:
+                recv = self._loop.sock_recv(conn, MAX_MESSAGE_BYTES + 1)
+                try:
+                    # The first request must come within the timeout; after that the peer
+                    # keeps the connection for its leases as long as it likes.
+                    data = await (recv if spoke else asyncio.wait_for(recv, self._timeout))
+                except TimeoutError:
+                    self.refused += 1
+                    logger.warning("pool %s: broker closed connection of pid %d: no request", self._name, pid)
+                    return
+                if not data:
+                    return
+                if not spoke:
+                    hello = Hello.from_msg(decode(data))
+                    refusal = self._refusal(hello, pid)
+                    if refusal is not None:
+                        self.refused += 1
+                        logger.warning("pool %s: broker refused pid %d: %s", self._name, pid, refusal)
+                        with contextlib.suppress(OSError):
+                            await self._loop.sock_sendall(conn, encode(ErrorReply.of(refusal)))
+                        return
+                    importer = hello.worker
+                    if importer:
+                        self._watch(pid, importer)
+                    await self._loop.sock_sendall(conn, encode(Welcome()))
+                    spoke = True
+                    continue
+                await self._answer(conn, decode(data), importer, resync)
+        except ProtocolError as e:
+            self.refused += 1
+            logger.warning("pool %s: broker closed connection of pid %d: %s", self._name, pid, e)
+        except (ConnectionError, OSError) as e:
+            logger.debug("pool %s: broker connection of pid %d broke: %s", self._name, pid, e)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            self._conns.discard(conn)
+            conn.close()
+            # A closed connection is not a dead importer (its link may have timed out on us while we
+            # were stalled): its leases stay until it releases them, resyncs, or its process exits.
+            if importer and pid > 0:
+                self._check_exited(pid)
+
+    def _refusal(self, hello: Hello, pid: int) -> GPUPoolError | None:
+        token = self.token
+        if token is None or not hmac.compare_digest(hello.token, token):
+            return NotAMemberError(f"pool {self._name}: not a member of this cluster (token mismatch)")
+        if hello.worker and not self._handler.identify(hello.worker, pid):
+            return NotAMemberError(
+                f"pool {self._name}: pid {pid} is not the process of worker {hello.worker} in the registry"
+            )
+        return None
+
+    # -- importer processes: leases end when they exit ---------------------------
+
+    def _watch(self, pid: int, importer: str) -> None:
+        """Watch ``pid`` (the importer ``importer``) with a pidfd; its exit releases its leases."""
+        if pid <= 0 or pid in self._watched:
+            return
+        try:
+            pidfd = os.pidfd_open(pid)
+        except (AttributeError, OSError) as e:  # no pidfds here, or it is gone already
+            logger.debug("pool %s: cannot watch pid %d: %s", self._name, pid, e)
+            if isinstance(e, ProcessLookupError):
+                self._handler.importer_exited(importer)
+            return
+        self._watched[pid] = (pidfd, importer)
+        self._loop.add_reader(pidfd, self._exited, pid)
+
+    def _exited(self, pid: int) -> None:
+        pidfd, importer = self._watched.pop(pid)
+        self._loop.remove_reader(pidfd)
+        os.close(pidfd)
+        logger.info("pool %s: importer %s (pid %d) exited; releasing what it held", self._name, importer, pid)
+        try:
+            self._handler.importer_exited(importer)
+        except Exception:
+            logger.exception("pool %s: releasing the leases of %s failed", self._name, importer)
+
+    def _check_exited(self, pid: int) -> None:
+        """Right after a connection closed: release at once if its process is gone already."""
+        entry = self._watched.get(pid)
+        if entry is None:
+            return
+        ready, _, _ = select.select([entry[0]], [], [], 0)
+        if ready:
+            self._exited(pid)
+
+    @property
+    def watched(self) -> int:
+        """Importer processes watched (for leak checks)."""
+        return len(self._watched)
+
+    @property
+    def handler(self) -> BrokerHandler:
+        """What this broker asks (its owner's :class:`BrokerHandler`)."""
+        return self._handler
+
+    async def _answer(self, conn: socket.socket, msg: dict[str, object], importer: str, resync: set[int]) -> None:
+        request = parse_request(msg)
+        if isinstance(request, HandleRequest) and request.segment:
+            if not importer:
+                raise ProtocolError("segment handle request on a connection that named no worker")
+            try:
+                fd, handle_reply = self._handler.segment_handle(request.pool, request.segment, importer)
+            except GPUPoolError as e:
+                await self._loop.sock_sendall(conn, encode(ErrorReply.of(e)))
+                return
+            try:
+                await self._loop.sock_sendall(conn, encode(handle_reply))
+                await self._send_fd(conn, fd)
+            finally:
+                os.close(fd)
+            self.served += 1
+            return
+        if isinstance(request, HandleRequest):
+            found = self._handler.pool_handle(request.pool)
+            if found is None:
+                reply = ErrorReply.of(UnknownPoolError(f"pool {request.pool} is not served by this broker"))
+                await self._loop.sock_sendall(conn, encode(reply))
+                return
+            fd, handle_reply = found
+            await self._loop.sock_sendall(conn, encode(handle_reply))
+            await self._send_fd(conn, fd)
+            self.served += 1
+            return
+        if not importer:
+            raise ProtocolError(f"{request.op} on a connection that named no worker")
+        if isinstance(request, LeaseClaim):
+            refused = self._handler.claim(request.leases, importer)
+            await self._loop.sock_sendall(conn, encode(ClaimReply(tuple(refused))))
+        elif isinstance(request, LeaseRelease):
+            self._handler.release(request.leases, importer)
+        elif isinstance(request, Resync):
+            resync.update(request.leases)
+            if len(resync) > _MAX_RESYNC:
+                raise ProtocolError(f"resync of more than {_MAX_RESYNC} leases")
+            if request.done:
+                ended = self._handler.resync(set(resync), importer)
+                resync.clear()
+                await self._loop.sock_sendall(conn, encode(ResyncReply(ended)))
+        elif isinstance(request, SegmentRelease):
+            self._handler.segments_released(request.segments, importer)
+        elif isinstance(request, CopyRequest):
+            try:
+                fd, size = await self._loop.run_in_executor(None, self._handler.copy_out, request.lease, importer)
+            except GPUPoolError as e:
+                await self._loop.sock_sendall(conn, encode(ErrorReply.of(e)))
+                return
+            try:
+                await self._loop.sock_sendall(conn, encode(CopyReply(request.lease, size)))
+                await self._send_fd(conn, fd)
+            finally:
+                os.close(fd)
+            self.copies += 1
+
+    async def _send_fd(self, conn: socket.socket, fd: int) -> None:
+        # The fd travels in a message of its own; a seqpacket socket sends it whole or not at all.
+        while True:
+            try:
+                socket.send_fds(conn, [b"\0"], [fd])
+                return
+            except BlockingIOError:
+                await asyncio.sleep(0.001)
+
+    # -- owner's side -------------------------------------------------------------
+
+    @property
+    def connections(self) -> int:
+        """Open peer connections."""
+        return len(self._conns)
+
+    def close(self) -> None:
+        """Stop serving, close every socket, remove the socket file and directory. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+        self._sock.close()
+        for conn in list(self._conns):
+            conn.close()
+        self._conns.clear()
+        self._per_pid.clear()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.address)
+        with contextlib.suppress(FileNotFoundError):
+            os.rmdir(self._dir)
+        logger.debug("pool %s: broker closed", self._name)
+
+
+#: Prefix of every broker directory (``mkdtemp`` adds the pool's first 8 characters and a random suffix).
+_DIR_PREFIX = "dask-gpupool-"
+#: Broker directories changed less than this many seconds ago are never judged stale: a broker may be
+#: starting in one (``mkdtemp`` comes before ``bind``).
+STALE_AFTER = 10.0
+
+
+def remove_stale_broker_dirs(parent: str, min_age: float = STALE_AFTER) -> list[str]:
+    """Remove the broker directories in ``parent`` that brokers left when they died without closing.
+
+    A broker killed with SIGKILL (or a worker that crashed) leaves its private
+    directory and socket behind. :class:`FdBroker` calls this before it makes
+    its own directory. An entry is removed only when all of these hold:
+
+    - its name starts with ``dask-gpupool-``;
+    - it is a directory, not a link to one (``lstat``), owned by this
+      process's uid;
+    - it was last modified more than ``min_age`` seconds ago;
+    - nobody listens on it: it has no ``broker.sock``, or that is a socket of
+      ours and connecting to it is refused (``ECONNREFUSED``).
+
+    Then the socket file is unlinked and the directory removed with ``rmdir``,
+    so a directory that holds anything else stays. Other users' directories,
+    live brokers' (even of another cluster: a connection that sends nothing
+    is closed by the broker) and anything that cannot be judged are left
+    alone. ``gpupool.broker-dir`` must be host-local: a socket on a shared
+    filesystem would look dead from every other host.
+
+    Parameters
+    ----------
+    parent : str
+        The directory brokers make their directories in.
+    min_age : float
+        Seconds since a directory's last change before it may count as stale.
+
+    Returns
+    -------
+    list of str
+        The directories removed. Never raises for an entry it cannot read or
+        remove; it leaves it.
+
+    Notes
+    -----
+    Blocking, in the caller's thread: one non-blocking ``connect`` per
+    candidate. Each probe's socket is opened and closed here.
+    """
+    removed: list[str] = []
+    try:
+        entries = list(os.scandir(parent))
+    except OSError as e:
+        logger.debug("broker directory %s cannot be listed: %s", parent, e)
+        return removed
+    uid, now = os.getuid(), time.time()
+    for entry in entries:
+        if not entry.name.startswith(_DIR_PREFIX):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or now - st.st_mtime < min_age:
+                continue
+            address = os.path.join(entry.path, _SOCKET_NAME)
+            try:
+                sst = os.lstat(address)
+            except FileNotFoundError:
+                pass  # died before bind, or its socket is gone: nobody can listen here
+            else:
+                if not stat.S_ISSOCK(sst.st_mode) or sst.st_uid != uid or not _refused(address):
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(address)
+            os.rmdir(entry.path)
+        except FileNotFoundError:
+            continue  # removed meanwhile (another broker starting here cleans up too)
+        except OSError as e:
+            logger.debug("broker directory %s left as it is: %s", entry.path, e)
+            continue
+        logger.info("removed the stale broker directory %s (its broker died without closing)", entry.path)
+        removed.append(entry.path)
+    return removed
+
+
+def _refused(address: str) -> bool:
+    """Whether connecting to the socket at ``address`` is refused: nobody listens on it."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as probe:
+        probe.setblocking(False)
+        try:
+            probe.connect(address)
+        except ConnectionRefusedError:
+            return True
+        except OSError:  # a full backlog (EAGAIN) is a live broker; anything else cannot be judged
+            return False
+        return False
+
+
+def request_pool_fd(address: str, pool: str, timeout: float, token: bytes) -> tuple[HandleReply, int]:
+    """Ask the broker at ``address`` for pool ``pool``'s fd over a one-shot connection. Blocking.
+
+    Workers keep a :class:`~dask_gpupool.transport.link.PeerLink` per exporter instead;
+    this is the same exchange for callers that need only the fd.
+
+    Returns
+    -------
+    (HandleReply, int)
+        The broker's reply and the received fd. **The caller owns the fd and
+        must close it.**
+
+    Raises
+    ------
+    PeerLostError
+        If the broker cannot be reached or hangs up.
+    NotAMemberError
+        If ``token`` is not the cluster's.
+    UnknownPoolError
+        If the broker does not serve that pool.
+    ProtocolError
+        If the answer breaks the protocol.
+    """
+    from dask_gpupool.transport.link import PeerLink
+
+    link = PeerLink(address, timeout, token)
+    try:
+        return link.request_pool_fd(pool)
+    finally:
+        link.close()
