@@ -340,7 +340,7 @@ def keep(x: Any) -> Any:
 
 def describe(x: Any) -> dict[str, Any]:
     """Task: how a value arrived here: imported from a peer (zero-copy) or not, and where it points."""
-    from dask_gpupool.transport.link import ImportedMemoryResource
+    from dask_gpupool.handoff.imported import ImportedMemoryResource
 
     if hasattr(x, "memory_resource"):
         buf = x

@@ -14,7 +14,7 @@ from conftest import no_fd_leak  # noqa: F401  (fixture)
 
 from dask_gpupool import DataLostError, NotAMemberError
 from dask_gpupool.handoff.leases import LeaseTable
-from dask_gpupool.handoff.service import host_buffer
+from dask_gpupool.memory.buffers import host_buffer
 from dask_gpupool.testing import read_bytes
 from dask_gpupool.transport.stream import CopyServer, Staged, lanes, pull, pull_proof
 

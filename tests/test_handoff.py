@@ -371,7 +371,7 @@ def test_on_a_comm_that_asks_for_device_frames_a_host_buffer_still_goes_in_a_hos
     from distributed.protocol import deserialize, serialize
 
     from dask_gpupool.dask.serializers import _DeviceFrame
-    from dask_gpupool.handoff.service import host_buffer
+    from dask_gpupool.memory.buffers import host_buffer
 
     buf = host_buffer(bytearray(b"host bytes"))
     header, frames = serialize(buf, serializers=("cuda", "dask", "pickle", "error"))

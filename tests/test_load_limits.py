@@ -31,7 +31,7 @@ from conftest import no_fd_leak  # noqa: F401  (fixture)
 
 from dask_gpupool import BrokerRefusedError, PeerLostError
 from dask_gpupool.handoff.leases import LeaseTable
-from dask_gpupool.handoff.service import host_buffer
+from dask_gpupool.memory.buffers import host_buffer
 from dask_gpupool.testing import read_bytes
 from dask_gpupool.transport.broker import FdBroker, request_pool_fd
 from dask_gpupool.transport.stream import CopyServer, Staged, pull, pull_proof

@@ -50,7 +50,8 @@ from cuda.core import Buffer
 from distributed.protocol import dask_deserialize, dask_serialize
 
 from dask_gpupool.errors import DataLostError, PoolUnavailableError, ProtocolError
-from dask_gpupool.handoff.service import active_service, buffer_kind, copy_to_host, host_buffer
+from dask_gpupool.handoff.active import active_service
+from dask_gpupool.memory.buffers import buffer_kind, copy_to_host, host_buffer
 from dask_gpupool.memory.ucx_staging import UcxStaging
 from dask_gpupool.wire.messages import ArrayMeta, HandoffHeader
 

@@ -21,7 +21,6 @@ trip, bounded by ``broker-timeout``).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import functools
 import logging
@@ -43,15 +42,18 @@ from dask_gpupool.errors import (
     ProtocolError,
     UnknownPoolError,
 )
+from dask_gpupool.handoff import active
+from dask_gpupool.handoff.imported import ImportedMemoryResource
 from dask_gpupool.handoff.importer import IMPORT_LOCK, MappedPool, MappedPools
 from dask_gpupool.handoff.leases import LeaseTable
 from dask_gpupool.handoff.registry import RegistryView
+from dask_gpupool.handoff.releaser import Releaser
 from dask_gpupool.handoff.stats import HandoffStats
-from dask_gpupool.memory.host import HostOnlyResource
+from dask_gpupool.memory.buffers import buffer_kind, copy_from_host, copy_to_host, host_buffer
 from dask_gpupool.memory.pool import Pool, PoolStats, keep_until_exit
 from dask_gpupool.memory.topology import LocalDevices, current_gpu, host_identity, local_devices
 from dask_gpupool.transport.broker import FdBroker
-from dask_gpupool.transport.link import ImportedMemoryResource, PeerLink, Releaser
+from dask_gpupool.transport.link import PeerLink
 from dask_gpupool.transport.stream import STAGING, CopyServer, Staged, lanes, pull
 from dask_gpupool.wire.messages import (
     ArrayMeta,
@@ -66,87 +68,13 @@ from dask_gpupool.wire.messages import (
 if TYPE_CHECKING:
     from cuda.core import Buffer
 
-__all__ = ["PoolService", "active_service", "buffer_kind", "copy_from_host", "copy_to_host"]
+__all__ = ["PoolService"]
 
 logger = logging.getLogger(__name__)
 
 #: Comms over which a same-host worker gets IPC descriptors: the bytes of a descriptor travel in
 #: Dask's frames, so any comm that carries frames between processes would do; these are the ones tested.
 HANDOFF_SCHEMES = ("tcp", "tls", "ucx", "ucxx")
-
-_ACTIVE: list[PoolService] = []
-_ACTIVE_LOCK = threading.Lock()
-
-
-def active_service() -> PoolService | None:
-    """The live pool service of this process (the worker's), if any.
-
-    Deserialization has no worker at hand; a process runs one worker with the
-    plugin (Nanny, dask-cuda), and with several the most recent one is used.
-    """
-    with _ACTIVE_LOCK:
-        return _ACTIVE[-1] if _ACTIVE else None
-
-
-def active_services() -> list[PoolService]:
-    """Every live pool service of this process (one per worker running the plugin here)."""
-    with _ACTIVE_LOCK:
-        return [s for s in _ACTIVE if not s.closed]
-
-
-def buffer_kind(buf: Buffer) -> str:
-    """``"device"``, ``"pinned"`` or ``"host"``: where a Buffer's memory is."""
-    if buf.is_device_accessible:
-        return "pinned" if buf.is_host_accessible else "device"
-    return "host"
-
-
-def copy_to_host(buf: Buffer, offset: int, nbytes: int, out: Any = None) -> Any:
-    """``nbytes`` of ``buf`` from ``offset`` in host memory (a writable buffer).
-
-    Host-accessible memory is copied with ``memmove``; device memory with
-    ``cuMemcpyDtoH`` (synchronous) after making the buffer's device current.
-    ``out`` (any writable buffer of ``nbytes``) receives the bytes if given.
-    """
-    if out is None:
-        out = bytearray(nbytes)
-    if nbytes == 0:
-        return out
-    dst = (ctypes.c_char * nbytes).from_buffer(out)
-    src = int(buf.handle) + offset
-    if buf.is_host_accessible:
-        ctypes.memmove(dst, src, nbytes)
-    else:
-        from cuda.bindings import driver
-
-        current_gpu(buf.device_id)
-        (err,) = driver.cuMemcpyDtoH(ctypes.addressof(dst), src, nbytes)
-        if err != driver.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"cuMemcpyDtoH of {nbytes} bytes failed: {err!r}")
-    del dst
-    return out
-
-
-def copy_from_host(buf: Buffer, data: Any) -> None:
-    """Copy a host buffer (bytes-like) to the start of ``buf``; synchronous."""
-    import numpy as np
-
-    view = memoryview(data).cast("B")
-    n = view.nbytes
-    if n == 0:
-        return
-    if n > buf.size:
-        raise ValueError(f"{n} bytes do not fit a buffer of {buf.size}")
-    src = np.frombuffer(view, dtype=np.uint8)  # no copy, read-only views too
-    if buf.is_host_accessible:
-        ctypes.memmove(int(buf.handle), src.ctypes.data, n)
-        return
-    from cuda.bindings import driver
-
-    current_gpu(buf.device_id)
-    (err,) = driver.cuMemcpyHtoD(int(buf.handle), src.ctypes.data, n)
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"cuMemcpyHtoD of {n} bytes failed: {err!r}")
 
 
 class PoolService:
@@ -223,8 +151,7 @@ class PoolService:
         self._links = {}
         self._links_lock = threading.Lock()
         self._closed = False
-        with _ACTIVE_LOCK:
-            _ACTIVE.append(self)
+        active.add(self)
 
     @classmethod
     def start(cls, options: PoolOptions, worker_address: str, devices: LocalDevices | None = None) -> PoolService:
@@ -828,9 +755,7 @@ class PoolService:
         if self._closed:
             return
         self._closed = True
-        with _ACTIVE_LOCK:
-            if self in _ACTIVE:
-                _ACTIVE.remove(self)
+        active.remove(self)
         if isinstance(self.broker.handler, _ExportSide):
             self.broker.handler.closing = True
         self.broker.close()
@@ -856,7 +781,7 @@ class PoolService:
             links, self._links = list(self._links.values()), {}
         for link in links:
             link.close()
-        if not active_services():
+        if not active.active_services():
             STAGING.clear()  # the process's pinned staging slots go with its last pool
         self.pool.close()
         logger.info("pool %s: closed", self.pool.uuid)
@@ -884,29 +809,6 @@ def _outside_pool(pool: Pool, nbytes: int, need: str = "any") -> Buffer:
         dev = current_gpu(device)
         return dev.memory_resource.allocate(nbytes, stream=dev.default_stream)
     return host_buffer(bytearray(nbytes))
-
-
-def host_buffer(data: Any) -> Buffer:
-    """A Buffer over host memory owned by ``data`` (a writable bytes-like object). Needs no driver."""
-    from cuda.core import Buffer
-
-    view = memoryview(data).cast("B")
-    nbytes = view.nbytes
-    anchor = (ctypes.c_char * max(nbytes, 1)).from_buffer(view if nbytes else bytearray(1))
-    return Buffer.from_handle(ctypes.addressof(anchor), nbytes, mr=_HostBytes(anchor, data))
-
-
-class _HostBytes(HostOnlyResource):
-    """The memory resource of one :func:`host_buffer`: keeps its bytes alive until the Buffer closes."""
-
-    def __init__(self, anchor: Any, data: Any) -> None:
-        self._keep: tuple[Any, Any] | None = (anchor, data)
-
-    def allocate(self, size: int, *, stream: Any = None) -> Buffer:
-        raise TypeError("a host_buffer's resource cannot allocate")
-
-    def deallocate(self, ptr: Any, size: int, *, stream: Any = None) -> None:
-        self._keep = None
 
 
 def _make_current(pool: Pool) -> Any:

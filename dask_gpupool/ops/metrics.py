@@ -43,7 +43,7 @@ _scheduler_source: Callable[[], dict[str, int]] | None = None
 def _worker_metrics() -> Iterator[Any]:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-    from dask_gpupool.handoff.service import active_services
+    from dask_gpupool.handoff.active import active_services
     from dask_gpupool.handoff.stats import FALLBACK_REASONS
 
     services = active_services()

@@ -1,0 +1,224 @@
+"""The importer's lease releases: sent in batches from a thread of their own (:class:`Releaser`).
+
+``ImportedMemoryResource.deallocate`` (:mod:`dask_gpupool.handoff.imported`)
+queues each release; the thread waits for the GPU work recorded with it,
+then sends it over the exporter's :class:`~dask_gpupool.transport.link.PeerLink`,
+off the hot path.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from dask_gpupool.errors import GPUPoolError
+from dask_gpupool.transport.link import LinkFactory
+
+__all__ = ["Releaser"]
+
+logger = logging.getLogger(__name__)
+
+
+class Releaser:
+    """Sends lease releases in batches from its own thread, and keeps the importer's live leases.
+
+    :meth:`put` is called from ``ImportedMemoryResource.deallocate`` (any
+    thread, often the garbage collector's); the thread waits for the GPU work
+    recorded with each release to finish, then drops the lease from the live
+    set and sends one :class:`~dask_gpupool.wire.messages.LeaseRelease` (and one
+    :class:`~dask_gpupool.wire.messages.SegmentRelease` for unmapped retiring
+    segments) per exporter.
+
+    When a send fails (the exporter stalled past ``broker-timeout``, its
+    socket buffer full), nothing is dropped: the exporter keeps the leases,
+    and this thread opens the link again with backoff. The new link starts
+    with a :class:`~dask_gpupool.wire.messages.Resync` of the live set, which
+    ends every lease released meanwhile; segment releases are sent again.
+    It gives up on an exporter only when ``links`` says it left the cluster.
+
+    Parameters
+    ----------
+    links : LinkFactory
+        Opens (or returns) the link to an exporter, by broker address.
+    """
+
+    sent: int
+    segments_sent: int
+    resyncs: int
+    _pending: list[tuple[str, int, Any, tuple[tuple[int, int], ...]]]
+    _live: dict[str, set[int]]
+    _epoch: dict[str, int]
+    _retry: dict[str, list[tuple[int, int]]]
+    _cond: threading.Condition
+    _closed: bool
+    _thread: threading.Thread
+
+    def __init__(self, links: LinkFactory) -> None:
+        self.sent = self.segments_sent = self.resyncs = 0
+        self._links = links
+        self._pending = []
+        self._live = {}
+        self._epoch = {}
+        self._retry = {}
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="gpupool-releaser", daemon=True)
+        self._thread.start()
+
+    # -- the live set ------------------------------------------------------------
+
+    def epoch(self, exporter: str) -> int:
+        """A number that changes whenever a resync of ``exporter`` snapshots the live set."""
+        with self._cond:
+            return self._epoch.get(exporter, 0)
+
+    def hold(self, exporter: str, leases: list[int], *, epoch: int) -> bool:
+        """Add claimed leases to the live set, unless a resync snapshot was taken since ``epoch``."""
+        with self._cond:
+            if self._epoch.get(exporter, 0) != epoch:
+                return False
+            self._live.setdefault(exporter, set()).update(leases)
+            return True
+
+    def snapshot(self, exporter: str) -> list[int]:
+        """The live leases of ``exporter``, for a resync; claims in flight must be held again."""
+        with self._cond:
+            self._epoch[exporter] = self._epoch.get(exporter, 0) + 1
+            return sorted(self._live.get(exporter, ()))
+
+    def live(self, exporter: str | None = None) -> int:
+        """Leases held (of one exporter, or all)."""
+        with self._cond:
+            if exporter is not None:
+                return len(self._live.get(exporter, ()))
+            return sum(len(v) for v in self._live.values())
+
+    def forget(self, exporter: str) -> None:
+        """``exporter`` left the cluster: nothing to release there any more."""
+        with self._cond:
+            self._live.pop(exporter, None)
+            self._retry.pop(exporter, None)
+
+    # -- releases ------------------------------------------------------------------
+
+    def put(self, exporter: str, lease: int, event: Any = None, segments: tuple[tuple[int, int], ...] = ()) -> None:
+        """Queue a release; ``event`` (a cuda.core Event or ``None``) must complete first.
+
+        ``lease`` 0 releases no lease; ``segments`` are ``(id, claims)`` of
+        segment imports closed before ``event`` was recorded.
+        """
+        with self._cond:
+            self._pending.append((exporter, lease, event, segments))
+            self._cond.notify()
+
+    def _run(self) -> None:
+        backoff = 0.05
+        while True:
+            with self._cond:
+                if not self._pending and not self._closed:
+                    self._cond.wait(backoff if self._retry else None)
+                if not self._pending and self._closed:
+                    return
+                batch, self._pending = self._pending, []
+            self._send(batch)
+            if self._retry_failed():
+                backoff = 0.05
+            else:
+                backoff = min(backoff * 2, 2.0)
+
+    def _send(self, batch: list[tuple[str, int, Any, tuple[tuple[int, int], ...]]]) -> None:
+        by_exporter: dict[str, tuple[list[int], list[tuple[int, int]]]] = {}
+        markers = []
+        for exporter, lease, event, segments in batch:
+            if not exporter:  # flush(): done once everything before it was handled
+                markers.append(event)
+                continue
+            if event is not None:
+                try:
+                    event.sync()
+                    event.close()
+                except Exception:  # the GPU work failed; the memory is no longer ours to guard
+                    logger.exception("waiting for GPU work before releasing lease %d failed", lease)
+            entry = by_exporter.setdefault(exporter, ([], []))
+            if lease:
+                entry[0].append(lease)
+            entry[1].extend(segments)
+        with self._cond:
+            for exporter, (leases, _) in by_exporter.items():
+                live = self._live.get(exporter)
+                if live is not None:
+                    live.difference_update(leases)
+                    if not live:
+                        del self._live[exporter]
+        for exporter, (leases, segs) in by_exporter.items():
+            if not leases and not segs:
+                continue
+            with self._cond:
+                if exporter in self._retry:  # the link is down: the resync will end these leases
+                    self._retry[exporter].extend(segs)
+                    continue
+            self._deliver(exporter, leases, segs)
+        for marker in markers:
+            marker.sync()
+
+    def _deliver(self, exporter: str, leases: list[int], segs: list[tuple[int, int]]) -> bool:
+        try:
+            link = self._links(exporter)
+            if link is None:  # the exporter left: its leases went with it
+                self.forget(exporter)
+                return True
+            if leases:
+                link.release(leases)
+                self.sent += len(leases)
+            if segs:
+                link.release_segments(segs)
+                self.segments_sent += len(segs)
+            return True
+        except GPUPoolError as e:
+            logger.info(
+                "releasing %d lease(s), %d segment(s) at %s failed (%s); retrying", len(leases), len(segs), exporter, e
+            )
+            with self._cond:
+                self._retry.setdefault(exporter, []).extend(segs)
+            return False
+
+    def _retry_failed(self) -> bool:
+        """Open broken links again (they resync on opening) and resend segment releases; whether all went."""
+        with self._cond:
+            retry, self._retry = self._retry, {}
+        ok = True
+        for exporter, segs in retry.items():
+            if not self._deliver(exporter, [], segs):
+                ok = False
+            else:
+                self.resyncs += 1
+        return ok
+
+    def flush(self, timeout: float = 10.0) -> None:
+        """Wait until everything queued so far has been handled (tests, teardown)."""
+        done = threading.Event()
+        with self._cond:
+            self._pending.append(("", 0, _SetOnSync(done), ()))
+            self._cond.notify()
+        done.wait(timeout)
+
+    def close(self) -> None:
+        """Send what is queued, then stop the thread. Idempotent."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout=10)
+
+
+class _SetOnSync:
+    """A stand-in event whose ``sync`` marks a :meth:`Releaser.flush` done."""
+
+    def __init__(self, done: threading.Event) -> None:
+        self._done = done
+
+    def sync(self) -> None:
+        self._done.set()
+
+    def close(self) -> None:
+        pass
