@@ -1,4 +1,4 @@
-from dask_gpupool.ops.cli import main
+from dask_gpupool.cli import main
 
 if __name__ == "__main__":
     main()

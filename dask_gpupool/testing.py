@@ -1,4 +1,4 @@
-"""Helpers that tests, the demo and the GPU check run inside worker processes.
+"""Helpers that tests and benchmarks run inside worker processes.
 
 Kept in the package (like ``distributed.utils_test``) so that spawned Nanny
 workers can import them by name. Nothing here is used by the library itself.

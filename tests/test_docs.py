@@ -33,3 +33,14 @@ def test_the_snippet_runs_and_hands_over_zero_copy(snippet, tmp_path):
     assert "16777216.0" in out.stdout
     zero_copy = [int(n) for n in re.findall(r"'zero_copy_bytes': (\d+)", out.stdout)]
     assert max(zero_copy) >= 8 << 24, out.stdout  # the consumer mapped the 128 MiB array
+
+
+def test_the_readme_demo_runs_without_a_gpu_and_hands_over_zero_copy():
+    """The README's first command: `python -m dask_gpupool demo` (host pools without a GPU, GPUs when present)."""
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("DASK_GPUPOOL")}
+    out = subprocess.run(
+        [sys.executable, "-m", "dask_gpupool", "demo"], capture_output=True, text=True, timeout=150, env=env
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.rstrip().endswith("OK"), out.stdout
+    assert "zero-copy bytes received: 1,048,576, copied: 0" in out.stdout, out.stdout

@@ -106,7 +106,7 @@ def test_unknown_addresses_and_close():
 
 
 def test_closing_frees_unmapped_segments_and_keeps_those_a_peer_may_still_map():
-    from dask_gpupool.memory.pool import KEPT_UNTIL_EXIT
+    from dask_gpupool.memory.lifetime import KEPT_UNTIL_EXIT
 
     res, up = segmented()
     a = res.allocate(MiB)

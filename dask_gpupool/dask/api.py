@@ -6,7 +6,6 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from dask_gpupool.core import UPDATE_OP
-from dask_gpupool.dask.worker_plugin import service_of
 from dask_gpupool.errors import PoolUnavailableError
 from dask_gpupool.wire.messages import PoolRecord
 
@@ -17,6 +16,17 @@ if TYPE_CHECKING:
     from dask_gpupool.handoff.service import PoolService
 
 __all__ = ["allocate", "current_service", "pool_stats", "pools", "stats", "to_pool", "trim"]
+
+
+def service_of(worker: Worker) -> PoolService:
+    """:func:`dask_gpupool.dask.worker_plugin.service_of`, imported on first use.
+
+    This module is imported with ``dask_gpupool`` by clients and the scheduler
+    too; the worker stack loads only in processes that run these on a worker.
+    """
+    from dask_gpupool.dask.worker_plugin import service_of as _service_of
+
+    return _service_of(worker)
 
 
 def current_service() -> PoolService:

@@ -19,8 +19,8 @@ from distributed import Scheduler, Worker
 from distributed.protocol.pickle import dumps
 
 from dask_gpupool.config import KINDS, PoolOptions
+from dask_gpupool.core import PLUGIN_NAME
 from dask_gpupool.dask.scheduler_plugin import GPUPool
-from dask_gpupool.dask.worker_plugin import PLUGIN_NAME
 
 __all__ = ["dask_setup"]
 

@@ -50,7 +50,8 @@ from dask_gpupool.handoff.registry import RegistryView
 from dask_gpupool.handoff.releaser import Releaser
 from dask_gpupool.handoff.stats import HandoffStats
 from dask_gpupool.memory.buffers import buffer_kind, copy_from_host, copy_to_host, host_buffer
-from dask_gpupool.memory.pool import Pool, PoolStats, keep_until_exit
+from dask_gpupool.memory.lifetime import keep_until_exit
+from dask_gpupool.memory.pool import Pool, PoolStats
 from dask_gpupool.memory.topology import LocalDevices, current_gpu, host_identity, local_devices
 from dask_gpupool.transport.broker import FdBroker
 from dask_gpupool.transport.link import PeerLink

@@ -32,7 +32,7 @@ from dask_gpupool.wire.messages import BufferDescriptor
 if TYPE_CHECKING:
     from cuda.core import Buffer
 
-__all__ = ["KEPT_UNTIL_EXIT", "Pool", "PoolStats", "grant_peers", "ipc_payload", "keep_until_exit"]
+__all__ = ["Pool", "PoolStats", "grant_peers", "ipc_payload"]
 
 logger = logging.getLogger(__name__)
 
@@ -108,23 +108,6 @@ def ipc_payload(buf: Buffer) -> bytes:
     """
     _, (payload, _size) = buf.ipc_descriptor.__reduce__()
     return bytes(payload)
-
-
-#: Memory of closed CUDA pools that peers may still map: kept, never freed, until the process exits.
-KEPT_UNTIL_EXIT: list[Any] = []
-
-
-def keep_until_exit(items: Any) -> int:
-    """Keep ``items`` (Buffers, or objects holding them) alive until the process exits; return how many.
-
-    Freeing memory that a peer still maps is undefined (same GPU: the peer
-    reads what comes next; other GPU: CUDA_ERROR_CONTAINED). The driver keeps
-    importers' mappings valid past the exporter's *exit*, so a closing CUDA
-    pool hands what peers may map here instead of freeing it.
-    """
-    before = len(KEPT_UNTIL_EXIT)
-    KEPT_UNTIL_EXIT.extend(items)
-    return len(KEPT_UNTIL_EXIT) - before
 
 
 def grant_peers(resource: Any, ordinal: int, devices: LocalDevices) -> tuple[str, ...]:

@@ -55,7 +55,7 @@ starts the retire protocol:
    RMM generation is freed when all its segments are.
 
 :meth:`close` frees what the protocol allows and hands the rest to
-:func:`~dask_gpupool.memory.pool.keep_until_exit`. Segments of VMM memory
+:func:`~dask_gpupool.memory.lifetime.keep_until_exit`. Segments of VMM memory
 (:mod:`dask_gpupool.memory.vmm`, the default) stay readable by a peer that maps
 them even after they are freed here or this process died (the peer holds its
 own reference); pool-memory segments do not across GPUs.
@@ -74,7 +74,7 @@ from cuda.core import MemoryResource
 
 from dask_gpupool.errors import PoolClosedError, PoolExhaustedError, UnknownPoolError
 from dask_gpupool.memory.arena import Arena
-from dask_gpupool.memory.pool import keep_until_exit
+from dask_gpupool.memory.lifetime import keep_until_exit
 
 if TYPE_CHECKING:
     from cuda.core import Buffer
