@@ -251,7 +251,13 @@ def main() -> None:
         broker_timeout=args.broker_timeout,
     )
     max_stop = 2 * max(args.lease_timeout, args.broker_timeout)
-    config = {"distributed.scheduler.allowed-failures": 1000}
+    config = {
+        "distributed.scheduler.allowed-failures": 1000,
+        # SpecCluster closes a Nanny for good when its worker's name is still missing from the scheduler this
+        # long after the worker left; with kills every few seconds a worker can be down again at that moment,
+        # and the 2026-11-23 run lost three of its four Nannies that way (docs/gpu-checks.md).
+        "distributed.deploy.lost-worker-timeout": "1h",
+    }
     rng = random.Random(args.seed)
     result: dict[str, Any] = {"args": vars(args), "kind": kind, "gpus": gpus, "devices": local_devices().uuids}
     with dask.config.set(config), nanny_cluster(worker_specs(args.workers, gpus), plugin) as client:
