@@ -12,11 +12,11 @@ or ``dask scheduler --preload dask_gpupool``.
 from __future__ import annotations
 
 from dask_gpupool.config import PoolOptions
-from dask_gpupool.dask import serializers as _serialize  # noqa: F401  (registers the Dask serializers)
+from dask_gpupool.dask import device_frames, serializers  # noqa: F401  (register the Dask serializers)
 from dask_gpupool.dask.api import allocate, pool_stats, pools, stats, to_pool, trim
 from dask_gpupool.dask.preload import dask_setup
 from dask_gpupool.dask.scheduler_plugin import GPUPool
-from dask_gpupool.dask.serializers import as_array
+from dask_gpupool.dask.views import as_array
 from dask_gpupool.errors import (
     BrokerError,
     BrokerRefusedError,

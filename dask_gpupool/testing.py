@@ -354,13 +354,13 @@ def describe(x: Any) -> dict[str, Any]:
 
 
 def _buffer_of(arr: Any) -> Any:
-    from dask_gpupool.dask.serializers import _VIEWS
+    from dask_gpupool.dask.views import VIEWS
 
     if type(arr).__module__.startswith("cupy"):
         ptr = int(arr.data.ptr)
     else:
         ptr = int(arr.__array_interface__["data"][0])
-    return _VIEWS.find(ptr, ptr + max(arr.nbytes, 1))
+    return VIEWS.find(ptr, ptr + max(arr.nbytes, 1))
 
 
 def head(x: Any, nbytes: int) -> bytes:
@@ -444,7 +444,7 @@ def all_equal(x: Any, value: int) -> bool:
 
 def serialized_inline(keys: list[str], who: str, dask_worker: Worker) -> bool:
     """client.run target: whether a ``get_data`` for ``keys`` from ``who`` skips Dask's offload thread."""
-    from dask_gpupool.dask.serializers import _inline_reply
+    from dask_gpupool.dask.worker_internals import _inline_reply
 
     return _inline_reply(dask_worker, service_of(dask_worker), keys, who, "tcp")
 

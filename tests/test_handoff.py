@@ -370,7 +370,7 @@ def test_on_a_comm_that_asks_for_device_frames_a_host_buffer_still_goes_in_a_hos
     to ours in the "dask" family, and the frame type UCX reads is shaped as distributed-ucxx expects."""
     from distributed.protocol import deserialize, serialize
 
-    from dask_gpupool.dask.serializers import _DeviceFrame
+    from dask_gpupool.dask.device_frames import _DeviceFrame
     from dask_gpupool.memory.buffers import host_buffer
 
     buf = host_buffer(bytearray(b"host bytes"))

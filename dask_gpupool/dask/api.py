@@ -97,7 +97,7 @@ def to_pool(array: Any) -> Any:
     TypeError
         For anything but a NumPy or CuPy array.
     """
-    from dask_gpupool.dask.serializers import as_array, pool_buffer_of
+    from dask_gpupool.dask.views import as_array, pool_buffer_of
 
     module = type(array).__module__.split(".", 1)[0]
     if module not in ("numpy", "cupy"):

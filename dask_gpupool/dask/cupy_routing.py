@@ -28,7 +28,7 @@ def install(service: PoolService) -> Any:
     """Make the pool CuPy's allocator; return the allocator it replaced (for :func:`uninstall`)."""
     import cupy
 
-    from dask_gpupool.dask.serializers import _VIEWS, _device_of
+    from dask_gpupool.dask.views import VIEWS, device_of
 
     previous = cupy.cuda.get_allocator()
     fallback = cupy.get_default_memory_pool().malloc
@@ -38,8 +38,8 @@ def install(service: PoolService) -> Any:
             buf = service.allocate(max(int(nbytes), 1))
         except PoolExhaustedError:
             return fallback(nbytes)
-        _VIEWS.add(buf)  # arrays over it are recognized by the serializers, as for as_array
-        mem = cupy.cuda.UnownedMemory(int(buf.handle), buf.size, buf, device_id=_device_of(buf))
+        VIEWS.add(buf)  # arrays over it are recognized by the serializers, as for as_array
+        mem = cupy.cuda.UnownedMemory(int(buf.handle), buf.size, buf, device_id=device_of(buf))
         return cupy.cuda.MemoryPointer(mem, 0)
 
     cupy.cuda.set_allocator(allocate)

@@ -37,7 +37,7 @@ from tornado.ioloop import PeriodicCallback
 
 from dask_gpupool.config import PoolOptions
 from dask_gpupool.core import JOINED_OP, MEMBERSHIP_OP, PLUGIN_NAME, REGISTER_OP, REGISTRY_OP, UNREGISTER_OP
-from dask_gpupool.dask.serializers import install_get_data_hook
+from dask_gpupool.dask.worker_internals import install_get_data_hook
 from dask_gpupool.errors import PoolUnavailableError, ProtocolError
 from dask_gpupool.handoff.service import PoolService
 from dask_gpupool.memory.host import peer_resident_bytes

@@ -1,0 +1,199 @@
+"""Serializers of distributed's ``"cuda"`` family: what comms that carry device frames (UCX) get.
+
+Pool memory asked for by a same-host worker that can map it goes as an IPC
+descriptor, as over TCP (from ``gpupool.ucx-handoff-threshold`` up).
+Otherwise device frames that the comm moves GPU to GPU, never a host copy:
+pool memory is first copied into memory UCX can export
+(:mod:`dask_gpupool.memory.ucx_staging`); other CuPy arrays go as
+distributed's own frames. Counted in ``device_frames_out_bytes``,
+``device_staged_bytes`` and ``device_frames_bytes``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from cuda.core import Buffer
+
+from dask_gpupool.dask.serializers import KEY, deserialize_buffer, loads_array
+from dask_gpupool.dask.views import VIEWS, device_of, viewed_buffer
+from dask_gpupool.dask.worker_internals import REQUEST
+from dask_gpupool.handoff.active import active_service
+from dask_gpupool.memory.ucx_staging import UcxStaging
+from dask_gpupool.wire.messages import ArrayMeta
+
+__all__ = ["cuda_dumps_cupy", "cuda_loads_cupy", "register"]
+
+logger = logging.getLogger(__name__)
+
+
+class _DeviceFrame:
+    """A range of device memory as a frame that a UCX comm sends GPU to GPU.
+
+    distributed-ucxx sends a frame from device memory when it has
+    ``__cuda_array_interface__`` (and takes its size from ``nbytes``). The
+    frame keeps ``owner`` alive until the comm lets go of it.
+    """
+
+    def __init__(self, ptr: int, nbytes: int, owner: Any) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "strides": None,
+            "version": 3,
+            "stream": None,  # written on the legacy default stream and synchronized before the comm sees it
+        }
+        self.nbytes = nbytes
+        self.owner = owner
+
+
+def _hand_over_on_device_comm(holder: Any, buf: Buffer, meta: ArrayMeta | None, nbytes: int) -> dict[str, Any] | None:
+    """The header of a zero-copy handoff when a same-host worker asked for ``buf`` over a UCX comm, else ``None``.
+
+    Not below ``gpupool.ucx-handoff-threshold`` bytes (``nbytes``, the value's
+    size): UCX moves small device frames faster than a handoff. Counts the
+    fallback reason when a same-host peer could not have it zero-copy.
+    """
+    request = REQUEST.get()
+    if request is None or nbytes < request.service.options.ucx_handoff_threshold:
+        return None
+    row, _reason = request.service.plan(request.requester, request.scheme, buf)
+    if row is None:
+        return None
+    header = request.service.export_ipc(holder, buf, row, meta)
+    request.granted.append(header.lease)
+    return {KEY: header.to_msg()}
+
+
+def _count_device_frames(nbytes: int, *, staged: bool, out: bool) -> None:
+    request = REQUEST.get() if out else None
+    service = request.service if request is not None else active_service()
+    if service is None:
+        return
+    if out:
+        service.handoffs.add(device_frames_out_bytes=nbytes, device_staged_bytes=nbytes if staged else 0)
+    else:
+        service.handoffs.add(device_frames_bytes=nbytes)
+
+
+def _cuda_serialize_buffer(buf: Buffer) -> tuple[dict[str, Any], list[Any]]:
+    """A device ``Buffer`` for comms that carry device frames (the ``"cuda"`` family: UCX).
+
+    To a same-host worker that can map it: an IPC descriptor, as over TCP.
+    Otherwise one device frame, copied first into memory UCX can send GPU to
+    GPU (:class:`~dask_gpupool.memory.ucx_staging.UcxStaging`; counted in ``device_frames_out_bytes`` and
+    ``device_staged_bytes``), never a host copy. Host memory, and empty
+    buffers, go on to the ``"dask"`` family (a host frame).
+    """
+    if not buf.is_device_accessible or buf.is_host_accessible or not buf.size:
+        raise NotImplementedError("host memory goes in a host frame")
+    nbytes = int(buf.size)
+    handed = _hand_over_on_device_comm(buf, buf, None, nbytes)
+    if handed is not None:
+        return handed, []
+    try:
+        staged = UcxStaging.copy_of(int(buf.handle), nbytes, device_of(buf))
+    except Exception as e:  # no device memory for the copy: the pool memory itself (UCX's slow path, still right)
+        _staging_failed(e)
+        _count_device_frames(nbytes, staged=False, out=True)
+        return {"nbytes": nbytes}, [_DeviceFrame(int(buf.handle), nbytes, buf)]
+    _count_device_frames(nbytes, staged=True, out=True)
+    return {"nbytes": nbytes}, [_DeviceFrame(staged.ptr, nbytes, staged)]
+
+
+def _cuda_deserialize_buffer(header: dict[str, Any], frames: list[Any]) -> Buffer:
+    """A handed-over Buffer, or the device frame a comm received (a ``Buffer`` that keeps the frame alive)."""
+    if KEY in header:
+        return deserialize_buffer(header, frames)
+    (frame,) = frames
+    nbytes = int(header["nbytes"])
+    ptr = int(frame.__cuda_array_interface__["data"][0])
+    _count_device_frames(nbytes, staged=False, out=False)
+    return Buffer.from_handle(ptr, nbytes, owner=frame)
+
+
+def cuda_dumps_cupy(x: Any, previous: Any) -> tuple[dict[str, Any], list[Any]]:
+    """A CuPy array for a comm that carries device frames: handed over, staged or distributed's own frames.
+
+    An array over pool memory (this worker's, or one it imported) goes to a
+    same-host worker that can map it as an IPC descriptor; otherwise it is
+    copied into :class:`~dask_gpupool.memory.ucx_staging.UcxStaging` memory (C order) and sent as distributed's
+    device frames from there. Every other array is distributed's serializer
+    untouched, only counted.
+    """
+    buf = viewed_buffer(x, int(x.data.ptr)) if VIEWS else None
+    if buf is None:
+        header, frames = previous(x)
+        _count_device_frames(int(x.nbytes), staged=False, out=True)
+        return header, frames
+    import cupy
+
+    meta = ArrayMeta("cupy", tuple(x.shape), tuple(x.strides), x.dtype.str, int(x.data.ptr) - int(buf.handle))
+    nbytes = int(x.nbytes)
+    handed = _hand_over_on_device_comm(buf, buf, meta, nbytes)
+    if handed is not None:
+        return handed, []
+    try:
+        staged = _stage_cupy(x)
+    except Exception as e:  # no device memory for the copy: distributed's frames of the pool memory itself
+        _staging_failed(e)
+        header, frames = previous(x)
+        _count_device_frames(nbytes, staged=False, out=True)
+        return header, frames
+    mem = cupy.cuda.UnownedMemory(staged.ptr, max(nbytes, 1), staged, device_id=x.device.id)
+    header, frames = previous(cupy.ndarray(x.shape, x.dtype, cupy.cuda.MemoryPointer(mem, 0)))
+    _count_device_frames(nbytes, staged=True, out=True)
+    return header, frames
+
+
+def _stage_cupy(x: Any) -> UcxStaging:
+    """A C-ordered copy of CuPy array ``x`` in staging memory, complete when this returns."""
+    import cupy
+
+    nbytes, device = int(x.nbytes), int(x.device.id)
+    if x.flags.c_contiguous:
+        return UcxStaging.copy_of(int(x.data.ptr), nbytes, device)
+    staged = UcxStaging(nbytes, device)
+    with cupy.cuda.Device(device), cupy.cuda.Stream.null:
+        mem = cupy.cuda.UnownedMemory(staged.ptr, max(nbytes, 1), staged, device_id=device)
+        view = cupy.ndarray(x.shape, x.dtype, cupy.cuda.MemoryPointer(mem, 0))
+        view[...] = x
+        cupy.cuda.Stream.null.synchronize()
+    return staged
+
+
+_staging_warned = False
+
+
+def _staging_failed(e: Exception) -> None:
+    """Log (once per process) that pool memory goes to UCX unstaged, which UCX 1.21 moves through the host."""
+    global _staging_warned
+    if not _staging_warned:
+        _staging_warned = True
+        logger.warning(
+            "gpupool: could not stage pool memory for UCX (%s: %s); sent as it is, which UCX moves through host "
+            "memory (slow). Further cases are not logged.",
+            type(e).__name__,
+            e,
+        )
+
+
+def cuda_loads_cupy(header: dict[str, Any], frames: list[Any], previous: Any) -> Any:
+    if KEY in header:
+        return loads_array(header, frames, previous)
+    arr = previous(header, frames)
+    _count_device_frames(int(arr.nbytes), staged=False, out=False)
+    return arr
+
+
+def register() -> None:
+    """Register the device-frame serializers of cuda.core Buffers (CuPy's are registered with the rest)."""
+    from distributed.protocol.cuda import cuda_deserialize, cuda_serialize
+
+    cuda_serialize.register(Buffer)(_cuda_serialize_buffer)
+    cuda_deserialize.register(Buffer)(_cuda_deserialize_buffer)
+
+
+register()

@@ -1,0 +1,189 @@
+"""Array views over pool Buffers (:func:`as_array`), and which pool buffer an array lies in.
+
+Every array :func:`as_array` makes is recorded (by address range, weakly) so
+that a serializer can find the pool buffer under any array, or any view of
+one, that it is asked to send (:func:`pool_buffer_of`). The view does not own
+the memory: it keeps its Buffer alive, and the Buffer's owner frees it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import weakref
+from typing import Any
+
+from cuda.core import Buffer
+
+__all__ = ["as_array", "pool_buffer_of"]
+
+
+def pool_buffer_of(value: Any) -> Buffer | None:
+    """The Buffer a value would be handed over from: itself, or the pool buffer an array views."""
+    if isinstance(value, Buffer):
+        return value
+    if not VIEWS:
+        return None
+    module = type(value).__module__.split(".", 1)[0]
+    if module == "numpy":
+        return viewed_buffer(value, int(value.__array_interface__["data"][0]))
+    if module == "cupy":
+        return viewed_buffer(value, int(value.data.ptr))
+    return None
+
+
+def viewed_buffer(arr: Any, ptr: int) -> Buffer | None:
+    """The live pool buffer holding all of array ``arr`` (data at ``ptr``), if any."""
+    if not VIEWS or arr.dtype.hasobject:
+        return None
+    low, high = _byte_bounds(ptr, tuple(arr.shape), tuple(arr.strides), arr.dtype.itemsize)
+    return VIEWS.find(low, high) if high > low else None
+
+
+class ViewIndex:
+    """Buffers that :func:`as_array` made arrays over, by address range (weakly held)."""
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._entries: dict[int, tuple[int, weakref.ref[Buffer]]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, buf: Buffer) -> None:
+        start, size = int(buf.handle), int(buf.size)
+        with self._lock:
+            if start not in self._entries:
+                bisect.insort(self._starts, start)
+            self._entries[start] = (size, weakref.ref(buf, self._on_death(start)))
+
+    def _on_death(self, start: int) -> Any:
+        def callback(_ref: Any) -> None:
+            self._remove(start)
+
+        return callback
+
+    def _remove(self, start: int) -> None:
+        with self._lock:
+            entry = self._entries.get(start)
+            if entry is not None and entry[1]() is None:
+                del self._entries[start]
+                i = bisect.bisect_left(self._starts, start)
+                if i < len(self._starts) and self._starts[i] == start:
+                    del self._starts[i]
+
+    def find(self, low: int, high: int) -> Buffer | None:
+        """The live buffer holding ``[low, high)``, if any."""
+        with self._lock:
+            i = bisect.bisect_right(self._starts, low) - 1
+            if i < 0:
+                return None
+            start = self._starts[i]
+            size, ref = self._entries[start]
+        buf = ref()
+        if buf is None or buf.is_closed or high > start + size:
+            return None
+        return buf
+
+    def __bool__(self) -> bool:
+        return bool(self._starts)
+
+
+VIEWS = ViewIndex()
+
+
+def _byte_bounds(ptr: int, shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> tuple[int, int]:
+    low = high = ptr
+    if any(n == 0 for n in shape):
+        return ptr, ptr
+    for n, st in zip(shape, strides, strict=True):
+        if st < 0:
+            low += (n - 1) * st
+        else:
+            high += (n - 1) * st
+    return low, high + itemsize
+
+
+def as_array(
+    buf: Buffer,
+    shape: int | tuple[int, ...],
+    dtype: Any,
+    strides: tuple[int, ...] | None = None,
+    offset: int = 0,
+    *,
+    like: str | None = None,
+) -> Any:
+    """An array view over a pool ``Buffer`` (no copy), which hands over zero-copy too.
+
+    Parameters
+    ----------
+    buf : cuda.core.Buffer
+        Usually from :func:`dask_gpupool.allocate`. The array keeps it alive.
+    shape, dtype, strides, offset
+        As for ``numpy.ndarray``: strides in bytes (default C order), offset
+        in bytes from the start of ``buf``.
+    like : {"cupy", "numpy"}, optional
+        The array type. Default: CuPy for GPU-accessible memory (``device``
+        and ``pinned`` pools), NumPy for ``host`` pools. ``pinned`` memory can
+        be viewed either way.
+
+    Returns
+    -------
+    cupy.ndarray or numpy.ndarray
+        A view: no copy, and the array keeps ``buf`` alive.
+
+    Raises
+    ------
+    TypeError
+        If ``buf`` is not a cuda.core ``Buffer``.
+    ValueError
+        For an object dtype, or an array that does not fit ``buf``.
+    """
+    import numpy as np
+
+    if not isinstance(buf, Buffer):
+        raise TypeError(
+            f"as_array views a cuda.core Buffer (from dask_gpupool.allocate), not a {type(buf).__module__}."
+            f"{type(buf).__qualname__}"
+        )
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    dt = np.dtype(dtype)
+    if dt.hasobject:
+        raise ValueError(f"dtype {dt} holds Python objects, which cannot live in pool memory")
+    if strides is None:
+        strides = tuple(int(s) for s in np.empty((0,), dtype=dt).strides) if not shape else c_strides(shape, dt)
+    low, high = _byte_bounds(int(buf.handle) + offset, shape, strides, dt.itemsize)
+    if low < int(buf.handle) or high > int(buf.handle) + buf.size:
+        raise ValueError(f"an array of shape {shape}, strides {strides} at offset {offset} does not fit {buf!r}")
+    if like is None:
+        like = "cupy" if buf.is_device_accessible else "numpy"
+    if like not in ("cupy", "numpy") or (like == "cupy" and not buf.is_device_accessible):
+        raise ValueError(f"cannot view {buf!r} as a {like} array")
+    if like == "numpy" and not buf.is_host_accessible:
+        raise ValueError(f"{buf!r} is GPU memory: view it with like='cupy'")
+    VIEWS.add(buf)
+    if like == "cupy":
+        import cupy
+
+        mem = cupy.cuda.UnownedMemory(int(buf.handle), buf.size, buf, device_id=device_of(buf))
+        return cupy.ndarray(shape, dt, cupy.cuda.MemoryPointer(mem, offset), strides=strides)
+    import ctypes
+
+    anchor = (ctypes.c_char * buf.size).from_address(int(buf.handle))
+    anchor._buf = buf  # the array keeps the Buffer alive through it
+    return np.ndarray(shape, dt, buffer=anchor, offset=offset, strides=strides)
+
+
+def c_strides(shape: tuple[int, ...], dt: Any) -> tuple[int, ...]:
+    strides, step = [], dt.itemsize
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def device_of(buf: Buffer) -> int:
+    dev = int(buf.device_id)
+    if dev >= 0:
+        return dev
+    from cuda.core import Device
+
+    return int(Device().device_id)

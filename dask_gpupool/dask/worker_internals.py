@@ -1,0 +1,137 @@
+"""The one module that reaches into distributed's worker internals, and why each is needed.
+
+- ``worker.handlers["get_data"]`` is wrapped so that serializers know who asked
+  for a value (:data:`REQUEST`): only a same-host worker gets an IPC descriptor.
+- ``comm.allow_offload`` is cleared for replies that are all descriptors, so
+  they are serialized on the event loop instead of Dask's offload thread.
+- ``worker.state.tasks`` and ``worker.data`` are read (never written) to decide
+  that.
+- ``worker.monitor.get_process_memory`` is wrapped so that the process memory
+  Dask reads leaves out the peer pool pages a worker maps.
+
+Each is put back as it was by the matching ``undo``/restore path when the
+plugin is removed.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import traceback
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from dask_gpupool.dask.views import pool_buffer_of
+
+if TYPE_CHECKING:
+    from distributed import Worker
+
+    from dask_gpupool.handoff.service import PoolService
+
+__all__ = ["REQUEST", "install_get_data_hook"]
+
+
+@dataclass(frozen=True)
+class Request:
+    requester: str | None
+    scheme: str
+    service: PoolService
+    #: Leases granted for this reply; settled (the unclaimed ones ended) when it ends.
+    granted: list[int] = field(default_factory=list)
+
+
+#: Set while a worker answers ``get_data``; Dask's offload thread inherits it.
+REQUEST: contextvars.ContextVar[Request | None] = contextvars.ContextVar("gpupool_request", default=None)
+
+
+def install_get_data_hook(worker: Worker, service: PoolService) -> Any:
+    """Wrap ``worker``'s ``get_data`` handler so serializers know the requester.
+
+    When every value asked for will go as an IPC descriptor, the reply is
+    serialized on the event loop rather than in Dask's offload thread: Dask
+    offloads any message whose ``sizeof`` passes ``distributed.comm.offload``
+    (10 MiB), and a handoff's values are that large although what is
+    serialized is a descriptor of a few hundred bytes. The thread hop cost
+    about 0.5 ms per transfer, more than the rest of a handoff. Only that
+    comm's ``allow_offload`` changes, for that reply, and the check runs only
+    for replies Dask would offload (by the keys' recorded sizes).
+
+    When the reply fails (the requester died), the frames of the exception's
+    traceback are cleared: Dask logs the failure with its traceback and keeps
+    the record in the worker's log deque (``distributed.admin.log-length``
+    records), whose frames would otherwise keep the values of the reply, and
+    with them pool memory, alive. Returns the original handler (to put back
+    on teardown).
+    """
+    from distributed.comm import parse_address
+
+    original = worker.handlers["get_data"]
+
+    async def get_data(comm: Any, keys: Any = (), who: str | None = None, **kwargs: Any) -> Any:
+        try:
+            scheme = parse_address(comm.peer_address)[0]
+        except Exception:
+            scheme = ""
+        token = REQUEST.set(Request(who, scheme, service))
+        inline = getattr(comm, "allow_offload", False) and _inline_reply(worker, service, keys, who, scheme)
+        if inline:
+            comm.allow_offload = False
+        request = REQUEST.get()
+        try:
+            return await original(comm, keys=keys, who=who, **kwargs)
+        except BaseException as e:
+            # Dask logs a failed reply (requester gone) with its traceback, and the worker's log deque keeps
+            # that record: the frames would keep the reply's values, and so pool memory, alive.
+            traceback.clear_frames(e.__traceback__)
+            raise
+        finally:
+            REQUEST.reset(token)
+            if inline:
+                comm.allow_offload = True
+            # The requester acknowledges a reply ("OK") only after its claims were answered, and a failed
+            # reply is never used: either way a lease still unclaimed now never will be.
+            if request is not None and request.granted:
+                service.settle(request.granted, who)
+
+    get_data.__wrapped__ = original  # type: ignore[attr-defined]
+    worker.handlers["get_data"] = get_data
+    return original
+
+
+def _inline_reply(worker: Worker, service: PoolService, keys: Any, who: str | None, scheme: str) -> bool:
+    """Whether to serialize a reply on the event loop: Dask would offload it, and all of it is descriptors."""
+    return _offloaded(worker, keys) and _all_handed_over(worker, service, keys, who, scheme)
+
+
+def _offloaded(worker: Worker, keys: Any) -> bool:
+    """Whether Dask would offload serializing the reply: its values' recorded size passes the threshold.
+
+    (Dask's own test is ``sizeof`` of the whole message; the recorded ``nbytes`` of the
+    keys is that, less a few hundred bytes.) Below it nothing is to be gained, so the
+    handoff check is not done twice on the common path of small values.
+    """
+    from distributed.comm import utils
+
+    threshold = utils.OFFLOAD_THRESHOLD
+    if not threshold:
+        return False
+    tasks = worker.state.tasks
+    return sum((ts.nbytes or 0) for k in keys if (ts := tasks.get(k)) is not None) > threshold
+
+
+def _all_handed_over(worker: Worker, service: PoolService, keys: Any, who: str | None, scheme: str) -> bool:
+    """Whether every key is in memory (not spilled) and will go to ``who`` as an IPC descriptor."""
+    data = getattr(worker.data, "fast", worker.data)  # a SpillBuffer's in-memory part: no unspilling
+    if not keys or who is None:
+        return False
+    for key in keys:
+        try:
+            value = data[key]
+        except KeyError:
+            return False
+        buf = pool_buffer_of(value)
+        if buf is None:
+            return False
+        row, reason = service.route(who, scheme, buf)
+        if row is None or reason is not None:
+            return False
+    return True
