@@ -30,6 +30,12 @@ with open(_HERE / "gpupool.yaml") as _f:
 dask.config.update_defaults(_defaults)
 
 
+#: ``gpupool.import-limit: auto`` for allocations of CUDA's IPC pool (not VMM segments): on two H200s (driver 580)
+#: handoffs of single 6 and 8 GiB pool allocations did not complete within 60 s while 5 GiB ones took 7 ms to
+#: import; VMM segments of 8 and 16 GiB mapped in 1.5-1.8 ms (H100, 2026-11-23, docs/performance.md).
+POOL_MEMORY_IMPORT_LIMIT = 5 << 30
+
+
 @dataclass(frozen=True)
 class Size:
     """A pool size: either absolute bytes or a share of some capacity.
@@ -137,10 +143,12 @@ class PoolOptions:
         the IPC-enabled pool, which a peer on another GPU can no longer read
         once their owner's process died. ``auto``: ``vmm`` when the GPU
         supports it.
-    import_limit : int
+    import_limit : int or None
         ``device`` pools: the largest CUDA allocation (a buffer, or the
         segment it lies in) handed over zero-copy; larger ones are copied
-        (fallback ``too-large``). 0: no limit.
+        (fallback ``too-large``). 0: no limit. ``None`` (``auto``, the
+        default): no limit for VMM segments, :data:`POOL_MEMORY_IMPORT_LIMIT`
+        for allocations of CUDA's IPC pool (:meth:`effective_import_limit`).
     ucx_handoff_threshold : int
         Smallest value handed over zero-copy to a same-host worker on UCX
         comms; smaller pool memory goes as device frames, which UCX moves
@@ -176,12 +184,18 @@ class PoolOptions:
     segment_size: int = 1 << 30
     suballocator: str = "auto"
     segment_memory: str = "auto"
-    import_limit: int = 5 << 30
+    import_limit: int | None = None
     cupy_allocator: bool = False
     ucx_handoff_threshold: int = 0
     copy_chunk_size: int = 16 << 20
     copy_stream_threshold: int = 4 << 20
     copy_streams: int = 4
+
+    def effective_import_limit(self, vmm: bool) -> int:
+        """The import limit of a pool whose buffers are (``vmm``) or are not in VMM segments; 0: none."""
+        if self.import_limit is not None:
+            return self.import_limit
+        return 0 if vmm else POOL_MEMORY_IMPORT_LIMIT
 
     @classmethod
     def from_config(cls, **overrides: Any) -> PoolOptions:
@@ -226,9 +240,11 @@ class PoolOptions:
             )
         if peer == "auto" and segment_memory == "pool":
             peer_gpu_handoff = False
-        import_limit = _parse_nbytes(raw.get("import-limit", "5 GiB"), "gpupool.import-limit")
-        if import_limit and segment_size > import_limit:
-            segment_size = import_limit  # a larger segment could not be mapped by any peer
+        raw_limit = raw.get("import-limit", "auto")
+        import_limit = None if raw_limit == "auto" else _parse_nbytes(raw_limit, "gpupool.import-limit")
+        bound = POOL_MEMORY_IMPORT_LIMIT if import_limit is None and segment_memory == "pool" else import_limit
+        if bound and segment_size > bound:
+            segment_size = bound  # a larger segment could not be mapped by any peer
         return cls(
             kind=_parse_kind(raw.get("kind", "auto")),
             device=_parse_device(raw.get("device", 0)),

@@ -71,7 +71,11 @@ def test_config_values_and_overrides():
     assert no_segments.segment_size == 0 and no_segments.peer_gpu_handoff is False
     assert PoolOptions.from_config(peer_gpu_handoff="false").peer_gpu_handoff is False
     assert PoolOptions.from_config(suballocator="arena").suballocator == "arena"
-    assert options.import_limit == 5 * 2**30
+    assert options.import_limit is None  # auto: none for VMM segments, 5 GiB for CUDA IPC pool memory
+    assert (options.effective_import_limit(vmm=True), options.effective_import_limit(vmm=False)) == (0, 5 << 30)
+    assert PoolOptions.from_config(import_limit="8 GiB").effective_import_limit(vmm=True) == 8 << 30
+    assert PoolOptions.from_config(segment_memory="pool", segment_size="8 GiB").segment_size == 5 << 30
+    assert PoolOptions.from_config(segment_size="8 GiB").segment_size == 8 << 30  # VMM segments of any size
     assert options.ucx_handoff_threshold == 0
     assert PoolOptions.from_config(ucx_handoff_threshold="64 MiB").ucx_handoff_threshold == 64 << 20
     assert PoolOptions.from_config(import_limit=0, segment_size="8 GiB").segment_size == 8 * 2**30
@@ -93,7 +97,7 @@ def test_cross_gpu_handoffs_need_segments_of_vmm_memory():
 
 
 def test_segments_are_at_most_the_import_limit():
-    assert PoolOptions.from_config(segment_size="6 GiB").segment_size == 5 << 30
+    assert PoolOptions.from_config(segment_size="6 GiB", segment_memory="pool").segment_size == 5 << 30
     assert PoolOptions.from_config(import_limit="64 MiB").segment_size == 64 << 20
 
 

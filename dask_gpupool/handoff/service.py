@@ -390,7 +390,9 @@ class PoolService:
             reason = "other-gpu"
         elif self.pool.kind == "pinned" and not row.devices:
             reason = "no-access"
-        elif self.pool.kind == "device" and 0 < self.options.import_limit < self.pool.import_size(buf):
+        elif self.pool.kind == "device" and 0 < self.options.effective_import_limit(self.pool.vmm) < (
+            self.pool.import_size(buf)
+        ):
             reason = "too-large"
         return row, reason
 

@@ -169,6 +169,8 @@ class Pool:
     device: int | None
     device_uuid: str | None
     peers: tuple[str, ...]
+    #: Buffers live in segments of VMM memory (``cuMemCreate``), which peers map by POSIX fd.
+    vmm: bool
     resource: Any
     _closed: bool
     _lock: threading.Lock
@@ -181,8 +183,10 @@ class Pool:
         device: int | None,
         device_uuid: str | None,
         peers: tuple[str, ...] = (),
+        vmm: bool = False,
     ):
         self.kind = kind
+        self.vmm = vmm
         self.resource = resource
         self.max_size = max_size
         self.device = device
@@ -242,7 +246,7 @@ class Pool:
                     options.suballocator,
                     memory,
                 )
-            return cls(kind, resource, size, ordinal, devices.uuids[ordinal], peers)
+            return cls(kind, resource, size, ordinal, devices.uuids[ordinal], peers, vmm=memory is not None)
         else:
             if not dev.properties.host_numa_memory_pools_supported:
                 raise ConfigError(
