@@ -3,7 +3,8 @@
 # pool-mapping benchmark, the demo, the example and the handoff benchmark; full logs under $OUT, the
 # handoff table last. Same script every session:
 #   carry: [".whl", ".whl-ucx"]   command: bash scripts/gpu-check.sh
-# .whl-ucx (optional) holds the UCXX wheels of shared/GPU.md for the benchmark's ucxx rows.
+# .whl-ucx (optional) holds the UCXX wheels (distributed-ucxx-cu13 0.52, ucxx-cu13 0.52, libucxx-cu13 0.52,
+# libucx-cu13 1.21, rmm-cu13/librmm-cu13 26.10, rapids-logger 0.3) for the benchmark's ucxx rows and the UCXX tests.
 # HANDOFF_BUDGET (seconds, default 360) bounds the handoff benchmark; 0 skips it.
 # PART=tests runs the suite, the demo and the example; PART=bench the benchmarks and the ETL example;
 # unset runs both (more than one 10-minute device call can hold when the handoff budget is large).

@@ -175,9 +175,18 @@ def stats(client: Client) -> dict[str, dict[str, Any]]:
         leases this worker holds), ``resyncs`` (links opened again after one
         broke), ``zero_copy_bytes`` and ``copied_bytes`` (bytes this
         worker received by mapping / as host copies), ``copied_out_bytes``
-        (bytes it sent as host copies), ``fallbacks`` (same-host transfers that
-        were copied, by reason), ``mapped_pools`` and ``links``. A worker
-        without a pool (its set-up failed) is listed as ``{"error": why}``.
+        (bytes it sent as host copies), ``streamed_bytes`` and
+        ``streamed_out_bytes`` (the part of those copies pulled over the
+        streamed copy path), ``device_frames_bytes`` and
+        ``device_frames_out_bytes`` (device frames received / sent on UCX
+        comms), ``device_staged_bytes`` (the part of those sent that was pool
+        memory staged for UCX), ``fallbacks`` (same-host transfers that were
+        copied, by reason), ``mapped_pools``, ``links``, ``pulls`` and
+        ``staging_bytes`` (streamed copies being served, and the pinned staging
+        kept for them), ``segments``, ``segments_retiring`` and
+        ``segments_released`` (this pool's segments held and retired, and
+        segment releases sent to peers). A worker without a pool (its set-up
+        failed) is listed as ``{"error": why}``.
     """
     return _per_worker(client, _worker_handoff_stats)
 

@@ -2,7 +2,8 @@
 
 A peer's pool is mapped at most once per process and kept by a strong
 reference in :class:`MappedPools`, keyed by pool UUID. Both rules come from
-measurements (``shared/GPU.md``): importing the same CUDA pool twice returns
+measurements on the project's H200s (the team's GPU notes, outside this
+repository): importing the same CUDA pool twice returns
 the same driver pool but each wrapper destroys it on close, and cuda.core's
 own registry holds only weak references.
 

@@ -1,7 +1,8 @@
 """Segments: large IPC allocations that peers map once, with buffers placed inside.
 
 Importing a CUDA allocation costs time linear in its size (≈1.1 ms per GiB on
-one H200, ≈7.7 ms per GiB across two; ``shared/GPU.md``), so a handoff that
+one H200, ≈7.7 ms per GiB across two, as measured on the project's GPUs and
+seen again in docs/performance.md's first run), so a handoff that
 imports each buffer anew is slower than UCXX at GiB sizes. A ``device`` pool
 with ``gpupool.segment-size`` set therefore takes *segments* from its
 IPC-enabled cuda.core pool and places buffers inside them
