@@ -30,7 +30,7 @@ import dask_gpupool
 from dask_gpupool import GPUPool
 from dask_gpupool import testing as T
 from dask_gpupool.memory.topology import local_devices
-from dask_gpupool.wire.messages import BufferDescriptor
+from dask_gpupool.wire.handoff import BufferDescriptor
 
 MiB = 1 << 20
 

@@ -32,7 +32,7 @@ from dask_gpupool.errors import (
     ProtocolError,
     UnknownPoolError,
 )
-from dask_gpupool.wire.messages import PoolRecord
+from dask_gpupool.wire.registry import PoolRecord
 
 __version__ = "0.1.0"
 

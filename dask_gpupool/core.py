@@ -18,7 +18,7 @@ PLUGIN_NAME = "gpupool"
 
 #: ``{"record": PoolRecord}``: register this worker's pool (answered with :data:`MEMBERSHIP_OP`).
 REGISTER_OP = "gpupool-register"
-#: ``{"pool": str}``: this worker took its :class:`~dask_gpupool.wire.messages.Membership`; publish its row.
+#: ``{"pool": str}``: this worker took its :class:`~dask_gpupool.wire.registry.Membership`; publish its row.
 JOINED_OP = "gpupool-joined"
 #: ``{"record": PoolRecord}``: this worker's row changed (only ``retire_below`` may, and only grow).
 UPDATE_OP = "gpupool-update"
@@ -27,7 +27,7 @@ UNREGISTER_OP = "gpupool-unregister"
 
 # -- scheduler -> worker (``Scheduler.stream_comms[worker]``) -------------------------------------------
 
-#: A :class:`~dask_gpupool.wire.messages.Membership`: the registry and the cluster's token, to this worker only.
+#: A :class:`~dask_gpupool.wire.registry.Membership`: the registry and the cluster's token, to this worker only.
 MEMBERSHIP_OP = "gpupool-membership"
-#: A :class:`~dask_gpupool.wire.messages.RegistryUpdate`, to every registered (or registering) worker.
+#: A :class:`~dask_gpupool.wire.registry.RegistryUpdate`, to every registered (or registering) worker.
 REGISTRY_OP = "gpupool-registry"

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from dask_gpupool.dask.api import current_service
 from dask_gpupool.dask.worker_plugin import service_of
-from dask_gpupool.wire.messages import BufferDescriptor
+from dask_gpupool.wire.handoff import BufferDescriptor
 
 if TYPE_CHECKING:
     from cuda.core import Buffer
@@ -506,7 +506,7 @@ def stop_copy_server(dask_worker: Worker) -> None:
 
 def forget_pool(pool: str, dask_worker: Worker) -> None:
     """client.run target: drop ``pool`` from this worker's copy of the registry (a stale or lying view)."""
-    from dask_gpupool.wire.messages import RegistryUpdate
+    from dask_gpupool.wire.registry import RegistryUpdate
 
     registry = service_of(dask_worker).registry
     registry.apply(RegistryUpdate(version=registry.version, removed=(pool,)))

@@ -18,7 +18,8 @@ import pytest
 from dask_gpupool import BrokerRefusedError, NotAMemberError, PeerLostError, UnknownPoolError
 from dask_gpupool.transport.broker import FdBroker, request_pool_fd
 from dask_gpupool.transport.link import PeerLink
-from dask_gpupool.wire.messages import HandleReply, HandleRequest, Hello, encode
+from dask_gpupool.wire.broker import HandleReply, HandleRequest, Hello
+from dask_gpupool.wire.codec import encode
 
 POOL = str(uuid.uuid4())
 TOKEN = b"cluster-token-0123456789abcdef!!"

@@ -66,7 +66,8 @@ def test_live_broker_refuses_malformed_input_and_keeps_serving(client):
 
     import msgpack
 
-    from dask_gpupool.wire.messages import Hello, encode
+    from dask_gpupool.wire.broker import Hello
+    from dask_gpupool.wire.codec import encode
 
     token = client.run(lambda dask_worker: dask_worker.plugins["gpupool"].service.token, workers=[a])[a]
     for member in (False, True):  # before the hello, and past it (a member that then sends garbage)

@@ -26,26 +26,22 @@ import dask_gpupool
 from dask_gpupool import GPUPool, ProtocolError
 from dask_gpupool import testing as T
 from dask_gpupool.transport.broker import FdBroker, request_pool_fd
-from dask_gpupool.wire.messages import (
-    BufferDescriptor,
+from dask_gpupool.wire.broker import (
     ClaimReply,
     CopyReply,
     ErrorReply,
     HandleReply,
-    HandoffHeader,
     Hello,
-    Membership,
-    PoolRecord,
     PullReply,
     PullRequest,
-    RegistryUpdate,
     Resync,
     ResyncReply,
     SegmentRelease,
-    decode,
-    encode,
     parse_request,
 )
+from dask_gpupool.wire.codec import decode, encode
+from dask_gpupool.wire.handoff import BufferDescriptor, HandoffHeader
+from dask_gpupool.wire.registry import Membership, PoolRecord, RegistryUpdate
 
 MiB = 1 << 20
 POOL = str(uuid.uuid4())

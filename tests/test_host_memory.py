@@ -120,7 +120,7 @@ def test_a_receiver_cannot_resize_the_pool_and_mappings_still_read(tmp_path, no_
     import fcntl
 
     from dask_gpupool.transport.broker import FdBroker, request_pool_fd
-    from dask_gpupool.wire.messages import HandleReply
+    from dask_gpupool.wire.broker import HandleReply
 
     owner = SharedHostMemoryResource(1 << 20)
     buf = owner.allocate(4096)

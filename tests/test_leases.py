@@ -226,7 +226,7 @@ def exporter(tmp_path):
     from dask_gpupool.memory.pool import Pool
     from dask_gpupool.memory.topology import LocalDevices
     from dask_gpupool.transport.broker import FdBroker
-    from dask_gpupool.wire.messages import PoolRecord, RegistryUpdate
+    from dask_gpupool.wire.registry import PoolRecord, RegistryUpdate
 
     pool = Pool.create(PoolOptions.from_config(kind="host", max_size="16 MiB"), LocalDevices(()))
     leases = LeaseTable(60)
@@ -332,7 +332,7 @@ def test_a_closed_link_keeps_the_leases_and_the_importers_exit_ends_them(exporte
     import sys
 
     from dask_gpupool.handoff.service import _Exported
-    from dask_gpupool.wire.messages import PoolRecord, RegistryUpdate
+    from dask_gpupool.wire.registry import PoolRecord, RegistryUpdate
 
     pool, leases, broker, _ = exporter
     worker = "tcp://127.0.0.1:9"

@@ -35,7 +35,8 @@ from dask_gpupool.memory.buffers import host_buffer
 from dask_gpupool.testing import read_bytes
 from dask_gpupool.transport.broker import FdBroker, request_pool_fd
 from dask_gpupool.transport.stream import CopyServer, Staged, pull, pull_proof
-from dask_gpupool.wire.messages import HandleReply, decode
+from dask_gpupool.wire.broker import HandleReply
+from dask_gpupool.wire.codec import decode
 
 POOL = str(uuid.UUID(int=15))  # the same in the spawned owner, which imports this module anew
 TOKEN = b"cluster-token-0123456789abcdef!!"

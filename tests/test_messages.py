@@ -9,23 +9,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dask_gpupool import BrokerRefusedError, ProtocolError, UnknownPoolError
-from dask_gpupool.wire.messages import (
-    MAX_MESSAGE_BYTES,
-    BufferDescriptor,
+from dask_gpupool.wire.broker import (
     ErrorReply,
     HandleReply,
     HandleRequest,
-    HandoffHeader,
-    PoolRecord,
     PullReply,
     PullRequest,
-    RegistryUpdate,
     SegmentRelease,
-    decode,
-    encode,
     parse_request,
     raise_for_error,
 )
+from dask_gpupool.wire.codec import MAX_MESSAGE_BYTES, decode, encode
+from dask_gpupool.wire.handoff import BufferDescriptor, HandoffHeader
+from dask_gpupool.wire.registry import PoolRecord, RegistryUpdate
 
 POOL = str(uuid.uuid4())
 RECORD = PoolRecord(

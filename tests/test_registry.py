@@ -3,7 +3,7 @@ from __future__ import annotations
 import uuid
 
 from dask_gpupool.handoff.registry import PoolRegistry, RegistryView
-from dask_gpupool.wire.messages import PoolRecord, RegistryUpdate
+from dask_gpupool.wire.registry import PoolRecord, RegistryUpdate
 
 
 def record(worker: str) -> PoolRecord:

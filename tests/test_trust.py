@@ -26,7 +26,7 @@ import dask_gpupool
 from dask_gpupool import GPUPool, NotAMemberError
 from dask_gpupool import testing as T
 from dask_gpupool.core import REGISTER_OP, UNREGISTER_OP, UPDATE_OP
-from dask_gpupool.wire.messages import PoolRecord
+from dask_gpupool.wire.registry import PoolRecord
 
 MiB = 1 << 20
 PLUGIN = GPUPool(kind="host", max_size="64 MiB", broker_timeout="2s")

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from dask_gpupool.core import UPDATE_OP
 from dask_gpupool.errors import PoolUnavailableError
-from dask_gpupool.wire.messages import PoolRecord
+from dask_gpupool.wire.registry import PoolRecord
 
 if TYPE_CHECKING:
     from cuda.core import Buffer

@@ -21,7 +21,7 @@ from dask_gpupool.dask.views import VIEWS, device_of, viewed_buffer
 from dask_gpupool.dask.worker_internals import REQUEST
 from dask_gpupool.handoff.active import active_service
 from dask_gpupool.memory.ucx_staging import UcxStaging
-from dask_gpupool.wire.messages import ArrayMeta
+from dask_gpupool.wire.handoff import ArrayMeta
 
 __all__ = ["cuda_dumps_cupy", "cuda_loads_cupy", "register"]
 

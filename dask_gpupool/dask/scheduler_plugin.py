@@ -43,7 +43,7 @@ from dask_gpupool.handoff.registry import PoolRegistry
 from dask_gpupool.ops import dashboard as _dashboard
 from dask_gpupool.ops import metrics as _metrics
 from dask_gpupool.ops.dashboard import STATS_OP
-from dask_gpupool.wire.messages import TOKEN_BYTES, Membership, PoolRecord, RegistryUpdate
+from dask_gpupool.wire.registry import TOKEN_BYTES, Membership, PoolRecord, RegistryUpdate
 
 if TYPE_CHECKING:
     from distributed import Scheduler

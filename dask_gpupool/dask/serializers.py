@@ -42,7 +42,7 @@ from dask_gpupool.dask.worker_internals import REQUEST
 from dask_gpupool.errors import DataLostError, PoolUnavailableError, ProtocolError
 from dask_gpupool.handoff.active import active_service
 from dask_gpupool.memory.buffers import buffer_kind, copy_to_host, host_buffer
-from dask_gpupool.wire.messages import ArrayMeta, HandoffHeader
+from dask_gpupool.wire.handoff import ArrayMeta, HandoffHeader
 
 __all__ = ["KEY", "deserialize_buffer", "loads_array", "register_cupy"]
 

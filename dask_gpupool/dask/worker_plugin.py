@@ -43,7 +43,7 @@ from dask_gpupool.handoff.service import PoolService
 from dask_gpupool.memory.host import peer_resident_bytes
 from dask_gpupool.ops import metrics as _metrics
 from dask_gpupool.ops.dashboard import STATS_INTERVAL, STATS_OP
-from dask_gpupool.wire.messages import Membership, RegistryUpdate
+from dask_gpupool.wire.registry import Membership, RegistryUpdate
 
 if TYPE_CHECKING:
     from distributed import Worker

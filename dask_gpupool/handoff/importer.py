@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Any
 from dask_gpupool.errors import PeerAccessError, PoolClosedError, ProtocolError, UnknownPoolError
 from dask_gpupool.memory.host import SharedHostMemoryResource
 from dask_gpupool.memory.topology import LocalDevices, current_gpu
-from dask_gpupool.wire.messages import BufferDescriptor, PoolRecord
+from dask_gpupool.wire.handoff import BufferDescriptor
+from dask_gpupool.wire.registry import PoolRecord
 
 if TYPE_CHECKING:
     from cuda.core import Buffer

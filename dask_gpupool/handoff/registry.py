@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 
-from dask_gpupool.wire.messages import PoolRecord, RegistryUpdate
+from dask_gpupool.wire.registry import PoolRecord, RegistryUpdate
 
 __all__ = ["PoolRegistry", "RegistryView"]
 

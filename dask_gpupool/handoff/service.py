@@ -56,15 +56,9 @@ from dask_gpupool.memory.topology import LocalDevices, current_gpu, host_identit
 from dask_gpupool.transport.broker import FdBroker
 from dask_gpupool.transport.link import PeerLink
 from dask_gpupool.transport.stream import STAGING, CopyServer, Staged, lanes, pull
-from dask_gpupool.wire.messages import (
-    ArrayMeta,
-    BufferDescriptor,
-    HandleReply,
-    HandoffHeader,
-    Membership,
-    PoolRecord,
-    RegistryUpdate,
-)
+from dask_gpupool.wire.broker import HandleReply
+from dask_gpupool.wire.handoff import ArrayMeta, BufferDescriptor, HandoffHeader
+from dask_gpupool.wire.registry import Membership, PoolRecord, RegistryUpdate
 
 if TYPE_CHECKING:
     from cuda.core import Buffer

@@ -27,7 +27,7 @@ from dask_gpupool.config import PoolOptions
 from dask_gpupool.errors import ConfigError, PoolClosedError, PoolExhaustedError, UnknownPoolError
 from dask_gpupool.memory.host import SharedHostMemoryResource
 from dask_gpupool.memory.topology import LocalDevices, current_gpu, device_memory, host_memory
-from dask_gpupool.wire.messages import BufferDescriptor
+from dask_gpupool.wire.handoff import BufferDescriptor
 
 if TYPE_CHECKING:
     from cuda.core import Buffer

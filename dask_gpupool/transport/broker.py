@@ -6,7 +6,7 @@ SCM_RIGHTS (re-opening ``/proc/<pid>/fd/<n>`` fails for CUDA handles, and
 ``pidfd_getfd`` needs ptrace rights). Each worker runs one :class:`FdBroker`.
 
 Protocol (``SOCK_SEQPACKET``, so each message arrives whole; msgpack maps
-from :mod:`dask_gpupool.wire.messages`)::
+from :mod:`dask_gpupool.wire.broker`)::
 
     peer   -> broker   Hello{op: "hello", token, worker}         (first, always)
     broker -> peer     Welcome{op: "welcome"}
@@ -78,8 +78,7 @@ from dask_gpupool.errors import (
     ProtocolError,
     UnknownPoolError,
 )
-from dask_gpupool.wire.messages import (
-    MAX_MESSAGE_BYTES,
+from dask_gpupool.wire.broker import (
     ClaimReply,
     CopyReply,
     CopyRequest,
@@ -93,10 +92,9 @@ from dask_gpupool.wire.messages import (
     ResyncReply,
     SegmentRelease,
     Welcome,
-    decode,
-    encode,
     parse_request,
 )
+from dask_gpupool.wire.codec import MAX_MESSAGE_BYTES, decode, encode
 
 __all__ = ["BrokerHandler", "FdBroker", "PoolLookup", "remove_stale_broker_dirs", "request_pool_fd"]
 
@@ -111,7 +109,7 @@ class BrokerHandler(Protocol):
     (``copy_out`` on a helper thread) and must not block for long.
 
     ``importer`` is the worker address a connection named in its
-    :class:`~dask_gpupool.wire.messages.Hello`, accepted by :meth:`identify`;
+    :class:`~dask_gpupool.wire.broker.Hello`, accepted by :meth:`identify`;
     ``""`` for connections that only fetch pool fds.
     """
 

@@ -20,9 +20,8 @@ from collections.abc import Callable, Collection
 from typing import Any, Union
 
 from dask_gpupool.errors import BrokerRefusedError, PeerLostError, ProtocolError
-from dask_gpupool.wire.messages import (
+from dask_gpupool.wire.broker import (
     MAX_LEASES_PER_MESSAGE,
-    MAX_MESSAGE_BYTES,
     ClaimReply,
     CopyReply,
     CopyRequest,
@@ -35,10 +34,9 @@ from dask_gpupool.wire.messages import (
     ResyncReply,
     SegmentRelease,
     Welcome,
-    decode,
-    encode,
     raise_for_error,
 )
+from dask_gpupool.wire.codec import MAX_MESSAGE_BYTES, decode, encode
 
 __all__ = ["LinkFactory", "PeerLink"]
 
@@ -63,7 +61,7 @@ class PeerLink:
         to it. ``""`` for a link that only fetches pool fds.
     live : collection of int, optional
         Leases of this exporter this worker still holds, sent as a
-        :class:`~dask_gpupool.wire.messages.Resync` before the link is returned
+        :class:`~dask_gpupool.wire.broker.Resync` before the link is returned
         (the exporter ends this worker's other claimed leases: their
         releases may have been lost with an earlier link).
     expected_pid : int or None

@@ -6,7 +6,7 @@ and is at least ``gpupool.copy-stream-threshold`` bytes, does not travel in
 Dask's frames. Dask's comm writes a whole message from one thread after it was
 serialized, so the device->host copy, the send, the receive and the
 host->device copy would each wait for the one before. Instead the exporter
-grants a lease and sends a :class:`~dask_gpupool.wire.messages.HandoffHeader` with
+grants a lease and sends a :class:`~dask_gpupool.wire.handoff.HandoffHeader` with
 path ``"stream"`` naming its :class:`CopyServer`; the importer's deserializer
 pulls the bytes with :func:`pull`::
 
@@ -68,14 +68,8 @@ from typing import TYPE_CHECKING, Any
 
 from dask_gpupool.errors import ConfigError, DataLostError, GPUPoolError, NotAMemberError, ProtocolError
 from dask_gpupool.memory.topology import current_gpu
-from dask_gpupool.wire.messages import (
-    MAX_MESSAGE_BYTES,
-    ErrorReply,
-    PullReply,
-    PullRequest,
-    decode,
-    raise_for_error,
-)
+from dask_gpupool.wire.broker import ErrorReply, PullReply, PullRequest, raise_for_error
+from dask_gpupool.wire.codec import MAX_MESSAGE_BYTES, decode
 
 if TYPE_CHECKING:
     from cuda.core import Buffer

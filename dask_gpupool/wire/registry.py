@@ -1,0 +1,196 @@
+"""The registry's messages, on Dask's own comms: rows, updates, and a worker's membership.
+
+:class:`PoolRecord`, :class:`RegistryUpdate` and :class:`Membership` travel on
+each worker's batched stream, both ways (ops in :mod:`dask_gpupool.core`), and
+in the answer of the read-only ``gpupool_pools`` RPC.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from dask_gpupool.errors import ProtocolError
+from dask_gpupool.wire.codec import TOKEN_BYTES, as_mapping, field_of, uuid_str
+
+__all__ = ["Membership", "PoolRecord", "RegistryUpdate"]
+
+
+@dataclass(frozen=True)
+class PoolRecord:
+    """One row of the scheduler's registry: a worker's pool.
+
+    Attributes
+    ----------
+    pool : str
+        The pool's UUID (canonical text form); the registry key.
+    worker : str
+        Address of the worker that owns the pool.
+    pid : int
+        Process id of that worker.
+    host : str
+        Host identity (hostname + boot id, or the ``gpupool.host-id`` override).
+        Only workers with equal ``host`` map each other's pools.
+    hostname : str
+        Hostname, for people reading the registry.
+    kind : str
+        ``"device"``, ``"pinned"`` or ``"host"``.
+    device : str or None
+        UUID of the GPU the pool lives on (``device``) or whose context made it
+        (``pinned``); ``None`` for ``host`` pools.
+    max_size : int
+        Upper bound of the pool in bytes.
+    broker : str
+        Path of the owner's fd broker socket.
+    devices : tuple of str
+        UUIDs of every GPU the owner process can see.
+    peers : tuple of str
+        UUIDs of the other GPUs the owner granted access to its ``device``
+        pool; workers there get its buffers zero-copy, others get copies.
+    retire_below : int
+        Segments of this pool with a smaller id are retiring: a peer unmaps
+        each once no buffer it imported from it is alive, and says so with a
+        :class:`SegmentRelease` (:mod:`dask_gpupool.memory.segments`). 0: none.
+    """
+
+    pool: str
+    worker: str
+    pid: int
+    host: str
+    hostname: str
+    kind: str
+    device: str | None
+    max_size: int
+    broker: str
+    devices: tuple[str, ...] = ()
+    peers: tuple[str, ...] = ()
+    retire_below: int = 0
+
+    KINDS: ClassVar[tuple[str, ...]] = ("device", "pinned", "host")
+
+    def to_msg(self) -> dict[str, Any]:
+        return {
+            "pool": self.pool,
+            "worker": self.worker,
+            "pid": self.pid,
+            "host": self.host,
+            "hostname": self.hostname,
+            "kind": self.kind,
+            "device": self.device,
+            "max_size": self.max_size,
+            "broker": self.broker,
+            "devices": list(self.devices),
+            "peers": list(self.peers),
+            "retire_below": self.retire_below,
+        }
+
+    @classmethod
+    def from_msg(cls, msg: object) -> PoolRecord:
+        what = "pool record"
+        m = as_mapping(msg, what)
+        kind = field_of(m, "kind", str, what)
+        if kind not in cls.KINDS:
+            raise ProtocolError(f"{what}: unknown kind {kind!r}")
+        devices = field_of(m, "devices", (list, tuple), what)
+        peers = field_of(m, "peers", (list, tuple), what)
+        if not all(isinstance(d, str) for d in (*devices, *peers)):
+            raise ProtocolError(f"{what}: 'devices' and 'peers' must be strings")
+        max_size = field_of(m, "max_size", int, what)
+        pid = field_of(m, "pid", int, what)
+        if max_size <= 0 or pid <= 0:
+            raise ProtocolError(f"{what}: 'max_size' and 'pid' must be positive")
+        retire_below = field_of(m, "retire_below", int, what)
+        if retire_below < 0:
+            raise ProtocolError(f"{what}: negative 'retire_below'")
+        return cls(
+            pool=uuid_str(field_of(m, "pool", str, what), what),
+            worker=field_of(m, "worker", str, what),
+            pid=pid,
+            host=field_of(m, "host", str, what),
+            hostname=field_of(m, "hostname", str, what),
+            kind=kind,
+            device=field_of(m, "device", (str, type(None)), what),
+            max_size=max_size,
+            broker=field_of(m, "broker", str, what),
+            devices=tuple(devices),
+            peers=tuple(peers),
+            retire_below=retire_below,
+        )
+
+
+@dataclass(frozen=True)
+class RegistryUpdate:
+    """A change of the registry, or a whole snapshot of it.
+
+    Sent by the scheduler to every worker over its batched stream (op
+    ``gpupool-registry``); a snapshot of it is part of :class:`Membership`.
+
+    Attributes
+    ----------
+    version : int
+        Registry version after this change; versions only grow.
+    added : tuple of PoolRecord
+        Rows added (or, in a snapshot, every row).
+    removed : tuple of str
+        Pool UUIDs removed.
+    snapshot : bool
+        ``True`` when ``added`` is the whole registry at ``version``.
+    """
+
+    version: int
+    added: tuple[PoolRecord, ...] = ()
+    removed: tuple[str, ...] = ()
+    snapshot: bool = False
+
+    def to_msg(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "added": [r.to_msg() for r in self.added],
+            "removed": list(self.removed),
+            "snapshot": self.snapshot,
+        }
+
+    @classmethod
+    def from_msg(cls, msg: object) -> RegistryUpdate:
+        what = "registry update"
+        m = as_mapping(msg, what)
+        removed = field_of(m, "removed", (list, tuple), what)
+        if not all(isinstance(r, str) for r in removed):
+            raise ProtocolError(f"{what}: 'removed' must be strings")
+        return cls(
+            version=field_of(m, "version", int, what),
+            added=tuple(PoolRecord.from_msg(r) for r in field_of(m, "added", (list, tuple), what)),
+            removed=tuple(uuid_str(r, what) for r in removed),
+            snapshot=field_of(m, "snapshot", bool, what),
+        )
+
+
+@dataclass(frozen=True)
+class Membership:
+    """The scheduler's answer to a worker registering its pool (op ``gpupool-membership``).
+
+    Attributes
+    ----------
+    snapshot : RegistryUpdate
+        The whole registry.
+    token : bytes
+        The cluster's membership token (:data:`TOKEN_BYTES`): the worker's
+        broker serves only peers presenting it, and the worker presents it to
+        others'. It travels only over the registering worker's own stream
+        from the scheduler (TLS when the cluster is secured).
+    """
+
+    snapshot: RegistryUpdate
+    token: bytes = field(repr=False)
+
+    def to_msg(self) -> dict[str, Any]:
+        return {"snapshot": self.snapshot.to_msg(), "token": self.token}
+
+    @classmethod
+    def from_msg(cls, msg: object) -> Membership:
+        what = "registration reply"
+        m = as_mapping(msg, what)
+        token = field_of(m, "token", bytes, what)
+        if len(token) != TOKEN_BYTES:
+            raise ProtocolError(f"{what}: token of {len(token)} bytes (expected {TOKEN_BYTES})")
+        return cls(RegistryUpdate.from_msg(field_of(m, "snapshot", dict, what)), token)
