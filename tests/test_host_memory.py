@@ -216,6 +216,17 @@ def test_a_handoff_and_release_leave_no_shared_memory_resident_in_either_worker(
         # ... but B's process memory, as Dask sees it (pause threshold, the scheduler's figures), leaves A's pages out
         peer = c.run(_peer_pages_left_out)
         assert peer[b] >= size * 0.9 and peer[a] < size // 8, peer
+        # ... and so do the figures the scheduler gets in B's heartbeats: B's process memory is below its RSS
+        # by A's pages, and the value's bytes (managed on both, as for any replica) are not unmanaged memory too
+        rss_b = c.run(lambda: __import__("psutil").Process().memory_info().rss, workers=[b])[b]
+
+        def scheduler_view(dask_scheduler, b=b):
+            m = dask_scheduler.workers[b].memory
+            return m.process, m.managed, m.unmanaged
+
+        wait_for(lambda: c.run_on_scheduler(scheduler_view)[0] < rss_b - size * 0.8, what="B's heartbeat")
+        process, managed, unmanaged = c.run_on_scheduler(scheduler_view)
+        assert managed + unmanaged == process and unmanaged < size // 2, (process, managed, unmanaged)
         assert counters(c, b)[b]["zero_copy_bytes"] >= size
         del x, y
         wait_for(lambda: dask_gpupool.pool_stats(c)[a]["used"] == 0, what="A's buffer to go")
