@@ -16,7 +16,7 @@ def reasons_in_the_code() -> set[str]:
     for path in PACKAGE.rglob("*.py"):
         text = path.read_text()
         found.update(re.findall(r'reason = "([a-z-]+)"', text))
-        found.update(re.findall(r'return None, "([a-z-]+)"', text))
+        found.update(re.findall(r'Route\([A-Za-z]+, "([a-z-]+)"\)', text))
         found.update(re.findall(r'\.fallback\([^)]*?"([a-z-]+)"', text, re.S))
     return found
 

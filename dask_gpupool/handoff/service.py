@@ -48,6 +48,7 @@ from dask_gpupool.handoff.importer import IMPORT_LOCK, MappedPool, MappedPools
 from dask_gpupool.handoff.leases import LeaseTable
 from dask_gpupool.handoff.registry import RegistryView
 from dask_gpupool.handoff.releaser import Releaser
+from dask_gpupool.handoff.routing import Route, route
 from dask_gpupool.handoff.stats import HandoffStats
 from dask_gpupool.memory.buffers import buffer_kind, copy_from_host, copy_to_host, host_buffer
 from dask_gpupool.memory.lifetime import keep_until_exit
@@ -66,10 +67,6 @@ if TYPE_CHECKING:
 __all__ = ["PoolService"]
 
 logger = logging.getLogger(__name__)
-
-#: Comms over which a same-host worker gets IPC descriptors: the bytes of a descriptor travel in
-#: Dask's frames, so any comm that carries frames between processes would do; these are the ones tested.
-HANDOFF_SCHEMES = ("tcp", "tls", "ucx", "ucxx")
 
 
 class PoolService:
@@ -351,44 +348,21 @@ class PoolService:
             return None, reason
         return row, None
 
-    def route(self, requester: str | None, scheme: str, buf: Buffer) -> tuple[PoolRecord | None, str | None]:
-        """:meth:`plan`'s decision without counting it: ``(requester's row or None, reason to copy or None)``.
-
-        ``(None, None)`` is an expected copy (another host, a client); ``(row, None)`` a handoff;
-        ``(None, "unknown-requester")`` a worker at this host's address with no row here (it has
-        no pool, or its row has not reached this worker yet).
-        """
+    def route(self, requester: str | None, scheme: str, buf: Buffer) -> Route:
+        """:meth:`plan`'s decision without counting it (:func:`~dask_gpupool.handoff.routing.route`)."""
         row = self.registry.worker_row(requester) if requester else None
-        if row is None:
-            # Address parsing only for pool memory (what could have been handed over), not for every value.
-            if requester is not None and not self._closed and self.pool.owns(buf):
-                if _host_of(requester) == _host_of(self.record.worker):
-                    return None, "unknown-requester"
-            return None, None
-        if row.host != self.record.host:
-            return None, None
-        reason: str | None = None
-        if row.pid == self.record.pid:
-            reason = "same-process"
-        elif scheme not in HANDOFF_SCHEMES:
-            reason = "comm"
-        elif self._closed or self.pool.closed:
-            reason = "pool-closed"
-        elif not self.pool.owns(buf):
-            reason = "not-in-pool"
-        elif self._is_unreachable(row.worker):
-            reason = "peer-unreachable"
-        elif self.pool.kind == "device" and self.pool.device_uuid not in row.devices:
-            reason = "no-access"
-        elif self.pool.kind == "device" and row.device not in (self.pool.device_uuid, *self.pool.peers):
-            reason = "other-gpu"
-        elif self.pool.kind == "pinned" and not row.devices:
-            reason = "no-access"
-        elif self.pool.kind == "device" and 0 < self.options.effective_import_limit(self.pool.vmm) < (
-            self.pool.import_size(buf)
-        ):
-            reason = "too-large"
-        return row, reason
+        owned = self.pool.owns(buf)
+        return route(
+            self.record,
+            requester,
+            row,
+            scheme,
+            pool_open=not (self._closed or self.pool.closed),
+            owned=owned,
+            unreachable=row is not None and self._is_unreachable(row.worker),
+            import_size=self.pool.import_size(buf) if owned and self.pool.kind == "device" else 0,
+            import_limit=self.options.effective_import_limit(self.pool.vmm),
+        )
 
     def export_ipc(self, holder: Any, buf: Buffer, row: PoolRecord, array: ArrayMeta | None) -> HandoffHeader:
         """Grant ``row``'s worker a lease on ``buf`` and describe it.
@@ -919,16 +893,6 @@ def _own_device(options: PoolOptions, devices: LocalDevices) -> int | None:
         return devices.resolve(options.device)
     except Exception:
         return None
-
-
-def _host_of(address: str) -> str:
-    """The host part of a Dask address (``tcp://10.0.0.1:8786`` -> ``10.0.0.1``); ``""`` if it has none."""
-    from distributed.comm import get_address_host
-
-    try:
-        return str(get_address_host(address))
-    except Exception:
-        return ""
 
 
 def _view(resource: ImportedMemoryResource, mapped: MappedPool, ptr: int, size: int) -> Buffer:

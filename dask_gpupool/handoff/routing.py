@@ -1,0 +1,110 @@
+"""How a value of this worker's pool goes to the worker that asked for it: a pure decision.
+
+:func:`route` looks only at what it is given: this worker's registry row, the
+requester's row (if the registry has one), the comm's scheme and a few facts
+about the buffer and the pool. It answers a :class:`Route`: hand the buffer
+over (the requester's row, no reason), an expected copy (another host, a
+client: no row, no reason), or a copy a same-host peer could have been
+spared (a reason from :data:`~dask_gpupool.handoff.stats.FALLBACK_REASONS`,
+which :meth:`~dask_gpupool.handoff.service.PoolService.plan` counts and warns
+about once). ``tests/test_routing.py`` pins the decisions, one row each.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from dask_gpupool.wire.registry import PoolRecord
+
+__all__ = ["HANDOFF_SCHEMES", "Route", "host_of", "route"]
+
+#: Comms over which a same-host worker gets IPC descriptors: the bytes of a descriptor travel in
+#: Dask's frames, so any comm that carries frames between processes would do; these are the ones tested.
+HANDOFF_SCHEMES = ("tcp", "tls", "ucx", "ucxx")
+
+
+class Route(NamedTuple):
+    """The decision: ``row`` is the requester's registry row when it gets the buffer handed over."""
+
+    row: PoolRecord | None
+    reason: str | None
+
+
+def route(
+    own: PoolRecord,
+    requester: str | None,
+    row: PoolRecord | None,
+    scheme: str,
+    *,
+    pool_open: bool,
+    owned: bool,
+    unreachable: bool = False,
+    import_size: int = 0,
+    import_limit: int = 0,
+) -> Route:
+    """Decide how a buffer of this worker's pool goes to ``requester``.
+
+    Parameters
+    ----------
+    own : PoolRecord
+        This worker's row (its host, pid, pool kind, GPU and the GPUs granted access).
+    requester : str or None
+        The address of the worker that asked (``None``: not a worker's ``get_data``).
+    row : PoolRecord or None
+        The requester's row in this worker's registry view, if it has one.
+    scheme : str
+        The comm's scheme (``"tcp"``, ``"ucxx"``, ...).
+    pool_open : bool
+        This worker's service and pool are not closing.
+    owned : bool
+        The buffer lies in this worker's pool.
+    unreachable : bool
+        A recent transfer to the requester failed (it gets copies for a while).
+    import_size : int
+        Bytes the requester would import to map the buffer (its segment, or itself).
+    import_limit : int
+        The largest allocation handed over (0: no limit).
+
+    Returns
+    -------
+    Route
+        ``(row, None)``: hand over; ``(None, None)``: an expected copy;
+        ``(row or None, reason)``: a same-host copy, for ``reason``.
+    """
+    if row is None:
+        if requester is not None and pool_open and owned and host_of(requester) == host_of(own.worker):
+            return Route(None, "unknown-requester")  # a worker here with no pool, or no row yet
+        return Route(None, None)
+    if row.host != own.host:
+        return Route(None, None)
+    if row.pid == own.pid:
+        reason = "same-process"
+    elif scheme not in HANDOFF_SCHEMES:
+        reason = "comm"
+    elif not pool_open:
+        reason = "pool-closed"
+    elif not owned:
+        reason = "not-in-pool"
+    elif unreachable:
+        reason = "peer-unreachable"
+    elif own.kind == "device" and own.device not in row.devices:
+        reason = "no-access"
+    elif own.kind == "device" and row.device not in (own.device, *own.peers):
+        reason = "other-gpu"
+    elif own.kind == "pinned" and not row.devices:
+        reason = "no-access"
+    elif own.kind == "device" and 0 < import_limit < import_size:
+        reason = "too-large"
+    else:
+        return Route(row, None)
+    return Route(row, reason)
+
+
+def host_of(address: str) -> str:
+    """The host part of a Dask address (``tcp://10.0.0.1:8786`` -> ``10.0.0.1``); ``""`` if it has none."""
+    from distributed.comm import get_address_host
+
+    try:
+        return str(get_address_host(address))
+    except Exception:
+        return ""

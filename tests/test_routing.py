@@ -1,0 +1,77 @@
+"""The routing decision, one row per case: no cluster, no GPU (issue 17: routing as a pure function)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from dask_gpupool.handoff.routing import Route, route
+from dask_gpupool.handoff.stats import FALLBACK_REASONS
+from dask_gpupool.wire.registry import PoolRecord
+
+GPU0, GPU1, GPU2 = "GPU-0", "GPU-1", "GPU-2"
+OWN = PoolRecord(
+    pool="00000000-0000-0000-0000-000000000001",
+    worker="tcp://10.0.0.1:4000",
+    pid=100,
+    host="host-a",
+    hostname="a",
+    kind="device",
+    device=GPU0,
+    max_size=1 << 30,
+    broker="/tmp/b0",
+    devices=(GPU0, GPU1),
+    peers=(GPU1,),
+)
+PEER = dataclasses.replace(
+    OWN, pool="00000000-0000-0000-0000-000000000002", worker="tcp://10.0.0.1:4001", pid=101, peers=()
+)
+MiB = 1 << 20
+
+
+def peer(**changes: object) -> PoolRecord:
+    return dataclasses.replace(PEER, **changes)  # type: ignore[arg-type]
+
+
+# (case, own row changes, requester's row (or None), scheme, keyword facts, expected reason or "handoff"/"copy")
+CASES = [
+    ("same GPU, tcp", {}, PEER, "tcp", {}, "handoff"),
+    ("same GPU, tls", {}, PEER, "tls", {}, "handoff"),
+    ("same GPU, ucxx", {}, PEER, "ucxx", {}, "handoff"),
+    ("inproc comm", {}, PEER, "inproc", {}, "comm"),
+    ("another host", {}, peer(host="host-b"), "tcp", {}, "copy"),
+    ("same process", {}, peer(pid=OWN.pid), "tcp", {}, "same-process"),
+    ("pool closing", {}, PEER, "tcp", {"pool_open": False}, "pool-closed"),
+    ("not in the pool", {}, PEER, "tcp", {"owned": False}, "not-in-pool"),
+    ("transfer failed lately", {}, PEER, "tcp", {"unreachable": True}, "peer-unreachable"),
+    ("requester cannot see the GPU", {}, peer(devices=(GPU1,), device=GPU1), "tcp", {}, "no-access"),
+    ("requester on a granted GPU", {}, peer(device=GPU1), "tcp", {}, "handoff"),
+    ("requester on a GPU not granted", {}, peer(device=GPU2, devices=(GPU0, GPU2)), "tcp", {}, "other-gpu"),
+    ("over the import limit", {}, PEER, "tcp", {"import_size": 64 * MiB, "import_limit": 32 * MiB}, "too-large"),
+    ("under the import limit", {}, PEER, "tcp", {"import_size": 16 * MiB, "import_limit": 32 * MiB}, "handoff"),
+    ("no import limit", {}, PEER, "tcp", {"import_size": 16 << 30, "import_limit": 0}, "handoff"),
+    ("host pool, requester without GPU", {"kind": "host", "device": None}, peer(devices=()), "tcp", {}, "handoff"),
+    ("pinned pool, requester without GPU", {"kind": "pinned"}, peer(devices=()), "tcp", {}, "no-access"),
+]
+
+
+@pytest.mark.parametrize(("case", "own", "row", "scheme", "facts", "expected"), CASES, ids=[c[0] for c in CASES])
+def test_route(case, own, row, scheme, facts, expected):
+    mine = dataclasses.replace(OWN, **own)
+    got = route(mine, row.worker, row, scheme, **{"pool_open": True, "owned": True, **facts})
+    if expected == "handoff":
+        assert got == Route(row, None)
+    elif expected == "copy":
+        assert got == Route(None, None)
+    else:
+        assert got.reason == expected and expected in FALLBACK_REASONS
+
+
+def test_a_requester_without_a_row():
+    """A worker at this host's address with no row is told apart from a client or another host's worker."""
+    here, there = "tcp://10.0.0.1:5000", "tcp://10.0.0.2:5000"
+    assert route(OWN, here, None, "tcp", pool_open=True, owned=True) == Route(None, "unknown-requester")
+    assert route(OWN, there, None, "tcp", pool_open=True, owned=True) == Route(None, None)
+    assert route(OWN, here, None, "tcp", pool_open=True, owned=False) == Route(None, None)  # not pool memory
+    assert route(OWN, None, None, "tcp", pool_open=True, owned=True) == Route(None, None)  # no get_data
