@@ -641,9 +641,9 @@ class PoolService:
             n = self.leases.release_importer(record.worker)
             if n:
                 logger.info("pool %s: released %d lease(s) of %s, which left", self.pool.uuid, n, record.worker)
-            drop = getattr(self.pool.resource, "drop_connection", None)
-            if drop is not None:  # it closed its mappings before it left (PoolService.close)
-                drop(record.worker)
+            segmented = self.pool.segmented
+            if segmented is not None:  # it closed its mappings before it left (PoolService.close)
+                segmented.drop_connection(record.worker)
             with self._links_lock:
                 link = self._links.pop(record.broker, None)
             if link is not None:
@@ -681,18 +681,19 @@ class PoolService:
         ``None`` when the pool has no segments. The caller re-registers the
         returned row so that peers learn the new ``retire_below``.
         """
-        trim = getattr(self.pool.resource, "trim", None)
-        if trim is not None:  # a host pool: its free pages go back to the OS at once
-            trim()
-        retire = getattr(self.pool.resource, "retire", None)
-        if retire is None:
+        host = self.pool.shared_host
+        if host is not None:  # a host pool: its free pages go back to the OS at once
+            host.trim()
+        segmented = self.pool.segmented
+        if segmented is None:
             return None
-        below = retire()
+        below = segmented.retire()
         self.record = dataclasses.replace(self.record, retire_below=below)
         return self.record
 
     def handoff_stats(self) -> dict[str, Any]:
         """Counters for :func:`dask_gpupool.stats`."""
+        segmented = self.pool.segmented
         return {
             **self.handoffs.to_msg(),
             "leases": len(self.leases),
@@ -704,8 +705,8 @@ class PoolService:
             "mapped_pools": len(self.mapped),
             "links": sum(link.alive for link in self._links.values()),
             "pulls": 0 if self.copier is None else self.copier.transfers,
-            "segments": getattr(self.pool.resource, "segments", 0),
-            "segments_retiring": getattr(self.pool.resource, "retiring", 0),
+            "segments": 0 if segmented is None else segmented.segments,
+            "segments_retiring": 0 if segmented is None else segmented.retiring,
             "segments_released": self.releaser.segments_sent,
             "staging_bytes": STAGING.nbytes,
         }
@@ -850,17 +851,17 @@ class _ExportSide:
         return n
 
     def segments_released(self, segments: tuple[tuple[int, int], ...], importer: str) -> None:
-        note = getattr(self._pool.resource, "note_released", None)
-        if note is not None:
-            note(list(segments), importer)
+        segmented = self._pool.segmented
+        if segmented is not None:
+            segmented.note_released(list(segments), importer)
 
     def importer_exited(self, importer: str) -> None:
         n = self._leases.release_importer(importer)
         if n:
             logger.info("pool %s: importer %s exited; released its %d lease(s)", self._pool.uuid, importer, n)
-        drop = getattr(self._pool.resource, "drop_connection", None)
-        if drop is not None and not self.closing:
-            drop(importer)
+        segmented = self._pool.segmented
+        if segmented is not None and not self.closing:
+            segmented.drop_connection(importer)
 
     def copy_out(self, lease: int, importer: str) -> tuple[int, int]:
         holder = self._leases.holder_for(lease, importer)

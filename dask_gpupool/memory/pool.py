@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from dask_gpupool.config import PoolOptions
 from dask_gpupool.errors import ConfigError, PoolClosedError, PoolExhaustedError, UnknownPoolError
 from dask_gpupool.memory.host import SharedHostMemoryResource
+from dask_gpupool.memory.segments import SegmentedResource
 from dask_gpupool.memory.topology import LocalDevices, current_gpu, device_memory, host_memory
 from dask_gpupool.wire.handoff import BufferDescriptor
 
@@ -236,8 +237,6 @@ class Pool:
                 resource.close()
                 raise
             if options.segment_size:
-                from dask_gpupool.memory.segments import SegmentedResource
-
                 resource = SegmentedResource(
                     resource,
                     min(options.segment_size, size),
@@ -273,11 +272,21 @@ class Pool:
         """
         if self._closed:
             raise PoolClosedError(f"pool {self.uuid} is closed")
-        segment_fd = getattr(self.resource, "segment_fd", None)
-        if segment_fd is None:
+        segmented = self.segmented
+        if segmented is None:
             raise UnknownPoolError(f"pool {self.uuid} has no segments")
-        fd, size = segment_fd(segment)
+        fd, size = segmented.segment_fd(segment)
         return int(fd), int(size)
+
+    @property
+    def segmented(self) -> SegmentedResource | None:
+        """The pool's :class:`SegmentedResource` (buffers in segments, and their retire ledger), if any."""
+        return self.resource if isinstance(self.resource, SegmentedResource) else None
+
+    @property
+    def shared_host(self) -> SharedHostMemoryResource | None:
+        """The ``host`` pool's memfd resource, if this is one."""
+        return self.resource if isinstance(self.resource, SharedHostMemoryResource) else None
 
     def allocation_handle(self) -> int:
         """The pool's shareable fd. Owned by the pool: callers must not close it."""
@@ -329,8 +338,8 @@ class Pool:
         """
         if self.kind == "host":
             return 0
-        locate = getattr(self.resource, "locate", None)
-        return int(locate(int(buf.handle))[0].size) if locate is not None else int(buf.size)
+        segmented = self.segmented
+        return int(segmented.locate(int(buf.handle))[0].size) if segmented is not None else int(buf.size)
 
     def export(self, buf: Buffer) -> BufferDescriptor:
         """Describe ``buf`` so that a peer that mapped this pool can map it.
@@ -341,9 +350,9 @@ class Pool:
             raise ValueError(f"{buf!r} does not belong to pool {self.uuid}")
         if self.kind == "host":
             return BufferDescriptor(self.uuid, buf.size, b"", self.resource.offset_of(buf))
-        locate = getattr(self.resource, "locate", None)
-        if locate is not None:  # a SegmentedResource: the segment and the offset inside it
-            segment, offset = locate(int(buf.handle))
+        segmented = self.segmented
+        if segmented is not None:  # the segment and the offset inside it
+            segment, offset = segmented.locate(int(buf.handle))
             return BufferDescriptor(self.uuid, buf.size, segment.payload, offset, segment.size, segment.id)
         return BufferDescriptor(self.uuid, buf.size, ipc_payload(buf), 0)
 
