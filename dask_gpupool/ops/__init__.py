@@ -1,0 +1,1 @@
+"""Operations: Prometheus metrics and the scheduler's /gpupool page (what operators read)."""

@@ -1,0 +1,1 @@
+"""Wire: typed messages that cross a process, by channel (registry, broker protocol, handoff header); never pickled."""
