@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import hmac
 import logging
 import os
@@ -78,6 +77,7 @@ from dask_gpupool.errors import (
     ProtocolError,
     UnknownPoolError,
 )
+from dask_gpupool.transport.accept import AcceptBackoff
 from dask_gpupool.wire.broker import (
     ClaimReply,
     CopyReply,
@@ -203,10 +203,6 @@ _PEERCRED = struct.Struct("3i")
 MAX_PER_PEER = 64
 #: Open connections a broker holds in all; more are refused.
 MAX_CONNECTIONS = 1024
-#: Accept errors that mean "try again": a connection that went away while queued.
-_ACCEPT_RETRY = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EINTR, errno.EAGAIN})
-#: Longest pause of an accept loop that met an error it backs off from (EMFILE, ENFILE, ENOBUFS, ENOMEM).
-ACCEPT_BACKOFF_MAX = 1.0
 
 
 class FdBroker:
@@ -258,7 +254,7 @@ class FdBroker:
     accept is closed (one message, whole, on a ``SOCK_SEQPACKET`` socket, so
     no trickle can stretch it); at most ``max_per_peer`` connections per pid
     and ``max_connections`` in all are open; when the process runs out of fds
-    the accept loop logs once, backs off up to :data:`ACCEPT_BACKOFF_MAX`
+    the accept loop logs once, backs off up to :data:`~dask_gpupool.transport.accept.ACCEPT_BACKOFF_MAX`
     seconds (on its own asyncio loop, which keeps serving the open
     connections) and accepts again. See docs/reliability.md.
     """
@@ -267,7 +263,6 @@ class FdBroker:
     served: int
     refused: int
     copies: int
-    accept_errors: int
     max_per_peer: int
     max_connections: int
     token: bytes | None
@@ -298,12 +293,12 @@ class FdBroker:
             raise ConfigError(f"broker bounds must be positive integers: {max_per_peer=}, {max_connections=}")
         self.token = token
         self.max_per_peer, self.max_connections = max_per_peer, max_connections
-        self.accept_errors = 0
         self._per_pid = {}  # open connections by peer pid (broker thread only)
         self._refusing = set()  # pids (-1: everyone) refused since their last close: warned once
         self._handler = cast(BrokerHandler, handler) if hasattr(handler, "pool_handle") else _LookupOnly(handler)
         self._timeout = timeout
         self._name = name
+        self._backoff = AcceptBackoff(f"pool {name}: broker")
         self._next_connection = 0
         self.served = self.refused = self.copies = 0
         self._conns = set()
@@ -339,6 +334,11 @@ class FdBroker:
 
     # -- the broker's thread ----------------------------------------------------
 
+    @property
+    def accept_errors(self) -> int:
+        """Failed accepts that made the accept loop pause (out of fds or memory)."""
+        return self._backoff.errors
+
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
         try:
@@ -364,11 +364,11 @@ class FdBroker:
         """Accept peers until the broker closes; no error ends it.
 
         Out of fds (``EMFILE``/``ENFILE``) or memory, it logs once, pauses
-        (50 ms, doubling up to :data:`ACCEPT_BACKOFF_MAX`) and tries again; the
+        (50 ms, doubling up to :data:`~dask_gpupool.transport.accept.ACCEPT_BACKOFF_MAX`) and tries again; the
         queued peers wait in the listen backlog meanwhile. Runs on the
         broker's thread.
         """
-        pause = 0.0
+        backoff = self._backoff
         while True:
             try:
                 conn, _ = await self._loop.sock_accept(self._sock)
@@ -377,22 +377,11 @@ class FdBroker:
             except OSError as e:
                 if self._closed or self._sock.fileno() < 0:
                     return
-                if e.errno in _ACCEPT_RETRY:
-                    continue
-                self.accept_errors += 1
-                if not pause:
-                    logger.warning(
-                        "pool %s: broker cannot accept (%s); retrying, backing off up to %.0f s",
-                        self._name,
-                        e,
-                        ACCEPT_BACKOFF_MAX,
-                    )
-                pause = min(max(2 * pause, 0.05), ACCEPT_BACKOFF_MAX)
-                await asyncio.sleep(pause)
+                pause = backoff.failed(e)
+                if pause:
+                    await asyncio.sleep(pause)
                 continue
-            if pause:
-                logger.warning("pool %s: broker accepts again", self._name)
-                pause = 0.0
+            backoff.accepted()
             self._admit(conn)
 
     def _admit(self, conn: socket.socket) -> None:

@@ -46,7 +46,7 @@ length of the transfer (on two H200s: docs/performance.md).
 deadline, not a timeout per ``recv``: a client trickling a byte at a time is
 dropped at it). When accepting fails for want of fds or memory (``EMFILE``,
 ``ENFILE``, ``ENOBUFS``, ``ENOMEM``) the acceptor logs once, pauses (50 ms,
-doubling up to :data:`ACCEPT_BACKOFF_MAX`) and accepts again. See
+doubling up to :data:`~dask_gpupool.transport.accept.ACCEPT_BACKOFF_MAX`) and accepts again. See
 docs/reliability.md.
 """
 
@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import errno
 import hashlib
 import hmac
 import itertools
@@ -68,6 +67,7 @@ from typing import TYPE_CHECKING, Any
 
 from dask_gpupool.errors import ConfigError, DataLostError, GPUPoolError, NotAMemberError, ProtocolError
 from dask_gpupool.memory.topology import current_gpu
+from dask_gpupool.transport.accept import AcceptBackoff
 from dask_gpupool.wire.broker import ErrorReply, PullReply, PullRequest, raise_for_error
 from dask_gpupool.wire.codec import MAX_MESSAGE_BYTES, decode
 
@@ -89,10 +89,6 @@ _LENGTH = struct.Struct("!I")
 MAX_PER_PEER = 128
 #: Connections (threads) a copy server serves at once; more are refused.
 MAX_CONNECTIONS = 512
-#: Longest pause of the acceptor after an accept error it backs off from (EMFILE, ENFILE, ENOBUFS, ENOMEM).
-ACCEPT_BACKOFF_MAX = 1.0
-#: Accept errors that mean "try again": a connection that went away while queued.
-_ACCEPT_RETRY = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EINTR, errno.EAGAIN})
 
 
 def pull_proof(token: bytes, pool: str, lease: int) -> bytes:
@@ -151,6 +147,11 @@ class CopyServer:
     connection, at most ``max_connections``.
     """
 
+    @property
+    def accept_errors(self) -> int:
+        """Failed accepts that made the accept loop pause (out of fds or memory)."""
+        return self._backoff.errors
+
     def __init__(
         self,
         pool: str,
@@ -166,7 +167,8 @@ class CopyServer:
         self.pool = pool
         self.token: bytes | None = None  # the cluster's; None refuses every pull
         self.max_per_peer, self.max_connections = max_per_peer, max_connections
-        self.refused = self.accept_errors = 0
+        self.refused = 0
+        self._backoff = AcceptBackoff(f"pool {pool}: copy server")
         self._leases = leases
         self._timeout = timeout
         self._chunk = chunk
@@ -215,10 +217,10 @@ class CopyServer:
         """The acceptor thread: accept until :meth:`close`; no error ends it.
 
         Out of fds or memory it logs once, pauses (50 ms, doubling up to
-        :data:`ACCEPT_BACKOFF_MAX`) and tries again; queued peers wait in the
+        :data:`~dask_gpupool.transport.accept.ACCEPT_BACKOFF_MAX`) and tries again; queued peers wait in the
         listen backlog meanwhile.
         """
-        pause = 0.0
+        backoff = self._backoff
         while True:
             try:
                 conn, peer = self._sock.accept()
@@ -226,24 +228,11 @@ class CopyServer:
                 with self._lock:
                     if self._closed:
                         return
-                    if e.errno not in _ACCEPT_RETRY:
-                        self.accept_errors += 1
-                if e.errno in _ACCEPT_RETRY:
-                    continue
-                if not pause:
-                    logger.warning(
-                        "pool %s: copy server cannot accept (%s); retrying, backing off up to %.0f s",
-                        self.pool,
-                        e,
-                        ACCEPT_BACKOFF_MAX,
-                    )
-                pause = min(max(2 * pause, 0.05), ACCEPT_BACKOFF_MAX)
-                if self._stop.wait(pause):
+                pause = backoff.failed(e)
+                if pause and self._stop.wait(pause):
                     return
                 continue
-            if pause:
-                logger.warning("pool %s: copy server accepts again", self.pool)
-                pause = 0.0
+            backoff.accepted()
             accepted = time.monotonic()
             ip = str(peer[0])
             why = ""
