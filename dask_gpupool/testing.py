@@ -461,7 +461,7 @@ def block_imports(seconds: float) -> None:
     (the import may block this worker's event loop, so no later
     ``client.run`` could reach it).
     """
-    from dask_gpupool.handoff.importer import IMPORT_LOCK
+    from dask_gpupool.handoff.mappings import IMPORT_LOCK
 
     held = threading.Event()
 
@@ -489,12 +489,7 @@ def restore_broker(dask_worker: Worker) -> None:
 
 def close_links(dask_worker: Worker) -> int:
     """client.run target: close this worker's links to exporters (as if each broke); return how many."""
-    service = service_of(dask_worker)
-    with service._links_lock:
-        links, service._links = list(service._links.values()), {}
-    for link in links:
-        link.close()
-    return len(links)
+    return service_of(dask_worker).importer.drop_links()
 
 
 def stop_copy_server(dask_worker: Worker) -> None:

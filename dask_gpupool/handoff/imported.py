@@ -17,19 +17,19 @@ from typing import TYPE_CHECKING, Any
 
 from cuda.core import MemoryResource
 
-from dask_gpupool.handoff.importer import IMPORT_LOCK
+from dask_gpupool.handoff.mappings import IMPORT_LOCK
 from dask_gpupool.memory.topology import current_gpu
 
 if TYPE_CHECKING:
     from cuda.core import Buffer
 
-    from dask_gpupool.handoff.importer import MappedPool
+    from dask_gpupool.handoff.mappings import MappedPool
 
 
 if TYPE_CHECKING:
     from cuda.core import Buffer
 
-    from dask_gpupool.handoff.importer import MappedPool
+    from dask_gpupool.handoff.mappings import MappedPool
 
 __all__ = ["ImportedMemoryResource"]
 

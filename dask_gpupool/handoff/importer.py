@@ -1,494 +1,483 @@
-"""The importer's side: peers' pools mapped into this process, once each.
+"""The importing side of one worker: links to exporters, peers' pools mapped here, claims and releases.
 
-A peer's pool is mapped at most once per process and kept by a strong
-reference in :class:`MappedPools`, keyed by pool UUID. Both rules come from
-measurements on the project's H200s (the team's GPU notes, outside this
-repository): importing the same CUDA pool twice returns
-the same driver pool but each wrapper destroys it on close, and cuda.core's
-own registry holds only weak references.
-
-Every CUDA import and every close of an imported object runs under
-:data:`IMPORT_LOCK`, one lock per process: with cuda-core 1.2.0 several
-threads importing at once can deadlock (NVIDIA/cuda-python#2840).
-
-A peer's *pinned* pool is imported at most once per process, ever: on the
-H100 and H200 machines (driver 580, cuda-core 1.2.2) a pinned pool imported,
-closed and imported again in the same process hands out buffers whose first
-read kills the process (SIGSEGV on the CPU, and from the GPU), while the
-first import reads fine (``scripts/probes/pinned_workers.py``). So
-:meth:`MappedPools.unmap` parks a pinned mapping instead of closing it, and
-the next :meth:`MappedPools.map` of that pool takes it back;
-:meth:`MappedPools.close_all` closes parked mappings with the rest.
+:class:`Importer` turns a :class:`~dask_gpupool.wire.handoff.HandoffHeader` into
+a Buffer of this process (:meth:`Importer.import_handoff`: map, claim, and on
+failure a host copy), lands copies (:meth:`Importer.receive_copy`,
+:meth:`Importer.pull_copy`) and owns what that needs: the links to exporters'
+brokers, the peers' pools mapped here and the releaser. The
+:class:`~dask_gpupool.handoff.service.PoolService` makes one and closes it;
+tests can drive one with a registry view and a pool of their own.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
+import mmap
 import os
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from dask_gpupool.errors import PeerAccessError, PoolClosedError, ProtocolError, UnknownPoolError
-from dask_gpupool.memory.host import SharedHostMemoryResource
-from dask_gpupool.memory.topology import LocalDevices, current_gpu
-from dask_gpupool.wire.handoff import BufferDescriptor
+from dask_gpupool.config import PoolOptions
+from dask_gpupool.errors import (
+    DataLostError,
+    GPUPoolError,
+    NotAMemberError,
+    PeerAccessError,
+    PoolClosedError,
+    PoolExhaustedError,
+    ProtocolError,
+    UnknownPoolError,
+)
+from dask_gpupool.handoff.imported import ImportedMemoryResource
+from dask_gpupool.handoff.mappings import IMPORT_LOCK, MappedPool, MappedPools
+from dask_gpupool.handoff.registry import RegistryView
+from dask_gpupool.handoff.releaser import Releaser
+from dask_gpupool.handoff.stats import HandoffStats
+from dask_gpupool.memory.buffers import copy_from_host, host_buffer
+from dask_gpupool.memory.pool import Pool
+from dask_gpupool.memory.topology import LocalDevices, current_gpu, local_devices
+from dask_gpupool.transport.link import PeerLink
+from dask_gpupool.transport.stream import pull
+from dask_gpupool.wire.handoff import BufferDescriptor, HandoffHeader
 from dask_gpupool.wire.registry import PoolRecord
 
 if TYPE_CHECKING:
     from cuda.core import Buffer
 
-__all__ = ["IMPORT_LOCK", "MappedPool", "MappedPools"]
+__all__ = ["Importer"]
 
 logger = logging.getLogger(__name__)
 
-#: Serializes every CUDA IPC import and every close of an imported object.
-IMPORT_LOCK = threading.RLock()
 
-#: The size field of an :meth:`MappedPool.acquire` key that names a segment (kept mapped) rather than an import.
-_SEGMENT = -1
-
-
-def _grant_access(resource: Any, ordinal: int) -> None:
-    """Give GPU ``ordinal`` read-write access to an imported pool (cuMemPoolSetAccess)."""
-    from cuda.bindings import driver
-
-    desc = driver.CUmemAccessDesc()
-    desc.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    desc.location.id = ordinal
-    desc.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-    (err,) = driver.cuMemPoolSetAccess(resource.handle, [desc], 1)
-    # ALREADY_MAPPED: the pool is accessible from that GPU already.
-    if err not in (driver.CUresult.CUDA_SUCCESS, driver.CUresult.CUDA_ERROR_ALREADY_MAPPED):
-        raise PeerAccessError(f"cuMemPoolSetAccess for GPU {ordinal} failed: {err!r}")
-
-
-class MappedPool:
-    """A peer's pool mapped into this process; imports that peer's buffers.
-
-    Build with :meth:`open`. The mapped resource is owned by this object and
-    closed by :meth:`close`, which the cache calls after every buffer imported
-    from the pool has been released.
-
-    Attributes
-    ----------
-    record : PoolRecord
-        The registry row of the peer's pool.
-    imports : int
-        Handed-over buffers from this pool still alive here.
-    orphaned : bool
-        The owner has left; the mapping is closed when ``imports`` drops to 0.
-    segments : int
-        Segments of the peer's pool imported here (kept mapped until the
-        owner retires them, or :meth:`close`).
-    retire_below : int
-        The owner's ``retire_below`` as last seen: segments with a smaller id
-        are unmapped once no buffer imported from them is alive here.
-    resource : object
-        The mapped memory resource (cuda.core or shared host memory).
-    device : int or None
-        Ordinal of this process's GPU that imported buffers are used on.
-    """
-
-    record: PoolRecord
-    resource: Any
-    device: int | None
-    imports: int
-    orphaned: bool
-    retire_below: int
-    _shared: dict[tuple[bytes, int, int], list[Any]]
-    _segments: dict[int, list[Any]]
-    _closed: bool
-
-    def __init__(self, record: PoolRecord, resource: Any, device: int | None) -> None:
-        self.record = record
-        self.resource = resource
-        self.device = device
-        self.imports = 0  # live imports handed out through the handoff path (changed under IMPORT_LOCK)
-        self.orphaned = False  # the owner left; close when the last import goes
-        self.retire_below = record.retire_below
-        self._shared = {}
-        self._segments = {}  # segment id -> [import, users, segment id, leases claimed on it in all]
-        self._closed = False
-
-    @property
-    def segments(self) -> int:
-        return len(self._segments)
-
-    @classmethod
-    def open(cls, record: PoolRecord, fd: int, devices: LocalDevices, own_device: int | None) -> MappedPool:
-        """Map the pool whose shareable handle is ``fd``.
-
-        Parameters
-        ----------
-        record : PoolRecord
-            The pool's registry row (kind, device UUID).
-        fd : int
-            The pool's handle as received from the owner's broker. Borrowed:
-            the caller closes it (cuda.core duplicates what it keeps).
-        devices : LocalDevices
-            The GPUs this process sees, to find the pool's GPU by UUID.
-        own_device : int or None
-            This process's GPU, which is granted access to the pool.
-
-        Raises
-        ------
-        PeerAccessError
-            If this process cannot reach the pool's memory.
-
-        Notes
-        -----
-        Call with :data:`IMPORT_LOCK` held.
-        """
-        if record.kind == "host":
-            return cls(record, SharedHostMemoryResource.from_allocation_handle(fd), own_device)
-        if own_device is None:
-            raise PeerAccessError(f"pool {record.pool} is a {record.kind} pool and this process has no GPU")
-        own = current_gpu(own_device)
-        if record.kind == "pinned":
-            from cuda.core import PinnedMemoryResource
-
-            # Host memory: the CPU can read it as soon as it is imported; grant our GPU access too
-            # so kernels can use the pointer directly.
-            pinned = PinnedMemoryResource.from_allocation_handle(fd)
-            try:
-                _grant_access(pinned, own_device)
-            except BaseException:
-                pinned.close()
-                raise
-            return cls(record, pinned, own_device)
-        from cuda.core import DeviceMemoryResource
-
-        owner = devices.ordinal_of(record.device)
-        if owner is not None and owner != own_device and not own.can_access_peer(owner):
-            raise PeerAccessError(
-                f"pool {record.pool} lives on GPU {record.device}, which GPU {devices.uuids[own_device]} "
-                "cannot access (no peer access)"
-            )
-        resource = DeviceMemoryResource.from_allocation_handle(owner if owner is not None else own_device, fd)
-        try:
-            if owner is None:
-                # The pool's GPU is not visible here: grant access to ours directly.
-                _grant_access(resource, own_device)
-            elif owner != own_device:
-                resource.peer_accessible_by = {own_device}
-        except BaseException:
-            resource.close()
-            raise
-        return cls(record, resource, own_device)
-
-    def import_buffer(self, desc: BufferDescriptor) -> Buffer:
-        """Map one of the peer's buffers (no copy). The caller owns the Buffer.
-
-        Raises
-        ------
-        ProtocolError
-            If the descriptor does not fit this pool's kind or size.
-        PoolClosedError
-            After :meth:`close`.
-        """
-        if self._closed:
-            raise PoolClosedError(f"mapping of pool {self.record.pool} is closed")
-        if desc.pool != self.record.pool:
-            raise ProtocolError(f"descriptor of pool {desc.pool} given to mapping of {self.record.pool}")
-        if desc.size > self.record.max_size:
-            raise ProtocolError(f"descriptor size {desc.size} exceeds pool {self.record.pool}'s max_size")
-        if self.record.kind == "host":
-            if desc.payload:
-                raise ProtocolError("host pool descriptors carry no payload")
-            return self.resource.import_buffer(desc.offset, desc.size)
-        if len(desc.payload) != BufferDescriptor.PAYLOAD_BYTES or desc.offset or desc.extent:
-            raise ProtocolError(f"{self.record.kind} pool descriptors carry a 64-byte payload and no offset")
-        return self._import(desc.payload, desc.size)
-
-    def _import(self, payload: bytes, size: int) -> Buffer:
-        from cuda.core import Buffer
-
-        dev = current_gpu(self.device)
-        ipc_desc = _ipc_descriptor(payload, size)
-        with IMPORT_LOCK:
-            return Buffer.from_ipc_descriptor(self.resource, ipc_desc, stream=dev.default_stream)
-
-    def acquire(
-        self, desc: BufferDescriptor, claimed: bool = True, segment_fd: Callable[[], int] | None = None
-    ) -> tuple[tuple[Any, int, int], Any, int]:
-        """Import ``desc``'s buffer, or share the live import of the same allocation.
-
-        One allocation is imported at most once per process at a time: a
-        second import of an allocation already mapped here, closed on its own,
-        would unmap the memory under the first (Dask can fetch one key twice,
-        e.g. after the AMM dropped a replica). A segment (``desc.extent``) is
-        imported on first use and kept mapped until the owner retires it
-        (:meth:`retire`) or :meth:`close`; a VMM segment (no payload) is
-        mapped from the fd ``segment_fd()`` returns (fetched from the owner's
-        broker, outside the import lock; closed here). ``claimed``: the caller
-        claims a lease for this import (counted per segment for
-        ``SegmentRelease``). Returns a key for :meth:`unshare`, the import,
-        and the buffer's address.
-
-        Raises
-        ------
-        ProtocolError
-            If the descriptor does not fit this pool.
-        """
-        if desc.extent:
-            return self._acquire_segment(desc, claimed, segment_fd)
-        with IMPORT_LOCK:
-            key = (desc.payload, desc.offset, desc.size)
-            entry = self._shared.get(key)
-            if entry is not None:
-                entry[1] += 1
-                self.imports += 1
-                return key, entry[0], int(entry[0].handle)
-            raw = self.import_buffer(desc)
-            self._shared[key] = [raw, 1]
-            self.imports += 1
-            return key, raw, int(raw.handle)
-
-    def _acquire_segment(
-        self, desc: BufferDescriptor, claimed: bool, segment_fd: Callable[[], int] | None
-    ) -> tuple[tuple[Any, int, int], Any, int]:
-        vmm = not desc.payload
-        if self.record.kind != "device" or len(desc.payload) not in (0, BufferDescriptor.PAYLOAD_BYTES):
-            raise ProtocolError(f"segment descriptor given to a {self.record.kind} pool mapping")
-        if desc.extent > self.record.max_size or desc.offset + desc.size > desc.extent:
-            raise ProtocolError(f"segment of {desc.extent} bytes does not fit pool {self.record.pool}")
-        if vmm and (segment_fd is None or self.device is None):
-            raise ProtocolError(f"segment {desc.segment} of pool {self.record.pool}: no way to fetch and map it")
-        for attempt in (0, 1):
-            fresh = None
-            with IMPORT_LOCK:
-                if self._closed:
-                    raise PoolClosedError(f"mapping of pool {self.record.pool} is closed")
-                seg = self._segments.get(desc.segment)
-                if seg is None and not vmm:
-                    seg = self._segments[desc.segment] = [self._import(desc.payload, desc.extent), 0, desc.segment, 0]
-                if seg is not None:
-                    seg[1] += 1
-                    seg[3] += int(claimed)
-                    self.imports += 1
-                    return (desc.segment, 0, _SEGMENT), seg[0], int(seg[0].handle) + desc.offset
-            if attempt:
-                break
-            assert segment_fd is not None and self.device is not None
-            fd = segment_fd()  # a broker round trip: not under the import lock
-            try:
-                from dask_gpupool.memory.vmm import VmmMapping
-
-                current_gpu(self.device)
-                fresh = VmmMapping.open(fd, desc.extent, self.device)
-            finally:
-                os.close(fd)
-            with IMPORT_LOCK:
-                if not self._closed and desc.segment not in self._segments:
-                    self._segments[desc.segment] = [fresh, 0, desc.segment, 0]
-                    fresh = None
-            if fresh is not None:  # another thread mapped it meanwhile, or the mapping closed
-                fresh.close()
-        raise PoolClosedError(f"mapping of pool {self.record.pool} is closed")
-
-    def unshare(self, key: tuple[Any, int, int]) -> tuple[Buffer | None, tuple[int, int] | None]:
-        """Drop one user of a shared import; return the import to close when it was the last.
-
-        Segments stay mapped, unless retiring and this was their last user:
-        then the segment's import is returned with its ``(id, claims)`` for a
-        ``SegmentRelease``, sent once the import is closed.
-        """
-        with IMPORT_LOCK:
-            self.imports -= 1
-            if key[2] == _SEGMENT:
-                seg = self._segments[key[0]]
-                seg[1] -= 1
-                if seg[1] or not 0 < seg[2] < self.retire_below:
-                    return None, None
-                del self._segments[key[0]]
-                return seg[0], ((seg[2], seg[3]) if seg[3] else None)
-            entry = self._shared[key]
-            entry[1] -= 1
-            if entry[1] > 0:
-                return None, None
-            del self._shared[key]
-            raw: Buffer = entry[0]
-            return raw, None
-
-    def retire(self, below: int) -> tuple[list[Buffer], list[tuple[int, int]]]:
-        """The owner retires segments with ids below ``below``: take those no import here uses.
-
-        Returns their imports (the caller closes them, then sends the
-        ``(id, claims)`` pairs in a ``SegmentRelease``); the others go when
-        their last user does (:meth:`unshare`).
-        """
-        with IMPORT_LOCK:
-            self.retire_below = max(self.retire_below, below)
-            gone = [k for k, seg in self._segments.items() if not seg[1] and 0 < seg[2] < self.retire_below]
-            segs = [self._segments.pop(k) for k in gone]
-        return [seg[0] for seg in segs], [(seg[2], seg[3]) for seg in segs if seg[3]]
-
-    def close_segment_imports(self, raws: list[Buffer]) -> Any:
-        """Close segment imports :meth:`retire` or :meth:`unshare` handed out; return the event to wait for."""
-        if not raws:
-            return None
-        with IMPORT_LOCK:
-            if self.device is None:
-                for raw in raws:
-                    raw.close()
-                return None
-            dev = current_gpu(self.device)
-            for raw in raws:
-                raw.close(dev.default_stream)
-            return dev.default_stream.record()
-
-    def release(self, buf: Buffer) -> None:
-        """Close a buffer imported from this pool, under the import lock."""
-        with IMPORT_LOCK:
-            buf.close()
-
-    def close(self) -> None:
-        """Close the mapped resource. Idempotent; call after imported buffers are released."""
-        if self._closed:
-            return
-        self._closed = True
-        with IMPORT_LOCK:
-            segments, self._segments = list(self._segments.values()), {}
-            if self.device is not None:
-                dev = current_gpu(self.device)
-                for raw, *_ in segments:
-                    try:
-                        raw.close(dev.default_stream)
-                    except Exception:
-                        logger.exception("pool %s: closing a segment import failed", self.record.pool)
-                # Frees of imports (segments here, buffers just before when the last handoff closed the
-                # mapping) are stream-ordered: let them finish before the imported pool goes. Without this,
-                # GPU runs kept one /dev/nvidiactl fd per closed mapping now and then (docs/gpu-checks.md).
-                dev.default_stream.sync()
-            self.resource.close()
-
-
-def _ipc_descriptor(payload: bytes, size: int) -> Any:
-    # cuda.core 1.2 does not export IPCBufferDescriptor; its pickle constructor
-    # is the supported way back from (payload, size).
-    from cuda.core._memory._ipc import IPCBufferDescriptor
-
-    return IPCBufferDescriptor._init(payload, size)
-
-
-class MappedPools:
-    """The cache of mapped peer pools of one process: at most one per UUID.
+class Importer:
+    """What one worker holds to receive handed-over values.
 
     Parameters
     ----------
+    options : PoolOptions
+    pool : Pool
+        This worker's own pool: copies land in it; it is never imported.
+    worker : str
+        This worker's address (links present it; counters and warnings name it).
+    host : str
+        This worker's host identity: only pools of the same host are mapped.
+    registry : RegistryView
+        This worker's copy of the registry (read only here).
     devices : LocalDevices
         The GPUs this process sees.
-    own_device : int or None
-        This process's GPU (granted access to mapped pools).
+    handoffs : HandoffStats
+        The worker's counters (imports, zero-copy and copied bytes, fallbacks).
+
+    Attributes
+    ----------
+    mapped : MappedPools
+        Peers' pools mapped here (owned; closed by :meth:`close`).
+    releaser : Releaser
+        Sends lease releases for buffers imported here (owned; stopped by :meth:`close`).
+    token : bytes or None
+        The cluster's membership token, which links present (set by the service's ``join``).
+    closed : bool
     """
 
-    devices: LocalDevices
-    own_device: int | None
-    _pools: dict[str, MappedPool]
-    _parked: dict[str, MappedPool]
-    _closed: bool
+    options: PoolOptions
+    pool: Pool
+    worker: str
+    host: str
+    registry: RegistryView
+    handoffs: HandoffStats
+    mapped: MappedPools
+    releaser: Releaser
+    token: bytes | None
+    closed: bool
+    _links: dict[str, PeerLink]
+    _links_lock: threading.Lock
 
-    #: Kinds whose mapping is parked rather than closed by :meth:`unmap` (see the module notes).
-    NEVER_REIMPORT = frozenset({"pinned"})
+    def __init__(
+        self,
+        options: PoolOptions,
+        pool: Pool,
+        worker: str,
+        host: str,
+        registry: RegistryView,
+        devices: LocalDevices,
+        handoffs: HandoffStats,
+    ) -> None:
+        self.options = options
+        self.pool = pool
+        self.worker = worker
+        self.host = host
+        self.registry = registry
+        self.handoffs = handoffs
+        self.mapped = MappedPools(devices, pool.device if pool.kind != "host" else _own_device(options, devices))
+        self.releaser = Releaser(self._link_to)
+        self.token = None
+        self.closed = False
+        self._links = {}
+        self._links_lock = threading.Lock()
 
-    def __init__(self, devices: LocalDevices, own_device: int | None) -> None:
-        self.devices = devices
-        self.own_device = own_device
-        self._pools = {}
-        self._parked = {}
-        self._closed = False
-
-    def get(self, pool: str) -> MappedPool | None:
-        """The mapping of ``pool`` if it is mapped already."""
-        return self._pools.get(pool)
-
-    def map(self, record: PoolRecord, fetch_fd: Callable[[], int]) -> MappedPool:
-        """Return the mapping of ``record``'s pool, mapping it on first use.
-
-        Parameters
-        ----------
-        record : PoolRecord
-            The pool to map.
-        fetch_fd : callable
-            Returns the pool's fd, owned by the caller of ``fetch_fd``; called
-            only when the pool is not mapped yet, outside the import lock
-            (it talks to the peer). This method closes the fd it receives.
+    def map_peer(self, pool: str) -> MappedPool:
+        """Map a same-host peer's pool into this process, once. Blocking.
 
         Raises
         ------
-        PoolClosedError
-            After :meth:`close_all`.
+        UnknownPoolError
+            If ``pool`` is not in this worker's copy of the registry.
+        PeerAccessError
+            If the pool is this worker's own, lives on another host, or its
+            memory cannot be reached from here.
+        PeerLostError
+            If the owner's broker cannot be reached.
         """
-        mapped = self._pools.get(record.pool)
+        if self.closed:
+            raise PoolClosedError(f"pool service of {self.worker} is closed")
+        mapped = self.mapped.get(pool)
         if mapped is not None:
             return mapped
-        if self._closed:
-            raise PoolClosedError("the mapped-pool cache is closed")
-        with IMPORT_LOCK:
-            parked = self._parked.pop(record.pool, None)
-            if parked is not None:
-                self._pools[record.pool] = parked
-                return parked
-        fd = fetch_fd()
+        record = self.registry.get(pool)
+        if record is None:
+            raise UnknownPoolError(f"pool {pool} is not registered (known: {len(self.registry)} pools)")
+        if record.pool == self.pool.uuid:
+            raise PeerAccessError(f"pool {pool} is this worker's own; use it directly")
+        if record.host != self.host:
+            raise PeerAccessError(
+                f"pool {pool} of {record.worker} is on host {record.host!r}, this worker on {self.host!r}"
+            )
+
+        def fetch() -> int:
+            reply, fd = self.link(record).request_pool_fd(pool)
+            if reply.kind != record.kind:
+                os.close(fd)
+                raise ProtocolError(f"pool {pool}: broker says kind {reply.kind!r}, registry {record.kind!r}")
+            return fd
+
+        return self.mapped.map(record, fetch)
+
+    def import_buffer(self, desc: BufferDescriptor) -> Buffer:
+        """Map a peer's buffer (mapping its pool first if needed). No copy, no lease; the caller owns the Buffer.
+
+        A buffer inside a segment is a view of the segment's mapping, which
+        stays mapped after the view is closed (like every segment import).
+        """
+        mapped = self.map_peer(desc.pool)
+        if not desc.extent:
+            return mapped.import_buffer(desc)
+        key, raw, ptr = mapped.acquire(desc, claimed=False, segment_fd=self._segment_fetcher(mapped.record, desc))
+        return _view(ImportedMemoryResource(raw, key, mapped, lambda event, segment: None), mapped, ptr, desc.size)
+
+    def _segment_fetcher(self, record: PoolRecord, desc: BufferDescriptor) -> Callable[[], int]:
+        """What fetches the fd of ``desc``'s VMM segment from its owner's broker (the caller closes the fd)."""
+
+        def fetch() -> int:
+            reply, fd = self.link(record).request_segment_fd(desc.pool, desc.segment)
+            if reply.size < desc.extent:
+                os.close(fd)
+                raise ProtocolError(
+                    f"pool {desc.pool}: segment {desc.segment} has {reply.size} bytes, the descriptor {desc.extent}"
+                )
+            return fd
+
+        return fetch
+
+    def link(self, record: PoolRecord) -> PeerLink:
+        """This worker's connection to ``record``'s broker, opened on first use (or after it broke)."""
+        with self._links_lock:
+            link = self._links.get(record.broker)
+            if link is not None and link.alive:
+                return link
+        if self.token is None:
+            raise NotAMemberError(f"pool {self.pool.uuid}: not registered with the scheduler yet (no cluster token)")
+        # A link opened again after one broke first resyncs the leases still held from this exporter.
+        live = self.releaser.snapshot(record.broker)
+        link = PeerLink(
+            record.broker, self.options.broker_timeout, self.token, self.worker, live, expected_pid=record.pid
+        )
+        with self._links_lock:
+            old = self._links.get(record.broker)
+            if old is not None and old.alive:
+                link.close()
+                return old
+            self._links[record.broker] = link
+        return link
+
+    def _link_to(self, broker: str) -> PeerLink | None:
+        """The live link to the exporter whose broker is ``broker`` (the releaser's :data:`LinkFactory`)."""
+        record = next((r for r in self.registry.records() if r.broker == broker), None)
+        if record is None or self.closed:
+            return None
+        return self.link(record)
+
+    def _claim(self, record: PoolRecord, link: PeerLink, leases: list[int]) -> None:
+        """Claim ``leases`` of ``record``'s pool and wait for the exporter's answer. Blocking.
+
+        Returns once every lease is held (and in the live set that a resync
+        sends). A broken link is opened again once.
+
+        Raises
+        ------
+        DataLostError
+            If the exporter refused a lease (it ended) or cannot be reached.
+        """
+        for attempt in (0, 1):
+            epoch = self.releaser.epoch(record.broker)
+            try:
+                refused = link.claim(leases, functools.partial(self.releaser.hold, record.broker, epoch=epoch))
+            except GPUPoolError as e:
+                if attempt:
+                    raise DataLostError(f"claiming leases {leases} of worker {record.worker}: {e}") from e
+                try:
+                    link = self.link(record)
+                except GPUPoolError as e2:
+                    raise DataLostError(f"claiming leases {leases} of worker {record.worker}: {e2}") from e2
+                continue
+            if not refused:
+                return
+            if attempt:
+                raise DataLostError(
+                    f"worker {record.worker} refused lease(s) {refused} on pool {record.pool}: they ended "
+                    "(the reply that carried them failed, or they were not granted to this worker)"
+                )
+            leases = refused  # once more: a resync on another link may have raced the claim
+            link = self.link(record)
+
+    def import_handoff(self, header: HandoffHeader) -> Buffer:
+        """Map a handed-over buffer; fall back to a host copy from the exporter if that fails.
+
+        Returns a Buffer owned by the caller: closing it (or dropping the last
+        reference) closes the import and releases the lease.
+
+        Raises
+        ------
+        DataLostError
+            If neither the import nor the copy can be had: names pool and worker.
+        """
+        desc = header.desc
+        assert desc is not None and header.path == "ipc"
+        record = self.registry.get(desc.pool)
+        if record is not None and record.pid == os.getpid():
+            raise ProtocolError(f"handoff header: pool {desc.pool} is this process's own; it is never handed over")
+        if record is None or record.worker != header.exporter:
+            raise DataLostError(
+                f"pool {desc.pool} of worker {header.exporter} is not registered (its worker left?); "
+                f"lease {header.lease} cannot be read"
+            )
         try:
-            with IMPORT_LOCK:
-                mapped = self._pools.get(record.pool)
-                if mapped is None:
-                    mapped = MappedPool.open(record, fd, self.devices, self.own_device)
-                    self._pools[record.pool] = mapped
-                    logger.info(
-                        "pool %s: mapped %s pool of %s (pid %d)", record.pool, record.kind, record.worker, record.pid
-                    )
+            link = self.link(record)
+        except GPUPoolError as e:
+            raise DataLostError(f"pool {desc.pool} of worker {record.worker}: {e}") from e
+        try:
+            mapped = self.map_peer(desc.pool)
+            key, raw, ptr = mapped.acquire(desc, segment_fd=self._segment_fetcher(record, desc))
+        except Exception as e:  # GPUPoolError, CUDA errors: the copy path still works
+            self.handoffs.fallback(record.worker, "import-failed", self.worker, f"{type(e).__name__}: {e}")
+            return self.fetch_copy(header, record, link)
+        lease = header.lease
+        broker = record.broker
+
+        def closed(event: Any, segment: tuple[int, int] | None) -> None:
+            self.releaser.put(broker, lease, event, (segment,) if segment else ())
+            if mapped.orphaned and mapped.imports == 0:
+                self.mapped.forget(mapped.record.pool)
+
+        buf = _view(ImportedMemoryResource(raw, key, mapped, closed), mapped, ptr, desc.size)
+        try:
+            # Nothing is read from the memory before the exporter acknowledged the lease: a refused
+            # lease has ended, and its memory may already hold another buffer.
+            self._claim(record, link, [lease])
+        except BaseException:
+            buf.close()
+            raise
+        self.handoffs.add(imports=1, zero_copy_bytes=desc.size)
+        logger.debug(
+            "lease %d of %s: mapped %d bytes at %#x (GPU %s)",
+            lease,
+            record.worker,
+            desc.size,
+            ptr,
+            mapped.device,
+        )
+        return buf
+
+    def fetch_copy(self, header: HandoffHeader, record: PoolRecord, link: PeerLink) -> Buffer:
+        """Ask the exporter for a host copy of a leased buffer and land it in this pool."""
+        try:
+            self._claim(record, link, [header.lease])  # ours now: only this worker may release it
+            reply, fd = self.link(record).fetch_copy(header.lease)
+        except GPUPoolError as e:
+            raise DataLostError(
+                f"lease {header.lease} on pool {record.pool} of worker {record.worker} cannot be read: {e}"
+            ) from e
+        try:
+            with mmap.mmap(fd, reply.size, prot=mmap.PROT_READ) if reply.size else contextlib.nullcontext(b"") as m:
+                buf = self.receive_copy(header.kind, memoryview(m), record.worker)
         finally:
             os.close(fd)
-        return mapped
+        self.releaser.put(record.broker, header.lease)
+        return buf
 
-    def unmap(self, pool: str) -> None:
-        """Close and forget the mapping of ``pool`` (its imported buffers must be released).
+    def receive_copy(self, kind: str, data: Any, sender: str, need: str = "any") -> Buffer:
+        """Land a host copy in this worker's pool (so it can be handed on zero-copy).
 
-        A pinned pool's mapping is parked instead (kept open, not counted) and
-        reused by the next :meth:`map` of that pool: it must not be imported
-        twice in one process.
+        Parameters
+        ----------
+        kind : str
+            Where the data lived at the sender.
+        data : bytes-like
+            The bytes.
+        sender : str
+            The sender's address (for stats and warnings).
+        need : {"any", "host", "device"}
+            Where the value must be readable (a NumPy array needs host memory,
+            a CuPy array GPU-accessible memory). A pool that does not fit is
+            passed over for memory outside it.
+
+        When the pool is full the bytes go to memory outside it (GPU memory for
+        ``device`` pools, host memory otherwise), counted as fallback
+        ``receiver-pool-full``.
         """
-        with IMPORT_LOCK:
-            mapped = self._pools.pop(pool, None)
-            if mapped is not None and mapped.record.kind in self.NEVER_REIMPORT:
-                self._parked[pool] = mapped
-                return
-        if mapped is None:
-            raise UnknownPoolError(f"pool {pool} is not mapped here")
-        mapped.close()
+        view = memoryview(data).cast("B")
+        n = view.nbytes
+        buf = self._landing(n, sender, need)
+        copy_from_host(buf, view)
+        self.handoffs.add(copied_bytes=n)
+        return buf
 
-    def forget(self, pool: str) -> None:
-        """Close the mapping of a pool whose owner has left, parked or not. No error if unknown.
+    def pull_copy(self, header: HandoffHeader, need: str = "any") -> Buffer:
+        """Pull a ``stream`` handoff from the exporter's copy server into this worker's pool. Blocking.
 
-        The owner's pool UUID is never seen again, so closing cannot lead to a re-import.
+        Lands like :meth:`receive_copy`. Returns a Buffer owned by the caller.
+
+        Raises
+        ------
+        DataLostError
+            If the exporter left, refused (lease ended) or the transfer broke;
+            names lease, pool and worker.
         """
-        with IMPORT_LOCK:
-            mapped = self._pools.pop(pool, None) or self._parked.pop(pool, None)
+        assert header.path == "stream"
+        record = self.registry.worker_row(header.exporter)
+        if record is None:
+            raise DataLostError(
+                f"worker {header.exporter} is not registered (it left?); lease {header.lease} cannot be pulled"
+            )
+        if self.token is None:
+            raise NotAMemberError(f"pool {self.pool.uuid}: not registered with the scheduler yet (no cluster token)")
+        buf = self._landing(header.nbytes, header.exporter, need)
+        try:
+            leases = [header.lease, *header.lanes]
+            pull(header.address, record.pool, leases, self.token, buf, self.options.broker_timeout)
+        except BaseException:
+            buf.close()
+            raise
+        self.handoffs.add(copied_bytes=header.nbytes, streamed_bytes=header.nbytes)
+        return buf
+
+    def _landing(self, n: int, sender: str, need: str) -> Buffer:
+        """Memory for a copy of ``n`` bytes: this pool if it fits ``need`` and has room, else outside it."""
+        fits = (
+            need == "any"
+            or (need == "host" and self.pool.kind != "device")
+            or (need == "device" and self.pool.kind != "host")
+        )
+        if not fits:
+            return _outside_pool(self.pool, n, need)
+        try:
+            return self.pool.allocate(n)
+        except PoolExhaustedError as e:
+            self.handoffs.fallback(sender, "receiver-pool-full", self.worker, str(e))
+            return _outside_pool(self.pool, n, need)
+
+    def unmap_retired(self, mapped: MappedPool, record: PoolRecord) -> None:
+        """Close the imports of ``record``'s retired segments that no buffer uses, and tell the exporter."""
+        raws, released = mapped.retire(record.retire_below)
+        try:
+            event = mapped.close_segment_imports(raws)
+        except Exception:
+            logger.exception("pool %s: closing retired segment imports failed", record.pool)
+            return
+        with self._links_lock:
+            link = self._links.get(record.broker)
+        if released and link is not None:
+            self.releaser.put(record.broker, 0, event, tuple(released))
+        elif event is not None:
+            event.close()
+        if raws:
+            logger.info("pool %s: unmapped %d retired segment(s) of %s", record.pool, len(raws), record.worker)
+
+    # -- links and lifecycle -----------------------------------------------------------
+
+    def drop_links(self) -> int:
+        """Close every link (the cluster's token changed: new links present the new one); return how many."""
+        with self._links_lock:
+            links, self._links = list(self._links.values()), {}
+        for link in links:
+            link.close()
+        return len(links)
+
+    def exporter_left(self, record: PoolRecord) -> None:
+        """``record``'s worker left the cluster: close its link, forget its leases here, unmap its pool when idle."""
+        with self._links_lock:
+            link = self._links.pop(record.broker, None)
+        if link is not None:
+            link.close()
+        self.releaser.forget(record.broker)
+        mapped = self.mapped.get(record.pool)
         if mapped is not None:
-            mapped.close()
+            with IMPORT_LOCK:
+                mapped.orphaned = True
+                idle = mapped.imports == 0
+            if idle:
+                self.mapped.forget(record.pool)
 
-    @property
-    def parked(self) -> int:
-        """How many pinned mappings :meth:`unmap` parked."""
-        return len(self._parked)
+    def stats(self) -> dict[str, int]:
+        """The importer's part of :func:`dask_gpupool.stats`."""
+        return {
+            "imports_held": self.releaser.live(),
+            "resyncs": self.releaser.resyncs,
+            "mapped_pools": len(self.mapped),
+            "links": sum(link.alive for link in list(self._links.values())),
+            "segments_released": self.releaser.segments_sent,
+        }
 
-    def __len__(self) -> int:
-        return len(self._pools)
+    def close(self) -> None:
+        """Send the releases queued here, unmap peers' pools, then close the links. Idempotent.
 
-    def __contains__(self, pool: object) -> bool:
-        return pool in self._pools
+        Mappings before links: an exporter frees a retired segment once the
+        connection that mapped it closes, so the segment imports here must be
+        closed by then.
+        """
+        self.closed = True
+        self.releaser.close()
+        self.mapped.close_all()
+        self.drop_links()
 
-    def close_all(self) -> None:
-        """Close every mapping; later :meth:`map` calls fail. Idempotent."""
-        with IMPORT_LOCK:
-            self._closed = True
-            pools = [*self._pools.values(), *self._parked.values()]
-            self._pools, self._parked = {}, {}
-        for mapped in pools:
-            try:
-                mapped.close()
-            except Exception:
-                logger.exception("pool %s: closing its mapping failed", mapped.record.pool)
+
+def _own_device(options: PoolOptions, devices: LocalDevices) -> int | None:
+    """The GPU a ``host``-pool worker would use for CUDA pools it maps, if any."""
+    if not devices:
+        return None
+    try:
+        return devices.resolve(options.device)
+    except Exception:
+        return None
+
+
+def _outside_pool(pool: Pool, nbytes: int, need: str = "any") -> Buffer:
+    """Memory for a copy that this worker's pool cannot take: GPU memory for a GPU pool (or a CuPy
+    array), host memory otherwise."""
+    device = pool.device if pool.device is not None else (0 if local_devices() else None)
+    if device is not None and (need == "device" or (need == "any" and pool.kind == "device")):
+        dev = current_gpu(device)
+        return dev.memory_resource.allocate(nbytes, stream=dev.default_stream)
+    return host_buffer(bytearray(nbytes))
+
+
+def _view(resource: ImportedMemoryResource, mapped: MappedPool, ptr: int, size: int) -> Buffer:
+    """The Buffer over an import (``resource`` runs its close); stream-ordered on the importer's GPU."""
+    from cuda.core import Buffer
+
+    if resource.is_device_accessible and mapped.device is not None:
+        dev = current_gpu(mapped.device)
+        return Buffer.from_handle(ptr, size, mr=resource, stream=dev.default_stream)
+    return Buffer.from_handle(ptr, size, mr=resource)

@@ -1,13 +1,15 @@
 """Everything dask_gpupool keeps in one worker process, as a plain class.
 
 :class:`PoolService` owns the worker's :class:`~dask_gpupool.memory.pool.Pool`,
-its :class:`~dask_gpupool.transport.broker.FdBroker`, the cache of peers' pools it
-mapped (:class:`~dask_gpupool.handoff.importer.MappedPools`), its copy of the
-registry (:class:`~dask_gpupool.handoff.registry.RegistryView`), the leases it
-granted (:class:`~dask_gpupool.handoff.leases.LeaseTable`), its links to exporters
-(:class:`~dask_gpupool.transport.link.PeerLink`) and its handoff counters. The worker
-plugin is a thin adapter that makes one on setup and closes it on teardown;
-tests drive it without a cluster.
+its :class:`~dask_gpupool.transport.broker.FdBroker` and copy server, the
+leases it granted (:class:`~dask_gpupool.handoff.leases.LeaseTable`), its copy
+of the registry (:class:`~dask_gpupool.handoff.registry.RegistryView`), its
+handoff counters, and its :class:`~dask_gpupool.handoff.importer.Importer`
+(links to exporters, peers' pools mapped here, lease releases). It decides and
+makes the export of each handoff (:meth:`plan`, :meth:`export_ipc`,
+:meth:`export_stream`); the import side is the importer's. The worker plugin
+is a thin adapter that makes one on setup and closes it on teardown; tests
+drive it without a cluster.
 
 Threads: :meth:`start` and :meth:`close` run on the worker's event loop;
 :meth:`allocate`, :meth:`map_peer` and :meth:`import_buffer` block and run in
@@ -20,43 +22,34 @@ trip, bounded by ``broker-timeout``).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 import logging
 import mmap
 import os
-import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from dask_gpupool.config import PoolOptions
 from dask_gpupool.errors import (
     DataLostError,
-    GPUPoolError,
-    NotAMemberError,
-    PeerAccessError,
-    PoolClosedError,
-    PoolExhaustedError,
-    ProtocolError,
     UnknownPoolError,
 )
 from dask_gpupool.handoff import active
-from dask_gpupool.handoff.imported import ImportedMemoryResource
-from dask_gpupool.handoff.importer import IMPORT_LOCK, MappedPool, MappedPools
+from dask_gpupool.handoff.importer import Importer
 from dask_gpupool.handoff.leases import LeaseTable
+from dask_gpupool.handoff.mappings import MappedPool, MappedPools
 from dask_gpupool.handoff.registry import RegistryView
 from dask_gpupool.handoff.releaser import Releaser
 from dask_gpupool.handoff.routing import Route, route
 from dask_gpupool.handoff.stats import HandoffStats
-from dask_gpupool.memory.buffers import buffer_kind, copy_from_host, copy_to_host, host_buffer
+from dask_gpupool.memory.buffers import buffer_kind, copy_to_host
 from dask_gpupool.memory.lifetime import keep_until_exit
 from dask_gpupool.memory.pool import Pool, PoolStats
 from dask_gpupool.memory.topology import LocalDevices, current_gpu, host_identity, local_devices
 from dask_gpupool.transport.broker import FdBroker
 from dask_gpupool.transport.link import PeerLink
-from dask_gpupool.transport.stream import STAGING, CopyServer, Staged, lanes, pull
+from dask_gpupool.transport.stream import STAGING, CopyServer, Staged, lanes
 from dask_gpupool.wire.broker import HandleReply
 from dask_gpupool.wire.handoff import ArrayMeta, BufferDescriptor, HandoffHeader
 from dask_gpupool.wire.registry import Membership, PoolRecord, RegistryUpdate
@@ -102,16 +95,13 @@ class PoolService:
     options: PoolOptions
     pool: Pool
     broker: FdBroker
-    mapped: MappedPools
+    importer: Importer
     registry: RegistryView
     record: PoolRecord
     devices: LocalDevices
     leases: LeaseTable
     handoffs: HandoffStats
-    releaser: Releaser
     copier: CopyServer | None
-    _links: dict[str, PeerLink]
-    _links_lock: threading.Lock
     _closed: bool
 
     def __init__(
@@ -132,16 +122,12 @@ class PoolService:
         #: What metrics call this worker: its Dask name once the plugin sets it (stable across restarts).
         self.name = record.worker
         self.devices = devices
-        self.mapped = MappedPools(devices, pool.device if pool.kind != "host" else _own_device(options, devices))
         self.registry = registry if registry is not None else RegistryView()
         self.leases = leases if leases is not None else LeaseTable(options.lease_timeout)
         self.handoffs = HandoffStats()
-        self.releaser = Releaser(self._link_to)
+        self.importer = Importer(options, pool, record.worker, record.host, self.registry, devices, self.handoffs)
         self._unreachable: dict[str, float] = {}  # peer -> until when its handoffs go as copies
         self.copier = copier
-        self.token: bytes | None = None  # the cluster's membership token, from the scheduler (join)
-        self._links = {}
-        self._links_lock = threading.Lock()
         self._closed = False
         active.add(self)
 
@@ -208,131 +194,46 @@ class PoolService:
     def stats(self) -> PoolStats:
         return self.pool.stats()
 
-    # -- peers' pools ----------------------------------------------------------------
+    # -- the importer's side (handoff/importer.py) -------------------------------------
+
+    @property
+    def mapped(self) -> MappedPools:
+        """Peers' pools mapped here (the importer's)."""
+        return self.importer.mapped
+
+    @property
+    def releaser(self) -> Releaser:
+        """The importer's lease releases."""
+        return self.importer.releaser
+
+    @property
+    def token(self) -> bytes | None:
+        """The cluster's membership token, from the scheduler (:meth:`join`)."""
+        return self.importer.token
 
     def map_peer(self, pool: str) -> MappedPool:
-        """Map a same-host peer's pool into this process, once. Blocking.
-
-        Raises
-        ------
-        UnknownPoolError
-            If ``pool`` is not in this worker's copy of the registry.
-        PeerAccessError
-            If the pool is this worker's own, lives on another host, or its
-            memory cannot be reached from here.
-        PeerLostError
-            If the owner's broker cannot be reached.
-        """
-        if self._closed:
-            raise PoolClosedError(f"pool service of {self.record.worker} is closed")
-        mapped = self.mapped.get(pool)
-        if mapped is not None:
-            return mapped
-        record = self.registry.get(pool)
-        if record is None:
-            raise UnknownPoolError(f"pool {pool} is not registered (known: {len(self.registry)} pools)")
-        if record.pool == self.pool.uuid:
-            raise PeerAccessError(f"pool {pool} is this worker's own; use it directly")
-        if record.host != self.record.host:
-            raise PeerAccessError(
-                f"pool {pool} of {record.worker} is on host {record.host!r}, this worker on {self.record.host!r}"
-            )
-
-        def fetch() -> int:
-            reply, fd = self.link(record).request_pool_fd(pool)
-            if reply.kind != record.kind:
-                os.close(fd)
-                raise ProtocolError(f"pool {pool}: broker says kind {reply.kind!r}, registry {record.kind!r}")
-            return fd
-
-        return self.mapped.map(record, fetch)
+        """:meth:`Importer.map_peer <dask_gpupool.handoff.importer.Importer.map_peer>`."""
+        return self.importer.map_peer(pool)
 
     def import_buffer(self, desc: BufferDescriptor) -> Buffer:
-        """Map a peer's buffer (mapping its pool first if needed). No copy, no lease; the caller owns the Buffer.
-
-        A buffer inside a segment is a view of the segment's mapping, which
-        stays mapped after the view is closed (like every segment import).
-        """
-        mapped = self.map_peer(desc.pool)
-        if not desc.extent:
-            return mapped.import_buffer(desc)
-        key, raw, ptr = mapped.acquire(desc, claimed=False, segment_fd=self._segment_fetcher(mapped.record, desc))
-        return _view(ImportedMemoryResource(raw, key, mapped, lambda event, segment: None), mapped, ptr, desc.size)
-
-    def _segment_fetcher(self, record: PoolRecord, desc: BufferDescriptor) -> Callable[[], int]:
-        """What fetches the fd of ``desc``'s VMM segment from its owner's broker (the caller closes the fd)."""
-
-        def fetch() -> int:
-            reply, fd = self.link(record).request_segment_fd(desc.pool, desc.segment)
-            if reply.size < desc.extent:
-                os.close(fd)
-                raise ProtocolError(
-                    f"pool {desc.pool}: segment {desc.segment} has {reply.size} bytes, the descriptor {desc.extent}"
-                )
-            return fd
-
-        return fetch
+        """:meth:`Importer.import_buffer <dask_gpupool.handoff.importer.Importer.import_buffer>`."""
+        return self.importer.import_buffer(desc)
 
     def link(self, record: PoolRecord) -> PeerLink:
-        """This worker's connection to ``record``'s broker, opened on first use (or after it broke)."""
-        with self._links_lock:
-            link = self._links.get(record.broker)
-            if link is not None and link.alive:
-                return link
-        if self.token is None:
-            raise NotAMemberError(f"pool {self.pool.uuid}: not registered with the scheduler yet (no cluster token)")
-        # A link opened again after one broke first resyncs the leases still held from this exporter.
-        live = self.releaser.snapshot(record.broker)
-        link = PeerLink(
-            record.broker, self.options.broker_timeout, self.token, self.record.worker, live, expected_pid=record.pid
-        )
-        with self._links_lock:
-            old = self._links.get(record.broker)
-            if old is not None and old.alive:
-                link.close()
-                return old
-            self._links[record.broker] = link
-        return link
+        """:meth:`Importer.link <dask_gpupool.handoff.importer.Importer.link>`."""
+        return self.importer.link(record)
 
-    def _link_to(self, broker: str) -> PeerLink | None:
-        """The live link to the exporter whose broker is ``broker`` (the releaser's :data:`LinkFactory`)."""
-        record = next((r for r in self.registry.records() if r.broker == broker), None)
-        if record is None or self._closed:
-            return None
-        return self.link(record)
+    def import_handoff(self, header: HandoffHeader) -> Buffer:
+        """:meth:`Importer.import_handoff <dask_gpupool.handoff.importer.Importer.import_handoff>`."""
+        return self.importer.import_handoff(header)
 
-    def _claim(self, record: PoolRecord, link: PeerLink, leases: list[int]) -> None:
-        """Claim ``leases`` of ``record``'s pool and wait for the exporter's answer. Blocking.
+    def receive_copy(self, kind: str, data: Any, sender: str, need: str = "any") -> Buffer:
+        """:meth:`Importer.receive_copy <dask_gpupool.handoff.importer.Importer.receive_copy>`."""
+        return self.importer.receive_copy(kind, data, sender, need)
 
-        Returns once every lease is held (and in the live set that a resync
-        sends). A broken link is opened again once.
-
-        Raises
-        ------
-        DataLostError
-            If the exporter refused a lease (it ended) or cannot be reached.
-        """
-        for attempt in (0, 1):
-            epoch = self.releaser.epoch(record.broker)
-            try:
-                refused = link.claim(leases, functools.partial(self.releaser.hold, record.broker, epoch=epoch))
-            except GPUPoolError as e:
-                if attempt:
-                    raise DataLostError(f"claiming leases {leases} of worker {record.worker}: {e}") from e
-                try:
-                    link = self.link(record)
-                except GPUPoolError as e2:
-                    raise DataLostError(f"claiming leases {leases} of worker {record.worker}: {e2}") from e2
-                continue
-            if not refused:
-                return
-            if attempt:
-                raise DataLostError(
-                    f"worker {record.worker} refused lease(s) {refused} on pool {record.pool}: they ended "
-                    "(the reply that carried them failed, or they were not granted to this worker)"
-                )
-            leases = refused  # once more: a resync on another link may have raced the claim
-            link = self.link(record)
+    def pull_copy(self, header: HandoffHeader, need: str = "any") -> Buffer:
+        """:meth:`Importer.pull_copy <dask_gpupool.handoff.importer.Importer.pull_copy>`."""
+        return self.importer.pull_copy(header, need)
 
     # -- handoffs: the exporter's side -------------------------------------------------
 
@@ -456,152 +357,6 @@ class PoolService:
 
     # -- handoffs: the importer's side -------------------------------------------------
 
-    def import_handoff(self, header: HandoffHeader) -> Buffer:
-        """Map a handed-over buffer; fall back to a host copy from the exporter if that fails.
-
-        Returns a Buffer owned by the caller: closing it (or dropping the last
-        reference) closes the import and releases the lease.
-
-        Raises
-        ------
-        DataLostError
-            If neither the import nor the copy can be had: names pool and worker.
-        """
-        desc = header.desc
-        assert desc is not None and header.path == "ipc"
-        record = self.registry.get(desc.pool)
-        if record is not None and record.pid == os.getpid():
-            raise ProtocolError(f"handoff header: pool {desc.pool} is this process's own; it is never handed over")
-        if record is None or record.worker != header.exporter:
-            raise DataLostError(
-                f"pool {desc.pool} of worker {header.exporter} is not registered (its worker left?); "
-                f"lease {header.lease} cannot be read"
-            )
-        try:
-            link = self.link(record)
-        except GPUPoolError as e:
-            raise DataLostError(f"pool {desc.pool} of worker {record.worker}: {e}") from e
-        try:
-            mapped = self.map_peer(desc.pool)
-            key, raw, ptr = mapped.acquire(desc, segment_fd=self._segment_fetcher(record, desc))
-        except Exception as e:  # GPUPoolError, CUDA errors: the copy path still works
-            self.handoffs.fallback(record.worker, "import-failed", self.record.worker, f"{type(e).__name__}: {e}")
-            return self.fetch_copy(header, record, link)
-        lease = header.lease
-        broker = record.broker
-
-        def closed(event: Any, segment: tuple[int, int] | None) -> None:
-            self.releaser.put(broker, lease, event, (segment,) if segment else ())
-            if mapped.orphaned and mapped.imports == 0:
-                self.mapped.forget(mapped.record.pool)
-
-        buf = _view(ImportedMemoryResource(raw, key, mapped, closed), mapped, ptr, desc.size)
-        try:
-            # Nothing is read from the memory before the exporter acknowledged the lease: a refused
-            # lease has ended, and its memory may already hold another buffer.
-            self._claim(record, link, [lease])
-        except BaseException:
-            buf.close()
-            raise
-        self.handoffs.add(imports=1, zero_copy_bytes=desc.size)
-        logger.debug(
-            "lease %d of %s: mapped %d bytes at %#x (GPU %s)",
-            lease,
-            record.worker,
-            desc.size,
-            ptr,
-            mapped.device,
-        )
-        return buf
-
-    def fetch_copy(self, header: HandoffHeader, record: PoolRecord, link: PeerLink) -> Buffer:
-        """Ask the exporter for a host copy of a leased buffer and land it in this pool."""
-        try:
-            self._claim(record, link, [header.lease])  # ours now: only this worker may release it
-            reply, fd = self.link(record).fetch_copy(header.lease)
-        except GPUPoolError as e:
-            raise DataLostError(
-                f"lease {header.lease} on pool {record.pool} of worker {record.worker} cannot be read: {e}"
-            ) from e
-        try:
-            with mmap.mmap(fd, reply.size, prot=mmap.PROT_READ) if reply.size else contextlib.nullcontext(b"") as m:
-                buf = self.receive_copy(header.kind, memoryview(m), record.worker)
-        finally:
-            os.close(fd)
-        self.releaser.put(record.broker, header.lease)
-        return buf
-
-    def receive_copy(self, kind: str, data: Any, sender: str, need: str = "any") -> Buffer:
-        """Land a host copy in this worker's pool (so it can be handed on zero-copy).
-
-        Parameters
-        ----------
-        kind : str
-            Where the data lived at the sender.
-        data : bytes-like
-            The bytes.
-        sender : str
-            The sender's address (for stats and warnings).
-        need : {"any", "host", "device"}
-            Where the value must be readable (a NumPy array needs host memory,
-            a CuPy array GPU-accessible memory). A pool that does not fit is
-            passed over for memory outside it.
-
-        When the pool is full the bytes go to memory outside it (GPU memory for
-        ``device`` pools, host memory otherwise), counted as fallback
-        ``receiver-pool-full``.
-        """
-        view = memoryview(data).cast("B")
-        n = view.nbytes
-        buf = self._landing(n, sender, need)
-        copy_from_host(buf, view)
-        self.handoffs.add(copied_bytes=n)
-        return buf
-
-    def pull_copy(self, header: HandoffHeader, need: str = "any") -> Buffer:
-        """Pull a ``stream`` handoff from the exporter's copy server into this worker's pool. Blocking.
-
-        Lands like :meth:`receive_copy`. Returns a Buffer owned by the caller.
-
-        Raises
-        ------
-        DataLostError
-            If the exporter left, refused (lease ended) or the transfer broke;
-            names lease, pool and worker.
-        """
-        assert header.path == "stream"
-        record = self.registry.worker_row(header.exporter)
-        if record is None:
-            raise DataLostError(
-                f"worker {header.exporter} is not registered (it left?); lease {header.lease} cannot be pulled"
-            )
-        if self.token is None:
-            raise NotAMemberError(f"pool {self.pool.uuid}: not registered with the scheduler yet (no cluster token)")
-        buf = self._landing(header.nbytes, header.exporter, need)
-        try:
-            leases = [header.lease, *header.lanes]
-            pull(header.address, record.pool, leases, self.token, buf, self.options.broker_timeout)
-        except BaseException:
-            buf.close()
-            raise
-        self.handoffs.add(copied_bytes=header.nbytes, streamed_bytes=header.nbytes)
-        return buf
-
-    def _landing(self, n: int, sender: str, need: str) -> Buffer:
-        """Memory for a copy of ``n`` bytes: this pool if it fits ``need`` and has room, else outside it."""
-        fits = (
-            need == "any"
-            or (need == "host" and self.pool.kind != "device")
-            or (need == "device" and self.pool.kind != "host")
-        )
-        if not fits:
-            return _outside_pool(self.pool, n, need)
-        try:
-            return self.pool.allocate(n)
-        except PoolExhaustedError as e:
-            self.handoffs.fallback(sender, "receiver-pool-full", self.record.worker, str(e))
-            return _outside_pool(self.pool, n, need)
-
     # -- registry --------------------------------------------------------------------
 
     def join(self, membership: Membership) -> None:
@@ -611,15 +366,12 @@ class PoolService:
         present it. A new token (the scheduler restarted) drops the links
         made with the old one.
         """
-        old, self.token = self.token, membership.token
+        old, self.importer.token = self.importer.token, membership.token
         self.broker.token = membership.token
         if self.copier is not None:
             self.copier.token = membership.token
         if old is not None and old != membership.token:
-            with self._links_lock:
-                links, self._links = list(self._links.values()), {}
-            for link in links:
-                link.close()
+            self.importer.drop_links()
         self.apply_registry(membership.snapshot)
 
     def apply_registry(self, update: RegistryUpdate) -> None:
@@ -634,7 +386,7 @@ class PoolService:
         for record in update.added:
             mapped = self.mapped.get(record.pool)
             if mapped is not None and record.retire_below > mapped.retire_below:
-                self._unmap_retired(mapped, record)
+                self.importer.unmap_retired(mapped, record)
         for record in gone:
             if record.pool == self.pool.uuid:
                 continue
@@ -644,35 +396,8 @@ class PoolService:
             segmented = self.pool.segmented
             if segmented is not None:  # it closed its mappings before it left (PoolService.close)
                 segmented.drop_connection(record.worker)
-            with self._links_lock:
-                link = self._links.pop(record.broker, None)
-            if link is not None:
-                link.close()
-            self.releaser.forget(record.broker)
+            self.importer.exporter_left(record)
             self._unreachable.pop(record.worker, None)
-            mapped = self.mapped.get(record.pool)
-            if mapped is not None:
-                with IMPORT_LOCK:
-                    mapped.orphaned = True
-                    idle = mapped.imports == 0
-                if idle:
-                    self.mapped.forget(record.pool)
-
-    def _unmap_retired(self, mapped: MappedPool, record: PoolRecord) -> None:
-        raws, released = mapped.retire(record.retire_below)
-        try:
-            event = mapped.close_segment_imports(raws)
-        except Exception:
-            logger.exception("pool %s: closing retired segment imports failed", record.pool)
-            return
-        with self._links_lock:
-            link = self._links.get(record.broker)
-        if released and link is not None:
-            self.releaser.put(record.broker, 0, event, tuple(released))
-        elif event is not None:
-            event.close()
-        if raws:
-            logger.info("pool %s: unmapped %d retired segment(s) of %s", record.pool, len(raws), record.worker)
 
     def retire_segments(self) -> PoolRecord | None:
         """Give memory back: retire this pool's segments (:meth:`SegmentedResource.retire`), or trim a
@@ -700,14 +425,10 @@ class PoolService:
             "lease_bytes": self.leases.nbytes,
             "leases_unclaimed": self.leases.unclaimed,
             "leases_abandoned": self.leases.abandoned_total,
-            "imports_held": self.releaser.live(),
-            "resyncs": self.releaser.resyncs,
-            "mapped_pools": len(self.mapped),
-            "links": sum(link.alive for link in self._links.values()),
+            **self.importer.stats(),
             "pulls": 0 if self.copier is None else self.copier.transfers,
             "segments": 0 if segmented is None else segmented.segments,
             "segments_retiring": 0 if segmented is None else segmented.retiring,
-            "segments_released": self.releaser.segments_sent,
             "staging_bytes": STAGING.nbytes,
         }
 
@@ -727,6 +448,7 @@ class PoolService:
         if self._closed:
             return
         self._closed = True
+        self.importer.closed = True  # no new mappings or links from here on
         active.remove(self)
         if isinstance(self.broker.handler, _ExportSide):
             self.broker.handler.closing = True
@@ -745,14 +467,7 @@ class PoolService:
                     self.pool.uuid,
                     held,
                 )
-        self.releaser.close()
-        # Mappings before links: an exporter frees a retired segment once the connection that mapped
-        # it closes, so the segment imports here must be closed by then.
-        self.mapped.close_all()
-        with self._links_lock:
-            links, self._links = list(self._links.values()), {}
-        for link in links:
-            link.close()
+        self.importer.close()
         if not active.active_services():
             STAGING.clear()  # the process's pinned staging slots go with its last pool
         self.pool.close()
@@ -772,15 +487,6 @@ def _copy_server(options: PoolOptions, pool: Pool, leases: LeaseTable, worker_ad
         options.broker_timeout,
         options.copy_chunk_size,
     )
-
-
-def _outside_pool(pool: Pool, nbytes: int, need: str = "any") -> Buffer:
-    """Memory for a copy that does not go to the pool: the device's default pool or host memory."""
-    device = pool.device if pool.device is not None else (0 if local_devices() else None)
-    if device is not None and (need == "device" or (need == "any" and pool.kind == "device")):
-        dev = current_gpu(device)
-        return dev.memory_resource.allocate(nbytes, stream=dev.default_stream)
-    return host_buffer(bytearray(nbytes))
 
 
 def _make_current(pool: Pool) -> Any:
@@ -884,23 +590,3 @@ class _ExportSide:
 
     def tick(self) -> None:
         self._leases.overdue()
-
-
-def _own_device(options: PoolOptions, devices: LocalDevices) -> int | None:
-    """The GPU a ``host``-pool worker would use for CUDA pools it maps, if any."""
-    if not devices:
-        return None
-    try:
-        return devices.resolve(options.device)
-    except Exception:
-        return None
-
-
-def _view(resource: ImportedMemoryResource, mapped: MappedPool, ptr: int, size: int) -> Buffer:
-    """The Buffer over an import (``resource`` runs its close); stream-ordered on the importer's GPU."""
-    from cuda.core import Buffer
-
-    if resource.is_device_accessible and mapped.device is not None:
-        dev = current_gpu(mapped.device)
-        return Buffer.from_handle(ptr, size, mr=resource, stream=dev.default_stream)
-    return Buffer.from_handle(ptr, size, mr=resource)

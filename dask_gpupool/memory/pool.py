@@ -13,7 +13,7 @@ host       :class:`~dask_gpupool.memory.host.SharedHostMemoryResource`
 
 The :class:`Pool` owns its resource and the resource owns its allocation
 handle (the fd the broker hands to peers); :meth:`Pool.close` closes both.
-Peers' pools are mapped by :mod:`dask_gpupool.handoff.importer`, never here.
+Peers' pools are mapped by :mod:`dask_gpupool.handoff.mappings`, never here.
 """
 
 from __future__ import annotations
