@@ -34,8 +34,9 @@ from dask_gpupool.handoff.leases import LeaseTable
 from dask_gpupool.memory.buffers import host_buffer
 from dask_gpupool.testing import read_bytes
 from dask_gpupool.transport.broker import FdBroker, request_pool_fd
-from dask_gpupool.transport.stream import CopyServer, Staged, pull, pull_proof
-from dask_gpupool.wire.broker import HandleReply
+from dask_gpupool.transport.pull import pull
+from dask_gpupool.transport.stream import CopyServer, Staged
+from dask_gpupool.wire.broker import HandleReply, pull_proof
 from dask_gpupool.wire.codec import decode
 
 POOL = str(uuid.UUID(int=15))  # the same in the spawned owner, which imports this module anew

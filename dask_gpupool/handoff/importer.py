@@ -40,7 +40,7 @@ from dask_gpupool.memory.buffers import copy_from_host, host_buffer
 from dask_gpupool.memory.pool import Pool
 from dask_gpupool.memory.topology import LocalDevices, current_gpu, local_devices
 from dask_gpupool.transport.link import PeerLink
-from dask_gpupool.transport.stream import pull
+from dask_gpupool.transport.pull import pull
 from dask_gpupool.wire.handoff import BufferDescriptor, HandoffHeader
 from dask_gpupool.wire.registry import PoolRecord
 

@@ -49,7 +49,8 @@ from dask_gpupool.memory.pool import Pool, PoolStats
 from dask_gpupool.memory.topology import LocalDevices, current_gpu, host_identity, local_devices
 from dask_gpupool.transport.broker import FdBroker
 from dask_gpupool.transport.link import PeerLink
-from dask_gpupool.transport.stream import STAGING, CopyServer, Staged, lanes
+from dask_gpupool.transport.staging import STAGING
+from dask_gpupool.transport.stream import CopyServer, Staged, lanes
 from dask_gpupool.wire.broker import HandleReply
 from dask_gpupool.wire.handoff import ArrayMeta, BufferDescriptor, HandoffHeader
 from dask_gpupool.wire.registry import Membership, PoolRecord, RegistryUpdate

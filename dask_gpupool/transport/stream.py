@@ -7,20 +7,22 @@ Dask's frames. Dask's comm writes a whole message from one thread after it was
 serialized, so the device->host copy, the send, the receive and the
 host->device copy would each wait for the one before. Instead the exporter
 grants a lease and sends a :class:`~dask_gpupool.wire.handoff.HandoffHeader` with
-path ``"stream"`` naming its :class:`CopyServer`; the importer's deserializer
-pulls the bytes with :func:`pull`::
+path ``"stream"`` naming its :class:`CopyServer` (this module); the importer's
+deserializer pulls the bytes with :func:`~dask_gpupool.transport.pull.pull`
+(:mod:`dask_gpupool.transport.pull`), both through pinned slots of
+:mod:`dask_gpupool.transport.staging`::
 
     importer -> copy server   PullRequest{op: "pull", pool, lease, proof}   (length-prefixed msgpack)
     copy server -> importer   PullReply{op: "pull-ok", lease, size, chunk} | ErrorReply
     copy server -> importer   ``size`` raw bytes
 
 **Pipelining.** GPU memory is copied device->host in chunks of ``chunk`` bytes
-into :data:`SLOTS` pinned staging slots (a cuda.core ``PinnedMemoryResource``)
+into :data:`~dask_gpupool.transport.staging.SLOTS` pinned staging slots (a cuda.core ``PinnedMemoryResource``)
 on a stream of the server's; chunk n is sent while the next ones are copied.
 The importer receives each chunk into one of its own pinned slots and copies
 it host->device into its pool while the next one arrives. Host memory
 (``host`` and ``pinned`` pools) is sent from, and received into, the buffers
-themselves. Host staging is bounded: :data:`SLOTS` chunks per transfer on each
+themselves. Host staging is bounded: :data:`~dask_gpupool.transport.staging.SLOTS` chunks per transfer on each
 side, whatever the size.
 
 **Leases.** The lease (:class:`~dask_gpupool.handoff.leases.LeaseTable`) keeps the
@@ -29,16 +31,17 @@ a pull claims it for its connection, and a failed or dropped connection
 releases it (the importer reads a copy, never this memory). A lease never
 pulled ends with the ``get_data`` reply that carried it.
 
-**Who may pull.** ``proof`` is HMAC-SHA256 of ``pull:<pool>:<lease>`` under the
-cluster's membership token: only members of the cluster can make one, and it
-names one lease of one pool. The bytes themselves travel unencrypted, as they
-would in Dask's ``tcp`` frames; with ``tls`` comms the copy path is not used
-(copies stay in Dask's frames, encrypted).
+**Who may pull.** ``proof`` (:func:`~dask_gpupool.wire.broker.pull_proof`) is
+HMAC-SHA256 of ``pull:<pool>:<lease>`` under the cluster's membership token:
+only members of the cluster can make one, and it names one lease of one pool.
+The bytes themselves travel unencrypted, as they would in Dask's ``tcp``
+frames; with ``tls`` comms the copy path is not used (copies stay in Dask's
+frames, encrypted).
 
 **Threads.** The server accepts in one thread and serves each connection in a
 thread of its own (blocking sockets), at most ``max_connections`` of them and
 ``max_per_peer`` per remote IP; connections beyond are closed at once and
-counted in :attr:`CopyServer.refused`. :func:`pull` blocks the thread that
+counted in :attr:`CopyServer.refused`. ``pull`` blocks the thread that
 deserializes, which for these small messages is Dask's event loop, for the
 length of the transfer (on two H200s: docs/performance.md).
 
@@ -53,47 +56,35 @@ docs/reliability.md.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import hashlib
 import hmac
 import itertools
 import logging
 import socket
-import struct
 import threading
 import time
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from dask_gpupool.errors import ConfigError, DataLostError, GPUPoolError, NotAMemberError, ProtocolError
 from dask_gpupool.memory.topology import current_gpu
 from dask_gpupool.transport.accept import AcceptBackoff
-from dask_gpupool.wire.broker import ErrorReply, PullReply, PullRequest, raise_for_error
-from dask_gpupool.wire.codec import MAX_MESSAGE_BYTES, decode
+from dask_gpupool.transport.staging import SLOTS, STAGING, chunks, host_view, memcpy, recv_message, send_message
+from dask_gpupool.wire.broker import ErrorReply, PullReply, PullRequest, pull_proof
+from dask_gpupool.wire.codec import decode
 
 if TYPE_CHECKING:
     from cuda.core import Buffer
 
     from dask_gpupool.handoff.leases import LeaseTable
 
-__all__ = ["SLOTS", "STAGING", "CopyServer", "Staged", "Staging", "lanes", "pull", "pull_proof"]
+__all__ = ["CopyServer", "Staged", "lanes"]
 
 logger = logging.getLogger(__name__)
 
-#: Pinned staging chunks per lane on each side: one being sent (or copied in) while the other is filled.
-SLOTS = 2
-
-_LENGTH = struct.Struct("!I")
 
 #: Connections (each served by a thread) one remote IP may hold to a copy server; more are refused.
 MAX_PER_PEER = 128
 #: Connections (threads) a copy server serves at once; more are refused.
 MAX_CONNECTIONS = 512
-
-
-def pull_proof(token: bytes, pool: str, lease: int) -> bytes:
-    """What a member of the cluster presents to pull lease ``lease`` of ``pool``."""
-    return hmac.new(token, f"pull:{pool}:{lease}".encode(), hashlib.sha256).digest()
 
 
 class Staged:
@@ -287,7 +278,7 @@ class CopyServer:
             with conn:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 try:
-                    message = _recv_message(conn, deadline=accepted + self._timeout)
+                    message = recv_message(conn, deadline=accepted + self._timeout)
                 except TimeoutError:
                     with self._lock:
                         self.refused += 1
@@ -308,9 +299,9 @@ class CopyServer:
                     staged = self._claim(request, connection)
                 except GPUPoolError as e:
                     logger.warning("pool %s: copy server refused a pull: %s", self.pool, e)
-                    _send_message(conn, ErrorReply.of(e).to_msg())
+                    send_message(conn, ErrorReply.of(e).to_msg())
                     return
-                _send_message(conn, PullReply(lease, staged.nbytes, self._chunk).to_msg())
+                send_message(conn, PullReply(lease, staged.nbytes, self._chunk).to_msg())
                 try:
                     self._send(conn, staged)
                 finally:
@@ -339,27 +330,27 @@ class CopyServer:
     def _send(self, conn: socket.socket, staged: Staged) -> None:
         buf, start, n = staged.buf, int(staged.buf.handle) + staged.offset, staged.nbytes
         if buf.is_host_accessible:
-            for off, size in _chunks(n, self._chunk):
-                conn.sendall(_view(start + off, size))
+            for off, size in chunks(n, self._chunk):
+                conn.sendall(host_view(start + off, size))
             return
         dev = current_gpu(buf.device_id)  # the GPU it is on (an imported view's is this process's GPU)
         stream = dev.create_stream()
         slots = STAGING.take(int(dev.device_id), self._chunk, stream)
         try:
-            chunks = list(_chunks(n, self._chunk))
-            copied: list[Any] = [None] * len(chunks)
+            parts = list(chunks(n, self._chunk))
+            copied: list[Any] = [None] * len(parts)
 
             def copy_out(i: int) -> None:
-                off, size = chunks[i]
-                _memcpy(int(slots[i % SLOTS].handle), start + off, size, stream)
+                off, size = parts[i]
+                memcpy(int(slots[i % SLOTS].handle), start + off, size, stream)
                 copied[i] = stream.record()
 
-            for i in range(min(SLOTS, len(chunks))):
+            for i in range(min(SLOTS, len(parts))):
                 copy_out(i)
-            for i, (_off, size) in enumerate(chunks):
+            for i, (_off, size) in enumerate(parts):
                 copied[i].sync()
-                conn.sendall(_view(int(slots[i % SLOTS].handle), size))
-                if i + SLOTS < len(chunks):
+                conn.sendall(host_view(int(slots[i % SLOTS].handle), size))
+                if i + SLOTS < len(parts):
                     copy_out(i + SLOTS)  # into the slot just sent
         finally:
             stream.sync()
@@ -376,236 +367,7 @@ def lanes(nbytes: int, chunk: int, streams: int) -> list[tuple[int, int]]:
     return [(off, min(per, nbytes - off)) for off in range(0, nbytes, per)]
 
 
-def pull(
-    address: str,
-    pool: str,
-    leases: list[int],
-    token: bytes,
-    dst: Buffer,
-    timeout: float,
-) -> None:
-    """Pull stream leases ``leases`` of ``pool`` from ``address`` into ``dst``, one connection each. Blocking.
-
-    Each lease is one lane: a contiguous part of the value, in order; lane k
-    lands after the bytes of lanes 0..k-1. Lanes after the first are received
-    in threads of a shared executor, the first in the calling thread.
-
-    Parameters
-    ----------
-    dst : Buffer
-        Receives the bytes from its start; owned by the caller, who closes it
-        on failure. GPU memory is filled through pinned staging slots on
-        ``dst``'s GPU.
-
-    Raises
-    ------
-    DataLostError
-        The exporter cannot be reached, refused (a lease ended), or a
-        connection broke. Leases of lanes not pulled end with the exporter's reply.
-    """
-    host, port = _parse(address)
-    conns: list[socket.socket] = []
-    what = f"pulling lease(s) {list(leases)} of pool {pool} from {address}"
-    try:
-        for lease in leases:
-            conn = socket.create_connection((host, port), timeout=timeout)
-            conns.append(conn)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            _send_message(conn, PullRequest(pool, lease, pull_proof(token, pool, lease)).to_msg())
-        offset, parts = 0, []
-        for conn, lease in zip(conns, leases, strict=True):
-            msg = decode(_recv_message(conn))
-            raise_for_error(msg, f"copy server {address}")
-            reply = PullReply.from_msg(msg)
-            if reply.lease != lease or offset + reply.size > dst.size:
-                raise ProtocolError(f"pull reply for lease {reply.lease} of {reply.size} bytes; asked lease {lease}")
-            parts.append((conn, offset, reply.size, reply.chunk))
-            offset += reply.size
-        if offset != dst.size:
-            raise ProtocolError(f"the lanes hold {offset} bytes, the value {dst.size}")
-        others = [_executor().submit(_receive, c, dst, off, n, chunk) for c, off, n, chunk in parts[1:]]
-        first, off, n, chunk = parts[0]
-        try:
-            _receive(first, dst, off, n, chunk)
-        except BaseException:
-            for c in conns:  # the other lanes stop at once instead of at their timeout
-                with contextlib.suppress(OSError):
-                    c.shutdown(socket.SHUT_RDWR)
-            raise
-        finally:
-            for f in others:
-                f.exception()  # wait for every lane before the connections close
-        for f in others:
-            f.result()
-    except (OSError, GPUPoolError) as e:
-        if isinstance(e, DataLostError):
-            raise
-        raise DataLostError(f"{what}: {type(e).__name__}: {e}") from e
-    finally:
-        for conn in conns:
-            conn.close()
-
-
-_EXECUTOR: Any = None
-_EXECUTOR_LOCK = threading.Lock()
-
-
-def _executor() -> Any:
-    """The threads that receive lanes after the first (made on first use, shared by the process)."""
-    global _EXECUTOR
-    with _EXECUTOR_LOCK:
-        if _EXECUTOR is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            _EXECUTOR = ThreadPoolExecutor(max_workers=16, thread_name_prefix="gpupool-pull")
-        return _EXECUTOR
-
-
-def _receive(conn: socket.socket, dst: Buffer, offset: int, n: int, chunk: int) -> None:
-    """Receive ``n`` bytes into ``dst`` from ``offset``, chunk by chunk."""
-    start = int(dst.handle) + offset
-    if dst.is_host_accessible:
-        for off, size in _chunks(n, chunk):
-            _recv_exactly(conn, _view(start + off, size))
-        return
-    dev = current_gpu(dst.device_id)
-    stream = dev.create_stream()
-    stream.wait(dev.default_stream)  # dst was allocated on the default stream
-    slots = STAGING.take(int(dev.device_id), chunk, stream)
-    copied_in: list[Any] = [None] * SLOTS
-    try:
-        for i, (off, size) in enumerate(_chunks(n, chunk)):
-            k = i % SLOTS
-            if copied_in[k] is not None:
-                copied_in[k].sync()  # the slot's previous chunk is on the GPU
-            _recv_exactly(conn, _view(int(slots[k].handle), size))
-            _memcpy(start + off, int(slots[k].handle), size, stream)
-            copied_in[k] = stream.record()
-    finally:
-        stream.sync()
-        STAGING.give(int(dev.device_id), chunk, slots)
-        stream.close()
-
-
 # -- pinned staging ----------------------------------------------------------------------
 
 
-class Staging:
-    """Pinned staging slots of this process, kept for the next transfer.
-
-    Pinning memory costs more than copying a chunk, so a transfer's
-    :data:`SLOTS` slots go back here when it ends, and up to ``keep`` sets
-    per (GPU, chunk size) stay allocated until :meth:`clear` (at most
-    ``keep * SLOTS`` chunks of pinned host memory). Slots come from the
-    driver's default pinned memory pool (cuda.core ``PinnedMemoryResource()``).
-    A set is given back only after its transfer's stream was synchronized.
-    """
-
-    def __init__(self, keep: int = 8) -> None:
-        self._keep = keep
-        self._free: dict[tuple[int, int], list[list[Buffer]]] = {}
-        self._lock = threading.Lock()
-
-    def take(self, device: int, chunk: int, stream: Any) -> list[Buffer]:
-        with self._lock:
-            free = self._free.get((device, chunk))
-            if free:
-                return free.pop()
-        from cuda.core import PinnedMemoryResource
-
-        mr = PinnedMemoryResource()
-        slots = [mr.allocate(chunk, stream=stream) for _ in range(SLOTS)]
-        stream.sync()
-        return slots
-
-    def give(self, device: int, chunk: int, slots: list[Buffer]) -> None:
-        with self._lock:
-            free = self._free.setdefault((device, chunk), [])
-            if len(free) < self._keep:
-                free.append(slots)
-                return
-        for slot in slots:
-            slot.close()
-
-    def clear(self) -> None:
-        """Free every kept set (a worker's teardown)."""
-        with self._lock:
-            sets = [s for free in self._free.values() for s in free]
-            self._free.clear()
-        for slots in sets:
-            for slot in slots:
-                slot.close()
-
-    @property
-    def nbytes(self) -> int:
-        """Pinned bytes kept."""
-        with self._lock:
-            return sum(int(b.size) for free in self._free.values() for s in free for b in s)
-
-
-#: This process's staging slots.
-STAGING = Staging()
-
-
 # -- helpers ---------------------------------------------------------------------------
-
-
-def _chunks(n: int, chunk: int) -> Iterator[tuple[int, int]]:
-    for off in range(0, n, chunk):
-        yield off, min(chunk, n - off)
-
-
-def _view(ptr: int, n: int) -> memoryview:
-    """A writable memoryview of ``n`` bytes of host memory at ``ptr`` (owned by a live Buffer)."""
-    return memoryview((ctypes.c_char * n).from_address(ptr)).cast("B")
-
-
-def _memcpy(dst: int, src: int, n: int, stream: Any) -> None:
-    from cuda.bindings import driver
-
-    (err,) = driver.cuMemcpyAsync(dst, src, n, stream.handle)
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"cuMemcpyAsync of {n} bytes failed: {err!r}")
-
-
-def _send_message(conn: socket.socket, msg: dict[str, Any]) -> None:
-    import msgpack
-
-    data = msgpack.packb(msg, use_bin_type=True)
-    conn.sendall(_LENGTH.pack(len(data)) + data)
-
-
-def _recv_message(conn: socket.socket, deadline: float | None = None) -> bytes:
-    """One length-prefixed message; whole by ``deadline`` (``time.monotonic()``) if given, else ``TimeoutError``."""
-    head = bytearray(_LENGTH.size)
-    _recv_exactly(conn, memoryview(head), deadline)
-    (n,) = _LENGTH.unpack(head)
-    if n > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"message of {n} bytes exceeds {MAX_MESSAGE_BYTES}")
-    data = bytearray(n)
-    _recv_exactly(conn, memoryview(data), deadline)
-    return bytes(data)
-
-
-def _recv_exactly(conn: socket.socket, view: memoryview, deadline: float | None = None) -> None:
-    """Fill ``view``; with a ``deadline`` each ``recv`` waits only for the time left (``TimeoutError`` after)."""
-    got = 0
-    while got < len(view):
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"{got} of {len(view)} bytes by the deadline")
-            conn.settimeout(left)
-        k = conn.recv_into(view[got:])
-        if k == 0:
-            raise ConnectionError(f"peer closed the connection after {got} of {len(view)} bytes")
-        got += k
-
-
-def _parse(address: str) -> tuple[str, int]:
-    if not address.startswith("tcp://"):
-        raise ProtocolError(f"copy server address {address!r} is not tcp://")
-    host, _, port = address[len("tcp://") :].rpartition(":")
-    if not host or not port.isdigit():
-        raise ProtocolError(f"copy server address {address!r} is not tcp://host:port")
-    return host.strip("[]"), int(port)

@@ -8,6 +8,8 @@ the codec.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -33,6 +35,7 @@ __all__ = [
     "SegmentRelease",
     "Welcome",
     "parse_request",
+    "pull_proof",
     "raise_for_error",
 ]
 
@@ -380,7 +383,7 @@ class PullRequest:
     """Importer -> exporter's copy server: stream me the bytes of leased buffer ``lease``.
 
     ``proof`` is HMAC-SHA256 of ``pull:<pool>:<lease>`` under the cluster's
-    membership token (:func:`dask_gpupool.transport.stream.pull_proof`): only members
+    membership token (:func:`pull_proof`): only members
     of the cluster can make one, and it names one lease of one pool.
     """
 
@@ -453,3 +456,8 @@ REQUESTS: dict[str, Any] = {
     CopyRequest.op: CopyRequest,
     Resync.op: Resync,
 }
+
+
+def pull_proof(token: bytes, pool: str, lease: int) -> bytes:
+    """What a member of the cluster presents to pull lease ``lease`` of ``pool``."""
+    return hmac.new(token, f"pull:{pool}:{lease}".encode(), hashlib.sha256).digest()

@@ -1,0 +1,165 @@
+"""Pinned host staging of the streamed copy: the slots each lane copies through, and the framing of its messages.
+
+A process keeps its pinned slots (:data:`STAGING`) for the next pull or send
+rather than pinning memory for each: pinning costs more than the copy at
+these sizes. The slots go with the process's last pool
+(``PoolService.close``). The message helpers frame one length-prefixed
+msgpack message on a TCP socket, at most ``MAX_MESSAGE_BYTES``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from dask_gpupool.errors import ProtocolError
+from dask_gpupool.wire.codec import MAX_MESSAGE_BYTES
+
+if TYPE_CHECKING:
+    from cuda.core import Buffer
+
+__all__ = [
+    "SLOTS",
+    "STAGING",
+    "Staging",
+    "chunks",
+    "host_port",
+    "host_view",
+    "memcpy",
+    "recv_exactly",
+    "recv_message",
+    "send_message",
+]
+
+logger = logging.getLogger(__name__)
+
+
+#: Pinned staging chunks per lane on each side: one being sent (or copied in) while the other is filled.
+SLOTS = 2
+
+
+_LENGTH = struct.Struct("!I")
+
+
+class Staging:
+    """Pinned staging slots of this process, kept for the next transfer.
+
+    Pinning memory costs more than copying a chunk, so a transfer's
+    :data:`SLOTS` slots go back here when it ends, and up to ``keep`` sets
+    per (GPU, chunk size) stay allocated until :meth:`clear` (at most
+    ``keep * SLOTS`` chunks of pinned host memory). Slots come from the
+    driver's default pinned memory pool (cuda.core ``PinnedMemoryResource()``).
+    A set is given back only after its transfer's stream was synchronized.
+    """
+
+    def __init__(self, keep: int = 8) -> None:
+        self._keep = keep
+        self._free: dict[tuple[int, int], list[list[Buffer]]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, device: int, chunk: int, stream: Any) -> list[Buffer]:
+        with self._lock:
+            free = self._free.get((device, chunk))
+            if free:
+                return free.pop()
+        from cuda.core import PinnedMemoryResource
+
+        mr = PinnedMemoryResource()
+        slots = [mr.allocate(chunk, stream=stream) for _ in range(SLOTS)]
+        stream.sync()
+        return slots
+
+    def give(self, device: int, chunk: int, slots: list[Buffer]) -> None:
+        with self._lock:
+            free = self._free.setdefault((device, chunk), [])
+            if len(free) < self._keep:
+                free.append(slots)
+                return
+        for slot in slots:
+            slot.close()
+
+    def clear(self) -> None:
+        """Free every kept set (a worker's teardown)."""
+        with self._lock:
+            sets = [s for free in self._free.values() for s in free]
+            self._free.clear()
+        for slots in sets:
+            for slot in slots:
+                slot.close()
+
+    @property
+    def nbytes(self) -> int:
+        """Pinned bytes kept."""
+        with self._lock:
+            return sum(int(b.size) for free in self._free.values() for s in free for b in s)
+
+
+#: This process's staging slots.
+STAGING = Staging()
+
+
+def chunks(n: int, chunk: int) -> Iterator[tuple[int, int]]:
+    for off in range(0, n, chunk):
+        yield off, min(chunk, n - off)
+
+
+def host_view(ptr: int, n: int) -> memoryview:
+    """A writable memoryview of ``n`` bytes of host memory at ``ptr`` (owned by a live Buffer)."""
+    return memoryview((ctypes.c_char * n).from_address(ptr)).cast("B")
+
+
+def memcpy(dst: int, src: int, n: int, stream: Any) -> None:
+    from cuda.bindings import driver
+
+    (err,) = driver.cuMemcpyAsync(dst, src, n, stream.handle)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuMemcpyAsync of {n} bytes failed: {err!r}")
+
+
+def send_message(conn: socket.socket, msg: dict[str, Any]) -> None:
+    import msgpack
+
+    data = msgpack.packb(msg, use_bin_type=True)
+    conn.sendall(_LENGTH.pack(len(data)) + data)
+
+
+def recv_message(conn: socket.socket, deadline: float | None = None) -> bytes:
+    """One length-prefixed message; whole by ``deadline`` (``time.monotonic()``) if given, else ``TimeoutError``."""
+    head = bytearray(_LENGTH.size)
+    recv_exactly(conn, memoryview(head), deadline)
+    (n,) = _LENGTH.unpack(head)
+    if n > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {n} bytes exceeds {MAX_MESSAGE_BYTES}")
+    data = bytearray(n)
+    recv_exactly(conn, memoryview(data), deadline)
+    return bytes(data)
+
+
+def recv_exactly(conn: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill ``view``; with a ``deadline`` each ``recv`` waits only for the time left (``TimeoutError`` after)."""
+    got = 0
+    while got < len(view):
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{got} of {len(view)} bytes by the deadline")
+            conn.settimeout(left)
+        k = conn.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError(f"peer closed the connection after {got} of {len(view)} bytes")
+        got += k
+
+
+def host_port(address: str) -> tuple[str, int]:
+    if not address.startswith("tcp://"):
+        raise ProtocolError(f"copy server address {address!r} is not tcp://")
+    host, _, port = address[len("tcp://") :].rpartition(":")
+    if not host or not port.isdigit():
+        raise ProtocolError(f"copy server address {address!r} is not tcp://host:port")
+    return host.strip("[]"), int(port)
