@@ -1,0 +1,132 @@
+"""The importer's Releaser without a cluster (issue 17): its link factory is a plain recording object here.
+
+The links stand in for :class:`~dask_gpupool.transport.link.PeerLink` (the
+transport is tested in ``test_broker.py`` and by every cluster test); what is
+under test is the releaser's own bookkeeping: batching, the live set and its
+epochs, what happens while a link is down, and an exporter that left.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from dask_gpupool.errors import PeerLostError
+from dask_gpupool.handoff.releaser import Releaser
+
+
+class RecordingLink:
+    """What the releaser calls on a link: ``release`` and ``release_segments``; ``down`` makes them fail."""
+
+    def __init__(self) -> None:
+        self.released: list[list[int]] = []
+        self.segments: list[list[tuple[int, int]]] = []
+        self.down = False
+
+    def release(self, leases: list[int]) -> None:
+        if self.down:
+            raise PeerLostError("link down")
+        self.released.append(list(leases))
+
+    def release_segments(self, segments: list[tuple[int, int]]) -> None:
+        if self.down:
+            raise PeerLostError("link down")
+        self.segments.append(list(segments))
+
+
+class Links:
+    """The releaser's LinkFactory: one RecordingLink per exporter; ``None`` for an exporter that left."""
+
+    def __init__(self) -> None:
+        self.links: dict[str, RecordingLink] = {}
+        self.left: set[str] = set()
+        self.calls = 0
+        self.lock = threading.Lock()
+
+    def __call__(self, exporter: str) -> RecordingLink | None:
+        with self.lock:
+            self.calls += 1
+            if exporter in self.left:
+                return None
+            return self.links.setdefault(exporter, RecordingLink())
+
+
+class DoneEvent:
+    """The GPU work a release waits for: already complete (``sync`` returns at once), and closed after."""
+
+    def __init__(self) -> None:
+        self.synced = self.closed = False
+
+    def sync(self) -> None:
+        self.synced = True
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.fixture
+def releaser():
+    links = Links()
+    r = Releaser(links)
+    yield r, links
+    r.close()
+
+
+def test_releases_leave_the_live_set_and_go_in_batches(releaser):
+    r, links = releaser
+    epoch = r.epoch("a")
+    assert r.hold("a", [1, 2, 3], epoch=epoch) and r.live("a") == 3
+    events = [DoneEvent() for _ in range(3)]
+    for lease, event in zip((1, 2, 3), events, strict=True):
+        r.put("a", lease, event)
+    r.flush()
+    assert r.live() == 0 and r.sent == 3
+    assert sorted(x for batch in links.links["a"].released for x in batch) == [1, 2, 3]
+    assert all(e.synced and e.closed for e in events)  # GPU work waited for before each release
+
+
+def test_a_claim_that_raced_a_resync_snapshot_is_not_held(releaser):
+    """A snapshot (the resync of a new link) bumps the epoch: a claim begun before must be made again."""
+    r, _ = releaser
+    epoch = r.epoch("a")
+    assert r.hold("a", [1], epoch=epoch)
+    assert r.snapshot("a") == [1]
+    assert not r.hold("a", [2], epoch=epoch)
+    assert r.live("a") == 1 and r.hold("a", [2], epoch=r.epoch("a")) and r.snapshot("a") == [1, 2]
+
+
+def test_releases_while_the_link_is_down_are_ended_by_the_resync_and_segments_sent_again(releaser):
+    r, links = releaser
+    link = links("a")
+    assert link is not None
+    r.hold("a", [7, 8], epoch=r.epoch("a"))
+    link.down = True
+    r.put("a", 7, None, ((3, 1),))
+    r.flush()
+    assert link.released == [] and r.live("a") == 1  # gone from the live set: the resync will end lease 7
+    link.down = False
+    for _ in range(100):  # the retry opens the link again (here: the same one) and resends the segment release
+        if link.segments:
+            break
+        time.sleep(0.05)
+    assert link.segments == [[(3, 1)]] and r.resyncs >= 1
+    assert r.snapshot("a") == [8]  # what a resync would send: lease 8 only
+
+
+def test_an_exporter_that_left_takes_its_leases_with_it(releaser):
+    r, links = releaser
+    r.hold("gone", [5], epoch=r.epoch("gone"))
+    links.left.add("gone")
+    r.put("gone", 5)
+    r.flush()
+    assert r.live() == 0 and r.sent == 0  # nothing to send to a worker that left
+
+
+def test_close_sends_what_is_queued(releaser):
+    r, links = releaser
+    r.hold("a", [1], epoch=r.epoch("a"))
+    r.put("a", 1)
+    r.close()
+    assert links.links["a"].released == [[1]]
