@@ -147,7 +147,7 @@ def test_entries_vanish_when_a_worker_is_killed():
         assert victim.pool not in {r.pool for r in dask_gpupool.pools(c)}
         # A killed broker cannot remove its directory; the next broker start does (min_age 0 here, not the
         # default that keeps directories of brokers still starting), and it leaves the live brokers' alone.
-        from dask_gpupool.transport.broker import remove_stale_broker_dirs
+        from dask_gpupool.transport.broker_dirs import remove_stale_broker_dirs
 
         victim_dir = os.path.dirname(victim.broker)
         remove_stale_broker_dirs(os.path.dirname(victim_dir), min_age=0)
