@@ -1,0 +1,82 @@
+"""The Importer and PoolService driven in one process, without Dask (issue 17: core classes without a cluster).
+
+Two services with ``host`` pools stand for two workers; the test plays the
+scheduler (one registry snapshot and the cluster's token for both). What is
+real: the pools (memfds), the exporter's broker and its Unix socket, the
+importer's link, mapping and release. A value is never handed over within one
+process in production (``same-process``); here the importer maps the other
+service's pool through the same broker protocol a peer process uses.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import secrets
+
+import pytest
+
+from dask_gpupool import DataLostError, PoolClosedError, PoolOptions, ProtocolError, UnknownPoolError
+from dask_gpupool.handoff.service import PoolService
+from dask_gpupool.memory.buffers import copy_from_host
+from dask_gpupool.wire.handoff import BufferDescriptor, HandoffHeader
+from dask_gpupool.wire.registry import Membership, RegistryUpdate
+
+
+@pytest.fixture
+def pair(tmp_path, no_fd_leak):
+    options = PoolOptions.from_config(kind="host", max_size="16 MiB", broker_dir=str(tmp_path))
+    a = PoolService.start(options, "tcp://127.0.0.1:40001")
+    b = PoolService.start(options, "tcp://127.0.0.1:40002")
+    token = secrets.token_bytes(32)
+    snapshot = RegistryUpdate(1, (a.record, b.record), (), snapshot=True)
+    for s in (a, b):
+        s.join(Membership(snapshot, token))
+    yield a, b
+    b.close()
+    a.close()
+
+
+def test_the_importer_maps_a_peer_pool_once_and_reads_its_bytes(pair):
+    a, b = pair
+    buf = a.allocate(4096)
+    copy_from_host(buf, b"from the exporter")
+    desc = a.export(buf)
+    seen = b.importer.import_buffer(desc)
+    again = b.importer.import_buffer(desc)
+    assert ctypes.string_at(int(seen.handle), 17) == b"from the exporter"
+    assert int(seen.handle) != int(buf.handle)  # another mapping of the same pages, not the exporter's address
+    stats = b.importer.stats()
+    assert stats["mapped_pools"] == 1 and stats["links"] == 1  # one mapping, one link, for both imports
+    copy_from_host(buf, b"FROM")
+    assert ctypes.string_at(int(again.handle), 4) == b"FROM"  # the same memory, no copy
+    seen.close()
+    again.close()
+    buf.close()
+
+
+def test_the_importer_lands_copies_in_its_own_pool(pair):
+    _a, b = pair
+    got = b.importer.receive_copy("host", b"copied bytes", "tcp://127.0.0.1:40001")
+    assert b.pool.owns(got) and ctypes.string_at(int(got.handle), 12) == b"copied bytes"
+    assert b.handoffs.copied_bytes == 12
+    got.close()
+
+
+def test_what_the_importer_refuses_is_a_typed_error(pair):
+    a, b = pair
+    stranger = BufferDescriptor("00000000-0000-0000-0000-00000000abcd", 16, b"", 0)
+    with pytest.raises(UnknownPoolError, match="not registered"):
+        b.importer.import_buffer(stranger)
+    with pytest.raises(DataLostError, match="not registered"):  # a header naming a pool nobody registered
+        b.importer.import_handoff(HandoffHeader("ipc", "host", 16, exporter=a.record.worker, desc=stranger, lease=7))
+    own = a.export(a.allocate(16))
+    with pytest.raises(ProtocolError, match="this process's own"):  # handed over within one process: never
+        b.importer.import_handoff(HandoffHeader("ipc", "host", 16, exporter=a.record.worker, desc=own, lease=7))
+
+
+def test_a_closed_importer_maps_nothing(pair):
+    a, b = pair
+    desc = a.export(a.allocate(16))
+    b.close()
+    with pytest.raises(PoolClosedError, match="closed"):
+        b.importer.import_buffer(desc)
