@@ -84,6 +84,11 @@ def to_pool(array: Any) -> Any:
     pool already, and any array outside a worker with a pool (plain Dask, or
     the plugin not registered), is returned as it is.
 
+    Parameters
+    ----------
+    array : numpy.ndarray or cupy.ndarray
+        The value to put in the pool (not changed).
+
     Returns
     -------
     cupy.ndarray or numpy.ndarray
@@ -121,6 +126,16 @@ def to_pool(array: Any) -> Any:
 def pools(client: Client) -> list[PoolRecord]:
     """The scheduler's registry: one :class:`PoolRecord` per pool.
 
+    Parameters
+    ----------
+    client : distributed.Client
+        A client of the cluster.
+
+    Returns
+    -------
+    list of PoolRecord
+        One row per registered pool, in no particular order.
+
     Raises
     ------
     PoolUnavailableError
@@ -152,7 +167,18 @@ def _per_worker(client: Client, fn: Any) -> dict[str, dict[str, Any]]:
 def pool_stats(client: Client) -> dict[str, dict[str, Any]]:
     """Per worker: its pool's used and reserved bytes (now and high-water) and mapped peer pools.
 
-    A worker without a pool (its set-up failed) is listed as ``{"error": why}``.
+    Parameters
+    ----------
+    client : distributed.Client
+        A client of the cluster.
+
+    Returns
+    -------
+    dict
+        ``{worker address: stats}`` with ``pool`` (its UUID), ``kind``,
+        ``used``, ``used_high``, ``reserved``, ``reserved_high`` (bytes),
+        ``max_size`` and ``mapped_pools`` (peers' pools mapped there). A worker without
+        a pool (its set-up failed) is listed as ``{"error": why}``.
     """
     return _per_worker(client, _worker_pool_stats)
 
@@ -163,6 +189,11 @@ def _worker_handoff_stats(dask_worker: Worker) -> dict[str, Any]:
 
 def stats(client: Client) -> dict[str, dict[str, Any]]:
     """Per worker: its handoff counters.
+
+    Parameters
+    ----------
+    client : distributed.Client
+        A client of the cluster.
 
     Returns
     -------
@@ -223,6 +254,11 @@ def trim(client: Client) -> dict[str, dict[str, int]]:
     go back when they are freed anyway). ``pinned`` pools and ``device``
     pools without segments are left as they are. Device memory kept for
     sending pool memory over UCX (:mod:`dask_gpupool.memory.ucx_staging`) is freed.
+
+    Parameters
+    ----------
+    client : distributed.Client
+        A client of the cluster.
 
     Returns
     -------

@@ -117,9 +117,14 @@ def as_array(
     ----------
     buf : cuda.core.Buffer
         Usually from :func:`dask_gpupool.allocate`. The array keeps it alive.
-    shape, dtype, strides, offset
-        As for ``numpy.ndarray``: strides in bytes (default C order), offset
-        in bytes from the start of ``buf``.
+    shape : int or tuple of int
+        As for ``numpy.ndarray``.
+    dtype : numpy.dtype or str
+        As for ``numpy.ndarray``; object dtypes are refused.
+    strides : tuple of int, optional
+        In bytes; default C order.
+    offset : int, optional
+        In bytes from the start of ``buf``; default 0.
     like : {"cupy", "numpy"}, optional
         The array type. Default: CuPy for GPU-accessible memory (``device``
         and ``pinned`` pools), NumPy for ``host`` pools. ``pinned`` memory can
