@@ -21,13 +21,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dask_gpupool.dask.views import pool_buffer_of
+from dask_gpupool.memory.host import peer_resident_bytes
 
 if TYPE_CHECKING:
     from distributed import Worker
 
     from dask_gpupool.handoff.service import PoolService
 
-__all__ = ["REQUEST", "install_get_data_hook"]
+__all__ = ["REQUEST", "count_own_memory_only", "install_get_data_hook"]
 
 
 @dataclass(frozen=True)
@@ -135,3 +136,36 @@ def _all_handed_over(worker: Worker, service: PoolService, keys: Any, who: str |
         if row is None or reason is not None:
             return False
     return True
+
+
+def count_own_memory_only(worker: Worker, *, undo: bool = False) -> None:
+    """Make the process memory Dask reads for ``worker`` leave out the pages of peer pools it maps.
+
+    Dask samples a worker's memory with ``worker.monitor.get_process_memory()``
+    (the process's ``rss``): the figure behind the pause threshold, the spill
+    decisions on process memory, and the memory the scheduler and dashboard
+    show. The kernel counts a shared page in the ``rss`` of every process that
+    touched it, so a ``host`` pool handoff would count the producer's memory
+    twice: in the producer, which owns it, and in every consumer that read it
+    (:func:`~dask_gpupool.memory.host.peer_resident_bytes`). The wrapper
+    subtracts the latter. ``undo=True`` puts Dask's own method back.
+
+    The nanny's terminate threshold reads ``rss`` itself, in another process:
+    it still counts mapped peer pages (docs/cpu-users.md).
+    """
+    monitor = getattr(worker, "monitor", None)
+    current = getattr(monitor, "get_process_memory", None)
+    if monitor is None or current is None:
+        return
+    if undo:
+        if getattr(current, "__wrapped__", None) is not None:
+            monitor.get_process_memory = current.__wrapped__
+        return
+    if getattr(current, "__wrapped__", None) is not None:
+        return  # already wrapped
+
+    def get_process_memory() -> int:
+        return max(current() - peer_resident_bytes(), 0)
+
+    get_process_memory.__wrapped__ = current  # type: ignore[attr-defined]
+    monitor.get_process_memory = get_process_memory

@@ -37,10 +37,9 @@ from tornado.ioloop import PeriodicCallback
 
 from dask_gpupool.config import PoolOptions
 from dask_gpupool.core import JOINED_OP, MEMBERSHIP_OP, PLUGIN_NAME, REGISTER_OP, REGISTRY_OP, UNREGISTER_OP
-from dask_gpupool.dask.worker_internals import install_get_data_hook
+from dask_gpupool.dask.worker_internals import count_own_memory_only, install_get_data_hook
 from dask_gpupool.errors import PoolUnavailableError, ProtocolError
 from dask_gpupool.handoff.service import PoolService
-from dask_gpupool.memory.host import peer_resident_bytes
 from dask_gpupool.ops import metrics as _metrics
 from dask_gpupool.ops.dashboard import STATS_INTERVAL, STATS_OP
 from dask_gpupool.wire.registry import Membership, RegistryUpdate
@@ -117,7 +116,7 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         worker.stream_handlers[REGISTRY_OP] = self._on_registry_update
         worker.stream_handlers[MEMBERSHIP_OP] = self._on_membership
         self._get_data = install_get_data_hook(worker, service)
-        _count_own_memory_only(worker)
+        count_own_memory_only(worker)
         self.service = service
         gpu_pool = service.pool.kind in ("device", "pinned")
         if gpu_pool and importlib.util.find_spec("cupy") is not None:
@@ -217,7 +216,7 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
                 # Not deleted: a message already in flight would hit an unknown op, and an
                 # unknown op ends the worker's whole scheduler stream. Late messages are dropped.
                 worker.stream_handlers[op] = _drop_update
-        _count_own_memory_only(worker, undo=True)
+        count_own_memory_only(worker, undo=True)
         original = self._get_data
         self._get_data = None
         if callable(original) and getattr(worker.handlers.get("get_data"), "__wrapped__", None) is original:
@@ -238,39 +237,6 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
 
 def _drop_update(**msg: Any) -> None:
     pass
-
-
-def _count_own_memory_only(worker: Worker, *, undo: bool = False) -> None:
-    """Make the process memory Dask reads for ``worker`` leave out the pages of peer pools it maps.
-
-    Dask samples a worker's memory with ``worker.monitor.get_process_memory()``
-    (the process's ``rss``): the figure behind the pause threshold, the spill
-    decisions on process memory, and the memory the scheduler and dashboard
-    show. The kernel counts a shared page in the ``rss`` of every process that
-    touched it, so a ``host`` pool handoff would count the producer's memory
-    twice: in the producer, which owns it, and in every consumer that read it
-    (:func:`~dask_gpupool.memory.host.peer_resident_bytes`). The wrapper
-    subtracts the latter. ``undo=True`` puts Dask's own method back.
-
-    The nanny's terminate threshold reads ``rss`` itself, in another process:
-    it still counts mapped peer pages (docs/cpu-users.md).
-    """
-    monitor = getattr(worker, "monitor", None)
-    current = getattr(monitor, "get_process_memory", None)
-    if monitor is None or current is None:
-        return
-    if undo:
-        if getattr(current, "__wrapped__", None) is not None:
-            monitor.get_process_memory = current.__wrapped__
-        return
-    if getattr(current, "__wrapped__", None) is not None:
-        return  # already wrapped
-
-    def get_process_memory() -> int:
-        return max(current() - peer_resident_bytes(), 0)
-
-    get_process_memory.__wrapped__ = current  # type: ignore[attr-defined]
-    monitor.get_process_memory = get_process_memory
 
 
 def service_of(worker: Worker) -> PoolService:

@@ -126,11 +126,6 @@ def free_kept() -> int:
     return sum(key[1] for key, _ in kept)
 
 
-def kept_bytes() -> int:
-    """Bytes of free staging allocations kept for reuse in this process."""
-    return _kept_bytes
-
-
 def _release(ctx: Any, ptr: int) -> None:
     from cuda.bindings import driver
 
