@@ -520,3 +520,32 @@ def lease_counts(dask_worker: Worker) -> dict[str, int]:
         "held": service.releaser.live(),
         "resyncs": service.releaser.resyncs,
     }
+
+
+# -- the event loop's responsiveness (tests/test_handoff.py) ---------------------------------
+
+
+async def start_loop_ticks(dask_worker: Worker, interval: float = 0.01) -> None:
+    """client.run target: tick on this worker's event loop every ``interval`` s, noting the longest gap."""
+    import asyncio
+    import time
+
+    gaps = {"longest": 0.0, "ticks": 0}
+
+    async def tick() -> None:
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            gaps["longest"] = max(gaps["longest"], now - last)
+            gaps["ticks"] += 1
+            last = now
+
+    dask_worker._gpupool_test_ticks = gaps  # type: ignore[attr-defined]
+    dask_worker._gpupool_test_ticker = asyncio.ensure_future(tick())  # type: ignore[attr-defined]
+
+
+async def stop_loop_ticks(dask_worker: Worker) -> dict[str, float]:
+    """client.run target: stop :func:`start_loop_ticks`; the longest gap between ticks (s) and their count."""
+    dask_worker._gpupool_test_ticker.cancel()  # type: ignore[attr-defined]
+    return dict(dask_worker._gpupool_test_ticks)  # type: ignore[attr-defined]

@@ -16,6 +16,7 @@ from dask_gpupool import GPUPool
 from dask_gpupool import testing as T
 
 MiB = 1 << 20
+GiB = 1 << 30
 HOST_POOL = GPUPool(kind="host", max_size="64 MiB")
 
 
@@ -160,6 +161,32 @@ def test_large_copies_to_another_host_are_pulled_in_chunks_and_leave_nothing():
         assert now[a]["streamed_out_bytes"] - before[a]["streamed_out_bytes"] == streamed
         assert now[a]["fallbacks"] == {} and now[b]["fallbacks"] == {}
         del arr, got, big, small, heads
+        back_to(c, baseline)
+
+
+def test_a_large_pull_runs_off_the_consumers_event_loop():
+    """A 1 GiB streamed pull fills the value in a thread: the consumer's event loop keeps ticking meanwhile."""
+    from distributed import wait
+
+    plugin = GPUPool(kind="host", max_size="1100 MiB")
+    hosts = [{"config": {"gpupool": {"host-id": h}}} for h in ("host-a", "host-b")]
+    with nanny_cluster(hosts, plugin) as c:
+        a, b = worker_addresses(c)
+        baseline = warm_up(c, a, b)
+        x = c.submit(T.make_buffer, GiB, b"pulled", workers=[a], pure=False)
+        wait(x)
+        before = counters(c, b)[b]["streamed_bytes"]
+        c.run(T.start_loop_ticks, workers=[b])
+        start = time.monotonic()
+        y = c.submit(T.keep, x, workers=[b], pure=False)
+        wait(y)
+        took = time.monotonic() - start
+        ticks = c.run(T.stop_loop_ticks, workers=[b])[b]
+        assert c.submit(T.head, y, 6, workers=[b], pure=False).result() == b"pulled"
+        assert counters(c, b)[b]["streamed_bytes"] - before == GiB
+        # Blocking the loop for the pull would leave one gap as long as the pull (took).
+        assert ticks["longest"] < max(0.2, took / 3), (ticks, took)
+        del x, y
         back_to(c, baseline)
 
 

@@ -6,6 +6,10 @@
   they are serialized on the event loop instead of Dask's offload thread.
 - ``worker.state.tasks`` and ``worker.data`` are read (never written) to decide
   that.
+- ``worker.rpc.connect`` is wrapped so that the comms a worker reads values
+  from run the copies deserializers left (streamed pulls, memfd copies) in a
+  thread after the read, not on the event loop
+  (:mod:`dask_gpupool.handoff.deferred`).
 - ``worker.monitor.get_process_memory`` is wrapped so that the process memory
   Dask reads leaves out the peer pool pages a worker maps.
 
@@ -15,12 +19,15 @@ plugin is removed.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import traceback
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dask_gpupool.dask.views import pool_buffer_of
+from dask_gpupool.errors import DataLostError
+from dask_gpupool.handoff.deferred import abandon_all, collecting, run_fills
 from dask_gpupool.memory.host import peer_resident_bytes
 
 if TYPE_CHECKING:
@@ -28,7 +35,7 @@ if TYPE_CHECKING:
 
     from dask_gpupool.handoff.service import PoolService
 
-__all__ = ["REQUEST", "count_own_memory_only", "install_get_data_hook"]
+__all__ = ["REQUEST", "count_own_memory_only", "fill_after_read", "install_get_data_hook"]
 
 
 @dataclass(frozen=True)
@@ -136,6 +143,71 @@ def _all_handed_over(worker: Worker, service: PoolService, keys: Any, who: str |
         if row is None or reason is not None:
             return False
     return True
+
+
+def fill_after_read(worker: Worker, *, undo: bool = False) -> None:
+    """Make the comms ``worker`` connects with run deferred copies in a thread once a read returns.
+
+    Dask deserializes a small message on the event loop, and a handoff header
+    is small even when the copy it names is gigabytes: the importer returns
+    the landing buffer at once and leaves the copy in the collector this
+    wrapper opens around ``comm.read`` (:func:`~dask_gpupool.handoff.deferred.collecting`).
+    The wrapper runs the copies with ``asyncio.to_thread`` before it returns
+    the message, so the values are complete when Dask stores them and the
+    event loop keeps serving heartbeats and other transfers meanwhile.
+
+    A copy that fails is raised as :class:`~dask_gpupool.errors.DataLostError`
+    (a ``ConnectionError``: Dask fetches the key again or recomputes it) and the
+    comm is aborted, since the sender still waits for this reader's "OK". The
+    same holds for a ``DataLostError`` a deserializer raised. ``undo=True``
+    puts Dask's ``connect`` back (comms already wrapped keep a wrapper that
+    does nothing without collected copies).
+    """
+    rpc = getattr(worker, "rpc", None)
+    current = getattr(rpc, "connect", None)
+    if rpc is None or current is None:
+        return
+    if undo:
+        if getattr(current, "__wrapped__", None) is not None:
+            del rpc.connect  # the class's method again
+        return
+    if getattr(current, "__wrapped__", None) is not None:
+        return  # already wrapped
+
+    async def connect(addr: str, timeout: float | None = None) -> Any:
+        comm = await current(addr, timeout)
+        if not getattr(comm, "_gpupool_fills", False):
+            comm.read = _read_then_fill(comm, comm.read)
+            comm._gpupool_fills = True
+        return comm
+
+    connect.__wrapped__ = current  # type: ignore[attr-defined]
+    rpc.connect = connect
+
+
+def _read_then_fill(comm: Any, read: Any) -> Any:
+    async def read_then_fill(deserializers: Any = None) -> Any:
+        pending: list[Any] = []
+        try:
+            with collecting() as pending:
+                msg = await read(deserializers)
+        except BaseException as e:
+            abandon_all(pending)
+            if isinstance(e, DataLostError):
+                comm.abort()  # the sender waits for an "OK" that will not come
+            raise
+        if not pending:
+            return msg
+        try:
+            await asyncio.to_thread(run_fills, pending)
+        except BaseException as e:
+            comm.abort()
+            if isinstance(e, DataLostError | asyncio.CancelledError):
+                raise
+            raise DataLostError(f"a value from {comm.peer_address} could not be copied: {type(e).__name__}: {e}") from e
+        return msg
+
+    return read_then_fill
 
 
 def count_own_memory_only(worker: Worker, *, undo: bool = False) -> None:

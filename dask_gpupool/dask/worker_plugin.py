@@ -37,7 +37,7 @@ from tornado.ioloop import PeriodicCallback
 
 from dask_gpupool.config import PoolOptions
 from dask_gpupool.core import JOINED_OP, MEMBERSHIP_OP, PLUGIN_NAME, REGISTER_OP, REGISTRY_OP, UNREGISTER_OP
-from dask_gpupool.dask.worker_internals import count_own_memory_only, install_get_data_hook
+from dask_gpupool.dask.worker_internals import count_own_memory_only, fill_after_read, install_get_data_hook
 from dask_gpupool.errors import PoolUnavailableError, ProtocolError
 from dask_gpupool.handoff.service import PoolService
 from dask_gpupool.ops import metrics as _metrics
@@ -117,6 +117,7 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         worker.stream_handlers[MEMBERSHIP_OP] = self._on_membership
         self._get_data = install_get_data_hook(worker, service)
         count_own_memory_only(worker)
+        fill_after_read(worker)
         self.service = service
         gpu_pool = service.pool.kind in ("device", "pinned")
         if gpu_pool and importlib.util.find_spec("cupy") is not None:
@@ -217,6 +218,7 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
                 # unknown op ends the worker's whole scheduler stream. Late messages are dropped.
                 worker.stream_handlers[op] = _drop_update
         count_own_memory_only(worker, undo=True)
+        fill_after_read(worker, undo=True)
         original = self._get_data
         self._get_data = None
         if callable(original) and getattr(worker.handlers.get("get_data"), "__wrapped__", None) is original:

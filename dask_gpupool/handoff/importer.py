@@ -31,6 +31,7 @@ from dask_gpupool.errors import (
     ProtocolError,
     UnknownPoolError,
 )
+from dask_gpupool.handoff.deferred import fill_later
 from dask_gpupool.handoff.imported import ImportedMemoryResource
 from dask_gpupool.handoff.mappings import IMPORT_LOCK, MappedPool, MappedPools
 from dask_gpupool.handoff.registry import RegistryView
@@ -301,7 +302,12 @@ class Importer:
         return buf
 
     def fetch_copy(self, header: HandoffHeader, record: PoolRecord, link: PeerLink) -> Buffer:
-        """Ask the exporter for a host copy of a leased buffer and land it in this pool."""
+        """Ask the exporter for a host copy of a leased buffer and land it in this pool.
+
+        Returns the landing Buffer (owned by the caller) at once; the copy out
+        of the exporter's memfd fills it through :func:`~dask_gpupool.handoff.deferred.fill_later`,
+        which closes the fd and releases the lease when done or abandoned.
+        """
         try:
             self._claim(record, link, [header.lease])  # ours now: only this worker may release it
             reply, fd = self.link(record).fetch_copy(header.lease)
@@ -309,12 +315,31 @@ class Importer:
             raise DataLostError(
                 f"lease {header.lease} on pool {record.pool} of worker {record.worker} cannot be read: {e}"
             ) from e
+        ended: list[bool] = []
+
+        def end() -> None:
+            if not ended:
+                ended.append(True)
+                os.close(fd)
+                self.releaser.put(record.broker, header.lease)
+
         try:
+            buf = self._landing(reply.size, record.worker, "any")
+        except BaseException:
+            end()
+            raise
+
+        def copy() -> None:
             with mmap.mmap(fd, reply.size, prot=mmap.PROT_READ) if reply.size else contextlib.nullcontext(b"") as m:
-                buf = self.receive_copy(header.kind, memoryview(m), record.worker)
-        finally:
-            os.close(fd)
-        self.releaser.put(record.broker, header.lease)
+                copy_from_host(buf, memoryview(m))
+            end()
+            self.handoffs.add(copied_bytes=reply.size)
+
+        def abandon() -> None:
+            buf.close()
+            end()
+
+        fill_later(copy, abandon)
         return buf
 
     def receive_copy(self, kind: str, data: Any, sender: str, need: str = "any") -> Buffer:
@@ -345,9 +370,11 @@ class Importer:
         return buf
 
     def pull_copy(self, header: HandoffHeader, need: str = "any") -> Buffer:
-        """Pull a ``stream`` handoff from the exporter's copy server into this worker's pool. Blocking.
+        """Pull a ``stream`` handoff from the exporter's copy server into this worker's pool.
 
-        Lands like :meth:`receive_copy`. Returns a Buffer owned by the caller.
+        Lands like :meth:`receive_copy`. Returns a Buffer owned by the caller,
+        filled by the pull through :func:`~dask_gpupool.handoff.deferred.fill_later`:
+        at once (blocking), or by the caller that collects fills, in a thread.
 
         Raises
         ------
@@ -364,13 +391,13 @@ class Importer:
         if self.token is None:
             raise NotAMemberError(f"pool {self.pool.uuid}: not registered with the scheduler yet (no cluster token)")
         buf = self._landing(header.nbytes, header.exporter, need)
-        try:
-            leases = [header.lease, *header.lanes]
-            pull(header.address, record.pool, leases, self.token, buf, self.options.broker_timeout)
-        except BaseException:
-            buf.close()
-            raise
-        self.handoffs.add(copied_bytes=header.nbytes, streamed_bytes=header.nbytes)
+        leases, token = [header.lease, *header.lanes], self.token
+
+        def copy() -> None:
+            pull(header.address, record.pool, leases, token, buf, self.options.broker_timeout)
+            self.handoffs.add(copied_bytes=header.nbytes, streamed_bytes=header.nbytes)
+
+        fill_later(copy, buf.close)  # a lease not pulled ends at the exporter (at its timeout or the hang-up)
         return buf
 
     def _landing(self, n: int, sender: str, need: str) -> Buffer:

@@ -1,0 +1,110 @@
+"""Copies a deserializer lands later, in a thread, so that Dask's event loop keeps running.
+
+A deserializer must return the value, and Dask runs it on the event loop for
+small messages: a handoff header is a few hundred bytes even when the copy it
+names, a streamed pull (:meth:`Importer.pull_copy
+<dask_gpupool.handoff.importer.Importer.pull_copy>`) or a copy out of an
+exporter's memfd (:meth:`Importer.fetch_copy
+<dask_gpupool.handoff.importer.Importer.fetch_copy>`), moves 8 GiB (about
+1.5 s). So the importer allocates the landing buffer, returns it at once, and
+hands the copy that fills it to :func:`fill_later`. Inside :func:`collecting`
+(the worker's comm read, :func:`dask_gpupool.dask.worker_internals.fill_after_read`)
+the copy waits in the collector until the caller runs :func:`run_fills` in a
+thread, before anyone sees the message. Outside it, the copy runs at once.
+
+Ownership: a :class:`Fill` owns its landing buffer until it has run. When a
+fill is abandoned (its copy failed, or one before it did), ``abandon`` closes
+the buffer and gives back what the copy held (a lease, an fd).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+__all__ = ["Fill", "abandon_all", "collecting", "fill_later", "run_fills"]
+
+
+@dataclass(frozen=True)
+class Fill:
+    """A copy into a buffer already handed to the caller, and how to give it up.
+
+    ``run`` fills the buffer (blocking, any thread) and ends what the copy
+    held; ``abandon`` closes the buffer and ends what the copy held, once,
+    when ``run`` failed or will not run.
+    """
+
+    run: Callable[[], None]
+    abandon: Callable[[], None]
+
+
+class _Collector:
+    """The fills left in one :func:`collecting` block; closed when the block is left."""
+
+    __slots__ = ("fills", "open")
+
+    def __init__(self) -> None:
+        self.fills: list[Fill] = []
+        self.open = True
+
+
+_PENDING: contextvars.ContextVar[_Collector | None] = contextvars.ContextVar("gpupool_pending_fills", default=None)
+
+
+def fill_later(run: Callable[[], None], abandon: Callable[[], None]) -> None:
+    """Run ``run`` now, or leave it to the :func:`collecting` caller if there is one.
+
+    When ``run`` raises here, ``abandon`` runs and the error propagates.
+    """
+    collector = _PENDING.get()
+    if collector is not None and collector.open:
+        collector.fills.append(Fill(run, abandon))
+        return
+    run_fills([Fill(run, abandon)])
+
+
+@contextlib.contextmanager
+def collecting() -> Iterator[list[Fill]]:
+    """Collect the fills deserializers leave in this context (and the threads it is copied to).
+
+    Yields a list that holds the fills once the block is left. The caller
+    runs them with :func:`run_fills` (in a thread) or abandons them. Tasks and
+    callbacks started inside the block keep a copy of the context, and so of
+    the collector, for as long as they live: the collector is closed and
+    emptied on leaving, so it keeps nothing alive, and a fill left in it later
+    runs at once.
+    """
+    collector = _Collector()
+    fills: list[Fill] = []
+    token = _PENDING.set(collector)
+    try:
+        yield fills
+    finally:
+        _PENDING.reset(token)
+        collector.open = False
+        fills.extend(collector.fills)
+        collector.fills.clear()
+
+
+def run_fills(fills: list[Fill]) -> None:
+    """Run ``fills`` in order; after the first failure abandon the rest, then raise it. Blocking."""
+    error: BaseException | None = None
+    for fill in fills:
+        if error is not None:
+            fill.abandon()
+            continue
+        try:
+            fill.run()
+        except BaseException as e:
+            error = e
+            fill.abandon()
+    if error is not None:
+        raise error
+
+
+def abandon_all(fills: list[Fill]) -> None:
+    """Give up every fill (the message they belong to was never delivered)."""
+    for fill in fills:
+        fill.abandon()
