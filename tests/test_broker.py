@@ -16,8 +16,8 @@ import msgpack
 import pytest
 
 from dask_gpupool import BrokerRefusedError, NotAMemberError, PeerLostError, UnknownPoolError
-from dask_gpupool.transport.broker import FdBroker, request_pool_fd
-from dask_gpupool.transport.link import PeerLink
+from dask_gpupool.transport.broker import FdBroker
+from dask_gpupool.transport.link import PeerLink, request_pool_fd
 from dask_gpupool.wire.broker import HandleReply, HandleRequest, Hello
 from dask_gpupool.wire.codec import encode
 

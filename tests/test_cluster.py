@@ -14,7 +14,7 @@ from conftest import free_port, handoff_round_trip, nanny_cluster, stop_processe
 import dask_gpupool
 from dask_gpupool import BrokerRefusedError, GPUPool, NotAMemberError, PeerAccessError, PeerLostError
 from dask_gpupool import testing as T
-from dask_gpupool.transport.broker import request_pool_fd
+from dask_gpupool.transport.link import request_pool_fd
 
 MiB = 1 << 20
 PLUGIN = GPUPool(kind="host", max_size="64MiB", broker_timeout="2s")

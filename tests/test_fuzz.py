@@ -25,7 +25,8 @@ from hypothesis import strategies as st
 import dask_gpupool
 from dask_gpupool import GPUPool, ProtocolError
 from dask_gpupool import testing as T
-from dask_gpupool.transport.broker import FdBroker, request_pool_fd
+from dask_gpupool.transport.broker import FdBroker
+from dask_gpupool.transport.link import request_pool_fd
 from dask_gpupool.wire.broker import (
     ClaimReply,
     CopyReply,

@@ -119,7 +119,8 @@ def test_a_receiver_cannot_resize_the_pool_and_mappings_still_read(tmp_path, no_
     broker) cannot ftruncate it, which would SIGBUS every process that maps the pool."""
     import fcntl
 
-    from dask_gpupool.transport.broker import FdBroker, request_pool_fd
+    from dask_gpupool.transport.broker import FdBroker
+    from dask_gpupool.transport.link import request_pool_fd
     from dask_gpupool.wire.broker import HandleReply
 
     owner = SharedHostMemoryResource(1 << 20)

@@ -221,8 +221,8 @@ def test_a_failed_receive_is_a_connection_error_for_dask():
 def exporter(tmp_path):
     """A real host pool, its lease table and broker, and a registry with two importers in this process."""
     from dask_gpupool.config import PoolOptions
+    from dask_gpupool.handoff.exporter import ExportSide
     from dask_gpupool.handoff.registry import RegistryView
-    from dask_gpupool.handoff.service import _ExportSide
     from dask_gpupool.memory.pool import Pool
     from dask_gpupool.memory.topology import LocalDevices
     from dask_gpupool.transport.broker import FdBroker
@@ -236,7 +236,7 @@ def exporter(tmp_path):
         for port in (1, 2)
     ]
     registry.apply(RegistryUpdate(version=1, added=tuple(rows)))
-    broker = FdBroker(_ExportSide(pool, leases, registry, "h"), str(tmp_path), 2.0, pool.uuid, TOKEN)
+    broker = FdBroker(ExportSide(pool, leases, registry, "h"), str(tmp_path), 2.0, pool.uuid, TOKEN)
     try:
         yield pool, leases, broker, [r.worker for r in rows]
     finally:
@@ -249,12 +249,12 @@ TOKEN = b"cluster-token-0123456789abcdef!!"
 
 
 def test_another_worker_can_neither_claim_nor_release_a_lease(exporter):
-    from dask_gpupool.handoff.service import _Exported
+    from dask_gpupool.handoff.exporter import Exported
     from dask_gpupool.transport.link import PeerLink
 
     pool, leases, broker, (b, c) = exporter
     buf = pool.allocate(4096)
-    lease = leases.grant(_Exported(buf, buf), 4096, b)
+    lease = leases.grant(Exported(buf, buf), 4096, b)
     del buf
     as_c, as_b = PeerLink(broker.address, 2.0, TOKEN, c), PeerLink(broker.address, 2.0, TOKEN, b)
     try:
@@ -286,14 +286,14 @@ def test_a_process_that_is_not_the_registered_worker_is_refused(exporter):
 def test_copies_of_ipc_and_stream_leases_go_only_to_their_importer(exporter):
     import mmap
 
-    from dask_gpupool.handoff.service import _Exported
+    from dask_gpupool.handoff.exporter import Exported
     from dask_gpupool.transport.link import PeerLink
     from dask_gpupool.transport.stream import Staged
 
     pool, leases, broker, (b, c) = exporter
     buf = pool.allocate(8192)
     T.write_bytes(buf, b"0123456789")
-    ipc = leases.grant(_Exported(buf, buf), 8192, b)
+    ipc = leases.grant(Exported(buf, buf), 8192, b)
     stream = leases.grant(Staged(buf, buf, 4, 6), 6, b)
     del buf
     as_b, as_c = PeerLink(broker.address, 2.0, TOKEN, b), PeerLink(broker.address, 2.0, TOKEN, c)
@@ -331,7 +331,7 @@ def test_a_closed_link_keeps_the_leases_and_the_importers_exit_ends_them(exporte
     import subprocess
     import sys
 
-    from dask_gpupool.handoff.service import _Exported
+    from dask_gpupool.handoff.exporter import Exported
     from dask_gpupool.wire.registry import PoolRecord, RegistryUpdate
 
     pool, leases, broker, _ = exporter
@@ -346,7 +346,7 @@ def test_a_closed_link_keeps_the_leases_and_the_importers_exit_ends_them(exporte
         row = PoolRecord(str(uuid.uuid4()), worker, child.pid, "h", "h", "host", None, MiB, "/x")
         broker.handler._registry.apply(RegistryUpdate(version=2, added=(row,)))  # type: ignore[attr-defined]
         buf = pool.allocate(4096)
-        lease = leases.grant(_Exported(buf, buf), 4096, worker)
+        lease = leases.grant(Exported(buf, buf), 4096, worker)
         del buf
         assert child.stdin is not None and child.stdout is not None
         child.stdin.write(f"{lease}\n")

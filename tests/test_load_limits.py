@@ -33,7 +33,8 @@ from dask_gpupool import BrokerRefusedError, PeerLostError
 from dask_gpupool.handoff.leases import LeaseTable
 from dask_gpupool.memory.buffers import host_buffer
 from dask_gpupool.testing import read_bytes
-from dask_gpupool.transport.broker import FdBroker, request_pool_fd
+from dask_gpupool.transport.broker import FdBroker
+from dask_gpupool.transport.link import request_pool_fd
 from dask_gpupool.transport.pull import pull
 from dask_gpupool.transport.stream import CopyServer, Staged
 from dask_gpupool.wire.broker import HandleReply, pull_proof

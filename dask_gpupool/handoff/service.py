@@ -24,18 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import mmap
 import os
 import time
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from dask_gpupool.config import PoolOptions
-from dask_gpupool.errors import (
-    DataLostError,
-    UnknownPoolError,
-)
 from dask_gpupool.handoff import active
+from dask_gpupool.handoff.exporter import Exported, ExportSide, make_current
 from dask_gpupool.handoff.importer import Importer
 from dask_gpupool.handoff.leases import LeaseTable
 from dask_gpupool.handoff.mappings import MappedPool, MappedPools
@@ -43,7 +38,7 @@ from dask_gpupool.handoff.registry import RegistryView
 from dask_gpupool.handoff.releaser import Releaser
 from dask_gpupool.handoff.routing import Route, route
 from dask_gpupool.handoff.stats import HandoffStats
-from dask_gpupool.memory.buffers import buffer_kind, copy_to_host
+from dask_gpupool.memory.buffers import buffer_kind
 from dask_gpupool.memory.lifetime import keep_until_exit
 from dask_gpupool.memory.pool import Pool, PoolStats
 from dask_gpupool.memory.topology import LocalDevices, current_gpu, host_identity, local_devices
@@ -51,7 +46,6 @@ from dask_gpupool.transport.broker import FdBroker
 from dask_gpupool.transport.link import PeerLink
 from dask_gpupool.transport.staging import STAGING
 from dask_gpupool.transport.stream import CopyServer, Staged, lanes
-from dask_gpupool.wire.broker import HandleReply
 from dask_gpupool.wire.handoff import ArrayMeta, BufferDescriptor, HandoffHeader
 from dask_gpupool.wire.registry import Membership, PoolRecord, RegistryUpdate
 
@@ -143,12 +137,12 @@ class PoolService:
         """
         devices = local_devices() if devices is None else devices
         pool = Pool.create(options, devices)
-        leases = LeaseTable(options.lease_timeout, on_drop=_make_current(pool))
+        leases = LeaseTable(options.lease_timeout, on_drop=make_current(pool))
         registry = RegistryView()
         host, hostname = host_identity(options.host_id)
         try:
             broker = FdBroker(
-                _ExportSide(pool, leases, registry, host), options.broker_dir, options.broker_timeout, pool.uuid
+                ExportSide(pool, leases, registry, host), options.broker_dir, options.broker_timeout, pool.uuid
             )
         except BaseException:
             pool.close()
@@ -276,7 +270,7 @@ class PoolService:
         desc = self.pool.export(buf)
         if self.pool.device is not None:
             current_gpu(self.pool.device).sync()
-        lease = self.leases.grant(_Exported(holder, buf), buf.size, row.worker, desc.segment)
+        lease = self.leases.grant(Exported(holder, buf), buf.size, row.worker, desc.segment)
         self.handoffs.add(exports=1)
         return HandoffHeader(
             "ipc", self.pool.kind, buf.size, exporter=self.record.worker, desc=desc, lease=lease, array=array
@@ -451,7 +445,7 @@ class PoolService:
         self._closed = True
         self.importer.closed = True  # no new mappings or links from here on
         active.remove(self)
-        if isinstance(self.broker.handler, _ExportSide):
+        if isinstance(self.broker.handler, ExportSide):
             self.broker.handler.closing = True
         self.broker.close()
         if self.copier is not None:
@@ -488,106 +482,3 @@ def _copy_server(options: PoolOptions, pool: Pool, leases: LeaseTable, worker_ad
         options.broker_timeout,
         options.copy_chunk_size,
     )
-
-
-def _make_current(pool: Pool) -> Any:
-    def make_current() -> None:
-        if pool.device is not None:
-            current_gpu(pool.device)
-
-    return make_current
-
-
-class _Exported:
-    """What an IPC lease keeps alive: the value handed over (``holder``) and the pool buffer under it."""
-
-    __slots__ = ("buf", "holder")
-
-    def __init__(self, holder: Any, buf: Buffer) -> None:
-        self.holder, self.buf = holder, buf
-
-
-class _ExportSide:
-    """The :class:`~dask_gpupool.transport.broker.BrokerHandler` of a worker: its pool's fd and its leases.
-
-    Runs on the broker's thread. Importers are worker addresses, accepted
-    (:meth:`identify`) only when this worker's copy of the registry has a row
-    for that worker on this host whose pid is the connecting process's.
-    """
-
-    def __init__(self, pool: Pool, leases: LeaseTable, registry: RegistryView, host: str) -> None:
-        self._pool = pool
-        self._leases = leases
-        self._registry = registry
-        self._host = host
-        self.closing = False  # the broker closes every connection: peers did not unmap anything
-
-    def thread_started(self) -> None:
-        _make_current(self._pool)()
-
-    def identify(self, importer: str, pid: int) -> bool:
-        row = self._registry.worker_row(importer)
-        # pid 0: the peer lives in another pid namespace; the token and the registry row must do.
-        return row is not None and row.host == self._host and (pid == 0 or row.pid == pid)
-
-    def pool_handle(self, pool: str) -> tuple[int, HandleReply] | None:
-        if pool != self._pool.uuid or self._pool.closed:
-            return None
-        return self._pool.allocation_handle(), HandleReply(self._pool.uuid, self._pool.kind, self._pool.max_size)
-
-    def segment_handle(self, pool: str, segment: int, importer: str) -> tuple[int, HandleReply]:
-        if pool != self._pool.uuid:
-            raise UnknownPoolError(f"pool {pool} is not served by this broker")
-        fd, size = self._pool.segment_fd(segment)
-        return fd, HandleReply(self._pool.uuid, self._pool.kind, size, segment)
-
-    def claim(self, leases: Iterable[int], importer: str) -> list[int]:
-        segments: list[int] = []
-        refused = self._leases.claim(leases, importer, segments)
-        if segments:
-            self._pool.resource.note_claims(segments, importer)
-        return refused
-
-    def release(self, leases: Iterable[int], importer: str) -> None:
-        self._leases.release(leases, importer)
-
-    def resync(self, leases: set[int], importer: str) -> int:
-        n = self._leases.resync(importer, leases)
-        if n:
-            logger.info("pool %s: %s resynced; ended %d lease(s) it had released", self._pool.uuid, importer, n)
-        return n
-
-    def segments_released(self, segments: tuple[tuple[int, int], ...], importer: str) -> None:
-        segmented = self._pool.segmented
-        if segmented is not None:
-            segmented.note_released(list(segments), importer)
-
-    def importer_exited(self, importer: str) -> None:
-        n = self._leases.release_importer(importer)
-        if n:
-            logger.info("pool %s: importer %s exited; released its %d lease(s)", self._pool.uuid, importer, n)
-        segmented = self._pool.segmented
-        if segmented is not None and not self.closing:
-            segmented.drop_connection(importer)
-
-    def copy_out(self, lease: int, importer: str) -> tuple[int, int]:
-        holder = self._leases.holder_for(lease, importer)
-        if holder is None:
-            raise DataLostError(f"lease {lease} on pool {self._pool.uuid} has ended (or is not {importer}'s)")
-        if isinstance(holder, Staged):  # a stream lease: its span of the buffer
-            buf, offset, n = holder.buf, holder.offset, holder.nbytes
-        else:
-            buf, offset, n = holder.buf, 0, int(holder.buf.size)
-        fd = os.memfd_create("dask-gpupool-copy", os.MFD_CLOEXEC)
-        try:
-            if n:
-                os.ftruncate(fd, n)
-                with mmap.mmap(fd, n) as m:
-                    copy_to_host(buf, offset, n, out=m)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd, n
-
-    def tick(self) -> None:
-        self._leases.overdue()

@@ -13,16 +13,9 @@ handoff from the same segment is pointer arithmetic and a lease.
 
 Placement
 ---------
-- **RMM** (``suballocator="rmm"``, the default when RMM is installed): buffers
-  up to the segment size come from an ``rmm.mr.PoolMemoryResource`` whose
-  upstream is an ``rmm.mr.CallbackMemoryResource`` taking segments from the
-  cuda.core pool. RMM's pool is stream-ordered (a block freed on one stream
-  is reused on another only after an event), coalescing, and never places a
-  block across two upstream allocations, which is what makes "a buffer lies
-  in one segment" hold. The callback refuses sizes over the segment size, and
-  RMM then asks again for half, so segments are between half the segment size
-  and the segment size. Measured on an H200, one free + allocate pair: RMM
-  5.2 µs, the in-tree arena below 12.2 µs (``benchmarks/suballocator.py``).
+- **RMM** (``suballocator="rmm"``, the default when RMM is installed):
+  :mod:`dask_gpupool.memory.rmm_placement`, one RMM pool per generation of
+  segments.
 - **Arena** (``suballocator="arena"``, and whenever RMM cannot be imported,
   as on hosts without CUDA): :class:`~dask_gpupool.memory.arena.Arena`, first fit,
   one per segment, with stream-ordered frees done here (a range freed on the
@@ -36,30 +29,14 @@ Placement
 
 Ownership, lifetime and retirement
 ----------------------------------
-The resource owns its segments. A segment is never freed while a peer may map
-it: reading a peer's memory after its owner freed it breaks the reader's CUDA
-context (``CUDA_ERROR_CONTAINED`` across GPUs). :meth:`SegmentedResource.retire`
-starts the retire protocol:
-
-1. Every segment existing now is marked retiring (ids below
-   :attr:`SegmentedResource.retire_below`); new buffers go to new segments
-   (a new RMM pool, a new *generation*).
-2. The pool service publishes ``retire_below`` in its registry row. A peer
-   that maps a retiring segment unmaps it as soon as no buffer it imported
-   from it is alive, then sends a ``SegmentRelease`` naming the segment and
-   how many leases on it it had claimed in all.
-3. Here a segment counts as mapped by a peer connection while the leases
-   claimed on it by that peer (worker) outnumber those the peer's last
-   release accounted for (a release that crosses a newer claim does not
-   count), and stops being mapped when the peer's process exits.
-4. A retiring segment with no live buffer and no mapping peer is freed; an
-   RMM generation is freed when all its segments are.
-
-:meth:`close` frees what the protocol allows and hands the rest to
-:func:`~dask_gpupool.memory.lifetime.keep_until_exit`. Segments of VMM memory
-(:mod:`dask_gpupool.memory.vmm`, the default) stay readable by a peer that maps
-them even after they are freed here or this process died (the peer holds its
-own reference); pool-memory segments do not across GPUs.
+The resource owns its segments and never frees one a peer may map
+(:mod:`dask_gpupool.memory.retire` describes the retire protocol and keeps its
+ledger). :meth:`SegmentedResource.close` frees what the protocol allows and
+hands the rest to :func:`~dask_gpupool.memory.lifetime.keep_until_exit`.
+Segments of VMM memory (:mod:`dask_gpupool.memory.vmm`, the default) stay
+readable by a peer that maps them even after they are freed here or this
+process died (the peer holds its own reference); pool-memory segments do not
+across GPUs.
 """
 
 from __future__ import annotations
@@ -68,7 +45,7 @@ import bisect
 import logging
 import threading
 from collections.abc import Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from cuda.core import MemoryResource
@@ -76,11 +53,13 @@ from cuda.core import MemoryResource
 from dask_gpupool.errors import PoolClosedError, PoolExhaustedError, UnknownPoolError
 from dask_gpupool.memory.arena import Arena
 from dask_gpupool.memory.lifetime import keep_until_exit
+from dask_gpupool.memory.retire import RetireLedger
+from dask_gpupool.memory.rmm_placement import RMM_ALIGNMENT, Generation, RmmStreams, rmm_available
 
 if TYPE_CHECKING:
     from cuda.core import Buffer
 
-__all__ = ["Segment", "SegmentStats", "SegmentedResource", "rmm_available"]
+__all__ = ["Segment", "SegmentStats", "SegmentedResource"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,17 +67,6 @@ logger = logging.getLogger(__name__)
 SEGMENT_ALIGNMENT = 2 << 20
 #: Alignment of buffers inside a segment (CuPy and cudaMalloc give 256 bytes; 512 keeps vector loads happy).
 BUFFER_ALIGNMENT = 512
-#: RMM's allocation alignment (``rmm::CUDA_ALLOCATION_ALIGNMENT``), for the used-bytes count.
-RMM_ALIGNMENT = 256
-
-
-def rmm_available() -> bool:
-    """Whether ``rmm.mr`` imports here (it needs the CUDA runtime)."""
-    try:
-        import rmm.mr  # noqa: F401
-    except Exception:
-        return False
-    return True
 
 
 @dataclass(eq=False)
@@ -126,10 +94,8 @@ class Segment:
     live : int
         Buffers alive in it.
     retiring : bool
-        Freed once no buffer lives in it and no peer maps it.
-    claims, released : dict
-        Per peer (worker address): leases claimed on buffers in it, and the claim
-        count the peer's last ``SegmentRelease`` accounted for.
+        Freed once no buffer lives in it and no peer maps it (the resource's
+        :class:`~dask_gpupool.memory.retire.RetireLedger` says which peers may).
     free_event : object
         Own segments: the event of its last buffer's free (reuse waits for it).
     """
@@ -144,14 +110,7 @@ class Segment:
     generation: Any = None
     live: int = 0
     retiring: bool = False
-    claims: dict[Hashable, int] = field(default_factory=dict)
-    released: dict[Hashable, int] = field(default_factory=dict)
     free_event: Any = None
-
-    @property
-    def mapped(self) -> bool:
-        """Whether a peer connection may still map this segment."""
-        return any(n != self.released.get(c, 0) for c, n in self.claims.items())
 
 
 @dataclass(frozen=True)
@@ -162,30 +121,6 @@ class SegmentStats:
     used_mem_high: int
     reserved_mem_current: int
     reserved_mem_high: int
-
-
-class _Generation:
-    """One RMM pool and the segments its upstream callback took."""
-
-    def __init__(self, owner: SegmentedResource, initial: int) -> None:
-        import rmm.mr
-
-        self.segments: list[Segment] = []
-        self._owner = owner
-        self.upstream = rmm.mr.CallbackMemoryResource(self._take, self._give)
-        self.pool: Any = rmm.mr.PoolMemoryResource(self.upstream, initial, None)
-
-    def _take(self, nbytes: int, _stream: Any) -> int:
-        # Called by RMM with its lock held: never call back into RMM from here.
-        if nbytes > self._owner.segment_size:
-            raise MemoryError(f"segments are at most {self._owner.segment_size} bytes")  # RMM asks for half
-        seg = self._owner._new_segment(nbytes, generation=self)
-        self.segments.append(seg)
-        return seg.base
-
-    def _give(self, ptr: int, _nbytes: int, _stream: Any) -> None:
-        # Called when the RMM pool is destroyed: only once every segment may be freed, or at close.
-        self._owner._release_segment(ptr)
 
 
 class SegmentedResource(MemoryResource):
@@ -230,8 +165,8 @@ class SegmentedResource(MemoryResource):
     _bases: list[int]
     _by_id: dict[int, Segment]
     _pending: list[tuple[Segment, int, Any]]
-    _generation: _Generation | None
-    _retired_generations: list[_Generation]
+    _generation: Generation | None
+    _retired_generations: list[Generation]
     _used: int
     _used_high: int
     _reserved_high: int
@@ -241,7 +176,8 @@ class SegmentedResource(MemoryResource):
     _home_handle: int | None
     _home_stream: Any
     _dev: Any
-    _rmm_streams: dict[int, Any]
+    _rmm_streams: RmmStreams
+    _ledger: RetireLedger
 
     def __init__(
         self,
@@ -279,7 +215,8 @@ class SegmentedResource(MemoryResource):
         self._lock = threading.RLock()
         self._home_handle = None
         self._home_stream = self._dev = None
-        self._rmm_streams = {}
+        self._rmm_streams = RmmStreams()
+        self._ledger = RetireLedger()
 
     # -- MemoryResource ----------------------------------------------------------------
 
@@ -451,26 +388,18 @@ class SegmentedResource(MemoryResource):
         ``connection`` names the peer: its worker address (the broker's importer).
         """
         with self._lock:
-            for seg_id in segment_ids:
-                seg = self._by_id.get(seg_id)
-                if seg is not None:
-                    seg.claims[connection] = seg.claims.get(connection, 0) + 1
+            self._ledger.claimed((i for i in segment_ids if i in self._by_id), connection)
 
     def note_released(self, releases: list[tuple[int, int]], connection: Hashable) -> None:
         """A peer unmapped segments: ``(segment id, leases it had claimed on it in all)`` pairs."""
         with self._lock:
-            for seg_id, claimed in releases:
-                seg = self._by_id.get(seg_id)
-                if seg is not None and connection in seg.claims:
-                    seg.released[connection] = claimed
+            self._ledger.released(releases, connection)
         self._collect()
 
     def drop_connection(self, connection: Hashable) -> None:
         """A peer is gone (its process exited, or it left the registry): it maps nothing any more."""
         with self._lock:
-            for seg in self._segments:
-                seg.claims.pop(connection, None)
-                seg.released.pop(connection, None)
+            self._ledger.drop_peer(connection)
         self._collect()
 
     @property
@@ -523,15 +452,7 @@ class SegmentedResource(MemoryResource):
         return self._home_stream
 
     def _rmm_stream(self, stream: Any) -> Any:
-        handle = int(stream.handle) if stream is not None else int(self._home().handle)
-        rs = self._rmm_streams.get(handle)
-        if rs is None:
-            from rmm.pylibrmm.stream import Stream
-
-            if len(self._rmm_streams) > 64:
-                self._rmm_streams.clear()
-            rs = self._rmm_streams[handle] = Stream(stream if stream is not None else self._home())
-        return rs
+        return self._rmm_streams.get(stream if stream is not None else self._home())
 
     def _allocate_rmm(self, size: int, stream: Any) -> int:
         gen = self._generation
@@ -551,12 +472,12 @@ class SegmentedResource(MemoryResource):
             self._used_high = max(self._used_high, self._used)
         return ptr
 
-    def _new_generation(self, size: int) -> _Generation:
+    def _new_generation(self, size: int) -> Generation:
         """A new RMM pool whose first segment is the segment size, or less when the upstream is short."""
         initial = self.segment_size
         while True:
             try:
-                return _Generation(self, initial)
+                return Generation(self, initial)
             except MemoryError as e:
                 if initial <= max(SEGMENT_ALIGNMENT, size):
                     raise self._exhausted(size, e) from None
@@ -626,7 +547,11 @@ class SegmentedResource(MemoryResource):
     def _drop_spares(self) -> int:
         """Free own segments that hold no buffer and that no peer maps (a full pool's last resort); how many."""
         with self._lock:  # unregistered here, so that no allocation takes one meanwhile
-            spares = [self._unregister(s) for s in list(self._segments) if s.own and not s.live and not s.mapped]
+            spares = [
+                self._unregister(s)
+                for s in list(self._segments)
+                if s.own and not s.live and not self._ledger.mapped(s.id)
+            ]
         if not spares:
             return 0
         if self._device is not None:
@@ -667,6 +592,7 @@ class SegmentedResource(MemoryResource):
         """Take ``seg`` out of the lookup tables (call with ``_lock`` held); return it."""
         i = bisect.bisect_left(self._bases, seg.base)
         del self._segments[i], self._bases[i], self._by_id[seg.id]
+        self._ledger.forget(seg.id)
         return seg
 
     def _free(self, seg: Segment) -> None:
@@ -692,7 +618,7 @@ class SegmentedResource(MemoryResource):
                 self._reap(wait=True)
 
             def free(s: Segment) -> bool:
-                return s.retiring and (force or (s.live == 0 and not s.mapped))
+                return s.retiring and (force or (s.live == 0 and not self._ledger.mapped(s.id)))
 
             singles = [self._unregister(s) for s in list(self._segments) if s.generation is None and free(s)]
             done = [g for g in self._retired_generations if all(free(s) for s in g.segments)]

@@ -48,7 +48,7 @@ one too large, or no first message within ``timeout`` closes that connection
 (logged once); the broker goes on serving others. See docs/security.md.
 
 Threads: the broker runs its own asyncio loop in a daemon thread, so it
-never blocks the worker's event loop. :func:`request_pool_fd` is blocking
+never blocks the worker's event loop. :func:`~dask_gpupool.transport.link.request_pool_fd` is blocking
 and runs in the caller's thread (a task thread or an executor).
 """
 
@@ -59,13 +59,11 @@ import contextlib
 import hmac
 import logging
 import os
-import select
 import socket
 import struct
 import tempfile
 import threading
-from collections.abc import Callable, Iterable
-from typing import Protocol, cast
+from typing import cast
 
 from dask_gpupool.errors import (
     BrokerRefusedError,
@@ -77,12 +75,13 @@ from dask_gpupool.errors import (
 )
 from dask_gpupool.transport.accept import AcceptBackoff
 from dask_gpupool.transport.broker_dirs import DIR_PREFIX, SOCKET_NAME, remove_stale_broker_dirs
+from dask_gpupool.transport.broker_handler import BrokerHandler, LookupOnly, PoolLookup
+from dask_gpupool.transport.importers import ImporterWatch
 from dask_gpupool.wire.broker import (
     ClaimReply,
     CopyReply,
     CopyRequest,
     ErrorReply,
-    HandleReply,
     HandleRequest,
     Hello,
     LeaseClaim,
@@ -95,102 +94,9 @@ from dask_gpupool.wire.broker import (
 )
 from dask_gpupool.wire.codec import MAX_MESSAGE_BYTES, decode, encode
 
-__all__ = ["BrokerHandler", "FdBroker", "PoolLookup", "request_pool_fd"]
+__all__ = ["BrokerHandler", "FdBroker", "PoolLookup"]
 
 logger = logging.getLogger(__name__)
-
-#: Returns ``(fd, reply)`` for a pool this broker serves, else ``None``. The fd stays owned by the pool.
-PoolLookup = Callable[[str], "tuple[int, HandleReply] | None"]
-
-
-class BrokerHandler(Protocol):
-    """What a broker asks its owner. Every method runs on the broker's thread
-    (``copy_out`` on a helper thread) and must not block for long.
-
-    ``importer`` is the worker address a connection named in its
-    :class:`~dask_gpupool.wire.broker.Hello`, accepted by :meth:`identify`;
-    ``""`` for connections that only fetch pool fds.
-    """
-
-    def thread_started(self) -> None:
-        """Called once on the broker's thread before it serves anything."""
-
-    def identify(self, importer: str, pid: int) -> bool:
-        """Whether process ``pid`` (``SO_PEERCRED``; 0 when not visible here) may act for worker ``importer``."""
-
-    def pool_handle(self, pool: str) -> tuple[int, HandleReply] | None:
-        """``(fd, reply)`` for a pool this broker serves, else ``None``. The fd stays the pool's."""
-
-    def segment_handle(self, pool: str, segment: int, importer: str) -> tuple[int, HandleReply]:
-        """``(fd, reply)`` for VMM segment ``segment`` of ``pool``; the **broker closes the fd** after sending.
-
-        Raises a :class:`~dask_gpupool.GPUPoolError` for an unknown pool or segment.
-        """
-
-    def claim(self, leases: Iterable[int], importer: str) -> list[int]:
-        """``importer`` imported these leased buffers; return the ids refused."""
-
-    def release(self, leases: Iterable[int], importer: str) -> None:
-        """``importer`` closed its imports of these leased buffers."""
-
-    def resync(self, leases: set[int], importer: str) -> int:
-        """``importer`` holds exactly ``leases`` (after a broken link); return how many others ended."""
-
-    def segments_released(self, segments: tuple[tuple[int, int], ...], importer: str) -> None:
-        """``importer`` unmapped these retiring segments ``(id, claims)``."""
-
-    def importer_exited(self, importer: str) -> None:
-        """``importer``'s process is gone: release everything it held."""
-
-    def copy_out(self, lease: int, importer: str) -> tuple[int, int]:
-        """``(memfd, size)`` holding a copy of a leased buffer of ``importer``; the broker closes the memfd.
-
-        Raises a :class:`~dask_gpupool.GPUPoolError` when the lease is gone.
-        """
-
-    def tick(self) -> None:
-        """Called about once a second (logs leases unclaimed for long)."""
-
-
-class _LookupOnly:
-    """A :class:`BrokerHandler` that serves pool fds and nothing else."""
-
-    def __init__(self, lookup: PoolLookup) -> None:
-        self._lookup = lookup
-
-    def thread_started(self) -> None:
-        pass
-
-    def identify(self, importer: str, pid: int) -> bool:
-        return True
-
-    def pool_handle(self, pool: str) -> tuple[int, HandleReply] | None:
-        return self._lookup(pool)
-
-    def segment_handle(self, pool: str, segment: int, importer: str) -> tuple[int, HandleReply]:
-        raise UnknownPoolError(f"pool {pool}: this broker serves pool handles only")
-
-    def claim(self, leases: Iterable[int], importer: str) -> list[int]:
-        return list(leases)
-
-    def release(self, leases: Iterable[int], importer: str) -> None:
-        pass
-
-    def resync(self, leases: set[int], importer: str) -> int:
-        return 0
-
-    def segments_released(self, segments: tuple[tuple[int, int], ...], importer: str) -> None:
-        pass
-
-    def importer_exited(self, importer: str) -> None:
-        pass
-
-    def copy_out(self, lease: int, importer: str) -> tuple[int, int]:
-        raise UnknownPoolError("this broker serves no leases")
-
-    def tick(self) -> None:
-        pass
-
 
 #: Most lease ids one resync may name (an importer's live imports of one exporter).
 _MAX_RESYNC = 1 << 20
@@ -272,7 +178,7 @@ class FdBroker:
     _loop: asyncio.AbstractEventLoop
     _thread: threading.Thread
     _conns: set[socket.socket]
-    _watched: dict[int, tuple[int, str]]
+    _importers: ImporterWatch
     _per_pid: dict[int, int]
     _refusing: set[int]
     _closed: bool
@@ -293,14 +199,14 @@ class FdBroker:
         self.max_per_peer, self.max_connections = max_per_peer, max_connections
         self._per_pid = {}  # open connections by peer pid (broker thread only)
         self._refusing = set()  # pids (-1: everyone) refused since their last close: warned once
-        self._handler = cast(BrokerHandler, handler) if hasattr(handler, "pool_handle") else _LookupOnly(handler)
+        self._handler = cast(BrokerHandler, handler) if hasattr(handler, "pool_handle") else LookupOnly(handler)
         self._timeout = timeout
         self._name = name
         self._backoff = AcceptBackoff(f"pool {name}: broker")
         self._next_connection = 0
         self.served = self.refused = self.copies = 0
         self._conns = set()
-        self._watched = {}
+        self._importers = ImporterWatch(self._handler, name)
         self._closed = False
         parent = directory or tempfile.gettempdir()
         remove_stale_broker_dirs(parent)
@@ -352,10 +258,7 @@ class FdBroker:
             for t in tasks:
                 t.cancel()
             self._loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-            for pidfd, _ in self._watched.values():
-                self._loop.remove_reader(pidfd)
-                os.close(pidfd)
-            self._watched.clear()
+            self._importers.close()
             self._loop.close()
 
     async def _accept(self) -> None:
@@ -464,7 +367,7 @@ class FdBroker:
                         return
                     importer = hello.worker
                     if importer:
-                        self._watch(pid, importer)
+                        self._importers.watch(self._loop, pid, importer)
                     await self._loop.sock_sendall(conn, encode(Welcome()))
                     spoke = True
                     continue
@@ -482,7 +385,7 @@ class FdBroker:
             # A closed connection is not a dead importer (its link may have timed out on us while we
             # were stalled): its leases stay until it releases them, resyncs, or its process exits.
             if importer and pid > 0:
-                self._check_exited(pid)
+                self._importers.check_exited(pid)
 
     def _refusal(self, hello: Hello, pid: int) -> GPUPoolError | None:
         token = self.token
@@ -494,45 +397,10 @@ class FdBroker:
             )
         return None
 
-    # -- importer processes: leases end when they exit ---------------------------
-
-    def _watch(self, pid: int, importer: str) -> None:
-        """Watch ``pid`` (the importer ``importer``) with a pidfd; its exit releases its leases."""
-        if pid <= 0 or pid in self._watched:
-            return
-        try:
-            pidfd = os.pidfd_open(pid)
-        except (AttributeError, OSError) as e:  # no pidfds here, or it is gone already
-            logger.debug("pool %s: cannot watch pid %d: %s", self._name, pid, e)
-            if isinstance(e, ProcessLookupError):
-                self._handler.importer_exited(importer)
-            return
-        self._watched[pid] = (pidfd, importer)
-        self._loop.add_reader(pidfd, self._exited, pid)
-
-    def _exited(self, pid: int) -> None:
-        pidfd, importer = self._watched.pop(pid)
-        self._loop.remove_reader(pidfd)
-        os.close(pidfd)
-        logger.info("pool %s: importer %s (pid %d) exited; releasing what it held", self._name, importer, pid)
-        try:
-            self._handler.importer_exited(importer)
-        except Exception:
-            logger.exception("pool %s: releasing the leases of %s failed", self._name, importer)
-
-    def _check_exited(self, pid: int) -> None:
-        """Right after a connection closed: release at once if its process is gone already."""
-        entry = self._watched.get(pid)
-        if entry is None:
-            return
-        ready, _, _ = select.select([entry[0]], [], [], 0)
-        if ready:
-            self._exited(pid)
-
     @property
     def watched(self) -> int:
         """Importer processes watched (for leak checks)."""
-        return len(self._watched)
+        return len(self._importers)
 
     @property
     def handler(self) -> BrokerHandler:
@@ -631,35 +499,3 @@ class FdBroker:
         with contextlib.suppress(FileNotFoundError):
             os.rmdir(self._dir)
         logger.debug("pool %s: broker closed", self._name)
-
-
-def request_pool_fd(address: str, pool: str, timeout: float, token: bytes) -> tuple[HandleReply, int]:
-    """Ask the broker at ``address`` for pool ``pool``'s fd over a one-shot connection. Blocking.
-
-    Workers keep a :class:`~dask_gpupool.transport.link.PeerLink` per exporter instead;
-    this is the same exchange for callers that need only the fd.
-
-    Returns
-    -------
-    (HandleReply, int)
-        The broker's reply and the received fd. **The caller owns the fd and
-        must close it.**
-
-    Raises
-    ------
-    PeerLostError
-        If the broker cannot be reached or hangs up.
-    NotAMemberError
-        If ``token`` is not the cluster's.
-    UnknownPoolError
-        If the broker does not serve that pool.
-    ProtocolError
-        If the answer breaks the protocol.
-    """
-    from dask_gpupool.transport.link import PeerLink
-
-    link = PeerLink(address, timeout, token)
-    try:
-        return link.request_pool_fd(pool)
-    finally:
-        link.close()

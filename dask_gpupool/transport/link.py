@@ -38,7 +38,7 @@ from dask_gpupool.wire.broker import (
 )
 from dask_gpupool.wire.codec import MAX_MESSAGE_BYTES, decode, encode
 
-__all__ = ["LinkFactory", "PeerLink"]
+__all__ = ["LinkFactory", "PeerLink", "request_pool_fd"]
 
 Message = Union[HandleRequest, CopyRequest, LeaseClaim, LeaseRelease, SegmentRelease, Resync]  # noqa: UP007
 
@@ -306,3 +306,33 @@ class PeerLink:
 #: Returns the live link to an exporter's broker (opening and resyncing one if needed), or
 #: ``None`` when that exporter left the cluster. Raises :class:`PeerLostError` when it cannot be reached.
 LinkFactory = Callable[[str], "PeerLink | None"]
+
+
+def request_pool_fd(address: str, pool: str, timeout: float, token: bytes) -> tuple[HandleReply, int]:
+    """Ask the broker at ``address`` for pool ``pool``'s fd over a one-shot connection. Blocking.
+
+    Workers keep a :class:`PeerLink` per exporter instead;
+    this is the same exchange for callers that need only the fd.
+
+    Returns
+    -------
+    (HandleReply, int)
+        The broker's reply and the received fd. **The caller owns the fd and
+        must close it.**
+
+    Raises
+    ------
+    PeerLostError
+        If the broker cannot be reached or hangs up.
+    NotAMemberError
+        If ``token`` is not the cluster's.
+    UnknownPoolError
+        If the broker does not serve that pool.
+    ProtocolError
+        If the answer breaks the protocol.
+    """
+    link = PeerLink(address, timeout, token)
+    try:
+        return link.request_pool_fd(pool)
+    finally:
+        link.close()

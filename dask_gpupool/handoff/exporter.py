@@ -1,0 +1,143 @@
+"""The exporter's side of the broker: what a worker answers the importers of its pool.
+
+:class:`ExportSide` is the worker's
+:class:`~dask_gpupool.transport.broker_handler.BrokerHandler`: it hands out its
+pool's fd and VMM segment fds, records claims and releases on the leases the
+:class:`~dask_gpupool.handoff.service.PoolService` granted
+(:class:`~dask_gpupool.handoff.leases.LeaseTable`), keeps the retire ledger of
+segments told (:meth:`~dask_gpupool.memory.segments.SegmentedResource.note_claims`),
+and makes host copies of leased buffers into memfds for importers that could
+not map them. :class:`Exported` is what an IPC lease keeps alive.
+
+Threads: every method runs on the broker's thread, ``copy_out`` on a helper
+thread of the broker's loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+from dask_gpupool.errors import DataLostError, UnknownPoolError
+from dask_gpupool.handoff.leases import LeaseTable
+from dask_gpupool.handoff.registry import RegistryView
+from dask_gpupool.memory.buffers import copy_to_host
+from dask_gpupool.memory.pool import Pool
+from dask_gpupool.memory.topology import current_gpu
+from dask_gpupool.transport.stream import Staged
+from dask_gpupool.wire.broker import HandleReply
+
+if TYPE_CHECKING:
+    from cuda.core import Buffer
+
+__all__ = ["ExportSide", "Exported", "make_current"]
+
+logger = logging.getLogger(__name__)
+
+
+def make_current(pool: Pool) -> Callable[[], None]:
+    """A function that makes ``pool``'s GPU current in the calling thread (nothing for host pools)."""
+
+    def make_current() -> None:
+        if pool.device is not None:
+            current_gpu(pool.device)
+
+    return make_current
+
+
+class Exported:
+    """What an IPC lease keeps alive: the value handed over (``holder``) and the pool buffer under it."""
+
+    __slots__ = ("buf", "holder")
+
+    def __init__(self, holder: Any, buf: Buffer) -> None:
+        self.holder, self.buf = holder, buf
+
+
+class ExportSide:
+    """The :class:`~dask_gpupool.transport.broker_handler.BrokerHandler` of a worker: its pool's fd and its leases.
+
+    Runs on the broker's thread. Importers are worker addresses, accepted
+    (:meth:`identify`) only when this worker's copy of the registry has a row
+    for that worker on this host whose pid is the connecting process's.
+    """
+
+    def __init__(self, pool: Pool, leases: LeaseTable, registry: RegistryView, host: str) -> None:
+        self._pool = pool
+        self._leases = leases
+        self._registry = registry
+        self._host = host
+        self.closing = False  # the broker closes every connection: peers did not unmap anything
+
+    def thread_started(self) -> None:
+        make_current(self._pool)()
+
+    def identify(self, importer: str, pid: int) -> bool:
+        row = self._registry.worker_row(importer)
+        # pid 0: the peer lives in another pid namespace; the token and the registry row must do.
+        return row is not None and row.host == self._host and (pid == 0 or row.pid == pid)
+
+    def pool_handle(self, pool: str) -> tuple[int, HandleReply] | None:
+        if pool != self._pool.uuid or self._pool.closed:
+            return None
+        return self._pool.allocation_handle(), HandleReply(self._pool.uuid, self._pool.kind, self._pool.max_size)
+
+    def segment_handle(self, pool: str, segment: int, importer: str) -> tuple[int, HandleReply]:
+        if pool != self._pool.uuid:
+            raise UnknownPoolError(f"pool {pool} is not served by this broker")
+        fd, size = self._pool.segment_fd(segment)
+        return fd, HandleReply(self._pool.uuid, self._pool.kind, size, segment)
+
+    def claim(self, leases: Iterable[int], importer: str) -> list[int]:
+        segments: list[int] = []
+        refused = self._leases.claim(leases, importer, segments)
+        if segments:
+            self._pool.resource.note_claims(segments, importer)
+        return refused
+
+    def release(self, leases: Iterable[int], importer: str) -> None:
+        self._leases.release(leases, importer)
+
+    def resync(self, leases: set[int], importer: str) -> int:
+        n = self._leases.resync(importer, leases)
+        if n:
+            logger.info("pool %s: %s resynced; ended %d lease(s) it had released", self._pool.uuid, importer, n)
+        return n
+
+    def segments_released(self, segments: tuple[tuple[int, int], ...], importer: str) -> None:
+        segmented = self._pool.segmented
+        if segmented is not None:
+            segmented.note_released(list(segments), importer)
+
+    def importer_exited(self, importer: str) -> None:
+        n = self._leases.release_importer(importer)
+        if n:
+            logger.info("pool %s: importer %s exited; released its %d lease(s)", self._pool.uuid, importer, n)
+        segmented = self._pool.segmented
+        if segmented is not None and not self.closing:
+            segmented.drop_connection(importer)
+
+    def copy_out(self, lease: int, importer: str) -> tuple[int, int]:
+        holder = self._leases.holder_for(lease, importer)
+        if holder is None:
+            raise DataLostError(f"lease {lease} on pool {self._pool.uuid} has ended (or is not {importer}'s)")
+        if isinstance(holder, Staged):  # a stream lease: its span of the buffer
+            buf, offset, n = holder.buf, holder.offset, holder.nbytes
+        else:
+            buf, offset, n = holder.buf, 0, int(holder.buf.size)
+        fd = os.memfd_create("dask-gpupool-copy", os.MFD_CLOEXEC)
+        try:
+            if n:
+                os.ftruncate(fd, n)
+                with mmap.mmap(fd, n) as m:
+                    copy_to_host(buf, offset, n, out=m)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, n
+
+    def tick(self) -> None:
+        self._leases.overdue()

@@ -1,0 +1,190 @@
+"""``client.run`` targets that look into a worker: its fds, leases, mappings, counters and event loop."""
+
+from __future__ import annotations
+
+import collections
+import os
+from typing import TYPE_CHECKING, Any
+
+from dask_gpupool.dask.worker_plugin import service_of
+from dask_gpupool.testing.memory import held_count
+
+if TYPE_CHECKING:
+    from distributed import Worker
+
+
+def open_fds() -> list[str]:
+    """What every fd of this process points at."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    return sorted(out)
+
+
+def _fd_kind(target: str) -> str:
+    """An fd's target without what differs between instances: ``socket:[123]`` -> ``socket``."""
+    if target.startswith(("socket:", "pipe:")):
+        return target.split(":", 1)[0]
+    if target.startswith("/memfd:dask-gpupool"):
+        return "/memfd:dask-gpupool"
+    return target
+
+
+def resources(dask_worker: Worker) -> dict[str, Any]:
+    """client.run target: what this worker holds, to check that nothing leaked."""
+    import gc
+
+    service = service_of(dask_worker)
+    gc.collect()
+    service.releaser.flush()
+    kinds = collections.Counter(_fd_kind(f) for f in open_fds())
+    return {
+        "fds": sum(kinds.values()),
+        "fd_kinds": dict(kinds),
+        "sockets": kinds["socket"],
+        "memfds": kinds["/memfd:dask-gpupool"],
+        "broker_connections": service.broker.connections,
+        "mapped_pools": len(service.mapped),
+        "used": service.stats().used,
+        "held": held_count(),
+        "leases": len(service.leases),
+        "importsmemory._held": service.releaser.live(),
+        "pulls": 0 if service.copier is None else service.copier.transfers,
+    }
+
+
+def deserialize_headers(headers: list[dict[str, Any]], dask_worker: Worker) -> list[dict[str, Any]]:
+    """client.run target (fuzzing): feed handoff headers to this worker's Buffer deserializer.
+
+    Per header: the error it raised (``None`` if it gave a Buffer, which is
+    closed at once), whether that error is one of ours, and which pools it
+    newly mapped. Mappings made here are closed again at the end.
+    """
+    from cuda.core import Buffer
+    from distributed.protocol import dask_deserialize
+
+    from dask_gpupool.dask.serializers import KEY
+    from dask_gpupool.errors import GPUPoolError
+
+    service = service_of(dask_worker)
+    loads = dask_deserialize.dispatch(Buffer)
+    out = []
+    mapped_here: set[str] = set()
+    for header in headers:
+        before = {r.pool for r in service.registry.records() if r.pool in service.mapped}
+        error, typed = None, False
+        try:
+            loads({KEY: header}, [])
+        except GPUPoolError as e:
+            error, typed = f"{type(e).__name__}: {e}", True
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+        after = {r.pool for r in service.registry.records() if r.pool in service.mapped}
+        mapped_here |= after - before
+        out.append({"error": error, "typed": typed, "mapped_new": sorted(after - before)})
+    import gc
+
+    gc.collect()
+    service.releaser.flush()
+    for pool in mapped_here:
+        mapped = service.mapped.get(pool)
+        if mapped is not None and mapped.imports == 0:
+            service.mapped.unmap(pool)
+    return out
+
+
+def grant_unclaimed_lease(key: str, importer: str, dask_worker: Worker) -> int:
+    """client.run target: grant ``importer`` a lease on this worker's value of ``key``, as an export would."""
+    from dask_gpupool.handoff.exporter import Exported
+
+    buf: Any = dask_worker.data[key]
+    return service_of(dask_worker).leases.grant(Exported(buf, buf), int(buf.size), importer)
+
+
+def last_transfer(dask_worker: Worker, key: str) -> float | None:
+    """client.run target (benchmarks): duration of this worker's latest incoming transfer that carried ``key``."""
+    for entry in reversed(dask_worker.transfer_incoming_log):
+        if key in entry.get("keys", {}):
+            return float(entry["duration"])
+    return None
+
+
+def has_cluster_token(dask_worker: Worker) -> bool:
+    """client.run target: whether this worker got the cluster's membership token (not the token itself)."""
+    return service_of(dask_worker).token is not None
+
+
+def mapped_segments(dask_worker: Worker) -> int:
+    """client.run target: segments of peers' pools this worker keeps mapped."""
+    service = service_of(dask_worker)
+    total = 0
+    for r in service.registry.records():
+        mapped = service.mapped.get(r.pool)
+        total += mapped.segments if mapped is not None else 0
+    return total
+
+
+def known_pools(dask_worker: Worker) -> list[str]:
+    """client.run target: the pools in this worker's copy of the registry."""
+    return sorted(r.pool for r in service_of(dask_worker).registry.records())
+
+
+def handoff_counters(dask_worker: Worker) -> dict[str, Any]:
+    """client.run target: handoff counters plus pool bytes."""
+    service = service_of(dask_worker)
+    import gc
+
+    gc.collect()
+    service.releaser.flush()
+    return {**service.handoff_stats(), "used": service.stats().used}
+
+
+def serialized_inline(keys: list[str], who: str, dask_worker: Worker) -> bool:
+    """client.run target: whether a ``get_data`` for ``keys`` from ``who`` skips Dask's offload thread."""
+    from dask_gpupool.dask.worker_internals import _inline_reply
+
+    return _inline_reply(dask_worker, service_of(dask_worker), keys, who, "tcp")
+
+
+def lease_counts(dask_worker: Worker) -> dict[str, int]:
+    """client.run target: live, unclaimed and held-import counts of this worker's leases."""
+    service = service_of(dask_worker)
+    import gc
+
+    gc.collect()
+    service.releaser.flush()
+    return {
+        "leases": len(service.leases),
+        "unclaimed": service.leases.unclaimed,
+        "held": service.releaser.live(),
+        "resyncs": service.releaser.resyncs,
+    }
+
+
+async def start_loop_ticks(dask_worker: Worker, interval: float = 0.01) -> None:
+    """client.run target: tick on this worker's event loop every ``interval`` s, noting the longest gap."""
+    import asyncio
+    import time
+
+    gaps = {"longest": 0.0, "ticks": 0}
+
+    async def tick() -> None:
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            gaps["longest"] = max(gaps["longest"], now - last)
+            gaps["ticks"] += 1
+            last = now
+
+    dask_worker._gpupool_test_ticks = gaps  # type: ignore[attr-defined]
+    dask_worker._gpupool_test_ticker = asyncio.ensure_future(tick())  # type: ignore[attr-defined]
+
+
+async def stop_loop_ticks(dask_worker: Worker) -> dict[str, float]:
+    """client.run target: stop :func:`start_loop_ticks`; the longest gap between ticks (s) and their count."""
+    dask_worker._gpupool_test_ticker.cancel()  # type: ignore[attr-defined]
+    return dict(dask_worker._gpupool_test_ticks)  # type: ignore[attr-defined]

@@ -1,0 +1,170 @@
+"""Tasks whose inputs and outputs travel through Dask: pool buffers and arrays, made, read and checked."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING, Any
+
+from dask_gpupool.dask.api import current_service
+from dask_gpupool.testing.memory import read_bytes, write_bytes
+
+if TYPE_CHECKING:
+    from cuda.core import Buffer
+
+
+def make_buffer(nbytes: int, data: bytes) -> Buffer:
+    """Task: a Buffer from this worker's pool holding ``data`` at its start (the task's result)."""
+    buf = current_service().allocate(nbytes)
+    write_bytes(buf, data)
+    return buf
+
+
+def serializer_families(n: int) -> dict[str, str]:
+    """Task: which serializer family distributed picks, with a UCX comm's list, for a pool array and a pool Buffer.
+
+    ``"cuda"`` means device frames (UCX moves them GPU to GPU); ``"dask"`` means our serializer, a host copy
+    outside a same-host TCP handoff (issue 16).
+    """
+    from distributed.protocol import serialize
+
+    ucx = ("cuda", "dask", "pickle", "error")
+    arr = make_array(n)
+    buf = current_service().allocate(n)
+    try:
+        return {
+            "pool array": serialize(arr, serializers=ucx)[0]["serializer"],
+            "pool buffer": serialize(buf, serializers=ucx)[0]["serializer"],
+        }
+    finally:
+        buf.close()
+
+
+def make_array(n: int, like: str | None = None) -> Any:
+    """Task: ``arange(n)`` as float64 in an array view over a pool buffer."""
+    import numpy as np
+
+    from dask_gpupool import as_array
+
+    buf = current_service().allocate(n * 8)
+    arr = as_array(buf, (n,), "f8", like=like)
+    if type(arr).__module__.startswith("cupy"):
+        import cupy
+
+        arr[...] = cupy.arange(n, dtype="f8")
+        cupy.cuda.runtime.deviceSynchronize()
+    else:
+        arr[...] = np.arange(n, dtype="f8")
+    return arr
+
+
+def plain_cupy(n: int) -> Any:
+    """Task: ``cupy.arange(n)`` as float64, made by plain CuPy (pool memory only if CuPy is routed there)."""
+    import cupy
+
+    arr = cupy.arange(n, dtype="f8")
+    cupy.cuda.runtime.deviceSynchronize()
+    return arr
+
+
+def every_other(x: Any) -> Any:
+    """Task: ``x[::2]``, a strided view of the same memory."""
+    return x[::2]
+
+
+def keep(x: Any) -> Any:
+    """Task: return the input itself (the consumer then holds the handed-over value)."""
+    return x
+
+
+def describe(x: Any) -> dict[str, Any]:
+    """Task: how a value arrived here: imported from a peer (zero-copy) or not, and where it points."""
+    from dask_gpupool.handoff.imported import ImportedMemoryResource
+
+    if hasattr(x, "memory_resource"):
+        buf = x
+    else:  # an array view over a Buffer
+        buf = _buffer_of(x)
+    return {
+        "type": f"{type(x).__module__}.{type(x).__name__}",
+        "imported": isinstance(getattr(buf, "memory_resource", None), ImportedMemoryResource),
+        "in_own_pool": buf is not None and current_service().pool.owns(buf),
+    }
+
+
+def _buffer_of(arr: Any) -> Any:
+    from dask_gpupool.dask.views import VIEWS
+
+    if type(arr).__module__.startswith("cupy"):
+        ptr = int(arr.data.ptr)
+    else:
+        ptr = int(arr.__array_interface__["data"][0])
+    return VIEWS.find(ptr, ptr + max(arr.nbytes, 1))
+
+
+def head(x: Any, nbytes: int) -> bytes:
+    """Task: the first ``nbytes`` of a Buffer, or of an array's data."""
+    if hasattr(x, "memory_resource"):
+        return read_bytes(x, nbytes)
+    if type(x).__module__.startswith("cupy"):
+        return bytes(x.get().tobytes()[:nbytes])
+    return bytes(x.tobytes()[:nbytes])
+
+
+def total(x: Any) -> float:
+    """Task: the sum of an array (read where it lives)."""
+    return float(x.sum())
+
+
+def overwrite(buf: Buffer, data: bytes) -> None:
+    """Task: write ``data`` at the start of ``buf`` (the producer's own copy of the key)."""
+    write_bytes(buf, data)
+
+
+def scribble(nbytes: int, data: bytes) -> None:
+    """Task: allocate ``nbytes`` from this pool, fill its start with ``data``, free it."""
+    buf = current_service().allocate(nbytes)
+    write_bytes(buf, data)
+    buf.close()
+
+
+def fill(nbytes: int, value: int) -> Buffer:
+    """Task: a pool Buffer of ``nbytes`` with every byte set to ``value`` (GPU memset or memset)."""
+    buf = current_service().allocate(nbytes)
+    set_all(buf, value)
+    return buf
+
+
+def set_all(buf: Buffer, value: int) -> None:
+    if buf.is_host_accessible:
+        ctypes.memset(int(buf.handle), value, buf.size)
+        return
+    from cuda.bindings import driver
+    from cuda.core import Device
+
+    Device(buf.device_id).set_current()
+    (err,) = driver.cuMemsetD8(int(buf.handle), value, buf.size)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuMemsetD8 failed: {err!r}")
+
+
+def scribble_all(nbytes: int, value: int) -> None:
+    """Task: allocate ``nbytes`` from this pool, set every byte to ``value``, free it."""
+    buf = current_service().allocate(nbytes)
+    set_all(buf, value)
+    buf.close()
+
+
+def all_equal(x: Any, value: int) -> bool:
+    """Task: whether every byte of a Buffer is ``value``, read where it lives (GPU or CPU)."""
+    import numpy as np
+
+    from dask_gpupool import as_array
+
+    if x.is_device_accessible:
+        import cupy
+
+        arr = as_array(x, (x.size,), "u1", like="cupy")
+        ok = bool((arr == value).all())
+        cupy.cuda.runtime.deviceSynchronize()
+        return ok
+    return bool((np.frombuffer(read_bytes(x), dtype="u1") == value).all())

@@ -1,0 +1,92 @@
+"""The importer processes a broker watches: their exit, not a closed connection, ends their leases.
+
+A connection closing ends nothing (an importer whose link broke reopens it and
+resyncs). The broker watches each importer's process with a pidfd
+(``os.pidfd_open``) on its own event loop and tells its
+:class:`~dask_gpupool.transport.broker_handler.BrokerHandler` when that process
+exits (:meth:`~dask_gpupool.transport.broker_handler.BrokerHandler.importer_exited`).
+
+Ownership: :class:`ImporterWatch` owns the pidfds and closes each when its
+process exits or in :meth:`ImporterWatch.close`. Broker thread only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import select
+
+from dask_gpupool.transport.broker_handler import BrokerHandler
+
+__all__ = ["ImporterWatch"]
+
+logger = logging.getLogger(__name__)
+
+
+class ImporterWatch:
+    """Pidfds of importer processes, by pid; their exit calls ``handler.importer_exited``.
+
+    Parameters
+    ----------
+    handler : BrokerHandler
+        Told when a watched importer's process exits.
+    name : str
+        The pool, for logs.
+    """
+
+    def __init__(self, handler: BrokerHandler, name: str) -> None:
+        self._handler = handler
+        self._name = name
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._watched: dict[int, tuple[int, str]] = {}
+
+    def watch(self, loop: asyncio.AbstractEventLoop, pid: int, importer: str) -> None:
+        """Watch ``pid`` (the importer ``importer``) on ``loop``; its exit releases its leases.
+
+        A pid already gone releases at once; one that cannot be watched (no
+        pidfds here) is logged and left to the lease timeouts.
+        """
+        if pid <= 0 or pid in self._watched:
+            return
+        try:
+            pidfd = os.pidfd_open(pid)
+        except (AttributeError, OSError) as e:  # no pidfds here, or it is gone already
+            logger.debug("pool %s: cannot watch pid %d: %s", self._name, pid, e)
+            if isinstance(e, ProcessLookupError):
+                self._handler.importer_exited(importer)
+            return
+        self._loop = loop
+        self._watched[pid] = (pidfd, importer)
+        loop.add_reader(pidfd, self._exited, pid)
+
+    def check_exited(self, pid: int) -> None:
+        """Right after a connection closed: release at once if its process is gone already."""
+        entry = self._watched.get(pid)
+        if entry is None:
+            return
+        ready, _, _ = select.select([entry[0]], [], [], 0)
+        if ready:
+            self._exited(pid)
+
+    def _exited(self, pid: int) -> None:
+        pidfd, importer = self._watched.pop(pid)
+        if self._loop is not None:
+            self._loop.remove_reader(pidfd)
+        os.close(pidfd)
+        logger.info("pool %s: importer %s (pid %d) exited; releasing what it held", self._name, importer, pid)
+        try:
+            self._handler.importer_exited(importer)
+        except Exception:
+            logger.exception("pool %s: releasing the leases of %s failed", self._name, importer)
+
+    def __len__(self) -> int:
+        return len(self._watched)
+
+    def close(self) -> None:
+        """Stop watching; close every pidfd (the broker is closing)."""
+        for pidfd, _ in self._watched.values():
+            if self._loop is not None:
+                self._loop.remove_reader(pidfd)
+            os.close(pidfd)
+        self._watched.clear()
