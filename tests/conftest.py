@@ -2,11 +2,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+import signal
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
+from dask_gpupool import GPUPool
+from dask_gpupool import testing as T
 from dask_gpupool.memory.topology import local_devices
 
 
@@ -157,3 +161,154 @@ def stop_processes(procs: list[Any]) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait(30)
+
+
+# -- cluster helpers shared by the multi-process tests ------------------------------------
+
+#: A small host pool: the plugin most CPU tests register.
+HOST_POOL = GPUPool(kind="host", max_size="64 MiB")
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 60.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def counters(client: Any, *workers: str) -> dict[str, dict[str, Any]]:
+    return client.run(T.handoff_counters, workers=list(workers) or None)
+
+
+def warm_up(client: Any, a: str, b: str) -> dict[str, Any]:
+    """One handoff each way (opens links and mappings that then stay); returns the resource baseline."""
+    keys = []
+    for src, dst in ((a, b), (b, a)):
+        x = client.submit(T.make_buffer, 4096, b"w", workers=[src], pure=False)
+        client.submit(T.head, x, 1, workers=[dst], pure=False).result()
+        keys.append(x.key)
+        del x
+    wait_for(lambda: all(c["leases"] == 0 for c in counters(client).values()), what="warm-up leases to end")
+
+    def held(dask_worker: Any) -> list[str]:
+        return [k for k in keys if k in dask_worker.data]
+
+    # Dask forgets the released keys asynchronously: a baseline taken before would count their buffers
+    wait_for(lambda: not any(client.run(held).values()), what="the warm-up values to be forgotten")
+    return client.run(T.resources)
+
+
+def back_to(client: Any, baseline: dict[str, Any], timeout: float = 60.0, workers: list[str] | None = None) -> None:
+    """Wait until the workers' resources equal ``baseline``; on timeout, fail naming what differs.
+
+    ``baseline`` maps worker address to :func:`~dask_gpupool.testing.resources`; with ``workers``
+    only those are compared (for example the survivors of a kill).
+    """
+    deadline = time.monotonic() + timeout
+    now = client.run(T.resources, workers=workers)
+    while now != baseline and time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = client.run(T.resources, workers=workers)
+    diff = {
+        w: {k: (now.get(w, {}).get(k), v) for k, v in base.items() if now.get(w, {}).get(k) != v}
+        for w, base in baseline.items()
+    }
+    assert now == baseline, f"not back to the baseline, (now, baseline) by worker: {diff}"
+
+
+def kill_consumer_holding_leases(c: Any, a: str, b: str, xs: list[Any]) -> None:
+    """B keeps every key of ``xs`` (A's results, so B imports them), is SIGKILLed, and A releases all the leases."""
+    ys = [c.submit(T.keep, x, workers=[b], pure=False) for x in xs]
+    c.gather(ys)
+    assert counters(c, a)[a]["leases"] == len(xs)
+    os.kill(pid_of(c, b), signal.SIGKILL)
+    wait_for(lambda: counters(c, a)[a]["leases"] == 0, what=f"A to release the dead consumer's {len(xs)} leases")
+
+
+def stress(c, rounds: int, nbytes: int) -> int:
+    """Producers drop their keys while consumers still read; freed memory is scribbled over at once.
+
+    ``rounds`` rounds of 8 handoffs, each one zero-copy (checked: a copy would prove nothing). A
+    use-after-free shows as wrong bytes, or (across GPUs) as CUDA_ERROR_CONTAINED killing the consumer.
+    """
+    a, b = worker_addresses(c)
+    baseline = warm_up(c, a, b)
+    before = counters(c, b)[b]["zero_copy_bytes"]
+    for r in range(rounds):
+        values = [(r * 8 + i) % 250 + 1 for i in range(8)]
+        xs = [c.submit(T.fill, nbytes, v, workers=[a], pure=False) for v in values]
+        ys = [c.submit(T.keep, x, workers=[b], pure=False) for x in xs]
+        c.gather([c.submit(T.head, y, 1, workers=[b], pure=False) for y in ys])
+        for x in xs:
+            x.release()
+        scribbles = [c.submit(T.scribble_all, nbytes, 0, workers=[a], pure=False) for _ in values]
+        checks = [c.submit(T.all_equal, y, v, workers=[b], pure=False) for y, v in zip(ys, values, strict=True)]
+        assert all(c.gather(checks)), f"round {r}: a consumer read memory its producer reused"
+        c.gather(scribbles)
+        del xs, ys, checks, scribbles
+    assert counters(c, b)[b]["zero_copy_bytes"] - before == rounds * 8 * nbytes  # every handoff mapped
+    back_to(c, baseline)
+    return rounds
+
+
+# -- the stalled-process cases of the lease tests, on any pool kind (tests/handoff/test_leases.py, tests/test_gpu.py)
+
+
+def stalled_consumer(c: Any, nbytes: int, stop: float = 3.0) -> None:
+    """Case 1 on any pool kind: the cluster's ``lease-timeout`` should be well under ``stop`` seconds."""
+    a, b = worker_addresses(c)
+    baseline = warm_up(c, a, b)
+    x = c.submit(T.make_buffer, nbytes, b"original", workers=[a], pure=False)
+    x.result()
+    c.run(T.block_imports, stop + 2, workers=[b])  # B's import waits, then claims: stop + 2 s after this
+    y = c.submit(T.keep, x, workers=[b], pure=False)
+    wait_for(lambda: c.run(T.lease_counts, workers=[a])[a]["unclaimed"] == 1, what="A to grant B a lease")
+    pid_b = pid_of(c, b)
+    os.kill(pid_b, signal.SIGSTOP)
+    try:
+        time.sleep(stop)
+    finally:
+        os.kill(pid_b, signal.SIGCONT)
+    y.result(timeout=60)
+    assert c.submit(T.describe, y, workers=[b], pure=False).result()["imported"]
+    # A drops its key and reuses every byte of its pool it can
+    del x
+    wait_for(lambda: c.run(T.lease_counts, workers=[a])[a]["leases"] == 1, what="A's key to go")
+    for _ in range(8):
+        c.submit(T.scribble_all, nbytes, ord("S"), workers=[a], pure=False).result()
+    assert c.submit(T.head, y, 8, workers=[b], pure=False).result() == b"original"
+    del y
+    back_to(c, baseline)
+
+
+def stalled_producer(c: Any, nbytes: int, stop: float = 3.0) -> None:
+    """Case 2 on any pool kind: the cluster's ``broker-timeout`` should be well under ``stop`` seconds."""
+    a, b = worker_addresses(c)
+    baseline = warm_up(c, a, b)
+    z = c.submit(T.make_buffer, nbytes, b"keep me!", workers=[a], pure=False)
+    kept = c.submit(T.keep, z, workers=[b], pure=False)
+    xs = [c.submit(T.make_buffer, 4096, b"x", workers=[a], pure=False) for _ in range(300)]
+    ys = [c.submit(T.keep, x, workers=[b], pure=False) for x in xs]
+    c.gather(ys)
+    kept.result()
+    assert c.run(T.lease_counts, workers=[a])[a]["leases"] == 301
+    pid_a = pid_of(c, a)
+    os.kill(pid_a, signal.SIGSTOP)
+    try:
+        for x, y in zip(xs, ys, strict=True):  # one release message each, until A's socket buffer is full
+            x.release()  # B's replica of x is the same import as y
+            y.release()
+            time.sleep(0.01)
+        del xs, ys
+        time.sleep(stop)  # B's send times out and its link closes
+    finally:
+        os.kill(pid_a, signal.SIGCONT)
+    wait_for(lambda: c.run(T.lease_counts, workers=[a])[a]["leases"] == 1, what="A to end the released leases")
+    assert c.run(T.lease_counts, workers=[b])[b]["resyncs"] >= 1
+    del z
+    for _ in range(64):
+        c.submit(T.scribble_all, max(nbytes, 4 << 20), ord("S"), workers=[a], pure=False).result()
+    assert c.submit(T.head, kept, 8, workers=[b], pure=False).result() == b"keep me!"
+    del kept
+    back_to(c, baseline)

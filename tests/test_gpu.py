@@ -6,8 +6,18 @@ import os
 import signal
 
 import pytest
-from conftest import handoff_round_trip, nanny_cluster, pid_of, worker_addresses
-from test_handoff import back_to, counters, kill_consumer_holding_leases, stress, wait_for, warm_up
+from conftest import (
+    back_to,
+    counters,
+    handoff_round_trip,
+    kill_consumer_holding_leases,
+    nanny_cluster,
+    pid_of,
+    stress,
+    wait_for,
+    warm_up,
+    worker_addresses,
+)
 
 import dask_gpupool
 from dask_gpupool import GPUPool
@@ -495,7 +505,7 @@ def layout_workers(layout: str) -> list[dict]:
 
 @pytest.mark.parametrize("layout", ["one-gpu", "two-gpus"])
 def test_a_stalled_consumer_reads_the_original_device_bytes(layout):
-    from test_leases import stalled_consumer
+    from conftest import stalled_consumer
 
     plugin = GPUPool(kind="device", max_size="1 GiB", lease_timeout="1s")
     with nanny_cluster(layout_workers(layout), plugin) as c:
@@ -505,7 +515,7 @@ def test_a_stalled_consumer_reads_the_original_device_bytes(layout):
 
 @pytest.mark.parametrize("layout", ["one-gpu", "two-gpus"])
 def test_a_stalled_producer_keeps_the_device_leases_its_consumer_holds(layout):
-    from test_leases import stalled_producer
+    from conftest import stalled_producer
 
     plugin = GPUPool(kind="device", max_size="1 GiB", broker_timeout="1s")
     with nanny_cluster(layout_workers(layout), plugin) as c:

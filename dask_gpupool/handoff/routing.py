@@ -7,7 +7,7 @@ over (the requester's row, no reason), an expected copy (another host, a
 client: no row, no reason), or a copy a same-host peer could have been
 spared (a reason from :data:`~dask_gpupool.handoff.stats.FALLBACK_REASONS`,
 which :meth:`~dask_gpupool.handoff.service.PoolService.plan` counts and warns
-about once). ``tests/test_routing.py`` pins the decisions, one row each.
+about once). ``tests/handoff/test_routing.py`` pins the decisions, one row each.
 """
 
 from __future__ import annotations

@@ -41,11 +41,9 @@ across GPUs.
 
 from __future__ import annotations
 
-import bisect
 import logging
 import threading
 from collections.abc import Hashable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from cuda.core import MemoryResource
@@ -55,6 +53,7 @@ from dask_gpupool.memory.arena import Arena
 from dask_gpupool.memory.lifetime import keep_until_exit
 from dask_gpupool.memory.retire import RetireLedger
 from dask_gpupool.memory.rmm_placement import RMM_ALIGNMENT, Generation, RmmStreams, rmm_available
+from dask_gpupool.memory.segment_table import Segment, SegmentStats, SegmentTable
 
 if TYPE_CHECKING:
     from cuda.core import Buffer
@@ -67,60 +66,6 @@ logger = logging.getLogger(__name__)
 SEGMENT_ALIGNMENT = 2 << 20
 #: Alignment of buffers inside a segment (CuPy and cudaMalloc give 256 bytes; 512 keeps vector loads happy).
 BUFFER_ALIGNMENT = 512
-
-
-@dataclass(eq=False)
-class Segment:
-    """One upstream allocation that buffers are placed in.
-
-    Attributes
-    ----------
-    buffer : cuda.core.Buffer
-        The upstream allocation; owned by the :class:`SegmentedResource`.
-    base : int
-        Its device address.
-    size : int
-        Its size in bytes.
-    payload : bytes
-        Its IPC payload (what a peer imports), computed once.
-    id : int
-        Its number in this resource (1, 2, ...), sent in descriptors.
-    arena : Arena or None
-        Where buffers are placed inside it (arena placement only).
-    own : bool
-        Holds one buffer larger than the segment size, at offset 0.
-    generation : object
-        The RMM generation it belongs to (RMM placement only).
-    live : int
-        Buffers alive in it.
-    retiring : bool
-        Freed once no buffer lives in it and no peer maps it (the resource's
-        :class:`~dask_gpupool.memory.retire.RetireLedger` says which peers may).
-    free_event : object
-        Own segments: the event of its last buffer's free (reuse waits for it).
-    """
-
-    buffer: Any
-    base: int
-    size: int
-    payload: bytes
-    id: int
-    arena: Arena | None = None
-    own: bool = False
-    generation: Any = None
-    live: int = 0
-    retiring: bool = False
-    free_event: Any = None
-
-
-@dataclass(frozen=True)
-class SegmentStats:
-    """Statistics named like cuda.core's pool attributes (see :meth:`SegmentedResource.attributes`)."""
-
-    used_mem_current: int
-    used_mem_high: int
-    reserved_mem_current: int
-    reserved_mem_high: int
 
 
 class SegmentedResource(MemoryResource):
@@ -161,9 +106,7 @@ class SegmentedResource(MemoryResource):
     retire_below: int
     _device: int | None
     _payload_of: Any
-    _segments: list[Segment]
-    _bases: list[int]
-    _by_id: dict[int, Segment]
+    _segments: SegmentTable
     _pending: list[tuple[Segment, int, Any]]
     _generation: Generation | None
     _retired_generations: list[Generation]
@@ -203,9 +146,7 @@ class SegmentedResource(MemoryResource):
         self.retire_below = 0
         self._device = device
         self._payload_of = payload_of
-        self._segments = []
-        self._bases = []
-        self._by_id = {}
+        self._segments = SegmentTable()
         self._pending = []
         self._generation = None
         self._retired_generations = []
@@ -319,7 +260,7 @@ class SegmentedResource(MemoryResource):
         """Bytes in buffers and in segments, now and at most (finished frees counted)."""
         with self._lock:
             self._reap(wait=False)
-            reserved = sum(s.size for s in self._segments)
+            reserved = self._segments.reserved
             return SegmentStats(self._used, self._used_high, reserved, self._reserved_high)
 
     def locate(self, ptr: int) -> tuple[Segment, int]:
@@ -331,11 +272,9 @@ class SegmentedResource(MemoryResource):
             If ``ptr`` is in no segment of this resource.
         """
         with self._lock:
-            i = bisect.bisect_right(self._bases, ptr) - 1
-            if i >= 0:
-                seg = self._segments[i]
-                if ptr < seg.base + seg.size:
-                    return seg, ptr - seg.base
+            found = self._segments.locate(ptr)
+            if found is not None:
+                return found
         raise ValueError(f"address {ptr:#x} is in no segment of this resource")
 
     @property
@@ -360,7 +299,7 @@ class SegmentedResource(MemoryResource):
         if not self.exports_segments:
             raise UnknownPoolError("this pool's segments are mapped through the pool, not by fd")
         with self._lock:  # a segment is unregistered under the lock before it is freed
-            seg = self._by_id.get(segment_id)
+            seg = self._segments.get(segment_id)
             if seg is None:
                 raise UnknownPoolError(f"segment {segment_id} is not in this pool (freed, or never made)")
             return self.memory.export_fd(seg.base), seg.size
@@ -388,7 +327,7 @@ class SegmentedResource(MemoryResource):
         ``connection`` names the peer: its worker address (the broker's importer).
         """
         with self._lock:
-            self._ledger.claimed((i for i in segment_ids if i in self._by_id), connection)
+            self._ledger.claimed((i for i in segment_ids if i in self._segments), connection)
 
     def note_released(self, releases: list[tuple[int, int]], connection: Hashable) -> None:
         """A peer unmapped segments: ``(segment id, leases it had claimed on it in all)`` pairs."""
@@ -423,8 +362,7 @@ class SegmentedResource(MemoryResource):
         self._collect(force=free_segments)
         with self._lock:
             self._closed = True
-            segments, self._segments, self._bases, self._pending = self._segments, [], [], []
-            self._by_id = {}
+            segments, self._pending = self._segments.clear(), []
             generations, self._retired_generations = self._retired_generations, []
         for g in generations:
             g.pool = None  # RMM gives its blocks back through _give, which finds them unregistered: kept
@@ -466,7 +404,7 @@ class SegmentedResource(MemoryResource):
         except MemoryError as e:
             raise self._exhausted(size, e) from None
         with self._lock:
-            seg = self._segments[bisect.bisect_right(self._bases, ptr) - 1]
+            seg, _ = self._segments.locate(ptr)  # type: ignore[misc]  # RMM placed it in a segment of ours
             seg.live += 1
             self._used += -(-max(size, 1) // RMM_ALIGNMENT) * RMM_ALIGNMENT
             self._used_high = max(self._used_high, self._used)
@@ -536,11 +474,8 @@ class SegmentedResource(MemoryResource):
                 seg.generation = generation
             else:
                 seg.arena = Arena(size, BUFFER_ALIGNMENT)
-            i = bisect.bisect_left(self._bases, seg.base)
-            self._bases.insert(i, seg.base)
-            self._segments.insert(i, seg)
-            self._by_id[seg.id] = seg
-            self._reserved_high = max(self._reserved_high, sum(s.size for s in self._segments))
+            self._segments.add(seg)
+            self._reserved_high = max(self._reserved_high, self._segments.reserved)
         logger.debug("segment %d: %d bytes at %#x (%d in all)", seg.id, size, seg.base, len(self._segments))
         return seg
 
@@ -548,9 +483,7 @@ class SegmentedResource(MemoryResource):
         """Free own segments that hold no buffer and that no peer maps (a full pool's last resort); how many."""
         with self._lock:  # unregistered here, so that no allocation takes one meanwhile
             spares = [
-                self._unregister(s)
-                for s in list(self._segments)
-                if s.own and not s.live and not self._ledger.mapped(s.id)
+                self._unregister(s) for s in self._segments if s.own and not s.live and not self._ledger.mapped(s.id)
             ]
         if not spares:
             return 0
@@ -573,7 +506,7 @@ class SegmentedResource(MemoryResource):
 
     def _exhausted(self, size: int, e: BaseException) -> PoolExhaustedError:
         with self._lock:
-            reserved, n = sum(s.size for s in self._segments), len(self._segments)
+            reserved, n = self._segments.reserved, len(self._segments)
         return PoolExhaustedError(
             f"cannot allocate {size} bytes: no segment has room and a new segment does not fit "
             f"({self._used} bytes in buffers, {reserved} in {n} segment(s)): {e}"
@@ -582,16 +515,15 @@ class SegmentedResource(MemoryResource):
     def _release_segment(self, ptr: int) -> None:
         """Free the segment at ``ptr`` (RMM's ``_give``, or :meth:`_collect`): unregister it, free upstream."""
         with self._lock:
-            i = bisect.bisect_left(self._bases, ptr)
-            if i == len(self._bases) or self._bases[i] != ptr:
+            found = self._segments.starting_at(ptr)
+            if found is None:
                 return  # unregistered already (close)
-            seg = self._unregister(self._segments[i])
+            seg = self._unregister(found)
         self._free(seg)
 
     def _unregister(self, seg: Segment) -> Segment:
         """Take ``seg`` out of the lookup tables (call with ``_lock`` held); return it."""
-        i = bisect.bisect_left(self._bases, seg.base)
-        del self._segments[i], self._bases[i], self._by_id[seg.id]
+        self._segments.remove(seg)
         self._ledger.forget(seg.id)
         return seg
 
@@ -620,7 +552,7 @@ class SegmentedResource(MemoryResource):
             def free(s: Segment) -> bool:
                 return s.retiring and (force or (s.live == 0 and not self._ledger.mapped(s.id)))
 
-            singles = [self._unregister(s) for s in list(self._segments) if s.generation is None and free(s)]
+            singles = [self._unregister(s) for s in self._segments if s.generation is None and free(s)]
             done = [g for g in self._retired_generations if all(free(s) for s in g.segments)]
             for g in done:
                 self._retired_generations.remove(g)

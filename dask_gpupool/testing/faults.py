@@ -1,4 +1,4 @@
-"""Fault injection for the lease tests (``tests/test_leases.py``): stalls, hidden brokers, broken links."""
+"""Fault injection for the lease tests (``tests/handoff/test_leases.py``): stalls, hidden brokers, broken links."""
 
 from __future__ import annotations
 

@@ -278,7 +278,7 @@ def headers(pools: list[str], exporters: list[str]) -> st.SearchStrategy[dict[st
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_hostile_headers_get_typed_errors_and_import_nothing_unregistered(cluster, data):
-    from test_handoff import back_to, warm_up
+    from conftest import back_to, warm_up
 
     a, b = worker_addresses(cluster)
     pools = [r.pool for r in dask_gpupool.pools(cluster)]

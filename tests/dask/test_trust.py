@@ -18,9 +18,18 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from conftest import fd_count, handoff_round_trip, nanny_cluster, stop_processes, worker_addresses
+from conftest import (
+    back_to,
+    counters,
+    fd_count,
+    handoff_round_trip,
+    nanny_cluster,
+    stop_processes,
+    wait_for,
+    warm_up,
+    worker_addresses,
+)
 from distributed import Client
-from test_handoff import back_to, counters, wait_for, warm_up
 
 import dask_gpupool
 from dask_gpupool import GPUPool, NotAMemberError

@@ -5,11 +5,20 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
-from conftest import nanny_cluster, pid_of, worker_addresses
+from conftest import (
+    HOST_POOL,
+    back_to,
+    counters,
+    nanny_cluster,
+    pid_of,
+    stress,
+    wait_for,
+    warm_up,
+    worker_addresses,
+)
 
 import dask_gpupool
 from dask_gpupool import GPUPool
@@ -17,55 +26,6 @@ from dask_gpupool import testing as T
 
 MiB = 1 << 20
 GiB = 1 << 30
-HOST_POOL = GPUPool(kind="host", max_size="64 MiB")
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 60.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
-def counters(client: Any, *workers: str) -> dict[str, dict[str, Any]]:
-    return client.run(T.handoff_counters, workers=list(workers) or None)
-
-
-def warm_up(client: Any, a: str, b: str) -> dict[str, Any]:
-    """One handoff each way (opens links and mappings that then stay); returns the resource baseline."""
-    keys = []
-    for src, dst in ((a, b), (b, a)):
-        x = client.submit(T.make_buffer, 4096, b"w", workers=[src], pure=False)
-        client.submit(T.head, x, 1, workers=[dst], pure=False).result()
-        keys.append(x.key)
-        del x
-    wait_for(lambda: all(c["leases"] == 0 for c in counters(client).values()), what="warm-up leases to end")
-
-    def held(dask_worker: Any) -> list[str]:
-        return [k for k in keys if k in dask_worker.data]
-
-    # Dask forgets the released keys asynchronously: a baseline taken before would count their buffers
-    wait_for(lambda: not any(client.run(held).values()), what="the warm-up values to be forgotten")
-    return client.run(T.resources)
-
-
-def back_to(client: Any, baseline: dict[str, Any], timeout: float = 60.0, workers: list[str] | None = None) -> None:
-    """Wait until the workers' resources equal ``baseline``; on timeout, fail naming what differs.
-
-    ``baseline`` maps worker address to :func:`~dask_gpupool.testing.resources`; with ``workers``
-    only those are compared (for example the survivors of a kill).
-    """
-    deadline = time.monotonic() + timeout
-    now = client.run(T.resources, workers=workers)
-    while now != baseline and time.monotonic() < deadline:
-        time.sleep(0.1)
-        now = client.run(T.resources, workers=workers)
-    diff = {
-        w: {k: (now.get(w, {}).get(k), v) for k, v in base.items() if now.get(w, {}).get(k) != v}
-        for w, base in baseline.items()
-    }
-    assert now == baseline, f"not back to the baseline, (now, baseline) by worker: {diff}"
 
 
 def test_same_host_handoff_maps_the_producers_memory():
@@ -261,41 +221,6 @@ def test_sigkill_of_the_importer_releases_its_leases():
         wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="A to release B's lease")
         del x, y
         wait_for(lambda: counters(c, a)[a]["used"] == 0, what="A's pool bytes to return")
-
-
-def kill_consumer_holding_leases(c: Any, a: str, b: str, xs: list[Any]) -> None:
-    """B keeps every key of ``xs`` (A's results, so B imports them), is SIGKILLed, and A releases all the leases."""
-    ys = [c.submit(T.keep, x, workers=[b], pure=False) for x in xs]
-    c.gather(ys)
-    assert counters(c, a)[a]["leases"] == len(xs)
-    os.kill(pid_of(c, b), signal.SIGKILL)
-    wait_for(lambda: counters(c, a)[a]["leases"] == 0, what=f"A to release the dead consumer's {len(xs)} leases")
-
-
-def stress(c, rounds: int, nbytes: int) -> int:
-    """Producers drop their keys while consumers still read; freed memory is scribbled over at once.
-
-    ``rounds`` rounds of 8 handoffs, each one zero-copy (checked: a copy would prove nothing). A
-    use-after-free shows as wrong bytes, or (across GPUs) as CUDA_ERROR_CONTAINED killing the consumer.
-    """
-    a, b = worker_addresses(c)
-    baseline = warm_up(c, a, b)
-    before = counters(c, b)[b]["zero_copy_bytes"]
-    for r in range(rounds):
-        values = [(r * 8 + i) % 250 + 1 for i in range(8)]
-        xs = [c.submit(T.fill, nbytes, v, workers=[a], pure=False) for v in values]
-        ys = [c.submit(T.keep, x, workers=[b], pure=False) for x in xs]
-        c.gather([c.submit(T.head, y, 1, workers=[b], pure=False) for y in ys])
-        for x in xs:
-            x.release()
-        scribbles = [c.submit(T.scribble_all, nbytes, 0, workers=[a], pure=False) for _ in values]
-        checks = [c.submit(T.all_equal, y, v, workers=[b], pure=False) for y, v in zip(ys, values, strict=True)]
-        assert all(c.gather(checks)), f"round {r}: a consumer read memory its producer reused"
-        c.gather(scribbles)
-        del xs, ys, checks, scribbles
-    assert counters(c, b)[b]["zero_copy_bytes"] - before == rounds * 8 * nbytes  # every handoff mapped
-    back_to(c, baseline)
-    return rounds
 
 
 def test_stress_producers_release_while_consumers_read():

@@ -197,8 +197,7 @@ def _peer_pages_left_out(dask_worker) -> int:
 def test_a_handoff_and_release_leave_no_shared_memory_resident_in_either_worker():
     """256 MiB handed over between Nanny workers, then released: both workers' RssShmem drops, and the
     owner's pool reports it; a trim takes what is left (issue 20)."""
-    from conftest import nanny_cluster, worker_addresses
-    from test_handoff import back_to, counters, wait_for, warm_up
+    from conftest import back_to, counters, nanny_cluster, wait_for, warm_up, worker_addresses
 
     import dask_gpupool
     from dask_gpupool import GPUPool

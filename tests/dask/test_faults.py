@@ -11,9 +11,20 @@ import signal
 import time
 
 import pytest
-from conftest import free_port, nanny_cluster, pid_of, stop_processes, worker_addresses
+from conftest import (
+    HOST_POOL,
+    back_to,
+    counters,
+    free_port,
+    kill_consumer_holding_leases,
+    nanny_cluster,
+    pid_of,
+    stop_processes,
+    wait_for,
+    warm_up,
+    worker_addresses,
+)
 from distributed import wait
-from test_handoff import HOST_POOL, back_to, counters, kill_consumer_holding_leases, wait_for, warm_up
 
 import dask_gpupool
 from dask_gpupool import GPUPool

@@ -10,14 +10,19 @@ stalled-consumer and stalled-producer cases on ``device`` pools.
 from __future__ import annotations
 
 import os
-import signal
 import time
 import uuid
 from typing import Any
 
 import pytest
-from conftest import nanny_cluster, pid_of, worker_addresses
-from test_handoff import back_to, counters, wait_for, warm_up
+from conftest import (
+    counters,
+    nanny_cluster,
+    stalled_consumer,
+    stalled_producer,
+    warm_up,
+    worker_addresses,
+)
 
 import dask_gpupool
 from dask_gpupool import GPUPool
@@ -79,33 +84,6 @@ def test_a_consumer_stalled_past_lease_timeout_reads_the_original_bytes():
         stalled_consumer(c, MiB)
 
 
-def stalled_consumer(c: Any, nbytes: int, stop: float = 3.0) -> None:
-    """Case 1 on any pool kind: the cluster's ``lease-timeout`` should be well under ``stop`` seconds."""
-    a, b = worker_addresses(c)
-    baseline = warm_up(c, a, b)
-    x = c.submit(T.make_buffer, nbytes, b"original", workers=[a], pure=False)
-    x.result()
-    c.run(T.block_imports, stop + 2, workers=[b])  # B's import waits, then claims: stop + 2 s after this
-    y = c.submit(T.keep, x, workers=[b], pure=False)
-    wait_for(lambda: c.run(T.lease_counts, workers=[a])[a]["unclaimed"] == 1, what="A to grant B a lease")
-    pid_b = pid_of(c, b)
-    os.kill(pid_b, signal.SIGSTOP)
-    try:
-        time.sleep(stop)
-    finally:
-        os.kill(pid_b, signal.SIGCONT)
-    y.result(timeout=60)
-    assert c.submit(T.describe, y, workers=[b], pure=False).result()["imported"]
-    # A drops its key and reuses every byte of its pool it can
-    del x
-    wait_for(lambda: c.run(T.lease_counts, workers=[a])[a]["leases"] == 1, what="A's key to go")
-    for _ in range(8):
-        c.submit(T.scribble_all, nbytes, ord("S"), workers=[a], pure=False).result()
-    assert c.submit(T.head, y, 8, workers=[b], pure=False).result() == b"original"
-    del y
-    back_to(c, baseline)
-
-
 # -- case 2: a producer stalled past broker-timeout while its consumer releases ---------------
 
 
@@ -118,38 +96,6 @@ def test_a_producer_stalled_past_broker_timeout_keeps_the_leases_its_consumer_ho
     """
     with nanny_cluster([{}, {}], GPUPool(kind="host", max_size="256 MiB", broker_timeout="1s")) as c:
         stalled_producer(c, MiB)
-
-
-def stalled_producer(c: Any, nbytes: int, stop: float = 3.0) -> None:
-    """Case 2 on any pool kind: the cluster's ``broker-timeout`` should be well under ``stop`` seconds."""
-    a, b = worker_addresses(c)
-    baseline = warm_up(c, a, b)
-    z = c.submit(T.make_buffer, nbytes, b"keep me!", workers=[a], pure=False)
-    kept = c.submit(T.keep, z, workers=[b], pure=False)
-    xs = [c.submit(T.make_buffer, 4096, b"x", workers=[a], pure=False) for _ in range(300)]
-    ys = [c.submit(T.keep, x, workers=[b], pure=False) for x in xs]
-    c.gather(ys)
-    kept.result()
-    assert c.run(T.lease_counts, workers=[a])[a]["leases"] == 301
-    pid_a = pid_of(c, a)
-    os.kill(pid_a, signal.SIGSTOP)
-    try:
-        for x, y in zip(xs, ys, strict=True):  # one release message each, until A's socket buffer is full
-            x.release()  # B's replica of x is the same import as y
-            y.release()
-            time.sleep(0.01)
-        del xs, ys
-        time.sleep(stop)  # B's send times out and its link closes
-    finally:
-        os.kill(pid_a, signal.SIGCONT)
-    wait_for(lambda: c.run(T.lease_counts, workers=[a])[a]["leases"] == 1, what="A to end the released leases")
-    assert c.run(T.lease_counts, workers=[b])[b]["resyncs"] >= 1
-    del z
-    for _ in range(64):
-        c.submit(T.scribble_all, max(nbytes, 4 * MiB), ord("S"), workers=[a], pure=False).result()
-    assert c.submit(T.head, kept, 8, workers=[b], pure=False).result() == b"keep me!"
-    del kept
-    back_to(c, baseline)
 
 
 # -- case 4: every failure reaches the task or heals -------------------------------------------

@@ -193,7 +193,7 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_info_and_trim_commands_print_the_registry_and_stats():
-    from test_handoff import warm_up
+    from conftest import warm_up
 
     with nanny_cluster([{}, {}], PLUGIN) as c:
         a, b = worker_addresses(c)
@@ -274,7 +274,7 @@ def test_prometheus_metrics_on_dasks_own_endpoints():
     pytest.importorskip("prometheus_client")
     import urllib.request
 
-    from test_handoff import warm_up
+    from conftest import warm_up
 
     def scrape(host: str, port: int) -> str:
         with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as r:
@@ -307,7 +307,7 @@ def test_dashboard_page_lists_pools_and_handoffs():
     import json
     import urllib.request
 
-    from test_handoff import wait_for, warm_up
+    from conftest import wait_for, warm_up
 
     with nanny_cluster([{}, {}], PLUGIN) as c:
         a, b = worker_addresses(c)
@@ -391,8 +391,8 @@ def test_dashboard_page_in_a_headless_browser(tmp_path):
     import shutil
     import subprocess
 
+    from conftest import wait_for, warm_up
     from distributed import wait
-    from test_handoff import wait_for, warm_up
 
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     if browser is None:
@@ -446,7 +446,7 @@ def test_dashboard_page_escapes_every_pushed_value():
     import urllib.error
     import urllib.request
 
-    from test_handoff import wait_for
+    from conftest import wait_for
 
     from dask_gpupool.ops.dashboard import STATS_OP
 
@@ -510,8 +510,8 @@ def test_a_worker_whose_pool_set_up_failed_is_reported_and_the_others_still_answ
     import sys
     import urllib.request
 
+    from conftest import wait_for
     from distributed import Client
-    from test_handoff import wait_for
 
     port, dash = free_port(), free_port()
     address = f"tcp://127.0.0.1:{port}"
@@ -567,8 +567,8 @@ def test_preload_arguments_set_every_option_and_a_bad_value_is_logged_and_report
     logs a ConfigError naming the key at start-up and is reported without a pool (issue 20)."""
     import sys
 
+    from conftest import wait_for
     from distributed import Client
-    from test_handoff import wait_for
 
     port = free_port()
     address = f"tcp://127.0.0.1:{port}"

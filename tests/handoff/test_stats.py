@@ -8,7 +8,7 @@ from pathlib import Path
 
 from dask_gpupool.handoff.stats import FALLBACK_ADVICE, FALLBACK_REASONS, HandoffStats
 
-PACKAGE = Path(__file__).resolve().parent.parent / "dask_gpupool"
+PACKAGE = Path(__file__).resolve().parents[2] / "dask_gpupool"
 
 
 def reasons_in_the_code() -> set[str]:
