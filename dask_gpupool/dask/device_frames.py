@@ -16,7 +16,7 @@ from typing import Any
 
 from cuda.core import Buffer
 
-from dask_gpupool.dask.serializers import KEY, deserialize_buffer, loads_array
+from dask_gpupool.dask.serializers import KEY, deserialize_buffer, hand_over, loads_array
 from dask_gpupool.dask.views import VIEWS, device_of, viewed_buffer
 from dask_gpupool.dask.worker_internals import REQUEST
 from dask_gpupool.handoff.active import active_service
@@ -59,12 +59,8 @@ def _hand_over_on_device_comm(holder: Any, buf: Buffer, meta: ArrayMeta | None, 
     request = REQUEST.get()
     if request is None or nbytes < request.service.options.ucx_handoff_threshold:
         return None
-    row, _reason = request.service.plan(request.requester, request.scheme, buf)
-    if row is None:
-        return None
-    header = request.service.export_ipc(holder, buf, row, meta)
-    request.granted.append(header.lease)
-    return {KEY: header.to_msg()}
+    header = hand_over(request, holder, buf, meta)
+    return None if header is None else {KEY: header.to_msg()}
 
 
 def _count_device_frames(nbytes: int, *, staged: bool, out: bool) -> None:

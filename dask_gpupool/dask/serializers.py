@@ -38,13 +38,13 @@ from cuda.core import Buffer
 from distributed.protocol import dask_deserialize, dask_serialize
 
 from dask_gpupool.dask.views import VIEWS, as_array, c_strides, viewed_buffer
-from dask_gpupool.dask.worker_internals import REQUEST
+from dask_gpupool.dask.worker_internals import REQUEST, Request
 from dask_gpupool.errors import DataLostError, PoolUnavailableError, ProtocolError
 from dask_gpupool.handoff.active import active_service
 from dask_gpupool.memory.buffers import buffer_kind, copy_to_host, host_buffer
 from dask_gpupool.wire.handoff import ArrayMeta, HandoffHeader
 
-__all__ = ["KEY", "deserialize_buffer", "loads_array", "register_cupy"]
+__all__ = ["KEY", "deserialize_buffer", "hand_over", "loads_array", "register_cupy"]
 
 KEY = "gpupool"
 
@@ -81,11 +81,9 @@ def _dumps(
     request = REQUEST.get()
     service = request.service if request is not None else None
     if service is not None and request is not None:
-        row, _reason = service.plan(request.requester, request.scheme, buf)
-        if row is not None:
-            header = service.export_ipc(holder, buf, row, ipc_meta)
-            request.granted.append(header.lease)
-            return {KEY: header.to_msg()}, []
+        handed = hand_over(request, holder, buf, ipc_meta)
+        if handed is not None:
+            return {KEY: handed.to_msg()}, []
         if span is not None:
             row = service.stream_route(request.requester, request.scheme, span[1])
             if row is not None:
@@ -99,6 +97,31 @@ def _dumps(
     exporter = service.record.worker if service is not None else ""
     header = HandoffHeader("copy", buffer_kind(buf), nbytes, exporter=exporter, array=copy_meta)
     return {KEY: header.to_msg()}, [frame]
+
+
+def hand_over(request: Request, holder: Any, buf: Buffer, meta: ArrayMeta | None) -> HandoffHeader | None:
+    """The header of a zero-copy handoff of ``buf`` to ``request``'s requester, or ``None`` to copy.
+
+    A buffer of this worker's pool is exported under a lease
+    (:meth:`PoolService.export_ipc <dask_gpupool.handoff.service.PoolService.export_ipc>`);
+    one this worker imported is passed on as its exporter's memory
+    (:meth:`PoolService.forward <dask_gpupool.handoff.service.PoolService.forward>`:
+    its resource knows its origin). The lease goes in ``request`` to be
+    settled when the reply ends. A same-host fallback is counted.
+    """
+    service = request.service
+    origin = getattr(buf.memory_resource, "origin", None)
+    if origin is not None:
+        header = service.forward(origin, request.requester, request.scheme, meta)
+        if header is not None:
+            request.forwarded.append((header.exporter, header.lease))
+        return header
+    row, _reason = service.plan(request.requester, request.scheme, buf)
+    if row is None:
+        return None
+    header = service.export_ipc(holder, buf, row, meta)
+    request.granted.append(header.lease)
+    return header
 
 
 def _lost(raw_header: Any, e: Exception) -> DataLostError:

@@ -35,16 +35,20 @@ if TYPE_CHECKING:
 
     from dask_gpupool.handoff.service import PoolService
 
-__all__ = ["REQUEST", "count_own_memory_only", "fill_after_read", "install_get_data_hook"]
+__all__ = ["REQUEST", "Request", "count_own_memory_only", "fill_after_read", "install_get_data_hook"]
 
 
 @dataclass(frozen=True)
 class Request:
+    """The ``get_data`` request a worker is answering: who asked, over which comm, and what it was granted."""
+
     requester: str | None
     scheme: str
     service: PoolService
     #: Leases granted for this reply; settled (the unclaimed ones ended) when it ends.
     granted: list[int] = field(default_factory=list)
+    #: ``(exporter, lease)`` of imported values passed on in this reply; settled at their exporters.
+    forwarded: list[tuple[str, int]] = field(default_factory=list)
 
 
 #: Set while a worker answers ``get_data``; Dask's offload thread inherits it.
@@ -99,6 +103,8 @@ def install_get_data_hook(worker: Worker, service: PoolService) -> Any:
             # reply is never used: either way a lease still unclaimed now never will be.
             if request is not None and request.granted:
                 service.settle(request.granted, who)
+            if request is not None and request.forwarded:
+                service.settle_forwarded(request.forwarded, who)
 
     get_data.__wrapped__ = original  # type: ignore[attr-defined]
     worker.handlers["get_data"] = get_data

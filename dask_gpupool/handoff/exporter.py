@@ -21,7 +21,7 @@ import os
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from dask_gpupool.errors import DataLostError, UnknownPoolError
+from dask_gpupool.errors import DataLostError, NotAMemberError, UnknownPoolError
 from dask_gpupool.handoff.leases import LeaseTable
 from dask_gpupool.handoff.registry import RegistryView
 from dask_gpupool.memory.buffers import copy_to_host
@@ -111,6 +111,20 @@ class ExportSide:
         segmented = self._pool.segmented
         if segmented is not None:
             segmented.note_released(list(segments), importer)
+
+    def forward(self, lease: int, importer: str, to: str) -> tuple[int, int]:
+        row = self._registry.worker_row(to)
+        if row is None or row.host != self._host or to == importer:
+            raise NotAMemberError(f"lease {lease}: {to!r} is not another worker of this host in the registry")
+        granted = self._leases.forward(lease, importer, to)
+        if granted is None:
+            raise DataLostError(f"lease {lease} on pool {self._pool.uuid} is not a claimed IPC lease of {importer}")
+        return granted
+
+    def settle_forwarded(self, leases: Iterable[int], importer: str) -> None:
+        n = self._leases.settle_forwarded(leases, importer)
+        if n:
+            logger.info("pool %s: %d lease(s) %s forwarded were never claimed; ended", self._pool.uuid, n, importer)
 
     def importer_exited(self, importer: str) -> None:
         n = self._leases.release_importer(importer)

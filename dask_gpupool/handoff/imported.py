@@ -13,27 +13,42 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from cuda.core import MemoryResource
 
 from dask_gpupool.handoff.mappings import IMPORT_LOCK
 from dask_gpupool.memory.topology import current_gpu
+from dask_gpupool.wire.handoff import BufferDescriptor
 
 if TYPE_CHECKING:
     from cuda.core import Buffer
 
     from dask_gpupool.handoff.mappings import MappedPool
 
-
-if TYPE_CHECKING:
-    from cuda.core import Buffer
-
-    from dask_gpupool.handoff.mappings import MappedPool
-
-__all__ = ["ImportedMemoryResource"]
+__all__ = ["ImportedMemoryResource", "Origin"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where an imported buffer's memory lives: what passing it on needs.
+
+    Attributes
+    ----------
+    exporter : str
+        The worker whose pool holds the memory.
+    desc : BufferDescriptor
+        The descriptor this import was made from (pool, segment, offset, size).
+    lease : int
+        This worker's lease on it, held while the import is open.
+    """
+
+    exporter: str
+    desc: BufferDescriptor
+    lease: int
 
 
 class ImportedMemoryResource(MemoryResource):
@@ -52,6 +67,9 @@ class ImportedMemoryResource(MemoryResource):
         Called with the cuda.core Event to wait for (or ``None``) and the
         ``(id, claims)`` of a retiring segment unmapped with it (or ``None``)
         once the import is closed; queues the lease (and segment) release.
+    origin : Origin, optional
+        The exporter, descriptor and lease of the import (for passing the
+        value on: :meth:`~dask_gpupool.handoff.service.PoolService.forward`).
 
     Notes
     -----
@@ -60,6 +78,7 @@ class ImportedMemoryResource(MemoryResource):
     """
 
     mapped: MappedPool
+    origin: Origin | None
     _key: Any
     _open: bool
     _on_close: Callable[[Any, Any], None]
@@ -67,8 +86,16 @@ class ImportedMemoryResource(MemoryResource):
     _host_accessible: bool
     _device_id: int
 
-    def __init__(self, raw: Buffer, key: Any, mapped: MappedPool, on_close: Callable[[Any, Any], None]) -> None:
+    def __init__(
+        self,
+        raw: Buffer,
+        key: Any,
+        mapped: MappedPool,
+        on_close: Callable[[Any, Any], None],
+        origin: Origin | None = None,
+    ) -> None:
         self.mapped = mapped
+        self.origin = origin
         self._key = key
         self._open = True
         self._on_close = on_close

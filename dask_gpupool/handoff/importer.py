@@ -32,7 +32,7 @@ from dask_gpupool.errors import (
     UnknownPoolError,
 )
 from dask_gpupool.handoff.deferred import fill_later
-from dask_gpupool.handoff.imported import ImportedMemoryResource
+from dask_gpupool.handoff.imported import ImportedMemoryResource, Origin
 from dask_gpupool.handoff.mappings import IMPORT_LOCK, MappedPool, MappedPools
 from dask_gpupool.handoff.registry import RegistryView
 from dask_gpupool.handoff.releaser import Releaser
@@ -282,7 +282,8 @@ class Importer:
             if mapped.orphaned and mapped.imports == 0:
                 self.mapped.forget(mapped.record.pool)
 
-        buf = _view(ImportedMemoryResource(raw, key, mapped, closed), mapped, ptr, desc.size)
+        origin = Origin(record.worker, desc, lease)
+        buf = _view(ImportedMemoryResource(raw, key, mapped, closed, origin), mapped, ptr, desc.size)
         try:
             # Nothing is read from the memory before the exporter acknowledged the lease: a refused
             # lease has ended, and its memory may already hold another buffer.

@@ -20,7 +20,8 @@ when
 - the importer is known dead: its process exited (the broker watches it with
   a pidfd) or it left the registry;
 - it was never claimed and the ``get_data`` reply that carried it has ended
-  (:meth:`LeaseTable.settle`): the importer sends its ``"OK"`` only after its
+  (:meth:`LeaseTable.settle`, or :meth:`LeaseTable.settle_forwarded` for a lease
+  another worker forwarded): the importer sends its ``"OK"`` only after its
   claims were acknowledged, so a lease still unclaimed then will never be
   used; a reply that failed is never used either, because a claim that
   arrives after the lease ended is refused and the importer never hands out
@@ -85,6 +86,10 @@ class Lease:
         segment which importer maps it (:mod:`dask_gpupool.memory.segments`).
     warned : bool
         Logged once as unclaimed for longer than ``timeout``.
+    forwarder : str
+        The worker that asked for this lease on the importer's behalf
+        (:meth:`LeaseTable.forward`: it passed on a value it had imported);
+        ``""`` for leases granted by this worker's own serializers.
     """
 
     id: int
@@ -96,6 +101,7 @@ class Lease:
     connection: int | None = None
     segment: int = 0
     warned: bool = False
+    forwarder: str = ""
 
 
 class LeaseTable:
@@ -156,6 +162,47 @@ class LeaseTable:
                         segments.append(lease.segment)
         return refused
 
+    def forward(self, lease_id: int, forwarder: str, to: str) -> tuple[int, int] | None:
+        """Grant ``to`` a lease on what ``forwarder``'s claimed IPC lease ``lease_id`` keeps alive.
+
+        For a value ``forwarder`` imported and now passes on: ``to`` maps this
+        worker's memory itself, under a lease of its own that lives on when
+        ``forwarder`` lets go. Until ``to`` claims it, ``forwarder`` may end it
+        (:meth:`settle_forwarded`), and it ends if ``forwarder`` dies
+        (:meth:`release_importer`). Returns ``(new lease id, its segment)``, or
+        ``None`` when ``lease_id`` is not a live, claimed IPC lease of ``forwarder``.
+        """
+        with self._lock:
+            source = self._leases.get(lease_id)
+            if source is None or source.importer != forwarder or not source.claimed or source.connection is not None:
+                return None
+            while True:
+                new_id = secrets.randbits(62) + 1
+                if new_id not in self._leases:
+                    break
+            self._leases[new_id] = Lease(
+                new_id,
+                source.holder,
+                source.nbytes,
+                to,
+                time.monotonic(),
+                segment=source.segment,
+                forwarder=forwarder,
+            )
+            self.granted_total += 1
+        return new_id, source.segment
+
+    def settle_forwarded(self, lease_ids: Iterable[int], forwarder: str) -> int:
+        """The reply of ``forwarder`` that carried these forwarded leases ended: end the unclaimed ones."""
+        with self._lock:
+            gone = [
+                self._leases.pop(i)
+                for i in lease_ids
+                if i in self._leases and self._leases[i].forwarder == forwarder and not self._leases[i].claimed
+            ]
+            self.abandoned_total += len(gone)
+        return self._drop(gone)
+
     def claim_stream(self, lease_id: int, connection: int) -> bool:
         """Tie an unclaimed stream lease to the copy-server connection pulling it; whether it was free."""
         with self._lock:
@@ -200,9 +247,17 @@ class LeaseTable:
         return self._drop(gone)
 
     def release_importer(self, importer: str) -> int:
-        """End every lease granted to ``importer``: it is known dead, or it left the cluster."""
+        """End every lease granted to ``importer``: it is known dead, or it left the cluster.
+
+        Leases it forwarded that nobody claimed end too: the reply that
+        carried them died with it.
+        """
         with self._lock:
-            gone = [self._leases.pop(i) for i, lease in list(self._leases.items()) if lease.importer == importer]
+            gone = [
+                self._leases.pop(i)
+                for i, lease in list(self._leases.items())
+                if lease.importer == importer or (lease.forwarder == importer and not lease.claimed)
+            ]
         return self._drop(gone)
 
     def resync(self, importer: str, live: Iterable[int]) -> int:

@@ -29,8 +29,10 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from dask_gpupool.config import PoolOptions
+from dask_gpupool.errors import GPUPoolError
 from dask_gpupool.handoff import active
 from dask_gpupool.handoff.exporter import Exported, ExportSide, make_current
+from dask_gpupool.handoff.imported import Origin
 from dask_gpupool.handoff.importer import Importer
 from dask_gpupool.handoff.leases import LeaseTable
 from dask_gpupool.handoff.mappings import MappedPool, MappedPools
@@ -275,6 +277,78 @@ class PoolService:
         return HandoffHeader(
             "ipc", self.pool.kind, buf.size, exporter=self.record.worker, desc=desc, lease=lease, array=array
         )
+
+    def forward(
+        self, origin: Origin, requester: str | None, scheme: str, array: ArrayMeta | None
+    ) -> HandoffHeader | None:
+        """Pass on a value this worker imported: the requester maps the exporter's memory itself.
+
+        The exporter grants the requester a lease of its own through this
+        worker's link (:meth:`PeerLink.forward <dask_gpupool.transport.link.PeerLink.forward>`),
+        so the memory lives until the requester lets go, whatever this worker
+        does. Decided as for the exporter's own buffers
+        (:func:`~dask_gpupool.handoff.routing.route` with the exporter's row).
+        Returns the header, or ``None`` to copy (a same-host fallback is counted).
+        """
+        owner = self.registry.get(origin.desc.pool)
+        row = self.registry.worker_row(requester) if requester else None
+        if owner is None or owner.worker != origin.exporter:
+            if row is not None and row.host == self.record.host:
+                self.handoffs.fallback(row.worker, "forward-refused", self.record.worker, "the exporter left")
+            return None
+        decision = route(
+            owner,
+            requester,
+            row,
+            scheme,
+            pool_open=not (self._closed or self.pool.closed),
+            owned=True,
+            unreachable=row is not None and self._is_unreachable(row.worker),
+            import_size=origin.desc.size,
+            import_limit=self.options.effective_import_limit(owner.kind == "device" and self.pool.vmm),
+        )
+        if decision.reason is not None:
+            peer = decision.row.worker if decision.row is not None else str(requester)
+            self.handoffs.fallback(peer, decision.reason, self.record.worker)
+            return None
+        if decision.row is None:
+            return None  # another host or a client: an expected copy
+        try:
+            lease, _segment = self.importer.link(owner).forward(origin.lease, decision.row.worker)
+        except GPUPoolError as e:
+            self.handoffs.fallback(decision.row.worker, "forward-refused", self.record.worker, str(e))
+            return None
+        self.handoffs.add(forwards=1)
+        return HandoffHeader(
+            "ipc",
+            owner.kind,
+            origin.desc.size,
+            exporter=owner.worker,
+            desc=origin.desc,
+            lease=lease,
+            array=array,
+        )
+
+    def settle_forwarded(self, forwarded: list[tuple[str, int]], requester: str | None) -> None:
+        """The reply that carried these ``(exporter, lease)`` forwards ended: the exporters end unclaimed ones."""
+        by_exporter: dict[str, list[int]] = {}
+        for exporter, lease in forwarded:
+            by_exporter.setdefault(exporter, []).append(lease)
+        for exporter, leases in by_exporter.items():
+            owner = self.registry.worker_row(exporter)
+            if owner is None:
+                continue  # it left: its leases went with it
+            try:
+                self.importer.link(owner).settle_forwarded(leases)
+            except GPUPoolError as e:
+                logger.warning(
+                    "pool %s: could not tell %s that %d forwarded lease(s) for %s may end: %s",
+                    self.pool.uuid,
+                    exporter,
+                    len(leases),
+                    requester,
+                    e,
+                )
 
     def stream_route(self, requester: str | None, scheme: str, nbytes: int) -> PoolRecord | None:
         """The requester's row when a copy of ``nbytes`` to it goes over the pipelined copy path, else ``None``.

@@ -32,6 +32,10 @@ FALLBACK_REASONS = {
         "a recent transfer to this peer failed (its link could not be opened, or its claim never came): "
         "it gets copies for gpupool.lease-timeout"
     ),
+    "forward-refused": (
+        "a value this worker imported could not be passed on as its exporter's memory: the exporter refused "
+        "the forwarded lease or could not be reached"
+    ),
 }
 
 
@@ -51,6 +55,7 @@ FALLBACK_ADVICE = {
     "receiver-pool-full": "raise the receiver's gpupool.max-size, or free its buffers sooner",
     "unknown-requester": "see that worker's entry in dask_gpupool.stats(client): its pool set-up may have failed",
     "peer-unreachable": "see both workers' logs: the peer's broker or copy server could not be reached",
+    "forward-refused": "see this worker's log for the exporter's answer (it may have left)",
 }
 
 
@@ -61,6 +66,9 @@ class HandoffStats:
     ----------
     exports, imports : int
         Buffers sent as IPC descriptors / mapped from peers.
+    forwards : int
+        Imported buffers passed on as their exporter's descriptor: the next
+        worker maps the exporter's memory under a lease of its own.
     zero_copy_bytes : int
         Bytes this worker received by mapping a peer's memory.
     copied_bytes : int
@@ -83,6 +91,7 @@ class HandoffStats:
 
     exports: int
     imports: int
+    forwards: int
     zero_copy_bytes: int
     copied_bytes: int
     copied_out_bytes: int
@@ -96,7 +105,7 @@ class HandoffStats:
     _lock: threading.Lock
 
     def __init__(self) -> None:
-        self.exports = self.imports = 0
+        self.exports = self.imports = self.forwards = 0
         self.zero_copy_bytes = self.copied_bytes = self.copied_out_bytes = 0
         self.streamed_bytes = self.streamed_out_bytes = 0
         self.device_frames_bytes = self.device_frames_out_bytes = self.device_staged_bytes = 0
@@ -133,6 +142,7 @@ class HandoffStats:
             return {
                 "exports": self.exports,
                 "imports": self.imports,
+                "forwards": self.forwards,
                 "zero_copy_bytes": self.zero_copy_bytes,
                 "copied_bytes": self.copied_bytes,
                 "copied_out_bytes": self.copied_out_bytes,

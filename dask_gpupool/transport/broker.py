@@ -23,6 +23,10 @@ from :mod:`dask_gpupool.wire.broker`)::
     peer   -> broker   Resync{op: "resync", leases, done}         (first on a reopened link)
     broker -> peer     ResyncReply{op: "resync-ok", ended}        (after the chunk with done)
     peer   -> broker   SegmentRelease{op: "segment-release", segments}  (no reply)
+    peer   -> broker   LeaseForward{op: "lease-forward", lease, to}  (pass on an import)
+    broker -> peer     ForwardReply{op: "forward-ok", lease, segment}
+                   or  ErrorReply
+    peer   -> broker   ForwardSettle{op: "forward-settle", leases}   (no reply)
 
     peer   -> broker   CopyRequest{op: "lease-copy", lease}
     broker -> peer     CopyReply{op: "lease-copy-ok", lease, size}
@@ -82,9 +86,12 @@ from dask_gpupool.wire.broker import (
     CopyReply,
     CopyRequest,
     ErrorReply,
+    ForwardReply,
+    ForwardSettle,
     HandleRequest,
     Hello,
     LeaseClaim,
+    LeaseForward,
     LeaseRelease,
     Resync,
     ResyncReply,
@@ -452,6 +459,15 @@ class FdBroker:
                 await self._loop.sock_sendall(conn, encode(ResyncReply(ended)))
         elif isinstance(request, SegmentRelease):
             self._handler.segments_released(request.segments, importer)
+        elif isinstance(request, LeaseForward):
+            try:
+                lease, segment = self._handler.forward(request.lease, importer, request.to)
+            except GPUPoolError as e:
+                await self._loop.sock_sendall(conn, encode(ErrorReply.of(e)))
+                return
+            await self._loop.sock_sendall(conn, encode(ForwardReply(lease, segment)))
+        elif isinstance(request, ForwardSettle):
+            self._handler.settle_forwarded(request.leases, importer)
         elif isinstance(request, CopyRequest):
             try:
                 fd, size = await self._loop.run_in_executor(None, self._handler.copy_out, request.lease, importer)

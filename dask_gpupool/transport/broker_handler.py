@@ -57,6 +57,16 @@ class BrokerHandler(Protocol):
     def segments_released(self, segments: tuple[tuple[int, int], ...], importer: str) -> None:
         """``importer`` unmapped these retiring segments ``(id, claims)``."""
 
+    def forward(self, lease: int, importer: str, to: str) -> tuple[int, int]:
+        """Grant worker ``to`` a lease on what ``importer``'s lease ``lease`` keeps alive: ``(lease, segment)``.
+
+        Raises a :class:`~dask_gpupool.GPUPoolError` when ``lease`` is not a
+        claimed IPC lease of ``importer`` or ``to`` is not a worker of this host.
+        """
+
+    def settle_forwarded(self, leases: Iterable[int], importer: str) -> None:
+        """The replies of ``importer`` that carried these forwarded leases ended: end the unclaimed ones."""
+
     def importer_exited(self, importer: str) -> None:
         """``importer``'s process is gone: release everything it held."""
 
@@ -98,6 +108,12 @@ class LookupOnly:
         return 0
 
     def segments_released(self, segments: tuple[tuple[int, int], ...], importer: str) -> None:
+        pass
+
+    def forward(self, lease: int, importer: str, to: str) -> tuple[int, int]:
+        raise UnknownPoolError("this broker serves no leases")
+
+    def settle_forwarded(self, leases: Iterable[int], importer: str) -> None:
         pass
 
     def importer_exited(self, importer: str) -> None:

@@ -25,10 +25,13 @@ from dask_gpupool.wire.broker import (
     ClaimReply,
     CopyReply,
     CopyRequest,
+    ForwardReply,
+    ForwardSettle,
     HandleReply,
     HandleRequest,
     Hello,
     LeaseClaim,
+    LeaseForward,
     LeaseRelease,
     Resync,
     ResyncReply,
@@ -40,7 +43,9 @@ from dask_gpupool.wire.codec import MAX_MESSAGE_BYTES, decode, encode
 
 __all__ = ["LinkFactory", "PeerLink", "request_pool_fd"]
 
-Message = Union[HandleRequest, CopyRequest, LeaseClaim, LeaseRelease, SegmentRelease, Resync]  # noqa: UP007
+Message = Union[  # noqa: UP007
+    HandleRequest, CopyRequest, LeaseClaim, LeaseRelease, SegmentRelease, Resync, LeaseForward, ForwardSettle
+]
 
 logger = logging.getLogger(__name__)
 
@@ -285,6 +290,28 @@ class PeerLink:
         """Tell the exporter these imports are closed."""
         for i in range(0, len(leases), MAX_LEASES_PER_MESSAGE):
             self._send(LeaseRelease(tuple(leases[i : i + MAX_LEASES_PER_MESSAGE])))
+
+    def forward(self, lease: int, to: str) -> tuple[int, int]:
+        """Ask the exporter to grant worker ``to`` a lease on what our lease ``lease`` keeps alive.
+
+        Returns ``(lease id for to, segment id)``.
+
+        Raises
+        ------
+        GPUPoolError
+            The exporter refused (``lease`` is not ours and claimed, or ``to``
+            is not a worker of its host), or :class:`PeerLostError` when it
+            cannot be reached.
+        """
+        context = f"broker {self.address} (forward of lease {lease} to {to})"
+        with self._lock:
+            reply = ForwardReply.from_msg(self._request(LeaseForward(lease, to), context))
+        return reply.lease, reply.segment
+
+    def settle_forwarded(self, leases: list[int]) -> None:
+        """Tell the exporter the replies that carried these forwarded leases ended."""
+        for i in range(0, len(leases), MAX_LEASES_PER_MESSAGE):
+            self._send(ForwardSettle(tuple(leases[i : i + MAX_LEASES_PER_MESSAGE])))
 
     def release_segments(self, segments: list[tuple[int, int]]) -> None:
         """Tell the exporter these retiring segments are unmapped here: ``(id, leases claimed on it)``."""

@@ -1,4 +1,4 @@
-"""The fd broker's protocol, on its Unix socket: hello, fd requests, lease claims and releases, copies of leases.
+"""The fd broker's protocol, on its Unix socket: hello, fd requests, lease claims, releases and forwards, copies.
 
 Messages are encoded by :func:`~dask_gpupool.wire.codec.encode` (one
 length-limited msgpack datagram each) and parsed by :func:`parse_request`.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Union
 
 from dask_gpupool import errors as _errors
 from dask_gpupool.errors import ProtocolError
@@ -23,13 +23,17 @@ __all__ = [
     "CopyReply",
     "CopyRequest",
     "ErrorReply",
+    "ForwardReply",
+    "ForwardSettle",
     "HandleReply",
     "HandleRequest",
     "Hello",
     "LeaseClaim",
+    "LeaseForward",
     "LeaseRelease",
     "PullReply",
     "PullRequest",
+    "Request",
     "Resync",
     "ResyncReply",
     "SegmentRelease",
@@ -289,6 +293,74 @@ class SegmentRelease:
 
 
 @dataclass(frozen=True)
+class LeaseForward:
+    """Importer -> exporter's broker: grant worker ``to`` a lease on what my lease ``lease`` keeps alive.
+
+    Sent by a worker passing on a value it imported from this exporter:
+    ``to`` then maps the exporter's memory itself. Answered by a
+    :class:`ForwardReply` or an :class:`ErrorReply` (the lease is not this
+    worker's, not claimed, or ``to`` is not a worker of this host).
+    """
+
+    lease: int
+    to: str
+    op: ClassVar[str] = "lease-forward"
+
+    def to_msg(self) -> dict[str, Any]:
+        return {"op": self.op, "lease": self.lease, "to": self.to}
+
+    @classmethod
+    def from_msg(cls, msg: object) -> LeaseForward:
+        what = "lease forward"
+        m = as_message(msg, cls.op, what)
+        lease = field_of(m, "lease", int, what)
+        to = field_of(m, "to", str, what)
+        if lease <= 0 or not to or len(to) > 1024:
+            raise ProtocolError(f"{what}: lease id or worker address out of range")
+        return cls(lease, to)
+
+
+@dataclass(frozen=True)
+class ForwardReply:
+    """Exporter's broker -> importer: ``lease`` is granted to the worker a :class:`LeaseForward` named."""
+
+    lease: int
+    segment: int
+    op: ClassVar[str] = "forward-ok"
+
+    def to_msg(self) -> dict[str, Any]:
+        return {"op": self.op, "lease": self.lease, "segment": self.segment}
+
+    @classmethod
+    def from_msg(cls, msg: object) -> ForwardReply:
+        what = "forward reply"
+        m = as_message(msg, cls.op, what)
+        lease, segment = field_of(m, "lease", int, what), field_of(m, "segment", int, what)
+        if lease <= 0 or segment < 0:
+            raise ProtocolError(f"{what}: lease id or segment out of range")
+        return cls(lease, segment)
+
+
+@dataclass(frozen=True)
+class ForwardSettle:
+    """Importer -> exporter's broker: the replies that carried these forwarded leases ended (no reply).
+
+    The exporter ends those still unclaimed; the worker they were forwarded
+    to claims (and waits for the answer) before it acknowledges the reply.
+    """
+
+    leases: tuple[int, ...]
+    op: ClassVar[str] = "forward-settle"
+
+    def to_msg(self) -> dict[str, Any]:
+        return {"op": self.op, "leases": list(self.leases)}
+
+    @classmethod
+    def from_msg(cls, msg: object) -> ForwardSettle:
+        return cls(_lease_ids(as_mapping(msg, "forward settle"), "forward settle"))
+
+
+@dataclass(frozen=True)
 class CopyRequest:
     """Importer -> exporter's broker: send me a host copy of leased buffer ``lease``.
 
@@ -430,15 +502,18 @@ class PullReply:
         return cls(field_of(m, "lease", int, what), size, chunk)
 
 
-def parse_request(
-    msg: object,
-) -> HandleRequest | LeaseClaim | LeaseRelease | SegmentRelease | CopyRequest | Resync:
+Request = Union[  # noqa: UP007
+    HandleRequest, LeaseClaim, LeaseRelease, SegmentRelease, CopyRequest, Resync, LeaseForward, ForwardSettle
+]
+
+
+def parse_request(msg: object) -> Request:
     """The typed broker request ``msg`` is; :class:`ProtocolError` for anything else."""
     op = as_mapping(msg, "broker request").get("op")
     cls = REQUESTS.get(op) if isinstance(op, str) else None
     if cls is None:
         raise ProtocolError(f"broker request: unknown op {op!r}")
-    request: HandleRequest | LeaseClaim | LeaseRelease | SegmentRelease | CopyRequest | Resync = cls.from_msg(msg)
+    request: Request = cls.from_msg(msg)
     return request
 
 
@@ -455,6 +530,8 @@ REQUESTS: dict[str, Any] = {
     SegmentRelease.op: SegmentRelease,
     CopyRequest.op: CopyRequest,
     Resync.op: Resync,
+    LeaseForward.op: LeaseForward,
+    ForwardSettle.op: ForwardSettle,
 }
 
 

@@ -71,6 +71,46 @@ def test_stream_leases_are_pulled_once():
     assert table.release_stream(lease, -2) == 0 and table.release_stream(lease, -1) == 1
 
 
+def test_a_forwarded_lease_is_the_new_importers_own_and_outlives_the_forwarders():
+    table = LeaseTable(60)
+    holder = bytearray(8)
+    b, c = "tcp://b:1", "tcp://c:1"
+    lease_b = table.grant(holder, 8, b, segment=4)
+    assert table.forward(lease_b, b, c) is None  # not claimed yet
+    table.claim([lease_b], b)
+    assert table.forward(lease_b, c, c) is None  # only its importer forwards it
+    lease_c, segment = table.forward(lease_b, b, c)  # type: ignore[misc]
+    assert segment == 4 and table.holder(lease_c) is holder
+    segments: list[int] = []
+    assert table.claim([lease_c], b) == [lease_c]  # the forwarder cannot claim it
+    assert table.claim([lease_c], c, segments) == [] and segments == [4]
+    assert table.release([lease_b], b) == 1
+    assert table.holder(lease_c) is holder  # B let go; C's lease keeps the memory
+    assert table.settle_forwarded([lease_c], b) == 0  # claimed: settling does not end it
+    assert table.release_importer(b) == 0
+    assert table.release([lease_c], c) == 1 and len(table) == 0
+
+
+def test_an_unclaimed_forwarded_lease_ends_with_its_forwarders_reply_or_its_death():
+    table = LeaseTable(60)
+    b, c = "tcp://b:1", "tcp://c:1"
+    lease_b = table.grant(bytearray(8), 8, b)
+    table.claim([lease_b], b)
+    first, _ = table.forward(lease_b, b, c)  # type: ignore[misc]
+    second, _ = table.forward(lease_b, b, c)  # type: ignore[misc]
+    assert table.settle_forwarded([first], c) == 0  # only the forwarder settles
+    assert table.settle_forwarded([first], b) == 1 and table.holder(first) is None
+    assert table.release_importer(b) == 2  # its own lease, and the forward nobody claimed
+    assert table.holder(second) is None and len(table) == 0
+
+
+def test_a_stream_lease_cannot_be_forwarded():
+    table = LeaseTable(60)
+    lease = table.grant(bytearray(8), 8, "tcp://b:1")
+    assert table.claim_stream(lease, 1)
+    assert table.forward(lease, "tcp://b:1", "tcp://c:1") is None
+
+
 # -- case 1: a consumer stalled between grant and claim ------------------------------------
 
 
@@ -215,6 +255,41 @@ def test_another_worker_can_neither_claim_nor_release_a_lease(exporter):
         time.sleep(0.2)
         assert len(leases) == 1
         as_b = PeerLink(broker.address, 2.0, TOKEN, b, live=[])  # a resync that no longer lists it
+        assert len(leases) == 0 and pool.stats().used == 0
+    finally:
+        as_b.close()
+        as_c.close()
+
+
+def test_forwards_over_the_broker_are_scoped_to_the_lease_holder_and_settled_by_it(exporter):
+    from dask_gpupool.handoff.exporter import Exported
+    from dask_gpupool.transport.link import PeerLink
+
+    pool, leases, broker, (b, c) = exporter
+    buf = pool.allocate(4096)
+    lease = leases.grant(Exported(buf, buf), 4096, b)
+    del buf
+    as_b, as_c = PeerLink(broker.address, 2.0, TOKEN, b), PeerLink(broker.address, 2.0, TOKEN, c)
+    try:
+        with pytest.raises(dask_gpupool.DataLostError, match="not a claimed IPC lease"):
+            as_b.forward(lease, c)  # B has not claimed it yet
+        assert as_b.claim([lease]) == []
+        with pytest.raises(dask_gpupool.DataLostError):
+            as_c.forward(lease, b)  # not C's lease
+        with pytest.raises(dask_gpupool.NotAMemberError):
+            as_b.forward(lease, "tcp://127.0.0.1:9")  # not a worker of this host
+        with pytest.raises(dask_gpupool.NotAMemberError):
+            as_b.forward(lease, b)  # to itself
+        unclaimed, _ = as_b.forward(lease, c)
+        claimed, _ = as_b.forward(lease, c)
+        assert as_c.claim([claimed]) == [] and len(leases) == 3
+        as_c.settle_forwarded([unclaimed])  # only the forwarder settles
+        as_b.settle_forwarded([unclaimed, claimed])  # the reply ended: the unclaimed one goes
+        as_b.claim([1])  # a round trip: the settles above have been handled
+        assert len(leases) == 2 and leases.holder(unclaimed) is None
+        as_b.release([lease])
+        as_c.release([claimed])
+        as_c.claim([1])
         assert len(leases) == 0 and pool.stats().used == 0
     finally:
         as_b.close()

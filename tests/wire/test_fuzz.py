@@ -31,8 +31,11 @@ from dask_gpupool.wire.broker import (
     ClaimReply,
     CopyReply,
     ErrorReply,
+    ForwardReply,
+    ForwardSettle,
     HandleReply,
     Hello,
+    LeaseForward,
     PullReply,
     PullRequest,
     Resync,
@@ -76,6 +79,7 @@ PARSERS = [
     PullReply.from_msg,
     ClaimReply.from_msg,
     ResyncReply.from_msg,
+    ForwardReply.from_msg,
 ]
 VALID = {
     "record": PoolRecord(POOL, "tcp://h:1", 7, "h/b", "h", "device", "GPU-1", MiB, "/tmp/b.sock", ("GPU-1",)).to_msg(),
@@ -101,6 +105,9 @@ VALID = {
     "stream": HandoffHeader("stream", "device", 64, "tcp://h:1", lease=3, address="tcp://h:2").to_msg(),
     "pull": PullRequest(POOL, 3, b"p" * 32).to_msg(),
     "segment-release": SegmentRelease(((3, 2), (4, 1))).to_msg(),
+    "forward": LeaseForward(3, "tcp://h:3").to_msg(),
+    "forward-reply": ForwardReply(5, 2).to_msg(),
+    "forward-settle": ForwardSettle((5, 6)).to_msg(),
 }
 PARSER_OF = {
     "record": PoolRecord.from_msg,
@@ -115,6 +122,9 @@ PARSER_OF = {
     "claim-reply": ClaimReply.from_msg,
     "resync": parse_request,
     "resync-reply": ResyncReply.from_msg,
+    "forward": parse_request,
+    "forward-reply": ForwardReply.from_msg,
+    "forward-settle": parse_request,
 }
 
 

@@ -11,8 +11,11 @@ from hypothesis import strategies as st
 from dask_gpupool import BrokerRefusedError, ProtocolError, UnknownPoolError
 from dask_gpupool.wire.broker import (
     ErrorReply,
+    ForwardReply,
+    ForwardSettle,
     HandleReply,
     HandleRequest,
+    LeaseForward,
     PullReply,
     PullRequest,
     SegmentRelease,
@@ -73,6 +76,21 @@ def test_broker_messages_round_trip():
             HandleRequest.from_msg({**HandleRequest(POOL).to_msg(), **bad})
     with pytest.raises(ProtocolError, match="negative"):
         HandleReply.from_msg({**HandleReply(POOL, "device", 10, 3).to_msg(), "segment": -2})
+
+
+def test_forward_messages_round_trip_and_refuse_bad_fields():
+    for m in (LeaseForward(3, "tcp://h:3"), ForwardReply(5, 2), ForwardSettle((5, 6))):
+        assert type(m).from_msg(decode(encode(m))) == m
+    assert parse_request(LeaseForward(3, "tcp://h:3").to_msg()) == LeaseForward(3, "tcp://h:3")
+    assert parse_request(ForwardSettle((7,)).to_msg()) == ForwardSettle((7,))
+    for bad in ({"lease": 0}, {"lease": -1}, {"to": ""}, {"to": "x" * 1025}, {"to": 3}, {"lease": True}):
+        with pytest.raises(ProtocolError):
+            LeaseForward.from_msg({**LeaseForward(3, "tcp://h:3").to_msg(), **bad})
+    for bad in ({"lease": 0}, {"segment": -1}):
+        with pytest.raises(ProtocolError):
+            ForwardReply.from_msg({**ForwardReply(5, 2).to_msg(), **bad})
+    with pytest.raises(ProtocolError):
+        ForwardSettle.from_msg({"op": "forward-settle", "leases": [0]})
 
 
 def test_a_vmm_segment_descriptor_carries_no_payload():

@@ -1,0 +1,98 @@
+"""A value a worker received zero-copy and passes on is mapped from its exporter, under the next worker's own lease.
+
+Issue 18: B holds an import of A's memory and C asks B for it. B asks A (over
+its link) to grant C a lease on the same memory and sends C A's descriptor; C
+maps A's pool itself. The memory then lives until C lets go, whatever B does.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+from conftest import HOST_POOL, back_to, counters, nanny_cluster, pid_of, wait_for, warm_up, worker_addresses
+
+from dask_gpupool import testing as T
+
+MiB = 1 << 20
+
+
+def _warm(c: Any, *workers: str) -> dict[str, Any]:
+    """Links and mappings between every pair (both ways); returns the resource baseline."""
+    baseline: dict[str, Any] = {}
+    for i, w in enumerate(workers):
+        for v in workers[i + 1 :]:
+            baseline = warm_up(c, w, v)
+    return baseline
+
+
+def test_a_value_passed_on_is_mapped_from_its_exporter_and_outlives_the_middle_worker():
+    with nanny_cluster([{}, {}, {}], HOST_POOL) as c:
+        a, b, w = worker_addresses(c)
+        baseline = _warm(c, a, b, w)
+        before = counters(c)
+        x = c.submit(T.make_buffer, MiB, b"two hops", workers=[a], pure=False)
+        y = c.submit(T.keep, x, workers=[b], pure=False)
+        z = c.submit(T.keep, y, workers=[w], pure=False)
+        assert c.submit(T.describe, z, workers=[w], pure=False).result() == {
+            "type": "cuda.core._memory._buffer.Buffer",
+            "imported": True,
+            "in_own_pool": False,
+        }
+        now = counters(c)
+        assert now[b]["forwards"] - before[b]["forwards"] == 1
+        assert now[w]["zero_copy_bytes"] - before[w]["zero_copy_bytes"] == MiB
+        assert now[w]["copied_bytes"] == before[w]["copied_bytes"]
+        assert now[b]["copied_out_bytes"] == before[b]["copied_out_bytes"]
+        assert now[a]["leases"] == 2 and now[b]["fallbacks"] == {} and now[w]["fallbacks"] == {}
+        # B and A drop their keys: only W's lease (granted by A, through B) keeps the memory
+        del x, y
+        wait_for(lambda: counters(c, a)[a]["leases"] == 1, what="B's lease on A to end")
+        for _ in range(8):
+            c.submit(T.scribble_all, MiB, ord("S"), workers=[a], pure=False).result()
+        assert c.submit(T.head, z, 8, workers=[w], pure=False).result() == b"two hops"
+        # the third hop goes back to A, whose memory it is: a copy (same-process), the right bytes
+        assert c.submit(T.head, z, 8, workers=[a], pure=False).result() == b"two hops"
+        assert counters(c, w)[w]["fallbacks"] == {"same-process": 1}
+        del z
+        back_to(c, baseline)
+
+
+def test_a_chain_of_three_forwards_maps_the_first_exporter_each_time():
+    with nanny_cluster([{}, {}, {}, {}], HOST_POOL) as c:
+        a, b, w, v = worker_addresses(c)
+        baseline = _warm(c, a, b, w, v)
+        x = c.submit(T.make_array, 100_003, workers=[a], pure=False)
+        y = c.submit(T.keep, x, workers=[b], pure=False)
+        z = c.submit(T.keep, y, workers=[w], pure=False)
+        u = c.submit(T.keep, z, workers=[v], pure=False)
+        total = c.submit(T.total, u, workers=[v], pure=False).result()
+        assert total == float(sum(range(100_003)))
+        assert c.submit(T.describe, u, workers=[v], pure=False).result()["imported"]
+        got = counters(c)
+        assert got[b]["forwards"] >= 1 and got[w]["forwards"] >= 1
+        assert got[a]["leases"] == 3  # B's, W's and V's, all on A's memory
+        assert all(got[k]["fallbacks"] == {} for k in (a, b, w, v))
+        del x, y, z, u
+        back_to(c, baseline)
+
+
+def test_sigkill_of_the_middle_worker_leaves_the_last_ones_memory_readable():
+    with nanny_cluster([{}, {}, {}], HOST_POOL) as c:
+        a, b, w = worker_addresses(c)
+        baseline = _warm(c, a, w)  # B's links and mappings go with it
+        x = c.submit(T.make_buffer, MiB, b"survives", workers=[a], pure=False)
+        y = c.submit(T.keep, x, workers=[b], pure=False)
+        z = c.submit(T.keep, y, workers=[w], pure=False)
+        z.result()
+        assert counters(c, a)[a]["leases"] == 2
+        os.kill(pid_of(c, b), signal.SIGKILL)
+        wait_for(lambda: counters(c, a)[a]["leases"] == 1, what="A to end the dead middle worker's lease")
+        del x
+        for _ in range(8):
+            c.submit(T.scribble_all, MiB, ord("S"), workers=[a], pure=False).result()
+        assert c.submit(T.head, z, 8, workers=[w], pure=False).result() == b"survives"
+        del y, z
+        survivors = [a, w]
+        back_to(c, {k: baseline[k] for k in survivors}, workers=survivors)
