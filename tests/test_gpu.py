@@ -584,3 +584,49 @@ def test_on_ucxx_pool_memory_hands_over_or_travels_as_device_frames(placement):
             assert not got[a]["fallbacks"], got
             del x, arr, strided, plain
             wait_for(lambda c=c, a=a: counters(c, a)[a]["leases"] == 0, what="the leases to end")
+
+
+# -- issue 18: forwarding and layouts on device pools ------------------------------------------
+
+
+@pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
+def test_every_layout_hands_over_on_a_gpu_and_passes_on(placement):
+    """CuPy views of every layout (``T.LAYOUTS``) reach B, and passed on by B reach W, zero-copy with the right values.
+
+    W maps A's memory (a lease A granted through B); B's and A's keys go, and W still reads the original values.
+    """
+    import numpy as np
+
+    if placement == "one-gpu":
+        gpus(1)
+        workers = [{"env": {"CUDA_VISIBLE_DEVICES": local_devices().uuids[0]}}] * 3
+        plugin = GPUPool(kind="device", max_size="1 GiB")
+    else:
+        gpus(2)
+        workers = [*ROTATED, ROTATED[0]]
+        plugin = GPUPool(kind="device", max_size="1 GiB", peer_gpu_handoff=True)
+    with nanny_cluster(workers, plugin) as c:
+        a, b, w = worker_addresses(c)
+        for layout in sorted(T.LAYOUTS):
+            before = counters(c)
+            x = c.submit(T.make_array, 400, "cupy", workers=[a], pure=False)
+            v = c.submit(T.view_of, x, layout, workers=[a], pure=False)
+            y = c.submit(T.keep, v, workers=[b], pure=False)
+            z = c.submit(T.keep, y, workers=[w], pure=False)
+            base = np.arange(400, dtype="f8")
+            if layout == "fortran":
+                base = np.asfortranarray(base.reshape(20, 20))
+            view = T.LAYOUTS[layout](np, base)
+            want = {"shape": list(view.shape), "values": view.tolist()}
+            assert c.submit(T.as_nested_list, y, workers=[b], pure=False).result() == want, layout
+            del x, v, y
+            for _ in range(4):
+                c.submit(T.scribble_all, 4 * MiB, ord("S"), workers=[a], pure=False).result()
+            assert c.submit(T.as_nested_list, z, workers=[w], pure=False).result() == want, layout
+            now = counters(c)
+            if layout != "empty":
+                assert now[w]["zero_copy_bytes"] > before[w]["zero_copy_bytes"], layout
+                assert now[w]["copied_bytes"] == before[w]["copied_bytes"], layout
+                assert now[b]["forwards"] > before[b]["forwards"], layout
+            assert all(now[k]["fallbacks"] == before[k]["fallbacks"] for k in (a, b, w)), (layout, now)
+            del z

@@ -220,7 +220,10 @@ def loads_array(header: dict[str, Any], frames: list[Any], previous: Any) -> Any
     except Exception as e:
         raise _lost(header[KEY], e) from e
     if meta.module == "numpy" or buf.is_device_accessible:
-        return as_array(buf, meta.shape, meta.dtype, meta.strides, meta.offset, like=meta.module)
+        arr = as_array(buf, meta.shape, meta.dtype, meta.strides, meta.offset, like=meta.module)
+        if h.path == "ipc" and meta.module == "numpy":
+            arr.flags.writeable = False  # the producer's memory, shared: tasks must not write their inputs
+        return arr
     # A CuPy array that landed in host memory (a client, or a host pool without a GPU).
     host = as_array(buf, meta.shape, meta.dtype, meta.strides, meta.offset, like="numpy")
     try:

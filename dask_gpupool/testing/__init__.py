@@ -52,7 +52,9 @@ from dask_gpupool.testing.probes import (
     stop_loop_ticks,
 )
 from dask_gpupool.testing.tasks import (
+    LAYOUTS,
     all_equal,
+    as_nested_list,
     describe,
     every_other,
     fill,
@@ -67,10 +69,14 @@ from dask_gpupool.testing.tasks import (
     serializer_families,
     set_all,
     total,
+    try_write,
+    view_of,
 )
 
 __all__ = [
+    "LAYOUTS",
     "all_equal",
+    "as_nested_list",
     "block_imports",
     "close_links",
     "describe",
@@ -113,7 +119,9 @@ __all__ = [
     "stop_copy_server",
     "stop_loop_ticks",
     "total",
+    "try_write",
     "unmap",
+    "view_of",
     "visible_devices",
     "write_bytes",
 ]

@@ -168,3 +168,48 @@ def all_equal(x: Any, value: int) -> bool:
         cupy.cuda.runtime.deviceSynchronize()
         return ok
     return bool((np.frombuffer(read_bytes(x), dtype="u1") == value).all())
+
+
+#: Views of a 400-element array, by name: every layout a handoff must describe (shape, strides, offset).
+LAYOUTS = {
+    "slice": lambda xp, a: a[3:350:2],
+    "transpose": lambda xp, a: a.reshape(20, 20).T,
+    "negative-strides": lambda xp, a: a.reshape(20, 20)[::-1, ::-3],
+    "broadcast": lambda xp, a: xp.broadcast_to(a[:7], (5, 7)),
+    "zero-d": lambda xp, a: a[5:6].reshape(()),
+    "empty": lambda xp, a: a[:0],
+    "fortran": lambda xp, a: a[2:, 3:],  # of a Fortran-ordered copy of the 20 x 20 array, made in the pool
+}
+
+
+def view_of(x: Any, layout: str) -> Any:
+    """Task: the ``layout`` view (:data:`LAYOUTS`) of array ``x``, no copy (``fortran`` copies once, in the pool)."""
+    module = "cupy" if type(x).__module__.startswith("cupy") else "numpy"
+    if module == "cupy":
+        import cupy as xp
+    else:
+        import numpy as xp
+    if layout == "fortran":
+        from dask_gpupool import as_array
+
+        size = x.dtype.itemsize
+        f = as_array(current_service().allocate(x.nbytes), (20, 20), x.dtype, (size, 20 * size), like=module)
+        f[...] = x.reshape(20, 20)
+        return LAYOUTS[layout](xp, f)
+    return LAYOUTS[layout](xp, x)
+
+
+def as_nested_list(x: Any) -> Any:
+    """Task: the values of array ``x`` as nested Python lists (and its shape), wherever it lives."""
+    if type(x).__module__.startswith("cupy"):
+        x = x.get()
+    return {"shape": list(x.shape), "values": x.tolist()}
+
+
+def try_write(x: Any) -> str:
+    """Task: write into array ``x`` in place; ``"wrote"`` or the error's type name."""
+    try:
+        x[...] = 0
+    except Exception as e:
+        return type(e).__name__
+    return "wrote"
