@@ -133,7 +133,7 @@ def _offloaded(worker: Worker, keys: Any) -> bool:
 
 
 def _all_handed_over(worker: Worker, service: PoolService, keys: Any, who: str | None, scheme: str) -> bool:
-    """Whether every key is in memory (not spilled) and will go to ``who`` as an IPC descriptor."""
+    """Whether every key is in memory (not spilled) and will go to ``who`` as an IPC descriptor (or forward)."""
     data = getattr(worker.data, "fast", worker.data)  # a SpillBuffer's in-memory part: no unspilling
     if not keys or who is None:
         return False
@@ -145,7 +145,8 @@ def _all_handed_over(worker: Worker, service: PoolService, keys: Any, who: str |
         buf = pool_buffer_of(value)
         if buf is None:
             return False
-        row, reason = service.route(who, scheme, buf)
+        origin = getattr(buf.memory_resource, "origin", None)  # an import, passed on as its exporter's memory
+        row, reason = service.forward_route(origin, who, scheme)[0] if origin else service.route(who, scheme, buf)
         if row is None or reason is not None:
             return False
     return True

@@ -290,28 +290,13 @@ class PoolService:
         (:func:`~dask_gpupool.handoff.routing.route` with the exporter's row).
         Returns the header, or ``None`` to copy (a same-host fallback is counted).
         """
-        owner = self.registry.get(origin.desc.pool)
-        row = self.registry.worker_row(requester) if requester else None
-        if owner is None or owner.worker != origin.exporter:
-            if row is not None and row.host == self.record.host:
-                self.handoffs.fallback(row.worker, "forward-refused", self.record.worker, "the exporter left")
-            return None
-        decision = route(
-            owner,
-            requester,
-            row,
-            scheme,
-            pool_open=not (self._closed or self.pool.closed),
-            owned=True,
-            unreachable=row is not None and self._is_unreachable(row.worker),
-            import_size=origin.desc.size,
-            import_limit=self.options.effective_import_limit(owner.kind == "device" and self.pool.vmm),
-        )
+        decision, owner = self.forward_route(origin, requester, scheme)
         if decision.reason is not None:
             peer = decision.row.worker if decision.row is not None else str(requester)
-            self.handoffs.fallback(peer, decision.reason, self.record.worker)
+            detail = "the exporter left" if owner is None else ""
+            self.handoffs.fallback(peer, decision.reason, self.record.worker, detail)
             return None
-        if decision.row is None:
+        if decision.row is None or owner is None:
             return None  # another host or a client: an expected copy
         try:
             lease, _segment = self.importer.link(owner).forward(origin.lease, decision.row.worker)
@@ -328,6 +313,26 @@ class PoolService:
             lease=lease,
             array=array,
         )
+
+    def forward_route(self, origin: Origin, requester: str | None, scheme: str) -> tuple[Route, PoolRecord | None]:
+        """:meth:`forward`'s decision without counting it, and the exporter's row (``None``: it left)."""
+        owner = self.registry.get(origin.desc.pool)
+        row = self.registry.worker_row(requester) if requester else None
+        if owner is None or owner.worker != origin.exporter:
+            same_host = row is not None and row.host == self.record.host
+            return Route(row, "forward-refused" if same_host else None), None
+        decision = route(
+            owner,
+            requester,
+            row,
+            scheme,
+            pool_open=not (self._closed or self.pool.closed),
+            owned=True,
+            unreachable=row is not None and self._is_unreachable(row.worker),
+            import_size=origin.desc.size,
+            import_limit=self.options.effective_import_limit(owner.kind == "device" and self.pool.vmm),
+        )
+        return decision, owner
 
     def settle_forwarded(self, forwarded: list[tuple[str, int]], requester: str | None) -> None:
         """The reply that carried these ``(exporter, lease)`` forwards ended: the exporters end unclaimed ones."""

@@ -96,3 +96,15 @@ def test_sigkill_of_the_middle_worker_leaves_the_last_ones_memory_readable():
         del y, z
         survivors = [a, w]
         back_to(c, {k: baseline[k] for k in survivors}, workers=survivors)
+
+
+def test_a_reply_of_values_to_pass_on_is_serialized_on_the_event_loop():
+    """As for the exporter's own buffers: no hop to Dask's offload thread for a reply of descriptors."""
+    with nanny_cluster([{}, {}, {}], HOST_POOL) as c:
+        a, b, w = worker_addresses(c)
+        x = c.submit(T.make_buffer, 12 * MiB, b"big", workers=[a], pure=False)  # over Dask's 10 MiB offload size
+        y = c.submit(T.keep, x, workers=[b], pure=False)
+        y.result()
+        assert c.run(T.serialized_inline, [y.key], w, workers=[b])[b]
+        assert c.submit(T.head, y, 3, workers=[w], pure=False).result() == b"big"
+        assert counters(c, b)[b]["forwards"] == 1
