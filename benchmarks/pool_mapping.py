@@ -29,7 +29,9 @@ from typing import Any
 import dask_gpupool
 from dask_gpupool import GPUPool
 from dask_gpupool import testing as T
+from dask_gpupool.dask.api import current_service
 from dask_gpupool.memory.topology import local_devices
+from dask_gpupool.testing import memory as held_buffers
 from dask_gpupool.wire.handoff import BufferDescriptor
 
 MiB = 1 << 20
@@ -37,7 +39,7 @@ MiB = 1 << 20
 
 def time_imports(descs: list[dict[str, Any]], repeats: int) -> dict[str, Any]:
     """Task on the importer: time mapping the pool once, then importing each buffer."""
-    service = T.current_service()
+    service = current_service()
     parsed = [BufferDescriptor.from_msg(d) for d in descs]
     t0 = time.perf_counter()
     mapped = service.map_peer(parsed[0].pool)
@@ -56,38 +58,38 @@ def time_imports(descs: list[dict[str, Any]], repeats: int) -> dict[str, Any]:
 
 
 def step(name: str, *args: Any) -> float:
-    """Task: one step of a large handoff, timed; the buffers live in ``T._held`` between steps."""
-    service = T.current_service()
+    """Task: one step of a large handoff, timed; buffers stay in ``dask_gpupool.testing.memory._held`` between steps."""
+    service = current_service()
     t0 = time.perf_counter()
     if name == "allocate":  # producer
         key, nbytes = args
         buf = service.allocate(nbytes)
-        with T._held_lock:
-            T._held[key] = buf
+        with held_buffers._held_lock:
+            held_buffers._held[key] = buf
     elif name == "fill":  # producer: every byte set on the GPU
         key, value = args
-        T.set_all(T._held[key], value)
+        T.set_all(held_buffers._held[key], value)
     elif name == "import":  # importer
         key, desc = args
         d = BufferDescriptor.from_msg(desc)
         buf = service.map_peer(d.pool).import_buffer(d)
-        with T._held_lock:
-            T._held[key] = buf
+        with held_buffers._held_lock:
+            held_buffers._held[key] = buf
     elif name == "check":  # importer: every byte read on its GPU
         key, value = args
-        if not T.all_equal(T._held[key], value):
+        if not T.all_equal(held_buffers._held[key], value):
             raise AssertionError("imported bytes differ from what the producer wrote")
     elif name == "release":  # importer: closed under the import lock, by its mapping
         key, desc = args
-        with T._held_lock:
-            buf = T._held.pop(key)
+        with held_buffers._held_lock:
+            buf = held_buffers._held.pop(key)
         service.map_peer(BufferDescriptor.from_msg(desc).pool).release(buf)
     return time.perf_counter() - t0
 
 
 def export(key: str) -> dict[str, Any]:
     """Task on the producer: the descriptor of a held buffer."""
-    return T.current_service().export(T._held[key]).to_msg()
+    return current_service().export(held_buffers._held[key]).to_msg()
 
 
 def run_large(placement: str, workers: list[dict[str, Any]], sizes: list[int], kind: str = "device") -> dict[str, Any]:

@@ -76,15 +76,36 @@ def fd_count() -> int:
 
 @pytest.fixture
 def no_fd_leak() -> Iterator[None]:
-    """Fails the test if it leaves more fds open in this process than it found."""
+    """Fails the test if it leaves more fds open in this process than it found (naming the new ones).
+
+    The driver's own fds and those of each visible GPU's primary context are
+    opened once per process and kept: they are opened first, so they are not
+    counted against a test that happens to be the first to use a GPU (an
+    importer makes its GPU current even for host pools).
+    """
     import gc
 
-    local_devices()  # the driver's own fds, opened once per process, are not the test's
+    from dask_gpupool.memory.topology import current_gpu
+
+    for ordinal in range(len(local_devices().uuids)):
+        current_gpu(ordinal)
     gc.collect()
-    before = fd_count()
+    before = _fd_targets()
     yield
     gc.collect()
-    assert fd_count() <= before, "the test leaked file descriptors in the test process"
+    after = _fd_targets()
+    new = sorted(target for fd, target in after.items() if before.get(fd) != target)
+    assert len(after) <= len(before), f"the test leaked file descriptors in the test process: {new}"
+
+
+def _fd_targets() -> dict[str, str]:
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    return out
 
 
 def handoff_round_trip(client: Any, nbytes: int, data: bytes) -> dict[str, Any]:

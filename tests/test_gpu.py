@@ -92,7 +92,7 @@ def test_device_pool_stats_and_full_pool():
                 err = "no error"
             except dask_gpupool.PoolExhaustedError as e:
                 err = str(e)
-            stats = T.current_service().stats().to_msg()
+            stats = dask_gpupool.dask.api.current_service().stats().to_msg()
             del bufs
             return stats, err
 
@@ -584,6 +584,17 @@ def test_on_ucxx_pool_memory_hands_over_or_travels_as_device_frames(placement):
             assert not got[a]["fallbacks"], got
             del x, arr, strided, plain
             wait_for(lambda c=c, a=a: counters(c, a)[a]["leases"] == 0, what="the leases to end")
+
+
+def test_the_package_imports_after_cupy():
+    """``import cupy`` before ``dask_gpupool`` (benchmarks/dask_array.py does): no circular import."""
+    import subprocess
+    import sys
+
+    gpus(1)
+    code = "import cupy, dask_gpupool, dask_gpupool.dask.device_frames; print('ok')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
 # -- issue 18: forwarding and layouts on device pools ------------------------------------------

@@ -308,12 +308,23 @@ def _register_cupy_now() -> None:
 
     from distributed.protocol.cuda import cuda_deserialize, cuda_serialize
 
-    from dask_gpupool.dask.device_frames import cuda_dumps_cupy, cuda_loads_cupy
-
     previous_cuda_dumps = cuda_serialize.dispatch(cupy.ndarray)
     previous_cuda_loads = cuda_deserialize.dispatch(cupy.ndarray)
-    cuda_serialize.register(cupy.ndarray)(lambda x: cuda_dumps_cupy(x, previous_cuda_dumps))
-    cuda_deserialize.register(cupy.ndarray)(lambda h, f: cuda_loads_cupy(h, f, previous_cuda_loads))
+
+    # device_frames imports this module: when it is the one being imported (``import cupy`` came first),
+    # it is not complete yet here, so its functions are looked up at the first call.
+    def cuda_dumps(x: Any) -> tuple[dict[str, Any], list[Any]]:
+        from dask_gpupool.dask.device_frames import cuda_dumps_cupy
+
+        return cuda_dumps_cupy(x, previous_cuda_dumps)
+
+    def cuda_loads(header: dict[str, Any], frames: list[Any]) -> Any:
+        from dask_gpupool.dask.device_frames import cuda_loads_cupy
+
+        return cuda_loads_cupy(header, frames, previous_cuda_loads)
+
+    cuda_serialize.register(cupy.ndarray)(cuda_dumps)
+    cuda_deserialize.register(cupy.ndarray)(cuda_loads)
 
 
 def _register_sizeof() -> None:

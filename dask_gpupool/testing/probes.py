@@ -51,7 +51,7 @@ def resources(dask_worker: Worker) -> dict[str, Any]:
         "used": service.stats().used,
         "held": held_count(),
         "leases": len(service.leases),
-        "importsmemory._held": service.releaser.live(),
+        "imports_held": service.releaser.live(),
         "pulls": 0 if service.copier is None else service.copier.transfers,
     }
 
