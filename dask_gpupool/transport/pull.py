@@ -1,7 +1,7 @@
 """The receiving side of the streamed copy: :func:`pull` a leased buffer from an exporter's copy server.
 
 Each lane is one TCP connection that asks for its part of the buffer with a
-:class:`~dask_gpupool.wire.broker.PullRequest` (the cluster's proof, the pool
+:class:`~dask_gpupool.wire.stream.PullRequest` (the cluster's proof, the pool
 and the lease) and receives it in chunks through pinned staging
 (:mod:`dask_gpupool.transport.staging`), copied into the destination Buffer as
 they arrive. Runs in the calling thread and a small executor.
@@ -28,8 +28,9 @@ from dask_gpupool.transport.staging import (
     recv_message,
     send_message,
 )
-from dask_gpupool.wire.broker import PullReply, PullRequest, pull_proof, raise_for_error
+from dask_gpupool.wire.broker import raise_for_error
 from dask_gpupool.wire.codec import decode
+from dask_gpupool.wire.stream import PullReply, PullRequest, pull_proof
 
 if TYPE_CHECKING:
     from cuda.core import Buffer

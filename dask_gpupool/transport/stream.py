@@ -31,7 +31,7 @@ a pull claims it for its connection, and a failed or dropped connection
 releases it (the importer reads a copy, never this memory). A lease never
 pulled ends with the ``get_data`` reply that carried it.
 
-**Who may pull.** ``proof`` (:func:`~dask_gpupool.wire.broker.pull_proof`) is
+**Who may pull.** ``proof`` (:func:`~dask_gpupool.wire.stream.pull_proof`) is
 HMAC-SHA256 of ``pull:<pool>:<lease>`` under the cluster's membership token:
 only members of the cluster can make one, and it names one lease of one pool.
 The bytes themselves travel unencrypted, as they would in Dask's ``tcp``
@@ -68,8 +68,9 @@ from dask_gpupool.errors import ConfigError, DataLostError, GPUPoolError, NotAMe
 from dask_gpupool.memory.topology import current_gpu
 from dask_gpupool.transport.accept import AcceptBackoff
 from dask_gpupool.transport.staging import SLOTS, STAGING, chunks, host_view, memcpy, recv_message, send_message
-from dask_gpupool.wire.broker import ErrorReply, PullReply, PullRequest, pull_proof
+from dask_gpupool.wire.broker import ErrorReply
 from dask_gpupool.wire.codec import decode
+from dask_gpupool.wire.stream import PullReply, PullRequest, pull_proof
 
 if TYPE_CHECKING:
     from cuda.core import Buffer

@@ -18,7 +18,7 @@ from dask_gpupool.memory.buffers import host_buffer
 from dask_gpupool.testing import read_bytes
 from dask_gpupool.transport.pull import pull
 from dask_gpupool.transport.stream import CopyServer, Staged, lanes
-from dask_gpupool.wire.broker import pull_proof
+from dask_gpupool.wire.stream import pull_proof
 
 POOL = str(uuid.uuid4())
 TOKEN = b"t" * 32

@@ -37,8 +37,9 @@ from dask_gpupool.transport.broker import FdBroker
 from dask_gpupool.transport.link import request_pool_fd
 from dask_gpupool.transport.pull import pull
 from dask_gpupool.transport.stream import CopyServer, Staged
-from dask_gpupool.wire.broker import HandleReply, pull_proof
+from dask_gpupool.wire.broker import HandleReply
 from dask_gpupool.wire.codec import decode
+from dask_gpupool.wire.stream import pull_proof
 
 POOL = str(uuid.UUID(int=15))  # the same in the spawned owner, which imports this module anew
 TOKEN = b"cluster-token-0123456789abcdef!!"

@@ -36,8 +36,6 @@ from dask_gpupool.wire.broker import (
     HandleReply,
     Hello,
     LeaseForward,
-    PullReply,
-    PullRequest,
     Resync,
     ResyncReply,
     SegmentRelease,
@@ -46,6 +44,7 @@ from dask_gpupool.wire.broker import (
 from dask_gpupool.wire.codec import decode, encode
 from dask_gpupool.wire.handoff import BufferDescriptor, HandoffHeader
 from dask_gpupool.wire.registry import Membership, PoolRecord, RegistryUpdate
+from dask_gpupool.wire.stream import PullReply, PullRequest
 
 MiB = 1 << 20
 POOL = str(uuid.uuid4())

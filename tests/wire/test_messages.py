@@ -16,8 +16,6 @@ from dask_gpupool.wire.broker import (
     HandleReply,
     HandleRequest,
     LeaseForward,
-    PullReply,
-    PullRequest,
     SegmentRelease,
     parse_request,
     raise_for_error,
@@ -25,6 +23,7 @@ from dask_gpupool.wire.broker import (
 from dask_gpupool.wire.codec import MAX_MESSAGE_BYTES, decode, encode
 from dask_gpupool.wire.handoff import BufferDescriptor, HandoffHeader
 from dask_gpupool.wire.registry import PoolRecord, RegistryUpdate
+from dask_gpupool.wire.stream import PullReply, PullRequest
 
 POOL = str(uuid.uuid4())
 RECORD = PoolRecord(

@@ -1,0 +1,213 @@
+"""Real ``dask.array`` programs with and without dask_gpupool at its defaults: wall time and bytes copied.
+
+Issue 18 asks that a user who adds the plugin gets zero-copy for what GPU Dask
+programs make, without changing a line of task code, and is never slower than
+Dask over UCXX. This runs each workload on the same cluster layout with each
+method (a fresh cluster per method and round, interleaved) and reports:
+
+- the wall time of ``.compute()`` (median of ``--repeats`` after one warm-up,
+  then the median over ``--rounds`` clusters);
+- the bytes Dask moved between workers that did *not* go zero-copy: the sum of
+  every worker's ``transfer_incoming_log`` totals, less the plugin's
+  ``zero_copy_bytes`` (all workers share one host here, so every such byte is a
+  same-host copy);
+- the plugin's fallbacks by reason.
+
+Workloads (``x`` is an ``n x n`` float64 array of ``chunk``-sized blocks, CuPy
+when a GPU is visible, NumPy otherwise): ``elementwise`` ``(x + 2 * x.T).sum()``;
+``matmul`` ``(x @ x).sum()``; ``tensordot`` ``tensordot(x, x, ([0], [0])).sum()``;
+``rechunk`` to row panels (task rechunk); ``slicing`` strided slices and fancy
+indexing; ``reduction`` ``x.mean(axis=0)`` and ``x.std()``; ``map_overlap``
+a halo exchange of depth 8. Methods: ``tcp`` and ``ucxx`` (plain Dask) and
+``gpupool`` / ``ucxx+gpupool`` (``GPUPool()`` with no options). Layouts on a
+GPU machine: ``two-per-gpu`` and ``one-per-gpu``; two workers without a GPU.
+
+JSON rows ``{workload, layout, method, median_s, copied_bytes, ...}`` go to
+``benchmarks/results/workloads-*.json`` (and ``$OUT``)::
+
+    python benchmarks/workloads.py [--n 8192] [--chunk 2048] [--repeats 3] [--rounds 2]
+        [--methods tcp,ucxx,gpupool] [--layouts two-per-gpu,one-per-gpu] [--workloads matmul,rechunk]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import dask.array as da
+from distributed import wait
+from handoff import cluster  # benchmarks/handoff.py (this directory is on sys.path when run as a script)
+
+import dask_gpupool
+from dask_gpupool.memory.topology import local_devices
+
+WORKLOADS: dict[str, Callable[[Any, int], list[Any]]] = {
+    "elementwise": lambda x, c: [(x + 2 * x.T).sum()],
+    "matmul": lambda x, c: [(x @ x).sum()],
+    "tensordot": lambda x, c: [da.tensordot(x, x, axes=([0], [0])).sum()],
+    "rechunk": lambda x, c: [x.rechunk((c // 2, x.shape[1]), method="tasks").sum()],
+    "slicing": lambda x, c: [x[::3, 1::2].sum(), x[[1, 7, c + 3, 2 * c + 5, x.shape[0] - 1]].sum()],
+    "reduction": lambda x, c: [x.mean(axis=0).sum(), x.std()],
+    "map_overlap": lambda x, c: [x.map_overlap(lambda b: b * 0.5, depth=8, boundary="none").sum()],
+}
+
+
+def layouts(gpus: int) -> dict[str, list[dict[str, Any]]]:
+    if gpus == 0:
+        return {"cpu": [{}, {}]}
+    order = list(range(gpus))
+    rotated = [",".join(map(str, order[i:] + order[:i])) for i in range(gpus)]
+    out = {"two-per-gpu": [{"env": {"CUDA_VISIBLE_DEVICES": r}} for r in rotated for _ in range(2)]}
+    if gpus >= 2:
+        out["one-per-gpu"] = [{"env": {"CUDA_VISIBLE_DEVICES": r}} for r in rotated]
+    return out
+
+
+def method_setup(method: str, gpus: int) -> tuple[str, Any] | None:
+    """(protocol, plugin) for a method, or ``None`` where it cannot run here."""
+    protocol = "ucxx" if method.startswith("ucxx") else "tcp"
+    if protocol == "ucxx":
+        if not gpus:
+            return None
+        try:
+            import distributed_ucxx  # noqa: F401
+        except ImportError:
+            return None
+    return protocol, (dask_gpupool.GPUPool() if method.endswith("gpupool") else None)
+
+
+def _transferred(dask_worker: Any) -> int:
+    return int(sum(t.get("total", 0) for t in dask_worker.transfer_incoming_log))
+
+
+def run(workers: list[dict[str, Any]], method: str, todo: list[str], args: argparse.Namespace, gpu: bool) -> Any:
+    setup = method_setup(method, len(local_devices().uuids))
+    if setup is None:
+        return None
+    protocol, plugin = setup
+    out = {}
+    with cluster(workers, protocol, plugin) as c:
+        x = da.random.default_rng(42).random((args.n, args.n), chunks=args.chunk)
+        if gpu:
+            import cupy
+
+            x = x.map_blocks(cupy.asarray)
+        x = x.persist()
+        wait(x)
+        for name in todo:
+            before = sum(c.run(_transferred).values())
+            stats_before = dask_gpupool.stats(c) if plugin is not None else {}
+            samples, values = [], []
+            for i in range(args.repeats + 1):
+                t0 = time.perf_counter()
+                values = [float(v) for v in c.compute(WORKLOADS[name](x, args.chunk), sync=True)]
+                if i:  # the first is a warm-up
+                    samples.append(time.perf_counter() - t0)
+            moved = sum(c.run(_transferred).values()) - before
+            zero_copy, fallbacks = 0, {}
+            if plugin is not None:
+                for w, s in dask_gpupool.stats(c).items():
+                    zero_copy += s.get("zero_copy_bytes", 0) - stats_before.get(w, {}).get("zero_copy_bytes", 0)
+                    for reason, n in s.get("fallbacks", {}).items():
+                        d = n - stats_before.get(w, {}).get("fallbacks", {}).get(reason, 0)
+                        if d:
+                            fallbacks[reason] = fallbacks.get(reason, 0) + d
+            out[name] = {
+                "median_s": statistics.median(samples),
+                "samples": samples,
+                "moved_bytes": moved,
+                "zero_copy_bytes": zero_copy,
+                "copied_bytes": max(moved - zero_copy, 0),
+                "fallbacks": fallbacks,
+                "values": values,
+            }
+            row = out[name]
+            print(
+                f"   {method:14} {name:12} {row['median_s'] * 1e3:9.1f} ms  copied {row['copied_bytes']:>13,} B"
+                f"  zero-copy {zero_copy:>13,} B  {fallbacks or ''}",
+                flush=True,
+            )
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n", type=int, default=8192)
+    p.add_argument("--chunk", type=int, default=2048)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=2, help="fresh clusters per method, interleaved")
+    p.add_argument("--methods", default="tcp,ucxx,gpupool,ucxx+gpupool")
+    p.add_argument("--layouts", default="", help="comma-separated (default: all for this machine)")
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    args = p.parse_args()
+    gpus = len(local_devices().uuids)
+    todo = [w for w in args.workloads.split(",") if w]
+    unknown = set(todo) - set(WORKLOADS)
+    if unknown:
+        p.error(f"unknown workloads {sorted(unknown)}; known: {', '.join(WORKLOADS)}")
+    places = layouts(gpus)
+    if args.layouts:
+        places = {k: v for k, v in places.items() if k in args.layouts.split(",")}
+    methods = [m for m in args.methods.split(",") if m]
+    raw: dict[tuple[str, str], list[Any]] = {}
+    for layout, workers in places.items():
+        for r in range(args.rounds):
+            for method in methods:
+                print(f"-- {layout}, round {r}, {method}", flush=True)
+                raw.setdefault((layout, method), []).append(run(workers, method, todo, args, gpus > 0))
+    rows = []
+    for (layout, method), rounds in raw.items():
+        if any(r is None for r in rounds):
+            print(f"{layout} {method}: not available here")
+            continue
+        for name in todo:
+            per = [r[name] for r in rounds]
+            rows.append(
+                {
+                    "workload": name,
+                    "layout": layout,
+                    "method": method,
+                    "median_s": statistics.median(x["median_s"] for x in per),
+                    "copied_bytes": statistics.median(x["copied_bytes"] for x in per),
+                    "zero_copy_bytes": statistics.median(x["zero_copy_bytes"] for x in per),
+                    "fallbacks": per[-1]["fallbacks"],
+                    "rounds_s": [x["median_s"] for x in per],
+                    "values": per[0]["values"],
+                }
+            )
+    print(f"\n{args.n}x{args.n} f8 in {args.chunk}-chunks, {'CuPy' if gpus else 'NumPy'}; ms (copied MiB)")
+    for layout in places:
+        present = [m for m in methods if any(r["layout"] == layout and r["method"] == m for r in rows)]
+        print(f"{layout:12} " + "".join(f"{m:>22}" for m in present))
+        for name in todo:
+            cells = {r["method"]: r for r in rows if r["layout"] == layout and r["workload"] == name}
+            print(
+                f"  {name:10} "
+                + "".join(
+                    f"{cells[m]['median_s'] * 1e3:>12.1f} ({cells[m]['copied_bytes'] / 2**20:>6.0f})" for m in present
+                )
+            )
+    agree = all(
+        all(abs(a - b) <= 1e-6 * max(abs(a), 1.0) for a, b in zip(r["values"], ref["values"], strict=True))
+        for r in rows
+        for ref in rows
+        if ref["workload"] == r["workload"]
+    )
+    print("values agree across methods" if agree else "VALUES DIFFER between methods")
+    out = {"host": platform.node(), "gpus": gpus, "args": vars(args), "rows": rows}
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for folder in (os.path.join(os.path.dirname(__file__), "results"), os.environ.get("OUT")):
+        if folder:
+            os.makedirs(folder, exist_ok=True)
+            with open(os.path.join(folder, f"workloads-{stamp}.json"), "w") as f:
+                json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
