@@ -44,7 +44,7 @@ from dask_gpupool.handoff.active import active_service
 from dask_gpupool.memory.buffers import buffer_kind, copy_to_host, host_buffer
 from dask_gpupool.wire.handoff import ArrayMeta, HandoffHeader
 
-__all__ = ["KEY", "deserialize_buffer", "hand_over", "loads_array", "register_cupy"]
+__all__ = ["KEY", "count_plain", "deserialize_buffer", "hand_over", "loads_array", "register_cupy"]
 
 KEY = "gpupool"
 
@@ -97,6 +97,20 @@ def _dumps(
     exporter = service.record.worker if service is not None else ""
     header = HandoffHeader("copy", buffer_kind(buf), nbytes, exporter=exporter, array=copy_meta)
     return {KEY: header.to_msg()}, [frame]
+
+
+def count_plain(nbytes: int, *, device: bool) -> None:
+    """Count an array outside every pool that a ``get_data`` reply sends: a copy, and for a same-host worker its reason.
+
+    Such arrays go through distributed's own serializers (a host copy over
+    TCP, device frames over UCX): counted in ``copied_out_bytes`` or
+    ``device_frames_out_bytes``, and, to a same-host worker, as fallback
+    ``not-in-pool`` (one WARNING per peer says how to make results in the
+    pool). Outside a reply (spilling, task graphs) it costs a context-variable read.
+    """
+    request = REQUEST.get()
+    if request is not None:
+        request.service.count_plain_copy(request.requester, request.plain_reason, nbytes, device)
 
 
 def hand_over(request: Request, holder: Any, buf: Buffer, meta: ArrayMeta | None) -> HandoffHeader | None:
@@ -186,6 +200,7 @@ def _dumps_array(arr: Any, module: str, ptr: int, previous: Any, context: Any) -
     """Hand an array over a pool buffer over (or copy it); any other array goes to ``previous(arr, context)``."""
     buf = viewed_buffer(arr, ptr)
     if buf is None:
+        count_plain(int(arr.nbytes), device=False)
         return previous(arr, context)
     shape, strides = tuple(arr.shape), tuple(arr.strides)
 
@@ -254,7 +269,8 @@ def _register_numpy() -> None:
     previous_loads = dask_deserialize.dispatch(np.ndarray)
 
     def serialize_numpy(x: Any, context: Any = None) -> tuple[dict[str, Any], list[Any]]:
-        if not VIEWS:  # no array over a pool buffer in this process: distributed's serializer, nothing else
+        if not VIEWS:  # no array over a pool buffer in this process: distributed's serializer, counted
+            count_plain(int(x.nbytes), device=False)
             return previous_dumps(x, context)
         return _dumps_array(x, "numpy", int(x.__array_interface__["data"][0]), previous_dumps, context)
 
@@ -296,7 +312,8 @@ def _register_cupy_now() -> None:
     previous_loads = dask_deserialize.dispatch(cupy.ndarray)
 
     def serialize_cupy(x: Any, context: Any = None) -> tuple[dict[str, Any], list[Any]]:
-        if not VIEWS:  # no array over a pool buffer in this process: distributed's serializer, nothing else
+        if not VIEWS:  # no array over a pool buffer in this process: distributed's serializer, counted
+            count_plain(int(x.nbytes), device=False)
             return previous_dumps(x, context)
         return _dumps_array(x, "cupy", int(x.data.ptr), previous_dumps, context)
 

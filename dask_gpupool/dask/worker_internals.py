@@ -49,6 +49,8 @@ class Request:
     granted: list[int] = field(default_factory=list)
     #: ``(exporter, lease)`` of imported values passed on in this reply; settled at their exporters.
     forwarded: list[tuple[str, int]] = field(default_factory=list)
+    #: Why a value outside every pool in this reply is a same-host copy (``None``: it is not one).
+    plain_reason: str | None = None
 
 
 #: Set while a worker answers ``get_data``; Dask's offload thread inherits it.
@@ -83,7 +85,7 @@ def install_get_data_hook(worker: Worker, service: PoolService) -> Any:
             scheme = parse_address(comm.peer_address)[0]
         except Exception:
             scheme = ""
-        token = REQUEST.set(Request(who, scheme, service))
+        token = REQUEST.set(Request(who, scheme, service, plain_reason=service.plain_copy_reason(who)))
         inline = getattr(comm, "allow_offload", False) and _inline_reply(worker, service, keys, who, scheme)
         if inline:
             comm.allow_offload = False

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 from dask_gpupool.wire.registry import PoolRecord
 
-__all__ = ["HANDOFF_SCHEMES", "Route", "host_of", "route"]
+__all__ = ["HANDOFF_SCHEMES", "Route", "host_of", "plain_copy_reason", "route"]
 
 #: Comms over which a same-host worker gets IPC descriptors: the bytes of a descriptor travel in
 #: Dask's frames, so any comm that carries frames between processes would do; these are the ones tested.
@@ -98,6 +98,22 @@ def route(
     else:
         return Route(row, None)
     return Route(row, reason)
+
+
+def plain_copy_reason(own: PoolRecord, requester: str | None, row: PoolRecord | None) -> str | None:
+    """Why a value outside every pool, sent to ``requester``, is a same-host copy; ``None`` when it is not one.
+
+    ``"not-in-pool"`` for a worker of this host in another process,
+    ``"unknown-requester"`` for a worker at this host's address with no row,
+    ``None`` for another host, this process, or a request that is not a worker's.
+    """
+    if row is None:
+        if requester is not None and host_of(requester) == host_of(own.worker):
+            return "unknown-requester"
+        return None
+    if row.host != own.host or row.pid == own.pid:
+        return None
+    return "not-in-pool"
 
 
 def host_of(address: str) -> str:

@@ -38,7 +38,7 @@ from dask_gpupool.handoff.leases import LeaseTable
 from dask_gpupool.handoff.mappings import MappedPool, MappedPools
 from dask_gpupool.handoff.registry import RegistryView
 from dask_gpupool.handoff.releaser import Releaser
-from dask_gpupool.handoff.routing import Route, route
+from dask_gpupool.handoff.routing import Route, plain_copy_reason, route
 from dask_gpupool.handoff.stats import HandoffStats
 from dask_gpupool.memory.buffers import buffer_kind
 from dask_gpupool.memory.lifetime import keep_until_exit
@@ -261,6 +261,26 @@ class PoolService:
             import_size=self.pool.import_size(buf) if owned and self.pool.kind == "device" else 0,
             import_limit=self.options.effective_import_limit(self.pool.vmm),
         )
+
+    def plain_copy_reason(self, requester: str | None) -> str | None:
+        """Why a value outside every pool sent to ``requester`` is a same-host copy (``None``: it is not one).
+
+        :func:`~dask_gpupool.handoff.routing.plain_copy_reason`; the get_data hook asks once per reply.
+        """
+        row = self.registry.worker_row(requester) if requester else None
+        return plain_copy_reason(self.record, requester, row)
+
+    def count_plain_copy(self, requester: str | None, reason: str | None, nbytes: int, device: bool) -> None:
+        """Count a value outside every pool sent to ``requester`` through distributed's serializer.
+
+        ``reason``: the fallback to count for a same-host requester (:meth:`plain_copy_reason`), else ``None``.
+        """
+        if device:
+            self.handoffs.add(device_frames_out_bytes=nbytes)
+        else:
+            self.handoffs.add(copied_out_bytes=nbytes)
+        if reason is not None:
+            self.handoffs.fallback(str(requester), reason, self.record.worker)
 
     def export_ipc(self, holder: Any, buf: Buffer, row: PoolRecord, array: ArrayMeta | None) -> HandoffHeader:
         """Grant ``row``'s worker a lease on ``buf`` and describe it.

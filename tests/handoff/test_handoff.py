@@ -75,6 +75,24 @@ def test_arrays_over_pool_buffers_hand_over_and_plain_arrays_do_not():
         back_to(c, baseline)
 
 
+def test_a_plain_array_to_a_same_host_peer_is_counted_as_a_copy_with_its_reason():
+    """Issue 16: every same-host transfer that is not zero-copy appears in stats() with its reason."""
+    import numpy as np
+
+    hosts = [{}, {}, {"config": {"gpupool": {"host-id": "elsewhere"}}}]
+    with nanny_cluster(hosts, HOST_POOL) as c:
+        a, b, far = worker_addresses(c)
+        before = counters(c)
+        near = c.submit(np.arange, 1000, workers=[a], pure=False)  # NumPy's memory, not the pool's
+        away = c.submit(np.arange, 1000, workers=[a], pure=False)
+        assert c.submit(T.total, near, workers=[b], pure=False).result() == float(np.arange(1000).sum())
+        assert c.submit(T.total, away, workers=[far], pure=False).result() == float(np.arange(1000).sum())
+        now = counters(c)
+        assert now[a]["fallbacks"] == {"not-in-pool": 1}  # to B; the other host's copy is expected, not a fallback
+        assert now[a]["copied_out_bytes"] - before[a]["copied_out_bytes"] == 2 * 8000
+        assert now[b]["fallbacks"] == {} and now[far]["fallbacks"] == {}
+
+
 def test_other_host_ids_copy_and_land_in_the_receivers_pool():
     hosts = [{"config": {"gpupool": {"host-id": "host-a"}}}, {"config": {"gpupool": {"host-id": "host-b"}}}]
     with nanny_cluster(hosts, HOST_POOL) as c:
