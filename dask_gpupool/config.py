@@ -162,6 +162,11 @@ class PoolOptions:
     copy_streams : int
         Connections (lanes) one copy is pulled over, each with its own
         staging and CUDA stream; at most 16.
+    stage_threshold : int
+        Smallest array outside the pool that is copied into it on the
+        producer (device to device for CuPy) and handed over when a same-host
+        worker asks for it over TCP, instead of going through distributed's
+        serializer (host memory and TCP). 0: never.
     peer_gpu_handoff : bool
         Hand ``device`` buffers over zero-copy to workers on other GPUs too:
         the pool grants those GPUs access when it is made. Only VMM segments
@@ -190,6 +195,7 @@ class PoolOptions:
     copy_chunk_size: int = 16 << 20
     copy_stream_threshold: int = 4 << 20
     copy_streams: int = 4
+    stage_threshold: int = 4 << 20
 
     def effective_import_limit(self, vmm: bool) -> int:
         """The import limit of a pool whose buffers are (``vmm``) or are not in VMM segments; 0: none."""
@@ -265,6 +271,7 @@ class PoolOptions:
                 raw.get("copy-stream-threshold", "4 MiB"), "gpupool.copy-stream-threshold"
             ),
             copy_streams=_parse_count(raw.get("copy-streams", 4), "gpupool.copy-streams", 1, 16),
+            stage_threshold=_parse_nbytes(raw.get("stage-threshold", "4 MiB"), "gpupool.stage-threshold"),
         )
 
 

@@ -81,6 +81,7 @@ def test_config_values_and_overrides():
     assert PoolOptions.from_config(import_limit=0, segment_size="8 GiB").segment_size == 8 * 2**30
     assert (options.copy_chunk_size, options.copy_stream_threshold, options.copy_streams) == (16 << 20, 4 << 20, 4)
     assert PoolOptions.from_config(copy_streams="2", copy_chunk_size=0).copy_streams == 2
+    assert options.stage_threshold == 4 << 20 and PoolOptions.from_config(stage_threshold=0).stage_threshold == 0
 
 
 def test_cross_gpu_handoffs_need_segments_of_vmm_memory():
@@ -114,6 +115,7 @@ def test_segments_are_at_most_the_import_limit():
         ("gpupool.ucx-handoff-threshold", "big"),
         ("gpupool.copy-chunk-size", "-1 MiB"),
         ("gpupool.copy-stream-threshold", "some"),
+        ("gpupool.stage-threshold", "-4 MiB"),
         ("gpupool.copy-streams", 0),
         ("gpupool.copy-streams", 17),
         ("gpupool.copy-streams", "four"),

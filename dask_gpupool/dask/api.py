@@ -212,7 +212,8 @@ def stats(client: Client) -> dict[str, dict[str, Any]]:
         streamed copy path), ``device_frames_bytes`` and
         ``device_frames_out_bytes`` (device frames received / sent on UCX
         comms), ``device_staged_bytes`` (the part of those sent that was pool
-        memory staged for UCX), ``fallbacks`` (same-host transfers that were
+        memory staged for UCX), ``pool_staged_bytes`` (arrays outside the
+        pool copied into it before a handoff), ``fallbacks`` (same-host transfers that were
         copied, by reason), ``mapped_pools``, ``links``, ``pulls`` and
         ``staging_bytes`` (streamed copies being served, and the pinned staging
         kept for them), ``segments``, ``segments_retiring`` and

@@ -97,6 +97,9 @@ class GPUPool(SchedulerPlugin):
         (``gpupool.copy-chunk-size``, ``gpupool.copy-stream-threshold``).
     copy_streams : int, optional
         Connections one copy is pulled over (``gpupool.copy-streams``).
+    stage_threshold : int or str, optional
+        Smallest array outside the pool copied into it and handed over to a
+        same-host worker (``gpupool.stage-threshold``; 0: never).
 
     Attributes
     ----------
@@ -156,6 +159,7 @@ class GPUPool(SchedulerPlugin):
         copy_chunk_size: int | str | None = None,
         copy_stream_threshold: int | str | None = None,
         copy_streams: int | None = None,
+        stage_threshold: int | str | None = None,
     ) -> None:
         self.overrides = {
             k: v
@@ -177,6 +181,7 @@ class GPUPool(SchedulerPlugin):
                 copy_chunk_size=copy_chunk_size,
                 copy_stream_threshold=copy_stream_threshold,
                 copy_streams=copy_streams,
+                stage_threshold=stage_threshold,
             ).items()
             if v is not None
         }

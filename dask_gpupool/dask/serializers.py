@@ -39,7 +39,7 @@ from distributed.protocol import dask_deserialize, dask_serialize
 
 from dask_gpupool.dask.views import VIEWS, as_array, c_strides, viewed_buffer
 from dask_gpupool.dask.worker_internals import REQUEST, Request
-from dask_gpupool.errors import DataLostError, PoolUnavailableError, ProtocolError
+from dask_gpupool.errors import DataLostError, PoolExhaustedError, PoolUnavailableError, ProtocolError
 from dask_gpupool.handoff.active import active_service
 from dask_gpupool.memory.buffers import buffer_kind, copy_to_host, host_buffer
 from dask_gpupool.wire.handoff import ArrayMeta, HandoffHeader
@@ -97,6 +97,59 @@ def _dumps(
     exporter = service.record.worker if service is not None else ""
     header = HandoffHeader("copy", buffer_kind(buf), nbytes, exporter=exporter, array=copy_meta)
     return {KEY: header.to_msg()}, [frame]
+
+
+def _plain(arr: Any, module: str, previous: Any, context: Any) -> tuple[dict[str, Any], list[Any]]:
+    """An array outside every pool: staged into the pool and handed over, or distributed's serializer (counted)."""
+    staged = _stage(arr, module)
+    if staged is not None:
+        return staged
+    count_plain(int(arr.nbytes), device=False)
+    return previous(arr, context)
+
+
+def _stage(arr: Any, module: str) -> tuple[dict[str, Any], list[Any]] | None:
+    """Copy ``arr`` into this worker's pool and hand the copy over, when a same-host worker asked over TCP.
+
+    From ``gpupool.stage-threshold`` bytes up, NumPy arrays on ``host`` pools
+    and CuPy arrays on ``device`` pools: a memcpy or a device-to-device copy
+    here replaces the host copy, the comm's bytes and the receiver's copy.
+    The lease keeps the staged copy alive until the receiver lets go.
+    Returns ``None`` (the caller sends the array as before) when the request
+    does not allow it or the pool has no room.
+    """
+    request = REQUEST.get()
+    if request is None or request.plain_reason != "not-in-pool":
+        return None
+    service = request.service
+    if (module == "numpy") != (service.pool.kind == "host") or arr.dtype.hasobject or arr.size == 0:
+        return None
+    nbytes = int(arr.nbytes)
+    row = service.stage_route(request.requester, request.scheme, nbytes)
+    if row is None:
+        return None
+    try:
+        buf = service.allocate(nbytes)
+    except PoolExhaustedError:
+        return None
+    try:
+        out = as_array(buf, tuple(arr.shape), arr.dtype, like=module)
+        if module == "cupy":
+            import cupy
+
+            with cupy.cuda.Device(out.device.id):
+                out[...] = arr
+        else:
+            out[...] = arr
+    except BaseException:
+        buf.close()
+        raise
+    meta = ArrayMeta(module, tuple(out.shape), tuple(out.strides), out.dtype.str, 0)
+    header = service.export_ipc(out, buf, row, meta)  # finishes the copy on the GPU first
+    request.granted.append(header.lease)
+    service.handoffs.add(pool_staged_bytes=nbytes)
+    service.handoffs.fallback(row.worker, "staged-in-pool", service.record.worker)
+    return {KEY: header.to_msg()}, []
 
 
 def count_plain(nbytes: int, *, device: bool) -> None:
@@ -200,8 +253,7 @@ def _dumps_array(arr: Any, module: str, ptr: int, previous: Any, context: Any) -
     """Hand an array over a pool buffer over (or copy it); any other array goes to ``previous(arr, context)``."""
     buf = viewed_buffer(arr, ptr)
     if buf is None:
-        count_plain(int(arr.nbytes), device=False)
-        return previous(arr, context)
+        return _plain(arr, module, previous, context)
     shape, strides = tuple(arr.shape), tuple(arr.strides)
 
     def host_frame() -> Any:
@@ -269,9 +321,8 @@ def _register_numpy() -> None:
     previous_loads = dask_deserialize.dispatch(np.ndarray)
 
     def serialize_numpy(x: Any, context: Any = None) -> tuple[dict[str, Any], list[Any]]:
-        if not VIEWS:  # no array over a pool buffer in this process: distributed's serializer, counted
-            count_plain(int(x.nbytes), device=False)
-            return previous_dumps(x, context)
+        if not VIEWS:  # no array over a pool buffer in this process: staged, or distributed's serializer
+            return _plain(x, "numpy", previous_dumps, context)
         return _dumps_array(x, "numpy", int(x.__array_interface__["data"][0]), previous_dumps, context)
 
     def deserialize_numpy(header: dict[str, Any], frames: list[Any]) -> Any:
@@ -312,9 +363,8 @@ def _register_cupy_now() -> None:
     previous_loads = dask_deserialize.dispatch(cupy.ndarray)
 
     def serialize_cupy(x: Any, context: Any = None) -> tuple[dict[str, Any], list[Any]]:
-        if not VIEWS:  # no array over a pool buffer in this process: distributed's serializer, counted
-            count_plain(int(x.nbytes), device=False)
-            return previous_dumps(x, context)
+        if not VIEWS:  # no array over a pool buffer in this process: staged, or distributed's serializer
+            return _plain(x, "cupy", previous_dumps, context)
         return _dumps_array(x, "cupy", int(x.data.ptr), previous_dumps, context)
 
     def deserialize_cupy(header: dict[str, Any], frames: list[Any]) -> Any:

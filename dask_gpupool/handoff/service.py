@@ -262,6 +262,30 @@ class PoolService:
             import_limit=self.options.effective_import_limit(self.pool.vmm),
         )
 
+    def stage_route(self, requester: str | None, scheme: str, nbytes: int) -> PoolRecord | None:
+        """The requester's row when an array of ``nbytes`` outside the pool should be staged into it and handed over.
+
+        That is: ``nbytes`` is at least ``gpupool.stage-threshold`` and a new
+        buffer of that size in this pool would be handed over (decided by
+        :func:`~dask_gpupool.handoff.routing.route`, without counting).
+        """
+        threshold = self.options.stage_threshold
+        if not threshold or nbytes < threshold or scheme not in ("tcp", "tls"):
+            return None
+        row = self.registry.worker_row(requester) if requester else None
+        decision = route(
+            self.record,
+            requester,
+            row,
+            scheme,
+            pool_open=not (self._closed or self.pool.closed),
+            owned=True,
+            unreachable=row is not None and self._is_unreachable(row.worker),
+            import_size=nbytes if self.pool.kind == "device" else 0,
+            import_limit=self.options.effective_import_limit(self.pool.vmm),
+        )
+        return decision.row if decision.reason is None else None
+
     def plain_copy_reason(self, requester: str | None) -> str | None:
         """Why a value outside every pool sent to ``requester`` is a same-host copy (``None``: it is not one).
 

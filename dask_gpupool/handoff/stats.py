@@ -36,6 +36,10 @@ FALLBACK_REASONS = {
         "a value this worker imported could not be passed on as its exporter's memory: the exporter refused "
         "the forwarded lease or could not be reached"
     ),
+    "staged-in-pool": (
+        "the array lived outside this worker's pool: it was copied into the pool here (device to device for "
+        "CuPy) and then handed over, instead of going through the comm"
+    ),
 }
 
 
@@ -56,6 +60,10 @@ FALLBACK_ADVICE = {
     "unknown-requester": "see that worker's entry in dask_gpupool.stats(client): its pool set-up may have failed",
     "peer-unreachable": "see both workers' logs: the peer's broker or copy server could not be reached",
     "forward-refused": "see this worker's log for the exporter's answer (it may have left)",
+    "staged-in-pool": (
+        "make the result in the pool to skip the copy: dask_gpupool.allocate + as_array, to_pool, "
+        "or gpupool.cupy-allocator for CuPy"
+    ),
 }
 
 
@@ -85,6 +93,10 @@ class HandoffStats:
     device_staged_bytes : int
         The part of ``device_frames_out_bytes`` that was pool memory, copied
         device to device into memory UCX can send through ``cuda_ipc`` first.
+    pool_staged_bytes : int
+        Arrays outside the pool copied into it on this worker (device to
+        device for CuPy) and then handed over to a same-host worker
+        (``gpupool.stage-threshold``; fallback ``staged-in-pool``).
     fallbacks : dict of str to int
         Same-host transfers that were copied, by reason (see :data:`FALLBACK_REASONS`).
     """
@@ -100,6 +112,7 @@ class HandoffStats:
     device_frames_bytes: int
     device_frames_out_bytes: int
     device_staged_bytes: int
+    pool_staged_bytes: int
     fallbacks: dict[str, int]
     _warned: set[tuple[str, str]]
     _lock: threading.Lock
@@ -109,6 +122,7 @@ class HandoffStats:
         self.zero_copy_bytes = self.copied_bytes = self.copied_out_bytes = 0
         self.streamed_bytes = self.streamed_out_bytes = 0
         self.device_frames_bytes = self.device_frames_out_bytes = self.device_staged_bytes = 0
+        self.pool_staged_bytes = 0
         self.fallbacks = {}
         self._warned = set()
         self._lock = threading.Lock()
@@ -151,5 +165,6 @@ class HandoffStats:
                 "device_frames_bytes": self.device_frames_bytes,
                 "device_frames_out_bytes": self.device_frames_out_bytes,
                 "device_staged_bytes": self.device_staged_bytes,
+                "pool_staged_bytes": self.pool_staged_bytes,
                 "fallbacks": dict(self.fallbacks),
             }

@@ -93,6 +93,35 @@ def test_a_plain_array_to_a_same_host_peer_is_counted_as_a_copy_with_its_reason(
         assert now[b]["fallbacks"] == {} and now[far]["fallbacks"] == {}
 
 
+def test_a_large_plain_array_is_staged_into_the_pool_and_handed_over():
+    """From gpupool.stage-threshold (4 MiB) up, an array outside the pool is copied into it on the producer and
+    handed over to a same-host worker: no comm bytes, counted as fallback staged-in-pool; back to baseline after."""
+    import numpy as np
+
+    hosts = [{}, {}, {"config": {"gpupool": {"host-id": "elsewhere"}}}]
+    with nanny_cluster(hosts, HOST_POOL) as c:
+        a, b, far = worker_addresses(c)
+        warm_up(c, a, far)  # Dask's comms between them stay open: part of the baseline
+        baseline = warm_up(c, a, b)
+        before = counters(c)
+        n = 1 << 20  # 8 MiB of float64
+        near = c.submit(np.arange, n, dtype="f8", workers=[a], pure=False)
+        away = c.submit(np.arange, n, dtype="f8", workers=[a], pure=False)
+        got = c.submit(T.keep, near, workers=[b], pure=False)
+        assert c.submit(T.total, got, workers=[b], pure=False).result() == float(np.arange(n).sum())
+        assert c.submit(T.describe, got, workers=[b], pure=False).result()["imported"]
+        assert c.submit(T.try_write, got, workers=[b], pure=False).result() == "ValueError"  # shared, read-only
+        assert c.submit(T.total, away, workers=[far], pure=False).result() == float(np.arange(n).sum())
+        now = counters(c)
+        assert now[a]["fallbacks"] == {"staged-in-pool": 1}  # the other host's copy is expected: no fallback
+        assert now[a]["pool_staged_bytes"] - before[a]["pool_staged_bytes"] == 8 * n
+        assert now[b]["zero_copy_bytes"] - before[b]["zero_copy_bytes"] == 8 * n
+        assert now[b]["copied_bytes"] == before[b]["copied_bytes"]
+        assert now[a]["leases"] == 1  # the staged copy lives while B holds it
+        del near, away, got
+        back_to(c, baseline)
+
+
 def test_other_host_ids_copy_and_land_in_the_receivers_pool():
     hosts = [{"config": {"gpupool": {"host-id": "host-a"}}}, {"config": {"gpupool": {"host-id": "host-b"}}}]
     with nanny_cluster(hosts, HOST_POOL) as c:
