@@ -35,6 +35,11 @@ dask.config.update_defaults(_defaults)
 #: import; VMM segments of 8 and 16 GiB mapped in 1.5-1.8 ms (H100, 2026-11-23, docs/performance.md).
 POOL_MEMORY_IMPORT_LIMIT = 5 << 30
 
+#: ``stage-threshold: auto`` on ``device`` pools: from 4 MiB up a device-to-device copy into the pool and a handoff
+#: replace the host copy and the comm (not measured on a GPU yet: docs/gpu-checks.md). ``host`` pools stage
+#: nothing by default: on the 2-vCPU dev container a task rechunk of 8 MiB NumPy chunks took 1.25x as long staged.
+DEVICE_STAGE_THRESHOLD = 4 << 20
+
 
 @dataclass(frozen=True)
 class Size:
@@ -162,11 +167,13 @@ class PoolOptions:
     copy_streams : int
         Connections (lanes) one copy is pulled over, each with its own
         staging and CUDA stream; at most 16.
-    stage_threshold : int
+    stage_threshold : int or None
         Smallest array outside the pool that is copied into it on the
         producer (device to device for CuPy) and handed over when a same-host
         worker asks for it over TCP, instead of going through distributed's
-        serializer (host memory and TCP). 0: never.
+        serializer (host memory and TCP). 0: never. ``None`` (``auto``, the
+        default): :data:`DEVICE_STAGE_THRESHOLD` on ``device`` pools, never
+        on ``host`` pools, where it measured slower (:meth:`effective_stage_threshold`).
     peer_gpu_handoff : bool
         Hand ``device`` buffers over zero-copy to workers on other GPUs too:
         the pool grants those GPUs access when it is made. Only VMM segments
@@ -195,7 +202,13 @@ class PoolOptions:
     copy_chunk_size: int = 16 << 20
     copy_stream_threshold: int = 4 << 20
     copy_streams: int = 4
-    stage_threshold: int = 4 << 20
+    stage_threshold: int | None = None
+
+    def effective_stage_threshold(self, kind: str) -> int:
+        """The stage threshold of a pool of ``kind`` (``"device"``, ``"pinned"``, ``"host"``); 0: never."""
+        if self.stage_threshold is not None:
+            return self.stage_threshold
+        return DEVICE_STAGE_THRESHOLD if kind == "device" else 0
 
     def effective_import_limit(self, vmm: bool) -> int:
         """The import limit of a pool whose buffers are (``vmm``) or are not in VMM segments; 0: none."""
@@ -271,7 +284,9 @@ class PoolOptions:
                 raw.get("copy-stream-threshold", "4 MiB"), "gpupool.copy-stream-threshold"
             ),
             copy_streams=_parse_count(raw.get("copy-streams", 4), "gpupool.copy-streams", 1, 16),
-            stage_threshold=_parse_nbytes(raw.get("stage-threshold", "4 MiB"), "gpupool.stage-threshold"),
+            stage_threshold=None
+            if raw.get("stage-threshold", "auto") == "auto"
+            else _parse_nbytes(raw.get("stage-threshold"), "gpupool.stage-threshold"),
         )
 
 

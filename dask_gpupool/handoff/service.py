@@ -269,7 +269,7 @@ class PoolService:
         buffer of that size in this pool would be handed over (decided by
         :func:`~dask_gpupool.handoff.routing.route`, without counting).
         """
-        threshold = self.options.stage_threshold
+        threshold = self.options.effective_stage_threshold(self.pool.kind)
         if not threshold or nbytes < threshold or scheme not in ("tcp", "tls"):
             return None
         row = self.registry.worker_row(requester) if requester else None

@@ -94,12 +94,13 @@ def test_a_plain_array_to_a_same_host_peer_is_counted_as_a_copy_with_its_reason(
 
 
 def test_a_large_plain_array_is_staged_into_the_pool_and_handed_over():
-    """From gpupool.stage-threshold (4 MiB) up, an array outside the pool is copied into it on the producer and
-    handed over to a same-host worker: no comm bytes, counted as fallback staged-in-pool; back to baseline after."""
+    """From gpupool.stage-threshold up (set here: host pools stage nothing by default), an array outside the pool
+    is copied into it on the producer and handed over to a same-host worker: no comm bytes, counted as fallback
+    staged-in-pool; back to baseline after."""
     import numpy as np
 
     hosts = [{}, {}, {"config": {"gpupool": {"host-id": "elsewhere"}}}]
-    with nanny_cluster(hosts, HOST_POOL) as c:
+    with nanny_cluster(hosts, GPUPool(kind="host", max_size="64 MiB", stage_threshold="4 MiB")) as c:
         a, b, far = worker_addresses(c)
         warm_up(c, a, far)  # Dask's comms between them stay open: part of the baseline
         baseline = warm_up(c, a, b)
