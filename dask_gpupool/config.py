@@ -35,10 +35,11 @@ dask.config.update_defaults(_defaults)
 #: import; VMM segments of 8 and 16 GiB mapped in 1.5-1.8 ms (H100, 2026-11-23, docs/performance.md).
 POOL_MEMORY_IMPORT_LIMIT = 5 << 30
 
-#: ``stage-threshold: auto`` on ``device`` pools: from 4 MiB up a device-to-device copy into the pool and a handoff
-#: replace the host copy and the comm (not measured on a GPU yet: docs/gpu-checks.md). ``host`` pools stage
-#: nothing by default: on the 2-vCPU dev container a task rechunk of 8 MiB NumPy chunks took 1.25x as long staged.
-DEVICE_STAGE_THRESHOLD = 4 << 20
+#: ``stage-threshold: auto`` on ``device`` pools. 0 (off) until staging is measured on a GPU (docs/gpu-checks.md):
+#: a device-to-device copy into the pool and a handoff would replace the host copy and the comm, but on the CPU the
+#: same idea measured slower (a task rechunk of 8 MiB NumPy chunks took 1.25x as long staged), so it is not turned
+#: on unmeasured. ``host`` pools stage nothing by default for that reason.
+DEVICE_STAGE_THRESHOLD = 0
 
 
 @dataclass(frozen=True)
@@ -172,8 +173,9 @@ class PoolOptions:
         producer (device to device for CuPy) and handed over when a same-host
         worker asks for it over TCP, instead of going through distributed's
         serializer (host memory and TCP). 0: never. ``None`` (``auto``, the
-        default): :data:`DEVICE_STAGE_THRESHOLD` on ``device`` pools, never
-        on ``host`` pools, where it measured slower (:meth:`effective_stage_threshold`).
+        default): :data:`DEVICE_STAGE_THRESHOLD` on ``device`` pools (off
+        until measured on a GPU), never on ``host`` pools, where it measured
+        slower (:meth:`effective_stage_threshold`).
     peer_gpu_handoff : bool
         Hand ``device`` buffers over zero-copy to workers on other GPUs too:
         the pool grants those GPUs access when it is made. Only VMM segments

@@ -81,8 +81,8 @@ def test_config_values_and_overrides():
     assert PoolOptions.from_config(import_limit=0, segment_size="8 GiB").segment_size == 8 * 2**30
     assert (options.copy_chunk_size, options.copy_stream_threshold, options.copy_streams) == (16 << 20, 4 << 20, 4)
     assert PoolOptions.from_config(copy_streams="2", copy_chunk_size=0).copy_streams == 2
-    assert options.stage_threshold is None  # auto: 4 MiB on device pools, off on host pools
-    assert (options.effective_stage_threshold("device"), options.effective_stage_threshold("host")) == (4 << 20, 0)
+    assert options.stage_threshold is None  # auto: off until staging is measured on a GPU
+    assert (options.effective_stage_threshold("device"), options.effective_stage_threshold("host")) == (0, 0)
     assert PoolOptions.from_config(stage_threshold="1 MiB").effective_stage_threshold("host") == 1 << 20
 
 

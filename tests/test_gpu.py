@@ -587,6 +587,32 @@ def test_on_ucxx_pool_memory_hands_over_or_travels_as_device_frames(placement):
             wait_for(lambda c=c, a=a: counters(c, a)[a]["leases"] == 0, what="the leases to end")
 
 
+@pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
+def test_plain_cupy_arrays_are_staged_into_the_pool_when_asked(placement):
+    """gpupool.stage-threshold: a plain CuPy array of 8 MiB goes to a same-host worker over TCP as a device copy into
+    the producer's pool and a handoff (fallback staged-in-pool), never through the host; a 1 MiB one as before."""
+    import numpy as np
+
+    gpus(2 if placement == "two-gpus" else 1)
+    layout = ROTATED if placement == "two-gpus" else [ONE_GPU, ONE_GPU]
+    with nanny_cluster(layout, GPUPool(kind="device", max_size="1 GiB", stage_threshold="4 MiB")) as c:
+        a, b = worker_addresses(c)
+        baseline = warm_up(c, a, b)
+        before = counters(c)
+        big = c.submit(T.plain_cupy, 1 << 20, workers=[a], pure=False)  # 8 MiB, CuPy's own memory
+        small = c.submit(T.plain_cupy, 1 << 17, workers=[a], pure=False)  # 1 MiB
+        got = c.submit(T.keep, big, workers=[b], pure=False)
+        assert c.submit(T.total, got, workers=[b], pure=False).result() == float(np.arange(1 << 20).sum())
+        assert c.submit(T.describe, got, workers=[b], pure=False).result()["imported"]
+        assert c.submit(T.total, small, workers=[b], pure=False).result() == float(np.arange(1 << 17).sum())
+        now = counters(c)
+        assert now[a]["fallbacks"] == {"staged-in-pool": 1, "not-in-pool": 1}, now[a]
+        assert now[a]["pool_staged_bytes"] - before[a]["pool_staged_bytes"] == 8 * MiB
+        assert now[b]["zero_copy_bytes"] - before[b]["zero_copy_bytes"] == 8 * MiB
+        del big, small, got
+        back_to(c, baseline)
+
+
 def test_the_package_imports_after_cupy():
     """``import cupy`` before ``dask_gpupool`` (benchmarks/dask_array.py does): no circular import."""
     import subprocess
