@@ -21,8 +21,6 @@ copied bytes; writes JSON to ``benchmarks/results/`` (and ``$OUT``).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import platform
 import statistics
 import time
@@ -30,7 +28,7 @@ from typing import Any
 
 import dask.array as da
 from distributed import wait
-from handoff import cluster  # benchmarks/handoff.py (this directory is on sys.path when run as a script)
+from handoff import cluster, save_json  # benchmarks/handoff.py (this directory is on sys.path when run as a script)
 
 import dask_gpupool
 from dask_gpupool.memory.topology import local_devices
@@ -134,12 +132,7 @@ def main() -> None:
     )
     print("values agree" if same else "VALUES DIFFER")
     out = {"host": platform.node(), "gpus": gpus, "args": vars(args), "results": results}
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    for folder in (os.path.join(os.path.dirname(__file__), "results"), os.environ.get("OUT")):
-        if folder:
-            os.makedirs(folder, exist_ok=True)
-            with open(os.path.join(folder, f"dask_array-{stamp}.json"), "w") as f:
-                json.dump(out, f, indent=1)
+    save_json("dask_array", out)
 
 
 if __name__ == "__main__":

@@ -415,10 +415,16 @@ def replot(paths: list[str]) -> dict[str, Any]:
 
 
 def write(result: dict[str, Any], stamp: str) -> None:
+    save_json("handoff", result, stamp)
+
+
+def save_json(prefix: str, result: dict[str, Any], stamp: str | None = None) -> None:
+    """Write ``result`` as ``<prefix>-<stamp>.json`` to ``benchmarks/results/`` and ``$OUT`` (when set)."""
+    stamp = stamp or time.strftime("%Y%m%d-%H%M%S")
     for d in (os.path.join(os.path.dirname(__file__), "results"), os.environ.get("OUT")):
         if d:
             os.makedirs(d, exist_ok=True)
-            with open(os.path.join(d, f"handoff-{stamp}.json"), "w") as f:
+            with open(os.path.join(d, f"{prefix}-{stamp}.json"), "w") as f:
                 json.dump(result, f, indent=1, default=str)
 
 

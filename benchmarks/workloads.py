@@ -32,8 +32,6 @@ JSON rows ``{workload, layout, method, median_s, copied_bytes, ...}`` go to
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import platform
 import statistics
 import time
@@ -42,7 +40,7 @@ from typing import Any
 
 import dask.array as da
 from distributed import wait
-from handoff import cluster  # benchmarks/handoff.py (this directory is on sys.path when run as a script)
+from handoff import cluster, save_json  # benchmarks/handoff.py (this directory is on sys.path when run as a script)
 
 import dask_gpupool
 from dask_gpupool.memory.topology import local_devices
@@ -201,12 +199,7 @@ def main() -> None:
     )
     print("values agree across methods" if agree else "VALUES DIFFER between methods")
     out = {"host": platform.node(), "gpus": gpus, "args": vars(args), "rows": rows}
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    for folder in (os.path.join(os.path.dirname(__file__), "results"), os.environ.get("OUT")):
-        if folder:
-            os.makedirs(folder, exist_ok=True)
-            with open(os.path.join(folder, f"workloads-{stamp}.json"), "w") as f:
-                json.dump(out, f, indent=1)
+    save_json("workloads", out)
 
 
 if __name__ == "__main__":

@@ -248,18 +248,25 @@ class PoolService:
 
     def route(self, requester: str | None, scheme: str, buf: Buffer) -> Route:
         """:meth:`plan`'s decision without counting it (:func:`~dask_gpupool.handoff.routing.route`)."""
-        row = self.registry.worker_row(requester) if requester else None
         owned = self.pool.owns(buf)
+        size = self.pool.import_size(buf) if owned and self.pool.kind == "device" else 0
+        return self._route(self.record, requester, scheme, owned, size, self.pool.vmm)
+
+    def _route(
+        self, own: PoolRecord, requester: str | None, scheme: str, owned: bool, import_size: int, vmm: bool
+    ) -> Route:
+        """:func:`~dask_gpupool.handoff.routing.route` for memory of ``own``'s pool, with this worker's state."""
+        row = self.registry.worker_row(requester) if requester else None
         return route(
-            self.record,
+            own,
             requester,
             row,
             scheme,
             pool_open=not (self._closed or self.pool.closed),
             owned=owned,
             unreachable=row is not None and self._is_unreachable(row.worker),
-            import_size=self.pool.import_size(buf) if owned and self.pool.kind == "device" else 0,
-            import_limit=self.options.effective_import_limit(self.pool.vmm),
+            import_size=import_size,
+            import_limit=self.options.effective_import_limit(vmm),
         )
 
     def stage_route(self, requester: str | None, scheme: str, nbytes: int) -> PoolRecord | None:
@@ -272,18 +279,8 @@ class PoolService:
         threshold = self.options.effective_stage_threshold(self.pool.kind)
         if not threshold or nbytes < threshold or scheme not in ("tcp", "tls"):
             return None
-        row = self.registry.worker_row(requester) if requester else None
-        decision = route(
-            self.record,
-            requester,
-            row,
-            scheme,
-            pool_open=not (self._closed or self.pool.closed),
-            owned=True,
-            unreachable=row is not None and self._is_unreachable(row.worker),
-            import_size=nbytes if self.pool.kind == "device" else 0,
-            import_limit=self.options.effective_import_limit(self.pool.vmm),
-        )
+        size = nbytes if self.pool.kind == "device" else 0
+        decision = self._route(self.record, requester, scheme, True, size, self.pool.vmm)
         return decision.row if decision.reason is None else None
 
     def plain_copy_reason(self, requester: str | None) -> str | None:
@@ -365,18 +362,8 @@ class PoolService:
         if owner is None or owner.worker != origin.exporter:
             same_host = row is not None and row.host == self.record.host
             return Route(row, "forward-refused" if same_host else None), None
-        decision = route(
-            owner,
-            requester,
-            row,
-            scheme,
-            pool_open=not (self._closed or self.pool.closed),
-            owned=True,
-            unreachable=row is not None and self._is_unreachable(row.worker),
-            import_size=origin.desc.size,
-            import_limit=self.options.effective_import_limit(owner.kind == "device" and self.pool.vmm),
-        )
-        return decision, owner
+        vmm = owner.kind == "device" and self.pool.vmm
+        return self._route(owner, requester, scheme, True, origin.desc.size, vmm), owner
 
     def settle_forwarded(self, forwarded: list[tuple[str, int]], requester: str | None) -> None:
         """The reply that carried these ``(exporter, lease)`` forwards ended: the exporters end unclaimed ones."""
