@@ -16,7 +16,7 @@ from typing import Any
 
 from cuda.core import Buffer
 
-from dask_gpupool.dask.serializers import KEY, count_plain, deserialize_buffer, hand_over, loads_array
+from dask_gpupool.dask.serializers import KEY, deserialize_buffer, hand_over, loads_array
 from dask_gpupool.dask.views import VIEWS, device_of, viewed_buffer
 from dask_gpupool.dask.worker_internals import REQUEST
 from dask_gpupool.handoff.active import active_service
@@ -122,10 +122,10 @@ def cuda_dumps_cupy(x: Any, previous: Any) -> tuple[dict[str, Any], list[Any]]:
     buf = viewed_buffer(x, int(x.data.ptr)) if VIEWS else None
     if buf is None:
         header, frames = previous(x)
-        if REQUEST.get() is not None:
-            count_plain(int(x.nbytes), device=True)  # and, to a same-host peer, fallback not-in-pool
-        else:
-            _count_device_frames(int(x.nbytes), staged=False, out=True)
+        _count_device_frames(int(x.nbytes), staged=False, out=True)
+        request = REQUEST.get()
+        if request is not None:
+            request.count_plain_fallback()  # to a same-host peer: fallback not-in-pool
         return header, frames
     import cupy
 

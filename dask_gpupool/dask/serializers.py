@@ -104,7 +104,7 @@ def _plain(arr: Any, module: str, previous: Any, context: Any) -> tuple[dict[str
     staged = _stage(arr, module)
     if staged is not None:
         return staged
-    count_plain(int(arr.nbytes), device=False)
+    count_plain(int(arr.nbytes))
     return previous(arr, context)
 
 
@@ -152,18 +152,19 @@ def _stage(arr: Any, module: str) -> tuple[dict[str, Any], list[Any]] | None:
     return {KEY: header.to_msg()}, []
 
 
-def count_plain(nbytes: int, *, device: bool) -> None:
+def count_plain(nbytes: int) -> None:
     """Count an array outside every pool that a ``get_data`` reply sends: a copy, and for a same-host worker its reason.
 
-    Such arrays go through distributed's own serializers (a host copy over
-    TCP, device frames over UCX): counted in ``copied_out_bytes`` or
-    ``device_frames_out_bytes``, and, to a same-host worker, as fallback
+    Such arrays go through distributed's own serializer, a host copy:
+    counted in ``copied_out_bytes`` and, to a same-host worker, as fallback
     ``not-in-pool`` (one WARNING per peer says how to make results in the
-    pool). Outside a reply (spilling, task graphs) it costs a context-variable read.
+    pool). Outside a reply (spilling, task graphs) it costs a context-variable
+    read. (Device frames on UCX are counted in :mod:`dask_gpupool.dask.device_frames`.)
     """
     request = REQUEST.get()
     if request is not None:
-        request.service.count_plain_copy(request.requester, request.plain_reason, nbytes, device)
+        request.service.handoffs.add(copied_out_bytes=nbytes)
+        request.count_plain_fallback()
 
 
 def hand_over(request: Request, holder: Any, buf: Buffer, meta: ArrayMeta | None) -> HandoffHeader | None:

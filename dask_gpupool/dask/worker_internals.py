@@ -52,6 +52,11 @@ class Request:
     #: Why a value outside every pool in this reply is a same-host copy (``None``: it is not one).
     plain_reason: str | None = None
 
+    def count_plain_fallback(self) -> None:
+        """Count a value outside every pool sent in this reply as a same-host fallback, if it is one."""
+        if self.plain_reason is not None:
+            self.service.handoffs.fallback(str(self.requester), self.plain_reason, self.service.record.worker)
+
 
 #: Set while a worker answers ``get_data``; Dask's offload thread inherits it.
 REQUEST: contextvars.ContextVar[Request | None] = contextvars.ContextVar("gpupool_request", default=None)

@@ -291,18 +291,6 @@ class PoolService:
         row = self.registry.worker_row(requester) if requester else None
         return plain_copy_reason(self.record, requester, row)
 
-    def count_plain_copy(self, requester: str | None, reason: str | None, nbytes: int, device: bool) -> None:
-        """Count a value outside every pool sent to ``requester`` through distributed's serializer.
-
-        ``reason``: the fallback to count for a same-host requester (:meth:`plain_copy_reason`), else ``None``.
-        """
-        if device:
-            self.handoffs.add(device_frames_out_bytes=nbytes)
-        else:
-            self.handoffs.add(copied_out_bytes=nbytes)
-        if reason is not None:
-            self.handoffs.fallback(str(requester), reason, self.record.worker)
-
     def export_ipc(self, holder: Any, buf: Buffer, row: PoolRecord, array: ArrayMeta | None) -> HandoffHeader:
         """Grant ``row``'s worker a lease on ``buf`` and describe it.
 

@@ -75,3 +75,22 @@ def test_a_requester_without_a_row():
     assert route(OWN, there, None, "tcp", pool_open=True, owned=True) == Route(None, None)
     assert route(OWN, here, None, "tcp", pool_open=True, owned=False) == Route(None, None)  # not pool memory
     assert route(OWN, None, None, "tcp", pool_open=True, owned=True) == Route(None, None)  # no get_data
+
+
+# (case, requester address, requester's row (or None), expected reason for a value outside every pool)
+PLAIN_CASES = [
+    ("a worker of this host", PEER.worker, PEER, "not-in-pool"),
+    ("a worker of another host", "tcp://10.0.0.2:4001", peer(host="host-b", worker="tcp://10.0.0.2:4001"), None),
+    ("this process", OWN.worker, peer(pid=OWN.pid), None),
+    ("a worker at this address with no row", "tcp://10.0.0.1:4009", None, "unknown-requester"),
+    ("another address with no row", "tcp://10.0.0.2:4009", None, None),
+    ("not a worker's request (a client)", None, None, None),
+]
+
+
+@pytest.mark.parametrize(("case", "requester", "row", "expected"), PLAIN_CASES, ids=[c[0] for c in PLAIN_CASES])
+def test_plain_copy_reason(case, requester, row, expected):
+    from dask_gpupool.handoff.routing import plain_copy_reason
+
+    assert plain_copy_reason(OWN, requester, row) == expected
+    assert expected is None or expected in FALLBACK_REASONS
