@@ -19,7 +19,8 @@ when a GPU is visible, NumPy otherwise): ``elementwise`` ``(x + 2 * x.T).sum()``
 ``rechunk`` to row panels (task rechunk); ``slicing`` strided slices and fancy
 indexing; ``reduction`` ``x.mean(axis=0)`` and ``x.std()``; ``map_overlap``
 a halo exchange of depth 8. Methods: ``tcp`` and ``ucxx`` (plain Dask) and
-``gpupool`` / ``ucxx+gpupool`` (``GPUPool()`` with no options). Layouts on a
+``gpupool`` / ``ucxx+gpupool`` (``GPUPool()`` with no options), and variants with one option
+changed: ``gpupool+cupy`` (``cupy-allocator``), ``gpupool+stage`` (``stage-threshold: 4 MiB``). Layouts on a
 GPU machine: ``two-per-gpu`` and ``one-per-gpu``; two workers without a GPU.
 
 JSON rows ``{workload, layout, method, median_s, copied_bytes, ...}`` go to
@@ -56,6 +57,14 @@ WORKLOADS: dict[str, Callable[[Any, int], list[Any]]] = {
 }
 
 
+#: Method suffixes after ``gpupool``: option overrides measured against the defaults (``""``).
+VARIANTS: dict[str, dict[str, Any]] = {
+    "": {},
+    "+cupy": {"cupy_allocator": True},  # plain CuPy allocations routed into the pool
+    "+stage": {"stage_threshold": "4 MiB"},  # plain CuPy arrays over 4 MiB copied into the pool, then handed over
+}
+
+
 def layouts(gpus: int) -> dict[str, list[dict[str, Any]]]:
     if gpus == 0:
         return {"cpu": [{}, {}]}
@@ -77,7 +86,9 @@ def method_setup(method: str, gpus: int) -> tuple[str, Any] | None:
             import distributed_ucxx  # noqa: F401
         except ImportError:
             return None
-    return protocol, (dask_gpupool.GPUPool() if method.endswith("gpupool") else None)
+    if "gpupool" not in method:
+        return protocol, None
+    return protocol, dask_gpupool.GPUPool(**VARIANTS[method.split("gpupool", 1)[1]])
 
 
 def _transferred(dask_worker: Any) -> int:
