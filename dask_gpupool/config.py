@@ -35,11 +35,14 @@ dask.config.update_defaults(_defaults)
 #: import; VMM segments of 8 and 16 GiB mapped in 1.5-1.8 ms (H100, 2026-11-23, docs/performance.md).
 POOL_MEMORY_IMPORT_LIMIT = 5 << 30
 
-#: ``stage-threshold: auto`` on ``device`` pools. 0 (off) until staging is measured on a GPU (docs/gpu-checks.md):
-#: a device-to-device copy into the pool and a handoff would replace the host copy and the comm, but on the CPU the
-#: same idea measured slower (a task rechunk of 8 MiB NumPy chunks took 1.25x as long staged), so it is not turned
-#: on unmeasured. ``host`` pools stage nothing by default for that reason.
-DEVICE_STAGE_THRESHOLD = 0
+#: ``stage-threshold: auto`` on ``device`` pools: a plain CuPy array of 4 MiB or more sent to a same-host worker over
+#: TCP is copied into the pool on the GPU and handed over. Measured on two H200s, four workers (two per GPU), 8192^2
+#: float64 in 2048^2 chunks (benchmarks/workloads.py, 2026-11-23, docs/performance.md "Workloads"): matmul 164 ms
+#: against 411 (TCP) and 199 (UCXX), task rechunk 83 against 138 and 93, no workload slower than plain Dask TCP
+#: beyond its noise; routing every CuPy allocation into the pool instead (``cupy-allocator: true``) was slower on
+#: elementwise, rechunk and reductions. ``host`` pools stage nothing by default: on the CPU a task rechunk of 8 MiB
+#: NumPy chunks took 1.25x as long staged.
+DEVICE_STAGE_THRESHOLD = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -132,9 +135,13 @@ class PoolOptions:
     lease_timeout : float
         Seconds after which a lease still unclaimed is logged, and for which a
         peer whose transfer failed gets copies (no timer ends a lease).
-    cupy_allocator : bool
+    cupy_allocator : bool or None
         Route CuPy's allocations on the worker through its ``device`` or
         ``pinned`` pool, so that plain CuPy results hand over zero-copy.
+        ``None`` (``auto``, the default): CuPy keeps its allocator (its
+        own pool, or dask-cuda's RMM), and ``stage_threshold`` moves its
+        arrays on the GPU instead (:func:`dask_gpupool.dask.cupy_routing.decide`
+        says why; ``stats()["routing"]`` shows it).
     segment_size : int
         ``device`` pools: bytes of the segments buffers are placed in, which
         peers map once (:mod:`dask_gpupool.memory.segments`); 0 turns segments off
@@ -173,9 +180,9 @@ class PoolOptions:
         producer (device to device for CuPy) and handed over when a same-host
         worker asks for it over TCP, instead of going through distributed's
         serializer (host memory and TCP). 0: never. ``None`` (``auto``, the
-        default): :data:`DEVICE_STAGE_THRESHOLD` on ``device`` pools (off
-        until measured on a GPU), never on ``host`` pools, where it measured
-        slower (:meth:`effective_stage_threshold`).
+        default): :data:`DEVICE_STAGE_THRESHOLD` (4 MiB) on ``device``
+        pools, never on ``host`` pools, where it measured slower
+        (:meth:`effective_stage_threshold`).
     peer_gpu_handoff : bool
         Hand ``device`` buffers over zero-copy to workers on other GPUs too:
         the pool grants those GPUs access when it is made. Only VMM segments
@@ -199,7 +206,7 @@ class PoolOptions:
     suballocator: str = "auto"
     segment_memory: str = "auto"
     import_limit: int | None = None
-    cupy_allocator: bool = False
+    cupy_allocator: bool | None = None
     ucx_handoff_threshold: int = 0
     copy_chunk_size: int = 16 << 20
     copy_stream_threshold: int = 4 << 20
@@ -279,7 +286,9 @@ class PoolOptions:
             suballocator=suballocator,
             segment_memory=segment_memory,
             import_limit=import_limit,
-            cupy_allocator=_parse_bool(raw.get("cupy-allocator", False), "gpupool.cupy-allocator"),
+            cupy_allocator=None
+            if raw.get("cupy-allocator", "auto") == "auto"
+            else _parse_bool(raw.get("cupy-allocator"), "gpupool.cupy-allocator"),
             ucx_handoff_threshold=_parse_nbytes(raw.get("ucx-handoff-threshold", 0), "gpupool.ucx-handoff-threshold"),
             copy_chunk_size=_parse_nbytes(raw.get("copy-chunk-size", "16 MiB"), "gpupool.copy-chunk-size"),
             copy_stream_threshold=_parse_nbytes(

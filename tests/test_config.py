@@ -64,7 +64,7 @@ def test_config_values_and_overrides():
     assert options.max_size == Size(nbytes=2**30)
     assert options.broker_timeout == 0.5
     assert options.device == "GPU-abc"
-    assert options.segment_size == 2**30 and options.cupy_allocator is False
+    assert options.segment_size == 2**30 and options.cupy_allocator is None
     assert options.peer_gpu_handoff is True and options.suballocator == "auto"  # "auto": on with segments
     assert PoolOptions.from_config(cupy_allocator="true").cupy_allocator is True
     no_segments = PoolOptions.from_config(segment_size=0)
@@ -81,8 +81,8 @@ def test_config_values_and_overrides():
     assert PoolOptions.from_config(import_limit=0, segment_size="8 GiB").segment_size == 8 * 2**30
     assert (options.copy_chunk_size, options.copy_stream_threshold, options.copy_streams) == (16 << 20, 4 << 20, 4)
     assert PoolOptions.from_config(copy_streams="2", copy_chunk_size=0).copy_streams == 2
-    assert options.stage_threshold is None  # auto: off until staging is measured on a GPU
-    assert (options.effective_stage_threshold("device"), options.effective_stage_threshold("host")) == (0, 0)
+    assert options.stage_threshold is None  # auto: 4 MiB on device pools (measured on two H200s), off on host pools
+    assert (options.effective_stage_threshold("device"), options.effective_stage_threshold("host")) == (4 << 20, 0)
     assert PoolOptions.from_config(stage_threshold="1 MiB").effective_stage_threshold("host") == 1 << 20
 
 

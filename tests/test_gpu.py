@@ -372,11 +372,13 @@ def test_dask_cuda_local_cuda_cluster_hands_over_across_gpus():
 
 
 def test_plain_cupy_arrays_hand_over_when_cupy_allocates_from_the_pool():
+    """gpupool.cupy-allocator: true: plain CuPy results live in the pool and hand over zero-copy; stats() says so."""
     gpus(1)
     import numpy as np
 
     with nanny_cluster([ONE_GPU, ONE_GPU], GPUPool(kind="device", max_size="2 GiB", cupy_allocator=True)) as c:
         a, b = worker_addresses(c)
+        assert dask_gpupool.stats(c)[a]["routing"]["cupy"].startswith("pool"), dask_gpupool.stats(c)[a]
         x = c.submit(T.plain_cupy, 1 << 20, workers=[a], pure=False)
         y = c.submit(T.keep, x, workers=[b], pure=False)
         assert c.submit(T.describe, y, workers=[b], pure=False).result() == {
@@ -386,6 +388,46 @@ def test_plain_cupy_arrays_hand_over_when_cupy_allocates_from_the_pool():
         }
         assert c.submit(T.total, y, workers=[b], pure=False).result() == float(np.arange(1 << 20).sum())
         assert c.run(T.handoff_counters)[b]["copied_bytes"] == 0
+
+
+def test_cupy_arrays_of_an_allocator_installed_before_the_plugin_are_staged_at_defaults():
+    """Issue 18, dask-cuda's RMM set-up: CuPy given RMM's allocator before the plugin starts keeps it (stats() says
+    why); at default settings an 8 MiB RMM-made CuPy array is copied into the pool on the GPU and handed over
+    (staged-in-pool), a 1 MiB one goes through the comm (not-in-pool); the right values either way. With
+    cupy-allocator: true the plugin replaces RMM's allocator and says so."""
+    gpus(1)
+    pytest.importorskip("rmm")
+    import numpy as np
+
+    def rmm_for_cupy() -> str:
+        import cupy
+        from rmm.allocators.cupy import rmm_cupy_allocator
+
+        cupy.cuda.set_allocator(rmm_cupy_allocator)
+        return "ok"
+
+    with nanny_cluster([ONE_GPU, ONE_GPU]) as c:
+        assert set(c.run(rmm_for_cupy).values()) == {"ok"}
+        c.register_plugin(GPUPool(kind="device", max_size="1 GiB"))
+        a, b = worker_addresses(c)
+        why = dask_gpupool.stats(c)[a]["routing"]["cupy"]
+        assert why.startswith("off (auto)"), why
+        big = c.submit(T.plain_cupy, 1 << 20, workers=[a], pure=False)  # 8 MiB, made by RMM
+        small = c.submit(T.plain_cupy, 1 << 17, workers=[a], pure=False)
+        got = c.submit(T.keep, big, workers=[b], pure=False)
+        assert c.submit(T.describe, got, workers=[b], pure=False).result()["imported"]
+        assert c.submit(T.total, got, workers=[b], pure=False).result() == float(np.arange(1 << 20).sum())
+        assert c.submit(T.total, small, workers=[b], pure=False).result() == float(np.arange(1 << 17).sum())
+        now = c.run(T.handoff_counters)
+        assert now[a]["fallbacks"] == {"staged-in-pool": 1, "not-in-pool": 1}, now[a]
+        assert now[b]["zero_copy_bytes"] >= 8 * MiB, now[b]
+        del big, small, got
+    with nanny_cluster([ONE_GPU]) as c:
+        assert set(c.run(rmm_for_cupy).values()) == {"ok"}
+        c.register_plugin(GPUPool(kind="device", max_size="1 GiB", cupy_allocator=True))
+        (a,) = worker_addresses(c)
+        why = dask_gpupool.stats(c)[a]["routing"]["cupy"]
+        assert why.startswith("pool") and "replaced" in why and "rmm" in why, why
 
 
 def test_handoff_pinned_pools():
@@ -556,7 +598,7 @@ def test_on_ucxx_pool_memory_hands_over_or_travels_as_device_frames(placement):
             {**w, "protocol": "ucxx", **({"config": {"gpupool": {"host-id": f"host-{i}"}}} if hosts == "two" else {})}
             for i, w in enumerate(layout)
         ]
-        plugin = GPUPool(kind="device", max_size="1 GiB", ucx_handoff_threshold="4 MiB")
+        plugin = GPUPool(kind="device", max_size="1 GiB", ucx_handoff_threshold="4 MiB", cupy_allocator=False)
         with dask.config.set(ucx), nanny_cluster(workers, plugin, protocol="ucxx") as c:
             a, b = worker_addresses(c)
             assert a.startswith("ucxx://")
@@ -595,7 +637,8 @@ def test_plain_cupy_arrays_are_staged_into_the_pool_when_asked(placement):
 
     gpus(2 if placement == "two-gpus" else 1)
     layout = ROTATED if placement == "two-gpus" else [ONE_GPU, ONE_GPU]
-    with nanny_cluster(layout, GPUPool(kind="device", max_size="1 GiB", stage_threshold="4 MiB")) as c:
+    plugin = GPUPool(kind="device", max_size="1 GiB", stage_threshold="4 MiB", cupy_allocator=False)
+    with nanny_cluster(layout, plugin) as c:
         a, b = worker_addresses(c)
         baseline = warm_up(c, a, b)
         before = counters(c)

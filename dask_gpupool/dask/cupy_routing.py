@@ -19,9 +19,45 @@ from dask_gpupool.errors import PoolExhaustedError
 if TYPE_CHECKING:
     from dask_gpupool.handoff.service import PoolService
 
-__all__ = ["install", "uninstall"]
+__all__ = ["decide", "install", "uninstall"]
 
 logger = logging.getLogger(__name__)
+
+
+def decide(setting: bool | None, kind: str) -> tuple[bool, str]:
+    """Whether to route CuPy into a pool of ``kind``, and why: ``gpupool.cupy-allocator`` resolved.
+
+    ``None`` (``auto``) leaves CuPy's allocator alone: with
+    ``gpupool.stage-threshold`` (on for ``device`` pools by default) a plain
+    CuPy array sent to a same-host worker is copied into the pool on the GPU
+    and handed over, which measured as fast or faster than routing every
+    CuPy allocation into the pool (docs/performance.md, "Workloads"), and
+    works beside any allocator (dask-cuda's RMM pool included). The reason is
+    what ``stats()["routing"]["cupy"]`` shows.
+    """
+    if kind not in ("device", "pinned"):
+        return False, f"off: a {kind} pool holds no GPU memory"
+    if setting is None:
+        return False, (
+            "off (auto): CuPy keeps its allocator; arrays from gpupool.stage-threshold up are copied into the "
+            "pool on the GPU when a same-host worker asks"
+        )
+    if not setting:
+        return False, "off (gpupool.cupy-allocator: false)"
+    return True, "pool (gpupool.cupy-allocator: true)"
+
+
+def foreign_allocator() -> str | None:
+    """The name of CuPy's current allocator when it is not CuPy's default memory pool (nor ours); else ``None``."""
+    import cupy
+
+    current = cupy.cuda.get_allocator()
+    if current == cupy.get_default_memory_pool().malloc or getattr(current, "_gpupool", False):
+        return None
+    owner = getattr(current, "__self__", None)
+    name = getattr(current, "__qualname__", None) or type(current).__qualname__
+    module = getattr(current, "__module__", None) or type(owner if owner is not None else current).__module__
+    return f"{module}.{name}"
 
 
 def install(service: PoolService) -> Any:
@@ -30,6 +66,15 @@ def install(service: PoolService) -> Any:
 
     from dask_gpupool.dask.views import VIEWS, device_of
 
+    found = foreign_allocator()
+    if found is not None:
+        logger.warning(
+            "gpupool.cupy-allocator: true replaces CuPy's allocator %s (installed before the plugin): CuPy now "
+            "allocates from pool %s, and %s serves CuPy no more on this worker",
+            found,
+            service.pool.uuid,
+            found,
+        )
     previous = cupy.cuda.get_allocator()
     fallback = cupy.get_default_memory_pool().malloc
 
@@ -42,6 +87,7 @@ def install(service: PoolService) -> Any:
         mem = cupy.cuda.UnownedMemory(int(buf.handle), buf.size, buf, device_id=device_of(buf))
         return cupy.cuda.MemoryPointer(mem, 0)
 
+    allocate._gpupool = True  # type: ignore[attr-defined]  # foreign_allocator: ours, not another's
     cupy.cuda.set_allocator(allocate)
     logger.info("pool %s: CuPy allocates from it", service.pool.uuid)
     return previous

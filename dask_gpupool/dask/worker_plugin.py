@@ -129,10 +129,17 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
                 register_cupy()
             except Exception:  # the lazy registration retries on the first CuPy array
                 logger.warning("gpupool: registering CuPy's serializers failed; retried on first use", exc_info=True)
-        if gpu_pool and options.cupy_allocator:
+        if importlib.util.find_spec("cupy") is None:
+            service.routing["cupy"] = "off: CuPy is not installed"
+        else:
             from dask_gpupool.dask import cupy_routing as _cupy
 
-            self._cupy_previous = _cupy.install(service)
+            route, why = _cupy.decide(options.cupy_allocator, service.pool.kind)
+            if route:
+                found = _cupy.foreign_allocator()
+                self._cupy_previous = _cupy.install(service)
+                why += f"; replaced {found}" if found else ""
+            service.routing["cupy"] = why
         _metrics.register()  # on the worker's /metrics (when prometheus_client is installed)
         self._push = PeriodicCallback(lambda: self._push_stats(worker), STATS_INTERVAL * 1000)
         self._push.start()

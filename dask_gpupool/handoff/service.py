@@ -122,6 +122,9 @@ class PoolService:
         self.registry = registry if registry is not None else RegistryView()
         self.leases = leases if leases is not None else LeaseTable(options.lease_timeout)
         self.handoffs = HandoffStats()
+        #: What allocates into this pool besides the task's own calls, and why (``{"cupy": reason}``; set by the
+        #: worker plugin; shown by ``stats()["routing"]``).
+        self.routing: dict[str, str] = {}
         self.importer = Importer(options, pool, record.worker, record.host, self.registry, devices, self.handoffs)
         self._unreachable: dict[str, float] = {}  # peer -> until when its handoffs go as copies
         self.copier = copier
@@ -523,6 +526,7 @@ class PoolService:
             "segments": 0 if segmented is None else segmented.segments,
             "segments_retiring": 0 if segmented is None else segmented.retiring,
             "staging_bytes": STAGING.nbytes,
+            "routing": dict(self.routing),
         }
 
     # -- lifecycle -------------------------------------------------------------------

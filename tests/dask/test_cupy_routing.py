@@ -1,0 +1,37 @@
+"""gpupool.cupy-allocator resolved (issue 18): which pools CuPy is routed into, and the reason stats() shows.
+
+Replacing an allocator installed before the plugin (dask-cuda's RMM one) runs on a GPU (``tests/test_gpu.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dask_gpupool import PoolOptions
+from dask_gpupool.dask.cupy_routing import decide
+
+AUTO = (
+    "off (auto): CuPy keeps its allocator; arrays from gpupool.stage-threshold up are copied into the pool on the GPU "
+    "when a same-host worker asks"
+)
+
+
+@pytest.mark.parametrize(
+    ("setting", "kind", "route", "reason"),
+    [
+        (None, "host", False, "off: a host pool holds no GPU memory"),
+        (True, "host", False, "off: a host pool holds no GPU memory"),
+        (None, "pinned", False, AUTO),
+        (None, "device", False, AUTO),
+        (True, "pinned", True, "pool (gpupool.cupy-allocator: true)"),
+        (True, "device", True, "pool (gpupool.cupy-allocator: true)"),
+        (False, "device", False, "off (gpupool.cupy-allocator: false)"),
+    ],
+)
+def test_decide(setting, kind, route, reason):
+    assert decide(setting, kind) == (route, reason)
+
+
+@pytest.mark.parametrize(("raw", "expected"), [("auto", None), ("true", True), (False, False)])
+def test_the_setting_parses(raw, expected):
+    assert PoolOptions.from_config(cupy_allocator=raw).cupy_allocator is expected
