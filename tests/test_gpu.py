@@ -393,7 +393,7 @@ def test_plain_cupy_arrays_hand_over_when_cupy_allocates_from_the_pool():
 def test_cupy_arrays_of_an_allocator_installed_before_the_plugin_are_staged_at_defaults():
     """Issue 18, dask-cuda's RMM set-up: CuPy given RMM's allocator before the plugin starts keeps it (stats() says
     why); at default settings an 8 MiB RMM-made CuPy array is copied into the pool on the GPU and handed over
-    (staged-in-pool), a 1 MiB one goes through the comm (not-in-pool); the right values either way. With
+    (staged-in-pool), a 1 MiB one goes through the comm (fallback small); the right values either way. With
     cupy-allocator: true the plugin replaces RMM's allocator and says so."""
     gpus(1)
     pytest.importorskip("rmm")
@@ -419,7 +419,7 @@ def test_cupy_arrays_of_an_allocator_installed_before_the_plugin_are_staged_at_d
         assert c.submit(T.total, got, workers=[b], pure=False).result() == float(np.arange(1 << 20).sum())
         assert c.submit(T.total, small, workers=[b], pure=False).result() == float(np.arange(1 << 17).sum())
         now = c.run(T.handoff_counters)
-        assert now[a]["fallbacks"] == {"staged-in-pool": 1, "not-in-pool": 1}, now[a]
+        assert now[a]["fallbacks"] == {"staged-in-pool": 1, "small": 1}, now[a]
         assert now[b]["zero_copy_bytes"] >= 8 * MiB, now[b]
         del big, small, got
     with nanny_cluster([ONE_GPU]) as c:
@@ -649,7 +649,7 @@ def test_plain_cupy_arrays_are_staged_into_the_pool_when_asked(placement):
         assert c.submit(T.describe, got, workers=[b], pure=False).result()["imported"]
         assert c.submit(T.total, small, workers=[b], pure=False).result() == float(np.arange(1 << 17).sum())
         now = counters(c)
-        assert now[a]["fallbacks"] == {"staged-in-pool": 1, "not-in-pool": 1}, now[a]
+        assert now[a]["fallbacks"] == {"staged-in-pool": 1, "small": 1}, now[a]
         assert now[a]["pool_staged_bytes"] - before[a]["pool_staged_bytes"] == 8 * MiB
         assert now[b]["zero_copy_bytes"] - before[b]["zero_copy_bytes"] == 8 * MiB
         del big, small, got

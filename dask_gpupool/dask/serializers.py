@@ -104,8 +104,18 @@ def _plain(arr: Any, module: str, previous: Any, context: Any) -> tuple[dict[str
     staged = _stage(arr, module)
     if staged is not None:
         return staged
-    count_plain(int(arr.nbytes))
+    count_plain(int(arr.nbytes), small=_below_stage_threshold(arr, module))
     return previous(arr, context)
+
+
+def _below_stage_threshold(arr: Any, module: str) -> bool:
+    """Whether ``arr`` is sent through the comm only because it is below a ``gpupool.stage-threshold`` that is on."""
+    request = REQUEST.get()
+    if request is None:
+        return False
+    service = request.service
+    threshold = service.options.effective_stage_threshold(service.pool.kind)
+    return bool(threshold) and int(arr.nbytes) < threshold and (module == "numpy") == (service.pool.kind == "host")
 
 
 def _stage(arr: Any, module: str) -> tuple[dict[str, Any], list[Any]] | None:
@@ -152,19 +162,20 @@ def _stage(arr: Any, module: str) -> tuple[dict[str, Any], list[Any]] | None:
     return {KEY: header.to_msg()}, []
 
 
-def count_plain(nbytes: int) -> None:
+def count_plain(nbytes: int, small: bool = False) -> None:
     """Count an array outside every pool that a ``get_data`` reply sends: a copy, and for a same-host worker its reason.
 
     Such arrays go through distributed's own serializer, a host copy:
     counted in ``copied_out_bytes`` and, to a same-host worker, as fallback
     ``not-in-pool`` (one WARNING per peer says how to make results in the
     pool). Outside a reply (spilling, task graphs) it costs a context-variable
-    read. (Device frames on UCX are counted in :mod:`dask_gpupool.dask.device_frames`.)
+    read. (Device frames on UCX are counted in :mod:`dask_gpupool.dask.device_frames`.) ``small``: the array is
+    below an active ``gpupool.stage-threshold``, counted as fallback ``small`` (no advice to act on).
     """
     request = REQUEST.get()
     if request is not None:
         request.service.handoffs.add(copied_out_bytes=nbytes)
-        request.count_plain_fallback()
+        request.count_plain_fallback(small)
 
 
 def hand_over(request: Request, holder: Any, buf: Buffer, meta: ArrayMeta | None) -> HandoffHeader | None:

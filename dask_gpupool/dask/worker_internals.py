@@ -52,10 +52,15 @@ class Request:
     #: Why a value outside every pool in this reply is a same-host copy (``None``: it is not one).
     plain_reason: str | None = None
 
-    def count_plain_fallback(self) -> None:
-        """Count a value outside every pool sent in this reply as a same-host fallback, if it is one."""
+    def count_plain_fallback(self, small: bool = False) -> None:
+        """Count a value outside every pool sent in this reply as a same-host fallback, if it is one.
+
+        ``small``: an array below ``gpupool.stage-threshold`` that staging would otherwise have taken (reason
+        ``small`` in place of ``not-in-pool``).
+        """
         if self.plain_reason is not None:
-            self.service.handoffs.fallback(str(self.requester), self.plain_reason, self.service.record.worker)
+            reason = "small" if small and self.plain_reason == "not-in-pool" else self.plain_reason
+            self.service.handoffs.fallback(str(self.requester), reason, self.service.record.worker)
 
 
 #: Set while a worker answers ``get_data``; Dask's offload thread inherits it.

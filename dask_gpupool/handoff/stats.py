@@ -6,7 +6,7 @@ import logging
 import threading
 from typing import Any
 
-__all__ = ["FALLBACK_ADVICE", "FALLBACK_REASONS", "HandoffStats"]
+__all__ = ["EXPECTED_REASONS", "FALLBACK_ADVICE", "FALLBACK_REASONS", "HandoffStats"]
 
 logger = logging.getLogger("dask_gpupool")
 
@@ -40,6 +40,10 @@ FALLBACK_REASONS = {
         "the array lived outside this worker's pool: it was copied into the pool here (device to device for "
         "CuPy) and then handed over, instead of going through the comm"
     ),
+    "small": (
+        "the array lives outside this worker's pool and is smaller than gpupool.stage-threshold: it goes "
+        "through the comm, which moves it as fast as staging it into the pool would"
+    ),
 }
 
 
@@ -64,7 +68,13 @@ FALLBACK_ADVICE = {
         "make the result in the pool to skip the copy: dask_gpupool.allocate + as_array, to_pool, "
         "or gpupool.cupy-allocator for CuPy"
     ),
+    "small": "nothing (lower gpupool.stage-threshold to stage smaller arrays into the pool)",
 }
+
+
+#: Reasons that name the best path there is for the value (nothing to change): logged once per peer at INFO, not
+#: WARNING. The rest say what to change in their one WARNING.
+EXPECTED_REASONS = frozenset({"same-process", "staged-in-pool", "small"})
 
 
 class HandoffStats:
@@ -133,14 +143,15 @@ class HandoffStats:
                 setattr(self, name, getattr(self, name) + n)
 
     def fallback(self, peer: str, reason: str, worker: str, detail: str = "") -> None:
-        """Count a same-host fallback; log one WARNING per (peer, reason)."""
+        """Count a same-host fallback; log once per (peer, reason): WARNING, INFO for :data:`EXPECTED_REASONS`."""
         with self._lock:
             self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
             first = (peer, reason) not in self._warned
             self._warned.add((peer, reason))
         if first:
             advice = FALLBACK_ADVICE.get(reason)
-            logger.warning(
+            logger.log(
+                logging.INFO if reason in EXPECTED_REASONS else logging.WARNING,
                 "gpupool: %s -> %s copied instead of handed over (%s: %s)%s%s; further fallbacks of this kind "
                 "between them are counted in dask_gpupool.stats() without a warning",
                 worker,

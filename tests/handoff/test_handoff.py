@@ -113,13 +113,16 @@ def test_a_large_plain_array_is_staged_into_the_pool_and_handed_over():
         assert c.submit(T.describe, got, workers=[b], pure=False).result()["imported"]
         assert c.submit(T.try_write, got, workers=[b], pure=False).result() == "ValueError"  # shared, read-only
         assert c.submit(T.total, away, workers=[far], pure=False).result() == float(np.arange(n).sum())
+        small = c.submit(np.arange, 1000, dtype="f8", workers=[a], pure=False)  # below the threshold: the comm
+        assert c.submit(T.total, small, workers=[b], pure=False).result() == float(np.arange(1000).sum())
         now = counters(c)
-        assert now[a]["fallbacks"] == {"staged-in-pool": 1}  # the other host's copy is expected: no fallback
+        # the other host's copy is expected: no fallback; the small array is counted as such
+        assert now[a]["fallbacks"] == {"staged-in-pool": 1, "small": 1}
         assert now[a]["pool_staged_bytes"] - before[a]["pool_staged_bytes"] == 8 * n
         assert now[b]["zero_copy_bytes"] - before[b]["zero_copy_bytes"] == 8 * n
         assert now[b]["copied_bytes"] == before[b]["copied_bytes"]
         assert now[a]["leases"] == 1  # the staged copy lives while B holds it
-        del near, away, got
+        del near, away, got, small
         back_to(c, baseline)
 
 

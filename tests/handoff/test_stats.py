@@ -38,3 +38,14 @@ def test_a_fallback_is_counted_each_time_and_warned_once_per_peer_and_reason_wit
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 2  # one per peer
     assert all("To hand it over: make the result in the pool" in w for w in warnings)
+
+
+def test_fallbacks_that_are_the_best_path_are_logged_at_info_not_warning(caplog):
+    stats = HandoffStats()
+    with caplog.at_level(logging.INFO, logger="dask_gpupool"):
+        stats.fallback("tcp://10.0.0.2:1", "small", "tcp://10.0.0.1:1")
+        stats.fallback("tcp://10.0.0.2:1", "staged-in-pool", "tcp://10.0.0.1:1")
+        stats.fallback("tcp://10.0.0.2:1", "not-in-pool", "tcp://10.0.0.1:1")
+    levels = {r.getMessage().split("(")[1].split(":")[0]: r.levelname for r in caplog.records}
+    assert levels == {"small": "INFO", "staged-in-pool": "INFO", "not-in-pool": "WARNING"}, levels
+    assert stats.to_msg()["fallbacks"] == {"small": 1, "staged-in-pool": 1, "not-in-pool": 1}
