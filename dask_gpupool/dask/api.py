@@ -218,7 +218,9 @@ def stats(client: Client) -> dict[str, dict[str, Any]]:
         ``staging_bytes`` (streamed copies being served, and the pinned staging
         kept for them), ``segments``, ``segments_retiring`` and
         ``segments_released`` (this pool's segments held and retired, and
-        segment releases sent to peers). A worker without a pool (its set-up
+        segment releases sent to peers), and ``routing`` (what allocates into
+        the pool besides tasks' own calls: ``{"cupy": what and why}``, see
+        ``gpupool.cupy-allocator``). A worker without a pool (its set-up
         failed) is listed as ``{"error": why}``.
     """
     return _per_worker(client, _worker_handoff_stats)
