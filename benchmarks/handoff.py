@@ -255,10 +255,20 @@ def placements(gpus: int) -> dict[str, list[dict[str, Any]]]:
 
 
 def method_setup(
-    method: str, place: str, workers: list[dict[str, Any]], gpus: int, max_size: str, segment_size: str | None
+    method: str,
+    place: str,
+    workers: list[dict[str, Any]],
+    gpus: int,
+    max_size: str,
+    segment_size: str | None,
+    kind: str = "",
 ) -> tuple[str, list[dict[str, Any]], Any, bool] | None:
-    """(protocol, worker options, plugin, pool) for a method, or None when it cannot run here."""
-    kind = "device" if gpus else "host"
+    """(protocol, worker options, plugin, pool) for a method, or None when it cannot run here.
+
+    ``kind``: the plugin's pool kind (``""``: ``device`` on a GPU, else ``host``), to tell what the plugin's mere
+    presence costs from what its pool does (``--kind host`` with ``ucxx+gpupool-plain``).
+    """
+    kind = kind or ("device" if gpus else "host")
     if method == "tcp":
         return "tcp", workers, None, False
     if method.startswith("ucxx"):
@@ -308,6 +318,7 @@ def main() -> None:
         "the median over rounds, so cluster-to-cluster drift does not pass for a method's cost",
     )
     p.add_argument("--budget", type=float, default=540.0, help="seconds; later sizes are skipped past it")
+    p.add_argument("--kind", default="", help="the plugin's pool kind (default: device on a GPU, else host)")
     p.add_argument("--segment-size", default="1GiB", help="gpupool.segment-size of the gpupool methods; 0: off")
     p.add_argument("--replot", nargs="+", metavar="FILE", help="JSON results or logs to redraw (runs nothing)")
     p.add_argument("--stamp", default=None, help="name part of the files --replot writes")
@@ -347,7 +358,7 @@ def main() -> None:
             only, _, method = token.rpartition(":")  # "other:gpupool": that placement only
             if only and only != place:
                 continue
-            setup = method_setup(method, place, workers, gpus, max_size, args.segment_size)
+            setup = method_setup(method, place, workers, gpus, max_size, args.segment_size, args.kind)
             if setup is None:
                 log(f"{place:5s} {method}: not available here, skipped")
             else:
