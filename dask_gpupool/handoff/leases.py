@@ -14,9 +14,9 @@ with ``CUDA_ERROR_CONTAINED`` (other GPU), see ``docs/reliability.md``.
 **A lease ends only when its importer is known to be done with it.** That is
 when
 
-- the importer releases it (a :class:`~dask_gpupool.wire.broker.LeaseRelease`
+- the importer releases it (a :class:`~dask_gpupool.wire.broker_leases.LeaseRelease`
   from that worker, after it closed its import), or leaves it out of a
-  :class:`~dask_gpupool.wire.broker.Resync` after a broken link;
+  :class:`~dask_gpupool.wire.broker_leases.Resync` after a broken link;
 - the importer is known dead: its process exited (the broker watches it with
   a pidfd) or it left the registry;
 - it was never claimed and the ``get_data`` reply that carried it has ended

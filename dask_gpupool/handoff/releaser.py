@@ -26,14 +26,14 @@ class Releaser:
     :meth:`put` is called from ``ImportedMemoryResource.deallocate`` (any
     thread, often the garbage collector's); the thread waits for the GPU work
     recorded with each release to finish, then drops the lease from the live
-    set and sends one :class:`~dask_gpupool.wire.broker.LeaseRelease` (and one
-    :class:`~dask_gpupool.wire.broker.SegmentRelease` for unmapped retiring
+    set and sends one :class:`~dask_gpupool.wire.broker_leases.LeaseRelease` (and one
+    :class:`~dask_gpupool.wire.broker_leases.SegmentRelease` for unmapped retiring
     segments) per exporter.
 
     When a send fails (the exporter stalled past ``broker-timeout``, its
     socket buffer full), nothing is dropped: the exporter keeps the leases,
     and this thread opens the link again with backoff. The new link starts
-    with a :class:`~dask_gpupool.wire.broker.Resync` of the live set, which
+    with a :class:`~dask_gpupool.wire.broker_leases.Resync` of the live set, which
     ends every lease released meanwhile; segment releases are sent again.
     It gives up on an exporter only when ``links`` says it left the cluster.
 

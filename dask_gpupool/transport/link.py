@@ -66,7 +66,7 @@ class PeerLink:
         to it. ``""`` for a link that only fetches pool fds.
     live : collection of int, optional
         Leases of this exporter this worker still holds, sent as a
-        :class:`~dask_gpupool.wire.broker.Resync` before the link is returned
+        :class:`~dask_gpupool.wire.broker_leases.Resync` before the link is returned
         (the exporter ends this worker's other claimed leases: their
         releases may have been lost with an earlier link).
     expected_pid : int or None
