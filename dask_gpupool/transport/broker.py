@@ -51,6 +51,13 @@ the scheduler's registry) the broker refuses everyone. A malformed request,
 one too large, or no first message within ``timeout`` closes that connection
 (logged once); the broker goes on serving others. See docs/security.md.
 
+Parts: :class:`FdBroker` owns the socket, its thread and loop, and each
+connection until its hello; :mod:`~dask_gpupool.transport.broker_admission`
+bounds the open connections and checks each peer's uid and hello;
+:class:`~dask_gpupool.transport.broker_requests.BrokerRequests` answers the
+requests after it; :class:`~dask_gpupool.transport.importers.ImporterWatch`
+watches the importers' processes.
+
 Threads: the broker runs its own asyncio loop in a daemon thread, so it
 never blocks the worker's event loop. :func:`~dask_gpupool.transport.link.request_pool_fd` is blocking
 and runs in the caller's thread (a task thread or an executor).
@@ -60,60 +67,34 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import os
 import socket
-import struct
 import tempfile
 import threading
 from typing import cast
 
-from dask_gpupool.errors import (
-    BrokerRefusedError,
-    ConfigError,
-    GPUPoolError,
-    NotAMemberError,
-    ProtocolError,
-    UnknownPoolError,
-)
+from dask_gpupool.errors import BrokerRefusedError, GPUPoolError, ProtocolError
 from dask_gpupool.transport.accept import AcceptBackoff
+from dask_gpupool.transport.broker_admission import (
+    MAX_CONNECTIONS,
+    MAX_PER_PEER,
+    ConnectionBounds,
+    hello_refusal,
+    peer_credentials,
+)
 from dask_gpupool.transport.broker_dirs import DIR_PREFIX, SOCKET_NAME, remove_stale_broker_dirs
 from dask_gpupool.transport.broker_handler import BrokerHandler, LookupOnly, PoolLookup
+from dask_gpupool.transport.broker_requests import BrokerRequests
 from dask_gpupool.transport.importers import ImporterWatch
-from dask_gpupool.wire.broker import (
-    ClaimReply,
-    CopyReply,
-    CopyRequest,
-    ErrorReply,
-    ForwardReply,
-    ForwardSettle,
-    HandleRequest,
-    Hello,
-    LeaseClaim,
-    LeaseForward,
-    LeaseRelease,
-    Resync,
-    ResyncReply,
-    SegmentRelease,
-    Welcome,
-    parse_request,
-)
+from dask_gpupool.wire.broker import ErrorReply, Hello, Welcome
 from dask_gpupool.wire.codec import MAX_MESSAGE_BYTES, decode, encode
 
-__all__ = ["BrokerHandler", "FdBroker", "PoolLookup"]
+__all__ = ["MAX_CONNECTIONS", "MAX_PER_PEER", "BrokerHandler", "FdBroker", "PoolLookup"]
 
 logger = logging.getLogger(__name__)
 
-#: Most lease ids one resync may name (an importer's live imports of one exporter).
-_MAX_RESYNC = 1 << 20
 _UNIX_PATH_MAX = 107
-_PEERCRED = struct.Struct("3i")
-
-#: Open connections one peer process (``SO_PEERCRED`` pid) may hold to a broker; more are refused.
-MAX_PER_PEER = 64
-#: Open connections a broker holds in all; more are refused.
-MAX_CONNECTIONS = 1024
 
 
 class FdBroker:
@@ -171,11 +152,7 @@ class FdBroker:
     """
 
     address: str
-    served: int
     refused: int
-    copies: int
-    max_per_peer: int
-    max_connections: int
     token: bytes | None
     _handler: BrokerHandler
     _timeout: float
@@ -186,8 +163,8 @@ class FdBroker:
     _thread: threading.Thread
     _conns: set[socket.socket]
     _importers: ImporterWatch
-    _per_pid: dict[int, int]
-    _refusing: set[int]
+    _bounds: ConnectionBounds
+    _requests: BrokerRequests
     _closed: bool
 
     def __init__(
@@ -200,18 +177,14 @@ class FdBroker:
         max_per_peer: int = MAX_PER_PEER,
         max_connections: int = MAX_CONNECTIONS,
     ) -> None:
-        if max_per_peer < 1 or max_connections < 1:
-            raise ConfigError(f"broker bounds must be positive integers: {max_per_peer=}, {max_connections=}")
+        self._bounds = ConnectionBounds(max_per_peer, max_connections)
         self.token = token
-        self.max_per_peer, self.max_connections = max_per_peer, max_connections
-        self._per_pid = {}  # open connections by peer pid (broker thread only)
-        self._refusing = set()  # pids (-1: everyone) refused since their last close: warned once
         self._handler = cast(BrokerHandler, handler) if hasattr(handler, "pool_handle") else LookupOnly(handler)
         self._timeout = timeout
         self._name = name
         self._backoff = AcceptBackoff(f"pool {name}: broker")
         self._next_connection = 0
-        self.served = self.refused = self.copies = 0
+        self.refused = 0
         self._conns = set()
         self._importers = ImporterWatch(self._handler, name)
         self._closed = False
@@ -239,6 +212,7 @@ class FdBroker:
             os.rmdir(self._dir)
             raise
         self._loop = asyncio.new_event_loop()
+        self._requests = BrokerRequests(self._handler, self._loop)
         self._thread = threading.Thread(target=self._run, name=f"gpupool-broker-{name[:8]}", daemon=True)
         self._thread.start()
         logger.debug("pool %s: broker serving at %s", name, self.address)
@@ -249,6 +223,26 @@ class FdBroker:
     def accept_errors(self) -> int:
         """Failed accepts that made the accept loop pause (out of fds or memory)."""
         return self._backoff.errors
+
+    @property
+    def served(self) -> int:
+        """Pool and segment fds handed out."""
+        return self._requests.served
+
+    @property
+    def copies(self) -> int:
+        """Host copies (memfds) handed out."""
+        return self._requests.copies
+
+    @property
+    def max_per_peer(self) -> int:
+        """Open connections one peer process may hold."""
+        return self._bounds.max_per_peer
+
+    @property
+    def max_connections(self) -> int:
+        """Open connections in all."""
+        return self._bounds.max_connections
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
@@ -296,22 +290,18 @@ class FdBroker:
         """Serve ``conn`` if its pid and the broker are under their bounds; else refuse and close it."""
         conn.setblocking(False)
         try:
-            pid = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))[0]
+            pid = peer_credentials(conn)[0]
         except OSError:
             conn.close()
             return
-        if len(self._conns) >= self.max_connections:
-            why, who = f"{len(self._conns)} connections open (gpupool broker bound {self.max_connections})", -1
-        elif self._per_pid.get(pid, 0) >= self.max_per_peer:
-            why, who = f"pid {pid} holds {self.max_per_peer} connections (the bound per peer)", pid
-        else:
-            self._per_pid[pid] = self._per_pid.get(pid, 0) + 1
+        refused = self._bounds.admit(pid, len(self._conns))
+        if refused is None:
             self._conns.add(conn)
             self._loop.create_task(self._serve_counted(conn, pid))
             return
+        why, first = refused
         self.refused += 1
-        if who not in self._refusing:
-            self._refusing.add(who)
+        if first:
             logger.warning("pool %s: broker refuses connections: %s", self._name, why)
         refusal = BrokerRefusedError(f"pool {self._name}: broker refused the connection: {why}")
         with contextlib.suppress(OSError):
@@ -323,14 +313,7 @@ class FdBroker:
         try:
             await self._serve(conn)
         finally:
-            left = self._per_pid.get(pid, 1) - 1
-            if left > 0:
-                self._per_pid[pid] = left
-            else:
-                self._per_pid.pop(pid, None)
-                self._refusing.discard(pid)  # warn again about this pid's next flood, not its every refusal
-            if len(self._conns) < self.max_connections // 2:
-                self._refusing.discard(-1)
+            self._bounds.closed(pid, len(self._conns))
 
     async def _tick(self) -> None:
         while True:
@@ -346,7 +329,7 @@ class FdBroker:
         importer = ""
         resync: set[int] = set()
         try:
-            pid, uid, _gid = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+            pid, uid, _gid = peer_credentials(conn)
             if uid != os.getuid():
                 self.refused += 1
                 logger.warning("pool %s: broker refused pid %d of uid %d (not ours)", self._name, pid, uid)
@@ -365,7 +348,7 @@ class FdBroker:
                     return
                 if not spoke:
                     hello = Hello.from_msg(decode(data))
-                    refusal = self._refusal(hello, pid)
+                    refusal = hello_refusal(hello, pid, self.token, self._handler, self._name)
                     if refusal is not None:
                         self.refused += 1
                         logger.warning("pool %s: broker refused pid %d: %s", self._name, pid, refusal)
@@ -378,7 +361,7 @@ class FdBroker:
                     await self._loop.sock_sendall(conn, encode(Welcome()))
                     spoke = True
                     continue
-                await self._answer(conn, decode(data), importer, resync)
+                await self._requests.answer(conn, decode(data), importer, resync)
         except ProtocolError as e:
             self.refused += 1
             logger.warning("pool %s: broker closed connection of pid %d: %s", self._name, pid, e)
@@ -394,16 +377,6 @@ class FdBroker:
             if importer and pid > 0:
                 self._importers.check_exited(pid)
 
-    def _refusal(self, hello: Hello, pid: int) -> GPUPoolError | None:
-        token = self.token
-        if token is None or not hmac.compare_digest(hello.token, token):
-            return NotAMemberError(f"pool {self._name}: not a member of this cluster (token mismatch)")
-        if hello.worker and not self._handler.identify(hello.worker, pid):
-            return NotAMemberError(
-                f"pool {self._name}: pid {pid} is not the process of worker {hello.worker} in the registry"
-            )
-        return None
-
     @property
     def watched(self) -> int:
         """Importer processes watched (for leak checks)."""
@@ -413,82 +386,6 @@ class FdBroker:
     def handler(self) -> BrokerHandler:
         """What this broker asks (its owner's :class:`BrokerHandler`)."""
         return self._handler
-
-    async def _answer(self, conn: socket.socket, msg: dict[str, object], importer: str, resync: set[int]) -> None:
-        request = parse_request(msg)
-        if isinstance(request, HandleRequest) and request.segment:
-            if not importer:
-                raise ProtocolError("segment handle request on a connection that named no worker")
-            try:
-                fd, handle_reply = self._handler.segment_handle(request.pool, request.segment, importer)
-            except GPUPoolError as e:
-                await self._loop.sock_sendall(conn, encode(ErrorReply.of(e)))
-                return
-            try:
-                await self._loop.sock_sendall(conn, encode(handle_reply))
-                await self._send_fd(conn, fd)
-            finally:
-                os.close(fd)
-            self.served += 1
-            return
-        if isinstance(request, HandleRequest):
-            found = self._handler.pool_handle(request.pool)
-            if found is None:
-                reply = ErrorReply.of(UnknownPoolError(f"pool {request.pool} is not served by this broker"))
-                await self._loop.sock_sendall(conn, encode(reply))
-                return
-            fd, handle_reply = found
-            await self._loop.sock_sendall(conn, encode(handle_reply))
-            await self._send_fd(conn, fd)
-            self.served += 1
-            return
-        if not importer:
-            raise ProtocolError(f"{request.op} on a connection that named no worker")
-        if isinstance(request, LeaseClaim):
-            refused = self._handler.claim(request.leases, importer)
-            await self._loop.sock_sendall(conn, encode(ClaimReply(tuple(refused))))
-        elif isinstance(request, LeaseRelease):
-            self._handler.release(request.leases, importer)
-        elif isinstance(request, Resync):
-            resync.update(request.leases)
-            if len(resync) > _MAX_RESYNC:
-                raise ProtocolError(f"resync of more than {_MAX_RESYNC} leases")
-            if request.done:
-                ended = self._handler.resync(set(resync), importer)
-                resync.clear()
-                await self._loop.sock_sendall(conn, encode(ResyncReply(ended)))
-        elif isinstance(request, SegmentRelease):
-            self._handler.segments_released(request.segments, importer)
-        elif isinstance(request, LeaseForward):
-            try:
-                lease, segment = self._handler.forward(request.lease, importer, request.to)
-            except GPUPoolError as e:
-                await self._loop.sock_sendall(conn, encode(ErrorReply.of(e)))
-                return
-            await self._loop.sock_sendall(conn, encode(ForwardReply(lease, segment)))
-        elif isinstance(request, ForwardSettle):
-            self._handler.settle_forwarded(request.leases, importer)
-        elif isinstance(request, CopyRequest):
-            try:
-                fd, size = await self._loop.run_in_executor(None, self._handler.copy_out, request.lease, importer)
-            except GPUPoolError as e:
-                await self._loop.sock_sendall(conn, encode(ErrorReply.of(e)))
-                return
-            try:
-                await self._loop.sock_sendall(conn, encode(CopyReply(request.lease, size)))
-                await self._send_fd(conn, fd)
-            finally:
-                os.close(fd)
-            self.copies += 1
-
-    async def _send_fd(self, conn: socket.socket, fd: int) -> None:
-        # The fd travels in a message of its own; a seqpacket socket sends it whole or not at all.
-        while True:
-            try:
-                socket.send_fds(conn, [b"\0"], [fd])
-                return
-            except BlockingIOError:
-                await asyncio.sleep(0.001)
 
     # -- owner's side -------------------------------------------------------------
 
@@ -509,7 +406,7 @@ class FdBroker:
         for conn in list(self._conns):
             conn.close()
         self._conns.clear()
-        self._per_pid.clear()
+        self._bounds.clear()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.address)
         with contextlib.suppress(FileNotFoundError):

@@ -1,0 +1,155 @@
+"""What a broker answers once a connection is welcomed: fds, lease claims, releases, resyncs, forwards, copies.
+
+:class:`BrokerRequests` parses each request of a welcomed connection
+(:func:`~dask_gpupool.wire.broker.parse_request`), asks the broker's
+:class:`~dask_gpupool.transport.broker_handler.BrokerHandler`, and sends the
+reply; after a handle or copy reply, the fd itself travels in a message of its
+own (SCM_RIGHTS). Pool fds are for any member; segment fds and every lease
+request need a connection that named its worker in its ``Hello``. A malformed
+request raises :class:`~dask_gpupool.errors.ProtocolError`, which closes the
+connection (:class:`~dask_gpupool.transport.broker.FdBroker` does).
+
+fd ownership: a pool's fd stays the pool's; a segment fd or a copy's memfd,
+made for one request, is closed here once sent. Broker thread only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+
+from dask_gpupool.errors import GPUPoolError, ProtocolError, UnknownPoolError
+from dask_gpupool.transport.broker_handler import BrokerHandler
+from dask_gpupool.wire.broker import (
+    ClaimReply,
+    CopyReply,
+    CopyRequest,
+    ErrorReply,
+    ForwardReply,
+    ForwardSettle,
+    HandleRequest,
+    LeaseClaim,
+    LeaseForward,
+    LeaseRelease,
+    Resync,
+    ResyncReply,
+    SegmentRelease,
+    parse_request,
+)
+from dask_gpupool.wire.codec import encode
+
+__all__ = ["BrokerRequests"]
+
+#: Most lease ids one resync may name (an importer's live imports of one exporter).
+_MAX_RESYNC = 1 << 20
+
+
+class BrokerRequests:
+    """Answers the requests of one broker's welcomed connections.
+
+    Parameters
+    ----------
+    handler : BrokerHandler
+        What the broker asks (its owner).
+    loop : asyncio.AbstractEventLoop
+        The broker's event loop: replies are sent on it, copies made in its
+        default executor.
+
+    Attributes
+    ----------
+    served : int
+        Pool and segment fds handed out.
+    copies : int
+        Host copies (memfds) handed out.
+    """
+
+    served: int
+    copies: int
+    _handler: BrokerHandler
+    _loop: asyncio.AbstractEventLoop
+
+    def __init__(self, handler: BrokerHandler, loop: asyncio.AbstractEventLoop) -> None:
+        self._handler = handler
+        self._loop = loop
+        self.served = self.copies = 0
+
+    async def answer(self, conn: socket.socket, msg: dict[str, object], importer: str, resync: set[int]) -> None:
+        """Answer one request ``msg`` of a connection that named worker ``importer`` (``""``: none).
+
+        ``resync`` is the connection's resync in progress (lease ids of its chunks so far).
+        """
+        request = parse_request(msg)
+        if isinstance(request, HandleRequest) and request.segment:
+            if not importer:
+                raise ProtocolError("segment handle request on a connection that named no worker")
+            try:
+                fd, handle_reply = self._handler.segment_handle(request.pool, request.segment, importer)
+            except GPUPoolError as e:
+                await self._loop.sock_sendall(conn, encode(ErrorReply.of(e)))
+                return
+            try:
+                await self._loop.sock_sendall(conn, encode(handle_reply))
+                await self._send_fd(conn, fd)
+            finally:
+                os.close(fd)
+            self.served += 1
+            return
+        if isinstance(request, HandleRequest):
+            found = self._handler.pool_handle(request.pool)
+            if found is None:
+                reply = ErrorReply.of(UnknownPoolError(f"pool {request.pool} is not served by this broker"))
+                await self._loop.sock_sendall(conn, encode(reply))
+                return
+            fd, handle_reply = found
+            await self._loop.sock_sendall(conn, encode(handle_reply))
+            await self._send_fd(conn, fd)
+            self.served += 1
+            return
+        if not importer:
+            raise ProtocolError(f"{request.op} on a connection that named no worker")
+        if isinstance(request, LeaseClaim):
+            refused = self._handler.claim(request.leases, importer)
+            await self._loop.sock_sendall(conn, encode(ClaimReply(tuple(refused))))
+        elif isinstance(request, LeaseRelease):
+            self._handler.release(request.leases, importer)
+        elif isinstance(request, Resync):
+            resync.update(request.leases)
+            if len(resync) > _MAX_RESYNC:
+                raise ProtocolError(f"resync of more than {_MAX_RESYNC} leases")
+            if request.done:
+                ended = self._handler.resync(set(resync), importer)
+                resync.clear()
+                await self._loop.sock_sendall(conn, encode(ResyncReply(ended)))
+        elif isinstance(request, SegmentRelease):
+            self._handler.segments_released(request.segments, importer)
+        elif isinstance(request, LeaseForward):
+            try:
+                lease, segment = self._handler.forward(request.lease, importer, request.to)
+            except GPUPoolError as e:
+                await self._loop.sock_sendall(conn, encode(ErrorReply.of(e)))
+                return
+            await self._loop.sock_sendall(conn, encode(ForwardReply(lease, segment)))
+        elif isinstance(request, ForwardSettle):
+            self._handler.settle_forwarded(request.leases, importer)
+        elif isinstance(request, CopyRequest):
+            try:
+                fd, size = await self._loop.run_in_executor(None, self._handler.copy_out, request.lease, importer)
+            except GPUPoolError as e:
+                await self._loop.sock_sendall(conn, encode(ErrorReply.of(e)))
+                return
+            try:
+                await self._loop.sock_sendall(conn, encode(CopyReply(request.lease, size)))
+                await self._send_fd(conn, fd)
+            finally:
+                os.close(fd)
+            self.copies += 1
+
+    async def _send_fd(self, conn: socket.socket, fd: int) -> None:
+        # The fd travels in a message of its own; a seqpacket socket sends it whole or not at all.
+        while True:
+            try:
+                socket.send_fds(conn, [b"\0"], [fd])
+                return
+            except BlockingIOError:
+                await asyncio.sleep(0.001)
