@@ -2,8 +2,9 @@
 
 :class:`Segment` is one upstream allocation that buffers are placed in;
 :class:`SegmentTable` finds one by address (a buffer's pointer) and by id (a
-descriptor's segment number). Neither locks: the resource calls them under
-its own lock.
+descriptor's segment number), and counts the bytes in segments and in the
+buffers placed in them (:class:`SegmentStats`). Neither locks: the resource
+and its placements call them under the resource's lock.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ from typing import Any
 
 from dask_gpupool.memory.arena import Arena
 
-__all__ = ["Segment", "SegmentStats", "SegmentTable"]
+__all__ = ["SEGMENT_ALIGNMENT", "Segment", "SegmentStats", "SegmentTable"]
+
+#: Granularity of segment sizes (CUDA's large-page size).
+SEGMENT_ALIGNMENT = 2 << 20
 
 
 @dataclass(eq=False)
@@ -73,14 +77,29 @@ class SegmentStats:
 
 
 class SegmentTable:
-    """Segments sorted by base address, and by id. Owns nothing: the resource frees segments."""
+    """Segments sorted by base address, and by id. Owns nothing: the resource frees segments.
 
-    __slots__ = ("_bases", "_by_id", "_segments")
+    Attributes
+    ----------
+    used : int
+        Bytes in buffers placed in the segments (as the placements count them).
+    used_high : int
+        Largest ``used`` seen.
+    reserved_high : int
+        Largest :attr:`reserved` seen.
+    """
+
+    __slots__ = ("_bases", "_by_id", "_segments", "reserved_high", "used", "used_high")
+
+    used: int
+    used_high: int
+    reserved_high: int
 
     def __init__(self) -> None:
         self._segments: list[Segment] = []
         self._bases: list[int] = []
         self._by_id: dict[int, Segment] = {}
+        self.used = self.used_high = self.reserved_high = 0
 
     def add(self, seg: Segment) -> None:
         """Register ``seg``."""
@@ -88,6 +107,20 @@ class SegmentTable:
         self._bases.insert(i, seg.base)
         self._segments.insert(i, seg)
         self._by_id[seg.id] = seg
+        self.reserved_high = max(self.reserved_high, self.reserved)
+
+    def count_used(self, nbytes: int) -> None:
+        """A buffer of ``nbytes`` (as placed) now lives in a segment."""
+        self.used += nbytes
+        self.used_high = max(self.used_high, self.used)
+
+    def count_freed(self, nbytes: int) -> None:
+        """A buffer of ``nbytes`` (as placed) was freed."""
+        self.used -= nbytes
+
+    def stats(self) -> SegmentStats:
+        """Bytes in buffers and in segments, now and at most."""
+        return SegmentStats(self.used, self.used_high, self.reserved, self.reserved_high)
 
     def remove(self, seg: Segment) -> Segment:
         """Take ``seg`` out; return it."""
@@ -129,7 +162,7 @@ class SegmentTable:
         return sum(s.size for s in self._segments)
 
     def clear(self) -> list[Segment]:
-        """Take every segment out; return them."""
+        """Take every segment out (the byte counts stay); return them."""
         segments = self._segments
         self._segments, self._bases, self._by_id = [], [], {}
         return segments

@@ -13,17 +13,24 @@ handoff from the same segment is pointer arithmetic and a lease.
 
 Placement
 ---------
+Each placement is its own class, sharing the resource's lock and
+:class:`~dask_gpupool.memory.segment_table.SegmentTable`; they take the
+segments they place buffers in from the resource's
+:class:`~dask_gpupool.memory.segment_source.SegmentSource`.
+
 - **RMM** (``suballocator="rmm"``, the default when RMM is installed):
-  :mod:`dask_gpupool.memory.rmm_placement`, one RMM pool per generation of
-  segments.
+  :class:`~dask_gpupool.memory.rmm_placement.RmmPlacement`, one RMM pool per
+  generation of segments.
 - **Arena** (``suballocator="arena"``, and whenever RMM cannot be imported,
-  as on hosts without CUDA): :class:`~dask_gpupool.memory.arena.Arena`, first fit,
-  one per segment, with stream-ordered frees done here (a range freed on the
-  GPU's default stream is reused at once; one freed on another stream once an
-  event recorded there completed).
+  as on hosts without CUDA):
+  :class:`~dask_gpupool.memory.arena_placement.ArenaPlacement`: an
+  :class:`~dask_gpupool.memory.arena.Arena`, first fit, one per segment, with
+  stream-ordered frees (a range freed on the GPU's default stream is reused at
+  once; one freed on another stream once an event recorded there completed).
 - A buffer larger than the segment size gets a segment of its own (rounded
   up to 2 MiB), kept when the buffer is freed and reused by a later buffer
-  that fits it (at most twice as small), so repeated large results map once.
+  that fits it (at most twice as small), so repeated large results map once
+  (:class:`~dask_gpupool.memory.own_segments.OwnSegments`).
   When the upstream pool is full, such idle segments that no peer maps are
   freed and the allocation is tried once more.
 
@@ -49,23 +56,21 @@ from typing import TYPE_CHECKING, Any
 from cuda.core import MemoryResource
 
 from dask_gpupool.errors import PoolClosedError, PoolExhaustedError, UnknownPoolError
-from dask_gpupool.memory.arena import Arena
+from dask_gpupool.memory.arena_placement import BUFFER_ALIGNMENT, ArenaPlacement
+from dask_gpupool.memory.home_stream import HomeStream
 from dask_gpupool.memory.lifetime import keep_until_exit
+from dask_gpupool.memory.own_segments import OwnSegments
 from dask_gpupool.memory.retire import RetireLedger
-from dask_gpupool.memory.rmm_placement import RMM_ALIGNMENT, Generation, RmmStreams, rmm_available
-from dask_gpupool.memory.segment_table import Segment, SegmentStats, SegmentTable
+from dask_gpupool.memory.rmm_placement import RmmPlacement, rmm_available
+from dask_gpupool.memory.segment_source import SegmentSource
+from dask_gpupool.memory.segment_table import SEGMENT_ALIGNMENT, Segment, SegmentStats, SegmentTable
 
 if TYPE_CHECKING:
     from cuda.core import Buffer
 
-__all__ = ["Segment", "SegmentStats", "SegmentedResource"]
+__all__ = ["BUFFER_ALIGNMENT", "SEGMENT_ALIGNMENT", "Segment", "SegmentStats", "SegmentedResource"]
 
 logger = logging.getLogger(__name__)
-
-#: Granularity of segment sizes (CUDA's large-page size).
-SEGMENT_ALIGNMENT = 2 << 20
-#: Alignment of buffers inside a segment (CuPy and cudaMalloc give 256 bytes; 512 keeps vector loads happy).
-BUFFER_ALIGNMENT = 512
 
 
 class SegmentedResource(MemoryResource):
@@ -96,7 +101,11 @@ class SegmentedResource(MemoryResource):
     -----
     Thread-safe: task threads allocate, any thread (the garbage collector's
     included) deallocates. RMM is never called with ``_lock`` held (RMM calls
-    back into :meth:`_new_segment` with its own lock held).
+    back into :meth:`SegmentSource.new
+    <dask_gpupool.memory.segment_source.SegmentSource.new>` with its own lock
+    held), except to make a new RMM pool, which no other thread can call yet.
+    The placements (``_rmm`` or ``_arena``, and ``_own``) and the segment
+    source share ``_lock`` and ``_segments`` and take the lock themselves.
     """
 
     upstream: Any
@@ -104,22 +113,14 @@ class SegmentedResource(MemoryResource):
     segment_size: int
     suballocator: str
     retire_below: int
-    _device: int | None
-    _payload_of: Any
+    _home: HomeStream | None
     _segments: SegmentTable
-    _pending: list[tuple[Segment, int, Any]]
-    _generation: Generation | None
-    _retired_generations: list[Generation]
-    _used: int
-    _used_high: int
-    _reserved_high: int
-    _next_id: int
+    _source: SegmentSource
+    _rmm: RmmPlacement | None
+    _arena: ArenaPlacement
+    _own: OwnSegments
     _closed: bool
     _lock: threading.RLock
-    _home_handle: int | None
-    _home_stream: Any
-    _dev: Any
-    _rmm_streams: RmmStreams
     _ledger: RetireLedger
 
     def __init__(
@@ -144,20 +145,21 @@ class SegmentedResource(MemoryResource):
         self.segment_size = -(-segment_size // SEGMENT_ALIGNMENT) * SEGMENT_ALIGNMENT
         self.suballocator = suballocator
         self.retire_below = 0
-        self._device = device
-        self._payload_of = payload_of
-        self._segments = SegmentTable()
-        self._pending = []
-        self._generation = None
-        self._retired_generations = []
-        self._used = self._used_high = self._reserved_high = 0
-        self._next_id = 1
+        self._home = home = None if device is None else HomeStream(device)
+        self._segments = segments = SegmentTable()
         self._closed = False
-        self._lock = threading.RLock()
-        self._home_handle = None
-        self._home_stream = self._dev = None
-        self._rmm_streams = RmmStreams()
+        self._lock = lock = threading.RLock()
         self._ledger = RetireLedger()
+        self._source = source = SegmentSource(self.memory, payload_of, segments, lock, self._ledger, home)
+        self._rmm = None
+        if suballocator == "rmm":
+            assert home is not None  # checked above: RMM needs a GPU
+            self._rmm = RmmPlacement(
+                segments, lock, home, self.segment_size, source.new, source.release, source.exhausted
+            )
+        # places nothing under RMM: no segment has an arena, no free is pending
+        self._arena = ArenaPlacement(segments, lock, source.new, self.segment_size, home)
+        self._own = OwnSegments(segments, lock, source.new, home)
 
     # -- MemoryResource ----------------------------------------------------------------
 
@@ -175,15 +177,15 @@ class SegmentedResource(MemoryResource):
 
         if self._closed:
             raise PoolClosedError("the segmented resource is closed")
-        if self._device is not None:
+        if self._home is not None:
             home = self._home()
             stream = home if stream is None else stream
         place = (
-            self._allocate_own
+            self._own.allocate
             if size > self.segment_size
-            else self._allocate_rmm
-            if self.suballocator == "rmm"
-            else self._allocate_arena
+            else self._rmm.allocate
+            if self._rmm is not None
+            else self._arena.allocate
         )
         try:
             ptr = place(size, stream)
@@ -201,34 +203,14 @@ class SegmentedResource(MemoryResource):
             return
         seg, offset = self.locate(int(ptr))
         if seg.own:
-            event = None
-            if self._device is not None:
-                home = self._home()
-                event = (stream if stream is not None else home).record()
-            with self._lock:
-                seg.live, seg.free_event = 0, event
-                self._used -= seg.size
+            self._own.free(seg, stream)
             if seg.retiring:
                 self._collect()
             return
-        if self.suballocator == "rmm":
-            self._home()  # RMM records its free event on the GPU: make it current in this thread (maybe the GC's)
-            seg.generation.pool.deallocate(int(ptr), max(size, 1), self._rmm_stream(stream))
-            with self._lock:
-                seg.live -= 1
-                self._used -= -(-max(size, 1) // RMM_ALIGNMENT) * RMM_ALIGNMENT
-            if seg.retiring and seg.live == 0:
-                self._collect()
-            return
-        event = None
-        if stream is not None and self._device is not None and int(stream.handle) != self._home_handle:
-            self._home()
-            event = stream.record()
-        with self._lock:
-            if self._closed:
-                return
-            self._pending.append((seg, offset, event))
-            self._reap(wait=False)
+        if self._rmm is not None:
+            self._rmm.free(seg, int(ptr), size, stream)
+        elif not self._arena.free(seg, offset, stream):
+            return  # closed meanwhile
         if seg.retiring and seg.live == 0:
             self._collect()
 
@@ -259,9 +241,8 @@ class SegmentedResource(MemoryResource):
     def attributes(self) -> SegmentStats:
         """Bytes in buffers and in segments, now and at most (finished frees counted)."""
         with self._lock:
-            self._reap(wait=False)
-            reserved = self._segments.reserved
-            return SegmentStats(self._used, self._used_high, reserved, self._reserved_high)
+            self._arena.reap(wait=False)
+            return self._segments.stats()
 
     def locate(self, ptr: int) -> tuple[Segment, int]:
         """The segment holding address ``ptr`` and the offset inside it.
@@ -316,7 +297,7 @@ class SegmentedResource(MemoryResource):
         with self._lock:
             if self._closed:
                 raise PoolClosedError("the segmented resource is closed")
-            self.retire_below = self._next_id
+            self.retire_below = self._source.next_id
             self._retire_all()
         self._collect()
         return self.retire_below
@@ -362,8 +343,9 @@ class SegmentedResource(MemoryResource):
         self._collect(force=free_segments)
         with self._lock:
             self._closed = True
-            segments, self._pending = self._segments.clear(), []
-            generations, self._retired_generations = self._retired_generations, []
+            segments = self._segments.clear()
+            self._arena.close()
+            generations = self._rmm.take_all() if self._rmm is not None else []
         for g in generations:
             g.pool = None  # RMM gives its blocks back through _give, which finds them unregistered: kept
         if segments:
@@ -375,123 +357,16 @@ class SegmentedResource(MemoryResource):
 
     # -- internals -----------------------------------------------------------------------
 
-    def _home(self) -> Any:
-        """The GPU's default stream, with the GPU made current (device segments only)."""
-        dev = self._dev
-        if dev is None:
-            from cuda.core import Device
-
-            dev = self._dev = Device(self._device)
-            dev.set_current()
-            self._home_stream = dev.default_stream
-            self._home_handle = int(self._home_stream.handle)
-        else:
-            dev.set_current()
-        return self._home_stream
-
-    def _rmm_stream(self, stream: Any) -> Any:
-        return self._rmm_streams.get(stream if stream is not None else self._home())
-
-    def _allocate_rmm(self, size: int, stream: Any) -> int:
-        gen = self._generation
-        if gen is None:
-            with self._lock:
-                gen = self._generation
-                if gen is None:
-                    gen = self._generation = self._new_generation(size)
-        try:
-            ptr = int(gen.pool.allocate(max(size, 1), self._rmm_stream(stream)))  # RMM gives no address for 0
-        except MemoryError as e:
-            raise self._exhausted(size, e) from None
-        with self._lock:
-            seg, _ = self._segments.locate(ptr)  # type: ignore[misc]  # RMM placed it in a segment of ours
-            seg.live += 1
-            self._used += -(-max(size, 1) // RMM_ALIGNMENT) * RMM_ALIGNMENT
-            self._used_high = max(self._used_high, self._used)
-        return ptr
-
-    def _new_generation(self, size: int) -> Generation:
-        """A new RMM pool whose first segment is the segment size, or less when the upstream is short."""
-        initial = self.segment_size
-        while True:
-            try:
-                return Generation(self, initial)
-            except MemoryError as e:
-                if initial <= max(SEGMENT_ALIGNMENT, size):
-                    raise self._exhausted(size, e) from None
-                initial = max(SEGMENT_ALIGNMENT, initial // 2 // SEGMENT_ALIGNMENT * SEGMENT_ALIGNMENT)
-
-    def _allocate_arena(self, size: int, stream: Any) -> int:
-        if self._device is not None and int(stream.handle) != self._home_handle:
-            stream.wait(self._home())  # ranges freed on the home stream are reused at once
-        with self._lock:
-            self._reap(wait=False)
-            seg, offset = self._place(size, stream)
-            seg.live += 1
-            self._used += seg.arena.size_of(offset) or 0  # type: ignore[union-attr]
-            self._used_high = max(self._used_high, self._used)
-        return seg.base + offset
-
-    def _allocate_own(self, size: int, stream: Any) -> int:
-        need = -(-size // SEGMENT_ALIGNMENT) * SEGMENT_ALIGNMENT
-        with self._lock:
-            spares = [s for s in self._segments if s.own and not (s.live or s.retiring) and need <= s.size <= 2 * need]
-            seg = min(spares, key=lambda s: s.size) if spares else None
-            if seg is not None:
-                seg.live = 1
-                event, seg.free_event = seg.free_event, None
-                self._used += seg.size
-                self._used_high = max(self._used_high, self._used)
-        if seg is not None:
-            if event is not None:
-                stream.wait(event)
-                event.close()
-            return seg.base
-        seg = self._new_segment(need, own=True, stream=stream)
-        return seg.base
-
-    def _new_segment(self, size: int, *, own: bool = False, generation: Any = None, stream: Any = None) -> Segment:
-        """Take ``size`` bytes from upstream and register them as a segment (any placement)."""
-        if stream is None and self._device is not None:
-            stream = self._home()
-        try:
-            buf = self.memory.allocate(size, stream=stream)
-        except Exception as e:
-            if not isinstance(e, PoolExhaustedError) and "OUT_OF_MEMORY" not in str(e):
-                raise
-            if generation is not None:
-                raise MemoryError(str(e)) from None  # RMM tries a smaller segment, then gives up
-            raise self._exhausted(size, e) from None
-        with self._lock:
-            # VMM rounds up to its granularity: the segment is what was made
-            seg = Segment(buf, int(buf.handle), max(size, int(buf.size)), self._payload_of(buf), self._next_id, own=own)
-            self._next_id += 1
-            if own:
-                seg.live = 1
-                self._used += size
-                self._used_high = max(self._used_high, self._used)
-            elif generation is not None:
-                seg.generation = generation
-            else:
-                seg.arena = Arena(size, BUFFER_ALIGNMENT)
-            self._segments.add(seg)
-            self._reserved_high = max(self._reserved_high, self._segments.reserved)
-        logger.debug("segment %d: %d bytes at %#x (%d in all)", seg.id, size, seg.base, len(self._segments))
-        return seg
-
     def _drop_spares(self) -> int:
         """Free own segments that hold no buffer and that no peer maps (a full pool's last resort); how many."""
         with self._lock:  # unregistered here, so that no allocation takes one meanwhile
-            spares = [
-                self._unregister(s) for s in self._segments if s.own and not s.live and not self._ledger.mapped(s.id)
-            ]
+            spares = [self._source.unregister(s) for s in self._own.idle(self._ledger.mapped)]
         if not spares:
             return 0
-        if self._device is not None:
-            self._home()
-            self._dev.sync()  # their last buffers' frees have run
+        if self._home is not None:
+            self._home.sync()  # their last buffers' frees have run
         for s in spares:
-            self._free(s)
+            self._source.free(s)
         freed = sum(s.size for s in spares)
         logger.info("pool full: freed %d idle large-buffer segment(s), %d bytes", len(spares), freed)
         return len(spares)
@@ -500,105 +375,29 @@ class SegmentedResource(MemoryResource):
         """Mark every segment retiring; new buffers go to a new RMM pool (call with ``_lock`` held)."""
         for seg in self._segments:
             seg.retiring = True
-        if self._generation is not None:
-            self._retired_generations.append(self._generation)
-            self._generation = None
-
-    def _exhausted(self, size: int, e: BaseException) -> PoolExhaustedError:
-        with self._lock:
-            reserved, n = self._segments.reserved, len(self._segments)
-        return PoolExhaustedError(
-            f"cannot allocate {size} bytes: no segment has room and a new segment does not fit "
-            f"({self._used} bytes in buffers, {reserved} in {n} segment(s)): {e}"
-        )
-
-    def _release_segment(self, ptr: int) -> None:
-        """Free the segment at ``ptr`` (RMM's ``_give``, or :meth:`_collect`): unregister it, free upstream."""
-        with self._lock:
-            found = self._segments.starting_at(ptr)
-            if found is None:
-                return  # unregistered already (close)
-            seg = self._unregister(found)
-        self._free(seg)
-
-    def _unregister(self, seg: Segment) -> Segment:
-        """Take ``seg`` out of the lookup tables (call with ``_lock`` held); return it."""
-        self._segments.remove(seg)
-        self._ledger.forget(seg.id)
-        return seg
-
-    def _free(self, seg: Segment) -> None:
-        """Give an unregistered segment back to the upstream pool."""
-        try:
-            if self._device is not None:
-                home = self._home()
-                if seg.free_event is not None:
-                    seg.free_event.close()
-                seg.buffer.close(home)
-            else:
-                seg.buffer.close()
-        except Exception:
-            logger.exception("freeing segment %d (%d bytes) failed", seg.id, seg.size)
-        logger.debug("segment %d: freed (%d bytes)", seg.id, seg.size)
+        if self._rmm is not None:
+            self._rmm.retire()
 
     def _collect(self, force: bool = False) -> None:
         """Free retiring segments (and RMM generations) no buffer lives in and no peer maps."""
         with self._lock:
             if self._closed:
                 return
-            if self._pending and any(seg.retiring for seg, _, _ in self._pending):
-                self._reap(wait=True)
+            self._arena.reap_retiring()
 
             def free(s: Segment) -> bool:
                 return s.retiring and (force or (s.live == 0 and not self._ledger.mapped(s.id)))
 
-            singles = [self._unregister(s) for s in self._segments if s.generation is None and free(s)]
-            done = [g for g in self._retired_generations if all(free(s) for s in g.segments)]
-            for g in done:
-                self._retired_generations.remove(g)
+            singles = [self._source.unregister(s) for s in self._segments if s.generation is None and free(s)]
+            done = self._rmm.take_done(free) if self._rmm is not None else []
         if not singles and not done:
             return
-        if self._device is not None:
-            self._home()
-            self._dev.sync()  # frees queued on any stream have run
+        if self._home is not None:
+            self._home.sync()  # frees queued on any stream have run
         for s in singles:
-            self._free(s)
+            self._source.free(s)
         for g in done:
             pool, g.pool = g.pool, None
             del pool  # RMM releases its upstream blocks through _give
             g.segments.clear()
         logger.info("freed %d retired segment(s) and %d RMM pool(s)", len(singles), len(done))
-
-    # -- internals (under the lock) ----------------------------------------------------
-
-    def _place(self, size: int, stream: Any) -> tuple[Segment, int]:
-        for wait in (False, True):
-            for seg in self._segments:
-                if seg.arena is None or seg.retiring:
-                    continue
-                try:
-                    return seg, seg.arena.allocate(size)
-                except PoolExhaustedError:
-                    continue
-            if not wait or not self._pending:
-                break
-            self._reap(wait=True)  # frees still in flight may make room
-        seg = self._new_segment(self.segment_size, stream=stream)
-        assert seg.arena is not None
-        return seg, seg.arena.allocate(size)
-
-    def _reap(self, *, wait: bool) -> None:
-        keep = []
-        for seg, offset, event in self._pending:
-            if event is not None and not wait and not event.is_done:
-                keep.append((seg, offset, event))
-                continue
-            if event is not None:
-                if wait:
-                    event.sync()
-                event.close()
-            assert seg.arena is not None
-            size = seg.arena.free(offset)
-            seg.live -= 1
-            self._used -= size
-        self._pending = keep

@@ -1,0 +1,168 @@
+"""Arena placement inside segments: first fit, one arena per segment, with stream-ordered frees.
+
+The placement of ``suballocator="arena"``, and whenever RMM cannot be
+imported, as on hosts without CUDA (:mod:`dask_gpupool.memory.rmm_placement`
+is the other one). Each segment a
+:class:`~dask_gpupool.memory.segments.SegmentedResource` makes for it carries
+an :class:`~dask_gpupool.memory.arena.Arena` (first fit, offsets only), and
+:class:`ArenaPlacement` places a buffer in the first segment with room, or
+in a new segment.
+
+Frees are stream-ordered here, since the arena knows no streams: a range
+freed on the GPU's default stream (the resource's
+:class:`~dask_gpupool.memory.home_stream.HomeStream`) is reused at once, as
+work on a non-default stream that allocates waits for the default stream
+first; one freed on another stream is pending until an event recorded there
+completed. Pending ranges are reaped on every allocation and free, and
+waited for when no segment has room, or when a retiring segment must go.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from dask_gpupool.errors import PoolExhaustedError
+
+if TYPE_CHECKING:
+    from dask_gpupool.memory.home_stream import HomeStream
+    from dask_gpupool.memory.segment_table import Segment, SegmentTable
+
+__all__ = ["BUFFER_ALIGNMENT", "ArenaPlacement"]
+
+#: Alignment of buffers inside a segment (CuPy and cudaMalloc give 256 bytes; 512 keeps vector loads happy).
+BUFFER_ALIGNMENT = 512
+
+
+class ArenaPlacement:
+    """Buffers up to the segment size, placed by first fit in the arenas of a resource's segments.
+
+    Parameters
+    ----------
+    segments : SegmentTable
+        The resource's segments and byte counts, read and changed under ``lock``.
+    lock : threading.RLock
+        The resource's lock (``new_segment`` takes it again).
+    new_segment : callable
+        ``new_segment(size, stream=stream)`` takes ``size`` bytes from the
+        resource's upstream and registers them as a segment with an arena
+        (:meth:`~dask_gpupool.memory.segment_source.SegmentSource.new`);
+        raises :class:`~dask_gpupool.errors.PoolExhaustedError` when the
+        upstream is full.
+    segment_size : int
+        Size of the segments it asks for.
+    home : HomeStream or None
+        The GPU's default stream (``None`` for host memory: no streams).
+
+    Notes
+    -----
+    Owns no memory: segments are the resource's, and a buffer's range is its
+    caller's until :meth:`free`. Owns the events of pending frees, closed
+    when reaped. Thread-safe: every method takes ``lock`` (``reap`` and
+    ``reap_retiring`` expect it held).
+    """
+
+    segment_size: int
+    _segments: SegmentTable
+    _lock: threading.RLock
+    _new_segment: Callable[..., Segment]
+    _home: HomeStream | None
+    _pending: list[tuple[Segment, int, Any]]
+    _closed: bool
+
+    def __init__(
+        self,
+        segments: SegmentTable,
+        lock: threading.RLock,
+        new_segment: Callable[..., Segment],
+        segment_size: int,
+        home: HomeStream | None,
+    ) -> None:
+        self.segment_size = segment_size
+        self._segments = segments
+        self._lock = lock
+        self._new_segment = new_segment
+        self._home = home
+        self._pending = []
+        self._closed = False
+
+    def allocate(self, size: int, stream: Any) -> int:
+        """The address of a new range of ``size`` bytes, usable on ``stream``; owned by the caller.
+
+        Raises
+        ------
+        PoolExhaustedError
+            When no segment has room and the upstream no room for another.
+        """
+        home = self._home
+        if home is not None and int(stream.handle) != home.handle:
+            stream.wait(home())  # ranges freed on the home stream are reused at once
+        with self._lock:
+            self.reap(wait=False)
+            seg, offset = self._place(size, stream)
+            seg.live += 1
+            self._segments.count_used(seg.arena.size_of(offset) or 0)  # type: ignore[union-attr]
+        return seg.base + offset
+
+    def free(self, seg: Segment, offset: int, stream: Any) -> bool:
+        """Give the range at ``offset`` in ``seg`` back once the work queued on ``stream`` before now is done.
+
+        Returns whether it was taken back: ``False`` after :meth:`close`.
+        """
+        event = None
+        home = self._home
+        if stream is not None and home is not None and int(stream.handle) != home.handle:
+            home()
+            event = stream.record()
+        with self._lock:
+            if self._closed:
+                return False
+            self._pending.append((seg, offset, event))
+            self.reap(wait=False)
+        return True
+
+    def reap(self, *, wait: bool) -> None:
+        """Give back the pending ranges whose frees completed; with ``wait``, all of them (``lock`` held)."""
+        keep = []
+        for seg, offset, event in self._pending:
+            if event is not None and not wait and not event.is_done:
+                keep.append((seg, offset, event))
+                continue
+            if event is not None:
+                if wait:
+                    event.sync()
+                event.close()
+            assert seg.arena is not None
+            size = seg.arena.free(offset)
+            seg.live -= 1
+            self._segments.count_freed(size)
+        self._pending = keep
+
+    def reap_retiring(self) -> None:
+        """Wait for the pending frees if one is in a retiring segment, so that it may go (``lock`` held)."""
+        if self._pending and any(seg.retiring for seg, _, _ in self._pending):
+            self.reap(wait=True)
+
+    def close(self) -> None:
+        """Forget the pending frees (``lock`` held): the resource is closing, its segments go or are kept."""
+        self._closed = True
+        self._pending = []
+
+    # -- internals (under the lock) ----------------------------------------------------
+
+    def _place(self, size: int, stream: Any) -> tuple[Segment, int]:
+        for wait in (False, True):
+            for seg in self._segments:
+                if seg.arena is None or seg.retiring:
+                    continue
+                try:
+                    return seg, seg.arena.allocate(size)
+                except PoolExhaustedError:
+                    continue
+            if not wait or not self._pending:
+                break
+            self.reap(wait=True)  # frees still in flight may make room
+        seg = self._new_segment(self.segment_size, stream=stream)
+        assert seg.arena is not None
+        return seg, seg.arena.allocate(size)
