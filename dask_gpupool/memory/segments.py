@@ -8,7 +8,7 @@ with ``gpupool.segment-size`` set therefore takes *segments* from its
 IPC-enabled cuda.core pool and places buffers inside them
 (:class:`SegmentedResource`). A buffer's descriptor is then its segment's IPC
 payload, the segment's id and an offset: a peer imports each segment once and
-keeps it mapped (:class:`~dask_gpupool.handoff.mappings.MappedPool`), and a later
+keeps it mapped (:class:`~dask_gpupool.handoff.mapped_pool.MappedPool`), and a later
 handoff from the same segment is pointer arithmetic and a lease.
 
 Placement

@@ -21,7 +21,7 @@ def block_imports(seconds: float) -> None:
     (the import may block this worker's event loop, so no later
     ``client.run`` could reach it).
     """
-    from dask_gpupool.handoff.mappings import IMPORT_LOCK
+    from dask_gpupool.handoff.mapped_pool import IMPORT_LOCK
 
     held = threading.Event()
 

@@ -34,7 +34,7 @@ def patch_imports(mode: str) -> None:
     or re-grant access to the own GPU after each import ("regrant")."""
     from cuda.bindings import driver
 
-    from dask_gpupool.handoff import importer as _mapping
+    from dask_gpupool.handoff import mapped_pool as _mapping
 
     orig = _mapping.MappedPool.import_buffer
     log = logging.getLogger("dask_gpupool.probe")
