@@ -2,10 +2,10 @@
 
 A deserializer must return the value, and Dask runs it on the event loop for
 small messages: a handoff header is a few hundred bytes even when the copy it
-names, a streamed pull (:meth:`Importer.pull_copy
-<dask_gpupool.handoff.importer.Importer.pull_copy>`) or a copy out of an
-exporter's memfd (:meth:`Importer.fetch_copy
-<dask_gpupool.handoff.importer.Importer.fetch_copy>`), moves 8 GiB (about
+names, a streamed pull (:meth:`Copies.pull_copy
+<dask_gpupool.handoff.copies.Copies.pull_copy>`) or a copy out of an
+exporter's memfd (:meth:`Copies.fetch_copy
+<dask_gpupool.handoff.copies.Copies.fetch_copy>`), moves 8 GiB (about
 1.5 s). So the importer allocates the landing buffer, returns it at once, and
 hands the copy that fills it to :func:`fill_later`. Inside :func:`collecting`
 (the worker's comm read, :func:`dask_gpupool.dask.worker_internals.fill_after_read`)

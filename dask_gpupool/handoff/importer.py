@@ -4,19 +4,17 @@
 a Buffer of this process (:meth:`Importer.import_handoff`: map, claim, and on
 failure a host copy), lands copies (:meth:`Importer.receive_copy`,
 :meth:`Importer.pull_copy`) and owns what that needs: the links to exporters'
-brokers, the peers' pools mapped here and the releaser. The
+brokers (:class:`~dask_gpupool.handoff.links.ExporterLinks`), the peers'
+pools mapped here, the releaser and the copies
+(:class:`~dask_gpupool.handoff.copies.Copies`). The
 :class:`~dask_gpupool.handoff.service.PoolService` makes one and closes it;
 tests can drive one with a registry view and a pool of their own.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
-import mmap
 import os
-import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -24,24 +22,22 @@ from dask_gpupool.config import PoolOptions
 from dask_gpupool.errors import (
     DataLostError,
     GPUPoolError,
-    NotAMemberError,
     PeerAccessError,
     PoolClosedError,
-    PoolExhaustedError,
     ProtocolError,
     UnknownPoolError,
 )
-from dask_gpupool.handoff.deferred import fill_later
+from dask_gpupool.handoff.copies import Copies
 from dask_gpupool.handoff.imported import ImportedMemoryResource, Origin
-from dask_gpupool.handoff.mappings import IMPORT_LOCK, MappedPool, MappedPools
+from dask_gpupool.handoff.links import ExporterLinks
+from dask_gpupool.handoff.mapped_pool import IMPORT_LOCK, MappedPool
+from dask_gpupool.handoff.mappings import MappedPools
 from dask_gpupool.handoff.registry import RegistryView
 from dask_gpupool.handoff.releaser import Releaser
 from dask_gpupool.handoff.stats import HandoffStats
-from dask_gpupool.memory.buffers import copy_from_host, host_buffer
 from dask_gpupool.memory.pool import Pool
-from dask_gpupool.memory.topology import LocalDevices, current_gpu, local_devices
+from dask_gpupool.memory.topology import LocalDevices, current_gpu
 from dask_gpupool.transport.link import PeerLink
-from dask_gpupool.transport.pull import pull
 from dask_gpupool.wire.handoff import BufferDescriptor, HandoffHeader
 from dask_gpupool.wire.registry import PoolRecord
 
@@ -78,8 +74,12 @@ class Importer:
         Peers' pools mapped here (owned; closed by :meth:`close`).
     releaser : Releaser
         Sends lease releases for buffers imported here (owned; stopped by :meth:`close`).
+    links : ExporterLinks
+        The links to exporters' brokers, and claims over them (owned; closed by :meth:`close`).
+    copies : Copies
+        Lands the values that come as copies.
     token : bytes or None
-        The cluster's membership token, which links present (set by the service's ``join``).
+        The cluster's membership token, which links present (set by the service's ``join``; kept by ``links``).
     closed : bool
     """
 
@@ -91,10 +91,9 @@ class Importer:
     handoffs: HandoffStats
     mapped: MappedPools
     releaser: Releaser
-    token: bytes | None
+    links: ExporterLinks
+    copies: Copies
     closed: bool
-    _links: dict[str, PeerLink]
-    _links_lock: threading.Lock
 
     def __init__(
         self,
@@ -113,11 +112,19 @@ class Importer:
         self.registry = registry
         self.handoffs = handoffs
         self.mapped = MappedPools(devices, pool.device if pool.kind != "host" else _own_device(options, devices))
-        self.releaser = Releaser(self._link_to)
-        self.token = None
+        self.releaser = Releaser(self._link_to)  # asks self.links, made next, only once a release is queued
+        self.links = ExporterLinks(options, pool, worker, self.releaser)
+        self.copies = Copies(options, pool, worker, registry, handoffs, self.links, self.releaser)
         self.closed = False
-        self._links = {}
-        self._links_lock = threading.Lock()
+
+    @property
+    def token(self) -> bytes | None:
+        """The cluster's membership token, which links present (:attr:`ExporterLinks.token`)."""
+        return self.links.token
+
+    @token.setter
+    def token(self, token: bytes | None) -> None:
+        self.links.token = token
 
     def map_peer(self, pool: str) -> MappedPool:
         """Map a same-host peer's pool into this process, once. Blocking.
@@ -183,25 +190,8 @@ class Importer:
         return fetch
 
     def link(self, record: PoolRecord) -> PeerLink:
-        """This worker's connection to ``record``'s broker, opened on first use (or after it broke)."""
-        with self._links_lock:
-            link = self._links.get(record.broker)
-            if link is not None and link.alive:
-                return link
-        if self.token is None:
-            raise NotAMemberError(f"pool {self.pool.uuid}: not registered with the scheduler yet (no cluster token)")
-        # A link opened again after one broke first resyncs the leases still held from this exporter.
-        live = self.releaser.snapshot(record.broker)
-        link = PeerLink(
-            record.broker, self.options.broker_timeout, self.token, self.worker, live, expected_pid=record.pid
-        )
-        with self._links_lock:
-            old = self._links.get(record.broker)
-            if old is not None and old.alive:
-                link.close()
-                return old
-            self._links[record.broker] = link
-        return link
+        """This worker's connection to ``record``'s broker (:meth:`ExporterLinks.link`)."""
+        return self.links.link(record)
 
     def _link_to(self, broker: str) -> PeerLink | None:
         """The live link to the exporter whose broker is ``broker`` (the releaser's :data:`LinkFactory`)."""
@@ -209,39 +199,6 @@ class Importer:
         if record is None or self.closed:
             return None
         return self.link(record)
-
-    def _claim(self, record: PoolRecord, link: PeerLink, leases: list[int]) -> None:
-        """Claim ``leases`` of ``record``'s pool and wait for the exporter's answer. Blocking.
-
-        Returns once every lease is held (and in the live set that a resync
-        sends). A broken link is opened again once.
-
-        Raises
-        ------
-        DataLostError
-            If the exporter refused a lease (it ended) or cannot be reached.
-        """
-        for attempt in (0, 1):
-            epoch = self.releaser.epoch(record.broker)
-            try:
-                refused = link.claim(leases, functools.partial(self.releaser.hold, record.broker, epoch=epoch))
-            except GPUPoolError as e:
-                if attempt:
-                    raise DataLostError(f"claiming leases {leases} of worker {record.worker}: {e}") from e
-                try:
-                    link = self.link(record)
-                except GPUPoolError as e2:
-                    raise DataLostError(f"claiming leases {leases} of worker {record.worker}: {e2}") from e2
-                continue
-            if not refused:
-                return
-            if attempt:
-                raise DataLostError(
-                    f"worker {record.worker} refused lease(s) {refused} on pool {record.pool}: they ended "
-                    "(the reply that carried them failed, or they were not granted to this worker)"
-                )
-            leases = refused  # once more: a resync on another link may have raced the claim
-            link = self.link(record)
 
     def import_handoff(self, header: HandoffHeader) -> Buffer:
         """Map a handed-over buffer; fall back to a host copy from the exporter if that fails.
@@ -287,7 +244,7 @@ class Importer:
         try:
             # Nothing is read from the memory before the exporter acknowledged the lease: a refused
             # lease has ended, and its memory may already hold another buffer.
-            self._claim(record, link, [lease])
+            self.links.claim(record, link, [lease])
         except BaseException:
             buf.close()
             raise
@@ -302,119 +259,19 @@ class Importer:
         )
         return buf
 
+    # -- copies (handoff/copies.py) ----------------------------------------------------
+
     def fetch_copy(self, header: HandoffHeader, record: PoolRecord, link: PeerLink) -> Buffer:
-        """Ask the exporter for a host copy of a leased buffer and land it in this pool.
-
-        Returns the landing Buffer (owned by the caller) at once; the copy out
-        of the exporter's memfd fills it through :func:`~dask_gpupool.handoff.deferred.fill_later`,
-        which closes the fd and releases the lease when done or abandoned.
-        """
-        try:
-            self._claim(record, link, [header.lease])  # ours now: only this worker may release it
-            reply, fd = self.link(record).fetch_copy(header.lease)
-        except GPUPoolError as e:
-            raise DataLostError(
-                f"lease {header.lease} on pool {record.pool} of worker {record.worker} cannot be read: {e}"
-            ) from e
-        ended: list[bool] = []
-
-        def end() -> None:
-            if not ended:
-                ended.append(True)
-                os.close(fd)
-                self.releaser.put(record.broker, header.lease)
-
-        try:
-            buf = self._landing(reply.size, record.worker, "any")
-        except BaseException:
-            end()
-            raise
-
-        def copy() -> None:
-            with mmap.mmap(fd, reply.size, prot=mmap.PROT_READ) if reply.size else contextlib.nullcontext(b"") as m:
-                copy_from_host(buf, memoryview(m))
-            end()
-            self.handoffs.add(copied_bytes=reply.size)
-
-        def abandon() -> None:
-            buf.close()
-            end()
-
-        fill_later(copy, abandon)
-        return buf
+        """:meth:`Copies.fetch_copy <dask_gpupool.handoff.copies.Copies.fetch_copy>`."""
+        return self.copies.fetch_copy(header, record, link)
 
     def receive_copy(self, kind: str, data: Any, sender: str, need: str = "any") -> Buffer:
-        """Land a host copy in this worker's pool (so it can be handed on zero-copy).
-
-        Parameters
-        ----------
-        kind : str
-            Where the data lived at the sender.
-        data : bytes-like
-            The bytes.
-        sender : str
-            The sender's address (for stats and warnings).
-        need : {"any", "host", "device"}
-            Where the value must be readable (a NumPy array needs host memory,
-            a CuPy array GPU-accessible memory). A pool that does not fit is
-            passed over for memory outside it.
-
-        When the pool is full the bytes go to memory outside it (GPU memory for
-        ``device`` pools, host memory otherwise), counted as fallback
-        ``receiver-pool-full``.
-        """
-        view = memoryview(data).cast("B")
-        n = view.nbytes
-        buf = self._landing(n, sender, need)
-        copy_from_host(buf, view)
-        self.handoffs.add(copied_bytes=n)
-        return buf
+        """:meth:`Copies.receive_copy <dask_gpupool.handoff.copies.Copies.receive_copy>`."""
+        return self.copies.receive_copy(kind, data, sender, need)
 
     def pull_copy(self, header: HandoffHeader, need: str = "any") -> Buffer:
-        """Pull a ``stream`` handoff from the exporter's copy server into this worker's pool.
-
-        Lands like :meth:`receive_copy`. Returns a Buffer owned by the caller,
-        filled by the pull through :func:`~dask_gpupool.handoff.deferred.fill_later`:
-        at once (blocking), or by the caller that collects fills, in a thread.
-
-        Raises
-        ------
-        DataLostError
-            If the exporter left, refused (lease ended) or the transfer broke;
-            names lease, pool and worker.
-        """
-        assert header.path == "stream"
-        record = self.registry.worker_row(header.exporter)
-        if record is None:
-            raise DataLostError(
-                f"worker {header.exporter} is not registered (it left?); lease {header.lease} cannot be pulled"
-            )
-        if self.token is None:
-            raise NotAMemberError(f"pool {self.pool.uuid}: not registered with the scheduler yet (no cluster token)")
-        buf = self._landing(header.nbytes, header.exporter, need)
-        leases, token = [header.lease, *header.lanes], self.token
-
-        def copy() -> None:
-            pull(header.address, record.pool, leases, token, buf, self.options.broker_timeout)
-            self.handoffs.add(copied_bytes=header.nbytes, streamed_bytes=header.nbytes)
-
-        fill_later(copy, buf.close)  # a lease not pulled ends at the exporter (at its timeout or the hang-up)
-        return buf
-
-    def _landing(self, n: int, sender: str, need: str) -> Buffer:
-        """Memory for a copy of ``n`` bytes: this pool if it fits ``need`` and has room, else outside it."""
-        fits = (
-            need == "any"
-            or (need == "host" and self.pool.kind != "device")
-            or (need == "device" and self.pool.kind != "host")
-        )
-        if not fits:
-            return _outside_pool(self.pool, n, need)
-        try:
-            return self.pool.allocate(n)
-        except PoolExhaustedError as e:
-            self.handoffs.fallback(sender, "receiver-pool-full", self.worker, str(e))
-            return _outside_pool(self.pool, n, need)
+        """:meth:`Copies.pull_copy <dask_gpupool.handoff.copies.Copies.pull_copy>`."""
+        return self.copies.pull_copy(header, need)
 
     def unmap_retired(self, mapped: MappedPool, record: PoolRecord) -> None:
         """Close the imports of ``record``'s retired segments that no buffer uses, and tell the exporter."""
@@ -424,8 +281,7 @@ class Importer:
         except Exception:
             logger.exception("pool %s: closing retired segment imports failed", record.pool)
             return
-        with self._links_lock:
-            link = self._links.get(record.broker)
+        link = self.links.get(record.broker)
         if released and link is not None:
             self.releaser.put(record.broker, 0, event, tuple(released))
         elif event is not None:
@@ -437,18 +293,11 @@ class Importer:
 
     def drop_links(self) -> int:
         """Close every link (the cluster's token changed: new links present the new one); return how many."""
-        with self._links_lock:
-            links, self._links = list(self._links.values()), {}
-        for link in links:
-            link.close()
-        return len(links)
+        return self.links.drop()
 
     def exporter_left(self, record: PoolRecord) -> None:
         """``record``'s worker left the cluster: close its link, forget its leases here, unmap its pool when idle."""
-        with self._links_lock:
-            link = self._links.pop(record.broker, None)
-        if link is not None:
-            link.close()
+        self.links.close(record.broker)
         self.releaser.forget(record.broker)
         mapped = self.mapped.get(record.pool)
         if mapped is not None:
@@ -464,7 +313,7 @@ class Importer:
             "imports_held": self.releaser.live(),
             "resyncs": self.releaser.resyncs,
             "mapped_pools": len(self.mapped),
-            "links": sum(link.alive for link in list(self._links.values())),
+            "links": self.links.alive,
             "segments_released": self.releaser.segments_sent,
         }
 
@@ -489,16 +338,6 @@ def _own_device(options: PoolOptions, devices: LocalDevices) -> int | None:
         return devices.resolve(options.device)
     except Exception:
         return None
-
-
-def _outside_pool(pool: Pool, nbytes: int, need: str = "any") -> Buffer:
-    """Memory for a copy that this worker's pool cannot take: GPU memory for a GPU pool (or a CuPy
-    array), host memory otherwise."""
-    device = pool.device if pool.device is not None else (0 if local_devices() else None)
-    if device is not None and (need == "device" or (need == "any" and pool.kind == "device")):
-        dev = current_gpu(device)
-        return dev.memory_resource.allocate(nbytes, stream=dev.default_stream)
-    return host_buffer(bytearray(nbytes))
 
 
 def _view(resource: ImportedMemoryResource, mapped: MappedPool, ptr: int, size: int) -> Buffer:

@@ -3,8 +3,8 @@
 It stays open while the importer lives: the pool fd and segment fds are
 fetched over it, lease claims and releases travel on it, and when the
 importer dies the kernel closes it, which is how the exporter learns to
-release that importer's leases. Who uses it: the importer
-(:mod:`dask_gpupool.handoff.service`) and its releaser
+release that importer's leases. Who uses it: the importer's links
+(:mod:`dask_gpupool.handoff.links`) and its releaser
 (:mod:`dask_gpupool.handoff.releaser`), through a :data:`LinkFactory`.
 """
 
