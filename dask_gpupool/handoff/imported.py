@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING, Any
 
 from cuda.core import MemoryResource
 
-from dask_gpupool.handoff.mappings import IMPORT_LOCK
+from dask_gpupool.handoff.mapped_pool import IMPORT_LOCK
 from dask_gpupool.memory.topology import current_gpu
 from dask_gpupool.wire.handoff import BufferDescriptor
 
 if TYPE_CHECKING:
     from cuda.core import Buffer
 
-    from dask_gpupool.handoff.mappings import MappedPool
+    from dask_gpupool.handoff.mapped_pool import MappedPool
 
 __all__ = ["ImportedMemoryResource", "Origin"]
 
@@ -69,7 +69,7 @@ class ImportedMemoryResource(MemoryResource):
         once the import is closed; queues the lease (and segment) release.
     origin : Origin, optional
         The exporter, descriptor and lease of the import (for passing the
-        value on: :meth:`~dask_gpupool.handoff.service.PoolService.forward`).
+        value on: :meth:`~dask_gpupool.handoff.forwarding.Forwarder.forward`).
 
     Notes
     -----

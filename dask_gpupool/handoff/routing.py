@@ -6,7 +6,7 @@ about the buffer and the pool. It answers a :class:`Route`: hand the buffer
 over (the requester's row, no reason), an expected copy (another host, a
 client: no row, no reason), or a copy a same-host peer could have been
 spared (a reason from :data:`~dask_gpupool.handoff.stats.FALLBACK_REASONS`,
-which :meth:`~dask_gpupool.handoff.service.PoolService.plan` counts and warns
+which :meth:`~dask_gpupool.handoff.routes.Routes.plan` counts and warns
 about once). ``tests/handoff/test_routing.py`` pins the decisions, one row each.
 """
 

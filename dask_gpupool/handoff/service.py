@@ -5,11 +5,15 @@ its :class:`~dask_gpupool.transport.broker.FdBroker` and copy server, the
 leases it granted (:class:`~dask_gpupool.handoff.leases.LeaseTable`), its copy
 of the registry (:class:`~dask_gpupool.handoff.registry.RegistryView`), its
 handoff counters, and its :class:`~dask_gpupool.handoff.importer.Importer`
-(links to exporters, peers' pools mapped here, lease releases). It decides and
-makes the export of each handoff (:meth:`plan`, :meth:`export_ipc`,
-:meth:`export_stream`); the import side is the importer's. The worker plugin
-is a thin adapter that makes one on setup and closes it on teardown; tests
-drive it without a cluster.
+(links to exporters, peers' pools mapped here, lease releases). It makes the
+export of each handoff (:meth:`export_ipc`, :meth:`export_stream`) as its
+:class:`~dask_gpupool.handoff.routes.Routes` decides (:meth:`plan`), and
+passes on values imported here through its
+:class:`~dask_gpupool.handoff.forwarding.Forwarder`; the import side is the
+importer's. Its parts are made by
+:func:`~dask_gpupool.handoff.startup.start_parts`. The worker plugin is a
+thin adapter that makes one on setup and closes it on teardown; tests drive
+it without a cluster.
 
 Threads: :meth:`start` and :meth:`close` run on the worker's event loop;
 :meth:`allocate`, :meth:`map_peer` and :meth:`import_buffer` block and run in
@@ -24,26 +28,27 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import time
 from typing import TYPE_CHECKING, Any
 
 from dask_gpupool.config import PoolOptions
-from dask_gpupool.errors import GPUPoolError
 from dask_gpupool.handoff import active
-from dask_gpupool.handoff.exporter import Exported, ExportSide, make_current
+from dask_gpupool.handoff.exporter import Exported, ExportSide
+from dask_gpupool.handoff.forwarding import Forwarder
 from dask_gpupool.handoff.imported import Origin
 from dask_gpupool.handoff.importer import Importer
 from dask_gpupool.handoff.leases import LeaseTable
-from dask_gpupool.handoff.mappings import MappedPool, MappedPools
+from dask_gpupool.handoff.mapped_pool import MappedPool
+from dask_gpupool.handoff.mappings import MappedPools
 from dask_gpupool.handoff.registry import RegistryView
 from dask_gpupool.handoff.releaser import Releaser
-from dask_gpupool.handoff.routing import Route, plain_copy_reason, route
+from dask_gpupool.handoff.routes import Routes
+from dask_gpupool.handoff.routing import Route
+from dask_gpupool.handoff.startup import start_parts
 from dask_gpupool.handoff.stats import HandoffStats
 from dask_gpupool.memory.buffers import buffer_kind
 from dask_gpupool.memory.lifetime import keep_until_exit
 from dask_gpupool.memory.pool import Pool, PoolStats
-from dask_gpupool.memory.topology import LocalDevices, current_gpu, host_identity, local_devices
+from dask_gpupool.memory.topology import LocalDevices, current_gpu
 from dask_gpupool.transport.broker import FdBroker
 from dask_gpupool.transport.link import PeerLink
 from dask_gpupool.transport.staging import STAGING
@@ -87,6 +92,10 @@ class PoolService:
         Serves this worker's copies over the pipelined copy path (owned;
         closed by :meth:`close`); ``None`` when that path is off or the
         worker does not listen on ``tcp``.
+    routes : Routes
+        Decides how each value goes to the worker that asked (:mod:`~dask_gpupool.handoff.routes`).
+    forwarder : Forwarder
+        Passes on values imported here (:mod:`~dask_gpupool.handoff.forwarding`).
     """
 
     options: PoolOptions
@@ -99,6 +108,8 @@ class PoolService:
     leases: LeaseTable
     handoffs: HandoffStats
     copier: CopyServer | None
+    routes: Routes
+    forwarder: Forwarder
     _closed: bool
 
     def __init__(
@@ -126,60 +137,25 @@ class PoolService:
         #: worker plugin; shown by ``stats()["routing"]``).
         self.routing: dict[str, str] = {}
         self.importer = Importer(options, pool, record.worker, record.host, self.registry, devices, self.handoffs)
-        self._unreachable: dict[str, float] = {}  # peer -> until when its handoffs go as copies
         self.copier = copier
+        self.routes = Routes(options, pool, record, self.registry, self.handoffs, copier)
+        self.forwarder = Forwarder(pool, record.worker, self.registry, self.routes, self.importer, self.handoffs)
         self._closed = False
         active.add(self)
 
     @classmethod
     def start(cls, options: PoolOptions, worker_address: str, devices: LocalDevices | None = None) -> PoolService:
-        """Make the pool and start its broker.
+        """Make the pool and start its broker (:func:`~dask_gpupool.handoff.startup.start_parts`).
 
         Raises
         ------
         ConfigError
             If ``options`` cannot be honoured on this host.
         """
-        devices = local_devices() if devices is None else devices
-        pool = Pool.create(options, devices)
-        leases = LeaseTable(options.lease_timeout, on_drop=make_current(pool))
-        registry = RegistryView()
-        host, hostname = host_identity(options.host_id)
-        try:
-            broker = FdBroker(
-                ExportSide(pool, leases, registry, host), options.broker_dir, options.broker_timeout, pool.uuid
-            )
-        except BaseException:
-            pool.close()
-            raise
-        try:
-            copier = _copy_server(options, pool, leases, worker_address)
-        except BaseException:
-            broker.close()
-            pool.close()
-            raise
-        record = PoolRecord(
-            pool=pool.uuid,
-            worker=worker_address,
-            pid=os.getpid(),
-            host=host,
-            hostname=hostname,
-            kind=pool.kind,
-            device=pool.device_uuid,
-            max_size=pool.max_size,
-            broker=broker.address,
-            devices=devices.uuids,
-            peers=pool.peers,
+        parts = start_parts(options, worker_address, devices)
+        return cls(
+            options, parts.pool, parts.broker, parts.record, parts.devices, parts.leases, parts.copier, parts.registry
         )
-        logger.info(
-            "pool %s: %s pool of %d bytes on %s, broker %s",
-            pool.uuid,
-            pool.kind,
-            pool.max_size,
-            pool.device_uuid or "host memory",
-            broker.address,
-        )
-        return cls(options, pool, broker, record, devices, leases, copier, registry)
 
     # -- this worker's pool --------------------------------------------------------
 
@@ -235,64 +211,23 @@ class PoolService:
         """:meth:`Importer.pull_copy <dask_gpupool.handoff.importer.Importer.pull_copy>`."""
         return self.importer.pull_copy(header, need)
 
-    # -- handoffs: the exporter's side -------------------------------------------------
+    # -- handoffs: the exporter's side (decisions: handoff/routes.py) --------------------
 
     def plan(self, requester: str | None, scheme: str, buf: Buffer) -> tuple[PoolRecord | None, str | None]:
-        """Decide how ``buf`` goes to ``requester``: ``(its row, None)`` to hand it over,
-        ``(None, reason)`` to copy. ``reason`` is ``None`` for expected copies (another
-        host, a client) and a fallback reason (counted, warned once) for a same-host
-        peer that could have had it zero-copy.
-        """
-        row, reason = self.route(requester, scheme, buf)
-        if reason is not None:
-            self.handoffs.fallback(row.worker if row is not None else str(requester), reason, self.record.worker)
-            return None, reason
-        return row, None
+        """:meth:`Routes.plan <dask_gpupool.handoff.routes.Routes.plan>`."""
+        return self.routes.plan(requester, scheme, buf)
 
     def route(self, requester: str | None, scheme: str, buf: Buffer) -> Route:
-        """:meth:`plan`'s decision without counting it (:func:`~dask_gpupool.handoff.routing.route`)."""
-        owned = self.pool.owns(buf)
-        size = self.pool.import_size(buf) if owned and self.pool.kind == "device" else 0
-        return self._route(self.record, requester, scheme, owned, size, self.pool.vmm)
-
-    def _route(
-        self, own: PoolRecord, requester: str | None, scheme: str, owned: bool, import_size: int, vmm: bool
-    ) -> Route:
-        """:func:`~dask_gpupool.handoff.routing.route` for memory of ``own``'s pool, with this worker's state."""
-        row = self.registry.worker_row(requester) if requester else None
-        return route(
-            own,
-            requester,
-            row,
-            scheme,
-            pool_open=not (self._closed or self.pool.closed),
-            owned=owned,
-            unreachable=row is not None and self._is_unreachable(row.worker),
-            import_size=import_size,
-            import_limit=self.options.effective_import_limit(vmm),
-        )
+        """:meth:`Routes.route <dask_gpupool.handoff.routes.Routes.route>`."""
+        return self.routes.route(requester, scheme, buf)
 
     def stage_route(self, requester: str | None, scheme: str, nbytes: int) -> PoolRecord | None:
-        """The requester's row when an array of ``nbytes`` outside the pool should be staged into it and handed over.
-
-        That is: ``nbytes`` is at least ``gpupool.stage-threshold`` and a new
-        buffer of that size in this pool would be handed over (decided by
-        :func:`~dask_gpupool.handoff.routing.route`, without counting).
-        """
-        threshold = self.options.effective_stage_threshold(self.pool.kind)
-        if not threshold or nbytes < threshold or scheme not in ("tcp", "tls"):
-            return None
-        size = nbytes if self.pool.kind == "device" else 0
-        decision = self._route(self.record, requester, scheme, True, size, self.pool.vmm)
-        return decision.row if decision.reason is None else None
+        """:meth:`Routes.stage_route <dask_gpupool.handoff.routes.Routes.stage_route>`."""
+        return self.routes.stage_route(requester, scheme, nbytes)
 
     def plain_copy_reason(self, requester: str | None) -> str | None:
-        """Why a value outside every pool sent to ``requester`` is a same-host copy (``None``: it is not one).
-
-        :func:`~dask_gpupool.handoff.routing.plain_copy_reason`; the get_data hook asks once per reply.
-        """
-        row = self.registry.worker_row(requester) if requester else None
-        return plain_copy_reason(self.record, requester, row)
+        """:meth:`Routes.plain_copy_reason <dask_gpupool.handoff.routes.Routes.plain_copy_reason>`."""
+        return self.routes.plain_copy_reason(requester)
 
     def export_ipc(self, holder: Any, buf: Buffer, row: PoolRecord, array: ArrayMeta | None) -> HandoffHeader:
         """Grant ``row``'s worker a lease on ``buf`` and describe it.
@@ -313,94 +248,20 @@ class PoolService:
     def forward(
         self, origin: Origin, requester: str | None, scheme: str, array: ArrayMeta | None
     ) -> HandoffHeader | None:
-        """Pass on a value this worker imported: the requester maps the exporter's memory itself.
-
-        The exporter grants the requester a lease of its own through this
-        worker's link (:meth:`PeerLink.forward <dask_gpupool.transport.link.PeerLink.forward>`),
-        so the memory lives until the requester lets go, whatever this worker
-        does. Decided as for the exporter's own buffers
-        (:func:`~dask_gpupool.handoff.routing.route` with the exporter's row).
-        Returns the header, or ``None`` to copy (a same-host fallback is counted).
-        """
-        decision, owner = self.forward_route(origin, requester, scheme)
-        if decision.reason is not None:
-            peer = decision.row.worker if decision.row is not None else str(requester)
-            detail = "the exporter left" if owner is None else ""
-            self.handoffs.fallback(peer, decision.reason, self.record.worker, detail)
-            return None
-        if decision.row is None or owner is None:
-            return None  # another host or a client: an expected copy
-        try:
-            lease, _segment = self.importer.link(owner).forward(origin.lease, decision.row.worker)
-        except GPUPoolError as e:
-            self.handoffs.fallback(decision.row.worker, "forward-refused", self.record.worker, str(e))
-            return None
-        self.handoffs.add(forwards=1)
-        return HandoffHeader(
-            "ipc",
-            owner.kind,
-            origin.desc.size,
-            exporter=owner.worker,
-            desc=origin.desc,
-            lease=lease,
-            array=array,
-        )
+        """:meth:`Forwarder.forward <dask_gpupool.handoff.forwarding.Forwarder.forward>`."""
+        return self.forwarder.forward(origin, requester, scheme, array)
 
     def forward_route(self, origin: Origin, requester: str | None, scheme: str) -> tuple[Route, PoolRecord | None]:
-        """:meth:`forward`'s decision without counting it, and the exporter's row (``None``: it left)."""
-        owner = self.registry.get(origin.desc.pool)
-        row = self.registry.worker_row(requester) if requester else None
-        if owner is None or owner.worker != origin.exporter:
-            same_host = row is not None and row.host == self.record.host
-            return Route(row, "forward-refused" if same_host else None), None
-        vmm = owner.kind == "device" and self.pool.vmm
-        return self._route(owner, requester, scheme, True, origin.desc.size, vmm), owner
+        """:meth:`Routes.forward_route <dask_gpupool.handoff.routes.Routes.forward_route>`."""
+        return self.routes.forward_route(origin, requester, scheme)
 
     def settle_forwarded(self, forwarded: list[tuple[str, int]], requester: str | None) -> None:
-        """The reply that carried these ``(exporter, lease)`` forwards ended: the exporters end unclaimed ones."""
-        by_exporter: dict[str, list[int]] = {}
-        for exporter, lease in forwarded:
-            by_exporter.setdefault(exporter, []).append(lease)
-        for exporter, leases in by_exporter.items():
-            owner = self.registry.worker_row(exporter)
-            if owner is None:
-                continue  # it left: its leases went with it
-            try:
-                self.importer.link(owner).settle_forwarded(leases)
-            except GPUPoolError as e:
-                logger.warning(
-                    "pool %s: could not tell %s that %d forwarded lease(s) for %s may end: %s",
-                    self.pool.uuid,
-                    exporter,
-                    len(leases),
-                    requester,
-                    e,
-                )
+        """:meth:`Forwarder.settle_forwarded <dask_gpupool.handoff.forwarding.Forwarder.settle_forwarded>`."""
+        self.forwarder.settle_forwarded(forwarded, requester)
 
     def stream_route(self, requester: str | None, scheme: str, nbytes: int) -> PoolRecord | None:
-        """The requester's row when a copy of ``nbytes`` to it goes over the pipelined copy path, else ``None``.
-
-        That is: a worker of this cluster in another process, over a ``tcp``
-        comm, at least ``copy-stream-threshold`` bytes, with this worker's
-        copy server running.
-        """
-        if self.copier is None or scheme != "tcp" or nbytes < max(self.options.copy_stream_threshold, 1):
-            return None
-        row = self.registry.worker_row(requester) if requester else None
-        if row is None or (row.host == self.record.host and row.pid == self.record.pid):
-            return None
-        if self._is_unreachable(row.worker):
-            return None
-        return row
-
-    def _is_unreachable(self, worker: str) -> bool:
-        until = self._unreachable.get(worker)
-        if until is None:
-            return False
-        if time.monotonic() < until:
-            return True
-        self._unreachable.pop(worker, None)
-        return False
+        """:meth:`Routes.stream_route <dask_gpupool.handoff.routes.Routes.stream_route>`."""
+        return self.routes.stream_route(requester, scheme, nbytes)
 
     def settle(self, leases: list[int], requester: str | None) -> int:
         """The ``get_data`` reply that carried ``leases`` to ``requester`` ended: end the unclaimed ones.
@@ -414,7 +275,7 @@ class PoolService:
         """
         n = self.leases.settle(leases)
         if n and requester:
-            self._unreachable[requester] = time.monotonic() + self.options.lease_timeout
+            self.routes.mark_unreachable(requester, self.options.lease_timeout)
             logger.warning(
                 "pool %s: %d lease(s) sent to %s were never claimed (its transfer failed); its handoffs go "
                 "as copies for %.0f s",
@@ -450,8 +311,6 @@ class PoolService:
             address=self.copier.address,
             lanes=tuple(leases[1:]),
         )
-
-    # -- handoffs: the importer's side -------------------------------------------------
 
     # -- registry --------------------------------------------------------------------
 
@@ -493,7 +352,7 @@ class PoolService:
             if segmented is not None:  # it closed its mappings before it left (PoolService.close)
                 segmented.drop_connection(record.worker)
             self.importer.exporter_left(record)
-            self._unreachable.pop(record.worker, None)
+            self.routes.forget(record.worker)
 
     def retire_segments(self) -> PoolRecord | None:
         """Give memory back: retire this pool's segments (:meth:`SegmentedResource.retire`), or trim a
@@ -509,7 +368,7 @@ class PoolService:
         if segmented is None:
             return None
         below = segmented.retire()
-        self.record = dataclasses.replace(self.record, retire_below=below)
+        self.record = self.routes.record = dataclasses.replace(self.record, retire_below=below)
         return self.record
 
     def handoff_stats(self) -> dict[str, Any]:
@@ -545,6 +404,7 @@ class PoolService:
         if self._closed:
             return
         self._closed = True
+        self.routes.closed = True  # same-host handoffs go as copies from here on
         self.importer.closed = True  # no new mappings or links from here on
         active.remove(self)
         if isinstance(self.broker.handler, ExportSide):
@@ -569,18 +429,3 @@ class PoolService:
             STAGING.clear()  # the process's pinned staging slots go with its last pool
         self.pool.close()
         logger.info("pool %s: closed", self.pool.uuid)
-
-
-def _copy_server(options: PoolOptions, pool: Pool, leases: LeaseTable, worker_address: str) -> CopyServer | None:
-    """The worker's copy server, listening on the worker's interface; ``None`` when off or not ``tcp``."""
-    if not options.copy_chunk_size or not worker_address.startswith("tcp://"):
-        return None
-    from distributed.comm import get_address_host
-
-    return CopyServer(
-        pool.uuid,
-        leases,
-        get_address_host(worker_address),
-        options.broker_timeout,
-        options.copy_chunk_size,
-    )

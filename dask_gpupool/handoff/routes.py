@@ -1,0 +1,186 @@
+"""This worker's routing decisions: :func:`~dask_gpupool.handoff.routing.route` with its state (:class:`Routes`).
+
+:mod:`~dask_gpupool.handoff.routing` decides from the facts it is given;
+:class:`Routes` gathers them for one worker (its registry row and registry
+view, whether its service and pool are open, the bytes a requester would
+import) and keeps the one piece of state only routing reads: peers whose
+last transfer failed get copies for ``lease-timeout`` seconds
+(:meth:`Routes.mark_unreachable`, which
+:meth:`~dask_gpupool.handoff.service.PoolService.settle` calls).
+:meth:`Routes.plan` counts and warns about the fallbacks it decides. The
+:class:`~dask_gpupool.handoff.service.PoolService` owns one and delegates to it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from dask_gpupool.config import PoolOptions
+from dask_gpupool.handoff.imported import Origin
+from dask_gpupool.handoff.registry import RegistryView
+from dask_gpupool.handoff.routing import Route, plain_copy_reason, route
+from dask_gpupool.handoff.stats import HandoffStats
+from dask_gpupool.memory.pool import Pool
+from dask_gpupool.wire.registry import PoolRecord
+
+if TYPE_CHECKING:
+    from cuda.core import Buffer
+
+    from dask_gpupool.transport.stream import CopyServer
+
+__all__ = ["Routes"]
+
+
+class Routes:
+    """How each value of one worker goes to the worker that asked: hand over, stage, stream, or copy.
+
+    Parameters
+    ----------
+    options : PoolOptions
+    pool : Pool
+        This worker's own pool.
+    record : PoolRecord
+        This pool's registry row.
+    registry : RegistryView
+        This worker's copy of the registry (read only here).
+    handoffs : HandoffStats
+        The worker's counters (:meth:`plan` counts fallbacks).
+    copier : CopyServer or None
+        This worker's copy server (``None``: the pipelined copy path is off).
+
+    Attributes
+    ----------
+    record : PoolRecord
+        This pool's registry row (the service replaces it when it retires segments).
+    closed : bool
+        The service is closing (set by its ``close``): same-host handoffs become copies (``pool-closed``).
+    """
+
+    options: PoolOptions
+    pool: Pool
+    record: PoolRecord
+    registry: RegistryView
+    handoffs: HandoffStats
+    copier: CopyServer | None
+    closed: bool
+    _unreachable: dict[str, float]
+
+    def __init__(
+        self,
+        options: PoolOptions,
+        pool: Pool,
+        record: PoolRecord,
+        registry: RegistryView,
+        handoffs: HandoffStats,
+        copier: CopyServer | None,
+    ) -> None:
+        self.options = options
+        self.pool = pool
+        self.record = record
+        self.registry = registry
+        self.handoffs = handoffs
+        self.copier = copier
+        self.closed = False
+        self._unreachable = {}  # peer -> until when its handoffs go as copies
+
+    def plan(self, requester: str | None, scheme: str, buf: Buffer) -> tuple[PoolRecord | None, str | None]:
+        """Decide how ``buf`` goes to ``requester``: ``(its row, None)`` to hand it over,
+        ``(None, reason)`` to copy. ``reason`` is ``None`` for expected copies (another
+        host, a client) and a fallback reason (counted, warned once) for a same-host
+        peer that could have had it zero-copy.
+        """
+        row, reason = self.route(requester, scheme, buf)
+        if reason is not None:
+            self.handoffs.fallback(row.worker if row is not None else str(requester), reason, self.record.worker)
+            return None, reason
+        return row, None
+
+    def route(self, requester: str | None, scheme: str, buf: Buffer) -> Route:
+        """:meth:`plan`'s decision without counting it (:func:`~dask_gpupool.handoff.routing.route`)."""
+        owned = self.pool.owns(buf)
+        size = self.pool.import_size(buf) if owned and self.pool.kind == "device" else 0
+        return self._route(self.record, requester, scheme, owned, size, self.pool.vmm)
+
+    def _route(
+        self, own: PoolRecord, requester: str | None, scheme: str, owned: bool, import_size: int, vmm: bool
+    ) -> Route:
+        """:func:`~dask_gpupool.handoff.routing.route` for memory of ``own``'s pool, with this worker's state."""
+        row = self.registry.worker_row(requester) if requester else None
+        return route(
+            own,
+            requester,
+            row,
+            scheme,
+            pool_open=not (self.closed or self.pool.closed),
+            owned=owned,
+            unreachable=row is not None and self._is_unreachable(row.worker),
+            import_size=import_size,
+            import_limit=self.options.effective_import_limit(vmm),
+        )
+
+    def stage_route(self, requester: str | None, scheme: str, nbytes: int) -> PoolRecord | None:
+        """The requester's row when an array of ``nbytes`` outside the pool should be staged into it and handed over.
+
+        That is: ``nbytes`` is at least ``gpupool.stage-threshold`` and a new
+        buffer of that size in this pool would be handed over (decided by
+        :func:`~dask_gpupool.handoff.routing.route`, without counting).
+        """
+        threshold = self.options.effective_stage_threshold(self.pool.kind)
+        if not threshold or nbytes < threshold or scheme not in ("tcp", "tls"):
+            return None
+        size = nbytes if self.pool.kind == "device" else 0
+        decision = self._route(self.record, requester, scheme, True, size, self.pool.vmm)
+        return decision.row if decision.reason is None else None
+
+    def plain_copy_reason(self, requester: str | None) -> str | None:
+        """Why a value outside every pool sent to ``requester`` is a same-host copy (``None``: it is not one).
+
+        :func:`~dask_gpupool.handoff.routing.plain_copy_reason`; the get_data hook asks once per reply.
+        """
+        row = self.registry.worker_row(requester) if requester else None
+        return plain_copy_reason(self.record, requester, row)
+
+    def forward_route(self, origin: Origin, requester: str | None, scheme: str) -> tuple[Route, PoolRecord | None]:
+        """:meth:`Forwarder.forward <dask_gpupool.handoff.forwarding.Forwarder.forward>`'s decision without
+        counting it, and the exporter's row (``None``: it left)."""
+        owner = self.registry.get(origin.desc.pool)
+        row = self.registry.worker_row(requester) if requester else None
+        if owner is None or owner.worker != origin.exporter:
+            same_host = row is not None and row.host == self.record.host
+            return Route(row, "forward-refused" if same_host else None), None
+        vmm = owner.kind == "device" and self.pool.vmm
+        return self._route(owner, requester, scheme, True, origin.desc.size, vmm), owner
+
+    def stream_route(self, requester: str | None, scheme: str, nbytes: int) -> PoolRecord | None:
+        """The requester's row when a copy of ``nbytes`` to it goes over the pipelined copy path, else ``None``.
+
+        That is: a worker of this cluster in another process, over a ``tcp``
+        comm, at least ``copy-stream-threshold`` bytes, with this worker's
+        copy server running.
+        """
+        if self.copier is None or scheme != "tcp" or nbytes < max(self.options.copy_stream_threshold, 1):
+            return None
+        row = self.registry.worker_row(requester) if requester else None
+        if row is None or (row.host == self.record.host and row.pid == self.record.pid):
+            return None
+        if self._is_unreachable(row.worker):
+            return None
+        return row
+
+    def _is_unreachable(self, worker: str) -> bool:
+        until = self._unreachable.get(worker)
+        if until is None:
+            return False
+        if time.monotonic() < until:
+            return True
+        self._unreachable.pop(worker, None)
+        return False
+
+    def mark_unreachable(self, worker: str, seconds: float) -> None:
+        """A transfer to ``worker`` failed: its handoffs go as copies for ``seconds`` (``peer-unreachable``)."""
+        self._unreachable[worker] = time.monotonic() + seconds
+
+    def forget(self, worker: str) -> None:
+        """``worker`` left the cluster: drop what is known of it."""
+        self._unreachable.pop(worker, None)
