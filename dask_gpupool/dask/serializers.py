@@ -142,12 +142,14 @@ def _stage(arr: Any, module: str) -> tuple[dict[str, Any], list[Any]] | None:
         buf = service.allocate(nbytes)
     except PoolExhaustedError:
         return None
+    stream = None
     try:
         out = as_array(buf, tuple(arr.shape), arr.dtype, like=module)
         if module == "cupy":
             import cupy
 
             with cupy.cuda.Device(out.device.id):
+                stream = cupy.cuda.get_current_stream()  # ordered after the task that made arr (legacy default)
                 out[...] = arr
         else:
             out[...] = arr
@@ -155,7 +157,7 @@ def _stage(arr: Any, module: str) -> tuple[dict[str, Any], list[Any]] | None:
         buf.close()
         raise
     meta = ArrayMeta(module, tuple(out.shape), tuple(out.strides), out.dtype.str, 0)
-    header = service.export_ipc(out, buf, row, meta)  # finishes the copy on the GPU first
+    header = service.export_ipc(out, buf, row, meta, written_on=stream)  # the copy finished first
     request.granted.append(header.lease)
     service.handoffs.add(pool_staged_bytes=nbytes)
     service.handoffs.fallback(row.worker, "staged-in-pool", service.record.worker)

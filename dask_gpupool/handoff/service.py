@@ -229,15 +229,24 @@ class PoolService:
         """:meth:`Routes.plain_copy_reason <dask_gpupool.handoff.routes.Routes.plain_copy_reason>`."""
         return self.routes.plain_copy_reason(requester)
 
-    def export_ipc(self, holder: Any, buf: Buffer, row: PoolRecord, array: ArrayMeta | None) -> HandoffHeader:
+    def export_ipc(
+        self, holder: Any, buf: Buffer, row: PoolRecord, array: ArrayMeta | None, *, written_on: Any = None
+    ) -> HandoffHeader:
         """Grant ``row``'s worker a lease on ``buf`` and describe it.
 
         ``holder`` (``buf`` or an object that keeps it alive) stays referenced
         by the lease until the importer releases it. Pending GPU work is
-        finished first (``ready="synced"``), so the importer may read at once.
+        finished first (``ready="synced"``), so the importer may read at once:
+        the whole GPU's, since a task may have written ``buf`` on any stream;
+        or, when the caller wrote ``buf`` itself and says on which stream
+        (``written_on``, an object with ``synchronize()``: a staged copy),
+        only that stream's, so that kernels other tasks run meanwhile do not
+        hold the reply up.
         """
         desc = self.pool.export(buf)
-        if self.pool.device is not None:
+        if written_on is not None:
+            written_on.synchronize()
+        elif self.pool.device is not None:
             current_gpu(self.pool.device).sync()
         lease = self.leases.grant(Exported(holder, buf), buf.size, row.worker, desc.segment)
         self.handoffs.add(exports=1)
