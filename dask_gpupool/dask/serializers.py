@@ -172,10 +172,11 @@ def count_plain(nbytes: int, small: bool = False) -> None:
     ``not-in-pool`` (one WARNING per peer says how to make results in the
     pool). Outside a reply (spilling, task graphs) it costs a context-variable
     read. (Device frames on UCX are counted in :mod:`dask_gpupool.dask.device_frames`.) ``small``: the array is
-    below an active ``gpupool.stage-threshold``, counted as fallback ``small`` (no advice to act on).
+    below an active ``gpupool.stage-threshold``, counted as fallback ``small`` (no advice to act on). Empty arrays
+    are not counted: nothing is copied.
     """
     request = REQUEST.get()
-    if request is not None:
+    if request is not None and nbytes:  # an empty array carries nothing to copy: no fallback either
         request.service.handoffs.add(copied_out_bytes=nbytes)
         request.count_plain_fallback(small)
 

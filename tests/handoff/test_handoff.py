@@ -126,6 +126,23 @@ def test_a_large_plain_array_is_staged_into_the_pool_and_handed_over():
         back_to(c, baseline)
 
 
+def test_an_empty_plain_array_counts_no_fallback():
+    """An empty array outside the pool copies nothing: no fallback is counted for it (seen on a GPU: the "empty"
+    layout of test_every_layout_hands_over_on_a_gpu_and_passes_on counted one); a non-empty one still is."""
+    import numpy as np
+
+    with nanny_cluster([{}, {}], HOST_POOL) as c:
+        a, b = worker_addresses(c)
+        before = counters(c)
+        empty = c.submit(np.zeros, 0, workers=[a], pure=False)
+        assert c.submit(T.total, empty, workers=[b], pure=False).result() == 0.0
+        assert counters(c)[a]["fallbacks"] == before[a]["fallbacks"]
+        one = c.submit(np.zeros, 1, workers=[a], pure=False)
+        assert c.submit(T.total, one, workers=[b], pure=False).result() == 0.0
+        assert counters(c)[a]["fallbacks"] == {**before[a]["fallbacks"], "not-in-pool": 1}
+        del empty, one
+
+
 def test_other_host_ids_copy_and_land_in_the_receivers_pool():
     hosts = [{"config": {"gpupool": {"host-id": "host-a"}}}, {"config": {"gpupool": {"host-id": "host-b"}}}]
     with nanny_cluster(hosts, HOST_POOL) as c:
