@@ -656,6 +656,34 @@ def test_plain_cupy_arrays_are_staged_into_the_pool_when_asked(placement):
         back_to(c, baseline)
 
 
+@pytest.mark.parametrize("kind", ["rmm", "numba"])
+def test_device_objects_go_frame_by_frame_over_tcp(kind):
+    """Issue 18, every "cuda"-serialized object: an rmm.DeviceBuffer or a Numba device array of 8 MiB goes to a
+    same-host worker over TCP as its device frame staged into the producer's pool and handed over (staged-in-pool),
+    a 1 KiB one through the comm (small); the consumer rebuilds the same type with the right bytes, and keeps them
+    after the producer's key is gone and its pool scribbled over."""
+    gpus(1)
+    pytest.importorskip("numba.cuda" if kind == "numba" else "rmm")
+    with nanny_cluster([ONE_GPU, ONE_GPU], GPUPool(kind="device", max_size="1 GiB")) as c:
+        a, b = worker_addresses(c)
+        name = "DeviceBuffer" if kind == "rmm" else "DeviceNDArray"
+        before = counters(c)
+        big = c.submit(T.device_object, kind, 1 << 20, workers=[a], pure=False)
+        small = c.submit(T.device_object, kind, 128, workers=[a], pure=False)
+        got = c.submit(T.keep, big, workers=[b], pure=False)
+        assert c.submit(T.check_device_object, got, 1 << 20, workers=[b], pure=False).result() == f"{name}:ok"
+        assert c.submit(T.check_device_object, small, 128, workers=[b], pure=False).result() == f"{name}:ok"
+        now = counters(c)
+        assert now[a]["fallbacks"] == {"staged-in-pool": 1, "small": 1}, now[a]
+        assert now[a]["pool_staged_bytes"] - before[a]["pool_staged_bytes"] == 8 * MiB
+        assert now[b]["zero_copy_bytes"] - before[b]["zero_copy_bytes"] == 8 * MiB
+        del big, small
+        for _ in range(4):
+            c.submit(T.scribble_all, 16 * MiB, ord("S"), workers=[a], pure=False).result()
+        assert c.submit(T.check_device_object, got, 1 << 20, workers=[b], pure=False).result() == f"{name}:ok"
+        del got
+
+
 def test_the_package_imports_after_cupy():
     """``import cupy`` before ``dask_gpupool`` (benchmarks/dask_array.py does): no circular import."""
     import subprocess

@@ -430,8 +430,11 @@ def _register_sizeof() -> None:
 
 
 def _register() -> None:
+    from dask_gpupool.dask.device_objects import register_device_objects
+
     _register_numpy()
     _register_sizeof()
+    register_device_objects()
     import sys
 
     if sys.modules.get("cupy") is not None:  # imported already (None: an import that is blocked)

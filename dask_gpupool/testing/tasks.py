@@ -147,6 +147,31 @@ def set_all(buf: Buffer, value: int) -> None:
         raise RuntimeError(f"cuMemsetD8 failed: {err!r}")
 
 
+def device_object(kind: str, n: int) -> Any:
+    """Task: ``arange(n)`` as float64 in an ``rmm.DeviceBuffer`` (``kind="rmm"``) or a Numba device array."""
+    import numpy as np
+
+    host = np.arange(n, dtype="f8")
+    if kind == "rmm":
+        import rmm
+
+        return rmm.DeviceBuffer.to_device(host.view("u1"))
+    import numba.cuda
+
+    return numba.cuda.to_device(host)
+
+
+def check_device_object(x: Any, n: int) -> str:
+    """Task: ``"<type name>:ok"`` when ``x`` (from :func:`device_object`) holds ``arange(n)``, else ``":wrong"``."""
+    import numpy as np
+
+    got = x.copy_to_host()
+    if type(x).__module__.startswith("rmm"):
+        got = np.asarray(got).view("f8")
+    ok = np.array_equal(np.asarray(got), np.arange(n, dtype="f8"))
+    return f"{type(x).__name__}:{'ok' if ok else 'wrong'}"
+
+
 def scribble_all(nbytes: int, value: int) -> None:
     """Task: allocate ``nbytes`` from this pool, set every byte to ``value``, free it."""
     buf = current_service().allocate(nbytes)
