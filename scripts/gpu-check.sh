@@ -25,11 +25,16 @@ mkdir -p "$OUT"
 WHEELS=(.whl/*.whl)
 [ -d .whl-ucx ] && WHEELS+=(.whl-ucx/*.whl)
 # Once per machine: a second call on a warm machine (or a second run in one call) must not rewrite the
-# packages under a chaos run still going in the background.
-if [ ! -f /tmp/site/.gpupool-installed ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${WHEELS[@]}" || exit 1
-  touch /tmp/site/.gpupool-installed
-fi
+# packages under a chaos run still going in the background. Under a lock: two runs started side by side in one
+# call both installed at once and one failed inside pip (FileNotFoundError on a file the other removed).
+mkdir -p /tmp/site
+(
+  flock 9
+  if [ ! -f /tmp/site/.gpupool-installed ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${WHEELS[@]}" || exit 1
+    touch /tmp/site/.gpupool-installed
+  fi
+) 9>/tmp/gpupool-install.lock || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 { nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv;
   python3 -c "import cuda.core, cuda.bindings, dask, distributed; print('cuda.core', cuda.core.__version__, 'cuda.bindings', cuda.bindings.__version__, 'dask', dask.__version__)"; } > "$OUT/machine.txt" 2>&1
