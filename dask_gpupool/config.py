@@ -37,11 +37,12 @@ POOL_MEMORY_IMPORT_LIMIT = 5 << 30
 
 #: ``stage-threshold: auto`` on ``device`` pools: a plain CuPy array of 4 MiB or more sent to a same-host worker over
 #: TCP is copied into the pool on the GPU and handed over. Measured on two H200s, four workers (two per GPU), 8192^2
-#: float64 in 2048^2 chunks (benchmarks/workloads.py, 2026-11-23, docs/performance.md "Workloads"): matmul 164 ms
-#: against 411 (TCP) and 199 (UCXX), task rechunk 83 against 138 and 93, no workload slower than plain Dask TCP
-#: beyond its noise; routing every CuPy allocation into the pool instead (``cupy-allocator: true``) was slower on
-#: elementwise, rechunk and reductions. ``host`` pools stage nothing by default: on the CPU a task rechunk of 8 MiB
-#: NumPy chunks took 1.25x as long staged.
+#: float64 in 2048^2 chunks (benchmarks/workloads.py, 2026-11-23, docs/performance.md "Workloads"): matmul,
+#: tensordot and task rechunk 2.0-2.7x faster than plain Dask TCP, the other workloads within TCP's noise but
+#: map_overlap with one worker per GPU (1.17x); against Dask UCXX 0.85-1.07x except matmul (1.08-1.24x) and
+#: tensordot (1.41-1.68x). Routing every CuPy allocation into the pool instead (``cupy-allocator: true``) was
+#: slower than staging on elementwise, rechunk and reductions. ``host`` pools stage nothing by default: on the CPU a
+#: task rechunk of 8 MiB NumPy chunks took 1.25x as long staged.
 DEVICE_STAGE_THRESHOLD = 4 << 20
 
 
@@ -183,6 +184,12 @@ class PoolOptions:
         default): :data:`DEVICE_STAGE_THRESHOLD` (4 MiB) on ``device``
         pools, never on ``host`` pools, where it measured slower
         (:meth:`effective_stage_threshold`).
+    device_objects : bool
+        Send ``rmm.DeviceBuffer`` and Numba device arrays to same-host
+        workers over TCP frame by frame through the pool
+        (:mod:`dask_gpupool.dask.device_objects`). Off by default until its
+        GPU test has run (written after the tenth session's device time ran
+        out); off, they go through distributed's serializer as before.
     peer_gpu_handoff : bool
         Hand ``device`` buffers over zero-copy to workers on other GPUs too:
         the pool grants those GPUs access when it is made. Only VMM segments
@@ -212,6 +219,7 @@ class PoolOptions:
     copy_stream_threshold: int = 4 << 20
     copy_streams: int = 4
     stage_threshold: int | None = None
+    device_objects: bool = False
 
     def effective_stage_threshold(self, kind: str) -> int:
         """The stage threshold of a pool of ``kind`` (``"device"``, ``"pinned"``, ``"host"``); 0: never."""
@@ -298,6 +306,7 @@ class PoolOptions:
             stage_threshold=None
             if raw.get("stage-threshold", "auto") == "auto"
             else _parse_nbytes(raw.get("stage-threshold"), "gpupool.stage-threshold"),
+            device_objects=_parse_bool(raw.get("device-objects", False), "gpupool.device-objects"),
         )
 
 

@@ -664,7 +664,7 @@ def test_device_objects_go_frame_by_frame_over_tcp(kind):
     after the producer's key is gone and its pool scribbled over."""
     gpus(1)
     pytest.importorskip("numba.cuda" if kind == "numba" else "rmm")
-    with nanny_cluster([ONE_GPU, ONE_GPU], GPUPool(kind="device", max_size="1 GiB")) as c:
+    with nanny_cluster([ONE_GPU, ONE_GPU], GPUPool(kind="device", max_size="1 GiB", device_objects=True)) as c:
         a, b = worker_addresses(c)
         name = "DeviceBuffer" if kind == "rmm" else "DeviceNDArray"
         before = counters(c)

@@ -22,6 +22,8 @@ so the consumer copies the frame into a new one on the GPU (device to
 device, never through the host) and lets the lease go with the imported
 array.
 
+Used only with ``gpupool.device-objects: true`` (off by default: written after
+the tenth session's GPU time ran out, its GPU test has not run yet).
 Registered for ``rmm.DeviceBuffer`` and Numba's ``DeviceNDArray`` when those
 modules are first used, after distributed's own registrations, which stay
 the path for every other requester (other hosts, clients, spilling). cuDF
@@ -54,6 +56,7 @@ def _wanted() -> bool:
     request = REQUEST.get()
     return (
         request is not None
+        and request.service.options.device_objects
         and request.plain_reason == "not-in-pool"
         and request.scheme in ("tcp", "tls")
         and request.service.pool.kind == "device"

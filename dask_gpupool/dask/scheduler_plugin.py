@@ -93,6 +93,9 @@ class GPUPool(SchedulerPlugin):
     stage_threshold : int or str, optional
         Smallest array outside the pool copied into it and handed over to a
         same-host worker (``gpupool.stage-threshold``; 0: never).
+    device_objects : bool, optional
+        Send ``rmm.DeviceBuffer`` and Numba device arrays frame by frame
+        through the pool (``gpupool.device-objects``).
 
     Attributes
     ----------
@@ -148,6 +151,7 @@ class GPUPool(SchedulerPlugin):
         copy_stream_threshold: int | str | None = None,
         copy_streams: int | None = None,
         stage_threshold: int | str | None = None,
+        device_objects: bool | None = None,
     ) -> None:
         self.overrides = {
             k: v
@@ -170,6 +174,7 @@ class GPUPool(SchedulerPlugin):
                 copy_stream_threshold=copy_stream_threshold,
                 copy_streams=copy_streams,
                 stage_threshold=stage_threshold,
+                device_objects=device_objects,
             ).items()
             if v is not None
         }
