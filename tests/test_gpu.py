@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+from typing import Any
 
 import pytest
 from conftest import (
@@ -696,6 +697,68 @@ def test_the_package_imports_after_cupy():
 
 
 # -- issue 18: forwarding and layouts on device pools ------------------------------------------
+
+
+def _chain_cluster(placement: str) -> tuple[list[dict[str, Any]], Any]:
+    """Three workers A, B, W on one GPU, or A and W on GPU 0 and B on GPU 1 (every hop crosses GPUs)."""
+    if placement == "one-gpu":
+        gpus(1)
+        one = {"env": {"CUDA_VISIBLE_DEVICES": local_devices().uuids[0]}}
+        return [one] * 3, GPUPool(kind="device", max_size="1 GiB")
+    gpus(2)
+    return [ROTATED[0], ROTATED[1], ROTATED[0]], GPUPool(kind="device", max_size="1 GiB", peer_gpu_handoff=True)
+
+
+@pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
+def test_a_chain_a_b_w_a_on_gpus_maps_the_first_exporter_and_outlives_the_middle(placement):
+    """Issue 18 on device pools: A -> B -> W, each hop zero-copy (W maps A's memory under a lease A granted through
+    B), then back to A (same-process); B's and A's keys gone and A's pool scribbled over, W reads the right bytes."""
+    workers, plugin = _chain_cluster(placement)
+    with nanny_cluster(workers, plugin) as c:
+        a, b, w = worker_addresses(c)
+        baseline = warm_up(c, a, b)
+        baseline = warm_up(c, b, w)
+        baseline = warm_up(c, a, w)
+        before = counters(c)
+        x = c.submit(T.make_buffer, 8 * MiB, b"two hops", workers=[a], pure=False)
+        y = c.submit(T.keep, x, workers=[b], pure=False)
+        z = c.submit(T.keep, y, workers=[w], pure=False)
+        assert c.submit(T.describe, z, workers=[w], pure=False).result()["imported"]
+        now = counters(c)
+        assert now[b]["forwards"] - before[b]["forwards"] == 1
+        assert now[w]["zero_copy_bytes"] - before[w]["zero_copy_bytes"] == 8 * MiB
+        assert all(now[k]["copied_bytes"] == before[k]["copied_bytes"] for k in (a, b, w)), now
+        del x, y
+        wait_for(lambda: counters(c, a)[a]["leases"] == 1, what="B's lease on A to end")
+        for _ in range(4):
+            c.submit(T.scribble_all, 16 * MiB, ord("S"), workers=[a], pure=False).result()
+        assert c.submit(T.head, z, 8, workers=[w], pure=False).result() == b"two hops"
+        assert c.submit(T.head, z, 8, workers=[a], pure=False).result() == b"two hops"  # back to A
+        del z
+        back_to(c, baseline)
+
+
+@pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
+def test_sigkill_of_the_middle_of_a_chain_on_gpus_leaves_the_last_ones_memory_readable(placement):
+    """Issue 18 on device pools: B killed after passing A's memory on to W: A ends B's lease, W's lives on, and W
+    reads the right bytes after A's pool was scribbled over."""
+    workers, plugin = _chain_cluster(placement)
+    with nanny_cluster(workers, plugin) as c:
+        a, b, w = worker_addresses(c)
+        baseline = warm_up(c, a, w)  # B's links and mappings go with it
+        x = c.submit(T.make_buffer, 8 * MiB, b"survives", workers=[a], pure=False)
+        y = c.submit(T.keep, x, workers=[b], pure=False)
+        z = c.submit(T.keep, y, workers=[w], pure=False)
+        z.result()
+        assert counters(c, a)[a]["leases"] == 2
+        os.kill(pid_of(c, b), signal.SIGKILL)
+        wait_for(lambda: counters(c, a)[a]["leases"] == 1, what="A to end the dead middle worker's lease")
+        del x
+        for _ in range(4):
+            c.submit(T.scribble_all, 16 * MiB, ord("S"), workers=[a], pure=False).result()
+        assert c.submit(T.head, z, 8, workers=[w], pure=False).result() == b"survives"
+        del y, z
+        back_to(c, {k: baseline[k] for k in (a, w)}, workers=[a, w])
 
 
 @pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
