@@ -104,18 +104,22 @@ def _plain(arr: Any, module: str, previous: Any, context: Any) -> tuple[dict[str
     staged = _stage(arr, module)
     if staged is not None:
         return staged
-    count_plain(int(arr.nbytes), small=_below_stage_threshold(arr, module))
+    count_plain(int(arr.nbytes), small=_below_stage_threshold(arr))
     return previous(arr, context)
 
 
-def _below_stage_threshold(arr: Any, module: str) -> bool:
-    """Whether ``arr`` is sent through the comm only because it is below a ``gpupool.stage-threshold`` that is on."""
+def _below_stage_threshold(arr: Any) -> bool:
+    """Whether ``arr`` is below a ``gpupool.stage-threshold`` that is on: the comm is its best path (``small``).
+
+    Also a NumPy array on a ``device`` pool (an index array of a fancy-indexing task, say), which is never staged:
+    that small, the comm moves it as fast as anything would, so it is no ``not-in-pool`` to act on.
+    """
     request = REQUEST.get()
     if request is None:
         return False
     service = request.service
     threshold = service.options.effective_stage_threshold(service.pool.kind)
-    return bool(threshold) and int(arr.nbytes) < threshold and (module == "numpy") == (service.pool.kind == "host")
+    return bool(threshold) and int(arr.nbytes) < threshold
 
 
 def _stage(arr: Any, module: str) -> tuple[dict[str, Any], list[Any]] | None:
