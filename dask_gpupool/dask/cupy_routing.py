@@ -37,6 +37,8 @@ def decide(setting: bool | None, kind: str) -> tuple[bool, str]:
     """
     if kind not in ("device", "pinned"):
         return False, f"off: a {kind} pool holds no GPU memory"
+    if setting is None and kind == "pinned":
+        return False, "off (auto): CuPy keeps its allocator"
     if setting is None:
         return False, (
             "off (auto): CuPy keeps its allocator; arrays from gpupool.stage-threshold up are copied into the "

@@ -21,7 +21,7 @@ AUTO = (
     [
         (None, "host", False, "off: a host pool holds no GPU memory"),
         (True, "host", False, "off: a host pool holds no GPU memory"),
-        (None, "pinned", False, AUTO),
+        (None, "pinned", False, "off (auto): CuPy keeps its allocator"),
         (None, "device", False, AUTO),
         (True, "pinned", True, "pool (gpupool.cupy-allocator: true)"),
         (True, "device", True, "pool (gpupool.cupy-allocator: true)"),
