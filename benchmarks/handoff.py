@@ -16,6 +16,7 @@ tcp           Dask over TCP, a CuPy array (NumPy on a host run): today's default
 ucxx          Dask over UCXX, a CuPy array (only when distributed-ucxx imports)
 gpupool       dask_gpupool zero-copy: an array over a pool buffer
 gpupool-cupy  dask_gpupool zero-copy of plain CuPy arrays (gpupool.cupy-allocator routes CuPy to the pool)
+gpupool-plain  TCP with the plugin at its defaults, a plain CuPy array: staged into the pool from 4 MiB up
 gpupool-copy  dask_gpupool's host-copy path, forced with different host ids
 ucxx+gpupool  Dask over UCXX with the plugin at its defaults, an array over a pool buffer
 ucxx+gpupool-plain  the same cluster, a plain CuPy array (the plugin must cost UCXX nothing)
@@ -71,6 +72,7 @@ METHODS = (
     "ucxx",
     "gpupool",
     "gpupool-cupy",
+    "gpupool-plain",
     "gpupool-copy",
     "ucxx+gpupool",
     "ucxx+gpupool-plain",
@@ -294,7 +296,7 @@ def method_setup(
     )
     if method == "gpupool":
         return "tcp", workers, plugin, True
-    if method == "gpupool-cupy":  # plain cupy.ones, routed to the pool
+    if method in ("gpupool-cupy", "gpupool-plain"):  # plain cupy.ones: routed to the pool, or staged into it
         return "tcp", workers, plugin, False
     hosts = [{**w, "config": {"gpupool": {"host-id": f"bench-host-{i}"}}} for i, w in enumerate(workers)]
     return "tcp", hosts, plugin, True
