@@ -238,6 +238,25 @@ def back_to(client: Any, baseline: dict[str, Any], timeout: float = 60.0, worker
     assert now == baseline, f"not back to the baseline, (now, baseline) by worker: {diff}"
 
 
+def kill_the_middle_of_a_chain(c: Any, a: str, b: str, w: str, nbytes: int, scribble: int) -> None:
+    """A's Buffer goes A -> B -> W (W maps A's memory under a lease A granted through B); B is SIGKILLed.
+
+    Checks that A ends B's lease and keeps W's, and that W reads the right bytes after A's key is gone and A's
+    pool was scribbled over (four buffers of ``scribble`` bytes). Leaves W's key in place until it returns.
+    """
+    x = c.submit(T.make_buffer, nbytes, b"survives", workers=[a], pure=False)
+    y = c.submit(T.keep, x, workers=[b], pure=False)
+    z = c.submit(T.keep, y, workers=[w], pure=False)
+    z.result()
+    assert counters(c, a)[a]["leases"] == 2
+    os.kill(pid_of(c, b), signal.SIGKILL)
+    wait_for(lambda: counters(c, a)[a]["leases"] == 1, what="A to end the dead middle worker's lease")
+    del x
+    for _ in range(4):
+        c.submit(T.scribble_all, scribble, ord("S"), workers=[a], pure=False).result()
+    assert c.submit(T.head, z, 8, workers=[w], pure=False).result() == b"survives"
+
+
 def kill_consumer_holding_leases(c: Any, a: str, b: str, xs: list[Any]) -> None:
     """B keeps every key of ``xs`` (A's results, so B imports them), is SIGKILLed, and A releases all the leases."""
     ys = [c.submit(T.keep, x, workers=[b], pure=False) for x in xs]

@@ -12,6 +12,7 @@ from conftest import (
     counters,
     handoff_round_trip,
     kill_consumer_holding_leases,
+    kill_the_middle_of_a_chain,
     nanny_cluster,
     pid_of,
     stress,
@@ -746,18 +747,7 @@ def test_sigkill_of_the_middle_of_a_chain_on_gpus_leaves_the_last_ones_memory_re
     with nanny_cluster(workers, plugin) as c:
         a, b, w = worker_addresses(c)
         baseline = warm_up(c, a, w)  # B's links and mappings go with it
-        x = c.submit(T.make_buffer, 8 * MiB, b"survives", workers=[a], pure=False)
-        y = c.submit(T.keep, x, workers=[b], pure=False)
-        z = c.submit(T.keep, y, workers=[w], pure=False)
-        z.result()
-        assert counters(c, a)[a]["leases"] == 2
-        os.kill(pid_of(c, b), signal.SIGKILL)
-        wait_for(lambda: counters(c, a)[a]["leases"] == 1, what="A to end the dead middle worker's lease")
-        del x
-        for _ in range(4):
-            c.submit(T.scribble_all, 16 * MiB, ord("S"), workers=[a], pure=False).result()
-        assert c.submit(T.head, z, 8, workers=[w], pure=False).result() == b"survives"
-        del y, z
+        kill_the_middle_of_a_chain(c, a, b, w, 8 * MiB, 16 * MiB)
         back_to(c, {k: baseline[k] for k in (a, w)}, workers=[a, w])
 
 

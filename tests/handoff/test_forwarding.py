@@ -7,11 +7,18 @@ maps A's pool itself. The memory then lives until C lets go, whatever B does.
 
 from __future__ import annotations
 
-import os
-import signal
 from typing import Any
 
-from conftest import HOST_POOL, back_to, counters, nanny_cluster, pid_of, wait_for, warm_up, worker_addresses
+from conftest import (
+    HOST_POOL,
+    back_to,
+    counters,
+    kill_the_middle_of_a_chain,
+    nanny_cluster,
+    wait_for,
+    warm_up,
+    worker_addresses,
+)
 
 from dask_gpupool import testing as T
 
@@ -82,18 +89,7 @@ def test_sigkill_of_the_middle_worker_leaves_the_last_ones_memory_readable():
     with nanny_cluster([{}, {}, {}], HOST_POOL) as c:
         a, b, w = worker_addresses(c)
         baseline = _warm(c, a, w)  # B's links and mappings go with it
-        x = c.submit(T.make_buffer, MiB, b"survives", workers=[a], pure=False)
-        y = c.submit(T.keep, x, workers=[b], pure=False)
-        z = c.submit(T.keep, y, workers=[w], pure=False)
-        z.result()
-        assert counters(c, a)[a]["leases"] == 2
-        os.kill(pid_of(c, b), signal.SIGKILL)
-        wait_for(lambda: counters(c, a)[a]["leases"] == 1, what="A to end the dead middle worker's lease")
-        del x
-        for _ in range(8):
-            c.submit(T.scribble_all, MiB, ord("S"), workers=[a], pure=False).result()
-        assert c.submit(T.head, z, 8, workers=[w], pure=False).result() == b"survives"
-        del y, z
+        kill_the_middle_of_a_chain(c, a, b, w, MiB, 2 * MiB)
         survivors = [a, w]
         back_to(c, {k: baseline[k] for k in survivors}, workers=survivors)
 
