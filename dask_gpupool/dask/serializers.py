@@ -37,16 +37,17 @@ from typing import Any
 from cuda.core import Buffer
 from distributed.protocol import dask_deserialize, dask_serialize
 
+from dask_gpupool.dask.plain_arrays import count_plain, plain
 from dask_gpupool.dask.views import VIEWS, as_array, c_strides, viewed_buffer
 from dask_gpupool.dask.worker_internals import REQUEST, Request
-from dask_gpupool.errors import DataLostError, PoolExhaustedError, PoolUnavailableError, ProtocolError
+from dask_gpupool.errors import DataLostError, PoolUnavailableError, ProtocolError
 from dask_gpupool.handoff.active import active_service
 from dask_gpupool.memory.buffers import buffer_kind, copy_to_host, host_buffer
-from dask_gpupool.wire.handoff import ArrayMeta, HandoffHeader
+from dask_gpupool.wire.handoff import HEADER_KEY, ArrayMeta, HandoffHeader
 
 __all__ = ["KEY", "count_plain", "deserialize_buffer", "hand_over", "loads_array", "register_cupy"]
 
-KEY = "gpupool"
+KEY = HEADER_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -97,92 +98,6 @@ def _dumps(
     exporter = service.record.worker if service is not None else ""
     header = HandoffHeader("copy", buffer_kind(buf), nbytes, exporter=exporter, array=copy_meta)
     return {KEY: header.to_msg()}, [frame]
-
-
-def _plain(arr: Any, module: str, previous: Any, context: Any) -> tuple[dict[str, Any], list[Any]]:
-    """An array outside every pool: staged into the pool and handed over, or distributed's serializer (counted)."""
-    staged = _stage(arr, module)
-    if staged is not None:
-        return staged
-    count_plain(int(arr.nbytes), small=_below_stage_threshold(arr))
-    return previous(arr, context)
-
-
-def _below_stage_threshold(arr: Any) -> bool:
-    """Whether ``arr`` is below a ``gpupool.stage-threshold`` that is on: the comm is its best path (``small``).
-
-    Also a NumPy array on a ``device`` pool (an index array of a fancy-indexing task, say), which is never staged:
-    that small, the comm moves it as fast as anything would, so it is no ``not-in-pool`` to act on.
-    """
-    request = REQUEST.get()
-    if request is None:
-        return False
-    service = request.service
-    threshold = service.options.effective_stage_threshold(service.pool.kind)
-    return bool(threshold) and int(arr.nbytes) < threshold
-
-
-def _stage(arr: Any, module: str) -> tuple[dict[str, Any], list[Any]] | None:
-    """Copy ``arr`` into this worker's pool and hand the copy over, when a same-host worker asked over TCP.
-
-    From ``gpupool.stage-threshold`` bytes up, NumPy arrays on ``host`` pools
-    and CuPy arrays on ``device`` pools: a memcpy or a device-to-device copy
-    here replaces the host copy, the comm's bytes and the receiver's copy.
-    The lease keeps the staged copy alive until the receiver lets go.
-    Returns ``None`` (the caller sends the array as before) when the request
-    does not allow it or the pool has no room.
-    """
-    request = REQUEST.get()
-    if request is None or request.plain_reason != "not-in-pool":
-        return None
-    service = request.service
-    if (module == "numpy") != (service.pool.kind == "host") or arr.dtype.hasobject or arr.size == 0:
-        return None
-    nbytes = int(arr.nbytes)
-    row = service.stage_route(request.requester, request.scheme, nbytes)
-    if row is None:
-        return None
-    try:
-        buf = service.allocate(nbytes)
-    except PoolExhaustedError:
-        return None
-    stream = None
-    try:
-        out = as_array(buf, tuple(arr.shape), arr.dtype, like=module)
-        if module == "cupy":
-            import cupy
-
-            with cupy.cuda.Device(out.device.id):
-                stream = cupy.cuda.get_current_stream()  # ordered after the task that made arr (legacy default)
-                out[...] = arr
-        else:
-            out[...] = arr
-    except BaseException:
-        buf.close()
-        raise
-    meta = ArrayMeta(module, tuple(out.shape), tuple(out.strides), out.dtype.str, 0)
-    header = service.export_ipc(out, buf, row, meta, written_on=stream)  # the copy finished first
-    request.granted.append(header.lease)
-    service.handoffs.add(pool_staged_bytes=nbytes)
-    service.handoffs.fallback(row.worker, "staged-in-pool", service.record.worker)
-    return {KEY: header.to_msg()}, []
-
-
-def count_plain(nbytes: int, small: bool = False) -> None:
-    """Count an array outside every pool that a ``get_data`` reply sends: a copy, and for a same-host worker its reason.
-
-    Such arrays go through distributed's own serializer, a host copy:
-    counted in ``copied_out_bytes`` and, to a same-host worker, as fallback
-    ``not-in-pool`` (one WARNING per peer says how to make results in the
-    pool). Outside a reply (spilling, task graphs) it costs a context-variable
-    read. (Device frames on UCX are counted in :mod:`dask_gpupool.dask.device_frames`.) ``small``: the array is
-    below an active ``gpupool.stage-threshold``, counted as fallback ``small`` (no advice to act on). Empty arrays
-    are not counted: nothing is copied.
-    """
-    request = REQUEST.get()
-    if request is not None and nbytes:  # an empty array carries nothing to copy: no fallback either
-        request.service.handoffs.add(copied_out_bytes=nbytes)
-        request.count_plain_fallback(small)
 
 
 def hand_over(request: Request, holder: Any, buf: Buffer, meta: ArrayMeta | None) -> HandoffHeader | None:
@@ -272,7 +187,7 @@ def _dumps_array(arr: Any, module: str, ptr: int, previous: Any, context: Any) -
     """Hand an array over a pool buffer over (or copy it); any other array goes to ``previous(arr, context)``."""
     buf = viewed_buffer(arr, ptr)
     if buf is None:
-        return _plain(arr, module, previous, context)
+        return plain(arr, module, previous, context)
     shape, strides = tuple(arr.shape), tuple(arr.strides)
 
     def host_frame() -> Any:
@@ -341,7 +256,7 @@ def _register_numpy() -> None:
 
     def serialize_numpy(x: Any, context: Any = None) -> tuple[dict[str, Any], list[Any]]:
         if not VIEWS:  # no array over a pool buffer in this process: staged, or distributed's serializer
-            return _plain(x, "numpy", previous_dumps, context)
+            return plain(x, "numpy", previous_dumps, context)
         return _dumps_array(x, "numpy", int(x.__array_interface__["data"][0]), previous_dumps, context)
 
     def deserialize_numpy(header: dict[str, Any], frames: list[Any]) -> Any:
@@ -383,7 +298,7 @@ def _register_cupy_now() -> None:
 
     def serialize_cupy(x: Any, context: Any = None) -> tuple[dict[str, Any], list[Any]]:
         if not VIEWS:  # no array over a pool buffer in this process: staged, or distributed's serializer
-            return _plain(x, "cupy", previous_dumps, context)
+            return plain(x, "cupy", previous_dumps, context)
         return _dumps_array(x, "cupy", int(x.data.ptr), previous_dumps, context)
 
     def deserialize_cupy(header: dict[str, Any], frames: list[Any]) -> Any:

@@ -15,7 +15,10 @@ from dask_gpupool.errors import ProtocolError
 from dask_gpupool.wire.codec import as_mapping, field_of, uuid_str
 from dask_gpupool.wire.registry import PoolRecord
 
-__all__ = ["MAX_LANES", "ArrayMeta", "BufferDescriptor", "HandoffHeader"]
+__all__ = ["HEADER_KEY", "MAX_LANES", "ArrayMeta", "BufferDescriptor", "HandoffHeader"]
+
+#: The key of a handed-over value's sub-header in Dask's serialization header: ``{HEADER_KEY: HandoffHeader.to_msg()}``.
+HEADER_KEY = "gpupool"
 
 #: Most connections (lanes) one streamed copy is pulled over.
 MAX_LANES = 16

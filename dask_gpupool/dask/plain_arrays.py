@@ -1,0 +1,111 @@
+"""Arrays outside every pool in a ``get_data`` reply: staged into the pool and handed over, or counted copies.
+
+A NumPy or CuPy array that a task made with its library's own allocator (or
+RMM's) is not pool memory. Asked for by a same-host worker over TCP or TLS,
+one of ``gpupool.stage-threshold`` bytes or more is copied into this
+worker's pool here (device to device for CuPy on a ``device`` pool, a memcpy
+for NumPy on a ``host`` pool) and handed over under the requester's lease
+(fallback ``staged-in-pool``, ``pool_staged_bytes``): :func:`stage`. Every
+other such array goes through distributed's own serializer and is counted
+(:func:`count_plain`: ``copied_out_bytes`` and, to a same-host worker, the
+fallback ``small`` or ``not-in-pool``). The staged copy is owned by the lease
+(the exporter's ``Exported`` holds the array over it) and goes back to the
+pool when the requester lets go.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dask_gpupool.dask.views import as_array
+from dask_gpupool.dask.worker_internals import REQUEST
+from dask_gpupool.errors import PoolExhaustedError
+from dask_gpupool.wire.handoff import HEADER_KEY, ArrayMeta
+
+__all__ = ["count_plain", "plain", "stage"]
+
+
+def plain(arr: Any, module: str, previous: Any, context: Any) -> tuple[dict[str, Any], list[Any]]:
+    """An array outside every pool: staged into the pool and handed over, or distributed's serializer (counted)."""
+    staged = stage(arr, module)
+    if staged is not None:
+        return staged
+    count_plain(int(arr.nbytes), small=_below_stage_threshold(arr))
+    return previous(arr, context)
+
+
+def _below_stage_threshold(arr: Any) -> bool:
+    """Whether ``arr`` is below a ``gpupool.stage-threshold`` that is on: the comm is its best path (``small``).
+
+    Also a NumPy array on a ``device`` pool (an index array of a fancy-indexing task, say), which is never staged:
+    that small, the comm moves it as fast as anything would, so it is no ``not-in-pool`` to act on.
+    """
+    request = REQUEST.get()
+    if request is None:
+        return False
+    service = request.service
+    threshold = service.options.effective_stage_threshold(service.pool.kind)
+    return bool(threshold) and int(arr.nbytes) < threshold
+
+
+def stage(arr: Any, module: str) -> tuple[dict[str, Any], list[Any]] | None:
+    """Copy ``arr`` into this worker's pool and hand the copy over, when a same-host worker asked over TCP.
+
+    From ``gpupool.stage-threshold`` bytes up, NumPy arrays on ``host`` pools
+    and CuPy arrays on ``device`` pools: a memcpy or a device-to-device copy
+    here replaces the host copy, the comm's bytes and the receiver's copy.
+    The lease keeps the staged copy alive until the receiver lets go.
+    Returns ``None`` (the caller sends the array as before) when the request
+    does not allow it or the pool has no room.
+    """
+    request = REQUEST.get()
+    if request is None or request.plain_reason != "not-in-pool":
+        return None
+    service = request.service
+    if (module == "numpy") != (service.pool.kind == "host") or arr.dtype.hasobject or arr.size == 0:
+        return None
+    nbytes = int(arr.nbytes)
+    row = service.stage_route(request.requester, request.scheme, nbytes)
+    if row is None:
+        return None
+    try:
+        buf = service.allocate(nbytes)
+    except PoolExhaustedError:
+        return None
+    stream = None
+    try:
+        out = as_array(buf, tuple(arr.shape), arr.dtype, like=module)
+        if module == "cupy":
+            import cupy
+
+            with cupy.cuda.Device(out.device.id):
+                stream = cupy.cuda.get_current_stream()  # ordered after the task that made arr (legacy default)
+                out[...] = arr
+        else:
+            out[...] = arr
+    except BaseException:
+        buf.close()
+        raise
+    meta = ArrayMeta(module, tuple(out.shape), tuple(out.strides), out.dtype.str, 0)
+    header = service.export_ipc(out, buf, row, meta, written_on=stream)  # the copy finished first
+    request.granted.append(header.lease)
+    service.handoffs.add(pool_staged_bytes=nbytes)
+    service.handoffs.fallback(row.worker, "staged-in-pool", service.record.worker)
+    return {HEADER_KEY: header.to_msg()}, []
+
+
+def count_plain(nbytes: int, small: bool = False) -> None:
+    """Count an array outside every pool that a ``get_data`` reply sends: a copy, and for a same-host worker its reason.
+
+    Such arrays go through distributed's own serializer, a host copy:
+    counted in ``copied_out_bytes`` and, to a same-host worker, as fallback
+    ``not-in-pool`` (one WARNING per peer says how to make results in the
+    pool). Outside a reply (spilling, task graphs) it costs a context-variable
+    read. (Device frames on UCX are counted in :mod:`dask_gpupool.dask.device_frames`.) ``small``: the array is
+    below an active ``gpupool.stage-threshold``, counted as fallback ``small`` (no advice to act on). Empty arrays
+    are not counted: nothing is copied.
+    """
+    request = REQUEST.get()
+    if request is not None and nbytes:  # an empty array carries nothing to copy: no fallback either
+        request.service.handoffs.add(copied_out_bytes=nbytes)
+        request.count_plain_fallback(small)
