@@ -759,14 +759,7 @@ def test_every_layout_hands_over_on_a_gpu_and_passes_on(placement):
     """
     import numpy as np
 
-    if placement == "one-gpu":
-        gpus(1)
-        workers = [{"env": {"CUDA_VISIBLE_DEVICES": local_devices().uuids[0]}}] * 3
-        plugin = GPUPool(kind="device", max_size="1 GiB")
-    else:
-        gpus(2)
-        workers = [*ROTATED, ROTATED[0]]
-        plugin = GPUPool(kind="device", max_size="1 GiB", peer_gpu_handoff=True)
+    workers, plugin = _chain_cluster(placement)
     with nanny_cluster(workers, plugin) as c:
         a, b, w = worker_addresses(c)
         for layout in sorted(T.LAYOUTS):

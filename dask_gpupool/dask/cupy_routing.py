@@ -62,8 +62,12 @@ def foreign_allocator() -> str | None:
     return f"{module}.{name}"
 
 
-def install(service: PoolService) -> Any:
-    """Make the pool CuPy's allocator; return the allocator it replaced (for :func:`uninstall`)."""
+def install(service: PoolService) -> tuple[Any, str | None]:
+    """Make the pool CuPy's allocator.
+
+    Returns the allocator it replaced (for :func:`uninstall`) and, when that was not CuPy's own pool, its name
+    (:func:`foreign_allocator`; logged as a WARNING).
+    """
     import cupy
 
     from dask_gpupool.dask.views import VIEWS, device_of
@@ -92,7 +96,7 @@ def install(service: PoolService) -> Any:
     allocate._gpupool = True  # type: ignore[attr-defined]  # foreign_allocator: ours, not another's
     cupy.cuda.set_allocator(allocate)
     logger.info("pool %s: CuPy allocates from it", service.pool.uuid)
-    return previous
+    return previous, found
 
 
 def uninstall(previous: Any) -> None:

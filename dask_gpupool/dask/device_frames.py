@@ -124,8 +124,8 @@ def cuda_dumps_cupy(x: Any, previous: Any) -> tuple[dict[str, Any], list[Any]]:
         header, frames = previous(x)
         _count_device_frames(int(x.nbytes), staged=False, out=True)
         request = REQUEST.get()
-        if request is not None and x.nbytes:
-            request.count_plain_fallback()  # to a same-host peer: fallback not-in-pool (an empty array: nothing)
+        if request is not None:
+            request.count_plain_fallback(int(x.nbytes))  # to a same-host peer: fallback not-in-pool
         return header, frames
     import cupy
 

@@ -147,6 +147,7 @@ def _as_rmm_buffer(arr: Any) -> Any:
 
 
 def _register_rmm() -> None:
+    import cupy  # noqa: F401  (the frames travel as CuPy arrays: without CuPy, distributed's path stays)
     import rmm
     from distributed.protocol import rmm as _distributed_rmm  # noqa: F401  (its registrations first)
 
@@ -154,6 +155,7 @@ def _register_rmm() -> None:
 
 
 def _register_numba() -> None:
+    import cupy  # noqa: F401  (as for rmm)
     import numba.cuda
     from distributed.protocol import numba as _distributed_numba  # noqa: F401  (its registrations first)
 

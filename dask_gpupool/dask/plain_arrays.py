@@ -30,22 +30,8 @@ def plain(arr: Any, module: str, previous: Any, context: Any) -> tuple[dict[str,
     staged = stage(arr, module)
     if staged is not None:
         return staged
-    count_plain(int(arr.nbytes), small=_below_stage_threshold(arr))
+    count_plain(int(arr.nbytes))
     return previous(arr, context)
-
-
-def _below_stage_threshold(arr: Any) -> bool:
-    """Whether ``arr`` is below a ``gpupool.stage-threshold`` that is on: the comm is its best path (``small``).
-
-    Also a NumPy array on a ``device`` pool (an index array of a fancy-indexing task, say), which is never staged:
-    that small, the comm moves it as fast as anything would, so it is no ``not-in-pool`` to act on.
-    """
-    request = REQUEST.get()
-    if request is None:
-        return False
-    service = request.service
-    threshold = service.options.effective_stage_threshold(service.pool.kind)
-    return bool(threshold) and int(arr.nbytes) < threshold
 
 
 def stage(arr: Any, module: str) -> tuple[dict[str, Any], list[Any]] | None:
@@ -94,18 +80,18 @@ def stage(arr: Any, module: str) -> tuple[dict[str, Any], list[Any]] | None:
     return {HEADER_KEY: header.to_msg()}, []
 
 
-def count_plain(nbytes: int, small: bool = False) -> None:
+def count_plain(nbytes: int) -> None:
     """Count an array outside every pool that a ``get_data`` reply sends: a copy, and for a same-host worker its reason.
 
     Such arrays go through distributed's own serializer, a host copy:
     counted in ``copied_out_bytes`` and, to a same-host worker, as fallback
     ``not-in-pool`` (one WARNING per peer says how to make results in the
     pool). Outside a reply (spilling, task graphs) it costs a context-variable
-    read. (Device frames on UCX are counted in :mod:`dask_gpupool.dask.device_frames`.) ``small``: the array is
-    below an active ``gpupool.stage-threshold``, counted as fallback ``small`` (no advice to act on). Empty arrays
-    are not counted: nothing is copied.
+    read. (Device frames on UCX are counted in :mod:`dask_gpupool.dask.device_frames`.) Below an active
+    ``gpupool.stage-threshold`` the reason is ``small`` (:meth:`Request.count_plain_fallback
+    <dask_gpupool.dask.worker_internals.Request.count_plain_fallback>`).
     """
     request = REQUEST.get()
-    if request is not None and nbytes:  # an empty array carries nothing to copy: no fallback either
+    if request is not None:
         request.service.handoffs.add(copied_out_bytes=nbytes)
-        request.count_plain_fallback(small)
+        request.count_plain_fallback(nbytes)

@@ -52,15 +52,20 @@ class Request:
     #: Why a value outside every pool in this reply is a same-host copy (``None``: it is not one).
     plain_reason: str | None = None
 
-    def count_plain_fallback(self, small: bool = False) -> None:
-        """Count a value outside every pool sent in this reply as a same-host fallback, if it is one.
+    def count_plain_fallback(self, nbytes: int) -> None:
+        """Count a value of ``nbytes`` outside every pool sent in this reply as a same-host fallback, if it is one.
 
-        ``small``: an array below ``gpupool.stage-threshold`` that staging would otherwise have taken (reason
-        ``small`` in place of ``not-in-pool``).
+        Over TCP or TLS, one below an active ``gpupool.stage-threshold`` is counted ``small`` rather than
+        ``not-in-pool``: the comm is its best path (a small NumPy array on a ``device`` pool too, which is never
+        staged). An empty value copies nothing and is not counted.
         """
-        if self.plain_reason is not None:
-            reason = "small" if small and self.plain_reason == "not-in-pool" else self.plain_reason
-            self.service.handoffs.fallback(str(self.requester), reason, self.service.record.worker)
+        if self.plain_reason is None or not nbytes:
+            return
+        reason = self.plain_reason
+        if reason == "not-in-pool" and self.scheme in ("tcp", "tls"):
+            threshold = self.service.options.effective_stage_threshold(self.service.pool.kind)
+            reason = "small" if nbytes < threshold else reason
+        self.service.handoffs.fallback(str(self.requester), reason, self.service.record.worker)
 
 
 #: Set while a worker answers ``get_data``; Dask's offload thread inherits it.

@@ -120,7 +120,8 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         fill_after_read(worker)
         self.service = service
         gpu_pool = service.pool.kind in ("device", "pinned")
-        if gpu_pool and importlib.util.find_spec("cupy") is not None:
+        has_cupy = importlib.util.find_spec("cupy") is not None
+        if gpu_pool and has_cupy:
             # CuPy's serializers at setup rather than lazily inside Dask's first dispatch: a dask-cuda
             # worker was seen with no CuPy deserializer after the lazy path (docs/gpu-checks.md).
             from dask_gpupool.dask.serializers import register_cupy
@@ -129,16 +130,15 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
                 register_cupy()
             except Exception:  # the lazy registration retries on the first CuPy array
                 logger.warning("gpupool: registering CuPy's serializers failed; retried on first use", exc_info=True)
-        if importlib.util.find_spec("cupy") is None:
+        if not has_cupy:
             service.routing["cupy"] = "off: CuPy is not installed"
         else:
             from dask_gpupool.dask import cupy_routing as _cupy
 
             route, why = _cupy.decide(options.cupy_allocator, service.pool.kind)
             if route:
-                found = _cupy.foreign_allocator()
-                self._cupy_previous = _cupy.install(service)
-                why += f"; replaced {found}" if found else ""
+                self._cupy_previous, replaced = _cupy.install(service)
+                why += f"; replaced {replaced}" if replaced else ""
             service.routing["cupy"] = why
         _metrics.register()  # on the worker's /metrics (when prometheus_client is installed)
         self._push = PeriodicCallback(lambda: self._push_stats(worker), STATS_INTERVAL * 1000)
