@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Issue 16: where the plugin's cost on plain CuPy over UCXX (same GPU, 1-4 GiB) comes from. Runs on the GPU
+# machine (device tool, carry .whl .whl-ucx and .old for the 6d06220 variant):
+#   bash scripts/ucxx-bisect.sh
+# Each variant runs benchmarks/handoff.py --placements same --methods ucxx,ucxx+gpupool-plain, interleaved rounds,
+# so the plugin's run and its baseline share the cluster-to-cluster drift; the table of each lands in $OUT.
+# VARIANTS (default "default host nopeer onegpu old") picks which; BISECT_SIZES, BISECT_ROUNDS tune the run.
+set -uo pipefail
+OUT=${OUT:-/tmp/ucxx-bisect-out}
+mkdir -p "$OUT" /tmp/site
+WHEELS=(.whl/*.whl)
+[ -d .whl-ucx ] && WHEELS+=(.whl-ucx/*.whl)
+(
+  flock 9
+  if [ ! -f /tmp/site/.gpupool-installed ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${WHEELS[@]}" || exit 1
+    touch /tmp/site/.gpupool-installed
+  fi
+) 9>/tmp/gpupool-install.lock || exit 1
+export PYTHONUNBUFFERED=1
+SIZES=${BISECT_SIZES:-1GiB,4GiB}
+ROUNDS=${BISECT_ROUNDS:-2}
+ARGS=(--placements same --methods ucxx,ucxx+gpupool-plain --sizes "$SIZES" --rounds "$ROUNDS" --repeats 5 --budget 110)
+here=$PWD
+for v in ${VARIANTS:-default host nopeer onegpu old}; do
+  echo "== $v"
+  case $v in
+    default) (export PYTHONPATH=/tmp/site:$here; timeout 150 python3 benchmarks/handoff.py "${ARGS[@]}") ;;
+    host) (export PYTHONPATH=/tmp/site:$here; timeout 150 python3 benchmarks/handoff.py "${ARGS[@]}" --kind host) ;;
+    # the pool without peer grants (cuMemPoolSetAccess / cuMemSetAccess for the other GPU)
+    nopeer) (export PYTHONPATH=/tmp/site:$here DASK_GPUPOOL__PEER_GPU_HANDOFF=False
+             timeout 150 python3 benchmarks/handoff.py "${ARGS[@]}") ;;
+    # one GPU visible: no peer GPU at all, for the plugin and the baseline alike
+    onegpu) (export PYTHONPATH=/tmp/site:$here CUDA_VISIBLE_DEVICES=0
+             timeout 150 python3 benchmarks/handoff.py "${ARGS[@]}") ;;
+    # the arena instead of RMM inside the segments
+    arena) (export PYTHONPATH=/tmp/site:$here DASK_GPUPOOL__SUBALLOCATOR=arena
+            timeout 150 python3 benchmarks/handoff.py "${ARGS[@]}") ;;
+    old) (cd .old/6d06220 && export PYTHONPATH=/tmp/site:$PWD && timeout 150 python3 benchmarks/handoff.py "${ARGS[@]}") ;;
+  esac > "$OUT/$v.log" 2>&1
+  echo "exit $?"
+  sed -n '/^consumer transfer time/,$p' "$OUT/$v.log" | grep -v "^$"
+done
