@@ -686,6 +686,38 @@ def test_device_objects_go_frame_by_frame_over_tcp(kind):
         del got
 
 
+@pytest.mark.parametrize("first", ["cupy", "rmm", "numba"])
+def test_device_object_serializers_are_ours_whatever_registers_first(first):
+    """The [rmm] case above failed on two H200s at b7955f9: distributed's CuPy serializers import its RMM ones
+    directly, so the lazy hook that puts ours in front of ``rmm.DeviceBuffer`` never ran. In a fresh process, with
+    CuPy's, RMM's or Numba's serializers registered first, both types dispatch to this package's serializer."""
+    import subprocess
+    import sys
+
+    gpus(1)
+    pytest.importorskip("rmm")
+    pytest.importorskip("numba.cuda")
+    code = f"""
+import cupy, numba.cuda, rmm, numpy as np
+from distributed.protocol import dask_serialize
+import dask_gpupool.dask.serializers
+first = {first!r}
+if first == "cupy":
+    dask_serialize.dispatch(cupy.ndarray)
+elif first == "rmm":
+    dask_serialize.dispatch(rmm.DeviceBuffer)
+else:
+    dask_serialize.dispatch(numba.cuda.devicearray.DeviceNDArray)
+mods = {{t.__name__: dask_serialize.dispatch(t).__module__
+        for t in (rmm.DeviceBuffer, numba.cuda.devicearray.DeviceNDArray)}}
+print(mods)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    mods = done.stdout.strip().splitlines()[-1]
+    assert mods.count("dask_gpupool.dask.device_objects") == 2, mods
+
+
 def test_the_package_imports_after_cupy():
     """``import cupy`` before ``dask_gpupool`` (benchmarks/dask_array.py does): no circular import."""
     import subprocess

@@ -38,13 +38,14 @@ one part per frame, ``{"device": <CuPy serializer header>, "frames": n}`` or
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 from distributed.protocol import dask_deserialize, dask_serialize
 
 from dask_gpupool.dask.worker_internals import REQUEST
 
-__all__ = ["FRAMES_KEY", "register_device_objects"]
+__all__ = ["FRAMES_KEY", "catch_up", "register_device_objects"]
 
 FRAMES_KEY = "gpupool-frames"
 
@@ -162,27 +163,45 @@ def _register_numba() -> None:
     _wrap(numba.cuda.devicearray.DeviceNDArray, lambda arr: arr)  # Numba maps a CuPy array's memory, no copy
 
 
+#: Registrations waiting for their module's first use, by module name.
+_pending: dict[str, Any] = {}
+
+
 def _register_lazily(module: str, register: Any) -> None:
     """``register()`` at the first dispatch of a ``module`` type, or now if distributed's hook for it already ran."""
-    import sys
-
-    done = False
 
     def once() -> None:
-        nonlocal done
-        if not done:
-            done = True
-            try:
-                register()
-            except ImportError:  # distributed's own serializers need what is missing: they stay as they are
-                logger.debug("gpupool: no frame-by-frame serializer for %s", module, exc_info=True)
+        if _pending.pop(module, None) is None:
+            return
+        try:
+            register()
+        except ImportError:  # distributed's own serializers need what is missing: they stay as they are
+            logger.debug("gpupool: no frame-by-frame serializer for %s", module, exc_info=True)
+        catch_up()  # registering numba's imported distributed's rmm module
 
+    _pending[module] = once
     if f"distributed.protocol.{module}" in sys.modules:  # distributed registered its serializers already
         once()
         return
     # Replaces distributed's lazy hooks for these modules with ours, which run theirs first.
     dask_serialize.register_lazy(module)(once)
     dask_deserialize.register_lazy(module)(once)
+
+
+def catch_up() -> None:
+    """Wrap now every type whose distributed serializers were registered other than through the lazy hook.
+
+    distributed's CuPy and Numba serializer modules import its RMM one
+    directly, which registers ``rmm.DeviceBuffer``'s serializers without
+    dispatching: the hook above would then never run, and distributed's
+    serializer would stay in front (seen on two H200s: every
+    ``rmm.DeviceBuffer`` went through the host). Called after each
+    registration that may have imported one (:func:`register_cupy
+    <dask_gpupool.dask.serializers.register_cupy>`, and here).
+    """
+    for module, once in list(_pending.items()):
+        if f"distributed.protocol.{module}" in sys.modules:
+            once()
 
 
 def register_device_objects() -> None:
