@@ -41,3 +41,5 @@ for v in ${VARIANTS:-default host nopeer onegpu old}; do
   echo "exit $?"
   sed -n '/^consumer transfer time/,$p' "$OUT/$v.log" | grep -v "^$"
 done
+# The device tool brings back at most a few files: pack them.
+(cd "$OUT" && tar czf /tmp/ucxx-bisect.tgz --exclude=ucxx-bisect.tgz . && find . -type f -delete && mv /tmp/ucxx-bisect.tgz .)
