@@ -745,7 +745,8 @@ def _chain_cluster(placement: str) -> tuple[list[dict[str, Any]], Any]:
 @pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
 def test_a_chain_a_b_w_a_on_gpus_maps_the_first_exporter_and_outlives_the_middle(placement):
     """Issue 18 on device pools: A -> B -> W, each hop zero-copy (W maps A's memory under a lease A granted through
-    B), then back to A (same-process); B's and A's keys gone and A's pool scribbled over, W reads the right bytes."""
+    B), then back to A (A takes its own buffer back); B's and A's keys gone and A's pool scribbled over, W and A read
+    the right bytes."""
     workers, plugin = _chain_cluster(placement)
     with nanny_cluster(workers, plugin) as c:
         a, b, w = worker_addresses(c)
@@ -766,8 +767,12 @@ def test_a_chain_a_b_w_a_on_gpus_maps_the_first_exporter_and_outlives_the_middle
         for _ in range(4):
             c.submit(T.scribble_all, 16 * MiB, ord("S"), workers=[a], pure=False).result()
         assert c.submit(T.head, z, 8, workers=[w], pure=False).result() == b"two hops"
-        assert c.submit(T.head, z, 8, workers=[a], pure=False).result() == b"two hops"  # back to A
-        del z
+        back = c.submit(T.keep, z, workers=[a], pure=False)  # back to A: its own buffer, nothing mapped or copied
+        assert c.submit(T.head, back, 8, workers=[a], pure=False).result() == b"two hops"
+        now = counters(c)
+        assert now[a]["returns"] - before[a]["returns"] == 1 and now[w]["fallbacks"] == {}, now
+        assert now[a]["copied_bytes"] == before[a]["copied_bytes"]
+        del z, back
         back_to(c, baseline)
 
 

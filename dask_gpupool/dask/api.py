@@ -200,7 +200,8 @@ def stats(client: Client) -> dict[str, dict[str, Any]]:
     dict
         ``{worker address: counters}`` with ``exports`` and ``imports``
         (buffers handed over / mapped), ``forwards`` (imported buffers passed
-        on as their exporter's memory), ``leases`` and ``lease_bytes`` (live
+        on as their exporter's memory), ``returns`` (values of this pool that
+        came back from a peer: the buffer taken back), ``leases`` and ``lease_bytes`` (live
         leases this worker granted and the bytes they keep alive),
         ``leases_unclaimed`` (granted, not claimed yet), ``leases_abandoned``
         (ended unclaimed: their transfer failed), ``imports_held`` (peers'

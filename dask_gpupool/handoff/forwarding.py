@@ -4,7 +4,10 @@ When B hands on to C a value it imported from A, B's serializer asks the
 :class:`Forwarder`: A grants C a lease of its own over B's link
 (:meth:`PeerLink.forward <dask_gpupool.transport.link.PeerLink.forward>`),
 and C gets A's descriptor, so the memory lives until C lets go, whatever B
-does. A forwarded lease nobody claimed ends when B's reply ends
+does. When the requester is A itself, A grants the lease in its own name
+and takes its own buffer back
+(:meth:`PoolService.take_back <dask_gpupool.handoff.service.PoolService.take_back>`):
+nothing is mapped or copied. A forwarded lease nobody claimed ends when B's reply ends
 (:meth:`Forwarder.settle_forwarded`) or B dies. The decision is
 :meth:`Routes.forward_route <dask_gpupool.handoff.routes.Routes.forward_route>`.
 The :class:`~dask_gpupool.handoff.service.PoolService` owns one and delegates to it.

@@ -239,6 +239,20 @@ class LeaseTable:
             ]
         return self._drop(gone)
 
+    def take(self, lease_id: int, importer: str) -> Any | None:
+        """End ``importer``'s lease ``lease_id`` and hand its holder to the caller (``None``: no such live lease).
+
+        For a value that came back to this worker (its own memory, leased in
+        its own name): the caller's reference keeps the memory alive from now on.
+        """
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            if lease is None or lease.importer != importer:
+                return None
+            del self._leases[lease_id]
+            self.released_total += 1
+        return lease.holder
+
     def release_stream(self, lease_id: int, connection: int) -> int:
         """End a stream lease pulled over copy-server ``connection`` (done, or the pull failed)."""
         with self._lock:

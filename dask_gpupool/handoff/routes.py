@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from dask_gpupool.config import PoolOptions
 from dask_gpupool.handoff.imported import Origin
 from dask_gpupool.handoff.registry import RegistryView
-from dask_gpupool.handoff.routing import Route, plain_copy_reason, route
+from dask_gpupool.handoff.routing import HANDOFF_SCHEMES, Route, plain_copy_reason, route
 from dask_gpupool.handoff.stats import HandoffStats
 from dask_gpupool.memory.pool import Pool
 from dask_gpupool.wire.registry import PoolRecord
@@ -143,12 +143,15 @@ class Routes:
 
     def forward_route(self, origin: Origin, requester: str | None, scheme: str) -> tuple[Route, PoolRecord | None]:
         """:meth:`Forwarder.forward <dask_gpupool.handoff.forwarding.Forwarder.forward>`'s decision without
-        counting it, and the exporter's row (``None``: it left)."""
+        counting it, and the exporter's row (``None``: it left). Back to the exporter itself: handed over (it takes
+        its own buffer back)."""
         owner = self.registry.get(origin.desc.pool)
         row = self.registry.worker_row(requester) if requester else None
         if owner is None or owner.worker != origin.exporter:
             same_host = row is not None and row.host == self.record.host
             return Route(row, "forward-refused" if same_host else None), None
+        if row is not None and row.worker == owner.worker and not self.closed and scheme in HANDOFF_SCHEMES:
+            return Route(row, None), owner  # back to its exporter: its own memory, nothing to map
         vmm = owner.kind == "device" and self.pool.vmm
         return self._route(owner, requester, scheme, True, origin.desc.size, vmm), owner
 

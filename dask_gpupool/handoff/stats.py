@@ -87,8 +87,12 @@ class HandoffStats:
     forwards : int
         Imported buffers passed on as their exporter's descriptor: the next
         worker maps the exporter's memory under a lease of its own.
+    returns : int
+        Values of this worker's pool that came back from a peer that had
+        imported them: taken as the pool buffer itself, nothing mapped or copied.
     zero_copy_bytes : int
-        Bytes this worker received by mapping a peer's memory.
+        Bytes this worker received by mapping a peer's memory (or, counted in
+        ``returns``, got back as its own).
     copied_bytes : int
         Bytes this worker received as host copies (any sender).
     copied_out_bytes : int
@@ -114,6 +118,7 @@ class HandoffStats:
     exports: int
     imports: int
     forwards: int
+    returns: int
     zero_copy_bytes: int
     copied_bytes: int
     copied_out_bytes: int
@@ -128,7 +133,7 @@ class HandoffStats:
     _lock: threading.Lock
 
     def __init__(self) -> None:
-        self.exports = self.imports = self.forwards = 0
+        self.exports = self.imports = self.forwards = self.returns = 0
         self.zero_copy_bytes = self.copied_bytes = self.copied_out_bytes = 0
         self.streamed_bytes = self.streamed_out_bytes = 0
         self.device_frames_bytes = self.device_frames_out_bytes = self.device_staged_bytes = 0
@@ -168,6 +173,7 @@ class HandoffStats:
                 "exports": self.exports,
                 "imports": self.imports,
                 "forwards": self.forwards,
+                "returns": self.returns,
                 "zero_copy_bytes": self.zero_copy_bytes,
                 "copied_bytes": self.copied_bytes,
                 "copied_out_bytes": self.copied_out_bytes,

@@ -59,9 +59,16 @@ def test_a_value_passed_on_is_mapped_from_its_exporter_and_outlives_the_middle_w
         for _ in range(8):
             c.submit(T.scribble_all, MiB, ord("S"), workers=[a], pure=False).result()
         assert c.submit(T.head, z, 8, workers=[w], pure=False).result() == b"two hops"
-        # the third hop goes back to A, whose memory it is: a copy (same-process), the right bytes
-        assert c.submit(T.head, z, 8, workers=[a], pure=False).result() == b"two hops"
-        assert counters(c, w)[w]["fallbacks"] == {"same-process": 1}
+        # the third hop goes back to A, whose memory it is: A takes its own buffer back, nothing mapped or copied
+        back = c.submit(T.keep, z, workers=[a], pure=False)
+        assert c.submit(T.describe, back, workers=[a], pure=False).result()["in_own_pool"]
+        assert c.submit(T.head, back, 8, workers=[a], pure=False).result() == b"two hops"
+        got = counters(c)
+        assert got[w]["fallbacks"] == {} and got[w]["forwards"] == 1, got[w]
+        assert got[a]["returns"] - before[a]["returns"] == 1
+        assert got[a]["copied_bytes"] == before[a]["copied_bytes"] and got[a]["imports"] == before[a]["imports"]
+        assert got[a]["leases"] == 1  # W's; the one A had in its own name ended when A took the buffer back
+        del back
         del z
         back_to(c, baseline)
 

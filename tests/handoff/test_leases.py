@@ -104,6 +104,20 @@ def test_an_unclaimed_forwarded_lease_ends_with_its_forwarders_reply_or_its_deat
     assert table.holder(second) is None and len(table) == 0
 
 
+def test_a_lease_in_the_exporters_own_name_is_taken_once_and_only_by_it():
+    """A value forwarded back to its exporter: the exporter takes the holder out of the table (the lease ends)."""
+    table = LeaseTable(60)
+    holder = bytearray(8)
+    a, b = "tcp://a:1", "tcp://b:1"
+    lease_b = table.grant(holder, 8, b)
+    table.claim([lease_b], b)
+    home, _ = table.forward(lease_b, b, a)  # type: ignore[misc]
+    assert table.take(home, b) is None  # not B's
+    assert table.take(home, a) is holder and table.take(home, a) is None
+    assert table.settle_forwarded([home], b) == 0  # B's reply ends after A took it: nothing left to end
+    assert table.holder(lease_b) is holder and len(table) == 1 and table.released_total == 1
+
+
 def test_a_stream_lease_cannot_be_forwarded():
     table = LeaseTable(60)
     lease = table.grant(bytearray(8), 8, "tcp://b:1")
