@@ -4,7 +4,8 @@
 #   bash scripts/ucxx-bisect.sh
 # Each variant runs benchmarks/handoff.py --placements same --methods ucxx,ucxx+gpupool-plain, interleaved rounds,
 # so the plugin's run and its baseline share the cluster-to-cluster drift; the table of each lands in $OUT.
-# VARIANTS (default "default host nopeer onegpu old") picks which; BISECT_SIZES, BISECT_ROUNDS tune the run.
+# VARIANTS (default "default host nopeer onegpu old") picks which; BISECT_SIZES, BISECT_ROUNDS, BISECT_PLACEMENTS
+# (default "same"; "other": one worker per GPU) tune the run.
 set -uo pipefail
 OUT=${OUT:-/tmp/ucxx-bisect-out}
 mkdir -p "$OUT" /tmp/site
@@ -20,7 +21,7 @@ WHEELS=(.whl/*.whl)
 export PYTHONUNBUFFERED=1
 SIZES=${BISECT_SIZES:-1GiB,4GiB}
 ROUNDS=${BISECT_ROUNDS:-2}
-ARGS=(--placements same --methods ucxx,ucxx+gpupool-plain --sizes "$SIZES" --rounds "$ROUNDS" --repeats 5 --budget 110)
+ARGS=(--placements "${BISECT_PLACEMENTS:-same}" --methods ucxx,ucxx+gpupool-plain --sizes "$SIZES" --rounds "$ROUNDS" --repeats 5 --budget 110)
 here=$PWD
 for v in ${VARIANTS:-default host nopeer onegpu old}; do
   echo "== $v"
