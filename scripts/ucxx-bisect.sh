@@ -37,6 +37,11 @@ for v in ${VARIANTS:-default host nopeer onegpu old}; do
     # the arena instead of RMM inside the segments
     arena) (export PYTHONPATH=/tmp/site:$here DASK_GPUPOOL__SUBALLOCATOR=arena
             timeout 150 python3 benchmarks/handoff.py "${ARGS[@]}") ;;
+    # the defaults that changed since 6d06220, one at a time
+    nostage) (export PYTHONPATH=/tmp/site:$here DASK_GPUPOOL__STAGE_THRESHOLD=0
+              timeout 150 python3 benchmarks/handoff.py "${ARGS[@]}") ;;
+    cupyfalse) (export PYTHONPATH=/tmp/site:$here DASK_GPUPOOL__CUPY_ALLOCATOR=False
+                timeout 150 python3 benchmarks/handoff.py "${ARGS[@]}") ;;
     old) (cd .old/6d06220 && export PYTHONPATH=/tmp/site:$PWD && timeout 150 python3 benchmarks/handoff.py "${ARGS[@]}") ;;
   esac > "$OUT/$v.log" 2>&1
   echo "exit $?"
