@@ -18,9 +18,11 @@ when a GPU is visible, NumPy otherwise): ``elementwise`` ``(x + 2 * x.T).sum()``
 ``matmul`` ``(x @ x).sum()``; ``tensordot`` ``tensordot(x, x, ([0], [0])).sum()``;
 ``rechunk`` to row panels (task rechunk); ``slicing`` strided slices and fancy
 indexing; ``reduction`` ``x.mean(axis=0)`` and ``x.std()``; ``map_overlap``
-a halo exchange of depth 8. Methods: ``tcp`` and ``ucxx`` (plain Dask) and
-``gpupool`` / ``ucxx+gpupool`` (``GPUPool()`` with no options), and variants with one option
-changed: ``gpupool+cupy`` (``cupy-allocator``), ``gpupool+stage`` (``stage-threshold: 4 MiB``). Layouts on a
+a halo exchange of depth 8; ``rmm_objects`` every block copied into an ``rmm.DeviceBuffer`` (a value
+distributed splits into device frames), each summed with the next block's. Methods: ``tcp`` and ``ucxx``
+(plain Dask) and ``gpupool`` / ``ucxx+gpupool`` (``GPUPool()`` with no options), and variants with one option
+changed: ``gpupool+cupy`` (``cupy-allocator``), ``gpupool+stage`` (``stage-threshold: 4 MiB``),
+``gpupool+objects`` (``device-objects``). Layouts on a
 GPU machine: ``two-per-gpu`` and ``one-per-gpu``; two workers without a GPU.
 
 JSON rows ``{workload, layout, method, median_s, copied_bytes, ...}`` go to
@@ -46,6 +48,34 @@ from handoff import cluster, save_json  # benchmarks/handoff.py (this directory 
 import dask_gpupool
 from dask_gpupool.memory.topology import local_devices
 
+
+def _device_buffer(block: Any) -> Any:
+    """A block's bytes as an ``rmm.DeviceBuffer`` (a NumPy copy without a GPU): a value made of device frames."""
+    if not hasattr(block, "__cuda_array_interface__"):
+        return block.copy()
+    import rmm
+
+    return rmm.DeviceBuffer(ptr=int(block.data.ptr), size=int(block.nbytes))
+
+
+def _pair_sum(a: Any, b: Any) -> float:
+    """The float64 sum of two buffers' bytes, on the GPU for device buffers."""
+    if not hasattr(a, "__cuda_array_interface__"):
+        return float(a.sum() + b.sum())
+    import cupy
+
+    return float(cupy.asarray(a).view(cupy.float64).sum() + cupy.asarray(b).view(cupy.float64).sum())
+
+
+def _rmm_objects(x: Any, c: int) -> list[Any]:
+    """Every block as an ``rmm.DeviceBuffer``, each summed with the next one's: every buffer crosses to a neighbour."""
+    import dask
+
+    bufs = [dask.delayed(_device_buffer)(b) for b in x.to_delayed().ravel()]
+    pairs = [dask.delayed(_pair_sum)(bufs[i], bufs[(i + 1) % len(bufs)]) for i in range(len(bufs))]
+    return [dask.delayed(sum)(pairs)]
+
+
 WORKLOADS: dict[str, Callable[[Any, int], list[Any]]] = {
     "elementwise": lambda x, c: [(x + 2 * x.T).sum()],
     "matmul": lambda x, c: [(x @ x).sum()],
@@ -54,6 +84,7 @@ WORKLOADS: dict[str, Callable[[Any, int], list[Any]]] = {
     "slicing": lambda x, c: [x[::3, 1::2].sum(), x[[1, 7, c + 3, 2 * c + 5, x.shape[0] - 1]].sum()],
     "reduction": lambda x, c: [x.mean(axis=0).sum(), x.std()],
     "map_overlap": lambda x, c: [x.map_overlap(lambda b: b * 0.5, depth=8, boundary="none").sum()],
+    "rmm_objects": _rmm_objects,
 }
 
 
@@ -62,6 +93,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "": {},
     "+cupy": {"cupy_allocator": True},  # plain CuPy allocations routed into the pool
     "+stage": {"stage_threshold": "4 MiB"},  # plain CuPy arrays over 4 MiB copied into the pool, then handed over
+    "+objects": {"device_objects": True},  # rmm.DeviceBuffer / Numba arrays frame by frame over TCP
 }
 
 
