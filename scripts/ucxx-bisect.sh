@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Issue 16: where the plugin's cost on plain CuPy over UCXX (same GPU, 1-4 GiB) comes from. Runs on the GPU
-# machine (device tool, carry .whl .whl-ucx and .old for the 6d06220 variant):
+# Issue 16: where the plugin's cost on plain CuPy over UCXX comes from. Runs on the GPU machine (device tool,
+# carry .whl .whl-ucx, and .old for the snapshot variants: .old/snapshots.tar.xz, 150 KB, keeps the carry under 64 MiB):
 #   bash scripts/ucxx-bisect.sh
 # Each variant runs benchmarks/handoff.py --placements same --methods ucxx,ucxx+gpupool-plain, interleaved rounds,
 # so the plugin's run and its baseline share the cluster-to-cluster drift; the table of each lands in $OUT.
-# VARIANTS (default "default host nopeer onegpu old") picks which; BISECT_SIZES, BISECT_ROUNDS, BISECT_PLACEMENTS
+# VARIANTS (default "default host nopeer onegpu old"; also arena, nostage, cupyfalse, at-<commit> for a snapshot)
+# picks which; BISECT_SIZES, BISECT_ROUNDS, BISECT_PLACEMENTS
 # (default "same"; "other": one worker per GPU) tune the run.
 set -uo pipefail
 OUT=${OUT:-/tmp/ucxx-bisect-out}
@@ -42,7 +43,11 @@ for v in ${VARIANTS:-default host nopeer onegpu old}; do
               timeout 150 python3 benchmarks/handoff.py "${ARGS[@]}") ;;
     cupyfalse) (export PYTHONPATH=/tmp/site:$here DASK_GPUPOOL__CUPY_ALLOCATOR=False
                 timeout 150 python3 benchmarks/handoff.py "${ARGS[@]}") ;;
-    old) (cd .old/6d06220 && export PYTHONPATH=/tmp/site:$PWD && timeout 150 python3 benchmarks/handoff.py "${ARGS[@]}") ;;
+    # an earlier commit's package and handoff.py (.old/snapshots.tar.xz: one folder per commit, made with
+    # git archive <commit> dask_gpupool benchmarks/handoff.py); "old" is 6d06220
+    old|at-*) c=${v#at-}; [ "$v" = old ] && c=6d06220
+       mkdir -p /tmp/snapshots && tar xJf .old/snapshots.tar.xz -C /tmp/snapshots "./$c"
+       (cd "/tmp/snapshots/$c" && export PYTHONPATH=/tmp/site:$PWD && timeout 150 python3 benchmarks/handoff.py "${ARGS[@]}") ;;
   esac > "$OUT/$v.log" 2>&1
   echo "exit $?"
   sed -n '/^consumer transfer time/,$p' "$OUT/$v.log" | grep -v "^$"
