@@ -11,7 +11,7 @@ metric                                                    type     labels
 ``dask_worker_gpupool_leases``                            gauge
 ``dask_worker_gpupool_leased_bytes``                      gauge
 ``dask_worker_gpupool_mapped_pools``                      gauge
-``dask_worker_gpupool_handoffs_total``                    counter  ``direction``: export, import
+``dask_worker_gpupool_handoffs_total``                    counter  ``direction``: export, import, forward, return
 ``dask_worker_gpupool_received_bytes_total``              counter  ``path``: zero-copy, copy, device-frames
 ``dask_worker_gpupool_sent_copy_bytes_total``             counter
 ``dask_worker_gpupool_fallbacks_total``                   counter  ``reason`` (see ``FALLBACK_REASONS``)
@@ -53,7 +53,9 @@ def _worker_metrics() -> Iterator[Any]:
     leased = GaugeMetricFamily(name + "leased_bytes", "Bytes kept alive by live leases.", labels=["worker"])
     mapped = GaugeMetricFamily(name + "mapped_pools", "Peers' pools mapped by this worker.", labels=["worker"])
     handoffs = CounterMetricFamily(
-        name + "handoffs", "Zero-copy handoffs, by direction.", labels=["worker", "direction"]
+        name + "handoffs",
+        "Zero-copy handoffs, by direction (forward: an import passed on; return: a value taken back).",
+        labels=["worker", "direction"],
     )
     received = CounterMetricFamily(
         name + "received_bytes", "Bytes received from same-host peers, by path.", labels=["worker", "path"]
@@ -82,6 +84,8 @@ def _worker_metrics() -> Iterator[Any]:
         mapped.add_metric([pool], h["mapped_pools"])
         handoffs.add_metric([pool, "export"], h["exports"])
         handoffs.add_metric([pool, "import"], h["imports"])
+        handoffs.add_metric([pool, "forward"], h.get("forwards", 0))  # imports passed on as their exporter's memory
+        handoffs.add_metric([pool, "return"], h.get("returns", 0))  # this pool's values that came back
         received.add_metric([pool, "zero-copy"], h["zero_copy_bytes"])
         received.add_metric([pool, "copy"], h["copied_bytes"])
         received.add_metric([pool, "device-frames"], h["device_frames_bytes"])

@@ -300,6 +300,8 @@ def test_prometheus_metrics_on_dasks_own_endpoints():
         assert samples and all('worker="w1"' in line and "pool=" not in line for line in samples)
         imported = sample("dask_worker_gpupool_handoffs_total", 'direction="import"')
         assert imported and float(imported[0].rsplit(" ", 1)[1]) >= 1
+        assert sample("dask_worker_gpupool_handoffs_total", 'direction="forward"')
+        assert sample("dask_worker_gpupool_handoffs_total", 'direction="return"')
         text = scrape(host, info["services"]["dashboard"])
         assert 'dask_scheduler_gpupool_pools{kind="host"} 2.0' in text
 
