@@ -11,7 +11,8 @@ method (a fresh cluster per method and round, interleaved) and reports:
   every worker's ``transfer_incoming_log`` totals, less the plugin's
   ``zero_copy_bytes`` (all workers share one host here, so every such byte is a
   same-host copy);
-- the plugin's fallbacks by reason.
+- the plugin's fallbacks by reason, and where its handoffs' time went (``timings``: count and seconds per step,
+  summed over workers, of the last round; see ``dask_gpupool.handoff.stats.TIMED_STEPS``).
 
 Workloads (``x`` is an ``n x n`` float64 array of ``chunk``-sized blocks, CuPy
 when a GPU is visible, NumPy otherwise): ``elementwise`` ``(x + 2 * x.T).sum()``;
@@ -151,14 +152,21 @@ def run(workers: list[dict[str, Any]], method: str, todo: list[str], args: argpa
                 if i:  # the first is a warm-up
                     samples.append(time.perf_counter() - t0)
             moved = sum(c.run(_transferred).values()) - before
-            zero_copy, fallbacks = 0, {}
+            zero_copy, fallbacks, timings = 0, {}, {}
             if plugin is not None:
                 for w, s in dask_gpupool.stats(c).items():
-                    zero_copy += s.get("zero_copy_bytes", 0) - stats_before.get(w, {}).get("zero_copy_bytes", 0)
+                    was = stats_before.get(w, {})
+                    zero_copy += s.get("zero_copy_bytes", 0) - was.get("zero_copy_bytes", 0)
                     for reason, n in s.get("fallbacks", {}).items():
-                        d = n - stats_before.get(w, {}).get("fallbacks", {}).get(reason, 0)
+                        d = n - was.get("fallbacks", {}).get(reason, 0)
                         if d:
                             fallbacks[reason] = fallbacks.get(reason, 0) + d
+                    for step, t in s.get("timings", {}).items():  # where the handoffs' time went, all workers
+                        t0 = was.get("timings", {}).get(step, {"count": 0, "total_s": 0.0, "max_s": 0.0})
+                        sum_ = timings.setdefault(step, {"count": 0, "total_s": 0.0, "max_s": 0.0})
+                        sum_["count"] += t["count"] - t0["count"]
+                        sum_["total_s"] += t["total_s"] - t0["total_s"]
+                        sum_["max_s"] = max(sum_["max_s"], t["max_s"])  # since the worker started
             out[name] = {
                 "median_s": statistics.median(samples),
                 "samples": samples,
@@ -166,6 +174,7 @@ def run(workers: list[dict[str, Any]], method: str, todo: list[str], args: argpa
                 "zero_copy_bytes": zero_copy,
                 "copied_bytes": max(moved - zero_copy, 0),
                 "fallbacks": fallbacks,
+                "timings": timings,
                 "values": values,
             }
             row = out[name]
@@ -174,6 +183,13 @@ def run(workers: list[dict[str, Any]], method: str, todo: list[str], args: argpa
                 f"  zero-copy {zero_copy:>13,} B  {fallbacks or ''}",
                 flush=True,
             )
+            if timings:  # mean per step over every handoff of the repeats, in ms
+                means = ", ".join(
+                    f"{step} {t['total_s'] / t['count'] * 1e3:.2f} ms x{t['count']}"
+                    for step, t in sorted(timings.items())
+                    if t["count"]
+                )
+                print(f"   {'':14} {'':12} steps: {means}", flush=True)
     return out
 
 
@@ -218,6 +234,7 @@ def main() -> None:
                     "copied_bytes": statistics.median(x["copied_bytes"] for x in per),
                     "zero_copy_bytes": statistics.median(x["zero_copy_bytes"] for x in per),
                     "fallbacks": per[-1]["fallbacks"],
+                    "timings": per[-1]["timings"],
                     "rounds_s": [x["median_s"] for x in per],
                     "values": per[0]["values"],
                 }

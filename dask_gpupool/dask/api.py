@@ -215,7 +215,9 @@ def stats(client: Client) -> dict[str, dict[str, Any]]:
         comms), ``device_staged_bytes`` (the part of those sent that was pool
         memory staged for UCX), ``pool_staged_bytes`` (arrays outside the
         pool copied into it before a handoff), ``fallbacks`` (same-host transfers that were
-        copied, by reason), ``mapped_pools``, ``links``, ``pulls`` and
+        copied, by reason), ``timings`` (where a handoff's time went, by step:
+        ``{step: {"count", "total_s", "max_s"}}``, see
+        :data:`~dask_gpupool.handoff.stats.TIMED_STEPS`), ``mapped_pools``, ``links``, ``pulls`` and
         ``staging_bytes`` (streamed copies being served, and the pinned staging
         kept for them), ``segments``, ``segments_retiring`` and
         ``segments_released`` (this pool's segments held and retired, and

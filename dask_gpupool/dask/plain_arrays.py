@@ -15,6 +15,7 @@ pool when the requester lets go.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from dask_gpupool.dask.views import as_array
@@ -54,6 +55,7 @@ def stage(arr: Any, module: str) -> tuple[dict[str, Any], list[Any]] | None:
     row = service.stage_route(request.requester, request.scheme, nbytes)
     if row is None:
         return None
+    start = time.perf_counter()
     try:
         buf = service.allocate(nbytes)
     except PoolExhaustedError:
@@ -72,6 +74,9 @@ def stage(arr: Any, module: str) -> tuple[dict[str, Any], list[Any]] | None:
     except BaseException:
         buf.close()
         raise
+    if stream is not None:
+        stream.synchronize()  # timed here as part of the stage; the export's wait then finds the copy done
+    service.handoffs.timed("stage", time.perf_counter() - start)
     meta = ArrayMeta(module, tuple(out.shape), tuple(out.strides), out.dtype.str, 0)
     header = service.export_ipc(out, buf, row, meta, written_on=stream)  # the copy finished first
     request.granted.append(header.lease)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import time
 import traceback
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -105,6 +106,7 @@ def install_get_data_hook(worker: Worker, service: PoolService) -> Any:
         if inline:
             comm.allow_offload = False
         request = REQUEST.get()
+        start = time.perf_counter()
         try:
             return await original(comm, keys=keys, who=who, **kwargs)
         except BaseException as e:
@@ -114,6 +116,7 @@ def install_get_data_hook(worker: Worker, service: PoolService) -> Any:
             raise
         finally:
             REQUEST.reset(token)
+            service.handoffs.timed("reply", time.perf_counter() - start)
             if inline:
                 comm.allow_offload = True
             # The requester acknowledges a reply ("OK") only after its claims were answered, and a failed

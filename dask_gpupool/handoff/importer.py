@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -225,6 +226,7 @@ class Importer:
             link = self.link(record)
         except GPUPoolError as e:
             raise DataLostError(f"pool {desc.pool} of worker {record.worker}: {e}") from e
+        start = time.perf_counter()
         try:
             mapped = self.map_peer(desc.pool)
             key, raw, ptr = mapped.acquire(desc, segment_fd=self._segment_fetcher(record, desc))
@@ -241,6 +243,7 @@ class Importer:
 
         origin = Origin(record.worker, desc, lease)
         buf = _view(ImportedMemoryResource(raw, key, mapped, closed, origin), mapped, ptr, desc.size)
+        claiming = time.perf_counter()
         try:
             # Nothing is read from the memory before the exporter acknowledged the lease: a refused
             # lease has ended, and its memory may already hold another buffer.
@@ -248,7 +251,10 @@ class Importer:
         except BaseException:
             buf.close()
             raise
+        done = time.perf_counter()
         self.handoffs.add(imports=1, zero_copy_bytes=desc.size)
+        self.handoffs.timed("claim", done - claiming)
+        self.handoffs.timed("import", done - start)
         logger.debug(
             "lease %d of %s: mapped %d bytes at %#x (GPU %s)",
             lease,

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from dask_gpupool.config import PoolOptions
@@ -262,6 +263,7 @@ class PoolService:
         only that stream's, so that kernels other tasks run meanwhile do not
         hold the reply up.
         """
+        start = time.perf_counter()
         desc = self.pool.export(buf)
         if written_on is not None:
             written_on.synchronize()
@@ -269,6 +271,7 @@ class PoolService:
             current_gpu(self.pool.device).sync()
         lease = self.leases.grant(Exported(holder, buf), buf.size, row.worker, desc.segment)
         self.handoffs.add(exports=1)
+        self.handoffs.timed("export", time.perf_counter() - start)
         return HandoffHeader(
             "ipc", self.pool.kind, buf.size, exporter=self.record.worker, desc=desc, lease=lease, array=array
         )

@@ -6,7 +6,7 @@ import logging
 import threading
 from typing import Any
 
-__all__ = ["EXPECTED_REASONS", "FALLBACK_ADVICE", "FALLBACK_REASONS", "HandoffStats"]
+__all__ = ["EXPECTED_REASONS", "FALLBACK_ADVICE", "FALLBACK_REASONS", "TIMED_STEPS", "HandoffStats"]
 
 logger = logging.getLogger("dask_gpupool")
 
@@ -77,6 +77,17 @@ FALLBACK_ADVICE = {
 EXPECTED_REASONS = frozenset({"same-process", "staged-in-pool", "small"})
 
 
+#: The steps :attr:`HandoffStats.timings` times (``stats()[worker]["timings"]``): where a handoff's time goes.
+TIMED_STEPS = {
+    "reply": "the producer's whole get_data reply, from the request to the consumer's OK (serializing, the comm's "
+    "write, and for handoffs the consumer's import and claim)",
+    "stage": "copying an array outside the pool into it (allocation, the copy, waiting for the copy's stream)",
+    "export": "describing a pool buffer and waiting for the GPU work that wrote it, then granting its lease",
+    "import": "the consumer's side of a handoff: mapping the buffer (the peer's pool or segment, once) and the claim",
+    "claim": "the part of import spent on the claim round trip to the exporter's broker",
+}
+
+
 class HandoffStats:
     """Counters of one worker's handoffs. Thread-safe.
 
@@ -113,6 +124,9 @@ class HandoffStats:
         (``gpupool.stage-threshold``; fallback ``staged-in-pool``).
     fallbacks : dict of str to int
         Same-host transfers that were copied, by reason (see :data:`FALLBACK_REASONS`).
+    timings : dict of str to list
+        Where a handoff's time goes, by step (see :data:`TIMED_STEPS`):
+        ``[count, total seconds, longest seconds]``.
     """
 
     exports: int
@@ -129,6 +143,7 @@ class HandoffStats:
     device_staged_bytes: int
     pool_staged_bytes: int
     fallbacks: dict[str, int]
+    timings: dict[str, list[float]]
     _warned: set[tuple[str, str]]
     _lock: threading.Lock
 
@@ -139,6 +154,7 @@ class HandoffStats:
         self.device_frames_bytes = self.device_frames_out_bytes = self.device_staged_bytes = 0
         self.pool_staged_bytes = 0
         self.fallbacks = {}
+        self.timings = {}
         self._warned = set()
         self._lock = threading.Lock()
 
@@ -146,6 +162,17 @@ class HandoffStats:
         with self._lock:
             for name, n in counts.items():
                 setattr(self, name, getattr(self, name) + n)
+
+    def timed(self, step: str, seconds: float) -> None:
+        """Add one ``step`` (a key of :data:`TIMED_STEPS`) that took ``seconds``."""
+        with self._lock:
+            t = self.timings.get(step)
+            if t is None:
+                self.timings[step] = [1, seconds, seconds]
+            else:
+                t[0] += 1
+                t[1] += seconds
+                t[2] = max(t[2], seconds)
 
     def fallback(self, peer: str, reason: str, worker: str, detail: str = "") -> None:
         """Count a same-host fallback; log once per (peer, reason): WARNING, INFO for :data:`EXPECTED_REASONS`."""
@@ -184,4 +211,8 @@ class HandoffStats:
                 "device_staged_bytes": self.device_staged_bytes,
                 "pool_staged_bytes": self.pool_staged_bytes,
                 "fallbacks": dict(self.fallbacks),
+                "timings": {
+                    step: {"count": int(n), "total_s": total, "max_s": longest}
+                    for step, (n, total, longest) in self.timings.items()
+                },
             }

@@ -6,7 +6,7 @@ import logging
 import re
 from pathlib import Path
 
-from dask_gpupool.handoff.stats import FALLBACK_ADVICE, FALLBACK_REASONS, HandoffStats
+from dask_gpupool.handoff.stats import FALLBACK_ADVICE, FALLBACK_REASONS, TIMED_STEPS, HandoffStats
 
 PACKAGE = Path(__file__).resolve().parents[2] / "dask_gpupool"
 
@@ -49,3 +49,20 @@ def test_fallbacks_that_are_the_best_path_are_logged_at_info_not_warning(caplog)
     levels = {r.getMessage().split("(")[1].split(":")[0]: r.levelname for r in caplog.records}
     assert levels == {"small": "INFO", "staged-in-pool": "INFO", "not-in-pool": "WARNING"}, levels
     assert stats.to_msg()["fallbacks"] == {"small": 1, "staged-in-pool": 1, "not-in-pool": 1}
+
+
+def test_timed_steps_add_up_count_total_and_longest():
+    stats = HandoffStats()
+    stats.timed("claim", 0.002)
+    stats.timed("claim", 0.001)
+    stats.timed("stage", 0.5)
+    assert stats.to_msg()["timings"] == {
+        "claim": {"count": 2, "total_s": 0.003, "max_s": 0.002},
+        "stage": {"count": 1, "total_s": 0.5, "max_s": 0.5},
+    }
+
+
+def test_every_timed_step_is_explained_and_timed_somewhere():
+    source = "".join(p.read_text() for p in PACKAGE.rglob("*.py"))
+    timed = set(re.findall(r'\.timed\("([a-z-]+)"', source))
+    assert timed == set(TIMED_STEPS)
