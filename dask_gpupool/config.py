@@ -187,9 +187,10 @@ class PoolOptions:
     device_objects : bool
         Send ``rmm.DeviceBuffer`` and Numba device arrays to same-host
         workers over TCP frame by frame through the pool
-        (:mod:`dask_gpupool.dask.device_objects`). Off by default until its
-        GPU test has run (written after the tenth session's device time ran
-        out); off, they go through distributed's serializer as before.
+        (:mod:`dask_gpupool.dask.device_objects`). Off by default: its GPU
+        tests pass on two H200s, but its workload (``rmm_objects`` in
+        ``benchmarks/workloads.py``) has not been measured; off, they go
+        through distributed's serializer as before.
     peer_gpu_handoff : bool
         Hand ``device`` buffers over zero-copy to workers on other GPUs too:
         the pool grants those GPUs access when it is made. Only VMM segments

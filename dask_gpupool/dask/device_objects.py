@@ -22,8 +22,9 @@ so the consumer copies the frame into a new one on the GPU (device to
 device, never through the host) and lets the lease go with the imported
 array.
 
-Used only with ``gpupool.device-objects: true`` (off by default: written after
-the tenth session's GPU time ran out, its GPU test has not run yet).
+Used only with ``gpupool.device-objects: true`` (off by default: its GPU tests
+pass on two H200s, its workload, ``rmm_objects`` in ``benchmarks/workloads.py``,
+is not measured yet).
 Registered for ``rmm.DeviceBuffer`` and Numba's ``DeviceNDArray`` when those
 modules are first used, after distributed's own registrations, which stay
 the path for every other requester (other hosts, clients, spilling). cuDF
