@@ -5,7 +5,9 @@ each method, placement and size the benchmark records, median of
 ``--repeats``:
 
 - ``transfer``: the consumer's own transfer duration from Dask's transfer log
-  (``worker.transfer_incoming_log``), the metric the issue names;
+  (``worker.transfer_incoming_log``), the metric the issue names: ``stop - start``
+  of its entry (since 2026-11-23 07:10; before, its ``duration``, which Dask clamps
+  to at least 1 ms, so earlier results show 1.00 ms for anything faster);
 - ``task``: the end-to-end time of the dependent task (submit to result, the
   result already in A's memory).
 
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -195,8 +198,7 @@ def measure(
             if i == 1:  # B still holds what it received for x: the device memory the handoff took there
                 extra = c.run(device_used, workers=[b])[b] - before
             del x, y
-            if plugin_on:
-                wait_for_leases(c)
+            between_samples(c, plugin_on)
             if i > 0 and transfer is not None:
                 samples.append({"transfer_s": transfer, "task_s": task})
         if not samples:
@@ -218,8 +220,18 @@ def measure(
         )
 
 
-def wait_for_leases(c: Any, timeout: float = 30.0) -> None:
-    """Between samples: wait until the producer's leases are released (its memory is free again)."""
+def between_samples(c: Any, plugin_on: bool, timeout: float = 30.0) -> None:
+    """Between samples, the same for every method: a full garbage collection on each worker, then, with the
+    plugin, until the producer's leases are released (its memory is free again).
+
+    The collection frees pool buffers held in reference cycles, so leases end. It is run for methods without the
+    plugin too: on a 2-vCPU container a ``gc.collect()`` on the workers before a sample made that sample's dependent
+    task 2-5 ms slower end to end, with or without the plugin (``docs/performance.md``), and before 2026-11-23 07:20
+    only the plugin's methods ran it, which charged them that cost.
+    """
+    if not plugin_on:
+        c.run(gc.collect)
+        return
     deadline = time.monotonic() + timeout
     while any(s["leases"] for s in c.run(T.handoff_counters).values()) and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -113,10 +113,14 @@ def grant_unclaimed_lease(key: str, importer: str, dask_worker: Worker) -> int:
 
 
 def last_transfer(dask_worker: Worker, key: str) -> float | None:
-    """client.run target (benchmarks): duration of this worker's latest incoming transfer that carried ``key``."""
+    """client.run target (benchmarks): duration of this worker's latest incoming transfer that carried ``key``.
+
+    ``stop - start`` of the log entry, not its ``duration``: distributed 2026.8 clamps ``duration`` to at least
+    1 ms (``max(0.001, stop - start)``, for its bandwidth estimate), which hid every transfer under 1 ms.
+    """
     for entry in reversed(dask_worker.transfer_incoming_log):
         if key in entry.get("keys", {}):
-            return float(entry["duration"])
+            return float(entry["stop"] - entry["start"])
     return None
 
 
