@@ -6,7 +6,7 @@ When B hands on to C a value it imported from A, B's serializer asks the
 and C gets A's descriptor, so the memory lives until C lets go, whatever B
 does. When the requester is A itself, A grants the lease in its own name
 and takes its own buffer back
-(:meth:`PoolService.take_back <dask_gpupool.handoff.service.PoolService.take_back>`):
+(:meth:`Forwarder.take_back`):
 nothing is mapped or copied. A forwarded lease nobody claimed ends when B's reply ends
 (:meth:`Forwarder.settle_forwarded`) or B dies. The decision is
 :meth:`Routes.forward_route <dask_gpupool.handoff.routes.Routes.forward_route>`.
@@ -16,15 +16,21 @@ The :class:`~dask_gpupool.handoff.service.PoolService` owns one and delegates to
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
-from dask_gpupool.errors import GPUPoolError
+from dask_gpupool.errors import DataLostError, GPUPoolError
+from dask_gpupool.handoff.exporter import Exported
 from dask_gpupool.handoff.imported import Origin
 from dask_gpupool.handoff.importer import Importer
+from dask_gpupool.handoff.leases import LeaseTable
 from dask_gpupool.handoff.registry import RegistryView
 from dask_gpupool.handoff.routes import Routes
 from dask_gpupool.handoff.stats import HandoffStats
 from dask_gpupool.memory.pool import Pool
 from dask_gpupool.wire.handoff import ArrayMeta, HandoffHeader
+
+if TYPE_CHECKING:
+    from cuda.core import Buffer
 
 __all__ = ["Forwarder"]
 
@@ -47,7 +53,9 @@ class Forwarder:
     importer : Importer
         This worker's importer, whose links reach the exporters.
     handoffs : HandoffStats
-        The worker's counters (forwards, fallbacks).
+        The worker's counters (forwards, returns, fallbacks).
+    leases : LeaseTable
+        This worker's leases, out of which a value that came back is taken.
     """
 
     pool: Pool
@@ -56,6 +64,7 @@ class Forwarder:
     routes: Routes
     importer: Importer
     handoffs: HandoffStats
+    leases: LeaseTable
 
     def __init__(
         self,
@@ -65,6 +74,7 @@ class Forwarder:
         routes: Routes,
         importer: Importer,
         handoffs: HandoffStats,
+        leases: LeaseTable,
     ) -> None:
         self.pool = pool
         self.worker = worker
@@ -72,6 +82,7 @@ class Forwarder:
         self.routes = routes
         self.importer = importer
         self.handoffs = handoffs
+        self.leases = leases
 
     def forward(
         self, origin: Origin, requester: str | None, scheme: str, array: ArrayMeta | None
@@ -108,6 +119,27 @@ class Forwarder:
             lease=lease,
             array=array,
         )
+
+    def take_back(self, header: HandoffHeader) -> Buffer:
+        """A value of this worker's pool that a peer passed back (:meth:`forward` on the peer): the pool buffer itself.
+
+        The lease the peer asked for in this worker's name kept the buffer
+        alive until here; it ends now (:meth:`LeaseTable.take
+        <dask_gpupool.handoff.leases.LeaseTable.take>`), and the caller's
+        reference keeps the buffer alive from then on. Nothing is mapped or
+        copied (counted in ``returns``).
+
+        Raises
+        ------
+        DataLostError
+            If the lease has ended (the peer died, or settled it first):
+            distributed then fetches the value again.
+        """
+        held = self.leases.take(header.lease, self.worker)
+        if not isinstance(held, Exported):
+            raise DataLostError(f"lease {header.lease} on this worker's pool {self.pool.uuid} has ended")
+        self.handoffs.add(returns=1, zero_copy_bytes=int(held.buf.size))
+        return held.buf
 
     def settle_forwarded(self, forwarded: list[tuple[str, int]], requester: str | None) -> None:
         """The reply that carried these ``(exporter, lease)`` forwards ended: the exporters end unclaimed ones."""

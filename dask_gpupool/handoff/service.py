@@ -32,7 +32,6 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from dask_gpupool.config import PoolOptions
-from dask_gpupool.errors import DataLostError
 from dask_gpupool.handoff import active
 from dask_gpupool.handoff.exporter import Exported, ExportSide
 from dask_gpupool.handoff.forwarding import Forwarder
@@ -141,7 +140,9 @@ class PoolService:
         self.importer = Importer(options, pool, record.worker, record.host, self.registry, devices, self.handoffs)
         self.copier = copier
         self.routes = Routes(options, pool, record, self.registry, self.handoffs, copier)
-        self.forwarder = Forwarder(pool, record.worker, self.registry, self.routes, self.importer, self.handoffs)
+        self.forwarder = Forwarder(
+            pool, record.worker, self.registry, self.routes, self.importer, self.handoffs, self.leases
+        )
         self._closed = False
         active.add(self)
 
@@ -203,25 +204,11 @@ class PoolService:
 
     def import_handoff(self, header: HandoffHeader) -> Buffer:
         """:meth:`Importer.import_handoff <dask_gpupool.handoff.importer.Importer.import_handoff>`, or
-        :meth:`take_back` for a value of this worker's own pool."""
+        :meth:`Forwarder.take_back <dask_gpupool.handoff.forwarding.Forwarder.take_back>` for a value of this
+        worker's own pool that came back."""
         if header.exporter == self.record.worker:
-            return self.take_back(header)
+            return self.forwarder.take_back(header)
         return self.importer.import_handoff(header)
-
-    def take_back(self, header: HandoffHeader) -> Buffer:
-        """A value of this worker's pool that a peer passed back (:meth:`Forwarder.forward
-        <dask_gpupool.handoff.forwarding.Forwarder.forward>`): the pool buffer itself, under no import.
-
-        The lease the peer had granted in this worker's name kept it alive until
-        here; it ends now, and the caller's reference keeps the buffer alive.
-        Raises :class:`DataLostError` if the lease has ended (distributed then
-        fetches the value again).
-        """
-        held = self.leases.take(header.lease, self.record.worker)
-        if not isinstance(held, Exported):
-            raise DataLostError(f"lease {header.lease} on this worker's pool {self.pool.uuid} has ended")
-        self.handoffs.add(returns=1, zero_copy_bytes=int(held.buf.size))
-        return held.buf
 
     def receive_copy(self, kind: str, data: Any, sender: str, need: str = "any") -> Buffer:
         """:meth:`Importer.receive_copy <dask_gpupool.handoff.importer.Importer.receive_copy>`."""
