@@ -55,6 +55,15 @@ def _fallbacks(value: Any) -> str:
     return _text(", ".join(f"{k}: {v}" for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))) or "-")
 
 
+def _mean_ms(timings: Any, step: str) -> str:
+    """The mean of a timed step in ms (``stats()["timings"]``), or ``-`` when it never ran."""
+    t = timings.get(step) if isinstance(timings, dict) else None
+    try:
+        return f"{float(t['total_s']) / int(t['count']) * 1e3:.2f}" if t and int(t["count"]) else "-"
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return "-"
+
+
 class _Page(web.RequestHandler):
     def initialize(self, holder: dict[str, Source]) -> None:
         self._holder = holder
@@ -69,10 +78,12 @@ class _Page(web.RequestHandler):
             for p in snap["pools"]
         )
         stats = "".join(
-            f"<tr><td>{_text(w)}</td><td colspan='9' style='text-align:left;color:#b00'>"
+            f"<tr><td>{_text(w)}</td><td colspan='11' style='text-align:left;color:#b00'>"
             f"no pool: {_text(s['error'])}</td></tr>"
             if "error" in s
             else f"<tr><td>{_text(w)}</td><td>{_text(s.get('exports', 0))}</td><td>{_text(s.get('imports', 0))}</td>"
+            f"<td>{_text(s.get('forwards', 0))} / {_text(s.get('returns', 0))}</td>"
+            f"<td>{_mean_ms(s.get('timings', {}), 'import')} ({_mean_ms(s.get('timings', {}), 'claim')})</td>"
             f"<td>{_text(s.get('leases', 0))}</td><td>{_bytes(s.get('lease_bytes', 0))}</td>"
             f"<td>{_bytes(s.get('zero_copy_bytes', 0))}</td><td>{_bytes(s.get('copied_bytes', 0))}</td>"
             f"<td>{_bytes(s.get('copied_out_bytes', 0))}</td>"
@@ -91,7 +102,8 @@ class _Page(web.RequestHandler):
             "<table><tr><th>worker</th><th>host</th><th>kind</th><th>device</th><th>used</th><th>reserved</th>"
             f"<th>max</th><th>peers</th><th>pool</th></tr>{rows}</table>"
             "<h2>Handoffs per worker</h2>"
-            "<table><tr><th>worker</th><th>exports</th><th>imports</th><th>live leases</th><th>leased</th>"
+            "<table><tr><th>worker</th><th>exports</th><th>imports</th><th>passed on / back</th>"
+            "<th>mean import, ms (claim)</th><th>live leases</th><th>leased</th>"
             "<th>zero-copy in</th><th>copied in</th><th>copied out</th><th>segments (retiring)</th>"
             "<th>fallbacks</th></tr>"
             f"{stats}</table><p>Reloads every {STATS_INTERVAL:g} s. JSON: <a href='gpupool.json'>gpupool.json</a>"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -332,6 +333,9 @@ def test_dashboard_page_lists_pools_and_handoffs():
         html = page("/gpupool")
         assert "2 pool(s)" in html and a in html and b in html and "zero-copy in" in html
         assert "http-equiv='refresh'" in html
+        # each worker imported once: its mean import and claim times are numbers, not "-"
+        assert "mean import, ms (claim)" in html
+        assert re.search(r"<td>\d+\.\d\d \(\d+\.\d\d\)</td>", html), html
         # linked from Dask's own dashboard: the "More..." menu of every page (Bokeh, a test dependency, serves it)
         if importlib.util.find_spec("bokeh") is not None:
             assert '<a href="gpupool">GPU Pool</a>' in page("/status")
