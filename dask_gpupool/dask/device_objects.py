@@ -19,8 +19,8 @@ Ownership: a frame handed over is the producer's memory under a lease, kept
 alive by the CuPy array over it; a Numba array rebuilt over it holds that
 array (zero-copy), while an ``rmm.DeviceBuffer`` owns its memory by design,
 so the consumer copies the frame into a new one on the GPU (device to
-device, never through the host) and lets the lease go with the imported
-array.
+device, never through the host; after the lease is claimed) and lets the
+lease go with the imported array.
 
 Used only with ``gpupool.device-objects: true`` (off by default: its GPU tests
 pass on two H200s, its workload, ``rmm_objects`` in ``benchmarks/workloads.py``,
@@ -135,16 +135,30 @@ def _wrap(typ: type, to_frame: Any) -> None:
 
 
 def _as_rmm_buffer(arr: Any) -> Any:
-    """A new ``rmm.DeviceBuffer`` holding ``arr``'s bytes (a device-to-device copy: RMM buffers own their memory).
+    """A new ``rmm.DeviceBuffer`` that will hold ``arr``'s bytes (copied on the GPU: RMM buffers own their memory).
 
-    The copy is finished before this returns: ``arr`` may be the producer's memory under a lease that ends when
-    ``arr`` goes, and the producer may then reuse it.
+    The copy is a fill (:func:`~dask_gpupool.handoff.deferred.fill_later`):
+    inside a worker's comm read it runs after the message's lease claims,
+    since ``arr`` may be a peer's memory not to be read before its lease is
+    acknowledged, and before Dask sees the value; elsewhere at once. It is
+    finished (the GPU synchronized) when the fill returns: ``arr`` may be
+    the producer's memory under a lease that ends when ``arr`` goes, and the
+    producer may then reuse it.
     """
     import cupy
     import rmm
 
-    buf = rmm.DeviceBuffer(ptr=int(arr.data.ptr), size=int(arr.nbytes))
-    cupy.cuda.runtime.deviceSynchronize()
+    from dask_gpupool.handoff.deferred import fill_later
+
+    nbytes = int(arr.nbytes)
+    buf = rmm.DeviceBuffer(size=nbytes)
+
+    def copy() -> None:
+        if nbytes:
+            buf.copy_from_device(arr)
+        cupy.cuda.runtime.deviceSynchronize()
+
+    fill_later(copy, lambda: None)  # nothing to give back: buf is the caller's, arr's lease ends with arr
     return buf
 
 

@@ -12,6 +12,13 @@ hands the copy that fills it to :func:`fill_later`. Inside :func:`collecting`
 the copy waits in the collector until the caller runs :func:`run_fills` in a
 thread, before anyone sees the message. Outside it, the copy runs at once.
 
+Claims wait the same way (:func:`claim_later`): a mapped buffer must not be
+read before its exporter acknowledged the lease, and that acknowledgement is
+a round trip to the exporter's broker (0.7 ms on a 2-vCPU container). Inside
+:func:`collecting` the claims of one message wait, grouped by exporter, and
+run first when the caller runs the fills: one round trip per exporter for a
+reply of several values, off the event loop, before anyone sees the message.
+
 Ownership: a :class:`Fill` owns its landing buffer until it has run. When a
 fill is abandoned (its copy failed, or one before it did), ``abandon`` closes
 the buffer and gives back what the copy held (a lease, an fd).
@@ -24,7 +31,7 @@ import contextvars
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-__all__ = ["Fill", "abandon_all", "collecting", "fill_later", "run_fills"]
+__all__ = ["Fill", "abandon_all", "claim_later", "collecting", "fill_later", "run_fills"]
 
 
 @dataclass(frozen=True)
@@ -40,13 +47,34 @@ class Fill:
     abandon: Callable[[], None]
 
 
-class _Collector:
-    """The fills left in one :func:`collecting` block; closed when the block is left."""
+class _Claims:
+    """The leases of one exporter claimed in one message, and how to give up their buffers."""
 
-    __slots__ = ("fills", "open")
+    __slots__ = ("abandons", "claim", "leases")
+
+    def __init__(self, claim: Callable[[list[int]], None]) -> None:
+        self.claim = claim
+        self.leases: list[int] = []
+        self.abandons: list[Callable[[], None]] = []
+
+    def fill(self) -> Fill:
+        leases, abandons = list(self.leases), list(self.abandons)
+
+        def abandon() -> None:
+            for give_up in abandons:
+                give_up()
+
+        return Fill(lambda: self.claim(leases), abandon)
+
+
+class _Collector:
+    """The fills and claims left in one :func:`collecting` block; closed when the block is left."""
+
+    __slots__ = ("claims", "fills", "open")
 
     def __init__(self) -> None:
         self.fills: list[Fill] = []
+        self.claims: dict[str, _Claims] = {}
         self.open = True
 
 
@@ -65,12 +93,34 @@ def fill_later(run: Callable[[], None], abandon: Callable[[], None]) -> None:
     run_fills([Fill(run, abandon)])
 
 
+def claim_later(exporter: str, lease: int, claim: Callable[[list[int]], None], abandon: Callable[[], None]) -> None:
+    """Claim ``lease`` now (``claim([lease])``), or with the other leases of ``exporter`` left in this
+    :func:`collecting` block, before its fills.
+
+    ``claim`` blocks until the exporter holds every lease it is given, and
+    raises if one was refused; ``abandon`` closes the buffer mapped under
+    ``lease``. When the claim raises here, ``abandon`` runs and the error
+    propagates. (``claim`` is the first call's for the exporter: the block's
+    claims of one exporter share it.)
+    """
+    collector = _PENDING.get()
+    if collector is not None and collector.open:
+        batch = collector.claims.get(exporter)
+        if batch is None:
+            batch = collector.claims[exporter] = _Claims(claim)
+        batch.leases.append(lease)
+        batch.abandons.append(abandon)
+        return
+    run_fills([Fill(lambda: claim([lease]), abandon)])
+
+
 @contextlib.contextmanager
 def collecting() -> Iterator[list[Fill]]:
     """Collect the fills deserializers leave in this context (and the threads it is copied to).
 
-    Yields a list that holds the fills once the block is left. The caller
-    runs them with :func:`run_fills` (in a thread) or abandons them. Tasks and
+    Yields a list that holds the fills once the block is left, the claims
+    first (one fill per exporter). The caller runs them with
+    :func:`run_fills` (in a thread) or abandons them. Tasks and
     callbacks started inside the block keep a copy of the context, and so of
     the collector, for as long as they live: the collector is closed and
     emptied on leaving, so it keeps nothing alive, and a fill left in it later
@@ -84,8 +134,10 @@ def collecting() -> Iterator[list[Fill]]:
     finally:
         _PENDING.reset(token)
         collector.open = False
+        fills.extend(batch.fill() for batch in collector.claims.values())
         fills.extend(collector.fills)
         collector.fills.clear()
+        collector.claims.clear()
 
 
 def run_fills(fills: list[Fill]) -> None:

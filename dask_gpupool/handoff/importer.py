@@ -13,6 +13,7 @@ tests can drive one with a registry view and a pool of their own.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -29,6 +30,7 @@ from dask_gpupool.errors import (
     UnknownPoolError,
 )
 from dask_gpupool.handoff.copies import Copies
+from dask_gpupool.handoff.deferred import claim_later
 from dask_gpupool.handoff.imported import ImportedMemoryResource, Origin
 from dask_gpupool.handoff.links import ExporterLinks
 from dask_gpupool.handoff.mapped_pool import IMPORT_LOCK, MappedPool
@@ -194,6 +196,13 @@ class Importer:
         """This worker's connection to ``record``'s broker (:meth:`ExporterLinks.link`)."""
         return self.links.link(record)
 
+    def _claim(self, record: PoolRecord, link: PeerLink, leases: list[int]) -> None:
+        """Claim ``leases`` of ``record``'s pool (:meth:`ExporterLinks.claim
+        <dask_gpupool.handoff.links.ExporterLinks.claim>`), timed. Blocking."""
+        start = time.perf_counter()
+        self.links.claim(record, link, leases)
+        self.handoffs.timed("claim", time.perf_counter() - start)
+
     def _link_to(self, broker: str) -> PeerLink | None:
         """The live link to the exporter whose broker is ``broker`` (the releaser's :data:`LinkFactory`)."""
         record = next((r for r in self.registry.records() if r.broker == broker), None)
@@ -243,18 +252,12 @@ class Importer:
 
         origin = Origin(record.worker, desc, lease)
         buf = _view(ImportedMemoryResource(raw, key, mapped, closed, origin), mapped, ptr, desc.size)
-        claiming = time.perf_counter()
-        try:
-            # Nothing is read from the memory before the exporter acknowledged the lease: a refused
-            # lease has ended, and its memory may already hold another buffer.
-            self.links.claim(record, link, [lease])
-        except BaseException:
-            buf.close()
-            raise
-        done = time.perf_counter()
+        self.handoffs.timed("import", time.perf_counter() - start)
+        # Nothing is read from the memory before the exporter acknowledged the lease: a refused lease has
+        # ended, and its memory may already hold another buffer. Inside a worker's comm read the claim waits
+        # for the message's other claims and runs in a thread before Dask sees the message (deferred.py).
+        claim_later(record.broker, lease, functools.partial(self._claim, record, link), buf.close)
         self.handoffs.add(imports=1, zero_copy_bytes=desc.size)
-        self.handoffs.timed("claim", done - claiming)
-        self.handoffs.timed("import", done - start)
         logger.debug(
             "lease %d of %s: mapped %d bytes at %#x (GPU %s)",
             lease,

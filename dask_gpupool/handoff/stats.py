@@ -83,8 +83,9 @@ TIMED_STEPS = {
     "write, and for handoffs the consumer's import and claim)",
     "stage": "copying an array outside the pool into it (allocation, the copy, waiting for the copy's stream)",
     "export": "describing a pool buffer and waiting for the GPU work that wrote it, then granting its lease",
-    "import": "the consumer's side of a handoff: mapping the buffer (the peer's pool or segment, once) and the claim",
-    "claim": "the part of import spent on the claim round trip to the exporter's broker",
+    "import": "the consumer's side of a handoff: mapping the buffer (the peer's pool or segment, once), without "
+    "its claim",
+    "claim": "the claim round trip to the exporter's broker, once per exporter for a message's values",
 }
 
 

@@ -6,7 +6,7 @@ import contextvars
 
 import pytest
 
-from dask_gpupool.handoff.deferred import abandon_all, collecting, fill_later, run_fills
+from dask_gpupool.handoff.deferred import abandon_all, claim_later, collecting, fill_later, run_fills
 
 
 def test_without_a_collector_a_fill_runs_at_once():
@@ -74,3 +74,47 @@ def test_a_context_copied_inside_the_block_keeps_no_fills_and_runs_late_ones_at_
     log: list[str] = []
     copied.run(fill_later, lambda: log.append("late"), lambda: None)  # a late deserializer there
     assert log == ["late"]
+
+
+def test_without_a_collector_a_claim_runs_at_once_and_a_refusal_closes_the_buffer():
+    log: list[object] = []
+    claim_later("broker-a", 7, lambda leases: log.append(("claim", leases)), lambda: log.append("close"))
+    assert log == [("claim", [7])]
+
+    def refuse(leases: list[int]) -> None:
+        raise ConnectionError(f"refused {leases}")
+
+    with pytest.raises(ConnectionError, match=r"refused \[8\]"):
+        claim_later("broker-a", 8, refuse, lambda: log.append("close 8"))
+    assert log[-1] == "close 8"
+
+
+def test_claims_of_one_message_go_once_per_exporter_and_before_its_fills():
+    """Inside a comm read: nothing is claimed until the caller runs the fills; then one claim per exporter with all
+    its leases, before any copy (a copy may read an imported buffer: only after its lease is held)."""
+    log: list[object] = []
+    with collecting() as fills:
+        claim_later("broker-a", 1, lambda leases: log.append(("a", leases)), lambda: log.append("close 1"))
+        fill_later(lambda: log.append("copy"), lambda: log.append("abandon copy"))
+        claim_later("broker-b", 2, lambda leases: log.append(("b", leases)), lambda: log.append("close 2"))
+        claim_later("broker-a", 3, lambda leases: log.append(("a again", leases)), lambda: log.append("close 3"))
+        assert log == []
+    assert len(fills) == 3
+    run_fills(fills)
+    assert log == [("a", [1, 3]), ("b", [2]), "copy"]
+
+
+def test_a_refused_claim_closes_every_buffer_of_its_exporter_and_abandons_the_rest():
+    log: list[object] = []
+
+    def refuse(leases: list[int]) -> None:
+        raise ConnectionError("lease ended")
+
+    with collecting() as fills:
+        claim_later("broker-a", 1, refuse, lambda: log.append("close 1"))
+        claim_later("broker-a", 2, refuse, lambda: log.append("close 2"))
+        claim_later("broker-b", 3, lambda leases: log.append(("b", leases)), lambda: log.append("close 3"))
+        fill_later(lambda: log.append("copy"), lambda: log.append("abandon copy"))
+    with pytest.raises(ConnectionError, match="lease ended"):
+        run_fills(fills)
+    assert log == ["close 1", "close 2", "close 3", "abandon copy"]
