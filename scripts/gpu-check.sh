@@ -15,7 +15,8 @@
 # is packed into logs.tgz at the end when more than 8 files would come back. DEATH=1 runs benchmarks/exporter_death.py
 # (what an importer reads after its exporter's SIGKILL, pool vs VMM memory). ARRAY_BENCH=1 runs benchmarks/dask_array.py
 # (plugin vs none at defaults; not DASK_*: Dask reads every DASK_* variable as config) for each of ARRAY_BENCH_PROTOCOLS (default "tcp"; "tcp ucxx" both), ARRAY_BENCH_ARGS adds options. WORKLOADS=1 runs
-# benchmarks/workloads.py (issue 18's dask.array workloads; WORKLOADS_ARGS adds options, WORKLOADS_TIMEOUT caps it, default 560 s). CHAOS_SECONDS (default 0: skipped)
+# benchmarks/workloads.py (issue 18's dask.array workloads; WORKLOADS_ARGS adds options, WORKLOADS_TIMEOUT caps it, default 560 s).
+# GATHER=1 runs benchmarks/gather.py (one reply of 1, 8, 32 pool arrays; GATHER_ARGS). CHAOS_SECONDS (default 0: skipped)
 # runs benchmarks/chaos.py for that long (CHAOS_ARGS adds options). The exit status is pytest's (0 when the tests
 # passed or were not run), so a caller sees a failed suite.
 set -uo pipefail
@@ -108,6 +109,10 @@ fi
 if [ "${WORKLOADS:-0}" != 0 ]; then  # issue 18: dask.array workloads, plain Dask (TCP, UCXX) vs GPUPool() at defaults
   echo "== workloads ${WORKLOADS_ARGS:-}"; timeout ${WORKLOADS_TIMEOUT:-560} python3 benchmarks/workloads.py ${WORKLOADS_ARGS:-} > "$OUT/workloads.log" 2>&1
   echo "workloads exit: $?"; sed -n '/^[0-9]*x[0-9]* f8/,$p' "$OUT/workloads.log"
+fi
+if [ "${GATHER:-0}" != 0 ]; then  # one reply of many handoffs: claims batched per exporter (GATHER_ARGS adds options)
+  echo "== gather"; timeout 240 python3 benchmarks/gather.py ${GATHER_ARGS:-} > "$OUT/gather.log" 2>&1
+  echo "gather exit: $?"; grep "values" "$OUT/gather.log"
 fi
 if [ "${DEATH:-0}" != 0 ]; then  # what an importer reads after its exporter's SIGKILL: pool vs VMM memory
   echo "== exporter death"; timeout 280 python3 benchmarks/exporter_death.py > "$OUT/exporter_death.log" 2>&1
