@@ -45,6 +45,15 @@ POOL_MEMORY_IMPORT_LIMIT = 5 << 30
 #: task rechunk of 8 MiB NumPy chunks took 1.25x as long staged.
 DEVICE_STAGE_THRESHOLD = 4 << 20
 
+#: ``handoff-threshold: auto`` on ``host`` pools: a pool buffer smaller than 256 KiB goes to a same-host worker over
+#: TCP as a copy in Dask's frames (landing in the receiver's pool) instead of a handoff, whose lease claim costs a round
+#: trip to the exporter's broker. Measured on a 2-vCPU container (benchmarks/handoff.py, host pools, three rounds,
+#: 2026-11-23, docs/performance.md): the copy took 1.73 / 2.10 / 2.06 ms at 16 / 128 / 256 KiB against 2.48 / 2.33 /
+#: 2.34 ms handed over, and 2.53 against 2.36 ms at 512 KiB. ``device`` and ``pinned`` pools hand over at every size:
+#: a small copy of GPU memory costs two device copies and their syncs (on two H200s 1.52 ms at 1 KiB against 1.15
+#: handed over, before the claim round trip existed); their crossover is not measured.
+HOST_HANDOFF_THRESHOLD = 256 << 10
+
 
 @dataclass(frozen=True)
 class Size:
@@ -184,6 +193,13 @@ class PoolOptions:
         default): :data:`DEVICE_STAGE_THRESHOLD` (4 MiB) on ``device``
         pools, never on ``host`` pools, where it measured slower
         (:meth:`effective_stage_threshold`).
+    handoff_threshold : int or None
+        Smallest pool buffer handed over to a same-host worker over TCP or
+        TLS; smaller ones go as copies in Dask's frames (fallback ``small``),
+        which is faster there than a handoff's lease claim. 0: hand over at
+        every size. ``None`` (``auto``, the default):
+        :data:`HOST_HANDOFF_THRESHOLD` (256 KiB) on ``host`` pools, 0 on GPU
+        pools (:meth:`effective_handoff_threshold`).
     device_objects : bool
         Send ``rmm.DeviceBuffer`` and Numba device arrays to same-host
         workers over TCP frame by frame through the pool
@@ -220,6 +236,7 @@ class PoolOptions:
     copy_stream_threshold: int = 4 << 20
     copy_streams: int = 4
     stage_threshold: int | None = None
+    handoff_threshold: int | None = None
     device_objects: bool = False
 
     def effective_stage_threshold(self, kind: str) -> int:
@@ -227,6 +244,12 @@ class PoolOptions:
         if self.stage_threshold is not None:
             return self.stage_threshold
         return DEVICE_STAGE_THRESHOLD if kind == "device" else 0
+
+    def effective_handoff_threshold(self, kind: str) -> int:
+        """The handoff threshold of a pool of ``kind``: smaller buffers go to same-host workers as copies; 0: none."""
+        if self.handoff_threshold is not None:
+            return self.handoff_threshold
+        return HOST_HANDOFF_THRESHOLD if kind == "host" else 0
 
     def effective_import_limit(self, vmm: bool) -> int:
         """The import limit of a pool whose buffers are (``vmm``) or are not in VMM segments; 0: none."""
@@ -307,6 +330,9 @@ class PoolOptions:
             stage_threshold=None
             if raw.get("stage-threshold", "auto") == "auto"
             else _parse_nbytes(raw.get("stage-threshold"), "gpupool.stage-threshold"),
+            handoff_threshold=None
+            if raw.get("handoff-threshold", "auto") == "auto"
+            else _parse_nbytes(raw.get("handoff-threshold"), "gpupool.handoff-threshold"),
             device_objects=_parse_bool(raw.get("device-objects", False), "gpupool.device-objects"),
         )
 

@@ -38,6 +38,11 @@ def nanny_cluster(
     (ReduceReplicas may drop it, and a task pinned to the producer would then
     fetch a copy back from the consumer and write into that). A GPU run saw
     this once. Tests of the AMM make its requests themselves.
+
+    ``gpupool.handoff-threshold`` is 0 in these workers: the tests hand over
+    small ``host``-pool buffers to test the handoff itself, which the default
+    (256 KiB on ``host`` pools) would send as copies. Tests of the threshold
+    pass ``handoff_threshold`` to ``GPUPool``, which wins over the config.
     """
     import dask
     from distributed import Client, Nanny, Scheduler, SpecCluster
@@ -48,7 +53,9 @@ def nanny_cluster(
         for i, options in enumerate(workers)
     }
     scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0", **secured, **scheduler_options}}
-    amm_off = dask.config.set({"distributed.scheduler.active-memory-manager.start": False})
+    amm_off = dask.config.set(
+        {"distributed.scheduler.active-memory-manager.start": False, "gpupool.handoff-threshold": 0}
+    )
     with amm_off, SpecCluster(workers=specs, scheduler=scheduler, asynchronous=False, security=security) as cluster:
         with Client(cluster, security=security) as client:
             client.wait_for_workers(len(workers))

@@ -93,6 +93,9 @@ class GPUPool(SchedulerPlugin):
     stage_threshold : int or str, optional
         Smallest array outside the pool copied into it and handed over to a
         same-host worker (``gpupool.stage-threshold``; 0: never).
+    handoff_threshold : int or str, optional
+        Smallest pool buffer handed over to a same-host worker over TCP;
+        smaller ones are copied (``gpupool.handoff-threshold``; 0: none).
     device_objects : bool, optional
         Send ``rmm.DeviceBuffer`` and Numba device arrays frame by frame
         through the pool (``gpupool.device-objects``).
@@ -151,6 +154,7 @@ class GPUPool(SchedulerPlugin):
         copy_stream_threshold: int | str | None = None,
         copy_streams: int | None = None,
         stage_threshold: int | str | None = None,
+        handoff_threshold: int | str | None = None,
         device_objects: bool | None = None,
     ) -> None:
         self.overrides = {
@@ -174,6 +178,7 @@ class GPUPool(SchedulerPlugin):
                 copy_stream_threshold=copy_stream_threshold,
                 copy_streams=copy_streams,
                 stage_threshold=stage_threshold,
+                handoff_threshold=handoff_threshold,
                 device_objects=device_objects,
             ).items()
             if v is not None

@@ -97,10 +97,22 @@ class Routes:
         return row, None
 
     def route(self, requester: str | None, scheme: str, buf: Buffer) -> Route:
-        """:meth:`plan`'s decision without counting it (:func:`~dask_gpupool.handoff.routing.route`)."""
+        """:meth:`plan`'s decision without counting it (:func:`~dask_gpupool.handoff.routing.route`).
+
+        A buffer that would be handed over but is smaller than
+        ``gpupool.handoff-threshold`` over TCP or TLS is a copy instead (``small``).
+        """
         owned = self.pool.owns(buf)
         size = self.pool.import_size(buf) if owned and self.pool.kind == "device" else 0
-        return self._route(self.record, requester, scheme, owned, size, self.pool.vmm)
+        decision = self._route(self.record, requester, scheme, owned, size, self.pool.vmm)
+        if (
+            decision.reason is None
+            and decision.row is not None
+            and scheme in ("tcp", "tls")
+            and int(buf.size) < self.options.effective_handoff_threshold(self.pool.kind)
+        ):
+            return Route(decision.row, "small")
+        return decision
 
     def _route(
         self, own: PoolRecord, requester: str | None, scheme: str, owned: bool, import_size: int, vmm: bool

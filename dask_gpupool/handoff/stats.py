@@ -41,8 +41,8 @@ FALLBACK_REASONS = {
         "CuPy) and then handed over, instead of going through the comm"
     ),
     "small": (
-        "the array lives outside this worker's pool and is smaller than gpupool.stage-threshold: it goes "
-        "through the comm, which moves it as fast as staging it into the pool would"
+        "the value is small: an array outside this worker's pool below gpupool.stage-threshold, or a pool buffer "
+        "below gpupool.handoff-threshold; the comm moves it as fast as staging or a handoff would"
     ),
 }
 
@@ -68,7 +68,7 @@ FALLBACK_ADVICE = {
         "make the result in the pool to skip the copy: dask_gpupool.allocate + as_array, to_pool, "
         "or gpupool.cupy-allocator for CuPy"
     ),
-    "small": "nothing (lower gpupool.stage-threshold to stage smaller arrays into the pool)",
+    "small": "nothing (lower gpupool.stage-threshold or gpupool.handoff-threshold to hand smaller values over)",
 }
 
 
