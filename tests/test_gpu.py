@@ -373,6 +373,44 @@ def test_dask_cuda_local_cuda_cluster_hands_over_across_gpus():
             back_to(c, baseline)
 
 
+@pytest.mark.parametrize(
+    "rmm_options",
+    [{}, {"rmm_pool_size": "1GiB"}, {"rmm_async": True}, {"rmm_managed_memory": True}],
+    ids=["no-rmm", "rmm-pool", "rmm-async", "rmm-managed"],
+)
+def test_dask_cuda_rmm_options_meet_the_plugin_at_its_defaults(rmm_options):
+    """Issue 18, dask-cuda's RMM combinations: LocalCUDACluster with each RMM option (a pool, the async allocator,
+    managed memory, none), the plugin registered at its defaults. dask-cuda's allocator stays (stats() says why); an
+    8 MiB plain CuPy array, made by whatever dask-cuda set up, reaches the other GPU's worker staged into the pool
+    and handed over (staged-in-pool: managed memory cannot be exported, its bytes are copied on the GPU), with the
+    right values and 0 bytes through the comm."""
+    gpus(2)
+    dask_cuda = pytest.importorskip("dask_cuda")
+    if rmm_options:
+        pytest.importorskip("rmm")
+    import numpy as np
+    from distributed import Client
+
+    with (
+        dask_cuda.LocalCUDACluster(n_workers=2, threads_per_worker=1, dashboard_address=":0", **rmm_options) as cluster,
+        Client(cluster) as c,
+    ):
+        c.register_plugin(GPUPool(kind="device", max_size="1 GiB", segment_size="256 MiB"))
+        a, b = worker_addresses(c)
+        why = dask_gpupool.stats(c)[a]["routing"]["cupy"]
+        assert why.startswith("off (auto)"), why
+        before = c.run(T.handoff_counters)
+        x = c.submit(T.plain_cupy, 1 << 20, workers=[a], pure=False)  # 8 MiB
+        y = c.submit(T.keep, x, workers=[b], pure=False)
+        assert c.submit(T.describe, y, workers=[b], pure=False).result()["imported"]
+        assert c.submit(T.total, y, workers=[b], pure=False).result() == float(np.arange(1 << 20).sum())
+        now = c.run(T.handoff_counters)
+        assert now[a]["fallbacks"].get("staged-in-pool", 0) - before[a]["fallbacks"].get("staged-in-pool", 0) == 1
+        assert now[b]["zero_copy_bytes"] - before[b]["zero_copy_bytes"] == 8 * MiB, now[b]
+        assert now[b]["copied_bytes"] == before[b]["copied_bytes"], now[b]
+        del x, y
+
+
 def test_plain_cupy_arrays_hand_over_when_cupy_allocates_from_the_pool():
     """gpupool.cupy-allocator: true: plain CuPy results live in the pool and hand over zero-copy; stats() says so."""
     gpus(1)
