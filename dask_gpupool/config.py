@@ -152,6 +152,12 @@ class PoolOptions:
         own pool, or dask-cuda's RMM), and ``stage_threshold`` moves its
         arrays on the GPU instead (:func:`dask_gpupool.dask.cupy_routing.decide`
         says why; ``stats()["routing"]`` shows it).
+    rmm_allocator : bool
+        Make the RMM pool inside the ``device`` pool's segments RMM's resource
+        for the worker's GPU, and RMM CuPy's allocator, so that CuPy arrays
+        and ``rmm.DeviceBuffer`` objects tasks make hand over zero-copy with
+        no staging copy (:mod:`dask_gpupool.dask.rmm_routing`). Off by
+        default: not yet run on a GPU. Exclusive with ``cupy_allocator``.
     segment_size : int
         ``device`` pools: bytes of the segments buffers are placed in, which
         peers map once (:mod:`dask_gpupool.memory.segments`); 0 turns segments off
@@ -231,6 +237,7 @@ class PoolOptions:
     segment_memory: str = "auto"
     import_limit: int | None = None
     cupy_allocator: bool | None = None
+    rmm_allocator: bool = False
     ucx_handoff_threshold: int = 0
     copy_chunk_size: int = 16 << 20
     copy_stream_threshold: int = 4 << 20
@@ -284,6 +291,13 @@ class PoolOptions:
             if value is not None:
                 raw[name.replace("_", "-")] = value
         segment_size = _parse_nbytes(raw.get("segment-size", "1 GiB"), "gpupool.segment-size")
+        rmm_allocator = _parse_bool(raw.get("rmm-allocator", False), "gpupool.rmm-allocator")
+        if rmm_allocator and raw.get("cupy-allocator", "auto") not in ("auto", False, "false", "False"):
+            if _parse_bool(raw.get("cupy-allocator"), "gpupool.cupy-allocator"):
+                raise ConfigError(
+                    "gpupool.rmm-allocator and gpupool.cupy-allocator are both on: choose one "
+                    "(rmm-allocator gives CuPy RMM's allocator over the pool)"
+                )
         peer = raw.get("peer-gpu-handoff", "auto")
         peer_gpu_handoff = segment_size > 0 if peer == "auto" else _parse_bool(peer, "gpupool.peer-gpu-handoff")
         suballocator = raw.get("suballocator", "auto")
@@ -321,6 +335,7 @@ class PoolOptions:
             cupy_allocator=None
             if raw.get("cupy-allocator", "auto") == "auto"
             else _parse_bool(raw.get("cupy-allocator"), "gpupool.cupy-allocator"),
+            rmm_allocator=rmm_allocator,
             ucx_handoff_threshold=_parse_nbytes(raw.get("ucx-handoff-threshold", 0), "gpupool.ucx-handoff-threshold"),
             copy_chunk_size=_parse_nbytes(raw.get("copy-chunk-size", "16 MiB"), "gpupool.copy-chunk-size"),
             copy_stream_threshold=_parse_nbytes(

@@ -411,6 +411,39 @@ def test_dask_cuda_rmm_options_meet_the_plugin_at_its_defaults(rmm_options):
         del x, y
 
 
+def test_rmm_allocator_hands_plain_cupy_and_rmm_buffers_over_without_staging():
+    """gpupool.rmm-allocator: RMM's resource on the worker's GPU is the pool's RMM pool, and CuPy allocates through
+    RMM. A plain 8 MiB CuPy array and an 8 MiB rmm.DeviceBuffer (device-objects on) reach the other worker zero-copy
+    with no staging copy and no fallback; the array reads right after the producer dropped its key and scribbled
+    over its pool; teardown gives RMM and CuPy their allocators back."""
+    gpus(1)
+    pytest.importorskip("rmm")
+    import numpy as np
+
+    plugin = GPUPool(kind="device", max_size="1 GiB", rmm_allocator=True, device_objects=True)
+    with nanny_cluster([ONE_GPU, ONE_GPU], plugin) as c:
+        a, b = worker_addresses(c)
+        why = dask_gpupool.stats(c)[a]["routing"]["rmm"]
+        assert why.startswith("pool"), why
+        before = counters(c)
+        x = c.submit(T.plain_cupy, 1 << 20, workers=[a], pure=False)  # 8 MiB, allocated by RMM in the pool
+        y = c.submit(T.keep, x, workers=[b], pure=False)
+        assert c.submit(T.describe, y, workers=[b], pure=False).result()["imported"]
+        del x
+        for _ in range(4):
+            c.submit(T.scribble_all, 16 * MiB, ord("S"), workers=[a], pure=False).result()
+        assert c.submit(T.total, y, workers=[b], pure=False).result() == float(np.arange(1 << 20).sum())
+        z = c.submit(T.device_object, "rmm", 1 << 20, workers=[a], pure=False)
+        got = c.submit(T.keep, z, workers=[b], pure=False)
+        assert c.submit(T.check_device_object, got, 1 << 20, workers=[b], pure=False).result() == "DeviceBuffer:ok"
+        now = counters(c)
+        assert now[a]["fallbacks"] == before[a]["fallbacks"], now[a]["fallbacks"]
+        assert now[a]["pool_staged_bytes"] == before[a]["pool_staged_bytes"]
+        assert now[b]["zero_copy_bytes"] - before[b]["zero_copy_bytes"] == 16 * MiB
+        assert now[b]["copied_bytes"] == before[b]["copied_bytes"]
+        del y, z, got
+
+
 def test_plain_cupy_arrays_hand_over_when_cupy_allocates_from_the_pool():
     """gpupool.cupy-allocator: true: plain CuPy results live in the pool and hand over zero-copy; stats() says so."""
     gpus(1)

@@ -16,6 +16,7 @@ from typing import Any
 
 from cuda.core import Buffer
 
+from dask_gpupool.dask.plain_arrays import in_segments
 from dask_gpupool.dask.serializers import KEY, deserialize_buffer, hand_over, loads_array
 from dask_gpupool.dask.views import VIEWS, device_of, viewed_buffer
 from dask_gpupool.dask.worker_internals import REQUEST
@@ -121,10 +122,14 @@ def cuda_dumps_cupy(x: Any, previous: Any) -> tuple[dict[str, Any], list[Any]]:
     """
     buf = viewed_buffer(x, int(x.data.ptr)) if VIEWS else None
     if buf is None:
+        request = REQUEST.get()
+        threshold = max(request.service.options.ucx_handoff_threshold, 1) if request is not None else 0
+        placed = in_segments(x, "cupy", threshold)  # RMM placed it in the pool (gpupool.rmm-allocator)
+        if isinstance(placed, tuple):
+            return placed
         header, frames = previous(x)
         _count_device_frames(int(x.nbytes), staged=False, out=True)
-        request = REQUEST.get()
-        if request is not None:
+        if request is not None and not placed:
             request.count_plain_fallback(int(x.nbytes))  # to a same-host peer: fallback not-in-pool
         return header, frames
     import cupy

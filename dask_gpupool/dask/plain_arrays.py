@@ -23,16 +23,53 @@ from dask_gpupool.dask.worker_internals import REQUEST
 from dask_gpupool.errors import PoolExhaustedError
 from dask_gpupool.wire.handoff import HEADER_KEY, ArrayMeta
 
-__all__ = ["count_plain", "plain", "stage"]
+__all__ = ["count_plain", "in_segments", "plain", "stage"]
 
 
 def plain(arr: Any, module: str, previous: Any, context: Any) -> tuple[dict[str, Any], list[Any]]:
-    """An array outside every pool: staged into the pool and handed over, or distributed's serializer (counted)."""
+    """An array over no pool Buffer: handed over if RMM placed it in the pool, else staged into the pool and handed
+    over, or distributed's serializer (counted)."""
+    handed = in_segments(arr, module)
+    if isinstance(handed, tuple):
+        return handed
+    if handed:  # in the pool, but a copy for this requester: its fallback is counted
+        request = REQUEST.get()
+        if request is not None:
+            request.service.handoffs.add(copied_out_bytes=int(arr.nbytes))
+        return previous(arr, context)
     staged = stage(arr, module)
     if staged is not None:
         return staged
     count_plain(int(arr.nbytes))
     return previous(arr, context)
+
+
+def in_segments(arr: Any, module: str, threshold: int = 0) -> tuple[dict[str, Any], list[Any]] | bool:
+    """Hand over a CuPy array that RMM placed in this worker's pool (``gpupool.rmm-allocator``), if it is one.
+
+    Returns the serialized handoff; ``True`` when the array lies in the
+    pool but goes as a copy to this requester (the fallback is counted);
+    ``False`` when it does not lie in the pool, or nothing is asked here (no
+    ``get_data`` reply, RMM not routed to the pool, a non-contiguous view, or
+    fewer than ``threshold`` bytes). The lease holds the array, and with it
+    RMM's allocation.
+    """
+    request = REQUEST.get()
+    if request is None or module != "cupy" or request.plain_reason is None:
+        return False
+    segmented = request.service.pool.segmented
+    if segmented is None or not segmented.rmm_shared or arr.size == 0 or arr.nbytes < threshold:
+        return False
+    if not (arr.flags.c_contiguous or arr.flags.f_contiguous):
+        return False  # its extent is not its nbytes: staged instead
+    meta = ArrayMeta(module, tuple(arr.shape), tuple(arr.strides), arr.dtype.str, 0)
+    handed = request.service.export_range(
+        arr, int(arr.data.ptr), int(arr.nbytes), request.requester, request.scheme, meta
+    )
+    if isinstance(handed, bool):
+        return handed
+    request.granted.append(handed.lease)
+    return {HEADER_KEY: handed.to_msg()}, []
 
 
 def stage(arr: Any, module: str) -> tuple[dict[str, Any], list[Any]] | None:

@@ -99,6 +99,9 @@ class GPUPool(SchedulerPlugin):
     device_objects : bool, optional
         Send ``rmm.DeviceBuffer`` and Numba device arrays frame by frame
         through the pool (``gpupool.device-objects``).
+    rmm_allocator : bool, optional
+        Make RMM (and CuPy through it) allocate from the pool
+        (``gpupool.rmm-allocator``).
 
     Attributes
     ----------
@@ -156,6 +159,7 @@ class GPUPool(SchedulerPlugin):
         stage_threshold: int | str | None = None,
         handoff_threshold: int | str | None = None,
         device_objects: bool | None = None,
+        rmm_allocator: bool | None = None,
     ) -> None:
         self.overrides = {
             k: v
@@ -180,6 +184,7 @@ class GPUPool(SchedulerPlugin):
                 stage_threshold=stage_threshold,
                 handoff_threshold=handoff_threshold,
                 device_objects=device_objects,
+                rmm_allocator=rmm_allocator,
             ).items()
             if v is not None
         }

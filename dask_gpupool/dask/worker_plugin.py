@@ -37,6 +37,7 @@ from tornado.ioloop import PeriodicCallback
 
 from dask_gpupool.config import PoolOptions
 from dask_gpupool.core import JOINED_OP, MEMBERSHIP_OP, PLUGIN_NAME, REGISTER_OP, REGISTRY_OP, UNREGISTER_OP
+from dask_gpupool.dask import rmm_routing as _rmm
 from dask_gpupool.dask.worker_internals import count_own_memory_only, fill_after_read, install_get_data_hook
 from dask_gpupool.errors import PoolUnavailableError, ProtocolError
 from dask_gpupool.handoff.service import PoolService
@@ -72,6 +73,7 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
     _get_data: Any
     _push: PeriodicCallback | None
     _cupy_previous: Any
+    _rmm_previous: tuple[Any, Any] | None
 
     def __init__(self, overrides: dict[str, Any] | None = None) -> None:
         self.overrides = dict(overrides or {})
@@ -82,6 +84,7 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         self._get_data = None
         self._push = None
         self._cupy_previous = None
+        self._rmm_previous = None
 
     async def setup(self, worker: Worker) -> None:
         """Make the pool and join the registry; on failure, remember why (see :func:`service_of`) and raise."""
@@ -140,12 +143,24 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
                 self._cupy_previous, replaced = _cupy.install(service)
                 why += f"; replaced {replaced}" if replaced else ""
             service.routing["cupy"] = why
+        self._install_rmm(service, options)
         _metrics.register()  # on the worker's /metrics (when prometheus_client is installed)
         self._push = PeriodicCallback(lambda: self._push_stats(worker), STATS_INTERVAL * 1000)
         self._push.start()
         self._push_stats(worker)
         # Last, with nothing after it that can fail: the answer arrives on this stream (_on_membership).
         worker.batched_stream.send({"op": REGISTER_OP, "record": service.record.to_msg()})
+
+    def _install_rmm(self, service: PoolService, options: PoolOptions) -> None:
+        """``gpupool.rmm-allocator``: RMM (and CuPy through it) allocates from the pool; the reason in stats()."""
+        segmented = service.pool.segmented
+        placed = segmented is not None and segmented.suballocator == "rmm"
+        route, why = _rmm.decide(options.rmm_allocator, service.pool.kind, placed)
+        if route:
+            previous, cupy_previous, replaced = _rmm.install(service)
+            self._rmm_previous = (previous, cupy_previous)
+            why += f"; replaced {replaced}" if replaced else ""
+        service.routing["rmm"] = why
 
     def _push_stats(self, worker: Worker) -> None:
         """Send this worker's pool and handoff stats to the scheduler (the /gpupool page)."""
@@ -211,6 +226,9 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
             service.apply_registry(update)
 
     async def teardown(self, worker: Worker) -> None:
+        if self._rmm_previous is not None and self.service is not None:
+            _rmm.uninstall(self.service, *self._rmm_previous)
+            self._rmm_previous = None
         if self._cupy_previous is not None:
             from dask_gpupool.dask import cupy_routing as _cupy
 

@@ -96,6 +96,23 @@ class Routes:
             return None, reason
         return row, None
 
+    def plan_range(
+        self, requester: str | None, scheme: str, nbytes: int, import_size: int
+    ) -> tuple[PoolRecord | None, str | None]:
+        """:meth:`plan` for ``nbytes`` that RMM placed in this pool's segments (``gpupool.rmm-allocator``).
+
+        ``import_size``: the size of the segment a peer would map. Counts a same-host fallback as :meth:`plan` does.
+        """
+        decision = self._route(self.record, requester, scheme, True, import_size, self.pool.vmm)
+        if decision.reason is None and decision.row is not None and scheme in ("tcp", "tls"):
+            if nbytes < self.options.effective_handoff_threshold(self.pool.kind):
+                decision = Route(decision.row, "small")
+        if decision.reason is not None:
+            peer = decision.row.worker if decision.row is not None else str(requester)
+            self.handoffs.fallback(peer, decision.reason, self.record.worker)
+            return None, decision.reason
+        return decision.row, None
+
     def route(self, requester: str | None, scheme: str, buf: Buffer) -> Route:
         """:meth:`plan`'s decision without counting it (:func:`~dask_gpupool.handoff.routing.route`).
 

@@ -6,7 +6,8 @@ leases it granted (:class:`~dask_gpupool.handoff.leases.LeaseTable`), its copy
 of the registry (:class:`~dask_gpupool.handoff.registry.RegistryView`), its
 handoff counters, and its :class:`~dask_gpupool.handoff.importer.Importer`
 (links to exporters, peers' pools mapped here, lease releases). It makes the
-export of each handoff (:meth:`export_ipc`, :meth:`export_stream`) as its
+export of each handoff through its :class:`~dask_gpupool.handoff.exports.Exports`
+(:meth:`export_ipc`, :meth:`export_stream`) as its
 :class:`~dask_gpupool.handoff.routes.Routes` decides (:meth:`plan`), and
 passes on values imported here through its
 :class:`~dask_gpupool.handoff.forwarding.Forwarder`; the import side is the
@@ -28,12 +29,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from typing import TYPE_CHECKING, Any
 
 from dask_gpupool.config import PoolOptions
 from dask_gpupool.handoff import active
-from dask_gpupool.handoff.exporter import Exported, ExportSide
+from dask_gpupool.handoff.exporter import ExportSide
+from dask_gpupool.handoff.exports import Exports
 from dask_gpupool.handoff.forwarding import Forwarder
 from dask_gpupool.handoff.imported import Origin
 from dask_gpupool.handoff.importer import Importer
@@ -46,14 +47,13 @@ from dask_gpupool.handoff.routes import Routes
 from dask_gpupool.handoff.routing import Route
 from dask_gpupool.handoff.startup import start_parts
 from dask_gpupool.handoff.stats import HandoffStats
-from dask_gpupool.memory.buffers import buffer_kind
 from dask_gpupool.memory.lifetime import keep_until_exit
 from dask_gpupool.memory.pool import Pool, PoolStats
-from dask_gpupool.memory.topology import LocalDevices, current_gpu
+from dask_gpupool.memory.topology import LocalDevices
 from dask_gpupool.transport.broker import FdBroker
 from dask_gpupool.transport.link import PeerLink
 from dask_gpupool.transport.staging import STAGING
-from dask_gpupool.transport.stream import CopyServer, Staged, lanes
+from dask_gpupool.transport.stream import CopyServer
 from dask_gpupool.wire.handoff import ArrayMeta, BufferDescriptor, HandoffHeader
 from dask_gpupool.wire.registry import Membership, PoolRecord, RegistryUpdate
 
@@ -97,6 +97,8 @@ class PoolService:
         Decides how each value goes to the worker that asked (:mod:`~dask_gpupool.handoff.routes`).
     forwarder : Forwarder
         Passes on values imported here (:mod:`~dask_gpupool.handoff.forwarding`).
+    exports : Exports
+        Makes the export side of each handoff (:mod:`~dask_gpupool.handoff.exports`).
     """
 
     options: PoolOptions
@@ -111,6 +113,7 @@ class PoolService:
     copier: CopyServer | None
     routes: Routes
     forwarder: Forwarder
+    exports: Exports
     _closed: bool
 
     def __init__(
@@ -143,6 +146,7 @@ class PoolService:
         self.forwarder = Forwarder(
             pool, record.worker, self.registry, self.routes, self.importer, self.handoffs, self.leases
         )
+        self.exports = Exports(options, pool, record.worker, self.leases, self.handoffs, self.routes, copier)
         self._closed = False
         active.add(self)
 
@@ -237,31 +241,33 @@ class PoolService:
         return self.routes.plain_copy_reason(requester)
 
     def export_ipc(
-        self, holder: Any, buf: Buffer, row: PoolRecord, array: ArrayMeta | None, *, written_on: Any = None
+        self,
+        holder: Any,
+        buf: Buffer,
+        row: PoolRecord,
+        array: ArrayMeta | None,
+        *,
+        written_on: Any = None,
+        desc: BufferDescriptor | None = None,
     ) -> HandoffHeader:
-        """Grant ``row``'s worker a lease on ``buf`` and describe it.
+        """:meth:`Exports.export_ipc <dask_gpupool.handoff.exports.Exports.export_ipc>`."""
+        return self.exports.export_ipc(holder, buf, row, array, written_on=written_on, desc=desc)
 
-        ``holder`` (``buf`` or an object that keeps it alive) stays referenced
-        by the lease until the importer releases it. Pending GPU work is
-        finished first (``ready="synced"``), so the importer may read at once:
-        the whole GPU's, since a task may have written ``buf`` on any stream;
-        or, when the caller wrote ``buf`` itself and says on which stream
-        (``written_on``, an object with ``synchronize()``: a staged copy),
-        only that stream's, so that kernels other tasks run meanwhile do not
-        hold the reply up.
-        """
-        start = time.perf_counter()
-        desc = self.pool.export(buf)
-        if written_on is not None:
-            written_on.synchronize()
-        elif self.pool.device is not None:
-            current_gpu(self.pool.device).sync()
-        lease = self.leases.grant(Exported(holder, buf), buf.size, row.worker, desc.segment)
-        self.handoffs.add(exports=1)
-        self.handoffs.timed("export", time.perf_counter() - start)
-        return HandoffHeader(
-            "ipc", self.pool.kind, buf.size, exporter=self.record.worker, desc=desc, lease=lease, array=array
-        )
+    def export_range(
+        self, holder: Any, ptr: int, nbytes: int, requester: str | None, scheme: str, array: ArrayMeta | None
+    ) -> HandoffHeader | bool:
+        """:meth:`Exports.export_range <dask_gpupool.handoff.exports.Exports.export_range>`."""
+        return self.exports.export_range(holder, ptr, nbytes, requester, scheme, array)
+
+    def export_stream(
+        self, holder: Any, buf: Buffer, offset: int, nbytes: int, row: PoolRecord, array: ArrayMeta | None
+    ) -> HandoffHeader:
+        """:meth:`Exports.export_stream <dask_gpupool.handoff.exports.Exports.export_stream>`."""
+        return self.exports.export_stream(holder, buf, offset, nbytes, row, array)
+
+    def settle(self, leases: list[int], requester: str | None) -> int:
+        """:meth:`Exports.settle <dask_gpupool.handoff.exports.Exports.settle>`."""
+        return self.exports.settle(leases, requester)
 
     def forward(
         self, origin: Origin, requester: str | None, scheme: str, array: ArrayMeta | None
@@ -280,55 +286,6 @@ class PoolService:
     def stream_route(self, requester: str | None, scheme: str, nbytes: int) -> PoolRecord | None:
         """:meth:`Routes.stream_route <dask_gpupool.handoff.routes.Routes.stream_route>`."""
         return self.routes.stream_route(requester, scheme, nbytes)
-
-    def settle(self, leases: list[int], requester: str | None) -> int:
-        """The ``get_data`` reply that carried ``leases`` to ``requester`` ended: end the unclaimed ones.
-
-        An importer claims (and waits for the answer) before it acknowledges
-        a reply, so a lease unclaimed now will never be used. A reply whose
-        leases were left unclaimed failed at the importer (or never reached
-        it): for ``lease-timeout`` seconds its handoffs go as copies instead
-        (fallback ``peer-unreachable``), so that Dask's retry of the transfer
-        succeeds. Returns how many leases ended.
-        """
-        n = self.leases.settle(leases)
-        if n and requester:
-            self.routes.mark_unreachable(requester, self.options.lease_timeout)
-            logger.warning(
-                "pool %s: %d lease(s) sent to %s were never claimed (its transfer failed); its handoffs go "
-                "as copies for %.0f s",
-                self.pool.uuid,
-                n,
-                requester,
-                self.options.lease_timeout,
-            )
-        return n
-
-    def export_stream(
-        self, holder: Any, buf: Buffer, offset: int, nbytes: int, row: PoolRecord, array: ArrayMeta | None
-    ) -> HandoffHeader:
-        """Grant ``row``'s worker a stream lease on ``nbytes`` of ``buf`` from ``offset``, to pull.
-
-        ``holder`` stays referenced by the lease until the copy server has
-        copied the last chunk out (or the lease expires unpulled). Pending
-        GPU work is finished first, as for :meth:`export_ipc`.
-        """
-        assert self.copier is not None
-        if buf.is_device_accessible:
-            current_gpu(int(buf.device_id) if int(buf.device_id) >= 0 else (self.pool.device or 0)).sync()
-        parts = lanes(nbytes, self.options.copy_chunk_size, self.options.copy_streams)
-        leases = [self.leases.grant(Staged(holder, buf, offset + off, n), n, row.worker) for off, n in parts]
-        self.handoffs.add(copied_out_bytes=nbytes, streamed_out_bytes=nbytes)
-        return HandoffHeader(
-            "stream",
-            buffer_kind(buf),
-            nbytes,
-            exporter=self.record.worker,
-            lease=leases[0],
-            array=array,
-            address=self.copier.address,
-            lanes=tuple(leases[1:]),
-        )
 
     # -- registry --------------------------------------------------------------------
 

@@ -356,6 +356,19 @@ class Pool:
             return BufferDescriptor(self.uuid, buf.size, segment.payload, offset, segment.size, segment.id)
         return BufferDescriptor(self.uuid, buf.size, ipc_payload(buf), 0)
 
+    def export_range(self, ptr: int, nbytes: int) -> BufferDescriptor | None:
+        """Describe ``nbytes`` at ``ptr`` in this pool's segments, placed there by RMM (``gpupool.rmm-allocator``).
+
+        ``None`` when the range is not inside one live segment. As for
+        :meth:`export`, the caller keeps the memory alive (leases do).
+        """
+        segmented = self.segmented
+        found = None if segmented is None else segmented.locate_range(ptr, nbytes)
+        if found is None:
+            return None
+        segment, offset = found
+        return BufferDescriptor(self.uuid, nbytes, segment.payload, offset, segment.size, segment.id)
+
     def stats(self) -> PoolStats:
         """Used and reserved bytes, now and at most, from the pool's attributes."""
         a = self.resource.attributes

@@ -226,6 +226,12 @@ class RmmPlacement:
             seg.live -= 1
             self._segments.count_freed(-(-max(size, 1) // RMM_ALIGNMENT) * RMM_ALIGNMENT)
 
+    def current(self) -> Any:
+        """The RMM pool of the current generation, made now if there is none (``lock`` held)."""
+        if self.generation is None:
+            self.generation = self._new_generation(1)
+        return self.generation.pool
+
     def retire(self) -> None:
         """Retire the current generation: new buffers go to a new RMM pool (``lock`` held)."""
         if self.generation is not None:

@@ -122,6 +122,7 @@ class SegmentedResource(MemoryResource):
     _closed: bool
     _lock: threading.RLock
     _ledger: RetireLedger
+    _rmm_shared: bool
 
     def __init__(
         self,
@@ -152,6 +153,7 @@ class SegmentedResource(MemoryResource):
         self._ledger = RetireLedger()
         self._source = source = SegmentSource(self.memory, payload_of, segments, lock, self._ledger, home)
         self._rmm = None
+        self._rmm_shared = False
         if suballocator == "rmm":
             assert home is not None  # checked above: RMM needs a GPU
             self._rmm = RmmPlacement(
@@ -258,6 +260,45 @@ class SegmentedResource(MemoryResource):
                 return found
         raise ValueError(f"address {ptr:#x} is in no segment of this resource")
 
+    def locate_range(self, ptr: int, nbytes: int) -> tuple[Segment, int] | None:
+        """The segment that holds all of ``[ptr, ptr + nbytes)`` and the offset of ``ptr`` in it, or ``None``.
+
+        For memory placed here by someone else than :meth:`allocate` (RMM
+        itself, :meth:`shared_rmm_resource`): ``None`` when the range is in no
+        segment, straddles one's end, or lies in a retiring one.
+        """
+        with self._lock:
+            found = self._segments.locate(ptr)
+        if found is None:
+            return None
+        seg, offset = found
+        if seg.retiring or offset + max(nbytes, 1) > seg.size:
+            return None
+        return seg, offset
+
+    @property
+    def rmm_shared(self) -> bool:
+        """Whether RMM allocates from these segments directly (:meth:`shared_rmm_resource` was called)."""
+        return self._rmm_shared
+
+    def shared_rmm_resource(self) -> Any:
+        """The RMM pool new buffers come from, to be RMM's current device resource (``gpupool.rmm-allocator``).
+
+        ``None`` without RMM placement. RMM then places allocations of every
+        RMM user (CuPy through RMM's allocator, ``rmm.DeviceBuffer``) in this
+        resource's segments without counting them here: from then on
+        :meth:`retire` leaves the segments as they are, since their buffers
+        cannot be told apart from free space. The caller owns nothing; the
+        RMM pool lives while RMM or any of its buffers refers to it.
+        """
+        if self._rmm is None:
+            return None
+        with self._lock:
+            if self._closed:
+                raise PoolClosedError("the segmented resource is closed")
+            self._rmm_shared = True
+            return self._rmm.current()
+
     @property
     def segments(self) -> int:
         """How many segments the resource holds."""
@@ -297,6 +338,9 @@ class SegmentedResource(MemoryResource):
         with self._lock:
             if self._closed:
                 raise PoolClosedError("the segmented resource is closed")
+            if self._rmm_shared:
+                logger.info("segments not retired: RMM allocates from them directly (gpupool.rmm-allocator)")
+                return self.retire_below
             self.retire_below = self._source.next_id
             self._retire_all()
         self._collect()

@@ -1,0 +1,186 @@
+"""The export side of each handoff: describe the memory, wait for the GPU work that wrote it, grant its lease.
+
+:class:`Exports` makes what a ``get_data`` reply carries for a value of this
+worker's pool, as :class:`~dask_gpupool.handoff.routes.Routes` decided: an
+IPC descriptor under a lease (:meth:`Exports.export_ipc`; for memory RMM
+placed in the pool's segments, :meth:`Exports.export_range`), or a stream
+lease for the pipelined copy (:meth:`Exports.export_stream`), and ends the
+leases a reply left unclaimed (:meth:`Exports.settle`). The
+:class:`~dask_gpupool.handoff.service.PoolService` owns one and delegates to
+it. Runs where Dask serializes: the event loop or its offload thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from dask_gpupool.config import PoolOptions
+from dask_gpupool.handoff.exporter import Exported
+from dask_gpupool.handoff.leases import LeaseTable
+from dask_gpupool.handoff.routes import Routes
+from dask_gpupool.handoff.stats import HandoffStats
+from dask_gpupool.memory.buffers import buffer_kind
+from dask_gpupool.memory.pool import Pool
+from dask_gpupool.memory.topology import current_gpu
+from dask_gpupool.transport.stream import CopyServer, Staged, lanes
+from dask_gpupool.wire.handoff import ArrayMeta, BufferDescriptor, HandoffHeader
+from dask_gpupool.wire.registry import PoolRecord
+
+if TYPE_CHECKING:
+    from cuda.core import Buffer
+
+__all__ = ["Exports"]
+
+logger = logging.getLogger(__name__)
+
+
+class Exports:
+    """The exports one worker makes for its handoffs, and the leases they grant.
+
+    Parameters
+    ----------
+    options : PoolOptions
+    pool : Pool
+        This worker's own pool.
+    worker : str
+        This worker's address (the exporter named in headers).
+    leases : LeaseTable
+        This worker's leases: each export grants one (or one per lane).
+    handoffs : HandoffStats
+        The worker's counters (exports, copies, timings).
+    routes : Routes
+        This worker's routing decisions (memory RMM placed; peers whose reply failed).
+    copier : CopyServer or None
+        The copy server stream leases are pulled from (``None``: that path is off).
+    """
+
+    options: PoolOptions
+    pool: Pool
+    worker: str
+    leases: LeaseTable
+    handoffs: HandoffStats
+    routes: Routes
+    copier: CopyServer | None
+
+    def __init__(
+        self,
+        options: PoolOptions,
+        pool: Pool,
+        worker: str,
+        leases: LeaseTable,
+        handoffs: HandoffStats,
+        routes: Routes,
+        copier: CopyServer | None,
+    ) -> None:
+        self.options = options
+        self.pool = pool
+        self.worker = worker
+        self.leases = leases
+        self.handoffs = handoffs
+        self.routes = routes
+        self.copier = copier
+
+    def export_ipc(
+        self,
+        holder: Any,
+        buf: Buffer,
+        row: PoolRecord,
+        array: ArrayMeta | None,
+        *,
+        written_on: Any = None,
+        desc: BufferDescriptor | None = None,
+    ) -> HandoffHeader:
+        """Grant ``row``'s worker a lease on ``buf`` and describe it.
+
+        ``holder`` (``buf`` or an object that keeps it alive) stays referenced
+        by the lease until the importer releases it. Pending GPU work is
+        finished first (``ready="synced"``), so the importer may read at once:
+        the whole GPU's, since a task may have written ``buf`` on any stream;
+        or, when the caller wrote ``buf`` itself and says on which stream
+        (``written_on``, an object with ``synchronize()``: a staged copy),
+        only that stream's, so that kernels other tasks run meanwhile do not
+        hold the reply up.
+        """
+        start = time.perf_counter()
+        desc = self.pool.export(buf) if desc is None else desc  # given: memory RMM placed (export_range)
+        if written_on is not None:
+            written_on.synchronize()
+        elif self.pool.device is not None:
+            current_gpu(self.pool.device).sync()
+        lease = self.leases.grant(Exported(holder, buf), buf.size, row.worker, desc.segment)
+        self.handoffs.add(exports=1)
+        self.handoffs.timed("export", time.perf_counter() - start)
+        return HandoffHeader("ipc", self.pool.kind, buf.size, exporter=self.worker, desc=desc, lease=lease, array=array)
+
+    def export_range(
+        self, holder: Any, ptr: int, nbytes: int, requester: str | None, scheme: str, array: ArrayMeta | None
+    ) -> HandoffHeader | bool:
+        """Hand over ``nbytes`` at ``ptr`` if RMM placed them in this pool's segments (``gpupool.rmm-allocator``).
+
+        ``holder`` keeps the memory alive (the array over it); the lease
+        holds it. Returns the header; ``False`` when the memory is in no
+        segment of this pool (the caller treats it as an array outside the
+        pool); ``True`` when it is but goes as a copy (the fallback is
+        counted here).
+        """
+        desc = self.pool.export_range(ptr, nbytes)
+        if desc is None:
+            return False
+        row, _reason = self.routes.plan_range(requester, scheme, nbytes, desc.extent)
+        if row is None:
+            return True
+        from cuda.core import Buffer
+
+        view = Buffer.from_handle(ptr, nbytes, owner=holder)
+        return self.export_ipc(holder, view, row, array, desc=desc)
+
+    def settle(self, leases: list[int], requester: str | None) -> int:
+        """The ``get_data`` reply that carried ``leases`` to ``requester`` ended: end the unclaimed ones.
+
+        An importer claims (and waits for the answer) before it acknowledges
+        a reply, so a lease unclaimed now will never be used. A reply whose
+        leases were left unclaimed failed at the importer (or never reached
+        it): for ``lease-timeout`` seconds its handoffs go as copies instead
+        (fallback ``peer-unreachable``), so that Dask's retry of the transfer
+        succeeds. Returns how many leases ended.
+        """
+        n = self.leases.settle(leases)
+        if n and requester:
+            self.routes.mark_unreachable(requester, self.options.lease_timeout)
+            logger.warning(
+                "pool %s: %d lease(s) sent to %s were never claimed (its transfer failed); its handoffs go "
+                "as copies for %.0f s",
+                self.pool.uuid,
+                n,
+                requester,
+                self.options.lease_timeout,
+            )
+        return n
+
+    def export_stream(
+        self, holder: Any, buf: Buffer, offset: int, nbytes: int, row: PoolRecord, array: ArrayMeta | None
+    ) -> HandoffHeader:
+        """Grant ``row``'s worker a stream lease on ``nbytes`` of ``buf`` from ``offset``, to pull.
+
+        ``holder`` stays referenced by the lease until the copy server has
+        copied the last chunk out (or the lease expires unpulled). Pending
+        GPU work is finished first, as for :meth:`export_ipc`.
+        """
+        assert self.copier is not None
+        if buf.is_device_accessible:
+            current_gpu(int(buf.device_id) if int(buf.device_id) >= 0 else (self.pool.device or 0)).sync()
+        parts = lanes(nbytes, self.options.copy_chunk_size, self.options.copy_streams)
+        leases = [self.leases.grant(Staged(holder, buf, offset + off, n), n, row.worker) for off, n in parts]
+        self.handoffs.add(copied_out_bytes=nbytes, streamed_out_bytes=nbytes)
+        return HandoffHeader(
+            "stream",
+            buffer_kind(buf),
+            nbytes,
+            exporter=self.worker,
+            lease=leases[0],
+            array=array,
+            address=self.copier.address,
+            lanes=tuple(leases[1:]),
+        )
