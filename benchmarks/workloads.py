@@ -23,7 +23,7 @@ a halo exchange of depth 8; ``rmm_objects`` every block copied into an ``rmm.Dev
 distributed splits into device frames), each summed with the next block's. Methods: ``tcp`` and ``ucxx``
 (plain Dask) and ``gpupool`` / ``ucxx+gpupool`` (``GPUPool()`` with no options), and variants with one option
 changed: ``gpupool+cupy`` (``cupy-allocator``), ``gpupool+stage`` (``stage-threshold: 4 MiB``),
-``gpupool+objects`` (``device-objects``). Layouts on a
+``gpupool+objects`` (``device-objects``), ``gpupool+rmm`` (``rmm-allocator`` and ``device-objects``). Layouts on a
 GPU machine: ``two-per-gpu`` and ``one-per-gpu``; two workers without a GPU.
 
 JSON rows ``{workload, layout, method, median_s, copied_bytes, ...}`` go to
@@ -95,6 +95,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "+cupy": {"cupy_allocator": True},  # plain CuPy allocations routed into the pool
     "+stage": {"stage_threshold": "4 MiB"},  # plain CuPy arrays over 4 MiB copied into the pool, then handed over
     "+objects": {"device_objects": True},  # rmm.DeviceBuffer / Numba arrays frame by frame over TCP
+    "+rmm": {"rmm_allocator": True, "device_objects": True},  # RMM (and CuPy through it) allocates from the pool
 }
 
 
