@@ -199,3 +199,20 @@ def test_a_full_upstream_frees_idle_large_buffer_segments_no_peer_maps():
     assert any(int(k) == seg_b.base for k in up.live)
     with pytest.raises(PoolExhaustedError):
         res.allocate(40 * MiB)  # b's segment is mapped, big's is in use: nothing more to free
+
+
+def test_a_range_is_located_only_inside_one_live_segment():
+    """``locate_range`` (memory RMM placed, ``gpupool.rmm-allocator``): the whole range inside one segment that is
+    not retiring, else ``None``."""
+    res, _up = segmented()
+    buf = res.allocate(4096)
+    seg, offset = res.locate(int(buf.handle))
+    assert res.locate_range(int(buf.handle), 4096) == (seg, offset)
+    assert res.locate_range(seg.base + seg.size - 16, 16) == (seg, seg.size - 16)
+    assert res.locate_range(seg.base + seg.size - 16, 17) is None  # straddles the segment's end
+    assert res.locate_range(seg.base - 1, 1) is None  # before every segment
+    assert res.shared_rmm_resource() is None and not res.rmm_shared  # no RMM placement here (arena)
+    res.retire()
+    assert res.locate_range(int(buf.handle), 4096) is None  # a retiring segment takes no new exports
+    buf.close()
+    res.close()
