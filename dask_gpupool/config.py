@@ -292,12 +292,13 @@ class PoolOptions:
                 raw[name.replace("_", "-")] = value
         segment_size = _parse_nbytes(raw.get("segment-size", "1 GiB"), "gpupool.segment-size")
         rmm_allocator = _parse_bool(raw.get("rmm-allocator", False), "gpupool.rmm-allocator")
-        if rmm_allocator and raw.get("cupy-allocator", "auto") not in ("auto", False, "false", "False"):
-            if _parse_bool(raw.get("cupy-allocator"), "gpupool.cupy-allocator"):
-                raise ConfigError(
-                    "gpupool.rmm-allocator and gpupool.cupy-allocator are both on: choose one "
-                    "(rmm-allocator gives CuPy RMM's allocator over the pool)"
-                )
+        cupy = raw.get("cupy-allocator", "auto")
+        cupy_allocator = None if cupy == "auto" else _parse_bool(cupy, "gpupool.cupy-allocator")
+        if rmm_allocator and cupy_allocator:
+            raise ConfigError(
+                "gpupool.rmm-allocator and gpupool.cupy-allocator are both on: choose one "
+                "(rmm-allocator gives CuPy RMM's allocator over the pool)"
+            )
         peer = raw.get("peer-gpu-handoff", "auto")
         peer_gpu_handoff = segment_size > 0 if peer == "auto" else _parse_bool(peer, "gpupool.peer-gpu-handoff")
         suballocator = raw.get("suballocator", "auto")
@@ -332,9 +333,7 @@ class PoolOptions:
             suballocator=suballocator,
             segment_memory=segment_memory,
             import_limit=import_limit,
-            cupy_allocator=None
-            if raw.get("cupy-allocator", "auto") == "auto"
-            else _parse_bool(raw.get("cupy-allocator"), "gpupool.cupy-allocator"),
+            cupy_allocator=cupy_allocator,
             rmm_allocator=rmm_allocator,
             ucx_handoff_threshold=_parse_nbytes(raw.get("ucx-handoff-threshold", 0), "gpupool.ucx-handoff-threshold"),
             copy_chunk_size=_parse_nbytes(raw.get("copy-chunk-size", "16 MiB"), "gpupool.copy-chunk-size"),

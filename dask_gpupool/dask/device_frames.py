@@ -123,8 +123,9 @@ def cuda_dumps_cupy(x: Any, previous: Any) -> tuple[dict[str, Any], list[Any]]:
     buf = viewed_buffer(x, int(x.data.ptr)) if VIEWS else None
     if buf is None:
         request = REQUEST.get()
-        threshold = max(request.service.options.ucx_handoff_threshold, 1) if request is not None else 0
-        placed = in_segments(x, "cupy", threshold)  # RMM placed it in the pool (gpupool.rmm-allocator)
+        placed = (  # RMM placed it in the pool (gpupool.rmm-allocator)
+            False if request is None else in_segments(request, x, "cupy", request.service.options.ucx_handoff_threshold)
+        )
         if isinstance(placed, tuple):
             return placed
         header, frames = previous(x)

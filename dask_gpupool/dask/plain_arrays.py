@@ -7,10 +7,11 @@ worker's pool here (device to device for CuPy on a ``device`` pool, a memcpy
 for NumPy on a ``host`` pool) and handed over under the requester's lease
 (fallback ``staged-in-pool``, ``pool_staged_bytes``): :func:`stage`. Every
 other such array goes through distributed's own serializer and is counted
-(:func:`count_plain`: ``copied_out_bytes`` and, to a same-host worker, the
-fallback ``small`` or ``not-in-pool``). The staged copy is owned by the lease
-(the exporter's ``Exported`` holds the array over it) and goes back to the
-pool when the requester lets go.
+(:func:`plain`: ``copied_out_bytes`` and, to a same-host worker, the fallback
+``small`` or ``not-in-pool``: :meth:`Request.count_plain_fallback
+<dask_gpupool.dask.worker_internals.Request.count_plain_fallback>`). The
+staged copy is owned by the lease (the exporter's ``Exported`` holds the
+array over it) and goes back to the pool when the requester lets go.
 """
 
 from __future__ import annotations
@@ -19,43 +20,43 @@ import time
 from typing import Any
 
 from dask_gpupool.dask.views import as_array
-from dask_gpupool.dask.worker_internals import REQUEST
+from dask_gpupool.dask.worker_internals import REQUEST, Request
 from dask_gpupool.errors import PoolExhaustedError
 from dask_gpupool.wire.handoff import HEADER_KEY, ArrayMeta
 
-__all__ = ["count_plain", "in_segments", "plain", "stage"]
+__all__ = ["in_segments", "plain", "stage"]
 
 
 def plain(arr: Any, module: str, previous: Any, context: Any) -> tuple[dict[str, Any], list[Any]]:
     """An array over no pool Buffer: handed over if RMM placed it in the pool, else staged into the pool and handed
-    over, or distributed's serializer (counted)."""
-    handed = in_segments(arr, module)
+    over, or distributed's serializer (counted). Reads the ``get_data`` request once."""
+    request = REQUEST.get()
+    if request is None:  # spilling, a task graph, a client: distributed's serializer, nothing to count
+        return previous(arr, context)
+    handed = in_segments(request, arr, module)
     if isinstance(handed, tuple):
         return handed
-    if handed:  # in the pool, but a copy for this requester: its fallback is counted
-        request = REQUEST.get()
-        if request is not None:
-            request.service.handoffs.add(copied_out_bytes=int(arr.nbytes))
-        return previous(arr, context)
-    staged = stage(arr, module)
-    if staged is not None:
-        return staged
-    count_plain(int(arr.nbytes))
+    if not handed:
+        staged = stage(request, arr, module)
+        if staged is not None:
+            return staged
+        request.count_plain_fallback(int(arr.nbytes))
+    # a copy: counted here; in the pool but a copy for this requester (handed is True): its fallback is counted
+    request.service.handoffs.add(copied_out_bytes=int(arr.nbytes))
     return previous(arr, context)
 
 
-def in_segments(arr: Any, module: str, threshold: int = 0) -> tuple[dict[str, Any], list[Any]] | bool:
+def in_segments(request: Request, arr: Any, module: str, threshold: int = 0) -> tuple[dict[str, Any], list[Any]] | bool:
     """Hand over a CuPy array that RMM placed in this worker's pool (``gpupool.rmm-allocator``), if it is one.
 
     Returns the serialized handoff; ``True`` when the array lies in the
     pool but goes as a copy to this requester (the fallback is counted);
-    ``False`` when it does not lie in the pool, or nothing is asked here (no
-    ``get_data`` reply, RMM not routed to the pool, a non-contiguous view, or
+    ``False`` when it does not lie in the pool, or nothing is asked here (not
+    a same-host worker, RMM not routed to the pool, a non-contiguous view, or
     fewer than ``threshold`` bytes). The lease holds the array, and with it
     RMM's allocation.
     """
-    request = REQUEST.get()
-    if request is None or module != "cupy" or request.plain_reason is None:
+    if module != "cupy" or request.plain_reason is None:
         return False
     segmented = request.service.pool.segmented
     if segmented is None or not segmented.rmm_shared or arr.size == 0 or arr.nbytes < threshold:
@@ -72,7 +73,7 @@ def in_segments(arr: Any, module: str, threshold: int = 0) -> tuple[dict[str, An
     return {HEADER_KEY: handed.to_msg()}, []
 
 
-def stage(arr: Any, module: str) -> tuple[dict[str, Any], list[Any]] | None:
+def stage(request: Request, arr: Any, module: str) -> tuple[dict[str, Any], list[Any]] | None:
     """Copy ``arr`` into this worker's pool and hand the copy over, when a same-host worker asked over TCP.
 
     From ``gpupool.stage-threshold`` bytes up, NumPy arrays on ``host`` pools
@@ -82,8 +83,7 @@ def stage(arr: Any, module: str) -> tuple[dict[str, Any], list[Any]] | None:
     Returns ``None`` (the caller sends the array as before) when the request
     does not allow it or the pool has no room.
     """
-    request = REQUEST.get()
-    if request is None or request.plain_reason != "not-in-pool":
+    if request.plain_reason != "not-in-pool":
         return None
     service = request.service
     if (module == "numpy") != (service.pool.kind == "host") or arr.dtype.hasobject or arr.size == 0:
@@ -111,29 +111,10 @@ def stage(arr: Any, module: str) -> tuple[dict[str, Any], list[Any]] | None:
     except BaseException:
         buf.close()
         raise
-    if stream is not None:
-        stream.synchronize()  # timed here as part of the stage; the export's wait then finds the copy done
-    service.handoffs.timed("stage", time.perf_counter() - start)
+    service.handoffs.timed("stage", time.perf_counter() - start)  # the wait for the copy is the export's
     meta = ArrayMeta(module, tuple(out.shape), tuple(out.strides), out.dtype.str, 0)
     header = service.export_ipc(out, buf, row, meta, written_on=stream)  # the copy finished first
     request.granted.append(header.lease)
     service.handoffs.add(pool_staged_bytes=nbytes)
     service.handoffs.fallback(row.worker, "staged-in-pool", service.record.worker)
     return {HEADER_KEY: header.to_msg()}, []
-
-
-def count_plain(nbytes: int) -> None:
-    """Count an array outside every pool that a ``get_data`` reply sends: a copy, and for a same-host worker its reason.
-
-    Such arrays go through distributed's own serializer, a host copy:
-    counted in ``copied_out_bytes`` and, to a same-host worker, as fallback
-    ``not-in-pool`` (one WARNING per peer says how to make results in the
-    pool). Outside a reply (spilling, task graphs) it costs a context-variable
-    read. (Device frames on UCX are counted in :mod:`dask_gpupool.dask.device_frames`.) Below an active
-    ``gpupool.stage-threshold`` the reason is ``small`` (:meth:`Request.count_plain_fallback
-    <dask_gpupool.dask.worker_internals.Request.count_plain_fallback>`).
-    """
-    request = REQUEST.get()
-    if request is not None:
-        request.service.handoffs.add(copied_out_bytes=nbytes)
-        request.count_plain_fallback(nbytes)

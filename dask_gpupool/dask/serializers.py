@@ -37,7 +37,7 @@ from typing import Any
 from cuda.core import Buffer
 from distributed.protocol import dask_deserialize, dask_serialize
 
-from dask_gpupool.dask.plain_arrays import count_plain, plain
+from dask_gpupool.dask.plain_arrays import plain
 from dask_gpupool.dask.views import VIEWS, as_array, c_strides, viewed_buffer
 from dask_gpupool.dask.worker_internals import REQUEST, Request
 from dask_gpupool.errors import DataLostError, PoolUnavailableError, ProtocolError
@@ -45,7 +45,7 @@ from dask_gpupool.handoff.active import active_service
 from dask_gpupool.memory.buffers import buffer_kind, copy_to_host, host_buffer
 from dask_gpupool.wire.handoff import HEADER_KEY, ArrayMeta, HandoffHeader
 
-__all__ = ["KEY", "count_plain", "deserialize_buffer", "hand_over", "loads_array", "register_cupy"]
+__all__ = ["KEY", "deserialize_buffer", "hand_over", "loads_array", "register_cupy"]
 
 KEY = HEADER_KEY
 

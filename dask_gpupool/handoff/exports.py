@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from cuda.core import Buffer
 
 from dask_gpupool.config import PoolOptions
 from dask_gpupool.handoff.exporter import Exported
@@ -27,9 +29,6 @@ from dask_gpupool.memory.topology import current_gpu
 from dask_gpupool.transport.stream import CopyServer, Staged, lanes
 from dask_gpupool.wire.handoff import ArrayMeta, BufferDescriptor, HandoffHeader
 from dask_gpupool.wire.registry import PoolRecord
-
-if TYPE_CHECKING:
-    from cuda.core import Buffer
 
 __all__ = ["Exports"]
 
@@ -131,8 +130,6 @@ class Exports:
         row, _reason = self.routes.plan_range(requester, scheme, nbytes, desc.extent)
         if row is None:
             return True
-        from cuda.core import Buffer
-
         view = Buffer.from_handle(ptr, nbytes, owner=holder)
         return self.export_ipc(holder, view, row, array, desc=desc)
 

@@ -90,51 +90,47 @@ class Routes:
         host, a client) and a fallback reason (counted, warned once) for a same-host
         peer that could have had it zero-copy.
         """
-        row, reason = self.route(requester, scheme, buf)
-        if reason is not None:
-            self.handoffs.fallback(row.worker if row is not None else str(requester), reason, self.record.worker)
-            return None, reason
-        return row, None
+        return self._counted(self.route(requester, scheme, buf), requester)
 
     def plan_range(
         self, requester: str | None, scheme: str, nbytes: int, import_size: int
     ) -> tuple[PoolRecord | None, str | None]:
         """:meth:`plan` for ``nbytes`` that RMM placed in this pool's segments (``gpupool.rmm-allocator``).
 
-        ``import_size``: the size of the segment a peer would map. Counts a same-host fallback as :meth:`plan` does.
+        ``import_size``: the size of the segment a peer would map.
         """
-        decision = self._route(self.record, requester, scheme, True, import_size, self.pool.vmm)
-        if decision.reason is None and decision.row is not None and scheme in ("tcp", "tls"):
-            if nbytes < self.options.effective_handoff_threshold(self.pool.kind):
-                decision = Route(decision.row, "small")
-        if decision.reason is not None:
-            peer = decision.row.worker if decision.row is not None else str(requester)
-            self.handoffs.fallback(peer, decision.reason, self.record.worker)
-            return None, decision.reason
-        return decision.row, None
+        decision = self._route(self.record, requester, scheme, True, import_size, self.pool.vmm, nbytes)
+        return self._counted(decision, requester)
 
     def route(self, requester: str | None, scheme: str, buf: Buffer) -> Route:
-        """:meth:`plan`'s decision without counting it (:func:`~dask_gpupool.handoff.routing.route`).
-
-        A buffer that would be handed over but is smaller than
-        ``gpupool.handoff-threshold`` over TCP or TLS is a copy instead (``small``).
-        """
+        """:meth:`plan`'s decision without counting it (:func:`~dask_gpupool.handoff.routing.route`)."""
         owned = self.pool.owns(buf)
         size = self.pool.import_size(buf) if owned and self.pool.kind == "device" else 0
-        decision = self._route(self.record, requester, scheme, owned, size, self.pool.vmm)
-        if (
-            decision.reason is None
-            and decision.row is not None
-            and scheme in ("tcp", "tls")
-            and int(buf.size) < self.options.effective_handoff_threshold(self.pool.kind)
-        ):
-            return Route(decision.row, "small")
-        return decision
+        return self._route(self.record, requester, scheme, owned, size, self.pool.vmm, int(buf.size))
+
+    def _counted(self, decision: Route, requester: str | None) -> tuple[PoolRecord | None, str | None]:
+        """``decision`` as :meth:`plan` returns it, its same-host fallback counted (and warned once)."""
+        row, reason = decision
+        if reason is not None:
+            self.handoffs.fallback(row.worker if row is not None else str(requester), reason, self.record.worker)
+            return None, reason
+        return row, None
 
     def _route(
-        self, own: PoolRecord, requester: str | None, scheme: str, owned: bool, import_size: int, vmm: bool
+        self,
+        own: PoolRecord,
+        requester: str | None,
+        scheme: str,
+        owned: bool,
+        import_size: int,
+        vmm: bool,
+        nbytes: int = 0,
     ) -> Route:
-        """:func:`~dask_gpupool.handoff.routing.route` for memory of ``own``'s pool, with this worker's state."""
+        """:func:`~dask_gpupool.handoff.routing.route` for memory of ``own``'s pool, with this worker's state.
+
+        ``nbytes`` (the value's size) is held against ``gpupool.handoff-threshold``
+        of this worker's pool kind; 0 (staging, forwards) never is.
+        """
         row = self.registry.worker_row(requester) if requester else None
         return route(
             own,
@@ -146,6 +142,8 @@ class Routes:
             unreachable=row is not None and self._is_unreachable(row.worker),
             import_size=import_size,
             import_limit=self.options.effective_import_limit(vmm),
+            nbytes=nbytes,
+            handoff_threshold=self.options.effective_handoff_threshold(self.pool.kind) if nbytes else 0,
         )
 
     def stage_route(self, requester: str | None, scheme: str, nbytes: int) -> PoolRecord | None:

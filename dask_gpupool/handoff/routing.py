@@ -41,6 +41,8 @@ def route(
     unreachable: bool = False,
     import_size: int = 0,
     import_limit: int = 0,
+    nbytes: int = 0,
+    handoff_threshold: int = 0,
 ) -> Route:
     """Decide how a buffer of this worker's pool goes to ``requester``.
 
@@ -64,6 +66,11 @@ def route(
         Bytes the requester would import to map the buffer (its segment, or itself).
     import_limit : int
         The largest allocation handed over (0: no limit).
+    nbytes : int
+        Bytes of the value.
+    handoff_threshold : int
+        Over TCP or TLS, a value under this many bytes is copied instead
+        (``small``: the comm moves it faster than a handoff's lease claim); 0: never.
 
     Returns
     -------
@@ -95,6 +102,8 @@ def route(
         reason = "no-access"
     elif own.kind == "device" and 0 < import_limit < import_size:
         reason = "too-large"
+    elif nbytes < handoff_threshold and scheme in ("tcp", "tls"):
+        reason = "small"
     else:
         return Route(row, None)
     return Route(row, reason)

@@ -81,8 +81,9 @@ EXPECTED_REASONS = frozenset({"same-process", "staged-in-pool", "small"})
 TIMED_STEPS = {
     "reply": "the producer's whole get_data reply, from the request to the consumer's OK (serializing, the comm's "
     "write, and for handoffs the consumer's import and claim)",
-    "stage": "copying an array outside the pool into it (allocation, the copy, waiting for the copy's stream)",
-    "export": "describing a pool buffer and waiting for the GPU work that wrote it, then granting its lease",
+    "stage": "copying an array outside the pool into it: allocation and queuing the copy (its wait is in export)",
+    "export": "describing a pool buffer and waiting for the GPU work that wrote it (a staged copy's stream, or the "
+    "whole GPU), then granting its lease",
     "import": "the consumer's side of a handoff: mapping the buffer (the peer's pool or segment, once), without "
     "its claim",
     "claim": "the claim round trip to the exporter's broker, once per exporter for a message's values",

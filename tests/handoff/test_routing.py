@@ -53,6 +53,9 @@ CASES = [
     ("no import limit", {}, PEER, "tcp", {"import_size": 16 << 30, "import_limit": 0}, "handoff"),
     ("host pool, requester without GPU", {"kind": "host", "device": None}, peer(devices=()), "tcp", {}, "handoff"),
     ("pinned pool, requester without GPU", {"kind": "pinned"}, peer(devices=()), "tcp", {}, "no-access"),
+    ("under the handoff threshold", {}, PEER, "tcp", {"nbytes": 1024, "handoff_threshold": 4096}, "small"),
+    ("at the handoff threshold", {}, PEER, "tcp", {"nbytes": 4096, "handoff_threshold": 4096}, "handoff"),
+    ("handoff threshold, ucxx", {}, PEER, "ucxx", {"nbytes": 1024, "handoff_threshold": 4096}, "handoff"),
 ]
 
 
