@@ -96,6 +96,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "+stage": {"stage_threshold": "4 MiB"},  # plain CuPy arrays over 4 MiB copied into the pool, then handed over
     "+objects": {"device_objects": True},  # rmm.DeviceBuffer / Numba arrays frame by frame over TCP
     "+rmm": {"rmm_allocator": True, "device_objects": True},  # RMM (and CuPy through it) allocates from the pool
+    # the same, with values under 4 MiB sent as copies in Dask's frames (as staging leaves them), not handed over
+    "+rmm4": {"rmm_allocator": True, "device_objects": True, "handoff_threshold": "4 MiB"},
+    "+cupy4": {"cupy_allocator": True, "handoff_threshold": "4 MiB"},  # CuPy routing, values under 4 MiB copied
 }
 
 
