@@ -99,6 +99,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # the same, with values under 4 MiB sent as copies in Dask's frames (as staging leaves them), not handed over
     "+rmm4": {"rmm_allocator": True, "device_objects": True, "handoff_threshold": "4 MiB"},
     "+cupy4": {"cupy_allocator": True, "handoff_threshold": "4 MiB"},  # CuPy routing, values under 4 MiB copied
+    # RMM routing with values under 1 MiB copied (the GPU crossover of the twelfth session's call 2)
+    "+rmm1": {"rmm_allocator": True, "device_objects": True, "handoff_threshold": "1 MiB"},
 }
 
 
