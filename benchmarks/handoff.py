@@ -16,7 +16,9 @@ Methods:
 ============  ==========================================================
 tcp           Dask over TCP, a CuPy array (NumPy on a host run): today's default
 ucxx          Dask over UCXX, a CuPy array (only when distributed-ucxx imports)
-gpupool       dask_gpupool zero-copy: an array over a pool buffer
+gpupool       dask_gpupool at its defaults: an array over a pool buffer (copied in Dask's frames under
+              gpupool.handoff-threshold: 256 KiB on host pools, 1 MiB on device pools)
+gpupool-handoff  the same, handed over at every size (handoff-threshold 0)
 gpupool-cupy  dask_gpupool zero-copy of plain CuPy arrays (gpupool.cupy-allocator routes CuPy to the pool)
 gpupool-plain  TCP with the plugin at its defaults, a plain CuPy array: staged into the pool from 4 MiB up
 gpupool-copy  dask_gpupool's host-copy path, forced with different host ids
@@ -74,6 +76,7 @@ METHODS = (
     "tcp",
     "ucxx",
     "gpupool",
+    "gpupool-handoff",
     "gpupool-cupy",
     "gpupool-plain",
     "gpupool-copy",
@@ -305,8 +308,9 @@ def method_setup(
         peer_gpu_handoff=place == "other" or None,
         segment_size=segment_size if gpus else None,
         cupy_allocator=method == "gpupool-cupy" or None,
+        handoff_threshold=0 if method == "gpupool-handoff" else None,
     )
-    if method == "gpupool":
+    if method in ("gpupool", "gpupool-handoff"):
         return "tcp", workers, plugin, True
     if method in ("gpupool-cupy", "gpupool-plain"):  # plain cupy.ones: routed to the pool, or staged into it
         return "tcp", workers, plugin, False

@@ -49,10 +49,15 @@ DEVICE_STAGE_THRESHOLD = 4 << 20
 #: TCP as a copy in Dask's frames (landing in the receiver's pool) instead of a handoff, whose lease claim costs a round
 #: trip to the exporter's broker. Measured on a 2-vCPU container (benchmarks/handoff.py, host pools, three rounds,
 #: 2026-11-23, docs/performance.md): the copy took 1.73 / 2.10 / 2.06 ms at 16 / 128 / 256 KiB against 2.48 / 2.33 /
-#: 2.34 ms handed over, and 2.53 against 2.36 ms at 512 KiB. ``device`` and ``pinned`` pools hand over at every size:
-#: a small copy of GPU memory costs two device copies and their syncs (on two H200s 1.52 ms at 1 KiB against 1.15
-#: handed over, before the claim round trip existed); their crossover is not measured.
+#: 2.34 ms handed over, and 2.53 against 2.36 ms at 512 KiB.
 HOST_HANDOFF_THRESHOLD = 256 << 10
+
+#: ``handoff-threshold: auto`` on ``device`` pools: the crossover measured on two H200s (benchmarks/handoff.py,
+#: pool arrays over TCP, three rounds, 2026-11-23 08:30, docs/performance.md): a copy in Dask's frames took
+#: 1.48-2.01 ms (one GPU) and 1.57-1.70 ms (across GPUs) from 1 KiB to 512 KiB against 2.02-2.19 and 2.08-2.14 ms
+#: handed over; at 1 MiB the handoff took 2.12 against 2.40 ms on one GPU, 2.05 against 1.93 across GPUs. So buffers
+#: from 1 MiB up are handed over. ``pinned`` pools hand over at every size: their crossover is not measured.
+DEVICE_HANDOFF_THRESHOLD = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -204,8 +209,9 @@ class PoolOptions:
         TLS; smaller ones go as copies in Dask's frames (fallback ``small``),
         which is faster there than a handoff's lease claim. 0: hand over at
         every size. ``None`` (``auto``, the default):
-        :data:`HOST_HANDOFF_THRESHOLD` (256 KiB) on ``host`` pools, 0 on GPU
-        pools (:meth:`effective_handoff_threshold`).
+        :data:`HOST_HANDOFF_THRESHOLD` (256 KiB) on ``host`` pools,
+        :data:`DEVICE_HANDOFF_THRESHOLD` (1 MiB) on ``device`` pools, 0 on
+        ``pinned`` pools (:meth:`effective_handoff_threshold`).
     device_objects : bool
         Send ``rmm.DeviceBuffer`` and Numba device arrays to same-host
         workers over TCP frame by frame through the pool
@@ -256,7 +262,7 @@ class PoolOptions:
         """The handoff threshold of a pool of ``kind``: smaller buffers go to same-host workers as copies; 0: none."""
         if self.handoff_threshold is not None:
             return self.handoff_threshold
-        return HOST_HANDOFF_THRESHOLD if kind == "host" else 0
+        return {"host": HOST_HANDOFF_THRESHOLD, "device": DEVICE_HANDOFF_THRESHOLD}.get(kind, 0)
 
     def effective_import_limit(self, vmm: bool) -> int:
         """The import limit of a pool whose buffers are (``vmm``) or are not in VMM segments; 0: none."""

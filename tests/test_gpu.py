@@ -356,7 +356,8 @@ def test_dask_cuda_local_cuda_cluster_hands_over_across_gpus():
     dask_cuda = pytest.importorskip("dask_cuda")
     from distributed import Client
 
-    plugin = GPUPool(kind="device", max_size="1 GiB", segment_size="256 MiB", peer_gpu_handoff=True)
+    # handoff_threshold 0: the warm-up's 4 KiB handoffs open the links that the baseline counts
+    plugin = GPUPool(kind="device", max_size="1 GiB", segment_size="256 MiB", peer_gpu_handoff=True, handoff_threshold=0)
     with dask_cuda.LocalCUDACluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cluster:
         with Client(cluster) as c:
             c.register_plugin(plugin)
