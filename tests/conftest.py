@@ -43,6 +43,9 @@ def nanny_cluster(
     small ``host``-pool buffers to test the handoff itself, which the default
     (256 KiB on ``host`` pools) would send as copies. Tests of the threshold
     pass ``handoff_threshold`` to ``GPUPool``, which wins over the config.
+    ``gpupool.peer-gpu-copy`` is false: tests across GPUs check the mapping
+    itself (leases, deaths, forwarding); the copy on arrival has tests of its
+    own that pass ``peer_gpu_copy=True``.
     """
     import dask
     from distributed import Client, Nanny, Scheduler, SpecCluster
@@ -54,7 +57,11 @@ def nanny_cluster(
     }
     scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0", **secured, **scheduler_options}}
     amm_off = dask.config.set(
-        {"distributed.scheduler.active-memory-manager.start": False, "gpupool.handoff-threshold": 0}
+        {
+            "distributed.scheduler.active-memory-manager.start": False,
+            "gpupool.handoff-threshold": 0,
+            "gpupool.peer-gpu-copy": False,
+        }
     )
     with amm_off, SpecCluster(workers=specs, scheduler=scheduler, asynchronous=False, security=security) as cluster:
         with Client(cluster, security=security) as client:

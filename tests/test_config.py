@@ -70,6 +70,8 @@ def test_config_values_and_overrides():
     no_segments = PoolOptions.from_config(segment_size=0)
     assert no_segments.segment_size == 0 and no_segments.peer_gpu_handoff is False
     assert PoolOptions.from_config(peer_gpu_handoff="false").peer_gpu_handoff is False
+    assert options.peer_gpu_copy is True  # a value from another GPU is copied here on arrival (kernels read locally)
+    assert PoolOptions.from_config(peer_gpu_copy="false").peer_gpu_copy is False
     assert PoolOptions.from_config(suballocator="arena").suballocator == "arena"
     assert options.import_limit is None  # auto: none for VMM segments, 5 GiB for CUDA IPC pool memory
     assert (options.effective_import_limit(vmm=True), options.effective_import_limit(vmm=False)) == (0, 5 << 30)
@@ -127,6 +129,7 @@ def test_segments_are_at_most_the_import_limit():
         ("gpupool.copy-streams", "four"),
         ("gpupool.suballocator", "jemalloc"),
         ("gpupool.peer-gpu-handoff", "sometimes"),
+        ("gpupool.peer-gpu-copy", "sometimes"),
     ],
 )
 def test_bad_config_values_name_the_key(key, value):

@@ -147,6 +147,45 @@ def test_handoff_one_worker_per_gpu():
         _handoff_roundtrip(c, 64 * MiB)
 
 
+def test_a_value_from_another_gpu_is_copied_into_the_consumers_pool_on_arrival():
+    """gpupool.peer-gpu-copy (the default): a pool buffer and a CuPy array made on GPU A's worker reach GPU B's worker
+    as handoffs, are copied device to device into B's own pool once claimed, and their leases end at once while B
+    still holds the values; B reads the bytes A wrote even after A dropped them and scribbled over its pool; nothing
+    went through the comm; resources back to the baseline."""
+    gpus(2)
+    import numpy as np
+
+    plugin = GPUPool(kind="device", max_size="2 GiB", peer_gpu_handoff=True, peer_gpu_copy=True)
+    with nanny_cluster(ROTATED, plugin) as c:
+        a, b = worker_addresses(c)
+        baseline = warm_up(c, a, b)
+        before = counters(c)
+        x = c.submit(T.make_buffer, 32 * MiB, b"device bytes from A", workers=[a], pure=False)
+        y = c.submit(T.keep, x, workers=[b], pure=False)
+        arr = c.submit(T.make_array, 1 << 20, workers=[a], pure=False)
+        got = c.submit(T.keep, arr, workers=[b], pure=False)
+        assert c.submit(T.describe, y, workers=[b], pure=False).result()["in_own_pool"]
+        assert c.submit(T.describe, got, workers=[b], pure=False).result() == {
+            "type": "cupy.ndarray",
+            "imported": False,
+            "in_own_pool": True,
+        }
+        wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="the leases to end once B copied the values")
+        del x, arr
+        for _ in range(4):
+            c.submit(T.scribble_all, 16 * MiB, ord("S"), workers=[a], pure=False).result()
+        assert c.submit(T.head, y, 19, workers=[b], pure=False).result() == b"device bytes from A"
+        assert c.submit(T.total, got, workers=[b], pure=False).result() == float(np.arange(1 << 20).sum())
+        now = counters(c)
+        assert now[b]["peer_copied_bytes"] - before[b]["peer_copied_bytes"] == 32 * MiB + 8 * MiB, now[b]
+        assert now[b]["imports"] - before[b]["imports"] == 2
+        assert now[b]["zero_copy_bytes"] == before[b]["zero_copy_bytes"]
+        assert now[b]["copied_bytes"] == before[b]["copied_bytes"]
+        assert now[b]["fallbacks"] == before[b]["fallbacks"], now[b]["fallbacks"]
+        del y, got
+        back_to(c, baseline)
+
+
 def test_concurrent_handoffs_across_gpus_while_the_producer_allocates():
     # The pattern that broke the consumer's context before pools granted peers access
     # themselves: the consumer imports buffer i while the producer's pool grows for i + 1.
@@ -356,8 +395,16 @@ def test_dask_cuda_local_cuda_cluster_hands_over_across_gpus():
     dask_cuda = pytest.importorskip("dask_cuda")
     from distributed import Client
 
-    # handoff_threshold 0: the warm-up's 4 KiB handoffs open the links that the baseline counts
-    plugin = GPUPool(kind="device", max_size="1 GiB", segment_size="256 MiB", peer_gpu_handoff=True, handoff_threshold=0)
+    # handoff_threshold 0: the warm-up's 4 KiB handoffs open the links that the baseline counts; peer_gpu_copy off:
+    # this test checks the mapping across GPUs
+    plugin = GPUPool(
+        kind="device",
+        max_size="1 GiB",
+        segment_size="256 MiB",
+        peer_gpu_handoff=True,
+        handoff_threshold=0,
+        peer_gpu_copy=False,
+    )
     with dask_cuda.LocalCUDACluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cluster:
         with Client(cluster) as c:
             c.register_plugin(plugin)
@@ -383,8 +430,9 @@ def test_dask_cuda_rmm_options_meet_the_plugin_at_its_defaults(rmm_options):
     """Issue 18, dask-cuda's RMM combinations: LocalCUDACluster with each RMM option (a pool, the async allocator,
     managed memory, none), the plugin registered at its defaults. dask-cuda's allocator stays (stats() says why); an
     8 MiB plain CuPy array, made by whatever dask-cuda set up, reaches the other GPU's worker staged into the pool
-    and handed over (staged-in-pool: managed memory cannot be exported, its bytes are copied on the GPU), with the
-    right values and 0 bytes through the comm."""
+    and handed over (staged-in-pool: managed memory cannot be exported, its bytes are copied on the GPU), then
+    copied into the consumer's pool on its GPU (gpupool.peer-gpu-copy), with the right values and 0 bytes through
+    the comm."""
     gpus(2)
     dask_cuda = pytest.importorskip("dask_cuda")
     if rmm_options:
@@ -403,11 +451,12 @@ def test_dask_cuda_rmm_options_meet_the_plugin_at_its_defaults(rmm_options):
         before = c.run(T.handoff_counters)
         x = c.submit(T.plain_cupy, 1 << 20, workers=[a], pure=False)  # 8 MiB
         y = c.submit(T.keep, x, workers=[b], pure=False)
-        assert c.submit(T.describe, y, workers=[b], pure=False).result()["imported"]
+        assert c.submit(T.describe, y, workers=[b], pure=False).result()["in_own_pool"]
         assert c.submit(T.total, y, workers=[b], pure=False).result() == float(np.arange(1 << 20).sum())
         now = c.run(T.handoff_counters)
         assert now[a]["fallbacks"].get("staged-in-pool", 0) - before[a]["fallbacks"].get("staged-in-pool", 0) == 1
-        assert now[b]["zero_copy_bytes"] - before[b]["zero_copy_bytes"] == 8 * MiB, now[b]
+        assert now[b]["peer_copied_bytes"] - before[b]["peer_copied_bytes"] == 8 * MiB, now[b]
+        assert now[b]["zero_copy_bytes"] == before[b]["zero_copy_bytes"], now[b]
         assert now[b]["copied_bytes"] == before[b]["copied_bytes"], now[b]
         del x, y
 

@@ -214,7 +214,9 @@ def stats(client: Client) -> dict[str, dict[str, Any]]:
         ``device_frames_out_bytes`` (device frames received / sent on UCX
         comms), ``device_staged_bytes`` (the part of those sent that was pool
         memory staged for UCX), ``pool_staged_bytes`` (arrays outside the
-        pool copied into it before a handoff), ``fallbacks`` (same-host transfers that were
+        pool copied into it before a handoff), ``peer_copied_bytes`` (values
+        from another GPU copied into this worker's pool on arrival, device to
+        device: ``gpupool.peer-gpu-copy``), ``fallbacks`` (same-host transfers that were
         copied, by reason), ``timings`` (where a handoff's time went, by step:
         ``{step: {"count", "total_s", "max_s"}}``, see
         :data:`~dask_gpupool.handoff.stats.TIMED_STEPS`), ``mapped_pools``, ``links``, ``pulls`` and

@@ -72,6 +72,9 @@ class GPUPool(SchedulerPlugin):
         transfer failed gets copies (``gpupool.lease-timeout``); no timer ends a lease.
     peer_gpu_handoff : bool or "auto", optional
         Zero-copy handoffs to workers on another GPU (``gpupool.peer-gpu-handoff``).
+    peer_gpu_copy : bool, optional
+        Copy a value handed over from another GPU into this worker's pool on
+        arrival, device to device (``gpupool.peer-gpu-copy``).
     segment_size : int or str, optional
         Segments of ``device`` pools, e.g. ``"1 GiB"``; 0 for none (``gpupool.segment-size``).
     suballocator : {"auto", "rmm", "arena"}, optional
@@ -160,6 +163,7 @@ class GPUPool(SchedulerPlugin):
         handoff_threshold: int | str | None = None,
         device_objects: bool | None = None,
         rmm_allocator: bool | None = None,
+        peer_gpu_copy: bool | None = None,
     ) -> None:
         self.overrides = {
             k: v
@@ -185,6 +189,7 @@ class GPUPool(SchedulerPlugin):
                 handoff_threshold=handoff_threshold,
                 device_objects=device_objects,
                 rmm_allocator=rmm_allocator,
+                peer_gpu_copy=peer_gpu_copy,
             ).items()
             if v is not None
         }

@@ -26,11 +26,12 @@ from dask_gpupool.errors import (
     GPUPoolError,
     PeerAccessError,
     PoolClosedError,
+    PoolExhaustedError,
     ProtocolError,
     UnknownPoolError,
 )
 from dask_gpupool.handoff.copies import Copies
-from dask_gpupool.handoff.deferred import claim_later
+from dask_gpupool.handoff.deferred import claim_later, fill_later
 from dask_gpupool.handoff.imported import ImportedMemoryResource, Origin
 from dask_gpupool.handoff.links import ExporterLinks
 from dask_gpupool.handoff.mapped_pool import IMPORT_LOCK, MappedPool
@@ -257,6 +258,9 @@ class Importer:
         # ended, and its memory may already hold another buffer. Inside a worker's comm read the claim waits
         # for the message's other claims and runs in a thread before Dask sees the message (deferred.py).
         claim_later(record.broker, lease, functools.partial(self._claim, record, link), buf.close)
+        local = self._copy_from_other_gpu(buf, record, desc.size)
+        if local is not None:
+            return local
         self.handoffs.add(imports=1, zero_copy_bytes=desc.size)
         logger.debug(
             "lease %d of %s: mapped %d bytes at %#x (GPU %s)",
@@ -267,6 +271,46 @@ class Importer:
             mapped.device,
         )
         return buf
+
+    def _copy_from_other_gpu(self, buf: Buffer, record: PoolRecord, nbytes: int) -> Buffer | None:
+        """``gpupool.peer-gpu-copy``: a buffer mapped from another GPU, copied into this worker's pool once claimed.
+
+        Returns the landing buffer (owned by the caller), or ``None`` where
+        the value is read in place: the option is off, the memory is on this
+        worker's GPU (or not device memory), or this pool has no room. The
+        copy is queued on this GPU's default stream after the claim
+        (:func:`~dask_gpupool.handoff.deferred.fill_later`), then ``buf`` is
+        closed: its lease release waits for that stream's work, the copy
+        included, so the exporter reuses the memory only once it is read.
+        Kernels on blocking streams (CuPy's default) run after the copy.
+        """
+        pool = self.pool
+        if not (
+            self.options.peer_gpu_copy
+            and pool.kind == "device"
+            and record.kind == "device"
+            and record.device not in (None, pool.device_uuid)
+        ):
+            return None
+        try:
+            local = pool.allocate(nbytes)
+        except PoolExhaustedError as e:
+            logger.info("pool %s: %s; a value from %s is read on its GPU, not copied", pool.uuid, e, record.worker)
+            return None
+        stream = current_gpu(pool.device).default_stream
+
+        def run() -> None:
+            local.copy_from(buf, stream=stream)
+            buf.close()  # the lease ends once the stream has run the copy (the releaser waits for it)
+            self.handoffs.add(peer_copied_bytes=nbytes)
+
+        def abandon() -> None:
+            local.close()
+            buf.close()
+
+        fill_later(run, abandon)
+        self.handoffs.add(imports=1)
+        return local
 
     # -- copies (handoff/copies.py) ----------------------------------------------------
 

@@ -120,6 +120,10 @@ class HandoffStats:
     device_staged_bytes : int
         The part of ``device_frames_out_bytes`` that was pool memory, copied
         device to device into memory UCX can send through ``cuda_ipc`` first.
+    peer_copied_bytes : int
+        Bytes handed over from another GPU of this host and copied into this
+        worker's pool on arrival, device to device (``gpupool.peer-gpu-copy``;
+        counted in ``imports``, not in ``zero_copy_bytes`` nor ``copied_bytes``).
     pool_staged_bytes : int
         Arrays outside the pool copied into it on this worker (device to
         device for CuPy) and then handed over to a same-host worker
@@ -144,6 +148,7 @@ class HandoffStats:
     device_frames_out_bytes: int
     device_staged_bytes: int
     pool_staged_bytes: int
+    peer_copied_bytes: int
     fallbacks: dict[str, int]
     timings: dict[str, list[float]]
     _warned: set[tuple[str, str]]
@@ -154,7 +159,7 @@ class HandoffStats:
         self.zero_copy_bytes = self.copied_bytes = self.copied_out_bytes = 0
         self.streamed_bytes = self.streamed_out_bytes = 0
         self.device_frames_bytes = self.device_frames_out_bytes = self.device_staged_bytes = 0
-        self.pool_staged_bytes = 0
+        self.pool_staged_bytes = self.peer_copied_bytes = 0
         self.fallbacks = {}
         self.timings = {}
         self._warned = set()
@@ -212,6 +217,7 @@ class HandoffStats:
                 "device_frames_out_bytes": self.device_frames_out_bytes,
                 "device_staged_bytes": self.device_staged_bytes,
                 "pool_staged_bytes": self.pool_staged_bytes,
+                "peer_copied_bytes": self.peer_copied_bytes,
                 "fallbacks": dict(self.fallbacks),
                 "timings": {
                     step: {"count": int(n), "total_s": total, "max_s": longest}
