@@ -232,10 +232,12 @@ class PoolOptions:
         A ``device`` buffer handed over from another GPU of this host is
         copied into this worker's pool when it arrives, device to device over
         NVLink or PCIe, and its lease ends at once; off, kernels read it where
-        it is. On by default: on two H200s a kernel reading its operand from
-        the other GPU ran 2.8-10x slower than from its own memory (a 2048^2
-        float64 matrix product 4.5x), where copying the 32 MiB operand took
-        0.1 ms (``benchmarks/peer_read.py``, docs/performance.md).
+        it is. On two H200s a kernel reading its operand from the other GPU
+        ran 2.8-10x slower than from its own memory (a 2048^2 float64 matrix
+        product 4.5x), where copying the 32 MiB operand took 0.1 ms
+        (``benchmarks/peer_read.py``, docs/performance.md). Off by default
+        until its GPU tests pass: its first GPU run failed (the copy ran in a
+        thread with no CUDA context), and the fix has not run on a GPU yet.
     """
 
     kind: PoolKind = "auto"
@@ -246,7 +248,7 @@ class PoolOptions:
     broker_timeout: float = 10.0
     lease_timeout: float = 60.0
     peer_gpu_handoff: bool = True
-    peer_gpu_copy: bool = True
+    peer_gpu_copy: bool = False
     segment_size: int = 1 << 30
     suballocator: str = "auto"
     segment_memory: str = "auto"
@@ -344,7 +346,7 @@ class PoolOptions:
             broker_timeout=_parse_timeout(raw.get("broker-timeout", "10s"), "gpupool.broker-timeout"),
             lease_timeout=_parse_timeout(raw.get("lease-timeout", "60s"), "gpupool.lease-timeout"),
             peer_gpu_handoff=peer_gpu_handoff,
-            peer_gpu_copy=_parse_bool(raw.get("peer-gpu-copy", True), "gpupool.peer-gpu-copy"),
+            peer_gpu_copy=_parse_bool(raw.get("peer-gpu-copy", False), "gpupool.peer-gpu-copy"),
             segment_size=segment_size,
             suballocator=suballocator,
             segment_memory=segment_memory,

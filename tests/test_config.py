@@ -70,8 +70,8 @@ def test_config_values_and_overrides():
     no_segments = PoolOptions.from_config(segment_size=0)
     assert no_segments.segment_size == 0 and no_segments.peer_gpu_handoff is False
     assert PoolOptions.from_config(peer_gpu_handoff="false").peer_gpu_handoff is False
-    assert options.peer_gpu_copy is True  # a value from another GPU is copied here on arrival (kernels read locally)
-    assert PoolOptions.from_config(peer_gpu_copy="false").peer_gpu_copy is False
+    assert options.peer_gpu_copy is False  # off until its GPU tests pass (docs/gpu-checks.md, twelfth session)
+    assert PoolOptions.from_config(peer_gpu_copy="true").peer_gpu_copy is True
     assert PoolOptions.from_config(suballocator="arena").suballocator == "arena"
     assert options.import_limit is None  # auto: none for VMM segments, 5 GiB for CUDA IPC pool memory
     assert (options.effective_import_limit(vmm=True), options.effective_import_limit(vmm=False)) == (0, 5 << 30)

@@ -98,6 +98,7 @@ class Importer:
     links: ExporterLinks
     copies: Copies
     closed: bool
+    _peer_copy_failed: bool
 
     def __init__(
         self,
@@ -120,6 +121,7 @@ class Importer:
         self.links = ExporterLinks(options, pool, worker, self.releaser)
         self.copies = Copies(options, pool, worker, registry, handoffs, self.links, self.releaser)
         self.closed = False
+        self._peer_copy_failed = False
 
     @property
     def token(self) -> bytes | None:
@@ -283,10 +285,17 @@ class Importer:
         closed: its lease release waits for that stream's work, the copy
         included, so the exporter reuses the memory only once it is read.
         Kernels on blocking streams (CuPy's default) run after the copy.
+
+        The copy runs in whatever thread runs the fill (a worker's comm read
+        runs them off the event loop), so it makes this GPU current there
+        first. A copy that fails is raised (the transfer fails, and Dask asks
+        again) and turns the copies off in this process, logged once: the
+        next transfer maps the value instead of failing the same way.
         """
         pool = self.pool
         if not (
             self.options.peer_gpu_copy
+            and not self._peer_copy_failed
             and pool.kind == "device"
             and record.kind == "device"
             and record.device not in (None, pool.device_uuid)
@@ -297,10 +306,20 @@ class Importer:
         except PoolExhaustedError as e:
             logger.info("pool %s: %s; a value from %s is read on its GPU, not copied", pool.uuid, e, record.worker)
             return None
-        stream = current_gpu(pool.device).default_stream
 
         def run() -> None:
-            local.copy_from(buf, stream=stream)
+            try:
+                stream = current_gpu(pool.device).default_stream  # this thread's context: the fill's thread
+                local.copy_from(buf, stream=stream)
+            except Exception:
+                self._peer_copy_failed = True
+                logger.exception(
+                    "pool %s: copying a value from %s's GPU failed; values from other GPUs are read where they "
+                    "are from now on in this worker (gpupool.peer-gpu-copy)",
+                    pool.uuid,
+                    record.worker,
+                )
+                raise
             buf.close()  # the lease ends once the stream has run the copy (the releaser waits for it)
             self.handoffs.add(peer_copied_bytes=nbytes)
 
