@@ -101,6 +101,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "+cupy4": {"cupy_allocator": True, "handoff_threshold": "4 MiB"},  # CuPy routing, values under 4 MiB copied
     # RMM routing with values under 1 MiB copied (the GPU crossover of the twelfth session's call 2)
     "+rmm1": {"rmm_allocator": True, "device_objects": True, "handoff_threshold": "1 MiB"},
+    # values from another GPU copied into the consumer's pool on arrival (gpupool.peer-gpu-copy), alone and with the
+    # routing candidates
+    "+peer": {"peer_gpu_copy": True},
+    "+peer-rmm1": {"peer_gpu_copy": True, "rmm_allocator": True, "device_objects": True, "handoff_threshold": "1 MiB"},
+    "+peer-objects": {"peer_gpu_copy": True, "device_objects": True},
 }
 
 
