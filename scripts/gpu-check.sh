@@ -58,11 +58,13 @@ if [ "${CHAOS_BG:-}" = collect ]; then
 fi
 PART=${PART:-all}
 if [ "$PART" != bench ]; then
-timeout ${PYTEST_TIMEOUT:-480} python3 -m pytest tests ${PYTEST_K:+-k "$PYTEST_K"} -p no:cacheprovider -o addopts="" -rA --durations=8 --timeout 180 ${PYTEST_ARGS:-} > "$OUT/pytest.log" 2>&1
+# -v: each test's name and outcome as it ends, so a call cut off by its time limit still says which ran and how
+timeout ${PYTEST_TIMEOUT:-480} python3 -m pytest tests ${PYTEST_K:+-k "$PYTEST_K"} -p no:cacheprovider -o addopts="" -v -rA --durations=8 --timeout 180 ${PYTEST_ARGS:-} > "$OUT/pytest.log" 2>&1
 TESTS_RC=$?
 echo "pytest exit: $TESTS_RC"
 echo "== failures/errors"; grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20
 echo "== gpu tests"; grep -E "^(PASSED|FAILED|SKIPPED|ERROR).*(test_gpu|test_leases)" "$OUT/pytest.log"
+[ "$TESTS_RC" = 124 ] && { echo "== cut off by PYTEST_TIMEOUT; the tests that ended:"; grep -E "::.* (PASSED|FAILED|ERROR|SKIPPED)" "$OUT/pytest.log" | tail -40; }
 echo "== slowest"; grep -E "^[0-9.]+s call" "$OUT/pytest.log" | head -8
 echo "== summary"; tail -n 1 "$OUT/pytest.log"
 if [ "${DEMO:-1}" != 0 ]; then
