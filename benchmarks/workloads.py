@@ -106,6 +106,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "+peer": {"peer_gpu_copy": True},
     "+peer-rmm1": {"peer_gpu_copy": True, "rmm_allocator": True, "device_objects": True, "handoff_threshold": "1 MiB"},
     "+peer-objects": {"peer_gpu_copy": True, "device_objects": True},
+    "+peer-event": {"peer_gpu_copy": True, "handoff_ordering": "event"},  # no GPU synchronize at the export
 }
 
 

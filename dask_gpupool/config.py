@@ -228,6 +228,19 @@ class PoolOptions:
         default) means on with segments; :class:`~dask_gpupool.memory.pool.Pool`
         turns it off when the GPU cannot make VMM segments. Off, such
         transfers get copies, counted as fallback ``other-gpu``.
+    handoff_ordering : {"sync", "event"}
+        How an exporter makes sure the GPU work that wrote a buffer has
+        finished before a peer reads it. ``sync`` (the default): it
+        synchronizes its GPU before the descriptor goes out, which waits for
+        every kernel queued on any stream of the process, other tasks'
+        included. ``event``: it records a CUDA event on the legacy default
+        stream (on the staging copy's stream for a staged array) and sends the
+        descriptor at once; its broker waits for that event before it
+        acknowledges the consumer's claim, which the consumer waits for before
+        it reads. Work a task left on a non-blocking stream is then not
+        covered (as with distributed's UCX comm, which synchronizes the
+        default stream only), and the wait counts against the consumer's
+        ``broker-timeout``. Not yet run on a GPU.
     peer_gpu_copy : bool
         A ``device`` buffer handed over from another GPU of this host is
         copied into this worker's pool when it arrives, device to device over
@@ -249,6 +262,7 @@ class PoolOptions:
     lease_timeout: float = 60.0
     peer_gpu_handoff: bool = True
     peer_gpu_copy: bool = False
+    handoff_ordering: str = "sync"
     segment_size: int = 1 << 30
     suballocator: str = "auto"
     segment_memory: str = "auto"
@@ -347,6 +361,7 @@ class PoolOptions:
             lease_timeout=_parse_timeout(raw.get("lease-timeout", "60s"), "gpupool.lease-timeout"),
             peer_gpu_handoff=peer_gpu_handoff,
             peer_gpu_copy=_parse_bool(raw.get("peer-gpu-copy", False), "gpupool.peer-gpu-copy"),
+            handoff_ordering=_parse_choice(raw.get("handoff-ordering", "sync"), "gpupool.handoff-ordering", ORDERINGS),
             segment_size=segment_size,
             suballocator=suballocator,
             segment_memory=segment_memory,
@@ -367,6 +382,17 @@ class PoolOptions:
             else _parse_nbytes(raw.get("handoff-threshold"), "gpupool.handoff-threshold"),
             device_objects=_parse_bool(raw.get("device-objects", False), "gpupool.device-objects"),
         )
+
+
+#: ``gpupool.handoff-ordering``: synchronize the exporter's GPU before a descriptor goes out, or wait for an event
+#: recorded at the export before acknowledging the consumer's claim.
+ORDERINGS = ("sync", "event")
+
+
+def _parse_choice(value: object, key: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r} is not valid; valid: {', '.join(choices)}")
+    return str(value)
 
 
 def _parse_bool(value: object, key: str) -> bool:

@@ -16,7 +16,8 @@
 # (what an importer reads after its exporter's SIGKILL, pool vs VMM memory). ARRAY_BENCH=1 runs benchmarks/dask_array.py
 # (plugin vs none at defaults; not DASK_*: Dask reads every DASK_* variable as config) for each of ARRAY_BENCH_PROTOCOLS (default "tcp"; "tcp ucxx" both), ARRAY_BENCH_ARGS adds options. WORKLOADS=1 runs
 # benchmarks/workloads.py (issue 18's dask.array workloads; WORKLOADS_ARGS adds options, WORKLOADS_TIMEOUT caps it, default 560 s).
-# GATHER=1 runs benchmarks/gather.py (one reply of 1, 8, 32 pool arrays; GATHER_ARGS). CHAOS_SECONDS (default 0: skipped)
+# GATHER=1 runs benchmarks/gather.py (one reply of 1, 8, 32 pool arrays; GATHER_ARGS). BUSY=1 runs
+# benchmarks/busy_producer.py (handoffs while the producer's GPU is busy, gpupool.handoff-ordering sync vs event; BUSY_ARGS). CHAOS_SECONDS (default 0: skipped)
 # runs benchmarks/chaos.py for that long (CHAOS_ARGS adds options). The exit status is pytest's (0 when the tests
 # passed or were not run), so a caller sees a failed suite.
 set -uo pipefail
@@ -115,6 +116,10 @@ fi
 if [ "${GATHER:-0}" != 0 ]; then  # one reply of many handoffs: claims batched per exporter (GATHER_ARGS adds options)
   echo "== gather"; timeout 240 python3 benchmarks/gather.py ${GATHER_ARGS:-} > "$OUT/gather.log" 2>&1
   echo "gather exit: $?"; grep "values" "$OUT/gather.log"
+fi
+if [ "${BUSY:-0}" != 0 ]; then  # issue 19: handoff latency while the producer's GPU runs another stream's kernels
+  echo "== busy producer ${BUSY_ARGS:-}"; timeout 240 python3 benchmarks/busy_producer.py ${BUSY_ARGS:-} > "$OUT/busy.log" 2>&1
+  echo "busy producer exit: $?"; sed -n '/^consumer transfer time/,$p' "$OUT/busy.log"
 fi
 if [ "${DEATH:-0}" != 0 ]; then  # what an importer reads after its exporter's SIGKILL: pool vs VMM memory
   echo "== exporter death"; timeout 280 python3 benchmarks/exporter_death.py > "$OUT/exporter_death.log" 2>&1

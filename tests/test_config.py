@@ -72,6 +72,8 @@ def test_config_values_and_overrides():
     assert PoolOptions.from_config(peer_gpu_handoff="false").peer_gpu_handoff is False
     assert options.peer_gpu_copy is False  # off until its GPU tests pass (docs/gpu-checks.md, twelfth session)
     assert PoolOptions.from_config(peer_gpu_copy="true").peer_gpu_copy is True
+    assert options.handoff_ordering == "sync"  # the exporter synchronizes its GPU before a descriptor goes out
+    assert PoolOptions.from_config(handoff_ordering="event").handoff_ordering == "event"
     assert PoolOptions.from_config(suballocator="arena").suballocator == "arena"
     assert options.import_limit is None  # auto: none for VMM segments, 5 GiB for CUDA IPC pool memory
     assert (options.effective_import_limit(vmm=True), options.effective_import_limit(vmm=False)) == (0, 5 << 30)
@@ -130,6 +132,7 @@ def test_segments_are_at_most_the_import_limit():
         ("gpupool.suballocator", "jemalloc"),
         ("gpupool.peer-gpu-handoff", "sometimes"),
         ("gpupool.peer-gpu-copy", "sometimes"),
+        ("gpupool.handoff-ordering", "later"),
     ],
 )
 def test_bad_config_values_name_the_key(key, value):

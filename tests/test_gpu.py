@@ -666,6 +666,29 @@ def layout_workers(layout: str) -> list[dict]:
     return ROTATED if layout == "two-gpus" else [ONE_GPU, ONE_GPU]
 
 
+@pytest.mark.parametrize("ordering", ["sync", "event"])
+@pytest.mark.parametrize("layout", ["one-gpu", "two-gpus"])
+def test_a_consumer_never_reads_before_the_producers_kernel_wrote(layout, ordering):
+    """Issue 19, stream order: the producer's task queues a kernel that spins 300 ms and then fills a 16 MiB pool
+    buffer, and returns without waiting for it. The consumer on the same GPU or the other one reads every byte
+    right: with gpupool.handoff-ordering ``sync`` because the exporter synchronized first, with ``event`` because
+    its broker acknowledged the claim only after the event recorded at the export. With ``event`` the header says
+    so (``ready="claim"``), and the export itself did not wait for the kernel."""
+    plugin = GPUPool(kind="device", max_size="1 GiB", peer_gpu_handoff=layout == "two-gpus", handoff_ordering=ordering)
+    with nanny_cluster(layout_workers(layout), plugin) as c:
+        a, b = worker_addresses(c)
+        baseline = warm_up(c, a, b)
+        for i in range(3):
+            x = c.submit(T.slow_fill, 16 * MiB, 11 + i, 300, workers=[a], pure=False)
+            y = c.submit(T.keep, x, workers=[b], pure=False)
+            assert c.submit(T.all_equal, y, 11 + i, workers=[b], pure=False).result(), (ordering, i)
+            del x, y
+        export = counters(c, a)[a]["timings"]["export"]
+        if ordering == "event":
+            assert export["max_s"] < 0.2, export  # the 300 ms kernel was not waited for at the export
+        back_to(c, baseline)
+
+
 @pytest.mark.parametrize("layout", ["one-gpu", "two-gpus"])
 def test_a_stalled_consumer_reads_the_original_device_bytes(layout):
     from conftest import stalled_consumer

@@ -72,6 +72,9 @@ class GPUPool(SchedulerPlugin):
         transfer failed gets copies (``gpupool.lease-timeout``); no timer ends a lease.
     peer_gpu_handoff : bool or "auto", optional
         Zero-copy handoffs to workers on another GPU (``gpupool.peer-gpu-handoff``).
+    handoff_ordering : {"sync", "event"}, optional
+        Synchronize the GPU before a descriptor goes out, or wait for an event
+        before acknowledging the consumer's claim (``gpupool.handoff-ordering``).
     peer_gpu_copy : bool, optional
         Copy a value handed over from another GPU into this worker's pool on
         arrival, device to device (``gpupool.peer-gpu-copy``).
@@ -164,6 +167,7 @@ class GPUPool(SchedulerPlugin):
         device_objects: bool | None = None,
         rmm_allocator: bool | None = None,
         peer_gpu_copy: bool | None = None,
+        handoff_ordering: str | None = None,
     ) -> None:
         self.overrides = {
             k: v
@@ -190,6 +194,7 @@ class GPUPool(SchedulerPlugin):
                 device_objects=device_objects,
                 rmm_allocator=rmm_allocator,
                 peer_gpu_copy=peer_gpu_copy,
+                handoff_ordering=handoff_ordering,
             ).items()
             if v is not None
         }

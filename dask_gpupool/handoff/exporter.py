@@ -49,12 +49,19 @@ def make_current(pool: Pool) -> Callable[[], None]:
 
 
 class Exported:
-    """What an IPC lease keeps alive: the value handed over (``holder``) and the pool buffer under it."""
+    """What an IPC lease keeps alive: the value handed over (``holder``) and the pool buffer under it.
 
-    __slots__ = ("buf", "holder")
+    ``written``: with ``gpupool.handoff-ordering: event``, a function that
+    blocks until the GPU work queued before the export (which may still be
+    writing ``buf``) has finished; the broker runs it before it acknowledges
+    a claim (:meth:`ExportSide.wait_written`), and it is dropped once it
+    returned. ``None``: the memory was ready when the descriptor went out.
+    """
 
-    def __init__(self, holder: Any, buf: Buffer) -> None:
-        self.holder, self.buf = holder, buf
+    __slots__ = ("buf", "holder", "written")
+
+    def __init__(self, holder: Any, buf: Buffer, written: Callable[[], None] | None = None) -> None:
+        self.holder, self.buf, self.written = holder, buf, written
 
 
 class ExportSide:
@@ -97,6 +104,20 @@ class ExportSide:
         if segments:
             self._pool.resource.note_claims(segments, importer)
         return refused
+
+    def wait_written(self, leases: Iterable[int], importer: str) -> None:
+        """Block until the memory of ``importer``'s claimed ``leases`` is written (``gpupool.handoff-ordering``).
+
+        Runs on a helper thread of the broker, between a claim and its reply:
+        the importer reads only after the reply, so it never reads before the
+        exporter's GPU finished the work queued before the export. Each wait
+        runs once; a lease exported after a synchronize has nothing to wait for.
+        """
+        for lease in leases:
+            exported = self._leases.holder_for(lease, importer)
+            if isinstance(exported, Exported) and exported.written is not None:
+                exported.written()
+                exported.written = None
 
     def release(self, leases: Iterable[int], importer: str) -> None:
         self._leases.release(leases, importer)
@@ -141,6 +162,8 @@ class ExportSide:
         if isinstance(holder, Staged):  # a stream lease: its span of the buffer
             buf, offset, n = holder.buf, holder.offset, holder.nbytes
         else:
+            if holder.written is not None:  # gpupool.handoff-ordering: event; the copy must not read early either
+                holder.written()
             buf, offset, n = holder.buf, 0, int(holder.buf.size)
         fd = os.memfd_create("dask-gpupool-copy", os.MFD_CLOEXEC)
         try:

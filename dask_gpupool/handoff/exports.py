@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from cuda.core import Buffer
@@ -94,24 +95,63 @@ class Exports:
         """Grant ``row``'s worker a lease on ``buf`` and describe it.
 
         ``holder`` (``buf`` or an object that keeps it alive) stays referenced
-        by the lease until the importer releases it. Pending GPU work is
-        finished first (``ready="synced"``), so the importer may read at once:
-        the whole GPU's, since a task may have written ``buf`` on any stream;
-        or, when the caller wrote ``buf`` itself and says on which stream
-        (``written_on``, an object with ``synchronize()``: a staged copy),
-        only that stream's, so that kernels other tasks run meanwhile do not
-        hold the reply up.
+        by the lease until the importer releases it. The importer must not
+        read before the GPU work that wrote ``buf`` has finished
+        (:meth:`_order`): with ``gpupool.handoff-ordering: sync`` that work is
+        finished here (``ready="synced"``); with ``event`` the broker waits
+        for it before it acknowledges the importer's claim (``ready="claim"``).
+        ``written_on`` (a CuPy stream): the caller wrote ``buf`` itself on
+        that stream (a staged copy), so only that stream's work counts.
         """
         start = time.perf_counter()
         desc = self.pool.export(buf) if desc is None else desc  # given: memory RMM placed (export_range)
-        if written_on is not None:
-            written_on.synchronize()
-        elif self.pool.device is not None:
-            current_gpu(self.pool.device).sync()
-        lease = self.leases.grant(Exported(holder, buf), buf.size, row.worker, desc.segment)
+        written = self._order(written_on)
+        lease = self.leases.grant(Exported(holder, buf, written), buf.size, row.worker, desc.segment)
         self.handoffs.add(exports=1)
         self.handoffs.timed("export", time.perf_counter() - start)
-        return HandoffHeader("ipc", self.pool.kind, buf.size, exporter=self.worker, desc=desc, lease=lease, array=array)
+        return HandoffHeader(
+            "ipc",
+            self.pool.kind,
+            buf.size,
+            exporter=self.worker,
+            desc=desc,
+            lease=lease,
+            ready="synced" if written is None else "claim",
+            array=array,
+        )
+
+    def _order(self, written_on: Any) -> Callable[[], None] | None:
+        """Finish the GPU work that may still write an exported buffer, or mark it and return the wait for it.
+
+        ``sync``: the whole GPU is synchronized here (a task may have written
+        the buffer on any stream), or only ``written_on``; returns ``None``.
+        ``event``: an event is recorded on the legacy default stream (which
+        follows every blocking stream's earlier work, CuPy's default
+        included), or on ``written_on``; returns what waits for it, which the
+        broker runs before it acknowledges a claim
+        (:meth:`ExportSide.wait_written <dask_gpupool.handoff.exporter.ExportSide.wait_written>`).
+        Host pools have nothing to order.
+        """
+        device = self.pool.device
+        if device is None and written_on is None:
+            return None
+        if self.options.handoff_ordering == "sync":
+            if written_on is not None:
+                written_on.synchronize()
+            else:
+                current_gpu(device).sync()
+            return None
+        if written_on is not None:
+            done = written_on.record().synchronize  # a CuPy event
+        else:
+            done = current_gpu(device).default_stream.record().sync  # a cuda.core event
+
+        def wait() -> None:
+            if device is not None:
+                current_gpu(device)  # the broker's helper thread has no context of its own
+            done()
+
+        return wait
 
     def export_range(
         self, holder: Any, ptr: int, nbytes: int, requester: str | None, scheme: str, array: ArrayMeta | None

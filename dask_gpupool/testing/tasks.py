@@ -134,6 +134,39 @@ def fill(nbytes: int, value: int) -> Buffer:
     return buf
 
 
+_SLOW_FILL = r"""
+extern "C" __global__ void slow_fill(unsigned char* p, long long n, unsigned char value, long long spin_ns) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < (unsigned long long)spin_ns);
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        p[i] = value;
+}
+"""
+
+
+def slow_fill(nbytes: int, value: int, spin_ms: float, stream: str = "default") -> Buffer:
+    """Task: a pool Buffer that a kernel fills with ``value`` after spinning ``spin_ms``; returned without waiting.
+
+    The kernel runs on CuPy's current stream (``"default"``) or on a new
+    non-blocking stream (``"nonblocking"``), and the task returns while it
+    still runs: a consumer that read before the producer's GPU finished would
+    see the pool's old bytes (:func:`all_equal` tells). For the ordering tests
+    of ``gpupool.handoff-ordering``.
+    """
+    import cupy
+
+    buf = current_service().allocate(nbytes)
+    with cupy.cuda.Device(buf.device_id):
+        kernel = cupy.RawKernel(_SLOW_FILL, "slow_fill")
+        s = cupy.cuda.Stream(non_blocking=True) if stream == "nonblocking" else cupy.cuda.get_current_stream()
+        with s:
+            mem = cupy.cuda.UnownedMemory(int(buf.handle), nbytes, buf, device_id=buf.device_id)
+            out = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
+            kernel((256,), (256,), (out, cupy.int64(nbytes), cupy.uint8(value), cupy.int64(int(spin_ms * 1e6))))
+    return buf
+
+
 def set_all(buf: Buffer, value: int) -> None:
     if buf.is_host_accessible:
         ctypes.memset(int(buf.handle), value, buf.size)

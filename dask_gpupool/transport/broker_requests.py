@@ -16,10 +16,11 @@ made for one request, is closed here once sent. Broker thread only.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 
-from dask_gpupool.errors import GPUPoolError, ProtocolError, UnknownPoolError
+from dask_gpupool.errors import DataLostError, GPUPoolError, ProtocolError, UnknownPoolError
 from dask_gpupool.transport.broker_handler import BrokerHandler
 from dask_gpupool.wire.broker import (
     ClaimReply,
@@ -40,6 +41,8 @@ from dask_gpupool.wire.broker import (
 from dask_gpupool.wire.codec import encode
 
 __all__ = ["BrokerRequests"]
+
+logger = logging.getLogger(__name__)
 
 #: Most lease ids one resync may name (an importer's live imports of one exporter).
 _MAX_RESYNC = 1 << 20
@@ -110,6 +113,15 @@ class BrokerRequests:
             raise ProtocolError(f"{request.op} on a connection that named no worker")
         if isinstance(request, LeaseClaim):
             refused = self._handler.claim(request.leases, importer)
+            claimed = [lease for lease in request.leases if lease not in refused]
+            if claimed:  # the memory may still be being written (gpupool.handoff-ordering: event); not on this loop
+                try:
+                    await self._loop.run_in_executor(None, self._handler.wait_written, claimed, importer)
+                except Exception as e:  # the importer must not read: the claim fails, its transfer with it
+                    logger.exception("waiting for the memory of leases %s failed", claimed)
+                    failed = DataLostError(f"the memory of leases {claimed} could not be waited for: {e}")
+                    await self._loop.sock_sendall(conn, encode(ErrorReply.of(failed)))
+                    return
             await self._loop.sock_sendall(conn, encode(ClaimReply(tuple(refused))))
         elif isinstance(request, LeaseRelease):
             self._handler.release(request.leases, importer)

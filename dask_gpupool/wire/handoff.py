@@ -178,7 +178,10 @@ class HandoffHeader:
         ``ipc`` and ``stream``: the lease that keeps the memory alive; 0 otherwise.
     ready : str
         How the exporter ordered its pending work before the importer reads:
-        ``"synced"`` (the exporter's streams were synchronized before sending).
+        ``"synced"`` (the exporter's streams were synchronized before sending)
+        or ``"claim"`` (the exporter's broker acknowledges the importer's
+        claim only once that work has finished: ``gpupool.handoff-ordering:
+        event``). Either way the importer reads only after its claim.
     array : ArrayMeta or None
         Present when the value is an array view rather than a Buffer.
     address : str
@@ -201,7 +204,7 @@ class HandoffHeader:
     lanes: tuple[int, ...] = ()
 
     PATHS: ClassVar[tuple[str, ...]] = ("ipc", "copy", "stream")
-    READY: ClassVar[tuple[str, ...]] = ("synced",)
+    READY: ClassVar[tuple[str, ...]] = ("synced", "claim")
 
     def to_msg(self) -> dict[str, Any]:
         return {

@@ -275,6 +275,54 @@ def test_another_worker_can_neither_claim_nor_release_a_lease(exporter):
         as_c.close()
 
 
+def test_a_claim_is_acknowledged_only_once_the_memory_is_written_and_the_broker_serves_others_meanwhile(exporter):
+    """gpupool.handoff-ordering: event. A lease whose memory the exporter's GPU may still be writing carries the wait
+    for it (``Exported.written``, on GPUs a CUDA event recorded at the export). The broker runs that wait on a
+    helper thread between the claim and its reply: B's claim returns only after it, C's requests on another
+    connection are answered meanwhile, the wait runs once (B's second claim and a forward's claim do not wait), and
+    a wait that fails fails the claim instead of letting the importer read."""
+    import threading
+
+    from dask_gpupool.handoff.exporter import Exported
+    from dask_gpupool.transport.link import PeerLink
+
+    pool, leases, broker, (b, c) = exporter
+    buf = pool.allocate(4096)
+    written, waits = threading.Event(), []
+
+    def wait() -> None:
+        waits.append(threading.current_thread().name)
+        assert written.wait(10)
+
+    lease = leases.grant(Exported(buf, buf, wait), 4096, b)
+    as_b, as_c = PeerLink(broker.address, 2.0, TOKEN, b), PeerLink(broker.address, 2.0, TOKEN, c)
+    try:
+        answered: list[list[int]] = []
+        claiming = threading.Thread(target=lambda: answered.append(as_b.claim([lease])))
+        claiming.start()
+        time.sleep(0.3)
+        assert not answered and waits  # B waits for the memory...
+        assert as_c.claim([lease]) == [lease]  # ...while the broker answers C
+        written.set()
+        claiming.join(5)
+        assert answered == [[]]
+        assert len(waits) == 1 and waits[0] != threading.current_thread().name
+        assert as_b.claim([lease]) == [] and len(waits) == 1  # once
+        forwarded, _ = as_b.forward(lease, c)
+        assert as_c.claim([forwarded]) == [] and len(waits) == 1
+
+        def broken() -> None:
+            raise RuntimeError("CUDA_ERROR_LAUNCH_FAILED")
+
+        other = leases.grant(Exported(buf, buf, broken), 4096, b)
+        with pytest.raises(dask_gpupool.DataLostError, match="could not be waited for"):
+            as_b.claim([other])
+    finally:
+        as_b.close()
+        as_c.close()
+        del buf
+
+
 def test_forwards_over_the_broker_are_scoped_to_the_lease_holder_and_settled_by_it(exporter):
     from dask_gpupool.handoff.exporter import Exported
     from dask_gpupool.transport.link import PeerLink

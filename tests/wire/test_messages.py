@@ -100,6 +100,16 @@ def test_a_vmm_segment_descriptor_carries_no_payload():
         BufferDescriptor.from_msg({**desc.to_msg(), "offset": 1 << 21})
 
 
+def test_an_ipc_header_says_how_the_exporter_ordered_its_gpu_work():
+    """``synced``: finished before the header went out; ``claim``: finished before the claim is acknowledged."""
+    desc = BufferDescriptor(POOL, 8, b"", 4096, 1 << 21, 3)
+    for ready in HandoffHeader.READY:
+        header = HandoffHeader("ipc", "device", 8, "tcp://h:1", desc=desc, lease=7, ready=ready)
+        assert HandoffHeader.from_msg(wire(header.to_msg())) == header
+    with pytest.raises(ProtocolError, match="unknown readiness 'later'"):
+        HandoffHeader.from_msg({**header.to_msg(), "ready": "later"})
+
+
 def test_copy_path_messages_round_trip_and_refuse_bad_fields():
     for m in (PullRequest(POOL, 9, b"p" * 32), PullReply(9, 1 << 30, 16 << 20)):
         assert type(m).from_msg(wire(m.to_msg())) == m

@@ -1,0 +1,115 @@
+"""Handoff latency while the producer's GPU is busy with another stream's kernels (issue 19, stream order).
+
+With ``gpupool.handoff-ordering: sync`` an exporter synchronizes its whole GPU before a descriptor goes out, so a
+handoff waits for every kernel the producer's process has queued, on any stream. With ``event`` it records an event
+on the default stream and its broker waits for that before acknowledging the consumer's claim: kernels of other
+streams are not waited for. This runs the handoff benchmark's pool-array handoff (two workers, one GPU or two)
+with and without a background thread on the producer that keeps a non-blocking stream busy with ``--spin-ms``
+kernels, for both orderings; median of ``--repeats`` after a warm-up. Needs a GPU and CuPy. JSON to
+``benchmarks/results/`` (and ``$OUT``).
+
+    python benchmarks/busy_producer.py [--sizes 1MiB,64MiB] [--spin-ms 20] [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+from dask.utils import parse_bytes
+
+sys.path.insert(0, os.path.dirname(__file__))
+import handoff as H  # benchmarks/handoff.py: its cluster and measurement
+
+from dask_gpupool import GPUPool
+from dask_gpupool.memory.topology import local_devices
+
+
+def busy(spin_ms: float, on: bool, dask_worker: Any = None) -> None:
+    """client.run target: start (``on``) or stop a thread that keeps a non-blocking stream of this GPU busy."""
+    if not on:
+        stop = getattr(dask_worker, "_gpupool_busy", None)
+        if stop is not None:
+            stop.set()
+        return
+    import cupy
+
+    from dask_gpupool.testing.tasks import _SLOW_FILL
+
+    stop = threading.Event()
+    dask_worker._gpupool_busy = stop
+
+    def loop() -> None:
+        with cupy.cuda.Device(0):
+            kernel = cupy.RawKernel(_SLOW_FILL, "slow_fill")
+            stream = cupy.cuda.Stream(non_blocking=True)
+            dummy = cupy.empty(1, dtype=cupy.uint8)
+            while not stop.is_set():
+                with stream:  # spins, writes nothing (n = 0)
+                    kernel((1,), (32,), (dummy, cupy.int64(0), cupy.uint8(0), cupy.int64(int(spin_ms * 1e6))))
+                stream.synchronize()
+
+    threading.Thread(target=loop, name="gpupool-bench-busy", daemon=True).start()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="1MiB,64MiB")
+    p.add_argument("--spin-ms", type=float, default=20.0)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--placements", default="same,other")
+    args = p.parse_args()
+    gpus = len(local_devices().uuids)
+    if not gpus:
+        raise SystemExit("needs a GPU")
+    sizes = [int(parse_bytes(s)) for s in args.sizes.split(",")]
+    places = {k: v for k, v in H.placements(gpus).items() if k in args.placements.split(",")}
+    rows: list[dict[str, Any]] = []
+    deadline = time.monotonic() + 3600
+    for place, workers in places.items():
+        for ordering in ("sync", "event"):
+            plugin = GPUPool(
+                kind="device", max_size="4 GiB", peer_gpu_handoff=place == "other" or None, handoff_ordering=ordering
+            )
+            with H.cluster(workers, "tcp", plugin) as c:
+                a = sorted(c.scheduler_info()["workers"], key=lambda w: str(c.scheduler_info()["workers"][w]["name"]))[
+                    0
+                ]
+                for load in ("idle", "busy"):
+                    if load == "busy":
+                        c.run(busy, args.spin_ms, True, workers=[a])
+                    got: list[dict[str, Any]] = []
+                    H.measure(c, sizes, args.repeats, "cupy", True, deadline, print, True, got, lambda: None)
+                    if load == "busy":
+                        c.run(busy, args.spin_ms, False, workers=[a])
+                    for r in got:
+                        rows.append({"placement": place, "ordering": ordering, "load": load, **r})
+    print(f"consumer transfer time, median of {args.repeats} (ms); producer busy: {args.spin_ms:g} ms kernels")
+    print(f"{'placement':<10}{'ordering':<9}{'load':<6}" + "".join(f"{s >> 20:>10} MiB" for s in sizes))
+    for place in places:
+        for ordering in ("sync", "event"):
+            for load in ("idle", "busy"):
+                got = {
+                    r["nbytes"]: r["transfer_s"]
+                    for r in rows
+                    if (r["placement"], r["ordering"], r["load"]) == (place, ordering, load)
+                }
+                print(
+                    f"{place:<10}{ordering:<9}{load:<6}"
+                    + "".join(f"{got.get(s, float('nan')) * 1e3:14.2f}" for s in sizes)
+                )
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for d in (os.path.join(os.path.dirname(__file__), "results"), os.environ.get("OUT")):
+        if d:
+            os.makedirs(d, exist_ok=True)
+            with open(os.path.join(d, f"busy_producer-{stamp}.json"), "w") as f:
+                json.dump({"machine": H.machine(), "spin_ms": args.spin_ms, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
