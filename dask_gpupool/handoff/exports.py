@@ -142,6 +142,8 @@ class Exports:
                 current_gpu(device).sync()
             return None
         if written_on is not None:
+            if device is not None:
+                current_gpu(device)  # CuPy records on the current device: the stream's, the pool's GPU
             done = written_on.record().synchronize  # a CuPy event
         else:
             done = current_gpu(device).default_stream.record().sync  # a cuda.core event

@@ -279,7 +279,7 @@ class Importer:
 
         Returns the landing buffer (owned by the caller), or ``None`` where
         the value is read in place: the option is off, the memory is on this
-        worker's GPU (or not device memory), or this pool has no room. The
+        worker's GPU (or not device memory), the value is empty, or this pool has no room. The
         copy is queued on this GPU's default stream after the claim
         (:func:`~dask_gpupool.handoff.deferred.fill_later`), then ``buf`` is
         closed: its lease release waits for that stream's work, the copy
@@ -295,6 +295,7 @@ class Importer:
         pool = self.pool
         if not (
             self.options.peer_gpu_copy
+            and nbytes > 0
             and not self._peer_copy_failed
             and pool.kind == "device"
             and record.kind == "device"
