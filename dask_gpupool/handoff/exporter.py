@@ -15,6 +15,7 @@ thread of the broker's loop.
 
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
 import os
@@ -54,7 +55,7 @@ class Exported:
     ``written``: with ``gpupool.handoff-ordering: event``, a function that
     blocks until the GPU work queued before the export (which may still be
     writing ``buf``) has finished; the broker runs it before it acknowledges
-    a claim (:meth:`ExportSide.wait_written`), and it is dropped once it
+    a claim (:meth:`ExportSide.unwritten`), and it is dropped once it
     returned. ``None``: the memory was ready when the descriptor went out.
     """
 
@@ -62,6 +63,11 @@ class Exported:
 
     def __init__(self, holder: Any, buf: Buffer, written: Callable[[], None] | None = None) -> None:
         self.holder, self.buf, self.written = holder, buf, written
+
+
+def _wait_written(exported: Exported, wait: Callable[[], None]) -> None:
+    wait()
+    exported.written = None  # returned once: later claims of the same memory (forwards) need not wait
 
 
 class ExportSide:
@@ -105,19 +111,22 @@ class ExportSide:
             self._pool.resource.note_claims(segments, importer)
         return refused
 
-    def wait_written(self, leases: Iterable[int], importer: str) -> None:
-        """Block until the memory of ``importer``'s claimed ``leases`` is written (``gpupool.handoff-ordering``).
+    def unwritten(self, leases: Iterable[int], importer: str) -> list[Callable[[], None]]:
+        """The waits for the memory of ``importer``'s claimed ``leases`` that the GPU may still be writing.
 
-        Runs on a helper thread of the broker, between a claim and its reply:
-        the importer reads only after the reply, so it never reads before the
-        exporter's GPU finished the work queued before the export. Each wait
-        runs once; a lease exported after a synchronize has nothing to wait for.
+        ``gpupool.handoff-ordering: event``: the broker runs them on a helper
+        thread between the claim and its reply, and the importer reads only
+        after the reply, so it never reads before the exporter's GPU finished
+        the work queued before the export. Empty when every lease was
+        exported after a synchronize (the default), or its wait has already
+        returned once: then the claim is answered at once.
         """
+        waits: list[Callable[[], None]] = []
         for lease in leases:
             exported = self._leases.holder_for(lease, importer)
             if isinstance(exported, Exported) and exported.written is not None:
-                exported.written()
-                exported.written = None
+                waits.append(functools.partial(_wait_written, exported, exported.written))
+        return waits
 
     def release(self, leases: Iterable[int], importer: str) -> None:
         self._leases.release(leases, importer)

@@ -129,7 +129,7 @@ class Exports:
         follows every blocking stream's earlier work, CuPy's default
         included), or on ``written_on``; returns what waits for it, which the
         broker runs before it acknowledges a claim
-        (:meth:`ExportSide.wait_written <dask_gpupool.handoff.exporter.ExportSide.wait_written>`).
+        (:meth:`ExportSide.unwritten <dask_gpupool.handoff.exporter.ExportSide.unwritten>`).
         Host pools have nothing to order.
         """
         device = self.pool.device

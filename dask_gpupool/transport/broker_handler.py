@@ -23,7 +23,7 @@ PoolLookup = Callable[[str], "tuple[int, HandleReply] | None"]
 
 class BrokerHandler(Protocol):
     """What a broker asks its owner. Every method runs on the broker's thread
-    (``copy_out`` and ``wait_written`` on a helper thread) and must not block for long.
+    (``copy_out`` on a helper thread) and must not block for long.
 
     ``importer`` is the worker address a connection named in its
     :class:`~dask_gpupool.wire.broker_hello.Hello`, accepted by :meth:`identify`;
@@ -48,8 +48,11 @@ class BrokerHandler(Protocol):
     def claim(self, leases: Iterable[int], importer: str) -> list[int]:
         """``importer`` imported these leased buffers; return the ids refused."""
 
-    def wait_written(self, leases: Iterable[int], importer: str) -> None:
-        """Block until the memory of these claimed leases is written (runs on a helper thread, before the reply)."""
+    def unwritten(self, leases: Iterable[int], importer: str) -> list[Callable[[], None]]:
+        """Waits for the memory of these claimed leases, which the GPU may still be writing (none: answer at once).
+
+        The broker runs them on a helper thread before it answers the claim.
+        """
 
     def release(self, leases: Iterable[int], importer: str) -> None:
         """``importer`` closed its imports of these leased buffers."""
@@ -104,8 +107,8 @@ class LookupOnly:
     def claim(self, leases: Iterable[int], importer: str) -> list[int]:
         return list(leases)
 
-    def wait_written(self, leases: Iterable[int], importer: str) -> None:
-        pass
+    def unwritten(self, leases: Iterable[int], importer: str) -> list[Callable[[], None]]:
+        return []
 
     def release(self, leases: Iterable[int], importer: str) -> None:
         pass

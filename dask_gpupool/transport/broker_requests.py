@@ -19,6 +19,7 @@ import asyncio
 import logging
 import os
 import socket
+from collections.abc import Callable
 
 from dask_gpupool.errors import DataLostError, GPUPoolError, ProtocolError, UnknownPoolError
 from dask_gpupool.transport.broker_handler import BrokerHandler
@@ -113,10 +114,11 @@ class BrokerRequests:
             raise ProtocolError(f"{request.op} on a connection that named no worker")
         if isinstance(request, LeaseClaim):
             refused = self._handler.claim(request.leases, importer)
-            claimed = [lease for lease in request.leases if lease not in refused]
-            if claimed:  # the memory may still be being written (gpupool.handoff-ordering: event); not on this loop
+            waits = self._handler.unwritten([lease for lease in request.leases if lease not in refused], importer)
+            if waits:  # the GPU may still be writing (gpupool.handoff-ordering: event): wait, off this loop
+                claimed = [lease for lease in request.leases if lease not in refused]
                 try:
-                    await self._loop.run_in_executor(None, self._handler.wait_written, claimed, importer)
+                    await self._loop.run_in_executor(None, _run_all, waits)
                 except Exception as e:  # the importer must not read: the claim fails, its transfer with it
                     logger.exception("waiting for the memory of leases %s failed", claimed)
                     failed = DataLostError(f"the memory of leases {claimed} could not be waited for: {e}")
@@ -165,3 +167,8 @@ class BrokerRequests:
                 return
             except BlockingIOError:
                 await asyncio.sleep(0.001)
+
+
+def _run_all(waits: list[Callable[[], None]]) -> None:
+    for wait in waits:
+        wait()
