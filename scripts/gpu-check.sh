@@ -17,7 +17,8 @@
 # (plugin vs none at defaults; not DASK_*: Dask reads every DASK_* variable as config) for each of ARRAY_BENCH_PROTOCOLS (default "tcp"; "tcp ucxx" both), ARRAY_BENCH_ARGS adds options. WORKLOADS=1 runs
 # benchmarks/workloads.py (issue 18's dask.array workloads; WORKLOADS_ARGS adds options, WORKLOADS_TIMEOUT caps it, default 560 s).
 # GATHER=1 runs benchmarks/gather.py (one reply of 1, 8, 32 pool arrays; GATHER_ARGS). BUSY=1 runs
-# benchmarks/busy_producer.py (handoffs while the producer's GPU is busy, gpupool.handoff-ordering sync vs event; BUSY_ARGS). CHAOS_SECONDS (default 0: skipped)
+# benchmarks/busy_producer.py (handoffs while the producer's GPU is busy, gpupool.handoff-ordering sync vs event; BUSY_ARGS).
+# UCX_PAIRS=1 runs benchmarks/ucx_pairs.py (four workers as two hosts of two GPUs, every pair, UCXX vs plugin). CHAOS_SECONDS (default 0: skipped)
 # runs benchmarks/chaos.py for that long (CHAOS_ARGS adds options). The exit status is pytest's (0 when the tests
 # passed or were not run), so a caller sees a failed suite.
 set -uo pipefail
@@ -120,6 +121,10 @@ fi
 if [ "${BUSY:-0}" != 0 ]; then  # issue 19: handoff latency while the producer's GPU runs another stream's kernels
   echo "== busy producer ${BUSY_ARGS:-}"; timeout 240 python3 benchmarks/busy_producer.py ${BUSY_ARGS:-} > "$OUT/busy.log" 2>&1
   echo "busy producer exit: $?"; sed -n '/^consumer transfer time/,$p' "$OUT/busy.log"
+fi
+if [ "${UCX_PAIRS:-0}" != 0 ]; then  # issue 19: every pair of four workers that look like two hosts, UCXX vs plugin
+  echo "== ucx pairs ${UCX_PAIRS_ARGS:-}"; timeout 300 python3 benchmarks/ucx_pairs.py ${UCX_PAIRS_ARGS:-} > "$OUT/ucx_pairs.log" 2>&1
+  echo "ucx pairs exit: $?"; sed -n '/^consumer transfer time/,$p' "$OUT/ucx_pairs.log"
 fi
 if [ "${DEATH:-0}" != 0 ]; then  # what an importer reads after its exporter's SIGKILL: pool vs VMM memory
   echo "== exporter death"; timeout 280 python3 benchmarks/exporter_death.py > "$OUT/exporter_death.log" 2>&1

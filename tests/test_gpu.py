@@ -773,6 +773,40 @@ def test_on_ucxx_pool_memory_hands_over_or_travels_as_device_frames(placement):
             wait_for(lambda c=c, a=a: counters(c, a)[a]["leases"] == 0, what="the leases to end")
 
 
+def test_every_pair_of_two_hosts_of_two_gpus_over_ucxx_hands_over_or_sends_device_frames():
+    """Issue 19, UCX clusters: four workers that look like two hosts of two GPUs (gpupool.host-id), w0 and w2 on
+    GPU 0, w1 and w3 on GPU 1. For every ordered pair an 8 MiB pool array made on the first reaches a task on the
+    second with the right values: the same-"host" pair as a descriptor (zero-copy), the other-"host" pairs as
+    device frames that UCX moves GPU to GPU, none as a host copy; every byte counted on its path."""
+    gpus(2)
+    pytest.importorskip("distributed_ucxx")
+    import dask
+    import numpy as np
+
+    ucx = {f"distributed.comm.ucx.{k}": True for k in ("create-cuda-context", "nvlink", "tcp", "cuda-copy")}
+    hosts = ["host-a", "host-a", "host-b", "host-b"]
+    workers = [
+        {"env": {"CUDA_VISIBLE_DEVICES": v}, "protocol": "ucxx", "config": {"gpupool": {"host-id": h}}}
+        for h, v in zip(hosts, ["0,1", "1,0", "0,1", "1,0"], strict=True)
+    ]
+    plugin = GPUPool(kind="device", max_size="1 GiB", peer_gpu_handoff=True)
+    total = float(np.arange(1 << 20).sum())
+    with dask.config.set(ucx), nanny_cluster(workers, plugin, protocol="ucxx") as c:
+        addrs = worker_addresses(c)
+        for i, src in enumerate(addrs):
+            for j, dst in enumerate(addrs):
+                if i != j:  # a fresh value per pair: a replica made by an earlier pair would change the path
+                    arr = c.submit(T.make_array, 1 << 20, "cupy", workers=[src], pure=False)
+                    assert c.submit(T.total, arr, workers=[dst], pure=False).result() == total, (i, j)
+                    del arr
+        got = c.run(T.handoff_counters)
+        for w in addrs:  # each received one same-host value and two from the other host, 8 MiB each
+            assert got[w]["zero_copy_bytes"] == 8 * MiB, (w, got[w])
+            assert got[w]["device_frames_bytes"] == 16 * MiB, (w, got[w])
+            assert got[w]["copied_bytes"] == 0 and got[w]["copied_out_bytes"] == 0, (w, got[w])
+        wait_for(lambda: all(s["leases"] == 0 for s in counters(c).values()), what="the leases to end")
+
+
 @pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
 def test_plain_cupy_arrays_are_staged_into_the_pool_when_asked(placement):
     """gpupool.stage-threshold: a plain CuPy array of 8 MiB goes to a same-host worker over TCP as a device copy into

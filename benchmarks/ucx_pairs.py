@@ -1,0 +1,130 @@
+"""Every pair of a four-worker, two-"host" UCX cluster: Dask UCXX alone against dask_gpupool over UCXX (issue 19).
+
+Four workers on one machine with two GPUs, ``gpupool.host-id`` set so that they look like two hosts of two GPUs
+each (w0, w1 on "host-a"; w2, w3 on "host-b"; w0 and w2 on GPU 0, w1 and w3 on GPU 1). For every ordered pair a
+float64 CuPy array of each ``--sizes`` is made on the first worker and consumed by a task pinned to the second; the
+consumer's transfer time is ``stop - start`` of its transfer log entry, median of ``--repeats`` after a warm-up.
+Methods: ``ucxx`` (plain CuPy, no plugin) and ``ucxx+gpupool`` (the plugin at its defaults, an array over a pool
+buffer): a same-"host" pair gets a descriptor (zero-copy), another-"host" pair the value's device frames, which UCX
+moves GPU to GPU. After each method the table of bytes by path (zero-copy, device frames, host copies) shows that
+no pair went through the host. Needs two GPUs and distributed-ucxx. JSON to ``benchmarks/results/`` (and ``$OUT``).
+
+    python benchmarks/ucx_pairs.py [--sizes 1MiB,256MiB] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+from dask.utils import format_bytes, parse_bytes
+from distributed import wait
+
+sys.path.insert(0, os.path.dirname(__file__))
+import handoff as H  # benchmarks/handoff.py: its cluster, produce/consume and between_samples
+
+from dask_gpupool import GPUPool
+from dask_gpupool import testing as T
+from dask_gpupool.memory.topology import local_devices
+
+#: The four workers: (host id, CUDA_VISIBLE_DEVICES).
+LAYOUT = [("host-a", "0,1"), ("host-a", "1,0"), ("host-b", "0,1"), ("host-b", "1,0")]
+PATH_KEYS = ("zero_copy_bytes", "peer_copied_bytes", "device_frames_bytes", "copied_bytes")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="1MiB,256MiB")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--methods", default="ucxx,ucxx+gpupool")
+    args = p.parse_args()
+    if len(local_devices().uuids) < 2:
+        raise SystemExit("needs two GPUs")
+    try:
+        import distributed_ucxx  # noqa: F401
+    except ImportError:
+        raise SystemExit("needs distributed-ucxx") from None
+    sizes = [int(parse_bytes(s)) for s in args.sizes.split(",")]
+    workers = [
+        {"env": {"CUDA_VISIBLE_DEVICES": gpus}, "config": {"gpupool": {"host-id": host}}} for host, gpus in LAYOUT
+    ]
+    names = [f"w{i}({host[-1]}{gpus[0]})" for i, (host, gpus) in enumerate(LAYOUT)]
+    rows: list[dict[str, Any]] = []
+    paths: dict[str, dict[str, dict[str, int]]] = {}
+    for method in args.methods.split(","):
+        plugin = (
+            GPUPool(kind="device", max_size=f"{4 * max(sizes) // (1 << 20) + 1024} MiB")
+            if "gpupool" in method
+            else None
+        )
+        with H.cluster(workers, "ucxx", plugin) as c:
+            info = c.scheduler_info()["workers"]
+            addrs = sorted(info, key=lambda w: str(info[w]["name"]))
+            for i, src in enumerate(addrs):
+                for j, dst in enumerate(addrs):
+                    if i == j:
+                        continue
+                    for nbytes in sizes:
+                        samples = []
+                        for k in range(args.repeats + 1):
+                            x = c.submit(H.produce, nbytes, "cupy", plugin is not None, workers=[src], pure=False)
+                            wait(x)
+                            y = c.submit(H.consume, x, workers=[dst], pure=False)
+                            y.result()
+                            t = c.run(T.last_transfer, key=x.key, workers=[dst])[dst]
+                            del x, y
+                            H.between_samples(c, plugin is not None)
+                            if k and t is not None:
+                                samples.append(t)
+                        row = {"method": method, "src": names[i], "dst": names[j], "nbytes": nbytes}
+                        row["same_host"] = LAYOUT[i][0] == LAYOUT[j][0]
+                        row["transfer_s"] = statistics.median(samples) if samples else None
+                        row["samples"] = samples
+                        rows.append(row)
+                        print(
+                            f"{method:14s} {names[i]} -> {names[j]} {format_bytes(nbytes):>10}: "
+                            f"{(row['transfer_s'] or float('nan')) * 1e3:8.2f} ms",
+                            flush=True,
+                        )
+            if plugin is not None:
+                got = c.run(T.handoff_counters)
+                paths[method] = {names[addrs.index(w)]: {k: int(got[w].get(k, 0)) for k in PATH_KEYS} for w in addrs}
+    print(f"\nconsumer transfer time, median of {args.repeats} (ms); hosts by host-id, GPUs by index")
+    methods = args.methods.split(",")
+    print(f"{'pair':<22}{'size':>10}" + "".join(f"{m:>16}" for m in methods))
+    for nbytes in sizes:
+        for i in range(len(LAYOUT)):
+            for j in range(len(LAYOUT)):
+                if i == j:
+                    continue
+                cells = []
+                for m in methods:
+                    r = next(
+                        (
+                            r
+                            for r in rows
+                            if (r["method"], r["src"], r["dst"], r["nbytes"]) == (m, names[i], names[j], nbytes)
+                        ),
+                        None,
+                    )
+                    cells.append(f"{(r['transfer_s'] or float('nan')) * 1e3 if r else float('nan'):16.2f}")
+                print(f"{names[i] + ' -> ' + names[j]:<22}{format_bytes(nbytes):>10}" + "".join(cells))
+    for method, by_worker in paths.items():
+        print(f"\n{method}: bytes received by path")
+        for w, counts in by_worker.items():
+            print(f"  {w}: " + ", ".join(f"{k} {v:,}" for k, v in counts.items()))
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for d in (os.path.join(os.path.dirname(__file__), "results"), os.environ.get("OUT")):
+        if d:
+            os.makedirs(d, exist_ok=True)
+            with open(os.path.join(d, f"ucx_pairs-{stamp}.json"), "w") as f:
+                json.dump({"machine": H.machine(), "layout": LAYOUT, "rows": rows, "paths": paths}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
