@@ -657,6 +657,31 @@ def test_buffers_over_the_import_limit_are_copied():
         assert got[a]["fallbacks"] == {"too-large": 1}
 
 
+@pytest.mark.parametrize("gib", [8, 16])
+@pytest.mark.parametrize("layout", ["one-gpu", "two-gpus"])
+def test_buffers_of_8_and_16_gib_hand_over_zero_copy(layout, gib):
+    """Issue 19, any size: with VMM segments an 8 or 16 GiB pool buffer reaches the consumer on the same GPU or
+    the other one mapped, not copied (no import limit), with the right bytes at its start, middle and end and
+    everywhere (all_equal), and everything back to the baseline once it is dropped. Workers without a host memory
+    limit: Dask counts a device value's bytes as managed memory and would spill a 16 GiB result through the host."""
+    nbytes = gib << 30
+    workers = [{**w, "memory_limit": 0} for w in layout_workers(layout)]
+    plugin = GPUPool(kind="device", max_size=f"{2 * gib + 2} GiB", peer_gpu_handoff=layout == "two-gpus")
+    with nanny_cluster(workers, plugin) as c:
+        a, b = worker_addresses(c)
+        baseline = warm_up(c, a, b)
+        before = counters(c)
+        x = c.submit(T.fill, nbytes, 7, workers=[a], pure=False)
+        y = c.submit(T.keep, x, workers=[b], pure=False)
+        assert c.submit(T.describe, y, workers=[b], pure=False).result()["imported"]
+        assert c.submit(T.all_equal, y, 7, workers=[b], pure=False).result()
+        now = counters(c)
+        assert now[b]["zero_copy_bytes"] - before[b]["zero_copy_bytes"] == nbytes, now[b]
+        assert now[b]["copied_bytes"] == before[b]["copied_bytes"] and now[a]["fallbacks"] == before[a]["fallbacks"]
+        del x, y
+        back_to(c, baseline, timeout=120)
+
+
 # -- leases through stalls (issue 15, cases 1 and 2) on device pools ----------------------------
 
 
