@@ -18,7 +18,9 @@
 # benchmarks/workloads.py (issue 18's dask.array workloads; WORKLOADS_ARGS adds options, WORKLOADS_TIMEOUT caps it, default 560 s).
 # GATHER=1 runs benchmarks/gather.py (one reply of 1, 8, 32 pool arrays; GATHER_ARGS). BUSY=1 runs
 # benchmarks/busy_producer.py (handoffs while the producer's GPU is busy, gpupool.handoff-ordering sync vs event; BUSY_ARGS).
-# UCX_PAIRS=1 runs benchmarks/ucx_pairs.py (four workers as two hosts of two GPUs, every pair, UCXX vs plugin). CHAOS_SECONDS (default 0: skipped)
+# UCX_PAIRS=1 runs benchmarks/ucx_pairs.py (four workers as two hosts of two GPUs, every pair, UCXX vs plugin).
+# VKGDR=1 runs benchmarks/vkgdr_landing.py (TCP into pinned staging + copy vs straight into vkgdr-mapped device
+# memory; carry .gl for the Vulkan loader, and .whl holds the vkgdr, cffi and pycparser wheels). CHAOS_SECONDS (default 0: skipped)
 # runs benchmarks/chaos.py for that long (CHAOS_ARGS adds options). The exit status is pytest's (0 when the tests
 # passed or were not run), so a caller sees a failed suite.
 set -uo pipefail
@@ -125,6 +127,15 @@ fi
 if [ "${UCX_PAIRS:-0}" != 0 ]; then  # issue 19: every pair of four workers that look like two hosts, UCXX vs plugin
   echo "== ucx pairs ${UCX_PAIRS_ARGS:-}"; timeout 300 python3 benchmarks/ucx_pairs.py ${UCX_PAIRS_ARGS:-} > "$OUT/ucx_pairs.log" 2>&1
   echo "ucx pairs exit: $?"; sed -n '/^consumer transfer time/,$p' "$OUT/ucx_pairs.log"
+fi
+if [ "${VKGDR:-0}" != 0 ]; then  # issue 19: land TCP copies straight in device memory (vkgdr) vs pinned staging
+  # vkgdr needs the Vulkan loader: carry .gl (libvulkan1 .deb, docs/gpu-checks.md) when the machine has none.
+  if ! ldconfig -p | grep -q libvulkan.so.1 && ls .gl/*.deb > /dev/null 2>&1; then
+    for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
+  fi
+  export VK_DRIVER_FILES=${VK_DRIVER_FILES:-/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json}
+  echo "== vkgdr landing ${VKGDR_ARGS:-}"; timeout 200 python3 benchmarks/vkgdr_landing.py ${VKGDR_ARGS:-} > "$OUT/vkgdr.log" 2>&1
+  echo "vkgdr exit: $?"; sed -n '/over loopback TCP/,$p' "$OUT/vkgdr.log"; tail -n 3 "$OUT/vkgdr.log"
 fi
 if [ "${DEATH:-0}" != 0 ]; then  # what an importer reads after its exporter's SIGKILL: pool vs VMM memory
   echo "== exporter death"; timeout 280 python3 benchmarks/exporter_death.py > "$OUT/exporter_death.log" 2>&1
