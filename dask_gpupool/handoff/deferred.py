@@ -22,16 +22,27 @@ reply of several values, off the event loop, before anyone sees the message.
 Ownership: a :class:`Fill` owns its landing buffer until it has run. When a
 fill is abandoned (its copy failed, or one before it did), ``abandon`` closes
 the buffer and gives back what the copy held (a lease, an fd).
+
+A fill that fails after the message's claims ran fails the transfer, and Dask
+asks again; the exporters whose leases were claimed would hand the same
+values over again. So each claim batch that ran is told (``given_up``: the
+importer sends the exporter
+:class:`~dask_gpupool.wire.broker_leases.TransferFailed`, and the exporter
+sends copies for a while), and a fill that fails every time cannot fail every
+retry.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 __all__ = ["Fill", "abandon_all", "claim_later", "collecting", "fill_later", "run_fills"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -40,20 +51,24 @@ class Fill:
 
     ``run`` fills the buffer (blocking, any thread) and ends what the copy
     held; ``abandon`` closes the buffer and ends what the copy held, once,
-    when ``run`` failed or will not run.
+    when ``run`` failed or will not run. ``given_up``, when set, is called
+    once when ``run`` succeeded but a later fill of the same message failed
+    (a claim batch tells its exporter; errors are logged, not raised).
     """
 
     run: Callable[[], None]
     abandon: Callable[[], None]
+    given_up: Callable[[], None] | None = None
 
 
 class _Claims:
     """The leases of one exporter claimed in one message, and how to give up their buffers."""
 
-    __slots__ = ("abandons", "claim", "leases")
+    __slots__ = ("abandons", "claim", "given_up", "leases")
 
-    def __init__(self, claim: Callable[[list[int]], None]) -> None:
+    def __init__(self, claim: Callable[[list[int]], None], given_up: Callable[[], None] | None) -> None:
         self.claim = claim
+        self.given_up = given_up
         self.leases: list[int] = []
         self.abandons: list[Callable[[], None]] = []
 
@@ -64,7 +79,7 @@ class _Claims:
             for give_up in abandons:
                 give_up()
 
-        return Fill(lambda: self.claim(leases), abandon)
+        return Fill(lambda: self.claim(leases), abandon, self.given_up)
 
 
 class _Collector:
@@ -93,21 +108,29 @@ def fill_later(run: Callable[[], None], abandon: Callable[[], None]) -> None:
     run_fills([Fill(run, abandon)])
 
 
-def claim_later(exporter: str, lease: int, claim: Callable[[list[int]], None], abandon: Callable[[], None]) -> None:
+def claim_later(
+    exporter: str,
+    lease: int,
+    claim: Callable[[list[int]], None],
+    abandon: Callable[[], None],
+    given_up: Callable[[], None] | None = None,
+) -> None:
     """Claim ``lease`` now (``claim([lease])``), or with the other leases of ``exporter`` left in this
     :func:`collecting` block, before its fills.
 
     ``claim`` blocks until the exporter holds every lease it is given, and
     raises if one was refused; ``abandon`` closes the buffer mapped under
     ``lease``. When the claim raises here, ``abandon`` runs and the error
-    propagates. (``claim`` is the first call's for the exporter: the block's
-    claims of one exporter share it.)
+    propagates. ``given_up`` tells the exporter that the transfer failed
+    after the claim (a later fill failed). (``claim`` and ``given_up`` are
+    the first call's for the exporter: the block's claims of one exporter
+    share them.)
     """
     collector = _PENDING.get()
     if collector is not None and collector.open:
         batch = collector.claims.get(exporter)
         if batch is None:
-            batch = collector.claims[exporter] = _Claims(claim)
+            batch = collector.claims[exporter] = _Claims(claim, given_up)
         batch.leases.append(lease)
         batch.abandons.append(abandon)
         return
@@ -141,18 +164,27 @@ def collecting() -> Iterator[list[Fill]]:
 
 
 def run_fills(fills: list[Fill]) -> None:
-    """Run ``fills`` in order; after the first failure abandon the rest, then raise it. Blocking."""
+    """Run ``fills`` in order; after the first failure abandon the rest, tell the ones that ran
+    (``given_up``), then raise it. Blocking."""
     error: BaseException | None = None
+    ran: list[Fill] = []
     for fill in fills:
         if error is not None:
             fill.abandon()
             continue
         try:
             fill.run()
+            ran.append(fill)
         except BaseException as e:
             error = e
             fill.abandon()
     if error is not None:
+        for fill in ran:
+            if fill.given_up is not None:
+                try:
+                    fill.given_up()
+                except Exception:
+                    logger.warning("telling an exporter that a transfer failed did not work", exc_info=True)
         raise error
 
 

@@ -76,13 +76,26 @@ class ExportSide:
     Runs on the broker's thread. Importers are worker addresses, accepted
     (:meth:`identify`) only when this worker's copy of the registry has a row
     for that worker on this host whose pid is the connecting process's.
+
+    Attributes
+    ----------
+    on_transfer_failed : callable or None
+        Called (broker's thread) with an importer that reported a failed
+        transfer (:class:`~dask_gpupool.wire.broker_leases.TransferFailed`);
+        the :class:`~dask_gpupool.handoff.service.PoolService` sets it to send
+        that importer copies for a while. ``None``: nothing is done.
+    closing : bool
+        Set when the broker closes every connection: peers did not unmap anything.
     """
+
+    on_transfer_failed: Callable[[str], None] | None
 
     def __init__(self, pool: Pool, leases: LeaseTable, registry: RegistryView, host: str) -> None:
         self._pool = pool
         self._leases = leases
         self._registry = registry
         self._host = host
+        self.on_transfer_failed = None
         self.closing = False  # the broker closes every connection: peers did not unmap anything
 
     def thread_started(self) -> None:
@@ -130,6 +143,10 @@ class ExportSide:
 
     def release(self, leases: Iterable[int], importer: str) -> None:
         self._leases.release(leases, importer)
+
+    def transfer_failed(self, importer: str) -> None:
+        if self.on_transfer_failed is not None:
+            self.on_transfer_failed(importer)
 
     def resync(self, leases: set[int], importer: str) -> int:
         n = self._leases.resync(importer, leases)

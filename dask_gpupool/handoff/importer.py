@@ -259,7 +259,7 @@ class Importer:
         # Nothing is read from the memory before the exporter acknowledged the lease: a refused lease has
         # ended, and its memory may already hold another buffer. Inside a worker's comm read the claim waits
         # for the message's other claims and runs in a thread before Dask sees the message (deferred.py).
-        claim_later(record.broker, lease, functools.partial(self._claim, record, link), buf.close)
+        claim_later(record.broker, lease, functools.partial(self._claim, record, link), buf.close, link.transfer_failed)
         local = self._copy_from_other_gpu(buf, record, desc.size)
         if local is not None:
             return local

@@ -147,8 +147,21 @@ class PoolService:
             pool, record.worker, self.registry, self.routes, self.importer, self.handoffs, self.leases
         )
         self.exports = Exports(options, pool, record.worker, self.leases, self.handoffs, self.routes, copier)
+        handler = getattr(broker, "handler", None)
+        if isinstance(handler, ExportSide):
+            handler.on_transfer_failed = self._transfer_failed
         self._closed = False
         active.add(self)
+
+    def _transfer_failed(self, importer: str) -> None:
+        """``importer`` says a transfer failed after it claimed its leases: copies to it for ``lease-timeout``."""
+        self.routes.mark_unreachable(importer, self.options.lease_timeout)
+        logger.warning(
+            "pool %s: a transfer to %s failed after its claims; its handoffs go as copies for %.0f s",
+            self.pool.uuid,
+            importer,
+            self.options.lease_timeout,
+        )
 
     @classmethod
     def start(cls, options: PoolOptions, worker_address: str, devices: LocalDevices | None = None) -> PoolService:

@@ -65,3 +65,14 @@ def forget_pool(pool: str, dask_worker: Worker) -> None:
 
     registry = service_of(dask_worker).registry
     registry.apply(RegistryUpdate(version=registry.version, removed=(pool,)))
+
+
+def report_failed_transfer(exporter: str, dask_worker: Worker) -> bool:
+    """client.run target: tell ``exporter``'s broker, over this worker's link, that a transfer failed after its
+    claims (what a fill that fails does, :func:`~dask_gpupool.handoff.deferred.run_fills`); whether it was sent."""
+    importer = service_of(dask_worker).importer
+    row = importer.registry.worker_row(exporter)
+    if row is None:
+        return False
+    importer.link(row).transfer_failed()
+    return True

@@ -27,6 +27,7 @@ from :mod:`dask_gpupool.wire.broker`)::
     broker -> peer     ForwardReply{op: "forward-ok", lease, segment}
                    or  ErrorReply
     peer   -> broker   ForwardSettle{op: "forward-settle", leases}   (no reply)
+    peer   -> broker   TransferFailed{op: "transfer-failed"}         (no reply; copies to the peer for a while)
 
     peer   -> broker   CopyRequest{op: "lease-copy", lease}
     broker -> peer     CopyReply{op: "lease-copy-ok", lease, size}

@@ -57,6 +57,9 @@ class BrokerHandler(Protocol):
     def release(self, leases: Iterable[int], importer: str) -> None:
         """``importer`` closed its imports of these leased buffers."""
 
+    def transfer_failed(self, importer: str) -> None:
+        """A transfer to ``importer`` failed after it claimed its leases: send it copies for a while."""
+
     def resync(self, leases: set[int], importer: str) -> int:
         """``importer`` holds exactly ``leases`` (after a broken link); return how many others ended."""
 
@@ -111,6 +114,9 @@ class LookupOnly:
         return []
 
     def release(self, leases: Iterable[int], importer: str) -> None:
+        pass
+
+    def transfer_failed(self, importer: str) -> None:
         pass
 
     def resync(self, leases: set[int], importer: str) -> int:

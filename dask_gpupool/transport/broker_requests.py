@@ -37,6 +37,7 @@ from dask_gpupool.wire.broker import (
     Resync,
     ResyncReply,
     SegmentRelease,
+    TransferFailed,
     parse_request,
 )
 from dask_gpupool.wire.codec import encode
@@ -146,6 +147,8 @@ class BrokerRequests:
             await self._loop.sock_sendall(conn, encode(ForwardReply(lease, segment)))
         elif isinstance(request, ForwardSettle):
             self._handler.settle_forwarded(request.leases, importer)
+        elif isinstance(request, TransferFailed):
+            self._handler.transfer_failed(importer)
         elif isinstance(request, CopyRequest):
             try:
                 fd, size = await self._loop.run_in_executor(None, self._handler.copy_out, request.lease, importer)

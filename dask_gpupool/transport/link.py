@@ -36,6 +36,7 @@ from dask_gpupool.wire.broker import (
     Resync,
     ResyncReply,
     SegmentRelease,
+    TransferFailed,
     Welcome,
     raise_for_error,
 )
@@ -44,7 +45,15 @@ from dask_gpupool.wire.codec import MAX_MESSAGE_BYTES, decode, encode
 __all__ = ["LinkFactory", "PeerLink", "request_pool_fd"]
 
 Message = Union[  # noqa: UP007
-    HandleRequest, CopyRequest, LeaseClaim, LeaseRelease, SegmentRelease, Resync, LeaseForward, ForwardSettle
+    HandleRequest,
+    CopyRequest,
+    LeaseClaim,
+    LeaseRelease,
+    SegmentRelease,
+    Resync,
+    LeaseForward,
+    ForwardSettle,
+    TransferFailed,
 ]
 
 logger = logging.getLogger(__name__)
@@ -312,6 +321,10 @@ class PeerLink:
         """Tell the exporter the replies that carried these forwarded leases ended."""
         for i in range(0, len(leases), MAX_LEASES_PER_MESSAGE):
             self._send(ForwardSettle(tuple(leases[i : i + MAX_LEASES_PER_MESSAGE])))
+
+    def transfer_failed(self) -> None:
+        """Tell the exporter a transfer failed after its leases were claimed here: it sends copies for a while."""
+        self._send(TransferFailed())
 
     def release_segments(self, segments: list[tuple[int, int]]) -> None:
         """Tell the exporter these retiring segments are unmapped here: ``(id, leases claimed on it)``."""

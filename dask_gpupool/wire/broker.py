@@ -4,7 +4,7 @@ The messages live by group, and every one is importable from here:
 
 - :mod:`~dask_gpupool.wire.broker_hello`: ``Hello``, ``Welcome``, and the ``ErrorReply`` of any request;
 - :mod:`~dask_gpupool.wire.broker_handles`: fd requests (``HandleRequest``, ``HandleReply``);
-- :mod:`~dask_gpupool.wire.broker_leases`: lease claims, releases, resyncs and forwards;
+- :mod:`~dask_gpupool.wire.broker_leases`: lease claims, releases, resyncs, forwards and failed transfers;
 - :mod:`~dask_gpupool.wire.broker_copies`: host copies of leased buffers (``CopyRequest``, ``CopyReply``).
 
 Messages are encoded by :func:`~dask_gpupool.wire.codec.encode` (one
@@ -32,6 +32,7 @@ from dask_gpupool.wire.broker_leases import (
     Resync,
     ResyncReply,
     SegmentRelease,
+    TransferFailed,
 )
 from dask_gpupool.wire.codec import as_mapping
 
@@ -53,6 +54,7 @@ __all__ = [
     "Resync",
     "ResyncReply",
     "SegmentRelease",
+    "TransferFailed",
     "Welcome",
     "parse_request",
     "raise_for_error",
@@ -60,7 +62,15 @@ __all__ = [
 
 
 Request = Union[  # noqa: UP007
-    HandleRequest, LeaseClaim, LeaseRelease, SegmentRelease, CopyRequest, Resync, LeaseForward, ForwardSettle
+    HandleRequest,
+    LeaseClaim,
+    LeaseRelease,
+    SegmentRelease,
+    CopyRequest,
+    Resync,
+    LeaseForward,
+    ForwardSettle,
+    TransferFailed,
 ]
 
 
@@ -84,4 +94,5 @@ REQUESTS: dict[str, Any] = {
     Resync.op: Resync,
     LeaseForward.op: LeaseForward,
     ForwardSettle.op: ForwardSettle,
+    TransferFailed.op: TransferFailed,
 }

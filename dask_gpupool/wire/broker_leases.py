@@ -27,6 +27,7 @@ __all__ = [
     "Resync",
     "ResyncReply",
     "SegmentRelease",
+    "TransferFailed",
 ]
 
 
@@ -242,3 +243,27 @@ class ForwardSettle:
     @classmethod
     def from_msg(cls, msg: object) -> ForwardSettle:
         return cls(_lease_ids(as_mapping(msg, "forward settle"), "forward settle"))
+
+
+@dataclass(frozen=True)
+class TransferFailed:
+    """Importer -> exporter's broker: a transfer failed after its leases were claimed (no reply).
+
+    A fill the importer runs after its claims (a copy out of what it mapped)
+    failed, so Dask will ask again. Claimed leases do not tell the exporter
+    that, so it would hand the same value over again, and a fill that fails
+    every time would fail every retry. The exporter sends this importer
+    copies for ``gpupool.lease-timeout`` instead (fallback
+    ``peer-unreachable``). The leases themselves end as usual, with the
+    releases of the imports the importer closed.
+    """
+
+    op: ClassVar[str] = "transfer-failed"
+
+    def to_msg(self) -> dict[str, Any]:
+        return {"op": self.op}
+
+    @classmethod
+    def from_msg(cls, msg: object) -> TransferFailed:
+        as_mapping(msg, "transfer failed")
+        return cls()

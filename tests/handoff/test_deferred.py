@@ -118,3 +118,34 @@ def test_a_refused_claim_closes_every_buffer_of_its_exporter_and_abandons_the_re
     with pytest.raises(ConnectionError, match="lease ended"):
         run_fills(fills)
     assert log == ["close 1", "close 2", "close 3", "abandon copy"]
+
+
+def test_a_fill_that_fails_after_the_claims_tells_each_exporter_whose_claim_ran():
+    """A later fill (a copy out of mapped memory) fails: the transfer fails, and the exporters whose claims ran
+    are told once each (they then send copies, so Dask's retry cannot fail the same way); an exporter whose claim
+    failed, or that was never reached, is not."""
+    log: list[object] = []
+
+    def refuse(leases: list[int]) -> None:
+        raise ConnectionError("lease ended")
+
+    def broken() -> None:
+        raise RuntimeError("CUDA_ERROR_INVALID_CONTEXT")
+
+    with collecting() as fills:
+        claim_later("broker-a", 1, lambda leases: log.append(("a", leases)), lambda: None, lambda: log.append("a told"))
+        claim_later("broker-a", 2, lambda leases: log.append(("a", leases)), lambda: None, lambda: log.append("no"))
+        claim_later("broker-b", 3, lambda leases: log.append(("b", leases)), lambda: None, lambda: log.append("b told"))
+        fill_later(broken, lambda: log.append("abandon copy"))
+    with pytest.raises(RuntimeError, match="INVALID_CONTEXT"):
+        run_fills(fills)
+    assert log == [("a", [1, 2]), ("b", [3]), "abandon copy", "a told", "b told"]
+
+    log.clear()
+    with collecting() as fills:
+        claim_later("broker-a", 4, lambda leases: log.append(("a", leases)), lambda: None, lambda: log.append("a told"))
+        claim_later("broker-b", 5, refuse, lambda: log.append("close 5"), lambda: log.append("b told"))
+        fill_later(lambda: log.append("copy"), lambda: log.append("abandon copy"))
+    with pytest.raises(ConnectionError, match="lease ended"):
+        run_fills(fills)
+    assert log == [("a", [4]), "close 5", "abandon copy", "a told"]

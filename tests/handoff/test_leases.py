@@ -323,6 +323,41 @@ def test_a_claim_is_acknowledged_only_once_the_memory_is_written_and_the_broker_
         del buf
 
 
+def test_a_failed_transfer_reported_over_a_link_reaches_the_exporter_as_its_importer(exporter):
+    """TransferFailed: the exporter's handler hears which importer's transfer failed (the connection's, not one
+    the message could name), and a link of a handler that does not listen is answered by nothing at all."""
+    from dask_gpupool.transport.link import PeerLink
+
+    _pool, _leases, broker, (b, _c) = exporter
+    heard: list[str] = []
+    broker.handler.on_transfer_failed = heard.append
+    as_b = PeerLink(broker.address, 2.0, TOKEN, b)
+    try:
+        as_b.transfer_failed()
+        assert as_b.claim([1]) == [1]  # a round trip: the message before it has been handled
+        assert heard == [b]
+        broker.handler.on_transfer_failed = None
+        as_b.transfer_failed()
+        assert as_b.claim([1]) == [1] and heard == [b]
+    finally:
+        as_b.close()
+
+
+def test_a_worker_that_reports_a_failed_transfer_gets_copies_from_its_exporter():
+    """Real workers: B tells A over its link that a transfer failed after its claims; A's next handoffs to B go
+    as copies (fallback peer-unreachable) with the right bytes, and no lease is left behind."""
+    plugin = GPUPool(kind="host", max_size="64 MiB")
+    with nanny_cluster([{}, {}], plugin) as c:
+        a, b = worker_addresses(c)
+        warm_up(c, a, b)
+        assert c.run(T.report_failed_transfer, a, workers=[b])[b]
+        x = c.submit(T.make_buffer, MiB, b"a copy now", workers=[a], pure=False)
+        assert c.submit(T.head, x, 10, workers=[b], pure=False).result(timeout=60) == b"a copy now"
+        assert _fallbacks(c, a).get("peer-unreachable", 0) >= 1
+        del x
+        assert c.run(T.lease_counts, workers=[a])[a]["leases"] == 0
+
+
 def test_forwards_over_the_broker_are_scoped_to_the_lease_holder_and_settled_by_it(exporter):
     from dask_gpupool.handoff.exporter import Exported
     from dask_gpupool.transport.link import PeerLink

@@ -17,6 +17,7 @@ from dask_gpupool.wire.broker import (
     HandleRequest,
     LeaseForward,
     SegmentRelease,
+    TransferFailed,
     parse_request,
     raise_for_error,
 )
@@ -82,6 +83,7 @@ def test_forward_messages_round_trip_and_refuse_bad_fields():
         assert type(m).from_msg(decode(encode(m))) == m
     assert parse_request(LeaseForward(3, "tcp://h:3").to_msg()) == LeaseForward(3, "tcp://h:3")
     assert parse_request(ForwardSettle((7,)).to_msg()) == ForwardSettle((7,))
+    assert parse_request(wire(TransferFailed().to_msg())) == TransferFailed()
     for bad in ({"lease": 0}, {"lease": -1}, {"to": ""}, {"to": "x" * 1025}, {"to": 3}, {"lease": True}):
         with pytest.raises(ProtocolError):
             LeaseForward.from_msg({**LeaseForward(3, "tcp://h:3").to_msg(), **bad})
