@@ -164,9 +164,15 @@ def collecting() -> Iterator[list[Fill]]:
 
 
 def run_fills(fills: list[Fill]) -> None:
-    """Run ``fills`` in order; after the first failure abandon the rest, tell the ones that ran
-    (``given_up``), then raise it. Blocking."""
+    """Run ``fills`` in order; after the first failure abandon the rest, then raise it. Blocking.
+
+    When the failure was a copy (a fill without ``given_up``), the claim
+    batches that ran are told (``given_up``). A refused claim tells no one:
+    its exporter ends the unclaimed leases when the reply ends and sends copies
+    then, and the other exporters' values will hand over fine on Dask's retry.
+    """
     error: BaseException | None = None
+    failed: Fill | None = None
     ran: list[Fill] = []
     for fill in fills:
         if error is not None:
@@ -176,10 +182,10 @@ def run_fills(fills: list[Fill]) -> None:
             fill.run()
             ran.append(fill)
         except BaseException as e:
-            error = e
+            error, failed = e, fill
             fill.abandon()
     if error is not None:
-        for fill in ran:
+        for fill in ran if failed is not None and failed.given_up is None else ():
             if fill.given_up is not None:
                 try:
                     fill.given_up()
