@@ -72,12 +72,6 @@ class GPUPool(SchedulerPlugin):
         transfer failed gets copies (``gpupool.lease-timeout``); no timer ends a lease.
     peer_gpu_handoff : bool or "auto", optional
         Zero-copy handoffs to workers on another GPU (``gpupool.peer-gpu-handoff``).
-    handoff_ordering : {"sync", "event"}, optional
-        Synchronize the GPU before a descriptor goes out, or wait for an event
-        before acknowledging the consumer's claim (``gpupool.handoff-ordering``).
-    peer_gpu_copy : bool, optional
-        Copy a value handed over from another GPU into this worker's pool on
-        arrival, device to device (``gpupool.peer-gpu-copy``).
     segment_size : int or str, optional
         Segments of ``device`` pools, e.g. ``"1 GiB"``; 0 for none (``gpupool.segment-size``).
     suballocator : {"auto", "rmm", "arena"}, optional
@@ -108,6 +102,12 @@ class GPUPool(SchedulerPlugin):
     rmm_allocator : bool, optional
         Make RMM (and CuPy through it) allocate from the pool
         (``gpupool.rmm-allocator``).
+    peer_gpu_copy : bool, optional
+        Copy a value handed over from another GPU into this worker's pool on
+        arrival, device to device (``gpupool.peer-gpu-copy``).
+    handoff_ordering : {"sync", "event"}, optional
+        Synchronize the GPU before a descriptor goes out, or wait for an event
+        before acknowledging the consumer's claim (``gpupool.handoff-ordering``).
 
     Attributes
     ----------
