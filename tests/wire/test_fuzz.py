@@ -39,6 +39,7 @@ from dask_gpupool.wire.broker import (
     Resync,
     ResyncReply,
     SegmentRelease,
+    TransferFailed,
     parse_request,
 )
 from dask_gpupool.wire.codec import decode, encode
@@ -107,6 +108,10 @@ VALID = {
     "forward": LeaseForward(3, "tcp://h:3").to_msg(),
     "forward-reply": ForwardReply(5, 2).to_msg(),
     "forward-settle": ForwardSettle((5, 6)).to_msg(),
+    "transfer-failed": TransferFailed().to_msg(),
+    "header-claim": HandoffHeader(
+        "ipc", "device", 64, "tcp://h:1", desc=BufferDescriptor(POOL, 64, b"\1" * 64, 0), lease=3, ready="claim"
+    ).to_msg(),
 }
 PARSER_OF = {
     "record": PoolRecord.from_msg,
@@ -124,6 +129,8 @@ PARSER_OF = {
     "forward": parse_request,
     "forward-reply": ForwardReply.from_msg,
     "forward-settle": parse_request,
+    "transfer-failed": parse_request,
+    "header-claim": HandoffHeader.from_msg,
 }
 
 
