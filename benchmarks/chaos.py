@@ -72,9 +72,23 @@ def names(client: Any) -> dict[str, str]:
     return {addr: str(w["name"]) for addr, w in client.scheduler_info(n_workers=-1)["workers"].items()}
 
 
+def port_roles(client: Any) -> dict[int, str]:
+    """TCP port -> role in the cluster (``worker:<name>``, ``nanny:<name>``, ``scheduler``), for socket_peers."""
+    from urllib.parse import urlsplit
+
+    info = client.scheduler_info(n_workers=-1)
+    roles = {urlsplit(info["address"]).port or 0: "scheduler"}
+    for addr, w in info["workers"].items():
+        roles[urlsplit(addr).port or 0] = f"worker:{w['name']}"
+        if w.get("nanny"):
+            roles[urlsplit(w["nanny"]).port or 0] = f"nanny:{w['name']}"
+    return roles
+
+
 def snapshot(client: Any) -> dict[str, dict[str, Any]]:
     by_addr = client.run(T.resources)
     counts = client.run(T.lease_counts)
+    peers = client.run(T.socket_peers, port_roles(client))
     nm = names(client)
     out = {}
     for addr, res in by_addr.items():
@@ -87,6 +101,7 @@ def snapshot(client: Any) -> dict[str, dict[str, Any]]:
             "mapped_pools": res["mapped_pools"],
             "broker_connections": res["broker_connections"],
             "fd_kinds": res["fd_kinds"],
+            "socket_peers": peers.get(addr, []),
             "unclaimed": counts[addr]["unclaimed"],
         }
     return out
@@ -337,6 +352,13 @@ def main() -> None:
                 f"{name:8} {when:5} {v.get('fds', '-'):>5} {v.get('sockets', '-'):>7} {v.get('leases', '-'):>6} "
                 f"{v.get('imports_held', '-'):>5} {v.get('pool_used', '-'):>11}"
             )
+    # which sockets differ, by what they connect (ports named by role: worker:<name>, nanny:<name>, scheduler)
+    for name in sorted(result["end"]):
+        start = collections.Counter(result["start"].get(name, {}).get("socket_peers", []))
+        end = collections.Counter(result["end"][name].get("socket_peers", []))
+        more, fewer = end - start, start - end
+        if more or fewer:
+            print(f"{name}: sockets more at the end {dict(more)}; fewer {dict(fewer)}")
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ from dask_gpupool.testing.probes import (
     open_fds,
     resources,
     serialized_inline,
+    socket_peers,
     start_loop_ticks,
     stop_loop_ticks,
 )
@@ -123,6 +124,7 @@ __all__ = [
     "serializer_families",
     "set_all",
     "slow_fill",
+    "socket_peers",
     "start_loop_ticks",
     "stop_copy_server",
     "stop_loop_ticks",

@@ -200,3 +200,57 @@ async def stop_loop_ticks(dask_worker: Worker) -> dict[str, float]:
     """client.run target: stop :func:`start_loop_ticks`; the longest gap between ticks (s) and their count."""
     dask_worker._gpupool_test_ticker.cancel()  # type: ignore[attr-defined]
     return dict(dask_worker._gpupool_test_ticks)  # type: ignore[attr-defined]
+
+
+def _socket_table() -> dict[str, str]:
+    """inode -> ``"tcp <local> <remote> <state>"`` or ``"unix <path>"`` from ``/proc/net`` (this net namespace)."""
+    table: dict[str, str] = {}
+    states = {"01": "ESTABLISHED", "0A": "LISTEN", "06": "TIME_WAIT", "08": "CLOSE_WAIT", "04": "FIN_WAIT1"}
+    for name in ("tcp", "tcp6"):
+        try:
+            lines = open(f"/proc/net/{name}").read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            local, remote = (int(x.split(":")[1], 16) for x in (f[1], f[2]))
+            table[f[9]] = f"tcp :{local} :{remote} {states.get(f[3], f[3])}"
+    try:
+        for line in open("/proc/net/unix").read().splitlines()[1:]:
+            f = line.split()
+            table[f[6]] = f"unix {f[7] if len(f) > 7 else '(unnamed)'}"
+    except OSError:
+        pass
+    return table
+
+
+def socket_peers(roles: dict[int, str], dask_worker: Worker) -> list[str]:
+    """client.run target (leak hunts): this worker's sockets, each as what it connects, ports named by role.
+
+    ``roles`` names TCP ports (the caller's view of the cluster: ``{port:
+    "worker:w1"}``, nannies, the scheduler); this worker's own port reads as
+    ``worker:self``, its copy server's as ``copy-server``, others as
+    ``ephemeral``. A Unix socket reads as its path's last part (the brokers'
+    sockets) or ``(unnamed)``.
+    """
+    from urllib.parse import urlsplit
+
+    roles = dict(roles)
+    roles[urlsplit(dask_worker.address).port or 0] = "worker:self"
+    service = service_of(dask_worker)
+    if service.copier is not None:
+        roles[urlsplit(service.copier.address).port or 0] = "copy-server"
+    table = _socket_table()
+    out = []
+    for target in open_fds():
+        if not target.startswith("socket:["):
+            continue
+        desc = table.get(target[8:-1], "socket (not in /proc/net)")
+        if desc.startswith("tcp "):
+            _, local, remote, state = desc.split()
+            lport, rport = int(local[1:]), int(remote[1:])
+            desc = f"tcp {roles.get(lport, 'ephemeral')} -> {roles.get(rport, 'ephemeral' if rport else '-')} {state}"
+        elif desc.startswith("unix "):
+            desc = "unix " + desc.split()[1].rsplit("/", 1)[-1]
+        out.append(desc)
+    return sorted(out)
