@@ -14,7 +14,6 @@ kernels, for both orderings; median of ``--repeats`` after a warm-up. Needs a GP
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import threading
@@ -103,12 +102,7 @@ def main() -> None:
                     f"{place:<10}{ordering:<9}{load:<6}"
                     + "".join(f"{got.get(s, float('nan')) * 1e3:14.2f}" for s in sizes)
                 )
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    for d in (os.path.join(os.path.dirname(__file__), "results"), os.environ.get("OUT")):
-        if d:
-            os.makedirs(d, exist_ok=True)
-            with open(os.path.join(d, f"busy_producer-{stamp}.json"), "w") as f:
-                json.dump({"machine": H.machine(), "spin_ms": args.spin_ms, "rows": rows}, f, indent=1)
+    H.save_json("busy_producer", {"machine": H.machine(), "spin_ms": args.spin_ms, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -12,11 +12,14 @@ is) against the same operand copied into GPU 0's memory first (the copy's time r
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
+import sys
 import time
 from typing import Any
+
+sys.path.insert(0, os.path.dirname(__file__))
+import handoff as H  # benchmarks/handoff.py: save_json
 
 
 def timed(fn: Any, repeats: int) -> float:
@@ -66,12 +69,7 @@ def main() -> None:
     print(f"{'op':<12} {'peer ms':>9} {'local ms':>9} {'peer/local':>10}")
     for r in rows:
         print(f"{r['op']:<12} {r['peer_s'] * 1e3:9.3f} {r['local_s'] * 1e3:9.3f} {r['peer_s'] / r['local_s']:10.2f}")
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    for d in (os.path.join(os.path.dirname(__file__), "results"), os.environ.get("OUT")):
-        if d:
-            os.makedirs(d, exist_ok=True)
-            with open(os.path.join(d, f"peer_read-{stamp}.json"), "w") as f:
-                json.dump(result, f, indent=1)
+    H.save_json("peer_read", result)
 
 
 if __name__ == "__main__":

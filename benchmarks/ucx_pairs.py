@@ -15,11 +15,9 @@ no pair went through the host. Needs two GPUs and distributed-ucxx. JSON to ``be
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import time
 from typing import Any
 
 from dask.utils import format_bytes, parse_bytes
@@ -118,12 +116,7 @@ def main() -> None:
         print(f"\n{method}: bytes received by path")
         for w, counts in by_worker.items():
             print(f"  {w}: " + ", ".join(f"{k} {v:,}" for k, v in counts.items()))
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    for d in (os.path.join(os.path.dirname(__file__), "results"), os.environ.get("OUT")):
-        if d:
-            os.makedirs(d, exist_ok=True)
-            with open(os.path.join(d, f"ucx_pairs-{stamp}.json"), "w") as f:
-                json.dump({"machine": H.machine(), "layout": LAYOUT, "rows": rows, "paths": paths}, f, indent=1)
+    H.save_json("ucx_pairs", {"machine": H.machine(), "layout": LAYOUT, "rows": rows, "paths": paths})
 
 
 if __name__ == "__main__":

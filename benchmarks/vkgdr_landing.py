@@ -23,15 +23,18 @@ the ``vkgdr`` and ``cffi`` wheels; without them the script says exactly what fai
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import statistics
+import sys
 import threading
 import time
 from typing import Any
 
 from dask.utils import format_bytes, parse_bytes
+
+sys.path.insert(0, os.path.dirname(__file__))
+import handoff as H  # benchmarks/handoff.py: save_json
 
 
 def sender(listener: socket.socket, payload: memoryview, times: int) -> None:
@@ -160,12 +163,7 @@ def main() -> None:
     for r in rows:
         right = "right" if r["correct"] else "WRONG"
         print(f"{r['method']:<12} {r['median_s'] * 1e3:9.1f} ms  {r['gb_s']:6.2f} GB/s  bytes {right}")
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    for d in (os.path.join(os.path.dirname(__file__), "results"), os.environ.get("OUT")):
-        if d:
-            os.makedirs(d, exist_ok=True)
-            with open(os.path.join(d, f"vkgdr_landing-{stamp}.json"), "w") as f:
-                json.dump({"size": size, "chunk": chunk, "vkgdr_error": vk_error, "rows": rows}, f, indent=1)
+    H.save_json("vkgdr_landing", {"size": size, "chunk": chunk, "vkgdr_error": vk_error, "rows": rows})
 
 
 if __name__ == "__main__":
