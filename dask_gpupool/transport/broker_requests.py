@@ -115,9 +115,10 @@ class BrokerRequests:
             raise ProtocolError(f"{request.op} on a connection that named no worker")
         if isinstance(request, LeaseClaim):
             refused = self._handler.claim(request.leases, importer)
-            waits = self._handler.unwritten([lease for lease in request.leases if lease not in refused], importer)
+            refused_ids = set(refused)
+            claimed = [lease for lease in request.leases if lease not in refused_ids]
+            waits = self._handler.unwritten(claimed, importer)
             if waits:  # the GPU may still be writing (gpupool.handoff-ordering: event): wait, off this loop
-                claimed = [lease for lease in request.leases if lease not in refused]
                 try:
                     await self._loop.run_in_executor(None, _run_all, waits)
                 except Exception as e:  # the importer must not read: the claim fails, its transfer with it
