@@ -23,7 +23,17 @@
 # memory; carry .gl for the Vulkan loader, and .whl holds the vkgdr, cffi and pycparser wheels). CHAOS_SECONDS (default 0: skipped)
 # runs benchmarks/chaos.py for that long (CHAOS_ARGS adds options). The exit status is pytest's (0 when the tests
 # passed or were not run), so a caller sees a failed suite.
+# DEADLINE (seconds from this script's start, default 570) caps every step's timeout so that the script ends, packs
+# its logs and prints its table before the device tool's 600 s limit: a call cut off by that limit brings nothing
+# back. A step with no time left is skipped and says so. Two runs side by side in one call each count from their
+# own start.
 set -uo pipefail
+DEADLINE=${DEADLINE:-570}
+# left LIMIT: LIMIT, or the seconds left before DEADLINE (less 15 s to pack the logs) when fewer; at least 1
+# (timeout 0 would mean no limit).
+left() { local l=$((DEADLINE - SECONDS - 15)); [ "$1" -lt "$l" ] && l=$1; [ "$l" -lt 1 ] && l=1; echo "$l"; }
+# has_time NAME: true while at least 20 s are left; otherwise says that NAME was skipped.
+has_time() { [ "$(left 20)" -ge 20 ] && return 0; echo "== $1: skipped, out of time (DEADLINE=$DEADLINE s, ${SECONDS}s used)"; return 1; }
 TESTS_RC=0
 OUT=${OUT:-/tmp/gpu-check-out}
 mkdir -p "$OUT"
@@ -63,7 +73,7 @@ fi
 PART=${PART:-all}
 if [ "$PART" != bench ]; then
 # -v: each test's name and outcome as it ends, so a call cut off by its time limit still says which ran and how
-timeout ${PYTEST_TIMEOUT:-480} python3 -m pytest tests ${PYTEST_K:+-k "$PYTEST_K"} -p no:cacheprovider -o addopts="" -v -rA --durations=8 --timeout 180 ${PYTEST_ARGS:-} > "$OUT/pytest.log" 2>&1
+timeout $(left ${PYTEST_TIMEOUT:-480}) python3 -m pytest tests ${PYTEST_K:+-k "$PYTEST_K"} -p no:cacheprovider -o addopts="" -v -rA --durations=8 --timeout 180 ${PYTEST_ARGS:-} > "$OUT/pytest.log" 2>&1
 TESTS_RC=$?
 echo "pytest exit: $TESTS_RC"
 echo "== failures/errors"; grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20
@@ -71,79 +81,79 @@ echo "== gpu tests"; grep -E "^(PASSED|FAILED|SKIPPED|ERROR).*(test_gpu|test_lea
 [ "$TESTS_RC" = 124 ] && { echo "== cut off by PYTEST_TIMEOUT; the tests that ended:"; grep -E "::.* (PASSED|FAILED|ERROR|SKIPPED)" "$OUT/pytest.log" | tail -40; }
 echo "== slowest"; grep -E "^[0-9.]+s call" "$OUT/pytest.log" | head -8
 echo "== summary"; tail -n 1 "$OUT/pytest.log"
-if [ "${DEMO:-1}" != 0 ]; then
-echo "== demo"; timeout 100 python3 -m dask_gpupool demo > "$OUT/demo.log" 2>&1; echo "demo exit: $?"; tail -n 4 "$OUT/demo.log"
-echo "== example"; timeout 120 python3 examples/zero_copy_handoff.py > "$OUT/example.log" 2>&1; echo "example exit: $?"; tail -n 6 "$OUT/example.log"
+if [ "${DEMO:-1}" != 0 ] && has_time demo; then
+echo "== demo"; timeout $(left 100) python3 -m dask_gpupool demo > "$OUT/demo.log" 2>&1; echo "demo exit: $?"; tail -n 4 "$OUT/demo.log"
+echo "== example"; timeout $(left 120) python3 examples/zero_copy_handoff.py > "$OUT/example.log" 2>&1; echo "example exit: $?"; tail -n 6 "$OUT/example.log"
 fi
 fi
 if [ "$PART" != tests ]; then
-if [ "${MAPPING:-1}" != 0 ]; then
-timeout 150 python3 benchmarks/pool_mapping.py > "$OUT/bench.log" 2>&1
+if [ "${MAPPING:-1}" != 0 ] && has_time "pool mapping"; then
+timeout $(left 150) python3 benchmarks/pool_mapping.py > "$OUT/bench.log" 2>&1
 echo "pool mapping exit: $?"; tail -n 4 "$OUT/bench.log"
 fi
-if [ "${LARGE:-1}" != 0 ]; then
-echo "== single imports of 5-8 GiB"; timeout 150 python3 benchmarks/pool_mapping.py --large > "$OUT/large.log" 2>&1
+if [ "${LARGE:-1}" != 0 ] && has_time "large imports"; then
+echo "== single imports of 5-8 GiB"; timeout $(left 150) python3 benchmarks/pool_mapping.py --large > "$OUT/large.log" 2>&1
 echo "large exit: $?"; sed -n '/^placement/,$p' "$OUT/large.log"
 fi
-if [ "${SUBALLOC:-1}" != 0 ]; then
-echo "== sub-allocator: arena vs RMM"; timeout 120 python3 benchmarks/suballocator.py > "$OUT/suballocator.log" 2>&1
+if [ "${SUBALLOC:-1}" != 0 ] && has_time suballocator; then
+echo "== sub-allocator: arena vs RMM"; timeout $(left 120) python3 benchmarks/suballocator.py > "$OUT/suballocator.log" 2>&1
 echo "suballocator exit: $?"; sed -n '/^case/,$p' "$OUT/suballocator.log"
 fi
-if [ "${ETL:-1}" != 0 ]; then
+if [ "${ETL:-1}" != 0 ] && has_time etl; then
 for layout in ${ETL_LAYOUTS:-shared}; do
 echo "== etl example, layout $layout (CuPy chunks) ${ETL_ARGS:-}"
-timeout 150 python3 examples/etl_pipeline.py --size 1GiB --chunks 16 --layout "$layout" ${ETL_ARGS:-} --plot "$OUT/etl_$layout.png" > "$OUT/etl_$layout.log" 2>&1
+timeout $(left 150) python3 examples/etl_pipeline.py --size 1GiB --chunks 16 --layout "$layout" ${ETL_ARGS:-} --plot "$OUT/etl_$layout.png" > "$OUT/etl_$layout.log" 2>&1
 echo "etl exit: $?"; grep -v "^20\|^gpupool:" "$OUT/etl_$layout.log" | tail -n 9
 done
 fi
 BUDGET=${HANDOFF_BUDGET:-360}
-if [ "$BUDGET" != 0 ]; then
+if [ "$BUDGET" != 0 ] && has_time "handoff benchmark"; then
   echo "== handoff benchmark"
-  timeout $((BUDGET + 120)) python3 benchmarks/handoff.py --budget "$BUDGET" ${HANDOFF_ARGS:-} > "$OUT/handoff.log" 2>&1
+  timeout $(left $((BUDGET + 120))) python3 benchmarks/handoff.py --budget "$BUDGET" ${HANDOFF_ARGS:-} > "$OUT/handoff.log" 2>&1
   echo "handoff exit: $?"
   grep -E "not available|FAILED|out of time" "$OUT/handoff.log" | head -10
   sed -n '/^consumer transfer time/,$p' "$OUT/handoff.log"
 fi
 fi
-if [ "${ARRAY_BENCH:-0}" != 0 ]; then  # issue 16: a dask.array program with and without GPUPool() at its defaults
+if [ "${ARRAY_BENCH:-0}" != 0 ] && has_time dask_array; then  # issue 16: a dask.array program with and without GPUPool() at its defaults
   for proto in ${ARRAY_BENCH_PROTOCOLS:-tcp}; do
     echo "== dask.array, plugin vs none ($proto)"
-    timeout 240 python3 benchmarks/dask_array.py --protocol "$proto" ${ARRAY_BENCH_ARGS:-} > "$OUT/dask_array_$proto.log" 2>&1
+    timeout $(left 240) python3 benchmarks/dask_array.py --protocol "$proto" ${ARRAY_BENCH_ARGS:-} > "$OUT/dask_array_$proto.log" 2>&1
     echo "dask_array exit: $?"; sed -n '/^-- /p;/^[0-9]*x[0-9]* f8/,$p' "$OUT/dask_array_$proto.log"
   done
 fi
-if [ "${WORKLOADS:-0}" != 0 ]; then  # issue 18: dask.array workloads, plain Dask (TCP, UCXX) vs GPUPool() at defaults
-  echo "== workloads ${WORKLOADS_ARGS:-}"; timeout ${WORKLOADS_TIMEOUT:-560} python3 benchmarks/workloads.py ${WORKLOADS_ARGS:-} > "$OUT/workloads.log" 2>&1
+if [ "${WORKLOADS:-0}" != 0 ] && has_time workloads; then  # issue 18: dask.array workloads, plain Dask (TCP, UCXX) vs GPUPool() at defaults
+  echo "== workloads ${WORKLOADS_ARGS:-}"; timeout $(left ${WORKLOADS_TIMEOUT:-560}) python3 benchmarks/workloads.py ${WORKLOADS_ARGS:-} > "$OUT/workloads.log" 2>&1
   echo "workloads exit: $?"; sed -n '/^[0-9]*x[0-9]* f8/,$p' "$OUT/workloads.log"
 fi
-if [ "${GATHER:-0}" != 0 ]; then  # one reply of many handoffs: claims batched per exporter (GATHER_ARGS adds options)
-  echo "== gather"; timeout 240 python3 benchmarks/gather.py ${GATHER_ARGS:-} > "$OUT/gather.log" 2>&1
+if [ "${GATHER:-0}" != 0 ] && has_time gather; then  # one reply of many handoffs: claims batched per exporter (GATHER_ARGS adds options)
+  echo "== gather"; timeout $(left 240) python3 benchmarks/gather.py ${GATHER_ARGS:-} > "$OUT/gather.log" 2>&1
   echo "gather exit: $?"; grep "values" "$OUT/gather.log"
 fi
-if [ "${BUSY:-0}" != 0 ]; then  # issue 19: handoff latency while the producer's GPU runs another stream's kernels
-  echo "== busy producer ${BUSY_ARGS:-}"; timeout 240 python3 benchmarks/busy_producer.py ${BUSY_ARGS:-} > "$OUT/busy.log" 2>&1
+if [ "${BUSY:-0}" != 0 ] && has_time "busy producer"; then  # issue 19: handoff latency while the producer's GPU runs another stream's kernels
+  echo "== busy producer ${BUSY_ARGS:-}"; timeout $(left 240) python3 benchmarks/busy_producer.py ${BUSY_ARGS:-} > "$OUT/busy.log" 2>&1
   echo "busy producer exit: $?"; sed -n '/^consumer transfer time/,$p' "$OUT/busy.log"
 fi
-if [ "${UCX_PAIRS:-0}" != 0 ]; then  # issue 19: every pair of four workers that look like two hosts, UCXX vs plugin
-  echo "== ucx pairs ${UCX_PAIRS_ARGS:-}"; timeout 300 python3 benchmarks/ucx_pairs.py ${UCX_PAIRS_ARGS:-} > "$OUT/ucx_pairs.log" 2>&1
+if [ "${UCX_PAIRS:-0}" != 0 ] && has_time "ucx pairs"; then  # issue 19: every pair of four workers that look like two hosts, UCXX vs plugin
+  echo "== ucx pairs ${UCX_PAIRS_ARGS:-}"; timeout $(left 300) python3 benchmarks/ucx_pairs.py ${UCX_PAIRS_ARGS:-} > "$OUT/ucx_pairs.log" 2>&1
   echo "ucx pairs exit: $?"; sed -n '/^consumer transfer time/,$p' "$OUT/ucx_pairs.log"
 fi
-if [ "${VKGDR:-0}" != 0 ]; then  # issue 19: land TCP copies straight in device memory (vkgdr) vs pinned staging
+if [ "${VKGDR:-0}" != 0 ] && has_time vkgdr; then  # issue 19: land TCP copies straight in device memory (vkgdr) vs pinned staging
   # vkgdr needs the Vulkan loader: carry .gl (libvulkan1 .deb, docs/gpu-checks.md) when the machine has none.
   if ! ldconfig -p | grep -q libvulkan.so.1 && ls .gl/*.deb > /dev/null 2>&1; then
     for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
   fi
   export VK_DRIVER_FILES=${VK_DRIVER_FILES:-/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json}
-  echo "== vkgdr landing ${VKGDR_ARGS:-}"; timeout 200 python3 benchmarks/vkgdr_landing.py ${VKGDR_ARGS:-} > "$OUT/vkgdr.log" 2>&1
+  echo "== vkgdr landing ${VKGDR_ARGS:-}"; timeout $(left 200) python3 benchmarks/vkgdr_landing.py ${VKGDR_ARGS:-} > "$OUT/vkgdr.log" 2>&1
   echo "vkgdr exit: $?"; sed -n '/over loopback TCP/,$p' "$OUT/vkgdr.log"; tail -n 3 "$OUT/vkgdr.log"
 fi
-if [ "${DEATH:-0}" != 0 ]; then  # what an importer reads after its exporter's SIGKILL: pool vs VMM memory
-  echo "== exporter death"; timeout 280 python3 benchmarks/exporter_death.py > "$OUT/exporter_death.log" 2>&1
+if [ "${DEATH:-0}" != 0 ] && has_time "exporter death"; then  # what an importer reads after its exporter's SIGKILL: pool vs VMM memory
+  echo "== exporter death"; timeout $(left 280) python3 benchmarks/exporter_death.py > "$OUT/exporter_death.log" 2>&1
   echo "exporter death exit: $?"; sed -n '/^mechanism/,$p' "$OUT/exporter_death.log"
 fi
-if [ "${CHAOS_SECONDS:-0}" != 0 ]; then
+if [ "${CHAOS_SECONDS:-0}" != 0 ] && has_time chaos; then
   echo "== chaos (${CHAOS_SECONDS} s)"
-  timeout $((CHAOS_SECONDS + 240)) python3 benchmarks/chaos.py --seconds "$CHAOS_SECONDS" ${CHAOS_ARGS:-} > "$OUT/chaos.log" 2>&1
+  timeout $(left $((CHAOS_SECONDS + 240))) python3 benchmarks/chaos.py --seconds "$CHAOS_SECONDS" ${CHAOS_ARGS:-} > "$OUT/chaos.log" 2>&1
   echo "chaos exit: $?"; sed -n '/^chaos:/,$p' "$OUT/chaos.log"
 fi
 if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
