@@ -214,13 +214,14 @@ class PoolOptions:
         :data:`DEVICE_HANDOFF_THRESHOLD` (1 MiB) on ``device`` pools, 0 on
         ``pinned`` pools (:meth:`effective_handoff_threshold`).
     device_objects : bool
-        Send ``rmm.DeviceBuffer`` and Numba device arrays to same-host
+        Send every object with a ``"cuda"`` serializer (``rmm.DeviceBuffer``,
+        Numba device arrays, cuDF objects, a user's type) to same-host
         workers over TCP frame by frame through the pool
-        (:mod:`dask_gpupool.dask.device_objects`). Off by default: its GPU
-        tests pass on two H200s and its workload (``rmm_objects`` in
-        ``benchmarks/workloads.py``) took 54-66 ms on, 151-208 ms off (UCXX
-        51-54), but it has not run on a GPU as the default; off, they go
-        through distributed's serializer as before.
+        (:mod:`dask_gpupool.dask.device_objects`). Off by default until it
+        runs on a GPU at that default (its first, per-type version took
+        54-66 ms on ``rmm_objects`` in ``benchmarks/workloads.py``, 151-208
+        ms off, UCXX 51-54); off, they go through distributed's serializer
+        as before.
     peer_gpu_handoff : bool
         Hand ``device`` buffers over zero-copy to workers on other GPUs too:
         the pool grants those GPUs access when it is made. Only VMM segments

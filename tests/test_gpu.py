@@ -887,36 +887,33 @@ def test_device_objects_go_frame_by_frame_over_tcp(kind):
         del got
 
 
-@pytest.mark.parametrize("first", ["cupy", "rmm", "numba"])
-def test_device_object_serializers_are_ours_whatever_registers_first(first):
-    """The [rmm] case above failed on two H200s at b7955f9: distributed's CuPy serializers import its RMM ones
-    directly, so the lazy hook that puts ours in front of ``rmm.DeviceBuffer`` never ran. In a fresh process, with
-    CuPy's, RMM's or Numba's serializers registered first, both types dispatch to this package's serializer."""
-    import subprocess
-    import sys
-
+@pytest.mark.parametrize("ordering", ["sync", "event"])
+@pytest.mark.parametrize("kind", ["reads-on-arrival", "wants-rmm-frames"])
+def test_any_cuda_serialized_type_goes_frame_by_frame_and_is_read_only_after_its_claim(kind, ordering):
+    """Issue 18, every "cuda"-serialized object: a type distributed does not know (``T.DeviceRecord``, registered
+    with ``cuda_serialize`` only) over a 16 MiB pool buffer that a producer kernel is still filling (300 ms spin)
+    reaches a same-host worker over TCP zero-copy. Its deserializer sums the bytes on arrival, as a cuDF column's
+    may read them, and the sum is right: the object's claims ran before it (and, with ``event`` ordering, after the
+    producer's kernel). A deserializer that wants ``rmm.DeviceBuffer`` frames gets copies, and the right bytes."""
     gpus(1)
-    pytest.importorskip("rmm")
-    pytest.importorskip("numba.cuda")
-    code = f"""
-import cupy, numba.cuda, rmm, numpy as np
-from distributed.protocol import dask_serialize
-import dask_gpupool.dask.serializers
-first = {first!r}
-if first == "cupy":
-    dask_serialize.dispatch(cupy.ndarray)
-elif first == "rmm":
-    dask_serialize.dispatch(rmm.DeviceBuffer)
-else:
-    dask_serialize.dispatch(numba.cuda.devicearray.DeviceNDArray)
-mods = {{t.__name__: dask_serialize.dispatch(t).__module__
-        for t in (rmm.DeviceBuffer, numba.cuda.devicearray.DeviceNDArray)}}
-print(mods)
-"""
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    mods = done.stdout.strip().splitlines()[-1]
-    assert mods.count("dask_gpupool.dask.device_objects") == 2, mods
+    if kind == "wants-rmm-frames":
+        pytest.importorskip("rmm")
+    plugin = GPUPool(kind="device", max_size="1 GiB", device_objects=True, handoff_ordering=ordering)
+    with nanny_cluster([ONE_GPU, ONE_GPU], plugin) as c:
+        a, b = worker_addresses(c)
+        baseline = warm_up(c, a, b)
+        before = counters(c)
+        name = "RmmFramesRecord" if kind == "wants-rmm-frames" else "DeviceRecord"
+        for i in range(3):
+            buf = c.submit(T.slow_fill, 16 * MiB, 11 + i, 300, workers=[a], pure=False)
+            rec = c.submit(T.device_record, buf, f"r{i}", kind == "wants-rmm-frames", workers=[a], pure=False)
+            got = c.submit(T.keep, rec, workers=[b], pure=False)
+            assert c.submit(T.check_device_record, got, 11 + i, workers=[b], pure=False).result() == f"{name}:ok"
+            del buf, rec, got
+        now = counters(c)
+        assert now[b]["zero_copy_bytes"] - before[b]["zero_copy_bytes"] == 3 * 16 * MiB, now[b]
+        assert now[a]["fallbacks"] == before[a]["fallbacks"], now[a]
+        back_to(c, baseline)
 
 
 def test_the_package_imports_after_cupy():

@@ -97,8 +97,9 @@ class GPUPool(SchedulerPlugin):
         Smallest pool buffer handed over to a same-host worker over TCP;
         smaller ones are copied (``gpupool.handoff-threshold``; 0: none).
     device_objects : bool, optional
-        Send ``rmm.DeviceBuffer`` and Numba device arrays frame by frame
-        through the pool (``gpupool.device-objects``).
+        Send every object with a ``"cuda"`` serializer (``rmm.DeviceBuffer``,
+        Numba and cuDF objects) frame by frame through the pool
+        (``gpupool.device-objects``).
     rmm_allocator : bool, optional
         Make RMM (and CuPy through it) allocate from the pool
         (``gpupool.rmm-allocator``).

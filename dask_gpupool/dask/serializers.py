@@ -287,9 +287,6 @@ def register_cupy() -> None:
         _cupy_registered = "no"
         raise
     _cupy_registered = "yes"
-    from dask_gpupool.dask.device_objects import catch_up
-
-    catch_up()  # distributed's CuPy serializers imported its RMM ones
 
 
 def _register_cupy_now() -> None:

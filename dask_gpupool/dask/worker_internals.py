@@ -23,6 +23,7 @@ import asyncio
 import contextvars
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -73,8 +74,15 @@ class Request:
 REQUEST: contextvars.ContextVar[Request | None] = contextvars.ContextVar("gpupool_request", default=None)
 
 
-def install_get_data_hook(worker: Worker, service: PoolService) -> Any:
+def install_get_data_hook(
+    worker: Worker, service: PoolService, serializers: Callable[[Request], list[str] | None] | None = None
+) -> Any:
     """Wrap ``worker``'s ``get_data`` handler so serializers know the requester.
+
+    ``serializers(request)``, when given, names the serializer families for
+    a reply (``None``: Dask's default); the worker plugin passes
+    :func:`dask_gpupool.dask.device_objects.serializers_for`, so that
+    same-host workers get device objects frame by frame.
 
     When every value asked for will go as an IPC descriptor, the reply is
     serialized on the event loop rather than in Dask's offload thread: Dask
@@ -106,6 +114,10 @@ def install_get_data_hook(worker: Worker, service: PoolService) -> Any:
         if inline:
             comm.allow_offload = False
         request = REQUEST.get()
+        if serializers is not None and request is not None and kwargs.get("serializers") is None:
+            families = serializers(request)
+            if families is not None:
+                kwargs["serializers"] = families
         start = time.perf_counter()
         try:
             return await original(comm, keys=keys, who=who, **kwargs)

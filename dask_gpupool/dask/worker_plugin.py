@@ -38,6 +38,7 @@ from tornado.ioloop import PeriodicCallback
 from dask_gpupool.config import PoolOptions
 from dask_gpupool.core import JOINED_OP, MEMBERSHIP_OP, PLUGIN_NAME, REGISTER_OP, REGISTRY_OP, UNREGISTER_OP
 from dask_gpupool.dask import rmm_routing as _rmm
+from dask_gpupool.dask.device_objects import serializers_for
 from dask_gpupool.dask.worker_internals import count_own_memory_only, fill_after_read, install_get_data_hook
 from dask_gpupool.errors import PoolUnavailableError, ProtocolError
 from dask_gpupool.handoff.service import PoolService
@@ -118,7 +119,7 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         self._held = []
         worker.stream_handlers[REGISTRY_OP] = self._on_registry_update
         worker.stream_handlers[MEMBERSHIP_OP] = self._on_membership
-        self._get_data = install_get_data_hook(worker, service)
+        self._get_data = install_get_data_hook(worker, service, serializers_for)
         count_own_memory_only(worker)
         fill_after_read(worker)
         self.service = service

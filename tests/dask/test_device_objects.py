@@ -1,0 +1,95 @@
+"""The serialization family that sends "cuda"-serialized objects frame by frame (``dask/device_objects.py``).
+
+Issue 18. What runs without a GPU: the family declines everything outside a same-host reply from a ``device``
+pool (so Dask's own families serialize as before), its wire format round-trips an object whose ``cuda``
+serializer gives host frames, and malformed headers fail with a clear error. The device frames themselves are
+exercised on a GPU: ``tests/test_gpu.py::test_device_objects_go_frame_by_frame_over_tcp``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from distributed.protocol import deserialize, serialize
+from distributed.protocol.cuda import cuda_deserialize, cuda_serialize
+
+from dask_gpupool.dask import device_objects as D
+from dask_gpupool.errors import ProtocolError
+
+
+class HostRecord:
+    """A type with a ``"cuda"`` serializer whose frames are all host memory."""
+
+    def __init__(self, tag: str, payload: bytes) -> None:
+        self.tag, self.payload = tag, payload
+
+
+@cuda_serialize.register(HostRecord)
+def _dumps_record(x: HostRecord) -> tuple[dict[str, Any], list[Any]]:
+    return {"tag": x.tag}, [x.payload, b"second"]
+
+
+@cuda_deserialize.register(HostRecord)
+def _loads_record(header: dict[str, Any], frames: list[Any]) -> HostRecord:
+    assert bytes(frames[1]) == b"second"
+    return HostRecord(header["tag"], bytes(frames[0]))
+
+
+def test_the_family_is_registered_and_declines_outside_a_same_host_reply():
+    """Outside a ``get_data`` reply to a same-host worker (no request here), the family steps aside: Dask's next
+    family serializes the object, and it deserializes as before."""
+    x = HostRecord("a", b"payload")
+    with pytest.raises(NotImplementedError):
+        D.dumps(x)
+    header, frames = serialize(x, serializers=[D.FAMILY, "dask", "pickle"], on_error="raise")
+    assert header["serializer"] == "pickle"
+    back = deserialize(header, frames)
+    assert (back.tag, back.payload) == ("a", b"payload")
+    assert D.serializers_for(None) is None  # type: ignore[arg-type]
+
+
+def test_the_wire_format_round_trips_an_object_with_host_frames():
+    """``_dumps_frames`` plus the family header, read back by ``loads``: the same object, the type found by name."""
+    x = HostRecord("tag-1", b"\x00\x01\x02")
+    sub, frames = D._dumps_frames(x, cuda_serialize.dispatch(HostRecord))
+    header = {"sub-header": sub, "type": D._type_name(HostRecord)}
+    assert sub[D.FRAMES_KEY]["parts"] == [{"host": True}, {"host": True}]
+    back = D.loads(header, frames)
+    assert type(back) is HostRecord
+    assert (back.tag, back.payload) == ("tag-1", b"\x00\x01\x02")
+
+
+def test_a_type_found_again_by_name_is_the_same_type_and_a_local_one_is_not_found():
+    assert D._type_from_name(D._type_name(HostRecord)) is HostRecord
+
+    class Local:
+        pass
+
+    with pytest.raises(ProtocolError, match="cannot be imported"):
+        D._type_from_name(D._type_name(Local))
+
+
+_EMPTY = {D.FRAMES_KEY: {"header": {}, "parts": []}}
+
+
+@pytest.mark.parametrize(
+    "header, frames, match",
+    [
+        ({}, [], "missing field"),
+        ({"type": D._type_name(HostRecord), "sub-header": {}}, [], "missing field"),
+        ({"type": "no-colon", "sub-header": _EMPTY}, [], "module>:<qualname"),
+        ({"type": "nosuchmodule_x:T", "sub-header": _EMPTY}, [], "imported"),
+        ({"type": "os:sep", "sub-header": _EMPTY}, [], "not a type"),
+        ({"type": "builtins:int", "sub-header": _EMPTY}, [], "no cuda deserializer"),
+        (
+            {"type": D._type_name(HostRecord), "sub-header": {D.FRAMES_KEY: {"header": {}, "parts": [{"host": True}]}}},
+            [b"a", b"b"],
+            "do not match",
+        ),
+    ],
+    ids=["empty", "no-frames-key", "bad-name", "no-module", "not-a-type", "no-deserializer", "frame-count"],
+)
+def test_a_malformed_header_is_a_protocol_error(header, frames, match):
+    with pytest.raises(ProtocolError, match=match):
+        D.loads(header, frames)
