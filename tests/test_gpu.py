@@ -682,6 +682,39 @@ def test_buffers_of_8_and_16_gib_hand_over_zero_copy(layout, gib):
         back_to(c, baseline, timeout=120)
 
 
+@pytest.mark.parametrize("killed", ["producer", "consumer"])
+@pytest.mark.parametrize("layout", ["one-gpu", "two-gpus"])
+def test_sigkill_with_an_8_gib_mapping_held(layout, killed):
+    """Issue 19, faults at any size: B maps an 8 GiB buffer of A's (VMM segments, no import limit). A SIGKILLed:
+    B still reads every byte right. B SIGKILLed: A ends its lease and its pool is back to 0 bytes used."""
+    nbytes = 8 << 30
+    workers = [{**w, "memory_limit": 0} for w in layout_workers(layout)]
+    plugin = GPUPool(kind="device", max_size="18 GiB", peer_gpu_handoff=layout == "two-gpus")
+    with nanny_cluster(workers, plugin) as c:
+        a, b = worker_addresses(c)
+        # B checks a buffer of its own first: CuPy is loaded before B's baseline (what B holds once A is gone)
+        own = c.submit(T.fill, MiB, 1, workers=[b], pure=False)
+        assert c.submit(T.all_equal, own, 1, workers=[b], pure=False).result()
+        del own
+        wait_for(lambda: counters(c, b)[b]["used"] == 0, what="B's own buffer to go")
+        base_b = c.run(T.resources, workers=[b])
+        x = c.submit(T.fill, nbytes, 9, workers=[a], pure=False)
+        y = c.submit(T.keep, x, workers=[b], pure=False)
+        assert c.submit(T.describe, y, workers=[b], pure=False).result()["imported"]
+        if killed == "consumer":
+            assert counters(c, a)[a]["leases"] == 1
+            os.kill(pid_of(c, b), signal.SIGKILL)
+            del y  # not computed again on B's successor
+            wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="A to end the dead consumer's lease")
+            del x
+            wait_for(lambda: counters(c, a)[a]["used"] == 0, timeout=120, what="A's pool bytes to return")
+            return
+        os.kill(pid_of(c, a), signal.SIGKILL)
+        assert c.submit(T.all_equal, y, 9, workers=[b], pure=False).result()
+        del x, y
+        back_to(c, base_b, timeout=120, workers=[b])
+
+
 # -- leases through stalls (issue 15, cases 1 and 2) on device pools ----------------------------
 
 
