@@ -612,6 +612,16 @@ def test_sigkill_of_the_consumer_releases_its_leases_on_a_device_pool():
         wait_for(lambda: counters(c, a)[a]["used"] == 0, what="A's pool bytes to return")
 
 
+def own_baseline(c: Any, b: str) -> dict[str, Any]:
+    """B's resources before it maps anything of a peer's, taken once B checked a buffer of its own (so CuPy is
+    loaded): what B should hold again once its producer is gone and B let go of what it mapped."""
+    own = c.submit(T.fill, MiB, 1, workers=[b], pure=False)
+    assert c.submit(T.all_equal, own, 1, workers=[b], pure=False).result()
+    del own
+    wait_for(lambda: counters(c, b)[b]["used"] == 0, what="B's own buffer to go")
+    return c.run(T.resources, workers=[b])
+
+
 @pytest.mark.parametrize("layout", ["one-gpu", "two-gpus"])
 def test_sigkill_of_the_producer_leaves_the_consumers_device_mapping_readable(layout):
     """A's process dies while B holds an import: B still reads A's bytes, even once A's GPU memory is reused.
@@ -622,12 +632,7 @@ def test_sigkill_of_the_producer_leaves_the_consumers_device_mapping_readable(la
     workers = layout_workers(layout)
     with nanny_cluster(workers, GPUPool(kind="device", max_size="1 GiB")) as c:
         a, b = worker_addresses(c)
-        # B checks a buffer of its own first: CuPy is loaded before the baseline
-        own = c.submit(T.fill, MiB, 1, workers=[b], pure=False)
-        assert c.submit(T.all_equal, own, 1, workers=[b], pure=False).result()
-        del own
-        wait_for(lambda: counters(c, b)[b]["used"] == 0, what="B's own buffer to go")
-        base_b = c.run(T.resources, workers=[b])
+        base_b = own_baseline(c, b)
         x = c.submit(T.fill, 16 * MiB, 6, workers=[a], pure=False)
         y = c.submit(T.keep, x, workers=[b], pure=False)
         assert c.submit(T.describe, y, workers=[b], pure=False).result()["imported"]
@@ -692,12 +697,7 @@ def test_sigkill_with_an_8_gib_mapping_held(layout, killed):
     plugin = GPUPool(kind="device", max_size="18 GiB", peer_gpu_handoff=layout == "two-gpus")
     with nanny_cluster(workers, plugin) as c:
         a, b = worker_addresses(c)
-        # B checks a buffer of its own first: CuPy is loaded before B's baseline (what B holds once A is gone)
-        own = c.submit(T.fill, MiB, 1, workers=[b], pure=False)
-        assert c.submit(T.all_equal, own, 1, workers=[b], pure=False).result()
-        del own
-        wait_for(lambda: counters(c, b)[b]["used"] == 0, what="B's own buffer to go")
-        base_b = c.run(T.resources, workers=[b])
+        base_b = own_baseline(c, b)
         x = c.submit(T.fill, nbytes, 9, workers=[a], pure=False)
         y = c.submit(T.keep, x, workers=[b], pure=False)
         assert c.submit(T.describe, y, workers=[b], pure=False).result()["imported"]
