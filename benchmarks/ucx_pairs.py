@@ -9,7 +9,11 @@ buffer): a same-"host" pair gets a descriptor (zero-copy), another-"host" pair t
 moves GPU to GPU. After each method the table of bytes by path (zero-copy, device frames, host copies) shows that
 no pair went through the host. Needs two GPUs and distributed-ucxx. JSON to ``benchmarks/results/`` (and ``$OUT``).
 
-    python benchmarks/ucx_pairs.py [--sizes 1MiB,256MiB] [--repeats 5]
+The default sizes span the question of ``gpupool.ucx-handoff-threshold`` (0: every pool value is handed over): on
+two H200s, pool arrays over UCXX were handed over in 1.8-2.3 ms at every size, where UCXX alone moved 1 KiB-1 MiB
+in 1.4-1.9 ms, so below some size device frames may be the faster path for a same-host pair too.
+
+    python benchmarks/ucx_pairs.py [--sizes 4KiB,1MiB,16MiB,256MiB] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ PATH_KEYS = ("zero_copy_bytes", "peer_copied_bytes", "device_frames_bytes", "cop
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", default="1MiB,256MiB")
+    p.add_argument("--sizes", default="4KiB,1MiB,16MiB,256MiB")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--methods", default="ucxx,ucxx+gpupool")
     args = p.parse_args()
