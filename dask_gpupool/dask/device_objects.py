@@ -206,8 +206,7 @@ def _loads_frames(
     typ: type, cuda_header: Any, parts: list[dict[str, Any]], frames: list[Any], cuda_loads: Callable[..., Any]
 ) -> Any:
     """Rebuild an object :func:`_dumps_frames` sent: each part back in device memory, then ``cuda_loads``."""
-    if not isinstance(parts, list) or sum(int(p.get("frames", 1)) for p in parts) != len(frames):
-        raise ProtocolError(f"device object header: {len(frames)} frames do not match its parts")
+    _check_parts(parts, len(frames))
     if not any("device" in p for p in parts):
         return cuda_loads(cuda_header, list(frames))
     rmm = sys.modules.get("rmm")
@@ -248,6 +247,28 @@ def _now(make: Callable[[], list[Any]]) -> list[Any]:
         raise
     run_fills(pending)
     return out
+
+
+def _check_parts(parts: Any, nframes: int) -> None:
+    """Raise :class:`ProtocolError` unless ``parts`` is a list of ``{"host": True}`` and ``{"device": {...},
+    "frames": n}`` that accounts for exactly ``nframes`` frames."""
+    if not isinstance(parts, list):
+        raise ProtocolError(f"device object header: parts is a {type(parts).__name__}, not a list")
+    total = 0
+    for part in parts:
+        if isinstance(part, dict) and part.get("host") is True and len(part) == 1:
+            total += 1
+        elif (
+            isinstance(part, dict)
+            and isinstance(part.get("device"), dict)
+            and type(part.get("frames")) is int
+            and part["frames"] >= 0
+        ):
+            total += part["frames"]
+        else:
+            raise ProtocolError(f"device object header: malformed part {part!r:.200}")
+    if total != nframes:
+        raise ProtocolError(f"device object header: {nframes} frames do not match its parts ({total})")
 
 
 def _device_frames(parts: list[dict[str, Any]], frames: list[Any], to_frame: Callable[[Any], Any] | None) -> list[Any]:

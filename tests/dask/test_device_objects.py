@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 from distributed.protocol import deserialize, serialize
 from distributed.protocol.cuda import cuda_deserialize, cuda_serialize
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dask_gpupool.dask import device_objects as D
 from dask_gpupool.errors import ProtocolError
@@ -93,3 +95,41 @@ _EMPTY = {D.FRAMES_KEY: {"header": {}, "parts": []}}
 def test_a_malformed_header_is_a_protocol_error(header, frames, match):
     with pytest.raises(ProtocolError, match=match):
         D.loads(header, frames)
+
+
+_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 5) | st.text(max_size=8) | st.binary(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(["host", "device", "frames", "x"]), inner)
+    ),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    sub=st.one_of(
+        _VALUES, st.fixed_dictionaries({D.FRAMES_KEY: st.fixed_dictionaries({"header": _VALUES, "parts": _VALUES})})
+    ),
+    nframes=st.integers(0, 3),
+)
+def test_any_garbage_in_the_header_is_a_protocol_error(sub, nframes):
+    """A peer's header is input: whatever its sub-header holds, ``loads`` raises ``ProtocolError`` or rebuilds the
+    object (host parts that add up), never another error from this module."""
+    header = {"type": D._type_name(HostRecord), "sub-header": sub}
+    frames = [b"x"] * nframes
+    try:
+        D.loads(header, frames)
+    except ProtocolError:
+        pass
+    except (KeyError, AssertionError, IndexError, TypeError) as e:  # HostRecord's own deserializer, given garbage
+        assert _raised_in_record(e), e
+
+
+def _raised_in_record(e: BaseException) -> bool:
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == "_loads_record":
+            return True
+        tb = tb.tb_next
+    return False
