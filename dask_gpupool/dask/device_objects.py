@@ -33,14 +33,20 @@ What the consumer's deserializer gets, by type:
   device memory, so the claim waits with the message's others
   (:mod:`~dask_gpupool.handoff.deferred`).
 - Every other type (cuDF's, a user's) maps the frames too, but its
-  deserializer may read device memory (a cuDF column may), and nothing may
+  deserializer may read device memory (a cuDF column's may), and nothing may
   be read before the exporter acknowledged the lease (and, with
   ``gpupool.handoff-ordering: event``, before the producer's kernels
-  finished): so the object's claims run first, in one round trip per
-  exporter, on the thread that deserializes. A deserializer that refuses
-  CuPy frames (it wants ``rmm.DeviceBuffer`` frames, as UCX gives them when
-  RMM is installed) is given copies in ``rmm.DeviceBuffer`` s, logged once
-  per type.
+  finished): so the deserializer runs in a fill after the message's claims,
+  off the event loop, and the message holds a placeholder until then
+  (:func:`~dask_gpupool.handoff.deferred.make_later`). A deserializer that
+  refuses CuPy frames (it wants ``rmm.DeviceBuffer`` frames, as UCX gives them
+  when RMM is installed) is given copies in ``rmm.DeviceBuffer`` s, logged
+  once per type.
+
+Errors: a sender that cannot send an object this way (a device frame that is
+not contiguous) sends it through Dask's next family; a receiver that cannot
+rebuild it (a malformed header, a type it cannot import) raises
+:class:`~dask_gpupool.errors.DataLostError`, so that Dask fetches it again.
 
 Ownership: a frame handed over is the producer's memory under a lease, kept
 alive by the CuPy array over it, and so by whatever the deserializer built
@@ -55,17 +61,19 @@ family pickles it), and the consumer imports it.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from cuda.core import Buffer
 from distributed.protocol.cuda import cuda_deserialize, cuda_serialize
 from distributed.protocol.serialize import families, register_serialization_family
 
 from dask_gpupool.dask.worker_internals import REQUEST
-from dask_gpupool.errors import ProtocolError
-from dask_gpupool.handoff.deferred import abandon_all, collecting, fill_later, run_fills
+from dask_gpupool.errors import DataLostError, GPUPoolError, ProtocolError
+from dask_gpupool.handoff.deferred import fill_later, make_later
 
 if TYPE_CHECKING:
     from dask_gpupool.dask.worker_internals import Request
@@ -81,6 +89,8 @@ logger = logging.getLogger(__name__)
 
 #: Types whose deserializer refused CuPy frames once: they get ``rmm.DeviceBuffer`` copies at once.
 _WANTS_RMM: set[type] = set()
+#: Types sent through Dask's serializer after this family failed on one (logged once each).
+_DECLINED: set[type] = set()
 
 
 def serializers_for(request: Request) -> list[str] | None:
@@ -97,13 +107,18 @@ def serializers_for(request: Request) -> list[str] | None:
 
 
 def _wanted(request: Request | None) -> bool:
-    return (
+    """Whether this reply goes to a same-host worker that can map device frames: both pools are ``device`` pools."""
+    if not (
         request is not None
         and request.service.options.device_objects
         and request.plain_reason == "not-in-pool"
         and request.scheme in ("tcp", "tls")
         and request.service.pool.kind == "device"
-    )
+        and request.requester is not None
+    ):
+        return False
+    row = request.service.registry.worker_row(request.requester)
+    return row is not None and row.kind == "device"
 
 
 def _type_name(typ: type) -> str:
@@ -127,7 +142,10 @@ def _type_from_name(name: str) -> type:
 
 
 def _own_path(x: Any) -> bool:
-    """CuPy and NumPy arrays: their serializers (:mod:`~dask_gpupool.dask.serializers`) hand them over themselves."""
+    """What this package's own serializers hand over (:mod:`~dask_gpupool.dask.serializers`): pool ``Buffer`` s and
+    CuPy and NumPy arrays. (``Buffer`` has a ``cuda_serialize`` of ours too, for UCX comms.)"""
+    if isinstance(x, Buffer):
+        return True
     for module in ("cupy", "numpy"):
         mod = sys.modules.get(module)
         if mod is not None and isinstance(x, mod.ndarray):
@@ -136,7 +154,12 @@ def _own_path(x: Any) -> bool:
 
 
 def dumps(x: Any) -> tuple[dict[str, Any], list[Any]]:
-    """The family's serializer: ``x`` frame by frame, or ``NotImplementedError`` (Dask's next family)."""
+    """The family's serializer: ``x`` frame by frame, or ``NotImplementedError`` (Dask's next family).
+
+    An object this cannot send (a device frame that is not contiguous, a
+    failure while staging a frame) goes to Dask's next family, logged once
+    per type; leases granted for its earlier frames end with the reply.
+    """
     if not _wanted(REQUEST.get()) or _own_path(x):
         raise NotImplementedError(type(x).__name__)
     typ = type(x)
@@ -151,24 +174,44 @@ def dumps(x: Any) -> tuple[dict[str, Any], list[Any]]:
         found = None
     if found is not typ:  # a type defined in __main__ or a function: Dask's pickle carries those
         raise NotImplementedError(name)
-    sub, frames = _dumps_frames(x, cuda_dumps)
-    return {"sub-header": sub, "type": name}, frames
+    try:
+        sub, frames = _dumps_frames(x, cuda_dumps)
+    except Exception as e:
+        if typ not in _DECLINED:
+            _DECLINED.add(typ)
+            logger.warning("gpupool: %s goes through Dask's serializer: %s: %s", name, type(e).__name__, e)
+        raise NotImplementedError(name) from None
+    return {"sub-header": sub, "type": name, "compression": (False,) * len(frames)}, frames
 
 
 def loads(header: dict[str, Any], frames: list[Any]) -> Any:
-    """The family's deserializer: the object :func:`dumps` sent, rebuilt over its frames."""
+    """The family's deserializer: the object :func:`dumps` sent, rebuilt over its frames.
+
+    Raises
+    ------
+    DataLostError
+        For a malformed header, a type or deserializer this process lacks, or
+        frames that cannot be mapped: a ``ConnectionError``, so that Dask
+        fetches the value again (or recomputes it) rather than leave the
+        dependent task waiting.
+    """
     try:
-        name, sub = header["type"], header["sub-header"]
-        body = sub[FRAMES_KEY]
-        parts, cuda_header = body["parts"], body["header"]
-    except (KeyError, TypeError) as e:
-        raise ProtocolError(f"device object header: missing field {e}") from None
-    typ = _type_from_name(str(name))
-    try:
-        cuda_loads = cuda_deserialize.dispatch(typ)
-    except TypeError:
-        raise ProtocolError(f"device object header: no cuda deserializer for {name} here") from None
-    return _loads_frames(typ, cuda_header, parts, frames, cuda_loads)
+        try:
+            name, sub = header["type"], header["sub-header"]
+            body = sub[FRAMES_KEY]
+            parts, cuda_header = body["parts"], body["header"]
+        except (KeyError, TypeError, IndexError) as e:
+            raise ProtocolError(f"device object header: missing field {e}") from None
+        typ = _type_from_name(str(name))
+        try:
+            cuda_loads = cuda_deserialize.dispatch(typ)
+        except TypeError:
+            raise ProtocolError(f"device object header: no cuda deserializer for {name} here") from None
+        return _loads_frames(typ, cuda_header, parts, frames, cuda_loads)
+    except DataLostError:
+        raise
+    except Exception as e:
+        raise DataLostError(f"a device object could not be received: {type(e).__name__}: {e}") from e
 
 
 def _dumps_frames(x: Any, cuda_dumps: Callable[[Any], Any]) -> tuple[dict[str, Any], list[Any]]:
@@ -186,11 +229,21 @@ def _dumps_frames(x: Any, cuda_dumps: Callable[[Any], Any]) -> tuple[dict[str, A
 
         if dumps_cupy is None:
             dumps_cupy = _cupy_serializer(cupy, deserialize=False)
-        arr = cupy.asarray(frame).view("u1").ravel()  # a view: the frame's own memory, no copy
-        header, part_frames = dumps_cupy(arr)
+        header, part_frames = dumps_cupy(_raw_bytes(cupy, frame))
         parts.append({"device": header, "frames": len(part_frames)})
         out.extend(part_frames)
     return {FRAMES_KEY: {"header": sub, "parts": parts}}, out
+
+
+def _raw_bytes(cupy: Any, frame: Any) -> Any:
+    """A 1-D ``uint8`` CuPy array over ``frame``'s memory in memory order (no copy); ``ValueError`` when the frame
+    is not one contiguous range (C or Fortran order)."""
+    arr = cupy.asarray(frame)
+    if not (arr.flags.c_contiguous or arr.flags.f_contiguous):
+        raise ValueError(f"a device frame of shape {arr.shape} and strides {arr.strides} is not contiguous")
+    if arr.nbytes == 0:
+        return cupy.empty(0, dtype=cupy.uint8)
+    return cupy.ndarray((int(arr.nbytes),), dtype=cupy.uint8, memptr=arr.data)
 
 
 def _cupy_serializer(cupy: Any, *, deserialize: bool) -> Any:
@@ -202,89 +255,111 @@ def _cupy_serializer(cupy: Any, *, deserialize: bool) -> Any:
     return (dask_deserialize if deserialize else dask_serialize).dispatch(cupy.ndarray)
 
 
-def _loads_frames(
-    typ: type, cuda_header: Any, parts: list[dict[str, Any]], frames: list[Any], cuda_loads: Callable[..., Any]
-) -> Any:
-    """Rebuild an object :func:`_dumps_frames` sent: each part back in device memory, then ``cuda_loads``."""
-    _check_parts(parts, len(frames))
-    if not any("device" in p for p in parts):
+def _part_frames(part: Any) -> tuple[bool, int]:
+    """``(on the device, frames)`` of one part of the header; :class:`ProtocolError` when it is neither kind."""
+    if isinstance(part, dict) and len(part) == 1 and part.get("host") is True:
+        return False, 1
+    if (
+        isinstance(part, dict)
+        and len(part) == 2
+        and isinstance(part.get("device"), dict)
+        and type(part.get("frames")) is int
+        and part["frames"] >= 0
+    ):
+        return True, part["frames"]
+    raise ProtocolError(f"device object header: malformed part {part!r:.200}")
+
+
+def _check_parts(parts: Any, nframes: int) -> list[tuple[bool, int]]:
+    """Each part's :func:`_part_frames`; :class:`ProtocolError` unless they account for exactly ``nframes`` frames.
+    (msgpack gives lists back as tuples.)"""
+    if not isinstance(parts, list | tuple):
+        raise ProtocolError(f"device object header: parts is a {type(parts).__name__}, not a list")
+    kinds = [_part_frames(part) for part in parts]
+    total = sum(n for _, n in kinds)
+    if total != nframes:
+        raise ProtocolError(f"device object header: {nframes} frames do not match its parts ({total})")
+    return kinds
+
+
+def _loads_frames(typ: type, cuda_header: Any, parts: Any, frames: list[Any], cuda_loads: Callable[..., Any]) -> Any:
+    """Rebuild an object :func:`_dumps_frames` sent: each part back in device memory, then ``cuda_loads``.
+
+    RMM's and Numba's deserializers read nothing, so they run here and the
+    claims (and the copies into ``rmm.DeviceBuffer`` s) wait with the
+    message's others. Any other may read its frames: it runs in a fill after
+    the claims, off the event loop (:func:`~dask_gpupool.handoff.deferred.make_later`).
+    """
+    kinds = _check_parts(parts, len(frames))
+    if not any(on_device for on_device, _ in kinds):
         return cuda_loads(cuda_header, list(frames))
     rmm = sys.modules.get("rmm")
     if rmm is not None and issubclass(typ, rmm.DeviceBuffer):
-        return cuda_loads(cuda_header, _device_frames(parts, frames, _as_rmm_buffer))  # reads nothing: fills wait
+        return cuda_loads(cuda_header, _device_frames(parts, kinds, frames, _as_rmm_buffer))
     numba_cuda = sys.modules.get("numba.cuda")
     if numba_cuda is not None and issubclass(typ, numba_cuda.devicearray.DeviceNDArray):
-        return cuda_loads(cuda_header, _device_frames(parts, frames, None))  # reads nothing: claims wait
-    # A deserializer that may read the frames: their claims (and copies) first, one round trip per exporter, here.
-    wants_rmm = rmm is not None and typ in _WANTS_RMM
-    device_frames = _now(lambda: _device_frames(parts, frames, _as_rmm_buffer if wants_rmm else None))
+        return cuda_loads(cuda_header, _device_frames(parts, kinds, frames, None))
+    device_frames = _device_frames(parts, kinds, frames, None)
+    return make_later(lambda: _rebuild(typ, cuda_header, device_frames, cuda_loads), device_frames.clear)
+
+
+def _rebuild(typ: type, cuda_header: Any, device_frames: list[Any], cuda_loads: Callable[..., Any]) -> Any:
+    """``cuda_loads`` over the frames, once their claims ran; with ``rmm.DeviceBuffer`` copies for a deserializer
+    that refuses CuPy frames (as UCX gives frames when RMM is installed), logged once per type."""
     try:
-        return cuda_loads(cuda_header, device_frames)
-    except (TypeError, AssertionError, ValueError, AttributeError) as e:
-        if rmm is None or wants_rmm:
-            raise
-        logger.info(
-            "gpupool: the cuda deserializer of %s refused CuPy frames (%s: %s); it gets rmm.DeviceBuffer copies",
-            typ.__name__,
-            type(e).__name__,
-            e,
-        )
+        if typ not in _WANTS_RMM:
+            try:
+                return cuda_loads(cuda_header, device_frames)
+            except (TypeError, AssertionError, ValueError, AttributeError) as e:
+                if isinstance(e, GPUPoolError) or importlib.util.find_spec("rmm") is None:
+                    raise
+                logger.info(
+                    "gpupool: the cuda deserializer of %s refused CuPy frames (%s: %s); it gets rmm.DeviceBuffer "
+                    "copies",
+                    typ.__name__,
+                    type(e).__name__,
+                    e,
+                )
+        obj = cuda_loads(cuda_header, _rmm_copies(device_frames))
         _WANTS_RMM.add(typ)
-        on_gpu = [hasattr(f, "__cuda_array_interface__") for f in device_frames]
-        copies = _now(lambda: [_as_rmm_buffer(f) if d else f for f, d in zip(device_frames, on_gpu, strict=True)])
-        return cuda_loads(cuda_header, copies)
+        return obj
+    finally:
+        device_frames.clear()  # the imports (and their leases) go with the caller's references, not ours
 
 
-def _now(make: Callable[[], list[Any]]) -> list[Any]:
-    """``make()``, with the claims and copies its deserializers leave (:mod:`~dask_gpupool.handoff.deferred`) run
-    before it returns, on this thread, rather than after the message was read."""
-    pending: list[Any] = []
-    try:
-        with collecting() as pending:
-            out = make()
-    except BaseException:
-        abandon_all(pending)  # give back the leases mapped so far
-        raise
-    run_fills(pending)
+def _rmm_copies(frames: list[Any]) -> list[Any]:
+    """Each device frame copied into a new ``rmm.DeviceBuffer`` on the GPU, finished when this returns."""
+    import cupy
+    import rmm
+
+    out = []
+    for f in frames:
+        if not hasattr(f, "__cuda_array_interface__"):
+            out.append(f)
+            continue
+        buf = rmm.DeviceBuffer(size=int(f.nbytes))
+        if f.nbytes:
+            buf.copy_from_device(f)
+        out.append(buf)
+    cupy.cuda.runtime.deviceSynchronize()
     return out
 
 
-def _check_parts(parts: Any, nframes: int) -> None:
-    """Raise :class:`ProtocolError` unless ``parts`` is a list of ``{"host": True}`` and ``{"device": {...},
-    "frames": n}`` that accounts for exactly ``nframes`` frames."""
-    if not isinstance(parts, list):
-        raise ProtocolError(f"device object header: parts is a {type(parts).__name__}, not a list")
-    total = 0
-    for part in parts:
-        if isinstance(part, dict) and part.get("host") is True and len(part) == 1:
-            total += 1
-        elif (
-            isinstance(part, dict)
-            and isinstance(part.get("device"), dict)
-            and type(part.get("frames")) is int
-            and part["frames"] >= 0
-        ):
-            total += part["frames"]
-        else:
-            raise ProtocolError(f"device object header: malformed part {part!r:.200}")
-    if total != nframes:
-        raise ProtocolError(f"device object header: {nframes} frames do not match its parts ({total})")
-
-
-def _device_frames(parts: list[dict[str, Any]], frames: list[Any], to_frame: Callable[[Any], Any] | None) -> list[Any]:
+def _device_frames(
+    parts: Any, kinds: list[tuple[bool, int]], frames: list[Any], to_frame: Callable[[Any], Any] | None
+) -> list[Any]:
     """Each part of ``frames`` as its frame: host frames as they are, device parts as CuPy arrays (``to_frame``'d)."""
     import cupy
 
     loads_cupy = _cupy_serializer(cupy, deserialize=True)
     out: list[Any] = []
     i = 0
-    for part in parts:
-        if part.get("host"):
+    for part, (on_device, n) in zip(parts, kinds, strict=True):
+        if not on_device:
             out.append(frames[i])
             i += 1
             continue
-        n = int(part["frames"])
-        arr = loads_cupy(part["device"], frames[i : i + n])
+        arr = loads_cupy(part["device"], list(frames[i : i + n]))
         i += n
         out.append(arr if to_frame is None else to_frame(arr))
     return out

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from dask_gpupool.dask.views import pool_buffer_of
 from dask_gpupool.errors import DataLostError
-from dask_gpupool.handoff.deferred import abandon_all, collecting, run_fills
+from dask_gpupool.handoff.deferred import abandon_all, collecting, resolve, run_fills
 from dask_gpupool.memory.host import peer_resident_bytes
 
 if TYPE_CHECKING:
@@ -193,7 +193,10 @@ def fill_after_read(worker: Worker, *, undo: bool = False) -> None:
     wrapper opens around ``comm.read`` (:func:`~dask_gpupool.handoff.deferred.collecting`).
     The wrapper runs the copies with ``asyncio.to_thread`` before it returns
     the message, so the values are complete when Dask stores them and the
-    event loop keeps serving heartbeats and other transfers meanwhile.
+    event loop keeps serving heartbeats and other transfers meanwhile. Values
+    a deserializer left to the fills (placeholders of
+    :func:`~dask_gpupool.handoff.deferred.make_later`) are put in their place
+    then.
 
     A copy that fails is raised as :class:`~dask_gpupool.errors.DataLostError`
     (a ``ConnectionError``: Dask fetches the key again or recomputes it) and the
@@ -234,6 +237,7 @@ def _read_then_fill(comm: Any, read: Any) -> Any:
             abandon_all(pending)
             if isinstance(e, DataLostError):
                 comm.abort()  # the sender waits for an "OK" that will not come
+                traceback.clear_frames(e.__traceback__)  # their locals may hold imports, and so leases
             raise
         if not pending:
             return msg
@@ -241,10 +245,20 @@ def _read_then_fill(comm: Any, read: Any) -> Any:
             await asyncio.to_thread(run_fills, pending)
         except BaseException as e:
             comm.abort()
+            # Dask logs the failure and keeps the record: the frames' locals would keep imports, and leases, alive
+            traceback.clear_frames(e.__traceback__)
+            pending.clear()
             if isinstance(e, DataLostError | asyncio.CancelledError):
                 raise
             raise DataLostError(f"a value from {comm.peer_address} could not be copied: {type(e).__name__}: {e}") from e
-        return msg
+        laters = getattr(pending, "laters", None)
+        if not laters:
+            return msg
+        try:
+            return resolve(msg, laters)  # values that deserializers left to the fills (device_objects.py)
+        except RuntimeError as e:
+            comm.abort()
+            raise DataLostError(f"a value from {comm.peer_address} could not be put in place: {e}") from None
 
     return read_then_fill
 

@@ -23,6 +23,12 @@ Ownership: a :class:`Fill` owns its landing buffer until it has run. When a
 fill is abandoned (its copy failed, or one before it did), ``abandon`` closes
 the buffer and gives back what the copy held (a lease, an fd).
 
+Values wait the same way (:func:`make_later`): a deserializer that may read
+the memory it was given (a cuDF column's may) must not run before the claims.
+Inside :func:`collecting` it leaves a :class:`Later` in the message and a fill
+that makes the value; the caller puts the values in place with :func:`resolve`
+once the fills ran.
+
 A fill that fails after the message's claims ran fails the transfer, and Dask
 asks again; the exporters whose leases were claimed would hand the same
 values over again. So each claim batch that ran is told (``given_up``: the
@@ -39,8 +45,20 @@ import contextvars
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["Fill", "abandon_all", "claim_later", "collecting", "fill_later", "run_fills"]
+__all__ = [
+    "Fill",
+    "Fills",
+    "Later",
+    "abandon_all",
+    "claim_later",
+    "collecting",
+    "fill_later",
+    "make_later",
+    "resolve",
+    "run_fills",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -82,14 +100,35 @@ class _Claims:
         return Fill(lambda: self.claim(leases), abandon, self.given_up)
 
 
+class Later:
+    """A value a fill makes (:func:`make_later`): it stands in a message until :func:`resolve` puts the value there."""
+
+    __slots__ = ("made", "value")
+
+    def __init__(self) -> None:
+        self.made = False
+        self.value: Any = None
+
+
+class Fills(list[Fill]):
+    """What one :func:`collecting` block left: its fills (the claims first) and the :class:`Later` values they make."""
+
+    laters: list[Later]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.laters = []
+
+
 class _Collector:
     """The fills and claims left in one :func:`collecting` block; closed when the block is left."""
 
-    __slots__ = ("claims", "fills", "open")
+    __slots__ = ("claims", "fills", "laters", "open")
 
     def __init__(self) -> None:
         self.fills: list[Fill] = []
         self.claims: dict[str, _Claims] = {}
+        self.laters: list[Later] = []
         self.open = True
 
 
@@ -106,6 +145,62 @@ def fill_later(run: Callable[[], None], abandon: Callable[[], None]) -> None:
         collector.fills.append(Fill(run, abandon))
         return
     run_fills([Fill(run, abandon)])
+
+
+def make_later(make: Callable[[], Any], abandon: Callable[[], None]) -> Any:
+    """``make()`` now, or, inside :func:`collecting`, a :class:`Later` that a fill sets once the block's claims and
+    earlier fills ran.
+
+    For deserializers that may read the memory of the imports they were
+    given. ``abandon`` drops what ``make`` would have used (the imports), when
+    the fill will not run. Errors of ``make()`` propagate (here, or from
+    :func:`run_fills`).
+    """
+    collector = _PENDING.get()
+    if collector is None or not collector.open:
+        return make()
+    later = Later()
+
+    def run() -> None:
+        later.value = make()
+        later.made = True
+
+    collector.fills.append(Fill(run, abandon))
+    collector.laters.append(later)
+    return later
+
+
+def resolve(msg: Any, laters: list[Later]) -> Any:
+    """``msg`` with each of ``laters`` replaced by its value, in dicts, lists, tuples and sets at any depth.
+
+    Blocking, proportional to the size of ``msg``'s containers; the caller
+    calls it only when the block left :class:`Later` values (``Fills.laters``),
+    after :func:`run_fills` ran them.
+    """
+    wanted = {id(later) for later in laters}
+    for later in laters:
+        if not later.made:
+            raise RuntimeError("resolve() before the fill that makes a value ran")
+    found: set[int] = set()
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, Later) and id(x) in wanted:
+            found.add(id(x))
+            return x.value
+        if type(x) is dict:
+            return {k: walk(v) for k, v in x.items()}
+        if type(x) is list:
+            return [walk(v) for v in x]
+        if type(x) is tuple:
+            return tuple(walk(v) for v in x)
+        if type(x) is set:  # the collections distributed serializes item by item
+            return {walk(v) for v in x}
+        return x
+
+    out = walk(msg)
+    if len(found) != len(wanted):
+        raise RuntimeError(f"{len(wanted) - len(found)} value(s) made later are not in the message's collections")
+    return out
 
 
 def claim_later(
@@ -138,19 +233,20 @@ def claim_later(
 
 
 @contextlib.contextmanager
-def collecting() -> Iterator[list[Fill]]:
+def collecting() -> Iterator[Fills]:
     """Collect the fills deserializers leave in this context (and the threads it is copied to).
 
-    Yields a list that holds the fills once the block is left, the claims
-    first (one fill per exporter). The caller runs them with
-    :func:`run_fills` (in a thread) or abandons them. Tasks and
+    Yields a :class:`Fills` list that holds the fills once the block is
+    left, the claims first (one fill per exporter), and the :class:`Later`
+    values they make. The caller runs them with :func:`run_fills` (in a
+    thread), then :func:`resolve` s the values, or abandons them. Tasks and
     callbacks started inside the block keep a copy of the context, and so of
     the collector, for as long as they live: the collector is closed and
     emptied on leaving, so it keeps nothing alive, and a fill left in it later
     runs at once.
     """
     collector = _Collector()
-    fills: list[Fill] = []
+    fills = Fills()
     token = _PENDING.set(collector)
     try:
         yield fills
@@ -159,8 +255,10 @@ def collecting() -> Iterator[list[Fill]]:
         collector.open = False
         fills.extend(batch.fill() for batch in collector.claims.values())
         fills.extend(collector.fills)
+        fills.laters.extend(collector.laters)
         collector.fills.clear()
         collector.claims.clear()
+        collector.laters.clear()
 
 
 def run_fills(fills: list[Fill]) -> None:

@@ -6,7 +6,16 @@ import contextvars
 
 import pytest
 
-from dask_gpupool.handoff.deferred import abandon_all, claim_later, collecting, fill_later, run_fills
+from dask_gpupool.handoff.deferred import (
+    Later,
+    abandon_all,
+    claim_later,
+    collecting,
+    fill_later,
+    make_later,
+    resolve,
+    run_fills,
+)
 
 
 def test_without_a_collector_a_fill_runs_at_once():
@@ -149,3 +158,54 @@ def test_a_fill_that_fails_after_the_claims_tells_each_exporter_whose_claim_ran(
     with pytest.raises(ConnectionError, match="lease ended"):
         run_fills(fills)
     assert log == [("a", [4]), "close 5", "abandon copy"]
+
+
+# -- values a fill makes (make_later, resolve): deserializers that may read the memory they were given
+
+
+def test_without_a_collector_a_later_value_is_made_at_once():
+    assert make_later(lambda: "value", lambda: None) == "value"
+
+
+def test_a_later_value_is_made_after_the_claims_and_put_in_place_at_any_depth():
+    log: list[str] = []
+
+    def make() -> str:
+        log.append("make")
+        return "rebuilt"
+
+    with collecting() as fills:
+        fill_later(lambda: log.append("copy"), lambda: None)
+        claim_later("broker-a", 7, lambda leases: log.append(f"claim {leases}"), lambda: None)
+        later = make_later(make, lambda: log.append("abandon"))
+        assert isinstance(later, Later) and log == []
+        msg = {"status": "OK", "data": {"k": [1, (later, "x")], "other": later}}
+    assert fills.laters == [later]
+    with pytest.raises(RuntimeError, match="before the fill"):
+        resolve(msg, fills.laters)
+    run_fills(fills)
+    assert log == ["claim [7]", "copy", "make"]  # the claims first, then the fills in the order they were left
+    assert resolve(msg, fills.laters) == {"status": "OK", "data": {"k": [1, ("rebuilt", "x")], "other": "rebuilt"}}
+
+
+def test_a_later_value_is_abandoned_when_its_claim_is_refused():
+    log: list[str] = []
+
+    def refuse(leases: list[int]) -> None:
+        raise ConnectionError("lease refused")
+
+    with collecting() as fills:
+        claim_later("broker-a", 7, refuse, lambda: log.append("close import"))
+        make_later(lambda: log.append("make"), lambda: log.append("drop frames"))
+    with pytest.raises(ConnectionError, match="refused"):
+        run_fills(fills)
+    assert log == ["close import", "drop frames"]  # never made: nothing read the memory
+
+
+def test_resolve_says_when_a_later_value_is_not_in_the_message():
+    with collecting() as fills:
+        later = make_later(lambda: "v", lambda: None)
+    run_fills(fills)
+    assert resolve({"s": {later}}, fills.laters) == {"s": {"v"}}
+    with pytest.raises(RuntimeError, match="not in the message"):
+        resolve({"other": object.__new__(Later)}, fills.laters)
