@@ -118,7 +118,8 @@ def _wanted(request: Request | None) -> bool:
     ):
         return False
     row = request.service.registry.worker_row(request.requester)
-    return row is not None and row.kind == "device"
+    # after a failed transfer to it (peer-unreachable), Dask's serializer, so that the retry can succeed
+    return row is not None and row.kind == "device" and not request.service.routes.is_unreachable(row.worker)
 
 
 def _type_name(typ: type) -> str:

@@ -235,32 +235,52 @@ def _read_then_fill(comm: Any, read: Any) -> Any:
                 msg = await read(deserializers)
         except BaseException as e:
             abandon_all(pending)
+            pending = []
             if isinstance(e, DataLostError):
                 comm.abort()  # the sender waits for an "OK" that will not come
-                traceback.clear_frames(e.__traceback__)  # their locals may hold imports, and so leases
+                _clear_tracebacks(e)  # their locals may hold imports, and so leases
             raise
         if not pending:
             return msg
+        fills, laters = list(pending), list(getattr(pending, "laters", ()))
+        pending = []
+
+        def fill_then_resolve() -> Any:
+            run_fills(fills)
+            return resolve(msg, laters) if laters else msg  # values deserializers left to fills (device_objects)
+
         try:
-            await asyncio.to_thread(run_fills, pending)
+            return await asyncio.to_thread(fill_then_resolve)
+        except asyncio.CancelledError:
+            comm.abort()  # the thread runs on with its fills (and ends or abandons them); nothing to clear here
+            raise
         except BaseException as e:
             comm.abort()
-            # Dask logs the failure and keeps the record: the frames' locals would keep imports, and leases, alive
-            traceback.clear_frames(e.__traceback__)
-            pending.clear()
-            if isinstance(e, DataLostError | asyncio.CancelledError):
+            # Dask logs the failure and keeps the record: no frame of it may keep imports, and so leases, alive
+            msg = None
+            fills.clear()
+            laters.clear()
+            _clear_tracebacks(e)
+            if isinstance(e, DataLostError):
                 raise
-            raise DataLostError(f"a value from {comm.peer_address} could not be copied: {type(e).__name__}: {e}") from e
-        laters = getattr(pending, "laters", None)
-        if not laters:
-            return msg
-        try:
-            return resolve(msg, laters)  # values that deserializers left to the fills (device_objects.py)
-        except RuntimeError as e:
-            comm.abort()
-            raise DataLostError(f"a value from {comm.peer_address} could not be put in place: {e}") from None
+            raise DataLostError(
+                f"a value from {comm.peer_address} could not be received: {type(e).__name__}: {e}"
+            ) from e
 
     return read_then_fill
+
+
+def _clear_tracebacks(e: BaseException) -> None:
+    """Clear the locals of the finished frames of ``e``'s tracebacks, its causes' and its contexts'."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        traceback.clear_frames(x.__traceback__)
+        todo += [x.__cause__, x.__context__]
 
 
 def count_own_memory_only(worker: Worker, *, undo: bool = False) -> None:

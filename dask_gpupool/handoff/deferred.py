@@ -173,29 +173,56 @@ def make_later(make: Callable[[], Any], abandon: Callable[[], None]) -> Any:
 def resolve(msg: Any, laters: list[Later]) -> Any:
     """``msg`` with each of ``laters`` replaced by its value, in dicts, lists, tuples and sets at any depth.
 
-    Blocking, proportional to the size of ``msg``'s containers; the caller
-    calls it only when the block left :class:`Later` values (``Fills.laters``),
-    after :func:`run_fills` ran them.
+    The caller calls it only when the block left :class:`Later` values
+    (``Fills.laters``), after :func:`run_fills` ran them, off the event loop:
+    it walks ``msg``'s containers until it has found every value (each
+    container once, so shared and self-referencing ones are fine), and
+    rebuilds only the containers that held one. Each placeholder stands in
+    one place, as each deserialized object does.
+
+    Raises
+    ------
+    RuntimeError
+        When a value was not made yet, or is not in ``msg``.
     """
     wanted = {id(later) for later in laters}
     for later in laters:
         if not later.made:
             raise RuntimeError("resolve() before the fill that makes a value ran")
     found: set[int] = set()
+    seen: set[int] = set()
 
     def walk(x: Any) -> Any:
-        if isinstance(x, Later) and id(x) in wanted:
-            found.add(id(x))
-            return x.value
-        if type(x) is dict:
-            return {k: walk(v) for k, v in x.items()}
-        if type(x) is list:
-            return [walk(v) for v in x]
-        if type(x) is tuple:
-            return tuple(walk(v) for v in x)
-        if type(x) is set:  # the collections distributed serializes item by item
-            return {walk(v) for v in x}
-        return x
+        if isinstance(x, Later):
+            if id(x) in wanted:
+                found.add(id(x))
+                return x.value
+            return x
+        kind = type(x)
+        if kind not in (dict, list, tuple, set) or id(x) in seen:
+            return x
+        seen.add(id(x))
+        if kind is dict:
+            changed: dict[Any, Any] = {}
+            for k, v in x.items():
+                if len(found) == len(wanted):
+                    break
+                new = walk(v)
+                if new is not v:
+                    changed[k] = new
+            return {**x, **changed} if changed else x
+        items: list[Any] | None = None
+        for i, v in enumerate(x):
+            if len(found) == len(wanted):
+                break
+            new = walk(v)
+            if new is not v:
+                if items is None:
+                    items = list(x)
+                items[i] = new
+        if items is None:
+            return x
+        return items if kind is list else kind(items)
 
     out = walk(msg)
     if len(found) != len(wanted):

@@ -207,6 +207,10 @@ class Routes:
         self._unreachable.pop(worker, None)
         return False
 
+    def is_unreachable(self, worker: str) -> bool:
+        """Whether transfers to ``worker`` go as copies for now (:meth:`mark_unreachable`)."""
+        return self._is_unreachable(worker)
+
     def mark_unreachable(self, worker: str, seconds: float) -> None:
         """A transfer to ``worker`` failed: its handoffs go as copies for ``seconds`` (``peer-unreachable``)."""
         self._unreachable[worker] = time.monotonic() + seconds

@@ -178,14 +178,15 @@ def test_a_later_value_is_made_after_the_claims_and_put_in_place_at_any_depth():
         fill_later(lambda: log.append("copy"), lambda: None)
         claim_later("broker-a", 7, lambda leases: log.append(f"claim {leases}"), lambda: None)
         later = make_later(make, lambda: log.append("abandon"))
+        other = make_later(lambda: "other", lambda: None)
         assert isinstance(later, Later) and log == []
-        msg = {"status": "OK", "data": {"k": [1, (later, "x")], "other": later}}
-    assert fills.laters == [later]
+        msg = {"status": "OK", "data": {"k": [1, (later, "x")], "other": other}}
+    assert fills.laters == [later, other]
     with pytest.raises(RuntimeError, match="before the fill"):
         resolve(msg, fills.laters)
     run_fills(fills)
     assert log == ["claim [7]", "copy", "make"]  # the claims first, then the fills in the order they were left
-    assert resolve(msg, fills.laters) == {"status": "OK", "data": {"k": [1, ("rebuilt", "x")], "other": "rebuilt"}}
+    assert resolve(msg, fills.laters) == {"status": "OK", "data": {"k": [1, ("rebuilt", "x")], "other": "other"}}
 
 
 def test_a_later_value_is_abandoned_when_its_claim_is_refused():
@@ -209,3 +210,15 @@ def test_resolve_says_when_a_later_value_is_not_in_the_message():
     assert resolve({"s": {later}}, fills.laters) == {"s": {"v"}}
     with pytest.raises(RuntimeError, match="not in the message"):
         resolve({"other": object.__new__(Later)}, fills.laters)
+
+
+def test_resolve_keeps_containers_without_a_later_value_and_walks_each_container_once():
+    with collecting() as fills:
+        later = make_later(lambda: "v", lambda: None)
+    run_fills(fills)
+    untouched = list(range(1000))
+    loop: list[object] = [later]
+    loop.append(loop)  # self-referencing: walked once, no RecursionError
+    out = resolve({"a": untouched, "b": (untouched, later), "c": loop}, fills.laters)
+    assert out["a"] is untouched and out["b"][0] is untouched and out["b"][1] == "v"
+    assert out["c"] is loop or out["c"][0] == "v"
