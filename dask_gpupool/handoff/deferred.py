@@ -301,14 +301,14 @@ def run_fills(fills: list[Fill]) -> None:
     ran: list[Fill] = []
     for fill in fills:
         if error is not None:
-            fill.abandon()
+            _abandon(fill)
             continue
         try:
             fill.run()
             ran.append(fill)
         except BaseException as e:
             error, failed = e, fill
-            fill.abandon()
+            _abandon(fill)
     if error is not None:
         for fill in ran if failed is not None and failed.given_up is None else ():
             if fill.given_up is not None:
@@ -322,4 +322,12 @@ def run_fills(fills: list[Fill]) -> None:
 def abandon_all(fills: list[Fill]) -> None:
     """Give up every fill (the message they belong to was never delivered)."""
     for fill in fills:
+        _abandon(fill)
+
+
+def _abandon(fill: Fill) -> None:
+    """``fill.abandon()``; an error is logged, so that the fills after it are given up too."""
+    try:
         fill.abandon()
+    except Exception:
+        logger.exception("giving up a deferred copy or claim failed")

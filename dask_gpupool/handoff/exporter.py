@@ -22,7 +22,7 @@ import os
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from dask_gpupool.errors import DataLostError, NotAMemberError, UnknownPoolError
+from dask_gpupool.errors import BrokerRefusedError, DataLostError, GPUPoolError, NotAMemberError, UnknownPoolError
 from dask_gpupool.handoff.leases import LeaseTable
 from dask_gpupool.handoff.registry import RegistryView
 from dask_gpupool.memory.buffers import copy_to_host
@@ -84,11 +84,17 @@ class ExportSide:
         transfer (:class:`~dask_gpupool.wire.broker_leases.TransferFailed`);
         the :class:`~dask_gpupool.handoff.service.PoolService` sets it to send
         that importer copies for a while. ``None``: nothing is done.
+    refuses : callable or None
+        Whether to refuse a forward to a worker (broker's thread): the
+        :class:`~dask_gpupool.handoff.service.PoolService` sets it to the
+        workers whose transfers go as copies for now, so that a forwarder's
+        retry sends a copy too. ``None``: no worker is refused.
     closing : bool
         Set when the broker closes every connection: peers did not unmap anything.
     """
 
     on_transfer_failed: Callable[[str], None] | None
+    refuses: Callable[[str], bool] | None
 
     def __init__(self, pool: Pool, leases: LeaseTable, registry: RegistryView, host: str) -> None:
         self._pool = pool
@@ -96,6 +102,7 @@ class ExportSide:
         self._registry = registry
         self._host = host
         self.on_transfer_failed = None
+        self.refuses = None
         self.closing = False  # the broker closes every connection: peers did not unmap anything
 
     def thread_started(self) -> None:
@@ -163,6 +170,9 @@ class ExportSide:
         row = self._registry.worker_row(to)
         if row is None or row.host != self._host or to == importer:
             raise NotAMemberError(f"lease {lease}: {to!r} is not another worker of this host in the registry")
+        if self.refuses is not None and self.refuses(to):
+            # a transfer to it failed (peer-unreachable): the forwarder sends a copy, so that Dask's retry succeeds
+            raise BrokerRefusedError(f"lease {lease}: transfers to {to} go as copies for now")
         granted = self._leases.forward(lease, importer, to)
         if granted is None:
             raise DataLostError(f"lease {lease} on pool {self._pool.uuid} is not a claimed IPC lease of {importer}")
@@ -188,8 +198,12 @@ class ExportSide:
         if isinstance(holder, Staged):  # a stream lease: its span of the buffer
             buf, offset, n = holder.buf, holder.offset, holder.nbytes
         else:
-            if holder.written is not None:  # gpupool.handoff-ordering: event; the copy must not read early either
-                holder.written()
+            written = holder.written  # read once: a claim's wait may clear it meanwhile
+            if written is not None:  # gpupool.handoff-ordering: event; the copy must not read early either
+                try:
+                    written()
+                except Exception as e:
+                    raise DataLostError(f"lease {lease}: waiting for the GPU to write its memory failed: {e}") from e
             buf, offset, n = holder.buf, 0, int(holder.buf.size)
         fd = os.memfd_create("dask-gpupool-copy", os.MFD_CLOEXEC)
         try:
@@ -197,8 +211,10 @@ class ExportSide:
                 os.ftruncate(fd, n)
                 with mmap.mmap(fd, n) as m:
                     copy_to_host(buf, offset, n, out=m)
-        except BaseException:
+        except BaseException as e:
             os.close(fd)
+            if isinstance(e, Exception) and not isinstance(e, GPUPoolError):  # a CUDA error: an ErrorReply
+                raise DataLostError(f"lease {lease}: the copy out of pool {self._pool.uuid} failed: {e}") from e
             raise
         return fd, n
 

@@ -26,7 +26,7 @@ from dask_gpupool.handoff.routes import Routes
 from dask_gpupool.handoff.stats import HandoffStats
 from dask_gpupool.memory.buffers import buffer_kind
 from dask_gpupool.memory.pool import Pool
-from dask_gpupool.memory.topology import current_gpu
+from dask_gpupool.memory.topology import current_gpu, sleeping_event
 from dask_gpupool.transport.stream import CopyServer, Staged, lanes
 from dask_gpupool.wire.handoff import ArrayMeta, BufferDescriptor, HandoffHeader
 from dask_gpupool.wire.registry import PoolRecord
@@ -142,11 +142,15 @@ class Exports:
                 current_gpu(device).sync()
             return None
         if written_on is not None:
+            import cupy
+
             if device is not None:
                 current_gpu(device)  # CuPy records on the current device: the stream's, the pool's GPU
-            done = written_on.record().synchronize  # a CuPy event
+            event = cupy.cuda.Event(block=True, disable_timing=True)  # its wait sleeps, not spins
+            event.record(written_on)
+            done = event.synchronize
         else:
-            done = current_gpu(device).default_stream.record().sync  # a cuda.core event
+            done = sleeping_event(current_gpu(device).default_stream).sync  # a cuda.core event
 
         def wait() -> None:
             if device is not None:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from cuda.core import MemoryResource
 
 from dask_gpupool.handoff.mapped_pool import IMPORT_LOCK
-from dask_gpupool.memory.topology import current_gpu
+from dask_gpupool.memory.topology import current_gpu, sleeping_event
 from dask_gpupool.wire.handoff import BufferDescriptor
 
 if TYPE_CHECKING:
@@ -124,7 +124,7 @@ class ImportedMemoryResource(MemoryResource):
                         raw.close(dev.default_stream)
                     # Work queued here on blocking streams (CuPy's default) must finish before the
                     # exporter may reuse the memory: the releaser waits for this event.
-                    event = dev.default_stream.record()
+                    event = sleeping_event(dev.default_stream)
                 elif raw is not None:
                     raw.close()
         except Exception:

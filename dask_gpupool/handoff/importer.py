@@ -26,7 +26,6 @@ from dask_gpupool.errors import (
     GPUPoolError,
     PeerAccessError,
     PoolClosedError,
-    PoolExhaustedError,
     ProtocolError,
     UnknownPoolError,
 )
@@ -259,7 +258,13 @@ class Importer:
         # Nothing is read from the memory before the exporter acknowledged the lease: a refused lease has
         # ended, and its memory may already hold another buffer. Inside a worker's comm read the claim waits
         # for the message's other claims and runs in a thread before Dask sees the message (deferred.py).
-        claim_later(record.broker, lease, functools.partial(self._claim, record, link), buf.close, link.transfer_failed)
+        claim_later(
+            record.broker,
+            lease,
+            functools.partial(self._claim, record, link),
+            buf.close,
+            lambda: self.link(record).transfer_failed(),  # the live link: the claim may have reopened it
+        )
         local = self._copy_from_other_gpu(buf, record, desc.size)
         if local is not None:
             return local
@@ -304,7 +309,7 @@ class Importer:
             return None
         try:
             local = pool.allocate(nbytes)
-        except PoolExhaustedError as e:
+        except Exception as e:  # full, closing, or a CUDA error: the value is read where it is
             logger.info("pool %s: %s; a value from %s is read on its GPU, not copied", pool.uuid, e, record.worker)
             return None
 
@@ -312,6 +317,9 @@ class Importer:
             try:
                 stream = current_gpu(pool.device).default_stream  # this thread's context: the fill's thread
                 local.copy_from(buf, stream=stream)
+                # Finished before the value is delivered: a task on a non-blocking stream would not wait for it
+                # (one reading in place needed nothing but the claim). The fill runs off the event loop.
+                stream.sync()
             except Exception:
                 self._peer_copy_failed = True
                 logger.exception(

@@ -11,6 +11,7 @@ leases over a link and waits for the exporter's answer. The
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 
 from dask_gpupool.config import PoolOptions
@@ -21,6 +22,8 @@ from dask_gpupool.transport.link import PeerLink
 from dask_gpupool.wire.registry import PoolRecord
 
 __all__ = ["ExporterLinks"]
+
+logger = logging.getLogger(__name__)
 
 
 class ExporterLinks:
@@ -103,6 +106,7 @@ class ExporterLinks:
                 refused = link.claim(leases, functools.partial(self.releaser.hold, record.broker, epoch=epoch))
             except GPUPoolError as e:
                 if attempt:
+                    _tell_failed(link)
                     raise DataLostError(f"claiming leases {leases} of worker {record.worker}: {e}") from e
                 try:
                     link = self.link(record)
@@ -112,6 +116,9 @@ class ExporterLinks:
             if not refused:
                 return
             if attempt:
+                # For example a claim that outlasted broker-timeout (an exporter waiting for its GPU): the
+                # reopened link's resync ended the leases. Dask retries the transfer; copies, not the same wait.
+                _tell_failed(link)
                 raise DataLostError(
                     f"worker {record.worker} refused lease(s) {refused} on pool {record.pool}: they ended "
                     "(the reply that carried them failed, or they were not granted to this worker)"
@@ -138,3 +145,11 @@ class ExporterLinks:
     def alive(self) -> int:
         """How many links are alive."""
         return sum(link.alive for link in list(self._links.values()))
+
+
+def _tell_failed(link: PeerLink) -> None:
+    """Tell the exporter that a transfer failed (it sends copies for a while), if the link still works."""
+    try:
+        link.transfer_failed()
+    except (GPUPoolError, OSError):
+        logger.debug("telling %s that a transfer failed did not work", link.address, exc_info=True)

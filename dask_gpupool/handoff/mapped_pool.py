@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from dask_gpupool.errors import PeerAccessError, PoolClosedError, ProtocolError
 from dask_gpupool.memory.host import SharedHostMemoryResource
-from dask_gpupool.memory.topology import LocalDevices, current_gpu
+from dask_gpupool.memory.topology import LocalDevices, current_gpu, sleeping_event
 from dask_gpupool.wire.handoff import BufferDescriptor
 from dask_gpupool.wire.registry import PoolRecord
 
@@ -326,7 +326,7 @@ class MappedPool:
             dev = current_gpu(self.device)
             for raw in raws:
                 raw.close(dev.default_stream)
-            return dev.default_stream.record()
+            return sleeping_event(dev.default_stream)
 
     def release(self, buf: Buffer) -> None:
         """Close a buffer imported from this pool, under the import lock."""

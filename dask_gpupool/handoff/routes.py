@@ -199,13 +199,10 @@ class Routes:
         return row
 
     def _is_unreachable(self, worker: str) -> bool:
+        # Read only: a mark past its time is replaced by the next one (the broker's thread marks; this is read on
+        # the event loop and the broker's thread), never popped here, where it could drop a newer mark.
         until = self._unreachable.get(worker)
-        if until is None:
-            return False
-        if time.monotonic() < until:
-            return True
-        self._unreachable.pop(worker, None)
-        return False
+        return until is not None and time.monotonic() < until
 
     def is_unreachable(self, worker: str) -> bool:
         """Whether transfers to ``worker`` go as copies for now (:meth:`mark_unreachable`)."""

@@ -150,6 +150,7 @@ class PoolService:
         handler = getattr(broker, "handler", None)
         if isinstance(handler, ExportSide):
             handler.on_transfer_failed = self._transfer_failed
+            handler.refuses = self.routes.is_unreachable
         self._closed = False
         active.add(self)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from dask_gpupool.errors import ConfigError
 
-__all__ = ["LocalDevices", "current_gpu", "host_identity", "host_memory", "local_devices"]
+__all__ = ["LocalDevices", "current_gpu", "host_identity", "host_memory", "local_devices", "sleeping_event"]
 
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
@@ -150,3 +150,16 @@ def current_gpu(ordinal: int | None) -> Any:
     dev = Device(ordinal)
     dev.set_current()
     return dev
+
+
+def sleeping_event(stream: Any) -> Any:
+    """An event recorded on the cuda.core ``stream`` whose ``sync()`` sleeps until the GPU is done, not spins.
+
+    For waits that may be long and run on helper threads (a release waiting
+    for a consumer's kernels, a claim waiting for a producer's): a
+    busy-waiting event (cuda.core's default) would keep a core busy the
+    whole time.
+    """
+    from cuda.core import EventOptions
+
+    return stream.record(options=EventOptions(blocking_sync=True))

@@ -123,6 +123,9 @@ class BrokerRequests:
                     await self._loop.run_in_executor(None, _run_all, waits)
                 except Exception as e:  # the importer must not read: the claim fails, its transfer with it
                     logger.exception("waiting for the memory of leases %s failed", claimed)
+                    # The leases end here (the importer does not read them), and Dask's retry gets copies.
+                    self._handler.release(claimed, importer)
+                    self._handler.transfer_failed(importer)
                     failed = DataLostError(f"the memory of leases {claimed} could not be waited for: {e}")
                     await self._loop.sock_sendall(conn, encode(ErrorReply.of(failed)))
                     return

@@ -222,3 +222,21 @@ def test_resolve_keeps_containers_without_a_later_value_and_walks_each_container
     out = resolve({"a": untouched, "b": (untouched, later), "c": loop}, fills.laters)
     assert out["a"] is untouched and out["b"][0] is untouched and out["b"][1] == "v"
     assert out["c"] is loop or out["c"][0] == "v"
+
+
+def test_an_abandon_that_fails_does_not_stop_the_others():
+    log: list[str] = []
+
+    def fail() -> None:
+        raise ConnectionError("lost")
+
+    def broken_abandon() -> None:
+        raise RuntimeError("close failed")
+
+    with collecting() as fills:
+        fill_later(fail, lambda: log.append("abandon a"))
+        fill_later(lambda: log.append("b"), broken_abandon)
+        fill_later(lambda: log.append("c"), lambda: log.append("abandon c"))
+    with pytest.raises(ConnectionError, match="lost"):
+        run_fills(fills)
+    assert log == ["abandon a", "abandon c"]

@@ -314,12 +314,63 @@ def test_a_claim_is_acknowledged_only_once_the_memory_is_written_and_the_broker_
         def broken() -> None:
             raise RuntimeError("CUDA_ERROR_LAUNCH_FAILED")
 
+        heard: list[str] = []
+        broker.handler.on_transfer_failed = heard.append
         other = leases.grant(Exported(buf, buf, broken), 4096, b)
         with pytest.raises(dask_gpupool.DataLostError, match="could not be waited for"):
             as_b.claim([other])
+        # the lease ended (B never reads it), and the exporter heard: Dask's retry gets copies
+        assert leases.holder_for(other, b) is None and heard == [b]
     finally:
         as_b.close()
         as_c.close()
+        del buf
+
+
+def test_a_copy_out_of_memory_whose_wait_fails_is_an_error_reply_not_a_lost_connection(exporter):
+    """The copy fallback (a memfd) of a lease whose memory the GPU may still be writing waits for it too; when
+    that wait fails the importer gets a ``DataLostError`` over a link that stays usable."""
+    from dask_gpupool.handoff.exporter import Exported
+    from dask_gpupool.transport.link import PeerLink
+
+    pool, leases, broker, (b, _c) = exporter
+    buf = pool.allocate(4096)
+
+    def broken() -> None:
+        raise RuntimeError("CUDA_ERROR_LAUNCH_FAILED")
+
+    lease = leases.grant(Exported(buf, buf, broken), 4096, b)
+    as_b = PeerLink(broker.address, 2.0, TOKEN, b)
+    try:
+        with pytest.raises(dask_gpupool.DataLostError, match="waiting for the GPU"):
+            as_b.fetch_copy(lease)
+        assert as_b.claim([1]) == [1]  # the same connection answers on
+    finally:
+        as_b.close()
+        del buf
+
+
+def test_a_forward_to_a_worker_whose_transfers_go_as_copies_is_refused(exporter):
+    """TransferFailed reaches the first exporter A, but Dask retries from the forwarder B: A refuses B's forward to
+    a worker it sends copies to for now (``refuses``), so B sends a copy (fallback forward-refused) and the retry
+    does not take the same path."""
+    from dask_gpupool.handoff.exporter import Exported
+    from dask_gpupool.transport.link import PeerLink
+
+    pool, leases, broker, (b, c) = exporter
+    buf = pool.allocate(4096)
+    lease = leases.grant(Exported(buf, buf), 4096, b)
+    as_b = PeerLink(broker.address, 2.0, TOKEN, b)
+    try:
+        assert as_b.claim([lease]) == []
+        broker.handler.refuses = lambda worker: worker == c
+        with pytest.raises(dask_gpupool.BrokerRefusedError, match="go as copies"):
+            as_b.forward(lease, c)
+        broker.handler.refuses = None
+        forwarded, _ = as_b.forward(lease, c)
+        assert forwarded
+    finally:
+        as_b.close()
         del buf
 
 
