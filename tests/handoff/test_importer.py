@@ -80,3 +80,20 @@ def test_a_closed_importer_maps_nothing(pair):
     b.close()
     with pytest.raises(PoolClosedError, match="closed"):
         b.importer.import_buffer(desc)
+
+
+def test_a_claim_refused_after_the_link_was_opened_again_tells_the_exporter(pair):
+    """A claim that ends refused on its second try (for example one that outlasted broker-timeout while the
+    exporter waited for its GPU, whose lease the reopened link's resync ended) tells the exporter the transfer
+    failed: Dask's retry gets copies (peer-unreachable) instead of the same handoff."""
+    import time
+
+    a, b = pair
+    record = b.registry.get(a.record.pool)
+    assert record is not None and not a.routes.is_unreachable(b.record.worker)
+    with pytest.raises(DataLostError, match="refused lease"):
+        b.importer.links.claim(record, b.importer.link(record), [12345])  # never granted: refused twice
+    deadline = time.monotonic() + 5
+    while not a.routes.is_unreachable(b.record.worker) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert a.routes.is_unreachable(b.record.worker)
