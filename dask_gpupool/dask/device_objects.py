@@ -17,8 +17,8 @@ are. The consumer turns each frame back into device memory (the imported
 memory itself, or the copy) and rebuilds the object with distributed's own
 ``cuda_deserialize``. So any type with a ``"cuda"`` serializer gains, with no
 serializer per type and no change to Dask's registrations. Types the family
-does not take (CuPy and NumPy arrays, which have their own path in
-:mod:`~dask_gpupool.dask.serializers`; types with no ``cuda_serialize``; a
+does not take (pool ``Buffer`` s and CuPy and NumPy arrays, which have their
+own path in :mod:`~dask_gpupool.dask.serializers`; types with no ``cuda_serialize``; a
 type that cannot be found again by its name) go to Dask's next family, as
 before. Every other requester (other hosts, clients, spilling, UCX comms)
 never sees the family.
@@ -52,10 +52,10 @@ Ownership: a frame handed over is the producer's memory under a lease, kept
 alive by the CuPy array over it, and so by whatever the deserializer built
 over that array.
 
-Wire format: Dask's header for a family, ``{"sub-header": {FRAMES_KEY: {"header": <cuda header>, "parts":
-[...]}}, "type": <module:qualname>}``, one part per frame, ``{"device": <CuPy serializer header>, "frames": n}``
-or ``{"host": True}``; msgpack-safe. The type travels by name, not pickled (distributed's own ``"cuda"``
-family pickles it), and the consumer imports it.
+Wire format: Dask's header for a family, ``{"sub-header": {FRAMES_KEY: {"header": <cuda header>,
+"parts": [...]}}, "type": <module:qualname>, "compression": (False, ...)}``, one part per frame,
+``{"device": <CuPy serializer header>, "frames": n}`` or ``{"host": True}``; msgpack-safe. The type travels
+by name, not pickled (distributed's own ``"cuda"`` family pickles it), and the consumer imports it.
 """
 
 from __future__ import annotations
