@@ -662,6 +662,7 @@ def test_buffers_over_the_import_limit_are_copied():
         assert got[a]["fallbacks"] == {"too-large": 1}
 
 
+@pytest.mark.timeout(300)  # its own waits run to 120 s: let them say what differs
 @pytest.mark.parametrize("gib", [8, 16])
 @pytest.mark.parametrize("layout", ["one-gpu", "two-gpus"])
 def test_buffers_of_8_and_16_gib_hand_over_zero_copy(layout, gib):
@@ -687,6 +688,7 @@ def test_buffers_of_8_and_16_gib_hand_over_zero_copy(layout, gib):
         back_to(c, baseline, timeout=120)
 
 
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("killed", ["producer", "consumer"])
 @pytest.mark.parametrize("layout", ["one-gpu", "two-gpus"])
 def test_sigkill_with_an_8_gib_mapping_held(layout, killed):

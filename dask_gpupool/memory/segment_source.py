@@ -120,7 +120,7 @@ class SegmentSource:
             self.next_id += 1
             if own:
                 seg.live = 1
-                self._segments.count_used(size)
+                self._segments.count_used(seg.size)  # as its free counts it: VMM may have rounded it up
             elif generation is not None:
                 seg.generation = generation
             else:

@@ -286,10 +286,28 @@ def all_equal(x: Any, value: int) -> bool:
         import cupy
 
         arr = as_array(x, (x.size,), "u1", like="cupy")
-        ok = bool((arr == value).all())
+        if x.size < 1 << 30:
+            ok = bool((arr == value).all())
+        else:
+            # One pass over the whole grid that only raises a flag: no temporary as large as the buffer (an 8 or
+            # 16 GiB handoff must not need that much more memory on the consumer), no single-block reduction.
+            bad = cupy.zeros(1, dtype=cupy.int32)
+            _differs(cupy)(arr, cupy.uint8(value), bad)
+            ok = int(bad.get()[0]) == 0
         cupy.cuda.runtime.deviceSynchronize()
         return ok
     return bool((np.frombuffer(read_bytes(x), dtype="u1") == value).all())
+
+
+_DIFFERS: Any = None
+
+
+def _differs(cupy: Any) -> Any:
+    """The CuPy kernel of :func:`all_equal`: ``bad[0] = 1`` where a byte differs from ``v``."""
+    global _DIFFERS
+    if _DIFFERS is None:
+        _DIFFERS = cupy.ElementwiseKernel("T x, T v", "raw int32 bad", "if (x != v) bad[0] = 1;", "gpupool_differs")
+    return _DIFFERS
 
 
 #: Views of a 400-element array, by name: every layout a handoff must describe (shape, strides, offset).
