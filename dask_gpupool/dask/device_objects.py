@@ -329,21 +329,9 @@ def _rebuild(typ: type, cuda_header: Any, device_frames: list[Any], cuda_loads: 
 
 
 def _rmm_copies(frames: list[Any]) -> list[Any]:
-    """Each device frame copied into a new ``rmm.DeviceBuffer`` on the GPU, finished when this returns."""
-    import cupy
-    import rmm
-
-    out = []
-    for f in frames:
-        if not hasattr(f, "__cuda_array_interface__"):
-            out.append(f)
-            continue
-        buf = rmm.DeviceBuffer(size=int(f.nbytes))
-        if f.nbytes:
-            buf.copy_from_device(f)
-        out.append(buf)
-    cupy.cuda.runtime.deviceSynchronize()
-    return out
+    """Each device frame copied into a new ``rmm.DeviceBuffer`` on the GPU (:func:`_as_rmm_buffer`), finished when
+    this returns: it runs in a fill, or with no collector open, where those copies run at once."""
+    return [_as_rmm_buffer(f) if hasattr(f, "__cuda_array_interface__") else f for f in frames]
 
 
 def _device_frames(

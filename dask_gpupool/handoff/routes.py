@@ -139,7 +139,7 @@ class Routes:
             scheme,
             pool_open=not (self.closed or self.pool.closed),
             owned=owned,
-            unreachable=row is not None and self._is_unreachable(row.worker),
+            unreachable=row is not None and self.is_unreachable(row.worker),
             import_size=import_size,
             import_limit=self.options.effective_import_limit(vmm),
             nbytes=nbytes,
@@ -194,19 +194,16 @@ class Routes:
         row = self.registry.worker_row(requester) if requester else None
         if row is None or (row.host == self.record.host and row.pid == self.record.pid):
             return None
-        if self._is_unreachable(row.worker):
+        if self.is_unreachable(row.worker):
             return None
         return row
 
-    def _is_unreachable(self, worker: str) -> bool:
+    def is_unreachable(self, worker: str) -> bool:
+        """Whether transfers to ``worker`` go as copies for now (:meth:`mark_unreachable`)."""
         # Read only: a mark past its time is replaced by the next one (the broker's thread marks; this is read on
         # the event loop and the broker's thread), never popped here, where it could drop a newer mark.
         until = self._unreachable.get(worker)
         return until is not None and time.monotonic() < until
-
-    def is_unreachable(self, worker: str) -> bool:
-        """Whether transfers to ``worker`` go as copies for now (:meth:`mark_unreachable`)."""
-        return self._is_unreachable(worker)
 
     def mark_unreachable(self, worker: str, seconds: float) -> None:
         """A transfer to ``worker`` failed: its handoffs go as copies for ``seconds`` (``peer-unreachable``)."""

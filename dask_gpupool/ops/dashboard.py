@@ -39,7 +39,7 @@ Source = Callable[[], dict[str, Any]]
 
 
 def _peer_copies(s: dict[str, Any]) -> str:
-    """`` + N peer-GPU copies`` when values from another GPU were copied here on arrival (gpupool.peer-gpu-copy)."""
+    """`` + N copied from other GPUs`` when values were copied here on arrival (gpupool.peer-gpu-copy)."""
     n = s.get("peer_copied_bytes", 0)
     return f" + {_bytes(n)} copied from other GPUs" if n else ""
 
