@@ -20,7 +20,8 @@
 # benchmarks/busy_producer.py (handoffs while the producer's GPU is busy, gpupool.handoff-ordering sync vs event; BUSY_ARGS).
 # UCX_PAIRS=1 runs benchmarks/ucx_pairs.py (four workers as two hosts of two GPUs, every pair, UCXX vs plugin).
 # VKGDR=1 runs benchmarks/vkgdr_landing.py (TCP into pinned staging + copy vs straight into vkgdr-mapped device
-# memory; carry .gl for the Vulkan loader, and .whl holds the vkgdr, cffi and pycparser wheels). CHAOS_SECONDS (default 0: skipped)
+# memory; carry .gl for the Vulkan loader and .whl-vk, which holds the vkgdr, cffi and pycparser wheels: apart from
+# .whl so that .whl and .whl-ucx stay under the tool's 64 MiB carry limit). CHAOS_SECONDS (default 0: skipped)
 # runs benchmarks/chaos.py for that long (CHAOS_ARGS adds options). The exit status is pytest's (0 when the tests
 # passed or were not run), so a caller sees a failed suite.
 # DEADLINE (seconds from this script's start, default 570) caps every step's timeout so that the script ends, packs
@@ -39,15 +40,18 @@ OUT=${OUT:-/tmp/gpu-check-out}
 mkdir -p "$OUT"
 WHEELS=(.whl/*.whl)
 [ -d .whl-ucx ] && WHEELS+=(.whl-ucx/*.whl)
+[ -d .whl-vk ] && WHEELS+=(.whl-vk/*.whl)
 # Once per machine: a second call on a warm machine (or a second run in one call) must not rewrite the
 # packages under a chaos run still going in the background. Under a lock: two runs started side by side in one
 # call both installed at once and one failed inside pip (FileNotFoundError on a file the other removed).
 mkdir -p /tmp/site
 (
   flock 9
-  if [ ! -f /tmp/site/.gpupool-installed ]; then
+  # one marker per set of wheels: a later call that carries more (.whl-vk) installs again
+  marker=/tmp/site/.gpupool-installed-$(printf '%s\n' "${WHEELS[@]##*/}" | md5sum | cut -c1-12)
+  if [ ! -f "$marker" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${WHEELS[@]}" || exit 1
-    touch /tmp/site/.gpupool-installed
+    touch "$marker"
   fi
 ) 9>/tmp/gpupool-install.lock || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
