@@ -7,7 +7,9 @@ consumer's transfer time is ``stop - start`` of its transfer log entry, median o
 Methods: ``ucxx`` (plain CuPy, no plugin) and ``ucxx+gpupool`` (the plugin at its defaults, an array over a pool
 buffer): a same-"host" pair gets a descriptor (zero-copy), another-"host" pair the value's device frames, which UCX
 moves GPU to GPU. After each method the table of bytes by path (zero-copy, device frames, host copies) shows that
-no pair went through the host. Needs two GPUs and distributed-ucxx. JSON to ``benchmarks/results/`` (and ``$OUT``).
+no pair went through the host. Needs distributed-ucxx. On a machine with one GPU all four workers share GPU 0 (the
+same two "hosts"): every pair is then a same-GPU pair, which says nothing about pairs across GPUs. JSON to
+``benchmarks/results/`` (and ``$OUT``).
 
 The default sizes span the question of ``gpupool.ucx-handoff-threshold`` (0: every pool value is handed over): on
 two H200s, pool arrays over UCXX were handed over in 1.8-2.3 ms at every size, where UCXX alone moved 1 KiB-1 MiB
@@ -36,6 +38,8 @@ from dask_gpupool.memory.topology import local_devices
 
 #: The four workers: (host id, CUDA_VISIBLE_DEVICES).
 LAYOUT = [("host-a", "0,1"), ("host-a", "1,0"), ("host-b", "0,1"), ("host-b", "1,0")]
+#: The same two "hosts" on a machine with one GPU.
+ONE_GPU_LAYOUT = [("host-a", "0"), ("host-a", "0"), ("host-b", "0"), ("host-b", "0")]
 PATH_KEYS = ("zero_copy_bytes", "peer_copied_bytes", "device_frames_bytes", "copied_bytes")
 
 
@@ -45,17 +49,21 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--methods", default="ucxx,ucxx+gpupool")
     args = p.parse_args()
-    if len(local_devices().uuids) < 2:
-        raise SystemExit("needs two GPUs")
+    n_gpus = len(local_devices().uuids)
+    if n_gpus < 1:
+        raise SystemExit("needs a GPU")
+    layout = LAYOUT if n_gpus >= 2 else ONE_GPU_LAYOUT
+    if n_gpus < 2:
+        print("one GPU: all four workers on GPU 0 (two 'hosts' of two workers each)", flush=True)
     try:
         import distributed_ucxx  # noqa: F401
     except ImportError:
         raise SystemExit("needs distributed-ucxx") from None
     sizes = [int(parse_bytes(s)) for s in args.sizes.split(",")]
     workers = [
-        {"env": {"CUDA_VISIBLE_DEVICES": gpus}, "config": {"gpupool": {"host-id": host}}} for host, gpus in LAYOUT
+        {"env": {"CUDA_VISIBLE_DEVICES": gpus}, "config": {"gpupool": {"host-id": host}}} for host, gpus in layout
     ]
-    names = [f"w{i}({host[-1]}{gpus[0]})" for i, (host, gpus) in enumerate(LAYOUT)]
+    names = [f"w{i}({host[-1]}{gpus[0]})" for i, (host, gpus) in enumerate(layout)]
     rows: list[dict[str, Any]] = []
     paths: dict[str, dict[str, dict[str, int]]] = {}
     for method in args.methods.split(","):
@@ -84,7 +92,7 @@ def main() -> None:
                             if k and t is not None:
                                 samples.append(t)
                         row = {"method": method, "src": names[i], "dst": names[j], "nbytes": nbytes}
-                        row["same_host"] = LAYOUT[i][0] == LAYOUT[j][0]
+                        row["same_host"] = layout[i][0] == layout[j][0]
                         row["transfer_s"] = statistics.median(samples) if samples else None
                         row["samples"] = samples
                         rows.append(row)
@@ -100,8 +108,8 @@ def main() -> None:
     methods = args.methods.split(",")
     print(f"{'pair':<22}{'size':>10}" + "".join(f"{m:>16}" for m in methods))
     for nbytes in sizes:
-        for i in range(len(LAYOUT)):
-            for j in range(len(LAYOUT)):
+        for i in range(len(layout)):
+            for j in range(len(layout)):
                 if i == j:
                     continue
                 cells = []
@@ -120,7 +128,7 @@ def main() -> None:
         print(f"\n{method}: bytes received by path")
         for w, counts in by_worker.items():
             print(f"  {w}: " + ", ".join(f"{k} {v:,}" for k, v in counts.items()))
-    H.save_json("ucx_pairs", {"machine": H.machine(), "layout": LAYOUT, "rows": rows, "paths": paths})
+    H.save_json("ucx_pairs", {"machine": H.machine(), "layout": layout, "rows": rows, "paths": paths})
 
 
 if __name__ == "__main__":

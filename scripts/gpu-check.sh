@@ -18,7 +18,7 @@
 # benchmarks/workloads.py (issue 18's dask.array workloads; WORKLOADS_ARGS adds options, WORKLOADS_TIMEOUT caps it, default 560 s).
 # GATHER=1 runs benchmarks/gather.py (one reply of 1, 8, 32 pool arrays; GATHER_ARGS). BUSY=1 runs
 # benchmarks/busy_producer.py (handoffs while the producer's GPU is busy, gpupool.handoff-ordering sync vs event; BUSY_ARGS).
-# UCX_PAIRS=1 runs benchmarks/ucx_pairs.py (four workers as two hosts of two GPUs, every pair, UCXX vs plugin).
+# UCX_PAIRS=1 runs benchmarks/ucx_pairs.py (four workers as two hosts of two GPUs, every pair, UCXX vs plugin; all on GPU 0 with one GPU).
 # VKGDR=1 runs benchmarks/vkgdr_landing.py (TCP into pinned staging + copy vs straight into vkgdr-mapped device
 # memory; carry .gl for the Vulkan loader and .whl-vk, which holds the vkgdr, cffi and pycparser wheels: apart from
 # .whl so that .whl and .whl-ucx stay under the tool's 64 MiB carry limit). CHAOS_SECONDS (default 0: skipped)
