@@ -80,10 +80,10 @@ if [ "$PART" != bench ]; then
 timeout $(left ${PYTEST_TIMEOUT:-480}) python3 -m pytest tests ${PYTEST_K:+-k "$PYTEST_K"} -p no:cacheprovider -o addopts="" -v -rA --durations=8 --timeout 180 ${PYTEST_ARGS:-} > "$OUT/pytest.log" 2>&1
 TESTS_RC=$?
 echo "pytest exit: $TESTS_RC"
-echo "== failures/errors"; grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20
-echo "== gpu tests"; grep -E "^(PASSED|FAILED|SKIPPED|ERROR).*(test_gpu|test_leases)" "$OUT/pytest.log"
-[ "$TESTS_RC" = 124 ] && { echo "== cut off by PYTEST_TIMEOUT; the tests that ended:"; grep -E "::.* (PASSED|FAILED|ERROR|SKIPPED)" "$OUT/pytest.log" | tail -40; }
-echo "== slowest"; grep -E "^[0-9.]+s call" "$OUT/pytest.log" | head -8
+echo "== failures/errors"; grep -aE "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20
+echo "== gpu tests"; grep -aE "^(PASSED|FAILED|SKIPPED|ERROR).*(test_gpu|test_leases)" "$OUT/pytest.log"
+[ "$TESTS_RC" = 124 ] && { echo "== cut off by PYTEST_TIMEOUT; the tests that ended:"; grep -aE "::.* (PASSED|FAILED|ERROR|SKIPPED)" "$OUT/pytest.log" | tail -40; }
+echo "== slowest"; grep -aE "^[0-9.]+s call" "$OUT/pytest.log" | head -8
 echo "== summary"; tail -n 1 "$OUT/pytest.log"
 if [ "${DEMO:-1}" != 0 ] && has_time demo; then
 echo "== demo"; timeout $(left 100) python3 -m dask_gpupool demo > "$OUT/demo.log" 2>&1; echo "demo exit: $?"; tail -n 4 "$OUT/demo.log"

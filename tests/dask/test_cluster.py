@@ -522,14 +522,16 @@ def test_a_worker_whose_pool_set_up_failed_is_reported_and_the_others_still_answ
     from conftest import wait_for
     from distributed import Client
 
-    port, dash = free_port(), free_port()
+    port = free_port()
     address = f"tcp://127.0.0.1:{port}"
     env = {**os.environ, "DASK_GPUPOOL__KIND": "host", "DASK_GPUPOOL__MAX_SIZE": "64MiB"}
     scheduler = [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", str(port)]
     worker = [sys.executable, "-m", "distributed.cli.dask_worker", address, "--nthreads", "1", "--no-dashboard"]
     procs = [
         subprocess.Popen(
-            [*scheduler, "--dashboard-address", f"127.0.0.1:{dash}", "--preload", "dask_gpupool"],
+            # the scheduler picks its dashboard's port and says which (a port picked here beforehand was taken by
+            # another process's comm in a GPU-machine run of two halves side by side)
+            [*scheduler, "--dashboard-address", "127.0.0.1:0", "--preload", "dask_gpupool"],
             env=env,
             stderr=subprocess.DEVNULL,
         )
@@ -557,6 +559,8 @@ def test_a_worker_whose_pool_set_up_failed_is_reported_and_the_others_still_answ
                 assert set(got) == good | {w}
                 assert not any("error" in got[g] for g in good)
                 assert "its set-up failed: ConfigError: gpupool.suballocator='jemalloc'" in got[w]["error"]
+
+            dash = c.scheduler_info()["services"]["dashboard"]
 
             def page(path: str) -> str:
                 with urllib.request.urlopen(f"http://127.0.0.1:{dash}{path}", timeout=10) as r:
