@@ -73,6 +73,8 @@ def test_config_values_and_overrides():
     assert options.peer_gpu_copy is False  # off until its GPU tests pass (docs/gpu-checks.md, twelfth session)
     assert PoolOptions.from_config(peer_gpu_copy="true").peer_gpu_copy is True
     assert options.handoff_ordering == "sync"  # the exporter synchronizes its GPU before a descriptor goes out
+    assert options.device_objects is True  # "cuda"-serialized objects frame by frame to same-host workers
+    assert PoolOptions.from_config(device_objects=False).device_objects is False
     assert PoolOptions.from_config(handoff_ordering="event").handoff_ordering == "event"
     assert PoolOptions.from_config(suballocator="arena").suballocator == "arena"
     assert options.import_limit is None  # auto: none for VMM segments, 5 GiB for CUDA IPC pool memory

@@ -899,10 +899,10 @@ def test_device_objects_go_frame_by_frame_over_tcp(kind):
     """Issue 18, every "cuda"-serialized object: an rmm.DeviceBuffer or a Numba device array of 8 MiB goes to a
     same-host worker over TCP as its device frame staged into the producer's pool and handed over (staged-in-pool),
     a 1 KiB one through the comm (small); the consumer rebuilds the same type with the right bytes, and keeps them
-    after the producer's key is gone and its pool scribbled over."""
+    after the producer's key is gone and its pool scribbled over. At the defaults (device-objects on)."""
     gpus(1)
     pytest.importorskip("numba.cuda" if kind == "numba" else "rmm")
-    with nanny_cluster([ONE_GPU, ONE_GPU], GPUPool(kind="device", max_size="1 GiB", device_objects=True)) as c:
+    with nanny_cluster([ONE_GPU, ONE_GPU], GPUPool(kind="device", max_size="1 GiB")) as c:
         a, b = worker_addresses(c)
         name = "DeviceBuffer" if kind == "rmm" else "DeviceNDArray"
         before = counters(c)
