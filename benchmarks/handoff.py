@@ -69,7 +69,7 @@ from distributed import wait
 import dask_gpupool
 from dask_gpupool import GPUPool
 from dask_gpupool import testing as T
-from dask_gpupool.memory.topology import local_devices
+from dask_gpupool.memory.topology import device_memory, local_devices
 
 DEFAULT_SIZES = "1KiB,1MiB,64MiB,256MiB,1GiB,4GiB,8GiB"
 METHODS = (
@@ -352,6 +352,8 @@ def main() -> None:
     if not gpus:
         sizes = [s for s in sizes if s <= 256 << 20]
     max_size = f"{3 * max(sizes) // (1 << 20) + 1024} MiB"
+    if gpus and 3 * max(sizes) + (1 << 30) > 0.9 * device_memory(0):
+        max_size = "90%"  # a limit, not a reservation: two pools of one GPU may each have it (32 GiB on an H100)
     start = time.monotonic()
     deadline = start + args.budget
     stamp = time.strftime("%Y%m%d-%H%M%S")
