@@ -77,11 +77,14 @@ fi
 PART=${PART:-all}
 if [ "$PART" != bench ]; then
 # -v: each test's name and outcome as it ends, so a call cut off by its time limit still says which ran and how
+# failures as they happen (tests/conftest.py): a run cut off by PYTEST_TIMEOUT keeps their bodies
+export GPUPOOL_FAILURES_LOG="$OUT/failures.log"
 timeout $(left ${PYTEST_TIMEOUT:-480}) python3 -m pytest tests ${PYTEST_K:+-k "$PYTEST_K"} -p no:cacheprovider -o addopts="" -v -rA --durations=8 --timeout 180 ${PYTEST_ARGS:-} > "$OUT/pytest.log" 2>&1
 TESTS_RC=$?
 echo "pytest exit: $TESTS_RC"
 echo "== failures/errors"; grep -aE "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20
 echo "== gpu tests"; grep -aE "^(PASSED|FAILED|SKIPPED|ERROR).*(test_gpu|test_leases)" "$OUT/pytest.log"
+[ -s "$OUT/failures.log" ] && { echo "== failure bodies (failures.log, last 60 lines)"; tail -n 60 "$OUT/failures.log"; }
 [ "$TESTS_RC" = 124 ] && { echo "== cut off by PYTEST_TIMEOUT; the tests that ended:"; grep -aE "::.* (PASSED|FAILED|ERROR|SKIPPED)" "$OUT/pytest.log" | tail -40; }
 echo "== slowest"; grep -aE "^[0-9.]+s call" "$OUT/pytest.log" | head -8
 echo "== summary"; tail -n 1 "$OUT/pytest.log"

@@ -14,6 +14,20 @@ from dask_gpupool import testing as T
 from dask_gpupool.memory.topology import local_devices
 
 
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With ``GPUPOOL_FAILURES_LOG`` set, append each failure's report to that file as it happens.
+
+    pytest prints failure bodies only at the end of the session; a GPU-machine run cut off by its time limit
+    (``scripts/gpu-check.sh``) lost the body of a failure that way (fourteenth session).
+    """
+    path = os.environ.get("GPUPOOL_FAILURES_LOG")
+    if path and report.failed:
+        with open(path, "a") as f:
+            f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+            for name, text in report.sections:
+                f.write(f"---- {name}\n{text[-20000:]}\n")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if local_devices():
         return
