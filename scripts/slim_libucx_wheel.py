@@ -3,7 +3,8 @@
 The device tool carries at most 64 MiB of working tree; ``.whl`` and ``.whl-ucx`` together came to just under it,
 and the tool refused them. The libucx wheel is 42 MB, about half of it static libraries (``*.a``), the perftest
 plugin and the ``bin/`` tools, none of which UCXX's Python package loads. This writes the wheel again without them
-(and without their ``RECORD`` lines), under the same name, keeping the original beside it as ``*.orig``:
+(and without their ``RECORD`` lines), under the same name, moving the original to ``.old/`` (ignored by git, and
+not carried: an original left in ``.whl-ucx`` would travel too):
 
     python3 scripts/slim_libucx_wheel.py .whl-ucx/libucx_cu13-*.whl
 """
@@ -20,9 +21,10 @@ def dropped(name: str) -> bool:
 
 
 def slim(path: str) -> None:
-    orig = path + ".orig"
+    os.makedirs(".old", exist_ok=True)
+    orig = os.path.join(".old", os.path.basename(path))
     if not os.path.exists(orig):
-        os.rename(path, orig)
+        os.replace(path, orig)
     with zipfile.ZipFile(orig) as zi, zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as zo:
         for info in zi.infolist():
             if dropped(info.filename):
