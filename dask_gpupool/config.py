@@ -243,7 +243,11 @@ class PoolOptions:
         it reads. Work a task left on a non-blocking stream is then not
         covered (as with distributed's UCX comm, which synchronizes the
         default stream only), and the wait counts against the consumer's
-        ``broker-timeout``. Not yet run on a GPU.
+        ``broker-timeout``. Its GPU tests pass on one H100, where a handoff
+        from a producer whose other stream ran 20 ms kernels took 2.8 ms
+        with ``event`` and 17 ms with ``sync`` (docs/performance.md); it
+        stays off by default until it passes across two GPUs and the whole
+        suite at that default (docs/gpu-checks.md).
     peer_gpu_copy : bool
         A ``device`` buffer handed over from another GPU of this host is
         copied into this worker's pool when it arrives, device to device over
@@ -254,6 +258,17 @@ class PoolOptions:
         (``benchmarks/peer_read.py``, docs/performance.md). Off by default
         until its GPU tests pass: its first GPU run failed (the copy ran in a
         thread with no CUDA context), and the fix has not run on a GPU yet.
+    switch_interval : float or None
+        Seconds: the worker process's Python thread switch interval
+        (:func:`sys.setswitchinterval`), set while the plugin runs and put
+        back at teardown. A thread that waits for the GIL behind a task
+        holding it waits up to this long at each step, and a handoff's
+        claim takes several such steps in the producer's broker thread: on
+        the 2-vCPU CPU container, with a busy pure-Python task on the
+        producer, a 1 MiB handoff took 36.5 ms at Python's default 5 ms
+        (its claim 13.6 ms) and 16.9 ms at 0.5 ms (claim 1.8 ms); plain
+        Dask's copy 30.8 and 19.2 ms (``benchmarks/busy_python.py``,
+        docs/performance.md). ``None`` (the default): left as it is.
     """
 
     kind: PoolKind = "auto"
@@ -279,6 +294,7 @@ class PoolOptions:
     stage_threshold: int | None = None
     handoff_threshold: int | None = None
     device_objects: bool = True
+    switch_interval: float | None = None
 
     def effective_stage_threshold(self, kind: str) -> int:
         """The stage threshold of a pool of ``kind`` (``"device"``, ``"pinned"``, ``"host"``); 0: never."""
@@ -384,6 +400,7 @@ class PoolOptions:
             if raw.get("handoff-threshold", "auto") == "auto"
             else _parse_nbytes(raw.get("handoff-threshold"), "gpupool.handoff-threshold"),
             device_objects=_parse_bool(raw.get("device-objects", True), "gpupool.device-objects"),
+            switch_interval=_parse_switch_interval(raw.get("switch-interval")),
         )
 
 
@@ -449,6 +466,15 @@ def _parse_count(value: object, key: str, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ConfigError(f"{key}={value!r} is not a count; valid: an integer from {low} to {high}")
     return value
+
+
+def _parse_switch_interval(value: object) -> float | None:
+    if value is None:
+        return None
+    seconds = _parse_timeout(value, "gpupool.switch-interval")
+    if seconds > 1.0:
+        raise ConfigError(f"gpupool.switch-interval={value!r} is over 1 s; valid: null, '0.5ms', '1ms' or seconds")
+    return seconds
 
 
 def _parse_timeout(value: object, key: str) -> float:

@@ -75,6 +75,12 @@ def test_config_values_and_overrides():
     assert options.handoff_ordering == "sync"  # the exporter synchronizes its GPU before a descriptor goes out
     assert options.device_objects is True  # "cuda"-serialized objects frame by frame to same-host workers
     assert PoolOptions.from_config(device_objects=False).device_objects is False
+    assert options.switch_interval is None  # Python's own thread switch interval is left alone
+    assert PoolOptions.from_config(switch_interval="0.5ms").switch_interval == 0.0005
+    assert PoolOptions.from_config(switch_interval=0.001).switch_interval == 0.001
+    for bad in ("2s", "0", -1, "soon", True):
+        with pytest.raises(ConfigError, match=r"gpupool\.switch-interval"):
+            PoolOptions.from_config(switch_interval=bad)
     assert PoolOptions.from_config(handoff_ordering="event").handoff_ordering == "event"
     assert PoolOptions.from_config(suballocator="arena").suballocator == "arena"
     assert options.import_limit is None  # auto: none for VMM segments, 5 GiB for CUDA IPC pool memory

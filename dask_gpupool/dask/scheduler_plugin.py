@@ -109,6 +109,9 @@ class GPUPool(SchedulerPlugin):
     handoff_ordering : {"sync", "event"}, optional
         Synchronize the GPU before a descriptor goes out, or wait for an event
         before acknowledging the consumer's claim (``gpupool.handoff-ordering``).
+    switch_interval : str or float, optional
+        The workers' Python thread switch interval while the plugin runs
+        (``gpupool.switch-interval``).
 
     Attributes
     ----------
@@ -169,6 +172,7 @@ class GPUPool(SchedulerPlugin):
         rmm_allocator: bool | None = None,
         peer_gpu_copy: bool | None = None,
         handoff_ordering: str | None = None,
+        switch_interval: str | float | None = None,
     ) -> None:
         self.overrides = {
             k: v
@@ -196,6 +200,7 @@ class GPUPool(SchedulerPlugin):
                 rmm_allocator=rmm_allocator,
                 peer_gpu_copy=peer_gpu_copy,
                 handoff_ordering=handoff_ordering,
+                switch_interval=switch_interval,
             ).items()
             if v is not None
         }

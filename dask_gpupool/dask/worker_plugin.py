@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
@@ -75,6 +76,8 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
     _push: PeriodicCallback | None
     _cupy_previous: Any
     _rmm_previous: tuple[Any, Any] | None
+    #: sys.getswitchinterval() before gpupool.switch-interval changed it, put back at teardown.
+    _switch_previous: float | None
 
     def __init__(self, overrides: dict[str, Any] | None = None) -> None:
         self.overrides = dict(overrides or {})
@@ -86,6 +89,7 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         self._push = None
         self._cupy_previous = None
         self._rmm_previous = None
+        self._switch_previous = None
 
     async def setup(self, worker: Worker) -> None:
         """Make the pool and join the registry; on failure, remember why (see :func:`service_of`) and raise."""
@@ -145,6 +149,14 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
                 why += f"; replaced {replaced}" if replaced else ""
             service.routing["cupy"] = why
         self._install_rmm(service, options)
+        if options.switch_interval is not None:
+            self._switch_previous = sys.getswitchinterval()
+            sys.setswitchinterval(options.switch_interval)
+            logger.info(
+                "gpupool: Python's thread switch interval %.2g ms (was %.2g ms; gpupool.switch-interval)",
+                options.switch_interval * 1e3,
+                self._switch_previous * 1e3,
+            )
         _metrics.register()  # on the worker's /metrics (when prometheus_client is installed)
         self._push = PeriodicCallback(lambda: self._push_stats(worker), STATS_INTERVAL * 1000)
         self._push.start()
@@ -227,6 +239,9 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
             service.apply_registry(update)
 
     async def teardown(self, worker: Worker) -> None:
+        if self._switch_previous is not None:
+            sys.setswitchinterval(self._switch_previous)
+            self._switch_previous = None
         if self._rmm_previous is not None and self.service is not None:
             _rmm.uninstall(self.service, *self._rmm_previous)
             self._rmm_previous = None
