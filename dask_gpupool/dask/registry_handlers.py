@@ -232,7 +232,7 @@ class RegistryHandlers:
             self._joined.set()
 
     def handle_update(self, **msg: Any) -> None:
-        """``gpupool-update``: a worker's row changed; only ``retire_below`` may, and only grow."""
+        """``gpupool-update``: a worker's row changed; only ``retire_below`` (only up) and ``reclaim`` may."""
         worker = self._source(UPDATE_OP, msg, ("record",))
         row = None if worker is None else self._own_row(UPDATE_OP, worker, msg["record"])
         if worker is None or row is None:
@@ -242,8 +242,11 @@ class RegistryHandlers:
             self._reject(UPDATE_OP, "not-its-row", worker, f"pool {row.pool} is not registered")
         elif old.worker != worker:
             self._reject(UPDATE_OP, "another-worker", worker, f"pool {row.pool} is registered to {old.worker}")
-        elif row.retire_below < old.retire_below or dataclasses.replace(old, retire_below=row.retire_below) != row:
-            self._reject(UPDATE_OP, "row-changed", worker, "an update may only raise retire_below")
+        elif (
+            row.retire_below < old.retire_below
+            or dataclasses.replace(old, retire_below=row.retire_below, reclaim=row.reclaim) != row
+        ):
+            self._reject(UPDATE_OP, "row-changed", worker, "an update may only raise retire_below or change reclaim")
         elif self._pending.get(worker) is old:
             self._pending[worker] = row
         else:

@@ -37,7 +37,15 @@ from distributed.core import Status
 from tornado.ioloop import PeriodicCallback
 
 from dask_gpupool.config import PoolOptions
-from dask_gpupool.core import JOINED_OP, MEMBERSHIP_OP, PLUGIN_NAME, REGISTER_OP, REGISTRY_OP, UNREGISTER_OP
+from dask_gpupool.core import (
+    JOINED_OP,
+    MEMBERSHIP_OP,
+    PLUGIN_NAME,
+    REGISTER_OP,
+    REGISTRY_OP,
+    UNREGISTER_OP,
+    UPDATE_OP,
+)
 from dask_gpupool.dask import rmm_routing as _rmm
 from dask_gpupool.dask.device_objects import serializers_for
 from dask_gpupool.dask.worker_internals import count_own_memory_only, fill_after_read, install_get_data_hook
@@ -149,6 +157,9 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
                 why += f"; replaced {replaced}" if replaced else ""
             service.routing["cupy"] = why
         self._install_rmm(service, options)
+        # A full pool reclaims large buffers' spares that peers map: its changed row goes out on this worker's
+        # stream (the scheduler takes row changes only from their worker), from the event loop.
+        service.reclaim_through(lambda row: worker.loop.add_callback(self._send_row, worker, row))
         if options.switch_interval is not None:
             self._switch_previous = sys.getswitchinterval()
             sys.setswitchinterval(options.switch_interval)
@@ -174,6 +185,13 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
             self._rmm_previous = (previous, cupy_previous)
             why += f"; replaced {replaced}" if replaced else ""
         service.routing["rmm"] = why
+
+    @staticmethod
+    def _send_row(worker: Worker, row: Any) -> None:
+        """Send this worker's changed registry row (``reclaim``) to the scheduler, if the stream is open."""
+        stream = getattr(worker, "batched_stream", None)
+        if stream is not None and not stream.closed():
+            stream.send({"op": UPDATE_OP, "record": row.to_msg()})
 
     def _push_stats(self, worker: Worker) -> None:
         """Send this worker's pool and handoff stats to the scheduler (the /gpupool page)."""

@@ -355,8 +355,8 @@ class Importer:
         return self.copies.pull_copy(header, need)
 
     def unmap_retired(self, mapped: MappedPool, record: PoolRecord) -> None:
-        """Close the imports of ``record``'s retired segments that no buffer uses, and tell the exporter."""
-        raws, released = mapped.retire(record.retire_below)
+        """Close the imports of ``record``'s retired (or reclaimed) segments that no buffer uses; tell the exporter."""
+        raws, released = mapped.retire(record.retire_below, record.reclaim)
         try:
             event = mapped.close_segment_imports(raws)
         except Exception:

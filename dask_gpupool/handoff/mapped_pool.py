@@ -74,6 +74,9 @@ class MappedPool:
     retire_below : int
         The owner's ``retire_below`` as last seen: segments with a smaller id
         are unmapped once no buffer imported from them is alive here.
+    reclaim : frozenset of int
+        The owner's ``reclaim`` as last seen: segments retired one by one,
+        unmapped like those below ``retire_below``.
     resource : object
         The mapped memory resource (cuda.core or shared host memory).
     device : int or None
@@ -86,6 +89,7 @@ class MappedPool:
     imports: int
     orphaned: bool
     retire_below: int
+    reclaim: frozenset[int]
     _shared: dict[tuple[bytes, int, int], list[Any]]
     _segments: dict[int, list[Any]]
     _closed: bool
@@ -97,6 +101,7 @@ class MappedPool:
         self.imports = 0  # live imports handed out through the handoff path (changed under IMPORT_LOCK)
         self.orphaned = False  # the owner left; close when the last import goes
         self.retire_below = record.retire_below
+        self.reclaim = frozenset(record.reclaim)
         self._shared = {}
         self._segments = {}  # segment id -> [import, users, segment id, leases claimed on it in all]
         self._closed = False
@@ -289,7 +294,7 @@ class MappedPool:
             if key[2] == _SEGMENT:
                 seg = self._segments[key[0]]
                 seg[1] -= 1
-                if seg[1] or not 0 < seg[2] < self.retire_below:
+                if seg[1] or not self._retiring(seg[2]):
                     return None, None
                 del self._segments[key[0]]
                 return seg[0], ((seg[2], seg[3]) if seg[3] else None)
@@ -301,8 +306,8 @@ class MappedPool:
             raw: Buffer = entry[0]
             return raw, None
 
-    def retire(self, below: int) -> tuple[list[Buffer], list[tuple[int, int]]]:
-        """The owner retires segments with ids below ``below``: take those no import here uses.
+    def retire(self, below: int, reclaim: tuple[int, ...] = ()) -> tuple[list[Buffer], list[tuple[int, int]]]:
+        """The owner retires segments with ids below ``below``, and those in ``reclaim``: take those no import uses.
 
         Returns their imports (the caller closes them, then sends the
         ``(id, claims)`` pairs in a ``SegmentRelease``); the others go when
@@ -310,9 +315,14 @@ class MappedPool:
         """
         with IMPORT_LOCK:
             self.retire_below = max(self.retire_below, below)
-            gone = [k for k, seg in self._segments.items() if not seg[1] and 0 < seg[2] < self.retire_below]
+            self.reclaim = frozenset(reclaim)
+            gone = [k for k, seg in self._segments.items() if not seg[1] and self._retiring(seg[2])]
             segs = [self._segments.pop(k) for k in gone]
         return [seg[0] for seg in segs], [(seg[2], seg[3]) for seg in segs if seg[3]]
+
+    def _retiring(self, segment_id: int) -> bool:
+        """Whether the owner retired segment ``segment_id`` (below ``retire_below``, or reclaimed)."""
+        return 0 < segment_id < self.retire_below or segment_id in self.reclaim
 
     def close_segment_imports(self, raws: list[Buffer]) -> Any:
         """Close segment imports :meth:`retire` or :meth:`unshare` handed out; return the event to wait for."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from dask_gpupool.config import PoolOptions
@@ -55,7 +56,7 @@ from dask_gpupool.transport.link import PeerLink
 from dask_gpupool.transport.staging import STAGING
 from dask_gpupool.transport.stream import CopyServer
 from dask_gpupool.wire.handoff import ArrayMeta, BufferDescriptor, HandoffHeader
-from dask_gpupool.wire.registry import Membership, PoolRecord, RegistryUpdate
+from dask_gpupool.wire.registry import MAX_RECLAIM, Membership, PoolRecord, RegistryUpdate
 
 if TYPE_CHECKING:
     from cuda.core import Buffer
@@ -321,15 +322,17 @@ class PoolService:
     def apply_registry(self, update: RegistryUpdate) -> None:
         """Apply a registry change; a peer that left gives back its leases and its mappings go.
 
-        A peer that retired segments (its row's ``retire_below`` grew) gets
-        back those mapped here that no import uses (the rest go with their
-        last import).
+        A peer that retired segments (its row's ``retire_below`` grew, or its
+        ``reclaim`` changed) gets back those mapped here that no import uses
+        (the rest go with their last import).
         """
         gone = [r for r in (self.registry.get(p) for p in update.removed) if r is not None]
         self.registry.apply(update)
         for record in update.added:
             mapped = self.mapped.get(record.pool)
-            if mapped is not None and record.retire_below > mapped.retire_below:
+            if mapped is not None and (
+                record.retire_below > mapped.retire_below or frozenset(record.reclaim) != mapped.reclaim
+            ):
                 self.importer.unmap_retired(mapped, record)
         for record in gone:
             if record.pool == self.pool.uuid:
@@ -357,8 +360,32 @@ class PoolService:
         if segmented is None:
             return None
         below = segmented.retire()
-        self.record = self.routes.record = dataclasses.replace(self.record, retire_below=below)
+        self.record = self.routes.record = dataclasses.replace(
+            self.record, retire_below=below, reclaim=segmented.reclaim[:MAX_RECLAIM]
+        )
         return self.record
+
+    def reclaim_through(self, publish: Callable[[PoolRecord], None]) -> None:
+        """Let a full pool take back large buffers' spare segments that peers still map.
+
+        ``publish(row)`` makes the changed row (its ``reclaim``) known to the
+        peers, through the scheduler; it is called from the allocating thread
+        and must not block. Peers unmap those segments as retiring ones and
+        release them; the allocation that found the pool full waits up to
+        ``broker-timeout`` for that (:meth:`SegmentedResource.set_reclaimer
+        <dask_gpupool.memory.segments.SegmentedResource.set_reclaimer>`).
+        """
+        segmented = self.pool.segmented
+        if segmented is None:
+            return
+
+        def reclaimed(ids: tuple[int, ...]) -> None:
+            self.record = self.routes.record = dataclasses.replace(
+                self.record, retire_below=segmented.retire_below, reclaim=ids[:MAX_RECLAIM]
+            )
+            publish(self.record)
+
+        segmented.set_reclaimer(reclaimed, self.options.broker_timeout)
 
     def handoff_stats(self) -> dict[str, Any]:
         """Counters for :func:`dask_gpupool.stats`."""

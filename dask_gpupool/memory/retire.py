@@ -6,8 +6,10 @@ after its owner freed it breaks the reader's CUDA context
 <dask_gpupool.memory.segments.SegmentedResource.retire>` starts the protocol:
 
 1. Every segment existing now is marked retiring (ids below ``retire_below``);
-   new buffers go to new segments (a new RMM pool, a new *generation*).
-2. The pool service publishes ``retire_below`` in its registry row. A peer
+   new buffers go to new segments (a new RMM pool, a new *generation*). A full
+   pool also retires single spare segments of large buffers that peers map
+   (ids in ``reclaim``).
+2. The pool service publishes ``retire_below`` (and ``reclaim``) in its registry row. A peer
    that maps a retiring segment unmaps it as soon as no buffer it imported
    from it is alive, then sends a ``SegmentRelease`` naming the segment and
    how many leases on it it had claimed in all.

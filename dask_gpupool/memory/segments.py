@@ -48,9 +48,11 @@ across GPUs.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
-from collections.abc import Hashable
+import time
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
 
 from cuda.core import MemoryResource
@@ -123,6 +125,10 @@ class SegmentedResource(MemoryResource):
     _lock: threading.RLock
     _ledger: RetireLedger
     _rmm_shared: bool
+    _reclaimed: set[int]
+    _reclaimer: Callable[[tuple[int, ...]], None] | None
+    _reclaim_timeout: float
+    _freed: threading.Condition
 
     def __init__(
         self,
@@ -151,6 +157,10 @@ class SegmentedResource(MemoryResource):
         self._closed = False
         self._lock = lock = threading.RLock()
         self._ledger = RetireLedger()
+        self._reclaimed = set()  # spares retired one by one (reclaim), until freed
+        self._reclaimer = None
+        self._reclaim_timeout = 0.0
+        self._freed = threading.Condition(lock)  # notified when _collect freed segments
         self._source = source = SegmentSource(self.memory, payload_of, segments, lock, self._ledger, home)
         self._rmm = None
         self._rmm_shared = False
@@ -191,10 +201,8 @@ class SegmentedResource(MemoryResource):
         )
         try:
             ptr = place(size, stream)
-        except PoolExhaustedError:
-            if not self._drop_spares():
-                raise
-            ptr = place(size, stream)  # the upstream has the spares' memory back
+        except PoolExhaustedError as full:
+            ptr = self._when_full(place, size, stream, full)
         if stream is None:
             return Buffer.from_handle(ptr, size, mr=self)
         return Buffer.from_handle(ptr, size, mr=self, stream=stream)
@@ -399,7 +407,80 @@ class SegmentedResource(MemoryResource):
             self.memory.close()
         self.upstream.close()
 
+    def set_reclaimer(self, publish: Callable[[tuple[int, ...]], None], timeout: float) -> None:
+        """Let a full pool reclaim large buffers' spare segments that peers still map.
+
+        ``publish(ids)`` is called (from the allocating thread, so it must not
+        block) with every segment id reclaimed and not freed yet; the caller
+        makes peers see it (the registry row's ``reclaim``). Peers then unmap
+        those segments as they do retiring ones, and a release frees them. An
+        allocation that found the pool full waits up to ``timeout`` seconds for
+        that, except on a thread running an event loop (there it fails at
+        once; later allocations find the memory back).
+        """
+        with self._lock:
+            self._reclaimer, self._reclaim_timeout = publish, timeout
+
+    @property
+    def reclaim(self) -> tuple[int, ...]:
+        """Ids of the segments reclaimed one by one and not freed yet, ascending (the row's ``reclaim``)."""
+        with self._lock:
+            return tuple(sorted(self._reclaimed))
+
     # -- internals -----------------------------------------------------------------------
+
+    def _when_full(self, place: Callable[[int, Any], int], size: int, stream: Any, full: PoolExhaustedError) -> int:
+        """The upstream is full: free idle spares, then reclaim those peers map, and place ``size`` again.
+
+        Raises ``full`` when neither gives room in time.
+        """
+        if self._drop_spares():
+            try:
+                return place(size, stream)  # the upstream has the spares' memory back
+            except PoolExhaustedError as again:
+                full = again
+        pending = self._reclaim_spares()
+        if not pending or _on_event_loop():
+            raise full
+        deadline = time.monotonic() + self._reclaim_timeout
+        while True:
+            with self._lock:
+                left = {i for i in pending if self._segments.get(i) is not None}
+                while left == pending and time.monotonic() < deadline:
+                    self._freed.wait(deadline - time.monotonic())
+                    left = {i for i in pending if self._segments.get(i) is not None}
+            if left == pending:  # nothing freed in time
+                raise PoolExhaustedError(
+                    f"{full}; {len(pending)} spare segment(s) that peers map are being reclaimed "
+                    f"and were not released within {self._reclaim_timeout:g} s"
+                ) from full
+            self._drop_spares()
+            try:
+                return place(size, stream)
+            except PoolExhaustedError:
+                if not left:
+                    raise
+                pending = left
+
+    def _reclaim_spares(self) -> set[int]:
+        """Retire the spares that no buffer uses but peers map; publish; return the reclaimed ids not freed yet."""
+        with self._lock:
+            if self._reclaimer is None or self._closed:
+                return set()
+            fresh = [s for s in self._segments if s.own and not s.live and not s.retiring and self._ledger.mapped(s.id)]
+            for s in fresh:
+                s.retiring = True
+            self._reclaimed.update(s.id for s in fresh)
+            self._reclaimed = {i for i in self._reclaimed if self._segments.get(i) is not None}
+            pending, publish = set(self._reclaimed), self._reclaimer
+        if fresh:
+            logger.info(
+                "pool full: reclaiming %d large-buffer segment(s) that peers map, %d bytes",
+                len(fresh),
+                sum(s.size for s in fresh),
+            )
+            publish(tuple(sorted(pending)))
+        return pending
 
     def _drop_spares(self) -> int:
         """Free own segments that hold no buffer and that no peer maps (a full pool's last resort); how many."""
@@ -444,4 +525,16 @@ class SegmentedResource(MemoryResource):
             pool, g.pool = g.pool, None
             del pool  # RMM releases its upstream blocks through _give
             g.segments.clear()
+        with self._lock:
+            self._reclaimed.difference_update(s.id for s in singles)
+            self._freed.notify_all()
         logger.info("freed %d retired segment(s) and %d RMM pool(s)", len(singles), len(done))
+
+
+def _on_event_loop() -> bool:
+    """Whether this thread runs an asyncio event loop (a worker's, a broker's): it must not wait there."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True

@@ -13,7 +13,10 @@ from typing import Any, ClassVar
 from dask_gpupool.errors import ProtocolError
 from dask_gpupool.wire.codec import TOKEN_BYTES, as_mapping, field_of, uuid_str
 
-__all__ = ["Membership", "PoolRecord", "RegistryUpdate"]
+__all__ = ["MAX_RECLAIM", "Membership", "PoolRecord", "RegistryUpdate"]
+
+#: The most segment ids a row's ``reclaim`` may name (a pool reclaims its large buffers' spares, a handful).
+MAX_RECLAIM = 1024
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,11 @@ class PoolRecord:
         Segments of this pool with a smaller id are retiring: a peer unmaps
         each once no buffer it imported from it is alive, and says so with a
         :class:`SegmentRelease` (:mod:`dask_gpupool.memory.segments`). 0: none.
+    reclaim : tuple of int
+        Ids of segments retired one by one, at or above ``retire_below``: a
+        large buffer's spare segment that peers still map, which the owner
+        wants back because its pool is full. Peers treat them as retiring.
+        Ascending, at most :data:`MAX_RECLAIM` ids.
     """
 
     pool: str
@@ -65,6 +73,7 @@ class PoolRecord:
     devices: tuple[str, ...] = ()
     peers: tuple[str, ...] = ()
     retire_below: int = 0
+    reclaim: tuple[int, ...] = ()
 
     KINDS: ClassVar[tuple[str, ...]] = ("device", "pinned", "host")
 
@@ -82,6 +91,7 @@ class PoolRecord:
             "devices": list(self.devices),
             "peers": list(self.peers),
             "retire_below": self.retire_below,
+            "reclaim": list(self.reclaim),
         }
 
     @classmethod
@@ -102,6 +112,13 @@ class PoolRecord:
         retire_below = field_of(m, "retire_below", int, what)
         if retire_below < 0:
             raise ProtocolError(f"{what}: negative 'retire_below'")
+        reclaim = field_of(m, "reclaim", (list, tuple), what) if "reclaim" in m else ()
+        if len(reclaim) > MAX_RECLAIM or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i > 0 for i in reclaim
+        ):
+            raise ProtocolError(f"{what}: 'reclaim' must be at most {MAX_RECLAIM} positive segment ids")
+        if list(reclaim) != sorted(set(reclaim)):
+            raise ProtocolError(f"{what}: 'reclaim' must be ascending, without repeats")
         return cls(
             pool=uuid_str(field_of(m, "pool", str, what), what),
             worker=field_of(m, "worker", str, what),
@@ -115,6 +132,7 @@ class PoolRecord:
             devices=tuple(devices),
             peers=tuple(peers),
             retire_below=retire_below,
+            reclaim=tuple(reclaim),
         )
 
 

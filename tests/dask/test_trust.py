@@ -229,7 +229,7 @@ def test_a_worker_updates_its_own_row_and_removing_the_plugin_takes_the_rows_out
     worker gets the new token and hands over zero-copy. Runs last: it replaces the module's plugin."""
     a, b = worker_addresses(client)
     rows = by_worker(client)
-    raised = dataclasses.replace(rows[b], retire_below=3)
+    raised = dataclasses.replace(rows[b], retire_below=3, reclaim=(4, 6))  # what trim / a full pool send
     client.run(send_on_own_stream, [{"op": UPDATE_OP, "record": raised.to_msg()}], workers=[b])
     wait_for(lambda: by_worker(client)[b] == raised, what="the scheduler to take B's own update")
 

@@ -201,6 +201,85 @@ def test_a_full_upstream_frees_idle_large_buffer_segments_no_peer_maps():
         res.allocate(40 * MiB)  # b's segment is mapped, big's is in use: nothing more to free
 
 
+def full_with_a_mapped_spare() -> tuple[SegmentedResource, HostUpstream, Any]:
+    """A 64 MiB upstream holding a 30 MiB spare that a peer (connection 4) maps, and a 30 MiB buffer in use."""
+    res, up = segmented(capacity=64 * MiB)
+    spare = res.allocate(30 * MiB)
+    seg = res.locate(int(spare.handle))[0]
+    res.note_claims([seg.id], connection=4)
+    spare.close()
+    in_use = res.allocate(31 * MiB)  # 31 > 30: not the spare; 61 MiB of 64 taken
+    return res, up, (seg, in_use)
+
+
+def test_a_full_pool_reclaims_a_spare_that_a_peer_maps_and_waits_for_its_release():
+    """A large buffer's spare segment that a peer maps is retired one by one when the pool is full (it takes no
+    buffer any more and is published in ``reclaim``); the allocation waits for the peer's release, then fits."""
+    import threading
+
+    res, up, (seg, in_use) = full_with_a_mapped_spare()
+    published: list[tuple[int, ...]] = []
+
+    def publish(ids: tuple[int, ...]) -> None:  # the peer sees the row, unmaps, and releases soon after
+        published.append(ids)
+        threading.Timer(0.2, res.note_released, ([(seg.id, 1)],), {"connection": 4}).start()
+
+    res.set_reclaimer(publish, timeout=10.0)
+    big = res.allocate(32 * MiB)  # 30 + 31 + 32 > 64: fits only once the spare is gone
+    assert published == [(seg.id,)]
+    assert seg.base not in up.live and res.locate(int(big.handle))[0].size == 32 * MiB
+    assert res.reclaim == ()  # freed: nothing left to reclaim
+    big.close()
+    in_use.close()
+    res.close()
+
+
+def test_a_reclaim_that_peers_do_not_answer_in_time_fails_and_frees_later():
+    """No release within the timeout: PoolExhaustedError saying so, the spare stays retired (no new buffer goes
+    there); the release arriving later frees it, and the next allocation fits without waiting."""
+    res, up, (seg, in_use) = full_with_a_mapped_spare()
+    published: list[tuple[int, ...]] = []
+    res.set_reclaimer(published.append, timeout=0.2)
+    with pytest.raises(PoolExhaustedError, match="being reclaimed"):
+        res.allocate(32 * MiB)
+    assert published == [(seg.id,)] and res.reclaim == (seg.id,)
+    with pytest.raises(PoolExhaustedError):
+        res.allocate(30 * MiB)  # the spare would fit, but it is retired: not reused
+    assert len(published) == 1  # already reclaimed: not published again
+    res.note_released([(seg.id, 1)], connection=4)
+    assert seg.base not in up.live and res.reclaim == ()
+    res.allocate(32 * MiB).close()
+    in_use.close()
+    res.close()
+
+
+def test_an_allocation_on_an_event_loop_reclaims_but_does_not_wait():
+    """On a thread running an event loop (a worker's), a full pool publishes the reclaim and fails at once."""
+    import asyncio
+
+    res, _up, (seg, in_use) = full_with_a_mapped_spare()
+    published: list[tuple[int, ...]] = []
+    res.set_reclaimer(published.append, timeout=30.0)
+
+    async def on_the_loop() -> None:
+        res.allocate(32 * MiB)
+
+    with pytest.raises(PoolExhaustedError):
+        asyncio.run(asyncio.wait_for(on_the_loop(), 5))
+    assert published == [(seg.id,)]
+    in_use.close()
+    res.close()
+
+
+def test_without_a_reclaimer_a_mapped_spare_stays_and_the_pool_is_full():
+    res, up, (seg, in_use) = full_with_a_mapped_spare()
+    with pytest.raises(PoolExhaustedError):
+        res.allocate(32 * MiB)
+    assert seg.base in up.live and not seg.retiring and res.reclaim == ()
+    in_use.close()
+    res.close()
+
+
 def test_a_range_is_located_only_inside_one_live_segment():
     """``locate_range`` (memory RMM placed, ``gpupool.rmm-allocator``): the whole range inside one segment that is
     not retiring, else ``None``."""

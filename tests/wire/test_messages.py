@@ -46,8 +46,10 @@ def test_records_and_updates_round_trip_through_msgpack():
     assert BufferDescriptor.from_msg(wire(desc.to_msg())) == desc
     in_segment = BufferDescriptor(POOL, 100, b"\1" * 64, 4096, 1 << 30, 7)
     assert BufferDescriptor.from_msg(wire(in_segment.to_msg())) == in_segment
-    retired = dataclasses.replace(RECORD, retire_below=5)
+    retired = dataclasses.replace(RECORD, retire_below=5, reclaim=(7, 9))
     assert PoolRecord.from_msg(wire(retired.to_msg())) == retired
+    older = {k: v for k, v in RECORD.to_msg().items() if k != "reclaim"}  # a row without the field: none
+    assert PoolRecord.from_msg(wire(older)) == RECORD
     release = SegmentRelease(((7, 3), (8, 1)))
     assert parse_request(wire(release.to_msg())) == release
 
@@ -150,6 +152,13 @@ def test_copy_path_messages_round_trip_and_refuse_bad_fields():
         {"device": 3},
         {"retire_below": -1},
         {"retire_below": "1"},
+        {"reclaim": [0]},
+        {"reclaim": [True]},
+        {"reclaim": ["3"]},
+        {"reclaim": [5, 3]},
+        {"reclaim": [3, 3]},
+        {"reclaim": "3"},
+        {"reclaim": list(range(1, 1026))},
     ],
 )
 def test_malformed_record_is_a_protocol_error(change):
