@@ -722,24 +722,27 @@ def test_sigkill_with_an_8_gib_mapping_held(layout, killed):
 def test_a_full_pool_reclaims_a_large_spare_that_the_consumer_still_maps(layout):
     """A 1 GiB buffer (a segment of its own: segments are 256 MiB) is handed over and dropped: its spare stays
     mapped by the consumer. A 2.5 GiB allocation in A's 3 GiB pool then does not fit beside it, so A reclaims the
-    spare (its row's ``reclaim``), B unmaps it and releases it, A frees it, and the allocation succeeds with the
-    right bytes, with no trim(). Before, it failed with PoolExhaustedError (docs/design.md, "Not yet")."""
+    spare (its row's ``reclaim``), B unmaps it and releases it (one more segment released), A frees it, and the
+    allocation succeeds with the right bytes, with no trim(). Before, it failed with PoolExhaustedError
+    (docs/design.md, "Not yet")."""
     workers = [{**w, "memory_limit": 0} for w in layout_workers(layout)]
     plugin = GPUPool(kind="device", max_size="3 GiB", segment_size="256 MiB", peer_gpu_handoff=layout == "two-gpus")
     with nanny_cluster(workers, plugin) as c:
         a, b = worker_addresses(c)
-        base_b = own_baseline(c, b)
+        baseline = warm_up(c, a, b)
         x = c.submit(T.fill, 1 << 30, 3, workers=[a], pure=False)
         y = c.submit(T.keep, x, workers=[b], pure=False)
         assert c.submit(T.describe, y, workers=[b], pure=False).result()["imported"]
         assert c.submit(T.all_equal, y, 3, workers=[b], pure=False).result()
         del x, y
         wait_for(lambda: counters(c, a)[a]["leases"] == 0 and counters(c, a)[a]["used"] == 0, what="the lease to end")
+        released = counters(c, b)[b]["segments_released"]
         big = c.submit(T.fill, 5 << 29, 4, workers=[a], pure=False)  # 2.5 GiB
         assert c.submit(T.all_equal, big, 4, workers=[a], pure=False).result()
+        assert counters(c, b)[b]["segments_released"] == released + 1  # B gave the 1 GiB spare back
         assert c.submit(T.all_equal, c.submit(T.keep, big, workers=[b], pure=False), 4, workers=[b]).result()
         del big
-        back_to(c, base_b, timeout=120, workers=[b])
+        back_to(c, baseline, timeout=120)
 
 
 # -- leases through stalls (issue 15, cases 1 and 2) on device pools ----------------------------

@@ -71,7 +71,7 @@ def allocate(nbytes: int, stream: Any = None) -> Buffer:
     PoolExhaustedError
         When the pool cannot hold ``nbytes`` more.
     """
-    return current_service().allocate(nbytes, stream)
+    return current_service().allocate(nbytes, stream, wait=True)
 
 
 def to_pool(array: Any) -> Any:
@@ -114,7 +114,7 @@ def to_pool(array: Any) -> Any:
     held = pool_buffer_of(array)
     if held is not None and service.pool.owns(held):
         return array  # in this worker's pool already
-    buf = service.allocate(max(int(array.nbytes), 1))
+    buf = service.allocate(max(int(array.nbytes), 1), wait=True)
     if module == "cupy" and not buf.is_device_accessible:  # a host pool on a GPU worker: leave it on the GPU
         buf.close()
         return array

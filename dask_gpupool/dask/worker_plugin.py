@@ -159,7 +159,7 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         self._install_rmm(service, options)
         # A full pool reclaims large buffers' spares that peers map: its changed row goes out on this worker's
         # stream (the scheduler takes row changes only from their worker), from the event loop.
-        service.reclaim_through(lambda row: worker.loop.add_callback(self._send_row, worker, row))
+        service.reclaim_through(lambda: worker.loop.add_callback(self._send_row, worker, service))
         if options.switch_interval is not None:
             self._switch_previous = sys.getswitchinterval()
             sys.setswitchinterval(options.switch_interval)
@@ -187,11 +187,11 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         service.routing["rmm"] = why
 
     @staticmethod
-    def _send_row(worker: Worker, row: Any) -> None:
-        """Send this worker's changed registry row (``reclaim``) to the scheduler, if the stream is open."""
+    def _send_row(worker: Worker, service: PoolService) -> None:
+        """Send this worker's registry row as it is now (its ``reclaim``) to the scheduler, if the stream is open."""
         stream = getattr(worker, "batched_stream", None)
-        if stream is not None and not stream.closed():
-            stream.send({"op": UPDATE_OP, "record": row.to_msg()})
+        if stream is not None and not stream.closed() and not service.closed:
+            stream.send({"op": UPDATE_OP, "record": service.refresh_row().to_msg()})
 
     def _push_stats(self, worker: Worker) -> None:
         """Send this worker's pool and handoff stats to the scheduler (the /gpupool page)."""

@@ -75,8 +75,8 @@ class MappedPool:
         The owner's ``retire_below`` as last seen: segments with a smaller id
         are unmapped once no buffer imported from them is alive here.
     reclaim : frozenset of int
-        The owner's ``reclaim`` as last seen: segments retired one by one,
-        unmapped like those below ``retire_below``.
+        Every id the owner's ``reclaim`` named so far: segments retired one by
+        one, unmapped like those below ``retire_below``.
     resource : object
         The mapped memory resource (cuda.core or shared host memory).
     device : int or None
@@ -315,7 +315,9 @@ class MappedPool:
         """
         with IMPORT_LOCK:
             self.retire_below = max(self.retire_below, below)
-            self.reclaim = frozenset(reclaim)
+            # accumulated: a later (or reordered) row that no longer names a segment still mapped here must not
+            # keep it mapped for good (segment ids are never reused)
+            self.reclaim |= frozenset(reclaim)
             gone = [k for k, seg in self._segments.items() if not seg[1] and self._retiring(seg[2])]
             segs = [self._segments.pop(k) for k in gone]
         return [seg[0] for seg in segs], [(seg[2], seg[3]) for seg in segs if seg[3]]

@@ -50,6 +50,7 @@ from dask_gpupool.handoff.startup import start_parts
 from dask_gpupool.handoff.stats import HandoffStats
 from dask_gpupool.memory.lifetime import keep_until_exit
 from dask_gpupool.memory.pool import Pool, PoolStats
+from dask_gpupool.memory.segments import waiting_for_reclaim
 from dask_gpupool.memory.topology import LocalDevices
 from dask_gpupool.transport.broker import FdBroker
 from dask_gpupool.transport.link import PeerLink
@@ -181,9 +182,17 @@ class PoolService:
 
     # -- this worker's pool --------------------------------------------------------
 
-    def allocate(self, nbytes: int, stream: Any = None) -> Buffer:
-        """A buffer of ``nbytes`` from this worker's pool (see :meth:`Pool.allocate`)."""
-        return self.pool.allocate(nbytes, stream)
+    def allocate(self, nbytes: int, stream: Any = None, *, wait: bool = False) -> Buffer:
+        """A buffer of ``nbytes`` from this worker's pool (see :meth:`Pool.allocate`).
+
+        ``wait``: a full pool may wait up to ``broker-timeout`` for peers to
+        release large buffers' spares it reclaims (a task's own allocation);
+        otherwise it fails at once and the caller takes its fallback.
+        """
+        if not wait:
+            return self.pool.allocate(nbytes, stream)
+        with waiting_for_reclaim():
+            return self.pool.allocate(nbytes, stream)
 
     def export(self, buf: Buffer) -> BufferDescriptor:
         """Describe a buffer of this worker's pool for a peer (see :meth:`Pool.export`)."""
@@ -331,7 +340,7 @@ class PoolService:
         for record in update.added:
             mapped = self.mapped.get(record.pool)
             if mapped is not None and (
-                record.retire_below > mapped.retire_below or frozenset(record.reclaim) != mapped.reclaim
+                record.retire_below > mapped.retire_below or not mapped.reclaim.issuperset(record.reclaim)
             ):
                 self.importer.unmap_retired(mapped, record)
         for record in gone:
@@ -359,33 +368,37 @@ class PoolService:
         segmented = self.pool.segmented
         if segmented is None:
             return None
-        below = segmented.retire()
-        self.record = self.routes.record = dataclasses.replace(
-            self.record, retire_below=below, reclaim=segmented.reclaim[:MAX_RECLAIM]
-        )
+        segmented.retire()
+        return self.refresh_row()
+
+    def refresh_row(self) -> PoolRecord:
+        """This worker's row with the segments' retire state as it is now (``retire_below``, ``reclaim``).
+
+        Call it where the row is sent (the worker's event loop), so that rows
+        go out in the order they were made and never carry an older state
+        than one sent before.
+        """
+        segmented = self.pool.segmented
+        if segmented is not None:
+            self.record = self.routes.record = dataclasses.replace(
+                self.record, retire_below=segmented.retire_below, reclaim=segmented.reclaim[-MAX_RECLAIM:]
+            )
         return self.record
 
-    def reclaim_through(self, publish: Callable[[PoolRecord], None]) -> None:
+    def reclaim_through(self, publish: Callable[[], None]) -> None:
         """Let a full pool take back large buffers' spare segments that peers still map.
 
-        ``publish(row)`` makes the changed row (its ``reclaim``) known to the
-        peers, through the scheduler; it is called from the allocating thread
-        and must not block. Peers unmap those segments as retiring ones and
-        release them; the allocation that found the pool full waits up to
-        ``broker-timeout`` for that (:meth:`SegmentedResource.set_reclaimer
+        ``publish()`` must make :meth:`refresh_row`'s row known to the peers,
+        through the scheduler, without blocking: it is called from the
+        allocating thread. Peers unmap those segments as retiring ones and
+        release them; an allocation of :meth:`allocate` with ``wait`` waits
+        up to ``broker-timeout`` for that
+        (:meth:`SegmentedResource.set_reclaimer
         <dask_gpupool.memory.segments.SegmentedResource.set_reclaimer>`).
         """
         segmented = self.pool.segmented
-        if segmented is None:
-            return
-
-        def reclaimed(ids: tuple[int, ...]) -> None:
-            self.record = self.routes.record = dataclasses.replace(
-                self.record, retire_below=segmented.retire_below, reclaim=ids[:MAX_RECLAIM]
-            )
-            publish(self.record)
-
-        segmented.set_reclaimer(reclaimed, self.options.broker_timeout)
+        if segmented is not None:
+            segmented.set_reclaimer(publish, self.options.broker_timeout)
 
     def handoff_stats(self) -> dict[str, Any]:
         """Counters for :func:`dask_gpupool.stats`."""
@@ -420,6 +433,9 @@ class PoolService:
         if self._closed:
             return
         self._closed = True
+        segmented = self.pool.segmented
+        if segmented is not None:
+            segmented.set_reclaimer(None, 0.0)  # drops the plugin's callback (and the worker it holds)
         self.routes.closed = True  # same-host handoffs go as copies from here on
         self.importer.closed = True  # no new mappings or links from here on
         active.remove(self)

@@ -49,10 +49,12 @@ across GPUs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 from cuda.core import MemoryResource
@@ -70,7 +72,34 @@ from dask_gpupool.memory.segment_table import SEGMENT_ALIGNMENT, Segment, Segmen
 if TYPE_CHECKING:
     from cuda.core import Buffer
 
-__all__ = ["BUFFER_ALIGNMENT", "SEGMENT_ALIGNMENT", "Segment", "SegmentStats", "SegmentedResource"]
+__all__ = [
+    "BUFFER_ALIGNMENT",
+    "SEGMENT_ALIGNMENT",
+    "Segment",
+    "SegmentStats",
+    "SegmentedResource",
+    "waiting_for_reclaim",
+]
+
+#: Whether an allocation that finds the pool full may wait for reclaimed spares (:func:`waiting_for_reclaim`).
+_RECLAIM_WAIT: ContextVar[bool] = ContextVar("gpupool_reclaim_wait", default=False)
+
+
+@contextlib.contextmanager
+def waiting_for_reclaim() -> Iterator[None]:
+    """Allocations made inside may wait for peers to release reclaimed spares when the pool is full.
+
+    For a task's own allocation (``dask_gpupool.allocate``): it has nothing
+    better to do. Outside, a full pool still reclaims (so that later
+    allocations fit) but fails at once: callers with a fallback (staging, the
+    CuPy allocator, a copy's landing buffer) take it instead of waiting.
+    """
+    token = _RECLAIM_WAIT.set(True)
+    try:
+        yield
+    finally:
+        _RECLAIM_WAIT.reset(token)
+
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +155,7 @@ class SegmentedResource(MemoryResource):
     _ledger: RetireLedger
     _rmm_shared: bool
     _reclaimed: set[int]
-    _reclaimer: Callable[[tuple[int, ...]], None] | None
+    _reclaimer: Callable[[], None] | None
     _reclaim_timeout: float
     _freed: threading.Condition
 
@@ -395,6 +424,8 @@ class SegmentedResource(MemoryResource):
         self._collect(force=free_segments)
         with self._lock:
             self._closed = True
+            self._reclaimer = None
+            self._freed.notify_all()  # an allocation waiting for reclaimed spares ends
             segments = self._segments.clear()
             self._arena.close()
             generations = self._rmm.take_all() if self._rmm is not None else []
@@ -407,16 +438,17 @@ class SegmentedResource(MemoryResource):
             self.memory.close()
         self.upstream.close()
 
-    def set_reclaimer(self, publish: Callable[[tuple[int, ...]], None], timeout: float) -> None:
-        """Let a full pool reclaim large buffers' spare segments that peers still map.
+    def set_reclaimer(self, publish: Callable[[], None] | None, timeout: float) -> None:
+        """Let a full pool reclaim large buffers' spare segments that peers still map (``None``: no more).
 
-        ``publish(ids)`` is called (from the allocating thread, so it must not
-        block) with every segment id reclaimed and not freed yet; the caller
-        makes peers see it (the registry row's ``reclaim``). Peers then unmap
-        those segments as they do retiring ones, and a release frees them. An
-        allocation that found the pool full waits up to ``timeout`` seconds for
-        that, except on a thread running an event loop (there it fails at
-        once; later allocations find the memory back).
+        ``publish()`` is called from the allocating thread, so it must not
+        block, each time a full pool has reclaimed spares not freed yet; the
+        caller makes peers see :attr:`reclaim` as it is when the row goes out
+        (the registry row's ``reclaim``). Peers then unmap those segments as
+        they do retiring ones, and their releases free them. An allocation
+        made under :func:`waiting_for_reclaim` waits up to ``timeout`` seconds
+        for that, except on a thread running an event loop; others fail at
+        once, and later allocations find the memory back.
         """
         with self._lock:
             self._reclaimer, self._reclaim_timeout = publish, timeout
@@ -440,15 +472,17 @@ class SegmentedResource(MemoryResource):
             except PoolExhaustedError as again:
                 full = again
         pending = self._reclaim_spares()
-        if not pending or _on_event_loop():
+        if not pending or not _RECLAIM_WAIT.get() or _on_event_loop():
             raise full
         deadline = time.monotonic() + self._reclaim_timeout
         while True:
             with self._lock:
                 left = {i for i in pending if self._segments.get(i) is not None}
-                while left == pending and time.monotonic() < deadline:
+                while left == pending and time.monotonic() < deadline and not self._closed:
                     self._freed.wait(deadline - time.monotonic())
                     left = {i for i in pending if self._segments.get(i) is not None}
+                if self._closed:
+                    raise PoolClosedError("the segmented resource closed while an allocation waited for room")
             if left == pending:  # nothing freed in time
                 raise PoolExhaustedError(
                     f"{full}; {len(pending)} spare segment(s) that peers map are being reclaimed "
@@ -479,7 +513,12 @@ class SegmentedResource(MemoryResource):
                 len(fresh),
                 sum(s.size for s in fresh),
             )
-            publish(tuple(sorted(pending)))
+        if pending:
+            try:  # every time, not only for fresh ones: an earlier row may have been lost or refused
+                publish()
+            except Exception:  # the worker is shutting down, say: no waiting for releases that cannot come
+                logger.warning("pool full: publishing the reclaimed segments failed", exc_info=True)
+                return set()
         return pending
 
     def _drop_spares(self) -> int:

@@ -10,7 +10,7 @@ from cuda.core import Buffer
 
 from dask_gpupool import PoolClosedError, PoolExhaustedError
 from dask_gpupool.memory.host import HostOnlyResource
-from dask_gpupool.memory.segments import BUFFER_ALIGNMENT, SEGMENT_ALIGNMENT, SegmentedResource
+from dask_gpupool.memory.segments import BUFFER_ALIGNMENT, SEGMENT_ALIGNMENT, SegmentedResource, waiting_for_reclaim
 
 MiB = 1 << 20
 
@@ -214,18 +214,20 @@ def full_with_a_mapped_spare() -> tuple[SegmentedResource, HostUpstream, Any]:
 
 def test_a_full_pool_reclaims_a_spare_that_a_peer_maps_and_waits_for_its_release():
     """A large buffer's spare segment that a peer maps is retired one by one when the pool is full (it takes no
-    buffer any more and is published in ``reclaim``); the allocation waits for the peer's release, then fits."""
+    buffer any more and is published in ``reclaim``); a task's allocation waits for the peer's release, then
+    fits."""
     import threading
 
     res, up, (seg, in_use) = full_with_a_mapped_spare()
     published: list[tuple[int, ...]] = []
 
-    def publish(ids: tuple[int, ...]) -> None:  # the peer sees the row, unmaps, and releases soon after
-        published.append(ids)
+    def publish() -> None:  # the peer sees the row, unmaps, and releases soon after
+        published.append(res.reclaim)
         threading.Timer(0.2, res.note_released, ([(seg.id, 1)],), {"connection": 4}).start()
 
     res.set_reclaimer(publish, timeout=10.0)
-    big = res.allocate(32 * MiB)  # 30 + 31 + 32 > 64: fits only once the spare is gone
+    with waiting_for_reclaim():
+        big = res.allocate(32 * MiB)  # 30 + 31 + 32 > 64: fits only once the spare is gone
     assert published == [(seg.id,)]
     assert seg.base not in up.live and res.locate(int(big.handle))[0].size == 32 * MiB
     assert res.reclaim == ()  # freed: nothing left to reclaim
@@ -234,18 +236,19 @@ def test_a_full_pool_reclaims_a_spare_that_a_peer_maps_and_waits_for_its_release
     res.close()
 
 
-def test_a_reclaim_that_peers_do_not_answer_in_time_fails_and_frees_later():
+def test_a_reclaim_that_peers_do_not_answer_in_time_fails_is_published_again_and_frees_later():
     """No release within the timeout: PoolExhaustedError saying so, the spare stays retired (no new buffer goes
-    there); the release arriving later frees it, and the next allocation fits without waiting."""
+    there), and the next full allocation publishes the row again (the first may have been lost); the release
+    arriving later frees it, and the next allocation fits without waiting."""
     res, up, (seg, in_use) = full_with_a_mapped_spare()
     published: list[tuple[int, ...]] = []
-    res.set_reclaimer(published.append, timeout=0.2)
-    with pytest.raises(PoolExhaustedError, match="being reclaimed"):
+    res.set_reclaimer(lambda: published.append(res.reclaim), timeout=0.2)
+    with waiting_for_reclaim(), pytest.raises(PoolExhaustedError, match="being reclaimed"):
         res.allocate(32 * MiB)
     assert published == [(seg.id,)] and res.reclaim == (seg.id,)
     with pytest.raises(PoolExhaustedError):
         res.allocate(30 * MiB)  # the spare would fit, but it is retired: not reused
-    assert len(published) == 1  # already reclaimed: not published again
+    assert published == [(seg.id,), (seg.id,)]  # published again
     res.note_released([(seg.id, 1)], connection=4)
     assert seg.base not in up.live and res.reclaim == ()
     res.allocate(32 * MiB).close()
@@ -253,27 +256,60 @@ def test_a_reclaim_that_peers_do_not_answer_in_time_fails_and_frees_later():
     res.close()
 
 
-def test_an_allocation_on_an_event_loop_reclaims_but_does_not_wait():
-    """On a thread running an event loop (a worker's), a full pool publishes the reclaim and fails at once."""
+def test_only_a_tasks_allocation_waits_and_never_on_an_event_loop():
+    """Outside waiting_for_reclaim (a caller with a fallback) and on a thread running an event loop (a worker's),
+    a full pool publishes the reclaim and fails at once."""
     import asyncio
+    import time
 
     res, _up, (seg, in_use) = full_with_a_mapped_spare()
     published: list[tuple[int, ...]] = []
-    res.set_reclaimer(published.append, timeout=30.0)
-
-    async def on_the_loop() -> None:
+    res.set_reclaimer(lambda: published.append(res.reclaim), timeout=30.0)
+    start = time.monotonic()
+    with pytest.raises(PoolExhaustedError):
         res.allocate(32 * MiB)
 
+    async def on_the_loop() -> None:
+        with waiting_for_reclaim():
+            res.allocate(32 * MiB)
+
     with pytest.raises(PoolExhaustedError):
-        asyncio.run(asyncio.wait_for(on_the_loop(), 5))
-    assert published == [(seg.id,)]
+        asyncio.run(on_the_loop())
+    assert time.monotonic() - start < 5.0  # neither waited its 30 s
+    assert published == [(seg.id,), (seg.id,)]
     in_use.close()
     res.close()
 
 
+def test_closing_ends_an_allocation_that_waits_for_a_reclaim():
+    import threading
+    import time
+
+    res, _up, (_seg, in_use) = full_with_a_mapped_spare()
+    res.set_reclaimer(lambda: None, timeout=30.0)
+    got: list[BaseException] = []
+
+    def allocate() -> None:
+        try:
+            with waiting_for_reclaim():
+                res.allocate(32 * MiB)
+        except BaseException as e:
+            got.append(e)
+
+    t = threading.Thread(target=allocate)
+    start = time.monotonic()
+    t.start()
+    time.sleep(0.2)
+    in_use.close()
+    res.close()
+    t.join(10)
+    assert not t.is_alive() and time.monotonic() - start < 5.0
+    assert len(got) == 1 and isinstance(got[0], PoolClosedError)
+
+
 def test_without_a_reclaimer_a_mapped_spare_stays_and_the_pool_is_full():
     res, up, (seg, in_use) = full_with_a_mapped_spare()
-    with pytest.raises(PoolExhaustedError):
+    with waiting_for_reclaim(), pytest.raises(PoolExhaustedError):
         res.allocate(32 * MiB)
     assert seg.base in up.live and not seg.retiring and res.reclaim == ()
     in_use.close()

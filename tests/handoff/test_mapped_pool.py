@@ -1,0 +1,67 @@
+"""A peer's view of an owner's retired and reclaimed segments (``MappedPool.retire`` / ``unshare``).
+
+Segments are mapped only from ``device`` pools, so these tests put a mapped segment's record in place the way
+``MappedPool._acquire_segment`` does (``[import, users, segment id, leases claimed]``), the import being a
+``cuda.core`` Buffer over host memory: the bookkeeping of which segment goes when, and with which release, is what
+is tested here. The mapping itself is exercised on a GPU (``tests/test_gpu.py``, reclaim and trim tests).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import uuid
+
+from cuda.core import Buffer
+
+from dask_gpupool.handoff.mapped_pool import MappedPool
+from dask_gpupool.wire.registry import PoolRecord
+
+RECORD = PoolRecord(str(uuid.uuid4()), "tcp://a:1", 42, "h", "h", "device", "GPU-1", 1 << 30, "/tmp/b.sock")
+
+
+_MEMORY: list[ctypes.Array[ctypes.c_char]] = []
+
+
+def segment_import(nbytes: int = 4096) -> Buffer:
+    """A Buffer over host memory kept by this module, in the place of a segment's import."""
+    _MEMORY.append(raw := ctypes.create_string_buffer(nbytes))
+    return Buffer.from_handle(ctypes.addressof(raw), nbytes)
+
+
+def mapped_with(*segments: tuple[int, int, int]) -> MappedPool:
+    """A MappedPool of RECORD holding segments ``(id, users, leases claimed on it)``."""
+    m = MappedPool(RECORD, object(), None)
+    for seg_id, users, claims in segments:
+        m._segments[seg_id] = [segment_import(), users, seg_id, claims]
+    return m
+
+
+def key_of(seg_id: int) -> tuple[int, int, int]:
+    return (seg_id, 0, -1)  # what acquire() hands out for a segment (mapped_pool._SEGMENT)
+
+
+def test_a_reclaimed_segment_no_import_uses_goes_at_once_and_a_used_one_with_its_last_import():
+    m = mapped_with((6, 0, 2), (7, 1, 1), (8, 0, 1))
+    m.imports = 1
+    gone, released = m.retire(0, (6, 7))
+    assert len(gone) == 1 and released == [(6, 2)] and 6 not in m._segments
+    assert 8 in m._segments  # not reclaimed: kept mapped for the next buffer
+    raw, release = m.unshare(key_of(7))
+    assert raw is not None and release == (7, 1) and 7 not in m._segments
+
+
+def test_a_later_row_that_no_longer_names_a_segment_still_used_here_does_not_keep_it_mapped():
+    """Rows can arrive out of order, or name only what is not freed yet: reclaimed ids accumulate here."""
+    m = mapped_with((6, 1, 2))
+    m.imports = 1
+    assert m.retire(0, (6,)) == ([], [])  # in use: goes with its last import
+    m.retire(0, (9,))
+    assert m.reclaim == {6, 9}
+    raw, release = m.unshare(key_of(6))
+    assert raw is not None and release == (6, 2)
+
+
+def test_segments_below_retire_below_and_reclaimed_ones_both_go():
+    m = mapped_with((2, 0, 1), (5, 0, 3), (11, 0, 1))
+    gone, released = m.retire(4, (11,))
+    assert sorted(released) == [(2, 1), (11, 1)] and len(gone) == 2 and list(m._segments) == [5]
