@@ -27,6 +27,7 @@ trip, bounded by ``broker-timeout``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable
@@ -189,9 +190,7 @@ class PoolService:
         release large buffers' spares it reclaims (a task's own allocation);
         otherwise it fails at once and the caller takes its fallback.
         """
-        if not wait:
-            return self.pool.allocate(nbytes, stream)
-        with waiting_for_reclaim():
+        with waiting_for_reclaim() if wait else contextlib.nullcontext():
             return self.pool.allocate(nbytes, stream)
 
     def export(self, buf: Buffer) -> BufferDescriptor:

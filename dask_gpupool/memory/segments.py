@@ -154,7 +154,6 @@ class SegmentedResource(MemoryResource):
     _lock: threading.RLock
     _ledger: RetireLedger
     _rmm_shared: bool
-    _reclaimed: set[int]
     _reclaimer: Callable[[], None] | None
     _reclaim_timeout: float
     _freed: threading.Condition
@@ -186,7 +185,6 @@ class SegmentedResource(MemoryResource):
         self._closed = False
         self._lock = lock = threading.RLock()
         self._ledger = RetireLedger()
-        self._reclaimed = set()  # spares retired one by one (reclaim), until freed
         self._reclaimer = None
         self._reclaim_timeout = 0.0
         self._freed = threading.Condition(lock)  # notified when _collect freed segments
@@ -457,7 +455,7 @@ class SegmentedResource(MemoryResource):
     def reclaim(self) -> tuple[int, ...]:
         """Ids of the segments reclaimed one by one and not freed yet, ascending (the row's ``reclaim``)."""
         with self._lock:
-            return tuple(sorted(self._reclaimed))
+            return tuple(sorted(self._reclaimed()))
 
     # -- internals -----------------------------------------------------------------------
 
@@ -496,6 +494,14 @@ class SegmentedResource(MemoryResource):
                     raise
                 pending = left
 
+    def _reclaimed(self) -> set[int]:
+        """Ids of spares retired one by one, not freed yet: own segments retiring at or above ``retire_below``.
+
+        (:meth:`retire` marks every segment below ``retire_below``; only a reclaim retires one above it.) Call
+        with ``_lock`` held.
+        """
+        return {s.id for s in self._segments if s.own and s.retiring and s.id >= self.retire_below}
+
     def _reclaim_spares(self) -> set[int]:
         """Retire the spares that no buffer uses but peers map; publish; return the reclaimed ids not freed yet."""
         with self._lock:
@@ -504,9 +510,7 @@ class SegmentedResource(MemoryResource):
             fresh = [s for s in self._segments if s.own and not s.live and not s.retiring and self._ledger.mapped(s.id)]
             for s in fresh:
                 s.retiring = True
-            self._reclaimed.update(s.id for s in fresh)
-            self._reclaimed = {i for i in self._reclaimed if self._segments.get(i) is not None}
-            pending, publish = set(self._reclaimed), self._reclaimer
+            pending, publish = self._reclaimed(), self._reclaimer
         if fresh:
             logger.info(
                 "pool full: reclaiming %d large-buffer segment(s) that peers map, %d bytes",
@@ -565,7 +569,6 @@ class SegmentedResource(MemoryResource):
             del pool  # RMM releases its upstream blocks through _give
             g.segments.clear()
         with self._lock:
-            self._reclaimed.difference_update(s.id for s in singles)
             self._freed.notify_all()
         logger.info("freed %d retired segment(s) and %d RMM pool(s)", len(singles), len(done))
 
