@@ -4,12 +4,13 @@ Four workers on one machine with two GPUs, ``gpupool.host-id`` set so that they 
 each (w0, w1 on "host-a"; w2, w3 on "host-b"; w0 and w2 on GPU 0, w1 and w3 on GPU 1). For every ordered pair a
 float64 CuPy array of each ``--sizes`` is made on the first worker and consumed by a task pinned to the second; the
 consumer's transfer time is ``stop - start`` of its transfer log entry, median of ``--repeats`` after a warm-up.
-Methods: ``ucxx`` (plain CuPy, no plugin) and ``ucxx+gpupool`` (the plugin at its defaults, an array over a pool
-buffer): a same-"host" pair gets a descriptor (zero-copy), another-"host" pair the value's device frames, which UCX
-moves GPU to GPU. After each method the table of bytes by path (zero-copy, device frames, host copies) shows that
-no pair went through the host. Needs distributed-ucxx. On a machine with one GPU all four workers share GPU 0 (the
-same two "hosts"): every pair is then a same-GPU pair, which says nothing about pairs across GPUs. JSON to
-``benchmarks/results/`` (and ``$OUT``).
+Methods: ``ucxx`` (plain CuPy, no plugin), ``ucxx+gpupool`` (the plugin at its defaults, an array over a pool
+buffer) and ``ucxx+gpupool-broker`` (the same with ``gpupool.lease-claims: broker``, the claim round trip that the
+default ``reply`` saves): a same-"host" pair gets a descriptor (zero-copy), another-"host" pair the value's device
+frames, which UCX moves GPU to GPU. After each method the table of bytes by path (zero-copy, device frames, host
+copies) shows that no pair went through the host. Needs distributed-ucxx. On a machine with one GPU all four workers
+share GPU 0 (the same two "hosts"): every pair is then a same-GPU pair, which says nothing about pairs across GPUs.
+JSON to ``benchmarks/results/`` (and ``$OUT``).
 
 The default sizes span the question of ``gpupool.ucx-handoff-threshold`` (0: every pool value is handed over): on
 two H200s, pool arrays over UCXX were handed over in 1.8-2.3 ms at every size, where UCXX alone moved 1 KiB-1 MiB
@@ -68,7 +69,11 @@ def main() -> None:
     paths: dict[str, dict[str, dict[str, int]]] = {}
     for method in args.methods.split(","):
         plugin = (
-            GPUPool(kind="device", max_size=f"{4 * max(sizes) // (1 << 20) + 1024} MiB")
+            GPUPool(
+                kind="device",
+                max_size=f"{4 * max(sizes) // (1 << 20) + 1024} MiB",
+                lease_claims="broker" if method.endswith("-broker") else None,
+            )
             if "gpupool" in method
             else None
         )

@@ -248,6 +248,17 @@ class PoolOptions:
         with ``event`` and 17 ms with ``sync`` (docs/performance.md); it
         stays off by default until it passes across two GPUs and the whole
         suite at that default (docs/gpu-checks.md).
+    lease_claims : {"reply", "broker"}
+        How an importer claims the lease of a handed-over buffer before it
+        reads it. ``reply`` (the default): it holds the lease as soon as it
+        has deserialized the descriptor, with no round trip; the exporter
+        counts it claimed when it reads Dask's "OK" for the reply, and when
+        the reply failed it asks the importer (over Dask's comm) which leases
+        it holds, the others being refused for good as it answers
+        (:mod:`dask_gpupool.handoff.leases`). ``broker``: a round trip to the
+        exporter's broker before the importer reads (0.3-0.7 ms idle, more
+        under load). With ``handoff-ordering: event`` leases are always
+        claimed over the broker: its answer is the wait for the GPU.
     peer_gpu_copy : bool
         A ``device`` buffer handed over from another GPU of this host is
         copied into this worker's pool when it arrives, device to device over
@@ -281,6 +292,7 @@ class PoolOptions:
     peer_gpu_handoff: bool = True
     peer_gpu_copy: bool = False
     handoff_ordering: str = "sync"
+    lease_claims: str = "reply"
     segment_size: int = 1 << 30
     suballocator: str = "auto"
     segment_memory: str = "auto"
@@ -381,6 +393,7 @@ class PoolOptions:
             peer_gpu_handoff=peer_gpu_handoff,
             peer_gpu_copy=_parse_bool(raw.get("peer-gpu-copy", False), "gpupool.peer-gpu-copy"),
             handoff_ordering=_parse_choice(raw.get("handoff-ordering", "sync"), "gpupool.handoff-ordering", ORDERINGS),
+            lease_claims=_parse_choice(raw.get("lease-claims", "reply"), "gpupool.lease-claims", CLAIMS),
             segment_size=segment_size,
             suballocator=suballocator,
             segment_memory=segment_memory,
@@ -407,6 +420,10 @@ class PoolOptions:
 #: ``gpupool.handoff-ordering``: synchronize the exporter's GPU before a descriptor goes out, or wait for an event
 #: recorded at the export before acknowledging the consumer's claim.
 ORDERINGS = ("sync", "event")
+
+#: ``gpupool.lease-claims``: an importer holds a lease once it has the header (the reply's "OK" tells the exporter),
+#: or claims it over the exporter's broker first.
+CLAIMS = ("reply", "broker")
 
 
 def _parse_choice(value: object, key: str, choices: tuple[str, ...]) -> str:

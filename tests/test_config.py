@@ -82,6 +82,8 @@ def test_config_values_and_overrides():
         with pytest.raises(ConfigError, match=r"gpupool\.switch-interval"):
             PoolOptions.from_config(switch_interval=bad)
     assert PoolOptions.from_config(handoff_ordering="event").handoff_ordering == "event"
+    assert options.lease_claims == "reply"  # an importer holds a lease once deserialized; the "OK" tells the exporter
+    assert PoolOptions.from_config(lease_claims="broker").lease_claims == "broker"
     assert PoolOptions.from_config(suballocator="arena").suballocator == "arena"
     assert options.import_limit is None  # auto: none for VMM segments, 5 GiB for CUDA IPC pool memory
     assert (options.effective_import_limit(vmm=True), options.effective_import_limit(vmm=False)) == (0, 5 << 30)
@@ -141,6 +143,7 @@ def test_segments_are_at_most_the_import_limit():
         ("gpupool.peer-gpu-handoff", "sometimes"),
         ("gpupool.peer-gpu-copy", "sometimes"),
         ("gpupool.handoff-ordering", "later"),
+        ("gpupool.lease-claims", "later"),
     ],
 )
 def test_bad_config_values_name_the_key(key, value):

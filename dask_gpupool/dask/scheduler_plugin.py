@@ -109,6 +109,9 @@ class GPUPool(SchedulerPlugin):
     handoff_ordering : {"sync", "event"}, optional
         Synchronize the GPU before a descriptor goes out, or wait for an event
         before acknowledging the consumer's claim (``gpupool.handoff-ordering``).
+    lease_claims : {"reply", "broker"}, optional
+        Hold a lease once the descriptor is deserialized, or claim it over the
+        exporter's broker first (``gpupool.lease-claims``).
     switch_interval : str or float, optional
         The workers' Python thread switch interval while the plugin runs
         (``gpupool.switch-interval``).
@@ -172,6 +175,7 @@ class GPUPool(SchedulerPlugin):
         rmm_allocator: bool | None = None,
         peer_gpu_copy: bool | None = None,
         handoff_ordering: str | None = None,
+        lease_claims: str | None = None,
         switch_interval: str | float | None = None,
     ) -> None:
         self.overrides = {
@@ -200,6 +204,7 @@ class GPUPool(SchedulerPlugin):
                 rmm_allocator=rmm_allocator,
                 peer_gpu_copy=peer_gpu_copy,
                 handoff_ordering=handoff_ordering,
+                lease_claims=lease_claims,
                 switch_interval=switch_interval,
             ).items()
             if v is not None

@@ -10,6 +10,8 @@
   from run the copies deserializers left (streamed pulls, memfd copies) in a
   thread after the read, not on the event loop
   (:mod:`dask_gpupool.handoff.deferred`).
+- ``worker.handlers[LEASE_QUERY_OP]`` answers an exporter whose reply failed
+  which of its leases this worker holds (``gpupool.lease-claims: reply``).
 - ``worker.monitor.get_process_memory`` is wrapped so that the process memory
   Dask reads leaves out the peer pool pages a worker maps.
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import logging
 import time
 import traceback
 from collections.abc import Callable
@@ -29,15 +32,26 @@ from typing import TYPE_CHECKING, Any
 
 from dask_gpupool.dask.views import pool_buffer_of
 from dask_gpupool.errors import DataLostError
-from dask_gpupool.handoff.deferred import abandon_all, collecting, resolve, run_fills
+from dask_gpupool.handoff.deferred import SENDER, abandon_all, collecting, resolve, run_fills
 from dask_gpupool.memory.host import peer_resident_bytes
+from dask_gpupool.wire.broker_leases import MAX_LEASES_PER_MESSAGE
+from dask_gpupool.wire.handoff import LEASE_QUERY_OP, LeaseQuery, LeaseQueryReply
 
 if TYPE_CHECKING:
     from distributed import Worker
 
     from dask_gpupool.handoff.service import PoolService
 
-__all__ = ["REQUEST", "Request", "count_own_memory_only", "fill_after_read", "install_get_data_hook"]
+__all__ = [
+    "REQUEST",
+    "Request",
+    "count_own_memory_only",
+    "fill_after_read",
+    "install_get_data_hook",
+    "install_lease_query_handler",
+]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -119,8 +133,11 @@ def install_get_data_hook(
             if families is not None:
                 kwargs["serializers"] = families
         start = time.perf_counter()
+        ok = False
         try:
-            return await original(comm, keys=keys, who=who, **kwargs)
+            result = await original(comm, keys=keys, who=who, **kwargs)
+            ok = True  # Dask returns normally only once it has read the requester's "OK"
+            return result
         except BaseException as e:
             # Dask logs a failed reply (requester gone) with its traceback, and the worker's log deque keeps
             # that record: the frames would keep the reply's values, and so pool memory, alive.
@@ -131,16 +148,82 @@ def install_get_data_hook(
             service.handoffs.timed("reply", time.perf_counter() - start)
             if inline:
                 comm.allow_offload = True
-            # The requester acknowledges a reply ("OK") only after its claims were answered, and a failed
-            # reply is never used: either way a lease still unclaimed now never will be.
+            # The requester acknowledges a reply ("OK") only after its broker claims were answered, and a failed
+            # reply is never used: either way such a lease still unclaimed now never will be. A lease claimed
+            # by the reply is claimed with the "OK"; if the reply failed, the requester is asked.
             if request is not None and request.granted:
-                service.settle(request.granted, who)
+                doubt = service.settle(request.granted, who, ok)
+                if doubt and who is not None:
+                    _ask_later(worker, service, who, doubt)
             if request is not None and request.forwarded:
                 service.settle_forwarded(request.forwarded, who)
 
     get_data.__wrapped__ = original  # type: ignore[attr-defined]
     worker.handlers["get_data"] = get_data
     return original
+
+
+def install_lease_query_handler(worker: Worker, service: PoolService | None) -> None:
+    """Answer exporters' :class:`~dask_gpupool.wire.handoff.LeaseQuery` on ``worker`` (``None``: remove ours).
+
+    The handler (``worker.handlers[LEASE_QUERY_OP]``) parses the query (a
+    malformed one is a :class:`~dask_gpupool.errors.ProtocolError` reply, and
+    nothing changes) and answers from the service's releaser.
+    """
+    current = worker.handlers.get(LEASE_QUERY_OP)
+    if service is None:
+        if getattr(current, "__gpupool__", False):
+            del worker.handlers[LEASE_QUERY_OP]
+        return
+
+    def lease_query(exporter: Any = None, leases: Any = None) -> dict[str, Any]:
+        query = LeaseQuery.from_msg({"exporter": exporter, "leases": leases})
+        return service.answer_lease_query(query).to_msg()
+
+    lease_query.__gpupool__ = True  # type: ignore[attr-defined]
+    worker.handlers[LEASE_QUERY_OP] = lease_query
+
+
+#: Seconds between an exporter's tries to ask an importer about leases in doubt, at first and at most.
+_ASK_BACKOFF = (0.05, 5.0)
+
+#: The running :func:`_ask` tasks (the event loop keeps only weak references to tasks).
+_ASKING: set[asyncio.Future[None]] = set()
+
+
+def _ask_later(worker: Worker, service: PoolService, who: str, leases: list[int]) -> None:
+    """Ask ``who`` which of ``leases`` (claimed by a reply that failed) it holds, until it answers.
+
+    Runs as a task on the worker's event loop, over Dask's own comm
+    (:data:`~dask_gpupool.wire.handoff.LEASE_QUERY_OP`). While ``who`` cannot
+    be reached the leases are kept (it may be stalled, with the memory
+    mapped) and it is asked again with backoff; the loop ends once no lease
+    is in doubt any more (answered, released, or ended because ``who``
+    died or left), or the service closed.
+    """
+    task = asyncio.ensure_future(_ask(worker, service, who, leases))
+    _ASKING.add(task)
+    task.add_done_callback(_ASKING.discard)
+
+
+async def _ask(worker: Worker, service: PoolService, who: str, leases: list[int]) -> None:
+    delay, most = _ASK_BACKOFF
+    while not service.closed:
+        pending = service.in_doubt(leases, who)
+        if not pending:
+            return
+        try:
+            for i in range(0, len(pending), MAX_LEASES_PER_MESSAGE):
+                chunk = pending[i : i + MAX_LEASES_PER_MESSAGE]
+                query = LeaseQuery(service.record.broker, tuple(chunk))
+                raw = await getattr(worker.rpc(who), LEASE_QUERY_OP)(**query.to_msg())
+                service.resolve(chunk, who, list(LeaseQueryReply.from_msg(raw).held))
+            continue
+        except Exception as e:  # unreachable, closing, or a bad answer: keep the leases, ask again
+            n = len(pending)
+            logger.info("asking %s about %d lease(s) of a failed reply: %s; again in %.2fs", who, n, e, delay)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, most)
 
 
 def _inline_reply(worker: Worker, service: PoolService, keys: Any, who: str | None, scheme: str) -> bool:
@@ -219,7 +302,7 @@ def fill_after_read(worker: Worker, *, undo: bool = False) -> None:
     async def connect(addr: str, timeout: float | None = None) -> Any:
         comm = await current(addr, timeout)
         if not getattr(comm, "_gpupool_fills", False):
-            comm.read = _read_then_fill(comm, comm.read)
+            comm.read = _read_then_fill(comm, comm.read, addr)
             comm._gpupool_fills = True
         return comm
 
@@ -227,9 +310,10 @@ def fill_after_read(worker: Worker, *, undo: bool = False) -> None:
     rpc.connect = connect
 
 
-def _read_then_fill(comm: Any, read: Any) -> Any:
+def _read_then_fill(comm: Any, read: Any, sender: str) -> Any:
     async def read_then_fill(deserializers: Any = None) -> Any:
         pending: list[Any] = []
+        token = SENDER.set(sender)  # who answers on this comm: the worker this one connected to
         try:
             with collecting() as pending:
                 msg = await read(deserializers)
@@ -240,6 +324,8 @@ def _read_then_fill(comm: Any, read: Any) -> Any:
                 comm.abort()  # the sender waits for an "OK" that will not come
                 _clear_tracebacks(e)  # their locals may hold imports, and so leases
             raise
+        finally:
+            SENDER.reset(token)
         if not pending:
             return msg
         fills, laters = list(pending), list(getattr(pending, "laters", ()))

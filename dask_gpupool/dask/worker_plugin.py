@@ -48,7 +48,12 @@ from dask_gpupool.core import (
 )
 from dask_gpupool.dask import rmm_routing as _rmm
 from dask_gpupool.dask.device_objects import serializers_for
-from dask_gpupool.dask.worker_internals import count_own_memory_only, fill_after_read, install_get_data_hook
+from dask_gpupool.dask.worker_internals import (
+    count_own_memory_only,
+    fill_after_read,
+    install_get_data_hook,
+    install_lease_query_handler,
+)
 from dask_gpupool.errors import PoolUnavailableError, ProtocolError
 from dask_gpupool.handoff.service import PoolService
 from dask_gpupool.ops import metrics as _metrics
@@ -132,6 +137,7 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         worker.stream_handlers[REGISTRY_OP] = self._on_registry_update
         worker.stream_handlers[MEMBERSHIP_OP] = self._on_membership
         self._get_data = install_get_data_hook(worker, service, serializers_for)
+        install_lease_query_handler(worker, service)
         count_own_memory_only(worker)
         fill_after_read(worker)
         self.service = service
@@ -278,6 +284,7 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
                 worker.stream_handlers[op] = _drop_update
         count_own_memory_only(worker, undo=True)
         fill_after_read(worker, undo=True)
+        install_lease_query_handler(worker, None)
         original = self._get_data
         self._get_data = None
         if callable(original) and getattr(worker.handlers.get("get_data"), "__wrapped__", None) is original:

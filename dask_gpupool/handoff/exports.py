@@ -106,7 +106,15 @@ class Exports:
         start = time.perf_counter()
         desc = self.pool.export(buf) if desc is None else desc  # given: memory RMM placed (export_range)
         written = self._order(written_on)
-        lease = self.leases.grant(Exported(holder, buf, written), buf.size, row.worker, desc.segment)
+        # gpupool.lease-claims: reply. The importer holds the lease once it has the header, and the reply's "OK"
+        # tells this worker (settle). Not with event ordering: there the broker's answer to a claim is the wait.
+        by_reply = self.options.lease_claims == "reply" and written is None
+        lease = self.leases.grant(Exported(holder, buf, written), buf.size, row.worker, desc.segment, by_reply=by_reply)
+        if by_reply and desc.segment:
+            # noted now: the importer's release of the segment may come before this worker reads the "OK"
+            segmented = self.pool.segmented
+            if segmented is not None:
+                segmented.note_claims([desc.segment], row.worker)
         self.handoffs.add(exports=1)
         self.handoffs.timed("export", time.perf_counter() - start)
         return HandoffHeader(
@@ -118,6 +126,7 @@ class Exports:
             lease=lease,
             ready="synced" if written is None else "claim",
             array=array,
+            claim="reply" if by_reply else "broker",
         )
 
     def _order(self, written_on: Any) -> Callable[[], None] | None:
@@ -179,28 +188,47 @@ class Exports:
         view = Buffer.from_handle(ptr, nbytes, owner=holder)
         return self.export_ipc(holder, view, row, array, desc=desc)
 
-    def settle(self, leases: list[int], requester: str | None) -> int:
-        """The ``get_data`` reply that carried ``leases`` to ``requester`` ended: end the unclaimed ones.
+    def settle(self, leases: list[int], requester: str | None, ok: bool = False) -> list[int]:
+        """The ``get_data`` reply that carried ``leases`` to ``requester`` ended (``ok``: its "OK" was read).
 
-        An importer claims (and waits for the answer) before it acknowledges
-        a reply, so a lease unclaimed now will never be used. A reply whose
-        leases were left unclaimed failed at the importer (or never reached
-        it): for ``lease-timeout`` seconds its handoffs go as copies instead
-        (fallback ``peer-unreachable``), so that Dask's retry of the transfer
-        succeeds. Returns how many leases ended.
+        An importer claims over the broker (and waits for the answer) before
+        it acknowledges a reply, so such a lease unclaimed now will never be
+        used: it ends. A lease claimed by the reply
+        (``gpupool.lease-claims: reply``) is claimed when ``ok``, and in doubt
+        otherwise: the caller asks the importer (:meth:`resolve`). A reply
+        whose leases were left unclaimed failed at the importer (or never
+        reached it): for ``lease-timeout`` seconds its handoffs go as copies
+        instead (fallback ``peer-unreachable``), so that Dask's retry of the
+        transfer succeeds. Returns the leases in doubt.
         """
-        n = self.leases.settle(leases)
-        if n and requester:
-            self.routes.mark_unreachable(requester, self.options.lease_timeout)
-            logger.warning(
-                "pool %s: %d lease(s) sent to %s were never claimed (its transfer failed); its handoffs go "
-                "as copies for %.0f s",
-                self.pool.uuid,
-                n,
-                requester,
-                self.options.lease_timeout,
-            )
+        n, doubt = self.leases.settle(leases, ok)
+        if n:
+            self._unreachable(requester, n)
+        return doubt
+
+    def resolve(self, leases: list[int], requester: str, held: list[int]) -> int:
+        """``requester`` answered which of the in-doubt ``leases`` it holds: end the others; return how many ended."""
+        n, segments = self.leases.resolve(leases, requester, held)
+        segmented = self.pool.segmented
+        if segments and segmented is not None:
+            segmented.forget_claims(segments, requester)
+        if n:
+            self._unreachable(requester, n)
         return n
+
+    def _unreachable(self, requester: str | None, n: int) -> None:
+        """``n`` leases sent to ``requester`` were never held: its handoffs go as copies for ``lease-timeout``."""
+        if not requester:
+            return
+        self.routes.mark_unreachable(requester, self.options.lease_timeout)
+        logger.warning(
+            "pool %s: %d lease(s) sent to %s were never claimed (its transfer failed); its handoffs go "
+            "as copies for %.0f s",
+            self.pool.uuid,
+            n,
+            requester,
+            self.options.lease_timeout,
+        )
 
     def export_stream(
         self, holder: Any, buf: Buffer, offset: int, nbytes: int, row: PoolRecord, array: ArrayMeta | None

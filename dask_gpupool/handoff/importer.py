@@ -30,7 +30,7 @@ from dask_gpupool.errors import (
     UnknownPoolError,
 )
 from dask_gpupool.handoff.copies import Copies
-from dask_gpupool.handoff.deferred import claim_later, fill_later
+from dask_gpupool.handoff.deferred import SENDER, claim_later, fill_later
 from dask_gpupool.handoff.imported import ImportedMemoryResource, Origin
 from dask_gpupool.handoff.links import ExporterLinks
 from dask_gpupool.handoff.mapped_pool import IMPORT_LOCK, MappedPool
@@ -237,15 +237,26 @@ class Importer:
             link = self.link(record)
         except GPUPoolError as e:
             raise DataLostError(f"pool {desc.pool} of worker {record.worker}: {e}") from e
+        lease = header.lease
+        broker = record.broker
+        # gpupool.lease-claims: reply. Held here at once, no round trip: the exporter learns it from the reply's
+        # "OK" (or asks, if the reply failed there). Refused: the exporter was told this worker does not hold it.
+        # None: a resync with the exporter is open, or the header names another worker than the one whose reply is
+        # read (deferred.SENDER): the exporter's broker claims it (below), and refuses a lease it never granted.
+        by_reply = header.claim == "reply" and SENDER.get() == header.exporter
+        held_here = self.releaser.hold_here(broker, lease) if by_reply else None
+        if held_here is False:
+            raise DataLostError(
+                f"lease {lease} of worker {record.worker} was refused here: its reply failed at the exporter, "
+                "which was told this worker does not hold it"
+            )
         start = time.perf_counter()
         try:
             mapped = self.map_peer(desc.pool)
             key, raw, ptr = mapped.acquire(desc, segment_fd=self._segment_fetcher(record, desc))
         except Exception as e:  # GPUPoolError, CUDA errors: the copy path still works
             self.handoffs.fallback(record.worker, "import-failed", self.worker, f"{type(e).__name__}: {e}")
-            return self.fetch_copy(header, record, link)
-        lease = header.lease
-        broker = record.broker
+            return self.fetch_copy(header, record, link)  # a held lease is claimed again there, then released
 
         def closed(event: Any, segment: tuple[int, int] | None) -> None:
             self.releaser.put(broker, lease, event, (segment,) if segment else ())
@@ -253,18 +264,24 @@ class Importer:
                 self.mapped.forget(mapped.record.pool)
 
         origin = Origin(record.worker, desc, lease)
-        buf = _view(ImportedMemoryResource(raw, key, mapped, closed, origin), mapped, ptr, desc.size)
+        try:
+            buf = _view(ImportedMemoryResource(raw, key, mapped, closed, origin), mapped, ptr, desc.size)
+        except BaseException:
+            if held_here:
+                self.releaser.put(broker, lease)  # held, never used: give it back
+            raise
         self.handoffs.timed("import", time.perf_counter() - start)
-        # Nothing is read from the memory before the exporter acknowledged the lease: a refused lease has
-        # ended, and its memory may already hold another buffer. Inside a worker's comm read the claim waits
-        # for the message's other claims and runs in a thread before Dask sees the message (deferred.py).
-        claim_later(
-            record.broker,
-            lease,
-            functools.partial(self._claim, record, link),
-            buf.close,
-            lambda: self.link(record).transfer_failed(),  # the live link: the claim may have reopened it
-        )
+        if not held_here:
+            # Nothing is read from the memory before the exporter acknowledged the lease: a refused lease has
+            # ended, and its memory may already hold another buffer. Inside a worker's comm read the claim waits
+            # for the message's other claims and runs in a thread before Dask sees the message (deferred.py).
+            claim_later(
+                record.broker,
+                lease,
+                functools.partial(self._claim, record, link),
+                buf.close,
+                lambda: self.link(record).transfer_failed(),  # the live link: the claim may have reopened it
+            )
         local = self._copy_from_other_gpu(buf, record, desc.size)
         if local is not None:
             return local

@@ -27,6 +27,26 @@ when
   arrives after the lease ended is refused and the importer never hands out
   memory whose claim was refused.
 
+Two ways to claim (``gpupool.lease-claims``):
+
+- ``broker``: the importer claims over the exporter's broker and waits for
+  the answer before it reads (a round trip per reply and exporter).
+- ``reply`` (the default, for leases of memory written before the export):
+  the importer holds the lease from the moment it deserializes the header
+  (:meth:`Releaser.hold_here <dask_gpupool.handoff.releaser.Releaser.hold_here>`),
+  with no round trip. The exporter learns it from the reply: Dask's
+  ``"OK"``, which the importer sends only after deserializing, marks the
+  reply's leases claimed (:meth:`LeaseTable.settle` with ``ok``). When the
+  reply failed instead, the exporter cannot tell whether the importer got
+  the leases, so it ends none of them on its own: they are *in doubt* until
+  the importer answers a query (Dask's own comm,
+  :class:`~dask_gpupool.wire.handoff.LeaseQuery`). The importer answers which
+  it holds and, atomically, refuses for good the others
+  (:meth:`Releaser.answer <dask_gpupool.handoff.releaser.Releaser.answer>`),
+  so a header deserialized later can no longer hold them
+  (:meth:`LeaseTable.resolve`). An importer that never answers keeps them until
+  it dies or leaves, as for any lease.
+
 No timer ends a lease, and a broker connection closing does not either (a
 link can break while its importer lives: an exporter stalled past
 ``broker-timeout``). Unclaimed leases are therefore bounded by Dask's
@@ -90,6 +110,13 @@ class Lease:
         The worker that asked for this lease on the importer's behalf
         (:meth:`LeaseTable.forward`: it passed on a value it had imported);
         ``""`` for leases granted by this worker's own serializers.
+    by_reply : bool
+        Claimed by the reply (``gpupool.lease-claims: reply``): the importer
+        holds it once it deserialized the header; its segment was noted at
+        the grant, and is forgotten if the lease ends unheld.
+    in_doubt : bool
+        A ``by_reply`` lease whose reply failed: kept until the importer
+        says whether it holds it (:meth:`LeaseTable.resolve`).
     """
 
     id: int
@@ -102,6 +129,8 @@ class Lease:
     segment: int = 0
     warned: bool = False
     forwarder: str = ""
+    by_reply: bool = False
+    in_doubt: bool = False
 
 
 class LeaseTable:
@@ -132,14 +161,20 @@ class LeaseTable:
         self._lock = threading.Lock()
         self._on_drop = on_drop or (lambda: None)
 
-    def grant(self, holder: Any, nbytes: int, importer: str, segment: int = 0) -> int:
-        """Keep ``holder`` alive for ``importer``; return the lease id (random, positive)."""
+    def grant(self, holder: Any, nbytes: int, importer: str, segment: int = 0, *, by_reply: bool = False) -> int:
+        """Keep ``holder`` alive for ``importer``; return the lease id (random, positive).
+
+        ``by_reply``: the importer holds it from deserialization on, and the reply's end settles it
+        (``gpupool.lease-claims: reply``).
+        """
         with self._lock:
             while True:
                 lease_id = secrets.randbits(62) + 1
                 if lease_id not in self._leases:
                     break
-            self._leases[lease_id] = Lease(lease_id, holder, nbytes, importer, time.monotonic(), segment=segment)
+            self._leases[lease_id] = Lease(
+                lease_id, holder, nbytes, importer, time.monotonic(), segment=segment, by_reply=by_reply
+            )
             self.granted_total += 1
         return lease_id
 
@@ -158,7 +193,7 @@ class LeaseTable:
                     continue
                 if not lease.claimed:
                     lease.claimed = True
-                    if lease.segment and segments is not None:
+                    if lease.segment and segments is not None and not lease.by_reply:  # by_reply: noted at grant
                         segments.append(lease.segment)
         return refused
 
@@ -174,8 +209,14 @@ class LeaseTable:
         """
         with self._lock:
             source = self._leases.get(lease_id)
-            if source is None or source.importer != forwarder or not source.claimed or source.connection is not None:
+            if source is None or source.importer != forwarder or source.connection is not None:
                 return None
+            if not source.claimed:
+                if not source.by_reply:
+                    return None
+                # Claimed by its reply, whose "OK" may not have been read yet: only a worker that deserialized the
+                # header knows the id, and it asks to forward only an import it holds.
+                source.claimed, source.in_doubt = True, False
             while True:
                 new_id = secrets.randbits(62) + 1
                 if new_id not in self._leases:
@@ -292,12 +333,70 @@ class LeaseTable:
                     gone.append(self._leases.pop(i))
         return self._drop(gone)
 
-    def settle(self, lease_ids: Iterable[int]) -> int:
-        """The reply that carried these leases has ended: end those never claimed; return how many."""
+    def settle(self, lease_ids: Iterable[int], ok: bool = False) -> tuple[int, list[int]]:
+        """The reply that carried these leases has ended (``ok``: the importer's ``"OK"`` was read).
+
+        Leases claimed over the broker and still unclaimed end (their importer
+        acknowledges a reply only after its claims). Leases claimed by the
+        reply count as claimed when ``ok``; otherwise they are marked in
+        doubt and kept (:meth:`resolve`). Returns how many ended and the ids
+        now in doubt.
+        """
+        doubt: list[int] = []
         with self._lock:
-            gone = [self._leases.pop(i) for i in lease_ids if i in self._leases and not self._leases[i].claimed]
+            gone = []
+            for i in lease_ids:
+                lease = self._leases.get(i)
+                if lease is None or lease.claimed:
+                    continue
+                if not lease.by_reply:
+                    gone.append(self._leases.pop(i))
+                elif ok:
+                    lease.claimed = True
+                else:
+                    lease.in_doubt = True
+                    doubt.append(i)
             self.abandoned_total += len(gone)
-        return self._drop(gone)
+        return self._drop(gone), doubt
+
+    def in_doubt(self, lease_ids: Iterable[int], importer: str) -> list[int]:
+        """Those of ``lease_ids`` still in doubt (live, ``importer``'s, unclaimed, their reply failed)."""
+        with self._lock:
+            return [
+                i
+                for i in lease_ids
+                if (lease := self._leases.get(i)) is not None
+                and lease.in_doubt
+                and not lease.claimed
+                and lease.importer == importer
+            ]
+
+    def resolve(self, lease_ids: Iterable[int], importer: str, held: Iterable[int]) -> tuple[int, list[int]]:
+        """``importer`` answered which of these in-doubt leases it holds: those are claimed, the others end.
+
+        Only leases still in doubt are affected: one claimed meanwhile (over
+        the broker, or by a resync that listed it) stays. The importer refused
+        for good the ones it did not hold before it answered, so ending them
+        is safe. Returns how many ended and the segment ids of the ended ones
+        (noted at their grant; the caller forgets them).
+        """
+        keep = set(held)
+        ended_segments: list[int] = []
+        with self._lock:
+            gone = []
+            for i in lease_ids:
+                lease = self._leases.get(i)
+                if lease is None or not lease.in_doubt or lease.claimed or lease.importer != importer:
+                    continue
+                lease.in_doubt = False
+                if i in keep:
+                    lease.claimed = True
+                else:
+                    gone.append(self._leases.pop(i))
+                    if lease.segment:
+                        ended_segments.append(lease.segment)
+            self.abandoned_total += len(gone)
+        return self._drop(gone), ended_segments
 
     def overdue(self, now: float | None = None) -> int:
         """Log (once per lease) leases unclaimed for more than ``timeout`` seconds; return how many are."""

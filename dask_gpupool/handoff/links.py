@@ -72,10 +72,11 @@ class ExporterLinks:
         if self.token is None:
             raise NotAMemberError(f"pool {self.pool.uuid}: not registered with the scheduler yet (no cluster token)")
         # A link opened again after one broke first resyncs the leases still held from this exporter.
-        live = self.releaser.snapshot(record.broker)
+        live, epoch = self.releaser.snapshot(record.broker)
         link = PeerLink(
             record.broker, self.options.broker_timeout, self.token, self.worker, live, expected_pid=record.pid
         )
+        self.releaser.resynced(record.broker, epoch)  # answered (the constructor raises otherwise)
         with self._links_lock:
             old = self._links.get(record.broker)
             if old is not None and old.alive:

@@ -15,9 +15,12 @@ from typing import Any
 from dask_gpupool.errors import GPUPoolError
 from dask_gpupool.transport.link import LinkFactory
 
-__all__ = ["Releaser"]
+__all__ = ["REFUSED_KEPT", "Releaser"]
 
 logger = logging.getLogger(__name__)
+
+#: Refused lease ids kept per exporter (:meth:`Releaser.answer`).
+REFUSED_KEPT = 65536
 
 
 class Releaser:
@@ -37,6 +40,12 @@ class Releaser:
     ends every lease released meanwhile; segment releases are sent again.
     It gives up on an exporter only when ``links`` says it left the cluster.
 
+    Leases claimed by the reply (``gpupool.lease-claims: reply``) are held
+    here without asking the exporter (:meth:`hold_here`). When such a reply
+    failed at the exporter, it asks which of its leases this worker holds
+    (:meth:`answer`): the others are refused for good from then on, so a
+    header of that reply deserialized later cannot hold them.
+
     Parameters
     ----------
     links : LinkFactory
@@ -50,6 +59,8 @@ class Releaser:
     _live: dict[str, set[int]]
     _epoch: dict[str, int]
     _retry: dict[str, list[tuple[int, int]]]
+    _resyncing: dict[str, int]
+    _refused: dict[str, dict[int, None]]
     _cond: threading.Condition
     _closed: bool
     _thread: threading.Thread
@@ -61,6 +72,8 @@ class Releaser:
         self._live = {}
         self._epoch = {}
         self._retry = {}
+        self._resyncing = {}
+        self._refused = {}
         self._cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="gpupool-releaser", daemon=True)
@@ -81,11 +94,58 @@ class Releaser:
             self._live.setdefault(exporter, set()).update(leases)
             return True
 
-    def snapshot(self, exporter: str) -> list[int]:
-        """The live leases of ``exporter``, for a resync; claims in flight must be held again."""
+    def snapshot(self, exporter: str) -> tuple[list[int], int]:
+        """The live leases of ``exporter`` for a resync, and the new epoch; claims in flight must be held again.
+
+        Until :meth:`resynced` says that this epoch's resync was answered,
+        :meth:`hold_here` holds nothing of ``exporter``: a lease held here
+        after the snapshot, and claimed by its reply meanwhile, would be ended
+        by the resync that does not list it.
+        """
         with self._cond:
-            self._epoch[exporter] = self._epoch.get(exporter, 0) + 1
-            return sorted(self._live.get(exporter, ()))
+            epoch = self._epoch[exporter] = self._epoch.get(exporter, 0) + 1
+            self._resyncing[exporter] = epoch
+            return sorted(self._live.get(exporter, ())), epoch
+
+    def resynced(self, exporter: str, epoch: int) -> None:
+        """The resync of snapshot ``epoch`` was answered by the exporter (a failed one never counts)."""
+        with self._cond:
+            if self._resyncing.get(exporter) == epoch:
+                del self._resyncing[exporter]
+
+    def hold_here(self, exporter: str, lease: int) -> bool | None:
+        """Hold a lease claimed by its reply: ``True`` held; ``False`` refused (:meth:`answer` said this
+        worker does not hold it, and the exporter ends it); ``None``: a resync of ``exporter`` is open, so the
+        caller claims over the broker instead."""
+        with self._cond:
+            if lease in self._refused.get(exporter, ()):
+                return False
+            if exporter in self._resyncing:
+                return None
+            self._live.setdefault(exporter, set()).add(lease)
+            return True
+
+    def answer(self, exporter: str, leases: tuple[int, ...] | list[int]) -> list[int]:
+        """Which of ``leases`` (of a reply that failed at ``exporter``) are held here; refuse the others for good.
+
+        A lease released meanwhile is no longer held; one whose release is
+        still queued is, and its release follows. The refusals are kept for
+        the last :data:`REFUSED_KEPT` leases per exporter: a header is
+        deserialized within a reply's lifetime, long before that many later
+        replies failed.
+        """
+        with self._cond:
+            live = self._live.get(exporter, set())
+            refused = self._refused.setdefault(exporter, {})
+            held = []
+            for lease in leases:
+                if lease in live:
+                    held.append(lease)
+                else:
+                    refused[lease] = None
+            while len(refused) > REFUSED_KEPT:
+                del refused[next(iter(refused))]
+            return held
 
     def live(self, exporter: str | None = None) -> int:
         """Leases held (of one exporter, or all)."""
@@ -99,6 +159,7 @@ class Releaser:
         with self._cond:
             self._live.pop(exporter, None)
             self._retry.pop(exporter, None)
+            self._refused.pop(exporter, None)
 
     # -- releases ------------------------------------------------------------------
 

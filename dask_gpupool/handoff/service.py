@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from dask_gpupool.config import PoolOptions
+from dask_gpupool.errors import PoolClosedError
 from dask_gpupool.handoff import active
 from dask_gpupool.handoff.exporter import ExportSide
 from dask_gpupool.handoff.exports import Exports
@@ -57,7 +58,7 @@ from dask_gpupool.transport.broker import FdBroker
 from dask_gpupool.transport.link import PeerLink
 from dask_gpupool.transport.staging import STAGING
 from dask_gpupool.transport.stream import CopyServer
-from dask_gpupool.wire.handoff import ArrayMeta, BufferDescriptor, HandoffHeader
+from dask_gpupool.wire.handoff import ArrayMeta, BufferDescriptor, HandoffHeader, LeaseQuery, LeaseQueryReply
 from dask_gpupool.wire.registry import MAX_RECLAIM, Membership, PoolRecord, RegistryUpdate
 
 if TYPE_CHECKING:
@@ -288,9 +289,32 @@ class PoolService:
         """:meth:`Exports.export_stream <dask_gpupool.handoff.exports.Exports.export_stream>`."""
         return self.exports.export_stream(holder, buf, offset, nbytes, row, array)
 
-    def settle(self, leases: list[int], requester: str | None) -> int:
+    def settle(self, leases: list[int], requester: str | None, ok: bool = False) -> list[int]:
         """:meth:`Exports.settle <dask_gpupool.handoff.exports.Exports.settle>`."""
-        return self.exports.settle(leases, requester)
+        return self.exports.settle(leases, requester, ok)
+
+    def in_doubt(self, leases: list[int], requester: str) -> list[int]:
+        """Those of ``leases`` still in doubt (:meth:`~dask_gpupool.handoff.leases.LeaseTable.in_doubt`)."""
+        return self.leases.in_doubt(leases, requester)
+
+    def resolve(self, leases: list[int], requester: str, held: list[int]) -> int:
+        """:meth:`Exports.resolve <dask_gpupool.handoff.exports.Exports.resolve>`."""
+        return self.exports.resolve(leases, requester, held)
+
+    def answer_lease_query(self, query: LeaseQuery) -> LeaseQueryReply:
+        """An exporter asks which of the leases it sent in a failed reply this worker holds.
+
+        Answered by :meth:`Releaser.answer <dask_gpupool.handoff.releaser.Releaser.answer>`: the
+        leases not held are refused for good, atomically with the answer.
+
+        Raises
+        ------
+        PoolClosedError
+            If this service is closed: its imports may still be closing, so no answer is safe.
+        """
+        if self.closed:
+            raise PoolClosedError(f"pool service of {self.record.worker} is closed")
+        return LeaseQueryReply(tuple(self.importer.releaser.answer(query.exporter, query.leases)))
 
     def forward(
         self, origin: Origin, requester: str | None, scheme: str, array: ArrayMeta | None

@@ -86,7 +86,8 @@ TIMED_STEPS = {
     "whole GPU), then granting its lease",
     "import": "the consumer's side of a handoff: mapping the buffer (the peer's pool or segment, once), without "
     "its claim",
-    "claim": "the claim round trip to the exporter's broker, once per exporter for a message's values",
+    "claim": "the claim round trip to the exporter's broker, once per exporter for a message's values (none with "
+    "gpupool.lease-claims: reply, the default, unless a resync with that exporter is open)",
 }
 
 

@@ -48,6 +48,20 @@ class RetireLedger:
             claims = self._claims.setdefault(seg, {})
             claims[peer] = claims.get(peer, 0) + 1
 
+    def unclaimed(self, segment_ids: Iterable[int], peer: Hashable) -> None:
+        """Take back one claim of ``peer`` on each of ``segment_ids``: a lease noted at its grant ended unheld."""
+        for seg in segment_ids:
+            claims = self._claims.get(seg)
+            if claims is None or peer not in claims:
+                continue
+            claims[peer] -= 1
+            if claims[peer] <= 0:
+                del claims[peer]
+                self._released.get(seg, {}).pop(peer, None)
+                if not claims:
+                    del self._claims[seg]
+                    self._released.pop(seg, None)
+
     def released(self, releases: Iterable[tuple[int, int]], peer: Hashable) -> None:
         """``peer`` unmapped segments: ``(segment id, leases it had claimed on it in all)`` pairs.
 

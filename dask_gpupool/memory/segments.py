@@ -389,6 +389,12 @@ class SegmentedResource(MemoryResource):
         with self._lock:
             self._ledger.claimed((i for i in segment_ids if i in self._segments), connection)
 
+    def forget_claims(self, segment_ids: list[int], connection: Hashable) -> None:
+        """Leases noted for a peer at their grant ended without the peer holding them (one id per lease)."""
+        with self._lock:
+            self._ledger.unclaimed(segment_ids, connection)
+        self._collect()
+
     def note_released(self, releases: list[tuple[int, int]], connection: Hashable) -> None:
         """A peer unmapped segments: ``(segment id, leases it had claimed on it in all)`` pairs."""
         with self._lock:

@@ -76,3 +76,59 @@ def report_failed_transfer(exporter: str, dask_worker: Worker) -> bool:
         return False
     importer.link(row).transfer_failed()
     return True
+
+
+async def get_data_without_ok(exporter: str, key: str, deserialize: bool, dask_worker: Worker) -> int:
+    """client.run target: ask ``exporter`` for ``key`` as Dask's gather does, then abort instead of sending "OK".
+
+    The exporter's reply fails after it was written: with
+    ``gpupool.lease-claims: reply`` its leases are in doubt until this worker
+    answers the exporter's query. ``deserialize``: the value is deserialized
+    (its lease held here) and kept (:func:`kept_head`, :func:`drop_kept`);
+    otherwise its serialized form is kept, to deserialize later
+    (:func:`deserialize_kept`). Returns the reply's frame count (0: no value).
+    """
+    from distributed.comm import connect
+
+    from dask_gpupool.handoff.deferred import SENDER
+
+    comm = await connect(exporter, deserialize=deserialize, **dask_worker.connection_args)
+    token = SENDER.set(exporter)  # as the worker's own comms do (worker_internals.fill_after_read)
+    try:
+        await comm.write({"op": "get_data", "keys": [key], "who": dask_worker.address, "reply": True})
+        msg = await comm.read()
+    finally:
+        SENDER.reset(token)
+        comm.abort()
+    dask_worker._gpupool_kept = msg["data"][key]  # type: ignore[attr-defined]
+    return len(msg["data"])
+
+
+def kept_head(nbytes: int, dask_worker: Worker) -> bytes:
+    """client.run target: the first ``nbytes`` of the value :func:`get_data_without_ok` kept deserialized."""
+    from dask_gpupool.testing.tasks import head
+
+    return head(dask_worker._gpupool_kept, nbytes)  # type: ignore[attr-defined]
+
+
+def deserialize_kept(dask_worker: Worker) -> str:
+    """client.run target: deserialize the value :func:`get_data_without_ok` kept serialized; the error's type, or "".
+
+    A value that deserializes is dropped at once.
+    """
+    from distributed.protocol import deserialize
+
+    kept = dask_worker._gpupool_kept  # type: ignore[attr-defined]
+    try:
+        value = deserialize(kept.header, kept.frames)
+    except Exception as e:
+        return type(e).__name__
+    finally:
+        dask_worker._gpupool_kept = None  # type: ignore[attr-defined]
+    del value
+    return ""
+
+
+def drop_kept(dask_worker: Worker) -> None:
+    """client.run target: drop what :func:`get_data_without_ok` kept."""
+    dask_worker._gpupool_kept = None  # type: ignore[attr-defined]

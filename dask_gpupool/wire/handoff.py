@@ -12,10 +12,20 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from dask_gpupool.errors import ProtocolError
+from dask_gpupool.wire.broker_leases import _lease_ids
 from dask_gpupool.wire.codec import as_mapping, field_of, uuid_str
 from dask_gpupool.wire.registry import PoolRecord
 
-__all__ = ["HEADER_KEY", "MAX_LANES", "ArrayMeta", "BufferDescriptor", "HandoffHeader"]
+__all__ = [
+    "HEADER_KEY",
+    "LEASE_QUERY_OP",
+    "MAX_LANES",
+    "ArrayMeta",
+    "BufferDescriptor",
+    "HandoffHeader",
+    "LeaseQuery",
+    "LeaseQueryReply",
+]
 
 #: The key of a handed-over value's sub-header in Dask's serialization header: ``{HEADER_KEY: HandoffHeader.to_msg()}``.
 HEADER_KEY = "gpupool"
@@ -182,6 +192,12 @@ class HandoffHeader:
         or ``"claim"`` (the exporter's broker acknowledges the importer's
         claim only once that work has finished: ``gpupool.handoff-ordering:
         event``). Either way the importer reads only after its claim.
+    claim : str
+        ``ipc`` only: how the importer claims the lease. ``"broker"`` (also
+        when the field is absent): over the exporter's broker, and it reads
+        only after the answer. ``"reply"`` (``gpupool.lease-claims: reply``):
+        it holds the lease once it has deserialized the header, and the
+        reply's "OK" tells the exporter (:mod:`dask_gpupool.handoff.leases`).
     array : ArrayMeta or None
         Present when the value is an array view rather than a Buffer.
     address : str
@@ -202,9 +218,11 @@ class HandoffHeader:
     array: ArrayMeta | None = None
     address: str = ""
     lanes: tuple[int, ...] = ()
+    claim: str = "broker"
 
     PATHS: ClassVar[tuple[str, ...]] = ("ipc", "copy", "stream")
     READY: ClassVar[tuple[str, ...]] = ("synced", "claim")
+    CLAIMS: ClassVar[tuple[str, ...]] = ("broker", "reply")
 
     def to_msg(self) -> dict[str, Any]:
         return {
@@ -218,6 +236,7 @@ class HandoffHeader:
             "array": None if self.array is None else self.array.to_msg(),
             "address": self.address,
             "lanes": list(self.lanes),
+            "claim": self.claim,
         }
 
     @classmethod
@@ -253,6 +272,11 @@ class HandoffHeader:
             raise ProtocolError(f"{what}: only a stream handoff has lanes")
         if desc is not None and desc.size != nbytes:
             raise ProtocolError(f"{what}: descriptor size {desc.size} differs from nbytes {nbytes}")
+        claim = field_of(m, "claim", str, what) if "claim" in m else "broker"
+        if claim not in cls.CLAIMS:
+            raise ProtocolError(f"{what}: unknown claim {claim!r}")
+        if claim == "reply" and (path != "ipc" or ready != "synced"):
+            raise ProtocolError(f"{what}: only an ipc handoff of memory synced before the export is claimed by reply")
         raw_array = field_of(m, "array", (dict, type(None)), what)
         return cls(
             path=path,
@@ -265,4 +289,55 @@ class HandoffHeader:
             array=None if raw_array is None else ArrayMeta.from_msg(raw_array),
             address=address,
             lanes=tuple(raw_lanes),
+            claim=claim,
         )
+
+
+#: The worker handler an exporter calls, over Dask's comm, to ask an importer which leases of a failed reply it holds.
+LEASE_QUERY_OP = "gpupool_lease_query"
+
+
+@dataclass(frozen=True)
+class LeaseQuery:
+    """Exporter → importer (Dask's comm): which of these leases, sent in a reply that failed, do you hold?
+
+    Only leases claimed by the reply (``gpupool.lease-claims: reply``) are
+    asked about. Answering refuses the others for good
+    (:meth:`Releaser.answer <dask_gpupool.handoff.releaser.Releaser.answer>`).
+
+    Attributes
+    ----------
+    exporter : str
+        The exporter's broker address, as the importer's registry row names it.
+    leases : tuple of int
+        At most :data:`~dask_gpupool.wire.broker_leases.MAX_LEASES_PER_MESSAGE` ids.
+    """
+
+    exporter: str
+    leases: tuple[int, ...]
+
+    def to_msg(self) -> dict[str, Any]:
+        return {"exporter": self.exporter, "leases": list(self.leases)}
+
+    @classmethod
+    def from_msg(cls, msg: object) -> LeaseQuery:
+        what = "lease query"
+        m = as_mapping(msg, what)
+        exporter = field_of(m, "exporter", str, what)
+        if not exporter or len(exporter) > 4096:
+            raise ProtocolError(f"{what}: the exporter's broker address is empty or too long")
+        return cls(exporter, _lease_ids(m, what))
+
+
+@dataclass(frozen=True)
+class LeaseQueryReply:
+    """Importer → exporter: the queried leases it holds (the others it refused for good)."""
+
+    held: tuple[int, ...]
+
+    def to_msg(self) -> dict[str, Any]:
+        return {"leases": list(self.held)}
+
+    @classmethod
+    def from_msg(cls, msg: object) -> LeaseQueryReply:
+        return cls(_lease_ids(as_mapping(msg, "lease query reply"), "lease query reply"))

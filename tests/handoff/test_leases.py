@@ -16,10 +16,12 @@ from typing import Any
 
 import pytest
 from conftest import (
+    back_to,
     counters,
     nanny_cluster,
     stalled_consumer,
     stalled_producer,
+    wait_for,
     warm_up,
     worker_addresses,
 )
@@ -51,7 +53,7 @@ def test_leases_end_only_when_their_importer_is_done():
     assert table.claim([a], "tcp://c:1") == [a]
     assert table.release([a], "tcp://c:1") == 0 and len(table) == 2
     # the reply that carried them ended: unclaimed ones end, claimed ones stay
-    assert table.settle([a, other]) == 1 and table.abandoned_total == 1
+    assert table.settle([a, other]) == (1, []) and table.abandoned_total == 1
     assert table.holder(a) is held and table.holder(other) is None
     # a claim after the reply ended is refused
     assert table.claim([other], "tcp://c:1") == [other]
@@ -62,6 +64,43 @@ def test_leases_end_only_when_their_importer_is_done():
     assert table.resync("tcp://b:1", [b2]) == 0 and table.unclaimed == 0
     # the importer died
     assert table.release_importer("tcp://b:1") == 1 and len(table) == 0 and table.nbytes == 0
+
+
+def test_a_lease_claimed_by_its_reply_is_claimed_by_the_ok_and_in_doubt_when_the_reply_failed():
+    """gpupool.lease-claims: reply. The exporter never ends such a lease on its own: the "OK" claims it, and after a
+    failed reply only the importer's answer (held, or refused for good) decides."""
+    table = LeaseTable(60)
+    held = bytearray(8)
+    ok_lease, failed_lease = (table.grant(held, 8, "tcp://b:1", by_reply=True) for _ in range(2))
+    broker = table.grant(held, 8, "tcp://b:1")
+    # the reply was acknowledged: claimed, nothing in doubt
+    assert table.settle([ok_lease], ok=True) == (0, []) and table.unclaimed == 2
+    # a failed reply: a broker-claimed lease still unclaimed ends, a reply-claimed one is kept, in doubt
+    assert table.settle([failed_lease, broker], ok=False) == (1, [failed_lease])
+    assert table.holder(failed_lease) is held and table.holder(broker) is None
+    assert table.in_doubt([failed_lease, ok_lease], "tcp://b:1") == [failed_lease]
+    assert table.in_doubt([failed_lease], "tcp://c:1") == []  # only its importer's answer counts
+    # a resync does not end it either (its reply may still be on the way)
+    assert table.resync("tcp://b:1", [ok_lease]) == 0 and table.holder(failed_lease) is held
+    # another worker's answer changes nothing; the importer's "held" claims it
+    assert table.resolve([failed_lease], "tcp://c:1", []) == (0, []) and table.holder(failed_lease) is held
+    assert table.resolve([failed_lease], "tcp://b:1", [failed_lease]) == (0, []) and table.unclaimed == 0
+    # "not held" ends it, and gives back the segment noted at its grant
+    lost = table.grant(held, 8, "tcp://b:1", segment=7, by_reply=True)
+    assert table.settle([lost]) == (0, [lost])
+    assert table.resolve([lost], "tcp://b:1", []) == (1, [7]) and table.holder(lost) is None
+    assert table.abandoned_total == 2
+    # a lease claimed over the broker meanwhile stays, whatever the answer
+    raced = table.grant(held, 8, "tcp://b:1", by_reply=True)
+    table.settle([raced])
+    assert table.claim([raced], "tcp://b:1") == []
+    assert table.resolve([raced], "tcp://b:1", []) == (0, []) and table.holder(raced) is held
+    # its importer may forward it before the exporter read the "OK": asking proves it holds it
+    fresh = table.grant(held, 8, "tcp://b:1", by_reply=True)
+    assert table.forward(fresh, "tcp://b:1", "tcp://c:1") is not None
+    assert table.in_doubt([fresh], "tcp://b:1") == [] and table.claim([fresh], "tcp://b:1") == []
+    # but a broker-claimed lease must be claimed first
+    assert table.forward(table.grant(held, 8, "tcp://b:1"), "tcp://b:1", "tcp://c:1") is None
 
 
 def test_stream_leases_are_pulled_once():
@@ -136,6 +175,45 @@ def test_a_consumer_stalled_past_lease_timeout_reads_the_original_bytes():
     """
     with nanny_cluster([{}, {}], GPUPool(kind="host", max_size="64 MiB", lease_timeout="1s")) as c:
         stalled_consumer(c, MiB)
+
+
+# -- case 1b: a reply that failed at the exporter (gpupool.lease-claims: reply) ----------------------
+
+
+def test_a_reply_that_failed_at_the_exporter_leaves_its_leases_to_the_importers_answer():
+    """B deserializes A's reply and holds the lease with no round trip; A's reply then fails (no "OK").
+
+    A cannot tell whether B got the lease, so it ends none: it asks B. B holds the first value: A keeps it claimed,
+    and B reads the original bytes after A reused every free byte of its pool. B never deserialized the second:
+    B refuses it for good as it answers, so A ends it, and B deserializing that header later fails (a
+    ``DataLostError``: Dask fetches again) instead of reading reused memory. Back to baseline after.
+    """
+    with nanny_cluster([{}, {}], GPUPool(kind="host", max_size="64 MiB")) as c:
+        a, b = worker_addresses(c)
+        baseline = warm_up(c, a, b)
+        x = c.submit(T.make_buffer, MiB, b"kept by B", workers=[a], pure=False)
+        x.result()
+        assert c.run(T.get_data_without_ok, a, x.key, True, workers=[b])[b] == 1
+        wait_for(lambda: c.run(T.lease_counts, workers=[a])[a] == _leases(1, unclaimed=0), what="A's answer from B")
+        c.submit(T.scribble, 60 * MiB, b"reused", workers=[a], pure=False).result()
+        assert c.run(T.kept_head, 9, workers=[b])[b] == b"kept by B"
+        c.run(T.drop_kept, workers=[b])
+        wait_for(lambda: c.run(T.lease_counts, workers=[a])[a]["leases"] == 0, what="B's release")
+
+        y = c.submit(T.make_buffer, MiB, b"never held", workers=[a], pure=False)
+        y.result()
+        assert c.run(T.get_data_without_ok, a, y.key, False, workers=[b])[b] == 1
+        wait_for(lambda: c.run(T.lease_counts, workers=[a])[a]["leases"] == 0, what="A ending the unheld lease")
+        assert c.run(T.deserialize_kept, workers=[b])[b] == "DataLostError"
+        # B's transfers go as copies for a while (its reply failed), so Dask's retry succeeds
+        assert c.submit(T.head, y, 10, workers=[b], pure=False).result(timeout=60) == b"never held"
+        assert _fallbacks(c, a).get("peer-unreachable", 0) >= 1
+        del x, y
+        back_to(c, baseline)
+
+
+def _leases(n: int, unclaimed: int) -> dict[str, int]:
+    return {"leases": n, "unclaimed": unclaimed, "held": 0, "resyncs": 0}
 
 
 # -- case 2: a producer stalled past broker-timeout while its consumer releases ---------------

@@ -92,9 +92,9 @@ def test_a_claim_that_raced_a_resync_snapshot_is_not_held(releaser):
     r, _ = releaser
     epoch = r.epoch("a")
     assert r.hold("a", [1], epoch=epoch)
-    assert r.snapshot("a") == [1]
+    assert r.snapshot("a")[0] == [1]
     assert not r.hold("a", [2], epoch=epoch)
-    assert r.live("a") == 1 and r.hold("a", [2], epoch=r.epoch("a")) and r.snapshot("a") == [1, 2]
+    assert r.live("a") == 1 and r.hold("a", [2], epoch=r.epoch("a")) and r.snapshot("a")[0] == [1, 2]
 
 
 def test_releases_while_the_link_is_down_are_ended_by_the_resync_and_segments_sent_again(releaser):
@@ -112,7 +112,7 @@ def test_releases_while_the_link_is_down_are_ended_by_the_resync_and_segments_se
             break
         time.sleep(0.05)
     assert link.segments == [[(3, 1)]] and r.resyncs >= 1
-    assert r.snapshot("a") == [8]  # what a resync would send: lease 8 only
+    assert r.snapshot("a")[0] == [8]  # what a resync would send: lease 8 only
 
 
 def test_an_exporter_that_left_takes_its_leases_with_it(releaser):
@@ -130,3 +130,37 @@ def test_close_sends_what_is_queued(releaser):
     r.put("a", 1)
     r.close()
     assert links.links["a"].released == [[1]]
+
+
+def test_a_lease_held_by_its_reply_is_held_at_once_unless_refused_or_a_resync_is_open(releaser):
+    """gpupool.lease-claims: reply, the importer's side. Answering an exporter's query refuses, for good and at the
+    same moment, the leases not held; while a resync is open nothing is held here (the broker claims instead)."""
+    r, _ = releaser
+    assert r.hold_here("a", 1) is True and r.live("a") == 1
+    # the exporter's reply failed: it asks; 1 is held, 2 (not deserialized yet) is refused from now on
+    assert r.answer("a", [1, 2]) == [1]
+    assert r.hold_here("a", 2) is False and r.live("a") == 1
+    assert r.hold_here("b", 2) is True  # refusals are per exporter
+    # a resync of "a" is open: the caller claims over the broker
+    live, epoch = r.snapshot("a")
+    assert live == [1] and r.hold_here("a", 3) is None
+    r.resynced("a", epoch - 1)  # an older snapshot's answer does not count
+    assert r.hold_here("a", 3) is None
+    r.resynced("a", epoch)
+    assert r.hold_here("a", 3) is True and r.live("a") == 2
+    # released (queued or sent) leases: held while the release is still queued, refused once it went
+    r.put("a", 3)
+    r.flush()
+    assert r.answer("a", [3]) == [] and r.hold_here("a", 3) is False
+    # an exporter that left: its refusals go with it
+    r.forget("a")
+    assert r.hold_here("a", 2) is True
+
+
+def test_refusals_are_bounded_per_exporter(releaser, monkeypatch):
+    from dask_gpupool.handoff import releaser as module
+
+    monkeypatch.setattr(module, "REFUSED_KEPT", 3)
+    r, _ = releaser
+    assert r.answer("a", [1, 2, 3, 4, 5]) == []
+    assert [r.hold_here("a", i) for i in (1, 2, 3, 4, 5)] == [True, True, False, False, False]

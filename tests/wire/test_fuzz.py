@@ -43,7 +43,7 @@ from dask_gpupool.wire.broker import (
     parse_request,
 )
 from dask_gpupool.wire.codec import decode, encode
-from dask_gpupool.wire.handoff import BufferDescriptor, HandoffHeader
+from dask_gpupool.wire.handoff import BufferDescriptor, HandoffHeader, LeaseQuery, LeaseQueryReply
 from dask_gpupool.wire.registry import Membership, PoolRecord, RegistryUpdate
 from dask_gpupool.wire.stream import PullReply, PullRequest
 
@@ -80,6 +80,8 @@ PARSERS = [
     ClaimReply.from_msg,
     ResyncReply.from_msg,
     ForwardReply.from_msg,
+    LeaseQuery.from_msg,
+    LeaseQueryReply.from_msg,
 ]
 VALID = {
     "record": PoolRecord(POOL, "tcp://h:1", 7, "h/b", "h", "device", "GPU-1", MiB, "/tmp/b.sock", ("GPU-1",)).to_msg(),
@@ -112,6 +114,11 @@ VALID = {
     "header-claim": HandoffHeader(
         "ipc", "device", 64, "tcp://h:1", desc=BufferDescriptor(POOL, 64, b"\1" * 64, 0), lease=3, ready="claim"
     ).to_msg(),
+    "header-by-reply": HandoffHeader(
+        "ipc", "device", 64, "tcp://h:1", desc=BufferDescriptor(POOL, 64, b"\1" * 64, 0), lease=3, claim="reply"
+    ).to_msg(),
+    "lease-query": LeaseQuery("/tmp/b.sock", (3, 1 << 61)).to_msg(),
+    "lease-query-reply": LeaseQueryReply((3,)).to_msg(),
 }
 PARSER_OF = {
     "record": PoolRecord.from_msg,
@@ -131,6 +138,9 @@ PARSER_OF = {
     "forward-settle": parse_request,
     "transfer-failed": parse_request,
     "header-claim": HandoffHeader.from_msg,
+    "header-by-reply": HandoffHeader.from_msg,
+    "lease-query": LeaseQuery.from_msg,
+    "lease-query-reply": LeaseQueryReply.from_msg,
 }
 
 
@@ -267,6 +277,7 @@ def headers(pools: list[str], exporters: list[str]) -> st.SearchStrategy[dict[st
             "array": st.none(),
             "address": st.sampled_from(["", "tcp://10.0.0.1:1"]),
             "lanes": st.sampled_from([[], [1], [0]]),
+            "claim": st.sampled_from(["broker", "reply", "smoke"]),
         }
     )
     # Well-formed headers that lie: sizes and offsets beyond the pool, unknown leases, another
@@ -283,6 +294,9 @@ def headers(pools: list[str], exporters: list[str]) -> st.SearchStrategy[dict[st
             "array": None,
             "address": "",
             "lanes": [],
+            # claimed by its reply: read outside a reply from its exporter, the exporter's broker is asked (and
+            # refuses a lease it never granted)
+            "claim": "reply",
         },
         desc,
         st.sampled_from([*exporters, "tcp://10.0.0.1:1"]),

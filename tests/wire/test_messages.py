@@ -22,7 +22,7 @@ from dask_gpupool.wire.broker import (
     raise_for_error,
 )
 from dask_gpupool.wire.codec import MAX_MESSAGE_BYTES, decode, encode
-from dask_gpupool.wire.handoff import BufferDescriptor, HandoffHeader
+from dask_gpupool.wire.handoff import BufferDescriptor, HandoffHeader, LeaseQuery, LeaseQueryReply
 from dask_gpupool.wire.registry import PoolRecord, RegistryUpdate
 from dask_gpupool.wire.stream import PullReply, PullRequest
 
@@ -112,6 +112,33 @@ def test_an_ipc_header_says_how_the_exporter_ordered_its_gpu_work():
         assert HandoffHeader.from_msg(wire(header.to_msg())) == header
     with pytest.raises(ProtocolError, match="unknown readiness 'later'"):
         HandoffHeader.from_msg({**header.to_msg(), "ready": "later"})
+
+
+def test_an_ipc_header_says_how_its_lease_is_claimed_and_old_headers_mean_the_broker():
+    """``broker``: a claim round trip before reading; ``reply``: held once deserialized (only synced ipc handoffs)."""
+    desc = BufferDescriptor(POOL, 8, b"", 4096, 1 << 21, 3)
+    header = HandoffHeader("ipc", "device", 8, "tcp://h:1", desc=desc, lease=7, claim="reply")
+    assert HandoffHeader.from_msg(wire(header.to_msg())) == header
+    old = {k: v for k, v in header.to_msg().items() if k != "claim"}
+    assert HandoffHeader.from_msg(old).claim == "broker"
+    with pytest.raises(ProtocolError, match="unknown claim 'later'"):
+        HandoffHeader.from_msg({**header.to_msg(), "claim": "later"})
+    with pytest.raises(ProtocolError, match="claimed by reply"):  # event ordering: the broker's answer is the wait
+        HandoffHeader.from_msg({**header.to_msg(), "ready": "claim"})
+    stream = HandoffHeader("stream", "device", 8, "tcp://h:1", lease=7, address="tcp://h:2")
+    with pytest.raises(ProtocolError, match="claimed by reply"):
+        HandoffHeader.from_msg({**stream.to_msg(), "claim": "reply"})
+
+
+def test_lease_queries_round_trip_and_refuse_bad_fields():
+    query = LeaseQuery("/run/gpupool/b.sock", (3, 1 << 61))
+    assert LeaseQuery.from_msg(wire(query.to_msg())) == query
+    assert LeaseQueryReply.from_msg(wire(LeaseQueryReply((3,)).to_msg())) == LeaseQueryReply((3,))
+    for bad in ({"exporter": "", "leases": [1]}, {"exporter": "x", "leases": [0]}, {"exporter": "x", "leases": "1"}):
+        with pytest.raises(ProtocolError):
+            LeaseQuery.from_msg(bad)
+    with pytest.raises(ProtocolError, match="at most"):
+        LeaseQuery.from_msg({"exporter": "x", "leases": list(range(1, 5000))})
 
 
 def test_copy_path_messages_round_trip_and_refuse_bad_fields():
