@@ -24,6 +24,7 @@ gpupool-handoff-broker  the same, each lease claimed over the broker first (gpup
 gpupool-cupy  dask_gpupool zero-copy of plain CuPy arrays (gpupool.cupy-allocator routes CuPy to the pool)
 gpupool-plain  TCP with the plugin at its defaults, a plain CuPy array: staged into the pool from 4 MiB up
 gpupool-copy  dask_gpupool's host-copy path, forced with different host ids
+gpupool-copy-vkgdr  the same, pulled chunks received into vkgdr-mapped GPU memory (gpupool.tcp-landing: vkgdr)
 ucxx+gpupool  Dask over UCXX with the plugin at its defaults, an array over a pool buffer
 ucxx+gpupool-broker  the same, leases claimed over the broker (gpupool.lease-claims: broker)
 ucxx+gpupool-plain  the same cluster, a plain CuPy array (the plugin must cost UCXX nothing)
@@ -84,6 +85,7 @@ METHODS = (
     "gpupool-cupy",
     "gpupool-plain",
     "gpupool-copy",
+    "gpupool-copy-vkgdr",
     "ucxx+gpupool",
     "ucxx+gpupool-broker",
     "ucxx+gpupool-plain",
@@ -317,6 +319,7 @@ def method_setup(
         cupy_allocator=method == "gpupool-cupy" or None,
         handoff_threshold=0 if method.startswith("gpupool-handoff") else None,
         lease_claims="broker" if method == "gpupool-handoff-broker" else None,
+        tcp_landing="vkgdr" if method == "gpupool-copy-vkgdr" else None,
     )
     if method in ("gpupool", "gpupool-handoff", "gpupool-handoff-broker"):
         return "tcp", workers, plugin, True

@@ -248,6 +248,16 @@ class PoolOptions:
         with ``event`` and 17 ms with ``sync`` (docs/performance.md); it
         stays off by default until it passes across two GPUs and the whole
         suite at that default (docs/gpu-checks.md).
+    tcp_landing : {"pinned", "vkgdr", "auto"}
+        Where a value pulled from another host over TCP lands on its way
+        into this worker's pool (:mod:`dask_gpupool.transport.pull`):
+        ``pinned`` (the default) receives each chunk into pinned host
+        staging and copies it to the GPU; ``vkgdr`` receives it straight into
+        GPU memory that vkgdr maps into the host (the optional ``vkgdr``
+        extra, with the Vulkan loader and NVIDIA's Vulkan driver), then
+        copies it device to device (:mod:`dask_gpupool.transport.vkgdr_staging`);
+        ``auto``: vkgdr where it runs. Where vkgdr cannot run, pinned staging
+        is used, said once.
     lease_claims : {"reply", "broker"}
         How an importer claims the lease of a handed-over buffer before it
         reads it. ``reply`` (the default): it holds the lease as soon as it
@@ -293,6 +303,7 @@ class PoolOptions:
     peer_gpu_copy: bool = False
     handoff_ordering: str = "sync"
     lease_claims: str = "reply"
+    tcp_landing: str = "pinned"
     segment_size: int = 1 << 30
     suballocator: str = "auto"
     segment_memory: str = "auto"
@@ -394,6 +405,7 @@ class PoolOptions:
             peer_gpu_copy=_parse_bool(raw.get("peer-gpu-copy", False), "gpupool.peer-gpu-copy"),
             handoff_ordering=_parse_choice(raw.get("handoff-ordering", "sync"), "gpupool.handoff-ordering", ORDERINGS),
             lease_claims=_parse_choice(raw.get("lease-claims", "reply"), "gpupool.lease-claims", CLAIMS),
+            tcp_landing=_parse_choice(raw.get("tcp-landing", "pinned"), "gpupool.tcp-landing", LANDINGS),
             segment_size=segment_size,
             suballocator=suballocator,
             segment_memory=segment_memory,
@@ -424,6 +436,9 @@ ORDERINGS = ("sync", "event")
 #: ``gpupool.lease-claims``: an importer holds a lease once it has the header (the reply's "OK" tells the exporter),
 #: or claims it over the exporter's broker first.
 CLAIMS = ("reply", "broker")
+
+#: ``gpupool.tcp-landing``: pinned host staging, GPU memory vkgdr maps into the host, or vkgdr where it runs.
+LANDINGS = ("pinned", "vkgdr", "auto")
 
 
 def _parse_choice(value: object, key: str, choices: tuple[str, ...]) -> str:

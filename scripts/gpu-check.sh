@@ -75,6 +75,17 @@ if [ "${CHAOS_BG:-}" = collect ]; then
   grep "^t=" /tmp/chaos-out/chaos.log | tail -2; sed -n '/^chaos:/,$p' /tmp/chaos-out/chaos.log
   exit 0
 fi
+# The Vulkan loader and NVIDIA's GL dispatch libraries for vkgdr (gpupool.tcp-landing: vkgdr, its GPU test and
+# benchmarks/vkgdr_landing.py), when .gl is carried: the device README's .deb set (libvulkan1 libegl1 libglvnd0
+# libopengl0 libgl1 libglx0 libgles2). With libvulkan1 alone vkCreateInstance failed with
+# VK_ERROR_INCOMPATIBLE_DRIVER (fourteenth session); with the whole set vkgdr opened (fifteenth).
+if ls .gl/*.deb > /dev/null 2>&1; then
+  for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
+  export VK_DRIVER_FILES=${VK_DRIVER_FILES:-/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json}
+  export __EGL_VENDOR_LIBRARY_FILENAMES=${__EGL_VENDOR_LIBRARY_FILENAMES:-/usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json}
+  { echo "VK_DRIVER_FILES=$VK_DRIVER_FILES"; ls -l "$VK_DRIVER_FILES" /usr/share/vulkan/icd.d /etc/vulkan/icd.d 2>&1;
+    ldconfig -p | grep -E "libvulkan|libGLX_nvidia|libGLdispatch"; } > "$OUT/vulkan-env.txt" 2>&1
+fi
 PART=${PART:-all}
 if [ "$PART" != bench ]; then
 # -v: each test's name and outcome as it ends, so a call cut off by its time limit still says which ran and how
@@ -151,16 +162,7 @@ if [ "${UCX_PAIRS:-0}" != 0 ] && has_time "ucx pairs"; then  # issue 19: every p
   echo "ucx pairs exit: $?"; sed -n '/^consumer transfer time/,$p' "$OUT/ucx_pairs.log"
 fi
 if [ "${VKGDR:-0}" != 0 ] && has_time vkgdr; then  # issue 19: land TCP copies straight in device memory (vkgdr) vs pinned staging
-  # vkgdr needs the Vulkan loader and the GL dispatch libraries NVIDIA's Vulkan driver loads (libglvnd): carry .gl
-  # (the device README's .deb set: libvulkan1 libegl1 libglvnd0 libopengl0 libgl1 libglx0 libgles2). With
-  # libvulkan1 alone vkCreateInstance failed with VK_ERROR_INCOMPATIBLE_DRIVER (fourteenth session).
-  if ls .gl/*.deb > /dev/null 2>&1; then
-    for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
-  fi
-  export VK_DRIVER_FILES=${VK_DRIVER_FILES:-/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json}
-  export __EGL_VENDOR_LIBRARY_FILENAMES=${__EGL_VENDOR_LIBRARY_FILENAMES:-/usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json}
-  { echo "VK_DRIVER_FILES=$VK_DRIVER_FILES"; ls -l "$VK_DRIVER_FILES" /usr/share/vulkan/icd.d /etc/vulkan/icd.d 2>&1;
-    ldconfig -p | grep -E "libvulkan|libGLX_nvidia|libGLdispatch"; } > "$OUT/vulkan-env.txt" 2>&1
+  # (carry .gl and .whl-vk: the Vulkan set-up is at the top)
   echo "== vkgdr landing ${VKGDR_ARGS:-}"; timeout $(left 200) python3 benchmarks/vkgdr_landing.py ${VKGDR_ARGS:-} > "$OUT/vkgdr.log" 2>&1
   echo "vkgdr exit: $?"; sed -n '/over loopback TCP/,$p' "$OUT/vkgdr.log"; tail -n 3 "$OUT/vkgdr.log"
 fi

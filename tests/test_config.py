@@ -84,6 +84,8 @@ def test_config_values_and_overrides():
     assert PoolOptions.from_config(handoff_ordering="event").handoff_ordering == "event"
     assert options.lease_claims == "reply"  # an importer holds a lease once deserialized; the "OK" tells the exporter
     assert PoolOptions.from_config(lease_claims="broker").lease_claims == "broker"
+    assert options.tcp_landing == "pinned"  # vkgdr (Vulkan) only where asked for
+    assert PoolOptions.from_config(tcp_landing="auto").tcp_landing == "auto"
     assert PoolOptions.from_config(suballocator="arena").suballocator == "arena"
     assert options.import_limit is None  # auto: none for VMM segments, 5 GiB for CUDA IPC pool memory
     assert (options.effective_import_limit(vmm=True), options.effective_import_limit(vmm=False)) == (0, 5 << 30)
@@ -144,6 +146,7 @@ def test_segments_are_at_most_the_import_limit():
         ("gpupool.peer-gpu-copy", "sometimes"),
         ("gpupool.handoff-ordering", "later"),
         ("gpupool.lease-claims", "later"),
+        ("gpupool.tcp-landing", "host"),
     ],
 )
 def test_bad_config_values_name_the_key(key, value):

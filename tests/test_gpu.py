@@ -557,15 +557,20 @@ def test_handoff_pinned_pools():
         _handoff_roundtrip(c, 8 * MiB)
 
 
-def test_handoff_copies_across_host_ids_on_gpus():
-    """Other hosts get copies: large ones pulled through pinned staging in chunks, small ones in the frames."""
+@pytest.mark.parametrize("landing", ["pinned", "vkgdr"])
+def test_handoff_copies_across_host_ids_on_gpus(landing):
+    """Other hosts get copies: large ones pulled in chunks, small ones in the frames. The chunks land through pinned
+    staging, or (gpupool.tcp-landing: vkgdr) straight in GPU memory vkgdr maps into the host, then device to device:
+    the same bytes either way, every lane's last chunk short."""
     import numpy as np
 
     gpus(1)
-    config = {"copy-chunk-size": "4 MiB"}
+    config = {"copy-chunk-size": "4 MiB", "tcp-landing": landing}
     hosts = [{**ONE_GPU, "config": {"gpupool": {"host-id": f"host-{i}", **config}}} for i in range(2)]
     with nanny_cluster(hosts, GPUPool(kind="device", max_size="1 GiB")) as c:
         a, b = worker_addresses(c)
+        if landing == "vkgdr" and (why := c.run(T.vkgdr_unavailable, workers=[b])[b]):
+            pytest.skip(f"vkgdr cannot run here: {why}")
         warm_up(c, a, b)
         # the first pull allocates the process's pinned staging, kept for the next ones
         c.submit(
@@ -588,6 +593,8 @@ def test_handoff_copies_across_host_ids_on_gpus():
         assert now[b]["streamed_bytes"] - before[b]["streamed_bytes"] == streamed
         assert now[b]["copied_bytes"] - before[b]["copied_bytes"] == streamed + MiB
         assert now[a]["streamed_out_bytes"] - before[a]["streamed_out_bytes"] == streamed
+        # the chunks went through vkgdr's slots (kept for the next pull), or none were made
+        assert (c.run(T.vkgdr_kept_bytes, workers=[b])[b] > 0) == (landing == "vkgdr")
         del x, y, arr, small
         back_to(c, baseline)
 

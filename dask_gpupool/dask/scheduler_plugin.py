@@ -109,6 +109,9 @@ class GPUPool(SchedulerPlugin):
     handoff_ordering : {"sync", "event"}, optional
         Synchronize the GPU before a descriptor goes out, or wait for an event
         before acknowledging the consumer's claim (``gpupool.handoff-ordering``).
+    tcp_landing : {"pinned", "vkgdr", "auto"}, optional
+        Where values pulled from another host over TCP land before the pool
+        (``gpupool.tcp-landing``).
     lease_claims : {"reply", "broker"}, optional
         Hold a lease once the descriptor is deserialized, or claim it over the
         exporter's broker first (``gpupool.lease-claims``).
@@ -176,6 +179,7 @@ class GPUPool(SchedulerPlugin):
         peer_gpu_copy: bool | None = None,
         handoff_ordering: str | None = None,
         lease_claims: str | None = None,
+        tcp_landing: str | None = None,
         switch_interval: str | float | None = None,
     ) -> None:
         self.overrides = {
@@ -205,6 +209,7 @@ class GPUPool(SchedulerPlugin):
                 peer_gpu_copy=peer_gpu_copy,
                 handoff_ordering=handoff_ordering,
                 lease_claims=lease_claims,
+                tcp_landing=tcp_landing,
                 switch_interval=switch_interval,
             ).items()
             if v is not None

@@ -58,6 +58,7 @@ from dask_gpupool.transport.broker import FdBroker
 from dask_gpupool.transport.link import PeerLink
 from dask_gpupool.transport.staging import STAGING
 from dask_gpupool.transport.stream import CopyServer
+from dask_gpupool.transport.vkgdr_staging import VKGDR
 from dask_gpupool.wire.handoff import ArrayMeta, BufferDescriptor, HandoffHeader, LeaseQuery, LeaseQueryReply
 from dask_gpupool.wire.registry import MAX_RECLAIM, Membership, PoolRecord, RegistryUpdate
 
@@ -482,5 +483,6 @@ class PoolService:
         self.importer.close()
         if not active.active_services():
             STAGING.clear()  # the process's pinned staging slots go with its last pool
+            VKGDR.clear()  # and its vkgdr landing slots (gpupool.tcp-landing)
         self.pool.close()
         logger.info("pool %s: closed", self.pool.uuid)

@@ -56,6 +56,8 @@ from dask_gpupool.testing.probes import (
     socket_peers,
     start_loop_ticks,
     stop_loop_ticks,
+    vkgdr_kept_bytes,
+    vkgdr_unavailable,
 )
 from dask_gpupool.testing.tasks import (
     LAYOUTS,
@@ -149,5 +151,7 @@ __all__ = [
     "unmap",
     "view_of",
     "visible_devices",
+    "vkgdr_kept_bytes",
+    "vkgdr_unavailable",
     "write_bytes",
 ]

@@ -254,3 +254,20 @@ def socket_peers(roles: dict[int, str], dask_worker: Worker) -> list[str]:
             desc = "unix " + desc.split()[1].rsplit("/", 1)[-1]
         out.append(desc)
     return sorted(out)
+
+
+def vkgdr_unavailable(dask_worker: Worker) -> str | None:
+    """client.run target: why vkgdr cannot land copies on this worker's GPU (``None``: it can)."""
+    from dask_gpupool.transport.vkgdr_staging import VKGDR
+
+    service = service_of(dask_worker)
+    if service.pool.device is None:
+        return "the pool is not on a GPU"
+    return VKGDR.unavailable(service.pool.device)
+
+
+def vkgdr_kept_bytes() -> int:
+    """client.run target: bytes of vkgdr landing slots this process keeps for its next pull."""
+    from dask_gpupool.transport.vkgdr_staging import VKGDR
+
+    return VKGDR.nbytes

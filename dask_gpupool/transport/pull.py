@@ -3,8 +3,9 @@
 Each lane is one TCP connection that asks for its part of the buffer with a
 :class:`~dask_gpupool.wire.stream.PullRequest` (the cluster's proof, the pool
 and the lease) and receives it in chunks through pinned staging
-(:mod:`dask_gpupool.transport.staging`), copied into the destination Buffer as
-they arrive. Runs in the calling thread and a small executor.
+(:mod:`dask_gpupool.transport.staging`), or GPU memory mapped into the host
+(:mod:`dask_gpupool.transport.vkgdr_staging`, ``gpupool.tcp-landing: vkgdr``),
+copied into the destination Buffer as they arrive. Runs in the calling thread and a small executor.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dask_gpupool.transport.staging import (
     recv_message,
     send_message,
 )
+from dask_gpupool.transport.vkgdr_staging import VKGDR, VkgdrSlot
 from dask_gpupool.wire.broker import raise_for_error
 from dask_gpupool.wire.codec import decode
 from dask_gpupool.wire.stream import PullReply, PullRequest, pull_proof
@@ -47,6 +49,7 @@ def pull(
     token: bytes,
     dst: Buffer,
     timeout: float,
+    landing: str = "pinned",
 ) -> None:
     """Pull stream leases ``leases`` of ``pool`` from ``address`` into ``dst``, one connection each. Blocking.
 
@@ -58,8 +61,13 @@ def pull(
     ----------
     dst : Buffer
         Receives the bytes from its start; owned by the caller, who closes it
-        on failure. GPU memory is filled through pinned staging slots on
-        ``dst``'s GPU.
+        on failure. GPU memory is filled through staging slots on ``dst``'s
+        GPU: pinned host memory, or with ``landing="vkgdr"`` GPU memory mapped
+        into the host (:mod:`dask_gpupool.transport.vkgdr_staging`), received
+        into straight from the socket. Where vkgdr cannot run, pinned slots
+        are used (logged once per GPU).
+    landing : {"pinned", "vkgdr", "auto"}
+        ``gpupool.tcp-landing`` (``auto``: vkgdr where it runs).
 
     Raises
     ------
@@ -87,10 +95,10 @@ def pull(
             offset += reply.size
         if offset != dst.size:
             raise ProtocolError(f"the lanes hold {offset} bytes, the value {dst.size}")
-        others = [_executor().submit(_receive, c, dst, off, n, chunk) for c, off, n, chunk in parts[1:]]
+        others = [_executor().submit(_receive, c, dst, off, n, chunk, landing) for c, off, n, chunk in parts[1:]]
         first, off, n, chunk = parts[0]
         try:
-            _receive(first, dst, off, n, chunk)
+            _receive(first, dst, off, n, chunk, landing)
         except BaseException:
             for c in conns:  # the other lanes stop at once instead of at their timeout
                 with contextlib.suppress(OSError):
@@ -125,7 +133,7 @@ def _executor() -> Any:
         return _EXECUTOR
 
 
-def _receive(conn: socket.socket, dst: Buffer, offset: int, n: int, chunk: int) -> None:
+def _receive(conn: socket.socket, dst: Buffer, offset: int, n: int, chunk: int, landing: str = "pinned") -> None:
     """Receive ``n`` bytes into ``dst`` from ``offset``, chunk by chunk."""
     start = int(dst.handle) + offset
     if dst.is_host_accessible:
@@ -133,19 +141,53 @@ def _receive(conn: socket.socket, dst: Buffer, offset: int, n: int, chunk: int) 
             recv_exactly(conn, host_view(start + off, size))
         return
     dev = current_gpu(dst.device_id)
+    device = int(dev.device_id)
     stream = dev.create_stream()
     stream.wait(dev.default_stream)  # dst was allocated on the default stream
-    slots = STAGING.take(int(dev.device_id), chunk, stream)
+    vk_slots = _vkgdr_slots(device, chunk, quiet=landing == "auto") if landing in ("vkgdr", "auto") else None
+    pinned = STAGING.take(device, chunk, stream) if vk_slots is None else None
     copied_in: list[Any] = [None] * SLOTS
     try:
         for i, (off, size) in enumerate(chunks(n, chunk)):
             k = i % SLOTS
             if copied_in[k] is not None:
                 copied_in[k].sync()  # the slot's previous chunk is on the GPU
-            recv_exactly(conn, host_view(int(slots[k].handle), size))
-            memcpy(start + off, int(slots[k].handle), size, stream)
+            if vk_slots is not None:  # received into GPU memory; a device-to-device copy into dst
+                slot = vk_slots[k]
+                recv_exactly(conn, slot.host[:size])
+                slot.flush(size)
+                memcpy(start + off, slot.device_ptr, size, stream)
+            else:
+                assert pinned is not None
+                recv_exactly(conn, host_view(int(pinned[k].handle), size))
+                memcpy(start + off, int(pinned[k].handle), size, stream)
             copied_in[k] = stream.record()
     finally:
         stream.sync()
-        STAGING.give(int(dev.device_id), chunk, slots)
+        if vk_slots is not None:
+            VKGDR.give(device, chunk, vk_slots)
+        if pinned is not None:
+            STAGING.give(device, chunk, pinned)
         stream.close()
+
+
+_VKGDR_REFUSED: set[int] = set()
+
+
+def _vkgdr_slots(device: int, chunk: int, quiet: bool = False) -> list[VkgdrSlot] | None:
+    """vkgdr landing slots on ``device``, or ``None`` (pinned staging) when vkgdr cannot run there: said once
+    (a WARNING when vkgdr was asked for, INFO for ``auto``)."""
+    if device in _VKGDR_REFUSED:
+        return None
+    try:
+        return VKGDR.take(device, chunk)
+    except Exception as e:
+        _VKGDR_REFUSED.add(device)
+        logger.log(
+            logging.INFO if quiet else logging.WARNING,
+            "gpupool.tcp-landing: vkgdr cannot land copies on GPU %d (%s: %s); pinned staging is used instead",
+            device,
+            type(e).__name__,
+            e,
+        )
+        return None

@@ -1,0 +1,42 @@
+"""gpupool.tcp-landing: vkgdr where it runs, pinned staging (said once) where it does not.
+
+The vkgdr path itself needs a GPU with NVIDIA's Vulkan driver:
+``tests/test_gpu.py::test_handoff_copies_across_host_ids_on_gpus[vkgdr]``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import pytest
+
+from dask_gpupool.transport import pull as pull_module
+from dask_gpupool.transport.vkgdr_staging import VkgdrStaging
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vkgdr") is not None, reason="vkgdr is installed here")
+def test_without_vkgdr_the_reason_is_said_and_remembered():
+    staging = VkgdrStaging()
+    why = staging.unavailable(0)
+    assert why is not None and "vkgdr" in why
+    assert staging.unavailable(0) == why  # remembered: the import is not tried again
+    with pytest.raises(RuntimeError, match="vkgdr"):
+        staging.take(0, 1 << 20)
+    assert staging.nbytes == 0
+    staging.clear()  # nothing kept, nothing to free
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vkgdr") is not None, reason="vkgdr is installed here")
+@pytest.mark.parametrize(("landing", "level"), [("vkgdr", logging.WARNING), ("auto", logging.INFO)])
+def test_a_pull_where_vkgdr_cannot_run_lands_through_pinned_staging_and_says_so_once(
+    monkeypatch, caplog, landing, level
+):
+    monkeypatch.setattr(pull_module, "VKGDR", VkgdrStaging())
+    monkeypatch.setattr(pull_module, "_VKGDR_REFUSED", set())
+    with caplog.at_level(logging.INFO, logger=pull_module.__name__):
+        assert pull_module._vkgdr_slots(0, 1 << 20, quiet=landing == "auto") is None
+        assert pull_module._vkgdr_slots(0, 1 << 20, quiet=landing == "auto") is None
+    said = [r for r in caplog.records if "tcp-landing" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == level
+    assert "pinned staging is used instead" in said[0].getMessage()
