@@ -67,6 +67,7 @@ def main() -> None:
     names = [f"w{i}({host[-1]}{gpus[0]})" for i, (host, gpus) in enumerate(layout)]
     rows: list[dict[str, Any]] = []
     paths: dict[str, dict[str, dict[str, int]]] = {}
+    timings: dict[str, dict[str, dict[str, Any]]] = {}
     for method in args.methods.split(","):
         plugin = (
             GPUPool(
@@ -109,6 +110,7 @@ def main() -> None:
             if plugin is not None:
                 got = c.run(T.handoff_counters)
                 paths[method] = {names[addrs.index(w)]: {k: int(got[w].get(k, 0)) for k in PATH_KEYS} for w in addrs}
+                timings[method] = {names[addrs.index(w)]: dict(got[w].get("timings", {})) for w in addrs}
     print(f"\nconsumer transfer time, median of {args.repeats} (ms); hosts by host-id, GPUs by index")
     methods = args.methods.split(",")
     print(f"{'pair':<22}{'size':>10}" + "".join(f"{m:>16}" for m in methods))
@@ -133,7 +135,15 @@ def main() -> None:
         print(f"\n{method}: bytes received by path")
         for w, counts in by_worker.items():
             print(f"  {w}: " + ", ".join(f"{k} {v:,}" for k, v in counts.items()))
-    H.save_json("ucx_pairs", {"machine": H.machine(), "layout": layout, "rows": rows, "paths": paths})
+    for method, by_worker in timings.items():
+        print(f"\n{method}: mean ms per step (count)")
+        for w, steps in by_worker.items():
+            mean = {k: v["total_s"] / v["count"] * 1e3 for k, v in steps.items() if v["count"]}
+            cells = [f"{k} {ms:.3f} ({steps[k]['count']})" for k, ms in mean.items()]
+            print(f"  {w}: " + ", ".join(cells))
+    H.save_json(
+        "ucx_pairs", {"machine": H.machine(), "layout": layout, "rows": rows, "paths": paths, "timings": timings}
+    )
 
 
 if __name__ == "__main__":

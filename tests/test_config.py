@@ -84,8 +84,8 @@ def test_config_values_and_overrides():
     assert PoolOptions.from_config(handoff_ordering="event").handoff_ordering == "event"
     assert options.lease_claims == "reply"  # an importer holds a lease once deserialized; the "OK" tells the exporter
     assert PoolOptions.from_config(lease_claims="broker").lease_claims == "broker"
-    assert options.tcp_landing == "pinned"  # vkgdr (Vulkan) only where asked for
-    assert PoolOptions.from_config(tcp_landing="auto").tcp_landing == "auto"
+    assert options.tcp_landing == "auto"  # vkgdr where it runs (faster on an H100), pinned staging elsewhere
+    assert PoolOptions.from_config(tcp_landing="pinned").tcp_landing == "pinned"
     assert PoolOptions.from_config(suballocator="arena").suballocator == "arena"
     assert options.import_limit is None  # auto: none for VMM segments, 5 GiB for CUDA IPC pool memory
     assert (options.effective_import_limit(vmm=True), options.effective_import_limit(vmm=False)) == (0, 5 << 30)

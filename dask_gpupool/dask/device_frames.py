@@ -12,6 +12,7 @@ distributed's own frames. Counted in ``device_frames_out_bytes``,
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from cuda.core import Buffer
@@ -75,6 +76,13 @@ def _count_device_frames(nbytes: int, *, staged: bool, out: bool) -> None:
         service.handoffs.add(device_frames_bytes=nbytes)
 
 
+def _timed_stage(start: float) -> None:
+    """Add the time since ``start`` to this reply's service's ``device-stage`` timing (stats' ``timings``)."""
+    request = REQUEST.get()
+    if request is not None:
+        request.service.handoffs.timed("device-stage", time.perf_counter() - start)
+
+
 def _cuda_serialize_buffer(buf: Buffer) -> tuple[dict[str, Any], list[Any]]:
     """A device ``Buffer`` for comms that carry device frames (the ``"cuda"`` family: UCX).
 
@@ -90,6 +98,7 @@ def _cuda_serialize_buffer(buf: Buffer) -> tuple[dict[str, Any], list[Any]]:
     handed = _hand_over_on_device_comm(buf, buf, None, nbytes)
     if handed is not None:
         return handed, []
+    start = time.perf_counter()
     try:
         staged = UcxStaging.copy_of(int(buf.handle), nbytes, device_of(buf))
     except Exception as e:  # no device memory for the copy: the pool memory itself (UCX's slow path, still right)
@@ -97,6 +106,7 @@ def _cuda_serialize_buffer(buf: Buffer) -> tuple[dict[str, Any], list[Any]]:
         _count_device_frames(nbytes, staged=False, out=True)
         return {"nbytes": nbytes}, [_DeviceFrame(int(buf.handle), nbytes, buf)]
     _count_device_frames(nbytes, staged=True, out=True)
+    _timed_stage(start)
     return {"nbytes": nbytes}, [_DeviceFrame(staged.ptr, nbytes, staged)]
 
 
@@ -140,6 +150,7 @@ def cuda_dumps_cupy(x: Any, previous: Any) -> tuple[dict[str, Any], list[Any]]:
     handed = _hand_over_on_device_comm(buf, buf, meta, nbytes)
     if handed is not None:
         return handed, []
+    start = time.perf_counter()
     try:
         staged = _stage_cupy(x)
     except Exception as e:  # no device memory for the copy: distributed's frames of the pool memory itself
@@ -150,6 +161,7 @@ def cuda_dumps_cupy(x: Any, previous: Any) -> tuple[dict[str, Any], list[Any]]:
     mem = cupy.cuda.UnownedMemory(staged.ptr, max(nbytes, 1), staged, device_id=x.device.id)
     header, frames = previous(cupy.ndarray(x.shape, x.dtype, cupy.cuda.MemoryPointer(mem, 0)))
     _count_device_frames(nbytes, staged=True, out=True)
+    _timed_stage(start)
     return header, frames
 
 

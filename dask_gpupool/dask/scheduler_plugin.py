@@ -109,7 +109,7 @@ class GPUPool(SchedulerPlugin):
     handoff_ordering : {"sync", "event"}, optional
         Synchronize the GPU before a descriptor goes out, or wait for an event
         before acknowledging the consumer's claim (``gpupool.handoff-ordering``).
-    tcp_landing : {"pinned", "vkgdr", "auto"}, optional
+    tcp_landing : {"auto", "pinned", "vkgdr"}, optional
         Where values pulled from another host over TCP land before the pool
         (``gpupool.tcp-landing``).
     lease_claims : {"reply", "broker"}, optional

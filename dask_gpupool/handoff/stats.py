@@ -86,6 +86,8 @@ TIMED_STEPS = {
     "whole GPU), then granting its lease",
     "import": "the consumer's side of a handoff: mapping the buffer (the peer's pool or segment, once), without "
     "its claim",
+    "device-stage": "copying pool memory into memory UCX can export before it goes as device frames (another "
+    "host over UCX), and distributed's serializer of the staged array",
     "claim": "the claim round trip to the exporter's broker, once per exporter for a message's values (none with "
     "gpupool.lease-claims: reply, the default, unless a resync with that exporter is open)",
 }

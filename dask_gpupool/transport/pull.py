@@ -66,7 +66,7 @@ def pull(
         into the host (:mod:`dask_gpupool.transport.vkgdr_staging`), received
         into straight from the socket. Where vkgdr cannot run, pinned slots
         are used (logged once per GPU).
-    landing : {"pinned", "vkgdr", "auto"}
+    landing : {"auto", "pinned", "vkgdr"}
         ``gpupool.tcp-landing`` (``auto``: vkgdr where it runs).
 
     Raises
