@@ -248,6 +248,17 @@ class PoolOptions:
         with ``event`` and 17 ms with ``sync`` (docs/performance.md); it
         stays off by default until it passes across two GPUs and the whole
         suite at that default (docs/gpu-checks.md).
+    lease_claims : {"reply", "broker"}
+        How an importer claims the lease of a handed-over buffer before it
+        reads it. ``reply`` (the default): it holds the lease as soon as it
+        has deserialized the descriptor, with no round trip; the exporter
+        counts it claimed when it reads Dask's "OK" for the reply, and when
+        the reply failed it asks the importer (over Dask's comm) which leases
+        it holds, the others being refused for good as it answers
+        (:mod:`dask_gpupool.handoff.leases`). ``broker``: a round trip to the
+        exporter's broker before the importer reads (0.3-0.7 ms idle, more
+        under load). With ``handoff-ordering: event`` leases are always
+        claimed over the broker: its answer is the wait for the GPU.
     tcp_landing : {"auto", "pinned", "vkgdr"}
         Where a value pulled from another host over TCP lands on its way
         into this worker's pool (:mod:`dask_gpupool.transport.pull`):
@@ -260,17 +271,6 @@ class PoolOptions:
         On one H100 a pull of 256 MiB / 1 GiB took 55.7 / 200.6 ms with
         vkgdr against 78.4 / 265.4 ms through pinned staging
         (docs/performance.md).
-    lease_claims : {"reply", "broker"}
-        How an importer claims the lease of a handed-over buffer before it
-        reads it. ``reply`` (the default): it holds the lease as soon as it
-        has deserialized the descriptor, with no round trip; the exporter
-        counts it claimed when it reads Dask's "OK" for the reply, and when
-        the reply failed it asks the importer (over Dask's comm) which leases
-        it holds, the others being refused for good as it answers
-        (:mod:`dask_gpupool.handoff.leases`). ``broker``: a round trip to the
-        exporter's broker before the importer reads (0.3-0.7 ms idle, more
-        under load). With ``handoff-ordering: event`` leases are always
-        claimed over the broker: its answer is the wait for the GPU.
     peer_gpu_copy : bool
         A ``device`` buffer handed over from another GPU of this host is
         copied into this worker's pool when it arrives, device to device over

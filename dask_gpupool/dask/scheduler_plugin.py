@@ -109,12 +109,12 @@ class GPUPool(SchedulerPlugin):
     handoff_ordering : {"sync", "event"}, optional
         Synchronize the GPU before a descriptor goes out, or wait for an event
         before acknowledging the consumer's claim (``gpupool.handoff-ordering``).
-    tcp_landing : {"auto", "pinned", "vkgdr"}, optional
-        Where values pulled from another host over TCP land before the pool
-        (``gpupool.tcp-landing``).
     lease_claims : {"reply", "broker"}, optional
         Hold a lease once the descriptor is deserialized, or claim it over the
         exporter's broker first (``gpupool.lease-claims``).
+    tcp_landing : {"auto", "pinned", "vkgdr"}, optional
+        Where values pulled from another host over TCP land before the pool
+        (``gpupool.tcp-landing``).
     switch_interval : str or float, optional
         The workers' Python thread switch interval while the plugin runs
         (``gpupool.switch-interval``).
