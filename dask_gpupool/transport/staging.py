@@ -16,7 +16,7 @@ import struct
 import threading
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from dask_gpupool.errors import ProtocolError
 from dask_gpupool.wire.codec import MAX_MESSAGE_BYTES
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 __all__ = [
     "SLOTS",
     "STAGING",
+    "KeptSlots",
     "Staging",
     "chunks",
     "host_port",
@@ -43,46 +44,48 @@ logger = logging.getLogger(__name__)
 #: Pinned staging chunks per lane on each side: one being sent (or copied in) while the other is filled.
 SLOTS = 2
 
+S = TypeVar("S")
+
 
 _LENGTH = struct.Struct("!I")
 
 
-class Staging:
-    """Pinned staging slots of this process, kept for the next transfer.
+class KeptSlots(Generic[S]):
+    """Sets of :data:`SLOTS` staging slots per (GPU, chunk size), kept for the next transfer.
 
-    Pinning memory costs more than copying a chunk, so a transfer's
-    :data:`SLOTS` slots go back here when it ends, and up to ``keep`` sets
-    per (GPU, chunk size) stay allocated until :meth:`clear` (at most
-    ``keep * SLOTS`` chunks of pinned host memory). Slots come from the
-    driver's default pinned memory pool (cuda.core ``PinnedMemoryResource()``).
-    A set is given back only after its transfer's stream was synchronized.
+    Making slots (pinning host memory, mapping GPU memory) costs more than
+    copying a chunk, so a transfer's set goes back here when it ends
+    (:meth:`give`, only once its copies finished), and up to ``keep`` sets per
+    (GPU, chunk size) stay allocated until :meth:`clear`. Subclasses make
+    slots (``take``) and say how one is freed and how large it is.
     """
 
     def __init__(self, keep: int = 8) -> None:
         self._keep = keep
-        self._free: dict[tuple[int, int], list[list[Buffer]]] = {}
+        self._free: dict[tuple[int, int], list[list[S]]] = {}
         self._lock = threading.Lock()
 
-    def take(self, device: int, chunk: int, stream: Any) -> list[Buffer]:
+    def _kept(self, device: int, chunk: int) -> list[S] | None:
+        """A kept set for ``(device, chunk)``, taken out, or ``None``."""
         with self._lock:
             free = self._free.get((device, chunk))
-            if free:
-                return free.pop()
-        from cuda.core import PinnedMemoryResource
+            return free.pop() if free else None
 
-        mr = PinnedMemoryResource()
-        slots = [mr.allocate(chunk, stream=stream) for _ in range(SLOTS)]
-        stream.sync()
-        return slots
+    def _free_slot(self, slot: S) -> None:
+        raise NotImplementedError
 
-    def give(self, device: int, chunk: int, slots: list[Buffer]) -> None:
+    def _slot_size(self, slot: S) -> int:
+        raise NotImplementedError
+
+    def give(self, device: int, chunk: int, slots: list[S]) -> None:
+        """Keep ``slots`` for the next transfer (their copies have finished), or free them."""
         with self._lock:
             free = self._free.setdefault((device, chunk), [])
             if len(free) < self._keep:
                 free.append(slots)
                 return
         for slot in slots:
-            slot.close()
+            self._free_slot(slot)
 
     def clear(self) -> None:
         """Free every kept set (a worker's teardown)."""
@@ -91,13 +94,36 @@ class Staging:
             self._free.clear()
         for slots in sets:
             for slot in slots:
-                slot.close()
+                self._free_slot(slot)
 
     @property
     def nbytes(self) -> int:
-        """Pinned bytes kept."""
+        """Bytes kept in slots."""
         with self._lock:
-            return sum(int(b.size) for free in self._free.values() for s in free for b in s)
+            return sum(self._slot_size(b) for free in self._free.values() for s in free for b in s)
+
+
+class Staging(KeptSlots["Buffer"]):
+    """Pinned staging slots of this process, kept for the next transfer (at most ``keep * SLOTS`` chunks of pinned
+    host memory per GPU and chunk size). Slots come from the driver's default pinned memory pool (cuda.core
+    ``PinnedMemoryResource()``)."""
+
+    def take(self, device: int, chunk: int, stream: Any) -> list[Buffer]:
+        kept = self._kept(device, chunk)
+        if kept is not None:
+            return kept
+        from cuda.core import PinnedMemoryResource
+
+        mr = PinnedMemoryResource()
+        slots = [mr.allocate(chunk, stream=stream) for _ in range(SLOTS)]
+        stream.sync()
+        return slots
+
+    def _free_slot(self, slot: Buffer) -> None:
+        slot.close()
+
+    def _slot_size(self, slot: Buffer) -> int:
+        return int(slot.size)
 
 
 #: This process's staging slots.

@@ -22,11 +22,10 @@ slots for the next pull like the pinned staging does, until :meth:`VkgdrStaging.
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any
 
 from dask_gpupool.memory.topology import current_gpu
-from dask_gpupool.transport.staging import SLOTS
+from dask_gpupool.transport.staging import SLOTS, KeptSlots
 
 __all__ = ["VKGDR", "VkgdrSlot", "VkgdrStaging"]
 
@@ -74,20 +73,19 @@ class VkgdrSlot:
         self._mem = None
 
 
-class VkgdrStaging:
+class VkgdrStaging(KeptSlots[VkgdrSlot]):
     """vkgdr landing slots of this process, per (GPU, chunk size), kept for the next pull.
 
     :meth:`take` raises when vkgdr cannot be used on that GPU (not
     installed, no Vulkan loader or driver, no host-visible device memory);
-    :meth:`unavailable` says why without raising, remembered per GPU.
+    :meth:`unavailable` says why without raising, remembered per GPU. The
+    vkgdr handles stay open for the process (:meth:`clear` frees the slots).
     """
 
     def __init__(self, keep: int = 8) -> None:
-        self._keep = keep
-        self._free: dict[tuple[int, int], list[list[VkgdrSlot]]] = {}
+        super().__init__(keep)
         self._handles: dict[int, Any] = {}
         self._errors: dict[int, str] = {}
-        self._lock = threading.Lock()
 
     def unavailable(self, device: int) -> str | None:
         """Why vkgdr cannot land copies on GPU ``device`` (``None``: it can). Opens vkgdr on first use."""
@@ -121,10 +119,9 @@ class VkgdrStaging:
     def take(self, device: int, chunk: int) -> list[VkgdrSlot]:
         """:data:`~dask_gpupool.transport.staging.SLOTS` slots of ``chunk`` bytes on ``device`` (owned by the
         caller until :meth:`give`)."""
-        with self._lock:
-            free = self._free.get((device, chunk))
-            if free:
-                return free.pop()
+        kept = self._kept(device, chunk)
+        if kept is not None:
+            return kept
         handle = self._handle(device)
         slots: list[VkgdrSlot] = []
         try:
@@ -136,30 +133,11 @@ class VkgdrStaging:
             raise
         return slots
 
-    def give(self, device: int, chunk: int, slots: list[VkgdrSlot]) -> None:
-        """Keep ``slots`` for the next pull (their copies have finished), or free them."""
-        with self._lock:
-            free = self._free.setdefault((device, chunk), [])
-            if len(free) < self._keep:
-                free.append(slots)
-                return
-        for slot in slots:
-            slot.free()
+    def _free_slot(self, slot: VkgdrSlot) -> None:
+        slot.free()
 
-    def clear(self) -> None:
-        """Free every kept set (a worker's teardown); the vkgdr handles stay open for the process."""
-        with self._lock:
-            sets = [s for free in self._free.values() for s in free]
-            self._free.clear()
-        for slots in sets:
-            for slot in slots:
-                slot.free()
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of GPU memory kept in slots."""
-        with self._lock:
-            return sum(slot.size for free in self._free.values() for s in free for slot in s)
+    def _slot_size(self, slot: VkgdrSlot) -> int:
+        return slot.size
 
 
 #: This process's vkgdr landing slots.

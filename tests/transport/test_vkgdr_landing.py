@@ -40,3 +40,31 @@ def test_a_pull_where_vkgdr_cannot_run_lands_through_pinned_staging_and_says_so_
     said = [r for r in caplog.records if "tcp-landing" in r.getMessage()]
     assert len(said) == 1 and said[0].levelno == level
     assert "pinned staging is used instead" in said[0].getMessage()
+
+
+def test_kept_slot_sets_are_reused_up_to_keep_and_freed_after():
+    """The bookkeeping pinned staging and vkgdr slots share (``KeptSlots``), with slots that record their freeing."""
+    from dask_gpupool.transport.staging import SLOTS, KeptSlots
+
+    freed: list[int] = []
+
+    class Slots(KeptSlots[int]):
+        def take(self, device: int, chunk: int) -> list[int]:
+            return self._kept(device, chunk) or [chunk] * SLOTS
+
+        def _free_slot(self, slot: int) -> None:
+            freed.append(slot)
+
+        def _slot_size(self, slot: int) -> int:
+            return slot
+
+    kept = Slots(keep=1)
+    a, b = kept.take(0, 8), kept.take(0, 8)
+    kept.give(0, 8, a)
+    kept.give(0, 8, b)  # one set kept per (GPU, chunk): the second is freed
+    assert freed == [8] * SLOTS and kept.nbytes == 8 * SLOTS
+    assert kept.take(0, 8) is a and kept.nbytes == 0  # reused
+    assert kept.take(1, 8) is not a  # another GPU's set is its own
+    kept.give(0, 8, a)
+    kept.clear()
+    assert freed == [8] * (2 * SLOTS) and kept.nbytes == 0
