@@ -159,7 +159,8 @@ def dumps(x: Any) -> tuple[dict[str, Any], list[Any]]:
 
     An object this cannot send (a device frame that is not contiguous, a
     failure while staging a frame) goes to Dask's next family, logged once
-    per type; leases granted for its earlier frames end with the reply.
+    per type; leases granted for its earlier frames end at once (their
+    headers are never sent, so no reply's "OK" may claim them).
     """
     if not _wanted(REQUEST.get()) or _own_path(x):
         raise NotImplementedError(type(x).__name__)
@@ -175,9 +176,14 @@ def dumps(x: Any) -> tuple[dict[str, Any], list[Any]]:
         found = None
     if found is not typ:  # a type defined in __main__ or a function: Dask's pickle carries those
         raise NotImplementedError(name)
+    request = REQUEST.get()
+    granted = len(request.granted) if request is not None else 0
+    forwarded = len(request.forwarded) if request is not None else 0
     try:
         sub, frames = _dumps_frames(x, cuda_dumps)
     except Exception as e:
+        if request is not None:  # the headers of the frames handed over so far are never sent
+            request.revoke_since(granted, forwarded)
         if typ not in _DECLINED:
             _DECLINED.add(typ)
             logger.warning("gpupool: %s goes through Dask's serializer: %s: %s", name, type(e).__name__, e)

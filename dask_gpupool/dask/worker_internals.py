@@ -68,6 +68,16 @@ class Request:
     #: Why a value outside every pool in this reply is a same-host copy (``None``: it is not one).
     plain_reason: str | None = None
 
+    def revoke_since(self, granted: int, forwarded: int) -> None:
+        """End the leases granted (and forwarded) for this reply after the first ``granted`` (``forwarded``):
+        their headers will not be sent (a serializer gave up on the value and Dask tries its next family)."""
+        revoked, self.granted[granted:] = self.granted[granted:], []
+        passed_on, self.forwarded[forwarded:] = self.forwarded[forwarded:], []
+        if revoked:
+            self.service.revoke(revoked, self.requester)
+        if passed_on:
+            self.service.settle_forwarded(passed_on, self.requester)
+
     def count_plain_fallback(self, nbytes: int) -> None:
         """Count a value of ``nbytes`` outside every pool sent in this reply as a same-host fallback, if it is one.
 

@@ -104,6 +104,7 @@ class ExportSide:
         self.on_transfer_failed = None
         self.refuses = None
         self.closing = False  # the broker closes every connection: peers did not unmap anything
+        self._resync_epochs: dict[str, int] = {}  # per importer, the newest resync applied
 
     def thread_started(self) -> None:
         make_current(self._pool)()
@@ -155,7 +156,14 @@ class ExportSide:
         if self.on_transfer_failed is not None:
             self.on_transfer_failed(importer)
 
-    def resync(self, leases: set[int], importer: str) -> int:
+    def resync(self, leases: set[int], importer: str, epoch: int = 0) -> int:
+        if epoch:
+            if epoch <= self._resync_epochs.get(importer, 0):
+                # an older snapshot than one applied (sent on a link that broke, read late): applying it would end
+                # leases the importer claimed since
+                logger.info("pool %s: ignored a stale resync (epoch %d) from %s", self._pool.uuid, epoch, importer)
+                return 0
+            self._resync_epochs[importer] = epoch
         n = self._leases.resync(importer, leases)
         if n:
             logger.info("pool %s: %s resynced; ended %d lease(s) it had released", self._pool.uuid, importer, n)
@@ -184,6 +192,7 @@ class ExportSide:
             logger.info("pool %s: %d lease(s) %s forwarded were never claimed; ended", self._pool.uuid, n, importer)
 
     def importer_exited(self, importer: str) -> None:
+        self._resync_epochs.pop(importer, None)  # a new process under that address numbers from 1 again
         n = self._leases.release_importer(importer)
         if n:
             logger.info("pool %s: importer %s exited; released its %d lease(s)", self._pool.uuid, importer, n)
@@ -195,6 +204,11 @@ class ExportSide:
         holder = self._leases.holder_for(lease, importer)
         if holder is None:
             raise DataLostError(f"lease {lease} on pool {self._pool.uuid} has ended (or is not {importer}'s)")
+        segment = self._leases.copied_instead(lease, importer)  # it could not map it: it never will for this lease
+        segmented = self._pool.segmented
+        if segment and segmented is not None:
+            make_current(self._pool)()  # a helper thread: taking the claim back may free a retired segment
+            segmented.forget_claims([segment], importer)
         if isinstance(holder, Staged):  # a stream lease: its span of the buffer
             buf, offset, n = holder.buf, holder.offset, holder.nbytes
         else:

@@ -256,7 +256,12 @@ class Importer:
             key, raw, ptr = mapped.acquire(desc, segment_fd=self._segment_fetcher(record, desc))
         except Exception as e:  # GPUPoolError, CUDA errors: the copy path still works
             self.handoffs.fallback(record.worker, "import-failed", self.worker, f"{type(e).__name__}: {e}")
-            return self.fetch_copy(header, record, link)  # a held lease is claimed again there, then released
+            try:
+                return self.fetch_copy(header, record, link)  # a held lease is claimed again there, then released
+            except BaseException:
+                if held_here:
+                    self.releaser.put(broker, lease)  # held here, never used: give it back (twice is harmless)
+                raise
 
         def closed(event: Any, segment: tuple[int, int] | None) -> None:
             self.releaser.put(broker, lease, event, (segment,) if segment else ())

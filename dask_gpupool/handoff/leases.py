@@ -117,6 +117,9 @@ class Lease:
     in_doubt : bool
         A ``by_reply`` lease whose reply failed: kept until the importer
         says whether it holds it (:meth:`LeaseTable.resolve`).
+    unmapped : bool
+        The importer asked for a copy instead of mapping it
+        (:meth:`LeaseTable.copied_instead`): its segment claim was taken back.
     """
 
     id: int
@@ -131,6 +134,7 @@ class Lease:
     forwarder: str = ""
     by_reply: bool = False
     in_doubt: bool = False
+    unmapped: bool = False
 
 
 class LeaseTable:
@@ -359,6 +363,22 @@ class LeaseTable:
             self.abandoned_total += len(gone)
         return self._drop(gone), doubt
 
+    def revoke(self, lease_ids: Iterable[int]) -> tuple[int, list[int]]:
+        """End unclaimed leases whose headers were never sent; return how many ended and the segments of the
+        ``by_reply`` ones (noted at their grant: the caller forgets them)."""
+        segments: list[int] = []
+        with self._lock:
+            gone = []
+            for i in lease_ids:
+                lease = self._leases.get(i)
+                if lease is None or lease.claimed:
+                    continue
+                gone.append(self._leases.pop(i))
+                if lease.by_reply and lease.segment and not lease.unmapped:
+                    segments.append(lease.segment)
+            self.abandoned_total += len(gone)
+        return self._drop(gone), segments
+
     def in_doubt(self, lease_ids: Iterable[int], importer: str) -> list[int]:
         """Those of ``lease_ids`` still in doubt (live, ``importer``'s, unclaimed, their reply failed)."""
         with self._lock:
@@ -393,10 +413,27 @@ class LeaseTable:
                     lease.claimed = True
                 else:
                     gone.append(self._leases.pop(i))
-                    if lease.segment:
+                    if lease.segment and not lease.unmapped:
                         ended_segments.append(lease.segment)
             self.abandoned_total += len(gone)
         return self._drop(gone), ended_segments
+
+    def copied_instead(self, lease_id: int, importer: str) -> int:
+        """``importer`` asks for a copy of its lease ``lease_id`` because it could not map it: the segment whose
+        claim the retire ledger counts for it (once; 0: none), which the caller takes back, since the importer
+        never mapped the segment for this lease and will not count it in a ``SegmentRelease``."""
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            if (
+                lease is None
+                or lease.importer != importer
+                or not lease.segment
+                or lease.unmapped
+                or not (lease.by_reply or lease.claimed)
+            ):
+                return 0
+            lease.unmapped = True
+            return lease.segment
 
     def overdue(self, now: float | None = None) -> int:
         """Log (once per lease) leases unclaimed for more than ``timeout`` seconds; return how many are."""

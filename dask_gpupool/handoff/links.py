@@ -74,7 +74,13 @@ class ExporterLinks:
         # A link opened again after one broke first resyncs the leases still held from this exporter.
         live, epoch = self.releaser.snapshot(record.broker)
         link = PeerLink(
-            record.broker, self.options.broker_timeout, self.token, self.worker, live, expected_pid=record.pid
+            record.broker,
+            self.options.broker_timeout,
+            self.token,
+            self.worker,
+            live,
+            expected_pid=record.pid,
+            epoch=epoch,
         )
         self.releaser.resynced(record.broker, epoch)  # answered (the constructor raises otherwise)
         with self._links_lock:

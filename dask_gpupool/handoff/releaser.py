@@ -59,8 +59,9 @@ class Releaser:
     _live: dict[str, set[int]]
     _epoch: dict[str, int]
     _retry: dict[str, list[tuple[int, int]]]
-    _resyncing: dict[str, int]
+    _resyncing: dict[str, set[int]]
     _refused: dict[str, dict[int, None]]
+    _released: dict[str, dict[int, None]]
     _cond: threading.Condition
     _closed: bool
     _thread: threading.Thread
@@ -74,6 +75,7 @@ class Releaser:
         self._retry = {}
         self._resyncing = {}
         self._refused = {}
+        self._released = {}
         self._cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="gpupool-releaser", daemon=True)
@@ -104,13 +106,25 @@ class Releaser:
         """
         with self._cond:
             epoch = self._epoch[exporter] = self._epoch.get(exporter, 0) + 1
-            self._resyncing[exporter] = epoch
+            self._resyncing.setdefault(exporter, set()).add(epoch)
             return sorted(self._live.get(exporter, ())), epoch
 
     def resynced(self, exporter: str, epoch: int) -> None:
-        """The resync of snapshot ``epoch`` was answered by the exporter (a failed one never counts)."""
+        """The resync of snapshot ``epoch`` was answered by the exporter.
+
+        Resyncs of earlier snapshots that are still open (one on another
+        thread, or one whose answer never came: the exporter may read it
+        later) close with it: the exporter ignores a resync older than the
+        newest it answered (:meth:`ExportSide.resync
+        <dask_gpupool.handoff.exporter.ExportSide.resync>`). A resync that
+        failed stays open until a later one is answered.
+        """
         with self._cond:
-            if self._resyncing.get(exporter) == epoch:
+            open_ = self._resyncing.get(exporter)
+            if open_ is None:
+                return
+            open_.difference_update([e for e in open_ if e <= epoch])
+            if not open_:
                 del self._resyncing[exporter]
 
     def hold_here(self, exporter: str, lease: int) -> bool | None:
@@ -128,23 +142,25 @@ class Releaser:
     def answer(self, exporter: str, leases: tuple[int, ...] | list[int]) -> list[int]:
         """Which of ``leases`` (of a reply that failed at ``exporter``) are held here; refuse the others for good.
 
-        A lease released meanwhile is no longer held; one whose release is
-        still queued is, and its release follows. The refusals are kept for
-        the last :data:`REFUSED_KEPT` leases per exporter: a header is
-        deserialized within a reply's lifetime, long before that many later
-        replies failed.
+        A lease held here and released since counts as held: its release
+        (sent, queued behind a broken link, or resynced) ends it at the
+        exporter, and its segment was counted here, so the exporter must not
+        take the segment's claim back as it does for a lease never held.
+        Refusals and releases are kept for the last :data:`REFUSED_KEPT`
+        leases per exporter: a header is deserialized within a reply's
+        lifetime, long before that many later replies failed.
         """
         with self._cond:
             live = self._live.get(exporter, set())
+            released = self._released.get(exporter, {})
             refused = self._refused.setdefault(exporter, {})
             held = []
             for lease in leases:
-                if lease in live:
+                if lease in live or lease in released:
                     held.append(lease)
                 else:
                     refused[lease] = None
-            while len(refused) > REFUSED_KEPT:
-                del refused[next(iter(refused))]
+            _bound(refused)
             return held
 
     def live(self, exporter: str | None = None) -> int:
@@ -160,6 +176,7 @@ class Releaser:
             self._live.pop(exporter, None)
             self._retry.pop(exporter, None)
             self._refused.pop(exporter, None)
+            self._released.pop(exporter, None)
 
     # -- releases ------------------------------------------------------------------
 
@@ -209,6 +226,11 @@ class Releaser:
             for exporter, (leases, _) in by_exporter.items():
                 live = self._live.get(exporter)
                 if live is not None:
+                    released = self._released.setdefault(exporter, {})
+                    for lease in leases:
+                        if lease in live:
+                            released[lease] = None
+                    _bound(released)
                     live.difference_update(leases)
                     if not live:
                         del self._live[exporter]
@@ -270,6 +292,12 @@ class Releaser:
             self._closed = True
             self._cond.notify()
         self._thread.join(timeout=10)
+
+
+def _bound(ids: dict[int, None]) -> None:
+    """Keep the last :data:`REFUSED_KEPT` ids (insertion order)."""
+    while len(ids) > REFUSED_KEPT:
+        del ids[next(iter(ids))]
 
 
 class _SetOnSync:

@@ -294,6 +294,10 @@ class PoolService:
         """:meth:`Exports.settle <dask_gpupool.handoff.exports.Exports.settle>`."""
         return self.exports.settle(leases, requester, ok)
 
+    def revoke(self, leases: list[int], requester: str | None) -> int:
+        """:meth:`Exports.revoke <dask_gpupool.handoff.exports.Exports.revoke>`."""
+        return self.exports.revoke(leases, requester)
+
     def in_doubt(self, leases: list[int], requester: str) -> list[int]:
         """Those of ``leases`` still in doubt (:meth:`~dask_gpupool.handoff.leases.LeaseTable.in_doubt`)."""
         return self.leases.in_doubt(leases, requester)
@@ -315,6 +319,10 @@ class PoolService:
         """
         if self.closed:
             raise PoolClosedError(f"pool service of {self.record.worker} is closed")
+        if not any(r.broker == query.exporter for r in self.registry.records()):
+            # no header of an exporter this worker does not know is ever held here (import_handoff); and no
+            # refusals are kept for names that are no one's broker
+            return LeaseQueryReply(())
         return LeaseQueryReply(tuple(self.importer.releaser.answer(query.exporter, query.leases)))
 
     def forward(

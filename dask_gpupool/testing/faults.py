@@ -111,19 +111,23 @@ def kept_head(nbytes: int, dask_worker: Worker) -> bytes:
     return head(dask_worker._gpupool_kept, nbytes)  # type: ignore[attr-defined]
 
 
-def deserialize_kept(dask_worker: Worker) -> str:
-    """client.run target: deserialize the value :func:`get_data_without_ok` kept serialized; the error's type, or "".
-
-    A value that deserializes is dropped at once.
+def deserialize_kept(exporter: str, dask_worker: Worker) -> str:
+    """client.run target: deserialize the value :func:`get_data_without_ok` kept serialized, as a reply read from
+    ``exporter`` (so that a lease claimed by the reply would be held here); ``"Type: message"`` of the error, or
+    ``""``. A value that deserializes is dropped at once.
     """
     from distributed.protocol import deserialize
 
+    from dask_gpupool.handoff.deferred import SENDER
+
     kept = dask_worker._gpupool_kept  # type: ignore[attr-defined]
+    token = SENDER.set(exporter)
     try:
         value = deserialize(kept.header, kept.frames)
     except Exception as e:
-        return type(e).__name__
+        return f"{type(e).__name__}: {e}"
     finally:
+        SENDER.reset(token)
         dask_worker._gpupool_kept = None  # type: ignore[attr-defined]
     del value
     return ""

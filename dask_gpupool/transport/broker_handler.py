@@ -60,8 +60,12 @@ class BrokerHandler(Protocol):
     def transfer_failed(self, importer: str) -> None:
         """A transfer to ``importer`` failed after it claimed its leases: send it copies for a while."""
 
-    def resync(self, leases: set[int], importer: str) -> int:
-        """``importer`` holds exactly ``leases`` (after a broken link); return how many others ended."""
+    def resync(self, leases: set[int], importer: str, epoch: int = 0) -> int:
+        """``importer`` holds exactly ``leases`` (after a broken link); return how many others ended.
+
+        ``epoch``: the importer's snapshot number (0: not known); an older one than the newest applied is
+        ignored.
+        """
 
     def segments_released(self, segments: tuple[tuple[int, int], ...], importer: str) -> None:
         """``importer`` unmapped these retiring segments ``(id, claims)``."""
@@ -119,7 +123,7 @@ class LookupOnly:
     def transfer_failed(self, importer: str) -> None:
         pass
 
-    def resync(self, leases: set[int], importer: str) -> int:
+    def resync(self, leases: set[int], importer: str, epoch: int = 0) -> int:
         return 0
 
     def segments_released(self, segments: tuple[tuple[int, int], ...], importer: str) -> None:

@@ -133,11 +133,12 @@ class BrokerRequests:
         elif isinstance(request, LeaseRelease):
             self._handler.release(request.leases, importer)
         elif isinstance(request, Resync):
+            # chunks of one resync come in order on one connection; the last one's epoch names the snapshot
             resync.update(request.leases)
             if len(resync) > _MAX_RESYNC:
                 raise ProtocolError(f"resync of more than {_MAX_RESYNC} leases")
             if request.done:
-                ended = self._handler.resync(set(resync), importer)
+                ended = self._handler.resync(set(resync), importer, request.epoch)
                 resync.clear()
                 await self._loop.sock_sendall(conn, encode(ResyncReply(ended)))
         elif isinstance(request, SegmentRelease):

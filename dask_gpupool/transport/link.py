@@ -81,6 +81,9 @@ class PeerLink:
     expected_pid : int or None
         The exporter's pid (its registry row's); when given, a listener of
         another pid is refused.
+    epoch : int
+        The releaser's number of the snapshot ``live`` is (0: not known), sent
+        with the resync: the exporter ignores an older one than it applied.
 
     Raises
     ------
@@ -113,6 +116,7 @@ class PeerLink:
         worker: str = "",
         live: Collection[int] | None = None,
         expected_pid: int | None = None,
+        epoch: int = 0,
     ) -> None:
         self.address = address
         self.timeout = timeout
@@ -159,7 +163,7 @@ class PeerLink:
         self._sock = sock
         if live is not None:
             try:
-                self._resync(sorted(live))
+                self._resync(sorted(live), epoch)
             except BaseException:
                 self.close()
                 raise
@@ -204,16 +208,16 @@ class PeerLink:
                 raise ProtocolError(f"{context}: expected one fd, got {len(fds)}")
             return msg, fds[0]
 
-    def _resync(self, live: list[int]) -> None:
+    def _resync(self, live: list[int], epoch: int = 0) -> None:
         context = f"broker {self.address} (resync of {len(live)} leases)"
         with self._lock:
             for i in range(0, max(len(live), 1), MAX_LEASES_PER_MESSAGE):
                 chunk = tuple(live[i : i + MAX_LEASES_PER_MESSAGE])
                 done = i + MAX_LEASES_PER_MESSAGE >= len(live)
                 if not done:
-                    self._send_locked(Resync(chunk, False))
+                    self._send_locked(Resync(chunk, False, epoch))
                     continue
-                reply = ResyncReply.from_msg(self._request(Resync(chunk, True), context))
+                reply = ResyncReply.from_msg(self._request(Resync(chunk, True, epoch), context))
                 if reply.ended:
                     logger.info(
                         "%s: the exporter ended %d lease(s) released while the link was down", context, reply.ended

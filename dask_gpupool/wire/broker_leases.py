@@ -90,21 +90,28 @@ class Resync:
     counted as claimed by this worker that are not listed: their releases
     were lost with the old connection. Chunks of at most
     :data:`MAX_LEASES_PER_MESSAGE`; the last has ``done`` set and is answered
-    by a :class:`ResyncReply`.
+    by a :class:`ResyncReply`. ``epoch`` (positive; 0 or absent: not known)
+    numbers the importer's snapshots of its leases of this exporter, in
+    order: the exporter ignores a resync older than the newest it applied
+    from that importer (one sent on a link that broke, read late).
     """
 
     leases: tuple[int, ...]
     done: bool
+    epoch: int = 0
     op: ClassVar[str] = "resync"
 
     def to_msg(self) -> dict[str, Any]:
-        return {"op": self.op, "leases": list(self.leases), "done": self.done}
+        return {"op": self.op, "leases": list(self.leases), "done": self.done, "epoch": self.epoch}
 
     @classmethod
     def from_msg(cls, msg: object) -> Resync:
         what = "lease resync"
         m = as_mapping(msg, what)
-        return cls(_lease_ids(m, what), field_of(m, "done", bool, what))
+        epoch = field_of(m, "epoch", int, what) if "epoch" in m else 0
+        if epoch < 0:
+            raise ProtocolError(f"{what}: negative epoch")
+        return cls(_lease_ids(m, what), field_of(m, "done", bool, what), epoch)
 
 
 @dataclass(frozen=True)

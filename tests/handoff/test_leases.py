@@ -103,6 +103,28 @@ def test_a_lease_claimed_by_its_reply_is_claimed_by_the_ok_and_in_doubt_when_the
     assert table.forward(table.grant(held, 8, "tcp://b:1"), "tcp://b:1", "tcp://c:1") is None
 
 
+def test_leases_of_headers_never_sent_are_revoked_and_a_copy_takes_back_the_segment_claim():
+    """A serializer that gives up on a value after granting leases for its first frames revokes them (no "OK" may
+    claim them); an importer that asks for a copy of a lease it could not map never counts its segment."""
+    table = LeaseTable(60)
+    held = bytearray(8)
+    sent = table.grant(held, 8, "tcp://b:1", segment=3, by_reply=True)
+    unsent = table.grant(held, 8, "tcp://b:1", segment=4, by_reply=True)
+    broker = table.grant(held, 8, "tcp://b:1", segment=5)
+    assert table.revoke([unsent, broker]) == (2, [4])  # the broker-claimed one was never noted
+    assert table.holder(sent) is held and table.holder(unsent) is None and table.holder(broker) is None
+    # a copy instead of a mapping: the claim noted at the grant goes back once, and not again if it ends unheld
+    assert table.copied_instead(sent, "tcp://c:1") == 0  # not that importer's
+    assert table.copied_instead(sent, "tcp://b:1") == 3
+    assert table.copied_instead(sent, "tcp://b:1") == 0
+    table.settle([sent])
+    assert table.resolve([sent], "tcp://b:1", []) == (1, [])
+    # a broker-claimed lease counts its segment once claimed, not before
+    late = table.grant(held, 8, "tcp://b:1", segment=6)
+    assert table.copied_instead(late, "tcp://b:1") == 0
+    assert table.claim([late], "tcp://b:1", []) == [] and table.copied_instead(late, "tcp://b:1") == 6
+
+
 def test_stream_leases_are_pulled_once():
     table = LeaseTable(60)
     lease = table.grant(bytearray(8), 8, "tcp://b:1")
@@ -204,7 +226,9 @@ def test_a_reply_that_failed_at_the_exporter_leaves_its_leases_to_the_importers_
         y.result()
         assert c.run(T.get_data_without_ok, a, y.key, False, workers=[b])[b] == 1
         wait_for(lambda: c.run(T.lease_counts, workers=[a])[a]["leases"] == 0, what="A ending the unheld lease")
-        assert c.run(T.deserialize_kept, workers=[b])[b] == "DataLostError"
+        # read now as A's reply: refused here, by B's own answer, not by A's broker (no claim is asked)
+        error = c.run(T.deserialize_kept, a, workers=[b])[b]
+        assert error.startswith("DataLostError") and "was refused here" in error, error
         # B's transfers go as copies for a while (its reply failed), so Dask's retry succeeds
         assert c.submit(T.head, y, 10, workers=[b], pure=False).result(timeout=60) == b"never held"
         assert _fallbacks(c, a).get("peer-unreachable", 0) >= 1
@@ -351,6 +375,32 @@ def test_another_worker_can_neither_claim_nor_release_a_lease(exporter):
     finally:
         as_b.close()
         as_c.close()
+
+
+def test_a_resync_older_than_one_applied_ends_nothing(exporter):
+    """A resync sent on a link that broke can reach the broker after a newer one (or after a lease was claimed by
+    its reply since): the broker ignores a snapshot older than the newest it applied from that importer."""
+    from dask_gpupool.handoff.exporter import Exported
+    from dask_gpupool.transport.link import PeerLink
+
+    pool, leases, broker, (b, _) = exporter
+    buf = pool.allocate(4096)
+    lease = leases.grant(Exported(buf, buf), 4096, b, by_reply=True)
+    del buf
+    links = []
+    try:
+        links.append(PeerLink(broker.address, 2.0, TOKEN, b, live=[], epoch=2))  # before the lease was held
+        leases.settle([lease], ok=True)  # the reply's "OK": claimed
+        links.append(PeerLink(broker.address, 2.0, TOKEN, b, live=[], epoch=1))  # stale: ignored
+        links.append(PeerLink(broker.address, 2.0, TOKEN, b, live=[], epoch=2))  # not newer either
+        assert len(leases) == 1 and leases.unclaimed == 0
+        links.append(PeerLink(broker.address, 2.0, TOKEN, b, live=[lease], epoch=3))
+        assert len(leases) == 1
+        links.append(PeerLink(broker.address, 2.0, TOKEN, b, live=[], epoch=4))  # released since: it ends
+        assert len(leases) == 0 and pool.stats().used == 0
+    finally:
+        for link in links:
+            link.close()
 
 
 def test_a_claim_is_acknowledged_only_once_the_memory_is_written_and_the_broker_serves_others_meanwhile(exporter):
