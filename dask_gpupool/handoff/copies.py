@@ -92,8 +92,14 @@ class Copies:
         """
         try:
             self.links.claim(record, link, [header.lease])  # ours now: only this worker may release it
+        except GPUPoolError as e:
+            raise DataLostError(
+                f"lease {header.lease} on pool {record.pool} of worker {record.worker} cannot be read: {e}"
+            ) from e
+        try:
             reply, fd = self.links.link(record).fetch_copy(header.lease)
         except GPUPoolError as e:
+            self.releaser.put(record.broker, header.lease, unmapped=True)  # claimed, never mapped: give it back
             raise DataLostError(
                 f"lease {header.lease} on pool {record.pool} of worker {record.worker} cannot be read: {e}"
             ) from e

@@ -259,8 +259,8 @@ class Importer:
             try:
                 return self.fetch_copy(header, record, link)  # a held lease is claimed again there, then released
             except BaseException:
-                if held_here:
-                    self.releaser.put(broker, lease)  # held here, never used: give it back (twice is harmless)
+                if held_here:  # held here, never mapped: give it back (twice is harmless)
+                    self.releaser.put(broker, lease, unmapped=True)
                 raise
 
         def closed(event: Any, segment: tuple[int, int] | None) -> None:

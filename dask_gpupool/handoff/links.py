@@ -62,12 +62,28 @@ class ExporterLinks:
         self.token = None
         self._links = {}
         self._links_lock = threading.Lock()
+        self._opening: dict[str, threading.Lock] = {}
 
     def link(self, record: PoolRecord) -> PeerLink:
-        """This worker's connection to ``record``'s broker, opened on first use (or after it broke)."""
+        """This worker's connection to ``record``'s broker, opened on first use (or after it broke).
+
+        One thread at a time opens a link to one exporter (the others wait
+        for it, at most ``broker-timeout``): two resyncs of one importer in
+        flight at once could reach the exporter in either order, and the
+        older one, applied last, would end leases claimed since.
+        """
         with self._links_lock:
             link = self._links.get(record.broker)
             if link is not None and link.alive:
+                return link
+            opening = self._opening.setdefault(record.broker, threading.Lock())
+        with opening:
+            return self._open(record)
+
+    def _open(self, record: PoolRecord) -> PeerLink:
+        with self._links_lock:
+            link = self._links.get(record.broker)
+            if link is not None and link.alive:  # another thread opened it meanwhile
                 return link
         if self.token is None:
             raise NotAMemberError(f"pool {self.pool.uuid}: not registered with the scheduler yet (no cluster token)")

@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 from dask_gpupool.errors import GPUPoolError
 from dask_gpupool.transport.link import LinkFactory
 
-__all__ = ["REFUSED_KEPT", "Releaser"]
+__all__ = ["REFUSED_EXPORTERS", "REFUSED_KEPT", "Releaser"]
 
 logger = logging.getLogger(__name__)
 
-#: Refused lease ids kept per exporter (:meth:`Releaser.answer`).
+#: Refused (and released) lease ids kept per exporter (:meth:`Releaser.answer`).
 REFUSED_KEPT = 65536
+#: Exporters whose refusals are kept, the newest first (a query may name any string).
+REFUSED_EXPORTERS = 4096
 
 
 class Releaser:
@@ -55,10 +58,10 @@ class Releaser:
     sent: int
     segments_sent: int
     resyncs: int
-    _pending: list[tuple[str, int, Any, tuple[tuple[int, int], ...]]]
+    _pending: list[tuple[str, int, Any, tuple[tuple[int, int], ...], bool]]
     _live: dict[str, set[int]]
     _epoch: dict[str, int]
-    _retry: dict[str, list[tuple[int, int]]]
+    _retry: dict[str, _Releases]
     _resyncing: dict[str, set[int]]
     _refused: dict[str, dict[int, None]]
     _released: dict[str, dict[int, None]]
@@ -103,9 +106,14 @@ class Releaser:
         :meth:`hold_here` holds nothing of ``exporter``: a lease held here
         after the snapshot, and claimed by its reply meanwhile, would be ended
         by the resync that does not list it.
+
+        Epochs grow with the host's monotonic clock (nanoseconds), so that a
+        process that takes over a worker address after another numbers its
+        resyncs above the earlier process's (the exporter ignores a resync
+        older than the newest it applied for that address).
         """
         with self._cond:
-            epoch = self._epoch[exporter] = self._epoch.get(exporter, 0) + 1
+            epoch = self._epoch[exporter] = max(self._epoch.get(exporter, 0) + 1, time.monotonic_ns())
             self._resyncing.setdefault(exporter, set()).add(epoch)
             return sorted(self._live.get(exporter, ())), epoch
 
@@ -154,13 +162,21 @@ class Releaser:
             live = self._live.get(exporter, set())
             released = self._released.get(exporter, {})
             refused = self._refused.setdefault(exporter, {})
+            while len(self._refused) > REFUSED_EXPORTERS:  # names no one's broker (a flood) go first
+                del self._refused[next(iter(self._refused))]
             held = []
             for lease in leases:
-                if lease in live or lease in released:
+                if lease in live:
                     held.append(lease)
+                elif lease in released:
+                    held.append(lease)
+                    # released once; sent again, so that it ends even if the exporter counts it claimed only now
+                    # (its first release may have gone before the answer, or be waiting for a broken link)
+                    self._pending.append((exporter, lease, None, (), False))
                 else:
                     refused[lease] = None
             _bound(refused)
+            self._cond.notify()
             return held
 
     def live(self, exporter: str | None = None) -> int:
@@ -180,14 +196,24 @@ class Releaser:
 
     # -- releases ------------------------------------------------------------------
 
-    def put(self, exporter: str, lease: int, event: Any = None, segments: tuple[tuple[int, int], ...] = ()) -> None:
+    def put(
+        self,
+        exporter: str,
+        lease: int,
+        event: Any = None,
+        segments: tuple[tuple[int, int], ...] = (),
+        unmapped: bool = False,
+    ) -> None:
         """Queue a release; ``event`` (a cuda.core Event or ``None``) must complete first.
 
         ``lease`` 0 releases no lease; ``segments`` are ``(id, claims)`` of
-        segment imports closed before ``event`` was recorded.
+        segment imports closed before ``event`` was recorded. ``unmapped``:
+        the lease was never mapped here (its import failed), so its segment
+        was never counted here, and the exporter takes back the claim it
+        noted (:class:`~dask_gpupool.wire.broker_leases.LeaseRelease`).
         """
         with self._cond:
-            self._pending.append((exporter, lease, event, segments))
+            self._pending.append((exporter, lease, event, segments, unmapped))
             self._cond.notify()
 
     def _run(self) -> None:
@@ -205,10 +231,10 @@ class Releaser:
             else:
                 backoff = min(backoff * 2, 2.0)
 
-    def _send(self, batch: list[tuple[str, int, Any, tuple[tuple[int, int], ...]]]) -> None:
-        by_exporter: dict[str, tuple[list[int], list[tuple[int, int]]]] = {}
+    def _send(self, batch: list[tuple[str, int, Any, tuple[tuple[int, int], ...], bool]]) -> None:
+        by_exporter: dict[str, _Releases] = {}
         markers = []
-        for exporter, lease, event, segments in batch:
+        for exporter, lease, event, segments, unmapped in batch:
             if not exporter:  # flush(): done once everything before it was handled
                 markers.append(event)
                 continue
@@ -218,61 +244,72 @@ class Releaser:
                     event.close()
                 except Exception:  # the GPU work failed; the memory is no longer ours to guard
                     logger.exception("waiting for GPU work before releasing lease %d failed", lease)
-            entry = by_exporter.setdefault(exporter, ([], []))
+            entry = by_exporter.setdefault(exporter, _Releases())
             if lease:
-                entry[0].append(lease)
-            entry[1].extend(segments)
+                (entry.unmapped if unmapped else entry.leases).append(lease)
+            entry.segments.extend(segments)
         with self._cond:
-            for exporter, (leases, _) in by_exporter.items():
+            for exporter, entry in by_exporter.items():
                 live = self._live.get(exporter)
                 if live is not None:
                     released = self._released.setdefault(exporter, {})
-                    for lease in leases:
+                    for lease in entry.leases:  # held and used here: answered as held from now on (answer)
                         if lease in live:
                             released[lease] = None
                     _bound(released)
-                    live.difference_update(leases)
+                    live.difference_update(entry.leases)
+                    live.difference_update(entry.unmapped)
                     if not live:
                         del self._live[exporter]
-        for exporter, (leases, segs) in by_exporter.items():
-            if not leases and not segs:
+        for exporter, entry in by_exporter.items():
+            if not entry:
                 continue
             with self._cond:
-                if exporter in self._retry:  # the link is down: the resync will end these leases
-                    self._retry[exporter].extend(segs)
+                retry = self._retry.get(exporter)
+                if retry is not None:  # the link is down: sent after the new link's resync
+                    retry.extend(entry)
                     continue
-            self._deliver(exporter, leases, segs)
+            self._deliver(exporter, entry)
         for marker in markers:
             marker.sync()
 
-    def _deliver(self, exporter: str, leases: list[int], segs: list[tuple[int, int]]) -> bool:
+    def _deliver(self, exporter: str, entry: _Releases) -> bool:
         try:
             link = self._links(exporter)
             if link is None:  # the exporter left: its leases went with it
                 self.forget(exporter)
                 return True
-            if leases:
-                link.release(leases)
-                self.sent += len(leases)
-            if segs:
-                link.release_segments(segs)
-                self.segments_sent += len(segs)
+            if entry.unmapped:
+                link.release(entry.unmapped, unmapped=True)
+                self.sent += len(entry.unmapped)
+            if entry.leases:
+                link.release(entry.leases)
+                self.sent += len(entry.leases)
+            if entry.segments:
+                link.release_segments(entry.segments)
+                self.segments_sent += len(entry.segments)
             return True
         except GPUPoolError as e:
             logger.info(
-                "releasing %d lease(s), %d segment(s) at %s failed (%s); retrying", len(leases), len(segs), exporter, e
+                "releasing %d lease(s), %d segment(s) at %s failed (%s); retrying",
+                len(entry.leases) + len(entry.unmapped),
+                len(entry.segments),
+                exporter,
+                e,
             )
             with self._cond:
-                self._retry.setdefault(exporter, []).extend(segs)
+                # sent again once a new link is open: its resync ends the leases it does not list only if they
+                # were claimed by then, and a lease claimed later (an answer) must still be released
+                self._retry.setdefault(exporter, _Releases()).extend(entry)
             return False
 
     def _retry_failed(self) -> bool:
-        """Open broken links again (they resync on opening) and resend segment releases; whether all went."""
+        """Open broken links again (they resync on opening) and resend the releases; whether all went."""
         with self._cond:
             retry, self._retry = self._retry, {}
         ok = True
-        for exporter, segs in retry.items():
-            if not self._deliver(exporter, [], segs):
+        for exporter, entry in retry.items():
+            if not self._deliver(exporter, entry):
                 ok = False
             else:
                 self.resyncs += 1
@@ -282,7 +319,7 @@ class Releaser:
         """Wait until everything queued so far has been handled (tests, teardown)."""
         done = threading.Event()
         with self._cond:
-            self._pending.append(("", 0, _SetOnSync(done), ()))
+            self._pending.append(("", 0, _SetOnSync(done), (), False))
             self._cond.notify()
         done.wait(timeout)
 
@@ -292,6 +329,25 @@ class Releaser:
             self._closed = True
             self._cond.notify()
         self._thread.join(timeout=10)
+
+
+class _Releases:
+    """What one exporter is told in one go: leases released (used here), leases never mapped here, segments."""
+
+    __slots__ = ("leases", "segments", "unmapped")
+
+    def __init__(self) -> None:
+        self.leases: list[int] = []
+        self.unmapped: list[int] = []
+        self.segments: list[tuple[int, int]] = []
+
+    def extend(self, other: _Releases) -> None:
+        self.leases.extend(other.leases)
+        self.unmapped.extend(other.unmapped)
+        self.segments.extend(other.segments)
+
+    def __bool__(self) -> bool:
+        return bool(self.leases or self.unmapped or self.segments)
 
 
 def _bound(ids: dict[int, None]) -> None:

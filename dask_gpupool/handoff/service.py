@@ -319,10 +319,8 @@ class PoolService:
         """
         if self.closed:
             raise PoolClosedError(f"pool service of {self.record.worker} is closed")
-        if not any(r.broker == query.exporter for r in self.registry.records()):
-            # no header of an exporter this worker does not know is ever held here (import_handoff); and no
-            # refusals are kept for names that are no one's broker
-            return LeaseQueryReply(())
+        # refusals are kept even for an exporter this worker's registry does not know yet: its row may come
+        # before a header of that reply is deserialized (the releaser bounds how many exporters it keeps)
         return LeaseQueryReply(tuple(self.importer.releaser.answer(query.exporter, query.leases)))
 
     def forward(

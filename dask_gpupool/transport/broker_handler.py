@@ -54,8 +54,8 @@ class BrokerHandler(Protocol):
         The broker runs them on a helper thread before it answers the claim.
         """
 
-    def release(self, leases: Iterable[int], importer: str) -> None:
-        """``importer`` closed its imports of these leased buffers."""
+    def release(self, leases: Iterable[int], importer: str, unmapped: bool = False) -> None:
+        """``importer`` closed its imports of these leased buffers (``unmapped``: it never mapped them)."""
 
     def transfer_failed(self, importer: str) -> None:
         """A transfer to ``importer`` failed after it claimed its leases: send it copies for a while."""
@@ -117,7 +117,7 @@ class LookupOnly:
     def unwritten(self, leases: Iterable[int], importer: str) -> list[Callable[[], None]]:
         return []
 
-    def release(self, leases: Iterable[int], importer: str) -> None:
+    def release(self, leases: Iterable[int], importer: str, unmapped: bool = False) -> None:
         pass
 
     def transfer_failed(self, importer: str) -> None:

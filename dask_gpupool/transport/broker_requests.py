@@ -131,7 +131,7 @@ class BrokerRequests:
                     return
             await self._loop.sock_sendall(conn, encode(ClaimReply(tuple(refused))))
         elif isinstance(request, LeaseRelease):
-            self._handler.release(request.leases, importer)
+            self._handler.release(request.leases, importer, request.unmapped)
         elif isinstance(request, Resync):
             # chunks of one resync come in order on one connection; the last one's epoch names the snapshot
             resync.update(request.leases)

@@ -299,10 +299,10 @@ class PeerLink:
                 refused.extend(lease for lease in chunk if lease in bad)
         return refused
 
-    def release(self, leases: list[int]) -> None:
-        """Tell the exporter these imports are closed."""
+    def release(self, leases: list[int], unmapped: bool = False) -> None:
+        """Tell the exporter these imports are closed (``unmapped``: they were never mapped here)."""
         for i in range(0, len(leases), MAX_LEASES_PER_MESSAGE):
-            self._send(LeaseRelease(tuple(leases[i : i + MAX_LEASES_PER_MESSAGE])))
+            self._send(LeaseRelease(tuple(leases[i : i + MAX_LEASES_PER_MESSAGE]), unmapped))
 
     def forward(self, lease: int, to: str) -> tuple[int, int]:
         """Ask the exporter to grant worker ``to`` a lease on what our lease ``lease`` keeps alive.

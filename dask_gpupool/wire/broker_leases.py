@@ -135,17 +135,25 @@ class ResyncReply:
 
 @dataclass(frozen=True)
 class LeaseRelease:
-    """Importer -> exporter's broker: I closed my imports of these leases (no reply)."""
+    """Importer -> exporter's broker: I closed my imports of these leases (no reply).
+
+    ``unmapped`` (absent: false): I never mapped them (their import failed),
+    so the segment claims the exporter noted for them are taken back.
+    """
 
     leases: tuple[int, ...]
+    unmapped: bool = False
     op: ClassVar[str] = "lease-release"
 
     def to_msg(self) -> dict[str, Any]:
-        return {"op": self.op, "leases": list(self.leases)}
+        return {"op": self.op, "leases": list(self.leases), "unmapped": self.unmapped}
 
     @classmethod
     def from_msg(cls, msg: object) -> LeaseRelease:
-        return cls(_lease_ids(as_mapping(msg, "lease release"), "lease release"))
+        what = "lease release"
+        m = as_mapping(msg, what)
+        unmapped = field_of(m, "unmapped", bool, what) if "unmapped" in m else False
+        return cls(_lease_ids(m, what), unmapped)
 
 
 @dataclass(frozen=True)

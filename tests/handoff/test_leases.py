@@ -10,6 +10,7 @@ stalled-consumer and stalled-producer cases on ``device`` pools.
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
 from typing import Any
@@ -401,6 +402,41 @@ def test_a_resync_older_than_one_applied_ends_nothing(exporter):
     finally:
         for link in links:
             link.close()
+
+
+def test_one_thread_at_a_time_opens_a_link_to_an_exporter(exporter):
+    """Two resyncs of one importer in flight at once could reach the broker in either order: threads that find the
+    link to an exporter closed at the same moment wait for one of them to open it."""
+    from dask_gpupool.config import PoolOptions
+    from dask_gpupool.handoff.links import ExporterLinks
+    from dask_gpupool.handoff.releaser import Releaser
+    from dask_gpupool.wire.registry import PoolRecord
+
+    pool, _leases, broker, (b, _) = exporter
+
+    class CountingReleaser(Releaser):
+        snapshots = 0
+
+        def snapshot(self, exporter: str) -> tuple[list[int], int]:
+            CountingReleaser.snapshots += 1
+            time.sleep(0.05)  # widen the window two openers would share
+            return super().snapshot(exporter)
+
+    releaser = CountingReleaser(lambda broker: None)
+    links = ExporterLinks(PoolOptions.from_config(kind="host", max_size="16 MiB"), pool, b, releaser)
+    links.token = TOKEN
+    record = PoolRecord(pool.uuid, "tcp://127.0.0.1:3", os.getpid(), "h", "h", "host", None, MiB, broker.address)
+    got: list[object] = []
+    threads = [threading.Thread(target=lambda: got.append(links.link(record))) for _ in range(8)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert len(got) == 8 and len({id(x) for x in got}) == 1 and CountingReleaser.snapshots == 1
+    finally:
+        links.drop()
+        releaser.close()
 
 
 def test_a_claim_is_acknowledged_only_once_the_memory_is_written_and_the_broker_serves_others_meanwhile(exporter):

@@ -22,13 +22,14 @@ class RecordingLink:
 
     def __init__(self) -> None:
         self.released: list[list[int]] = []
+        self.unmapped: list[list[int]] = []
         self.segments: list[list[tuple[int, int]]] = []
         self.down = False
 
-    def release(self, leases: list[int]) -> None:
+    def release(self, leases: list[int], unmapped: bool = False) -> None:
         if self.down:
             raise PeerLostError("link down")
-        self.released.append(list(leases))
+        (self.unmapped if unmapped else self.released).append(list(leases))
 
     def release_segments(self, segments: list[tuple[int, int]]) -> None:
         if self.down:
@@ -135,7 +136,7 @@ def test_close_sends_what_is_queued(releaser):
 def test_a_lease_held_by_its_reply_is_held_at_once_unless_refused_or_a_resync_is_open(releaser):
     """gpupool.lease-claims: reply, the importer's side. Answering an exporter's query refuses, for good and at the
     same moment, the leases not held; while a resync is open nothing is held here (the broker claims instead)."""
-    r, _ = releaser
+    r, links = releaser
     assert r.hold_here("a", 1) is True and r.live("a") == 1
     # the exporter's reply failed: it asks; 1 is held, 2 (not deserialized yet) is refused from now on
     assert r.answer("a", [1, 2]) == [1]
@@ -149,10 +150,18 @@ def test_a_lease_held_by_its_reply_is_held_at_once_unless_refused_or_a_resync_is
     r.resynced("a", epoch)
     assert r.hold_here("a", 3) is True and r.live("a") == 2
     # a lease held and released since counts as held: its release ends it at the exporter, which must not take
-    # its segment's claim back (counted here) as for a lease never held
+    # its segment's claim back (counted here) as for a lease never held; and the release goes again, in case the
+    # exporter counts it claimed only from this answer on
     r.put("a", 3)
     r.flush()
     assert r.live("a") == 1 and r.answer("a", [3]) == [3]
+    r.flush()
+    assert [x for batch in links.links["a"].released for x in batch].count(3) == 2
+    # a lease never mapped here (its import failed) is released as such, and answered as not held
+    assert r.hold_here("a", 4) is True
+    r.put("a", 4, unmapped=True)
+    r.flush()
+    assert links.links["a"].unmapped == [[4]] and r.answer("a", [4]) == []
     # an exporter that left: its refusals go with it
     r.forget("a")
     assert r.hold_here("a", 2) is True
@@ -182,3 +191,33 @@ def test_refusals_are_bounded_per_exporter(releaser, monkeypatch):
     r, _ = releaser
     assert r.answer("a", [1, 2, 3, 4, 5]) == []
     assert [r.hold_here("a", i) for i in (1, 2, 3, 4, 5)] == [True, True, False, False, False]
+
+
+def test_releases_while_the_link_is_down_go_again_after_the_resync(releaser):
+    """A resync ends only leases the exporter counts claimed by then; one it counts claimed later (a query's answer)
+    must still be released, so the releases queued while the link was down are sent once it is back."""
+    r, links = releaser
+    assert r.hold_here("a", 7) is True and r.hold_here("a", 8) is True
+    r.put("a", 8)
+    r.flush()
+    links.links["a"].down = True
+    r.put("a", 7)
+    r.put("a", 9, unmapped=True)
+    r.flush()
+    assert r.live("a") == 0
+    links.links["a"].down = False
+    deadline = time.monotonic() + 10
+    while not links.links["a"].unmapped and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert [7] in links.links["a"].released and links.links["a"].unmapped == [[9]]
+
+
+def test_refusals_are_kept_for_a_bounded_number_of_exporters(releaser, monkeypatch):
+    from dask_gpupool.handoff import releaser as module
+
+    monkeypatch.setattr(module, "REFUSED_EXPORTERS", 2)
+    r, _ = releaser
+    for exporter in ("a", "b", "c"):
+        assert r.answer(exporter, [1]) == []
+    assert r.hold_here("a", 1) is True  # the oldest exporter's refusals went
+    assert r.hold_here("b", 1) is False and r.hold_here("c", 1) is False

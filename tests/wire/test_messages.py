@@ -130,6 +130,19 @@ def test_an_ipc_header_says_how_its_lease_is_claimed_and_old_headers_mean_the_br
         HandoffHeader.from_msg({**stream.to_msg(), "claim": "reply"})
 
 
+def test_releases_say_unmapped_and_resyncs_carry_their_snapshot_number_absent_fields_keep_the_old_meaning():
+    from dask_gpupool.wire.broker_leases import LeaseRelease, Resync
+
+    for m in (LeaseRelease((3, 4), True), Resync((3,), True, 1 << 62)):
+        assert type(m).from_msg(wire(m.to_msg())) == m
+    assert LeaseRelease.from_msg({"op": "lease-release", "leases": [3]}) == LeaseRelease((3,), False)
+    assert Resync.from_msg({"op": "resync", "leases": [], "done": True}).epoch == 0
+    with pytest.raises(ProtocolError, match="negative epoch"):
+        Resync.from_msg({"op": "resync", "leases": [], "done": True, "epoch": -1})
+    with pytest.raises(ProtocolError):
+        LeaseRelease.from_msg({"op": "lease-release", "leases": [3], "unmapped": "yes"})
+
+
 def test_lease_queries_round_trip_and_refuse_bad_fields():
     query = LeaseQuery("/run/gpupool/b.sock", (3, 1 << 61))
     assert LeaseQuery.from_msg(wire(query.to_msg())) == query
