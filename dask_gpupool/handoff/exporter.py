@@ -202,7 +202,7 @@ class ExportSide:
             logger.info("pool %s: %d lease(s) %s forwarded were never claimed; ended", self._pool.uuid, n, importer)
 
     def importer_exited(self, importer: str) -> None:
-        self._resync_epochs.pop(importer, None)  # a new process under that address numbers from 1 again
+        self._resync_epochs.pop(importer, None)  # nothing more to order for this process
         n = self._leases.release_importer(importer)
         if n:
             logger.info("pool %s: importer %s exited; released its %d lease(s)", self._pool.uuid, importer, n)

@@ -68,9 +68,10 @@ class ExporterLinks:
         """This worker's connection to ``record``'s broker, opened on first use (or after it broke).
 
         One thread at a time opens a link to one exporter (the others wait
-        for it, at most ``broker-timeout``): two resyncs of one importer in
-        flight at once could reach the exporter in either order, and the
-        older one, applied last, would end leases claimed since.
+        for it, ``broker-timeout`` each when the exporter does not answer):
+        two resyncs of one importer in flight at once could reach the
+        exporter in either order, and the older one, applied last, would end
+        leases claimed since.
         """
         with self._links_lock:
             link = self._links.get(record.broker)
@@ -161,6 +162,7 @@ class ExporterLinks:
         """Close and forget the link to ``broker``, if any (its exporter left)."""
         with self._links_lock:
             link = self._links.pop(broker, None)
+            self._opening.pop(broker, None)
         if link is not None:
             link.close()
 

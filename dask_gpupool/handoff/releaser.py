@@ -16,14 +16,12 @@ from typing import Any
 from dask_gpupool.errors import GPUPoolError
 from dask_gpupool.transport.link import LinkFactory
 
-__all__ = ["REFUSED_EXPORTERS", "REFUSED_KEPT", "Releaser"]
+__all__ = ["REFUSED_KEPT", "Releaser"]
 
 logger = logging.getLogger(__name__)
 
-#: Refused (and released) lease ids kept per exporter (:meth:`Releaser.answer`).
+#: Refused lease ids kept in all, and released ones per exporter (:meth:`Releaser.answer`).
 REFUSED_KEPT = 65536
-#: Exporters whose refusals are kept, the newest first (a query may name any string).
-REFUSED_EXPORTERS = 4096
 
 
 class Releaser:
@@ -78,6 +76,7 @@ class Releaser:
         self._retry = {}
         self._resyncing = {}
         self._refused = {}
+        self._refused_total = 0
         self._released = {}
         self._cond = threading.Condition()
         self._closed = False
@@ -154,16 +153,16 @@ class Releaser:
         (sent, queued behind a broken link, or resynced) ends it at the
         exporter, and its segment was counted here, so the exporter must not
         take the segment's claim back as it does for a lease never held.
-        Refusals and releases are kept for the last :data:`REFUSED_KEPT`
-        leases per exporter: a header is deserialized within a reply's
+        Refusals are kept for the last :data:`REFUSED_KEPT` leases in all
+        (the least recently asked exporter's oldest go first), releases for
+        as many per exporter: a header is deserialized within a reply's
         lifetime, long before that many later replies failed.
         """
         with self._cond:
             live = self._live.get(exporter, set())
             released = self._released.get(exporter, {})
-            refused = self._refused.setdefault(exporter, {})
-            while len(self._refused) > REFUSED_EXPORTERS:  # names no one's broker (a flood) go first
-                del self._refused[next(iter(self._refused))]
+            refused = self._refused.pop(exporter, {})
+            self._refused[exporter] = refused  # the most recently asked exporter last: the others go first
             held = []
             for lease in leases:
                 if lease in live:
@@ -173,11 +172,25 @@ class Releaser:
                     # released once; sent again, so that it ends even if the exporter counts it claimed only now
                     # (its first release may have gone before the answer, or be waiting for a broken link)
                     self._pending.append((exporter, lease, None, (), False))
-                else:
+                elif lease not in refused:
                     refused[lease] = None
-            _bound(refused)
+                    self._refused_total += 1
+            self._bound_refused()
             self._cond.notify()
             return held
+
+    def _bound_refused(self) -> None:
+        """Keep at most :data:`REFUSED_KEPT` refusals in all: the oldest of the least recently asked exporter go
+        first (a flood of queries naming made-up exporters evicts its own names before a busy exporter's ids).
+        Called under the lock."""
+        while self._refused_total > REFUSED_KEPT:
+            exporter = next(iter(self._refused))
+            ids = self._refused[exporter]
+            if ids:
+                del ids[next(iter(ids))]
+                self._refused_total -= 1
+            if not ids:
+                del self._refused[exporter]
 
     def live(self, exporter: str | None = None) -> int:
         """Leases held (of one exporter, or all)."""
@@ -191,7 +204,7 @@ class Releaser:
         with self._cond:
             self._live.pop(exporter, None)
             self._retry.pop(exporter, None)
-            self._refused.pop(exporter, None)
+            self._refused_total -= len(self._refused.pop(exporter, {}))
             self._released.pop(exporter, None)
 
     # -- releases ------------------------------------------------------------------
@@ -258,7 +271,8 @@ class Releaser:
                             released[lease] = None
                     _bound(released)
                     live.difference_update(entry.leases)
-                    live.difference_update(entry.unmapped)
+                    # unmapped leases stay live until their release went: a resync on a link reopened meanwhile
+                    # must keep them, or it would end them without taking their segment claims back (_deliver)
                     if not live:
                         del self._live[exporter]
         for exporter, entry in by_exporter.items():
@@ -282,6 +296,12 @@ class Releaser:
             if entry.unmapped:
                 link.release(entry.unmapped, unmapped=True)
                 self.sent += len(entry.unmapped)
+                with self._cond:
+                    live = self._live.get(exporter)
+                    if live is not None:
+                        live.difference_update(entry.unmapped)
+                        if not live:
+                            del self._live[exporter]
             if entry.leases:
                 link.release(entry.leases)
                 self.sent += len(entry.leases)
