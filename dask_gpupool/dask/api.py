@@ -203,7 +203,9 @@ def stats(client: Client) -> dict[str, dict[str, Any]]:
         on as their exporter's memory), ``returns`` (values of this pool that
         came back from a peer: the buffer taken back), ``leases`` and ``lease_bytes`` (live
         leases this worker granted and the bytes they keep alive),
-        ``leases_unclaimed`` (granted, not claimed yet), ``leases_abandoned``
+        ``leases_unclaimed`` (granted, not claimed yet), ``leases_in_doubt``
+        (claimed by a reply that failed: kept until the importer answers
+        which it holds, ``gpupool.lease-claims: reply``), ``leases_abandoned``
         (ended unclaimed: their transfer failed), ``imports_held`` (peers'
         leases this worker holds), ``resyncs`` (links opened again after one
         broke), ``zero_copy_bytes`` and ``copied_bytes`` (bytes this

@@ -492,6 +492,12 @@ class LeaseTable:
             return sum(lease.nbytes for lease in self._leases.values())
 
     @property
+    def doubtful(self) -> int:
+        """Live leases in doubt: claimed by a reply that failed, waiting for their importer's answer."""
+        with self._lock:
+            return sum(lease.in_doubt for lease in self._leases.values())
+
+    @property
     def unclaimed(self) -> int:
         """Live leases not claimed yet."""
         with self._lock:

@@ -438,6 +438,7 @@ class PoolService:
             "leases": len(self.leases),
             "lease_bytes": self.leases.nbytes,
             "leases_unclaimed": self.leases.unclaimed,
+            "leases_in_doubt": self.leases.doubtful,
             "leases_abandoned": self.leases.abandoned_total,
             **self.importer.stats(),
             "pulls": 0 if self.copier is None else self.copier.transfers,

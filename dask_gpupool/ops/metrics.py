@@ -16,6 +16,7 @@ metric                                                    type     labels
 ``dask_worker_gpupool_sent_copy_bytes_total``             counter
 ``dask_worker_gpupool_fallbacks_total``                   counter  ``reason`` (see ``FALLBACK_REASONS``)
 ``dask_worker_gpupool_leases_abandoned_total``              counter
+``dask_worker_gpupool_leases_in_doubt``                    gauge
 ``dask_worker_gpupool_segments``                          gauge    ``state``: held, retiring
 ``dask_scheduler_gpupool_pools``                          gauge    ``kind``
 ========================================================  =======  ==============================
@@ -67,6 +68,11 @@ def _worker_metrics() -> Iterator[Any]:
     abandoned = CounterMetricFamily(
         name + "leases_abandoned", "Leases that ended unclaimed (their transfer failed).", labels=["worker"]
     )
+    in_doubt = GaugeMetricFamily(
+        name + "leases_in_doubt",
+        "Leases claimed by a reply that failed, kept until the importer answers whether it holds them.",
+        labels=["worker"],
+    )
     segments = GaugeMetricFamily(
         name + "segments",
         "Segments of this worker's device pool, by state (held, retiring).",
@@ -94,9 +100,10 @@ def _worker_metrics() -> Iterator[Any]:
         for reason in FALLBACK_REASONS:
             fallbacks.add_metric([pool, reason], h["fallbacks"].get(reason, 0))
         abandoned.add_metric([pool], h["leases_abandoned"])
+        in_doubt.add_metric([pool], h.get("leases_in_doubt", 0))
         segments.add_metric([pool, "held"], h["segments"])
         segments.add_metric([pool, "retiring"], h["segments_retiring"])
-    yield from (pool_bytes, leases, leased, mapped, handoffs, received, sent, fallbacks, abandoned, segments)
+    yield from (pool_bytes, leases, leased, mapped, handoffs, received, sent, fallbacks, abandoned, in_doubt, segments)
 
 
 class _Collector:

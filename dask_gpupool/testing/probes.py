@@ -171,6 +171,7 @@ def lease_counts(dask_worker: Worker) -> dict[str, int]:
     return {
         "leases": len(service.leases),
         "unclaimed": service.leases.unclaimed,
+        "in_doubt": service.leases.doubtful,
         "held": service.releaser.live(),
         "resyncs": service.releaser.resyncs,
     }

@@ -298,6 +298,7 @@ def test_prometheus_metrics_on_dasks_own_endpoints():
         assert sample("dask_worker_gpupool_received_bytes_total", 'path="zero-copy"')
         assert sample("dask_worker_gpupool_pool_bytes", 'state="used"') and 'reason="other-gpu"' in text
         assert sample("dask_worker_gpupool_segments", 'state="retiring"')
+        assert [line.rsplit(" ", 1)[1] for line in sample("dask_worker_gpupool_leases_in_doubt", "w1")] == ["0.0"]
         # labelled by the worker's name, which a restarted worker keeps, not by its pool's UUID
         assert samples and all('worker="w1"' in line and "pool=" not in line for line in samples)
         imported = sample("dask_worker_gpupool_handoffs_total", 'direction="import"')

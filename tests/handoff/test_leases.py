@@ -77,7 +77,7 @@ def test_a_lease_claimed_by_its_reply_is_claimed_by_the_ok_and_in_doubt_when_the
     # the reply was acknowledged: claimed, nothing in doubt
     assert table.settle([ok_lease], ok=True) == (0, []) and table.unclaimed == 2
     # a failed reply: a broker-claimed lease still unclaimed ends, a reply-claimed one is kept, in doubt
-    assert table.settle([failed_lease, broker], ok=False) == (1, [failed_lease])
+    assert table.settle([failed_lease, broker], ok=False) == (1, [failed_lease]) and table.doubtful == 1
     assert table.holder(failed_lease) is held and table.holder(broker) is None
     assert table.in_doubt([failed_lease, ok_lease], "tcp://b:1") == [failed_lease]
     assert table.in_doubt([failed_lease], "tcp://c:1") == []  # only its importer's answer counts
@@ -86,6 +86,7 @@ def test_a_lease_claimed_by_its_reply_is_claimed_by_the_ok_and_in_doubt_when_the
     # another worker's answer changes nothing; the importer's "held" claims it
     assert table.resolve([failed_lease], "tcp://c:1", []) == (0, []) and table.holder(failed_lease) is held
     assert table.resolve([failed_lease], "tcp://b:1", [failed_lease]) == (0, []) and table.unclaimed == 0
+    assert table.doubtful == 0
     # "not held" ends it, and gives back the segment noted at its grant
     lost = table.grant(held, 8, "tcp://b:1", segment=7, by_reply=True)
     assert table.settle([lost]) == (0, [lost])
@@ -238,7 +239,7 @@ def test_a_reply_that_failed_at_the_exporter_leaves_its_leases_to_the_importers_
 
 
 def _leases(n: int, unclaimed: int) -> dict[str, int]:
-    return {"leases": n, "unclaimed": unclaimed, "held": 0, "resyncs": 0}
+    return {"leases": n, "unclaimed": unclaimed, "in_doubt": 0, "held": 0, "resyncs": 0}
 
 
 # -- case 2: a producer stalled past broker-timeout while its consumer releases ---------------
