@@ -76,11 +76,20 @@ def _count_device_frames(nbytes: int, *, staged: bool, out: bool) -> None:
         service.handoffs.add(device_frames_bytes=nbytes)
 
 
-def _timed_stage(start: float) -> None:
-    """Add the time since ``start`` to this reply's service's ``device-stage`` timing (stats' ``timings``)."""
+def _timed_stage(start: float, staged: UcxStaging, copied: float | None = None) -> None:
+    """Time this reply's staging for its service's stats (``timings``): ``device-stage`` from ``start`` to ``copied``
+    (or now), ``device-stage-alloc`` when the staging memory was newly allocated, ``device-serialize`` from
+    ``copied`` to now (distributed's serializer of the staged array)."""
     request = REQUEST.get()
-    if request is not None:
-        request.service.handoffs.timed("device-stage", time.perf_counter() - start)
+    if request is None:
+        return
+    now = time.perf_counter()
+    handoffs = request.service.handoffs
+    handoffs.timed("device-stage", (copied if copied is not None else now) - start)
+    if staged.alloc_s:
+        handoffs.timed("device-stage-alloc", staged.alloc_s)
+    if copied is not None:
+        handoffs.timed("device-serialize", now - copied)
 
 
 def _cuda_serialize_buffer(buf: Buffer) -> tuple[dict[str, Any], list[Any]]:
@@ -106,7 +115,7 @@ def _cuda_serialize_buffer(buf: Buffer) -> tuple[dict[str, Any], list[Any]]:
         _count_device_frames(nbytes, staged=False, out=True)
         return {"nbytes": nbytes}, [_DeviceFrame(int(buf.handle), nbytes, buf)]
     _count_device_frames(nbytes, staged=True, out=True)
-    _timed_stage(start)
+    _timed_stage(start, staged)
     return {"nbytes": nbytes}, [_DeviceFrame(staged.ptr, nbytes, staged)]
 
 
@@ -158,10 +167,11 @@ def cuda_dumps_cupy(x: Any, previous: Any) -> tuple[dict[str, Any], list[Any]]:
         header, frames = previous(x)
         _count_device_frames(nbytes, staged=False, out=True)
         return header, frames
+    copied = time.perf_counter()
     mem = cupy.cuda.UnownedMemory(staged.ptr, max(nbytes, 1), staged, device_id=x.device.id)
     header, frames = previous(cupy.ndarray(x.shape, x.dtype, cupy.cuda.MemoryPointer(mem, 0)))
     _count_device_frames(nbytes, staged=True, out=True)
-    _timed_stage(start)
+    _timed_stage(start, staged, copied)
     return header, frames
 
 

@@ -87,7 +87,10 @@ TIMED_STEPS = {
     "import": "the consumer's side of a handoff: mapping the buffer (the peer's pool or segment, once), without "
     "its claim",
     "device-stage": "copying pool memory into memory UCX can export before it goes as device frames (another "
-    "host over UCX), and distributed's serializer of the staged array",
+    "host over UCX): the allocation (or a kept one), the copy and its synchronize",
+    "device-stage-alloc": "the part of device-stage spent allocating new staging memory (counted only then: a "
+    "new allocation also costs the receiver a new cuda_ipc mapping)",
+    "device-serialize": "distributed's serializer of a staged CuPy array (after device-stage)",
     "claim": "the claim round trip to the exporter's broker, once per exporter for a message's values (none with "
     "gpupool.lease-claims: reply, the default, unless a resync with that exporter is open)",
 }

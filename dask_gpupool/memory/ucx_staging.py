@@ -24,6 +24,7 @@ allocation then goes back to the process's free list, or is freed
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -61,6 +62,8 @@ class UcxStaging:
 
     ptr: int
     nbytes: int
+    #: Seconds spent in ``cuMemAlloc`` for this staging memory (0.0: a kept allocation was reused).
+    alloc_s: float
 
     def __init__(self, nbytes: int, device: int) -> None:
         from cuda.bindings import driver
@@ -71,12 +74,15 @@ class UcxStaging:
         size = size_class(nbytes)
         key = (int(ctx), size)
         ptr = _take(key)
+        self.alloc_s = 0.0
         if ptr is None:
+            start = time.perf_counter()
             err, dptr = driver.cuMemAlloc(size)
             if err == driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY and free_kept():
                 err, dptr = driver.cuMemAlloc(size)  # the kept ones were in the way
             _check(err, f"cuMemAlloc({size})")
             ptr = int(dptr)
+            self.alloc_s = time.perf_counter() - start
         self.ptr = ptr
         self.nbytes = nbytes
         weakref.finalize(self, _give, key, ctx, ptr)
