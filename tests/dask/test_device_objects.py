@@ -139,3 +139,27 @@ def test_any_garbage_in_the_header_is_data_lost(sub, nframes):
         D.loads(header, frames)
     except DataLostError:
         pass
+
+
+def test_staging_for_ucx_is_timed_in_its_parts():
+    """``device-stage`` (and ``device-stage-alloc`` only for new staging memory) and ``device-serialize``: the split
+    that says where a staged value's time goes on a UCX cluster (the staging itself needs a GPU)."""
+    import time
+    from types import SimpleNamespace
+
+    from dask_gpupool.dask import device_frames as F
+    from dask_gpupool.dask.worker_internals import REQUEST
+    from dask_gpupool.handoff.stats import HandoffStats
+
+    stats = HandoffStats()
+    token = REQUEST.set(SimpleNamespace(service=SimpleNamespace(handoffs=stats)))  # type: ignore[arg-type]
+    try:
+        start = time.perf_counter()
+        F._timed_stage(start, SimpleNamespace(alloc_s=0.0), time.perf_counter())  # type: ignore[arg-type]
+        F._timed_stage(start, SimpleNamespace(alloc_s=0.002))  # type: ignore[arg-type]
+    finally:
+        REQUEST.reset(token)
+    timings = stats.to_msg()["timings"]
+    assert timings["device-stage"]["count"] == 2
+    assert timings["device-stage-alloc"]["count"] == 1 and timings["device-stage-alloc"]["total_s"] == 0.002
+    assert timings["device-serialize"]["count"] == 1
