@@ -16,12 +16,14 @@ from typing import Any
 from dask_gpupool.errors import GPUPoolError
 from dask_gpupool.transport.link import LinkFactory
 
-__all__ = ["REFUSED_KEPT", "Releaser"]
+__all__ = ["REFUSED_EXPORTERS", "REFUSED_KEPT", "Releaser"]
 
 logger = logging.getLogger(__name__)
 
 #: Refused lease ids kept in all, and released ones per exporter (:meth:`Releaser.answer`).
 REFUSED_KEPT = 65536
+#: Exporters whose refusals are kept (a query may name any string of up to 4 KiB).
+REFUSED_EXPORTERS = 1024
 
 
 class Releaser:
@@ -162,7 +164,6 @@ class Releaser:
             live = self._live.get(exporter, set())
             released = self._released.get(exporter, {})
             refused = self._refused.pop(exporter, {})
-            self._refused[exporter] = refused  # the most recently asked exporter last: the others go first
             held = []
             for lease in leases:
                 if lease in live:
@@ -175,14 +176,22 @@ class Releaser:
                 elif lease not in refused:
                     refused[lease] = None
                     self._refused_total += 1
+            if refused:
+                self._refused[exporter] = refused  # the most recently asked exporter last: the others go first
             self._bound_refused()
             self._cond.notify()
             return held
 
     def _bound_refused(self) -> None:
-        """Keep at most :data:`REFUSED_KEPT` refusals in all: the oldest of the least recently asked exporter go
-        first (a flood of queries naming made-up exporters evicts its own names before a busy exporter's ids).
-        Called under the lock."""
+        """Keep at most :data:`REFUSED_KEPT` refusals in all, of at most :data:`REFUSED_EXPORTERS` exporters: the
+        least recently asked exporter's go first, its oldest ids first. Called under the lock.
+
+        Only a peer that floods this worker with queries (any peer may send one over Dask's comm) can evict the
+        refusals of a real exporter asked before the flood; a header of that exporter's failed reply deserialized
+        after that could then be held. Bounded memory is the trade-off taken.
+        """
+        while len(self._refused) > REFUSED_EXPORTERS:
+            self._refused_total -= len(self._refused.pop(next(iter(self._refused))))
         while self._refused_total > REFUSED_KEPT:
             exporter = next(iter(self._refused))
             ids = self._refused[exporter]
@@ -271,8 +280,10 @@ class Releaser:
                             released[lease] = None
                     _bound(released)
                     live.difference_update(entry.leases)
-                    # unmapped leases stay live until their release went: a resync on a link reopened meanwhile
-                    # must keep them, or it would end them without taking their segment claims back (_deliver)
+                    # unmapped leases stay live until their release was written: a resync on a link reopened
+                    # before that must keep them, or it would end them without taking their segment claims back
+                    # (_deliver). Not covered: the link breaking after the write, and the new link's resync read
+                    # before the old link's release; the claim then stays until this worker leaves.
                     if not live:
                         del self._live[exporter]
         for exporter, entry in by_exporter.items():

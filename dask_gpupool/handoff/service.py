@@ -320,7 +320,7 @@ class PoolService:
         if self.closed:
             raise PoolClosedError(f"pool service of {self.record.worker} is closed")
         # refusals are kept even for an exporter this worker's registry does not know yet: its row may come
-        # before a header of that reply is deserialized (the releaser bounds how many exporters it keeps)
+        # before a header of that reply is deserialized (the releaser bounds the refusals and the exporters kept)
         return LeaseQueryReply(tuple(self.importer.releaser.answer(query.exporter, query.leases)))
 
     def forward(

@@ -223,3 +223,17 @@ def test_refusals_in_all_are_bounded_and_the_least_recently_asked_exporter_loses
     assert r.answer("a", [2]) == []  # "a" asked again: "b" is now the least recently asked
     assert r.hold_here("b", 1) is True
     assert r.hold_here("a", 1) is False and r.hold_here("a", 2) is False
+
+
+def test_queries_that_refuse_nothing_keep_nothing_and_exporters_kept_are_bounded(releaser, monkeypatch):
+    from dask_gpupool.handoff import releaser as module
+
+    monkeypatch.setattr(module, "REFUSED_EXPORTERS", 2)
+    r, _ = releaser
+    for i in range(100):
+        assert r.answer(f"made-up-{i}", []) == []  # nothing refused: nothing kept
+    assert r.hold_here("a", 1) is True and r.answer("a", [1, 2]) == [1]
+    r.answer("b", [3])
+    r.answer("c", [4])  # a third exporter: the least recently asked ("a") goes whole
+    assert r.hold_here("a", 2) is True
+    assert r.hold_here("b", 3) is False and r.hold_here("c", 4) is False
