@@ -152,15 +152,8 @@ class ExportSide:
     def release(self, leases: Iterable[int], importer: str, unmapped: bool = False) -> None:
         if unmapped:  # its import failed: the segment claims noted for these leases go back first
             leases = list(leases)
-            self._forget_segments([self._leases.copied_instead(lease, importer) for lease in leases], importer)
+            self._pool.forget_claims([self._leases.copied_instead(lease, importer) for lease in leases], importer)
         self._leases.release(leases, importer)
-
-    def _forget_segments(self, segments: list[int], importer: str) -> None:
-        segments = [s for s in segments if s]
-        segmented = self._pool.segmented
-        if segments and segmented is not None:
-            make_current(self._pool)()  # a helper thread, or the broker's: taking a claim back may free a segment
-            segmented.forget_claims(segments, importer)
 
     def transfer_failed(self, importer: str) -> None:
         if self.on_transfer_failed is not None:
@@ -215,7 +208,7 @@ class ExportSide:
         if holder is None:
             raise DataLostError(f"lease {lease} on pool {self._pool.uuid} has ended (or is not {importer}'s)")
         # it could not map it: it never will for this lease
-        self._forget_segments([self._leases.copied_instead(lease, importer)], importer)
+        self._pool.forget_claims([self._leases.copied_instead(lease, importer)], importer)
         if isinstance(holder, Staged):  # a stream lease: its span of the buffer
             buf, offset, n = holder.buf, holder.offset, holder.nbytes
         else:

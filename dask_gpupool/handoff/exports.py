@@ -212,25 +212,17 @@ class Exports:
         Segments noted at the grant of reply-claimed ones are taken back.
         """
         n, segments = self.leases.revoke(leases)
-        self._forget_claims(segments, requester)
+        if requester:
+            self.pool.forget_claims(segments, requester)
         return n
 
     def resolve(self, leases: list[int], requester: str, held: list[int]) -> int:
         """``requester`` answered which of the in-doubt ``leases`` it holds: end the others; return how many ended."""
         n, segments = self.leases.resolve(leases, requester, held)
-        self._forget_claims(segments, requester)
+        self.pool.forget_claims(segments, requester)
         if n:
             self._unreachable(requester, n)
         return n
-
-    def _forget_claims(self, segments: list[int], requester: str | None) -> None:
-        """Take back segment claims noted at the grant of leases that ended unheld (the retire ledger)."""
-        segmented = self.pool.segmented
-        if not segments or segmented is None or not requester:
-            return
-        if self.pool.device is not None:
-            current_gpu(self.pool.device)  # taking a claim back may free a retired segment
-        segmented.forget_claims(segments, requester)
 
     def _unreachable(self, requester: str | None, n: int) -> None:
         """``n`` leases sent to ``requester`` were never held: its handoffs go as copies for ``lease-timeout``."""

@@ -283,6 +283,18 @@ class Pool:
         """The pool's :class:`SegmentedResource` (buffers in segments, and their retire ledger), if any."""
         return self.resource if isinstance(self.resource, SegmentedResource) else None
 
+    def forget_claims(self, segments: list[int], importer: str) -> None:
+        """Take back retire-ledger claims of ``importer`` on ``segments`` (one per lease; 0 entries are skipped):
+        leases noted for it that it never mapped. Makes the pool's GPU current first in the calling thread, since
+        that may free a retired segment. Nothing for pools without segments."""
+        segments = [s for s in segments if s]
+        segmented = self.segmented
+        if not segments or segmented is None:
+            return
+        if self.device is not None:
+            current_gpu(self.device)
+        segmented.forget_claims(segments, importer)
+
     @property
     def shared_host(self) -> SharedHostMemoryResource | None:
         """The ``host`` pool's memfd resource, if this is one."""
