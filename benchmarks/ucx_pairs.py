@@ -5,11 +5,14 @@ each (w0, w1 on "host-a"; w2, w3 on "host-b"; w0 and w2 on GPU 0, w1 and w3 on G
 float64 CuPy array of each ``--sizes`` is made on the first worker and consumed by a task pinned to the second; the
 consumer's transfer time is ``stop - start`` of its transfer log entry, median of ``--repeats`` after a warm-up.
 Methods: ``ucxx`` (plain CuPy, no plugin), ``ucxx+gpupool`` (the plugin at its defaults, an array over a pool
-buffer) and ``ucxx+gpupool-broker`` (the same with ``gpupool.lease-claims: broker``, the claim round trip that the
-default ``reply`` saves): a same-"host" pair gets a descriptor (zero-copy), another-"host" pair the value's device
-frames, which UCX moves GPU to GPU. After each method the table of bytes by path (zero-copy, device frames, host
-copies) shows that no pair went through the host. Needs distributed-ucxx. On a machine with one GPU all four workers
-share GPU 0 (the same two "hosts"): every pair is then a same-GPU pair, which says nothing about pairs across GPUs.
+buffer), ``ucxx+gpupool-broker`` (the same with ``gpupool.lease-claims: broker``, the claim round trip that the
+default ``reply`` saves) and ``ucxx+gpupool-unstaged`` (``gpupool.ucx-staging-threshold`` above every size: pool
+memory goes to UCX as it is, for UCX's own small-message protocol, instead of staged first): a same-"host" pair
+gets a descriptor (zero-copy), another-"host" pair the value's device frames, which UCX moves GPU to GPU. After
+each method the table of bytes by path (zero-copy, device frames, host copies) shows that no pair went through the
+host (``--proto-info`` has UCX print the protocols it picked, which says what UCX itself did). Needs
+distributed-ucxx. On a machine with one GPU all four workers share GPU 0 (the same two "hosts"): every pair is then
+a same-GPU pair, which says nothing about pairs across GPUs.
 JSON to ``benchmarks/results/`` (and ``$OUT``).
 
 The default sizes span the question of ``gpupool.ucx-handoff-threshold`` (0: every pool value is handed over): on
@@ -49,6 +52,9 @@ def main() -> None:
     p.add_argument("--sizes", default="4KiB,1MiB,16MiB,256MiB")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--methods", default="ucxx,ucxx+gpupool")
+    p.add_argument(
+        "--proto-info", action="store_true", help="UCX_PROTO_INFO=y in the workers: UCX prints the protocols it picks"
+    )
     args = p.parse_args()
     n_gpus = len(local_devices().uuids)
     if n_gpus < 1:
@@ -62,7 +68,11 @@ def main() -> None:
         raise SystemExit("needs distributed-ucxx") from None
     sizes = [int(parse_bytes(s)) for s in args.sizes.split(",")]
     workers = [
-        {"env": {"CUDA_VISIBLE_DEVICES": gpus}, "config": {"gpupool": {"host-id": host}}} for host, gpus in layout
+        {
+            "env": {"CUDA_VISIBLE_DEVICES": gpus, **({"UCX_PROTO_INFO": "y"} if args.proto_info else {})},
+            "config": {"gpupool": {"host-id": host}},
+        }
+        for host, gpus in layout
     ]
     names = [f"w{i}({host[-1]}{gpus[0]})" for i, (host, gpus) in enumerate(layout)]
     rows: list[dict[str, Any]] = []
@@ -74,6 +84,7 @@ def main() -> None:
                 kind="device",
                 max_size=f"{4 * max(sizes) // (1 << 20) + 1024} MiB",
                 lease_claims="broker" if method.endswith("-broker") else None,
+                ucx_staging_threshold=2 * max(sizes) if method.endswith("-unstaged") else None,
             )
             if "gpupool" in method
             else None

@@ -188,6 +188,11 @@ class PoolOptions:
         Smallest value handed over zero-copy to a same-host worker on UCX
         comms; smaller pool memory goes as device frames, which UCX moves
         faster than a handoff's round trips. 0: every value is handed over.
+    ucx_staging_threshold : int
+        Smallest pool value copied into ``cuMemAlloc`` memory before it goes
+        to UCX as a device frame (:mod:`dask_gpupool.memory.ucx_staging`);
+        smaller pool memory is given to UCX as it is, which UCX 1.21 moves
+        with its own small-message protocol. 0: every value is staged.
     copy_chunk_size : int
         Chunk of the pipelined copy path (:mod:`dask_gpupool.transport.stream`); 0 sends
         every copy in Dask's frames.
@@ -313,6 +318,7 @@ class PoolOptions:
     cupy_allocator: bool | None = None
     rmm_allocator: bool = False
     ucx_handoff_threshold: int = 0
+    ucx_staging_threshold: int = 0
     copy_chunk_size: int = 16 << 20
     copy_stream_threshold: int = 4 << 20
     copy_streams: int = 4
@@ -415,6 +421,7 @@ class PoolOptions:
             cupy_allocator=cupy_allocator,
             rmm_allocator=rmm_allocator,
             ucx_handoff_threshold=_parse_nbytes(raw.get("ucx-handoff-threshold", 0), "gpupool.ucx-handoff-threshold"),
+            ucx_staging_threshold=_parse_nbytes(raw.get("ucx-staging-threshold", 0), "gpupool.ucx-staging-threshold"),
             copy_chunk_size=_parse_nbytes(raw.get("copy-chunk-size", "16 MiB"), "gpupool.copy-chunk-size"),
             copy_stream_threshold=_parse_nbytes(
                 raw.get("copy-stream-threshold", "4 MiB"), "gpupool.copy-stream-threshold"

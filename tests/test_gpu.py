@@ -868,6 +868,40 @@ def test_on_ucxx_pool_memory_hands_over_or_travels_as_device_frames(placement):
             wait_for(lambda c=c, a=a: counters(c, a)[a]["leases"] == 0, what="the leases to end")
 
 
+@pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
+def test_on_ucxx_pool_memory_below_the_staging_threshold_goes_to_ucx_unstaged(placement):
+    """gpupool.ucx-staging-threshold: to a worker of another "host", a pool Buffer and a pool array (and a strided
+    view of it) below the threshold go as device frames of the pool memory itself (no staging copy), with the right
+    bytes; a value from the threshold up is staged as before. None is a host copy of ours."""
+    gpus(2 if placement == "two-gpus" else 1)
+    pytest.importorskip("distributed_ucxx")
+    import dask
+    import numpy as np
+
+    ucx = {f"distributed.comm.ucx.{k}": True for k in ("create-cuda-context", "nvlink", "tcp", "cuda-copy")}
+    layout = ROTATED if placement == "two-gpus" else [ONE_GPU, ONE_GPU]
+    workers = [{**w, "protocol": "ucxx", "config": {"gpupool": {"host-id": f"host-{i}"}}} for i, w in enumerate(layout)]
+    plugin = GPUPool(kind="device", max_size="1 GiB", ucx_staging_threshold="1 MiB", cupy_allocator=False)
+    with dask.config.set(ucx), nanny_cluster(workers, plugin, protocol="ucxx") as c:
+        a, b = worker_addresses(c)
+        x = c.submit(T.make_buffer, 64 << 10, b"unstaged", workers=[a], pure=False)
+        assert c.submit(T.head, x, 8, workers=[b], pure=False).result() == b"unstaged"
+        arr = c.submit(T.make_array, 1 << 13, "cupy", workers=[a], pure=False)  # 64 KiB of float64
+        assert c.submit(T.total, arr, workers=[b], pure=False).result() == float(np.arange(1 << 13).sum())
+        strided = c.submit(T.every_other, arr, workers=[a], pure=False)
+        assert c.submit(T.total, strided, workers=[b], pure=False).result() == float(np.arange(0, 1 << 13, 2).sum())
+        big = c.submit(T.make_array, 1 << 18, "cupy", workers=[a], pure=False)  # 2 MiB: staged
+        assert c.submit(T.total, big, workers=[b], pure=False).result() == float(np.arange(1 << 18).sum())
+        got = c.run(T.handoff_counters)
+        print(placement, {w: {k: v for k, v in got[w].items() if v} for w in (a, b)})
+        unstaged = (64 << 10) + (64 << 10) + (32 << 10)
+        assert got[a]["device_staged_bytes"] == 2 * MiB, got
+        assert got[a]["device_frames_out_bytes"] == unstaged + 2 * MiB == got[b]["device_frames_bytes"], got
+        assert got[a]["copied_out_bytes"] == 0 and got[b]["copied_bytes"] == 0, got
+        del x, arr, strided, big
+        wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="the leases to end")
+
+
 def test_every_pair_of_two_hosts_of_two_gpus_over_ucxx_hands_over_or_sends_device_frames():
     """Issue 19, UCX clusters: four workers that look like two hosts of two GPUs (gpupool.host-id), w0 and w2 on
     GPU 0, w1 and w3 on GPU 1. For every ordered pair an 8 MiB pool array made on the first reaches a task on the

@@ -4,8 +4,9 @@ Pool memory asked for by a same-host worker that can map it goes as an IPC
 descriptor, as over TCP (from ``gpupool.ucx-handoff-threshold`` up).
 Otherwise device frames that the comm moves GPU to GPU, never a host copy:
 pool memory is first copied into memory UCX can export
-(:mod:`dask_gpupool.memory.ucx_staging`); other CuPy arrays go as
-distributed's own frames. Counted in ``device_frames_out_bytes``,
+(:mod:`dask_gpupool.memory.ucx_staging`), except below
+``gpupool.ucx-staging-threshold``, where it goes as it is for UCX's own
+small-message protocol; other CuPy arrays go as distributed's own frames. Counted in ``device_frames_out_bytes``,
 ``device_staged_bytes`` and ``device_frames_bytes``.
 """
 
@@ -65,6 +66,13 @@ def _hand_over_on_device_comm(holder: Any, buf: Buffer, meta: ArrayMeta | None, 
     return None if header is None else {KEY: header.to_msg()}
 
 
+def _unstaged(nbytes: int) -> bool:
+    """Whether pool memory of ``nbytes`` goes to UCX as it is: below ``gpupool.ucx-staging-threshold``."""
+    request = REQUEST.get()
+    service = request.service if request is not None else active_service()
+    return service is not None and nbytes < service.options.ucx_staging_threshold
+
+
 def _count_device_frames(nbytes: int, *, staged: bool, out: bool) -> None:
     request = REQUEST.get() if out else None
     service = request.service if request is not None else active_service()
@@ -107,6 +115,9 @@ def _cuda_serialize_buffer(buf: Buffer) -> tuple[dict[str, Any], list[Any]]:
     handed = _hand_over_on_device_comm(buf, buf, None, nbytes)
     if handed is not None:
         return handed, []
+    if _unstaged(nbytes):  # UCX's own small-message protocol moves it
+        _count_device_frames(nbytes, staged=False, out=True)
+        return {"nbytes": nbytes}, [_DeviceFrame(int(buf.handle), nbytes, buf)]
     start = time.perf_counter()
     try:
         staged = UcxStaging.copy_of(int(buf.handle), nbytes, device_of(buf))
@@ -159,6 +170,10 @@ def cuda_dumps_cupy(x: Any, previous: Any) -> tuple[dict[str, Any], list[Any]]:
     handed = _hand_over_on_device_comm(buf, buf, meta, nbytes)
     if handed is not None:
         return handed, []
+    if _unstaged(nbytes):  # UCX's own small-message protocol moves it
+        header, frames = previous(x)
+        _count_device_frames(nbytes, staged=False, out=True)
+        return header, frames
     start = time.perf_counter()
     try:
         staged = _stage_cupy(x)

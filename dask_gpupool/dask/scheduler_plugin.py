@@ -85,6 +85,9 @@ class GPUPool(SchedulerPlugin):
         Route CuPy's allocations through the pool (``gpupool.cupy-allocator``).
     ucx_handoff_threshold : int or str, optional
         Smallest value handed over zero-copy on UCX comms (``gpupool.ucx-handoff-threshold``).
+    ucx_staging_threshold : int or str, optional
+        Smallest pool value staged before it goes to UCX as a device frame
+        (``gpupool.ucx-staging-threshold``).
     copy_chunk_size, copy_stream_threshold : int or str, optional
         The pipelined copy path's chunk, and the smallest copy it carries
         (``gpupool.copy-chunk-size``, ``gpupool.copy-stream-threshold``).
@@ -169,6 +172,7 @@ class GPUPool(SchedulerPlugin):
         import_limit: int | str | None = None,
         cupy_allocator: bool | None = None,
         ucx_handoff_threshold: int | str | None = None,
+        ucx_staging_threshold: int | str | None = None,
         copy_chunk_size: int | str | None = None,
         copy_stream_threshold: int | str | None = None,
         copy_streams: int | None = None,
@@ -199,6 +203,7 @@ class GPUPool(SchedulerPlugin):
                 import_limit=import_limit,
                 cupy_allocator=cupy_allocator,
                 ucx_handoff_threshold=ucx_handoff_threshold,
+                ucx_staging_threshold=ucx_staging_threshold,
                 copy_chunk_size=copy_chunk_size,
                 copy_stream_threshold=copy_stream_threshold,
                 copy_streams=copy_streams,
