@@ -1,18 +1,19 @@
 """Every pair of a four-worker, two-"host" UCX cluster: Dask UCXX alone against dask_gpupool over UCXX (issue 19).
 
-Four workers on one machine with two GPUs, ``gpupool.host-id`` set so that they look like two hosts of two GPUs
-each (w0, w1 on "host-a"; w2, w3 on "host-b"; w0 and w2 on GPU 0, w1 and w3 on GPU 1). For every ordered pair a
-float64 CuPy array of each ``--sizes`` is made on the first worker and consumed by a task pinned to the second; the
-consumer's transfer time is ``stop - start`` of its transfer log entry, median of ``--repeats`` after a warm-up.
-Methods: ``ucxx`` (plain CuPy, no plugin), ``ucxx+gpupool`` (the plugin at its defaults, an array over a pool
-buffer), ``ucxx+gpupool-broker`` (the same with ``gpupool.lease-claims: broker``, the claim round trip that the
-default ``reply`` saves) and ``ucxx+gpupool-unstaged`` (``gpupool.ucx-staging-threshold`` above every size: pool
-memory goes to UCX as it is, for UCX's own small-message protocol, instead of staged first): a same-"host" pair
-gets a descriptor (zero-copy), another-"host" pair the value's device frames, which UCX moves GPU to GPU. After
-each method the table of bytes by path (zero-copy, device frames, host copies) shows that no pair went through the
-host (``--proto-info`` has UCX print the protocols it picked, which says what UCX itself did). Needs
-distributed-ucxx. On a machine with one GPU all four workers share GPU 0 (the same two "hosts"): every pair is then
-a same-GPU pair, which says nothing about pairs across GPUs.
+Four workers on one machine with two GPUs, ``gpupool.host-id`` set so that they look like two hosts of two GPUs each
+(w0, w1 on "host-a"; w2, w3 on "host-b"; w0 and w2 on GPU 0, w1 and w3 on GPU 1). For every ordered pair a float64
+CuPy array of each ``--sizes`` is made on the first worker and consumed by a task pinned to the second; the consumer's
+transfer time is ``stop - start`` of its transfer log entry, median of ``--repeats`` after a warm-up. Methods:
+``ucxx`` (plain CuPy, no plugin), ``ucxx+gpupool`` (the plugin at its defaults, an array over a pool buffer),
+``ucxx+gpupool-broker`` (the same with ``gpupool.lease-claims: broker``, the claim round trip that the default
+``reply`` saves) and ``ucxx+gpupool-unstaged`` (``gpupool.ucx-staging-threshold`` above every size: pool memory goes
+to UCX as it is, for UCX's own small-message protocol, instead of staged first); ``ucxx+gpupool-plain`` (the plugin
+with ``gpupool.cupy-allocator`` off and a plain CuPy array: what the plugin costs on Dask's own path). For pool arrays
+a same-"host" pair gets a descriptor (zero-copy), another-"host" pair the value's device frames, which UCX moves GPU
+to GPU. After each method the table of bytes by path (zero-copy, device frames, host copies) shows that no pair went
+through the host (``--proto-info`` has UCX print the protocols it picked, which says what UCX itself did). Needs
+distributed-ucxx. On a machine with one GPU all four workers share GPU 0 (the same two "hosts"): every pair is then a
+same-GPU pair, which says nothing about pairs across GPUs.
 JSON to ``benchmarks/results/`` (and ``$OUT``).
 
 The default sizes span the question of ``gpupool.ucx-handoff-threshold`` (0: every pool value is handed over): on
@@ -85,10 +86,12 @@ def main() -> None:
                 max_size=f"{4 * max(sizes) // (1 << 20) + 1024} MiB",
                 lease_claims="broker" if method.endswith("-broker") else None,
                 ucx_staging_threshold=2 * max(sizes) if method.endswith("-unstaged") else None,
+                cupy_allocator=False if method.endswith("-plain") else None,
             )
             if "gpupool" in method
             else None
         )
+        pool = plugin is not None and not method.endswith("-plain")
         with H.cluster(workers, "ucxx", plugin) as c:
             info = c.scheduler_info()["workers"]
             addrs = sorted(info, key=lambda w: str(info[w]["name"]))
@@ -99,7 +102,7 @@ def main() -> None:
                     for nbytes in sizes:
                         samples = []
                         for k in range(args.repeats + 1):
-                            x = c.submit(H.produce, nbytes, "cupy", plugin is not None, workers=[src], pure=False)
+                            x = c.submit(H.produce, nbytes, "cupy", pool, workers=[src], pure=False)
                             wait(x)
                             y = c.submit(H.consume, x, workers=[dst], pure=False)
                             y.result()
