@@ -206,7 +206,8 @@ class PoolOptions:
         Smallest array outside the pool that is copied into it on the
         producer (device to device for CuPy) and handed over when a same-host
         worker asks for it over TCP, instead of going through distributed's
-        serializer (host memory and TCP). 0: never. ``None`` (``auto``, the
+        serializer (host memory and TCP), or over UCX when the worker is on
+        the same GPU (instead of UCX's copy). 0: never. ``None`` (``auto``, the
         default): :data:`DEVICE_STAGE_THRESHOLD` (4 MiB) on ``device``
         pools, never on ``host`` pools, where it measured slower
         (:meth:`effective_stage_threshold`).

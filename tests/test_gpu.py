@@ -823,7 +823,8 @@ def test_on_ucxx_pool_memory_hands_over_or_travels_as_device_frames(placement):
     never as a host copy. Same host: pool arrays from gpupool.ucx-handoff-threshold (here 4 MiB) up go zero-copy
     (descriptors in UCX's frames), a smaller pool Buffer as device frames staged into memory UCX can send GPU to
     GPU. Workers that look like two hosts (host-id): all pool memory goes as staged device frames. A plain CuPy
-    array goes as distributed's own device frames (to a same-host peer: fallback not-in-pool). All of it counted."""
+    array goes as distributed's own device frames (to a same-host peer on another GPU: fallback not-in-pool), or,
+    to a worker on the same GPU, is copied into the pool and handed over (staged-in-pool). All of it counted."""
     gpus(2 if placement == "two-gpus" else 1)
     pytest.importorskip("distributed_ucxx")
     import dask
@@ -853,17 +854,24 @@ def test_on_ucxx_pool_memory_hands_over_or_travels_as_device_frames(placement):
             print(placement, hosts, "hosts:", {w: {k: v for k, v in got[w].items() if v} for w in (a, b)})
             assert got[a]["copied_out_bytes"] == 0 and got[b]["copied_bytes"] == 0, got  # never a host copy
             pool_bytes = MiB + 8 * MiB + 4 * MiB  # the Buffer, the array, its strided view
+            same_gpu = placement == "one-gpu"
             if hosts == "same":
                 assert got[b]["zero_copy_bytes"] >= 8 * MiB, got  # the array and its view (4 MiB: not below)
                 assert got[a]["device_staged_bytes"] == MiB, got  # the Buffer, below the threshold
-                assert got[a]["device_frames_out_bytes"] == 9 * MiB == got[b]["device_frames_bytes"], got
+                # the plain array: on the same GPU copied into the pool and handed over (stage-threshold 4 MiB);
+                # to the other GPU distributed's device frames, which UCX copies into the consumer's memory
+                frames = MiB if same_gpu else 9 * MiB
+                assert got[a]["device_frames_out_bytes"] == frames == got[b]["device_frames_bytes"], got
+                assert got[a]["pool_staged_bytes"] == (8 * MiB if same_gpu else 0), got
             else:
                 assert got[b]["zero_copy_bytes"] == 0, got
                 assert got[a]["device_staged_bytes"] == pool_bytes, got
                 assert got[a]["device_frames_out_bytes"] == pool_bytes + 8 * MiB == got[b]["device_frames_bytes"]
                 assert dask_gpupool.trim(c)[a]["ucx_staging_freed"] > 0  # the staging kept for reuse goes back
-            # the plain CuPy array is a same-host copy (on the GPU), counted with its reason; to another host, none
-            assert got[a]["fallbacks"] == ({"not-in-pool": 1} if hosts == "same" else {}), got
+            # the plain CuPy array is staged (same GPU) or a same-host copy on the GPUs, counted with its reason; to
+            # another host neither
+            reason = "staged-in-pool" if same_gpu else "not-in-pool"
+            assert got[a]["fallbacks"] == ({reason: 1} if hosts == "same" else {}), got
             del x, arr, strided, plain
             wait_for(lambda c=c, a=a: counters(c, a)[a]["leases"] == 0, what="the leases to end")
 

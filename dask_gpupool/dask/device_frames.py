@@ -6,7 +6,9 @@ Otherwise device frames that the comm moves GPU to GPU, never a host copy:
 pool memory is first copied into memory UCX can export
 (:mod:`dask_gpupool.memory.ucx_staging`), except below
 ``gpupool.ucx-staging-threshold``, where it goes as it is for UCX's own
-small-message protocol; other CuPy arrays go as distributed's own frames. Counted in ``device_frames_out_bytes``,
+small-message protocol. Other CuPy arrays go as distributed's own frames, or,
+to a worker on the same GPU, are copied into the pool and handed over, as
+over TCP (``gpupool.stage-threshold``). Counted in ``device_frames_out_bytes``,
 ``device_staged_bytes`` and ``device_frames_bytes``.
 """
 
@@ -18,7 +20,7 @@ from typing import Any
 
 from cuda.core import Buffer
 
-from dask_gpupool.dask.plain_arrays import in_segments
+from dask_gpupool.dask.plain_arrays import in_segments, stage
 from dask_gpupool.dask.serializers import KEY, deserialize_buffer, hand_over, loads_array
 from dask_gpupool.dask.views import VIEWS, device_of, viewed_buffer
 from dask_gpupool.dask.worker_internals import REQUEST
@@ -147,8 +149,11 @@ def cuda_dumps_cupy(x: Any, previous: Any) -> tuple[dict[str, Any], list[Any]]:
     An array over pool memory (this worker's, or one it imported) goes to a
     same-host worker that can map it as an IPC descriptor; otherwise it is
     copied into :class:`~dask_gpupool.memory.ucx_staging.UcxStaging` memory (C order) and sent as distributed's
-    device frames from there. Every other array is distributed's serializer
-    untouched, only counted.
+    device frames from there. Any other array is copied into the pool and
+    handed over when a worker on this GPU asks, from ``gpupool.stage-threshold``
+    up (:func:`~dask_gpupool.dask.plain_arrays.stage`, fallback
+    ``staged-in-pool``); else it is distributed's serializer untouched, only
+    counted.
     """
     buf = viewed_buffer(x, int(x.data.ptr)) if VIEWS else None
     if buf is None:
@@ -158,6 +163,10 @@ def cuda_dumps_cupy(x: Any, previous: Any) -> tuple[dict[str, Any], list[Any]]:
         )
         if isinstance(placed, tuple):
             return placed
+        if request is not None and not placed:  # to a worker on this GPU, from gpupool.stage-threshold up
+            staged_in_pool = stage(request, x, "cupy")
+            if staged_in_pool is not None:
+                return staged_in_pool
         header, frames = previous(x)
         _count_device_frames(int(x.nbytes), staged=False, out=True)
         if request is not None and not placed:

@@ -1,8 +1,8 @@
 """Arrays outside every pool in a ``get_data`` reply: staged into the pool and handed over, or counted copies.
 
 A NumPy or CuPy array that a task made with its library's own allocator (or
-RMM's) is not pool memory. Asked for by a same-host worker over TCP or TLS,
-one of ``gpupool.stage-threshold`` bytes or more is copied into this
+RMM's) is not pool memory. Asked for by a same-host worker over TCP or TLS
+(over UCX: one on the same GPU), one of ``gpupool.stage-threshold`` bytes or more is copied into this
 worker's pool here (device to device for CuPy on a ``device`` pool, a memcpy
 for NumPy on a ``host`` pool) and handed over under the requester's lease
 (fallback ``staged-in-pool``, ``pool_staged_bytes``): :func:`stage`. Every
@@ -74,7 +74,8 @@ def in_segments(request: Request, arr: Any, module: str, threshold: int = 0) -> 
 
 
 def stage(request: Request, arr: Any, module: str) -> tuple[dict[str, Any], list[Any]] | None:
-    """Copy ``arr`` into this worker's pool and hand the copy over, when a same-host worker asked over TCP.
+    """Copy ``arr`` into this worker's pool and hand the copy over, when a same-host worker asked over TCP
+    (over UCX: a worker on the same GPU; :meth:`Routes.stage_route <dask_gpupool.handoff.routes.Routes.stage_route>`).
 
     From ``gpupool.stage-threshold`` bytes up, NumPy arrays on ``host`` pools
     and CuPy arrays on ``device`` pools: a memcpy or a device-to-device copy

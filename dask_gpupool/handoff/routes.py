@@ -151,14 +151,21 @@ class Routes:
 
         That is: ``nbytes`` is at least ``gpupool.stage-threshold`` and a new
         buffer of that size in this pool would be handed over (decided by
-        :func:`~dask_gpupool.handoff.routing.route`, without counting).
+        :func:`~dask_gpupool.handoff.routing.route`, without counting). Over
+        TCP or TLS for any such requester; over UCX only for one on this
+        pool's GPU: to another GPU UCX itself copies the array into the
+        requester's own memory, where its kernels read it faster than this
+        GPU's memory over NVLink.
         """
         threshold = self.options.effective_stage_threshold(self.pool.kind)
-        if not threshold or nbytes < threshold or scheme not in ("tcp", "tls"):
+        if not threshold or nbytes < threshold or scheme not in HANDOFF_SCHEMES:
             return None
         size = nbytes if self.pool.kind == "device" else 0
         decision = self._route(self.record, requester, scheme, True, size, self.pool.vmm)
-        return decision.row if decision.reason is None else None
+        row = decision.row if decision.reason is None else None
+        if row is not None and scheme not in ("tcp", "tls") and row.device != self.record.device:
+            return None
+        return row
 
     def plain_copy_reason(self, requester: str | None) -> str | None:
         """Why a value outside every pool sent to ``requester`` is a same-host copy (``None``: it is not one).

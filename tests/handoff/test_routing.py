@@ -97,3 +97,39 @@ def test_plain_copy_reason(case, requester, row, expected):
 
     assert plain_copy_reason(OWN, requester, row) == expected
     assert expected is None or expected in FALLBACK_REASONS
+
+
+@pytest.mark.parametrize(
+    ("requester", "scheme", "nbytes", "staged"),
+    [
+        (PEER, "tcp", 8 * MiB, True),
+        (peer(device=GPU1), "tcp", 8 * MiB, True),  # over TCP the alternative is a host copy: stage for any GPU
+        (PEER, "ucxx", 8 * MiB, True),  # UCX, same GPU: a staging copy and a handoff instead of UCX's copy
+        (peer(device=GPU1), "ucxx", 8 * MiB, False),  # UCX, another GPU: UCX copies into the requester's memory
+        (peer(device=GPU1), "ucx", 8 * MiB, False),
+        (PEER, "ucxx", 1 * MiB, False),  # below gpupool.stage-threshold
+        (PEER, "inproc", 8 * MiB, False),
+        (peer(host="host-b"), "tcp", 8 * MiB, False),
+    ],
+)
+def test_which_plain_arrays_are_staged_into_the_pool(requester, scheme, nbytes, staged):
+    """Routes.stage_route: from gpupool.stage-threshold up, to a same-host worker over TCP or TLS, and over UCX only
+    to one on this pool's GPU. A real (host) pool under a device pool's registry row: the decision reads the rows."""
+    from dask_gpupool.config import PoolOptions
+    from dask_gpupool.handoff.registry import RegistryView
+    from dask_gpupool.handoff.routes import Routes
+    from dask_gpupool.handoff.stats import HandoffStats
+    from dask_gpupool.memory.pool import Pool
+    from dask_gpupool.memory.topology import LocalDevices
+    from dask_gpupool.wire.registry import RegistryUpdate
+
+    options = PoolOptions.from_config(kind="host", max_size="16 MiB", stage_threshold="4 MiB")
+    pool = Pool.create(options, LocalDevices(()))
+    try:
+        view = RegistryView()
+        view.apply(RegistryUpdate(version=1, added=(OWN, requester)))
+        routes = Routes(options, pool, OWN, view, HandoffStats(), None)
+        row = routes.stage_route(requester.worker, scheme, nbytes)
+        assert (row == requester) if staged else row is None
+    finally:
+        pool.close()
