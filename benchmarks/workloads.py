@@ -94,6 +94,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "": {},
     "+cupy": {"cupy_allocator": True},  # plain CuPy allocations routed into the pool
     "+stage": {"stage_threshold": "4 MiB"},  # plain CuPy arrays over 4 MiB copied into the pool, then handed over
+    "+nostage": {"stage_threshold": 0},  # plain CuPy arrays through the comm (over UCX: UCX's own GPU copy)
     "+objects": {"device_objects": True},  # rmm.DeviceBuffer / Numba arrays frame by frame over TCP
     "+rmm": {"rmm_allocator": True, "device_objects": True},  # RMM (and CuPy through it) allocates from the pool
     # the same, with values under 4 MiB sent as copies in Dask's frames (as staging leaves them), not handed over
