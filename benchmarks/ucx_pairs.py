@@ -8,7 +8,9 @@ transfer time is ``stop - start`` of its transfer log entry, median of ``--repea
 ``ucxx+gpupool-broker`` (the same with ``gpupool.lease-claims: broker``, the claim round trip that the default
 ``reply`` saves) and ``ucxx+gpupool-unstaged`` (``gpupool.ucx-staging-threshold`` above every size: pool memory goes
 to UCX as it is, for UCX's own small-message protocol, instead of staged first); ``ucxx+gpupool-plain`` (the plugin
-with ``gpupool.cupy-allocator`` off and a plain CuPy array: what the plugin costs on Dask's own path). For pool arrays
+with ``gpupool.cupy-allocator`` off and a plain CuPy array: what the plugin costs on Dask's own path);
+``ucxx+gpupool-ab`` (one cluster, every sample taken with pool memory staged and unstaged back to back, so that the
+two are compared at the same moment: rows ``ucxx+gpupool-ab:staged`` and ``-ab:unstaged``). For pool arrays
 a same-"host" pair gets a descriptor (zero-copy), another-"host" pair the value's device frames, which UCX moves GPU
 to GPU. After each method the table of bytes by path (zero-copy, device frames, host copies) shows that no pair went
 through the host (``--proto-info`` has UCX print the protocols it picked, which says what UCX itself did). Needs
@@ -46,6 +48,17 @@ LAYOUT = [("host-a", "0,1"), ("host-a", "1,0"), ("host-b", "0,1"), ("host-b", "1
 #: The same two "hosts" on a machine with one GPU.
 ONE_GPU_LAYOUT = [("host-a", "0"), ("host-a", "0"), ("host-b", "0"), ("host-b", "0")]
 PATH_KEYS = ("zero_copy_bytes", "peer_copied_bytes", "device_frames_bytes", "copied_bytes")
+
+
+def _set_staging_threshold(nbytes: int) -> None:
+    """On a worker: set its pool service's ``gpupool.ucx-staging-threshold`` (the ``-ab`` methods' switch)."""
+    import dataclasses
+
+    from dask_gpupool.handoff.active import active_service
+
+    service = active_service()
+    if service is not None:
+        service.options = dataclasses.replace(service.options, ucx_staging_threshold=nbytes)
 
 
 def main() -> None:
@@ -92,6 +105,8 @@ def main() -> None:
             else None
         )
         pool = plugin is not None and not method.endswith("-plain")
+        # "-ab": one cluster, each sample taken staged and unstaged back to back (order alternating)
+        variants = [("staged", 0), ("unstaged", 2 * max(sizes))] if method.endswith("-ab") else [("", None)]
         with H.cluster(workers, "ucxx", plugin) as c:
             info = c.scheduler_info()["workers"]
             addrs = sorted(info, key=lambda w: str(info[w]["name"]))
@@ -100,33 +115,38 @@ def main() -> None:
                     if i == j:
                         continue
                     for nbytes in sizes:
-                        samples = []
+                        samples: dict[str, list[float]] = {v: [] for v, _ in variants}
                         for k in range(args.repeats + 1):
-                            x = c.submit(H.produce, nbytes, "cupy", pool, workers=[src], pure=False)
-                            wait(x)
-                            y = c.submit(H.consume, x, workers=[dst], pure=False)
-                            y.result()
-                            t = c.run(T.last_transfer, key=x.key, workers=[dst])[dst]
-                            del x, y
-                            H.between_samples(c, plugin is not None)
-                            if k and t is not None:
-                                samples.append(t)
-                        row = {"method": method, "src": names[i], "dst": names[j], "nbytes": nbytes}
-                        row["same_host"] = layout[i][0] == layout[j][0]
-                        row["transfer_s"] = statistics.median(samples) if samples else None
-                        row["samples"] = samples
-                        rows.append(row)
-                        print(
-                            f"{method:14s} {names[i]} -> {names[j]} {format_bytes(nbytes):>10}: "
-                            f"{(row['transfer_s'] or float('nan')) * 1e3:8.2f} ms",
-                            flush=True,
-                        )
+                            for v, threshold in variants if k % 2 == 0 else variants[::-1]:
+                                if threshold is not None:
+                                    c.run(_set_staging_threshold, threshold)
+                                x = c.submit(H.produce, nbytes, "cupy", pool, workers=[src], pure=False)
+                                wait(x)
+                                y = c.submit(H.consume, x, workers=[dst], pure=False)
+                                y.result()
+                                t = c.run(T.last_transfer, key=x.key, workers=[dst])[dst]
+                                del x, y
+                                H.between_samples(c, plugin is not None)
+                                if k and t is not None:
+                                    samples[v].append(t)
+                        for v, _ in variants:
+                            name = f"{method}:{v}" if v else method
+                            row = {"method": name, "src": names[i], "dst": names[j], "nbytes": nbytes}
+                            row["same_host"] = layout[i][0] == layout[j][0]
+                            row["transfer_s"] = statistics.median(samples[v]) if samples[v] else None
+                            row["samples"] = samples[v]
+                            rows.append(row)
+                            print(
+                                f"{name:14s} {names[i]} -> {names[j]} {format_bytes(nbytes):>10}: "
+                                f"{(row['transfer_s'] or float('nan')) * 1e3:8.2f} ms",
+                                flush=True,
+                            )
             if plugin is not None:
                 got = c.run(T.handoff_counters)
                 paths[method] = {names[addrs.index(w)]: {k: int(got[w].get(k, 0)) for k in PATH_KEYS} for w in addrs}
                 timings[method] = {names[addrs.index(w)]: dict(got[w].get("timings", {})) for w in addrs}
     print(f"\nconsumer transfer time, median of {args.repeats} (ms); hosts by host-id, GPUs by index")
-    methods = args.methods.split(",")
+    methods = list(dict.fromkeys(r["method"] for r in rows))
     print(f"{'pair':<22}{'size':>10}" + "".join(f"{m:>16}" for m in methods))
     for nbytes in sizes:
         for i in range(len(layout)):
