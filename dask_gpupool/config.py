@@ -59,6 +59,17 @@ HOST_HANDOFF_THRESHOLD = 256 << 10
 #: from 1 MiB up are handed over. ``pinned`` pools hand over at every size: their crossover is not measured.
 DEVICE_HANDOFF_THRESHOLD = 1 << 20
 
+#: ``ucx-staging-threshold`` by default: pool memory under 128 KiB goes to UCX as it is, not copied into
+#: ``cuMemAlloc`` memory first. UCX 1.21 (``UCX_PROTO_INFO``) sends any device memory under 8 KiB eagerly through host
+#: bounce buffers over its TCP transport, plain CuPy arrays with UCXX alone included, so a staging copy buys nothing
+#: there, and from 8 KiB to 4 MiB moves pool memory (which its ``cuda_ipc`` cannot export) with its own ``cuda_copy``
+#: pipeline; above 4 MiB it falls back to host fragments, hence staging from some size on. Measured on one H100, four
+#: workers as two "hosts", staged and unstaged samples back to back in one cluster (benchmarks/ucx_pairs.py
+#: ``ucxx+gpupool-ab``, 2026-11-23 22:04, docs/performance.md): other-host pairs unstaged 1.90 against 2.09 ms at 4 KiB
+#: (faster on all 8 pairs) and 2.08 against 2.21 ms at 64 KiB (6 of 8). Sizes between 64 KiB and 4 MiB are not
+#: measured back to back.
+UCX_STAGING_THRESHOLD = 128 << 10
+
 
 @dataclass(frozen=True)
 class Size:
@@ -192,7 +203,11 @@ class PoolOptions:
         Smallest pool value copied into ``cuMemAlloc`` memory before it goes
         to UCX as a device frame (:mod:`dask_gpupool.memory.ucx_staging`);
         smaller pool memory is given to UCX as it is, which UCX 1.21 moves
-        with its own small-message protocol. 0: every value is staged.
+        with its own protocols (eager through host bounce buffers below
+        8 KiB, as for any device memory; its ``cuda_copy`` pipeline up to
+        4 MiB). Default :data:`UCX_STAGING_THRESHOLD` (128 KiB): on one H100,
+        with staged and unstaged samples taken back to back, unstaged was
+        faster at 4 KiB (every pair) and 64 KiB. 0: every value is staged.
     copy_chunk_size : int
         Chunk of the pipelined copy path (:mod:`dask_gpupool.transport.stream`); 0 sends
         every copy in Dask's frames.
@@ -319,7 +334,7 @@ class PoolOptions:
     cupy_allocator: bool | None = None
     rmm_allocator: bool = False
     ucx_handoff_threshold: int = 0
-    ucx_staging_threshold: int = 0
+    ucx_staging_threshold: int = 128 << 10
     copy_chunk_size: int = 16 << 20
     copy_stream_threshold: int = 4 << 20
     copy_streams: int = 4
@@ -422,7 +437,9 @@ class PoolOptions:
             cupy_allocator=cupy_allocator,
             rmm_allocator=rmm_allocator,
             ucx_handoff_threshold=_parse_nbytes(raw.get("ucx-handoff-threshold", 0), "gpupool.ucx-handoff-threshold"),
-            ucx_staging_threshold=_parse_nbytes(raw.get("ucx-staging-threshold", 0), "gpupool.ucx-staging-threshold"),
+            ucx_staging_threshold=_parse_nbytes(
+                raw.get("ucx-staging-threshold", UCX_STAGING_THRESHOLD), "gpupool.ucx-staging-threshold"
+            ),
             copy_chunk_size=_parse_nbytes(raw.get("copy-chunk-size", "16 MiB"), "gpupool.copy-chunk-size"),
             copy_stream_threshold=_parse_nbytes(
                 raw.get("copy-stream-threshold", "4 MiB"), "gpupool.copy-stream-threshold"
