@@ -1,7 +1,7 @@
 """What each of the plugin's hooks costs a transfer it does not hand over, measured inside one cluster.
 
 Clusters started one after another differ by more than the plugin's per-transfer work (on a 2-vCPU container a
-4 KiB NumPy transfer between two "hosts" took 1.42-1.98 ms at the median depending on the cluster, with or without
+4 KiB NumPy transfer between two "hosts" took 1.25-1.98 ms at the median depending on the cluster, with or without
 the plugin), so comparing a cluster with the plugin against one without cannot say what the plugin costs. Here one
 cluster with the plugin takes every sample in each mode back to back, in alternating order:
 
