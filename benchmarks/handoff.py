@@ -17,7 +17,7 @@ Methods:
 tcp           Dask over TCP, a CuPy array (NumPy on a host run): today's default
 ucxx          Dask over UCXX, a CuPy array (only when distributed-ucxx imports)
 gpupool       dask_gpupool at its defaults: an array over a pool buffer (copied in Dask's frames under
-              gpupool.handoff-threshold: 256 KiB on host pools, 1 MiB on device pools)
+              gpupool.handoff-threshold: 64 KiB on host pools, 1 MiB on device pools)
 gpupool-handoff  the same, handed over at every size (handoff-threshold 0)
 gpupool-handoff-broker  the same, each lease claimed over the broker first (gpupool.lease-claims: broker, the
               round trip the default ``reply`` saves)

@@ -45,12 +45,14 @@ POOL_MEMORY_IMPORT_LIMIT = 5 << 30
 #: task rechunk of 8 MiB NumPy chunks took 1.25x as long staged.
 DEVICE_STAGE_THRESHOLD = 4 << 20
 
-#: ``handoff-threshold: auto`` on ``host`` pools: a pool buffer smaller than 256 KiB goes to a same-host worker over
-#: TCP as a copy in Dask's frames (landing in the receiver's pool) instead of a handoff, whose lease claim costs a round
-#: trip to the exporter's broker. Measured on a 2-vCPU container (benchmarks/handoff.py, host pools, three rounds,
-#: 2026-11-23, docs/performance.md): the copy took 1.73 / 2.10 / 2.06 ms at 16 / 128 / 256 KiB against 2.48 / 2.33 /
-#: 2.34 ms handed over, and 2.53 against 2.36 ms at 512 KiB.
-HOST_HANDOFF_THRESHOLD = 256 << 10
+#: ``handoff-threshold: auto`` on ``host`` pools: a pool buffer smaller than 64 KiB goes to a same-host worker over
+#: TCP as a copy in Dask's frames (landing in the receiver's pool) instead of a handoff. Measured on a 2-vCPU container
+#: with leases claimed by the reply, each sample taken both ways back to back in one cluster
+#: (benchmarks/copy_or_handoff.py, two runs of 150 samples per size, 2026-11-23 22:30, docs/cpu-users.md): up to
+#: 32 KiB the two were within 0.08 ms (the copy faster in 49-66% of the pairs), from 64 KiB the handoff was faster
+#: (the copy faster in 22-35% of the pairs at 64 KiB, 3-13% at 128 KiB-1 MiB). It was 256 KiB while claims cost a
+#: round trip to the exporter's broker.
+HOST_HANDOFF_THRESHOLD = 64 << 10
 
 #: ``handoff-threshold: auto`` on ``device`` pools: the crossover measured on two H200s (benchmarks/handoff.py,
 #: pool arrays over TCP, three rounds, 2026-11-23 08:30, docs/performance.md): a copy in Dask's frames took
@@ -231,7 +233,7 @@ class PoolOptions:
         TLS; smaller ones go as copies in Dask's frames (fallback ``small``),
         which is faster there than a handoff's lease claim. 0: hand over at
         every size. ``None`` (``auto``, the default):
-        :data:`HOST_HANDOFF_THRESHOLD` (256 KiB) on ``host`` pools,
+        :data:`HOST_HANDOFF_THRESHOLD` (64 KiB) on ``host`` pools,
         :data:`DEVICE_HANDOFF_THRESHOLD` (1 MiB) on ``device`` pools, 0 on
         ``pinned`` pools (:meth:`effective_handoff_threshold`).
     device_objects : bool

@@ -55,7 +55,7 @@ def nanny_cluster(
 
     ``gpupool.handoff-threshold`` is 0 in these workers: the tests hand over
     small ``host``-pool buffers to test the handoff itself, which the default
-    (256 KiB on ``host`` pools) would send as copies. Tests of the threshold
+    (64 KiB on ``host`` pools) would send as copies. Tests of the threshold
     pass ``handoff_threshold`` to ``GPUPool``, which wins over the config.
     ``gpupool.peer-gpu-copy`` is false: tests across GPUs check the mapping
     itself (leases, deaths, forwarding); the copy on arrival has tests of its

@@ -136,9 +136,10 @@ def test_a_large_plain_array_is_staged_into_the_pool_and_handed_over():
 
 
 def test_a_small_host_pool_buffer_goes_as_a_copy_by_default():
-    """``gpupool.handoff-threshold: auto`` is 256 KiB on host pools, the crossover measured on the CPU: a 64 KiB pool
+    """``gpupool.handoff-threshold: auto`` is 64 KiB on host pools, the crossover measured on the CPU: a 16 KiB pool
     buffer goes to a same-host worker as a copy in Dask's frames (fallback small, no lease), landing in the
-    receiver's pool so that it can be handed on; a 1 MiB one is handed over. Back to baseline after."""
+    receiver's pool so that it can be handed on; a 64 KiB one (the threshold) is handed over. Back to baseline
+    after."""
     with nanny_cluster([{}, {}], GPUPool(kind="host", max_size="64 MiB", handoff_threshold="auto")) as c:
         a, b = worker_addresses(c)
         for src, dst in ((a, b), (b, a)):  # links and mappings (warm_up's 4 KiB buffers would be copies here)
@@ -148,8 +149,8 @@ def test_a_small_host_pool_buffer_goes_as_a_copy_by_default():
         wait_for(lambda: all(n["leases"] == 0 for n in counters(c).values()), what="warm-up leases to end")
         baseline = c.run(T.resources)
         before = counters(c)
-        small = c.submit(T.make_buffer, 64 << 10, b"small", workers=[a], pure=False)
-        big = c.submit(T.make_buffer, MiB, b"big", workers=[a], pure=False)
+        small = c.submit(T.make_buffer, 16 << 10, b"small", workers=[a], pure=False)
+        big = c.submit(T.make_buffer, 64 << 10, b"big", workers=[a], pure=False)
         got_small = c.submit(T.keep, small, workers=[b], pure=False)
         got_big = c.submit(T.keep, big, workers=[b], pure=False)
         assert c.submit(T.head, got_small, 5, workers=[b], pure=False).result() == b"small"
@@ -162,8 +163,8 @@ def test_a_small_host_pool_buffer_goes_as_a_copy_by_default():
         assert c.submit(T.describe, got_big, workers=[b], pure=False).result()["imported"]
         now = counters(c)
         assert now[a]["fallbacks"] == {"small": 1}
-        assert now[b]["copied_bytes"] - before[b]["copied_bytes"] == 64 << 10
-        assert now[b]["zero_copy_bytes"] - before[b]["zero_copy_bytes"] == MiB
+        assert now[b]["copied_bytes"] - before[b]["copied_bytes"] == 16 << 10
+        assert now[b]["zero_copy_bytes"] - before[b]["zero_copy_bytes"] == 64 << 10
         assert now[a]["leases"] == 1  # the big one's
         del small, big, got_small, got_big
         back_to(c, baseline)

@@ -1,0 +1,96 @@
+"""Copy or handoff for small pool values, each sample taken both ways back to back in one cluster.
+
+``gpupool.handoff-threshold`` sends pool buffers under it to a same-host worker as a copy in Dask's frames instead
+of a handoff. Whether the copy is faster was measured so far with one cluster per method, and clusters started one
+after another differ by as much as the two paths do (0.1-0.5 ms, ``docs/cpu-users.md``). Here one cluster with the
+plugin takes every sample handed over (``handoff-threshold: 0``) and copied (the threshold above every size) back to
+back, in alternating order, switching the producer's threshold between them.
+
+Two same-host workers (``--placement other`` with two GPUs: one per GPU); pool arrays of each ``--sizes`` over
+``device`` pools with a GPU, ``host`` pools without (``--kind`` overrides); the transfer time is the consumer's
+``stop - start`` of its transfer log entry, median of ``--samples``. JSON to ``benchmarks/results/``.
+
+    python benchmarks/copy_or_handoff.py [--sizes 1KiB,16KiB,64KiB,256KiB,1MiB] [--samples 100] [--kind host]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from typing import Any
+
+from dask.utils import format_bytes, parse_bytes
+from distributed import wait
+
+sys.path.insert(0, os.path.dirname(__file__))
+import handoff as H  # benchmarks/handoff.py: its cluster, produce/consume, placements and save_json
+
+from dask_gpupool import GPUPool
+from dask_gpupool import testing as T
+from dask_gpupool.memory.topology import local_devices
+
+
+def set_threshold(dask_worker: Any, nbytes: int) -> None:
+    """On a worker: set its pool service's ``gpupool.handoff-threshold`` (where routing reads it)."""
+    import dataclasses
+
+    from dask_gpupool.handoff.active import active_service
+
+    service = active_service()
+    if service is not None:
+        options = dataclasses.replace(service.options, handoff_threshold=nbytes)
+        service.options = options
+        service.routes.options = options
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="1KiB,16KiB,64KiB,256KiB,1MiB")
+    p.add_argument("--samples", type=int, default=100)
+    p.add_argument("--kind", default="", help="pool kind (default: device with a GPU, else host)")
+    p.add_argument("--placement", default="same", choices=["same", "other"])
+    args = p.parse_args()
+    gpus = len(local_devices().uuids)
+    kind = args.kind or ("device" if gpus else "host")
+    lib = "cupy" if kind == "device" else "numpy"
+    sizes = [int(parse_bytes(s)) for s in args.sizes.split(",")]
+    workers = H.placements(gpus)[args.placement] if gpus else [{}, {}]
+    modes = {"handoff": 0, "copy": 2 * max(sizes)}
+    samples: dict[tuple[str, int], list[float]] = {(m, n): [] for m in modes for n in sizes}
+    with H.cluster(workers, "tcp", GPUPool(kind=kind, max_size=f"{4 * max(sizes) // (1 << 20) + 256} MiB")) as c:
+        info = c.scheduler_info()["workers"]
+        a, b = sorted(info, key=lambda w: str(info[w]["name"]))
+        for nbytes in sizes:
+            for k in range(args.samples + 3):
+                for mode in list(modes) if k % 2 else list(modes)[::-1]:
+                    c.run(set_threshold, nbytes=modes[mode], workers=[a])
+                    x = c.submit(H.produce, nbytes, lib, True, workers=[a], pure=False)
+                    wait(x)
+                    c.submit(H.consume, x, workers=[b], pure=False).result()
+                    t = c.run(T.last_transfer, key=x.key, workers=[b])[b]
+                    del x
+                    H.between_samples(c, True)
+                    if k >= 3 and t is not None:  # the first rounds warm the comms up
+                        samples[mode, nbytes].append(t)
+        counters = c.run(T.handoff_counters)
+    print(f"{kind} pools, {args.placement} placement, median of {args.samples} samples each (ms)")
+    print(f"{'size':>10}{'handoff':>10}{'copy':>10}{'copy faster':>14}")
+    rows = []
+    for nbytes in sizes:
+        h, cp = samples["handoff", nbytes], samples["copy", nbytes]
+        faster = sum(y < x for x, y in zip(h, cp, strict=False)) / max(len(h), 1)
+        row = {"nbytes": nbytes, "handoff_s": statistics.median(h), "copy_s": statistics.median(cp)}
+        row["copy_faster_share"] = faster
+        rows.append(row)
+        print(f"{format_bytes(nbytes):>10}{row['handoff_s'] * 1e3:10.3f}{row['copy_s'] * 1e3:10.3f}{faster:13.0%}")
+    fallbacks = {w: counters[w].get("fallbacks", {}) for w in counters}
+    print("fallbacks:", fallbacks)
+    result = {"machine": H.machine(), "args": vars(args), "kind": kind, "rows": rows, "fallbacks": fallbacks}
+    result["samples"] = {f"{m}-{n}": v for (m, n), v in samples.items()}
+    H.save_json("copy_or_handoff", result)
+
+
+if __name__ == "__main__":
+    main()
