@@ -56,6 +56,8 @@ def main() -> None:
     kind = args.kind or ("device" if gpus else "host")
     lib = "cupy" if kind == "device" else "numpy"
     sizes = [int(parse_bytes(s)) for s in args.sizes.split(",")]
+    if args.placement == "other" and gpus < 2:
+        raise SystemExit("--placement other needs two GPUs")
     workers = H.placements(gpus)[args.placement] if gpus else [{}, {}]
     modes = {"handoff": 0, "copy": 2 * max(sizes)}
     samples: dict[tuple[str, int], list[float]] = {(m, n): [] for m in modes for n in sizes}
