@@ -61,16 +61,19 @@ HOST_HANDOFF_THRESHOLD = 64 << 10
 #: from 1 MiB up are handed over. ``pinned`` pools hand over at every size: their crossover is not measured.
 DEVICE_HANDOFF_THRESHOLD = 1 << 20
 
-#: ``ucx-staging-threshold`` by default: pool memory under 128 KiB goes to UCX as it is, not copied into
+#: ``ucx-staging-threshold`` by default: pool memory under 8 KiB goes to UCX as it is, not copied into
 #: ``cuMemAlloc`` memory first. UCX 1.21 (``UCX_PROTO_INFO``) sends any device memory under 8 KiB eagerly through host
 #: bounce buffers over its TCP transport, plain CuPy arrays with UCXX alone included, so a staging copy buys nothing
 #: there, and from 8 KiB to 4 MiB moves pool memory (which its ``cuda_ipc`` cannot export) with its own ``cuda_copy``
 #: pipeline; above 4 MiB it falls back to host fragments, hence staging from some size on. Measured on one H100, four
 #: workers as two "hosts", staged and unstaged samples back to back in one cluster (benchmarks/ucx_pairs.py
 #: ``ucxx+gpupool-ab``, 2026-11-23 22:04, docs/performance.md): other-host pairs unstaged 1.90 against 2.09 ms at 4 KiB
-#: (faster on all 8 pairs) and 2.08 against 2.21 ms at 64 KiB (6 of 8). Sizes between 64 KiB and 4 MiB are not
-#: measured back to back.
-UCX_STAGING_THRESHOLD = 128 << 10
+#: (faster on all 8 pairs) and 2.08 against 2.21 ms at 64 KiB (6 of 8). Those "hosts" shared one machine, where UCX
+#: reaches the other process by ``cuda_ipc`` and TCP over loopback. Between real hosts (InfiniBand, GPUDirect RDMA)
+#: UCX picks other protocols from 8 KiB up, and whether it moves pool memory there as well as ``cuMemAlloc`` memory
+#: is not measured; below 8 KiB it copies device memory into host bounce buffers whatever the transport. So the
+#: default stays at the eager limit, where giving UCX the pool memory itself cannot change its path.
+UCX_STAGING_THRESHOLD = 8 << 10
 
 
 @dataclass(frozen=True)
@@ -207,9 +210,10 @@ class PoolOptions:
         smaller pool memory is given to UCX as it is, which UCX 1.21 moves
         with its own protocols (eager through host bounce buffers below
         8 KiB, as for any device memory; its ``cuda_copy`` pipeline up to
-        4 MiB). Default :data:`UCX_STAGING_THRESHOLD` (128 KiB): on one H100,
+        4 MiB). Default :data:`UCX_STAGING_THRESHOLD` (8 KiB): on one H100,
         with staged and unstaged samples taken back to back, unstaged was
-        faster at 4 KiB (every pair) and 64 KiB. 0: every value is staged.
+        faster at 4 KiB (every pair) and 64 KiB; above 8 KiB UCX's path
+        between real hosts is not measured. 0: every value is staged.
     copy_chunk_size : int
         Chunk of the pipelined copy path (:mod:`dask_gpupool.transport.stream`); 0 sends
         every copy in Dask's frames.
@@ -336,7 +340,7 @@ class PoolOptions:
     cupy_allocator: bool | None = None
     rmm_allocator: bool = False
     ucx_handoff_threshold: int = 0
-    ucx_staging_threshold: int = 128 << 10
+    ucx_staging_threshold: int = 8 << 10
     copy_chunk_size: int = 16 << 20
     copy_stream_threshold: int = 4 << 20
     copy_streams: int = 4

@@ -94,7 +94,7 @@ def test_config_values_and_overrides():
     assert PoolOptions.from_config(segment_size="8 GiB").segment_size == 8 << 30  # VMM segments of any size
     assert options.ucx_handoff_threshold == 0
     assert PoolOptions.from_config(ucx_handoff_threshold="64 MiB").ucx_handoff_threshold == 64 << 20
-    assert options.ucx_staging_threshold == 128 << 10  # smaller pool values go to UCX as they are
+    assert options.ucx_staging_threshold == 8 << 10  # smaller pool values go to UCX as they are
     assert PoolOptions.from_config(ucx_staging_threshold="64 KiB").ucx_staging_threshold == 64 << 10
     assert PoolOptions.from_config(import_limit=0, segment_size="8 GiB").segment_size == 8 * 2**30
     assert (options.copy_chunk_size, options.copy_stream_threshold, options.copy_streams) == (16 << 20, 4 << 20, 4)
