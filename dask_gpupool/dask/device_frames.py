@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cuda.core import Buffer
 
@@ -27,6 +27,9 @@ from dask_gpupool.dask.worker_internals import REQUEST
 from dask_gpupool.handoff.active import active_service
 from dask_gpupool.memory.ucx_staging import UcxStaging
 from dask_gpupool.wire.handoff import ArrayMeta
+
+if TYPE_CHECKING:
+    from dask_gpupool.handoff.service import PoolService
 
 __all__ = ["cuda_dumps_cupy", "cuda_loads_cupy", "register"]
 
@@ -68,16 +71,20 @@ def _hand_over_on_device_comm(holder: Any, buf: Buffer, meta: ArrayMeta | None, 
     return None if header is None else {KEY: header.to_msg()}
 
 
+def _service(reply: bool = True) -> PoolService | None:
+    """The service of the ``get_data`` reply being serialized (``reply``), else this process's active one."""
+    request = REQUEST.get() if reply else None
+    return request.service if request is not None else active_service()
+
+
 def _unstaged(nbytes: int) -> bool:
     """Whether pool memory of ``nbytes`` goes to UCX as it is: below ``gpupool.ucx-staging-threshold``."""
-    request = REQUEST.get()
-    service = request.service if request is not None else active_service()
+    service = _service()
     return service is not None and nbytes < service.options.ucx_staging_threshold
 
 
 def _count_device_frames(nbytes: int, *, staged: bool, out: bool) -> None:
-    request = REQUEST.get() if out else None
-    service = request.service if request is not None else active_service()
+    service = _service(out)
     if service is None:
         return
     if out:

@@ -279,13 +279,11 @@ class Releaser:
                         if lease in live:
                             released[lease] = None
                     _bound(released)
-                    live.difference_update(entry.leases)
                     # unmapped leases stay live until their release was written: a resync on a link reopened
                     # before that must keep them, or it would end them without taking their segment claims back
                     # (_deliver). Not covered: the link breaking after the write, and the new link's resync read
                     # before the old link's release; the claim then stays until this worker leaves.
-                    if not live:
-                        del self._live[exporter]
+                    self._drop_live(exporter, entry.leases)
         for exporter, entry in by_exporter.items():
             if not entry:
                 continue
@@ -308,11 +306,7 @@ class Releaser:
                 link.release(entry.unmapped, unmapped=True)
                 self.sent += len(entry.unmapped)
                 with self._cond:
-                    live = self._live.get(exporter)
-                    if live is not None:
-                        live.difference_update(entry.unmapped)
-                        if not live:
-                            del self._live[exporter]
+                    self._drop_live(exporter, entry.unmapped)
             if entry.leases:
                 link.release(entry.leases)
                 self.sent += len(entry.leases)
@@ -333,6 +327,14 @@ class Releaser:
                 # were claimed by then, and a lease claimed later (an answer) must still be released
                 self._retry.setdefault(exporter, _Releases()).extend(entry)
             return False
+
+    def _drop_live(self, exporter: str, leases: list[int]) -> None:
+        """Take ``leases`` out of ``exporter``'s live set (dropped when empty). Called under the lock."""
+        live = self._live.get(exporter)
+        if live is not None:
+            live.difference_update(leases)
+            if not live:
+                del self._live[exporter]
 
     def _retry_failed(self) -> bool:
         """Open broken links again (they resync on opening) and resend the releases; whether all went."""
