@@ -10,7 +10,12 @@ transfer time is ``stop - start`` of its transfer log entry, median of ``--repea
 to UCX as it is, for UCX's own small-message protocol, instead of staged first); ``ucxx+gpupool-plain`` (the plugin
 with ``gpupool.cupy-allocator`` off and a plain CuPy array: what the plugin costs on Dask's own path);
 ``ucxx+gpupool-ab`` (one cluster, every sample taken with pool memory staged and unstaged back to back, so that the
-two are compared at the same moment: rows ``ucxx+gpupool-ab:staged`` and ``-ab:unstaged``). For pool arrays
+two are compared at the same moment: rows ``ucxx+gpupool-ab:staged`` and ``-ab:unstaged``);
+``ucxx+gpupool-hooks-ab`` (one cluster, the plugin with plain CuPy arrays, every sample taken with the plugin's
+``get_data`` wrapper and CuPy serializers in place and with distributed's own put back, back to back: what the
+plugin's hooks cost a transfer it does not change); ``ucxx+gpupool-pool-ab`` (one cluster, the plugin at its
+defaults, every sample taken with an array over a pool buffer and with a CuPy array outside every pool, back to
+back: what pool memory costs a pair that gets device frames). For pool arrays
 a same-"host" pair gets a descriptor (zero-copy), another-"host" pair the value's device frames, which UCX moves GPU
 to GPU. After each method the table of bytes by path (zero-copy, device frames, host copies) shows that no pair went
 through the host (``--proto-info`` has UCX print the protocols it picked, which says what UCX itself did). Needs
@@ -61,6 +66,57 @@ def _set_staging_threshold(nbytes: int) -> None:
         service.options = dataclasses.replace(service.options, ucx_staging_threshold=nbytes)
 
 
+def _set_hooks(on: bool, dask_worker: Any = None) -> None:
+    """On a worker: the plugin's ``get_data`` wrapper and CuPy serializers (``on``), or distributed's own (the
+    ``-hooks-ab`` switch). The comms the worker reads from keep their read wrapper, which does nothing more than
+    open an empty collector when no copy is deferred. The plugin's are kept on the worker object meanwhile (this
+    function travels by value: a module global would be a new dict at each call)."""
+    import cupy
+    from distributed.protocol import cupy as distributed_cupy
+    from distributed.protocol.cuda import cuda_deserialize, cuda_serialize
+    from distributed.protocol.serialize import dask_deserialize, dask_serialize
+
+    registries = {
+        "cuda_serialize": (cuda_serialize, distributed_cupy.cuda_serialize_cupy_ndarray),
+        "cuda_deserialize": (cuda_deserialize, distributed_cupy.cuda_deserialize_cupy_ndarray),
+        "dask_serialize": (dask_serialize, distributed_cupy.dask_serialize_cupy_ndarray),
+        "dask_deserialize": (dask_deserialize, distributed_cupy.dask_deserialize_cupy_ndarray),
+    }
+    saved = dask_worker.__dict__.setdefault("_bench_saved_hooks", {})
+    if not on and not saved:
+        saved["get_data"] = dask_worker.handlers["get_data"]
+        dask_worker.handlers["get_data"] = saved["get_data"].__wrapped__
+        for name, (registry, own) in registries.items():
+            saved[name] = registry.dispatch(cupy.ndarray)
+            registry.register(cupy.ndarray)(own)
+    elif on and saved:
+        dask_worker.handlers["get_data"] = saved.pop("get_data")
+        for name, (registry, _own) in registries.items():
+            registry.register(cupy.ndarray)(saved.pop(name))
+
+
+def _produce_outside_pools(nbytes: int) -> Any:
+    """A float64 CuPy array of ``nbytes`` from CuPy's own memory pool, whatever allocator the plugin installed."""
+    import cupy
+
+    with cupy.cuda.using_allocator(cupy.get_default_memory_pool().malloc):
+        arr = cupy.ones(max(nbytes // 8, 1), dtype="f8")
+    cupy.cuda.runtime.deviceSynchronize()
+    return arr
+
+
+def _variants(method: str, max_bytes: int) -> list[tuple[str, dict[str, Any]]]:
+    """The settings each sample is taken with: one unnamed variant, or the two of an ``-ab`` method (one cluster,
+    both back to back, the order alternating)."""
+    if method.endswith("-hooks-ab"):
+        return [("hooks", {"hooks": True}), ("nohooks", {"hooks": False})]
+    if method.endswith("-pool-ab"):
+        return [("pool", {}), ("plain", {"outside": True})]
+    if method.endswith("-ab"):
+        return [("staged", {"threshold": 0}), ("unstaged", {"threshold": 2 * max_bytes})]
+    return [("", {})]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="4KiB,1MiB,16MiB,256MiB")
@@ -99,14 +155,13 @@ def main() -> None:
                 max_size=f"{4 * max(sizes) // (1 << 20) + 1024} MiB",
                 lease_claims="broker" if method.endswith("-broker") else None,
                 ucx_staging_threshold=2 * max(sizes) if method.endswith("-unstaged") else None,
-                cupy_allocator=False if method.endswith("-plain") else None,
+                cupy_allocator=False if method.endswith(("-plain", "-hooks-ab")) else None,
             )
             if "gpupool" in method
             else None
         )
-        pool = plugin is not None and not method.endswith("-plain")
-        # "-ab": one cluster, each sample taken staged and unstaged back to back (order alternating)
-        variants = [("staged", 0), ("unstaged", 2 * max(sizes))] if method.endswith("-ab") else [("", None)]
+        pool = plugin is not None and not method.endswith(("-plain", "-hooks-ab"))
+        variants = _variants(method, max(sizes))
         with H.cluster(workers, "ucxx", plugin) as c:
             info = c.scheduler_info()["workers"]
             addrs = sorted(info, key=lambda w: str(info[w]["name"]))
@@ -117,10 +172,15 @@ def main() -> None:
                     for nbytes in sizes:
                         samples: dict[str, list[float]] = {v: [] for v, _ in variants}
                         for k in range(args.repeats + 1):
-                            for v, threshold in variants if k % 2 == 0 else variants[::-1]:
-                                if threshold is not None:
-                                    c.run(_set_staging_threshold, threshold)
-                                x = c.submit(H.produce, nbytes, "cupy", pool, workers=[src], pure=False)
+                            for v, settings in variants if k % 2 == 0 else variants[::-1]:
+                                if "threshold" in settings:
+                                    c.run(_set_staging_threshold, settings["threshold"])
+                                if "hooks" in settings:
+                                    c.run(_set_hooks, settings["hooks"])
+                                if settings.get("outside"):
+                                    x = c.submit(_produce_outside_pools, nbytes, workers=[src], pure=False)
+                                else:
+                                    x = c.submit(H.produce, nbytes, "cupy", pool, workers=[src], pure=False)
                                 wait(x)
                                 y = c.submit(H.consume, x, workers=[dst], pure=False)
                                 y.result()
