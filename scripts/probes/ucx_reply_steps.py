@@ -29,7 +29,7 @@ SIZES = [int(s) for s in os.environ.get("PROBE_SIZES", "4096,65536,1048576,16777
 REPEATS = int(os.environ.get("PROBE_REPEATS", 500))
 
 
-def steps(dask_worker: Any, who: str, sizes: list[int], repeats: int) -> list[dict[str, Any]]:
+def steps(who: str, sizes: list[int], repeats: int, dask_worker: Any = None) -> list[dict[str, Any]]:
     """On the producer: each step's median and p90 microseconds for every size, as the reply to ``who``."""
     import statistics
     import time
