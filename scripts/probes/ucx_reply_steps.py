@@ -65,7 +65,7 @@ def steps(who: str, sizes: list[int], repeats: int, dask_worker: Any = None) -> 
         n = max(nbytes // 8, 1)
         with cupy.cuda.using_allocator(cupy.get_default_memory_pool().malloc):
             plain = cupy.ones(n, dtype="f8")
-        buf = dask_gpupool.allocate(n * 8)
+        buf = service.allocate(n * 8)  # not a task: the service itself (allocate() is for tasks)
         pool = dask_gpupool.as_array(buf, (n,), "f8", like="cupy")
         pool[...] = 1.0
         cupy.cuda.runtime.deviceSynchronize()
