@@ -31,6 +31,7 @@ REPEATS = int(os.environ.get("PROBE_REPEATS", 500))
 
 def steps(who: str, sizes: list[int], repeats: int, dask_worker: Any = None) -> list[dict[str, Any]]:
     """On the producer: each step's median and p90 microseconds for every size, as the reply to ``who``."""
+    import os
     import statistics
     import time
 
@@ -85,6 +86,19 @@ def steps(who: str, sizes: list[int], repeats: int, dask_worker: Any = None) -> 
         finally:
             cuda_serialize.register(cupy.ndarray)(plugin_dumps)
             REQUEST.reset(token)
+            if os.environ.get("PROBE_PROFILE") and nbytes == sizes[-1]:  # where serialize pool's time goes
+                import cProfile
+                import io
+                import pstats
+
+                prof = cProfile.Profile()
+                prof.enable()
+                for _ in range(repeats):
+                    serialize(pool, serializers=families, on_error="raise")
+                prof.disable()
+                out = io.StringIO()
+                pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
+                rows.append({"step": "profile", "text": out.getvalue()})
         med, p90 = timed(lambda ptr=int(pool.data.ptr), size=n * 8: UcxStaging.copy_of(ptr, size, 0))
         rows.append({"step": "stage", "hooks": True, "nbytes": nbytes, "med": med, "p90": p90})
         med, p90 = timed(request)
@@ -107,6 +121,10 @@ def main() -> None:
         addrs = sorted(info, key=lambda w: str(info[w]["name"]))
         producer, other_host = addrs[0], addrs[2]
         rows = c.run(steps, other_host, SIZES, REPEATS, workers=[producer])[producer]
+    for r in rows:
+        if r["step"] == "profile":
+            print(r["text"])
+    rows = [r for r in rows if r["step"] != "profile"]
     print(f"producer {producer}, reply to other-host {other_host}; microseconds, median / p90 of {REPEATS}")
     print(f"{'step':<18}{'hooks':>6}" + "".join(f"{s:>18}" for s in SIZES))
     for step, hooks in dict.fromkeys((r["step"], r["hooks"]) for r in rows):
