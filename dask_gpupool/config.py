@@ -54,12 +54,19 @@ DEVICE_STAGE_THRESHOLD = 4 << 20
 #: round trip to the exporter's broker.
 HOST_HANDOFF_THRESHOLD = 64 << 10
 
-#: ``handoff-threshold: auto`` on ``device`` pools: the crossover measured on two H200s (benchmarks/handoff.py,
-#: pool arrays over TCP, three rounds, 2026-11-23 08:30, docs/performance.md): a copy in Dask's frames took
-#: 1.48-2.01 ms (one GPU) and 1.57-1.70 ms (across GPUs) from 1 KiB to 512 KiB against 2.02-2.19 and 2.08-2.14 ms
-#: handed over; at 1 MiB the handoff took 2.12 against 2.40 ms on one GPU, 2.05 against 1.93 across GPUs. So buffers
-#: from 1 MiB up are handed over. ``pinned`` pools hand over at every size: their crossover is not measured.
+#: ``handoff-threshold: auto`` on ``device`` pools, to a worker on another GPU: the crossover measured on two H200s
+#: while leases were claimed over the broker (benchmarks/handoff.py, pool arrays over TCP, three rounds, 2026-11-23
+#: 08:30, docs/performance.md): a copy in Dask's frames took 1.57-1.70 ms from 1 KiB to 512 KiB against 2.08-2.14 ms
+#: handed over; at 1 MiB 1.93 against 2.05. So buffers from 1 MiB up are handed over; not measured across GPUs since
+#: claims travel with the reply. ``pinned`` pools hand over at every size: their crossover is not measured.
 DEVICE_HANDOFF_THRESHOLD = 1 << 20
+
+#: ``handoff-threshold: auto`` on ``device`` pools, to a worker on the same GPU: none, every size is handed over.
+#: Measured on one H100 with leases claimed by the reply, each sample taken handed over and copied back to back in one
+#: cluster (benchmarks/copy_or_handoff.py --placement same, 60 samples per size, 2026-11-23 23:25,
+#: docs/performance.md): handed over 1.83-2.02 ms from 1 KiB to 1 MiB, copied 2.18-2.54 ms; the copy was faster in
+#: 28% of the pairs at 1 KiB, 23% at 16 KiB, 7-8% at 64-256 KiB and none at 1 MiB.
+SAME_GPU_HANDOFF_THRESHOLD = 0
 
 #: ``ucx-staging-threshold`` by default: pool memory under 8 KiB goes to UCX as it is, not copied into
 #: ``cuMemAlloc`` memory first. UCX 1.21 (``UCX_PROTO_INFO``) sends any device memory under 8 KiB eagerly through host
@@ -237,9 +244,11 @@ class PoolOptions:
         TLS; smaller ones go as copies in Dask's frames (fallback ``small``),
         which is faster there than a handoff's lease claim. 0: hand over at
         every size. ``None`` (``auto``, the default):
-        :data:`HOST_HANDOFF_THRESHOLD` (64 KiB) on ``host`` pools,
-        :data:`DEVICE_HANDOFF_THRESHOLD` (1 MiB) on ``device`` pools, 0 on
-        ``pinned`` pools (:meth:`effective_handoff_threshold`).
+        :data:`HOST_HANDOFF_THRESHOLD` (64 KiB) on ``host`` pools; on
+        ``device`` pools :data:`SAME_GPU_HANDOFF_THRESHOLD` (0) to a worker
+        on the pool's GPU and :data:`DEVICE_HANDOFF_THRESHOLD` (1 MiB) to one
+        on another GPU; 0 on ``pinned`` pools
+        (:meth:`effective_handoff_threshold`).
     device_objects : bool
         Send every object with a ``"cuda"`` serializer (``rmm.DeviceBuffer``,
         Numba device arrays, cuDF objects, a user's type) to same-host
@@ -355,10 +364,13 @@ class PoolOptions:
             return self.stage_threshold
         return DEVICE_STAGE_THRESHOLD if kind == "device" else 0
 
-    def effective_handoff_threshold(self, kind: str) -> int:
-        """The handoff threshold of a pool of ``kind``: smaller buffers go to same-host workers as copies; 0: none."""
+    def effective_handoff_threshold(self, kind: str, same_gpu: bool = False) -> int:
+        """The handoff threshold of a pool of ``kind`` for a requester on this pool's GPU (``same_gpu``) or not:
+        smaller buffers go to same-host workers as copies; 0: none."""
         if self.handoff_threshold is not None:
             return self.handoff_threshold
+        if kind == "device" and same_gpu:
+            return SAME_GPU_HANDOFF_THRESHOLD
         return {"host": HOST_HANDOFF_THRESHOLD, "device": DEVICE_HANDOFF_THRESHOLD}.get(kind, 0)
 
     def effective_import_limit(self, vmm: bool) -> int:

@@ -102,8 +102,13 @@ def test_config_values_and_overrides():
     assert options.stage_threshold is None  # auto: 4 MiB on device pools (measured on two H200s), off on host pools
     assert (options.effective_stage_threshold("device"), options.effective_stage_threshold("host")) == (4 << 20, 0)
     assert PoolOptions.from_config(stage_threshold="1 MiB").effective_stage_threshold("host") == 1 << 20
-    assert options.handoff_threshold is None  # auto: the crossovers measured on the CPU and on H200s; pinned: none
+    assert options.handoff_threshold is None  # auto: the crossovers measured on the CPU, one H100 and H200s; pinned: 0
     assert [options.effective_handoff_threshold(k) for k in ("host", "device", "pinned")] == [64 << 10, 1 << 20, 0]
+    assert [options.effective_handoff_threshold(k, same_gpu=True) for k in ("host", "device", "pinned")] == [
+        64 << 10,
+        0,
+        0,
+    ]
     assert PoolOptions.from_config(handoff_threshold=0).effective_handoff_threshold("host") == 0
     assert PoolOptions.from_config(handoff_threshold="1 MiB").effective_handoff_threshold("device") == 1 << 20
 

@@ -129,9 +129,11 @@ class Routes:
         """:func:`~dask_gpupool.handoff.routing.route` for memory of ``own``'s pool, with this worker's state.
 
         ``nbytes`` (the value's size) is held against ``gpupool.handoff-threshold``
-        of this worker's pool kind; 0 (staging, forwards) never is.
+        of ``own``'s pool kind (this worker's pool when ``nbytes`` is given) and the requester's GPU (``own``'s or
+        another); 0 (staging, forwards) never is.
         """
         row = self.registry.worker_row(requester) if requester else None
+        same_gpu = row is not None and row.device is not None and row.device == own.device
         return route(
             own,
             requester,
@@ -143,7 +145,7 @@ class Routes:
             import_size=import_size,
             import_limit=self.options.effective_import_limit(vmm),
             nbytes=nbytes,
-            handoff_threshold=self.options.effective_handoff_threshold(self.pool.kind) if nbytes else 0,
+            handoff_threshold=self.options.effective_handoff_threshold(own.kind, same_gpu) if nbytes else 0,
         )
 
     def stage_route(self, requester: str | None, scheme: str, nbytes: int) -> PoolRecord | None:

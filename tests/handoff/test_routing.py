@@ -133,3 +133,40 @@ def test_which_plain_arrays_are_staged_into_the_pool(requester, scheme, nbytes, 
         assert (row == requester) if staged else row is None
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize(
+    ("requester", "nbytes", "threshold", "handed"),
+    [
+        (PEER, 4 << 10, None, True),  # auto, a worker on this GPU: every size is handed over
+        (PEER, 1, None, True),
+        (peer(device=GPU1), 4 << 10, None, False),  # auto, another GPU: under 1 MiB a copy in Dask's frames
+        (peer(device=GPU1), 1 * MiB, None, True),
+        (PEER, 4 << 10, "64 KiB", False),  # set by the user: for every GPU
+        (peer(device=GPU1), 64 << 10, "64 KiB", True),
+    ],
+)
+def test_the_handoff_threshold_of_device_pools_depends_on_the_requesters_gpu(requester, nbytes, threshold, handed):
+    """gpupool.handoff-threshold: auto on a device pool is 0 for a worker on the pool's GPU (a handoff measured faster
+    at every size there) and 1 MiB for one on another GPU (fallback small below it); a value the user sets holds for
+    both. A real (host) pool under a device pool's registry row: the decision reads the rows."""
+    from dask_gpupool.config import PoolOptions
+    from dask_gpupool.handoff.registry import RegistryView
+    from dask_gpupool.handoff.routes import Routes
+    from dask_gpupool.handoff.stats import HandoffStats
+    from dask_gpupool.memory.pool import Pool
+    from dask_gpupool.memory.topology import LocalDevices
+    from dask_gpupool.wire.registry import RegistryUpdate
+
+    options = PoolOptions.from_config(kind="host", max_size="16 MiB", handoff_threshold=threshold)
+    pool = Pool.create(options, LocalDevices(()))
+    try:
+        view = RegistryView()
+        view.apply(RegistryUpdate(version=1, added=(OWN, requester)))
+        stats = HandoffStats()
+        routes = Routes(options, pool, OWN, view, stats, None)
+        row, reason = routes.plan_range(requester.worker, "tcp", nbytes, 1 << 30)
+        assert (row, reason) == ((requester, None) if handed else (None, "small"))
+        assert stats.fallbacks == ({} if handed else {"small": 1})
+    finally:
+        pool.close()
