@@ -7,8 +7,10 @@ handles) and, through fabric handles only, pool and VMM memory. dask_gpupool's
 pool and VMM memory allows POSIX file descriptors, not fabric handles, so UCX
 moved it through host memory: 2.3 s for 1 GiB on an H100, where ``cuMemAlloc``
 memory took 4.5 ms (docs/performance.md). UCX 1.22 adds POSIX file
-descriptors (openucx/ucx#11183); until distributed-ucxx can use it, device
-frames of pool memory are copied here first.
+descriptors for VMM memory (openucx/ucx#11183), yet under distributed-ucxx
+0.52 it still sent our pool memory through host fragments (16 MiB in over
+200 ms on an H100, docs/performance.md), so device frames of pool memory are
+copied here first with either version.
 
 The receiving side of ``cuda_ipc`` opens each exported allocation once and
 caches the mapping (about 1 ms per new allocation), so freed staging memory is
