@@ -15,7 +15,8 @@ two are compared at the same moment: rows ``ucxx+gpupool-ab:staged`` and ``-ab:u
 ``get_data`` wrapper and CuPy serializers in place and with distributed's own put back, back to back: what the
 plugin's hooks cost a transfer it does not change); ``ucxx+gpupool-pool-ab`` (one cluster, the plugin at its
 defaults, every sample taken with an array over a pool buffer and with a CuPy array outside every pool, back to
-back: what pool memory costs a pair that gets device frames). For pool arrays
+back: what pool memory costs a pair that gets device frames); ``ucxx+gpupool-hooks-parts`` (as ``-hooks-ab``, with
+two more variants: only the ``get_data`` wrapper put back to distributed's, only the serializers). For pool arrays
 a same-"host" pair gets a descriptor (zero-copy), another-"host" pair the value's device frames, which UCX moves GPU
 to GPU. After each method the table of bytes by path (zero-copy, device frames, host copies) shows that no pair went
 through the host (``--proto-info`` has UCX print the protocols it picked, which says what UCX itself did). Needs
@@ -66,11 +67,12 @@ def _set_staging_threshold(nbytes: int) -> None:
         service.options = dataclasses.replace(service.options, ucx_staging_threshold=nbytes)
 
 
-def _set_hooks(on: bool, dask_worker: Any = None) -> None:
-    """On a worker: the plugin's ``get_data`` wrapper and CuPy serializers (``on``), or distributed's own (the
-    ``-hooks-ab`` switch). The comms the worker reads from keep their read wrapper, which does nothing more than
-    open an empty collector when no copy is deferred. The plugin's are kept on the worker object meanwhile (this
-    function travels by value: a module global would be a new dict at each call)."""
+def _set_hooks(off: list[str], dask_worker: Any = None) -> None:
+    """On a worker: the plugin's hooks named in ``off`` replaced by distributed's own, the others in place (the
+    ``-hooks-ab`` and ``-hooks-parts`` switch). ``"get_data"``: the ``get_data`` wrapper; ``"serializers"``: the CuPy
+    serializers (both directions, both families). The comms the worker reads from keep their read wrapper, which does
+    nothing more than open an empty collector when no copy is deferred. The plugin's are kept on the worker object
+    meanwhile (this function travels by value: a module global would be a new dict at each call)."""
     import cupy
     from distributed.protocol import cupy as distributed_cupy
     from distributed.protocol.cuda import cuda_deserialize, cuda_serialize
@@ -83,16 +85,17 @@ def _set_hooks(on: bool, dask_worker: Any = None) -> None:
         "dask_deserialize": (dask_deserialize, distributed_cupy.dask_deserialize_cupy_ndarray),
     }
     saved = dask_worker.__dict__.setdefault("_bench_saved_hooks", {})
-    if not on and not saved:
+    if "get_data" in saved and "get_data" not in off:
+        dask_worker.handlers["get_data"] = saved.pop("get_data")
+    elif "get_data" in off and "get_data" not in saved:
         saved["get_data"] = dask_worker.handlers["get_data"]
         dask_worker.handlers["get_data"] = saved["get_data"].__wrapped__
-        for name, (registry, own) in registries.items():
+    for name, (registry, own) in registries.items():
+        if name in saved and "serializers" not in off:
+            registry.register(cupy.ndarray)(saved.pop(name))
+        elif "serializers" in off and name not in saved:
             saved[name] = registry.dispatch(cupy.ndarray)
             registry.register(cupy.ndarray)(own)
-    elif on and saved:
-        dask_worker.handlers["get_data"] = saved.pop("get_data")
-        for name, (registry, _own) in registries.items():
-            registry.register(cupy.ndarray)(saved.pop(name))
 
 
 def _produce_outside_pools(nbytes: int) -> Any:
@@ -107,9 +110,16 @@ def _produce_outside_pools(nbytes: int) -> Any:
 
 def _variants(method: str, max_bytes: int) -> list[tuple[str, dict[str, Any]]]:
     """The settings each sample is taken with: one unnamed variant, or the two of an ``-ab`` method (one cluster,
-    both back to back, the order alternating)."""
+    all back to back, the order alternating)."""
     if method.endswith("-hooks-ab"):
-        return [("hooks", {"hooks": True}), ("nohooks", {"hooks": False})]
+        return [("hooks", {"off": []}), ("nohooks", {"off": ["get_data", "serializers"]})]
+    if method.endswith("-hooks-parts"):
+        return [
+            ("hooks", {"off": []}),
+            ("no-get-data-hook", {"off": ["get_data"]}),
+            ("no-serializers", {"off": ["serializers"]}),
+            ("nohooks", {"off": ["get_data", "serializers"]}),
+        ]
     if method.endswith("-pool-ab"):
         return [("pool", {}), ("plain", {"outside": True})]
     if method.endswith("-ab"):
@@ -155,12 +165,12 @@ def main() -> None:
                 max_size=f"{4 * max(sizes) // (1 << 20) + 1024} MiB",
                 lease_claims="broker" if method.endswith("-broker") else None,
                 ucx_staging_threshold=2 * max(sizes) if method.endswith("-unstaged") else None,
-                cupy_allocator=False if method.endswith(("-plain", "-hooks-ab")) else None,
+                cupy_allocator=False if method.endswith(("-plain", "-hooks-ab", "-hooks-parts")) else None,
             )
             if "gpupool" in method
             else None
         )
-        pool = plugin is not None and not method.endswith(("-plain", "-hooks-ab"))
+        pool = plugin is not None and not method.endswith(("-plain", "-hooks-ab", "-hooks-parts"))
         variants = _variants(method, max(sizes))
         with H.cluster(workers, "ucxx", plugin) as c:
             info = c.scheduler_info()["workers"]
@@ -175,8 +185,8 @@ def main() -> None:
                             for v, settings in variants if k % 2 == 0 else variants[::-1]:
                                 if "threshold" in settings:
                                     c.run(_set_staging_threshold, settings["threshold"])
-                                if "hooks" in settings:
-                                    c.run(_set_hooks, settings["hooks"])
+                                if "off" in settings:
+                                    c.run(_set_hooks, settings["off"])
                                 if settings.get("outside"):
                                     x = c.submit(_produce_outside_pools, nbytes, workers=[src], pure=False)
                                 else:
