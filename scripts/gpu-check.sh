@@ -79,8 +79,16 @@ fi
 # benchmarks/vkgdr_landing.py), when .gl is carried: the device README's .deb set (libvulkan1 libegl1 libglvnd0
 # libopengl0 libgl1 libglx0 libgles2). With libvulkan1 alone vkCreateInstance failed with
 # VK_ERROR_INCOMPATIBLE_DRIVER (fourteenth session); with the whole set vkgdr opened (fifteenth).
+# Under the install lock, once per machine: two runs side by side in one call unpacked at once and one dpkg -x failed
+# on a file the other had just written (seventeenth session).
 if ls .gl/*.deb > /dev/null 2>&1; then
-  for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
+  (
+    flock 9
+    if [ ! -f /tmp/site/.gpupool-gl-unpacked ]; then
+      for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
+      touch /tmp/site/.gpupool-gl-unpacked
+    fi
+  ) 9>/tmp/gpupool-install.lock
   export VK_DRIVER_FILES=${VK_DRIVER_FILES:-/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json}
   export __EGL_VENDOR_LIBRARY_FILENAMES=${__EGL_VENDOR_LIBRARY_FILENAMES:-/usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json}
   { echo "VK_DRIVER_FILES=$VK_DRIVER_FILES"; ls -l "$VK_DRIVER_FILES" /usr/share/vulkan/icd.d /etc/vulkan/icd.d 2>&1;
