@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -99,6 +102,29 @@ def test_plain_copy_reason(case, requester, row, expected):
     assert expected is None or expected in FALLBACK_REASONS
 
 
+@contextlib.contextmanager
+def _routes(requester: PoolRecord, **options: object) -> Iterator[tuple[Any, Any]]:
+    """:class:`Routes` of a real (host) pool under ``OWN``, a device pool's registry row, with ``requester``'s row
+    registered, and its stats: the decisions read the rows (no GPU needed)."""
+    from dask_gpupool.config import PoolOptions
+    from dask_gpupool.handoff.registry import RegistryView
+    from dask_gpupool.handoff.routes import Routes
+    from dask_gpupool.handoff.stats import HandoffStats
+    from dask_gpupool.memory.pool import Pool
+    from dask_gpupool.memory.topology import LocalDevices
+    from dask_gpupool.wire.registry import RegistryUpdate
+
+    pool_options = PoolOptions.from_config(kind="host", max_size="16 MiB", **options)
+    pool = Pool.create(pool_options, LocalDevices(()))
+    try:
+        view = RegistryView()
+        view.apply(RegistryUpdate(version=1, added=(OWN, requester)))
+        stats = HandoffStats()
+        yield Routes(pool_options, pool, OWN, view, stats, None), stats
+    finally:
+        pool.close()
+
+
 @pytest.mark.parametrize(
     ("requester", "scheme", "nbytes", "staged"),
     [
@@ -114,25 +140,10 @@ def test_plain_copy_reason(case, requester, row, expected):
 )
 def test_which_plain_arrays_are_staged_into_the_pool(requester, scheme, nbytes, staged):
     """Routes.stage_route: from gpupool.stage-threshold up, to a same-host worker over TCP or TLS, and over UCX only
-    to one on this pool's GPU. A real (host) pool under a device pool's registry row: the decision reads the rows."""
-    from dask_gpupool.config import PoolOptions
-    from dask_gpupool.handoff.registry import RegistryView
-    from dask_gpupool.handoff.routes import Routes
-    from dask_gpupool.handoff.stats import HandoffStats
-    from dask_gpupool.memory.pool import Pool
-    from dask_gpupool.memory.topology import LocalDevices
-    from dask_gpupool.wire.registry import RegistryUpdate
-
-    options = PoolOptions.from_config(kind="host", max_size="16 MiB", stage_threshold="4 MiB")
-    pool = Pool.create(options, LocalDevices(()))
-    try:
-        view = RegistryView()
-        view.apply(RegistryUpdate(version=1, added=(OWN, requester)))
-        routes = Routes(options, pool, OWN, view, HandoffStats(), None)
+    to one on this pool's GPU."""
+    with _routes(requester, stage_threshold="4 MiB") as (routes, _stats):
         row = routes.stage_route(requester.worker, scheme, nbytes)
         assert (row == requester) if staged else row is None
-    finally:
-        pool.close()
 
 
 @pytest.mark.parametrize(
@@ -149,24 +160,8 @@ def test_which_plain_arrays_are_staged_into_the_pool(requester, scheme, nbytes, 
 def test_the_handoff_threshold_of_device_pools_depends_on_the_requesters_gpu(requester, nbytes, threshold, handed):
     """gpupool.handoff-threshold: auto on a device pool is 0 for a worker on the pool's GPU (a handoff measured faster
     at every size there) and 1 MiB for one on another GPU (fallback small below it); a value the user sets holds for
-    both. A real (host) pool under a device pool's registry row: the decision reads the rows."""
-    from dask_gpupool.config import PoolOptions
-    from dask_gpupool.handoff.registry import RegistryView
-    from dask_gpupool.handoff.routes import Routes
-    from dask_gpupool.handoff.stats import HandoffStats
-    from dask_gpupool.memory.pool import Pool
-    from dask_gpupool.memory.topology import LocalDevices
-    from dask_gpupool.wire.registry import RegistryUpdate
-
-    options = PoolOptions.from_config(kind="host", max_size="16 MiB", handoff_threshold=threshold)
-    pool = Pool.create(options, LocalDevices(()))
-    try:
-        view = RegistryView()
-        view.apply(RegistryUpdate(version=1, added=(OWN, requester)))
-        stats = HandoffStats()
-        routes = Routes(options, pool, OWN, view, stats, None)
+    both."""
+    with _routes(requester, handoff_threshold=threshold) as (routes, stats):
         row, reason = routes.plan_range(requester.worker, "tcp", nbytes, 1 << 30)
         assert (row, reason) == ((requester, None) if handed else (None, "small"))
         assert stats.fallbacks == ({} if handed else {"small": 1})
-    finally:
-        pool.close()
