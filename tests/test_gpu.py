@@ -910,6 +910,32 @@ def test_on_ucxx_pool_memory_below_the_staging_threshold_goes_to_ucx_unstaged(pl
         wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="the leases to end")
 
 
+@pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
+def test_handoff_threshold_auto_hands_small_pool_arrays_to_a_worker_on_the_same_gpu(placement):
+    """gpupool.handoff-threshold: auto on device pools: a 16 KiB pool array goes to a worker on the producer's GPU as a
+    handoff (zero-copy, no fallback), to a worker on another GPU as a copy in Dask's frames (fallback small, 1 MiB
+    threshold there); the right values either way, and no lease left after."""
+    gpus(2 if placement == "two-gpus" else 1)
+    import numpy as np
+
+    layout = ROTATED if placement == "two-gpus" else [ONE_GPU, ONE_GPU]
+    plugin = GPUPool(kind="device", max_size="1 GiB", handoff_threshold="auto")
+    with nanny_cluster(layout, plugin) as c:
+        a, b = worker_addresses(c)
+        before = counters(c)
+        arr = c.submit(T.make_array, 1 << 11, "cupy", workers=[a], pure=False)  # 16 KiB of float64
+        assert c.submit(T.total, arr, workers=[b], pure=False).result() == float(np.arange(1 << 11).sum())
+        now = counters(c)
+        small = now[a]["fallbacks"].get("small", 0) - before[a]["fallbacks"].get("small", 0)
+        zero_copy = now[b]["zero_copy_bytes"] - before[b]["zero_copy_bytes"]
+        if placement == "one-gpu":
+            assert (small, zero_copy) == (0, 16 << 10), now
+        else:
+            assert (small, zero_copy) == (1, 0), now
+        del arr
+        wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="the leases to end")
+
+
 def test_every_pair_of_two_hosts_of_two_gpus_over_ucxx_hands_over_or_sends_device_frames():
     """Issue 19, UCX clusters: four workers that look like two hosts of two GPUs (gpupool.host-id), w0 and w2 on
     GPU 0, w1 and w3 on GPU 1. For every ordered pair an 8 MiB pool array made on the first reaches a task on the
