@@ -997,6 +997,31 @@ def test_plain_cupy_arrays_are_staged_into_the_pool_when_asked(placement):
         back_to(c, baseline)
 
 
+@pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
+def test_a_staged_task_result_is_copied_after_its_own_kernel(placement):
+    """A plain CuPy array that a task of the producer made, staged into the pool for a same-host worker, is copied
+    on a stream of its own after the event recorded when Dask stored it (step ``stage-after-task``): its kernel spun
+    300 ms before writing, and a later task's 3 s kernel is still queued on the default stream when the consumer
+    asks. The consumer reads every byte right, each of three times; no lease is left after."""
+    from distributed import wait
+
+    gpus(2 if placement == "two-gpus" else 1)
+    layout = ROTATED if placement == "two-gpus" else [ONE_GPU, ONE_GPU]
+    plugin = GPUPool(kind="device", max_size="1 GiB", stage_threshold="4 MiB", cupy_allocator=False)
+    with nanny_cluster(layout, plugin) as c:
+        a, b = worker_addresses(c)
+        for i in range(3):
+            x = c.submit(T.slow_plain_cupy, 16 * MiB, 7 + i, 300, workers=[a], pure=False)
+            wait(x)  # stored, its kernel still spinning
+            later = c.submit(T.spin, 3000, workers=[a], pure=False)
+            wait(later)  # queued behind x's kernel on the default stream
+            assert c.submit(T.array_equal, x, 7 + i, workers=[b], pure=False).result(), i
+            del x, later
+        timings = counters(c, a)[a]["timings"]
+        assert timings["stage-after-task"]["count"] == 3 and "stage" not in timings, timings
+        wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="the leases to end")
+
+
 @pytest.mark.parametrize("kind", ["rmm", "numba"])
 def test_device_objects_go_frame_by_frame_over_tcp(kind):
     """Issue 18, every "cuda"-serialized object: an rmm.DeviceBuffer or a Numba device array of 8 MiB goes to a

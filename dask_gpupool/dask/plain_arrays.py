@@ -16,6 +16,7 @@ array over it) and goes back to the pool when the requester lets go.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -25,6 +26,28 @@ from dask_gpupool.errors import PoolExhaustedError
 from dask_gpupool.wire.handoff import HEADER_KEY, ArrayMeta
 
 __all__ = ["in_segments", "plain", "stage"]
+
+_streams_lock = threading.Lock()
+#: GPU ordinal -> the non-blocking stream staging copies that wait for a task's event run on (one per process).
+_staging_streams: dict[int, Any] = {}
+
+
+def _staging_stream(device: int | None) -> Any:
+    """The cuda.core non-blocking stream of this process for staging copies on GPU ``device``, made on first use.
+
+    Owned by this module for the process's lifetime (one per GPU).
+    """
+    from dask_gpupool.memory.topology import current_gpu
+
+    ordinal = 0 if device is None else device
+    with _streams_lock:
+        stream = _staging_streams.get(ordinal)
+        if stream is None:
+            from cuda.core import StreamOptions
+
+            stream = _staging_streams[ordinal] = current_gpu(ordinal).create_stream(StreamOptions(nonblocking=True))
+    current_gpu(ordinal)
+    return stream
 
 
 def plain(arr: Any, module: str, previous: Any, context: Any) -> tuple[dict[str, Any], list[Any]]:
@@ -81,8 +104,11 @@ def stage(request: Request, arr: Any, module: str) -> tuple[dict[str, Any], list
     and CuPy arrays on ``device`` pools: a memcpy or a device-to-device copy
     here replaces the host copy, the comm's bytes and the receiver's copy.
     The lease keeps the staged copy alive until the receiver lets go.
-    Returns ``None`` (the caller sends the array as before) when the request
-    does not allow it or the pool has no room.
+    A CuPy array that a task of this worker made (``request.task_events``)
+    is copied on a stream of its own after the event recorded when Dask
+    stored it; any other on the device's default stream, after everything
+    queued there. Returns ``None`` (the caller sends the array as before)
+    when the request does not allow it or the pool has no room.
     """
     if request.plain_reason != "not-in-pool":
         return None
@@ -94,8 +120,18 @@ def stage(request: Request, arr: Any, module: str) -> tuple[dict[str, Any], list
     if row is None:
         return None
     start = time.perf_counter()
+    # A CuPy task result of this worker: the copy waits for the event recorded when Dask stored it, on a stream of
+    # its own, not for the kernels queued on the default stream since (dask/task_events.py).
+    event = None
+    if module == "cupy" and request.task_events is not None and service.pool.kind == "device":
+        event = request.task_events.event_of(arr)
+    side = _staging_stream(service.pool.device) if event is not None else None
     try:
-        buf = service.allocate(nbytes)
+        if side is not None:
+            side.wait(event)
+            buf = service.allocate(nbytes, side)  # stream-ordered on the staging stream
+        else:
+            buf = service.allocate(nbytes)
     except PoolExhaustedError:
         return None
     stream = None
@@ -105,14 +141,21 @@ def stage(request: Request, arr: Any, module: str) -> tuple[dict[str, Any], list
             import cupy
 
             with cupy.cuda.Device(out.device.id):
-                stream = cupy.cuda.get_current_stream()  # ordered after the task that made arr (legacy default)
-                out[...] = arr
+                if side is not None:
+                    stream = cupy.cuda.ExternalStream(int(side.handle), out.device.id)
+                else:
+                    stream = cupy.cuda.get_current_stream()  # ordered after the task that made arr (legacy default)
+                with stream:
+                    out[...] = arr
         else:
             out[...] = arr
     except BaseException:
         buf.close()
         raise
-    service.handoffs.timed("stage", time.perf_counter() - start)  # the wait for the copy is the export's
+    if side is None:
+        service.handoffs.timed("stage", time.perf_counter() - start)  # the wait for the copy is the export's
+    else:
+        service.handoffs.timed("stage-after-task", time.perf_counter() - start)
     meta = ArrayMeta(module, tuple(out.shape), tuple(out.strides), out.dtype.str, 0)
     header = service.export_ipc(out, buf, row, meta, written_on=stream)  # the copy finished first
     request.granted.append(header.lease)

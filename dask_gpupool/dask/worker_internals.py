@@ -40,6 +40,7 @@ from dask_gpupool.wire.handoff import LEASE_QUERY_OP, LeaseQuery, LeaseQueryRepl
 if TYPE_CHECKING:
     from distributed import Worker
 
+    from dask_gpupool.dask.task_events import TaskEvents
     from dask_gpupool.handoff.service import PoolService
 
 __all__ = [
@@ -67,6 +68,8 @@ class Request:
     forwarded: list[tuple[str, int]] = field(default_factory=list)
     #: Why a value outside every pool in this reply is a same-host copy (``None``: it is not one).
     plain_reason: str | None = None
+    #: Where the GPU work that made each of this worker's task results ends (``None``: not recorded here).
+    task_events: TaskEvents | None = None
 
     def revoke_since(self, granted: int, forwarded: int) -> None:
         """End the leases granted (and forwarded) for this reply after the first ``granted`` (``forwarded``):
@@ -99,14 +102,19 @@ REQUEST: contextvars.ContextVar[Request | None] = contextvars.ContextVar("gpupoo
 
 
 def install_get_data_hook(
-    worker: Worker, service: PoolService, serializers: Callable[[Request], list[str] | None] | None = None
+    worker: Worker,
+    service: PoolService,
+    serializers: Callable[[Request], list[str] | None] | None = None,
+    task_events: TaskEvents | None = None,
 ) -> Any:
     """Wrap ``worker``'s ``get_data`` handler so serializers know the requester.
 
     ``serializers(request)``, when given, names the serializer families for
     a reply (``None``: Dask's default); the worker plugin passes
     :func:`dask_gpupool.dask.device_objects.serializers_for`, so that
-    same-host workers get device objects frame by frame.
+    same-host workers get device objects frame by frame. ``task_events``,
+    when given, goes in every :class:`Request` (staging orders its copy after
+    the task that made the array, :mod:`dask_gpupool.dask.task_events`).
 
     When every value asked for will go as an IPC descriptor, the reply is
     serialized on the event loop rather than in Dask's offload thread: Dask
@@ -133,12 +141,12 @@ def install_get_data_hook(
             scheme = parse_address(comm.peer_address)[0]
         except Exception:
             scheme = ""
-        token = REQUEST.set(Request(who, scheme, service, plain_reason=service.plain_copy_reason(who)))
+        request = Request(who, scheme, service, plain_reason=service.plain_copy_reason(who), task_events=task_events)
+        token = REQUEST.set(request)
         inline = getattr(comm, "allow_offload", False) and _inline_reply(worker, service, keys, who, scheme)
         if inline:
             comm.allow_offload = False
-        request = REQUEST.get()
-        if serializers is not None and request is not None and kwargs.get("serializers") is None:
+        if serializers is not None and kwargs.get("serializers") is None:
             families = serializers(request)
             if families is not None:
                 kwargs["serializers"] = families
@@ -161,11 +169,11 @@ def install_get_data_hook(
             # The requester acknowledges a reply ("OK") only after its broker claims were answered, and a failed
             # reply is never used: either way such a lease still unclaimed now never will be. A lease claimed
             # by the reply is claimed with the "OK"; if the reply failed, the requester is asked.
-            if request is not None and request.granted:
+            if request.granted:
                 doubt = service.settle(request.granted, who, ok)
                 if doubt and who is not None:
                     _ask_later(worker, service, who, doubt)
-            if request is not None and request.forwarded:
+            if request.forwarded:
                 service.settle_forwarded(request.forwarded, who)
 
     get_data.__wrapped__ = original  # type: ignore[attr-defined]

@@ -48,6 +48,7 @@ from dask_gpupool.core import (
 )
 from dask_gpupool.dask import rmm_routing as _rmm
 from dask_gpupool.dask.device_objects import serializers_for
+from dask_gpupool.dask.task_events import TaskEvents
 from dask_gpupool.dask.worker_internals import (
     count_own_memory_only,
     fill_after_read,
@@ -56,6 +57,7 @@ from dask_gpupool.dask.worker_internals import (
 )
 from dask_gpupool.errors import PoolUnavailableError, ProtocolError
 from dask_gpupool.handoff.service import PoolService
+from dask_gpupool.memory.topology import current_gpu
 from dask_gpupool.ops import metrics as _metrics
 from dask_gpupool.ops.dashboard import STATS_INTERVAL, STATS_OP
 from dask_gpupool.wire.registry import Membership, RegistryUpdate
@@ -91,6 +93,8 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
     _rmm_previous: tuple[Any, Any] | None
     #: sys.getswitchinterval() before gpupool.switch-interval changed it, put back at teardown.
     _switch_previous: float | None
+    #: Events after each CuPy task result's kernels (device pools with CuPy), for staging copies.
+    _task_events: TaskEvents | None
 
     def __init__(self, overrides: dict[str, Any] | None = None) -> None:
         self.overrides = dict(overrides or {})
@@ -103,6 +107,7 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         self._cupy_previous = None
         self._rmm_previous = None
         self._switch_previous = None
+        self._task_events = None
 
     async def setup(self, worker: Worker) -> None:
         """Make the pool and join the registry; on failure, remember why (see :func:`service_of`) and raise."""
@@ -136,13 +141,15 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         self._held = []
         worker.stream_handlers[REGISTRY_OP] = self._on_registry_update
         worker.stream_handlers[MEMBERSHIP_OP] = self._on_membership
-        self._get_data = install_get_data_hook(worker, service, serializers_for)
+        gpu_pool = service.pool.kind in ("device", "pinned")
+        has_cupy = importlib.util.find_spec("cupy") is not None
+        if service.pool.kind == "device" and has_cupy:
+            self._task_events = TaskEvents(_default_stream_recorder(service.pool.device))
+        self._get_data = install_get_data_hook(worker, service, serializers_for, self._task_events)
         install_lease_query_handler(worker, service)
         count_own_memory_only(worker)
         fill_after_read(worker)
         self.service = service
-        gpu_pool = service.pool.kind in ("device", "pinned")
-        has_cupy = importlib.util.find_spec("cupy") is not None
         if gpu_pool and has_cupy:
             # CuPy's serializers at setup rather than lazily inside Dask's first dispatch: a dask-cuda
             # worker was seen with no CuPy deserializer after the lazy path (docs/gpu-checks.md).
@@ -262,6 +269,33 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         for update in updates:
             service.apply_registry(update)
 
+    def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:
+        """Record where a task's CuPy result's kernels end when it is stored; forget it when it leaves memory.
+
+        Runs in Dask's state machine on the event loop, for every key; only a
+        result just computed here (``executing`` -> ``memory``) is looked at.
+        """
+        events = self._task_events
+        if events is None:
+            return
+        if start == "executing" and finish == "memory":
+            worker = self._worker
+            if worker is None:
+                return
+            data = worker.data  # its in-memory part, without unspilling: dask-cuda's device buffer, a SpillBuffer's
+            for part in ("device_buffer", "fast"):
+                data = getattr(data, part, data)
+            try:
+                value = data[key]
+            except KeyError:
+                return
+            try:
+                events.stored(key, value)
+            except Exception:  # no event: the staging copy is ordered after the default stream, as without one
+                logger.debug("gpupool: recording the event of %s failed", key, exc_info=True)
+        elif start == "memory":
+            events.released(key)
+
     async def teardown(self, worker: Worker) -> None:
         if self._switch_previous is not None:
             sys.setswitchinterval(self._switch_previous)
@@ -277,6 +311,9 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         if self._push is not None:
             self._push.stop()
             self._push = None
+        if self._task_events is not None:
+            self._task_events.clear()
+            self._task_events = None
         for op, handler in ((REGISTRY_OP, self._on_registry_update), (MEMBERSHIP_OP, self._on_membership)):
             if worker.stream_handlers.get(op) == handler:
                 # Not deleted: a message already in flight would hit an unknown op, and an
@@ -326,3 +363,15 @@ def service_of(worker: Worker) -> PoolService:
             "or start the scheduler with --preload dask_gpupool"
         )
     return service
+
+
+def _default_stream_recorder(device: int | None) -> Callable[[], Any]:
+    """``record()`` for :class:`TaskEvents`: a new cuda.core event on GPU ``device``'s default stream, now."""
+    from cuda.core import EventOptions
+
+    options = EventOptions(enable_timing=False)
+
+    def record() -> Any:
+        return current_gpu(device).default_stream.record(options=options)
+
+    return record

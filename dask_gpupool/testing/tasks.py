@@ -167,6 +167,34 @@ def slow_fill(nbytes: int, value: int, spin_ms: float, stream: str = "default") 
     return buf
 
 
+def slow_plain_cupy(nbytes: int, value: int, spin_ms: float) -> Any:
+    """Task: a CuPy array from CuPy's own allocator that a kernel on the current stream fills with ``value`` after
+    spinning ``spin_ms``; returned without waiting (the ordering tests of staged copies)."""
+    import cupy
+
+    with cupy.cuda.using_allocator(cupy.get_default_memory_pool().malloc):  # not the pool, whatever routing says
+        out = cupy.empty(nbytes, dtype=cupy.uint8)
+    kernel = cupy.RawKernel(_SLOW_FILL, "slow_fill")
+    kernel((256,), (256,), (out, cupy.int64(nbytes), cupy.uint8(value), cupy.int64(int(spin_ms * 1e6))))
+    return out
+
+
+def spin(spin_ms: float) -> int:
+    """Task: queue a kernel that spins ``spin_ms`` on CuPy's current stream and return at once (a worker whose GPU
+    is still busy with a later task when it answers a transfer)."""
+    import cupy
+
+    dummy = cupy.empty(1, dtype=cupy.uint8)
+    kernel = cupy.RawKernel(_SLOW_FILL, "slow_fill")
+    kernel((1,), (32,), (dummy, cupy.int64(0), cupy.uint8(0), cupy.int64(int(spin_ms * 1e6))))
+    return 0
+
+
+def array_equal(x: Any, value: int) -> bool:
+    """Task: whether every element of array ``x`` equals ``value``."""
+    return bool((x == value).all())
+
+
 def set_all(buf: Buffer, value: int) -> None:
     if buf.is_host_accessible:
         ctypes.memset(int(buf.handle), value, buf.size)

@@ -1,0 +1,69 @@
+"""The table of task-result events that staging copies wait for (dask/task_events.py), without a GPU.
+
+NumPy arrays stand in for CuPy results (``wanted``) and plain objects for the events (``record``): what is tested
+is the table (identity, keys, weak references), not CUDA, which the ``gpu`` tests exercise.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+
+from dask_gpupool.dask.task_events import TaskEvents, is_cupy_array
+
+
+def table() -> tuple[TaskEvents, list[object]]:
+    made: list[object] = []
+
+    def record() -> object:
+        made.append(object())
+        return made[-1]
+
+    return TaskEvents(record, wanted=lambda v: isinstance(v, np.ndarray)), made
+
+
+def test_a_stored_result_has_its_event_and_an_equal_copy_has_none():
+    events, made = table()
+    x = np.arange(4)
+    events.stored("x", x)
+    assert events.event_of(x) is made[0]
+    assert events.event_of(x.copy()) is None  # another object, even with the same values
+    assert events.event_of(x[1:]) is None  # a view is another object too: its copy is ordered as before
+
+
+def test_only_wanted_results_are_recorded():
+    events, made = table()
+    events.stored("b", b"bytes")
+    events.stored("n", 3)
+    assert (len(events), made) == (0, [])
+
+
+def test_an_entry_ends_when_its_key_leaves_memory_or_its_result_is_collected():
+    events, _ = table()
+    x, y = np.arange(4), np.arange(5)
+    events.stored("x", x)
+    events.stored("y", y)
+    events.released("x")
+    assert events.event_of(x) is None and len(events) == 1
+    del y
+    gc.collect()
+    assert len(events) == 0  # the table holds no reference to the result: it was collected, and its entry with it
+    events.released("y")  # nothing left to forget: no error
+
+
+def test_a_key_stored_again_has_only_its_new_result():
+    events, made = table()
+    first, second = np.arange(4), np.arange(4)
+    events.stored("x", first)
+    events.stored("x", second)  # recomputed
+    assert events.event_of(first) is None
+    assert events.event_of(second) is made[1]
+    assert len(events) == 1
+    events.clear()
+    assert events.event_of(second) is None and len(events) == 0
+
+
+def test_cupy_arrays_are_told_by_their_module_without_importing_cupy():
+    assert not is_cupy_array(np.arange(3))  # NumPy's has no __cuda_array_interface__ and another module
+    assert not is_cupy_array(memoryview(b"x"))
