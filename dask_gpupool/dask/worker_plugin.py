@@ -366,12 +366,10 @@ def service_of(worker: Worker) -> PoolService:
 
 
 def _default_stream_recorder(device: int | None) -> Callable[[], Any]:
-    """``record()`` for :class:`TaskEvents`: a new cuda.core event on GPU ``device``'s default stream, now."""
-    from cuda.core import EventOptions
-
-    options = EventOptions(enable_timing=False)
+    """``record()`` for :class:`TaskEvents`: a new cuda.core event (no timing, cuda.core's default) on GPU
+    ``device``'s default stream, now."""
 
     def record() -> Any:
-        return current_gpu(device).default_stream.record(options=options)
+        return current_gpu(device).default_stream.record()
 
     return record
