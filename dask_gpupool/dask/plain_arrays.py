@@ -16,6 +16,7 @@ array over it) and goes back to the pool when the requester lets go.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any
@@ -26,6 +27,8 @@ from dask_gpupool.errors import PoolExhaustedError
 from dask_gpupool.wire.handoff import HEADER_KEY, ArrayMeta
 
 __all__ = ["in_segments", "plain", "stage"]
+
+logger = logging.getLogger(__name__)
 
 _streams_lock = threading.Lock()
 #: GPU ordinal -> the non-blocking stream staging copies that wait for a task's event run on (one per process).
@@ -45,7 +48,9 @@ def _staging_stream(device: int | None) -> Any:
         if stream is None:
             from cuda.core import StreamOptions
 
-            stream = _staging_streams[ordinal] = current_gpu(ordinal).create_stream(StreamOptions(nonblocking=True))
+            stream = _staging_streams[ordinal] = current_gpu(ordinal).create_stream(
+                options=StreamOptions(nonblocking=True)
+            )
     current_gpu(ordinal)
     return stream
 
@@ -125,10 +130,16 @@ def stage(request: Request, arr: Any, module: str) -> tuple[dict[str, Any], list
     event = None
     if module == "cupy" and request.task_events is not None and service.pool.kind == "device":
         event = request.task_events.event_of(arr)
-    side = _staging_stream(service.pool.device) if event is not None else None
+    side = None
+    if event is not None:
+        try:
+            side = _staging_stream(service.pool.device)
+            side.wait(event)
+        except Exception as e:  # the copy goes on the default stream, as for arrays without an event
+            _side_stream_failed(e)
+            side = None
     try:
         if side is not None:
-            side.wait(event)
             buf = service.allocate(nbytes, side)  # stream-ordered on the staging stream
         else:
             buf = service.allocate(nbytes)
@@ -162,3 +173,19 @@ def stage(request: Request, arr: Any, module: str) -> tuple[dict[str, Any], list
     service.handoffs.add(pool_staged_bytes=nbytes)
     service.handoffs.fallback(row.worker, "staged-in-pool", service.record.worker)
     return {HEADER_KEY: header.to_msg()}, []
+
+
+_side_stream_warned = False
+
+
+def _side_stream_failed(e: Exception) -> None:
+    """Log (once per process) that staging copies of task results go on the default stream after all."""
+    global _side_stream_warned
+    if not _side_stream_warned:
+        _side_stream_warned = True
+        logger.warning(
+            "gpupool: could not order a staging copy after its task's event (%s: %s); staging copies go on the "
+            "default stream, after every kernel queued there. Further cases are not logged.",
+            type(e).__name__,
+            e,
+        )
