@@ -113,7 +113,8 @@ def stage(request: Request, arr: Any, module: str) -> tuple[dict[str, Any], list
     is copied on a stream of its own after the event recorded when Dask
     stored it; any other on the device's default stream, after everything
     queued there. Returns ``None`` (the caller sends the array as before)
-    when the request does not allow it or the pool has no room.
+    when the request does not allow it, the pool has no room, or the
+    allocation or the copy failed (logged once).
     """
     if request.plain_reason != "not-in-pool":
         return None
@@ -145,6 +146,9 @@ def stage(request: Request, arr: Any, module: str) -> tuple[dict[str, Any], list
             buf = service.allocate(nbytes)
     except PoolExhaustedError:
         return None
+    except Exception as e:  # sent as before: staging is a shortcut, its failure must not fail the reply
+        _stage_failed(e)
+        return None
     stream = None
     try:
         out = as_array(buf, tuple(arr.shape), arr.dtype, like=module)
@@ -160,6 +164,10 @@ def stage(request: Request, arr: Any, module: str) -> tuple[dict[str, Any], list
                     out[...] = arr
         else:
             out[...] = arr
+    except Exception as e:
+        buf.close()
+        _stage_failed(e)
+        return None
     except BaseException:
         buf.close()
         raise
@@ -176,6 +184,21 @@ def stage(request: Request, arr: Any, module: str) -> tuple[dict[str, Any], list
 
 
 _side_stream_warned = False
+_stage_warned = False
+
+
+def _stage_failed(e: Exception) -> None:
+    """Log (once per process) that an array could not be staged and went through distributed's serializer."""
+    global _stage_warned
+    if not _stage_warned:
+        _stage_warned = True
+        logger.warning(
+            "gpupool: staging an array into the pool failed (%s: %s); it goes through distributed's serializer. "
+            "Further cases are not logged.",
+            type(e).__name__,
+            e,
+            exc_info=True,
+        )
 
 
 def _side_stream_failed(e: Exception) -> None:
