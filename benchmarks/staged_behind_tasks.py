@@ -6,8 +6,9 @@ default stream that copy waits for every kernel queued there before it, the prod
 producer ran, the copy now waits on a stream of its own for the event recorded when Dask stored the result
 (``dask/task_events.py``). This takes each sample both ways back to back in one cluster (two workers, one GPU or
 one per GPU): the producer makes a float64 CuPy array (CuPy's own memory), then a later task queues a ``--spin-ms``
-kernel on the default stream, then a task on the consumer takes the array; ``event`` as the plugin does it,
-``default-stream`` with the producer's table of events switched off (what it did before). ``idle`` rows take the
+kernel on the default stream, then a task on the consumer takes the array; ``event`` as the plugin does it (the
+side stream while the default stream has work queued, the default stream when it is idle), ``default-stream`` with
+the producer's table of events switched off (what it did before). ``idle`` rows take the
 same samples without the later task. The transfer time is the consumer's ``stop - start`` of its transfer log
 entry; median of ``--samples``. JSON to ``benchmarks/results/``.
 

@@ -110,9 +110,10 @@ def stage(request: Request, arr: Any, module: str) -> tuple[dict[str, Any], list
     here replaces the host copy, the comm's bytes and the receiver's copy.
     The lease keeps the staged copy alive until the receiver lets go.
     A CuPy array that a task of this worker made (``request.task_events``)
-    is copied on a stream of its own after the event recorded when Dask
-    stored it; any other on the device's default stream, after everything
-    queued there. Returns ``None`` (the caller sends the array as before)
+    is copied, while the device's default stream still has work queued, on
+    a stream of its own after the event recorded when Dask stored it; any
+    other, or with the default stream idle, on the default stream, after
+    everything queued there. Returns ``None`` (the caller sends the array as before)
     when the request does not allow it, the pool has no room, or the
     allocation or the copy failed (logged once).
     """
@@ -128,9 +129,13 @@ def stage(request: Request, arr: Any, module: str) -> tuple[dict[str, Any], list
     start = time.perf_counter()
     # A CuPy task result of this worker: the copy waits for the event recorded when Dask stored it, on a stream of
     # its own, not for the kernels queued on the default stream since (dask/task_events.py).
+    # Only while the default stream still has work queued: with it idle the default stream's copy waits for
+    # nothing, and the side stream measured 0.2 ms slower (benchmarks/staged_behind_tasks.py, docs/performance.md).
     event = None
     if module == "cupy" and request.task_events is not None and service.pool.kind == "device":
         event = request.task_events.event_of(arr)
+        if event is not None and _default_stream_idle(service.pool.device):
+            event = None
     side = None
     if event is not None:
         try:
@@ -181,6 +186,17 @@ def stage(request: Request, arr: Any, module: str) -> tuple[dict[str, Any], list
     service.handoffs.add(pool_staged_bytes=nbytes)
     service.handoffs.fallback(row.worker, "staged-in-pool", service.record.worker)
     return {HEADER_KEY: header.to_msg()}, []
+
+
+def _default_stream_idle(device: int | None) -> bool:
+    """Whether GPU ``device``'s default stream has finished all its work (``cuStreamQuery``); ``False`` if unsure."""
+    from cuda.bindings import driver
+
+    from dask_gpupool.memory.topology import current_gpu
+
+    stream = current_gpu(device).default_stream
+    (err,) = driver.cuStreamQuery(driver.CUstream(int(stream.handle)))
+    return bool(err == driver.CUresult.CUDA_SUCCESS)
 
 
 _side_stream_warned = False
