@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from cuda.core import Buffer
 
-from dask_gpupool.dask.plain_arrays import in_segments, stage
+from dask_gpupool.dask.plain_arrays import in_segments, stage, warn_once
 from dask_gpupool.dask.serializers import KEY, deserialize_buffer, hand_over, loads_array
 from dask_gpupool.dask.views import VIEWS, device_of, viewed_buffer
 from dask_gpupool.dask.worker_internals import REQUEST
@@ -222,20 +222,9 @@ def _stage_cupy(x: Any) -> UcxStaging:
     return staged
 
 
-_staging_warned = False
-
-
 def _staging_failed(e: Exception) -> None:
     """Log (once per process) that pool memory goes to UCX unstaged, which UCX 1.21 moves through the host."""
-    global _staging_warned
-    if not _staging_warned:
-        _staging_warned = True
-        logger.warning(
-            "gpupool: could not stage pool memory for UCX (%s: %s); sent as it is, which UCX moves through host "
-            "memory (slow). Further cases are not logged.",
-            type(e).__name__,
-            e,
-        )
+    warn_once("staging pool memory for UCX", e, "it is sent as it is, which UCX moves through host memory (slow)")
 
 
 def cuda_loads_cupy(header: dict[str, Any], frames: list[Any], previous: Any) -> Any:

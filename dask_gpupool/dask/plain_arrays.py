@@ -26,7 +26,7 @@ from dask_gpupool.dask.worker_internals import REQUEST, Request
 from dask_gpupool.errors import PoolExhaustedError
 from dask_gpupool.wire.handoff import HEADER_KEY, ArrayMeta
 
-__all__ = ["in_segments", "plain", "stage"]
+__all__ = ["in_segments", "plain", "stage", "warn_once"]
 
 logger = logging.getLogger(__name__)
 
@@ -199,32 +199,37 @@ def _default_stream_idle(device: int | None) -> bool:
     return bool(err == driver.CUresult.CUDA_SUCCESS)
 
 
-_side_stream_warned = False
-_stage_warned = False
+_warned_lock = threading.Lock()
+_warned: set[str] = set()
+
+
+def warn_once(what: str, e: Exception, instead: str, *, trace: bool = False) -> None:
+    """Log a WARNING the first time ``what`` fails in this process: why (``e``), and what is done ``instead``.
+
+    For shortcuts whose failure has a slower way round (staging, its stream): the reply goes on, and the log says
+    once what it costs. ``trace`` adds the traceback.
+    """
+    with _warned_lock:
+        if what in _warned:
+            return
+        _warned.add(what)
+    logger.warning(
+        "gpupool: %s failed (%s: %s); %s. Further cases are not logged.",
+        what,
+        type(e).__name__,
+        e,
+        instead,
+        exc_info=trace,
+    )
 
 
 def _stage_failed(e: Exception) -> None:
-    """Log (once per process) that an array could not be staged and went through distributed's serializer."""
-    global _stage_warned
-    if not _stage_warned:
-        _stage_warned = True
-        logger.warning(
-            "gpupool: staging an array into the pool failed (%s: %s); it goes through distributed's serializer. "
-            "Further cases are not logged.",
-            type(e).__name__,
-            e,
-            exc_info=True,
-        )
+    warn_once("staging an array into the pool", e, "it goes through distributed's serializer", trace=True)
 
 
 def _side_stream_failed(e: Exception) -> None:
-    """Log (once per process) that staging copies of task results go on the default stream after all."""
-    global _side_stream_warned
-    if not _side_stream_warned:
-        _side_stream_warned = True
-        logger.warning(
-            "gpupool: could not order a staging copy after its task's event (%s: %s); staging copies go on the "
-            "default stream, after every kernel queued there. Further cases are not logged.",
-            type(e).__name__,
-            e,
-        )
+    warn_once(
+        "ordering a staging copy after its task's event",
+        e,
+        "staging copies go on the default stream, after every kernel queued there",
+    )
