@@ -134,13 +134,12 @@ def stage(request: Request, arr: Any, module: str) -> tuple[dict[str, Any], list
     event = None
     if module == "cupy" and request.task_events is not None and service.pool.kind == "device":
         event = request.task_events.event_of(arr)
-        if event is not None and _default_stream_idle(service.pool.device):
-            event = None
     side = None
     if event is not None:
         try:
-            side = _staging_stream(service.pool.device)
-            side.wait(event)
+            if not _default_stream_idle(service.pool.device):
+                side = _staging_stream(service.pool.device)
+                side.wait(event)
         except Exception as e:  # the copy goes on the default stream, as for arrays without an event
             _side_stream_failed(e)
             side = None
