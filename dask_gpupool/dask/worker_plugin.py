@@ -48,7 +48,7 @@ from dask_gpupool.core import (
 )
 from dask_gpupool.dask import rmm_routing as _rmm
 from dask_gpupool.dask.device_objects import serializers_for
-from dask_gpupool.dask.task_events import TaskEvents
+from dask_gpupool.dask.task_events import TaskEvents, is_cupy_array
 from dask_gpupool.dask.worker_internals import (
     count_own_memory_only,
     fill_after_read,
@@ -93,7 +93,8 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
     _rmm_previous: tuple[Any, Any] | None
     #: sys.getswitchinterval() before gpupool.switch-interval changed it, put back at teardown.
     _switch_previous: float | None
-    #: Events after each CuPy task result's kernels (device pools with CuPy), for staging copies.
+    #: Events after the kernels of each CuPy task result large enough to be staged (device pools with CuPy and a
+    #: stage threshold), for staging copies.
     _task_events: TaskEvents | None
 
     def __init__(self, overrides: dict[str, Any] | None = None) -> None:
@@ -143,8 +144,13 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         worker.stream_handlers[MEMBERSHIP_OP] = self._on_membership
         gpu_pool = service.pool.kind in ("device", "pinned")
         has_cupy = importlib.util.find_spec("cupy") is not None
-        if service.pool.kind == "device" and has_cupy:
-            self._task_events = TaskEvents(_default_stream_recorder(service.pool.device))
+        stage_threshold = options.effective_stage_threshold(service.pool.kind)
+        if service.pool.kind == "device" and has_cupy and stage_threshold:
+            # only results large enough to be staged get an event: smaller ones always go through the comm
+            self._task_events = TaskEvents(
+                _default_stream_recorder(service.pool.device),
+                wanted=lambda value: is_cupy_array(value) and int(value.nbytes) >= stage_threshold,
+            )
         self._get_data = install_get_data_hook(worker, service, serializers_for, self._task_events)
         install_lease_query_handler(worker, service)
         count_own_memory_only(worker)
