@@ -278,6 +278,15 @@ def placements(gpus: int) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
+def gpu_placements(names: str) -> dict[str, list[dict[str, Any]]]:
+    """The GPU placements named in ``names`` (comma-separated: ``same``, ``other``) that this machine has; exits
+    without a GPU."""
+    gpus = len(local_devices().uuids)
+    if not gpus:
+        raise SystemExit("needs a GPU")
+    return {k: v for k, v in placements(gpus).items() if k in names.split(",")}
+
+
 def method_setup(
     method: str,
     place: str,
