@@ -8,7 +8,7 @@
 # HANDOFF_BUDGET (seconds, default 360) bounds the handoff benchmark; 0 skips it.
 # PART=tests runs the suite, the demo and the example; PART=bench the benchmarks and the ETL example;
 # unset runs both (more than one 10-minute device call can hold when the handoff budget is large).
-# PYTEST_K selects tests (pytest -k), PYTEST_ARGS adds pytest options; HANDOFF_ARGS adds options to benchmarks/handoff.py; ETL=0 and
+# PYTEST_K selects tests (pytest -k), PYTEST_PATHS the paths (default tests), PYTEST_ARGS adds pytest options; HANDOFF_ARGS adds options to benchmarks/handoff.py; ETL=0 and
 # LARGE=0 skip the ETL example and the 5-8 GiB import check; MAPPING=0 the pool-mapping benchmark; DEMO=0
 # the demo and the example; SUBALLOC=0 the sub-allocator benchmark. ETL_LAYOUTS (default "shared") lists
 # the ETL example's layouts (shared, per-gpu, dask-cuda); ETL_ARGS adds options to it. Everything under $OUT
@@ -101,7 +101,7 @@ if [ "$PART" != bench ]; then
 # -v: each test's name and outcome as it ends, so a call cut off by its time limit still says which ran and how
 # failures as they happen (tests/conftest.py): a run cut off by PYTEST_TIMEOUT keeps their bodies
 export GPUPOOL_FAILURES_LOG="$OUT/failures.log"
-timeout $(left ${PYTEST_TIMEOUT:-480}) python3 -m pytest tests ${PYTEST_K:+-k "$PYTEST_K"} -p no:cacheprovider -o addopts="" -v -rA --durations=8 --timeout 180 ${PYTEST_ARGS:-} > "$OUT/pytest.log" 2>&1
+timeout $(left ${PYTEST_TIMEOUT:-480}) python3 -m pytest ${PYTEST_PATHS:-tests} ${PYTEST_K:+-k "$PYTEST_K"} -p no:cacheprovider -o addopts="" -v -rA --durations=8 --timeout 180 ${PYTEST_ARGS:-} > "$OUT/pytest.log" 2>&1
 TESTS_RC=$?
 echo "pytest exit: $TESTS_RC"
 echo "== failures/errors"; grep -aE "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20

@@ -619,6 +619,14 @@ def test_sigkill_of_the_consumer_releases_its_leases_on_a_device_pool():
         wait_for(lambda: counters(c, a)[a]["used"] == 0, what="A's pool bytes to return")
 
 
+def successors(workers: list[str], dead: str, kept: str) -> list[str]:
+    """The worker that replaced ``dead`` beside ``kept``, as a one-item list, from one snapshot of the workers; empty
+    until the cluster is two workers again without ``dead``."""
+    if len(workers) != 2 or dead in workers or kept not in workers:
+        return []
+    return [w for w in workers if w != kept]
+
+
 def own_baseline(c: Any, b: str) -> dict[str, Any]:
     """B's resources before it maps anything of a peer's, taken once B checked a buffer of its own (so CuPy is
     loaded): what B should hold again once its producer is gone and B let go of what it mapped."""
@@ -646,8 +654,9 @@ def test_sigkill_of_the_producer_leaves_the_consumers_device_mapping_readable(la
         os.kill(pid_of(c, a), signal.SIGKILL)
         # the dead exporter's memory stays mapped and right until B lets go
         assert c.submit(T.all_equal, y, 6, workers=[b], pure=False).result()
-        wait_for(lambda: len(worker_addresses(c)) == 2 and a not in worker_addresses(c), what="A's restart")
-        (a2,) = [w for w in worker_addresses(c) if w != b]
+        # one snapshot per look: two calls could see [a, b] and then [b] (A removed, its successor not yet there)
+        wait_for(lambda: successors(worker_addresses(c), a, b), what="A's restart")
+        (a2,) = successors(worker_addresses(c), a, b)
         # A's successor fills most of the GPU A used: the memory under B's import is not handed out again
         c.submit(T.scribble_all, 768 * MiB, 0x55, workers=[a2], pure=False).result()
         assert c.submit(T.all_equal, y, 6, workers=[b], pure=False).result()

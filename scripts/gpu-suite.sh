@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (device tool): the whole test suite in three parts side by side, each through
+# scripts/gpu-check.sh with its own log folder under $OUT: the gpu-marked tests (with the demo and the example),
+# tests/handoff, and every other CPU test. One part alone ran past the 600 s call limit: the CPU half of the suite
+# took 456-471 s beside the GPU tests until the eighteenth session, when it was cut off at 82%.
+#   carry: [".whl", ".whl-ucx", ".whl-vk", ".gl"]   command: bash scripts/gpu-suite.sh
+# Prints each part's pytest summary last; the exit status is 0 only when all three passed. $OUT is packed into
+# one file (the device tool brings back only a few files).
+set -uo pipefail
+O=${OUT:-/tmp/gpu-suite-out}
+mkdir -p "$O"
+(OUT=$O/gpu PART=tests PYTEST_K="test_gpu" bash scripts/gpu-check.sh > "$O/gpu.txt" 2>&1; echo $? > "$O/gpu.rc") &
+(OUT=$O/handoff PART=tests DEMO=0 PYTEST_K="not test_gpu" PYTEST_PATHS=tests/handoff bash scripts/gpu-check.sh > "$O/handoff.txt" 2>&1
+ echo $? > "$O/handoff.rc") &
+(OUT=$O/rest PART=tests DEMO=0 PYTEST_K="not test_gpu" PYTEST_PATHS="$(ls -d tests/* | grep -vE '^tests/(handoff|test_gpu\.py|conftest\.py|__)' | tr '\n' ' ')" \
+   bash scripts/gpu-check.sh > "$O/rest.txt" 2>&1; echo $? > "$O/rest.rc") &
+wait
+rc=0
+for part in gpu handoff rest; do
+  r=$(cat "$O/$part.rc" 2>/dev/null || echo missing)
+  [ "$r" = 0 ] || rc=1
+  echo "== $part: exit $r"
+  grep -aE "^(FAILED|ERROR)" "$O/$part/pytest.log" 2>/dev/null | head -10
+  grep -aE "^(demo|example) exit" "$O/$part.txt"
+  tail -n 1 "$O/$part/pytest.log" 2>/dev/null
+done
+(cd "$O" && tar czf /tmp/gpu-suite.tgz . && rm -rf "${O:?}"/* && mv /tmp/gpu-suite.tgz "$O/")
+exit $rc
