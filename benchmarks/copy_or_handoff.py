@@ -6,11 +6,15 @@ after another differ by as much as the two paths do (0.1-0.5 ms, ``docs/cpu-user
 plugin takes every sample handed over (``handoff-threshold: 0``) and copied (the threshold above every size) back to
 back, in alternating order, switching the producer's threshold between them.
 
+``--plain`` asks the same of ``gpupool.stage-threshold``: plain CuPy (or NumPy) arrays, from the library's own
+allocator, staged into the producer's pool and handed over (``stage-threshold`` at 1 byte) or sent through Dask's
+comm as before (``stage-threshold: 0``, fallback ``not-in-pool``).
+
 Two same-host workers (``--placement other`` with two GPUs: one per GPU); pool arrays of each ``--sizes`` over
 ``device`` pools with a GPU, ``host`` pools without (``--kind`` overrides); the transfer time is the consumer's
 ``stop - start`` of its transfer log entry, median of ``--samples``. JSON to ``benchmarks/results/``.
 
-    python benchmarks/copy_or_handoff.py [--sizes 1KiB,16KiB,64KiB,256KiB,1MiB] [--samples 100] [--kind host]
+    python benchmarks/copy_or_handoff.py [--sizes 1KiB,16KiB,64KiB,256KiB,1MiB] [--samples 100] [--kind host] [--plain]
 """
 
 from __future__ import annotations
@@ -32,15 +36,16 @@ from dask_gpupool import testing as T
 from dask_gpupool.memory.topology import local_devices
 
 
-def set_threshold(dask_worker: Any, nbytes: int) -> None:
-    """On a worker: set its pool service's ``gpupool.handoff-threshold`` (where routing reads it)."""
+def set_threshold(dask_worker: Any, nbytes: int, option: str = "handoff_threshold") -> None:
+    """On a worker: set its pool service's ``gpupool.handoff-threshold`` (or another option, by its field name) where
+    routing reads it."""
     import dataclasses
 
     from dask_gpupool.handoff.active import active_service
 
     service = active_service()
     if service is not None:
-        options = dataclasses.replace(service.options, handoff_threshold=nbytes)
+        options = dataclasses.replace(service.options, **{option: nbytes})
         service.options = options
         service.routes.options = options
 
@@ -51,6 +56,7 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=100)
     p.add_argument("--kind", default="", help="pool kind (default: device with a GPU, else host)")
     p.add_argument("--placement", default="same", choices=["same", "other"])
+    p.add_argument("--plain", action="store_true", help="plain arrays: staged into the pool or through the comm")
     args = p.parse_args()
     gpus = len(local_devices().uuids)
     kind = args.kind or ("device" if gpus else "host")
@@ -59,7 +65,10 @@ def main() -> None:
     if args.placement == "other" and gpus < 2:
         raise SystemExit("--placement other needs two GPUs")
     workers = H.placements(gpus)[args.placement] if gpus else [{}, {}]
-    modes = {"handoff": 0, "copy": 2 * max(sizes)}
+    if args.plain:  # stage-threshold 0 turns staging off: the array goes through the comm
+        option, modes = "stage_threshold", {"handoff": 1, "copy": 0}
+    else:
+        option, modes = "handoff_threshold", {"handoff": 0, "copy": 2 * max(sizes)}
     samples: dict[tuple[str, int], list[float]] = {(m, n): [] for m in modes for n in sizes}
     with H.cluster(workers, "tcp", GPUPool(kind=kind, max_size=f"{4 * max(sizes) // (1 << 20) + 256} MiB")) as c:
         info = c.scheduler_info()["workers"]
@@ -67,8 +76,8 @@ def main() -> None:
         for nbytes in sizes:
             for k in range(args.samples + 3):
                 for mode in list(modes) if k % 2 else list(modes)[::-1]:
-                    c.run(set_threshold, nbytes=modes[mode], workers=[a])
-                    x = c.submit(H.produce, nbytes, lib, True, workers=[a], pure=False)
+                    c.run(set_threshold, nbytes=modes[mode], option=option, workers=[a])
+                    x = c.submit(H.produce, nbytes, lib, not args.plain, workers=[a], pure=False)
                     wait(x)
                     c.submit(H.consume, x, workers=[b], pure=False).result()
                     t = c.run(T.last_transfer, key=x.key, workers=[b])[b]
@@ -77,7 +86,8 @@ def main() -> None:
                     if k >= 3 and t is not None:  # the first rounds warm the comms up
                         samples[mode, nbytes].append(t)
         counters = c.run(T.handoff_counters)
-    print(f"{kind} pools, {args.placement} placement, median of {args.samples} samples each (ms)")
+    what = "plain arrays staged (handoff) or through the comm (copy)" if args.plain else "pool arrays"
+    print(f"{kind} pools, {what}, {args.placement} placement, median of {args.samples} samples each (ms)")
     print(f"{'size':>10}{'handoff':>10}{'copy':>10}{'copy faster':>14}")
     rows = []
     for nbytes in sizes:
