@@ -23,7 +23,7 @@ a halo exchange of depth 8; ``rmm_objects`` every block copied into an ``rmm.Dev
 distributed splits into device frames), each summed with the next block's. Methods: ``tcp`` and ``ucxx``
 (plain Dask) and ``gpupool`` / ``ucxx+gpupool`` (``GPUPool()`` with no options), and variants with one option
 changed: ``gpupool+cupy`` (``cupy-allocator``), ``gpupool+stage`` (``stage-threshold: 4 MiB``), ``gpupool+stage1``
-(``stage-threshold: 1``: every size staged),
+(``stage-threshold: 1``: every size staged), ``gpupool+stage64k`` (from 64 KiB),
 ``gpupool+objects`` (``device-objects``), ``gpupool+rmm`` (``rmm-allocator`` and ``device-objects``). Layouts on a
 GPU machine: ``two-per-gpu`` and ``one-per-gpu``; two workers without a GPU.
 
@@ -97,6 +97,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "+stage": {"stage_threshold": "4 MiB"},  # plain CuPy arrays over 4 MiB copied into the pool, then handed over
     "+nostage": {"stage_threshold": 0},  # plain CuPy arrays through the comm (over UCX: UCX's own GPU copy)
     "+stage1": {"stage_threshold": 1},  # every plain CuPy array staged, however small (no fallback small)
+    "+stage64k": {"stage_threshold": "64 KiB"},  # plain CuPy arrays from 64 KiB staged
     "+objects": {"device_objects": True},  # rmm.DeviceBuffer / Numba arrays frame by frame over TCP
     "+rmm": {"rmm_allocator": True, "device_objects": True},  # RMM (and CuPy through it) allocates from the pool
     # the same, with values under 4 MiB sent as copies in Dask's frames (as staging leaves them), not handed over
