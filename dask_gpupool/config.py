@@ -45,6 +45,16 @@ POOL_MEMORY_IMPORT_LIMIT = 5 << 30
 #: task rechunk of 8 MiB NumPy chunks took 1.25x as long staged.
 DEVICE_STAGE_THRESHOLD = 4 << 20
 
+#: ``stage-threshold: auto`` on ``device`` pools, to a worker on the pool's GPU: from 64 KiB. Measured on one H100
+#: with leases claimed by the reply, each sample staged and sent through the comm back to back in one cluster
+#: (benchmarks/copy_or_handoff.py --plain --placement same, 40 samples per size, 2026-11-24 01:32,
+#: docs/performance.md): staged and handed over 2.50-2.63 ms from 1 KiB to 4 MiB, through the comm 2.56-3.14 ms to
+#: 1 MiB and 8.39 at 4 MiB; staging was faster in 20 of 40 back-to-back pairs at 1 KiB (a tie), 26 at 16 KiB, 31 at
+#: 64 KiB, 28 at 256 KiB, 37 at 1 MiB and all 40 at 4 MiB. Staging every size (``stage-threshold: 1``) was no faster
+#: on the dask.array workloads, whose small values are partial sums of a few KiB; from 64 KiB the halo strips of
+#: ``map_overlap`` are staged too (0.03 MiB through the comm instead of 11 MiB).
+SAME_GPU_STAGE_THRESHOLD = 64 << 10
+
 #: ``handoff-threshold: auto`` on ``host`` pools: a pool buffer smaller than 64 KiB goes to a same-host worker over
 #: TCP as a copy in Dask's frames (landing in the receiver's pool) instead of a handoff. Measured on a 2-vCPU container
 #: with leases claimed by the reply, each sample taken both ways back to back in one cluster
@@ -236,8 +246,10 @@ class PoolOptions:
         worker asks for it over TCP, instead of going through distributed's
         serializer (host memory and TCP), or over UCX when the worker is on
         the same GPU (instead of UCX's copy). 0: never. ``None`` (``auto``, the
-        default): :data:`DEVICE_STAGE_THRESHOLD` (4 MiB) on ``device``
-        pools, never on ``host`` pools, where it measured slower
+        default): on ``device`` pools :data:`SAME_GPU_STAGE_THRESHOLD`
+        (64 KiB) to a worker on the pool's GPU over TCP or TLS and
+        :data:`DEVICE_STAGE_THRESHOLD` (4 MiB) otherwise; never
+        on ``host`` pools, where it measured slower
         (:meth:`effective_stage_threshold`).
     handoff_threshold : int or None
         Smallest pool buffer handed over to a same-host worker over TCP or
@@ -358,11 +370,15 @@ class PoolOptions:
     device_objects: bool = True
     switch_interval: float | None = None
 
-    def effective_stage_threshold(self, kind: str) -> int:
-        """The stage threshold of a pool of ``kind`` (``"device"``, ``"pinned"``, ``"host"``); 0: never."""
+    def effective_stage_threshold(self, kind: str, same_gpu: bool = False) -> int:
+        """The stage threshold of a pool of ``kind`` (``"device"``, ``"pinned"``, ``"host"``) for a requester on this
+        pool's GPU asking over TCP or TLS (``same_gpu``) or any other; 0: never. With ``same_gpu`` it is also the
+        lowest for any requester."""
         if self.stage_threshold is not None:
             return self.stage_threshold
-        return DEVICE_STAGE_THRESHOLD if kind == "device" else 0
+        if kind != "device":
+            return 0
+        return SAME_GPU_STAGE_THRESHOLD if same_gpu else DEVICE_STAGE_THRESHOLD
 
     def effective_handoff_threshold(self, kind: str, same_gpu: bool = False) -> int:
         """The handoff threshold of a pool of ``kind`` for a requester on this pool's GPU (``same_gpu``) or not:

@@ -514,8 +514,9 @@ def test_plain_cupy_arrays_hand_over_when_cupy_allocates_from_the_pool():
 def test_cupy_arrays_of_an_allocator_installed_before_the_plugin_are_staged_at_defaults():
     """Issue 18, dask-cuda's RMM set-up: CuPy given RMM's allocator before the plugin starts keeps it (stats() says
     why); at default settings an 8 MiB RMM-made CuPy array is copied into the pool on the GPU and handed over
-    (staged-in-pool), a 1 MiB one goes through the comm (fallback small); the right values either way. With
-    cupy-allocator: true the plugin replaces RMM's allocator and says so."""
+    (staged-in-pool), as is a 128 KiB one (stage-threshold auto: 64 KiB to a worker on the same GPU), a 32 KiB one
+    goes through the comm (fallback small); the right values either way. With cupy-allocator: true the plugin
+    replaces RMM's allocator and says so."""
     gpus(1)
     pytest.importorskip("rmm")
     import numpy as np
@@ -534,15 +535,17 @@ def test_cupy_arrays_of_an_allocator_installed_before_the_plugin_are_staged_at_d
         why = dask_gpupool.stats(c)[a]["routing"]["cupy"]
         assert why.startswith("off (auto)"), why
         big = c.submit(T.plain_cupy, 1 << 20, workers=[a], pure=False)  # 8 MiB, made by RMM
-        small = c.submit(T.plain_cupy, 1 << 17, workers=[a], pure=False)
+        medium = c.submit(T.plain_cupy, 1 << 14, workers=[a], pure=False)  # 128 KiB
+        small = c.submit(T.plain_cupy, 1 << 12, workers=[a], pure=False)  # 32 KiB
         got = c.submit(T.keep, big, workers=[b], pure=False)
         assert c.submit(T.describe, got, workers=[b], pure=False).result()["imported"]
         assert c.submit(T.total, got, workers=[b], pure=False).result() == float(np.arange(1 << 20).sum())
-        assert c.submit(T.total, small, workers=[b], pure=False).result() == float(np.arange(1 << 17).sum())
+        assert c.submit(T.total, medium, workers=[b], pure=False).result() == float(np.arange(1 << 14).sum())
+        assert c.submit(T.total, small, workers=[b], pure=False).result() == float(np.arange(1 << 12).sum())
         now = c.run(T.handoff_counters)
-        assert now[a]["fallbacks"] == {"staged-in-pool": 1, "small": 1}, now[a]
-        assert now[b]["zero_copy_bytes"] >= 8 * MiB, now[b]
-        del big, small, got
+        assert now[a]["fallbacks"] == {"staged-in-pool": 2, "small": 1}, now[a]
+        assert now[b]["zero_copy_bytes"] >= 8 * MiB + (128 << 10), now[b]
+        del big, medium, small, got
     with nanny_cluster([ONE_GPU]) as c:
         assert set(c.run(rmm_for_cupy).values()) == {"ok"}
         c.register_plugin(GPUPool(kind="device", max_size="1 GiB", cupy_allocator=True))

@@ -92,8 +92,7 @@ class Request:
             return
         reason = self.plain_reason
         if reason == "not-in-pool" and self.scheme in ("tcp", "tls"):
-            threshold = self.service.options.effective_stage_threshold(self.service.pool.kind)
-            reason = "small" if nbytes < threshold else reason
+            reason = "small" if nbytes < self.service.stage_threshold(self.requester, self.scheme) else reason
         self.service.handoffs.fallback(str(self.requester), reason, self.service.record.worker)
 
 

@@ -144,9 +144,10 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         worker.stream_handlers[MEMBERSHIP_OP] = self._on_membership
         gpu_pool = service.pool.kind in ("device", "pinned")
         has_cupy = importlib.util.find_spec("cupy") is not None
-        stage_threshold = options.effective_stage_threshold(service.pool.kind)
+        # the lowest threshold of any requester (a worker on this GPU's): smaller results always go through the comm
+        stage_threshold = options.effective_stage_threshold(service.pool.kind, same_gpu=True)
         if service.pool.kind == "device" and has_cupy and stage_threshold:
-            # only results large enough to be staged get an event: smaller ones always go through the comm
+            # only results large enough to be staged get an event
             self._task_events = TaskEvents(
                 _default_stream_recorder(service.pool.device),
                 wanted=lambda value: is_cupy_array(value) and int(value.nbytes) >= stage_threshold,

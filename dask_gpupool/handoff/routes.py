@@ -159,7 +159,7 @@ class Routes:
         requester's own memory, where its kernels read it faster than this
         GPU's memory over NVLink.
         """
-        threshold = self.options.effective_stage_threshold(self.pool.kind)
+        threshold = self.stage_threshold(requester, scheme)
         if not threshold or nbytes < threshold or scheme not in HANDOFF_SCHEMES:
             return None
         size = nbytes if self.pool.kind == "device" else 0
@@ -168,6 +168,20 @@ class Routes:
         if row is not None and scheme not in ("tcp", "tls") and row.device != self.record.device:
             return None
         return row
+
+    def stage_threshold(self, requester: str | None, scheme: str) -> int:
+        """``gpupool.stage-threshold`` of this pool for ``requester`` asking over ``scheme``; 0: never.
+
+        Its ``auto`` is lower for a worker on this pool's GPU asking over TCP or TLS, where staging was measured
+        against the comm's copy (:meth:`PoolOptions.effective_stage_threshold
+        <dask_gpupool.config.PoolOptions.effective_stage_threshold>`); over UCX it stays
+        :data:`~dask_gpupool.config.DEVICE_STAGE_THRESHOLD`, against UCX's own copy not measured below it.
+        """
+        same_gpu = False
+        if scheme in ("tcp", "tls") and requester:
+            row = self.registry.worker_row(requester)
+            same_gpu = row is not None and row.device is not None and row.device == self.record.device
+        return self.options.effective_stage_threshold(self.record.kind, same_gpu)
 
     def plain_copy_reason(self, requester: str | None) -> str | None:
         """Why a value outside every pool sent to ``requester`` is a same-host copy (``None``: it is not one).

@@ -261,6 +261,10 @@ class PoolService:
         """:meth:`Routes.stage_route <dask_gpupool.handoff.routes.Routes.stage_route>`."""
         return self.routes.stage_route(requester, scheme, nbytes)
 
+    def stage_threshold(self, requester: str | None, scheme: str) -> int:
+        """:meth:`Routes.stage_threshold <dask_gpupool.handoff.routes.Routes.stage_threshold>`."""
+        return self.routes.stage_threshold(requester, scheme)
+
     def plain_copy_reason(self, requester: str | None) -> str | None:
         """:meth:`Routes.plain_copy_reason <dask_gpupool.handoff.routes.Routes.plain_copy_reason>`."""
         return self.routes.plain_copy_reason(requester)

@@ -147,6 +147,30 @@ def test_which_plain_arrays_are_staged_into_the_pool(requester, scheme, nbytes, 
 
 
 @pytest.mark.parametrize(
+    ("requester", "scheme", "nbytes", "threshold", "staged"),
+    [
+        (PEER, "tcp", 64 << 10, None, True),  # auto, a worker on this GPU over TCP: from 64 KiB
+        (PEER, "tls", 64 << 10, None, True),
+        (PEER, "tcp", 32 << 10, None, False),
+        (peer(device=GPU1), "tcp", 64 << 10, None, False),  # auto, another GPU: from 4 MiB
+        (peer(device=GPU1), "tcp", 4 * MiB, None, True),
+        (PEER, "ucxx", 64 << 10, None, False),  # auto over UCX: from 4 MiB (against UCX's copy, not measured below)
+        (PEER, "ucxx", 4 * MiB, None, True),
+        (PEER, "tcp", 64 << 10, "1 MiB", False),  # set by the user: for every GPU and comm
+        (peer(device=GPU1), "tcp", 1 * MiB, "1 MiB", True),
+    ],
+)
+def test_the_stage_threshold_of_device_pools_depends_on_the_requesters_gpu_and_comm(
+    requester, scheme, nbytes, threshold, staged
+):
+    """gpupool.stage-threshold: auto on a device pool is 64 KiB for a worker on the pool's GPU over TCP or TLS (staging
+    measured faster than the comm from there) and 4 MiB otherwise; a value the user sets holds for all."""
+    with _routes(requester, stage_threshold=threshold) as (routes, _stats):
+        row = routes.stage_route(requester.worker, scheme, nbytes)
+        assert (row == requester) if staged else row is None
+
+
+@pytest.mark.parametrize(
     ("requester", "nbytes", "threshold", "handed"),
     [
         (PEER, 4 << 10, None, True),  # auto, a worker on this GPU: every size is handed over
