@@ -143,6 +143,7 @@ def stage(request: Request, arr: Any, module: str) -> tuple[dict[str, Any], list
         except Exception as e:  # the copy goes on the default stream, as for arrays without an event
             _side_stream_failed(e)
             side = None
+    allocating = time.perf_counter()
     try:
         if side is not None:
             buf = service.allocate(nbytes, side)  # stream-ordered on the staging stream
@@ -153,6 +154,7 @@ def stage(request: Request, arr: Any, module: str) -> tuple[dict[str, Any], list
     except Exception as e:  # sent as before: staging is a shortcut, its failure must not fail the reply
         _stage_failed(e)
         return None
+    service.handoffs.timed("stage-alloc", time.perf_counter() - allocating)
     stream = None
     try:
         out = as_array(buf, tuple(arr.shape), arr.dtype, like=module)

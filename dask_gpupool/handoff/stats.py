@@ -82,6 +82,7 @@ TIMED_STEPS = {
     "reply": "the producer's whole get_data reply, from the request to the consumer's OK (serializing, the comm's "
     "write, and for handoffs the consumer's import and claim)",
     "stage": "copying an array outside the pool into it: allocation and queuing the copy (its wait is in export)",
+    "stage-alloc": "the part of stage or stage-after-task spent in the pool's allocation",
     "stage-after-task": "as stage, for a task result of this worker: the copy waits on a stream of its own for the "
     "event recorded when the result was stored, not for the kernels queued since",
     "export": "describing a pool buffer and waiting for the GPU work that wrote it (a staged copy's stream, or the "
