@@ -35,8 +35,9 @@ dask.config.update_defaults(_defaults)
 #: import; VMM segments of 8 and 16 GiB mapped in 1.5-1.8 ms (H100, 2026-11-23, docs/performance.md).
 POOL_MEMORY_IMPORT_LIMIT = 5 << 30
 
-#: ``stage-threshold: auto`` on ``device`` pools: a plain CuPy array of 4 MiB or more sent to a same-host worker over
-#: TCP is copied into the pool on the GPU and handed over. Measured on two H200s, four workers (two per GPU), 8192^2
+#: ``stage-threshold: auto`` on ``device`` pools, to a worker on another GPU or over UCX (on the same GPU over TCP:
+#: :data:`SAME_GPU_STAGE_THRESHOLD`): a plain CuPy array of 4 MiB or more sent to a same-host worker is copied into the
+#: pool on the GPU and handed over. Measured on two H200s, four workers (two per GPU), 8192^2
 #: float64 in 2048^2 chunks (benchmarks/workloads.py, 2026-11-23, docs/performance.md "Workloads"): matmul,
 #: tensordot and task rechunk 2.0-2.7x faster than plain Dask TCP, the other workloads within TCP's noise but
 #: map_overlap with one worker per GPU (1.17x); against Dask UCXX 0.85-1.07x except matmul (1.08-1.24x) and
