@@ -191,12 +191,14 @@ class PoolOptions:
         own pool, or dask-cuda's RMM), and ``stage_threshold`` moves its
         arrays on the GPU instead (:func:`dask_gpupool.dask.cupy_routing.decide`
         says why; ``stats()["routing"]`` shows it).
-    rmm_allocator : bool
+    rmm_allocator : bool or None
         Make the RMM pool inside the ``device`` pool's segments RMM's resource
         for the worker's GPU, and RMM CuPy's allocator, so that CuPy arrays
         and ``rmm.DeviceBuffer`` objects tasks make hand over zero-copy with
-        no staging copy (:mod:`dask_gpupool.dask.rmm_routing`). Off by
-        default: its GPU tests pass on two H200s, and on the workloads it was
+        no staging copy (:mod:`dask_gpupool.dask.rmm_routing`). ``None``
+        (``auto``, the default): RMM keeps its resource (dask-cuda's
+        included), and ``stage_threshold`` moves what it allocates on the GPU
+        instead: its GPU tests pass on two H200s, and on the workloads it was
         as fast as staging (0.83-1.07x of it). Exclusive with ``cupy_allocator``.
     segment_size : int
         ``device`` pools: bytes of the segments buffers are placed in, which
@@ -360,7 +362,7 @@ class PoolOptions:
     segment_memory: str = "auto"
     import_limit: int | None = None
     cupy_allocator: bool | None = None
-    rmm_allocator: bool = False
+    rmm_allocator: bool | None = None
     ucx_handoff_threshold: int = 0
     ucx_staging_threshold: int = 8 << 10
     copy_chunk_size: int = 16 << 20
@@ -423,7 +425,8 @@ class PoolOptions:
             if value is not None:
                 raw[name.replace("_", "-")] = value
         segment_size = _parse_nbytes(raw.get("segment-size", "1 GiB"), "gpupool.segment-size")
-        rmm_allocator = _parse_bool(raw.get("rmm-allocator", False), "gpupool.rmm-allocator")
+        rmm = raw.get("rmm-allocator", "auto")
+        rmm_allocator = None if rmm == "auto" else _parse_bool(rmm, "gpupool.rmm-allocator")
         cupy = raw.get("cupy-allocator", "auto")
         cupy_allocator = None if cupy == "auto" else _parse_bool(cupy, "gpupool.cupy-allocator")
         if rmm_allocator and cupy_allocator:

@@ -14,10 +14,10 @@ How it meets dask-cuda's RMM options (``rmm_pool_size``, ``rmm_async``,
 the plugin replaces that resource and says so (a WARNING, and
 ``stats()["routing"]["rmm"]``); buffers made before keep their own resource.
 Managed memory cannot be exported over IPC; with this option it is no longer
-what RMM gives. Off (the default), dask-cuda's set-up stays and staging
-covers it.
+what RMM gives. At ``auto`` (the default, off) or ``false``, dask-cuda's set-up
+stays and staging covers it.
 
-Off by default: its GPU tests pass on two H200s (the twelfth session), and on
+``auto`` is off: its GPU tests pass on two H200s (the twelfth session), and on
 the ``dask.array`` workloads it was as fast as staging (0.83-1.07x of it,
 docs/performance.md), so staging stays the default. The pool's ``used`` bytes do not count RMM's allocations,
 and ``trim`` leaves the segments in place while RMM allocates from them.
@@ -36,12 +36,22 @@ __all__ = ["decide", "install", "uninstall"]
 logger = logging.getLogger(__name__)
 
 
-def decide(setting: bool, kind: str, rmm_placed: bool) -> tuple[bool, str]:
+def decide(setting: bool | None, kind: str, rmm_placed: bool) -> tuple[bool, str]:
     """Whether to make RMM allocate from a pool of ``kind``, and why (``stats()["routing"]["rmm"]``).
 
-    ``rmm_placed``: the pool's segments are placed by RMM (``gpupool.suballocator``
-    ``rmm`` or ``auto`` with RMM installed, and ``segment-size`` not 0).
+    ``None`` (``auto``) leaves RMM's resource alone: ``gpupool.stage-threshold``
+    copies what RMM allocated into the pool on the GPU when a same-host worker
+    asks, which measured as fast as routing RMM into the pool
+    (docs/performance.md), and works beside any resource (dask-cuda's
+    included). ``rmm_placed``: the pool's segments are placed by RMM
+    (``gpupool.suballocator`` ``rmm`` or ``auto`` with RMM installed, and
+    ``segment-size`` not 0).
     """
+    if setting is None:
+        return False, (
+            "off (auto): RMM keeps its resource; CuPy arrays and device frames from gpupool.stage-threshold up are "
+            "copied into the pool on the GPU when a same-host worker asks"
+        )
     if not setting:
         return False, "off (gpupool.rmm-allocator: false)"
     if kind != "device":

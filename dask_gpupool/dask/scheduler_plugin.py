@@ -81,8 +81,8 @@ class GPUPool(SchedulerPlugin):
         stays readable by peers after its owner died.
     import_limit : int or str, optional
         Largest CUDA allocation handed over zero-copy (``gpupool.import-limit``).
-    cupy_allocator : bool, optional
-        Route CuPy's allocations through the pool (``gpupool.cupy-allocator``).
+    cupy_allocator : bool or "auto", optional
+        Route CuPy's allocations through the pool (``gpupool.cupy-allocator``; ``auto``: CuPy keeps its allocator).
     ucx_handoff_threshold : int or str, optional
         Smallest value handed over zero-copy on UCX comms (``gpupool.ucx-handoff-threshold``).
     ucx_staging_threshold : int or str, optional
@@ -103,9 +103,9 @@ class GPUPool(SchedulerPlugin):
         Send every object with a ``"cuda"`` serializer (``rmm.DeviceBuffer``,
         Numba and cuDF objects) frame by frame through the pool
         (``gpupool.device-objects``).
-    rmm_allocator : bool, optional
+    rmm_allocator : bool or "auto", optional
         Make RMM (and CuPy through it) allocate from the pool
-        (``gpupool.rmm-allocator``).
+        (``gpupool.rmm-allocator``; ``auto``: RMM keeps its resource).
     peer_gpu_copy : bool, optional
         Copy a value handed over from another GPU into this worker's pool on
         arrival, device to device (``gpupool.peer-gpu-copy``).
@@ -170,7 +170,7 @@ class GPUPool(SchedulerPlugin):
         suballocator: str | None = None,
         segment_memory: str | None = None,
         import_limit: int | str | None = None,
-        cupy_allocator: bool | None = None,
+        cupy_allocator: bool | str | None = None,
         ucx_handoff_threshold: int | str | None = None,
         ucx_staging_threshold: int | str | None = None,
         copy_chunk_size: int | str | None = None,
@@ -179,7 +179,7 @@ class GPUPool(SchedulerPlugin):
         stage_threshold: int | str | None = None,
         handoff_threshold: int | str | None = None,
         device_objects: bool | None = None,
-        rmm_allocator: bool | None = None,
+        rmm_allocator: bool | str | None = None,
         peer_gpu_copy: bool | None = None,
         handoff_ordering: str | None = None,
         lease_claims: str | None = None,

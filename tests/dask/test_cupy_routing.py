@@ -41,6 +41,14 @@ def test_the_setting_parses(raw, expected):
 @pytest.mark.parametrize(
     ("setting", "kind", "placed", "route", "reason"),
     [
+        (
+            None,
+            "device",
+            True,
+            False,
+            "off (auto): RMM keeps its resource; CuPy arrays and device frames from gpupool.stage-threshold up are "
+            "copied into the pool on the GPU when a same-host worker asks",
+        ),
         (False, "device", True, False, "off (gpupool.rmm-allocator: false)"),
         (True, "host", False, False, "off: a host pool holds no memory RMM allocates"),
         (True, "pinned", False, False, "off: a pinned pool holds no memory RMM allocates"),
@@ -59,8 +67,11 @@ def test_rmm_allocator_resolves_to_a_route_and_a_reason(setting, kind, placed, r
 
 
 def test_rmm_and_cupy_allocators_are_not_both_on():
-    assert PoolOptions.from_config().rmm_allocator is False
+    assert PoolOptions.from_config().rmm_allocator is None  # auto: off, staging covers what RMM allocates
+    assert PoolOptions.from_config(rmm_allocator="auto").rmm_allocator is None
+    assert PoolOptions.from_config(rmm_allocator="false").rmm_allocator is False
     assert PoolOptions.from_config(rmm_allocator="true").rmm_allocator is True
+    assert PoolOptions.from_config(rmm_allocator="auto", cupy_allocator=True).cupy_allocator is True
     assert PoolOptions.from_config(rmm_allocator=True, cupy_allocator=False).rmm_allocator is True
     with pytest.raises(ValueError, match=r"rmm-allocator and gpupool\.cupy-allocator are both on"):
         PoolOptions.from_config(rmm_allocator=True, cupy_allocator=True)
