@@ -11,8 +11,9 @@ method (a fresh cluster per method and round, interleaved) and reports:
   every worker's ``transfer_incoming_log`` totals, less the plugin's
   ``zero_copy_bytes`` (all workers share one host here, so every such byte is a
   same-host copy);
-- the plugin's fallbacks by reason, and where its handoffs' time went (``timings``: count and seconds per step,
-  summed over workers, of the last round; see ``dask_gpupool.handoff.stats.TIMED_STEPS``).
+- the plugin's fallbacks by reason, and where its handoffs' time went (``timings``: count, seconds and the
+  histogram per step, summed over workers, of the last round, printed as mean and median; see
+  ``dask_gpupool.handoff.stats.TIMED_STEPS``).
 
 Workloads (``x`` is an ``n x n`` float64 array of ``chunk``-sized blocks, CuPy
 when a GPU is visible, NumPy otherwise): ``elementwise`` ``(x + 2 * x.T).sum()``;
@@ -48,6 +49,7 @@ from distributed import wait
 from handoff import cluster, save_json  # benchmarks/handoff.py (this directory is on sys.path when run as a script)
 
 import dask_gpupool
+from dask_gpupool.handoff.stats import quantile_s, subtract_hist
 from dask_gpupool.memory.topology import local_devices
 
 
@@ -180,10 +182,12 @@ def run(workers: list[dict[str, Any]], method: str, todo: list[str], args: argpa
                             fallbacks[reason] = fallbacks.get(reason, 0) + d
                     for step, t in s.get("timings", {}).items():  # where the handoffs' time went, all workers
                         t0 = was.get("timings", {}).get(step, {"count": 0, "total_s": 0.0, "max_s": 0.0})
-                        sum_ = timings.setdefault(step, {"count": 0, "total_s": 0.0, "max_s": 0.0})
+                        sum_ = timings.setdefault(step, {"count": 0, "total_s": 0.0, "max_s": 0.0, "hist": {}})
                         sum_["count"] += t["count"] - t0["count"]
                         sum_["total_s"] += t["total_s"] - t0["total_s"]
                         sum_["max_s"] = max(sum_["max_s"], t["max_s"])  # since the worker started
+                        for b, n in subtract_hist(t.get("hist", {}), t0.get("hist", {})).items():
+                            sum_["hist"][b] = sum_["hist"].get(b, 0) + n
             out[name] = {
                 "median_s": statistics.median(samples),
                 "samples": samples,
@@ -200,9 +204,10 @@ def run(workers: list[dict[str, Any]], method: str, todo: list[str], args: argpa
                 f"  zero-copy {zero_copy:>13,} B  {fallbacks or ''}",
                 flush=True,
             )
-            if timings:  # mean per step over every handoff of the repeats, in ms
+            if timings:  # mean (and median, from the histograms) per step over every handoff of the repeats, in ms
                 means = ", ".join(
-                    f"{step} {t['total_s'] / t['count'] * 1e3:.2f} ms x{t['count']}"
+                    f"{step} {t['total_s'] / t['count'] * 1e3:.2f} ms"
+                    f" (p50 {(quantile_s(t['hist'], 0.5) or 0) * 1e3:.2f}) x{t['count']}"
                     for step, t in sorted(timings.items())
                     if t["count"]
                 )

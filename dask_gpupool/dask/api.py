@@ -220,7 +220,8 @@ def stats(client: Client) -> dict[str, dict[str, Any]]:
         from another GPU copied into this worker's pool on arrival, device to
         device: ``gpupool.peer-gpu-copy``), ``fallbacks`` (same-host transfers that were
         copied, by reason), ``timings`` (where a handoff's time went, by step:
-        ``{step: {"count", "total_s", "max_s"}}``, see
+        ``{step: {"count", "total_s", "max_s", "hist"}}``, the histogram for
+        :func:`~dask_gpupool.handoff.stats.quantile_s`; see
         :data:`~dask_gpupool.handoff.stats.TIMED_STEPS`), ``mapped_pools``, ``links``, ``pulls`` and
         ``staging_bytes`` (streamed copies being served, and the pinned staging
         kept for them), ``segments``, ``segments_retiring`` and

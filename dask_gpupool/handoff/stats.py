@@ -3,10 +3,23 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
+from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["EXPECTED_REASONS", "FALLBACK_ADVICE", "FALLBACK_REASONS", "TIMED_STEPS", "HandoffStats"]
+__all__ = [
+    "EXPECTED_REASONS",
+    "FALLBACK_ADVICE",
+    "FALLBACK_REASONS",
+    "TIMED_STEPS",
+    "HandoffStats",
+    "quantile_s",
+    "subtract_hist",
+]
+
+#: Histogram bins per doubling of a timed step's duration: a quantile read from them is within 9% of the sample's.
+BINS_PER_OCTAVE = 4
 
 logger = logging.getLogger("dask_gpupool")
 
@@ -141,7 +154,10 @@ class HandoffStats:
         Same-host transfers that were copied, by reason (see :data:`FALLBACK_REASONS`).
     timings : dict of str to list
         Where a handoff's time goes, by step (see :data:`TIMED_STEPS`):
-        ``[count, total seconds, longest seconds]``.
+        ``[count, total seconds, longest seconds, histogram]``; the histogram
+        counts durations by bin (:func:`_bin`: :data:`BINS_PER_OCTAVE` bins
+        per doubling from 1 µs), so that a step's median and tail show
+        (:func:`quantile_s`), not only its mean.
     """
 
     exports: int
@@ -159,7 +175,7 @@ class HandoffStats:
     pool_staged_bytes: int
     peer_copied_bytes: int
     fallbacks: dict[str, int]
-    timings: dict[str, list[float]]
+    timings: dict[str, list[Any]]
     _warned: set[tuple[str, str]]
     _lock: threading.Lock
 
@@ -184,11 +200,13 @@ class HandoffStats:
         with self._lock:
             t = self.timings.get(step)
             if t is None:
-                self.timings[step] = [1, seconds, seconds]
-            else:
-                t[0] += 1
-                t[1] += seconds
-                t[2] = max(t[2], seconds)
+                t = self.timings[step] = [0, 0.0, seconds, {}]
+            t[0] += 1
+            t[1] += seconds
+            t[2] = max(t[2], seconds)
+            hist = t[3]
+            b = _bin(seconds)
+            hist[b] = hist.get(b, 0) + 1
 
     def fallback(self, peer: str, reason: str, worker: str, detail: str = "") -> None:
         """Count a same-host fallback; log once per (peer, reason): WARNING, INFO for :data:`EXPECTED_REASONS`."""
@@ -229,7 +247,43 @@ class HandoffStats:
                 "peer_copied_bytes": self.peer_copied_bytes,
                 "fallbacks": dict(self.fallbacks),
                 "timings": {
-                    step: {"count": int(n), "total_s": total, "max_s": longest}
-                    for step, (n, total, longest) in self.timings.items()
+                    step: {
+                        "count": int(n),
+                        "total_s": total,
+                        "max_s": longest,
+                        "hist": {str(b): c for b, c in sorted(hist.items())},
+                    }
+                    for step, (n, total, longest, hist) in self.timings.items()
                 },
             }
+
+
+def _bin(seconds: float) -> int:
+    """The histogram bin of a duration: ``floor(BINS_PER_OCTAVE * log2(µs))``, 0 for anything under 1 µs."""
+    us = seconds * 1e6
+    return max(0, math.floor(BINS_PER_OCTAVE * math.log2(us))) if us > 1 else 0
+
+
+def quantile_s(hist: Mapping[str, int], q: float) -> float | None:
+    """The ``q`` quantile (0 to 1) in seconds of the durations a timed step's ``hist`` counts, or ``None`` if empty.
+
+    ``hist`` is a step's ``"hist"`` in ``stats()[worker]["timings"]`` (or a difference of two:
+    :func:`subtract_hist`). The answer is the geometric middle of the bin holding that sample: within 9% of it.
+    """
+    bins = sorted((int(b), int(c)) for b, c in hist.items() if int(c) > 0)
+    total = sum(c for _, c in bins)
+    if not total:
+        return None
+    rank = min(max(q, 0.0), 1.0) * (total - 1)
+    seen = 0
+    for b, c in bins:
+        seen += c
+        if seen > rank:
+            return 2 ** ((b + 0.5) / BINS_PER_OCTAVE) / 1e6 if b else 0.5e-6
+    return None  # not reached
+
+
+def subtract_hist(after: Mapping[str, int], before: Mapping[str, int]) -> dict[str, int]:
+    """The durations ``after`` counts that ``before`` (an earlier ``hist`` of the same step) did not."""
+    out = {b: int(c) - int(before.get(b, 0)) for b, c in after.items()}
+    return {b: c for b, c in out.items() if c > 0}

@@ -6,7 +6,14 @@ import logging
 import re
 from pathlib import Path
 
-from dask_gpupool.handoff.stats import FALLBACK_ADVICE, FALLBACK_REASONS, TIMED_STEPS, HandoffStats
+from dask_gpupool.handoff.stats import (
+    FALLBACK_ADVICE,
+    FALLBACK_REASONS,
+    TIMED_STEPS,
+    HandoffStats,
+    quantile_s,
+    subtract_hist,
+)
 
 PACKAGE = Path(__file__).resolve().parents[2] / "dask_gpupool"
 
@@ -57,9 +64,28 @@ def test_timed_steps_add_up_count_total_and_longest():
     stats.timed("claim", 0.001)
     stats.timed("stage", 0.5)
     assert stats.to_msg()["timings"] == {
-        "claim": {"count": 2, "total_s": 0.003, "max_s": 0.002},
-        "stage": {"count": 1, "total_s": 0.5, "max_s": 0.5},
+        # 1 ms and 2 ms fall in bins 39 and 43 (four per doubling from 1 µs: 4 * log2(1000) = 39.9)
+        "claim": {"count": 2, "total_s": 0.003, "max_s": 0.002, "hist": {"39": 1, "43": 1}},
+        "stage": {"count": 1, "total_s": 0.5, "max_s": 0.5, "hist": {"75": 1}},
     }
+
+
+def test_a_timed_steps_quantiles_come_from_its_histogram_within_nine_percent():
+    """The median and the tail of a step whose mean hides them: nine fast samples and one slow one."""
+    stats = HandoffStats()
+    for seconds in [20e-6] * 9 + [40e-3]:
+        stats.timed("stage-alloc", seconds)
+    hist = stats.to_msg()["timings"]["stage-alloc"]["hist"]
+    assert abs(quantile_s(hist, 0.5) / 20e-6 - 1) < 0.09
+    assert abs(quantile_s(hist, 1.0) / 40e-3 - 1) < 0.09
+    assert quantile_s({}, 0.5) is None
+    assert quantile_s({"0": 3}, 0.5) == 0.5e-6  # under 1 µs
+    # what a later snapshot counts that an earlier one did not: the samples in between
+    earlier = dict(hist)
+    stats.timed("stage-alloc", 40e-3)
+    later = stats.to_msg()["timings"]["stage-alloc"]["hist"]
+    between = subtract_hist(later, earlier)
+    assert sum(between.values()) == 1 and abs(quantile_s(between, 0.5) / 40e-3 - 1) < 0.09
 
 
 def test_every_timed_step_is_explained_and_timed_somewhere():
