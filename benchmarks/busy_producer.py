@@ -37,19 +37,17 @@ def busy(spin_ms: float, on: bool, dask_worker: Any = None) -> None:
         return
     import cupy
 
-    from dask_gpupool.testing.tasks import _SLOW_FILL
+    from dask_gpupool.testing.tasks import spin
 
     stop = threading.Event()
     dask_worker._gpupool_busy = stop
 
     def loop() -> None:
         with cupy.cuda.Device(0):
-            kernel = cupy.RawKernel(_SLOW_FILL, "slow_fill")
             stream = cupy.cuda.Stream(non_blocking=True)
-            dummy = cupy.empty(1, dtype=cupy.uint8)
             while not stop.is_set():
-                with stream:  # spins, writes nothing (n = 0)
-                    kernel((1,), (32,), (dummy, cupy.int64(0), cupy.uint8(0), cupy.int64(int(spin_ms * 1e6))))
+                with stream:  # spins, writes nothing
+                    spin(spin_ms)
                 stream.synchronize()
 
     threading.Thread(target=loop, name="gpupool-bench-busy", daemon=True).start()

@@ -38,7 +38,8 @@ _staging_streams: dict[int, Any] = {}
 def _staging_stream(device: int | None) -> Any:
     """The cuda.core non-blocking stream of this process for staging copies on GPU ``device``, made on first use.
 
-    Owned by this module for the process's lifetime (one per GPU).
+    Owned by this module for the process's lifetime (one per GPU). The caller has made ``device`` current in this
+    thread (:func:`_default_stream_idle` does, just before).
     """
     from dask_gpupool.memory.topology import current_gpu
 
@@ -51,7 +52,6 @@ def _staging_stream(device: int | None) -> Any:
             stream = _staging_streams[ordinal] = current_gpu(ordinal).create_stream(
                 options=StreamOptions(nonblocking=True)
             )
-    current_gpu(ordinal)
     return stream
 
 

@@ -133,7 +133,7 @@ class Routes:
         another); 0 (staging, forwards) never is.
         """
         row = self.registry.worker_row(requester) if requester else None
-        same_gpu = row is not None and row.device is not None and row.device == own.device
+        same_gpu = _on_gpu_of(row, own)
         return route(
             own,
             requester,
@@ -179,8 +179,7 @@ class Routes:
         """
         same_gpu = False
         if scheme in ("tcp", "tls") and requester:
-            row = self.registry.worker_row(requester)
-            same_gpu = row is not None and row.device is not None and row.device == self.record.device
+            same_gpu = _on_gpu_of(self.registry.worker_row(requester), self.record)
         return self.options.effective_stage_threshold(self.record.kind, same_gpu)
 
     def plain_copy_reason(self, requester: str | None) -> str | None:
@@ -235,3 +234,8 @@ class Routes:
     def forget(self, worker: str) -> None:
         """``worker`` left the cluster: drop what is known of it."""
         self._unreachable.pop(worker, None)
+
+
+def _on_gpu_of(row: PoolRecord | None, own: PoolRecord) -> bool:
+    """Whether the requester's registry ``row`` is a worker on ``own``'s GPU (the ``auto`` thresholds differ)."""
+    return row is not None and row.device is not None and row.device == own.device
