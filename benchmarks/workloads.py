@@ -22,7 +22,8 @@ when a GPU is visible, NumPy otherwise): ``elementwise`` ``(x + 2 * x.T).sum()``
 indexing; ``reduction`` ``x.mean(axis=0)`` and ``x.std()``; ``map_overlap``
 a halo exchange of depth 8; ``rmm_objects`` every block copied into an ``rmm.DeviceBuffer`` (a value
 distributed splits into device frames), each summed with the next block's. Methods: ``tcp`` and ``ucxx``
-(plain Dask) and ``gpupool`` / ``ucxx+gpupool`` (``GPUPool()`` with no options), and variants with one option
+(plain Dask), ``local`` (the floor: one worker with the layout's threads on its first GPU, so nothing moves
+between workers) and ``gpupool`` / ``ucxx+gpupool`` (``GPUPool()`` with no options), and variants with one option
 changed: ``gpupool+cupy`` (``cupy-allocator``), ``gpupool+stage`` (``stage-threshold: 4 MiB``), ``gpupool+stage1``
 (``stage-threshold: 1``: every size staged), ``gpupool+stage64k`` (from 64 KiB),
 ``gpupool+objects`` (``device-objects``), ``gpupool+rmm`` (``rmm-allocator`` and ``device-objects``). Layouts on a
@@ -130,7 +131,7 @@ def layouts(gpus: int) -> dict[str, list[dict[str, Any]]]:
 
 def method_setup(method: str, gpus: int) -> tuple[str, Any] | None:
     """(protocol, plugin) for a method, or ``None`` where it cannot run here."""
-    protocol = "ucxx" if method.startswith("ucxx") else "tcp"
+    protocol = "ucxx" if method.startswith("ucxx") else "tcp"  # "local" too: one worker, no comm in use
     if protocol == "ucxx":
         if not gpus:
             return None
@@ -152,6 +153,8 @@ def run(workers: list[dict[str, Any]], method: str, todo: list[str], args: argpa
     if setup is None:
         return None
     protocol, plugin = setup
+    if method == "local":  # the floor: every task on one worker with all the layout's threads, nothing moves
+        workers = [dict(workers[0], nthreads=len(workers))]
     out = {}
     with cluster(workers, protocol, plugin) as c:
         x = da.random.default_rng(42).random((args.n, args.n), chunks=args.chunk)
