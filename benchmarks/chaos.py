@@ -2,9 +2,12 @@
 
 Real ``Nanny`` workers (``device`` pools when GPUs are visible, ``host`` pools
 otherwise). For ``--seconds``, rounds run back to back: in each, ``--pairs``
-producer/consumer pairs (random, distinct workers) hand over a buffer of
-``--nbytes`` filled with a value of the round; the producer's key is then
-dropped and the producer scribbles over every byte of its pool it can get
+producer/consumer pairs (random, distinct workers) hand over a value of
+``--nbytes`` filled with a value of the round: a pool buffer, a plain array
+staged into the producer's pool, or a pool buffer forwarded by a third worker
+that imported it (``--values``, one picked at random per pair); the
+producer's key (and the middle worker's import) is then dropped and those
+workers scribble over every byte of their pools they can get
 (``--scribbles`` buffers); the consumer checks that every byte it holds is
 still the round's value. Meanwhile a chaos thread picks a random worker every
 ``--every`` seconds (on average) and either SIGKILLs it (``--kill-share`` of
@@ -13,7 +16,7 @@ the picks; its Nanny restarts it) or SIGSTOPs it for up to twice the larger of
 
 Reported:
 
-- rounds and handoffs checked;
+- rounds and handoffs checked (also by kind of value);
 - **wrong bytes**: checks that read anything but the round's value (must be 0);
 - **CUDA errors**: task errors whose text names a CUDA error (must be 0);
 - **hung rounds**: rounds not finished within ``--round-timeout`` (must be 0);
@@ -24,7 +27,7 @@ Reported:
 
 Writes JSON to ``benchmarks/results/chaos-*.json`` (and ``$OUT``).
 
-    python benchmarks/chaos.py [--seconds 600] [--workers 4] [--layout auto]
+    python benchmarks/chaos.py [--seconds 600] [--workers 4] [--gpus -1] [--values pool,plain,forwarded]
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from typing import Any
 
 import dask
 
+import dask_gpupool
 from dask_gpupool import GPUPool
 from dask_gpupool import testing as T
 from dask_gpupool.memory.topology import local_devices
@@ -154,26 +158,59 @@ class Chaos(threading.Thread):
         self.join(60)
 
 
+#: What a round's pairs hand over (``--values``): ``pool`` a pool buffer (``T.fill``), handed over; ``plain`` an
+#: array from the library's own allocator (``T.plain_fill``: NumPy on ``host`` pools, CuPy's pool on ``device``
+#: ones), staged into the producer's pool and handed over; ``forwarded`` a pool buffer passed on by a worker that
+#: imported it (A -> B -> C: C maps A's memory, and B lets go of its import before the check).
+VALUES = ("pool", "plain", "forwarded")
+
+
 def one_round(client: Any, rnd: int, args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
     client.wait_for_workers(2, timeout=300)  # killed workers are restarting
     workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
     while len(workers) < 2:
         time.sleep(0.5)
         workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    kinds = [v for v in args.values.split(",") if v]
+
+    def on(w: str) -> dict[str, Any]:
+        return {"workers": [w], "pure": False, "allow_other_workers": True}
+
+    # per pair: (what, producer, the middle worker of a forward or None, consumer, value)
     pairs = []
     for i in range(args.pairs):
-        p, c = rng.sample(workers, 2)
-        pairs.append((p, c, (rnd * args.pairs + i) % 250 + 1))
-    xs = [client.submit(T.fill, args.nbytes, v, workers=[p], pure=False, allow_other_workers=True) for p, _, v in pairs]
-    ys = [
-        client.submit(T.keep, x, workers=[c], pure=False, allow_other_workers=True)
-        for x, (_, c, _) in zip(xs, pairs, strict=True)
-    ]
-    first = [
-        client.submit(T.all_equal, y, v, workers=[c], pure=False, allow_other_workers=True)
-        for y, (_, c, v) in zip(ys, pairs, strict=True)
-    ]
-    out: dict[str, Any] = {"checks": 0, "wrong": 0, "errors": collections.Counter(), "hung": False}
+        what = rng.choice(kinds)
+        if what == "forwarded" and len(workers) < 3:
+            what = "pool"
+        if what == "forwarded":
+            p, b, c = rng.sample(workers, 3)
+        else:
+            (p, c), b = rng.sample(workers, 2), None
+        pairs.append((what, p, b, c, (rnd * args.pairs + i) % 250 + 1))
+    made, middles, ys = [], [], []
+    for what, p, b, c, v in pairs:
+        x = client.submit(T.plain_fill if what == "plain" else T.fill, args.nbytes, v, **on(p))
+        if b is not None:
+            m = client.submit(T.keep, x, **on(b))  # b imports p's memory, then passes it on to c
+            middles.append(m)
+            x_for_c = m
+        else:
+            x_for_c = x
+        made.append(x)
+        ys.append(client.submit(T.keep, x_for_c, **on(c)))
+
+    def check(y: Any, what: str, c: str, v: int) -> Any:
+        return client.submit(T.array_equal if what == "plain" else T.all_equal, y, v, **on(c))
+
+    first = [check(y, what, c, v) for y, (what, _, _, c, v) in zip(ys, pairs, strict=True)]
+    out: dict[str, Any] = {
+        "checks": 0,
+        "wrong": 0,
+        "errors": collections.Counter(),
+        "hung": False,
+        "checks_by": collections.Counter(),
+        "wrong_by": collections.Counter(),
+    }
 
     def gather(futs: list[Any]) -> list[Any]:
         from distributed import wait
@@ -201,27 +238,25 @@ def one_round(client: Any, rnd: int, args: argparse.Namespace, rng: random.Rando
                 results.append(None)
         return results
 
-    for ok in gather(first):
-        if ok is not None:
-            out["checks"] += 1
-            out["wrong"] += int(not ok)
-    for x in xs:
-        x.release()
+    def count(oks: list[Any]) -> None:
+        for ok, (what, *_rest) in zip(oks, pairs, strict=True):
+            if ok is not None:
+                out["checks"] += 1
+                out["wrong"] += int(not ok)
+                out["checks_by"][what] += 1
+                out["wrong_by"][what] += int(not ok)
+
+    count(gather(first))
+    for f in made + middles:  # the producers' keys, and the middle workers' imports
+        f.release()
+    scribblers = [p for _, p, _, _, _ in pairs] + [b for _, _, b, _, _ in pairs if b is not None]
     scribbles = [
-        client.submit(T.scribble_all, args.nbytes, 0, workers=[p], pure=False, allow_other_workers=True)
-        for p, _, _ in pairs
-        for _ in range(args.scribbles)
+        client.submit(T.scribble_all, args.nbytes, 0, **on(w)) for w in scribblers for _ in range(args.scribbles)
     ]
-    second = [
-        client.submit(T.all_equal, y, v, workers=[c], pure=False, allow_other_workers=True)
-        for y, (_, c, v) in zip(ys, pairs, strict=True)
-    ]
-    for ok in gather(second):
-        if ok is not None:
-            out["checks"] += 1
-            out["wrong"] += int(not ok)
+    second = [check(y, what, c, v) for y, (what, _, _, c, v) in zip(ys, pairs, strict=True)]
+    count(gather(second))
     gather(scribbles)
-    del xs, ys, first, second, scribbles
+    del made, middles, ys, first, second, scribbles
     return out
 
 
@@ -252,7 +287,14 @@ def main() -> None:
     parser.add_argument("--broker-timeout", type=float, default=2.0)
     parser.add_argument("--round-timeout", type=float, default=180.0)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--values", default=",".join(VALUES), help="what the pairs hand over: " + ", ".join(VALUES))
+    parser.add_argument(
+        "--stage-threshold", default="1 MiB", help="gpupool.stage-threshold ('': auto: never on host pools)"
+    )
     args = parser.parse_args()
+    unknown = set(args.values.split(",")) - set(VALUES) - {""}
+    if unknown:
+        parser.error(f"unknown --values {sorted(unknown)}; known: {', '.join(VALUES)}")
 
     from conftest import nanny_cluster
 
@@ -264,6 +306,8 @@ def main() -> None:
         max_size="2 GiB" if gpus else "512 MiB",
         lease_timeout=args.lease_timeout,
         broker_timeout=args.broker_timeout,
+        # host pools never stage by default (measured slower on the CPU): set, so that plain values take that path
+        stage_threshold=args.stage_threshold or None,
     )
     max_stop = 2 * max(args.lease_timeout, args.broker_timeout)
     config = {
@@ -280,7 +324,15 @@ def main() -> None:
         time.sleep(1)
         result["start"] = snapshot(client)
         chaos = Chaos(client, args.every, args.kill_share, max_stop, args.seed)
-        totals: dict[str, Any] = {"rounds": 0, "checks": 0, "wrong": 0, "hung": 0, "errors": collections.Counter()}
+        totals: dict[str, Any] = {
+            "rounds": 0,
+            "checks": 0,
+            "wrong": 0,
+            "hung": 0,
+            "errors": collections.Counter(),
+            "checks_by": collections.Counter(),
+            "wrong_by": collections.Counter(),
+        }
         t0 = time.monotonic()
         chaos.start()
         try:
@@ -292,12 +344,14 @@ def main() -> None:
                 totals["wrong"] += r["wrong"]
                 totals["hung"] += int(r["hung"])
                 totals["errors"].update(r["errors"])
+                totals["checks_by"].update(r["checks_by"])
+                totals["wrong_by"].update(r["wrong_by"])
                 rnd += 1
                 if rnd % 20 == 0:
                     print(
                         f"t={time.monotonic() - t0:6.0f}s rounds={totals['rounds']} checks={totals['checks']} "
                         f"wrong={totals['wrong']} hung={totals['hung']} kills={chaos.kills} stops={chaos.stops} "
-                        f"errors={dict(totals['errors'])}",
+                        f"errors={dict(totals['errors'])} by={dict(totals['checks_by'])}",
                         flush=True,
                     )
         finally:
@@ -316,6 +370,13 @@ def main() -> None:
             time.sleep(1)
             end = snapshot(client)
         result["end"] = end
+        # what the workers' handoffs were, summed over the workers now up (a restarted worker's counters start anew)
+        counters: dict[str, Any] = {"fallbacks": collections.Counter()}
+        for s in dask_gpupool.stats(client).values():
+            for k in ("exports", "imports", "forwards", "pool_staged_bytes", "copied_out_bytes"):
+                counters[k] = counters.get(k, 0) + s.get(k, 0)
+            counters["fallbacks"].update(s.get("fallbacks", {}))
+        result["handoffs"] = counters
         cuda_errors = sum(n for k, n in totals["errors"].items() if k.endswith(": CUDA"))
         result.update(
             seconds=round(elapsed, 1),
@@ -325,6 +386,8 @@ def main() -> None:
             hung=totals["hung"],
             cuda_errors=cuda_errors,
             errors=dict(totals["errors"]),
+            checks_by=dict(totals["checks_by"]),
+            wrong_by=dict(totals["wrong_by"]),
             kills=chaos.kills,
             stops=chaos.stops,
             stopped_seconds=round(chaos.stopped_seconds, 1),
@@ -343,6 +406,9 @@ def main() -> None:
         f"stops {result['stops']} ({result['stopped_seconds']} s stopped, each up to {max_stop:.0f} s)"
     )
     print(f"wrong bytes: {result['wrong']}   CUDA errors: {result['cuda_errors']}   hung rounds: {result['hung']}")
+    by = ", ".join(f"{k} {n} ({result['wrong_by'].get(k, 0)} wrong)" for k, n in sorted(result["checks_by"].items()))
+    print(f"checked by value: {by or 'none'}")
+    print(f"handoffs of the workers up at the end: {result['handoffs']}")
     print(f"task errors reaching the client: {result['errors'] or 'none'}")
     print(f"{'worker':8} {'':5} {'fds':>5} {'sockets':>7} {'leases':>6} {'held':>5} {'pool bytes':>11}")
     for name in sorted(result["end"]):

@@ -179,6 +179,23 @@ def slow_plain_cupy(nbytes: int, value: int, spin_ms: float) -> Any:
     return out
 
 
+def plain_fill(nbytes: int, value: int) -> Any:
+    """Task: ``nbytes`` uint8 all ``value`` from the array library's own allocator, not this worker's pool.
+
+    NumPy on a worker with a ``host`` pool; CuPy (its own memory pool, whatever routing says) otherwise, filled on
+    CuPy's current stream and returned without waiting, as a task's result is. Sent to a same-host worker, such
+    an array is staged into the pool (:mod:`dask_gpupool.dask.plain_arrays`).
+    """
+    if current_service().pool.kind == "host":
+        import numpy as np
+
+        return np.full(nbytes, value, dtype=np.uint8)
+    import cupy
+
+    with cupy.cuda.using_allocator(cupy.get_default_memory_pool().malloc):
+        return cupy.full(nbytes, value, dtype=cupy.uint8)
+
+
 def spin(spin_ms: float) -> int:
     """Task: queue a kernel that spins ``spin_ms`` on CuPy's current stream and return at once (a worker whose GPU
     is still busy with a later task when it answers a transfer)."""
