@@ -1010,6 +1010,42 @@ def test_plain_cupy_arrays_are_staged_into_the_pool_when_asked(placement):
 
 
 @pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
+def test_plain_cupy_arrays_of_every_layout_are_staged_with_their_values(placement):
+    """Plain CuPy arrays of every layout (``T.LAYOUTS`` and the whole array), staged at every size: contiguous ones
+    (whole, transposed: Fortran order, 0-d) by one driver copy of their bytes, the others (slices, negative strides,
+    broadcasts) through CuPy. B reads the same shape and values, also after A's key is gone and A's pool scribbled
+    over; empty arrays are sent as before."""
+    import numpy as np
+
+    gpus(2 if placement == "two-gpus" else 1)
+    layout = ROTATED if placement == "two-gpus" else [ONE_GPU, ONE_GPU]
+    plugin = GPUPool(kind="device", max_size="1 GiB", stage_threshold=1, cupy_allocator=False)
+    with nanny_cluster(layout, plugin) as c:
+        a, b = worker_addresses(c)
+        baseline = warm_up(c, a, b)
+        for name in [*sorted(T.LAYOUTS), "whole"]:
+            before = counters(c, a)[a]
+            x = c.submit(T.plain_view, 400, name, workers=[a], pure=False)
+            y = c.submit(T.keep, x, workers=[b], pure=False)
+            base = np.arange(400, dtype="f8")
+            if name == "fortran":
+                base = np.asfortranarray(base.reshape(20, 20))
+            view = base if name == "whole" else T.LAYOUTS[name](np, base)
+            want = {"shape": list(view.shape), "values": view.tolist()}
+            assert c.submit(T.as_nested_list, y, workers=[b], pure=False).result() == want, name
+            staged = counters(c, a)[a]["fallbacks"].get("staged-in-pool", 0) - before["fallbacks"].get(
+                "staged-in-pool", 0
+            )
+            assert staged == (0 if name == "empty" else 1), (name, counters(c, a)[a]["fallbacks"])
+            del x
+            for _ in range(4):
+                c.submit(T.scribble_all, 4 * MiB, ord("S"), workers=[a], pure=False).result()
+            assert c.submit(T.as_nested_list, y, workers=[b], pure=False).result() == want, name
+            del y
+        back_to(c, baseline)
+
+
+@pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
 def test_a_staged_task_result_is_copied_after_its_own_kernel(placement):
     """A plain CuPy array that a task of the producer made, staged into the pool for a same-host worker, is copied
     on a stream of its own after the event recorded when Dask stored it (step ``stage-after-task``): its kernel spun

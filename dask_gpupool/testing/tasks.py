@@ -384,6 +384,20 @@ def view_of(x: Any, layout: str) -> Any:
     return LAYOUTS[layout](xp, x)
 
 
+def plain_view(n: int, layout: str) -> Any:
+    """Task: the ``layout`` view (:data:`LAYOUTS`, or ``"whole"``) of ``cupy.arange(n)`` as float64, all from CuPy's
+    own allocator, not the pool (``fortran``: of a Fortran-ordered copy CuPy makes). Staged when sent."""
+    import cupy
+
+    with cupy.cuda.using_allocator(cupy.get_default_memory_pool().malloc):
+        x = cupy.arange(n, dtype="f8")
+        if layout == "whole":
+            return x
+        if layout == "fortran":
+            x = cupy.asfortranarray(x.reshape(20, 20))
+        return LAYOUTS[layout](cupy, x)
+
+
 def as_nested_list(x: Any) -> Any:
     """Task: the values of array ``x`` as nested Python lists (and its shape), wherever it lives."""
     if type(x).__module__.startswith("cupy"):
