@@ -171,7 +171,9 @@ def stage(request: Request, arr: Any, module: str) -> tuple[dict[str, Any], list
                     stream = cupy.cuda.get_current_stream()  # ordered after the task that made arr (legacy default)
                 strides = _contiguous_strides(arr)
                 if strides is not None:  # one driver copy of its bytes: no CuPy view, no copy kernel
-                    _copy(int(buf.handle), int(arr.data.ptr), nbytes, int(stream.ptr))
+                    from dask_gpupool.transport.staging import memcpy  # the worker stack: not loaded by clients
+
+                    memcpy(int(buf.handle), int(arr.data.ptr), nbytes, int(stream.ptr))
                 else:
                     holder = out = as_array(buf, tuple(arr.shape), arr.dtype, like=module)
                     with stream:
@@ -215,15 +217,6 @@ def _contiguous_strides(arr: Any) -> tuple[int, ...] | None:
         strides[axis] = step
         step *= arr.shape[axis]
     return tuple(strides)
-
-
-def _copy(dst: int, src: int, nbytes: int, stream: int) -> None:
-    """``cuMemcpyAsync`` of ``nbytes`` from ``src`` to ``dst`` on ``stream`` (a handle; 0: the legacy default)."""
-    from cuda.bindings import driver
-
-    (err,) = driver.cuMemcpyAsync(dst, src, nbytes, driver.CUstream(stream))
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"cuMemcpyAsync of {nbytes} bytes failed: {err!r}")
 
 
 def _default_stream_idle(device: int | None) -> bool:

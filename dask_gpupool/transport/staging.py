@@ -141,9 +141,12 @@ def host_view(ptr: int, n: int) -> memoryview:
 
 
 def memcpy(dst: int, src: int, n: int, stream: Any) -> None:
+    """``cuMemcpyAsync`` of ``n`` bytes from ``src`` to ``dst`` on ``stream``: a cuda.core ``Stream``, or a raw
+    handle (``int``; 0 is the legacy default stream, as CuPy's null stream's ``ptr``)."""
     from cuda.bindings import driver
 
-    (err,) = driver.cuMemcpyAsync(dst, src, n, stream.handle)
+    handle = driver.CUstream(stream) if isinstance(stream, int) else stream.handle
+    (err,) = driver.cuMemcpyAsync(dst, src, n, handle)
     if err != driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuMemcpyAsync of {n} bytes failed: {err!r}")
 
