@@ -30,10 +30,11 @@ def test_one_copy_of_the_bytes_is_taken_only_for_c_or_fortran_contiguous_arrays(
     assert _contiguous_strides(a) == a.strides == (96, 32, 8)
     assert _contiguous_strides(a.T) == a.T.strides == (8, 32, 96)
     assert _contiguous_strides(a.reshape(24)[5:6].reshape(())) == ()
-    assert _contiguous_strides(a[:, :1, :]) == (32, 32, 8)  # a size-1 axis: its stride does not matter
-    for other in (a[:, ::2], a[::-1], np.broadcast_to(a[0, 0], (5, 4)), a.transpose(1, 0, 2)):
+    odd = a.reshape(2, 12)[:, None, :]  # a size-1 axis of stride 0: still C-contiguous
+    assert odd.strides == (96, 0, 8) and _contiguous_strides(odd) == (96, 96, 8)
+    for other in (a[:, ::2], a[:, :1, :], a[::-1], np.broadcast_to(a[0, 0], (5, 4)), a.transpose(1, 0, 2)):
         assert _contiguous_strides(other) is None
-    for arr in (a, a.T, a[:, :1, :]):  # the strides describe the copied bytes
+    for arr in (a, a.T, odd):  # the strides describe the copied bytes
         copy = np.frombuffer(arr.tobytes(order="A"), dtype=arr.dtype)
         view = np.lib.stride_tricks.as_strided(copy, arr.shape, _contiguous_strides(arr))
         assert (view == arr).all()
