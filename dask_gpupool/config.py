@@ -53,7 +53,9 @@ DEVICE_STAGE_THRESHOLD = 4 << 20
 #: 1 MiB and 8.39 at 4 MiB; staging was faster in 20 of 40 back-to-back pairs at 1 KiB (a tie), 26 at 16 KiB, 31 at
 #: 64 KiB, 28 at 256 KiB, 37 at 1 MiB and all 40 at 4 MiB. Staging every size (``stage-threshold: 1``) was no faster
 #: on the dask.array workloads, whose small values are partial sums of a few KiB; from 64 KiB the halo strips of
-#: ``map_overlap`` are staged too (0.03 MiB through the comm instead of 11 MiB).
+#: ``map_overlap`` are staged too (0.03 MiB through the comm instead of 11 MiB). Since contiguous arrays are staged
+#: with one driver copy (2026-11-24 03:22), staging was faster than the comm at every size from 1 KiB (22-30 of 30
+#: pairs), yet staging every size was still no faster on the workloads (1.02-1.29x the defaults, seven rounds).
 SAME_GPU_STAGE_THRESHOLD = 64 << 10
 
 #: ``handoff-threshold: auto`` on ``host`` pools: a pool buffer smaller than 64 KiB goes to a same-host worker over
