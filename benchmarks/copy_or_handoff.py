@@ -8,13 +8,15 @@ back, in alternating order, switching the producer's threshold between them.
 
 ``--plain`` asks the same of ``gpupool.stage-threshold``: plain CuPy (or NumPy) arrays, from the library's own
 allocator, staged into the producer's pool and handed over (``stage-threshold`` at 1 byte) or sent through Dask's
-comm as before (``stage-threshold: 0``, fallback ``not-in-pool``).
+comm as before (``stage-threshold: 0``, fallback ``not-in-pool``). ``--protocol ucxx`` runs the cluster over UCXX:
+there staging is for a worker on the same GPU, against UCX's own device-to-device copy.
 
 Two same-host workers (``--placement other`` with two GPUs: one per GPU); pool arrays of each ``--sizes`` over
 ``device`` pools with a GPU, ``host`` pools without (``--kind`` overrides); the transfer time is the consumer's
 ``stop - start`` of its transfer log entry, median of ``--samples``. JSON to ``benchmarks/results/``.
 
     python benchmarks/copy_or_handoff.py [--sizes 1KiB,16KiB,64KiB,256KiB,1MiB] [--samples 100] [--kind host] [--plain]
+        [--protocol ucxx]
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ def main() -> None:
     p.add_argument("--kind", default="", help="pool kind (default: device with a GPU, else host)")
     p.add_argument("--placement", default="same", choices=["same", "other"])
     p.add_argument("--plain", action="store_true", help="plain arrays: staged into the pool or through the comm")
+    p.add_argument("--protocol", default="tcp", choices=["tcp", "ucxx"])
     args = p.parse_args()
     gpus = len(local_devices().uuids)
     kind = args.kind or ("device" if gpus else "host")
@@ -70,7 +73,8 @@ def main() -> None:
     else:
         option, modes = "handoff_threshold", {"handoff": 0, "copy": 2 * max(sizes)}
     samples: dict[tuple[str, int], list[float]] = {(m, n): [] for m in modes for n in sizes}
-    with H.cluster(workers, "tcp", GPUPool(kind=kind, max_size=f"{4 * max(sizes) // (1 << 20) + 256} MiB")) as c:
+    plugin = GPUPool(kind=kind, max_size=f"{4 * max(sizes) // (1 << 20) + 256} MiB")
+    with H.cluster(workers, args.protocol, plugin) as c:
         info = c.scheduler_info()["workers"]
         a, b = sorted(info, key=lambda w: str(info[w]["name"]))
         for nbytes in sizes:
@@ -87,7 +91,10 @@ def main() -> None:
                         samples[mode, nbytes].append(t)
         counters = c.run(T.handoff_counters)
     what = "plain arrays staged (handoff) or through the comm (copy)" if args.plain else "pool arrays"
-    print(f"{kind} pools, {what}, {args.placement} placement, median of {args.samples} samples each (ms)")
+    print(
+        f"{kind} pools, {what}, {args.placement} placement, over {args.protocol}, median of {args.samples} samples "
+        "each (ms)"
+    )
     print(f"{'size':>10}{'handoff':>10}{'copy':>10}{'copy faster':>14}")
     rows = []
     for nbytes in sizes:
