@@ -154,7 +154,7 @@ def test_which_plain_arrays_are_staged_into_the_pool(requester, scheme, nbytes, 
         (PEER, "tcp", 32 << 10, None, False),
         (peer(device=GPU1), "tcp", 64 << 10, None, False),  # auto, another GPU: from 4 MiB
         (peer(device=GPU1), "tcp", 4 * MiB, None, True),
-        (PEER, "ucxx", 64 << 10, None, False),  # auto over UCX: from 4 MiB (against UCX's copy, not measured below)
+        (PEER, "ucxx", 64 << 10, None, False),  # auto over UCX: from 4 MiB (see Routes.stage_threshold)
         (PEER, "ucxx", 4 * MiB, None, True),
         (PEER, "tcp", 64 << 10, "1 MiB", False),  # set by the user: for every GPU and comm
         (peer(device=GPU1), "tcp", 1 * MiB, "1 MiB", True),
