@@ -20,6 +20,7 @@ from conftest import (
     worker_addresses,
 )
 
+from dask_gpupool import GPUPool
 from dask_gpupool import testing as T
 
 MiB = 1 << 20
@@ -89,6 +90,38 @@ def test_a_chain_of_three_forwards_maps_the_first_exporter_each_time():
         assert got[a]["leases"] == 3  # B's, W's and V's, all on A's memory
         assert all(got[k]["fallbacks"] == {} for k in (a, b, w, v))
         del x, y, z, u
+        back_to(c, baseline)
+
+
+def test_a_plain_array_staged_for_one_worker_is_passed_on_as_the_staged_copy():
+    """A NumPy array outside every pool, staged into A's pool for B (``stage-threshold``), and passed on by B to W:
+    W maps A's staged copy (a forward, no copy), and reads it after A's and B's keys are gone and A's pool was
+    scribbled over."""
+    import numpy as np
+
+    plugin = GPUPool(kind="host", max_size="64 MiB", stage_threshold="64 KiB")
+    with nanny_cluster([{}, {}, {}], plugin) as c:
+        a, b, w = worker_addresses(c)
+        baseline = _warm(c, a, b, w)
+        before = counters(c)
+        x = c.submit(T.plain_fill, 2 * MiB, 7, workers=[a], pure=False)  # NumPy's own memory, not the pool
+        y = c.submit(T.keep, x, workers=[b], pure=False)
+        z = c.submit(T.keep, y, workers=[w], pure=False)
+        assert c.submit(T.array_equal, z, 7, workers=[w], pure=False).result()
+        now = counters(c)
+        assert now[a]["fallbacks"] == {**before[a]["fallbacks"], "staged-in-pool": 1}, now[a]
+        assert now[a]["pool_staged_bytes"] - before[a]["pool_staged_bytes"] == 2 * MiB
+        assert now[b]["forwards"] - before[b]["forwards"] == 1
+        assert now[w]["zero_copy_bytes"] - before[w]["zero_copy_bytes"] == 2 * MiB
+        assert now[w]["copied_bytes"] == before[w]["copied_bytes"]
+        assert now[b]["copied_out_bytes"] == before[b]["copied_out_bytes"]
+        del x, y
+        wait_for(lambda: counters(c, a)[a]["leases"] == 1, what="B's lease on A's staged copy to end")
+        for _ in range(8):
+            c.submit(T.scribble_all, 2 * MiB, 0, workers=[a], pure=False).result()
+        assert c.submit(T.array_equal, z, 7, workers=[w], pure=False).result()
+        assert c.submit(T.total, z, workers=[w], pure=False).result() == float(np.full(2 * MiB, 7, "u1").sum())
+        del z
         back_to(c, baseline)
 
 
