@@ -73,6 +73,7 @@ from distributed import wait
 import dask_gpupool
 from dask_gpupool import GPUPool
 from dask_gpupool import testing as T
+from dask_gpupool.handoff.stats import quantile_s, subtract_hist
 from dask_gpupool.memory.topology import device_memory, local_devices
 
 DEFAULT_SIZES = "1KiB,1MiB,64MiB,256MiB,1GiB,4GiB,8GiB"
@@ -193,7 +194,10 @@ def measure(
     for nbytes in sizes:
         samples: list[dict[str, float]] = []
         extra: int | None = None
+        stats_before: dict[str, Any] = {}
         for i in range(repeats + 1):  # the first is a warm-up
+            if i == 1 and plugin_on:  # the steps of the timed samples only
+                stats_before = dask_gpupool.stats(c)
             if time.monotonic() > deadline:
                 log(f"    {format_bytes(nbytes)}: out of time after {len(samples)} samples")
                 break
@@ -222,12 +226,42 @@ def measure(
         }
         if plugin_on:  # pinned staging kept by each side of the pipelined copy path (0 when unused)
             row["staging_bytes"] = {w: s["staging_bytes"] for w, s in c.run(T.handoff_counters).items()}
+            row["timings"] = steps_since(stats_before, dask_gpupool.stats(c))  # where the samples' time went
         rows.append(row)
         save()
         log(
             f"    {format_bytes(nbytes):>10}  transfer {row['transfer_s'] * 1e3:9.2f} ms  "
             f"task {row['task_s'] * 1e3:9.2f} ms  (n={len(samples)})"
         )
+        if row.get("timings"):
+            log(f"    {'':>10}  steps: {steps_line(row['timings'])}")
+
+
+def steps_since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Where the handoffs' time went between two ``dask_gpupool.stats`` snapshots, summed over the workers: per
+    timed step its count, total seconds, the largest (since the worker started) and the histogram of the interval."""
+    timings: dict[str, dict[str, Any]] = {}
+    for w, s in after.items():
+        was = before.get(w, {}).get("timings", {})
+        for step, t in s.get("timings", {}).items():
+            t0 = was.get(step, {"count": 0, "total_s": 0.0, "max_s": 0.0})
+            sum_ = timings.setdefault(step, {"count": 0, "total_s": 0.0, "max_s": 0.0, "hist": {}})
+            sum_["count"] += t["count"] - t0["count"]
+            sum_["total_s"] += t["total_s"] - t0["total_s"]
+            sum_["max_s"] = max(sum_["max_s"], t["max_s"])
+            for b, n in subtract_hist(t.get("hist", {}), t0.get("hist", {})).items():
+                sum_["hist"][b] = sum_["hist"].get(b, 0) + n
+    return timings
+
+
+def steps_line(timings: dict[str, dict[str, Any]]) -> str:
+    """``step mean ms (p50 median ms) xcount`` for each step of :func:`steps_since` that ran."""
+    return ", ".join(
+        f"{step} {t['total_s'] / t['count'] * 1e3:.2f} ms (p50 {(quantile_s(t['hist'], 0.5) or 0) * 1e3:.2f})"
+        f" x{t['count']}"
+        for step, t in sorted(timings.items())
+        if t["count"]
+    )
 
 
 def between_samples(c: Any, plugin_on: bool, timeout: float = 30.0) -> None:

@@ -47,10 +47,14 @@ from typing import Any
 
 import dask.array as da
 from distributed import wait
-from handoff import cluster, save_json  # benchmarks/handoff.py (this directory is on sys.path when run as a script)
+from handoff import (  # benchmarks/handoff.py (this directory is on sys.path when run as a script)
+    cluster,
+    save_json,
+    steps_line,
+    steps_since,
+)
 
 import dask_gpupool
-from dask_gpupool.handoff.stats import quantile_s, subtract_hist
 from dask_gpupool.memory.topology import local_devices
 
 
@@ -176,21 +180,15 @@ def run(workers: list[dict[str, Any]], method: str, todo: list[str], args: argpa
             moved = sum(c.run(_transferred).values()) - before
             zero_copy, fallbacks, timings = 0, {}, {}
             if plugin is not None:
-                for w, s in dask_gpupool.stats(c).items():
+                stats_after = dask_gpupool.stats(c)
+                timings = steps_since(stats_before, stats_after)  # where the handoffs' time went, all workers
+                for w, s in stats_after.items():
                     was = stats_before.get(w, {})
                     zero_copy += s.get("zero_copy_bytes", 0) - was.get("zero_copy_bytes", 0)
                     for reason, n in s.get("fallbacks", {}).items():
                         d = n - was.get("fallbacks", {}).get(reason, 0)
                         if d:
                             fallbacks[reason] = fallbacks.get(reason, 0) + d
-                    for step, t in s.get("timings", {}).items():  # where the handoffs' time went, all workers
-                        t0 = was.get("timings", {}).get(step, {"count": 0, "total_s": 0.0, "max_s": 0.0})
-                        sum_ = timings.setdefault(step, {"count": 0, "total_s": 0.0, "max_s": 0.0, "hist": {}})
-                        sum_["count"] += t["count"] - t0["count"]
-                        sum_["total_s"] += t["total_s"] - t0["total_s"]
-                        sum_["max_s"] = max(sum_["max_s"], t["max_s"])  # since the worker started
-                        for b, n in subtract_hist(t.get("hist", {}), t0.get("hist", {})).items():
-                            sum_["hist"][b] = sum_["hist"].get(b, 0) + n
             out[name] = {
                 "median_s": statistics.median(samples),
                 "samples": samples,
@@ -207,14 +205,8 @@ def run(workers: list[dict[str, Any]], method: str, todo: list[str], args: argpa
                 f"  zero-copy {zero_copy:>13,} B  {fallbacks or ''}",
                 flush=True,
             )
-            if timings:  # mean (and median, from the histograms) per step over every handoff of the repeats, in ms
-                means = ", ".join(
-                    f"{step} {t['total_s'] / t['count'] * 1e3:.2f} ms"
-                    f" (p50 {(quantile_s(t['hist'], 0.5) or 0) * 1e3:.2f}) x{t['count']}"
-                    for step, t in sorted(timings.items())
-                    if t["count"]
-                )
-                print(f"   {'':14} {'':12} steps: {means}", flush=True)
+            if timings:  # mean (and median, from the histograms) per step over every handoff of the repeats
+                print(f"   {'':14} {'':12} steps: {steps_line(timings)}", flush=True)
     return out
 
 
