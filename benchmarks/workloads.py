@@ -3,7 +3,8 @@
 Issue 18 asks that a user who adds the plugin gets zero-copy for what GPU Dask
 programs make, without changing a line of task code, and is never slower than
 Dask over UCXX. This runs each workload on the same cluster layout with each
-method (a fresh cluster per method and round, interleaved) and reports:
+method (a fresh cluster per method and round, interleaved; each round starts one method later than the one
+before, so that no method always follows the same one) and reports:
 
 - the wall time of ``.compute()`` (median of ``--repeats`` after one warm-up,
   then the median over ``--rounds`` clusters);
@@ -215,7 +216,9 @@ def main() -> None:
     p.add_argument("--n", type=int, default=8192)
     p.add_argument("--chunk", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=2, help="fresh clusters per method, interleaved")
+    p.add_argument(
+        "--rounds", type=int, default=2, help="fresh clusters per method, interleaved, the order rotated each round"
+    )
     p.add_argument("--methods", default="tcp,ucxx,gpupool,ucxx+gpupool")
     p.add_argument("--layouts", default="", help="comma-separated (default: all for this machine)")
     p.add_argument("--workloads", default=",".join(WORKLOADS))
@@ -232,7 +235,7 @@ def main() -> None:
     raw: dict[tuple[str, str], list[Any]] = {}
     for layout, workers in places.items():
         for r in range(args.rounds):
-            for method in methods:
+            for method in methods[r % len(methods) :] + methods[: r % len(methods)]:  # each round starts one later
                 print(f"-- {layout}, round {r}, {method}", flush=True)
                 raw.setdefault((layout, method), []).append(run(workers, method, todo, args, gpus > 0))
     rows = []
