@@ -73,17 +73,21 @@ def _set_hooks(off: list[str], dask_worker: Any = None) -> None:
     serializers (both directions, both families). The comms the worker reads from keep their read wrapper, which does
     nothing more than open an empty collector when no copy is deferred. The plugin's are kept on the worker object
     meanwhile (this function travels by value: a module global would be a new dict at each call)."""
-    import cupy
-    from distributed.protocol import cupy as distributed_cupy
     from distributed.protocol.cuda import cuda_deserialize, cuda_serialize
     from distributed.protocol.serialize import dask_deserialize, dask_serialize
 
-    registries = {
-        "cuda_serialize": (cuda_serialize, distributed_cupy.cuda_serialize_cupy_ndarray),
-        "cuda_deserialize": (cuda_deserialize, distributed_cupy.cuda_deserialize_cupy_ndarray),
-        "dask_serialize": (dask_serialize, distributed_cupy.dask_serialize_cupy_ndarray),
-        "dask_deserialize": (dask_deserialize, distributed_cupy.dask_deserialize_cupy_ndarray),
-    }
+    try:
+        import cupy
+        from distributed.protocol import cupy as distributed_cupy
+    except ImportError:  # no CuPy (a CPU smoke run): only the get_data wrapper to switch
+        registries = {}
+    else:
+        registries = {
+            "cuda_serialize": (cuda_serialize, distributed_cupy.cuda_serialize_cupy_ndarray),
+            "cuda_deserialize": (cuda_deserialize, distributed_cupy.cuda_deserialize_cupy_ndarray),
+            "dask_serialize": (dask_serialize, distributed_cupy.dask_serialize_cupy_ndarray),
+            "dask_deserialize": (dask_deserialize, distributed_cupy.dask_deserialize_cupy_ndarray),
+        }
     saved = dask_worker.__dict__.setdefault("_bench_saved_hooks", {})
     if "get_data" in saved and "get_data" not in off:
         dask_worker.handlers["get_data"] = saved.pop("get_data")

@@ -27,7 +27,9 @@ distributed splits into device frames), each summed with the next block's. Metho
 between workers) and ``gpupool`` / ``ucxx+gpupool`` (``GPUPool()`` with no options), and variants with one option
 changed: ``gpupool+cupy`` (``cupy-allocator``), ``gpupool+stage`` (``stage-threshold: 4 MiB``), ``gpupool+stage1``
 (``stage-threshold: 1``: every size staged), ``gpupool+stage64k`` (from 64 KiB),
-``gpupool+objects`` (``device-objects``), ``gpupool+rmm`` (``rmm-allocator`` and ``device-objects``). Layouts on a
+``gpupool+objects`` (``device-objects``), ``gpupool+rmm`` (``rmm-allocator`` and ``device-objects``); any of them
+with ``-nohooks`` after it (``ucxx+gpupool-nohooks``): the plugin's ``get_data`` wrapper and CuPy serializers
+swapped for distributed's own once it is registered, what the rest of the plugin costs. Layouts on a
 GPU machine: ``two-per-gpu`` and ``one-per-gpu``; two workers without a GPU.
 
 JSON rows ``{workload, layout, method, median_s, copied_bytes, ...}`` go to
@@ -54,6 +56,7 @@ from handoff import (  # benchmarks/handoff.py (this directory is on sys.path wh
     steps_line,
     steps_since,
 )
+from ucx_pairs import _set_hooks  # benchmarks/ucx_pairs.py: the plugin's hooks swapped for distributed's own
 
 import dask_gpupool
 from dask_gpupool.memory.topology import local_devices
@@ -123,6 +126,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
+#: Method suffix (after any variant): the plugin's ``get_data`` wrapper and CuPy serializers replaced by distributed's
+#: own on every worker once the plugin is registered, its pool, threads and task events left in place: what the
+#: plugin's presence costs apart from its hooks (``benchmarks/ucx_pairs.py``'s ``-hooks-ab`` switch).
+NO_HOOKS = "-nohooks"
+
+
 def layouts(gpus: int) -> dict[str, list[dict[str, Any]]]:
     if gpus == 0:
         return {"cpu": [{}, {}]}
@@ -146,7 +155,7 @@ def method_setup(method: str, gpus: int) -> tuple[str, Any] | None:
             return None
     if "gpupool" not in method:
         return protocol, None
-    return protocol, dask_gpupool.GPUPool(**VARIANTS[method.split("gpupool", 1)[1]])
+    return protocol, dask_gpupool.GPUPool(**VARIANTS[method.split("gpupool", 1)[1].removesuffix(NO_HOOKS)])
 
 
 def _transferred(dask_worker: Any) -> int:
@@ -162,6 +171,8 @@ def run(workers: list[dict[str, Any]], method: str, todo: list[str], args: argpa
         workers = [dict(workers[0], nthreads=len(workers))]
     out = {}
     with cluster(workers, protocol, plugin) as c:
+        if method.endswith(NO_HOOKS):
+            c.run(_set_hooks, off=["get_data", "serializers"])
         x = da.random.default_rng(42).random((args.n, args.n), chunks=args.chunk)
         if gpu:
             import cupy
