@@ -123,6 +123,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "+peer-objects": {"peer_gpu_copy": True, "device_objects": True},
     "+peer-event": {"peer_gpu_copy": True, "handoff_ordering": "event"},  # no GPU synchronize at the export
     "+switch": {"switch_interval": "0.5ms"},  # claims served sooner by producers whose tasks hold the GIL
+    "+poolseg": {"segment_memory": "pool"},  # segments from CUDA's IPC pool instead of VMM memory
 }
 
 
@@ -162,6 +163,28 @@ def _transferred(dask_worker: Any) -> int:
     return int(sum(t.get("total", 0) for t in dask_worker.transfer_incoming_log))
 
 
+def _dask_seconds(dask_worker: Any) -> dict[str, float]:
+    """Dask's own fine performance metrics of this worker (``digests_total``), in seconds, by what they measure:
+    ``execute <activity>`` summed over every task, ``gather-dep <activity>`` and ``get-data <activity>``."""
+    out: dict[str, float] = {}
+    for key, value in dask_worker.digests_total.items():
+        if not isinstance(key, tuple) or key[-1] != "seconds" or key[0] not in ("execute", "gather-dep", "get-data"):
+            continue
+        name = f"{key[0]} {key[-2]}"
+        out[name] = out.get(name, 0.0) + float(value)
+    return out
+
+
+def _seconds_since(c: Any, before: dict[str, dict[str, float]]) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """The change in :func:`_dask_seconds` summed over the workers since ``before``, and the new snapshot."""
+    now = c.run(_dask_seconds)
+    total: dict[str, float] = {}
+    for w, d in now.items():
+        for k, v in d.items():
+            total[k] = total.get(k, 0.0) + v - before.get(w, {}).get(k, 0.0)
+    return total, now
+
+
 def run(workers: list[dict[str, Any]], method: str, todo: list[str], args: argparse.Namespace, gpu: bool) -> Any:
     setup = method_setup(method, len(local_devices().uuids))
     if setup is None:
@@ -183,6 +206,7 @@ def run(workers: list[dict[str, Any]], method: str, todo: list[str], args: argpa
         for name in todo:
             before = sum(c.run(_transferred).values())
             stats_before = dask_gpupool.stats(c) if plugin is not None else {}
+            _, dask_before = _seconds_since(c, {})
             samples, values = [], []
             for i in range(args.repeats + 1):
                 t0 = time.perf_counter()
@@ -190,6 +214,7 @@ def run(workers: list[dict[str, Any]], method: str, todo: list[str], args: argpa
                 if i:  # the first is a warm-up
                     samples.append(time.perf_counter() - t0)
             moved = sum(c.run(_transferred).values()) - before
+            dask_s, _ = _seconds_since(c, dask_before)  # all runs, the warm-up's too
             zero_copy, fallbacks, timings = 0, {}, {}
             if plugin is not None:
                 stats_after = dask_gpupool.stats(c)
@@ -210,11 +235,18 @@ def run(workers: list[dict[str, Any]], method: str, todo: list[str], args: argpa
                 "fallbacks": fallbacks,
                 "timings": timings,
                 "values": values,
+                "dask_s": dask_s,
             }
             row = out[name]
             print(
                 f"   {method:14} {name:12} {row['median_s'] * 1e3:9.1f} ms  copied {row['copied_bytes']:>13,} B"
                 f"  zero-copy {zero_copy:>13,} B  {fallbacks or ''}",
+                flush=True,
+            )
+            # where the workers' time went by Dask's own metrics, per run (ms, summed over the workers)
+            per_run = {k: v / (args.repeats + 1) for k, v in dask_s.items() if v > 0}
+            print(
+                f"   {'':14} {'':12} dask: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in sorted(per_run.items())),
                 flush=True,
             )
             if timings:  # mean (and median, from the histograms) per step over every handoff of the repeats
@@ -267,6 +299,7 @@ def main() -> None:
                     "fallbacks": per[-1]["fallbacks"],
                     "timings": per[-1]["timings"],
                     "rounds_s": [x["median_s"] for x in per],
+                    "dask_s_rounds": [x["dask_s"] for x in per],  # Dask's metrics of each round's runs, summed
                     "values": per[0]["values"],
                 }
             )
