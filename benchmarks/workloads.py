@@ -7,7 +7,8 @@ method (a fresh cluster per method and round, interleaved; each round starts one
 before, so that no method always follows the same one) and reports:
 
 - the wall time of ``.compute()`` (median of ``--repeats`` after one warm-up,
-  then the median over ``--rounds`` clusters);
+  then the median over ``--rounds`` clusters), from one input layout in every cluster
+  (``--placement bands``: rows of blocks in one contiguous band per worker);
 - the bytes Dask moved between workers that did *not* go zero-copy: the sum of
   every worker's ``transfer_incoming_log`` totals, less the plugin's
   ``zero_copy_bytes`` (all workers share one host here, so every such byte is a
@@ -185,6 +186,35 @@ def _seconds_since(c: Any, before: dict[str, dict[str, float]]) -> tuple[dict[st
     return total, now
 
 
+def _in_bands(c: Any, x: Any) -> Any:
+    """``x`` persisted with its rows of blocks in contiguous bands, one band per worker (by address order).
+
+    ``x.persist()`` leaves where each block lands to the scheduler, which differs between clusters: the bytes the
+    same workload moved varied up to threefold between two clusters of one method (map_overlap over UCXX, 75-217
+    MB), and its time with them. Fixed bands make every cluster of every method start from the same layout. The
+    values are those of ``x.persist()``: each block is computed by its own graph, pinned to its band's worker.
+    """
+    import numpy as np
+
+    addrs = sorted(c.scheduler_info()["workers"])
+    blocks = x.to_delayed()
+    rows, cols = blocks.shape
+    futures = {
+        (i, j): c.compute(blocks[i, j], workers=[addrs[i * len(addrs) // rows]], allow_other_workers=False)
+        for i, j in np.ndindex(rows, cols)
+    }
+    wait(list(futures.values()))
+    return da.block(
+        [
+            [
+                da.from_delayed(futures[i, j], shape=(x.chunks[0][i], x.chunks[1][j]), dtype=x.dtype, meta=x._meta)
+                for j in range(cols)
+            ]
+            for i in range(rows)
+        ]
+    )
+
+
 def run(workers: list[dict[str, Any]], method: str, todo: list[str], args: argparse.Namespace, gpu: bool) -> Any:
     setup = method_setup(method, len(local_devices().uuids))
     if setup is None:
@@ -201,7 +231,7 @@ def run(workers: list[dict[str, Any]], method: str, todo: list[str], args: argpa
             import cupy
 
             x = x.map_blocks(cupy.asarray)
-        x = x.persist()
+        x = _in_bands(c, x) if args.placement == "bands" else x.persist()
         wait(x)
         for name in todo:
             before = sum(c.run(_transferred).values())
@@ -265,6 +295,13 @@ def main() -> None:
     p.add_argument("--methods", default="tcp,ucxx,gpupool,ucxx+gpupool")
     p.add_argument("--layouts", default="", help="comma-separated (default: all for this machine)")
     p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument(
+        "--placement",
+        choices=("bands", "scheduler"),
+        default="bands",
+        help="where the input's blocks live: rows in one band per worker (the same in every cluster), or wherever "
+        "the scheduler puts them (before 2026-11-24 04:40)",
+    )
     args = p.parse_args()
     gpus = len(local_devices().uuids)
     todo = [w for w in args.workloads.split(",") if w]
