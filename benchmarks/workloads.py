@@ -30,7 +30,9 @@ changed: ``gpupool+cupy`` (``cupy-allocator``), ``gpupool+stage`` (``stage-thres
 (``stage-threshold: 1``: every size staged), ``gpupool+stage64k`` (from 64 KiB),
 ``gpupool+objects`` (``device-objects``), ``gpupool+rmm`` (``rmm-allocator`` and ``device-objects``); any of them
 with ``-nohooks`` after it (``ucxx+gpupool-nohooks``): the plugin's ``get_data`` wrapper and CuPy serializers
-swapped for distributed's own once it is registered, what the rest of the plugin costs. Layouts on a
+swapped for distributed's own once it is registered, what the rest of the plugin costs; or ``-bare``: every
+worker-side hook undone, only its pool, broker and copy server running; or ``-gone``: its worker plugin
+unregistered again (what stays behind in the processes). Layouts on a
 GPU machine: ``two-per-gpu`` and ``one-per-gpu``; two workers without a GPU.
 
 JSON rows ``{workload, layout, method, median_s, copied_bytes, ...}`` go to
@@ -132,6 +134,28 @@ VARIANTS: dict[str, dict[str, Any]] = {
 #: own on every worker once the plugin is registered, its pool, threads and task events left in place: what the
 #: plugin's presence costs apart from its hooks (``benchmarks/ucx_pairs.py``'s ``-hooks-ab`` switch).
 NO_HOOKS = "-nohooks"
+#: Method suffix: every worker-side hook of the plugin undone once it is registered (the ``get_data`` wrapper, the CuPy
+#: serializers, the comm read wrapper, the process-memory wrapper, task events, the stats push), its pool, broker,
+#: copy server and their threads left running: what those cost alone.
+BARE = "-bare"
+#: Method suffix: the plugin registered, then its worker plugin unregistered (its teardown: hooks undone, pool and
+#: broker closed): what stays behind in the worker processes (modules, CUDA state) costs.
+GONE = "-gone"
+
+
+def _bare(dask_worker: Any = None) -> None:
+    """On a worker: the plugin's hooks undone, its service left running (the ``-bare`` methods)."""
+    from dask_gpupool.dask.worker_internals import count_own_memory_only, fill_after_read
+    from dask_gpupool.dask.worker_plugin import PLUGIN_NAME
+
+    _set_hooks(["get_data", "serializers"], dask_worker=dask_worker)
+    fill_after_read(dask_worker, undo=True)
+    count_own_memory_only(dask_worker, undo=True)
+    plugin = dask_worker.plugins.get(PLUGIN_NAME)
+    if plugin is not None:
+        plugin._task_events = None  # its transition hook returns at once
+        if plugin._push is not None:
+            plugin._push.stop()
 
 
 def layouts(gpus: int) -> dict[str, list[dict[str, Any]]]:
@@ -157,7 +181,9 @@ def method_setup(method: str, gpus: int) -> tuple[str, Any] | None:
             return None
     if "gpupool" not in method:
         return protocol, None
-    return protocol, dask_gpupool.GPUPool(**VARIANTS[method.split("gpupool", 1)[1].removesuffix(NO_HOOKS)])
+    return protocol, dask_gpupool.GPUPool(
+        **VARIANTS[method.split("gpupool", 1)[1].removesuffix(NO_HOOKS).removesuffix(BARE).removesuffix(GONE)]
+    )
 
 
 def _transferred(dask_worker: Any) -> int:
@@ -226,6 +252,12 @@ def run(workers: list[dict[str, Any]], method: str, todo: list[str], args: argpa
     with cluster(workers, protocol, plugin) as c:
         if method.endswith(NO_HOOKS):
             c.run(_set_hooks, off=["get_data", "serializers"])
+        elif method.endswith(BARE):
+            c.run(_bare)
+        elif method.endswith(GONE):
+            from dask_gpupool.dask.worker_plugin import PLUGIN_NAME
+
+            c.unregister_worker_plugin(PLUGIN_NAME)
         x = da.random.default_rng(42).random((args.n, args.n), chunks=args.chunk)
         if gpu:
             import cupy
