@@ -8,7 +8,7 @@ before, so that no method always follows the same one) and reports:
 
 - the wall time of ``.compute()`` (median of ``--repeats`` after one warm-up,
   then the median over ``--rounds`` clusters), from one input layout in every cluster
-  (``--placement bands``: rows of blocks in one contiguous band per worker);
+  (``--placement bands``: columns of blocks in one contiguous band per worker);
 - the bytes Dask moved between workers that did *not* go zero-copy: the sum of
   every worker's ``transfer_incoming_log`` totals, less the plugin's
   ``zero_copy_bytes`` (all workers share one host here, so every such byte is a
@@ -213,12 +213,14 @@ def _seconds_since(c: Any, before: dict[str, dict[str, float]]) -> tuple[dict[st
 
 
 def _in_bands(c: Any, x: Any) -> Any:
-    """``x`` persisted with its rows of blocks in contiguous bands, one band per worker (by address order).
+    """``x`` persisted with its columns of blocks in contiguous bands, one band per worker (by address order).
 
     ``x.persist()`` leaves where each block lands to the scheduler, which differs between clusters: the bytes the
     same workload moved varied up to threefold between two clusters of one method (map_overlap over UCXX, 75-217
     MB), and its time with them. Fixed bands make every cluster of every method start from the same layout. The
     values are those of ``x.persist()``: each block is computed by its own graph, pinned to its band's worker.
+    Bands of columns, so that the task rechunk (into rows of the full width) gathers blocks from every worker; with
+    bands of rows (4891319, two calls on 2026-11-24) it moved nothing.
     """
     import numpy as np
 
@@ -226,7 +228,7 @@ def _in_bands(c: Any, x: Any) -> Any:
     blocks = x.to_delayed()
     rows, cols = blocks.shape
     futures = {
-        (i, j): c.compute(blocks[i, j], workers=[addrs[i * len(addrs) // rows]], allow_other_workers=False)
+        (i, j): c.compute(blocks[i, j], workers=[addrs[j * len(addrs) // cols]], allow_other_workers=False)
         for i, j in np.ndindex(rows, cols)
     }
     wait(list(futures.values()))
@@ -331,7 +333,7 @@ def main() -> None:
         "--placement",
         choices=("bands", "scheduler"),
         default="bands",
-        help="where the input's blocks live: rows in one band per worker (the same in every cluster), or wherever "
+        help="where the input's blocks live: columns in one band per worker (the same in every cluster), or wherever "
         "the scheduler puts them (before 2026-11-24 04:40)",
     )
     args = p.parse_args()
