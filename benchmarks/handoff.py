@@ -503,10 +503,16 @@ def write(result: dict[str, Any], stamp: str) -> None:
     save_json("handoff", result, stamp)
 
 
+def results_dirs() -> list[str]:
+    """Where results go: ``$BENCH_RESULTS`` (default ``benchmarks/results/``) and ``$OUT`` (when set)."""
+    own = os.environ.get("BENCH_RESULTS") or os.path.join(os.path.dirname(__file__), "results")
+    return [d for d in (own, os.environ.get("OUT")) if d]
+
+
 def save_json(prefix: str, result: dict[str, Any], stamp: str | None = None) -> None:
-    """Write ``result`` as ``<prefix>-<stamp>.json`` to ``benchmarks/results/`` and ``$OUT`` (when set)."""
+    """Write ``result`` as ``<prefix>-<stamp>.json`` to :func:`results_dirs`."""
     stamp = stamp or time.strftime("%Y%m%d-%H%M%S")
-    for d in (os.path.join(os.path.dirname(__file__), "results"), os.environ.get("OUT")):
+    for d in results_dirs():
         if d:
             os.makedirs(d, exist_ok=True)
             with open(os.path.join(d, f"{prefix}-{stamp}.json"), "w") as f:
@@ -574,7 +580,7 @@ def plot(result: dict[str, Any], stamp: str) -> None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    for d in (os.path.join(os.path.dirname(__file__), "results"), os.environ.get("OUT")):
+    for d in results_dirs():
         if d:
             fig.savefig(os.path.join(d, f"handoff-{stamp}.png"), dpi=110)
 
