@@ -32,7 +32,8 @@ changed: ``gpupool+cupy`` (``cupy-allocator``), ``gpupool+stage`` (``stage-thres
 with ``-nohooks`` after it (``ucxx+gpupool-nohooks``): the plugin's ``get_data`` wrapper and CuPy serializers
 swapped for distributed's own once it is registered, what the rest of the plugin costs; or ``-bare``: every
 worker-side hook undone, only its pool, broker and copy server running; or ``-gone``: its worker plugin
-unregistered again (what stays behind in the processes). Layouts on a
+unregistered again (what stays behind in the processes); or ``-ab``: one cluster, every repeat run with the hooks
+in place and without them, back to back (``ab:`` lines, ``ab_rounds`` in the JSON). Layouts on a
 GPU machine: ``two-per-gpu`` and ``one-per-gpu``; two workers without a GPU.
 
 JSON rows ``{workload, layout, method, median_s, copied_bytes, ...}`` go to
@@ -141,6 +142,11 @@ BARE = "-bare"
 #: Method suffix: the plugin registered, then its worker plugin unregistered (its teardown: hooks undone, pool and
 #: broker closed): what stays behind in the worker processes (modules, CUDA state) costs.
 GONE = "-gone"
+#: Method suffix: one cluster with the plugin, every repeat run twice back to back, with its ``get_data`` wrapper and
+#: CuPy serializers in place (``on``) and swapped for distributed's own (``off``: the comm's own path, the pool idle),
+#: in alternating order: the plugin's path against the comm's without the noise between clusters (call 7 of the
+#: twentieth session: one cluster's every workload 10% slower or faster than another's of the same method).
+AB = "-ab"
 
 
 def _bare(dask_worker: Any = None) -> None:
@@ -182,7 +188,9 @@ def method_setup(method: str, gpus: int) -> tuple[str, Any] | None:
     if "gpupool" not in method:
         return protocol, None
     return protocol, dask_gpupool.GPUPool(
-        **VARIANTS[method.split("gpupool", 1)[1].removesuffix(NO_HOOKS).removesuffix(BARE).removesuffix(GONE)]
+        **VARIANTS[
+            method.split("gpupool", 1)[1].removesuffix(NO_HOOKS).removesuffix(BARE).removesuffix(GONE).removesuffix(AB)
+        ]
     )
 
 
@@ -272,7 +280,18 @@ def run(workers: list[dict[str, Any]], method: str, todo: list[str], args: argpa
             stats_before = dask_gpupool.stats(c) if plugin is not None else {}
             _, dask_before = _seconds_since(c, {})
             samples, values = [], []
+            ab: dict[str, list[float]] = {"on": [], "off": []}
             for i in range(args.repeats + 1):
+                if method.endswith(AB):  # both ways back to back, the order alternating
+                    for side in ("on", "off") if i % 2 else ("off", "on"):
+                        c.run(_set_hooks, off=[] if side == "on" else ["get_data", "serializers"])
+                        t0 = time.perf_counter()
+                        values = [float(v) for v in c.compute(WORKLOADS[name](x, args.chunk), sync=True)]
+                        if i:
+                            ab[side].append(time.perf_counter() - t0)
+                    c.run(_set_hooks, off=[])
+                    samples = ab["on"]
+                    continue
                 t0 = time.perf_counter()
                 values = [float(v) for v in c.compute(WORKLOADS[name](x, args.chunk), sync=True)]
                 if i:  # the first is a warm-up
@@ -315,6 +334,14 @@ def run(workers: list[dict[str, Any]], method: str, todo: list[str], args: argpa
             )
             if timings:  # mean (and median, from the histograms) per step over every handoff of the repeats
                 print(f"   {'':14} {'':12} steps: {steps_line(timings)}", flush=True)
+            if ab["off"]:
+                out[name]["ab"] = ab
+                print(
+                    f"   {'':14} {'':12} ab: on {statistics.median(ab['on']) * 1e3:.1f} ms, off "
+                    f"{statistics.median(ab['off']) * 1e3:.1f} ms, on faster in "
+                    f"{sum(a < b for a, b in zip(ab['on'], ab['off'], strict=True))} of {len(ab['on'])} pairs",
+                    flush=True,
+                )
     return out
 
 
@@ -371,6 +398,7 @@ def main() -> None:
                     "timings": per[-1]["timings"],
                     "rounds_s": [x["median_s"] for x in per],
                     "dask_s_rounds": [x["dask_s"] for x in per],  # Dask's metrics of each round's runs, summed
+                    "ab_rounds": [x["ab"] for x in per if "ab" in x],  # -ab: each round's samples both ways
                     "values": per[0]["values"],
                 }
             )

@@ -16,7 +16,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 #: ``workloads.py`` methods: plain Dask, the plugin, and the plugin with its parts taken away
-METHODS = ("tcp", "gpupool", "gpupool-nohooks", "gpupool-bare", "gpupool-gone")
+METHODS = ("tcp", "gpupool", "gpupool-nohooks", "gpupool-bare", "gpupool-gone", "gpupool-ab")
 
 
 def _run(script: str, args: list[str], results: Path) -> subprocess.CompletedProcess[str]:
@@ -49,6 +49,8 @@ def test_workloads_runs_every_kind_of_method_and_the_methods_agree(tmp_path):
     for r in rows:
         assert len(r["rounds_s"]) == 2 and r["median_s"] > 0
         assert r["dask_s_rounds"][0].get("gather-dep network", 0) > 0  # Dask's own metrics were read
+    ab = [r for r in rows if r["method"] == "gpupool-ab"]
+    assert all(len(a["on"]) == len(a["off"]) == 1 for r in ab for a in r["ab_rounds"])  # one pair a round
     # the input in bands of columns: the task rechunk gathers blocks of both workers
     rechunk = [r for r in rows if r["workload"] == "rechunk"]
     assert all(r["copied_bytes"] + r["zero_copy_bytes"] > 0 for r in rechunk)
