@@ -35,8 +35,9 @@ dask.config.update_defaults(_defaults)
 #: import; VMM segments of 8 and 16 GiB mapped in 1.5-1.8 ms (H100, 2026-11-23, docs/performance.md).
 POOL_MEMORY_IMPORT_LIMIT = 5 << 30
 
-#: ``stage-threshold: auto`` on ``device`` pools, to a worker on another GPU or over UCX (on the same GPU over TCP:
-#: :data:`SAME_GPU_STAGE_THRESHOLD`): a plain CuPy array of 4 MiB or more sent to a same-host worker is copied into the
+#: ``stage-threshold: auto`` on ``device`` pools, to a worker on another GPU over TCP or TLS (on the same GPU:
+#: :data:`SAME_GPU_STAGE_THRESHOLD`; over UCX ``auto`` stages nothing, ``Routes.stage_threshold`` says why): a plain
+#: CuPy array of 4 MiB or more sent to a same-host worker is copied into the
 #: pool on the GPU and handed over. Measured on two H200s, four workers (two per GPU), 8192^2
 #: float64 in 2048^2 chunks (benchmarks/workloads.py, 2026-11-23, docs/performance.md "Workloads"): matmul,
 #: tensordot and task rechunk 2.0-2.7x faster than plain Dask TCP, the other workloads within TCP's noise but
@@ -253,7 +254,10 @@ class PoolOptions:
         the same GPU (instead of UCX's copy). 0: never. ``None`` (``auto``, the
         default): on ``device`` pools :data:`SAME_GPU_STAGE_THRESHOLD`
         (64 KiB) to a worker on the pool's GPU over TCP or TLS and
-        :data:`DEVICE_STAGE_THRESHOLD` (4 MiB) otherwise; never
+        :data:`DEVICE_STAGE_THRESHOLD` (4 MiB) to one on another GPU; never
+        over UCX, whose own GPU-to-GPU copy was as fast or faster on the
+        workloads (:meth:`Routes.stage_threshold
+        <dask_gpupool.handoff.routes.Routes.stage_threshold>`), and never
         on ``host`` pools, where it measured slower
         (:meth:`effective_stage_threshold`).
     handoff_threshold : int or None

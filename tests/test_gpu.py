@@ -836,7 +836,8 @@ def test_on_ucxx_pool_memory_hands_over_or_travels_as_device_frames(placement):
     (descriptors in UCX's frames), a smaller pool Buffer as device frames staged into memory UCX can send GPU to
     GPU. Workers that look like two hosts (host-id): all pool memory goes as staged device frames. A plain CuPy
     array goes as distributed's own device frames (to a same-host peer on another GPU: fallback not-in-pool), or,
-    to a worker on the same GPU, is copied into the pool and handed over (staged-in-pool). All of it counted."""
+    to a worker on the same GPU, is copied into the pool and handed over (staged-in-pool: gpupool.stage-threshold
+    set to 4 MiB; its auto stages nothing over UCX). All of it counted."""
     gpus(2 if placement == "two-gpus" else 1)
     pytest.importorskip("distributed_ucxx")
     import dask
@@ -850,7 +851,13 @@ def test_on_ucxx_pool_memory_hands_over_or_travels_as_device_frames(placement):
             {**w, "protocol": "ucxx", **({"config": {"gpupool": {"host-id": f"host-{i}"}}} if hosts == "two" else {})}
             for i, w in enumerate(layout)
         ]
-        plugin = GPUPool(kind="device", max_size="1 GiB", ucx_handoff_threshold="4 MiB", cupy_allocator=False)
+        plugin = GPUPool(
+            kind="device",
+            max_size="1 GiB",
+            ucx_handoff_threshold="4 MiB",
+            stage_threshold="4 MiB",
+            cupy_allocator=False,
+        )
         with dask.config.set(ucx), nanny_cluster(workers, plugin, protocol="ucxx") as c:
             a, b = worker_addresses(c)
             assert a.startswith("ucxx://")
@@ -920,6 +927,41 @@ def test_on_ucxx_pool_memory_below_the_staging_threshold_goes_to_ucx_unstaged(pl
         assert got[a]["copied_out_bytes"] == 0 and got[b]["copied_bytes"] == 0, got
         del x, arr, strided, big
         wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="the leases to end")
+
+
+@pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
+def test_on_ucxx_plain_cupy_arrays_go_unstaged_as_ucx_device_frames_by_default(placement):
+    """gpupool.stage-threshold auto over UCX: a plain CuPy array of 8 MiB to a same-host worker, on the producer's GPU
+    too, goes as distributed's own device frames, UCX's GPU-to-GPU copy (fallback not-in-pool), not staged into the
+    pool, never a host copy; the right values; no lease, nothing left in the pool."""
+    gpus(2 if placement == "two-gpus" else 1)
+    pytest.importorskip("distributed_ucxx")
+    import dask
+    import numpy as np
+
+    ucx = {f"distributed.comm.ucx.{k}": True for k in ("create-cuda-context", "nvlink", "tcp", "cuda-copy")}
+    layout = ROTATED if placement == "two-gpus" else [ONE_GPU, ONE_GPU]
+    workers = [{**w, "protocol": "ucxx"} for w in layout]
+    plugin = GPUPool(kind="device", max_size="1 GiB")
+    with dask.config.set(ucx), nanny_cluster(workers, plugin, protocol="ucxx") as c:
+        a, b = worker_addresses(c)
+        before = counters(c)
+        plain = c.submit(T.plain_cupy, 1 << 20, workers=[a], pure=False)  # 8 MiB, CuPy's own memory
+        assert c.submit(T.total, plain, workers=[b], pure=False).result() == float(np.arange(1 << 20).sum())
+        now = counters(c)
+        print(placement, {w: {k: v for k, v in now[w].items() if v} for w in (a, b)})
+        assert now[a]["pool_staged_bytes"] == before[a]["pool_staged_bytes"], now
+        assert now[a]["fallbacks"].get("staged-in-pool", 0) == before[a]["fallbacks"].get("staged-in-pool", 0)
+        not_in_pool = now[a]["fallbacks"].get("not-in-pool", 0) - before[a]["fallbacks"].get("not-in-pool", 0)
+        assert not_in_pool == 1, now
+        frames = now[b]["device_frames_bytes"] - before[b]["device_frames_bytes"]
+        assert frames == 8 * MiB == now[a]["device_frames_out_bytes"] - before[a]["device_frames_out_bytes"], now
+        assert now[a]["copied_out_bytes"] == before[a]["copied_out_bytes"], now  # never a host copy
+        assert now[b]["copied_bytes"] == before[b]["copied_bytes"], now
+        del plain
+        wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="the leases to end")
+        after = counters(c, a)[a]
+        assert after["lease_bytes"] == 0 and after["used"] == before[a]["used"], after
 
 
 @pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])

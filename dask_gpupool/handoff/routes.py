@@ -174,11 +174,15 @@ class Routes:
 
         Its ``auto`` is lower for a worker on this pool's GPU asking over TCP or TLS, where staging was measured
         against the comm's copy (:meth:`PoolOptions.effective_stage_threshold
-        <dask_gpupool.config.PoolOptions.effective_stage_threshold>`); over UCX it stays
-        :data:`~dask_gpupool.config.DEVICE_STAGE_THRESHOLD`: there staging beat UCX's own copy per transfer from
-        16 KiB on one H100, but the one workload it changed from 64 KiB (map_overlap) was not faster
-        (docs/performance.md, "Staging plain arrays against UCX's own copy").
+        <dask_gpupool.config.PoolOptions.effective_stage_threshold>`). Over UCX ``auto`` stages nothing: UCX
+        already copies the array GPU to GPU, and with each workload run both ways back to back in one cluster
+        (one H100, docs/performance.md "The plugin's path and the comm's in one cluster") staging from 4 MiB was
+        no faster on any workload and slower on elementwise (1.12-1.22x over 30 pairs), although it beat UCX's
+        copy per transfer in an idle cluster. A threshold the user sets holds over UCX too (to a worker on this
+        pool's GPU: :meth:`stage_route`).
         """
+        if scheme not in ("tcp", "tls") and self.options.stage_threshold is None:
+            return 0
         same_gpu = False
         if scheme in ("tcp", "tls") and requester:
             same_gpu = _on_gpu_of(self.registry.worker_row(requester), self.record)

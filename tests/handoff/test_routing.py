@@ -154,8 +154,10 @@ def test_which_plain_arrays_are_staged_into_the_pool(requester, scheme, nbytes, 
         (PEER, "tcp", 32 << 10, None, False),
         (peer(device=GPU1), "tcp", 64 << 10, None, False),  # auto, another GPU: from 4 MiB
         (peer(device=GPU1), "tcp", 4 * MiB, None, True),
-        (PEER, "ucxx", 64 << 10, None, False),  # auto over UCX: from 4 MiB (see Routes.stage_threshold)
-        (PEER, "ucxx", 4 * MiB, None, True),
+        (PEER, "ucxx", 64 << 10, None, False),  # auto over UCX: never, UCX copies GPU to GPU (Routes.stage_threshold)
+        (PEER, "ucxx", 64 * MiB, None, False),
+        (PEER, "ucx", 64 * MiB, None, False),
+        (PEER, "ucxx", 4 * MiB, "4 MiB", True),  # set by the user: over UCX too, to a worker on this GPU
         (PEER, "tcp", 64 << 10, "1 MiB", False),  # set by the user: for every GPU and comm
         (peer(device=GPU1), "tcp", 1 * MiB, "1 MiB", True),
     ],
@@ -164,7 +166,8 @@ def test_the_stage_threshold_of_device_pools_depends_on_the_requesters_gpu_and_c
     requester, scheme, nbytes, threshold, staged
 ):
     """gpupool.stage-threshold: auto on a device pool is 64 KiB for a worker on the pool's GPU over TCP or TLS (staging
-    measured faster than the comm from there) and 4 MiB otherwise; a value the user sets holds for all."""
+    measured faster than the comm from there), 4 MiB for one on another GPU, and never over UCX; a value the user
+    sets holds for all."""
     with _routes(requester, stage_threshold=threshold) as (routes, _stats):
         row = routes.stage_route(requester.worker, scheme, nbytes)
         assert (row == requester) if staged else row is None
