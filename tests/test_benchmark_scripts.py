@@ -38,7 +38,7 @@ def _rows(results: Path, prefix: str) -> list[dict]:
 
 
 def test_workloads_runs_every_kind_of_method_and_the_methods_agree(tmp_path):
-    args = "--n 512 --chunk 128 --rounds 2 --repeats 1 --workloads rechunk,map_overlap,rmm_objects --methods"
+    args = "--n 512 --chunk 128 --rounds 1 --repeats 1 --workloads rechunk,map_overlap,rmm_objects --methods"
     out = _run("workloads.py", [*args.split(), ",".join(METHODS)], tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "values agree across methods" in out.stdout
@@ -47,7 +47,7 @@ def test_workloads_runs_every_kind_of_method_and_the_methods_agree(tmp_path):
         (m, w) for m in METHODS for w in ("rechunk", "map_overlap", "rmm_objects")
     }
     for r in rows:
-        assert len(r["rounds_s"]) == 2 and r["median_s"] > 0
+        assert len(r["rounds_s"]) == 1 and r["median_s"] > 0
         assert r["dask_s_rounds"][0].get("gather-dep network", 0) > 0  # Dask's own metrics were read
     ab = [r for r in rows if r["method"] == "gpupool-ab"]
     assert all(len(a["on"]) == len(a["off"]) == 1 for r in ab for a in r["ab_rounds"])  # one pair a round
