@@ -145,7 +145,8 @@ GONE = "-gone"
 #: Method suffix: one cluster with the plugin, every repeat run twice back to back, with its ``get_data`` wrapper and
 #: CuPy serializers in place (``on``) and swapped for distributed's own (``off``: the comm's own path, the pool idle),
 #: in alternating order: the plugin's path against the comm's without the noise between clusters (call 7 of the
-#: twentieth session: one cluster's every workload 10% slower or faster than another's of the same method).
+#: twentieth session: one cluster's every workload 10% slower or faster than another's of the same method). Its row's
+#: time is the ``on`` side's, its bytes those of both sides' runs; :func:`_print_ab` prints the pairs.
 AB = "-ab"
 
 
@@ -345,6 +346,23 @@ def run(workers: list[dict[str, Any]], method: str, todo: list[str], args: argpa
     return out
 
 
+def _print_ab(layout: str, rows: list[dict[str, Any]]) -> None:
+    """The ``-ab`` methods' table: per workload both paths' median (ms), the median of the pairs' ratios (the
+    plugin's path ÷ the comm's), and the pairs where the plugin's path was faster."""
+    if not rows:
+        return
+    print(f"{layout}, both paths in one cluster (-ab): on / off ms, median pair ratio, on faster")
+    for r in rows:
+        on = [x for ab in r["ab_rounds"] for x in ab["on"]]
+        off = [x for ab in r["ab_rounds"] for x in ab["off"]]
+        ratio = statistics.median(a / b for a, b in zip(on, off, strict=True))
+        faster = sum(a < b for a, b in zip(on, off, strict=True))
+        print(
+            f"  {r['method']:24} {r['workload']:12} {statistics.median(on) * 1e3:8.1f} / "
+            f"{statistics.median(off) * 1e3:8.1f}  {ratio:5.2f}  {faster} of {len(on)}"
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", type=int, default=8192)
@@ -405,15 +423,18 @@ def main() -> None:
     print(f"\n{args.n}x{args.n} f8 in {args.chunk}-chunks, {'CuPy' if gpus else 'NumPy'}; ms (copied MiB)")
     for layout in places:
         present = [m for m in methods if any(r["layout"] == layout and r["method"] == m for r in rows)]
-        print(f"{layout:12} " + "".join(f"{m:>22}" for m in present))
+        width = {m: max(22, len(m) + 2) for m in present}
+        print(f"{layout:12} " + "".join(f"{m:>{width[m]}}" for m in present))
         for name in todo:
             cells = {r["method"]: r for r in rows if r["layout"] == layout and r["workload"] == name}
             print(
                 f"  {name:10} "
                 + "".join(
-                    f"{cells[m]['median_s'] * 1e3:>12.1f} ({cells[m]['copied_bytes'] / 2**20:>6.0f})" for m in present
+                    f"{cells[m]['median_s'] * 1e3:>{width[m] - 9}.1f} ({cells[m]['copied_bytes'] / 2**20:>6.0f})"
+                    for m in present
                 )
             )
+        _print_ab(layout, [r for r in rows if r["layout"] == layout and r["ab_rounds"]])
     agree = all(
         all(abs(a - b) <= 1e-6 * max(abs(a), 1.0) for a, b in zip(r["values"], ref["values"], strict=True))
         for r in rows

@@ -42,6 +42,7 @@ def test_workloads_runs_every_kind_of_method_and_the_methods_agree(tmp_path):
     out = _run("workloads.py", [*args.split(), ",".join(METHODS)], tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "values agree across methods" in out.stdout
+    assert "both paths in one cluster (-ab)" in out.stdout
     rows = _rows(tmp_path, "workloads")["rows"]
     assert {(r["method"], r["workload"]) for r in rows} == {
         (m, w) for m in METHODS for w in ("rechunk", "map_overlap", "rmm_objects")
