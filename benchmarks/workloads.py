@@ -188,11 +188,10 @@ def method_setup(method: str, gpus: int) -> tuple[str, Any] | None:
             return None
     if "gpupool" not in method:
         return protocol, None
-    return protocol, dask_gpupool.GPUPool(
-        **VARIANTS[
-            method.split("gpupool", 1)[1].removesuffix(NO_HOOKS).removesuffix(BARE).removesuffix(GONE).removesuffix(AB)
-        ]
-    )
+    variant = method.split("gpupool", 1)[1]
+    for suffix in (NO_HOOKS, BARE, GONE, AB):  # what is done to the plugin once registered, not its options
+        variant = variant.removesuffix(suffix)
+    return protocol, dask_gpupool.GPUPool(**VARIANTS[variant])
 
 
 def _transferred(dask_worker: Any) -> int:

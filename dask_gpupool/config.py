@@ -36,7 +36,7 @@ dask.config.update_defaults(_defaults)
 POOL_MEMORY_IMPORT_LIMIT = 5 << 30
 
 #: ``stage-threshold: auto`` on ``device`` pools, to a worker on another GPU over TCP or TLS (on the same GPU:
-#: :data:`SAME_GPU_STAGE_THRESHOLD`; over UCX ``auto`` stages nothing, ``Routes.stage_threshold`` says why): a plain
+#: :data:`SAME_GPU_STAGE_THRESHOLD`; over UCX ``auto`` stages nothing, ``effective_stage_threshold`` says why): a plain
 #: CuPy array of 4 MiB or more sent to a same-host worker is copied into the
 #: pool on the GPU and handed over. Measured on two H200s, four workers (two per GPU), 8192^2
 #: float64 in 2048^2 chunks (benchmarks/workloads.py, 2026-11-23, docs/performance.md "Workloads"): matmul,
@@ -256,9 +256,7 @@ class PoolOptions:
         (64 KiB) to a worker on the pool's GPU over TCP or TLS and
         :data:`DEVICE_STAGE_THRESHOLD` (4 MiB) to one on another GPU; never
         over UCX, whose own GPU-to-GPU copy was as fast or faster on the
-        workloads (:meth:`Routes.stage_threshold
-        <dask_gpupool.handoff.routes.Routes.stage_threshold>`), and never
-        on ``host`` pools, where it measured slower
+        workloads, and never on ``host`` pools, where it measured slower
         (:meth:`effective_stage_threshold`).
     handoff_threshold : int or None
         Smallest pool buffer handed over to a same-host worker over TCP or
@@ -379,13 +377,19 @@ class PoolOptions:
     device_objects: bool = True
     switch_interval: float | None = None
 
-    def effective_stage_threshold(self, kind: str, same_gpu: bool = False) -> int:
+    def effective_stage_threshold(self, kind: str, same_gpu: bool = False, over_tcp: bool = True) -> int:
         """The stage threshold of a pool of ``kind`` (``"device"``, ``"pinned"``, ``"host"``) for a requester on this
-        pool's GPU asking over TCP or TLS (``same_gpu``) or any other; 0: never. With ``same_gpu`` it is also the
-        lowest for any requester."""
+        pool's GPU (``same_gpu``) or another, asking over TCP or TLS (``over_tcp``) or UCX; 0: never. With
+        ``same_gpu`` over TCP it is also the lowest for any requester.
+
+        ``auto`` stages nothing over UCX: UCX already copies the array GPU to GPU, and with each workload run
+        both ways back to back in one cluster (one H100, docs/performance.md "The plugin's path and the comm's in
+        one cluster") staging from 4 MiB was no faster on any workload and slower on elementwise (1.12-1.22x over
+        30 pairs), although it beat UCX's copy per transfer in an idle cluster. A threshold the user sets holds
+        over every comm."""
         if self.stage_threshold is not None:
             return self.stage_threshold
-        if kind != "device":
+        if kind != "device" or not over_tcp:
             return 0
         return SAME_GPU_STAGE_THRESHOLD if same_gpu else DEVICE_STAGE_THRESHOLD
 

@@ -105,6 +105,7 @@ def test_config_values_and_overrides():
     assert (options.effective_stage_threshold("device"), options.effective_stage_threshold("host")) == (4 << 20, 0)
     assert options.effective_stage_threshold("device", same_gpu=True) == 64 << 10
     assert options.effective_stage_threshold("host", same_gpu=True) == 0
+    assert options.effective_stage_threshold("device", same_gpu=True, over_tcp=False) == 0  # auto over UCX: never
     set_by_user = PoolOptions.from_config(stage_threshold="1 MiB")
     assert set_by_user.effective_stage_threshold("device", same_gpu=True) == 1 << 20
     assert PoolOptions.from_config(stage_threshold="1 MiB").effective_stage_threshold("host") == 1 << 20

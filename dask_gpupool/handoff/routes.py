@@ -172,21 +172,12 @@ class Routes:
     def stage_threshold(self, requester: str | None, scheme: str) -> int:
         """``gpupool.stage-threshold`` of this pool for ``requester`` asking over ``scheme``; 0: never.
 
-        Its ``auto`` is lower for a worker on this pool's GPU asking over TCP or TLS, where staging was measured
-        against the comm's copy (:meth:`PoolOptions.effective_stage_threshold
-        <dask_gpupool.config.PoolOptions.effective_stage_threshold>`). Over UCX ``auto`` stages nothing: UCX
-        already copies the array GPU to GPU, and with each workload run both ways back to back in one cluster
-        (one H100, docs/performance.md "The plugin's path and the comm's in one cluster") staging from 4 MiB was
-        no faster on any workload and slower on elementwise (1.12-1.22x over 30 pairs), although it beat UCX's
-        copy per transfer in an idle cluster. A threshold the user sets holds over UCX too (to a worker on this
-        pool's GPU: :meth:`stage_route`).
+        Its ``auto`` depends on the comm and, over TCP or TLS, on whether the requester is on this pool's GPU
+        (:meth:`PoolOptions.effective_stage_threshold <dask_gpupool.config.PoolOptions.effective_stage_threshold>`).
         """
-        if scheme not in ("tcp", "tls") and self.options.stage_threshold is None:
-            return 0
-        same_gpu = False
-        if scheme in ("tcp", "tls") and requester:
-            same_gpu = _on_gpu_of(self.registry.worker_row(requester), self.record)
-        return self.options.effective_stage_threshold(self.record.kind, same_gpu)
+        over_tcp = scheme in ("tcp", "tls")
+        same_gpu = over_tcp and requester is not None and _on_gpu_of(self.registry.worker_row(requester), self.record)
+        return self.options.effective_stage_threshold(self.record.kind, same_gpu, over_tcp)
 
     def plain_copy_reason(self, requester: str | None) -> str | None:
         """Why a value outside every pool sent to ``requester`` is a same-host copy (``None``: it is not one).

@@ -154,7 +154,7 @@ def test_which_plain_arrays_are_staged_into_the_pool(requester, scheme, nbytes, 
         (PEER, "tcp", 32 << 10, None, False),
         (peer(device=GPU1), "tcp", 64 << 10, None, False),  # auto, another GPU: from 4 MiB
         (peer(device=GPU1), "tcp", 4 * MiB, None, True),
-        (PEER, "ucxx", 64 << 10, None, False),  # auto over UCX: never, UCX copies GPU to GPU (Routes.stage_threshold)
+        (PEER, "ucxx", 64 << 10, None, False),  # auto over UCX: never (PoolOptions.effective_stage_threshold)
         (PEER, "ucxx", 64 * MiB, None, False),
         (PEER, "ucx", 64 * MiB, None, False),
         (PEER, "ucxx", 4 * MiB, "4 MiB", True),  # set by the user: over UCX too, to a worker on this GPU
