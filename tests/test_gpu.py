@@ -946,6 +946,9 @@ def test_on_ucxx_plain_cupy_arrays_go_unstaged_as_ucx_device_frames_by_default(p
     with dask.config.set(ucx), nanny_cluster(workers, plugin, protocol="ucxx") as c:
         a, b = worker_addresses(c)
         before = counters(c)
+        # nothing is staged over UCX, so the plugin records no task-result events either
+        assert dask_gpupool.stats(c)[a]["routing"]["staging"].startswith("off: over UCX"), dask_gpupool.stats(c)[a]
+        assert c.run(T.task_events_recorded) == {a: None, b: None}
         plain = c.submit(T.plain_cupy, 1 << 20, workers=[a], pure=False)  # 8 MiB, CuPy's own memory
         assert c.submit(T.total, plain, workers=[b], pure=False).result() == float(np.arange(1 << 20).sum())
         now = counters(c)
@@ -1103,6 +1106,7 @@ def test_a_staged_task_result_is_copied_after_its_own_kernel(placement):
         for i in range(3):
             x = c.submit(T.slow_plain_cupy, 16 * MiB, 7 + i, 300, workers=[a], pure=False)
             wait(x)  # stored, its kernel still spinning
+            assert c.run(T.task_events_recorded, workers=[a])[a] >= 1  # over TCP: x has its event
             later = c.submit(T.spin, 3000, workers=[a], pure=False)
             wait(later)  # queued behind x's kernel on the default stream
             assert c.submit(T.array_equal, x, 7 + i, workers=[b], pure=False).result(), i

@@ -32,6 +32,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
+from dask.utils import format_bytes
 from distributed import WorkerPlugin
 from distributed.core import Status
 from tornado.ioloop import PeriodicCallback
@@ -144,8 +145,11 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         worker.stream_handlers[MEMBERSHIP_OP] = self._on_membership
         gpu_pool = service.pool.kind in ("device", "pinned")
         has_cupy = importlib.util.find_spec("cupy") is not None
-        # the lowest threshold of any requester (a worker on this GPU's): smaller results always go through the comm
-        stage_threshold = options.effective_stage_threshold(service.pool.kind, same_gpu=True)
+        # Requests come over the comm this worker listens on. The lowest threshold of any requester (a worker on
+        # this GPU's): smaller results always go through the comm. Over UCX `auto` stages nothing, so no events.
+        over_tcp = _listens_over_tcp(worker)
+        stage_threshold = options.effective_stage_threshold(service.pool.kind, same_gpu=True, over_tcp=over_tcp)
+        service.routing["staging"] = _staging_line(service.pool.kind, has_cupy, stage_threshold, over_tcp)
         if service.pool.kind == "device" and has_cupy and stage_threshold:
             # only results large enough to be staged get an event
             self._task_events = TaskEvents(
@@ -370,6 +374,32 @@ def service_of(worker: Worker) -> PoolService:
             "or start the scheduler with --preload dask_gpupool"
         )
     return service
+
+
+def _listens_over_tcp(worker: Worker) -> bool:
+    """Whether ``worker``'s peers reach it over TCP or TLS (else UCX, or in-process)."""
+    from distributed.comm import parse_address
+
+    try:
+        return parse_address(worker.address)[0] in ("tcp", "tls")
+    except Exception:
+        return True  # the thresholds of TCP: staging only ever uses the pool's own memory
+
+
+def _staging_line(kind: str, has_cupy: bool, threshold: int, over_tcp: bool) -> str:
+    """``stats()["routing"]["staging"]``: whether plain CuPy results are staged into the pool, and why (not)."""
+    if kind != "device":
+        return f"off: a {kind} pool stages no CuPy results"
+    if not has_cupy:
+        return "off: CuPy is not installed"
+    if not threshold:
+        if not over_tcp:
+            return "off: over UCX, UCX copies plain CuPy arrays GPU to GPU (gpupool.stage-threshold: auto)"
+        return "off: gpupool.stage-threshold is 0"
+    return (
+        f"on: plain CuPy results of {format_bytes(threshold)} or more are staged into the pool for same-host workers"
+        " (the threshold of a worker on this GPU)"
+    )
 
 
 def _default_stream_recorder(device: int | None) -> Callable[[], Any]:

@@ -56,6 +56,7 @@ from dask_gpupool.testing.probes import (
     socket_peers,
     start_loop_ticks,
     stop_loop_ticks,
+    task_events_recorded,
     vkgdr_kept_bytes,
     vkgdr_unavailable,
 )
@@ -156,6 +157,7 @@ __all__ = [
     "start_loop_ticks",
     "stop_copy_server",
     "stop_loop_ticks",
+    "task_events_recorded",
     "total",
     "try_write",
     "unmap",

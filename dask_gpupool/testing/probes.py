@@ -144,6 +144,14 @@ def known_pools(dask_worker: Worker) -> list[str]:
     return sorted(r.pool for r in service_of(dask_worker).registry.records())
 
 
+def task_events_recorded(dask_worker: Worker) -> int | None:
+    """client.run target: how many task results hold a staging event, ``None`` when the plugin records none."""
+    from dask_gpupool.dask.worker_plugin import PLUGIN_NAME
+
+    events = getattr(dask_worker.plugins[PLUGIN_NAME], "_task_events", None)
+    return None if events is None else len(events)
+
+
 def handoff_counters(dask_worker: Worker) -> dict[str, Any]:
     """client.run target: handoff counters plus pool bytes."""
     service = service_of(dask_worker)

@@ -67,3 +67,20 @@ def test_a_key_stored_again_has_only_its_new_result():
 def test_cupy_arrays_are_told_by_their_module_without_importing_cupy():
     assert not is_cupy_array(np.arange(3))  # NumPy's has no __cuda_array_interface__ and another module
     assert not is_cupy_array(memoryview(b"x"))
+
+
+def test_the_worker_says_why_it_stages_or_not():
+    """``stats()["routing"]["staging"]``: the plugin records task events only where it stages (on a UCX comm at
+    ``auto`` it stages nothing, so records nothing either)."""
+    from dask_gpupool.config import PoolOptions
+    from dask_gpupool.dask.worker_plugin import _staging_line
+
+    options = PoolOptions()
+    over_ucx = options.effective_stage_threshold("device", same_gpu=True, over_tcp=False)
+    assert over_ucx == 0
+    assert _staging_line("device", True, over_ucx, False).startswith("off: over UCX")
+    over_tcp = options.effective_stage_threshold("device", same_gpu=True, over_tcp=True)
+    assert _staging_line("device", True, over_tcp, True).startswith("on: plain CuPy results of 64.00 kiB or more")
+    assert _staging_line("device", False, over_tcp, True) == "off: CuPy is not installed"
+    assert _staging_line("host", True, 0, True) == "off: a host pool stages no CuPy results"
+    assert _staging_line("device", True, 0, True) == "off: gpupool.stage-threshold is 0"
