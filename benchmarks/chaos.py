@@ -25,7 +25,7 @@ Reported:
 - per worker name, fds, sockets, leases, held imports and pool bytes after a
   warm-up at the start and after a quiet period at the end.
 
-Writes JSON to ``benchmarks/results/chaos-*.json`` (and ``$OUT``).
+Writes JSON to ``chaos-*.json`` in ``$BENCH_RESULTS`` (default ``benchmarks/results/``) and ``$OUT``.
 
     python benchmarks/chaos.py [--seconds 600] [--workers 4] [--gpus -1] [--values pool,plain,forwarded]
 """
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import random
 import signal
@@ -51,6 +50,8 @@ from dask_gpupool import testing as T
 from dask_gpupool.memory.topology import local_devices
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.dirname(__file__))
+import handoff as H
 
 MiB = 1 << 20
 
@@ -393,13 +394,7 @@ def main() -> None:
             stopped_seconds=round(chaos.stopped_seconds, 1),
             events=chaos.events,
         )
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    text = json.dumps(result, indent=1, default=str)
-    for folder in (os.path.join(os.path.dirname(__file__), "results"), os.environ.get("OUT")):
-        if folder:
-            os.makedirs(folder, exist_ok=True)
-            with open(os.path.join(folder, f"chaos-{stamp}.json"), "w") as f:
-                f.write(text)
+    H.save_json("chaos", result)
     print(f"\nchaos: {kind} pools, {args.workers} workers on {gpus or 'no'} GPU(s), {result['seconds']} s")
     print(
         f"rounds {result['rounds']}, handoffs checked {result['checks']}, kills {result['kills']}, "

@@ -13,7 +13,7 @@ Two measurements on real Nanny workers (``host`` pools without a GPU,
    handoffs per second (imports counted by the workers themselves) and each
    worker's RSS, fds, sockets, leases and pool bytes at the start and the end.
 
-Writes JSON to ``benchmarks/results/`` (and ``$OUT``) and prints a summary.
+Writes JSON to ``$BENCH_RESULTS`` (default ``benchmarks/results/``) and ``$OUT`` and prints a summary.
 
     python benchmarks/load.py [--leases 10000] [--workers 4] [--seconds 60]
 """
@@ -21,7 +21,6 @@ Writes JSON to ``benchmarks/results/`` (and ``$OUT``) and prints a summary.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -37,6 +36,8 @@ from dask_gpupool import testing as T
 from dask_gpupool.memory.topology import local_devices
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.dirname(__file__))
+import handoff as H
 
 
 def rss(dask_worker: Any) -> int:
@@ -237,12 +238,7 @@ def main() -> None:
             f"logs emptied ({e['dask_logs']})",
             flush=True,
         )
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    for d in (os.path.join(os.path.dirname(__file__), "results"), os.environ.get("OUT")):
-        if d:
-            os.makedirs(d, exist_ok=True)
-            with open(os.path.join(d, f"load-{stamp}.json"), "w") as f:
-                json.dump(result, f, indent=1, default=str)
+    H.save_json("load", result)
 
 
 if __name__ == "__main__":

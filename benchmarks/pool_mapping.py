@@ -4,7 +4,7 @@ Runs two Nanny workers per placement (same GPU; one per GPU with rotated
 CUDA_VISIBLE_DEVICES when two GPUs are visible; host pools otherwise) and
 times, inside the importing worker, the first mapping of the peer's pool and
 the import of one allocation per size (median of repeats). Prints a table and
-writes JSON to benchmarks/results/ (and $OUT when set).
+writes JSON to $BENCH_RESULTS (default benchmarks/results/) and $OUT when set.
 
     python benchmarks/pool_mapping.py [--repeats 5]
     python benchmarks/pool_mapping.py --large   # single imports of 5-8 GiB, content checked
@@ -18,7 +18,6 @@ imports it, checks every byte on its own GPU, and releases it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -33,6 +32,9 @@ from dask_gpupool.dask.api import current_service
 from dask_gpupool.memory.topology import local_devices
 from dask_gpupool.testing import memory as held_buffers
 from dask_gpupool.wire.handoff import BufferDescriptor
+
+sys.path.insert(0, os.path.dirname(__file__))
+import handoff as H
 
 MiB = 1 << 20
 
@@ -181,11 +183,7 @@ def main() -> None:
     except Exception:
         pass
     out = {"meta": meta, "runs": runs}
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    for d in filter(None, [os.path.join(os.path.dirname(__file__), "results"), os.environ.get("OUT")]):
-        os.makedirs(d, exist_ok=True)
-        with open(os.path.join(d, f"pool_mapping-{stamp}.json"), "w") as f:
-            json.dump(out, f, indent=1)
+    H.save_json("pool_mapping", out)
     if args.large:
         print(f"\n{'placement':10} {'size':>8} {'import':>10}  result")
         for r in runs:
