@@ -421,30 +421,55 @@ def test_dask_cuda_local_cuda_cluster_hands_over_across_gpus():
             back_to(c, baseline)
 
 
+def dask_cuda_cluster(placement: str, **options: Any) -> Any:
+    """dask-cuda's ``LocalCUDACluster`` with two workers: one per GPU (``two-gpus``, dask-cuda's own layout), or
+    both on GPU 0 (``one-gpu``: dask-cuda names each worker after its GPU and makes one per GPU, so the second is
+    a twin of the first's spec, with the same ``CUDA_VISIBLE_DEVICES``, RMM set-up and spilling, added to the
+    cluster's ``worker_spec`` the way ``SpecCluster.scale`` adds one)."""
+    import copy
+
+    import dask_cuda
+
+    if placement == "two-gpus":
+        return dask_cuda.LocalCUDACluster(n_workers=2, threads_per_worker=1, dashboard_address=":0", **options)
+    cluster = dask_cuda.LocalCUDACluster(
+        CUDA_VISIBLE_DEVICES="0", n_workers=1, threads_per_worker=1, dashboard_address=":0", **options
+    )
+    try:
+        (name, spec), *_ = cluster.worker_spec.items()
+        cluster.worker_spec[f"{name}-twin"] = copy.deepcopy(spec)
+        cluster.sync(cluster._correct_state)
+        cluster.wait_for_workers(2, timeout=60)
+    except BaseException:
+        cluster.close()
+        raise
+    return cluster
+
+
+@pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
 @pytest.mark.parametrize(
     "rmm_options",
     [{}, {"rmm_pool_size": "1GiB"}, {"rmm_async": True}, {"rmm_managed_memory": True}],
     ids=["no-rmm", "rmm-pool", "rmm-async", "rmm-managed"],
 )
-def test_dask_cuda_rmm_options_meet_the_plugin_at_its_defaults(rmm_options):
+def test_dask_cuda_rmm_options_meet_the_plugin_at_its_defaults(rmm_options, placement):
     """Issue 18, dask-cuda's RMM combinations: LocalCUDACluster with each RMM option (a pool, the async allocator,
-    managed memory, none), the plugin registered at its defaults. dask-cuda's allocator stays (stats() says why); an
-    8 MiB plain CuPy array, made by whatever dask-cuda set up, reaches the other GPU's worker staged into the pool
-    and handed over (staged-in-pool: managed memory cannot be exported, its bytes are copied on the GPU), with the
-    right values and 0 bytes through the comm."""
-    gpus(2)
-    dask_cuda = pytest.importorskip("dask_cuda")
+    managed memory, none), the plugin registered at its defaults, two workers on one GPU or one per GPU. dask-cuda's
+    allocator stays (stats() says why); an 8 MiB plain CuPy array, made by whatever dask-cuda set up, reaches the
+    other worker staged into the pool and handed over (staged-in-pool: managed memory cannot be exported, its bytes
+    are copied on the GPU), with the right values and 0 bytes through the comm; no lease and no staged bytes left."""
+    gpus(2 if placement == "two-gpus" else 1)
+    pytest.importorskip("dask_cuda")
     if rmm_options:
         pytest.importorskip("rmm")
     import numpy as np
     from distributed import Client
 
-    with (
-        dask_cuda.LocalCUDACluster(n_workers=2, threads_per_worker=1, dashboard_address=":0", **rmm_options) as cluster,
-        Client(cluster) as c,
-    ):
+    with dask_cuda_cluster(placement, **rmm_options) as cluster, Client(cluster) as c:
         c.register_plugin(GPUPool(kind="device", max_size="1 GiB", segment_size="256 MiB"))
         a, b = worker_addresses(c)
+        rows = {r.worker: r for r in dask_gpupool.pools(c)}
+        assert (rows[a].device == rows[b].device) == (placement == "one-gpu"), rows
         why = dask_gpupool.stats(c)[a]["routing"]["cupy"]
         assert why.startswith("off (auto)"), why
         before = c.run(T.handoff_counters)
@@ -457,6 +482,8 @@ def test_dask_cuda_rmm_options_meet_the_plugin_at_its_defaults(rmm_options):
         assert now[b]["zero_copy_bytes"] - before[b]["zero_copy_bytes"] == 8 * MiB, now[b]
         assert now[b]["copied_bytes"] == before[b]["copied_bytes"], now[b]
         del x, y
+        wait_for(lambda: c.run(T.handoff_counters, workers=[a])[a]["leases"] == 0, what="the leases to end")
+        assert c.run(T.handoff_counters, workers=[a])[a]["used"] == before[a]["used"]
 
 
 def test_rmm_allocator_hands_plain_cupy_and_rmm_buffers_over_without_staging():
