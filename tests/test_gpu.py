@@ -389,38 +389,6 @@ def test_stress_with_segments_two_gpus():
         assert seen["zero_copy_bytes"] > 0 and seen["copied_bytes"] == 0, seen
 
 
-def test_dask_cuda_local_cuda_cluster_hands_over_across_gpus():
-    """dask-cuda's own cluster (one worker per GPU, CUDA_VISIBLE_DEVICES rotated) with the plugin registered."""
-    gpus(2)
-    dask_cuda = pytest.importorskip("dask_cuda")
-    from distributed import Client
-
-    # handoff_threshold 0: the warm-up's 4 KiB handoffs open the links that the baseline counts; peer_gpu_copy off:
-    # this test checks the mapping across GPUs
-    plugin = GPUPool(
-        kind="device",
-        max_size="1 GiB",
-        segment_size="256 MiB",
-        peer_gpu_handoff=True,
-        handoff_threshold=0,
-        peer_gpu_copy=False,
-    )
-    with dask_cuda.LocalCUDACluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cluster:
-        with Client(cluster) as c:
-            c.register_plugin(plugin)
-            a, b = worker_addresses(c)
-            rows = {r.worker: r for r in dask_gpupool.pools(c)}
-            assert rows[a].device != rows[b].device, "dask-cuda gives each worker its own GPU"
-            baseline = warm_up(c, a, b)
-            x = c.submit(T.fill, 32 * MiB, 9, workers=[a], pure=False)
-            y = c.submit(T.keep, x, workers=[b], pure=False)
-            assert c.submit(T.describe, y, workers=[b], pure=False).result()["imported"]
-            assert c.submit(T.all_equal, y, 9, workers=[b], pure=False).result()
-            assert c.run(T.handoff_counters, workers=[b])[b]["zero_copy_bytes"] >= 32 * MiB
-            del x, y
-            back_to(c, baseline)
-
-
 def dask_cuda_cluster(placement: str, **options: Any) -> Any:
     """dask-cuda's ``LocalCUDACluster`` with two workers: one per GPU (``two-gpus``, dask-cuda's own layout), or
     both on GPU 0 (``one-gpu``: dask-cuda names each worker after its GPU and makes one per GPU, so the second is
@@ -444,6 +412,41 @@ def dask_cuda_cluster(placement: str, **options: Any) -> Any:
         cluster.close()
         raise
     return cluster
+
+
+@pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
+def test_dask_cuda_local_cuda_cluster_hands_over(placement):
+    """dask-cuda's own cluster with the plugin registered: one worker per GPU (CUDA_VISIBLE_DEVICES rotated), or two
+    workers on GPU 0. A 32 MiB pool buffer reaches the other worker zero-copy with the right bytes, and every
+    worker's leases, mappings and pool bytes are back to the warm-up's after."""
+    gpus(2 if placement == "two-gpus" else 1)
+    pytest.importorskip("dask_cuda")
+    from distributed import Client
+
+    # handoff_threshold 0: the warm-up's 4 KiB handoffs open the links that the baseline counts; peer_gpu_copy off:
+    # this test checks the mapping across GPUs
+    plugin = GPUPool(
+        kind="device",
+        max_size="1 GiB",
+        segment_size="256 MiB",
+        peer_gpu_handoff=True,
+        handoff_threshold=0,
+        peer_gpu_copy=False,
+    )
+    with dask_cuda_cluster(placement) as cluster, Client(cluster) as c:
+        c.register_plugin(plugin)
+        a, b = worker_addresses(c)
+        rows = {r.worker: r for r in dask_gpupool.pools(c)}
+        # dask-cuda gives each worker its own GPU; the twins share GPU 0
+        assert (rows[a].device == rows[b].device) == (placement == "one-gpu"), rows
+        baseline = warm_up(c, a, b)
+        x = c.submit(T.fill, 32 * MiB, 9, workers=[a], pure=False)
+        y = c.submit(T.keep, x, workers=[b], pure=False)
+        assert c.submit(T.describe, y, workers=[b], pure=False).result()["imported"]
+        assert c.submit(T.all_equal, y, 9, workers=[b], pure=False).result()
+        assert c.run(T.handoff_counters, workers=[b])[b]["zero_copy_bytes"] >= 32 * MiB
+        del x, y
+        back_to(c, baseline)
 
 
 @pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
