@@ -1023,12 +1023,14 @@ def test_handoff_threshold_auto_hands_small_pool_arrays_to_a_worker_on_the_same_
         wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="the leases to end")
 
 
-def test_every_pair_of_two_hosts_of_two_gpus_over_ucxx_hands_over_or_sends_device_frames():
-    """Issue 19, UCX clusters: four workers that look like two hosts of two GPUs (gpupool.host-id), w0 and w2 on
-    GPU 0, w1 and w3 on GPU 1. For every ordered pair an 8 MiB pool array made on the first reaches a task on the
-    second with the right values: the same-"host" pair as a descriptor (zero-copy), the other-"host" pairs as
-    device frames that UCX moves GPU to GPU, none as a host copy; every byte counted on its path."""
-    gpus(2)
+@pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
+def test_every_pair_of_two_hosts_over_ucxx_hands_over_or_sends_device_frames(placement):
+    """Issue 19, UCX clusters: four workers that look like two hosts (gpupool.host-id) of two GPUs, w0 and w2 on
+    GPU 0, w1 and w3 on GPU 1 (``two-gpus``), or all four on GPU 0 (``one-gpu``). For every ordered pair an 8 MiB
+    pool array made on the first reaches a task on the second with the right values: the same-"host" pair as a
+    descriptor (zero-copy), the other-"host" pairs as device frames that UCX moves GPU to GPU, none as a host copy;
+    every byte counted on its path, and no lease left."""
+    gpus(2 if placement == "two-gpus" else 1)
     pytest.importorskip("distributed_ucxx")
     import dask
     import numpy as np
@@ -1037,7 +1039,7 @@ def test_every_pair_of_two_hosts_of_two_gpus_over_ucxx_hands_over_or_sends_devic
     hosts = ["host-a", "host-a", "host-b", "host-b"]
     workers = [
         {"env": {"CUDA_VISIBLE_DEVICES": v}, "protocol": "ucxx", "config": {"gpupool": {"host-id": h}}}
-        for h, v in zip(hosts, ["0,1", "1,0", "0,1", "1,0"], strict=True)
+        for h, v in zip(hosts, ["0,1", "1,0", "0,1", "1,0"] if placement == "two-gpus" else ["0"] * 4, strict=True)
     ]
     plugin = GPUPool(kind="device", max_size="1 GiB", peer_gpu_handoff=True)
     total = float(np.arange(1 << 20).sum())
