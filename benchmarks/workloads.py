@@ -281,14 +281,18 @@ def run(workers: list[dict[str, Any]], method: str, todo: list[str], args: argpa
             _, dask_before = _seconds_since(c, {})
             samples, values = [], []
             ab: dict[str, list[float]] = {"on": [], "off": []}
+            ab_dask: dict[str, dict[str, float]] = {"on": {}, "off": {}}  # Dask's metrics of each side's timed runs
             for i in range(args.repeats + 1):
                 if method.endswith(AB):  # both ways back to back, the order alternating
                     for side in ("on", "off") if i % 2 else ("off", "on"):
                         c.run(_set_hooks, off=[] if side == "on" else ["get_data", "serializers"])
+                        _, side_before = _seconds_since(c, {})
                         t0 = time.perf_counter()
                         values = [float(v) for v in c.compute(WORKLOADS[name](x, args.chunk), sync=True)]
                         if i:
                             ab[side].append(time.perf_counter() - t0)
+                            for k, v in _seconds_since(c, side_before)[0].items():
+                                ab_dask[side][k] = ab_dask[side].get(k, 0.0) + v
                     c.run(_set_hooks, off=[])
                     samples = ab["on"]
                     continue
@@ -335,11 +339,26 @@ def run(workers: list[dict[str, Any]], method: str, todo: list[str], args: argpa
             if timings:  # mean (and median, from the histograms) per step over every handoff of the repeats
                 print(f"   {'':14} {'':12} steps: {steps_line(timings)}", flush=True)
             if ab["off"]:
-                out[name]["ab"] = ab
+                out[name]["ab"] = {**ab, "dask_s": ab_dask}
                 print(
                     f"   {'':14} {'':12} ab: on {statistics.median(ab['on']) * 1e3:.1f} ms, off "
                     f"{statistics.median(ab['off']) * 1e3:.1f} ms, on faster in "
                     f"{sum(a < b for a, b in zip(ab['on'], ab['off'], strict=True))} of {len(ab['on'])} pairs",
+                    flush=True,
+                )
+                # Dask's metrics per run of each side (ms, summed over the workers), where they differ most
+                n = len(ab["on"])
+                diff = {
+                    k: (ab_dask["on"].get(k, 0.0) - ab_dask["off"].get(k, 0.0)) / n
+                    for k in {*ab_dask["on"], *ab_dask["off"]}
+                }
+                top = sorted(diff, key=lambda k: -abs(diff[k]))[:5]
+                print(
+                    f"   {'':14} {'':12} ab dask on/off: "
+                    + ", ".join(
+                        f"{k} {ab_dask['on'].get(k, 0.0) / n * 1e3:.1f}/{ab_dask['off'].get(k, 0.0) / n * 1e3:.1f}"
+                        for k in top
+                    ),
                     flush=True,
                 )
     return out
