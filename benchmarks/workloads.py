@@ -409,6 +409,9 @@ def main() -> None:
     if args.layouts:
         places = {k: v for k, v in places.items() if k in args.layouts.split(",")}
     methods = [m for m in args.methods.split(",") if m]
+    hookless = [m for m in methods if "gpupool" not in m and m.endswith((NO_HOOKS, BARE, GONE, AB))]
+    if hookless:
+        p.error(f"{', '.join(hookless)}: {NO_HOOKS}, {BARE}, {GONE} and {AB} switch the plugin's hooks (gpupool only)")
     raw: dict[tuple[str, str], list[Any]] = {}
     for layout, workers in places.items():
         for r in range(args.rounds):
