@@ -33,7 +33,8 @@ with ``-nohooks`` after it (``ucxx+gpupool-nohooks``): the plugin's ``get_data``
 swapped for distributed's own once it is registered, what the rest of the plugin costs; or ``-bare``: every
 worker-side hook undone, only its pool, broker and copy server running; or ``-gone``: its worker plugin
 unregistered again (what stays behind in the processes); or ``-ab``: one cluster, every repeat run with the hooks
-in place and without them, back to back (``ab:`` lines, ``ab_rounds`` in the JSON). Layouts on a
+in place and without them, back to back, the two sides alternating run by run (``ab:`` lines, ``ab_rounds`` in the
+JSON). Layouts on a
 GPU machine: ``two-per-gpu`` and ``one-per-gpu``; two workers without a GPU.
 
 JSON rows ``{workload, layout, method, median_s, copied_bytes, ...}`` go to
@@ -148,6 +149,15 @@ GONE = "-gone"
 #: twentieth session: one cluster's every workload 10% slower or faster than another's of the same method). Its row's
 #: time is the ``on`` side's, its bytes those of both sides' runs; :func:`_print_ab` prints the pairs.
 AB = "-ab"
+#: ``-ab``'s order: the sides strictly alternate run by run (on, off, on, off, ...; off first in odd rounds), so that
+#: no two runs in a row are of one side. Until 2026-11-24 06:30 each pair reversed the last one's order (off-on,
+#: on-off, off-on, ...): a cluster's sixth and seventh runs of its first workload were then both ``on``, and in each
+#: of 23 new UCX clusters on one H100 (four calls) the slower of the two took 1.85-3.7x the median of the cluster's
+#: other runs (elementwise: on [105, 215, 215] against off [222, 108, 93] ms,
+#: ``workloads-20261124-060452-h100x1-ucx-ab-defaults.json``), which made the plugin's hooks look 1.9x slower with
+#: three pairs and 1.0x with five. Alternating runs put the sixth and
+#: seventh on both sides, which tells a transient of a new cluster from a cost of one side.
+AB_ORDER = "alternating runs"
 
 
 def _bare(dask_worker: Any = None) -> None:
@@ -251,7 +261,9 @@ def _in_bands(c: Any, x: Any) -> Any:
     )
 
 
-def run(workers: list[dict[str, Any]], method: str, todo: list[str], args: argparse.Namespace, gpu: bool) -> Any:
+def run(
+    workers: list[dict[str, Any]], method: str, todo: list[str], args: argparse.Namespace, gpu: bool, round_: int = 0
+) -> Any:
     setup = method_setup(method, len(local_devices().uuids))
     if setup is None:
         return None
@@ -283,8 +295,8 @@ def run(workers: list[dict[str, Any]], method: str, todo: list[str], args: argpa
             ab: dict[str, list[float]] = {"on": [], "off": []}
             ab_dask: dict[str, dict[str, float]] = {"on": {}, "off": {}}  # Dask's metrics of each side's timed runs
             for i in range(args.repeats + 1):
-                if method.endswith(AB):  # both ways back to back, the order alternating
-                    for side in ("on", "off") if i % 2 else ("off", "on"):
+                if method.endswith(AB):  # both ways back to back, every run the other side (AB_ORDER)
+                    for side in ("on", "off") if round_ % 2 == 0 else ("off", "on"):
                         c.run(_set_hooks, off=[] if side == "on" else ["get_data", "serializers"])
                         _, side_before = _seconds_since(c, {})
                         t0 = time.perf_counter()
@@ -417,7 +429,7 @@ def main() -> None:
         for r in range(args.rounds):
             for method in methods[r % len(methods) :] + methods[: r % len(methods)]:  # each round starts one later
                 print(f"-- {layout}, round {r}, {method}", flush=True)
-                raw.setdefault((layout, method), []).append(run(workers, method, todo, args, gpus > 0))
+                raw.setdefault((layout, method), []).append(run(workers, method, todo, args, gpus > 0, r))
     rows = []
     for (layout, method), rounds in raw.items():
         if any(r is None for r in rounds):
