@@ -383,10 +383,10 @@ class PoolOptions:
         ``same_gpu`` over TCP it is also the lowest for any requester.
 
         ``auto`` stages nothing over UCX: UCX already copies the array GPU to GPU, and with each workload run
-        both ways back to back in one cluster (one H100, docs/performance.md "The plugin's path and the comm's in
-        one cluster") staging from 4 MiB was no faster on any workload and slower on elementwise (1.12-1.22x over
-        30 pairs), although it beat UCX's copy per transfer in an idle cluster. A threshold the user sets holds
-        over every comm."""
+        both ways in one cluster, alternating run by run (one H100, docs/performance.md "Twenty-first session on
+        one H100"), staging from 4 MiB was 0.97-1.02x UCX's copy on seven workloads and 0.92x on one (elementwise,
+        11 of 16 pairs): no gain that one call's spread does not cover, for pool memory that UCX does not need.
+        A threshold the user sets holds over every comm."""
         if self.stage_threshold is not None:
             return self.stage_threshold
         if kind != "device" or not over_tcp:
