@@ -148,16 +148,16 @@ GONE = "-gone"
 #: in alternating order: the plugin's path against the comm's without the noise between clusters (call 7 of the
 #: twentieth session: one cluster's every workload 10% slower or faster than another's of the same method). Its row's
 #: time is the ``on`` side's, its bytes those of both sides' runs; :func:`_print_ab` prints the pairs.
+#:
+#: The sides alternate run by run (on, off, on, off, ...; off first in odd rounds), so no two runs in a row are of
+#: one side. Until 5b660da each pair reversed the last one's order (off-on, on-off, off-on, ...), which put a new
+#: cluster's sixth and seventh runs of its first workload both on ``on``; in each of 23 new UCX clusters on one H100
+#: (four calls) the slower of the two took 1.85-3.7x the median of the cluster's other runs (elementwise: on [105,
+#: 215, 215] against off [222, 108, 93] ms, ``workloads-20261124-060452-h100x1-ucx-ab-defaults.json``), which made
+#: the plugin's hooks look 1.9x slower with three pairs and 1.0x with five. With alternating runs the slow sixth run
+#: fell on either side (``workloads-20261124-062514-h100x1-ucx-ab-alternating.json``): a transient of a new
+#: cluster, not a cost of one side.
 AB = "-ab"
-#: ``-ab``'s order: the sides strictly alternate run by run (on, off, on, off, ...; off first in odd rounds), so that
-#: no two runs in a row are of one side. Until 2026-11-24 06:30 each pair reversed the last one's order (off-on,
-#: on-off, off-on, ...): a cluster's sixth and seventh runs of its first workload were then both ``on``, and in each
-#: of 23 new UCX clusters on one H100 (four calls) the slower of the two took 1.85-3.7x the median of the cluster's
-#: other runs (elementwise: on [105, 215, 215] against off [222, 108, 93] ms,
-#: ``workloads-20261124-060452-h100x1-ucx-ab-defaults.json``), which made the plugin's hooks look 1.9x slower with
-#: three pairs and 1.0x with five. Alternating runs put the sixth and
-#: seventh on both sides, which tells a transient of a new cluster from a cost of one side.
-AB_ORDER = "alternating runs"
 
 
 def _bare(dask_worker: Any = None) -> None:
@@ -295,7 +295,7 @@ def run(
             ab: dict[str, list[float]] = {"on": [], "off": []}
             ab_dask: dict[str, dict[str, float]] = {"on": {}, "off": {}}  # Dask's metrics of each side's timed runs
             for i in range(args.repeats + 1):
-                if method.endswith(AB):  # both ways back to back, every run the other side (AB_ORDER)
+                if method.endswith(AB):  # both ways back to back, every run the other side (see AB)
                     for side in ("on", "off") if round_ % 2 == 0 else ("off", "on"):
                         c.run(_set_hooks, off=[] if side == "on" else ["get_data", "serializers"])
                         _, side_before = _seconds_since(c, {})
