@@ -448,6 +448,7 @@ def main() -> None:
                     "fallbacks": per[-1]["fallbacks"],
                     "timings": per[-1]["timings"],
                     "rounds_s": [x["median_s"] for x in per],
+                    "samples_rounds": [x["samples"] for x in per],  # each round's timed runs, in order
                     "dask_s_rounds": [x["dask_s"] for x in per],  # Dask's metrics of each round's runs, summed
                     "ab_rounds": [x["ab"] for x in per if "ab" in x],  # -ab: each round's samples both ways
                     "values": per[0]["values"],
