@@ -156,7 +156,7 @@ GONE = "-gone"
 #: 215, 215] against off [222, 108, 93] ms, ``workloads-20261124-060452-h100x1-ucx-ab-defaults.json``), which made
 #: the plugin's hooks look 1.9x slower with three pairs and 1.0x with five. With alternating runs the slow sixth run
 #: fell on either side (``workloads-20261124-062514-h100x1-ucx-ab-alternating.json``): a transient of a new
-#: cluster, not a cost of one side.
+#: cluster, not a cost of one side; UCXX alone has it too (``…-065011-h100x1-ucx-new-cluster-transient.json``).
 AB = "-ab"
 
 
