@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Any
 
-from dask_gpupool.dask.views import as_array
+from dask_gpupool.dask.views import as_array, c_strides
 from dask_gpupool.dask.worker_internals import REQUEST, Request
 from dask_gpupool.errors import PoolExhaustedError
 from dask_gpupool.wire.handoff import HEADER_KEY, ArrayMeta
@@ -205,18 +205,12 @@ def stage(request: Request, arr: Any, module: str) -> tuple[dict[str, Any], list
 def _contiguous_strides(arr: Any) -> tuple[int, ...] | None:
     """The strides of a copy of ``arr``'s bytes, when its elements are exactly ``nbytes`` bytes from ``data.ptr``
     in C or Fortran order (so one memcpy copies it); ``None`` for any other layout."""
+    shape = tuple(arr.shape)
     if arr.flags.c_contiguous:
-        order = reversed(range(arr.ndim))
-    elif arr.flags.f_contiguous:
-        order = iter(range(arr.ndim))
-    else:
-        return None
-    strides = [0] * arr.ndim
-    step = arr.itemsize
-    for axis in order:
-        strides[axis] = step
-        step *= arr.shape[axis]
-    return tuple(strides)
+        return c_strides(shape, arr.dtype)
+    if arr.flags.f_contiguous:
+        return c_strides(shape[::-1], arr.dtype)[::-1]
+    return None
 
 
 def _default_stream_idle(device: int | None) -> bool:
