@@ -74,6 +74,7 @@ from distributed.protocol.serialize import families, register_serialization_fami
 from dask_gpupool.dask.worker_internals import REQUEST
 from dask_gpupool.errors import DataLostError, GPUPoolError, ProtocolError
 from dask_gpupool.handoff.deferred import fill_later, make_later
+from dask_gpupool.handoff.routing import TCP_SCHEMES
 
 if TYPE_CHECKING:
     from dask_gpupool.dask.worker_internals import Request
@@ -112,7 +113,7 @@ def _wanted(request: Request | None) -> bool:
         request is not None
         and request.service.options.device_objects
         and request.plain_reason == "not-in-pool"
-        and request.scheme in ("tcp", "tls")
+        and request.scheme in TCP_SCHEMES
         and request.service.pool.kind == "device"
         and request.requester is not None
     ):

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from dask_gpupool.dask.views import pool_buffer_of
 from dask_gpupool.errors import DataLostError
 from dask_gpupool.handoff.deferred import SENDER, abandon_all, collecting, resolve, run_fills
+from dask_gpupool.handoff.routing import TCP_SCHEMES
 from dask_gpupool.memory.host import peer_resident_bytes
 from dask_gpupool.wire.broker_leases import MAX_LEASES_PER_MESSAGE
 from dask_gpupool.wire.handoff import LEASE_QUERY_OP, LeaseQuery, LeaseQueryReply
@@ -91,7 +92,7 @@ class Request:
         if self.plain_reason is None or not nbytes:
             return
         reason = self.plain_reason
-        if reason == "not-in-pool" and self.scheme in ("tcp", "tls"):
+        if reason == "not-in-pool" and self.scheme in TCP_SCHEMES:
             reason = "small" if nbytes < self.service.stage_threshold(self.requester, self.scheme) else reason
         self.service.handoffs.fallback(str(self.requester), reason, self.service.record.worker)
 

@@ -57,6 +57,7 @@ from dask_gpupool.dask.worker_internals import (
     install_lease_query_handler,
 )
 from dask_gpupool.errors import PoolUnavailableError, ProtocolError
+from dask_gpupool.handoff.routing import TCP_SCHEMES
 from dask_gpupool.handoff.service import PoolService
 from dask_gpupool.memory.topology import current_gpu
 from dask_gpupool.ops import metrics as _metrics
@@ -381,7 +382,7 @@ def _listens_over_tcp(worker: Worker) -> bool:
     from distributed.comm import parse_address
 
     try:
-        return parse_address(worker.address)[0] in ("tcp", "tls")
+        return parse_address(worker.address)[0] in TCP_SCHEMES
     except Exception:
         return True  # the thresholds of TCP: staging only ever uses the pool's own memory
 

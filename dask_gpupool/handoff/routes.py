@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from dask_gpupool.config import PoolOptions
 from dask_gpupool.handoff.imported import Origin
 from dask_gpupool.handoff.registry import RegistryView
-from dask_gpupool.handoff.routing import HANDOFF_SCHEMES, Route, plain_copy_reason, route
+from dask_gpupool.handoff.routing import HANDOFF_SCHEMES, TCP_SCHEMES, Route, plain_copy_reason, route
 from dask_gpupool.handoff.stats import HandoffStats
 from dask_gpupool.memory.pool import Pool
 from dask_gpupool.wire.registry import PoolRecord
@@ -165,7 +165,7 @@ class Routes:
         size = nbytes if self.pool.kind == "device" else 0
         decision = self._route(self.record, requester, scheme, True, size, self.pool.vmm)
         row = decision.row if decision.reason is None else None
-        if row is not None and scheme not in ("tcp", "tls") and row.device != self.record.device:
+        if row is not None and scheme not in TCP_SCHEMES and row.device != self.record.device:
             return None
         return row
 
@@ -175,7 +175,7 @@ class Routes:
         Its ``auto`` depends on the comm and, over TCP or TLS, on whether the requester is on this pool's GPU
         (:meth:`PoolOptions.effective_stage_threshold <dask_gpupool.config.PoolOptions.effective_stage_threshold>`).
         """
-        over_tcp = scheme in ("tcp", "tls")
+        over_tcp = scheme in TCP_SCHEMES
         same_gpu = over_tcp and requester is not None and _on_gpu_of(self.registry.worker_row(requester), self.record)
         return self.options.effective_stage_threshold(self.record.kind, same_gpu, over_tcp)
 

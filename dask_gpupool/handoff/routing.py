@@ -16,11 +16,13 @@ from typing import NamedTuple
 
 from dask_gpupool.wire.registry import PoolRecord
 
-__all__ = ["HANDOFF_SCHEMES", "Route", "host_of", "plain_copy_reason", "route"]
+__all__ = ["HANDOFF_SCHEMES", "TCP_SCHEMES", "Route", "host_of", "plain_copy_reason", "route"]
 
+#: Comms whose frames go through host memory (Dask's TCP, and TLS over it); UCX carries device frames itself.
+TCP_SCHEMES = ("tcp", "tls")
 #: Comms over which a same-host worker gets IPC descriptors: the bytes of a descriptor travel in
 #: Dask's frames, so any comm that carries frames between processes would do; these are the ones tested.
-HANDOFF_SCHEMES = ("tcp", "tls", "ucx", "ucxx")
+HANDOFF_SCHEMES = (*TCP_SCHEMES, "ucx", "ucxx")
 
 
 class Route(NamedTuple):
@@ -102,7 +104,7 @@ def route(
         reason = "no-access"
     elif own.kind == "device" and 0 < import_limit < import_size:
         reason = "too-large"
-    elif nbytes < handoff_threshold and scheme in ("tcp", "tls"):
+    elif nbytes < handoff_threshold and scheme in TCP_SCHEMES:
         reason = "small"
     else:
         return Route(row, None)
