@@ -1148,15 +1148,17 @@ def test_a_staged_task_result_is_copied_after_its_own_kernel(placement):
         wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="the leases to end")
 
 
+@pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
 @pytest.mark.parametrize("kind", ["rmm", "numba"])
-def test_device_objects_go_frame_by_frame_over_tcp(kind):
+def test_device_objects_go_frame_by_frame_over_tcp(kind, placement):
     """Issue 18, every "cuda"-serialized object: an rmm.DeviceBuffer or a Numba device array of 8 MiB goes to a
     same-host worker over TCP as its device frame staged into the producer's pool and handed over (staged-in-pool),
     a 1 KiB one through the comm (small); the consumer rebuilds the same type with the right bytes, and keeps them
-    after the producer's key is gone and its pool scribbled over. At the defaults (device-objects on)."""
-    gpus(1)
+    after the producer's key is gone and its pool scribbled over. At the defaults (device-objects on); the consumer
+    on the same GPU, or on the other one (the frame read in place over NVLink or PCIe)."""
+    workers = layout_workers(placement)
     pytest.importorskip("numba.cuda" if kind == "numba" else "rmm")
-    with nanny_cluster([ONE_GPU, ONE_GPU], GPUPool(kind="device", max_size="1 GiB")) as c:
+    with nanny_cluster(workers, GPUPool(kind="device", max_size="1 GiB")) as c:
         a, b = worker_addresses(c)
         name = "DeviceBuffer" if kind == "rmm" else "DeviceNDArray"
         before = counters(c)
@@ -1176,19 +1178,21 @@ def test_device_objects_go_frame_by_frame_over_tcp(kind):
         del got
 
 
+@pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
 @pytest.mark.parametrize("ordering", ["sync", "event"])
 @pytest.mark.parametrize("kind", ["reads-on-arrival", "wants-rmm-frames"])
-def test_any_cuda_serialized_type_goes_frame_by_frame_and_is_read_only_after_its_claim(kind, ordering):
+def test_any_cuda_serialized_type_goes_frame_by_frame_and_is_read_only_after_its_claim(kind, ordering, placement):
     """Issue 18, every "cuda"-serialized object: a type distributed does not know (``T.DeviceRecord``, registered
     with ``cuda_serialize`` only) over a 16 MiB pool buffer that a producer kernel is still filling (300 ms spin)
     reaches a same-host worker over TCP zero-copy. Its deserializer sums the bytes on arrival, as a cuDF column's
     may read them, and the sum is right: the object's claims ran before it (and, with ``event`` ordering, after the
-    producer's kernel). A deserializer that wants ``rmm.DeviceBuffer`` frames gets copies, and the right bytes."""
-    gpus(1)
+    producer's kernel). A deserializer that wants ``rmm.DeviceBuffer`` frames gets copies, and the right bytes.
+    The consumer on the producer's GPU, or on the other one."""
+    workers = layout_workers(placement)
     if kind == "wants-rmm-frames":
         pytest.importorskip("rmm")
     plugin = GPUPool(kind="device", max_size="1 GiB", device_objects=True, handoff_ordering=ordering)
-    with nanny_cluster([ONE_GPU, ONE_GPU], plugin) as c:
+    with nanny_cluster(workers, plugin) as c:
         a, b = worker_addresses(c)
         baseline = warm_up(c, a, b)
         before = counters(c)
