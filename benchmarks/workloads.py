@@ -47,6 +47,8 @@ JSON rows ``{workload, layout, method, median_s, copied_bytes, ...}`` go to
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import platform
 import statistics
 import time
@@ -57,6 +59,7 @@ import dask.array as da
 from distributed import wait
 from handoff import (  # benchmarks/handoff.py (this directory is on sys.path when run as a script)
     cluster,
+    results_dirs,
     save_json,
     steps_line,
     steps_since,
@@ -413,7 +416,14 @@ def main() -> None:
         help="where the input's blocks live: columns in one band per worker (the same in every cluster), or wherever "
         "the scheduler puts them (before 2026-11-24 04:40)",
     )
+    p.add_argument("--replot", metavar="FILE", help="a JSON result to draw again (runs nothing)")
+    p.add_argument("--out", default="", help="with --replot: the PNG to write (default: beside the JSON)")
     args = p.parse_args()
+    if args.replot:
+        with open(args.replot) as f:
+            saved = json.load(f)
+        plot(saved["rows"], args.out or args.replot.removesuffix(".json") + ".png")
+        return
     gpus = len(local_devices().uuids)
     todo = [w for w in args.workloads.split(",") if w]
     unknown = set(todo) - set(WORKLOADS)
@@ -479,7 +489,46 @@ def main() -> None:
     )
     print("values agree across methods" if agree else "VALUES DIFFER between methods")
     out = {"host": platform.node(), "gpus": gpus, "args": vars(args), "rows": rows}
-    save_json("workloads", out)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    save_json("workloads", out, stamp)
+    for d in results_dirs():
+        if d:
+            plot(rows, os.path.join(d, f"workloads-{stamp}.png"))
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+    """Bars of each workload's median per method, one panel per layout; each round's median as a dot.
+
+    Nothing when matplotlib does not import (the GPU machine has none: ``--replot`` draws a saved JSON elsewhere).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    layouts_ = list(dict.fromkeys(r["layout"] for r in rows))
+    names = list(dict.fromkeys(r["workload"] for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    fig, axes = plt.subplots(len(layouts_), 1, figsize=(11, 3.6 * len(layouts_)), squeeze=False)
+    width = 0.8 / len(methods)
+    for ax, layout in zip(axes[:, 0], layouts_, strict=True):
+        cells = {(r["workload"], r["method"]): r for r in rows if r["layout"] == layout}
+        for i, method in enumerate(methods):
+            xs = [j + (i - (len(methods) - 1) / 2) * width for j in range(len(names))]
+            got = [cells.get((n, method)) for n in names]
+            ax.bar(xs, [c["median_s"] * 1e3 if c else 0 for c in got], width, label=method)
+            for x, c in zip(xs, got, strict=True):
+                if c:
+                    ax.plot([x] * len(c["rounds_s"]), [v * 1e3 for v in c["rounds_s"]], "k.", markersize=3)
+        ax.set_xticks(range(len(names)), names)
+        ax.set_ylabel("wall time, median (ms)")
+        ax.set_title(layout)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=8, ncol=len(methods))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
