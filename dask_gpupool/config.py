@@ -333,9 +333,10 @@ class PoolOptions:
         it is. On two H200s a kernel reading its operand from the other GPU
         ran 2.8-10x slower than from its own memory (a 2048^2 float64 matrix
         product 4.5x), where copying the 32 MiB operand took 0.1 ms
-        (``benchmarks/peer_read.py``, docs/performance.md). Off by default
-        until its GPU tests pass: its first GPU run failed (the copy ran in a
-        thread with no CUDA context), and the fix has not run on a GPU yet.
+        (``benchmarks/peer_read.py``, docs/performance.md). Off by default:
+        its GPU tests pass on two H200s, but on the ``dask.array`` workloads
+        (staged 32 MiB blocks) it was no faster than reading in place,
+        0.84-1.14x the default's wall time (docs/performance.md).
     switch_interval : float or None
         Seconds: the worker process's Python thread switch interval
         (:func:`sys.setswitchinterval`), set while the plugin runs and put
