@@ -230,11 +230,12 @@ def counters(client: Any, *workers: str) -> dict[str, dict[str, Any]]:
     return client.run(T.handoff_counters, workers=list(workers) or None)
 
 
-def warm_up(client: Any, a: str, b: str) -> dict[str, Any]:
-    """One handoff each way (opens links and mappings that then stay); returns the resource baseline."""
+def warm_up(client: Any, a: str, b: str, nbytes: int = 4096) -> dict[str, Any]:
+    """One handoff each way of an ``nbytes`` buffer (opens links and mappings that then stay); returns the resource
+    baseline, taken once the warm-up's leases ended and Dask forgot its values."""
     keys = []
     for src, dst in ((a, b), (b, a)):
-        x = client.submit(T.make_buffer, 4096, b"w", workers=[src], pure=False)
+        x = client.submit(T.make_buffer, nbytes, b"w", workers=[src], pure=False)
         client.submit(T.head, x, 1, workers=[dst], pure=False).result()
         keys.append(x.key)
         del x
