@@ -240,13 +240,18 @@ def warm_up(client: Any, a: str, b: str, nbytes: int = 4096) -> dict[str, Any]:
         keys.append(x.key)
         del x
     wait_for(lambda: all(c["leases"] == 0 for c in counters(client).values()), what="warm-up leases to end")
+    wait_forgotten(client, keys)
+    return client.run(T.resources)
 
-    def held(dask_worker: Any) -> list[str]:
+
+def wait_forgotten(client: Any, keys: list[Any]) -> None:
+    """Wait until no worker holds ``keys`` (released by the client). Dask forgets released keys asynchronously: a
+    resource baseline taken before would count their buffers."""
+
+    def held(dask_worker: Any) -> list[Any]:
         return [k for k in keys if k in dask_worker.data]
 
-    # Dask forgets the released keys asynchronously: a baseline taken before would count their buffers
-    wait_for(lambda: not any(client.run(held).values()), what="the warm-up values to be forgotten")
-    return client.run(T.resources)
+    wait_for(lambda: not any(client.run(held).values()), what="the released values to be forgotten")
 
 
 def back_to(client: Any, baseline: dict[str, Any], timeout: float = 60.0, workers: list[str] | None = None) -> None:

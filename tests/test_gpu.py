@@ -17,6 +17,7 @@ from conftest import (
     pid_of,
     stress,
     wait_for,
+    wait_forgotten,
     warm_up,
     worker_addresses,
 )
@@ -606,10 +607,12 @@ def test_handoff_copies_across_host_ids_on_gpus(landing):
             pytest.skip(f"vkgdr cannot run here: {why}")
         warm_up(c, a, b)
         # the first pull allocates the process's pinned staging, kept for the next ones
-        c.submit(
-            T.all_equal, c.submit(T.fill, 8 * MiB, 1, workers=[a], pure=False), 1, workers=[b], pure=False
-        ).result()
+        first = c.submit(T.fill, 8 * MiB, 1, workers=[a], pure=False)
+        c.submit(T.all_equal, first, 1, workers=[b], pure=False).result()
+        keys = [first.key]
+        del first
         wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="the warm-up pull's lease to end")
+        wait_forgotten(c, keys)
         baseline = c.run(T.resources)
         before = counters(c)
         x = c.submit(T.fill, 32 * MiB + 3, 7, workers=[a], pure=False)
