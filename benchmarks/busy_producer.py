@@ -1,14 +1,15 @@
 """Handoff latency while the producer's GPU is busy with another stream's kernels (issue 19, stream order).
 
-With ``gpupool.handoff-ordering: sync`` an exporter synchronizes its whole GPU before a descriptor goes out, so a
-handoff waits for every kernel the producer's process has queued, on any stream. With ``event`` it records an event
-on the default stream and its broker waits for that before acknowledging the consumer's claim: kernels of other
-streams are not waited for. This runs the handoff benchmark's pool-array handoff (two workers, one GPU or two)
-with and without a background thread on the producer that keeps a non-blocking stream busy with ``--spin-ms``
-kernels, for both orderings; median of ``--repeats`` after a warm-up. Needs a GPU and CuPy. JSON to
-``benchmarks/results/`` (and ``$OUT``).
+With ``gpupool.handoff-ordering: device`` an exporter synchronizes its whole GPU before a descriptor goes out, so a
+handoff waits for every kernel the producer's process has queued, on any stream. With ``sync`` (the default since the
+twenty-third session; before, ``sync`` was what ``device`` is now) it waits for the event recorded when Dask stored
+the task's result. With ``event`` its broker waits for that event before acknowledging the consumer's claim. Kernels
+of other streams are waited for by ``device`` only. This runs the handoff benchmark's pool-array handoff (two
+workers, one GPU or two) with and without a background thread on the producer that keeps a non-blocking stream busy
+with ``--spin-ms`` kernels, for each ordering; median of ``--repeats`` after a warm-up. Needs a GPU and CuPy. JSON
+to ``benchmarks/results/`` (and ``$OUT``).
 
-    python benchmarks/busy_producer.py [--sizes 1MiB,64MiB] [--spin-ms 20] [--repeats 7]
+    python benchmarks/busy_producer.py [--sizes 1MiB,64MiB] [--spin-ms 20] [--repeats 7] [--orderings sync,event,device]
 """
 
 from __future__ import annotations
@@ -59,13 +60,15 @@ def main() -> None:
     p.add_argument("--spin-ms", type=float, default=20.0)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--placements", default="same,other")
+    p.add_argument("--orderings", default="sync,event,device", help="gpupool.handoff-ordering values, in this order")
     args = p.parse_args()
     places = H.gpu_placements(args.placements)
     sizes = [int(parse_bytes(s)) for s in args.sizes.split(",")]
+    orderings = args.orderings.split(",")
     rows: list[dict[str, Any]] = []
     deadline = time.monotonic() + 3600
     for place, workers in places.items():
-        for ordering in ("sync", "event"):
+        for ordering in orderings:
             plugin = GPUPool(
                 kind="device", max_size="4 GiB", peer_gpu_handoff=place == "other" or None, handoff_ordering=ordering
             )
@@ -85,7 +88,7 @@ def main() -> None:
     print(f"consumer transfer time, median of {args.repeats} (ms); producer busy: {args.spin_ms:g} ms kernels")
     print(f"{'placement':<10}{'ordering':<9}{'load':<6}" + "".join(f"{s >> 20:>10} MiB" for s in sizes))
     for place in places:
-        for ordering in ("sync", "event"):
+        for ordering in orderings:
             for load in ("idle", "busy"):
                 got = {
                     r["nbytes"]: r["transfer_s"]

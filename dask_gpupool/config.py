@@ -286,23 +286,28 @@ class PoolOptions:
         default) means on with segments; :class:`~dask_gpupool.memory.pool.Pool`
         turns it off when the GPU cannot make VMM segments. Off, such
         transfers get copies, counted as fallback ``other-gpu``.
-    handoff_ordering : {"sync", "event"}
+    handoff_ordering : {"sync", "event", "device"}
         How an exporter makes sure the GPU work that wrote a buffer has
-        finished before a peer reads it. ``sync`` (the default): it
-        synchronizes its GPU before the descriptor goes out, which waits for
-        every kernel queued on any stream of the process, other tasks'
-        included. ``event``: it records a CUDA event on the legacy default
-        stream (on the staging copy's stream for a staged array) and sends the
-        descriptor at once; its broker waits for that event before it
-        acknowledges the consumer's claim, which the consumer waits for before
-        it reads. Work a task left on a non-blocking stream is then not
-        covered (as with distributed's UCX comm, which synchronizes the
-        default stream only), and the wait counts against the consumer's
-        ``broker-timeout``. Its GPU tests pass on one H100, where a handoff
-        from a producer whose other stream ran 20 ms kernels took 2.8 ms
-        with ``event`` and 17 ms with ``sync`` (docs/performance.md); it
-        stays off by default until it passes across two GPUs and the whole
-        suite at that default (docs/gpu-checks.md).
+        finished before a peer reads it. ``sync`` (the default): it waits
+        before the descriptor goes out. For a task result of its own (a pool
+        array, a pool Buffer, an array RMM placed in the pool) it waits for
+        the event it recorded on the legacy default stream when Dask stored
+        the result, which follows every blocking stream's earlier work, CuPy's
+        default included: kernels queued since, and other streams', are not
+        waited for. For anything else (a value whose event is not known) it
+        synchronizes its GPU, as for every value with ``device``, which also
+        covers work a task left on a non-blocking stream without waiting for
+        it (the only thing ``sync`` leaves out, as distributed's UCX comm,
+        which synchronizes the default stream only, does). ``event``: it
+        sends the descriptor at once; its broker waits for that event (or one
+        recorded on the legacy default stream at the export, on the staging
+        copy's stream for a staged array) before it acknowledges the
+        consumer's claim, which the consumer waits for before it reads: the
+        wait counts against the consumer's ``broker-timeout``, and the lease
+        is claimed over the broker, a round trip more than ``sync``. On one
+        H100 a handoff from a producer whose other stream ran 20 ms kernels
+        took 2.8 ms with ``event`` and 17 ms when the whole GPU was
+        synchronized (docs/performance.md).
     lease_claims : {"reply", "broker"}
         How an importer claims the lease of a handed-over buffer before it
         reads it. ``reply`` (the default): it holds the lease as soon as it
@@ -505,9 +510,9 @@ class PoolOptions:
         )
 
 
-#: ``gpupool.handoff-ordering``: synchronize the exporter's GPU before a descriptor goes out, or wait for an event
-#: recorded at the export before acknowledging the consumer's claim.
-ORDERINGS = ("sync", "event")
+#: ``gpupool.handoff-ordering``: wait before a descriptor goes out for the task's event (else the GPU), wait for an
+#: event before acknowledging the consumer's claim, or synchronize the exporter's whole GPU before every descriptor.
+ORDERINGS = ("sync", "event", "device")
 
 #: ``gpupool.lease-claims``: an importer holds a lease once it has the header (the reply's "OK" tells the exporter),
 #: or claims it over the exporter's broker first.

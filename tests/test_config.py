@@ -72,7 +72,7 @@ def test_config_values_and_overrides():
     assert PoolOptions.from_config(peer_gpu_handoff="false").peer_gpu_handoff is False
     assert options.peer_gpu_copy is False  # off until its GPU tests pass (docs/gpu-checks.md, twelfth session)
     assert PoolOptions.from_config(peer_gpu_copy="true").peer_gpu_copy is True
-    assert options.handoff_ordering == "sync"  # the exporter synchronizes its GPU before a descriptor goes out
+    assert options.handoff_ordering == "sync"  # the exporter waits (for the task's event, else its GPU) before sending
     assert options.device_objects is True  # "cuda"-serialized objects frame by frame to same-host workers
     assert PoolOptions.from_config(device_objects=False).device_objects is False
     assert options.switch_interval is None  # Python's own thread switch interval is left alone
@@ -82,6 +82,7 @@ def test_config_values_and_overrides():
         with pytest.raises(ConfigError, match=r"gpupool\.switch-interval"):
             PoolOptions.from_config(switch_interval=bad)
     assert PoolOptions.from_config(handoff_ordering="event").handoff_ordering == "event"
+    assert PoolOptions.from_config(handoff_ordering="device").handoff_ordering == "device"
     assert options.lease_claims == "reply"  # an importer holds a lease once deserialized; the "OK" tells the exporter
     assert PoolOptions.from_config(lease_claims="broker").lease_claims == "broker"
     assert options.tcp_landing == "auto"  # vkgdr where it runs (faster on an H100), pinned staging elsewhere

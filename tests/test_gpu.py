@@ -806,14 +806,15 @@ def layout_workers(layout: str) -> list[dict]:
     return ROTATED if layout == "two-gpus" else [ONE_GPU, ONE_GPU]
 
 
-@pytest.mark.parametrize("ordering", ["sync", "event"])
+@pytest.mark.parametrize("ordering", ["sync", "event", "device"])
 @pytest.mark.parametrize("layout", ["one-gpu", "two-gpus"])
 def test_a_consumer_never_reads_before_the_producers_kernel_wrote(layout, ordering):
     """Issue 19, stream order: the producer's task queues a kernel that spins 300 ms and then fills a 16 MiB pool
     buffer, and returns without waiting for it. The consumer on the same GPU or the other one reads every byte
-    right: with gpupool.handoff-ordering ``sync`` because the exporter synchronized first, with ``event`` because
-    its broker acknowledged the claim only after the event recorded at the export. With ``event`` the header says
-    so (``ready="claim"``), and the export itself did not wait for the kernel."""
+    right: with gpupool.handoff-ordering ``sync`` because the exporter waited for the event recorded when Dask
+    stored the task's result (step ``export-task-wait``), with ``device`` because it synchronized its GPU, with
+    ``event`` because its broker acknowledged the claim only after that event. With ``event`` the header says so
+    (``ready="claim"``), and the export itself did not wait for the kernel."""
     plugin = GPUPool(kind="device", max_size="1 GiB", peer_gpu_handoff=layout == "two-gpus", handoff_ordering=ordering)
     with nanny_cluster(layout_workers(layout), plugin) as c:
         a, b = worker_addresses(c)
@@ -823,9 +824,42 @@ def test_a_consumer_never_reads_before_the_producers_kernel_wrote(layout, orderi
             y = c.submit(T.keep, x, workers=[b], pure=False)
             assert c.submit(T.all_equal, y, 11 + i, workers=[b], pure=False).result(), (ordering, i)
             del x, y
-        export = counters(c, a)[a]["timings"]["export"]
+        timings = counters(c, a)[a]["timings"]
+        export = timings["export"]
         if ordering == "event":
             assert export["max_s"] < 0.2, export  # the 300 ms kernel was not waited for at the export
+        waits = timings.get("export-task-wait", {}).get("count", 0)
+        assert waits >= 3 if ordering == "sync" else waits == 0, timings
+        back_to(c, baseline)
+
+
+@pytest.mark.parametrize("ordering", ["sync", "device"])
+def test_a_sync_export_waits_for_its_tasks_event_not_for_another_streams_kernel(ordering):
+    """Issue 19, stream order without stalling the producer, at the default ordering: a task's 16 MiB pool result
+    is stored, then a later task leaves a 3 s kernel running on a non-blocking stream of the producer. With
+    gpupool.handoff-ordering ``sync`` the export waits for the result's own event only (step
+    ``export-task-wait``) and the consumer reads the right bytes while the kernel still runs; with ``device`` the
+    export synchronizes the whole GPU and so waits for the kernel. Two workers on one GPU."""
+    from distributed import wait
+
+    gpus(1)
+    plugin = GPUPool(kind="device", max_size="1 GiB", handoff_ordering=ordering)
+    with nanny_cluster([ONE_GPU, ONE_GPU], plugin) as c:
+        a, b = worker_addresses(c)
+        baseline = warm_up(c, a, b)
+        x = c.submit(T.fill, 16 * MiB, 5, workers=[a], pure=False)
+        wait(x)
+        busy = c.submit(T.spin, 3000, "nonblocking", workers=[a], pure=False)
+        wait(busy)  # its kernel queued on a non-blocking stream, still running
+        assert c.submit(T.all_equal, x, 5, workers=[b], pure=False).result()
+        timings = counters(c, a)[a]["timings"]
+        if ordering == "sync":
+            assert timings["export-task-wait"]["count"] >= 1, timings
+            assert timings["export"]["max_s"] < 1.0, timings  # the 3 s kernel was not waited for
+        else:
+            assert "export-task-wait" not in timings, timings
+            assert timings["export"]["max_s"] > 1.0, timings  # the whole GPU, the 3 s kernel with it
+        del x, busy
         back_to(c, baseline)
 
 

@@ -92,8 +92,9 @@ def in_segments(request: Request, arr: Any, module: str, threshold: int = 0) -> 
     if not (arr.flags.c_contiguous or arr.flags.f_contiguous):
         return False  # its extent is not its nbytes: staged instead
     meta = ArrayMeta(module, tuple(arr.shape), tuple(arr.strides), arr.dtype.str, 0)
+    event = request.task_event(arr)  # a task result of this worker: exported after its event only
     handed = request.service.export_range(
-        arr, int(arr.data.ptr), int(arr.nbytes), request.requester, request.scheme, meta
+        arr, int(arr.data.ptr), int(arr.nbytes), request.requester, request.scheme, meta, written_by=event
     )
     if isinstance(handed, bool):
         return handed

@@ -109,9 +109,10 @@ class GPUPool(SchedulerPlugin):
     peer_gpu_copy : bool, optional
         Copy a value handed over from another GPU into this worker's pool on
         arrival, device to device (``gpupool.peer-gpu-copy``).
-    handoff_ordering : {"sync", "event"}, optional
-        Synchronize the GPU before a descriptor goes out, or wait for an event
-        before acknowledging the consumer's claim (``gpupool.handoff-ordering``).
+    handoff_ordering : {"sync", "event", "device"}, optional
+        Wait for the task's event (else the GPU) before a descriptor goes out,
+        wait for it before acknowledging the consumer's claim, or synchronize
+        the whole GPU before every descriptor (``gpupool.handoff-ordering``).
     lease_claims : {"reply", "broker"}, optional
         Hold a lease once the descriptor is deserialized, or claim it over the
         exporter's broker first (``gpupool.lease-claims``).

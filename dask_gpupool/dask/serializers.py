@@ -108,7 +108,10 @@ def hand_over(request: Request, holder: Any, buf: Buffer, meta: ArrayMeta | None
     one this worker imported is passed on as its exporter's memory
     (:meth:`PoolService.forward <dask_gpupool.handoff.service.PoolService.forward>`:
     its resource knows its origin). The lease goes in ``request`` to be
-    settled when the reply ends. A same-host fallback is counted.
+    settled when the reply ends. A same-host fallback is counted. A task
+    result of this worker whose event is known is exported after that
+    event only (:meth:`Request.task_event
+    <dask_gpupool.dask.worker_internals.Request.task_event>`).
     """
     service = request.service
     origin = getattr(buf.memory_resource, "origin", None)
@@ -120,7 +123,7 @@ def hand_over(request: Request, holder: Any, buf: Buffer, meta: ArrayMeta | None
     row, _reason = service.plan(request.requester, request.scheme, buf)
     if row is None:
         return None
-    header = service.export_ipc(holder, buf, row, meta)
+    header = service.export_ipc(holder, buf, row, meta, written_by=request.task_event(holder))
     request.granted.append(header.lease)
     return header
 

@@ -10,7 +10,11 @@ the worker plugin records an event on the device's default stream when a
 task's CuPy result is stored (its ``transition`` hook, on the event loop,
 right after the task returned; the default stream follows every blocking
 stream's earlier work, CuPy's default included), and the staging copy runs on
-a stream of its own that waits for that event only.
+a stream of its own that waits for that event only. A task result over pool
+memory (a pool Buffer, an array over one, an array RMM placed in the pool)
+gets one too, whatever its size: its export waits for that event rather than
+for the whole GPU (``gpupool.handoff-ordering: sync``,
+:meth:`Exports._order <dask_gpupool.handoff.exports.Exports._order>`).
 
 Ownership: the table holds a weak reference to each result (never keeping
 it, or its device memory, alive) and a reference to its event, dropped when

@@ -72,6 +72,11 @@ class Request:
     #: Where the GPU work that made each of this worker's task results ends (``None``: not recorded here).
     task_events: TaskEvents | None = None
 
+    def task_event(self, value: Any) -> Any | None:
+        """The event after which no GPU work of the task that made ``value`` writes it, if ``value`` is a task
+        result of this worker whose event was recorded (:class:`TaskEvents`); else ``None``."""
+        return None if self.task_events is None else self.task_events.event_of(value)
+
     def revoke_since(self, granted: int, forwarded: int) -> None:
         """End the leases granted (and forwarded) for this reply after the first ``granted`` (``forwarded``):
         their headers will not be sent (a serializer gave up on the value and Dask tries its next family)."""

@@ -32,6 +32,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
+from cuda.core import Buffer
 from dask.utils import format_bytes
 from distributed import WorkerPlugin
 from distributed.core import Status
@@ -50,6 +51,7 @@ from dask_gpupool.core import (
 from dask_gpupool.dask import rmm_routing as _rmm
 from dask_gpupool.dask.device_objects import serializers_for
 from dask_gpupool.dask.task_events import TaskEvents, is_cupy_array
+from dask_gpupool.dask.views import pool_buffer_of
 from dask_gpupool.dask.worker_internals import (
     count_own_memory_only,
     fill_after_read,
@@ -59,7 +61,7 @@ from dask_gpupool.dask.worker_internals import (
 from dask_gpupool.errors import PoolUnavailableError, ProtocolError
 from dask_gpupool.handoff.routing import TCP_SCHEMES
 from dask_gpupool.handoff.service import PoolService
-from dask_gpupool.memory.topology import current_gpu
+from dask_gpupool.memory.topology import current_gpu, sleeping_event
 from dask_gpupool.ops import metrics as _metrics
 from dask_gpupool.ops.dashboard import STATS_INTERVAL, STATS_OP
 from dask_gpupool.wire.registry import Membership, RegistryUpdate
@@ -151,11 +153,10 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         over_tcp = _listens_over_tcp(worker)
         stage_threshold = options.effective_stage_threshold(service.pool.kind, same_gpu=True, over_tcp=over_tcp)
         service.routing["staging"] = _staging_line(service.pool.kind, has_cupy, stage_threshold, over_tcp)
-        if service.pool.kind == "device" and has_cupy and stage_threshold:
-            # only results large enough to be staged get an event
+        if service.pool.kind == "device" and has_cupy:
+            # results large enough to be staged, and pool memory (exported after its task's event only)
             self._task_events = TaskEvents(
-                _default_stream_recorder(service.pool.device),
-                wanted=lambda value: is_cupy_array(value) and int(value.nbytes) >= stage_threshold,
+                _default_stream_recorder(service.pool.device), wanted=_wants_event(service, stage_threshold)
             )
         self._get_data = install_get_data_hook(worker, service, serializers_for, self._task_events)
         install_lease_query_handler(worker, service)
@@ -404,10 +405,42 @@ def _staging_line(kind: str, has_cupy: bool, threshold: int, over_tcp: bool) -> 
 
 
 def _default_stream_recorder(device: int | None) -> Callable[[], Any]:
-    """``record()`` for :class:`TaskEvents`: a new cuda.core event (no timing, cuda.core's default) on GPU
-    ``device``'s default stream, now."""
+    """``record()`` for :class:`TaskEvents`: a new cuda.core event on GPU ``device``'s default stream, now.
+
+    Its ``sync()`` sleeps rather than spins (:func:`~dask_gpupool.memory.topology.sleeping_event`): with
+    ``gpupool.handoff-ordering: event`` the broker's helper thread waits on it for as long as the task's kernels run.
+    """
 
     def record() -> Any:
-        return current_gpu(device).default_stream.record()
+        return sleeping_event(current_gpu(device).default_stream)
 
     return record
+
+
+def _wants_event(service: PoolService, stage_threshold: int) -> Callable[[Any], bool]:
+    """Which stored task results get an event (:class:`TaskEvents`): CuPy arrays of ``stage_threshold`` bytes or
+    more (staged after it; 0: none for that reason), and any over this worker's pool memory, whatever its size (a
+    pool Buffer, an array over one, an array RMM placed in the pool's segments): their export waits for that event
+    rather than for the whole GPU (``gpupool.handoff-ordering: sync``)."""
+    pool = service.pool
+
+    def wanted(value: Any) -> bool:
+        if isinstance(value, Buffer):
+            return pool.owns(value)
+        if not is_cupy_array(value):
+            return False
+        nbytes = int(value.nbytes)
+        if stage_threshold and nbytes >= stage_threshold:
+            return True
+        if not nbytes:
+            return False
+        if pool_buffer_of(value) is not None:
+            return True
+        segmented = pool.segmented
+        return bool(
+            segmented is not None
+            and segmented.rmm_shared
+            and segmented.locate_range(int(value.data.ptr), nbytes) is not None
+        )
+
+    return wanted

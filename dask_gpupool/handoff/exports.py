@@ -90,6 +90,7 @@ class Exports:
         array: ArrayMeta | None,
         *,
         written_on: Any = None,
+        written_by: Any = None,
         desc: BufferDescriptor | None = None,
     ) -> HandoffHeader:
         """Grant ``row``'s worker a lease on ``buf`` and describe it.
@@ -102,10 +103,14 @@ class Exports:
         for it before it acknowledges the importer's claim (``ready="claim"``).
         ``written_on`` (a CuPy stream): the caller wrote ``buf`` itself on
         that stream (a staged copy), so only that stream's work counts.
+        ``written_by`` (a cuda.core event, owned by the caller's
+        :class:`~dask_gpupool.dask.task_events.TaskEvents`): ``holder`` is a
+        task result of this worker, and no GPU work of its task comes after
+        that event, so only the event counts (not with ``device``).
         """
         start = time.perf_counter()
         desc = self.pool.export(buf) if desc is None else desc  # given: memory RMM placed (export_range)
-        written = self._order(written_on)
+        written = self._order(written_on, written_by)
         # gpupool.lease-claims: reply. The importer holds the lease once it has the header, and the reply's "OK"
         # tells this worker (settle). Not with event ordering: there the broker's answer to a claim is the wait.
         by_reply = self.options.lease_claims == "reply" and written is None
@@ -129,24 +134,41 @@ class Exports:
             claim="reply" if by_reply else "broker",
         )
 
-    def _order(self, written_on: Any) -> Callable[[], None] | None:
+    def _order(self, written_on: Any, written_by: Any = None) -> Callable[[], None] | None:
         """Finish the GPU work that may still write an exported buffer, or mark it and return the wait for it.
 
-        ``sync``: the whole GPU is synchronized here (a task may have written
-        the buffer on any stream), or only ``written_on``; returns ``None``.
-        ``event``: an event is recorded on the legacy default stream (which
-        follows every blocking stream's earlier work, CuPy's default
-        included), or on ``written_on``; returns what waits for it, which the
-        broker runs before it acknowledges a claim
+        What may still write it: the work queued on ``written_on`` (a staged
+        copy's stream) when given; else, for a task result whose event is
+        known (``written_by``, recorded on the legacy default stream when
+        Dask stored it: it follows every blocking stream's earlier work,
+        CuPy's default included), the work before that event; else every
+        kernel of the process on the pool's GPU.
+
+        ``sync``: that work is finished here (``written_on`` synchronized,
+        ``written_by`` waited for, or the whole GPU synchronized); returns
+        ``None``. ``device``: the same, but always the whole GPU for a
+        value the caller did not write itself, so that work a task left on a
+        non-blocking stream is covered too (the ``sync`` of releases before
+        the task event). ``event``: an event is recorded on ``written_on``,
+        or ``written_by`` is the event, or one is recorded on the legacy
+        default stream; returns what waits for it, which the broker runs
+        before it acknowledges a claim
         (:meth:`ExportSide.unwritten <dask_gpupool.handoff.exporter.ExportSide.unwritten>`).
         Host pools have nothing to order.
         """
         device = self.pool.device
         if device is None and written_on is None:
             return None
-        if self.options.handoff_ordering == "sync":
+        ordering = self.options.handoff_ordering
+        if ordering != "event":
             if written_on is not None:
                 written_on.synchronize()
+            elif written_by is not None and ordering == "sync":
+                waiting = time.perf_counter()
+                if device is not None:
+                    current_gpu(device)  # the event's context current in this thread (an offload thread may not be)
+                written_by.sync()
+                self.handoffs.timed("export-task-wait", time.perf_counter() - waiting)
             else:
                 current_gpu(device).sync()
             return None
@@ -158,6 +180,8 @@ class Exports:
             event = cupy.cuda.Event(block=True, disable_timing=True)  # its wait sleeps, not spins
             event.record(written_on)
             done = event.synchronize
+        elif written_by is not None:
+            done = written_by.sync  # the task's own event (it sleeps: the worker plugin records blocking-sync ones)
         else:
             done = sleeping_event(current_gpu(device).default_stream).sync  # a cuda.core event
 
@@ -169,7 +193,15 @@ class Exports:
         return wait
 
     def export_range(
-        self, holder: Any, ptr: int, nbytes: int, requester: str | None, scheme: str, array: ArrayMeta | None
+        self,
+        holder: Any,
+        ptr: int,
+        nbytes: int,
+        requester: str | None,
+        scheme: str,
+        array: ArrayMeta | None,
+        *,
+        written_by: Any = None,
     ) -> HandoffHeader | bool:
         """Hand over ``nbytes`` at ``ptr`` if RMM placed them in this pool's segments (``gpupool.rmm-allocator``).
 
@@ -177,7 +209,7 @@ class Exports:
         holds it. Returns the header; ``False`` when the memory is in no
         segment of this pool (the caller treats it as an array outside the
         pool); ``True`` when it is but goes as a copy (the fallback is
-        counted here).
+        counted here). ``written_by``: as for :meth:`export_ipc`.
         """
         desc = self.pool.export_range(ptr, nbytes)
         if desc is None:
@@ -186,7 +218,7 @@ class Exports:
         if row is None:
             return True
         view = Buffer.from_handle(ptr, nbytes, owner=holder)
-        return self.export_ipc(holder, view, row, array, desc=desc)
+        return self.export_ipc(holder, view, row, array, written_by=written_by, desc=desc)
 
     def settle(self, leases: list[int], requester: str | None, ok: bool = False) -> list[int]:
         """The ``get_data`` reply that carried ``leases`` to ``requester`` ended (``ok``: its "OK" was read).

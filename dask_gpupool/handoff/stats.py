@@ -100,6 +100,8 @@ TIMED_STEPS = {
     "event recorded when the result was stored, not for the kernels queued since",
     "export": "describing a pool buffer and waiting for the GPU work that wrote it (a staged copy's stream, or the "
     "whole GPU), then granting its lease",
+    "export-task-wait": "the part of export spent waiting for the event recorded when the task result it hands "
+    "over was stored (gpupool.handoff-ordering: sync), in place of synchronizing the whole GPU",
     "import": "the consumer's side of a handoff: mapping the buffer (the peer's pool or segment, once), without "
     "its claim",
     "device-stage": "copying pool memory into memory UCX can export before it goes as device frames (another "

@@ -196,14 +196,17 @@ def plain_fill(nbytes: int, value: int) -> Any:
         return cupy.full(nbytes, value, dtype=cupy.uint8)
 
 
-def spin(spin_ms: float) -> int:
-    """Task: queue a kernel that spins ``spin_ms`` on CuPy's current stream and return at once (a worker whose GPU
-    is still busy with a later task when it answers a transfer)."""
+def spin(spin_ms: float, stream: str = "default") -> int:
+    """Task: queue a kernel that spins ``spin_ms`` on CuPy's current stream (``"default"``) or on a new non-blocking
+    stream (``"nonblocking"``) and return at once (a worker whose GPU is still busy with a later task, or with
+    another stream's work, when it answers a transfer)."""
     import cupy
 
     dummy = cupy.empty(1, dtype=cupy.uint8)
     kernel = cupy.RawKernel(_SLOW_FILL, "slow_fill")
-    kernel((1,), (32,), (dummy, cupy.int64(0), cupy.uint8(0), cupy.int64(int(spin_ms * 1e6))))
+    s = cupy.cuda.Stream(non_blocking=True) if stream == "nonblocking" else cupy.cuda.get_current_stream()
+    with s:
+        kernel((1,), (32,), (dummy, cupy.int64(0), cupy.uint8(0), cupy.int64(int(spin_ms * 1e6))))
     return 0
 
 
