@@ -833,13 +833,16 @@ def test_a_consumer_never_reads_before_the_producers_kernel_wrote(layout, orderi
         back_to(c, baseline)
 
 
+@pytest.mark.parametrize("value", ["buffer", "array"])
 @pytest.mark.parametrize("ordering", ["sync", "device"])
-def test_a_sync_export_waits_for_its_tasks_event_not_for_another_streams_kernel(ordering):
+def test_a_sync_export_waits_for_its_tasks_event_not_for_another_streams_kernel(ordering, value):
     """Issue 19, stream order without stalling the producer, at the default ordering: a task's 16 MiB pool result
-    is stored, then a later task leaves a 3 s kernel running on a non-blocking stream of the producer. With
-    gpupool.handoff-ordering ``sync`` the export waits for the result's own event only (step
-    ``export-task-wait``) and the consumer reads the right bytes while the kernel still runs; with ``device`` the
-    export synchronizes the whole GPU and so waits for the kernel. Two workers on one GPU."""
+    (a pool Buffer, or a CuPy array over one) is stored, then a later task leaves a 3 s kernel running on a
+    non-blocking stream of the producer. With gpupool.handoff-ordering ``sync`` the export waits for the result's
+    own event only (step ``export-task-wait``) and the consumer reads the right values while the kernel still
+    runs; with ``device`` the export synchronizes the whole GPU and so waits for the kernel. Two workers on one
+    GPU."""
+    import numpy as np
     from distributed import wait
 
     gpus(1)
@@ -847,11 +850,17 @@ def test_a_sync_export_waits_for_its_tasks_event_not_for_another_streams_kernel(
     with nanny_cluster([ONE_GPU, ONE_GPU], plugin) as c:
         a, b = worker_addresses(c)
         baseline = warm_up(c, a, b)
-        x = c.submit(T.fill, 16 * MiB, 5, workers=[a], pure=False)
+        if value == "buffer":
+            x = c.submit(T.fill, 16 * MiB, 5, workers=[a], pure=False)
+        else:
+            x = c.submit(T.make_array, 2 << 20, "cupy", workers=[a], pure=False)
         wait(x)
         busy = c.submit(T.spin, 3000, "nonblocking", workers=[a], pure=False)
         wait(busy)  # its kernel queued on a non-blocking stream, still running
-        assert c.submit(T.all_equal, x, 5, workers=[b], pure=False).result()
+        if value == "buffer":
+            assert c.submit(T.all_equal, x, 5, workers=[b], pure=False).result()
+        else:
+            assert c.submit(T.total, x, workers=[b], pure=False).result() == float(np.arange(2 << 20).sum())
         timings = counters(c, a)[a]["timings"]
         if ordering == "sync":
             assert timings["export-task-wait"]["count"] >= 1, timings
@@ -1013,11 +1022,11 @@ def test_on_ucxx_plain_cupy_arrays_go_unstaged_as_ucx_device_frames_by_default(p
     with dask.config.set(ucx), nanny_cluster(workers, plugin, protocol="ucxx") as c:
         a, b = worker_addresses(c)
         before = counters(c)
-        # nothing is staged over UCX, so the plugin records no task-result events either
+        # nothing is staged over UCX, so a plain CuPy result gets no event (pool memory would, for its export)
         assert dask_gpupool.stats(c)[a]["routing"]["staging"].startswith("off: over UCX"), dask_gpupool.stats(c)[a]
-        assert c.run(T.task_events_recorded) == {a: None, b: None}
         plain = c.submit(T.plain_cupy, 1 << 20, workers=[a], pure=False)  # 8 MiB, CuPy's own memory
         assert c.submit(T.total, plain, workers=[b], pure=False).result() == float(np.arange(1 << 20).sum())
+        assert c.run(T.task_events_recorded) == {a: 0, b: 0}
         now = counters(c)
         print(placement, {w: {k: v for k, v in now[w].items() if v} for w in (a, b)})
         assert now[a]["pool_staged_bytes"] == before[a]["pool_staged_bytes"], now

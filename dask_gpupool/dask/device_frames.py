@@ -57,8 +57,12 @@ class _DeviceFrame:
         self.owner = owner
 
 
-def _hand_over_on_device_comm(holder: Any, buf: Buffer, meta: ArrayMeta | None, nbytes: int) -> dict[str, Any] | None:
+def _hand_over_on_device_comm(
+    holder: Any, buf: Buffer, meta: ArrayMeta | None, nbytes: int, value: Any = None
+) -> dict[str, Any] | None:
     """The header of a zero-copy handoff when a same-host worker asked for ``buf`` over a UCX comm, else ``None``.
+
+    ``value``: what Dask serializes (an array over ``buf``), for its task's event (:func:`hand_over`).
 
     Not below ``gpupool.ucx-handoff-threshold`` bytes (``nbytes``, the value's
     size): UCX moves small device frames faster than a handoff. Counts the
@@ -67,7 +71,7 @@ def _hand_over_on_device_comm(holder: Any, buf: Buffer, meta: ArrayMeta | None, 
     request = REQUEST.get()
     if request is None or nbytes < request.service.options.ucx_handoff_threshold:
         return None
-    header = hand_over(request, holder, buf, meta)
+    header = hand_over(request, holder, buf, meta, value)
     return None if header is None else {KEY: header.to_msg()}
 
 
@@ -183,7 +187,7 @@ def cuda_dumps_cupy(x: Any, previous: Any) -> tuple[dict[str, Any], list[Any]]:
 
     meta = ArrayMeta("cupy", tuple(x.shape), tuple(x.strides), x.dtype.str, int(x.data.ptr) - int(buf.handle))
     nbytes = int(x.nbytes)
-    handed = _hand_over_on_device_comm(buf, buf, meta, nbytes)
+    handed = _hand_over_on_device_comm(buf, buf, meta, nbytes, x)
     if handed is not None:
         return handed, []
     if _unstaged(nbytes):  # UCX's own small-message protocol moves it

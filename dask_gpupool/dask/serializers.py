@@ -71,18 +71,21 @@ def _dumps(
     copy_meta: ArrayMeta | None,
     host_frame: Any,
     span: tuple[int, int] | None,
+    value: Any = None,
 ) -> tuple[dict[str, Any], list[Any]]:
     """Hand ``buf`` over (IPC) when the request allows it, else copy.
 
-    A copy is streamed (:mod:`dask_gpupool.transport.stream`) when ``span``, the
-    ``(offset, nbytes)`` of ``buf`` that holds the value contiguously, is
+    A copy is streamed (:mod:`dask_gpupool.transport.stream`) when ``span``,
+    the ``(offset, nbytes)`` of ``buf`` that holds the value contiguously, is
     given and the request allows it; otherwise ``host_frame()`` gives the
-    bytes for Dask's frames.
+    bytes for Dask's frames. ``value``: what Dask is serializing (an array
+    over ``buf``; default ``holder``), for its task's event
+    (:func:`hand_over`).
     """
     request = REQUEST.get()
     service = request.service if request is not None else None
     if service is not None and request is not None:
-        handed = hand_over(request, holder, buf, ipc_meta)
+        handed = hand_over(request, holder, buf, ipc_meta, value)
         if handed is not None:
             return {KEY: handed.to_msg()}, []
         if span is not None:
@@ -100,7 +103,9 @@ def _dumps(
     return {KEY: header.to_msg()}, [frame]
 
 
-def hand_over(request: Request, holder: Any, buf: Buffer, meta: ArrayMeta | None) -> HandoffHeader | None:
+def hand_over(
+    request: Request, holder: Any, buf: Buffer, meta: ArrayMeta | None, value: Any = None
+) -> HandoffHeader | None:
     """The header of a zero-copy handoff of ``buf`` to ``request``'s requester, or ``None`` to copy.
 
     A buffer of this worker's pool is exported under a lease
@@ -108,9 +113,10 @@ def hand_over(request: Request, holder: Any, buf: Buffer, meta: ArrayMeta | None
     one this worker imported is passed on as its exporter's memory
     (:meth:`PoolService.forward <dask_gpupool.handoff.service.PoolService.forward>`:
     its resource knows its origin). The lease goes in ``request`` to be
-    settled when the reply ends. A same-host fallback is counted. A task
-    result of this worker whose event is known is exported after that
-    event only (:meth:`Request.task_event
+    settled when the reply ends. A same-host fallback is counted. When
+    ``value`` (what Dask serializes: an array over ``buf``; default
+    ``holder``) is a task result of this worker whose event is known, the
+    export waits for that event only (:meth:`Request.task_event
     <dask_gpupool.dask.worker_internals.Request.task_event>`).
     """
     service = request.service
@@ -123,7 +129,8 @@ def hand_over(request: Request, holder: Any, buf: Buffer, meta: ArrayMeta | None
     row, _reason = service.plan(request.requester, request.scheme, buf)
     if row is None:
         return None
-    header = service.export_ipc(holder, buf, row, meta, written_by=request.task_event(holder))
+    written_by = request.task_event(holder if value is None else value)
+    header = service.export_ipc(holder, buf, row, meta, written_by=written_by)
     request.granted.append(header.lease)
     return header
 
@@ -207,7 +214,7 @@ def _dumps_array(arr: Any, module: str, ptr: int, previous: Any, context: Any) -
     ipc_meta = ArrayMeta(module, shape, strides, arr.dtype.str, offset)
     copy_meta = ArrayMeta(module, shape, c_strides(shape, arr.dtype), arr.dtype.str, 0)
     span = (offset, int(arr.nbytes)) if arr.flags.c_contiguous else None
-    return _dumps(buf, buf, ipc_meta, copy_meta, host_frame, span)
+    return _dumps(buf, buf, ipc_meta, copy_meta, host_frame, span, arr)
 
 
 def loads_array(header: dict[str, Any], frames: list[Any], previous: Any) -> Any:
