@@ -1,4 +1,4 @@
-"""The table of task-result events that staging copies wait for (dask/task_events.py), without a GPU.
+"""The table of task-result events that staging copies and exports wait for (dask/task_events.py), without a GPU.
 
 NumPy arrays stand in for CuPy results (``wanted``) and plain objects for the events (``record``): what is tested
 is the table (identity, keys, weak references), not CUDA, which the ``gpu`` tests exercise.
@@ -84,3 +84,28 @@ def test_the_worker_says_why_it_stages_or_not():
     assert _staging_line("device", False, over_tcp, True) == "off: CuPy is not installed"
     assert _staging_line("host", True, 0, True) == "off: a host pool stages no CuPy results"
     assert _staging_line("device", True, 0, True) == "off: gpupool.stage-threshold is 0"
+
+
+def test_the_worker_plugin_wants_an_event_for_its_own_pool_buffers_only(tmp_path, no_fd_leak):
+    """``_wants_event``: a task result that is a Buffer of this worker's pool gets an event (its export waits for it
+    rather than for the whole GPU, ``gpupool.handoff-ordering: sync``); a Buffer of another pool, a NumPy array and
+    other values do not. A ``host`` pool stands in for the pool kind (the CUDA kinds run in the ``gpu`` tests)."""
+    from dask_gpupool import PoolOptions
+    from dask_gpupool.dask.worker_plugin import _wants_event
+    from dask_gpupool.handoff.service import PoolService
+
+    options = PoolOptions.from_config(kind="host", max_size="1 MiB", broker_dir=str(tmp_path))
+    a = PoolService.start(options, "tcp://127.0.0.1:40001")
+    b = PoolService.start(options, "tcp://127.0.0.1:40002")
+    try:
+        wanted = _wants_event(a, 64 * 1024)
+        own, other = a.allocate(4096), b.allocate(4096)
+        assert wanted(own)
+        assert not wanted(other)
+        assert not wanted(np.zeros(1 << 20, dtype="u1"))  # not a CuPy array, whatever its size
+        assert not wanted(b"bytes") and not wanted(3)
+        own.close()
+        other.close()
+    finally:
+        b.close()
+        a.close()
