@@ -148,8 +148,8 @@ class Exports:
         ``written_by`` waited for, or the whole GPU synchronized); returns
         ``None``. ``device``: the same, but always the whole GPU for a
         value the caller did not write itself, so that work a task left on a
-        non-blocking stream is covered too (the ``sync`` of releases before
-        the task event). ``event``: an event is recorded on ``written_on``,
+        non-blocking stream is covered too (what ``sync`` did before it used
+        the task's event). ``event``: an event is recorded on ``written_on``,
         or ``written_by`` is the event, or one is recorded on the legacy
         default stream; returns what waits for it, which the broker runs
         before it acknowledges a claim
