@@ -188,7 +188,8 @@ class HandoffHeader:
         ``ipc`` and ``stream``: the lease that keeps the memory alive; 0 otherwise.
     ready : str
         How the exporter ordered its pending work before the importer reads:
-        ``"synced"`` (the exporter's streams were synchronized before sending)
+        ``"synced"`` (the work that wrote the buffer had finished before
+        sending: its task's event, the staging copy's stream, or the GPU)
         or ``"claim"`` (the exporter's broker acknowledges the importer's
         claim only once that work has finished: ``gpupool.handoff-ordering:
         event``). Either way the importer reads only after its claim.
