@@ -971,6 +971,32 @@ def test_on_ucxx_pool_memory_hands_over_or_travels_as_device_frames(placement):
             wait_for(lambda c=c, a=a: counters(c, a)[a]["leases"] == 0, what="the leases to end")
 
 
+def test_a_staging_copy_left_to_the_comm_keeps_its_source_alive_and_lands_right():
+    """``UcxStaging.copy_of(..., wait=False)`` (a UCX reply over distributed-ucxx, which synchronizes the GPU before it
+    sends): the copy is enqueued on the legacy default stream behind the kernel that wrote the source, the staging
+    memory keeps the source alive (dropping every other reference frees nothing under the copy), and after a
+    synchronize, what the comm does, it holds the source's bytes. With ``wait`` the source is not kept."""
+    gpus(1)
+    import cupy
+
+    from dask_gpupool.memory.ucx_staging import UcxStaging
+
+    nbytes = 64 << 20
+    with cupy.cuda.Device(0), cupy.cuda.Stream.null:
+        src = cupy.arange(nbytes // 8, dtype="float64")
+        src *= 3  # still running, maybe, when the copy is enqueued
+        ptr = int(src.data.ptr)
+        staged = UcxStaging.copy_of(ptr, nbytes, 0, source=src, wait=False)
+        assert staged.source is src
+        del src  # the staging memory keeps it: the pool may not reuse it under the copy
+        cupy.cuda.runtime.deviceSynchronize()
+        mem = cupy.cuda.UnownedMemory(staged.ptr, nbytes, staged, device_id=0)
+        got = cupy.ndarray((nbytes // 8,), "float64", cupy.cuda.MemoryPointer(mem, 0))
+        assert bool((got == cupy.arange(nbytes // 8, dtype="float64") * 3).all())
+        waited = UcxStaging.copy_of(int(got.data.ptr), nbytes, 0)
+        assert waited.source is None
+
+
 @pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
 def test_on_ucxx_pool_memory_below_the_staging_threshold_goes_to_ucx_unstaged(placement):
     """gpupool.ucx-staging-threshold: to a worker of another "host", a pool Buffer and a pool array (and a strided

@@ -6,7 +6,9 @@ Otherwise device frames that the comm moves GPU to GPU, never a host copy:
 pool memory is first copied into memory UCX can export
 (:mod:`dask_gpupool.memory.ucx_staging`), except below
 ``gpupool.ucx-staging-threshold``, where it goes as it is for UCX's own
-small-message protocol. Other CuPy arrays go as distributed's own frames, or,
+small-message protocol. The staging copy is not waited for when the comm is
+distributed-ucxx's, which synchronizes the GPU before it sends device frames
+(the staging memory keeps the pool memory alive meanwhile). Other CuPy arrays go as distributed's own frames, or,
 to a worker on the same GPU, are copied into the pool and handed over, as
 over TCP (``gpupool.stage-threshold``). Counted in ``device_frames_out_bytes``,
 ``device_staged_bytes`` and ``device_frames_bytes``.
@@ -87,6 +89,19 @@ def _unstaged(nbytes: int) -> bool:
     return service is not None and nbytes < service.options.ucx_staging_threshold
 
 
+#: Comms (address schemes) that synchronize the GPU before they send a device frame: distributed-ucxx's ``write``
+#: calls ``ucxx._cuda_context.synchronize_default_stream``, a ``cuCtxSynchronize`` (distributed-ucxx 0.52, which
+#: serves both schemes; without it distributed 2026.8 has no ``ucx`` comm).
+SYNCHRONIZING_SCHEMES = frozenset({"ucx", "ucxx"})
+
+
+def _comm_synchronizes() -> bool:
+    """Whether the comm of the ``get_data`` reply being serialized synchronizes the GPU before it sends device
+    frames, so that a staging copy need not be waited for here (anything else, or no reply: it must be)."""
+    request = REQUEST.get()
+    return request is not None and request.scheme in SYNCHRONIZING_SCHEMES
+
+
 def _count_device_frames(nbytes: int, *, staged: bool, out: bool) -> None:
     service = _service(out)
     if service is None:
@@ -133,7 +148,8 @@ def _cuda_serialize_buffer(buf: Buffer) -> tuple[dict[str, Any], list[Any]]:
         return {"nbytes": nbytes}, [_DeviceFrame(int(buf.handle), nbytes, buf)]
     start = time.perf_counter()
     try:
-        staged = UcxStaging.copy_of(int(buf.handle), nbytes, device_of(buf))
+        wait = not _comm_synchronizes()
+        staged = UcxStaging.copy_of(int(buf.handle), nbytes, device_of(buf), source=buf, wait=wait)
     except Exception as e:  # no device memory for the copy: the pool memory itself (UCX's slow path, still right)
         _staging_failed(e)
         _count_device_frames(nbytes, staged=False, out=True)
@@ -211,18 +227,27 @@ def cuda_dumps_cupy(x: Any, previous: Any) -> tuple[dict[str, Any], list[Any]]:
 
 
 def _stage_cupy(x: Any) -> UcxStaging:
-    """A C-ordered copy of CuPy array ``x`` in staging memory, complete when this returns."""
+    """A C-ordered copy of CuPy array ``x`` in staging memory, made on the legacy default stream.
+
+    Complete when this returns, unless the reply's comm synchronizes the GPU
+    before it sends (:func:`_comm_synchronizes`): then the staging memory
+    keeps ``x`` alive until it is collected, in case the copy is still running.
+    """
     import cupy
 
     nbytes, device = int(x.nbytes), int(x.device.id)
+    wait = not _comm_synchronizes()
     if x.flags.c_contiguous:
-        return UcxStaging.copy_of(int(x.data.ptr), nbytes, device)
+        return UcxStaging.copy_of(int(x.data.ptr), nbytes, device, source=x, wait=wait)
     staged = UcxStaging(nbytes, device)
     with cupy.cuda.Device(device), cupy.cuda.Stream.null:
         mem = cupy.cuda.UnownedMemory(staged.ptr, max(nbytes, 1), staged, device_id=device)
         view = cupy.ndarray(x.shape, x.dtype, cupy.cuda.MemoryPointer(mem, 0))
         view[...] = x
-        cupy.cuda.Stream.null.synchronize()
+        if wait:
+            cupy.cuda.Stream.null.synchronize()
+        else:
+            staged.source = x
     return staged
 
 

@@ -105,7 +105,8 @@ TIMED_STEPS = {
     "import": "the consumer's side of a handoff: mapping the buffer (the peer's pool or segment, once), without "
     "its claim",
     "device-stage": "copying pool memory into memory UCX can export before it goes as device frames (another "
-    "host over UCX): the allocation (or a kept one), the copy and its synchronize",
+    "host over UCX): the allocation (or a kept one) and the copy (waited for only where the comm does not "
+    "synchronize the GPU before it sends: distributed-ucxx does)",
     "device-stage-alloc": "the part of device-stage spent allocating new staging memory (counted only then: a "
     "new allocation also costs the receiver a new cuda_ipc mapping)",
     "device-serialize": "distributed's serializer of a staged CuPy array (after device-stage)",

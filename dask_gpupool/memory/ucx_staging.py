@@ -20,7 +20,10 @@ power of two up to 64 MiB, to a multiple of 64 MiB above.
 
 Ownership: a :class:`UcxStaging` owns its allocation until it is collected; the
 allocation then goes back to the process's free list, or is freed
-(``cuMemFree``, in the context it was made in) when the list is full.
+(``cuMemFree``, in the context it was made in) when the list is full. Reuse
+is safe while a copy into it may still run: every copy is on the legacy
+default stream, so the next one is ordered after it, and ``cuMemFree`` waits
+for the GPU. A copy not waited for keeps its source alive with it.
 """
 
 from __future__ import annotations
@@ -66,6 +69,8 @@ class UcxStaging:
     nbytes: int
     #: Seconds spent in ``cuMemAlloc`` for this staging memory (0.0: a kept allocation was reused).
     alloc_s: float
+    #: What owns the memory a copy still in flight reads (:meth:`copy_of` without ``wait``), else ``None``.
+    source: Any
 
     def __init__(self, nbytes: int, device: int) -> None:
         from cuda.bindings import driver
@@ -87,17 +92,30 @@ class UcxStaging:
             self.alloc_s = time.perf_counter() - start
         self.ptr = ptr
         self.nbytes = nbytes
+        self.source = None
         weakref.finalize(self, _give, key, ctx, ptr)
 
     @classmethod
-    def copy_of(cls, ptr: int, nbytes: int, device: int) -> UcxStaging:
-        """A copy of the ``nbytes`` bytes at ``ptr`` on GPU ``device``, complete when this returns."""
+    def copy_of(cls, ptr: int, nbytes: int, device: int, *, source: Any = None, wait: bool = True) -> UcxStaging:
+        """A copy of the ``nbytes`` bytes at ``ptr`` on GPU ``device``, made on the legacy default stream.
+
+        ``wait``: return once the copy is done. Without it the copy may still
+        be running when this returns: for a caller whose comm synchronizes the
+        GPU before it sends a device frame (distributed-ucxx does, with
+        ``cuCtxSynchronize``), which makes a second synchronize here pure
+        cost. ``source`` (what owns the memory at ``ptr``) is then kept alive
+        as long as the staging memory, so that the memory cannot be freed and
+        reused under a copy still in flight.
+        """
         from cuda.bindings import driver
 
         staged = cls(nbytes, device)
         stream = driver.CUstream(0)  # the legacy default stream: ordered after the pool's work on it
         _check(driver.cuMemcpyDtoDAsync(staged.ptr, ptr, nbytes, stream)[0], "cuMemcpyDtoDAsync")
-        _check(driver.cuStreamSynchronize(stream)[0], "cuStreamSynchronize")
+        if wait:
+            _check(driver.cuStreamSynchronize(stream)[0], "cuStreamSynchronize")
+        else:
+            staged.source = source
         return staged
 
 

@@ -163,3 +163,36 @@ def test_staging_for_ucx_is_timed_in_its_parts():
     assert timings["device-stage"]["count"] == 2
     assert timings["device-stage-alloc"]["count"] == 1 and timings["device-stage-alloc"]["total_s"] == 0.002
     assert timings["device-serialize"]["count"] == 1
+
+
+def test_staging_copies_are_waited_for_unless_the_comm_synchronizes_the_gpu():
+    """A staging copy for UCX is left unwaited only in a ``get_data`` reply over distributed-ucxx (schemes ``ucx`` and
+    ``ucxx``), whose ``write`` synchronizes the GPU before it sends device frames; anywhere else it is waited for."""
+    from types import SimpleNamespace
+
+    from dask_gpupool.dask import device_frames as F
+    from dask_gpupool.dask.worker_internals import REQUEST
+
+    assert not F._comm_synchronizes()  # no reply being serialized
+    for scheme, synchronizes in [("ucxx", True), ("ucx", True), ("tcp", False), ("tls", False), ("inproc", False)]:
+        token = REQUEST.set(SimpleNamespace(scheme=scheme))  # type: ignore[arg-type]
+        try:
+            assert F._comm_synchronizes() is synchronizes, scheme
+        finally:
+            REQUEST.reset(token)
+
+
+def test_distributed_ucxx_synchronizes_the_gpu_before_it_sends_device_frames():
+    """What leaving the staging copy unwaited rests on: distributed-ucxx's ``write`` synchronizes the GPU (the
+    default stream, through cuda.core's ``Device.sync``, a whole-context synchronize) whenever a frame it sends has
+    ``__cuda_array_interface__``. Fails when a distributed-ucxx release stops doing so (runs where it is installed:
+    the GPU machine)."""
+    import inspect
+
+    ucxx_comm = pytest.importorskip("distributed_ucxx.ucxx")
+    context = pytest.importorskip("ucxx._cuda_context")
+    write = inspect.getsource(ucxx_comm.UCXX.write)
+    assert write.count("synchronize_stream(CudaStream.Default)") >= 2, "both send paths synchronize"
+    assert "__cuda_array_interface__" in write
+    assert "synchronize_default_stream" in inspect.getsource(ucxx_comm.synchronize_stream)
+    assert ".sync()" in inspect.getsource(context.synchronize_default_stream)
