@@ -971,6 +971,48 @@ def test_on_ucxx_pool_memory_hands_over_or_travels_as_device_frames(placement):
             wait_for(lambda c=c, a=a: counters(c, a)[a]["leases"] == 0, what="the leases to end")
 
 
+@pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
+def test_on_ucxx_replies_of_device_pool_memory_skip_the_offload_thread(placement):
+    """Over UCX a reply of device pool memory over Dask's 10 MiB offload size, to a worker of the same "host" (a
+    descriptor) or of another (staged device frames, the copy left to distributed-ucxx's synchronize), is serialized
+    on the event loop; a plain CuPy array's stays in Dask's thread. The bytes arrive right either way."""
+    gpus(2 if placement == "two-gpus" else 1)
+    pytest.importorskip("distributed_ucxx")
+    import dask
+    import numpy as np
+
+    ucx = {f"distributed.comm.ucx.{k}": True for k in ("create-cuda-context", "nvlink", "tcp", "cuda-copy")}
+    layout = ROTATED if placement == "two-gpus" else [ONE_GPU, ONE_GPU]
+    for hosts in ("same", "other"):
+        workers = [
+            {**w, "protocol": "ucxx", "config": {"gpupool": {"host-id": "h" if hosts == "same" else f"h{i}"}}}
+            for i, w in enumerate(layout)
+        ]
+        plugin = GPUPool(kind="device", max_size="1 GiB", cupy_allocator=False)
+        with dask.config.set(ucx), nanny_cluster(workers, plugin, protocol="ucxx") as c:
+            a, b = worker_addresses(c)
+            n = 12 << 17  # 12 MiB of float64
+            arr = c.submit(T.make_array, n, "cupy", workers=[a], pure=False)
+            plain = c.submit(T.plain_cupy, n, workers=[a], pure=False)
+            c.gather([arr, plain])
+
+            def inline(keys: list[str], c: Any = c, a: str = a, b: str = b) -> bool:
+                return c.run(T.serialized_inline, keys, b, scheme="ucxx", workers=[a])[a]
+
+            assert inline([arr.key]), hosts
+            assert not inline([plain.key]) and not inline([arr.key, plain.key]), hosts
+            total = float(np.arange(n).sum())
+            for _ in range(3):  # kept staging memory reused, the copy never waited for here
+                assert c.submit(T.total, arr, workers=[b], pure=False).result() == total
+                arr = c.submit(T.make_array, n, "cupy", workers=[a], pure=False)
+            got = c.run(T.handoff_counters)
+            assert got[a]["copied_out_bytes"] == 0 and got[b]["copied_bytes"] == 0, got
+            assert (got[b]["zero_copy_bytes"] > 0) == (hosts == "same"), got
+            assert (got[a]["device_staged_bytes"] > 0) == (hosts == "other"), got
+            del arr, plain
+            wait_for(lambda c=c, a=a: counters(c, a)[a]["leases"] == 0, what="the leases to end")
+
+
 def test_a_staging_copy_left_to_the_comm_keeps_its_source_alive_and_lands_right():
     """``UcxStaging.copy_of(..., wait=False)`` (a UCX reply over distributed-ucxx, which synchronizes the GPU before it
     sends): the copy is enqueued on the legacy default stream behind the kernel that wrote the source, the staging

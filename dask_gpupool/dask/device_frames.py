@@ -25,7 +25,7 @@ from cuda.core import Buffer
 from dask_gpupool.dask.plain_arrays import in_segments, stage, warn_once
 from dask_gpupool.dask.serializers import KEY, deserialize_buffer, hand_over, loads_array
 from dask_gpupool.dask.views import VIEWS, device_of, viewed_buffer
-from dask_gpupool.dask.worker_internals import REQUEST
+from dask_gpupool.dask.worker_internals import REQUEST, SYNCHRONIZING_SCHEMES
 from dask_gpupool.handoff.active import active_service
 from dask_gpupool.memory.ucx_staging import UcxStaging
 from dask_gpupool.wire.handoff import ArrayMeta
@@ -87,12 +87,6 @@ def _unstaged(nbytes: int) -> bool:
     """Whether pool memory of ``nbytes`` goes to UCX as it is: below ``gpupool.ucx-staging-threshold``."""
     service = _service()
     return service is not None and nbytes < service.options.ucx_staging_threshold
-
-
-#: Comms (address schemes) that synchronize the GPU before they send a device frame: distributed-ucxx's ``write``
-#: calls ``ucxx._cuda_context.synchronize_default_stream``, a ``cuCtxSynchronize`` (distributed-ucxx 0.52, which
-#: serves both schemes; without it distributed 2026.8 has no ``ucx`` comm).
-SYNCHRONIZING_SCHEMES = frozenset({"ucx", "ucxx"})
 
 
 def _comm_synchronizes() -> bool:

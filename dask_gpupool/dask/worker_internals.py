@@ -126,7 +126,10 @@ def install_get_data_hook(
     offloads any message whose ``sizeof`` passes ``distributed.comm.offload``
     (10 MiB), and a handoff's values are that large although what is
     serialized is a descriptor of a few hundred bytes. The thread hop cost
-    about 0.5 ms per transfer, more than the rest of a handoff. Only that
+    about 0.5 ms per transfer, more than the rest of a handoff. Over a UCX
+    comm the same holds for a reply of device pool memory that goes as device
+    frames (staged, :data:`INLINE_STAGING_LIMIT`): serializing it only
+    enqueues a copy that the comm's own synchronize waits for. Only that
     comm's ``allow_offload`` changes, for that reply, and the check runs only
     for replies Dask would offload (by the keys' recorded sizes).
 
@@ -249,9 +252,51 @@ async def _ask(worker: Worker, service: PoolService, who: str, leases: list[int]
         delay = min(delay * 2, most)
 
 
+#: Comms (address schemes) that synchronize the GPU before they send a device frame: distributed-ucxx's ``write``
+#: calls ``ucxx._cuda_context.synchronize_default_stream``, a ``cuCtxSynchronize`` (distributed-ucxx 0.52, which
+#: serves both schemes; without it distributed 2026.8 has no ``ucx`` comm). Over them pool memory goes as device
+#: frames (or descriptors) whose serializing only enqueues GPU work (:mod:`dask_gpupool.dask.device_frames`).
+SYNCHRONIZING_SCHEMES = frozenset({"ucx", "ucxx"})
+
+#: The most pool memory (bytes) a reply over a UCX comm may stage on the event loop: above it a new staging
+#: allocation (``cuMemAlloc``) could hold the loop for milliseconds, so Dask's offload thread does it.
+INLINE_STAGING_LIMIT = 256 << 20
+
+
 def _inline_reply(worker: Worker, service: PoolService, keys: Any, who: str | None, scheme: str) -> bool:
-    """Whether to serialize a reply on the event loop: Dask would offload it, and all of it is descriptors."""
-    return _offloaded(worker, keys) and _all_handed_over(worker, service, keys, who, scheme)
+    """Whether to serialize a reply on the event loop: Dask would offload it, and all of it is descriptors, or
+    (over UCX) device pool memory of at most :data:`INLINE_STAGING_LIMIT` bytes, which goes as device frames."""
+    if not _offloaded(worker, keys):
+        return False
+    if scheme in SYNCHRONIZING_SCHEMES and _all_device_pool_memory(worker, keys, INLINE_STAGING_LIMIT):
+        return True
+    return _all_handed_over(worker, service, keys, who, scheme)
+
+
+def _all_device_pool_memory(worker: Worker, keys: Any, limit: int) -> bool:
+    """Whether every key is in memory (not spilled) and device pool memory (this worker's or imported), at most
+    ``limit`` bytes of values in all.
+
+    Over a UCX comm such a value goes as an IPC descriptor or as device frames, staged or not: serializing it
+    enqueues at most a device-to-device copy, which the comm's own synchronize waits for (no host copy, no wait
+    here), so it is cheaper than the hop to Dask's offload thread (about 0.5 ms).
+    """
+    data = getattr(worker.data, "fast", worker.data)  # a SpillBuffer's in-memory part: no unspilling
+    if not keys:
+        return False
+    total = 0
+    for key in keys:
+        try:
+            value = data[key]
+        except KeyError:
+            return False
+        buf = pool_buffer_of(value)
+        if buf is None or not buf.is_device_accessible or buf.is_host_accessible:
+            return False
+        total += int(getattr(value, "nbytes", buf.size))
+        if total > limit:
+            return False
+    return True
 
 
 def _offloaded(worker: Worker, keys: Any) -> bool:

@@ -162,11 +162,12 @@ def handoff_counters(dask_worker: Worker) -> dict[str, Any]:
     return {**service.handoff_stats(), "used": service.stats().used}
 
 
-def serialized_inline(keys: list[str], who: str, dask_worker: Worker) -> bool:
-    """client.run target: whether a ``get_data`` for ``keys`` from ``who`` skips Dask's offload thread."""
+def serialized_inline(keys: list[str], who: str, dask_worker: Worker, scheme: str = "tcp") -> bool:
+    """client.run target: whether a ``get_data`` for ``keys`` from ``who`` over a ``scheme`` comm skips Dask's
+    offload thread."""
     from dask_gpupool.dask.worker_internals import _inline_reply
 
-    return _inline_reply(dask_worker, service_of(dask_worker), keys, who, "tcp")
+    return _inline_reply(dask_worker, service_of(dask_worker), keys, who, scheme)
 
 
 def lease_counts(dask_worker: Worker) -> dict[str, int]:

@@ -371,6 +371,9 @@ def test_handoff_replies_skip_the_offload_thread_and_copies_keep_it():
         small = c.submit(T.make_array, 128, workers=[a], pure=False)
         c.gather(small)
         assert not inline([small.key], b)  # under Dask's offload threshold: nothing to gain, no check
+        # over UCX, host pool memory to a requester that cannot map it is a host frame: it stays in the thread
+        # (device pool memory, staged for UCX on the loop, is on the GPU machine)
+        assert not c.run(T.serialized_inline, [pooled.key], "tcp://127.0.0.1:1", scheme="ucxx", workers=[a])[a]
         # and the handoff itself still works
         assert c.submit(T.total, pooled, workers=[b], pure=False).result() == float(sum(range(4 * MiB)))
 
