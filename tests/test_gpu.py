@@ -980,6 +980,7 @@ def test_on_ucxx_replies_of_device_pool_memory_skip_the_offload_thread(placement
     pytest.importorskip("distributed_ucxx")
     import dask
     import numpy as np
+    from distributed import wait
 
     ucx = {f"distributed.comm.ucx.{k}": True for k in ("create-cuda-context", "nvlink", "tcp", "cuda-copy")}
     layout = ROTATED if placement == "two-gpus" else [ONE_GPU, ONE_GPU]
@@ -994,7 +995,7 @@ def test_on_ucxx_replies_of_device_pool_memory_skip_the_offload_thread(placement
             n = 12 << 17  # 12 MiB of float64
             arr = c.submit(T.make_array, n, "cupy", workers=[a], pure=False)
             plain = c.submit(T.plain_cupy, n, workers=[a], pure=False)
-            c.gather([arr, plain])
+            wait([arr, plain])  # not gathered: the client is another "host", which would stage the array
 
             def inline(keys: list[str], c: Any = c, a: str = a, b: str = b) -> bool:
                 return c.run(T.serialized_inline, keys, b, scheme="ucxx", workers=[a])[a]
