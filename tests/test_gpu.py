@@ -973,9 +973,10 @@ def test_on_ucxx_pool_memory_hands_over_or_travels_as_device_frames(placement):
 
 @pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
 def test_on_ucxx_replies_of_device_pool_memory_skip_the_offload_thread(placement):
-    """Over UCX a reply of device pool memory over Dask's 10 MiB offload size, to a worker of the same "host" (a
-    descriptor) or of another (staged device frames, the copy left to distributed-ucxx's synchronize), is serialized
-    on the event loop; a plain CuPy array's stays in Dask's thread. The bytes arrive right either way."""
+    """Over UCX a reply over Dask's 10 MiB offload size of device values, pool memory (to a worker of the same
+    "host" a descriptor, to another staged device frames, the copy left to distributed-ucxx's synchronize) or plain
+    CuPy arrays (distributed's device frames), is serialized on the event loop; one with a host value, or with more
+    than ``INLINE_MAX_VALUES`` values, stays in Dask's thread. The bytes arrive right either way."""
     gpus(2 if placement == "two-gpus" else 1)
     pytest.importorskip("distributed_ucxx")
     import dask
@@ -995,13 +996,16 @@ def test_on_ucxx_replies_of_device_pool_memory_skip_the_offload_thread(placement
             n = 12 << 17  # 12 MiB of float64
             arr = c.submit(T.make_array, n, "cupy", workers=[a], pure=False)
             plain = c.submit(T.plain_cupy, n, workers=[a], pure=False)
-            wait([arr, plain])  # not gathered: the client is another "host", which would stage the array
+            host = c.submit(np.ones, n, workers=[a], pure=False)
+            many = [c.submit(T.plain_cupy, 1 << 18, workers=[a], pure=False) for _ in range(9)]  # 9 x 2 MiB
+            wait([arr, plain, host, *many])  # not gathered: the client is another "host", which would stage the array
 
             def inline(keys: list[str], c: Any = c, a: str = a, b: str = b) -> bool:
                 return c.run(T.serialized_inline, keys, b, scheme="ucxx", workers=[a])[a]
 
-            assert inline([arr.key]), hosts
-            assert not inline([plain.key]) and not inline([arr.key, plain.key]), hosts
+            assert inline([arr.key]) and inline([plain.key]) and inline([arr.key, plain.key]), hosts
+            assert not inline([arr.key, host.key]), hosts  # a host value is pickled: Dask's thread
+            assert not inline([m.key for m in many]) and inline([m.key for m in many[:6]]), hosts
             total = float(np.arange(n).sum())
             for _ in range(3):  # kept staging memory reused, the copy never waited for here
                 assert c.submit(T.total, arr, workers=[b], pure=False).result() == total
@@ -1010,7 +1014,9 @@ def test_on_ucxx_replies_of_device_pool_memory_skip_the_offload_thread(placement
             assert got[a]["copied_out_bytes"] == 0 and got[b]["copied_bytes"] == 0, got
             assert (got[b]["zero_copy_bytes"] > 0) == (hosts == "same"), got
             assert (got[a]["device_staged_bytes"] > 0) == (hosts == "other"), got
-            del arr, plain
+            plain_total = c.submit(T.total, plain, workers=[b], pure=False).result()
+            assert plain_total == total
+            del arr, plain, host, many
             wait_for(lambda c=c, a=a: counters(c, a)[a]["leases"] == 0, what="the leases to end")
 
 

@@ -127,9 +127,9 @@ def install_get_data_hook(
     (10 MiB), and a handoff's values are that large although what is
     serialized is a descriptor of a few hundred bytes. The thread hop cost
     about 0.5 ms per transfer, more than the rest of a handoff. Over a UCX
-    comm the same holds for a reply of device pool memory that goes as device
-    frames (staged, :data:`INLINE_STAGING_LIMIT`): serializing it only
-    enqueues a copy that the comm's own synchronize waits for. Only that
+    comm the same holds for a reply of a few device values (pool memory or
+    CuPy arrays) that go as device frames: serializing them only enqueues
+    GPU work that the comm's own synchronize waits for. Only that
     comm's ``allow_offload`` changes, for that reply, and the check runs only
     for replies Dask would offload (by the keys' recorded sizes).
 
@@ -261,40 +261,54 @@ SYNCHRONIZING_SCHEMES = frozenset({"ucx", "ucxx"})
 #: The most pool memory (bytes) a reply over a UCX comm may stage on the event loop: above it a new staging
 #: allocation (``cuMemAlloc``) could hold the loop for milliseconds, so Dask's offload thread does it.
 INLINE_STAGING_LIMIT = 256 << 20
+#: The most values a reply over a UCX comm may serialize on the event loop (each costs 0.1-0.3 ms in a busy worker).
+INLINE_MAX_VALUES = 8
 
 
 def _inline_reply(worker: Worker, service: PoolService, keys: Any, who: str | None, scheme: str) -> bool:
     """Whether to serialize a reply on the event loop: Dask would offload it, and all of it is descriptors, or
-    (over UCX) device pool memory of at most :data:`INLINE_STAGING_LIMIT` bytes, which goes as device frames."""
+    (over UCX) device memory that goes as descriptors or device frames (:func:`_all_device_frames`)."""
     if not _offloaded(worker, keys):
         return False
-    if scheme in SYNCHRONIZING_SCHEMES and _all_device_pool_memory(worker, keys, INLINE_STAGING_LIMIT):
+    if scheme in SYNCHRONIZING_SCHEMES and _all_device_frames(worker, service, keys, who, scheme):
         return True
     return _all_handed_over(worker, service, keys, who, scheme)
 
 
-def _all_device_pool_memory(worker: Worker, keys: Any, limit: int) -> bool:
-    """Whether every key is in memory (not spilled) and device pool memory (this worker's or imported), at most
-    ``limit`` bytes of values in all.
+def _all_device_frames(worker: Worker, service: PoolService, keys: Any, who: str | None, scheme: str) -> bool:
+    """Whether every key is in memory (not spilled) and device memory whose serializing for a UCX comm only
+    enqueues GPU work: at most :data:`INLINE_MAX_VALUES` values, each device pool memory (this worker's or
+    imported) or a CuPy array, with at most :data:`INLINE_STAGING_LIMIT` bytes of pool memory.
 
-    Over a UCX comm such a value goes as an IPC descriptor or as device frames, staged or not: serializing it
-    enqueues at most a device-to-device copy, which the comm's own synchronize waits for (no host copy, no wait
-    here), so it is cheaper than the hop to Dask's offload thread (about 0.5 ms).
+    Over a UCX comm such a value goes as an IPC descriptor or as device frames: pool memory staged by a copy that
+    the comm's own synchronize waits for (no wait here), a CuPy array as distributed's frames (a contiguous copy
+    at most, enqueued). That is cheaper than the hop to Dask's offload thread (about 0.5 ms). Not where plain
+    arrays are staged into the pool (``gpupool.stage-threshold`` set for this requester): that export waits for
+    its copy.
     """
     data = getattr(worker.data, "fast", worker.data)  # a SpillBuffer's in-memory part: no unspilling
-    if not keys:
+    if not keys or len(keys) > INLINE_MAX_VALUES:
         return False
-    total = 0
+    pool_bytes = 0
+    plain_staged = None
     for key in keys:
         try:
             value = data[key]
         except KeyError:
             return False
         buf = pool_buffer_of(value)
-        if buf is None or not buf.is_device_accessible or buf.is_host_accessible:
+        if buf is not None:
+            if not buf.is_device_accessible or buf.is_host_accessible:
+                return False  # host pool memory goes as a host frame: a copy
+            pool_bytes += int(getattr(value, "nbytes", buf.size))
+            if pool_bytes > INLINE_STAGING_LIMIT:
+                return False
+            continue
+        if type(value).__module__.split(".", 1)[0] != "cupy" or not hasattr(value, "__cuda_array_interface__"):
             return False
-        total += int(getattr(value, "nbytes", buf.size))
-        if total > limit:
+        if plain_staged is None:
+            plain_staged = service.stage_threshold(who, scheme) > 0
+        if plain_staged:
             return False
     return True
 
