@@ -16,12 +16,16 @@ two are compared at the same moment: rows ``ucxx+gpupool-ab:staged`` and ``-ab:u
 plugin's hooks cost a transfer it does not change); ``ucxx+gpupool-pool-ab`` (one cluster, the plugin at its
 defaults, every sample taken with an array over a pool buffer and with a CuPy array outside every pool, back to
 back: what pool memory costs a pair that gets device frames); ``ucxx+gpupool-hooks-parts`` (as ``-hooks-ab``, with
-two more variants: only the ``get_data`` wrapper put back to distributed's, only the serializers). For pool arrays
-a same-"host" pair gets a descriptor (zero-copy), another-"host" pair the value's device frames, which UCX moves GPU
-to GPU. After each method the table of bytes by path (zero-copy, device frames, host copies) shows that no pair went
-through the host (``--proto-info`` has UCX print the protocols it picked, which says what UCX itself did). Needs
-distributed-ucxx. On a machine with one GPU all four workers share GPU 0 (the same two "hosts"): every pair is then a
-same-GPU pair, which says nothing about pairs across GPUs.
+two more variants: only the ``get_data`` wrapper put back to distributed's, only the serializers);
+``ucxx+gpupool-inline-ab`` (one cluster, pool arrays, every sample taken with the plugin as it is and as before the
+twenty-fourth session, back to back: rows ``:inline``, a UCX reply of a few device values serialized on the event
+loop with its staging copy left to distributed-ucxx's synchronize, and ``:offloaded``, Dask's offload thread over
+10 MiB and the staging copy waited for) and ``ucxx+gpupool-plain-inline-ab`` (the same with plain CuPy arrays).
+For pool arrays a same-"host" pair gets a descriptor (zero-copy), another-"host" pair the value's device frames,
+which UCX moves GPU to GPU. After each method the table of bytes by path (zero-copy, device frames, host copies)
+shows that no pair went through the host (``--proto-info`` has UCX print the protocols it picked, which says what
+UCX itself did). Needs distributed-ucxx. On a machine with one GPU all four workers share GPU 0 (the same two
+"hosts"): every pair is then a same-GPU pair, which says nothing about pairs across GPUs.
 JSON to ``benchmarks/results/`` (and ``$OUT``).
 
 The default sizes span the question of ``gpupool.ucx-handoff-threshold`` (0: every pool value is handed over): on
@@ -53,6 +57,8 @@ from dask_gpupool.memory.topology import local_devices
 LAYOUT = [("host-a", "0,1"), ("host-a", "1,0"), ("host-b", "0,1"), ("host-b", "1,0")]
 #: The same two "hosts" on a machine with one GPU.
 ONE_GPU_LAYOUT = [("host-a", "0"), ("host-a", "0"), ("host-b", "0"), ("host-b", "0")]
+#: Methods whose arrays are plain CuPy (``gpupool.cupy-allocator`` off), not pool arrays.
+PLAIN_METHODS = ("-plain", "-hooks-ab", "-hooks-parts", "-plain-inline-ab")
 PATH_KEYS = ("zero_copy_bytes", "peer_copied_bytes", "device_frames_bytes", "copied_bytes")
 
 
@@ -102,6 +108,19 @@ def _set_hooks(off: list[str], dask_worker: Any = None) -> None:
             registry.register(cupy.ndarray)(own)
 
 
+def _set_inline(on: bool) -> None:
+    """On a worker: the ``-inline-ab`` switch. On: the plugin as it is (a UCX reply of a few device values
+    serialized on the event loop, a staging copy left to distributed-ucxx's synchronize). Off: as before the
+    twenty-fourth session (Dask's offload thread for replies over 10 MiB, every staging copy waited for)."""
+    from dask_gpupool.dask import device_frames, worker_internals
+
+    saved = worker_internals.__dict__.setdefault(
+        "_bench_inline", (worker_internals.INLINE_MAX_VALUES, device_frames.SYNCHRONIZING_SCHEMES)
+    )
+    worker_internals.INLINE_MAX_VALUES = saved[0] if on else 0
+    device_frames.SYNCHRONIZING_SCHEMES = saved[1] if on else frozenset()
+
+
 def _produce_outside_pools(nbytes: int) -> Any:
     """A float64 CuPy array of ``nbytes`` from CuPy's own memory pool, whatever allocator the plugin installed."""
     import cupy
@@ -124,6 +143,8 @@ def _variants(method: str, max_bytes: int) -> list[tuple[str, dict[str, Any]]]:
             ("no-serializers", {"off": ["serializers"]}),
             ("nohooks", {"off": ["get_data", "serializers"]}),
         ]
+    if method.endswith("-inline-ab"):
+        return [("inline", {"inline": True}), ("offloaded", {"inline": False})]
     if method.endswith("-pool-ab"):
         return [("pool", {}), ("plain", {"outside": True})]
     if method.endswith("-ab"):
@@ -169,12 +190,12 @@ def main() -> None:
                 max_size=f"{4 * max(sizes) // (1 << 20) + 1024} MiB",
                 lease_claims="broker" if method.endswith("-broker") else None,
                 ucx_staging_threshold=2 * max(sizes) if method.endswith("-unstaged") else None,
-                cupy_allocator=False if method.endswith(("-plain", "-hooks-ab", "-hooks-parts")) else None,
+                cupy_allocator=False if method.endswith(PLAIN_METHODS) else None,
             )
             if "gpupool" in method
             else None
         )
-        pool = plugin is not None and not method.endswith(("-plain", "-hooks-ab", "-hooks-parts"))
+        pool = plugin is not None and not method.endswith(PLAIN_METHODS)
         variants = _variants(method, max(sizes))
         with H.cluster(workers, "ucxx", plugin) as c:
             info = c.scheduler_info()["workers"]
@@ -191,6 +212,8 @@ def main() -> None:
                                     c.run(_set_staging_threshold, settings["threshold"])
                                 if "off" in settings:
                                     c.run(_set_hooks, settings["off"])
+                                if "inline" in settings:
+                                    c.run(_set_inline, settings["inline"])
                                 if settings.get("outside"):
                                     x = c.submit(_produce_outside_pools, nbytes, workers=[src], pure=False)
                                 else:
