@@ -1020,6 +1020,31 @@ def test_on_ucxx_replies_of_device_pool_memory_skip_the_offload_thread(placement
             wait_for(lambda c=c, a=a: counters(c, a)[a]["leases"] == 0, what="the leases to end")
 
 
+def test_a_staged_cupy_header_matches_distributeds_and_deserializes():
+    """The header a staged CuPy array goes with over UCX is what distributed's own serializer writes for a C-ordered
+    copy (shape, typestr, strides), and distributed's deserializer rebuilds the array from it and the frame."""
+    gpus(1)
+    import cupy
+    from distributed.protocol.cupy import cuda_deserialize_cupy_ndarray, cuda_serialize_cupy_ndarray
+
+    from dask_gpupool.dask.device_frames import staged_cupy_header
+
+    for x in (
+        cupy.arange(12, dtype="f8").reshape(3, 4),
+        cupy.arange(30, dtype="i2").reshape(5, 6)[:, ::2],  # staged as a C-ordered copy
+        cupy.asarray(7.0, dtype="f4"),
+        cupy.empty((0, 5), dtype="f8"),
+    ):
+        c_ordered = cupy.ascontiguousarray(x)
+        theirs, frames = cuda_serialize_cupy_ndarray(c_ordered)
+        ours = staged_cupy_header(tuple(x.shape), x.dtype, int(c_ordered.data.ptr))
+        assert tuple(ours["shape"]) == tuple(theirs["shape"]) and ours["typestr"] == theirs["typestr"]
+        if x.size:  # an empty array's strides are any
+            assert tuple(ours["strides"]) == tuple(theirs["strides"]), (ours, theirs)
+        back = cuda_deserialize_cupy_ndarray(ours, frames)
+        assert back.shape == x.shape and bool((back == x).all())
+
+
 def test_a_staging_copy_left_to_the_comm_keeps_its_source_alive_and_lands_right():
     """``UcxStaging.copy_of(..., wait=False)`` (a UCX reply over distributed-ucxx, which synchronizes the GPU before it
     sends): the copy is enqueued on the legacy default stream behind the kernel that wrote the source, the staging

@@ -109,7 +109,7 @@ TIMED_STEPS = {
     "synchronize the GPU before it sends: distributed-ucxx does)",
     "device-stage-alloc": "the part of device-stage spent allocating new staging memory (counted only then: a "
     "new allocation also costs the receiver a new cuda_ipc mapping)",
-    "device-serialize": "distributed's serializer of a staged CuPy array (after device-stage)",
+    "device-serialize": "the header and device frame of a staged value, in distributed's format (after device-stage)",
     "claim": "the claim round trip to the exporter's broker, once per exporter for a message's values (none with "
     "gpupool.lease-claims: reply, the default, unless a resync with that exporter is open)",
 }

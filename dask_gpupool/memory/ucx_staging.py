@@ -45,6 +45,9 @@ _lock = threading.Lock()
 #: (context handle as int, size class) -> free allocations [(context, pointer)].
 _free: dict[tuple[int, int], list[tuple[Any, int]]] = {}
 _kept_bytes = 0
+#: GPU ordinal -> its primary context (as int), once made current here: a thread where it is current already
+#: skips making it current again.
+_contexts: dict[int, int] = {}
 
 
 def size_class(nbytes: int) -> int:
@@ -75,9 +78,13 @@ class UcxStaging:
     def __init__(self, nbytes: int, device: int) -> None:
         from cuda.bindings import driver
 
-        current_gpu(device)  # serializers also run in Dask's offload thread, with no context current
         err, ctx = driver.cuCtxGetCurrent()
         _check(err, "cuCtxGetCurrent")
+        if not int(ctx) or _contexts.get(device) != int(ctx):
+            current_gpu(device)  # serializers also run in Dask's offload thread, with no context current
+            err, ctx = driver.cuCtxGetCurrent()
+            _check(err, "cuCtxGetCurrent")
+            _contexts[device] = int(ctx)
         size = size_class(nbytes)
         key = (int(ctx), size)
         ptr = _take(key)

@@ -196,3 +196,28 @@ def test_distributed_ucxx_synchronizes_the_gpu_before_it_sends_device_frames():
     assert "__cuda_array_interface__" in write
     assert "synchronize_default_stream" in inspect.getsource(ucxx_comm.synchronize_stream)
     assert ".sync()" in inspect.getsource(context.synchronize_default_stream)
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "strides"),
+    [
+        ((3, 4), "f8", (32, 8)),
+        ((5,), "i2", (2,)),
+        ((), "f4", ()),
+        ((0, 5), "f8", (40, 8)),
+        ((2, 1, 3), "u1", (3, 3, 1)),
+    ],
+)
+def test_a_staged_cupy_header_is_distributeds_for_a_c_ordered_array(shape, dtype, strides):
+    """The header a staged CuPy array goes with (built without a CuPy array): what distributed's
+    ``cuda_deserialize_cupy_ndarray`` reads, C-ordered strides (the GPU test compares it with distributed's own)."""
+    import msgpack
+    import numpy as np
+
+    from dask_gpupool.dask.device_frames import staged_cupy_header
+
+    header = staged_cupy_header(shape, np.dtype(dtype), 1234)
+    assert header["shape"] == shape and header["typestr"] == np.dtype(dtype).str and header["strides"] == strides
+    if 0 not in shape:
+        assert np.empty(shape, dtype).strides == strides  # NumPy's C order agrees (it gives 0s for empty arrays)
+    msgpack.packb(header)  # it travels in the message header
