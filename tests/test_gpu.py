@@ -1035,7 +1035,7 @@ def test_a_staged_cupy_header_matches_distributeds_and_deserializes():
         cupy.asarray(7.0, dtype="f4"),
         cupy.empty((0, 5), dtype="f8"),
     ):
-        c_ordered = cupy.ascontiguousarray(x)
+        c_ordered = x.copy(order="C")  # (not ascontiguousarray, which makes a 0-d array 1-d)
         theirs, frames = cuda_serialize_cupy_ndarray(c_ordered)
         ours = staged_cupy_header(tuple(x.shape), x.dtype, int(c_ordered.data.ptr))
         assert tuple(ours["shape"]) == tuple(theirs["shape"]) and ours["typestr"] == theirs["typestr"]
