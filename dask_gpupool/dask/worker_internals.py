@@ -286,16 +286,12 @@ def _all_device_frames(worker: Worker, service: PoolService, keys: Any, who: str
     arrays are staged into the pool (``gpupool.stage-threshold`` set for this requester): that export waits for
     its copy.
     """
-    data = getattr(worker.data, "fast", worker.data)  # a SpillBuffer's in-memory part: no unspilling
-    if not keys or len(keys) > INLINE_MAX_VALUES:
+    values = _values_in_memory(worker, keys) if keys and len(keys) <= INLINE_MAX_VALUES else None
+    if values is None:
         return False
     pool_bytes = 0
     plain_staged = None
-    for key in keys:
-        try:
-            value = data[key]
-        except KeyError:
-            return False
+    for value in values:
         buf = pool_buffer_of(value)
         if buf is not None:
             if not buf.is_device_accessible or buf.is_host_accessible:
@@ -311,6 +307,16 @@ def _all_device_frames(worker: Worker, service: PoolService, keys: Any, who: str
         if plain_staged:
             return False
     return True
+
+
+def _values_in_memory(worker: Worker, keys: Any) -> list[Any] | None:
+    """The values of ``keys`` in ``worker``'s memory, or ``None`` if one is not there (spilled ones count as not
+    there: looking at a SpillBuffer's in-memory part unspills nothing)."""
+    data = getattr(worker.data, "fast", worker.data)
+    try:
+        return [data[key] for key in keys]
+    except KeyError:
+        return None
 
 
 def _offloaded(worker: Worker, keys: Any) -> bool:
@@ -331,14 +337,10 @@ def _offloaded(worker: Worker, keys: Any) -> bool:
 
 def _all_handed_over(worker: Worker, service: PoolService, keys: Any, who: str | None, scheme: str) -> bool:
     """Whether every key is in memory (not spilled) and will go to ``who`` as an IPC descriptor (or forward)."""
-    data = getattr(worker.data, "fast", worker.data)  # a SpillBuffer's in-memory part: no unspilling
-    if not keys or who is None:
+    values = _values_in_memory(worker, keys) if keys and who is not None else None
+    if values is None:
         return False
-    for key in keys:
-        try:
-            value = data[key]
-        except KeyError:
-            return False
+    for value in values:
         buf = pool_buffer_of(value)
         if buf is None:
             return False
