@@ -111,8 +111,9 @@ def _set_hooks(off: list[str], dask_worker: Any = None) -> None:
 def _set_inline(on: bool) -> None:
     """On a worker: the ``-inline-ab`` switch. On: the plugin as it is (a UCX reply of a few device values
     serialized on the event loop, a staging copy left to distributed-ucxx's synchronize, a staged array's header
-    built directly). Off: as before the twenty-fourth session (Dask's offload thread for replies over 10 MiB, every
-    staging copy waited for, distributed's serializer over the staged array)."""
+    built directly; over TCP, replies of CuPy arrays staged into the pool too). Off: as before the twenty-fourth
+    session (Dask's offload thread for replies over 10 MiB, unless all descriptors of pool memory; every staging
+    copy for UCX waited for; distributed's serializer over the staged array)."""
     from dask_gpupool.dask import device_frames, worker_internals
 
     saved = worker_internals.__dict__.setdefault(

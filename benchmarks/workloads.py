@@ -34,7 +34,8 @@ swapped for distributed's own once it is registered, what the rest of the plugin
 worker-side hook undone, only its pool, broker and copy server running; or ``-gone``: its worker plugin
 unregistered again (what stays behind in the processes); or ``-ab``: one cluster, every repeat run with the hooks
 in place and without them, back to back, the two sides alternating run by run (``ab:`` lines, ``ab_rounds`` in the
-JSON). Layouts on a
+JSON); or ``-inline-ab``: the same with replies of device values and staged CuPy arrays serialized on the event loop
+(``on``) or in Dask's offload thread as before the twenty-fourth session (``off``). Layouts on a
 GPU machine: ``two-per-gpu`` and ``one-per-gpu``; two workers without a GPU.
 
 JSON rows ``{workload, layout, method, median_s, copied_bytes, ...}`` go to
@@ -64,7 +65,10 @@ from handoff import (  # benchmarks/handoff.py (this directory is on sys.path wh
     steps_line,
     steps_since,
 )
-from ucx_pairs import _set_hooks  # benchmarks/ucx_pairs.py: the plugin's hooks swapped for distributed's own
+from ucx_pairs import (
+    _set_hooks,  # benchmarks/ucx_pairs.py: the plugin's hooks swapped for distributed's own
+    _set_inline,  # benchmarks/ucx_pairs.py: this session's inline replies switched off
+)
 
 import dask_gpupool
 from dask_gpupool.memory.topology import local_devices
@@ -163,6 +167,10 @@ GONE = "-gone"
 #: fell on either side (``workloads-20261124-062514-h100x1-ucx-ab-alternating.json``): a transient of a new
 #: cluster, not a cost of one side; UCXX alone has it too (``…-065011-h100x1-ucx-new-cluster-transient.json``).
 AB = "-ab"
+#: Method suffix: as ``-ab``, the two sides the plugin as it is (``on``) and with replies of device values and staged
+#: CuPy arrays serialized in Dask's offload thread again, the staging copy for UCX waited for (``off``: as before the
+#: twenty-fourth session; ``benchmarks/ucx_pairs.py``'s ``-inline-ab`` switch).
+INLINE_AB = "-inline-ab"
 
 
 def _bare(dask_worker: Any = None) -> None:
@@ -204,7 +212,7 @@ def method_setup(method: str, gpus: int) -> tuple[str, Any] | None:
     if "gpupool" not in method:
         return protocol, None
     variant = method.split("gpupool", 1)[1]
-    for suffix in (NO_HOOKS, BARE, GONE, AB):  # what is done to the plugin once registered, not its options
+    for suffix in (NO_HOOKS, BARE, GONE, INLINE_AB, AB):  # what is done to the plugin once registered, not options
         variant = variant.removesuffix(suffix)
     return protocol, dask_gpupool.GPUPool(**VARIANTS[variant])
 
@@ -302,7 +310,10 @@ def run(
             for i in range(args.repeats + 1):
                 if method.endswith(AB):  # both ways back to back, every run the other side (see AB)
                     for side in ("on", "off") if round_ % 2 == 0 else ("off", "on"):
-                        c.run(_set_hooks, off=[] if side == "on" else ["get_data", "serializers"])
+                        if method.endswith(INLINE_AB):
+                            c.run(_set_inline, side == "on")
+                        else:
+                            c.run(_set_hooks, off=[] if side == "on" else ["get_data", "serializers"])
                         _, side_before = _seconds_since(c, {})
                         t0 = time.perf_counter()
                         values = [float(v) for v in c.compute(WORKLOADS[name](x, args.chunk), sync=True)]
@@ -310,7 +321,10 @@ def run(
                             ab[side].append(time.perf_counter() - t0)
                             for k, v in _seconds_since(c, side_before)[0].items():
                                 ab_dask[side][k] = ab_dask[side].get(k, 0.0) + v
-                    c.run(_set_hooks, off=[])
+                    if method.endswith(INLINE_AB):
+                        c.run(_set_inline, True)
+                    else:
+                        c.run(_set_hooks, off=[])
                     samples = ab["on"]
                     continue
                 t0 = time.perf_counter()

@@ -1233,6 +1233,40 @@ def test_plain_cupy_arrays_are_staged_into_the_pool_when_asked(placement):
 
 
 @pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
+def test_replies_of_staged_cupy_arrays_over_tcp_skip_the_offload_thread(placement):
+    """Over TCP a reply over Dask's 10 MiB offload size of plain CuPy arrays that the producer's pool stages and hands
+    over (at the default ``stage-threshold``) is serialized on the event loop, as replies of pool memory are; with
+    more than ``INLINE_MAX_VALUES`` values, or a host value beside them, Dask's thread does it. Values arrive right."""
+    import numpy as np
+    from distributed import wait
+
+    gpus(2 if placement == "two-gpus" else 1)
+    layout = ROTATED if placement == "two-gpus" else [ONE_GPU, ONE_GPU]
+    plugin = GPUPool(kind="device", max_size="1 GiB", cupy_allocator=False)
+    with nanny_cluster(layout, plugin) as c:
+        a, b = worker_addresses(c)
+        baseline = warm_up(c, a, b)
+        n = 12 << 17  # 12 MiB of float64
+        plain = c.submit(T.plain_cupy, n, workers=[a], pure=False)
+        host = c.submit(np.ones, n, workers=[a], pure=False)
+        many = [c.submit(T.plain_cupy, 1 << 18, workers=[a], pure=False) for _ in range(9)]  # 9 x 2 MiB
+        wait([plain, host, *many])
+
+        def inline(keys: list[str], c: Any = c, a: str = a, b: str = b) -> bool:
+            return c.run(T.serialized_inline, keys, b, workers=[a])[a]
+
+        assert inline([plain.key]) and inline([m.key for m in many[:6]])
+        assert not inline([plain.key, host.key]) and not inline([m.key for m in many])
+        assert not inline([plain.key], c=c, a=a, b="tcp://127.0.0.1:1")  # not a worker: a copy, in the thread
+        before = counters(c, a)[a]
+        got = c.submit(T.keep, plain, workers=[b], pure=False)
+        assert c.submit(T.total, got, workers=[b], pure=False).result() == float(np.arange(n).sum())
+        assert counters(c, a)[a]["pool_staged_bytes"] - before["pool_staged_bytes"] == 12 * MiB
+        del plain, host, many, got
+        back_to(c, baseline)
+
+
+@pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
 def test_plain_cupy_arrays_of_every_layout_are_staged_with_their_values(placement):
     """Plain CuPy arrays of every layout (``T.LAYOUTS`` and the whole array), staged at every size: contiguous ones
     (whole, transposed: Fortran order, 0-d) by one driver copy of their bytes, the others (slices, negative strides,

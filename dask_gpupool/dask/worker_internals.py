@@ -126,10 +126,12 @@ def install_get_data_hook(
     offloads any message whose ``sizeof`` passes ``distributed.comm.offload``
     (10 MiB), and a handoff's values are that large although what is
     serialized is a descriptor of a few hundred bytes. The thread hop cost
-    about 0.5 ms per transfer, more than the rest of a handoff. Over a UCX
-    comm the same holds for a reply of a few device values (pool memory or
-    CuPy arrays) that go as device frames: serializing them only enqueues
-    GPU work that the comm's own synchronize waits for. Only that
+    about 0.5 ms per transfer, more than the rest of a handoff. So are a few
+    CuPy arrays that a ``device`` pool stages and hands over (a device copy
+    the export waits for). Over a UCX comm the same holds for a reply of a
+    few device values (pool memory or CuPy arrays) that go as device frames:
+    serializing them only enqueues GPU work that the comm's own synchronize
+    waits for. Only that
     comm's ``allow_offload`` changes, for that reply, and the check runs only
     for replies Dask would offload (by the keys' recorded sizes).
 
@@ -336,19 +338,41 @@ def _offloaded(worker: Worker, keys: Any) -> bool:
 
 
 def _all_handed_over(worker: Worker, service: PoolService, keys: Any, who: str | None, scheme: str) -> bool:
-    """Whether every key is in memory (not spilled) and will go to ``who`` as an IPC descriptor (or forward)."""
+    """Whether every key is in memory (not spilled) and will go to ``who`` as an IPC descriptor (or forward).
+
+    Counted as such too: a CuPy array outside the pool that a ``device`` pool stages for ``who``
+    (:func:`_staged_on_device`), at most :data:`INLINE_MAX_VALUES` values and :data:`INLINE_STAGING_LIMIT` bytes
+    of them in a reply: its copy is a device-to-device copy the export waits for, as distributed-ucxx's own
+    synchronize waits for the GPU on the event loop.
+    """
     values = _values_in_memory(worker, keys) if keys and who is not None else None
     if values is None:
         return False
+    staged = 0
     for value in values:
         buf = pool_buffer_of(value)
         if buf is None:
-            return False
+            if len(values) > INLINE_MAX_VALUES or not _staged_on_device(service, value, who, scheme):
+                return False
+            staged += int(value.nbytes)
+            if staged > INLINE_STAGING_LIMIT:
+                return False
+            continue
         origin = getattr(buf.memory_resource, "origin", None)  # an import, passed on as its exporter's memory
         row, reason = service.forward_route(origin, who, scheme)[0] if origin else service.route(who, scheme, buf)
         if row is None or reason is not None:
             return False
     return True
+
+
+def _staged_on_device(service: PoolService, value: Any, who: str | None, scheme: str) -> bool:
+    """Whether ``value`` is a CuPy array that this worker's ``device`` pool would copy into itself and hand to ``who``
+    (:func:`~dask_gpupool.dask.plain_arrays.stage`; it may still decline, for a full pool, and send the array)."""
+    if who is None or service.pool.kind != "device" or type(value).__module__.split(".", 1)[0] != "cupy":
+        return False
+    if not getattr(value, "size", 0) or service.plain_copy_reason(who) != "not-in-pool":
+        return False
+    return service.stage_route(who, scheme, int(value.nbytes)) is not None
 
 
 def fill_after_read(worker: Worker, *, undo: bool = False) -> None:
