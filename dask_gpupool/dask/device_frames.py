@@ -1,17 +1,18 @@
 """Serializers of distributed's ``"cuda"`` family: what comms that carry device frames (UCX) get.
 
 Pool memory asked for by a same-host worker that can map it goes as an IPC
-descriptor, as over TCP (from ``gpupool.ucx-handoff-threshold`` up).
-Otherwise device frames that the comm moves GPU to GPU, never a host copy:
-pool memory is first copied into memory UCX can export
+descriptor, as over TCP (from ``gpupool.ucx-handoff-threshold`` up). Otherwise
+device frames that the comm moves GPU to GPU, never a host copy: pool memory
+is first copied into memory UCX can export
 (:mod:`dask_gpupool.memory.ucx_staging`), except below
 ``gpupool.ucx-staging-threshold``, where it goes as it is for UCX's own
 small-message protocol. The staging copy is not waited for when the comm is
 distributed-ucxx's, which synchronizes the GPU before it sends device frames
-(the staging memory keeps the pool memory alive meanwhile). Other CuPy arrays go as distributed's own frames, or,
-to a worker on the same GPU, are copied into the pool and handed over, as
-over TCP (``gpupool.stage-threshold``). Counted in ``device_frames_out_bytes``,
-``device_staged_bytes`` and ``device_frames_bytes``.
+(the staging memory keeps the pool memory alive meanwhile). Other CuPy arrays
+go as distributed's own frames, or, to a worker on the same GPU, are copied
+into the pool and handed over, as over TCP (``gpupool.stage-threshold``).
+Counted in ``device_frames_out_bytes``, ``device_staged_bytes`` and
+``device_frames_bytes``.
 """
 
 from __future__ import annotations

@@ -260,10 +260,12 @@ async def _ask(worker: Worker, service: PoolService, who: str, leases: list[int]
 #: frames (or descriptors) whose serializing only enqueues GPU work (:mod:`dask_gpupool.dask.device_frames`).
 SYNCHRONIZING_SCHEMES = frozenset({"ucx", "ucxx"})
 
-#: The most pool memory (bytes) a reply over a UCX comm may stage on the event loop: above it a new staging
-#: allocation (``cuMemAlloc``) could hold the loop for milliseconds, so Dask's offload thread does it.
+#: The most bytes a reply may stage on the event loop (pool memory for UCX, or CuPy arrays into the pool over TCP):
+#: above it a new allocation (``cuMemAlloc``, a new segment) could hold the loop for milliseconds, so Dask's offload
+#: thread does it.
 INLINE_STAGING_LIMIT = 256 << 20
-#: The most values a reply over a UCX comm may serialize on the event loop (each costs 0.1-0.3 ms in a busy worker).
+#: The most values a reply may serialize on the event loop when it stages any (each costs 0.1-0.3 ms in a busy
+#: worker).
 INLINE_MAX_VALUES = 8
 
 
