@@ -25,7 +25,7 @@ from cuda.core import Buffer
 
 from dask_gpupool.dask.plain_arrays import in_segments, stage, warn_once
 from dask_gpupool.dask.serializers import KEY, deserialize_buffer, hand_over, loads_array
-from dask_gpupool.dask.views import VIEWS, device_of, viewed_buffer
+from dask_gpupool.dask.views import VIEWS, c_strides, device_of, viewed_buffer
 from dask_gpupool.dask.worker_internals import REQUEST, SYNCHRONIZING_SCHEMES
 from dask_gpupool.handoff.active import active_service
 from dask_gpupool.memory.ucx_staging import UcxStaging
@@ -88,12 +88,6 @@ def _unstaged(nbytes: int) -> bool:
     """Whether pool memory of ``nbytes`` goes to UCX as it is: below ``gpupool.ucx-staging-threshold``."""
     service = _service()
     return service is not None and nbytes < service.options.ucx_staging_threshold
-
-
-#: Whether a staged CuPy array's header is built here (:func:`staged_cupy_header`) rather than by distributed's
-#: serializer over a CuPy array of the staging memory: the same header, 0.07-0.09 ms less in a worker. A switch for
-#: ``benchmarks/ucx_pairs.py``'s ``-inline-ab``.
-DIRECT_HEADER = True
 
 
 def _comm_synchronizes() -> bool:
@@ -218,17 +212,10 @@ def cuda_dumps_cupy(x: Any, previous: Any) -> tuple[dict[str, Any], list[Any]]:
         _count_device_frames(nbytes, staged=False, out=True)
         return header, frames
     copied = time.perf_counter()
-    if DIRECT_HEADER:
-        header = staged_cupy_header(tuple(x.shape), x.dtype, staged.ptr)
-        frames = [_DeviceFrame(staged.ptr, nbytes, staged)]
-    else:  # distributed's serializer over a CuPy array of the staging memory
-        import cupy
-
-        mem = cupy.cuda.UnownedMemory(staged.ptr, max(nbytes, 1), staged, device_id=x.device.id)
-        header, frames = previous(cupy.ndarray(x.shape, x.dtype, cupy.cuda.MemoryPointer(mem, 0)))
+    header = staged_cupy_header(tuple(x.shape), x.dtype, staged.ptr)
     _count_device_frames(nbytes, staged=True, out=True)
     _timed_stage(start, staged, copied)
-    return header, frames
+    return header, [_DeviceFrame(staged.ptr, nbytes, staged)]
 
 
 def staged_cupy_header(shape: tuple[int, ...], dtype: Any, ptr: int) -> dict[str, Any]:
@@ -241,16 +228,11 @@ def staged_cupy_header(shape: tuple[int, ...], dtype: Any, ptr: int) -> dict[str
     ``strides``. Saves distributed's serializer on a staged value (0.07-0.09 ms
     inside a worker, ``device-serialize``).
     """
-    strides = []
-    step = int(dtype.itemsize)
-    for extent in reversed(shape):
-        strides.append(step)
-        step *= max(int(extent), 1)
     return {
         "shape": tuple(int(n) for n in shape),
         "typestr": dtype.str,
         "descr": [("", dtype.str)],
-        "strides": tuple(reversed(strides)),
+        "strides": c_strides(shape, dtype),
         "data": (int(ptr), False),
         "version": 3,
     }
