@@ -17,6 +17,10 @@ plugin's hooks cost a transfer it does not change); ``ucxx+gpupool-pool-ab`` (on
 defaults, every sample taken with an array over a pool buffer and with a CuPy array outside every pool, back to
 back: what pool memory costs a pair that gets device frames); ``ucxx+gpupool-hooks-parts`` (as ``-hooks-ab``, with
 two more variants: only the ``get_data`` wrapper put back to distributed's, only the serializers);
+``ucxx+gpupool-alone-ab`` (one cluster, every sample taken both ways back to back: ``:plugin``, an array over a
+pool buffer with the plugin's hooks, and ``:alone``, a CuPy array from CuPy's own pool with distributed's
+``get_data`` and serializers put back, which is UCXX alone's path in the same workers at the same moment: the
+per-pair comparison without the 15-25% that separate two clusters);
 ``ucxx+gpupool-inline-ab`` (one cluster, pool arrays, every sample taken with the plugin as it is and as before the
 twenty-fourth session, back to back: rows ``:inline``, a UCX reply of a few device values serialized on the event
 loop with its staging copy left to distributed-ucxx's synchronize, and ``:offloaded``, Dask's offload thread over
@@ -150,6 +154,8 @@ def _variants(method: str, max_bytes: int) -> list[tuple[str, dict[str, Any]]]:
         return [("inline", {"inline": True}), ("offloaded", {"inline": False})]
     if method.endswith("-pool-ab"):
         return [("pool", {}), ("plain", {"outside": True})]
+    if method.endswith("-alone-ab"):
+        return [("plugin", {"off": []}), ("alone", {"off": ["get_data", "serializers"], "outside": True})]
     if method.endswith("-ab"):
         return [("staged", {"threshold": 0}), ("unstaged", {"threshold": 2 * max_bytes})]
     return [("", {})]
