@@ -21,6 +21,9 @@ two more variants: only the ``get_data`` wrapper put back to distributed's, only
 pool buffer with the plugin's hooks, and ``:alone``, a CuPy array from CuPy's own pool with distributed's
 ``get_data`` and serializers put back, which is UCXX alone's path in the same workers at the same moment: the
 per-pair comparison without the 15-25% that separate two clusters);
+``ucxx+gpupool-hostframes-ab`` and ``ucxx+gpupool-plain-hostframes-ab`` (one cluster, pool arrays or plain ones,
+every sample taken with arrays sent as one host frame, ``device_frames.HOST_FRAMES_BELOW``, and as the plugin sends
+them, back to back);
 ``ucxx+gpupool-inline-ab`` (one cluster, pool arrays, every sample taken with the plugin as it is and as before the
 twenty-fourth session, back to back: rows ``:inline``, a UCX reply of a few device values serialized on the event
 loop with its staging copy left to distributed-ucxx's synchronize, and ``:offloaded``, Dask's offload thread over
@@ -62,7 +65,7 @@ LAYOUT = [("host-a", "0,1"), ("host-a", "1,0"), ("host-b", "0,1"), ("host-b", "1
 #: The same two "hosts" on a machine with one GPU.
 ONE_GPU_LAYOUT = [("host-a", "0"), ("host-a", "0"), ("host-b", "0"), ("host-b", "0")]
 #: Methods whose arrays are plain CuPy (``gpupool.cupy-allocator`` off), not pool arrays.
-PLAIN_METHODS = ("-plain", "-hooks-ab", "-hooks-parts", "-plain-inline-ab")
+PLAIN_METHODS = ("-plain", "-hooks-ab", "-hooks-parts", "-plain-inline-ab", "-plain-hostframes-ab")
 PATH_KEYS = ("zero_copy_bytes", "peer_copied_bytes", "device_frames_bytes", "copied_bytes")
 
 
@@ -128,6 +131,14 @@ def _set_inline(on: bool) -> None:
     device_frames.SYNCHRONIZING_SCHEMES = saved[1] if on else frozenset()
 
 
+def _set_host_frames(below: int) -> None:
+    """On a worker: the ``-hostframes-ab`` switch, CuPy arrays under ``below`` bytes in a UCX reply as a host frame
+    (0: off, as the plugin is)."""
+    from dask_gpupool.dask import device_frames
+
+    device_frames.HOST_FRAMES_BELOW = below
+
+
 def _produce_outside_pools(nbytes: int) -> Any:
     """A float64 CuPy array of ``nbytes`` from CuPy's own memory pool, whatever allocator the plugin installed."""
     import cupy
@@ -150,6 +161,8 @@ def _variants(method: str, max_bytes: int) -> list[tuple[str, dict[str, Any]]]:
             ("no-serializers", {"off": ["serializers"]}),
             ("nohooks", {"off": ["get_data", "serializers"]}),
         ]
+    if method.endswith("-hostframes-ab"):
+        return [("hostframes", {"host_below": 2 * max_bytes}), ("deviceframes", {"host_below": 0})]
     if method.endswith("-inline-ab"):
         return [("inline", {"inline": True}), ("offloaded", {"inline": False})]
     if method.endswith("-pool-ab"):
@@ -223,6 +236,8 @@ def main() -> None:
                                     c.run(_set_hooks, settings["off"])
                                 if "inline" in settings:
                                     c.run(_set_inline, settings["inline"])
+                                if "host_below" in settings:
+                                    c.run(_set_host_frames, settings["host_below"])
                                 if settings.get("outside"):
                                     x = c.submit(_produce_outside_pools, nbytes, workers=[src], pure=False)
                                 else:

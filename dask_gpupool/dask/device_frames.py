@@ -38,6 +38,12 @@ __all__ = ["cuda_dumps_cupy", "cuda_loads_cupy", "register"]
 
 logger = logging.getLogger(__name__)
 
+#: Experiment (set by ``benchmarks/ucx_pairs.py``'s ``-hostframes-ab``, 0 otherwise): CuPy arrays under this many
+#: bytes in a ``get_data`` reply over UCX go as one host frame (copied to the host here, back to the GPU by the
+#: receiver), which UCX's eager protocol does with device memory under 8 KiB anyway.
+HOST_FRAMES_BELOW = 0
+HOST_FRAME_KEY = "gpupool-host-frame"
+
 
 class _DeviceFrame:
     """A range of device memory as a frame that a UCX comm sends GPU to GPU.
@@ -189,6 +195,9 @@ def cuda_dumps_cupy(x: Any, previous: Any) -> tuple[dict[str, Any], list[Any]]:
             staged_in_pool = stage(request, x, "cupy")
             if staged_in_pool is not None:
                 return staged_in_pool
+        small = _host_frame(x)
+        if small is not None:
+            return small
         header, frames = previous(x)
         _count_device_frames(int(x.nbytes), staged=False, out=True)
         if request is not None and not placed:
@@ -199,6 +208,9 @@ def cuda_dumps_cupy(x: Any, previous: Any) -> tuple[dict[str, Any], list[Any]]:
     handed = _hand_over_on_device_comm(buf, buf, meta, nbytes, x)
     if handed is not None:
         return handed, []
+    small = _host_frame(x)
+    if small is not None:
+        return small
     if _unstaged(nbytes):  # UCX's own small-message protocol moves it
         header, frames = previous(x)
         _count_device_frames(nbytes, staged=False, out=True)
@@ -268,9 +280,27 @@ def _staging_failed(e: Exception) -> None:
     warn_once("staging pool memory for UCX", e, "it is sent as it is, which UCX moves through host memory (slow)")
 
 
+def _host_frame(x: Any) -> tuple[dict[str, Any], list[Any]] | None:
+    """CuPy array ``x`` as one host frame, when a reply over UCX sends arrays under :data:`HOST_FRAMES_BELOW`."""
+    if not HOST_FRAMES_BELOW or int(x.nbytes) >= HOST_FRAMES_BELOW:
+        return None
+    request = REQUEST.get()
+    if request is None or request.scheme not in SYNCHRONIZING_SCHEMES:
+        return None
+    host = x.get(order="C")
+    return {HOST_FRAME_KEY: True, "shape": tuple(int(n) for n in x.shape), "dtype": x.dtype.str}, [host.data]
+
+
 def cuda_loads_cupy(header: dict[str, Any], frames: list[Any], previous: Any) -> Any:
     if KEY in header:
         return loads_array(header, frames, previous)
+    if HOST_FRAME_KEY in header:
+        import cupy
+        import numpy
+
+        (frame,) = frames
+        host = numpy.frombuffer(frame, dtype=numpy.dtype(header["dtype"])).reshape(header["shape"])
+        return cupy.asarray(host)
     arr = previous(header, frames)
     _count_device_frames(int(arr.nbytes), staged=False, out=False)
     return arr
