@@ -23,7 +23,8 @@ pool buffer with the plugin's hooks, and ``:alone``, a CuPy array from CuPy's ow
 per-pair comparison without the 15-25% that separate two clusters);
 ``ucxx+gpupool-hostframes-ab`` and ``ucxx+gpupool-plain-hostframes-ab`` (one cluster, pool arrays or plain ones,
 every sample taken with arrays sent as one host frame, ``device_frames.HOST_FRAMES_BELOW``, and as the plugin sends
-them, back to back);
+them, back to back); ``ucxx+gpupool-hostalone-ab`` and ``ucxx+gpupool-plain-hostalone-ab`` (the same host frames
+against UCXX alone's path, as ``-alone-ab``);
 ``ucxx+gpupool-inline-ab`` (one cluster, pool arrays, every sample taken with the plugin as it is and as before the
 twenty-fourth session, back to back: rows ``:inline``, a UCX reply of a few device values serialized on the event
 loop with its staging copy left to distributed-ucxx's synchronize, and ``:offloaded``, Dask's offload thread over
@@ -65,7 +66,14 @@ LAYOUT = [("host-a", "0,1"), ("host-a", "1,0"), ("host-b", "0,1"), ("host-b", "1
 #: The same two "hosts" on a machine with one GPU.
 ONE_GPU_LAYOUT = [("host-a", "0"), ("host-a", "0"), ("host-b", "0"), ("host-b", "0")]
 #: Methods whose arrays are plain CuPy (``gpupool.cupy-allocator`` off), not pool arrays.
-PLAIN_METHODS = ("-plain", "-hooks-ab", "-hooks-parts", "-plain-inline-ab", "-plain-hostframes-ab")
+PLAIN_METHODS = (
+    "-plain",
+    "-hooks-ab",
+    "-hooks-parts",
+    "-plain-inline-ab",
+    "-plain-hostframes-ab",
+    "-plain-hostalone-ab",
+)
 PATH_KEYS = ("zero_copy_bytes", "peer_copied_bytes", "device_frames_bytes", "copied_bytes")
 
 
@@ -161,6 +169,12 @@ def _variants(method: str, max_bytes: int) -> list[tuple[str, dict[str, Any]]]:
             ("no-serializers", {"off": ["serializers"]}),
             ("nohooks", {"off": ["get_data", "serializers"]}),
         ]
+    if method.endswith("-plain-hostalone-ab"):
+        alone = {"off": ["get_data", "serializers"], "host_below": 0}
+        return [("hostframes", {"off": [], "host_below": 2 * max_bytes}), ("alone", alone)]
+    if method.endswith("-hostalone-ab"):
+        alone = {"off": ["get_data", "serializers"], "outside": True, "host_below": 0}
+        return [("hostframes", {"off": [], "host_below": 2 * max_bytes}), ("alone", alone)]
     if method.endswith("-hostframes-ab"):
         return [("hostframes", {"host_below": 2 * max_bytes}), ("deviceframes", {"host_below": 0})]
     if method.endswith("-inline-ab"):
