@@ -22,9 +22,9 @@ pool buffer with the plugin's hooks, and ``:alone``, a CuPy array from CuPy's ow
 ``get_data`` and serializers put back, which is UCXX alone's path in the same workers at the same moment: the
 per-pair comparison without the 15-25% that separate two clusters);
 ``ucxx+gpupool-hostframes-ab`` and ``ucxx+gpupool-plain-hostframes-ab`` (one cluster, pool arrays or plain ones,
-every sample taken with arrays sent as one host frame, ``device_frames.HOST_FRAMES_BELOW``, and as the plugin sends
-them, back to back); ``ucxx+gpupool-hostalone-ab`` and ``ucxx+gpupool-plain-hostalone-ab`` (the same host frames
-against UCXX alone's path, as ``-alone-ab``);
+every sample taken with every size sent as one host frame (``gpupool.ucx-host-frame-threshold`` above it) and as
+device frames (the threshold 0), back to back); ``ucxx+gpupool-hostalone-ab`` and
+``ucxx+gpupool-plain-hostalone-ab`` (the same host frames against UCXX alone's path, as ``-alone-ab``);
 ``ucxx+gpupool-inline-ab`` (one cluster, pool arrays, every sample taken with the plugin as it is and as before the
 twenty-fourth session, back to back: rows ``:inline``, a UCX reply of a few device values serialized on the event
 loop with its staging copy left to distributed-ucxx's synchronize, and ``:offloaded``, Dask's offload thread over
@@ -74,7 +74,7 @@ PLAIN_METHODS = (
     "-plain-hostframes-ab",
     "-plain-hostalone-ab",
 )
-PATH_KEYS = ("zero_copy_bytes", "peer_copied_bytes", "device_frames_bytes", "copied_bytes")
+PATH_KEYS = ("zero_copy_bytes", "peer_copied_bytes", "device_frames_bytes", "host_frames_bytes", "copied_bytes")
 
 
 def _set_staging_threshold(nbytes: int) -> None:
@@ -140,11 +140,15 @@ def _set_inline(on: bool) -> None:
 
 
 def _set_host_frames(below: int) -> None:
-    """On a worker: the ``-hostframes-ab`` switch, CuPy arrays under ``below`` bytes in a UCX reply as a host frame
-    (0: off, as the plugin is)."""
-    from dask_gpupool.dask import device_frames
+    """On a worker: the ``-hostframes-ab`` switch, its pool service's ``gpupool.ucx-host-frame-threshold`` (CuPy
+    arrays under ``below`` bytes in a UCX reply go as a host frame; 0: none, device frames)."""
+    import dataclasses
 
-    device_frames.HOST_FRAMES_BELOW = below
+    from dask_gpupool.handoff.active import active_service
+
+    service = active_service()
+    if service is not None:
+        service.options = dataclasses.replace(service.options, ucx_host_frame_threshold=below)
 
 
 def _produce_outside_pools(nbytes: int) -> Any:

@@ -97,6 +97,8 @@ def test_config_values_and_overrides():
     assert PoolOptions.from_config(ucx_handoff_threshold="64 MiB").ucx_handoff_threshold == 64 << 20
     assert options.ucx_staging_threshold == 8 << 10  # smaller pool values go to UCX as they are
     assert PoolOptions.from_config(ucx_staging_threshold="64 KiB").ucx_staging_threshold == 64 << 10
+    assert options.ucx_host_frame_threshold == 8 << 10  # smaller CuPy arrays go over UCX as one host frame
+    assert PoolOptions.from_config(ucx_host_frame_threshold=0).ucx_host_frame_threshold == 0
     assert PoolOptions.from_config(import_limit=0, segment_size="8 GiB").segment_size == 8 * 2**30
     assert (options.copy_chunk_size, options.copy_stream_threshold, options.copy_streams) == (16 << 20, 4 << 20, 4)
     assert PoolOptions.from_config(copy_streams="2", copy_chunk_size=0).copy_streams == 2
@@ -151,6 +153,7 @@ def test_segments_are_at_most_the_import_limit():
         ("gpupool.import-limit", "huge"),
         ("gpupool.ucx-handoff-threshold", "big"),
         ("gpupool.ucx-staging-threshold", "-1"),
+        ("gpupool.ucx-host-frame-threshold", "-8 KiB"),
         ("gpupool.copy-chunk-size", "-1 MiB"),
         ("gpupool.copy-stream-threshold", "some"),
         ("gpupool.stage-threshold", "-4 MiB"),

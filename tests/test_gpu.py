@@ -1106,6 +1106,47 @@ def test_on_ucxx_pool_memory_below_the_staging_threshold_goes_to_ucx_unstaged(pl
 
 
 @pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
+def test_on_ucxx_cupy_arrays_below_the_host_frame_threshold_go_as_one_host_frame(placement):
+    """gpupool.ucx-host-frame-threshold (8 KiB): to a worker of another "host", a 4 KiB pool array, a strided 2 KiB
+    view of it, a 4 KiB plain CuPy array, a 0-d and an empty one go as one host frame each and arrive with the right
+    values; an 8 KiB pool array goes as a staged device frame as before. Host frames are counted on both sides and
+    not as host copies; no lease left."""
+    gpus(2 if placement == "two-gpus" else 1)
+    pytest.importorskip("distributed_ucxx")
+    import dask
+    import numpy as np
+
+    ucx = {f"distributed.comm.ucx.{k}": True for k in ("create-cuda-context", "nvlink", "tcp", "cuda-copy")}
+    layout = ROTATED if placement == "two-gpus" else [ONE_GPU, ONE_GPU]
+    workers = [{**w, "protocol": "ucxx", "config": {"gpupool": {"host-id": f"host-{i}"}}} for i, w in enumerate(layout)]
+    plugin = GPUPool(kind="device", max_size="1 GiB", cupy_allocator=False)
+    with dask.config.set(ucx), nanny_cluster(workers, plugin, protocol="ucxx") as c:
+        a, b = worker_addresses(c)
+        arr = c.submit(T.make_array, 512, "cupy", workers=[a], pure=False)  # 4 KiB of float64, pool memory
+        assert c.submit(T.total, arr, workers=[b], pure=False).result() == float(np.arange(512).sum())
+        strided = c.submit(T.every_other, arr, workers=[a], pure=False)
+        assert c.submit(T.total, strided, workers=[b], pure=False).result() == float(np.arange(0, 512, 2).sum())
+        plain = c.submit(T.plain_cupy, 512, workers=[a], pure=False)
+        assert c.submit(T.total, plain, workers=[b], pure=False).result() == float(np.arange(512).sum())
+        for shape in [(), (0, 3), (4, 8)]:
+            v = c.submit(T.plain_cupy_shaped, shape, workers=[a], pure=False)
+            got = c.submit(T.keep, v, workers=[b], pure=False).result()
+            assert got.shape == shape and np.array_equal(got.get(), np.arange(int(np.prod(shape))).reshape(shape))
+            del v
+        big = c.submit(T.make_array, 1024, "cupy", workers=[a], pure=False)  # 8 KiB: staged device frames
+        assert c.submit(T.total, big, workers=[b], pure=False).result() == float(np.arange(1024).sum())
+        got = c.run(T.handoff_counters)
+        print(placement, {w: {k: v for k, v in got[w].items() if v} for w in (a, b)})
+        host_frames = 4096 + 2048 + 4096 + 8 + 0 + 256
+        assert got[a]["host_frames_out_bytes"] == host_frames == got[b]["host_frames_bytes"], got
+        assert got[a]["device_frames_out_bytes"] == 8192 == got[b]["device_frames_bytes"], got
+        assert got[a]["device_staged_bytes"] == 8192, got
+        assert got[a]["copied_out_bytes"] == 0 and got[b]["copied_bytes"] == 0, got
+        del arr, strided, plain, big
+        wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="the leases to end")
+
+
+@pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
 def test_on_ucxx_plain_cupy_arrays_go_unstaged_as_ucx_device_frames_by_default(placement):
     """gpupool.stage-threshold auto over UCX: a plain CuPy array of 8 MiB to a same-host worker, on the producer's GPU
     too, goes as distributed's own device frames, UCX's GPU-to-GPU copy (fallback not-in-pool), not staged into the

@@ -215,7 +215,10 @@ def stats(client: Client) -> dict[str, dict[str, Any]]:
         streamed copy path), ``device_frames_bytes`` and
         ``device_frames_out_bytes`` (device frames received / sent on UCX
         comms), ``device_staged_bytes`` (the part of those sent that was pool
-        memory staged for UCX), ``pool_staged_bytes`` (arrays outside the
+        memory staged for UCX), ``host_frames_bytes`` and
+        ``host_frames_out_bytes`` (CuPy arrays below
+        ``gpupool.ucx-host-frame-threshold`` received / sent over UCX as a
+        host frame), ``pool_staged_bytes`` (arrays outside the
         pool copied into it before a handoff), ``peer_copied_bytes`` (values
         from another GPU copied into this worker's pool on arrival, device to
         device: ``gpupool.peer-gpu-copy``), ``fallbacks`` (same-host transfers that were

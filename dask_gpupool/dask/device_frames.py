@@ -2,17 +2,23 @@
 
 Pool memory asked for by a same-host worker that can map it goes as an IPC
 descriptor, as over TCP (from ``gpupool.ucx-handoff-threshold`` up). Otherwise
-device frames that the comm moves GPU to GPU, never a host copy: pool memory
-is first copied into memory UCX can export
-(:mod:`dask_gpupool.memory.ucx_staging`), except below
-``gpupool.ucx-staging-threshold``, where it goes as it is for UCX's own
+device frames that the comm moves GPU to GPU: pool memory is first copied
+into memory UCX can export (:mod:`dask_gpupool.memory.ucx_staging`), except
+below ``gpupool.ucx-staging-threshold``, where it goes as it is for UCX's own
 small-message protocol. The staging copy is not waited for when the comm is
 distributed-ucxx's, which synchronizes the GPU before it sends device frames
 (the staging memory keeps the pool memory alive meanwhile). Other CuPy arrays
 go as distributed's own frames, or, to a worker on the same GPU, are copied
 into the pool and handed over, as over TCP (``gpupool.stage-threshold``).
-Counted in ``device_frames_out_bytes``, ``device_staged_bytes`` and
-``device_frames_bytes``.
+
+The one exception to "device frames": a CuPy array (pool memory or not) under
+``gpupool.ucx-host-frame-threshold`` (8 KiB) that is not handed over goes as
+one host frame, which is how UCX's eager protocol moves device memory that
+small anyway, minus the comm's GPU synchronizes and the receiver's
+``cudaMalloc``.
+
+Counted in ``device_frames_out_bytes``, ``device_staged_bytes``,
+``device_frames_bytes``, ``host_frames_out_bytes`` and ``host_frames_bytes``.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from dask_gpupool.dask.plain_arrays import in_segments, stage, warn_once
 from dask_gpupool.dask.serializers import KEY, deserialize_buffer, hand_over, loads_array
 from dask_gpupool.dask.views import VIEWS, c_strides, device_of, viewed_buffer
 from dask_gpupool.dask.worker_internals import REQUEST, SYNCHRONIZING_SCHEMES
+from dask_gpupool.errors import ProtocolError
 from dask_gpupool.handoff.active import active_service
 from dask_gpupool.memory.ucx_staging import UcxStaging
 from dask_gpupool.wire.handoff import ArrayMeta
@@ -38,10 +45,7 @@ __all__ = ["cuda_dumps_cupy", "cuda_loads_cupy", "register"]
 
 logger = logging.getLogger(__name__)
 
-#: Experiment (set by ``benchmarks/ucx_pairs.py``'s ``-hostframes-ab``, 0 otherwise): CuPy arrays under this many
-#: bytes in a ``get_data`` reply over UCX go as one host frame (copied to the host here, back to the GPU by the
-#: receiver), which UCX's eager protocol does with device memory under 8 KiB anyway.
-HOST_FRAMES_BELOW = 0
+#: Header key of a CuPy array sent as one host frame (``gpupool.ucx-host-frame-threshold``).
 HOST_FRAME_KEY = "gpupool-host-frame"
 
 
@@ -197,9 +201,10 @@ def cuda_dumps_cupy(x: Any, previous: Any) -> tuple[dict[str, Any], list[Any]]:
                 return staged_in_pool
         small = _host_frame(x)
         if small is not None:
-            return small
-        header, frames = previous(x)
-        _count_device_frames(int(x.nbytes), staged=False, out=True)
+            header, frames = small
+        else:
+            header, frames = previous(x)
+            _count_device_frames(int(x.nbytes), staged=False, out=True)
         if request is not None and not placed:
             request.count_plain_fallback(int(x.nbytes))  # to a same-host peer: fallback not-in-pool
         return header, frames
@@ -281,26 +286,67 @@ def _staging_failed(e: Exception) -> None:
 
 
 def _host_frame(x: Any) -> tuple[dict[str, Any], list[Any]] | None:
-    """CuPy array ``x`` as one host frame, when a reply over UCX sends arrays under :data:`HOST_FRAMES_BELOW`."""
-    if not HOST_FRAMES_BELOW or int(x.nbytes) >= HOST_FRAMES_BELOW:
-        return None
+    """CuPy array ``x`` as one host frame, for a ``get_data`` reply over UCX, when it is smaller than
+    ``gpupool.ucx-host-frame-threshold``; else ``None`` (device frames, as before).
+
+    UCX 1.21 sends device memory under 8 KiB eagerly through host bounce
+    buffers itself, so below that the bytes take the same way; done here, the
+    reply has no device frame, so distributed-ucxx synchronizes the GPU on
+    neither side, and the receiver allocates nothing with ``cudaMalloc``
+    (:data:`~dask_gpupool.config.UCX_HOST_FRAME_THRESHOLD` has the figures).
+    The copy to the host runs on the legacy default stream, after the work
+    queued there (the task's kernels); under ``gpupool.handoff-ordering:
+    device`` the whole GPU is synchronized first, as distributed-ucxx does
+    before device frames. The frame is a NumPy array this reply owns.
+    Counted in ``host_frames_out_bytes`` (here) and ``host_frames_bytes``
+    (the receiver).
+    """
     request = REQUEST.get()
     if request is None or request.scheme not in SYNCHRONIZING_SCHEMES:
         return None
-    host = x.get(order="C")
+    nbytes = int(x.nbytes)
+    options = request.service.options
+    if nbytes >= options.ucx_host_frame_threshold:
+        return None
+    import cupy
+
+    with cupy.cuda.Device(int(x.device.id)):
+        if options.handoff_ordering == "device":
+            cupy.cuda.runtime.deviceSynchronize()
+        host = x.get(stream=cupy.cuda.Stream.null, order="C")
+    request.service.handoffs.add(host_frames_out_bytes=nbytes)
     return {HOST_FRAME_KEY: True, "shape": tuple(int(n) for n in x.shape), "dtype": x.dtype.str}, [host.data]
+
+
+def _from_host_frame(header: dict[str, Any], frames: list[Any]) -> Any:
+    """The CuPy array a :func:`_host_frame` header and its frame describe, copied to this process's current GPU.
+
+    Raises
+    ------
+    ProtocolError
+        If the header or frame is malformed (nothing is allocated then).
+    """
+    import cupy
+    import numpy
+
+    try:
+        (frame,) = frames
+        dtype = numpy.dtype(header["dtype"])
+        shape = tuple(int(n) for n in header["shape"])
+        host = numpy.frombuffer(frame, dtype=dtype).reshape(shape)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ProtocolError(f"malformed host-frame header {header!r}: {e}") from e
+    service = _service(False)
+    if service is not None:
+        service.handoffs.add(host_frames_bytes=host.nbytes)
+    return cupy.asarray(host)
 
 
 def cuda_loads_cupy(header: dict[str, Any], frames: list[Any], previous: Any) -> Any:
     if KEY in header:
         return loads_array(header, frames, previous)
     if HOST_FRAME_KEY in header:
-        import cupy
-        import numpy
-
-        (frame,) = frames
-        host = numpy.frombuffer(frame, dtype=numpy.dtype(header["dtype"])).reshape(header["shape"])
-        return cupy.asarray(host)
+        return _from_host_frame(header, frames)
     arr = previous(header, frames)
     _count_device_frames(int(arr.nbytes), staged=False, out=False)
     return arr

@@ -88,6 +88,9 @@ class GPUPool(SchedulerPlugin):
     ucx_staging_threshold : int or str, optional
         Smallest pool value staged before it goes to UCX as a device frame
         (``gpupool.ucx-staging-threshold``).
+    ucx_host_frame_threshold : int or str, optional
+        CuPy arrays below this size in a reply over UCX go as one host frame
+        (``gpupool.ucx-host-frame-threshold``).
     copy_chunk_size, copy_stream_threshold : int or str, optional
         The pipelined copy path's chunk, and the smallest copy it carries
         (``gpupool.copy-chunk-size``, ``gpupool.copy-stream-threshold``).
@@ -174,6 +177,7 @@ class GPUPool(SchedulerPlugin):
         cupy_allocator: bool | str | None = None,
         ucx_handoff_threshold: int | str | None = None,
         ucx_staging_threshold: int | str | None = None,
+        ucx_host_frame_threshold: int | str | None = None,
         copy_chunk_size: int | str | None = None,
         copy_stream_threshold: int | str | None = None,
         copy_streams: int | None = None,
@@ -205,6 +209,7 @@ class GPUPool(SchedulerPlugin):
                 cupy_allocator=cupy_allocator,
                 ucx_handoff_threshold=ucx_handoff_threshold,
                 ucx_staging_threshold=ucx_staging_threshold,
+                ucx_host_frame_threshold=ucx_host_frame_threshold,
                 copy_chunk_size=copy_chunk_size,
                 copy_stream_threshold=copy_stream_threshold,
                 copy_streams=copy_streams,

@@ -145,6 +145,11 @@ class HandoffStats:
     device_staged_bytes : int
         The part of ``device_frames_out_bytes`` that was pool memory, copied
         device to device into memory UCX can send through ``cuda_ipc`` first.
+    host_frames_bytes, host_frames_out_bytes : int
+        Bytes of CuPy arrays received / sent over UCX as one host frame
+        instead of a device frame (below ``gpupool.ucx-host-frame-threshold``,
+        where UCX's eager protocol bounces device memory through the host
+        itself); not counted in ``copied_bytes``.
     peer_copied_bytes : int
         Bytes handed over from another GPU of this host and copied into this
         worker's pool on arrival, device to device (``gpupool.peer-gpu-copy``;
@@ -175,6 +180,8 @@ class HandoffStats:
     device_frames_bytes: int
     device_frames_out_bytes: int
     device_staged_bytes: int
+    host_frames_bytes: int
+    host_frames_out_bytes: int
     pool_staged_bytes: int
     peer_copied_bytes: int
     fallbacks: dict[str, int]
@@ -187,6 +194,7 @@ class HandoffStats:
         self.zero_copy_bytes = self.copied_bytes = self.copied_out_bytes = 0
         self.streamed_bytes = self.streamed_out_bytes = 0
         self.device_frames_bytes = self.device_frames_out_bytes = self.device_staged_bytes = 0
+        self.host_frames_bytes = self.host_frames_out_bytes = 0
         self.pool_staged_bytes = self.peer_copied_bytes = 0
         self.fallbacks = {}
         self.timings = {}
@@ -246,6 +254,8 @@ class HandoffStats:
                 "device_frames_bytes": self.device_frames_bytes,
                 "device_frames_out_bytes": self.device_frames_out_bytes,
                 "device_staged_bytes": self.device_staged_bytes,
+                "host_frames_bytes": self.host_frames_bytes,
+                "host_frames_out_bytes": self.host_frames_out_bytes,
                 "pool_staged_bytes": self.pool_staged_bytes,
                 "peer_copied_bytes": self.peer_copied_bytes,
                 "fallbacks": dict(self.fallbacks),

@@ -95,6 +95,7 @@ def _worker_metrics() -> Iterator[Any]:
         received.add_metric([pool, "zero-copy"], h["zero_copy_bytes"])
         received.add_metric([pool, "copy"], h["copied_bytes"])
         received.add_metric([pool, "device-frames"], h["device_frames_bytes"])
+        received.add_metric([pool, "host-frames"], h.get("host_frames_bytes", 0))  # small CuPy arrays over UCX
         received.add_metric([pool, "peer-gpu-copy"], h.get("peer_copied_bytes", 0))  # mapped, then copied here
         sent.add_metric([pool], h["copied_out_bytes"])
         for reason in FALLBACK_REASONS:

@@ -66,6 +66,17 @@ def plain_cupy(n: int) -> Any:
     return arr
 
 
+def plain_cupy_shaped(shape: tuple[int, ...]) -> Any:
+    """Task: ``cupy.arange`` as float64 in ``shape`` (``()``: a 0-d array; a 0 in it: an empty one), plain CuPy."""
+    import math
+
+    import cupy
+
+    arr = cupy.arange(math.prod(shape), dtype="f8").reshape(shape)
+    cupy.cuda.runtime.deviceSynchronize()
+    return arr
+
+
 def every_other(x: Any) -> Any:
     """Task: ``x[::2]``, a strided view of the same memory."""
     return x[::2]
