@@ -298,8 +298,10 @@ def _host_frame(x: Any) -> tuple[dict[str, Any], list[Any]] | None:
     queued there (the task's kernels); under ``gpupool.handoff-ordering:
     device`` the whole GPU is synchronized first, as distributed-ucxx does
     before device frames. The frame is a NumPy array this reply owns.
-    Counted in ``host_frames_out_bytes`` (here) and ``host_frames_bytes``
-    (the receiver).
+    Only to a worker that runs the plugin (it has a registry row), since only
+    its deserializer reads the frame: a client or the scheduler gets
+    distributed's device frames. Counted in ``host_frames_out_bytes`` (here)
+    and ``host_frames_bytes`` (the receiver).
     """
     request = REQUEST.get()
     if request is None or request.scheme not in SYNCHRONIZING_SCHEMES:
@@ -308,6 +310,8 @@ def _host_frame(x: Any) -> tuple[dict[str, Any], list[Any]] | None:
     options = request.service.options
     if nbytes >= options.ucx_host_frame_threshold:
         return None
+    if request.requester is None or request.service.registry.worker_row(request.requester) is None:
+        return None  # a client, the scheduler, a worker without the plugin: no deserializer for the host frame
     import cupy
 
     with cupy.cuda.Device(int(x.device.id)):
