@@ -330,7 +330,6 @@ def _from_host_frame(header: dict[str, Any], frames: list[Any]) -> Any:
     ProtocolError
         If the header or frame is malformed (nothing is allocated then).
     """
-    import cupy
     import numpy
 
     try:
@@ -340,6 +339,8 @@ def _from_host_frame(header: dict[str, Any], frames: list[Any]) -> Any:
         host = numpy.frombuffer(frame, dtype=dtype).reshape(shape)
     except (KeyError, TypeError, ValueError) as e:
         raise ProtocolError(f"malformed host-frame header {header!r}: {e}") from e
+    import cupy
+
     service = _service(False)
     if service is not None:
         service.handoffs.add(host_frames_bytes=host.nbytes)

@@ -221,3 +221,23 @@ def test_a_staged_cupy_header_is_distributeds_for_a_c_ordered_array(shape, dtype
     if 0 not in shape:
         assert np.empty(shape, dtype).strides == strides  # NumPy's C order agrees (it gives 0s for empty arrays)
     msgpack.packb(header)  # it travels in the message header
+
+
+@pytest.mark.parametrize(
+    ("header", "frames"),
+    [
+        ({"shape": [2], "gpupool-host-frame": True}, [b"\0" * 16]),  # no dtype
+        ({"shape": [3], "dtype": "<f8", "gpupool-host-frame": True}, [b"\0" * 16]),  # 16 bytes for 24
+        ({"shape": [2], "dtype": "<f8", "gpupool-host-frame": True}, [b"\0" * 8, b"\0" * 8]),  # two frames
+        ({"shape": "two", "dtype": "<f8", "gpupool-host-frame": True}, [b"\0" * 16]),
+        ({"shape": [2], "dtype": "not-a-dtype", "gpupool-host-frame": True}, [b"\0" * 16]),
+    ],
+)
+def test_a_malformed_host_frame_is_a_protocol_error_before_anything_is_allocated(header, frames):
+    """gpupool.ucx-host-frame-threshold: a host-frame header that does not describe its frame (no dtype, a size that
+    does not match, more than one frame, a bad shape or dtype) raises ProtocolError, checked on the host before the
+    receiver allocates GPU memory (so this runs without CuPy)."""
+    from dask_gpupool.dask import device_frames as F
+
+    with pytest.raises(ProtocolError, match="malformed host-frame header"):
+        F._from_host_frame(header, frames)
