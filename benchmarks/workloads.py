@@ -35,7 +35,9 @@ worker-side hook undone, only its pool, broker and copy server running; or ``-go
 unregistered again (what stays behind in the processes); or ``-ab``: one cluster, every repeat run with the hooks
 in place and without them, back to back, the two sides alternating run by run (``ab:`` lines, ``ab_rounds`` in the
 JSON); or ``-inline-ab``: the same with replies of device values and staged CuPy arrays serialized on the event loop
-(``on``) or in Dask's offload thread as before the twenty-fourth session (``off``). Layouts on a
+(``on``) or in Dask's offload thread as before the twenty-fourth session (``off``); or ``-hostframes-ab``: small
+CuPy arrays in UCX replies as one host frame (``gpupool.ucx-host-frame-threshold`` at its default, ``on``) or as
+device frames (``off``). Layouts on a
 GPU machine: ``two-per-gpu`` and ``one-per-gpu``; two workers without a GPU.
 
 JSON rows ``{workload, layout, method, median_s, copied_bytes, ...}`` go to
@@ -67,10 +69,12 @@ from handoff import (  # benchmarks/handoff.py (this directory is on sys.path wh
 )
 from ucx_pairs import (
     _set_hooks,  # benchmarks/ucx_pairs.py: the plugin's hooks swapped for distributed's own
+    _set_host_frames,  # benchmarks/ucx_pairs.py: gpupool.ucx-host-frame-threshold on every worker
     _set_inline,  # benchmarks/ucx_pairs.py: this session's inline replies switched off
 )
 
 import dask_gpupool
+from dask_gpupool.config import UCX_HOST_FRAME_THRESHOLD
 from dask_gpupool.memory.topology import local_devices
 
 
@@ -171,6 +175,9 @@ AB = "-ab"
 #: CuPy arrays serialized in Dask's offload thread again, the staging copy for UCX waited for (``off``: as before the
 #: twenty-fourth session; ``benchmarks/ucx_pairs.py``'s ``-inline-ab`` switch).
 INLINE_AB = "-inline-ab"
+#: Method suffix: as ``-ab``, the two sides small CuPy arrays in UCX replies sent as one host frame
+#: (``gpupool.ucx-host-frame-threshold`` at its default, ``on``) and as device frames (the threshold 0, ``off``).
+HOSTFRAMES_AB = "-hostframes-ab"
 
 
 def _bare(dask_worker: Any = None) -> None:
@@ -212,7 +219,8 @@ def method_setup(method: str, gpus: int) -> tuple[str, Any] | None:
     if "gpupool" not in method:
         return protocol, None
     variant = method.split("gpupool", 1)[1]
-    for suffix in (NO_HOOKS, BARE, GONE, INLINE_AB, AB):  # what is done to the plugin once registered, not options
+    # what is done to the plugin once registered, not options
+    for suffix in (NO_HOOKS, BARE, GONE, INLINE_AB, HOSTFRAMES_AB, AB):
         variant = variant.removesuffix(suffix)
     return protocol, dask_gpupool.GPUPool(**VARIANTS[variant])
 
@@ -312,6 +320,8 @@ def run(
                     for side in ("on", "off") if round_ % 2 == 0 else ("off", "on"):
                         if method.endswith(INLINE_AB):
                             c.run(_set_inline, side == "on")
+                        elif method.endswith(HOSTFRAMES_AB):
+                            c.run(_set_host_frames, UCX_HOST_FRAME_THRESHOLD if side == "on" else 0)
                         else:
                             c.run(_set_hooks, off=[] if side == "on" else ["get_data", "serializers"])
                         _, side_before = _seconds_since(c, {})
@@ -323,6 +333,8 @@ def run(
                                 ab_dask[side][k] = ab_dask[side].get(k, 0.0) + v
                     if method.endswith(INLINE_AB):
                         c.run(_set_inline, True)
+                    elif method.endswith(HOSTFRAMES_AB):
+                        c.run(_set_host_frames, UCX_HOST_FRAME_THRESHOLD)
                     else:
                         c.run(_set_hooks, off=[])
                     samples = ab["on"]
