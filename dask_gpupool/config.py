@@ -96,16 +96,17 @@ SAME_GPU_HANDOFF_THRESHOLD = 0
 #: default stays at the eager limit, where giving UCX the pool memory itself cannot change its path.
 UCX_STAGING_THRESHOLD = 8 << 10
 
-#: ``ucx-host-frame-threshold`` by default: a CuPy array under 8 KiB in a reply over UCX goes as one host frame (copied
-#: to the host by the sender, back to the GPU by the receiver) rather than as a device frame. Below 8 KiB UCX 1.21 sends
-#: device memory eagerly through host bounce buffers itself, so the bytes take the same way; done by the plugin the
-#: transfer skips distributed-ucxx's GPU synchronize on both sides, the receiver's ``cudaMalloc`` and ``cudaFree`` of
-#: the frame (0.04-0.05 ms each on one H100, scripts/probes/recv_alloc.py) and UCX's device-memory handling. Measured
-#: on one H100, four workers as two "hosts", every sample both ways back to back in one cluster
-#: (benchmarks/ucx_pairs.py ``-hostframes-ab``, 2026-11-24 20:31, docs/performance.md): at 4 KiB other-host pool arrays
-#: 1.67 against 1.87 ms (8 of 8 pairs faster), plain CuPy arrays 1.73 against 1.90 (8 of 8); at 64 KiB also faster
-#: (0.86-0.89x), at 1 MiB much slower (1.45-1.51x). From 8 KiB UCX moves device memory GPU to GPU, so the default
-#: stays at its eager limit: no byte goes through the host that UCX would not have sent through it.
+#: ``ucx-host-frame-threshold`` by default: a CuPy array (or a pool Buffer) under 8 KiB in a reply over UCX to a worker
+#: running the plugin goes as one host frame (copied to the host by the sender, back to the GPU by the receiver) rather
+#: than as a device frame. Below 8 KiB UCX 1.21 sends device memory eagerly through host bounce buffers itself, so the
+#: bytes take the same way; done by the plugin the transfer skips distributed-ucxx's GPU synchronize on both sides, the
+#: receiver's ``cudaMalloc`` and ``cudaFree`` of the frame (0.04-0.05 ms each on one H100,
+#: scripts/probes/recv_alloc.py) and UCX's device-memory handling. Measured on one H100, four workers as two "hosts",
+#: every sample both ways back to back in one cluster (benchmarks/ucx_pairs.py ``-hostframes-ab``, 2026-11-24 20:31,
+#: docs/performance.md): at 4 KiB other-host pool arrays 1.67 against 1.87 ms (8 of 8 pairs faster), plain CuPy arrays
+#: 1.73 against 1.90 (8 of 8); at 64 KiB also faster (0.86-0.89x), at 1 MiB much slower (1.45-1.51x). From 8 KiB UCX
+#: moves device memory GPU to GPU, so the default stays at its eager limit: no byte goes through the host that UCX
+#: would not have sent through it.
 UCX_HOST_FRAME_THRESHOLD = 8 << 10
 
 
@@ -250,10 +251,11 @@ class PoolOptions:
         faster at 4 KiB (every pair) and 64 KiB; above 8 KiB UCX's path
         between real hosts is not measured. 0: every value is staged.
     ucx_host_frame_threshold : int
-        On UCX comms, CuPy arrays below this many bytes in a ``get_data``
-        reply (that are not handed over) go as one host frame instead of a
-        device frame: copied to the host by the sender and back to the GPU
-        by the receiver, the way UCX's eager protocol moves device memory
+        On UCX comms, CuPy arrays and pool Buffers below this many bytes in a
+        ``get_data`` reply to a worker running the plugin (that are not
+        handed over) go as one host frame instead of a device frame:
+        copied to the host by the sender and back to the GPU by the
+        receiver, the way UCX's eager protocol moves device memory
         below 8 KiB anyway, without the comm's GPU synchronizes and the
         receiver's ``cudaMalloc``. Counted in ``host_frames_out_bytes`` and
         ``host_frames_bytes``. Default :data:`UCX_HOST_FRAME_THRESHOLD`

@@ -1108,9 +1108,10 @@ def test_on_ucxx_pool_memory_below_the_staging_threshold_goes_to_ucx_unstaged(pl
 @pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
 def test_on_ucxx_cupy_arrays_below_the_host_frame_threshold_go_as_one_host_frame(placement):
     """gpupool.ucx-host-frame-threshold (8 KiB): to a worker of another "host", a 4 KiB pool array, a strided 2 KiB
-    view of it, a 4 KiB plain CuPy array, a 0-d and an empty one go as one host frame each and arrive with the right
-    values; an 8 KiB pool array goes as a staged device frame as before. Host frames are counted on both sides and
-    not as host copies; no lease left."""
+    view of it, a 4 KiB plain CuPy array, a 0-d and an empty one, and a 4 KiB pool Buffer (which lands in the
+    receiver's pool) go as one host frame each and arrive with the right values; to the client, device frames; an
+    8 KiB pool array goes as a staged device frame as before. Host frames are counted on both sides and not as host
+    copies; no lease left."""
     gpus(2 if placement == "two-gpus" else 1)
     pytest.importorskip("distributed_ucxx")
     import dask
@@ -1133,16 +1134,18 @@ def test_on_ucxx_cupy_arrays_below_the_host_frame_threshold_go_as_one_host_frame
             got = c.submit(T.keep, v, workers=[b], pure=False).result()
             assert got.shape == shape and np.array_equal(got.get(), np.arange(int(np.prod(shape))).reshape(shape))
             del v
+        buf = c.submit(T.make_buffer, 4096, b"host frame", workers=[a], pure=False)
+        assert c.submit(T.head, buf, 10, workers=[b], pure=False).result() == b"host frame"
         big = c.submit(T.make_array, 1024, "cupy", workers=[a], pure=False)  # 8 KiB: staged device frames
         assert c.submit(T.total, big, workers=[b], pure=False).result() == float(np.arange(1024).sum())
         got = c.run(T.handoff_counters)
         print(placement, {w: {k: v for k, v in got[w].items() if v} for w in (a, b)})
-        host_frames = 4096 + 2048 + 4096 + 8 + 0 + 256
+        host_frames = 4096 + 2048 + 4096 + 8 + 0 + 256 + 4096
         assert got[a]["host_frames_out_bytes"] == host_frames == got[b]["host_frames_bytes"], got
         assert got[a]["device_frames_out_bytes"] == 8192 == got[b]["device_frames_bytes"], got
         assert got[a]["device_staged_bytes"] == 8192, got
         assert got[a]["copied_out_bytes"] == 0 and got[b]["copied_bytes"] == 0, got
-        del arr, strided, plain, big
+        del arr, strided, plain, buf, big
         wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="the leases to end")
 
 

@@ -11,11 +11,12 @@ distributed-ucxx's, which synchronizes the GPU before it sends device frames
 go as distributed's own frames, or, to a worker on the same GPU, are copied
 into the pool and handed over, as over TCP (``gpupool.stage-threshold``).
 
-The one exception to "device frames": a CuPy array (pool memory or not) under
-``gpupool.ucx-host-frame-threshold`` (8 KiB) that is not handed over goes as
-one host frame, which is how UCX's eager protocol moves device memory that
-small anyway, minus the comm's GPU synchronizes and the receiver's
-``cudaMalloc``.
+The one exception to "device frames": a CuPy array (pool memory or not) or a
+pool Buffer under ``gpupool.ucx-host-frame-threshold`` (8 KiB) that is not
+handed over goes to a worker running the plugin as one host frame, which is
+how UCX's eager protocol moves device memory that small anyway, minus the
+comm's GPU synchronizes and the receiver's ``cudaMalloc``. A Buffer lands in
+the receiver's pool.
 
 Counted in ``device_frames_out_bytes``, ``device_staged_bytes``,
 ``device_frames_bytes``, ``host_frames_out_bytes`` and ``host_frames_bytes``.
@@ -35,6 +36,7 @@ from dask_gpupool.dask.views import VIEWS, c_strides, device_of, viewed_buffer
 from dask_gpupool.dask.worker_internals import REQUEST, SYNCHRONIZING_SCHEMES
 from dask_gpupool.errors import ProtocolError
 from dask_gpupool.handoff.active import active_service
+from dask_gpupool.memory.buffers import copy_from_host, copy_to_host
 from dask_gpupool.memory.ucx_staging import UcxStaging
 from dask_gpupool.wire.handoff import ArrayMeta
 
@@ -139,8 +141,11 @@ def _cuda_serialize_buffer(buf: Buffer) -> tuple[dict[str, Any], list[Any]]:
     To a same-host worker that can map it: an IPC descriptor, as over TCP.
     Otherwise one device frame, copied first into memory UCX can send GPU to
     GPU (:class:`~dask_gpupool.memory.ucx_staging.UcxStaging`; counted in ``device_frames_out_bytes`` and
-    ``device_staged_bytes``), never a host copy. Host memory, and empty
-    buffers, go on to the ``"dask"`` family (a host frame).
+    ``device_staged_bytes``), never a host copy; except under
+    ``gpupool.ucx-host-frame-threshold`` to a worker running the plugin,
+    where it goes as one host frame (UCX's eager protocol would bounce it
+    through the host too) and lands in the receiver's pool. Host memory,
+    and empty buffers, go on to the ``"dask"`` family (a host frame).
     """
     if not buf.is_device_accessible or buf.is_host_accessible or not buf.size:
         raise NotImplementedError("host memory goes in a host frame")
@@ -148,6 +153,11 @@ def _cuda_serialize_buffer(buf: Buffer) -> tuple[dict[str, Any], list[Any]]:
     handed = _hand_over_on_device_comm(buf, buf, None, nbytes)
     if handed is not None:
         return handed, []
+    service = _host_frame_reply(nbytes)
+    if service is not None:  # one host frame, copied by the driver on the legacy default stream
+        frame = copy_to_host(buf, 0, nbytes)
+        service.handoffs.add(host_frames_out_bytes=nbytes)
+        return {HOST_FRAME_KEY: True, "nbytes": nbytes}, [frame]
     if _unstaged(nbytes):  # UCX's own small-message protocol moves it
         _count_device_frames(nbytes, staged=False, out=True)
         return {"nbytes": nbytes}, [_DeviceFrame(int(buf.handle), nbytes, buf)]
@@ -165,9 +175,12 @@ def _cuda_serialize_buffer(buf: Buffer) -> tuple[dict[str, Any], list[Any]]:
 
 
 def _cuda_deserialize_buffer(header: dict[str, Any], frames: list[Any]) -> Buffer:
-    """A handed-over Buffer, or the device frame a comm received (a ``Buffer`` that keeps the frame alive)."""
+    """A handed-over Buffer, the device frame a comm received (a ``Buffer`` that keeps the frame alive), or a
+    host frame copied into a new buffer of this worker's pool (owned by the caller)."""
     if KEY in header:
         return deserialize_buffer(header, frames)
+    if HOST_FRAME_KEY in header:
+        return _buffer_from_host_frame(header, frames)
     (frame,) = frames
     nbytes = int(header["nbytes"])
     ptr = int(frame.__cuda_array_interface__["data"][0])
@@ -285,41 +298,78 @@ def _staging_failed(e: Exception) -> None:
     warn_once("staging pool memory for UCX", e, "it is sent as it is, which UCX moves through host memory (slow)")
 
 
-def _host_frame(x: Any) -> tuple[dict[str, Any], list[Any]] | None:
-    """CuPy array ``x`` as one host frame, for a ``get_data`` reply over UCX, when it is smaller than
-    ``gpupool.ucx-host-frame-threshold``; else ``None`` (device frames, as before).
+def _host_frame_reply(nbytes: int) -> Any:
+    """The service of the ``get_data`` reply being serialized, when a value of ``nbytes`` goes in it as one host
+    frame: the reply is over UCX, the value is under ``gpupool.ucx-host-frame-threshold``, and the requester is a
+    worker that runs the plugin (it has a registry row; only its deserializer reads the frame, so a client or the
+    scheduler gets device frames). Else ``None``.
 
     UCX 1.21 sends device memory under 8 KiB eagerly through host bounce
-    buffers itself, so below that the bytes take the same way; done here, the
-    reply has no device frame, so distributed-ucxx synchronizes the GPU on
-    neither side, and the receiver allocates nothing with ``cudaMalloc``
-    (:data:`~dask_gpupool.config.UCX_HOST_FRAME_THRESHOLD` has the figures).
-    The copy to the host runs on the legacy default stream, after the work
-    queued there (the task's kernels); under ``gpupool.handoff-ordering:
-    device`` the whole GPU is synchronized first, as distributed-ucxx does
-    before device frames. The frame is a NumPy array this reply owns.
-    Only to a worker that runs the plugin (it has a registry row), since only
-    its deserializer reads the frame: a client or the scheduler gets
-    distributed's device frames. Counted in ``host_frames_out_bytes`` (here)
-    and ``host_frames_bytes`` (the receiver).
+    buffers itself, so below that the bytes take the same way; done by the
+    plugin, the reply has no device frame, so distributed-ucxx synchronizes
+    the GPU on neither side, and the receiver allocates nothing with
+    ``cudaMalloc`` (:data:`~dask_gpupool.config.UCX_HOST_FRAME_THRESHOLD` has
+    the figures). Under ``gpupool.handoff-ordering: device`` the whole GPU is
+    synchronized here first, as distributed-ucxx does before device frames;
+    otherwise the copy to the host is ordered after the work queued on the
+    legacy default stream (the task's kernels).
     """
     request = REQUEST.get()
     if request is None or request.scheme not in SYNCHRONIZING_SCHEMES:
         return None
-    nbytes = int(x.nbytes)
-    options = request.service.options
-    if nbytes >= options.ucx_host_frame_threshold:
+    service = request.service
+    if nbytes >= service.options.ucx_host_frame_threshold:
         return None
-    if request.requester is None or request.service.registry.worker_row(request.requester) is None:
+    if request.requester is None or service.registry.worker_row(request.requester) is None:
         return None  # a client, the scheduler, a worker without the plugin: no deserializer for the host frame
+    if service.options.handoff_ordering == "device":
+        from cuda.bindings import driver
+
+        driver.cuCtxSynchronize()
+    return service
+
+
+def _host_frame(x: Any) -> tuple[dict[str, Any], list[Any]] | None:
+    """CuPy array ``x`` as one host frame (a NumPy array this reply owns), when :func:`_host_frame_reply` says so;
+    else ``None``. Counted in ``host_frames_out_bytes`` here and ``host_frames_bytes`` on the receiver."""
+    nbytes = int(x.nbytes)
+    service = _host_frame_reply(nbytes)
+    if service is None:
+        return None
     import cupy
 
     with cupy.cuda.Device(int(x.device.id)):
-        if options.handoff_ordering == "device":
-            cupy.cuda.runtime.deviceSynchronize()
         host = x.get(stream=cupy.cuda.Stream.null, order="C")
-    request.service.handoffs.add(host_frames_out_bytes=nbytes)
+    service.handoffs.add(host_frames_out_bytes=nbytes)
     return {HOST_FRAME_KEY: True, "shape": tuple(int(n) for n in x.shape), "dtype": x.dtype.str}, [host.data]
+
+
+def _buffer_from_host_frame(header: dict[str, Any], frames: list[Any]) -> Buffer:
+    """A Buffer of this worker's pool holding a host frame's bytes (the caller owns it).
+
+    Raises
+    ------
+    ProtocolError
+        If the header or frame is malformed, or this process has no pool (nothing is allocated then).
+    """
+    try:
+        (frame,) = frames
+        nbytes = int(header["nbytes"])
+        if memoryview(frame).nbytes != nbytes:
+            raise ValueError(f"a frame of {memoryview(frame).nbytes} bytes")
+    except (KeyError, TypeError, ValueError) as e:
+        raise ProtocolError(f"malformed host-frame header {header!r}: {e}") from e
+    service = _service(False)
+    if service is None:
+        raise ProtocolError("a host frame of a Buffer reached a process without a pool")
+    buf = service.allocate(nbytes)
+    try:
+        copy_from_host(buf, frame)
+    except BaseException:
+        buf.close()
+        raise
+    service.handoffs.add(host_frames_bytes=nbytes)
+    return buf
 
 
 def _from_host_frame(header: dict[str, Any], frames: list[Any]) -> Any:

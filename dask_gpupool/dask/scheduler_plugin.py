@@ -89,7 +89,7 @@ class GPUPool(SchedulerPlugin):
         Smallest pool value staged before it goes to UCX as a device frame
         (``gpupool.ucx-staging-threshold``).
     ucx_host_frame_threshold : int or str, optional
-        CuPy arrays below this size in a reply over UCX go as one host frame
+        CuPy arrays and pool Buffers below this size in a reply over UCX go as one host frame
         (``gpupool.ucx-host-frame-threshold``).
     copy_chunk_size, copy_stream_threshold : int or str, optional
         The pipelined copy path's chunk, and the smallest copy it carries

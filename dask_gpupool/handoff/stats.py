@@ -146,7 +146,7 @@ class HandoffStats:
         The part of ``device_frames_out_bytes`` that was pool memory, copied
         device to device into memory UCX can send through ``cuda_ipc`` first.
     host_frames_bytes, host_frames_out_bytes : int
-        Bytes of CuPy arrays received / sent over UCX as one host frame
+        Bytes of CuPy arrays and pool Buffers received / sent over UCX as one host frame
         instead of a device frame (below ``gpupool.ucx-host-frame-threshold``,
         where UCX's eager protocol bounces device memory through the host
         itself); not counted in ``copied_bytes``.

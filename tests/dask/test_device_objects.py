@@ -241,3 +241,36 @@ def test_a_malformed_host_frame_is_a_protocol_error_before_anything_is_allocated
 
     with pytest.raises(ProtocolError, match="malformed host-frame header"):
         F._from_host_frame(header, frames)
+
+
+def test_a_buffers_host_frame_lands_in_the_receivers_pool_and_a_malformed_one_allocates_nothing(tmp_path, no_fd_leak):
+    """gpupool.ucx-host-frame-threshold, a pool Buffer's receiving side: the host frame's bytes land in a new buffer of
+    this worker's pool (a ``host`` pool stands in for the device pool; the copy is the same ``copy_from_host``),
+    counted in ``host_frames_bytes``; a header that does not describe its frame raises ProtocolError before anything
+    is allocated, and without a pool in the process it is a ProtocolError too."""
+    import ctypes
+
+    from dask_gpupool import PoolOptions
+    from dask_gpupool.dask import device_frames as F
+    from dask_gpupool.handoff.service import PoolService
+
+    with pytest.raises(ProtocolError, match="without a pool"):
+        F._buffer_from_host_frame({F.HOST_FRAME_KEY: True, "nbytes": 3}, [b"abc"])
+    options = PoolOptions.from_config(kind="host", max_size="16 MiB", broker_dir=str(tmp_path))
+    service = PoolService.start(options, "tcp://127.0.0.1:40011")
+    try:
+        got = F._buffer_from_host_frame({F.HOST_FRAME_KEY: True, "nbytes": 12}, [b"copied bytes"])
+        assert service.pool.owns(got) and ctypes.string_at(int(got.handle), 12) == b"copied bytes"
+        assert service.handoffs.to_msg()["host_frames_bytes"] == 12
+        used = service.pool.stats().used
+        for header, frames in [
+            ({F.HOST_FRAME_KEY: True}, [b"abc"]),  # no size
+            ({F.HOST_FRAME_KEY: True, "nbytes": 4}, [b"abc"]),  # 3 bytes for 4
+            ({F.HOST_FRAME_KEY: True, "nbytes": 3}, [b"abc", b"abc"]),  # two frames
+        ]:
+            with pytest.raises(ProtocolError, match="malformed host-frame header"):
+                F._buffer_from_host_frame(header, frames)
+        assert service.pool.stats().used == used  # nothing allocated for them
+        got.close()
+    finally:
+        service.close()
