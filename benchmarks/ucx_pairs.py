@@ -151,6 +151,28 @@ def _set_host_frames(below: int) -> None:
         service.options = dataclasses.replace(service.options, ucx_host_frame_threshold=below)
 
 
+def _set_recv_pool(on: bool) -> None:
+    """On a worker: the ``-recvalone-ab`` experiment. On: distributed-ucxx receives device frames into buffers of the
+    worker's pool (its module's ``device_array``); off: its own ``rmm.DeviceBuffer`` (``cudaMalloc`` on a plain
+    worker)."""
+    import distributed_ucxx.ucxx as comm
+
+    from dask_gpupool.dask.device_frames import _DeviceFrame
+    from dask_gpupool.handoff.active import active_service
+
+    saved = comm.__dict__.setdefault("_bench_device_array", comm.device_array)
+    service = active_service()
+    if not on or service is None:
+        comm.device_array = saved
+        return
+
+    def device_array(n: int) -> Any:
+        buf = service.allocate(n)
+        return _DeviceFrame(int(buf.handle), n, buf)
+
+    comm.device_array = device_array
+
+
 def _produce_outside_pools(nbytes: int) -> Any:
     """A float64 CuPy array of ``nbytes`` from CuPy's own memory pool, whatever allocator the plugin installed."""
     import cupy
@@ -173,6 +195,9 @@ def _variants(method: str, max_bytes: int) -> list[tuple[str, dict[str, Any]]]:
             ("no-serializers", {"off": ["serializers"]}),
             ("nohooks", {"off": ["get_data", "serializers"]}),
         ]
+    if method.endswith("-recvalone-ab"):
+        alone = {"off": ["get_data", "serializers"], "outside": True, "recv_pool": False}
+        return [("recvpool", {"off": [], "recv_pool": True}), ("alone", alone)]
     if method.endswith("-plain-hostalone-ab"):
         alone = {"off": ["get_data", "serializers"], "host_below": 0}
         return [("hostframes", {"off": [], "host_below": 2 * max_bytes}), ("alone", alone)]
@@ -256,6 +281,8 @@ def main() -> None:
                                     c.run(_set_inline, settings["inline"])
                                 if "host_below" in settings:
                                     c.run(_set_host_frames, settings["host_below"])
+                                if "recv_pool" in settings:
+                                    c.run(_set_recv_pool, settings["recv_pool"])
                                 if settings.get("outside"):
                                     x = c.submit(_produce_outside_pools, nbytes, workers=[src], pure=False)
                                 else:
