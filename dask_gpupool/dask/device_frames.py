@@ -36,6 +36,7 @@ from dask_gpupool.dask.views import VIEWS, c_strides, device_of, viewed_buffer
 from dask_gpupool.dask.worker_internals import REQUEST, SYNCHRONIZING_SCHEMES
 from dask_gpupool.errors import ProtocolError
 from dask_gpupool.handoff.active import active_service
+from dask_gpupool.handoff.deferred import SENDER
 from dask_gpupool.memory.buffers import copy_from_host, copy_to_host
 from dask_gpupool.memory.ucx_staging import UcxStaging
 from dask_gpupool.wire.handoff import ArrayMeta
@@ -298,7 +299,7 @@ def _staging_failed(e: Exception) -> None:
     warn_once("staging pool memory for UCX", e, "it is sent as it is, which UCX moves through host memory (slow)")
 
 
-def _host_frame_reply(nbytes: int) -> Any:
+def _host_frame_reply(nbytes: int) -> PoolService | None:
     """The service of the ``get_data`` reply being serialized, when a value of ``nbytes`` goes in it as one host
     frame: the reply is over UCX, the value is under ``gpupool.ucx-host-frame-threshold``, and the requester is a
     worker that runs the plugin (it has a registry row; only its deserializer reads the frame, so a client or the
@@ -345,7 +346,8 @@ def _host_frame(x: Any) -> tuple[dict[str, Any], list[Any]] | None:
 
 
 def _buffer_from_host_frame(header: dict[str, Any], frames: list[Any]) -> Buffer:
-    """A Buffer of this worker's pool holding a host frame's bytes (the caller owns it).
+    """A Buffer of this worker's pool holding a host frame's bytes (the caller owns it); GPU memory outside the
+    pool when the pool is full (fallback ``receiver-pool-full``), as for host copies.
 
     Raises
     ------
@@ -362,7 +364,7 @@ def _buffer_from_host_frame(header: dict[str, Any], frames: list[Any]) -> Buffer
     service = _service(False)
     if service is None:
         raise ProtocolError("a host frame of a Buffer reached a process without a pool")
-    buf = service.allocate(nbytes)
+    buf = service.importer.landing(nbytes, SENDER.get() or "unknown sender")  # outside a full pool
     try:
         copy_from_host(buf, frame)
     except BaseException:

@@ -112,7 +112,7 @@ class Copies:
                 self.releaser.put(record.broker, header.lease)
 
         try:
-            buf = self._landing(reply.size, record.worker, "any")
+            buf = self.landing(reply.size, record.worker, "any")
         except BaseException:
             end()
             raise
@@ -152,7 +152,7 @@ class Copies:
         """
         view = memoryview(data).cast("B")
         n = view.nbytes
-        buf = self._landing(n, sender, need)
+        buf = self.landing(n, sender, need)
         copy_from_host(buf, view)
         self.handoffs.add(copied_bytes=n)
         return buf
@@ -178,7 +178,7 @@ class Copies:
             )
         if self.links.token is None:
             raise NotAMemberError(f"pool {self.pool.uuid}: not registered with the scheduler yet (no cluster token)")
-        buf = self._landing(header.nbytes, header.exporter, need)
+        buf = self.landing(header.nbytes, header.exporter, need)
         leases, token = [header.lease, *header.lanes], self.links.token
 
         def copy() -> None:
@@ -188,8 +188,9 @@ class Copies:
         fill_later(copy, buf.close)  # a lease not pulled ends at the exporter (at its timeout or the hang-up)
         return buf
 
-    def _landing(self, n: int, sender: str, need: str) -> Buffer:
-        """Memory for a copy of ``n`` bytes: this pool if it fits ``need`` and has room, else outside it."""
+    def landing(self, n: int, sender: str, need: str = "any") -> Buffer:
+        """Memory for a copy of ``n`` bytes from ``sender`` (owned by the caller): this pool if it fits ``need`` and
+        has room, else outside it (fallback ``receiver-pool-full`` when the pool was full)."""
         fits = (
             need == "any"
             or (need == "host" and self.pool.kind != "device")

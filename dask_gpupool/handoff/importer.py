@@ -372,6 +372,10 @@ class Importer:
         """:meth:`Copies.receive_copy <dask_gpupool.handoff.copies.Copies.receive_copy>`."""
         return self.copies.receive_copy(kind, data, sender, need)
 
+    def landing(self, n: int, sender: str, need: str = "any") -> Buffer:
+        """:meth:`Copies.landing <dask_gpupool.handoff.copies.Copies.landing>`."""
+        return self.copies.landing(n, sender, need)
+
     def pull_copy(self, header: HandoffHeader, need: str = "any") -> Buffer:
         """:meth:`Copies.pull_copy <dask_gpupool.handoff.copies.Copies.pull_copy>`."""
         return self.copies.pull_copy(header, need)

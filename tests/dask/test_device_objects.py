@@ -246,8 +246,9 @@ def test_a_malformed_host_frame_is_a_protocol_error_before_anything_is_allocated
 def test_a_buffers_host_frame_lands_in_the_receivers_pool_and_a_malformed_one_allocates_nothing(tmp_path, no_fd_leak):
     """gpupool.ucx-host-frame-threshold, a pool Buffer's receiving side: the host frame's bytes land in a new buffer of
     this worker's pool (a ``host`` pool stands in for the device pool; the copy is the same ``copy_from_host``),
-    counted in ``host_frames_bytes``; a header that does not describe its frame raises ProtocolError before anything
-    is allocated, and without a pool in the process it is a ProtocolError too."""
+    counted in ``host_frames_bytes``, or outside a full pool (fallback ``receiver-pool-full``), as host copies land; a
+    header that does not describe its frame raises ProtocolError before anything is allocated, and without a pool in
+    the process it is a ProtocolError too."""
     import ctypes
 
     from dask_gpupool import PoolOptions
@@ -271,6 +272,11 @@ def test_a_buffers_host_frame_lands_in_the_receivers_pool_and_a_malformed_one_al
             with pytest.raises(ProtocolError, match="malformed host-frame header"):
                 F._buffer_from_host_frame(header, frames)
         assert service.pool.stats().used == used  # nothing allocated for them
+        big = bytes(range(256)) * (32 << 12)  # 32 MiB, more than the 16 MiB pool holds
+        outside = F._buffer_from_host_frame({F.HOST_FRAME_KEY: True, "nbytes": len(big)}, [big])
+        assert not service.pool.owns(outside) and ctypes.string_at(int(outside.handle), 256) == big[:256]
+        assert service.handoffs.to_msg()["fallbacks"].get("receiver-pool-full") == 1
+        outside.close()
         got.close()
     finally:
         service.close()
