@@ -280,3 +280,46 @@ def test_a_buffers_host_frame_lands_in_the_receivers_pool_and_a_malformed_one_al
         got.close()
     finally:
         service.close()
+
+
+def test_host_frames_go_only_in_small_ucx_replies_to_workers_that_run_the_plugin(tmp_path, no_fd_leak):
+    """gpupool.ucx-host-frame-threshold, the sending side's decision (real services on ``host`` pools, a registry
+    snapshot naming both workers): a value under the threshold in a ``get_data`` reply over ``ucx``/``ucxx`` to a
+    worker with a registry row goes as a host frame; not over TCP, not from the threshold up, not with the
+    threshold at 0, and not to a requester without a row (a client or the scheduler, which could not read it)."""
+    import dataclasses
+    import secrets
+
+    from dask_gpupool import PoolOptions
+    from dask_gpupool.dask import device_frames as F
+    from dask_gpupool.dask.worker_internals import REQUEST, Request
+    from dask_gpupool.handoff.service import PoolService
+    from dask_gpupool.wire.registry import Membership, RegistryUpdate
+
+    options = PoolOptions.from_config(kind="host", max_size="16 MiB", broker_dir=str(tmp_path))
+    a = PoolService.start(options, "ucxx://127.0.0.1:40021")
+    b = PoolService.start(options, "ucxx://127.0.0.1:40022")
+    try:
+        snapshot = RegistryUpdate(1, (a.record, b.record), (), snapshot=True)
+        token = secrets.token_bytes(32)
+        for s in (a, b):
+            s.join(Membership(snapshot, token))
+
+        def decided(requester: str | None, scheme: str, nbytes: int) -> bool:
+            reply = REQUEST.set(Request(requester, scheme, a))
+            try:
+                return F._host_frame_reply(nbytes) is a
+            finally:
+                REQUEST.reset(reply)
+
+        assert F._host_frame_reply(4096) is None  # not in a reply
+        assert decided(b.record.worker, "ucxx", 4096) and decided(b.record.worker, "ucx", 8191)
+        assert not decided(b.record.worker, "tcp", 4096)
+        assert not decided(b.record.worker, "ucxx", 8192)  # the threshold itself goes as device frames
+        assert not decided("ucxx://127.0.0.1:50000", "ucxx", 4096)  # a client: no registry row
+        assert not decided(None, "ucxx", 4096)
+        a.options = dataclasses.replace(a.options, ucx_host_frame_threshold=0)
+        assert not decided(b.record.worker, "ucxx", 1)
+    finally:
+        b.close()
+        a.close()
