@@ -1293,7 +1293,8 @@ def test_replies_of_staged_cupy_arrays_over_tcp_skip_the_offload_thread(placemen
         n = 12 << 17  # 12 MiB of float64
         plain = c.submit(T.plain_cupy, n, workers=[a], pure=False)
         host = c.submit(np.ones, n, workers=[a], pure=False)
-        many = [c.submit(T.plain_cupy, 1 << 18, workers=[a], pure=False) for _ in range(9)]  # 9 x 2 MiB
+        # 9 x 5 MiB: over the stage threshold to a worker on another GPU too (4 MiB), so that every one is staged
+        many = [c.submit(T.plain_cupy, 5 << 17, workers=[a], pure=False) for _ in range(9)]
         wait([plain, host, *many])
 
         def inline(keys: list[str], c: Any = c, a: str = a, b: str = b) -> bool:
