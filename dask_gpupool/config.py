@@ -35,17 +35,17 @@ dask.config.update_defaults(_defaults)
 #: import; VMM segments of 8 and 16 GiB mapped in 1.5-1.8 ms (H100, 2026-11-23, docs/performance.md).
 POOL_MEMORY_IMPORT_LIMIT = 5 << 30
 
-#: ``stage-threshold: auto`` on ``device`` pools, to a worker on another GPU over TCP or TLS (on the same GPU:
-#: :data:`SAME_GPU_STAGE_THRESHOLD`; over UCX ``auto`` stages nothing, ``effective_stage_threshold`` says why): a plain
-#: CuPy array of 4 MiB or more sent to a same-host worker is copied into the
-#: pool on the GPU and handed over. Measured on two H200s, four workers (two per GPU), 8192^2
-#: float64 in 2048^2 chunks (benchmarks/workloads.py, 2026-11-23, docs/performance.md "Workloads"): matmul,
-#: tensordot and task rechunk 2.0-2.7x faster than plain Dask TCP, the other workloads within TCP's noise but
-#: map_overlap with one worker per GPU (1.17x); against Dask UCXX 0.85-1.07x except matmul (1.08-1.24x) and
-#: tensordot (1.41-1.68x). Routing every CuPy allocation into the pool instead (``cupy-allocator: true``) was
-#: slower than staging on elementwise, rechunk and reductions. ``host`` pools stage nothing by default: on the CPU a
-#: task rechunk of 8 MiB NumPy chunks took 1.25x as long staged.
-DEVICE_STAGE_THRESHOLD = 4 << 20
+#: ``stage-threshold: auto`` on ``device`` pools, to a worker on another GPU over TCP or TLS: from 64 KiB, as on the
+#: same GPU (:data:`SAME_GPU_STAGE_THRESHOLD`; over UCX ``auto`` stages nothing, ``effective_stage_threshold`` says
+#: why). Measured on two H200s (NVLink, driver 580), each sample staged and sent through the comm back to back in one
+#: cluster (benchmarks/copy_or_handoff.py --plain --placement other, 40 samples per size, 2026-11-24 22:35,
+#: docs/performance.md "Twenty-sixth session"): staged and handed over 1.66-1.87 ms from 1 KiB to 1 MiB and 2.04 at
+#: 4 MiB, through the comm 1.70-2.50 ms and 7.17 at 4 MiB; the comm was faster in 60% of the pairs at 1 KiB, 38% at
+#: 16 KiB, 30-32% at 64-256 KiB, 2% at 1 MiB and none at 4 MiB. On the dask.array workloads (8192^2 float64 in
+#: 2048^2 chunks, four rounds) staging from 64 KiB instead of 4 MiB took 0.91-1.02x as long with one worker per GPU
+#: and 0.94-1.10x with two (map_overlap's halo strips no longer through the host). It was 4 MiB from the
+#: twenty-second session's workloads (matmul 2.0-2.7x faster than TCP) until then.
+DEVICE_STAGE_THRESHOLD = 64 << 10
 
 #: ``stage-threshold: auto`` on ``device`` pools, to a worker on the pool's GPU: from 64 KiB. Measured on one H100
 #: with leases claimed by the reply, each sample staged and sent through the comm back to back in one cluster
@@ -68,12 +68,14 @@ SAME_GPU_STAGE_THRESHOLD = 64 << 10
 #: round trip to the exporter's broker.
 HOST_HANDOFF_THRESHOLD = 64 << 10
 
-#: ``handoff-threshold: auto`` on ``device`` pools, to a worker on another GPU: the crossover measured on two H200s
-#: while leases were claimed over the broker (benchmarks/handoff.py, pool arrays over TCP, three rounds, 2026-11-23
-#: 08:30, docs/performance.md): a copy in Dask's frames took 1.57-1.70 ms from 1 KiB to 512 KiB against 2.08-2.14 ms
-#: handed over; at 1 MiB 1.93 against 2.05. So buffers from 1 MiB up are handed over; not measured across GPUs since
-#: claims travel with the reply. ``pinned`` pools hand over at every size: their crossover is not measured.
-DEVICE_HANDOFF_THRESHOLD = 1 << 20
+#: ``handoff-threshold: auto`` on ``device`` pools, to a worker on another GPU: none, every size is handed over, as
+#: on the same GPU. Measured on two H200s (NVLink) with leases claimed by the reply, each sample handed over and copied
+#: back to back in one cluster (benchmarks/copy_or_handoff.py --placement other, 60 samples per size, 2026-11-24
+#: 22:34, docs/performance.md "Twenty-sixth session"): handed over 1.65-1.81 ms from 1 KiB to 1 MiB, copied
+#: 1.79-2.64 ms; the copy was faster in 23% of the pairs at 1 KiB, 32% at 16 KiB, 12% at 64 KiB, 8% at 256 KiB and 5%
+#: at 1 MiB. It was 1 MiB while claims cost a round trip to the exporter's broker (2026-11-23: a copy 1.57-1.70 ms to
+#: 512 KiB against 2.08-2.14 handed over).
+DEVICE_HANDOFF_THRESHOLD = 0
 
 #: ``handoff-threshold: auto`` on ``device`` pools, to a worker on the same GPU: none, every size is handed over.
 #: Measured on one H100 with leases claimed by the reply, each sample taken handed over and copied back to back in one
@@ -277,7 +279,7 @@ class PoolOptions:
         the same GPU (instead of UCX's copy). 0: never. ``None`` (``auto``, the
         default): on ``device`` pools :data:`SAME_GPU_STAGE_THRESHOLD`
         (64 KiB) to a worker on the pool's GPU over TCP or TLS and
-        :data:`DEVICE_STAGE_THRESHOLD` (4 MiB) to one on another GPU; never
+        :data:`DEVICE_STAGE_THRESHOLD` (64 KiB) to one on another GPU; never
         over UCX, whose own GPU-to-GPU copy was as fast or faster on the
         workloads, and never on ``host`` pools, where it measured slower
         (:meth:`effective_stage_threshold`).
@@ -288,7 +290,7 @@ class PoolOptions:
         every size. ``None`` (``auto``, the default):
         :data:`HOST_HANDOFF_THRESHOLD` (64 KiB) on ``host`` pools; on
         ``device`` pools :data:`SAME_GPU_HANDOFF_THRESHOLD` (0) to a worker
-        on the pool's GPU and :data:`DEVICE_HANDOFF_THRESHOLD` (1 MiB) to one
+        on the pool's GPU and :data:`DEVICE_HANDOFF_THRESHOLD` (0) to one
         on another GPU; 0 on ``pinned`` pools
         (:meth:`effective_handoff_threshold`).
     device_objects : bool

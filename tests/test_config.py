@@ -102,10 +102,10 @@ def test_config_values_and_overrides():
     assert PoolOptions.from_config(import_limit=0, segment_size="8 GiB").segment_size == 8 * 2**30
     assert (options.copy_chunk_size, options.copy_stream_threshold, options.copy_streams) == (16 << 20, 4 << 20, 4)
     assert PoolOptions.from_config(copy_streams="2", copy_chunk_size=0).copy_streams == 2
-    # auto: on device pools 64 KiB to a worker on the same GPU over TCP (paired on one H100), else 4 MiB (measured on
-    # two H200s); off on host pools
+    # auto: on device pools 64 KiB to a worker on the same GPU over TCP (paired on one H100) or another (paired on two
+    # H200s); off on host pools
     assert options.stage_threshold is None
-    assert (options.effective_stage_threshold("device"), options.effective_stage_threshold("host")) == (4 << 20, 0)
+    assert (options.effective_stage_threshold("device"), options.effective_stage_threshold("host")) == (64 << 10, 0)
     assert options.effective_stage_threshold("device", same_gpu=True) == 64 << 10
     assert options.effective_stage_threshold("host", same_gpu=True) == 0
     assert options.effective_stage_threshold("device", same_gpu=True, over_tcp=False) == 0  # auto over UCX: never
@@ -113,7 +113,7 @@ def test_config_values_and_overrides():
     assert set_by_user.effective_stage_threshold("device", same_gpu=True) == 1 << 20
     assert PoolOptions.from_config(stage_threshold="1 MiB").effective_stage_threshold("host") == 1 << 20
     assert options.handoff_threshold is None  # auto: the crossovers measured on the CPU, one H100 and H200s; pinned: 0
-    assert [options.effective_handoff_threshold(k) for k in ("host", "device", "pinned")] == [64 << 10, 1 << 20, 0]
+    assert [options.effective_handoff_threshold(k) for k in ("host", "device", "pinned")] == [64 << 10, 0, 0]
     assert [options.effective_handoff_threshold(k, same_gpu=True) for k in ("host", "device", "pinned")] == [
         64 << 10,
         0,

@@ -152,8 +152,8 @@ def test_which_plain_arrays_are_staged_into_the_pool(requester, scheme, nbytes, 
         (PEER, "tcp", 64 << 10, None, True),  # auto, a worker on this GPU over TCP: from 64 KiB
         (PEER, "tls", 64 << 10, None, True),
         (PEER, "tcp", 32 << 10, None, False),
-        (peer(device=GPU1), "tcp", 64 << 10, None, False),  # auto, another GPU: from 4 MiB
-        (peer(device=GPU1), "tcp", 4 * MiB, None, True),
+        (peer(device=GPU1), "tcp", 64 << 10, None, True),  # auto, another GPU: from 64 KiB too
+        (peer(device=GPU1), "tcp", 32 << 10, None, False),
         (PEER, "ucxx", 64 << 10, None, False),  # auto over UCX: never (PoolOptions.effective_stage_threshold)
         (PEER, "ucxx", 64 * MiB, None, False),
         (PEER, "ucx", 64 * MiB, None, False),
@@ -166,7 +166,7 @@ def test_the_stage_threshold_of_device_pools_depends_on_the_requesters_gpu_and_c
     requester, scheme, nbytes, threshold, staged
 ):
     """gpupool.stage-threshold: auto on a device pool is 64 KiB for a worker on the pool's GPU over TCP or TLS (staging
-    measured faster than the comm from there), 4 MiB for one on another GPU, and never over UCX; a value the user
+    measured faster than the comm from there) and for one on another GPU, and never over UCX; a value the user
     sets holds for all."""
     with _routes(requester, stage_threshold=threshold) as (routes, _stats):
         row = routes.stage_route(requester.worker, scheme, nbytes)
@@ -178,15 +178,15 @@ def test_the_stage_threshold_of_device_pools_depends_on_the_requesters_gpu_and_c
     [
         (PEER, 4 << 10, None, True),  # auto, a worker on this GPU: every size is handed over
         (PEER, 1, None, True),
-        (peer(device=GPU1), 4 << 10, None, False),  # auto, another GPU: under 1 MiB a copy in Dask's frames
-        (peer(device=GPU1), 1 * MiB, None, True),
+        (peer(device=GPU1), 4 << 10, None, True),  # auto, another GPU: every size handed over too
+        (peer(device=GPU1), 1, None, True),
         (PEER, 4 << 10, "64 KiB", False),  # set by the user: for every GPU
         (peer(device=GPU1), 64 << 10, "64 KiB", True),
     ],
 )
 def test_the_handoff_threshold_of_device_pools_depends_on_the_requesters_gpu(requester, nbytes, threshold, handed):
     """gpupool.handoff-threshold: auto on a device pool is 0 for a worker on the pool's GPU (a handoff measured faster
-    at every size there) and 1 MiB for one on another GPU (fallback small below it); a value the user sets holds for
+    at every size there) and for one on another GPU (measured the same on two H200s); a value the user sets holds for
     both."""
     with _routes(requester, handoff_threshold=threshold) as (routes, stats):
         row, reason = routes.plan_range(requester.worker, "tcp", nbytes, 1 << 30)
