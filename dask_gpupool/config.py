@@ -42,9 +42,11 @@ POOL_MEMORY_IMPORT_LIMIT = 5 << 30
 #: docs/performance.md "Twenty-sixth session"): staged and handed over 1.66-1.87 ms from 1 KiB to 1 MiB and 2.04 at
 #: 4 MiB, through the comm 1.70-2.50 ms and 7.17 at 4 MiB; the comm was faster in 60% of the pairs at 1 KiB, 38% at
 #: 16 KiB, 30-32% at 64-256 KiB, 2% at 1 MiB and none at 4 MiB. On the dask.array workloads (8192^2 float64 in
-#: 2048^2 chunks, four rounds) staging from 64 KiB instead of 4 MiB took 0.91-1.02x as long with one worker per GPU
-#: and 0.94-1.10x with two (map_overlap's halo strips no longer through the host). It was 4 MiB from the
-#: twenty-second session's workloads (matmul 2.0-2.7x faster than TCP) until then.
+#: 2048^2 chunks, four rounds, a fresh cluster per method and round) staging from 64 KiB instead of 4 MiB took
+#: 0.91-1.02x as long with one worker per GPU (faster in 3-4 of 4 rounds on six of eight workloads) and 0.93-1.10x
+#: with two (1.10 on ``rmm_objects``, whose buffers the threshold does not touch); map_overlap's halo strips no longer
+#: go through the host (0-0.1 MiB a run instead of 4.8-8.6). It was 4 MiB from the twenty-second session's
+#: workloads (matmul 2.0-2.7x faster than TCP) until then.
 DEVICE_STAGE_THRESHOLD = 64 << 10
 
 #: ``stage-threshold: auto`` on ``device`` pools, to a worker on the pool's GPU: from 64 KiB. Measured on one H100
