@@ -16,6 +16,8 @@
 # (what an importer reads after its exporter's SIGKILL, pool vs VMM memory). ARRAY_BENCH=1 runs benchmarks/dask_array.py
 # (plugin vs none at defaults; not DASK_*: Dask reads every DASK_* variable as config) for each of ARRAY_BENCH_PROTOCOLS (default "tcp"; "tcp ucxx" both), ARRAY_BENCH_ARGS adds options. WORKLOADS=1 runs
 # benchmarks/workloads.py (issue 18's dask.array workloads; WORKLOADS_ARGS adds options, WORKLOADS_TIMEOUT caps it, default 560 s).
+# COPY_OR_HANDOFF=1 runs benchmarks/copy_or_handoff.py (each sample handed over and copied, or staged and sent through the
+# comm, back to back; COPY_OR_HANDOFF_ARGS, e.g. "--placement other --plain").
 # GATHER=1 runs benchmarks/gather.py (one reply of 1, 8, 32 pool arrays; GATHER_ARGS). BUSY=1 runs
 # benchmarks/busy_producer.py (handoffs while the producer's GPU is busy, gpupool.handoff-ordering sync vs event; BUSY_ARGS).
 # STAGED=1 runs benchmarks/staged_behind_tasks.py (a staged task result while later tasks keep the default stream busy,
@@ -158,6 +160,10 @@ fi
 if [ "${GATHER:-0}" != 0 ] && has_time gather; then  # one reply of many handoffs: claims batched per exporter (GATHER_ARGS adds options)
   echo "== gather"; timeout $(left 240) python3 benchmarks/gather.py ${GATHER_ARGS:-} > "$OUT/gather.log" 2>&1
   echo "gather exit: $?"; grep "values" "$OUT/gather.log"
+fi
+if [ "${COPY_OR_HANDOFF:-0}" != 0 ] && has_time "copy or handoff"; then  # the handoff and stage thresholds: both paths per sample (COPY_OR_HANDOFF_ARGS)
+  echo "== copy or handoff ${COPY_OR_HANDOFF_ARGS:-}"; timeout $(left 240) python3 benchmarks/copy_or_handoff.py ${COPY_OR_HANDOFF_ARGS:-} > "$OUT/copy_or_handoff.log" 2>&1
+  echo "copy or handoff exit: $?"; sed -n '/median of/,$p' "$OUT/copy_or_handoff.log"
 fi
 if [ "${BUSY:-0}" != 0 ] && has_time "busy producer"; then  # issue 19: handoff latency while the producer's GPU runs another stream's kernels
   echo "== busy producer ${BUSY_ARGS:-}"; timeout $(left 240) python3 benchmarks/busy_producer.py ${BUSY_ARGS:-} > "$OUT/busy.log" 2>&1
