@@ -29,6 +29,9 @@ device frames (the threshold 0), back to back); ``ucxx+gpupool-hostalone-ab`` an
 twenty-fourth session, back to back: rows ``:inline``, a UCX reply of a few device values serialized on the event
 loop with its staging copy left to distributed-ucxx's synchronize, and ``:offloaded``, Dask's offload thread over
 10 MiB and the staging copy waited for) and ``ucxx+gpupool-plain-inline-ab`` (the same with plain CuPy arrays).
+``-legacy`` anywhere after ``gpupool`` (``ucxx+gpupool-legacy``, ``ucxx+gpupool-legacy-alone-ab``) gives the pools
+segments of legacy IPC memory (``gpupool.segment-memory: legacy``), which UCX sends to another "host" without the
+staging copy.
 For pool arrays a same-"host" pair gets a descriptor (zero-copy), another-"host" pair the value's device frames,
 which UCX moves GPU to GPU. After each method the table of bytes by path (zero-copy, device frames, host copies)
 shows that no pair went through the host (``--proto-info`` has UCX print the protocols it picked, which says what
@@ -256,6 +259,7 @@ def main() -> None:
                 lease_claims="broker" if method.endswith("-broker") else None,
                 ucx_staging_threshold=2 * max(sizes) if method.endswith("-unstaged") else None,
                 cupy_allocator=False if method.endswith(PLAIN_METHODS) else None,
+                segment_memory="legacy" if "-legacy" in method else None,
             )
             if "gpupool" in method
             else None

@@ -227,10 +227,15 @@ class PoolOptions:
     suballocator : {"auto", "rmm", "arena"}
         What places buffers inside segments: RMM's pool (``auto`` when RMM is
         installed) or the in-tree arena.
-    segment_memory : {"auto", "vmm", "pool"}
+    segment_memory : {"auto", "vmm", "legacy", "pool"}
         ``device`` pools: what segments are made of. ``vmm``: CUDA virtual
         memory exported as POSIX fds, whose memory outlives its maker for the
-        peers that map it (:mod:`dask_gpupool.memory.vmm`); ``pool``: allocations of
+        peers that map it (:mod:`dask_gpupool.memory.vmm`); ``legacy``:
+        ``cuMemAlloc`` memory shared by legacy IPC handles, which outlives its
+        maker too and which UCX sends GPU to GPU without a staging copy
+        (:mod:`dask_gpupool.memory.legacy`; single segments over
+        :data:`POOL_MEMORY_IMPORT_LIMIT` are not mapped, as for pool memory,
+        since large legacy imports are not measured); ``pool``: allocations of
         the IPC-enabled pool, which a peer on another GPU can no longer read
         once their owner's process died. ``auto``: ``vmm`` when the GPU
         supports it.
@@ -484,19 +489,20 @@ class PoolOptions:
         if suballocator not in ("auto", "rmm", "arena"):
             raise ConfigError(f"gpupool.suballocator={suballocator!r} is not a suballocator; valid: auto, rmm, arena")
         segment_memory = raw.get("segment-memory", "auto")
-        if segment_memory not in ("auto", "vmm", "pool"):
-            raise ConfigError(f"gpupool.segment-memory={segment_memory!r} is not valid; valid: auto, vmm, pool")
+        if segment_memory not in ("auto", "vmm", "legacy", "pool"):
+            raise ConfigError(f"gpupool.segment-memory={segment_memory!r} is not valid; valid: auto, vmm, legacy, pool")
         if peer_gpu_handoff and peer != "auto" and (segment_memory == "pool" or not segment_size):
             raise ConfigError(
-                "gpupool.peer-gpu-handoff=true needs segments of VMM memory (gpupool.segment-size > 0 and "
-                f"gpupool.segment-memory auto or vmm; got {segment_size} and {segment_memory!r}): pool memory "
-                "read from another GPU breaks the reader's CUDA context once its owner's process dies"
+                "gpupool.peer-gpu-handoff=true needs segments of VMM or legacy IPC memory (gpupool.segment-size > 0 "
+                f"and gpupool.segment-memory auto, vmm or legacy; got {segment_size} and {segment_memory!r}): "
+                "pool memory read from another GPU breaks the reader's CUDA context once its owner's process dies"
             )
         if peer == "auto" and segment_memory == "pool":
             peer_gpu_handoff = False
         raw_limit = raw.get("import-limit", "auto")
         import_limit = None if raw_limit == "auto" else _parse_nbytes(raw_limit, "gpupool.import-limit")
-        bound = POOL_MEMORY_IMPORT_LIMIT if import_limit is None and segment_memory == "pool" else import_limit
+        limited = segment_memory in ("pool", "legacy")  # single large imports of these not shown to complete
+        bound = POOL_MEMORY_IMPORT_LIMIT if import_limit is None and limited else import_limit
         if bound and segment_size > bound:
             segment_size = bound  # a larger segment could not be mapped by any peer
         return cls(

@@ -123,21 +123,27 @@ def test_config_values_and_overrides():
     assert PoolOptions.from_config(handoff_threshold="1 MiB").effective_handoff_threshold("device") == 1 << 20
 
 
-def test_cross_gpu_handoffs_need_segments_of_vmm_memory():
-    """Pool memory read from another GPU after its owner died breaks the reader (dask_gpupool.memory.vmm)."""
+def test_cross_gpu_handoffs_need_segments_of_vmm_or_legacy_ipc_memory():
+    """Pool memory read from another GPU after its owner died breaks the reader (dask_gpupool.memory.vmm); VMM and
+    legacy IPC memory do not (dask_gpupool.memory.legacy)."""
     assert PoolOptions.from_config().segment_memory == "auto"
     pool_memory = PoolOptions.from_config(segment_memory="pool")
     assert pool_memory.segment_memory == "pool" and pool_memory.peer_gpu_handoff is False
     assert PoolOptions.from_config(segment_memory="vmm").peer_gpu_handoff is True
+    legacy = PoolOptions.from_config(segment_memory="legacy", peer_gpu_handoff=True)
+    assert legacy.segment_memory == "legacy" and legacy.peer_gpu_handoff is True
+    assert PoolOptions.from_config(segment_memory="legacy").peer_gpu_handoff is True
     for bad in ({"segment_memory": "pool", "peer_gpu_handoff": True}, {"segment_size": 0, "peer_gpu_handoff": "true"}):
-        with pytest.raises(ConfigError, match="peer-gpu-handoff=true needs segments of VMM memory"):
+        with pytest.raises(ConfigError, match="peer-gpu-handoff=true needs segments of VMM or legacy IPC memory"):
             PoolOptions.from_config(**bad)
-    with pytest.raises(ConfigError, match=r"gpupool\.segment-memory='cuda'.*valid: auto, vmm, pool"):
+    with pytest.raises(ConfigError, match=r"gpupool\.segment-memory='cuda'.*valid: auto, vmm, legacy, pool"):
         PoolOptions.from_config(segment_memory="cuda")
 
 
 def test_segments_are_at_most_the_import_limit():
     assert PoolOptions.from_config(segment_size="6 GiB", segment_memory="pool").segment_size == 5 << 30
+    # single legacy IPC imports over 5 GiB are not measured: bounded like pool memory
+    assert PoolOptions.from_config(segment_size="6 GiB", segment_memory="legacy").segment_size == 5 << 30
     assert PoolOptions.from_config(import_limit="64 MiB").segment_size == 64 << 20
 
 

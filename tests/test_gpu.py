@@ -338,12 +338,18 @@ def test_handoff_with_segments_on_one_gpu():
         assert c.run(T.handoff_counters)[b]["copied_bytes"] == 0
 
 
-def test_trim_frees_retired_segments_once_the_peer_let_go():
+@pytest.mark.parametrize("memory", ["auto", "legacy"])
+def test_trim_frees_retired_segments_once_the_peer_let_go(memory):
     """The retire protocol: A retires its segments; B's live import keeps one; when B lets go it
-    unmaps it and says so, and A frees it. New buffers go to new segments, mapped afresh."""
+    unmaps it and says so, and A frees it. New buffers go to new segments, mapped afresh. Segments of VMM memory
+    (``auto``) or of legacy IPC memory (``cuMemAlloc``; a new segment may get a freed one's address, and a handle
+    of its own)."""
     gpus(1)
-    with nanny_cluster([ONE_GPU, ONE_GPU], GPUPool(kind="device", max_size="4 GiB", segment_size="256 MiB")) as c:
+    plugin = GPUPool(kind="device", max_size="4 GiB", segment_size="256 MiB", segment_memory=memory)
+    with nanny_cluster([ONE_GPU, ONE_GPU], plugin) as c:
         a, b = worker_addresses(c)
+        made_of = "vmm" if memory == "auto" else memory
+        assert c.run(T.segment_memory, workers=[b])[b] == {"pool": made_of, "row": made_of, a: made_of, b: made_of}
         baseline = warm_up(c, a, b)
         x = c.submit(T.fill, 64 * MiB, 3, workers=[a], pure=False)
         y = c.submit(T.keep, x, workers=[b], pure=False)
@@ -388,6 +394,47 @@ def test_stress_with_segments_two_gpus():
         b = worker_addresses(c)[1]
         seen = c.run(T.handoff_counters, workers=[b])[b]
         assert seen["zero_copy_bytes"] > 0 and seen["copied_bytes"] == 0, seen
+
+
+def test_stress_with_legacy_ipc_segments_two_gpus():
+    """Across two GPUs with segments of legacy IPC memory (``gpupool.segment-memory: legacy``): handoffs, releases
+    and reuse under load, every value read right, nothing copied, and each segment opened once by its handle."""
+    gpus(2)
+    plugin = GPUPool(kind="device", max_size="4 GiB", segment_size="256 MiB", segment_memory="legacy")
+    with nanny_cluster(ROTATED, plugin) as c:
+        stress(c, 40, 16 * MiB)
+        b = worker_addresses(c)[1]
+        seen = c.run(T.handoff_counters, workers=[b])[b]
+        assert seen["zero_copy_bytes"] > 0 and seen["copied_bytes"] == 0, seen
+
+
+def test_legacy_ipc_memory_resource_allocates_names_and_bounds_its_memory():
+    """LegacyMemoryResource in one process: ``cuMemAlloc`` memory rounded to 2 MiB, a distinct 64-byte IPC handle
+    per allocation, ``max_size`` kept (a clear error past it), frees counted, and no allocation after close."""
+    gpus(1)
+    from cuda.core import Device
+
+    from dask_gpupool.memory.legacy import HANDLE_BYTES, LegacyMemoryResource, legacy_payload, legacy_supported
+
+    dev = Device(0)
+    dev.set_current()
+    if not legacy_supported(0):
+        pytest.skip("GPU 0 does not share memory by IPC handles")
+    res = LegacyMemoryResource(0, 64 * MiB)
+    a = res.allocate(3 * MiB)
+    b = res.allocate(1)
+    assert (a.size, b.size, res.used) == (4 * MiB, 2 * MiB, 6 * MiB)
+    T.set_all(a, 9)
+    handles = {legacy_payload(a), legacy_payload(b)}
+    assert len(handles) == 2 and all(len(h) == HANDLE_BYTES for h in handles)
+    with pytest.raises(dask_gpupool.PoolExhaustedError, match="of 67108864 bytes in use"):
+        res.allocate(60 * MiB)
+    a.close(dev.default_stream)
+    b.close()
+    assert res.used == 0
+    res.close()
+    with pytest.raises(dask_gpupool.PoolClosedError):
+        res.allocate(MiB)
 
 
 def dask_cuda_cluster(placement: str, **options: Any) -> Any:
@@ -674,14 +721,16 @@ def own_baseline(c: Any, b: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("layout", ["one-gpu", "two-gpus"])
-def test_sigkill_of_the_producer_leaves_the_consumers_device_mapping_readable(layout):
+@pytest.mark.parametrize("memory", ["auto", "legacy"])
+def test_sigkill_of_the_producer_leaves_the_consumers_device_mapping_readable(memory, layout):
     """A's process dies while B holds an import: B still reads A's bytes, even once A's GPU memory is reused.
 
-    Across GPUs this needs VMM segments (the default): pool memory read from another GPU after its
-    owner died gave CUDA_ERROR_CONTAINED (benchmarks/exporter_death.py, the chaos run on two H200s).
+    Across GPUs this needs VMM segments (the default) or legacy IPC ones (``segment-memory: legacy``): pool memory
+    read from another GPU after its owner died gave CUDA_ERROR_CONTAINED (benchmarks/exporter_death.py, the chaos
+    run on two H200s); legacy IPC memory did not (scripts/probes/handle_types.py on two H200s).
     """
     workers = layout_workers(layout)
-    with nanny_cluster(workers, GPUPool(kind="device", max_size="1 GiB")) as c:
+    with nanny_cluster(workers, GPUPool(kind="device", max_size="1 GiB", segment_memory=memory)) as c:
         a, b = worker_addresses(c)
         base_b = own_baseline(c, b)
         x = c.submit(T.fill, 16 * MiB, 6, workers=[a], pure=False)
@@ -968,6 +1017,52 @@ def test_on_ucxx_pool_memory_hands_over_or_travels_as_device_frames(placement):
             reason = "staged-in-pool" if same_gpu else "not-in-pool"
             assert got[a]["fallbacks"] == ({reason: 1} if hosts == "same" else {}), got
             del x, arr, strided, plain
+            wait_for(lambda c=c, a=a: counters(c, a)[a]["leases"] == 0, what="the leases to end")
+
+
+@pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
+def test_on_ucxx_legacy_ipc_segments_go_to_another_host_without_the_staging_copy(placement):
+    """Issue 19, UCX clusters with ``gpupool.segment-memory: legacy``: pool memory sent to a worker of another
+    "host" goes to UCX as it is, which exports ``cuMemAlloc`` memory itself (``cuda_ipc``), not through a staging
+    copy: a 1 MiB Buffer, an 8 MiB array and a strided view of it (distributed's serializer copies the view, as for
+    any non-contiguous array) arrive with the right bytes, nothing staged, nothing through the host. To a worker
+    of the same "host" they are handed over zero-copy. No lease left."""
+    gpus(2 if placement == "two-gpus" else 1)
+    pytest.importorskip("distributed_ucxx")
+    import dask
+    import numpy as np
+
+    ucx = {f"distributed.comm.ucx.{k}": True for k in ("create-cuda-context", "nvlink", "tcp", "cuda-copy")}
+    layout = ROTATED if placement == "two-gpus" else [ONE_GPU, ONE_GPU]
+    total = float(np.arange(1 << 20).sum())
+    for hosts in ("same", "two"):
+        workers = [
+            {**w, "protocol": "ucxx", **({"config": {"gpupool": {"host-id": f"host-{i}"}}} if hosts == "two" else {})}
+            for i, w in enumerate(layout)
+        ]
+        plugin = GPUPool(kind="device", max_size="1 GiB", segment_memory="legacy", cupy_allocator=False)
+        with dask.config.set(ucx), nanny_cluster(workers, plugin, protocol="ucxx") as c:
+            a, b = worker_addresses(c)
+            assert c.run(T.segment_memory, workers=[a])[a]["pool"] == "legacy"
+            for _ in range(2):  # the second time UCX's cache of the opened handle is used
+                x = c.submit(T.make_buffer, MiB, b"legacy!!", workers=[a], pure=False)
+                assert c.submit(T.head, x, 8, workers=[b], pure=False).result() == b"legacy!!"
+                arr = c.submit(T.make_array, 1 << 20, "cupy", workers=[a], pure=False)
+                assert c.submit(T.total, arr, workers=[b], pure=False).result() == total
+                strided = c.submit(T.every_other, arr, workers=[a], pure=False)
+                want = float(np.arange(0, 1 << 20, 2).sum())
+                assert c.submit(T.total, strided, workers=[b], pure=False).result() == want
+                del x, arr, strided
+            got = c.run(T.handoff_counters)
+            print(placement, hosts, "hosts:", {w: {k: v for k, v in got[w].items() if v} for w in (a, b)})
+            assert got[a]["copied_out_bytes"] == 0 and got[b]["copied_bytes"] == 0, got  # never a host copy
+            assert got[a]["device_staged_bytes"] == 0 and got[a]["host_frames_out_bytes"] == 0, got
+            if hosts == "same":
+                assert got[b]["zero_copy_bytes"] >= 2 * (MiB + 8 * MiB), got
+            else:
+                assert got[b]["zero_copy_bytes"] == 0, got
+                sent = 2 * (MiB + 8 * MiB + 4 * MiB)
+                assert got[a]["device_frames_out_bytes"] == sent == got[b]["device_frames_bytes"], got
             wait_for(lambda c=c, a=a: counters(c, a)[a]["leases"] == 0, what="the leases to end")
 
 

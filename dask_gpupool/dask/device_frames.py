@@ -97,10 +97,16 @@ def _service(reply: bool = True) -> PoolService | None:
     return request.service if request is not None else active_service()
 
 
-def _unstaged(nbytes: int) -> bool:
-    """Whether pool memory of ``nbytes`` goes to UCX as it is: below ``gpupool.ucx-staging-threshold``."""
+def _unstaged(nbytes: int, buf: Any) -> bool:
+    """Whether pool memory of ``nbytes`` in ``buf`` goes to UCX as it is: below ``gpupool.ucx-staging-threshold``,
+    or at any size when ``buf`` is in this worker's own segments of legacy IPC memory, which UCX's ``cuda_ipc``
+    exports itself (``gpupool.segment-memory: legacy``; memory imported from a peer cannot be exported again)."""
     service = _service()
-    return service is not None and nbytes < service.options.ucx_staging_threshold
+    if service is None:
+        return False
+    if nbytes < service.options.ucx_staging_threshold:
+        return True
+    return service.pool.segment_memory == "legacy" and service.pool.owns(buf)
 
 
 def _comm_synchronizes() -> bool:
@@ -159,7 +165,7 @@ def _cuda_serialize_buffer(buf: Buffer) -> tuple[dict[str, Any], list[Any]]:
         frame = copy_to_host(buf, 0, nbytes)
         service.handoffs.add(host_frames_out_bytes=nbytes)
         return {HOST_FRAME_KEY: True, "nbytes": nbytes}, [frame]
-    if _unstaged(nbytes):  # UCX's own small-message protocol moves it
+    if _unstaged(nbytes, buf):  # UCX moves it as it is (small, or legacy IPC memory)
         _count_device_frames(nbytes, staged=False, out=True)
         return {"nbytes": nbytes}, [_DeviceFrame(int(buf.handle), nbytes, buf)]
     start = time.perf_counter()
@@ -230,7 +236,7 @@ def cuda_dumps_cupy(x: Any, previous: Any) -> tuple[dict[str, Any], list[Any]]:
     small = _host_frame(x)
     if small is not None:
         return small
-    if _unstaged(nbytes):  # UCX's own small-message protocol moves it
+    if _unstaged(nbytes, buf):  # UCX moves it as it is (small, or legacy IPC memory)
         header, frames = previous(x)
         _count_device_frames(nbytes, staged=False, out=True)
         return header, frames

@@ -76,9 +76,10 @@ class GPUPool(SchedulerPlugin):
         Segments of ``device`` pools, e.g. ``"1 GiB"``; 0 for none (``gpupool.segment-size``).
     suballocator : {"auto", "rmm", "arena"}, optional
         What places buffers inside segments (``gpupool.suballocator``).
-    segment_memory : {"auto", "vmm", "pool"}, optional
-        What segments are made of (``gpupool.segment-memory``): ``vmm`` memory
-        stays readable by peers after its owner died.
+    segment_memory : {"auto", "vmm", "legacy", "pool"}, optional
+        What segments are made of (``gpupool.segment-memory``): ``vmm`` and
+        ``legacy`` memory stay readable by peers after their owner died;
+        ``legacy`` (``cuMemAlloc``) also goes over UCX without a staging copy.
     import_limit : int or str, optional
         Largest CUDA allocation handed over zero-copy (``gpupool.import-limit``).
     cupy_allocator : bool or "auto", optional

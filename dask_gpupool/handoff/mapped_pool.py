@@ -194,6 +194,8 @@ class MappedPool:
             return self.resource.import_buffer(desc.offset, desc.size)
         if len(desc.payload) != BufferDescriptor.PAYLOAD_BYTES or desc.offset or desc.extent:
             raise ProtocolError(f"{self.record.kind} pool descriptors carry a 64-byte payload and no offset")
+        if self.record.segment_memory == "legacy":
+            raise ProtocolError(f"pool {self.record.pool} hands over segments of legacy IPC memory only")
         return self._import(desc.payload, desc.size)
 
     def _import(self, payload: bytes, size: int) -> Buffer:
@@ -244,10 +246,16 @@ class MappedPool:
         self, desc: BufferDescriptor, claimed: bool, segment_fd: Callable[[], int] | None
     ) -> tuple[tuple[Any, int, int], Any, int]:
         vmm = not desc.payload
+        legacy = self.record.segment_memory == "legacy"
         if self.record.kind != "device" or len(desc.payload) not in (0, BufferDescriptor.PAYLOAD_BYTES):
             raise ProtocolError(f"segment descriptor given to a {self.record.kind} pool mapping")
         if desc.extent > self.record.max_size or desc.offset + desc.size > desc.extent:
             raise ProtocolError(f"segment of {desc.extent} bytes does not fit pool {self.record.pool}")
+        if legacy and (vmm or self.device is None):
+            raise ProtocolError(
+                f"segment {desc.segment} of pool {self.record.pool}: legacy IPC memory needs its 64-byte handle "
+                "and a GPU here"
+            )
         if vmm and (segment_fd is None or self.device is None):
             raise ProtocolError(f"segment {desc.segment} of pool {self.record.pool}: no way to fetch and map it")
         for attempt in (0, 1):
@@ -256,7 +264,9 @@ class MappedPool:
                 if self._closed:
                     raise PoolClosedError(f"mapping of pool {self.record.pool} is closed")
                 seg = self._segments.get(desc.segment)
-                if seg is None and not vmm:
+                if seg is None and legacy:
+                    seg = self._segments[desc.segment] = [self._open_legacy(desc), 0, desc.segment, 0]
+                elif seg is None and not vmm:
                     seg = self._segments[desc.segment] = [self._import(desc.payload, desc.extent), 0, desc.segment, 0]
                 if seg is not None:
                     seg[1] += 1
@@ -281,6 +291,14 @@ class MappedPool:
             if fresh is not None:  # another thread mapped it meanwhile, or the mapping closed
                 fresh.close()
         raise PoolClosedError(f"mapping of pool {self.record.pool} is closed")
+
+    def _open_legacy(self, desc: BufferDescriptor) -> Any:
+        """Open a segment of legacy IPC memory by the handle in ``desc`` (call with :data:`IMPORT_LOCK` held)."""
+        from dask_gpupool.memory.legacy import LegacyMapping
+
+        assert self.device is not None
+        current_gpu(self.device)
+        return LegacyMapping.open(desc.payload, desc.extent, self.device)
 
     def unshare(self, key: tuple[Any, int, int]) -> tuple[Buffer | None, tuple[int, int] | None]:
         """Drop one user of a shared import; return the import to close when it was the last.

@@ -78,6 +78,7 @@ def start_parts(options: PoolOptions, worker_address: str, devices: LocalDevices
         broker=broker.address,
         devices=devices.uuids,
         peers=pool.peers,
+        segment_memory=pool.segment_memory,
     )
     logger.info(
         "pool %s: %s pool of %d bytes on %s, broker %s",

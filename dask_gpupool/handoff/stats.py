@@ -69,7 +69,9 @@ FALLBACK_ADVICE = {
         "or gpupool.cupy-allocator for plain CuPy"
     ),
     "no-access": "make the producer's GPU visible to the consumer (CUDA_VISIBLE_DEVICES), or accept copies",
-    "other-gpu": "keep gpupool.segment-size above 0 and gpupool.segment-memory auto or vmm, on GPUs with peer access",
+    "other-gpu": (
+        "keep gpupool.segment-size above 0 and gpupool.segment-memory auto, vmm or legacy, on GPUs with peer access"
+    ),
     "pool-closed": "nothing: the worker is closing",
     "too-large": "raise gpupool.import-limit, or make smaller results",
     "import-failed": "see the consumer's log for the import error",

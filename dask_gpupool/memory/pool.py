@@ -73,16 +73,45 @@ def _no_payload(buf: Buffer) -> bytes:
     return b""
 
 
+def _segment_payload(memory: Any) -> Any:
+    """How a segment of ``memory`` (:func:`_segment_memory`'s) is named to peers in descriptors."""
+    if memory is None:
+        return ipc_payload
+    from dask_gpupool.memory.legacy import LegacyMemoryResource, legacy_payload
+
+    return legacy_payload if isinstance(memory, LegacyMemoryResource) else _no_payload
+
+
+def _segment_kind(memory: Any) -> str:
+    """``"vmm"``, ``"legacy"`` or ``"pool"``: what :func:`_segment_memory`'s ``memory`` makes segments of."""
+    if memory is None:
+        return "pool"
+    from dask_gpupool.memory.legacy import LegacyMemoryResource
+
+    return "legacy" if isinstance(memory, LegacyMemoryResource) else "vmm"
+
+
 def _segment_memory(options: PoolOptions, ordinal: int, size: int) -> Any:
-    """The :class:`~dask_gpupool.memory.vmm.VmmMemoryResource` segments come from, or ``None`` for pool memory.
+    """The resource segments come from: a :class:`~dask_gpupool.memory.vmm.VmmMemoryResource`, a
+    :class:`~dask_gpupool.memory.legacy.LegacyMemoryResource` (``segment-memory: legacy``), or ``None`` for pool
+    memory.
 
     Raises
     ------
     ConfigError
-        For ``segment-memory: vmm`` on a GPU without VMM fd export.
+        For ``segment-memory: vmm`` on a GPU without VMM fd export, or ``legacy`` on one without IPC handles.
     """
     if not options.segment_size or options.segment_memory == "pool":
         return None
+    if options.segment_memory == "legacy":
+        from dask_gpupool.memory.legacy import LegacyMemoryResource, legacy_supported
+
+        if not legacy_supported(ordinal):
+            raise ConfigError(
+                f"gpupool.segment-memory='legacy': GPU {ordinal} does not share memory by IPC handles; "
+                "valid here: 'vmm', 'pool' (or 'auto')"
+            )
+        return LegacyMemoryResource(ordinal, size)
     from dask_gpupool.memory.vmm import VmmMemoryResource, vmm_supported
 
     if not vmm_supported(ordinal):
@@ -172,6 +201,9 @@ class Pool:
     peers: tuple[str, ...]
     #: Buffers live in segments of VMM memory (``cuMemCreate``), which peers map by POSIX fd.
     vmm: bool
+    #: What the segments are made of: ``"vmm"``, ``"legacy"`` (``cuMemAlloc``, shared by IPC handle) or ``"pool"``
+    #: (allocations of the IPC-enabled pool; also without segments). Peers learn it from the registry row.
+    segment_memory: str
     resource: Any
     _closed: bool
     _lock: threading.Lock
@@ -185,9 +217,11 @@ class Pool:
         device_uuid: str | None,
         peers: tuple[str, ...] = (),
         vmm: bool = False,
+        segment_memory: str | None = None,
     ):
         self.kind = kind
         self.vmm = vmm
+        self.segment_memory = segment_memory or ("vmm" if vmm else "pool")
         self.resource = resource
         self.max_size = max_size
         self.device = device
@@ -229,8 +263,8 @@ class Pool:
             resource = DeviceMemoryResource(dev, DeviceMemoryResourceOptions(ipc_enabled=True, max_size=size))
             try:
                 memory = _segment_memory(options, ordinal, size)
-                # Cross-GPU handoffs only of VMM segments: a peer on another GPU reading pool memory
-                # after its owner died gets CUDA_ERROR_CONTAINED (dask_gpupool.memory.vmm).
+                # Cross-GPU handoffs only of VMM or legacy segments: a peer on another GPU reading pool
+                # memory after its owner died gets CUDA_ERROR_CONTAINED (dask_gpupool.memory.vmm).
                 cross = options.peer_gpu_handoff and memory is not None
                 peers = grant_peers(resource, ordinal, devices) if cross else ()
             except BaseException:
@@ -241,11 +275,13 @@ class Pool:
                     resource,
                     min(options.segment_size, size),
                     ordinal,
-                    ipc_payload if memory is None else _no_payload,
+                    _segment_payload(memory),
                     options.suballocator,
                     memory,
                 )
-            return cls(kind, resource, size, ordinal, devices.uuids[ordinal], peers, vmm=memory is not None)
+            made_of = _segment_kind(memory)
+            uuid = devices.uuids[ordinal]
+            return cls(kind, resource, size, ordinal, uuid, peers, vmm=made_of == "vmm", segment_memory=made_of)
         else:
             if not dev.properties.host_numa_memory_pools_supported:
                 raise ConfigError(

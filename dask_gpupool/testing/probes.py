@@ -139,6 +139,14 @@ def mapped_segments(dask_worker: Worker) -> int:
     return total
 
 
+def segment_memory(dask_worker: Worker) -> dict[str, str]:
+    """client.run target: what this worker's pool makes segments of, as the pool and its registry row say, and as
+    this worker's registry copy says of every pool (by worker address)."""
+    service = service_of(dask_worker)
+    rows = {r.worker: r.segment_memory for r in service.registry.records()}
+    return {"pool": service.pool.segment_memory, "row": service.record.segment_memory, **rows}
+
+
 def known_pools(dask_worker: Worker) -> list[str]:
     """client.run target: the pools in this worker's copy of the registry."""
     return sorted(r.pool for r in service_of(dask_worker).registry.records())

@@ -59,6 +59,13 @@ class PoolRecord:
         large buffer's spare segment that peers still map, which the owner
         wants back because its pool is full. Peers treat them as retiring.
         Ascending, at most :data:`MAX_RECLAIM` ids.
+    segment_memory : str
+        ``device`` pools: what the segments peers map are made of, which says
+        what a segment descriptor's payload is: ``"vmm"`` (no payload; the
+        segment's fd comes from the broker), ``"legacy"`` (the segment's
+        64-byte ``cuIpcGetMemHandle`` handle) or ``"pool"`` (the pool's
+        64-byte pointer export; also pools without segments, and the other
+        kinds).
     """
 
     pool: str
@@ -74,8 +81,10 @@ class PoolRecord:
     peers: tuple[str, ...] = ()
     retire_below: int = 0
     reclaim: tuple[int, ...] = ()
+    segment_memory: str = "pool"
 
     KINDS: ClassVar[tuple[str, ...]] = ("device", "pinned", "host")
+    SEGMENT_MEMORY: ClassVar[tuple[str, ...]] = ("pool", "vmm", "legacy")
 
     def to_msg(self) -> dict[str, Any]:
         return {
@@ -92,6 +101,7 @@ class PoolRecord:
             "peers": list(self.peers),
             "retire_below": self.retire_below,
             "reclaim": list(self.reclaim),
+            "segment_memory": self.segment_memory,
         }
 
     @classmethod
@@ -119,6 +129,9 @@ class PoolRecord:
             raise ProtocolError(f"{what}: 'reclaim' must be at most {MAX_RECLAIM} positive segment ids")
         if list(reclaim) != sorted(set(reclaim)):
             raise ProtocolError(f"{what}: 'reclaim' must be ascending, without repeats")
+        segment_memory = field_of(m, "segment_memory", str, what) if "segment_memory" in m else "pool"
+        if segment_memory not in cls.SEGMENT_MEMORY or (segment_memory != "pool" and kind != "device"):
+            raise ProtocolError(f"{what}: segment memory {segment_memory!r} for a {kind} pool")
         return cls(
             pool=uuid_str(field_of(m, "pool", str, what), what),
             worker=field_of(m, "worker", str, what),
@@ -133,6 +146,7 @@ class PoolRecord:
             peers=tuple(peers),
             retire_below=retire_below,
             reclaim=tuple(reclaim),
+            segment_memory=segment_memory,
         )
 
 

@@ -65,3 +65,26 @@ def test_segments_below_retire_below_and_reclaimed_ones_both_go():
     m = mapped_with((2, 0, 1), (5, 0, 3), (11, 0, 1))
     gone, released = m.retire(4, (11,))
     assert sorted(released) == [(2, 1), (11, 1)] and len(gone) == 2 and list(m._segments) == [5]
+
+
+def test_a_legacy_ipc_segment_needs_its_handle_and_a_gpu_and_comes_only_as_a_segment():
+    """A pool whose row says its segments are legacy IPC memory (``gpupool.segment-memory: legacy``) is mapped
+    segment by segment from the 64-byte handle in each descriptor; a descriptor without it, a process without a
+    GPU, or a buffer descriptor outside a segment is a ProtocolError before any CUDA call."""
+    import dataclasses
+
+    import pytest
+
+    from dask_gpupool.errors import ProtocolError
+    from dask_gpupool.wire.handoff import BufferDescriptor
+
+    legacy = dataclasses.replace(RECORD, segment_memory="legacy")
+    m = MappedPool(legacy, object(), None)
+    no_handle = BufferDescriptor(legacy.pool, 4096, b"", 0, 1 << 20, 3)
+    with pytest.raises(ProtocolError, match="legacy IPC memory needs its 64-byte handle"):
+        m.acquire(no_handle, segment_fd=lambda: -1)
+    with pytest.raises(ProtocolError, match="legacy IPC memory needs its 64-byte handle and a GPU here"):
+        m.acquire(BufferDescriptor(legacy.pool, 4096, b"\1" * 64, 0, 1 << 20, 3))
+    with pytest.raises(ProtocolError, match="segments of legacy IPC memory only"):
+        m.import_buffer(BufferDescriptor(legacy.pool, 4096, b"\1" * 64))
+    assert m.imports == 0 and m.segments == 0

@@ -50,6 +50,11 @@ def test_records_and_updates_round_trip_through_msgpack():
     assert PoolRecord.from_msg(wire(retired.to_msg())) == retired
     older = {k: v for k, v in RECORD.to_msg().items() if k != "reclaim"}  # a row without the field: none
     assert PoolRecord.from_msg(wire(older)) == RECORD
+    for made_of in ("vmm", "legacy"):  # what a device pool's segment payloads are
+        row = dataclasses.replace(RECORD, segment_memory=made_of)
+        assert PoolRecord.from_msg(wire(row.to_msg())) == row
+    older = {k: v for k, v in RECORD.to_msg().items() if k != "segment_memory"}  # without the field: pool memory
+    assert PoolRecord.from_msg(wire(older)).segment_memory == "pool"
     release = SegmentRelease(((7, 3), (8, 1)))
     assert parse_request(wire(release.to_msg())) == release
 
@@ -199,6 +204,9 @@ def test_copy_path_messages_round_trip_and_refuse_bad_fields():
         {"reclaim": [3, 3]},
         {"reclaim": "3"},
         {"reclaim": list(range(1, 1026))},
+        {"segment_memory": "cuda"},
+        {"segment_memory": 1},
+        {"segment_memory": "legacy", "kind": "host", "device": None},  # segments are device memory
     ],
 )
 def test_malformed_record_is_a_protocol_error(change):
