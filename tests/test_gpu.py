@@ -954,6 +954,21 @@ def test_the_serializer_family_a_ucx_comm_gets_for_pool_memory():
         assert got == {"pool array": "cuda", "pool buffer": "cuda"}, got
 
 
+#: distributed-ucxx's settings for the UCX tests (the project's anchor figures used the same).
+UCX_CONFIG = {f"distributed.comm.ucx.{k}": True for k in ("create-cuda-context", "nvlink", "tcp", "cuda-copy")}
+
+
+def ucx_workers(placement: str, hosts: str) -> list[dict[str, Any]]:
+    """Two UCXX workers, both on GPU 0 (``one-gpu``) or one per GPU (``two-gpus``), of one host (``same``) or
+    looking like two (``two``: a ``gpupool.host-id`` each)."""
+    layout = ROTATED if placement == "two-gpus" else [ONE_GPU, ONE_GPU]
+    two = hosts == "two"
+    return [
+        {**w, "protocol": "ucxx", **({"config": {"gpupool": {"host-id": f"host-{i}"}}} if two else {})}
+        for i, w in enumerate(layout)
+    ]
+
+
 @pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
 def test_on_ucxx_pool_memory_hands_over_or_travels_as_device_frames(placement):
     """Issue 16 on UCXX clusters, on one GPU and across two: values reach the consumer with the right bytes and
@@ -968,14 +983,9 @@ def test_on_ucxx_pool_memory_hands_over_or_travels_as_device_frames(placement):
     import dask
     import numpy as np
 
-    ucx = {f"distributed.comm.ucx.{k}": True for k in ("create-cuda-context", "nvlink", "tcp", "cuda-copy")}
-    layout = ROTATED if placement == "two-gpus" else [ONE_GPU, ONE_GPU]
     total = float(np.arange(1 << 20).sum())
     for hosts in ("same", "two"):
-        workers = [
-            {**w, "protocol": "ucxx", **({"config": {"gpupool": {"host-id": f"host-{i}"}}} if hosts == "two" else {})}
-            for i, w in enumerate(layout)
-        ]
+        workers = ucx_workers(placement, hosts)
         plugin = GPUPool(
             kind="device",
             max_size="1 GiB",
@@ -983,7 +993,7 @@ def test_on_ucxx_pool_memory_hands_over_or_travels_as_device_frames(placement):
             stage_threshold="4 MiB",
             cupy_allocator=False,
         )
-        with dask.config.set(ucx), nanny_cluster(workers, plugin, protocol="ucxx") as c:
+        with dask.config.set(UCX_CONFIG), nanny_cluster(workers, plugin, protocol="ucxx") as c:
             a, b = worker_addresses(c)
             assert a.startswith("ucxx://")
             x = c.submit(T.make_buffer, MiB, b"over ucx", workers=[a], pure=False)
@@ -1032,16 +1042,11 @@ def test_on_ucxx_legacy_ipc_segments_go_to_another_host_without_the_staging_copy
     import dask
     import numpy as np
 
-    ucx = {f"distributed.comm.ucx.{k}": True for k in ("create-cuda-context", "nvlink", "tcp", "cuda-copy")}
-    layout = ROTATED if placement == "two-gpus" else [ONE_GPU, ONE_GPU]
     total = float(np.arange(1 << 20).sum())
     for hosts in ("same", "two"):
-        workers = [
-            {**w, "protocol": "ucxx", **({"config": {"gpupool": {"host-id": f"host-{i}"}}} if hosts == "two" else {})}
-            for i, w in enumerate(layout)
-        ]
+        workers = ucx_workers(placement, hosts)
         plugin = GPUPool(kind="device", max_size="1 GiB", segment_memory="legacy", cupy_allocator=False)
-        with dask.config.set(ucx), nanny_cluster(workers, plugin, protocol="ucxx") as c:
+        with dask.config.set(UCX_CONFIG), nanny_cluster(workers, plugin, protocol="ucxx") as c:
             a, b = worker_addresses(c)
             assert c.run(T.segment_memory, workers=[a])[a]["pool"] == "legacy"
             for _ in range(2):  # the second time UCX's cache of the opened handle is used

@@ -41,12 +41,10 @@ Ownership
 from __future__ import annotations
 
 import logging
-import threading
 from typing import TYPE_CHECKING, Any
 
-from cuda.core import MemoryResource
-
-from dask_gpupool.errors import GPUPoolError, PeerAccessError, PoolClosedError, PoolExhaustedError
+from dask_gpupool.errors import GPUPoolError, PeerAccessError
+from dask_gpupool.memory.driver_segments import SegmentMapping, SegmentMemory, check, driver
 from dask_gpupool.memory.topology import current_gpu
 
 if TYPE_CHECKING:
@@ -63,28 +61,14 @@ HANDLE_BYTES = 64
 ALIGNMENT = 2 << 20
 
 
-def _driver() -> Any:
-    from cuda.bindings import driver
-
-    return driver
-
-
-def _check(err: Any, what: str, exc: type[GPUPoolError] = GPUPoolError) -> None:
-    driver = _driver()
-    if err != driver.CUresult.CUDA_SUCCESS:
-        if err == driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
-            raise PoolExhaustedError(f"{what}: the GPU is out of memory ({err!r})")
-        raise exc(f"{what} failed: {err!r}")
-
-
 def legacy_supported(ordinal: int) -> bool:
     """Whether GPU ``ordinal`` shares ``cuMemAlloc`` memory by IPC handle: unified addressing and IPC support,
     which CUDA's reference says to test with ``CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED``."""
-    driver = _driver()
-    attr = driver.CUdevice_attribute
+    d = driver()
+    attr = d.CUdevice_attribute
     for a in (attr.CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING, attr.CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED):
-        err, value = driver.cuDeviceGetAttribute(a, ordinal)
-        if err != driver.CUresult.CUDA_SUCCESS or not value:
+        err, value = d.cuDeviceGetAttribute(a, ordinal)
+        if err != d.CUresult.CUDA_SUCCESS or not value:
             return False
     return True
 
@@ -97,45 +81,23 @@ def legacy_payload(buf: Buffer) -> bytes:
     GPUPoolError
         If the driver refuses (memory not from ``cuMemAlloc``, or imported).
     """
-    driver = _driver()
-    err, handle = driver.cuIpcGetMemHandle(int(buf.handle))
-    _check(err, "cuIpcGetMemHandle")
+    err, handle = driver().cuIpcGetMemHandle(int(buf.handle))
+    check(err, "cuIpcGetMemHandle")
     payload = bytes(handle.reserved)
     if len(payload) != HANDLE_BYTES:  # pragma: no cover - the driver's struct is 64 bytes
         raise GPUPoolError(f"cuIpcGetMemHandle returned {len(payload)} bytes, expected {HANDLE_BYTES}")
     return payload
 
 
-class LegacyMemoryResource(MemoryResource):
+class LegacyMemoryResource(SegmentMemory):
     """Device memory from ``cuMemAlloc``, shareable by legacy IPC handles, bounded by ``max_size``.
 
     Allocation is not stream-ordered (new memory has no pending work); a free
     waits for the work queued on its stream first, then calls ``cuMemFree``.
-
-    Parameters
-    ----------
-    device : int
-        Ordinal of the GPU the memory lives on (current in the calling thread).
-    max_size : int
-        Bytes this resource may hold at once; more raises
-        :class:`PoolExhaustedError`.
+    Parameters and bookkeeping: :class:`~dask_gpupool.memory.driver_segments.SegmentMemory`.
     """
 
-    max_size: int
-    _device: int
-    _live: dict[int, int]
-    _used: int
-    _used_high: int
-    _closed: bool
-    _lock: threading.Lock
-
-    def __init__(self, device: int, max_size: int) -> None:
-        self._device = device
-        self.max_size = max_size
-        self._live = {}  # address -> size
-        self._used = self._used_high = 0
-        self._closed = False
-        self._lock = threading.Lock()
+    what = "legacy IPC"
 
     @staticmethod
     def round(size: int) -> int:
@@ -145,105 +107,40 @@ class LegacyMemoryResource(MemoryResource):
     def allocate(self, size: int, *, stream: Any = None) -> Buffer:
         """New memory of ``size`` bytes (rounded up to :data:`ALIGNMENT`), owned by the caller's Buffer.
 
-        Raises
-        ------
-        PoolExhaustedError
-            Over ``max_size``, or when the GPU has no memory left.
-        PoolClosedError
-            After :meth:`close`.
+        Raises :class:`PoolExhaustedError` over ``max_size`` or when the GPU has no memory left, and
+        :class:`PoolClosedError` after :meth:`close`.
         """
-        from cuda.core import Buffer
-
-        driver = _driver()
         nbytes = self.round(size)
-        with self._lock:
-            if self._closed:
-                raise PoolClosedError("the legacy IPC resource is closed")
-            if self._used + nbytes > self.max_size:
-                raise PoolExhaustedError(
-                    f"cannot allocate {nbytes} bytes: {self._used} of {self.max_size} bytes in use"
-                )
-            self._used += nbytes  # reserved now, given back below if the driver fails
+        self._reserve(nbytes)  # given back below if the driver fails
         try:
             current_gpu(self._device)
-            err, ptr = driver.cuMemAlloc(nbytes)
-            _check(err, f"cuMemAlloc of {nbytes} bytes")
+            err, ptr = driver().cuMemAlloc(nbytes)
+            check(err, f"cuMemAlloc of {nbytes} bytes")
         except BaseException:
-            with self._lock:
-                self._used -= nbytes
+            self._unreserve(nbytes)
             raise
-        with self._lock:
-            self._live[int(ptr)] = nbytes
-            self._used_high = max(self._used_high, self._used)
-        return Buffer.from_handle(int(ptr), nbytes, mr=self)
+        return self._made(int(ptr), None, nbytes)
 
     def deallocate(self, ptr: Any, size: int, *, stream: Any = None) -> None:
         """Free the allocation at ``ptr`` once the work queued on ``stream`` is done."""
-        ptr = int(ptr)
-        with self._lock:
-            nbytes = self._live.pop(ptr, None)
-            if nbytes is None:
-                return  # freed already (close)
-            self._used -= nbytes
+        entry = self._taken(ptr)
+        if entry is None:
+            return  # freed already (close)
         if stream is not None:
             stream.sync()
         current_gpu(self._device)
-        (err,) = _driver().cuMemFree(ptr)
-        if err != _driver().CUresult.CUDA_SUCCESS:
-            logger.error("cuMemFree of %d bytes at %#x failed: %r", nbytes, ptr, err)
-
-    @property
-    def used(self) -> int:
-        """Bytes in live allocations."""
-        return self._used
-
-    @property
-    def is_device_accessible(self) -> bool:
-        return True
-
-    @property
-    def is_host_accessible(self) -> bool:
-        return False
-
-    @property
-    def device_id(self) -> int:
-        return self._device
-
-    def close(self) -> None:
-        """Stop allocating. Live allocations stay until their Buffers free them. Idempotent."""
-        with self._lock:
-            self._closed = True
+        d = driver()
+        (err,) = d.cuMemFree(int(ptr))
+        if err != d.CUresult.CUDA_SUCCESS:
+            logger.error("cuMemFree of %d bytes at %#x failed: %r", entry[1], int(ptr), err)
 
 
-class LegacyMapping:
+class LegacyMapping(SegmentMapping):
     """A peer's ``cuMemAlloc`` segment opened in this process by its IPC handle.
 
     Quacks like the imported :class:`cuda.core.Buffer` it replaces for
-    segments: ``handle`` (the address), ``size``, ``device_id``, the
-    accessibility flags and ``close(stream)``.
-
-    Attributes
-    ----------
-    handle : int
-        The address the memory is mapped at in this process.
-    size : int
-        Bytes of the segment.
-    device_id : int
-        This process's GPU, current when the handle was opened.
+    segments (:class:`~dask_gpupool.memory.driver_segments.SegmentMapping`).
     """
-
-    handle: int
-    size: int
-    device_id: int
-    is_device_accessible: bool = True
-    is_host_accessible: bool = False
-    _closed: bool
-
-    def __init__(self, ptr: int, size: int, device: int) -> None:
-        self.handle = ptr
-        self.size = size
-        self.device_id = device
-        self._closed = False
 
     @classmethod
     def open(cls, payload: bytes, size: int, device: int) -> LegacyMapping:
@@ -263,23 +160,16 @@ class LegacyMapping:
         """
         if len(payload) != HANDLE_BYTES:
             raise ValueError(f"an IPC handle is {HANDLE_BYTES} bytes, got {len(payload)}")
-        driver = _driver()
-        handle = driver.CUipcMemHandle()
+        d = driver()
+        handle = d.CUipcMemHandle()
         handle.reserved = payload
-        err, ptr = driver.cuIpcOpenMemHandle(handle, driver.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
-        _check(err, "cuIpcOpenMemHandle", PeerAccessError)
+        err, ptr = d.cuIpcOpenMemHandle(handle, d.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
+        check(err, "cuIpcOpenMemHandle", PeerAccessError)
         return cls(int(ptr), size, device)
 
-    def close(self, stream: Any = None) -> None:
-        """Close the mapping once the work queued on ``stream`` is done. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        if stream is not None:
-            stream.sync()
-        (err,) = _driver().cuIpcCloseMemHandle(self.handle)
-        if err != _driver().CUresult.CUDA_SUCCESS:
+    def _unmap(self) -> None:
+        """Close the mapping (``cuIpcCloseMemHandle``; errors logged)."""
+        d = driver()
+        (err,) = d.cuIpcCloseMemHandle(self.handle)
+        if err != d.CUresult.CUDA_SUCCESS:
             logger.error("cuIpcCloseMemHandle of %d bytes at %#x failed: %r", self.size, self.handle, err)
-
-    def __repr__(self) -> str:
-        return f"<LegacyMapping {self.size} bytes at {self.handle:#x}>"

@@ -40,12 +40,12 @@ Ownership
 from __future__ import annotations
 
 import logging
-import threading
 from typing import TYPE_CHECKING, Any
 
-from cuda.core import MemoryResource
-
-from dask_gpupool.errors import GPUPoolError, PeerAccessError, PoolClosedError, PoolExhaustedError
+from dask_gpupool.errors import PeerAccessError
+from dask_gpupool.memory.driver_segments import SegmentMapping, SegmentMemory
+from dask_gpupool.memory.driver_segments import check as _check
+from dask_gpupool.memory.driver_segments import driver as _driver
 
 if TYPE_CHECKING:
     from cuda.core import Buffer
@@ -53,20 +53,6 @@ if TYPE_CHECKING:
 __all__ = ["VmmMapping", "VmmMemoryResource", "vmm_supported"]
 
 logger = logging.getLogger(__name__)
-
-
-def _driver() -> Any:
-    from cuda.bindings import driver
-
-    return driver
-
-
-def _check(err: Any, what: str, exc: type[GPUPoolError] = GPUPoolError) -> None:
-    driver = _driver()
-    if err != driver.CUresult.CUDA_SUCCESS:
-        if err == driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
-            raise PoolExhaustedError(f"{what}: the GPU is out of memory ({err!r})")
-        raise exc(f"{what} failed: {err!r}")
 
 
 def _prop(ordinal: int) -> Any:
@@ -145,7 +131,7 @@ def _unmap(ptr: int, size: int, handle: Any) -> None:
             logger.error("%s of %d bytes at %#x failed: %r", what, size, ptr, err)
 
 
-class VmmMemoryResource(MemoryResource):
+class VmmMemoryResource(SegmentMemory):
     """Device memory made with ``cuMemCreate``, exportable as POSIX fds, bounded by ``max_size``.
 
     Each allocation is its own physical allocation, mapped at a fresh address
@@ -162,23 +148,13 @@ class VmmMemoryResource(MemoryResource):
         :class:`PoolExhaustedError`.
     """
 
-    max_size: int
-    _device: int
+    what = "VMM"
+
     _granularity: int
-    _live: dict[int, tuple[Any, int]]
-    _used: int
-    _used_high: int
-    _closed: bool
-    _lock: threading.Lock
 
     def __init__(self, device: int, max_size: int) -> None:
-        self._device = device
-        self.max_size = max_size
+        super().__init__(device, max_size)
         self._granularity = granularity(device)
-        self._live = {}  # address -> (handle, size)
-        self._used = self._used_high = 0
-        self._closed = False
-        self._lock = threading.Lock()
 
     def round(self, size: int) -> int:
         """``size`` rounded up to this GPU's allocation granularity."""
@@ -194,18 +170,9 @@ class VmmMemoryResource(MemoryResource):
         PoolClosedError
             After :meth:`close`.
         """
-        from cuda.core import Buffer
-
         driver = _driver()
         nbytes = self.round(size)
-        with self._lock:
-            if self._closed:
-                raise PoolClosedError("the VMM resource is closed")
-            if self._used + nbytes > self.max_size:
-                raise PoolExhaustedError(
-                    f"cannot allocate {nbytes} bytes: {self._used} of {self.max_size} bytes in use"
-                )
-            self._used += nbytes  # reserved now, given back below if the driver fails
+        self._reserve(nbytes)  # given back below if the driver fails
         try:
             err, handle = driver.cuMemCreate(nbytes, _prop(self._device), 0)
             _check(err, f"cuMemCreate of {nbytes} bytes")
@@ -215,13 +182,9 @@ class VmmMemoryResource(MemoryResource):
                 driver.cuMemRelease(handle)
                 raise
         except BaseException:
-            with self._lock:
-                self._used -= nbytes
+            self._unreserve(nbytes)
             raise
-        with self._lock:
-            self._live[ptr] = (handle, nbytes)
-            self._used_high = max(self._used_high, self._used)
-        return Buffer.from_handle(ptr, nbytes, mr=self)
+        return self._made(ptr, handle, nbytes)
 
     def deallocate(self, ptr: Any, size: int, *, stream: Any = None) -> None:
         """Unmap and release the allocation at ``ptr`` once the work queued on ``stream`` is done.
@@ -229,16 +192,13 @@ class VmmMemoryResource(MemoryResource):
         Peers that imported it keep its memory until they release their own
         reference (:class:`VmmMapping`).
         """
-        ptr = int(ptr)
-        with self._lock:
-            entry = self._live.pop(ptr, None)
-            if entry is None:
-                return  # freed already (close)
-            handle, nbytes = entry
-            self._used -= nbytes
+        entry = self._taken(ptr)
+        if entry is None:
+            return  # freed already (close)
+        handle, nbytes = entry
         if stream is not None:
             stream.sync()
-        _unmap(ptr, nbytes, handle)
+        _unmap(int(ptr), nbytes, handle)
 
     def export_fd(self, ptr: int) -> int:
         """A new POSIX fd for the allocation at ``ptr``; the **caller closes it**.
@@ -257,60 +217,19 @@ class VmmMemoryResource(MemoryResource):
         _check(err, "cuMemExportToShareableHandle")
         return int(fd)
 
-    @property
-    def used(self) -> int:
-        """Bytes in live allocations."""
-        return self._used
 
-    @property
-    def is_device_accessible(self) -> bool:
-        return True
-
-    @property
-    def is_host_accessible(self) -> bool:
-        return False
-
-    @property
-    def device_id(self) -> int:
-        return self._device
-
-    def close(self) -> None:
-        """Stop allocating. Live allocations stay until their Buffers free them. Idempotent."""
-        with self._lock:
-            self._closed = True
-
-
-class VmmMapping:
+class VmmMapping(SegmentMapping):
     """A peer's VMM allocation mapped into this process (the importer's own reference to its memory).
 
     Quacks like the imported :class:`cuda.core.Buffer` it replaces for
-    segments: ``handle`` (the address), ``size``, ``device_id``, the
-    accessibility flags and ``close(stream)``.
-
-    Attributes
-    ----------
-    handle : int
-        The address the memory is mapped at in this process.
-    size : int
-        Bytes mapped.
-    device_id : int
-        The GPU given access (this process's own).
+    segments (:class:`~dask_gpupool.memory.driver_segments.SegmentMapping`).
     """
 
-    handle: int
-    size: int
-    device_id: int
-    is_device_accessible: bool = True
-    is_host_accessible: bool = False
     _handle: Any
-    _closed: bool
 
     def __init__(self, ptr: int, size: int, handle: Any, device: int) -> None:
-        self.handle = ptr
-        self.size = size
-        self.device_id = device
+        super().__init__(ptr, size, device)
         self._handle = handle
-        self._closed = False
 
     @classmethod
     def open(cls, fd: int, size: int, device: int) -> VmmMapping:
@@ -337,14 +256,6 @@ class VmmMapping:
             raise
         return cls(ptr, size, handle, device)
 
-    def close(self, stream: Any = None) -> None:
-        """Unmap once the work queued on ``stream`` is done, and drop this process's reference. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        if stream is not None:
-            stream.sync()
+    def _unmap(self) -> None:
+        """Unmap, and drop this process's reference to the memory."""
         _unmap(self.handle, self.size, self._handle)
-
-    def __repr__(self) -> str:
-        return f"<VmmMapping {self.size} bytes at {self.handle:#x}>"
