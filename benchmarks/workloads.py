@@ -28,7 +28,8 @@ distributed splits into device frames), each summed with the next block's. Metho
 between workers) and ``gpupool`` / ``ucxx+gpupool`` (``GPUPool()`` with no options), and variants with one option
 changed: ``gpupool+cupy`` (``cupy-allocator``), ``gpupool+stage`` (``stage-threshold: 4 MiB``), ``gpupool+stage1``
 (``stage-threshold: 1``: every size staged), ``gpupool+stage64k`` (from 64 KiB),
-``gpupool+objects`` (``device-objects``), ``gpupool+rmm`` (``rmm-allocator`` and ``device-objects``); any of them
+``gpupool+objects`` (``device-objects``), ``gpupool+rmm`` (``rmm-allocator`` and ``device-objects``),
+``gpupool+legacy`` (``segment-memory: legacy``; ``ucxx+gpupool+legacy`` over UCX); any of them
 with ``-nohooks`` after it (``ucxx+gpupool-nohooks``): the plugin's ``get_data`` wrapper and CuPy serializers
 swapped for distributed's own once it is registered, what the rest of the plugin costs; or ``-bare``: every
 worker-side hook undone, only its pool, broker and copy server running; or ``-gone``: its worker plugin
@@ -142,6 +143,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "+event": {"handoff_ordering": "event"},
     "+switch": {"switch_interval": "0.5ms"},  # claims served sooner by producers whose tasks hold the GIL
     "+poolseg": {"segment_memory": "pool"},  # segments from CUDA's IPC pool instead of VMM memory
+    "+legacy": {"segment_memory": "legacy"},  # segments of cuMemAlloc memory shared by legacy IPC handles
 }
 
 
