@@ -323,3 +323,48 @@ def test_host_frames_go_only_in_small_ucx_replies_to_workers_that_run_the_plugin
     finally:
         b.close()
         a.close()
+
+
+def test_pool_memory_goes_to_ucx_unstaged_when_small_or_in_this_workers_own_legacy_segments(tmp_path, no_fd_leak):
+    """The sending side's staging decision for pool memory in a UCX reply (real services on ``host`` pools): under
+    ``gpupool.ucx-staging-threshold`` it goes as it is; larger, it is staged, unless the worker's pool makes
+    segments of legacy IPC memory (``segment-memory: legacy``, which UCX exports itself) and the buffer is that
+    pool's own: a buffer imported from or made by another pool is staged, since an opened IPC handle cannot be
+    exported again. The pool's ``segment_memory`` is set here as a ``device`` pool with legacy segments has it; the
+    CUDA side runs in ``tests/test_gpu.py`` (``test_on_ucxx_legacy_ipc_segments_*``)."""
+    import secrets
+
+    from dask_gpupool import PoolOptions
+    from dask_gpupool.dask import device_frames as F
+    from dask_gpupool.dask.worker_internals import REQUEST, Request
+    from dask_gpupool.handoff.service import PoolService
+    from dask_gpupool.wire.registry import Membership, RegistryUpdate
+
+    options = PoolOptions.from_config(kind="host", max_size="16 MiB", broker_dir=str(tmp_path))
+    a = PoolService.start(options, "ucxx://127.0.0.1:40031")
+    b = PoolService.start(options, "ucxx://127.0.0.1:40032")
+    own = a.pool.allocate(1 << 20)
+    other = b.pool.allocate(1 << 20)
+    try:
+        snapshot = RegistryUpdate(1, (a.record, b.record), (), snapshot=True)
+        token = secrets.token_bytes(32)
+        for s in (a, b):
+            s.join(Membership(snapshot, token))
+
+        def unstaged(nbytes: int, buf: Any) -> bool:
+            reply = REQUEST.set(Request("ucxx://127.0.0.1:50000", "ucxx", a))
+            try:
+                return F._unstaged(nbytes, buf)
+            finally:
+                REQUEST.reset(reply)
+
+        assert unstaged(8191, own) and unstaged(8191, other)  # small: UCX's eager protocol moves it
+        assert not unstaged(8192, own) and not unstaged(1 << 20, own)  # pool memory: staged
+        a.pool.segment_memory = "legacy"
+        assert unstaged(1 << 20, own)  # its own legacy segment: UCX exports it
+        assert not unstaged(1 << 20, other)  # another pool's memory: staged
+    finally:
+        own.close()
+        other.close()
+        b.close()
+        a.close()
