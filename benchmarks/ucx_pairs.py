@@ -80,15 +80,20 @@ PLAIN_METHODS = (
 PATH_KEYS = ("zero_copy_bytes", "peer_copied_bytes", "device_frames_bytes", "host_frames_bytes", "copied_bytes")
 
 
-def _set_staging_threshold(nbytes: int) -> None:
-    """On a worker: set its pool service's ``gpupool.ucx-staging-threshold`` (the ``-ab`` methods' switch)."""
+def _set_options(**changes: Any) -> None:
+    """On a worker: change its pool service's options (``PoolOptions`` fields), the ``-ab`` methods' switch."""
     import dataclasses
 
     from dask_gpupool.handoff.active import active_service
 
     service = active_service()
     if service is not None:
-        service.options = dataclasses.replace(service.options, ucx_staging_threshold=nbytes)
+        service.options = dataclasses.replace(service.options, **changes)
+
+
+def _set_staging_threshold(nbytes: int) -> None:
+    """On a worker: ``gpupool.ucx-staging-threshold`` (the ``-ab`` methods' switch)."""
+    _set_options(ucx_staging_threshold=nbytes)
 
 
 def _set_hooks(off: list[str], dask_worker: Any = None) -> None:
@@ -145,13 +150,7 @@ def _set_inline(on: bool) -> None:
 def _set_host_frames(below: int) -> None:
     """On a worker: the ``-hostframes-ab`` switch, its pool service's ``gpupool.ucx-host-frame-threshold`` (CuPy
     arrays under ``below`` bytes in a UCX reply go as a host frame; 0: none, device frames)."""
-    import dataclasses
-
-    from dask_gpupool.handoff.active import active_service
-
-    service = active_service()
-    if service is not None:
-        service.options = dataclasses.replace(service.options, ucx_host_frame_threshold=below)
+    _set_options(ucx_host_frame_threshold=below)
 
 
 def _set_recv_pool(on: bool) -> None:

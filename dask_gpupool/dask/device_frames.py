@@ -38,6 +38,7 @@ from dask_gpupool.errors import ProtocolError
 from dask_gpupool.handoff.active import active_service
 from dask_gpupool.handoff.deferred import SENDER
 from dask_gpupool.memory.buffers import copy_from_host, copy_to_host
+from dask_gpupool.memory.topology import current_gpu
 from dask_gpupool.memory.ucx_staging import UcxStaging
 from dask_gpupool.wire.handoff import ArrayMeta
 
@@ -330,9 +331,7 @@ def _host_frame_reply(nbytes: int) -> PoolService | None:
     if request.requester is None or service.registry.worker_row(request.requester) is None:
         return None  # a client, the scheduler, a worker without the plugin: no deserializer for the host frame
     if service.options.handoff_ordering == "device":
-        from cuda.bindings import driver
-
-        driver.cuCtxSynchronize()
+        current_gpu(None).sync()  # the thread's GPU, as distributed-ucxx's own synchronize
     return service
 
 

@@ -73,28 +73,19 @@ def _no_payload(buf: Buffer) -> bytes:
     return b""
 
 
-def _segment_payload(memory: Any) -> Any:
-    """How a segment of ``memory`` (:func:`_segment_memory`'s) is named to peers in descriptors."""
-    if memory is None:
-        return ipc_payload
-    from dask_gpupool.memory.legacy import LegacyMemoryResource, legacy_payload
+def _segment_payload(made_of: str) -> Any:
+    """How a segment made of ``made_of`` (:func:`_segment_memory`'s) is named to peers in descriptors."""
+    if made_of == "legacy":
+        from dask_gpupool.memory.legacy import legacy_payload
 
-    return legacy_payload if isinstance(memory, LegacyMemoryResource) else _no_payload
-
-
-def _segment_kind(memory: Any) -> str:
-    """``"vmm"``, ``"legacy"`` or ``"pool"``: what :func:`_segment_memory`'s ``memory`` makes segments of."""
-    if memory is None:
-        return "pool"
-    from dask_gpupool.memory.legacy import LegacyMemoryResource
-
-    return "legacy" if isinstance(memory, LegacyMemoryResource) else "vmm"
+        return legacy_payload
+    return _no_payload if made_of == "vmm" else ipc_payload
 
 
-def _segment_memory(options: PoolOptions, ordinal: int, size: int) -> Any:
-    """The resource segments come from: a :class:`~dask_gpupool.memory.vmm.VmmMemoryResource`, a
-    :class:`~dask_gpupool.memory.legacy.LegacyMemoryResource` (``segment-memory: legacy``), or ``None`` for pool
-    memory.
+def _segment_memory(options: PoolOptions, ordinal: int, size: int) -> tuple[str, Any]:
+    """What segments are made of (``"vmm"``, ``"legacy"`` or ``"pool"``) and the resource they come from: a
+    :class:`~dask_gpupool.memory.vmm.VmmMemoryResource`, a
+    :class:`~dask_gpupool.memory.legacy.LegacyMemoryResource`, or ``None`` for pool memory.
 
     Raises
     ------
@@ -102,7 +93,7 @@ def _segment_memory(options: PoolOptions, ordinal: int, size: int) -> Any:
         For ``segment-memory: vmm`` on a GPU without VMM fd export, or ``legacy`` on one without IPC handles.
     """
     if not options.segment_size or options.segment_memory == "pool":
-        return None
+        return "pool", None
     if options.segment_memory == "legacy":
         from dask_gpupool.memory.legacy import LegacyMemoryResource, legacy_supported
 
@@ -111,7 +102,7 @@ def _segment_memory(options: PoolOptions, ordinal: int, size: int) -> Any:
                 f"gpupool.segment-memory='legacy': GPU {ordinal} does not share memory by IPC handles; "
                 "valid here: 'vmm', 'pool' (or 'auto')"
             )
-        return LegacyMemoryResource(ordinal, size)
+        return "legacy", LegacyMemoryResource(ordinal, size)
     from dask_gpupool.memory.vmm import VmmMemoryResource, vmm_supported
 
     if not vmm_supported(ordinal):
@@ -125,8 +116,8 @@ def _segment_memory(options: PoolOptions, ordinal: int, size: int) -> Any:
             "other GPUs get copies (gpupool.segment-memory)",
             ordinal,
         )
-        return None
-    return VmmMemoryResource(ordinal, size)
+        return "pool", None
+    return "vmm", VmmMemoryResource(ordinal, size)
 
 
 def ipc_payload(buf: Buffer) -> bytes:
@@ -199,8 +190,6 @@ class Pool:
     device: int | None
     device_uuid: str | None
     peers: tuple[str, ...]
-    #: Buffers live in segments of VMM memory (``cuMemCreate``), which peers map by POSIX fd.
-    vmm: bool
     #: What the segments are made of: ``"vmm"``, ``"legacy"`` (``cuMemAlloc``, shared by IPC handle) or ``"pool"``
     #: (allocations of the IPC-enabled pool; also without segments). Peers learn it from the registry row.
     segment_memory: str
@@ -216,12 +205,10 @@ class Pool:
         device: int | None,
         device_uuid: str | None,
         peers: tuple[str, ...] = (),
-        vmm: bool = False,
-        segment_memory: str | None = None,
+        segment_memory: str = "pool",
     ):
         self.kind = kind
-        self.vmm = vmm
-        self.segment_memory = segment_memory or ("vmm" if vmm else "pool")
+        self.segment_memory = segment_memory
         self.resource = resource
         self.max_size = max_size
         self.device = device
@@ -231,6 +218,11 @@ class Pool:
         self.uuid = str(resource.uuid)
         self._closed = False
         self._lock = threading.Lock()
+
+    @property
+    def vmm(self) -> bool:
+        """Buffers live in segments of VMM memory (``cuMemCreate``), which peers map by POSIX fd."""
+        return self.segment_memory == "vmm"
 
     @classmethod
     def create(cls, options: PoolOptions, devices: LocalDevices) -> Pool:
@@ -262,7 +254,7 @@ class Pool:
 
             resource = DeviceMemoryResource(dev, DeviceMemoryResourceOptions(ipc_enabled=True, max_size=size))
             try:
-                memory = _segment_memory(options, ordinal, size)
+                made_of, memory = _segment_memory(options, ordinal, size)
                 # Cross-GPU handoffs only of VMM or legacy segments: a peer on another GPU reading pool
                 # memory after its owner died gets CUDA_ERROR_CONTAINED (dask_gpupool.memory.vmm).
                 cross = options.peer_gpu_handoff and memory is not None
@@ -275,13 +267,11 @@ class Pool:
                     resource,
                     min(options.segment_size, size),
                     ordinal,
-                    _segment_payload(memory),
+                    _segment_payload(made_of),
                     options.suballocator,
                     memory,
                 )
-            made_of = _segment_kind(memory)
-            uuid = devices.uuids[ordinal]
-            return cls(kind, resource, size, ordinal, uuid, peers, vmm=made_of == "vmm", segment_memory=made_of)
+            return cls(kind, resource, size, ordinal, devices.uuids[ordinal], peers, segment_memory=made_of)
         else:
             if not dev.properties.host_numa_memory_pools_supported:
                 raise ConfigError(
