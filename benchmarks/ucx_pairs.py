@@ -29,6 +29,10 @@ device frames (the threshold 0), back to back); ``ucxx+gpupool-hostalone-ab`` an
 twenty-fourth session, back to back: rows ``:inline``, a UCX reply of a few device values serialized on the event
 loop with its staging copy left to distributed-ucxx's synchronize, and ``:offloaded``, Dask's offload thread over
 10 MiB and the staging copy waited for) and ``ucxx+gpupool-plain-inline-ab`` (the same with plain CuPy arrays).
+``ucxx+gpupool-region-ab`` (an experiment, one cluster, the plugin at its defaults: every sample taken with a CuPy
+array at a new offset of one allocation from CuPy's own pool, ``:rotating``, and at the same offset, ``:fixed``, back
+to back: what a send from a new address inside an allocation UCX already exported costs; ``-pool-ab`` and
+``-region-ab`` rows say how many distinct addresses each cell sent).
 ``-legacy`` anywhere after ``gpupool`` (``ucxx+gpupool-legacy``, ``ucxx+gpupool-legacy-alone-ab``) gives the pools
 segments of legacy IPC memory (``gpupool.segment-memory: legacy``), which UCX sends to another "host" without the
 staging copy.
@@ -185,6 +189,38 @@ def _produce_outside_pools(nbytes: int) -> Any:
     return arr
 
 
+#: ``-region-ab``: slots of one CuPy allocation that the ``rotating`` side cycles through (the ``fixed`` side reuses
+#: slot 0).
+REGION_SLOTS = 32
+
+
+def _produce_in_one_allocation(nbytes: int, rotate: bool) -> Any:
+    """A float64 CuPy array of ``nbytes``, a view of one allocation from CuPy's own pool made once per size on this
+    worker: at a new offset each call (``rotate``, cycling through :data:`REGION_SLOTS` slots) or always at offset 0.
+    The ``-region-ab`` experiment: what a send from a new address inside one already exported allocation costs UCX,
+    as pool buffers of one segment have (each allocation of the pool's sub-allocator may sit at a new offset)."""
+    import cupy
+    from distributed import get_worker
+
+    regions = get_worker().__dict__.setdefault("_bench_regions", {})
+    stride = -(-max(nbytes, 1) // (2 << 20)) * (2 << 20)
+    if nbytes not in regions:
+        with cupy.cuda.using_allocator(cupy.get_default_memory_pool().malloc):
+            regions[nbytes] = [cupy.empty(stride * REGION_SLOTS, dtype="u1"), 0]
+    base, calls = regions[nbytes]
+    regions[nbytes][1] = calls + 1
+    offset = (calls % REGION_SLOTS if rotate else 0) * stride
+    arr = base[offset : offset + max(nbytes // 8, 1) * 8].view("f8")
+    arr[...] = 1.0
+    cupy.cuda.runtime.deviceSynchronize()
+    return arr
+
+
+def _address(x: Any) -> int:
+    """The device address of a CuPy array (``-pool-ab`` and ``-region-ab`` count the distinct ones per cell)."""
+    return int(x.data.ptr)
+
+
 def _variants(method: str, max_bytes: int) -> list[tuple[str, dict[str, Any]]]:
     """The settings each sample is taken with: one unnamed variant, or the two of an ``-ab`` method (one cluster,
     all back to back, the order alternating)."""
@@ -210,6 +246,8 @@ def _variants(method: str, max_bytes: int) -> list[tuple[str, dict[str, Any]]]:
         return [("hostframes", {"host_below": 2 * max_bytes}), ("deviceframes", {"host_below": 0})]
     if method.endswith("-inline-ab"):
         return [("inline", {"inline": True}), ("offloaded", {"inline": False})]
+    if method.endswith("-region-ab"):
+        return [("rotating", {"region": True}), ("fixed", {"region": False})]
     if method.endswith("-pool-ab"):
         return [("pool", {}), ("plain", {"outside": True})]
     if method.endswith("-alone-ab"):
@@ -274,6 +312,7 @@ def main() -> None:
                         continue
                     for nbytes in sizes:
                         samples: dict[str, list[float]] = {v: [] for v, _ in variants}
+                        addresses: dict[str, set[int]] = {}
                         for k in range(args.repeats + 1):
                             for v, settings in variants if k % 2 == 0 else variants[::-1]:
                                 if "threshold" in settings:
@@ -286,11 +325,17 @@ def main() -> None:
                                     c.run(_set_host_frames, settings["host_below"])
                                 if "recv_pool" in settings:
                                     c.run(_set_recv_pool, settings["recv_pool"])
-                                if settings.get("outside"):
+                                if "region" in settings:
+                                    rotate = settings["region"]
+                                    x = c.submit(_produce_in_one_allocation, nbytes, rotate, workers=[src], pure=False)
+                                elif settings.get("outside"):
                                     x = c.submit(_produce_outside_pools, nbytes, workers=[src], pure=False)
                                 else:
                                     x = c.submit(H.produce, nbytes, "cupy", pool, workers=[src], pure=False)
                                 wait(x)
+                                if method.endswith(("-region-ab", "-pool-ab")):
+                                    where = c.submit(_address, x, workers=[src], pure=False).result()
+                                    addresses.setdefault(v, set()).add(where)
                                 y = c.submit(H.consume, x, workers=[dst], pure=False)
                                 y.result()
                                 t = c.run(T.last_transfer, key=x.key, workers=[dst])[dst]
@@ -304,10 +349,13 @@ def main() -> None:
                             row["same_host"] = layout[i][0] == layout[j][0]
                             row["transfer_s"] = statistics.median(samples[v]) if samples[v] else None
                             row["samples"] = samples[v]
+                            if v in addresses:
+                                row["addresses"] = len(addresses[v])  # distinct device addresses sent
                             rows.append(row)
                             print(
                                 f"{name:14s} {names[i]} -> {names[j]} {format_bytes(nbytes):>10}: "
-                                f"{(row['transfer_s'] or float('nan')) * 1e3:8.2f} ms",
+                                f"{(row['transfer_s'] or float('nan')) * 1e3:8.2f} ms"
+                                + (f" ({row['addresses']} addresses)" if "addresses" in row else ""),
                                 flush=True,
                             )
             if plugin is not None:
