@@ -28,6 +28,7 @@ Reported:
 Writes JSON to ``chaos-*.json`` in ``$BENCH_RESULTS`` (default ``benchmarks/results/``) and ``$OUT``.
 
     python benchmarks/chaos.py [--seconds 600] [--workers 4] [--gpus -1] [--values pool,plain,forwarded]
+        [--segment-memory legacy]
 """
 
 from __future__ import annotations
@@ -292,6 +293,9 @@ def main() -> None:
     parser.add_argument(
         "--stage-threshold", default="1 MiB", help="gpupool.stage-threshold ('': auto: never on host pools)"
     )
+    parser.add_argument(
+        "--segment-memory", default="", help="gpupool.segment-memory of device pools ('': auto, VMM; legacy; pool)"
+    )
     args = parser.parse_args()
     unknown = set(args.values.split(",")) - set(VALUES) - {""}
     if unknown:
@@ -309,6 +313,7 @@ def main() -> None:
         broker_timeout=args.broker_timeout,
         # host pools never stage by default (measured slower on the CPU): set, so that plain values take that path
         stage_threshold=args.stage_threshold or None,
+        segment_memory=(args.segment_memory or None) if gpus else None,
     )
     max_stop = 2 * max(args.lease_timeout, args.broker_timeout)
     config = {
