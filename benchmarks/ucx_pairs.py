@@ -32,7 +32,10 @@ loop with its staging copy left to distributed-ucxx's synchronize, and ``:offloa
 ``ucxx+gpupool-region-ab`` (an experiment, one cluster, the plugin at its defaults: every sample taken with a CuPy
 array at a new offset of one allocation from CuPy's own pool, ``:rotating``, and at the same offset, ``:fixed``, back
 to back: what a send from a new address inside an allocation UCX already exported costs; ``-pool-ab`` and
-``-region-ab`` rows say how many distinct addresses each cell sent).
+``-region-ab`` rows say how many distinct addresses each cell sent); ``ucxx+gpupool-driver-ab`` (an experiment, as
+``-region-ab``: a CuPy array at the start of one 1 GiB ``cuMemAlloc`` allocation made through ``cuda.bindings``
+outside every pool, ``:driver``, against one from CuPy's own pool, ``:plain``: both plain arrays to the plugin, so
+only the memory differs).
 ``-legacy`` anywhere after ``gpupool`` (``ucxx+gpupool-legacy``, ``ucxx+gpupool-legacy-alone-ab``) gives the pools
 segments of legacy IPC memory (``gpupool.segment-memory: legacy``), which UCX sends to another "host" without the
 staging copy.
@@ -216,6 +219,30 @@ def _produce_in_one_allocation(nbytes: int, rotate: bool) -> Any:
     return arr
 
 
+def _produce_in_driver_allocation(nbytes: int) -> Any:
+    """A float64 CuPy array of ``nbytes`` at the start of one 1 GiB ``cuMemAlloc`` allocation made once on this
+    worker through ``cuda.bindings`` (as the plugin's legacy segments are made), outside every pool: the
+    ``-driver-ab`` experiment, whose other side is CuPy's own memory. The plugin takes it for a plain CuPy array, so
+    both sides go the same way through the plugin's code and only the memory differs."""
+    import cupy
+    from cuda.bindings import driver
+    from distributed import get_worker
+
+    worker = get_worker()
+    with cupy.cuda.Device(0):
+        cupy.cuda.runtime.free(0)  # the runtime's (primary) context made current in this thread
+        if "_bench_driver_allocation" not in worker.__dict__:
+            err, ptr = driver.cuMemAlloc(1 << 30)
+            if err != driver.CUresult.CUDA_SUCCESS:
+                raise RuntimeError(f"cuMemAlloc: {err}")
+            worker._bench_driver_allocation = int(ptr)  # kept for the worker's life
+        mem = cupy.cuda.UnownedMemory(worker._bench_driver_allocation, 1 << 30, worker, device_id=0)
+        arr = cupy.ndarray((max(nbytes // 8, 1),), "f8", cupy.cuda.MemoryPointer(mem, 0))
+        arr[...] = 1.0
+        cupy.cuda.runtime.deviceSynchronize()
+    return arr
+
+
 def _address(x: Any) -> int:
     """The device address of a CuPy array (``-pool-ab`` and ``-region-ab`` count the distinct ones per cell)."""
     return int(x.data.ptr)
@@ -246,6 +273,8 @@ def _variants(method: str, max_bytes: int) -> list[tuple[str, dict[str, Any]]]:
         return [("hostframes", {"host_below": 2 * max_bytes}), ("deviceframes", {"host_below": 0})]
     if method.endswith("-inline-ab"):
         return [("inline", {"inline": True}), ("offloaded", {"inline": False})]
+    if method.endswith("-driver-ab"):
+        return [("driver", {"driver": True}), ("plain", {"outside": True})]
     if method.endswith("-region-ab"):
         return [("rotating", {"region": True}), ("fixed", {"region": False})]
     if method.endswith("-pool-ab"):
@@ -328,12 +357,14 @@ def main() -> None:
                                 if "region" in settings:
                                     rotate = settings["region"]
                                     x = c.submit(_produce_in_one_allocation, nbytes, rotate, workers=[src], pure=False)
+                                elif settings.get("driver"):
+                                    x = c.submit(_produce_in_driver_allocation, nbytes, workers=[src], pure=False)
                                 elif settings.get("outside"):
                                     x = c.submit(_produce_outside_pools, nbytes, workers=[src], pure=False)
                                 else:
                                     x = c.submit(H.produce, nbytes, "cupy", pool, workers=[src], pure=False)
                                 wait(x)
-                                if method.endswith(("-region-ab", "-pool-ab")):
+                                if method.endswith(("-region-ab", "-pool-ab", "-driver-ab")):
                                     where = c.submit(_address, x, workers=[src], pure=False).result()
                                     addresses.setdefault(v, set()).add(where)
                                 y = c.submit(H.consume, x, workers=[dst], pure=False)

@@ -23,7 +23,8 @@
 # STAGED=1 runs benchmarks/staged_behind_tasks.py (a staged task result while later tasks keep the default stream busy,
 # the task's event vs the default stream; STAGED_ARGS).
 # BUSY_PY=1 runs benchmarks/busy_python.py (a producer busy in Python, gpupool.switch-interval; BUSY_PY_ARGS).
-# UCX_PAIRS=1 runs benchmarks/ucx_pairs.py (four workers as two hosts of two GPUs, every pair, UCXX vs plugin; all on GPU 0 with one GPU).
+# UCX_PAIRS=1 runs benchmarks/ucx_pairs.py (four workers as two hosts of two GPUs, every pair, UCXX vs plugin; all on GPU 0 with one GPU;
+# UCX_PAIRS_TIMEOUT caps it, default 300 s).
 # VKGDR=1 runs benchmarks/vkgdr_landing.py (TCP into pinned staging + copy vs straight into vkgdr-mapped device
 # memory; carry .gl for the Vulkan loader and .whl-vk, which holds the vkgdr, cffi and pycparser wheels: apart from
 # .whl so that .whl and .whl-ucx stay under the tool's 64 MiB carry limit). CHAOS_SECONDS (default 0: skipped)
@@ -178,7 +179,7 @@ if [ "${BUSY_PY:-0}" != 0 ] && has_time "busy python"; then  # a producer whose 
   echo "busy python exit: $?"; sed -n '/value A -> B/,$p' "$OUT/busy_python.log"
 fi
 if [ "${UCX_PAIRS:-0}" != 0 ] && has_time "ucx pairs"; then  # issue 19: every pair of four workers that look like two hosts, UCXX vs plugin
-  echo "== ucx pairs ${UCX_PAIRS_ARGS:-}"; timeout $(left 300) python3 benchmarks/ucx_pairs.py ${UCX_PAIRS_ARGS:-} > "$OUT/ucx_pairs.log" 2>&1
+  echo "== ucx pairs ${UCX_PAIRS_ARGS:-}"; timeout $(left ${UCX_PAIRS_TIMEOUT:-300}) python3 benchmarks/ucx_pairs.py ${UCX_PAIRS_ARGS:-} > "$OUT/ucx_pairs.log" 2>&1
   echo "ucx pairs exit: $?"; sed -n '/^consumer transfer time/,$p' "$OUT/ucx_pairs.log"
 fi
 if [ "${VKGDR:-0}" != 0 ] && has_time vkgdr; then  # issue 19: land TCP copies straight in device memory (vkgdr) vs pinned staging
