@@ -44,7 +44,9 @@ which UCX moves GPU to GPU. After each method the table of bytes by path (zero-c
 shows that no pair went through the host (``--proto-info`` has UCX print the protocols it picked, which says what
 UCX itself did). Needs distributed-ucxx. On a machine with one GPU all four workers share GPU 0 (the same two
 "hosts"): every pair is then a same-GPU pair, which says nothing about pairs across GPUs.
-JSON to ``benchmarks/results/`` (and ``$OUT``).
+JSON to ``benchmarks/results/`` (and ``$OUT``), written again after each method, so that a run cut off by its time
+limit keeps the methods it finished. After each ``-ab`` method, and in the JSON (``ab``): every variant but the last
+against the last, the mean over pairs of each pair's ratio and difference, and the pairs at or below it.
 
 The default sizes span the question of ``gpupool.ucx-handoff-threshold`` (0: every pool value is handed over): on
 two H200s, pool arrays over UCXX were handed over in 1.8-2.3 ms at every size, where UCXX alone moved 1 KiB-1 MiB
@@ -59,6 +61,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 from typing import Any
 
 from dask.utils import format_bytes, parse_bytes
@@ -248,6 +251,52 @@ def _address(x: Any) -> int:
     return int(x.data.ptr)
 
 
+def ab_summary(rows: list[dict[str, Any]], method: str, variants: list[str]) -> list[dict[str, Any]]:
+    """For an ``-ab`` method's rows: each variant but the last against the last, per same/other "host" and size.
+
+    The mean over the pairs of each pair's ratio and difference of medians (this variant over and minus the last),
+    and how many pairs were at or below it: the table earlier sessions computed by hand from the log.
+    """
+    base = variants[-1]
+    by = {(r["method"], r["src"], r["dst"], r["nbytes"]): r for r in rows}
+    out = []
+    for v in variants[:-1]:
+        for same in (True, False):
+            for nbytes in sorted({r["nbytes"] for r in rows if r["method"] == f"{method}:{v}"}):
+                pairs = []
+                for r in rows:
+                    if r["method"] != f"{method}:{v}" or r["nbytes"] != nbytes or r["same_host"] != same:
+                        continue
+                    other = by.get((f"{method}:{base}", r["src"], r["dst"], nbytes))
+                    if other is not None and r["transfer_s"] and other["transfer_s"]:
+                        pairs.append((r["transfer_s"], other["transfer_s"]))
+                if pairs:
+                    out.append(
+                        {
+                            "method": method,
+                            "variant": v,
+                            "against": base,
+                            "same_host": same,
+                            "nbytes": nbytes,
+                            "pairs": len(pairs),
+                            "ratio": statistics.mean(a / b for a, b in pairs),
+                            "diff_s": statistics.mean(a - b for a, b in pairs),
+                            "at_or_below": sum(1 for a, b in pairs if a <= b),
+                        }
+                    )
+    return out
+
+
+def _print_ab(summary: list[dict[str, Any]]) -> None:
+    for s in summary:
+        print(
+            f'  {s["variant"]} vs {s["against"]}, {"same" if s["same_host"] else "other"} "host" '
+            f"{format_bytes(s['nbytes']):>10}: ratio {s['ratio']:.3f}, {s['diff_s'] * 1e3:+.3f} ms, "
+            f"{s['at_or_below']} of {s['pairs']} pairs at or below",
+            flush=True,
+        )
+
+
 def _variants(method: str, max_bytes: int) -> list[tuple[str, dict[str, Any]]]:
     """The settings each sample is taken with: one unnamed variant, or the two of an ``-ab`` method (one cluster,
     all back to back, the order alternating)."""
@@ -315,6 +364,8 @@ def main() -> None:
     ]
     names = [f"w{i}({host[-1]}{gpus[0]})" for i, (host, gpus) in enumerate(layout)]
     rows: list[dict[str, Any]] = []
+    summary: list[dict[str, Any]] = []
+    stamp = time.strftime("%Y%m%d-%H%M%S")  # one JSON, written again after each method (a run cut off keeps those)
     paths: dict[str, dict[str, dict[str, int]]] = {}
     timings: dict[str, dict[str, dict[str, Any]]] = {}
     for method in args.methods.split(","):
@@ -393,6 +444,13 @@ def main() -> None:
                 got = c.run(T.handoff_counters)
                 paths[method] = {names[addrs.index(w)]: {k: int(got[w].get(k, 0)) for k in PATH_KEYS} for w in addrs}
                 timings[method] = {names[addrs.index(w)]: dict(got[w].get("timings", {})) for w in addrs}
+        if len(variants) > 1:
+            done = ab_summary(rows, method, [v for v, _ in variants])
+            print(f"\n{method}: mean over pairs of each pair's ratio of medians", flush=True)
+            _print_ab(done)
+            summary.extend(done)
+        result = {"machine": H.machine(), "layout": layout, "rows": rows, "paths": paths, "timings": timings}
+        H.save_json("ucx_pairs", {**result, "ab": summary}, stamp)
     print(f"\nconsumer transfer time, median of {args.repeats} (ms); hosts by host-id, GPUs by index")
     methods = list(dict.fromkeys(r["method"] for r in rows))
     print(f"{'pair':<22}{'size':>10}" + "".join(f"{m:>16}" for m in methods))
@@ -423,9 +481,9 @@ def main() -> None:
             mean = {k: v["total_s"] / v["count"] * 1e3 for k, v in steps.items() if v["count"]}
             cells = [f"{k} {ms:.3f} ({steps[k]['count']})" for k, ms in mean.items()]
             print(f"  {w}: " + ", ".join(cells))
-    H.save_json(
-        "ucx_pairs", {"machine": H.machine(), "layout": layout, "rows": rows, "paths": paths, "timings": timings}
-    )
+    if summary:
+        print("\n-ab methods: mean over pairs of each pair's ratio of medians")
+        _print_ab(summary)
 
 
 if __name__ == "__main__":

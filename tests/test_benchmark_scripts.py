@@ -65,3 +65,34 @@ def test_handoff_records_the_steps_of_the_timed_samples(tmp_path):
     for row in run["rows"]:
         assert row["timings"]["export"]["count"] == 2  # the two timed samples, not the warm-up
         assert row["timings"]["import"]["count"] == 2
+
+
+def test_ucx_pairs_summarizes_each_ab_variant_against_the_last_pair_by_pair():
+    """``ucx_pairs.py``'s summary of an ``-ab`` method (printed and saved after each method, so that a run cut off by
+    its time limit keeps it): per same/other "host" and size, the mean of each pair's ratio and difference, and the
+    pairs at or below the last variant; a pair without the other variant's median is left out."""
+    before = set(sys.modules)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from ucx_pairs import ab_summary
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+        for name in {"ucx_pairs", "handoff"} - before:  # the scripts, imported by their file names
+            sys.modules.pop(name, None)
+
+    def row(variant, src, dst, same, seconds, nbytes=1 << 20):
+        return {"method": f"m-ab:{variant}", "src": src, "dst": dst, "nbytes": nbytes, "same_host": same,
+                "transfer_s": seconds}  # fmt: skip
+
+    rows = [
+        row("on", "w0", "w2", False, 0.0030), row("off", "w0", "w2", False, 0.0020),
+        row("on", "w2", "w0", False, 0.0010), row("off", "w2", "w0", False, 0.0020),
+        row("on", "w0", "w1", True, 0.0015), row("off", "w0", "w1", True, 0.0030),
+        row("on", "w1", "w0", True, 0.0015), row("off", "w1", "w0", True, None),  # no median: left out
+    ]  # fmt: skip
+    summary = {(s["same_host"], s["variant"], s["against"]): s for s in ab_summary(rows, "m-ab", ["on", "off"])}
+    other, same = summary[(False, "on", "off")], summary[(True, "on", "off")]
+    assert other["pairs"] == 2 and other["at_or_below"] == 1
+    assert abs(other["ratio"] - 1.0) < 1e-12 and abs(other["diff_s"]) < 1e-12  # (1.5 + 0.5) / 2, (+1 - 1) / 2 ms
+    assert same["pairs"] == 1 and same["at_or_below"] == 1 and abs(same["ratio"] - 0.5) < 1e-12
+    assert len(summary) == 2
