@@ -1,18 +1,22 @@
 """Probe: ``cProfile`` on a worker's event loop while other-"host" ``get_data`` requests are answered.
 
-Four ``Nanny`` workers with ``host`` pools, ``gpupool.host-id`` set so that w0, w1 are "host-a" and w2, w3
-"host-b"; w0 makes a NumPy array of ``NBYTES`` (argument 1, default 1 MiB) and w2 consumes it, ``REPEATS``
-times (argument 2, default 200), after three warm-up transfers. The profile covers only the thread it is enabled
-in: the producer's event loop, where ``get_data`` and the serializers run (argument 3 ``producer``, the default), or
-the consumer's (``consumer``), where the reply is read and deserialized. Prints the profile's lines of
-``dask_gpupool``'s functions, by cumulative time. The profiler inflates small Python calls several-fold, so the
-result ranks the plugin's functions on a reply rather than timing them. Runs without a GPU.
+Four ``Nanny`` workers, ``gpupool.host-id`` set so that w0, w1 are "host-a" and w2, w3 "host-b"; w0 makes an
+array of ``--nbytes`` and w2 consumes it, ``--repeats`` times, after three warm-up transfers. Over ``tcp`` (the
+default) the pools are ``host`` pools and the arrays NumPy (runs without a GPU); over ``ucxx`` the pools are
+``device`` pools and the arrays CuPy from CuPy's own pool (plain arrays: what a worker at the defaults sends; needs a
+GPU and distributed-ucxx), so the profile covers the plugin's hooks on UCX device frames. The profile covers only the
+thread it is enabled in: the producer's event loop, where ``get_data`` and the serializers run (``--side producer``,
+the default), or the consumer's (``consumer``), where the reply is read and deserialized. Prints the profile's lines
+of ``dask_gpupool``'s functions by cumulative time, and Python's total for the thread. The profiler inflates small
+Python calls several-fold, so the result ranks the plugin's functions on a transfer rather than timing them.
 
-Run: ``python3 scripts/probes/reply_profile.py [NBYTES] [REPEATS] [producer|consumer]``.
+Run: ``python3 scripts/probes/reply_profile.py [--nbytes 1048576] [--repeats 200] [--side producer|consumer]
+[--protocol tcp|ucxx]``.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from typing import Any
@@ -24,7 +28,13 @@ from distributed import wait
 from dask_gpupool import GPUPool
 
 
-def _produce(nbytes: int) -> Any:
+def _produce(nbytes: int, gpu: bool) -> Any:
+    if gpu:
+        import cupy
+
+        arr = cupy.ones(max(nbytes // 8, 1))
+        cupy.cuda.runtime.deviceSynchronize()
+        return arr
     import numpy as np
 
     return np.ones(max(nbytes // 8, 1))
@@ -53,24 +63,30 @@ def _profile_stop(dask_worker: Any = None) -> str:
 
 
 def main() -> None:
-    nbytes = int(sys.argv[1]) if len(sys.argv) > 1 else 1 << 20
-    repeats = int(sys.argv[2]) if len(sys.argv) > 2 else 200
-    side = sys.argv[3] if len(sys.argv) > 3 else "producer"
-    if side not in ("producer", "consumer"):
-        raise SystemExit(f"side {side!r}: producer or consumer")
-    workers = [{"config": {"gpupool": {"host-id": host}}} for host in ("host-a", "host-a", "host-b", "host-b")]
-    with H.cluster(workers, "tcp", GPUPool(kind="host", max_size="256 MiB")) as c:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nbytes", type=int, default=1 << 20)
+    p.add_argument("--repeats", type=int, default=200)
+    p.add_argument("--side", choices=("producer", "consumer"), default="producer")
+    p.add_argument("--protocol", choices=("tcp", "ucxx"), default="tcp")
+    args = p.parse_args()
+    gpu = args.protocol == "ucxx"
+    env = {"env": {"CUDA_VISIBLE_DEVICES": "0"}} if gpu else {}
+    hosts = ("host-a", "host-a", "host-b", "host-b")
+    workers = [{"config": {"gpupool": {"host-id": host}}, **env} for host in hosts]
+    plugin = GPUPool(kind="device" if gpu else "host", max_size="1 GiB" if gpu else "256 MiB")
+    with H.cluster(workers, args.protocol, plugin) as c:
         info = c.scheduler_info()["workers"]
         addrs = sorted(info, key=lambda w: str(info[w]["name"]))
         src, dst = addrs[0], addrs[2]
-        profiled = src if side == "producer" else dst
-        for k in range(3 + repeats):
+        profiled = src if args.side == "producer" else dst
+        for k in range(3 + args.repeats):
             if k == 3:
                 c.run(_profile_start, workers=[profiled])
-            x = c.submit(_produce, nbytes, workers=[src], pure=False)
+            x = c.submit(_produce, args.nbytes, gpu, workers=[src], pure=False)
             wait(x)
             c.submit(_consume, x, workers=[dst], pure=False).result()
             del x
+        print(f"{args.protocol}, {args.side}, {args.repeats} transfers of {args.nbytes} bytes to another 'host'")
         print(c.run(_profile_stop, workers=[profiled])[profiled])
 
 
