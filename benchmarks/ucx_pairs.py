@@ -203,8 +203,8 @@ REGION_SLOTS = 32
 def _produce_in_one_allocation(nbytes: int, rotate: bool) -> Any:
     """A float64 CuPy array of ``nbytes``, a view of one allocation from CuPy's own pool made once per size on this
     worker: at a new offset each call (``rotate``, cycling through :data:`REGION_SLOTS` slots) or always at offset 0.
-    The ``-region-ab`` experiment: what a send from a new address inside one already exported allocation costs UCX,
-    as pool buffers of one segment have (each allocation of the pool's sub-allocator may sit at a new offset)."""
+    The ``-region-ab`` experiment: what a send from a new address inside one already exported allocation costs UCX
+    (pool buffers of one segment could sit at new offsets; in the twenty-seventh session each cell's were at one)."""
     import cupy
     from distributed import get_worker
 
@@ -247,7 +247,8 @@ def _produce_in_driver_allocation(nbytes: int) -> Any:
 
 
 def _address(x: Any) -> int:
-    """The device address of a CuPy array (``-pool-ab`` and ``-region-ab`` count the distinct ones per cell)."""
+    """The device address of a CuPy array (``-pool-ab``, ``-region-ab`` and ``-driver-ab`` count the distinct ones
+    per cell)."""
     return int(x.data.ptr)
 
 

@@ -386,23 +386,18 @@ def test_stress_with_segments_one_gpu():
         stress(c, 20, 16 * MiB)
 
 
-def test_stress_with_segments_two_gpus():
+@pytest.mark.parametrize(
+    "options",
+    [{"peer_gpu_handoff": True}, {"segment_memory": "legacy"}],
+    ids=["vmm", "legacy"],
+)
+def test_stress_with_segments_two_gpus(options):
     """Across two GPUs with segments: each segment is imported once and stays mapped, so the
-    per-allocation imports under which the consumer's context broke (docs/gpu-checks.md) are gone."""
+    per-allocation imports under which the consumer's context broke (docs/gpu-checks.md) are gone. Segments of VMM
+    memory, or of legacy IPC memory (``gpupool.segment-memory: legacy``, each opened once by its handle): handoffs,
+    releases and reuse under load, every value read right, nothing copied."""
     gpus(2)
-    plugin = GPUPool(kind="device", max_size="4 GiB", segment_size="256 MiB", peer_gpu_handoff=True)
-    with nanny_cluster(ROTATED, plugin) as c:
-        stress(c, 40, 16 * MiB)
-        b = worker_addresses(c)[1]
-        seen = c.run(T.handoff_counters, workers=[b])[b]
-        assert seen["zero_copy_bytes"] > 0 and seen["copied_bytes"] == 0, seen
-
-
-def test_stress_with_legacy_ipc_segments_two_gpus():
-    """Across two GPUs with segments of legacy IPC memory (``gpupool.segment-memory: legacy``): handoffs, releases
-    and reuse under load, every value read right, nothing copied, and each segment opened once by its handle."""
-    gpus(2)
-    plugin = GPUPool(kind="device", max_size="4 GiB", segment_size="256 MiB", segment_memory="legacy")
+    plugin = GPUPool(kind="device", max_size="4 GiB", segment_size="256 MiB", **options)
     with nanny_cluster(ROTATED, plugin) as c:
         stress(c, 40, 16 * MiB)
         b = worker_addresses(c)[1]

@@ -17,7 +17,7 @@ reference, given up by :meth:`SegmentMapping.close`.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from cuda.core import MemoryResource
 
@@ -64,6 +64,9 @@ class SegmentMemory(MemoryResource):
 
     #: Named in errors: "the VMM resource is closed".
     what = "segment memory"
+    #: Peers map an allocation by a POSIX fd the broker passes (its ``export_fd``), not by a handle carried in the
+    #: descriptor.
+    exports_fds: ClassVar[bool] = False
 
     max_size: int
     _device: int

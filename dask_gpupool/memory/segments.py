@@ -342,8 +342,8 @@ class SegmentedResource(MemoryResource):
     @property
     def exports_segments(self) -> bool:
         """Whether peers map segments by fd (VMM) rather than through the pool's handle or their own IPC handle
-        (legacy IPC memory: the handle travels in the descriptor)."""
-        return self.memory is not self.upstream and hasattr(self.memory, "export_fd")
+        (legacy IPC memory: the handle travels in the descriptor): the segment memory's ``exports_fds``."""
+        return self.memory is not self.upstream and bool(getattr(self.memory, "exports_fds", False))
 
     def segment_fd(self, segment_id: int) -> tuple[int, int]:
         """A new fd of segment ``segment_id`` and its size, for a peer; the **caller closes the fd**.

@@ -149,6 +149,7 @@ class VmmMemoryResource(SegmentMemory):
     """
 
     what = "VMM"
+    exports_fds = True
 
     _granularity: int
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from cuda.core import Buffer
 
-from dask_gpupool import PoolClosedError, PoolExhaustedError
+from dask_gpupool import PoolClosedError, PoolExhaustedError, UnknownPoolError
 from dask_gpupool.memory.host import HostOnlyResource
 from dask_gpupool.memory.segments import BUFFER_ALIGNMENT, SEGMENT_ALIGNMENT, SegmentedResource, waiting_for_reclaim
 
@@ -331,3 +331,24 @@ def test_a_range_is_located_only_inside_one_live_segment():
     assert res.locate_range(int(buf.handle), 4096) is None  # a retiring segment takes no new exports
     buf.close()
     res.close()
+
+
+def test_segments_are_exported_by_fd_only_when_their_memory_says_so():
+    """Peers fetch a segment's fd from the broker only for memory that exports fds (VMM); segments of legacy IPC
+    memory travel by the handle in their descriptor, and pool-memory segments through the pool's own export.
+    The resources are only constructed here (no CUDA call): what is checked is the decision, not the driver."""
+    from dask_gpupool.memory.driver_segments import SegmentMemory
+    from dask_gpupool.memory.legacy import LegacyMemoryResource
+    from dask_gpupool.memory.vmm import VmmMemoryResource
+
+    class FdSegments(SegmentMemory):  # as VmmMemoryResource declares it, without its driver calls
+        exports_fds = VmmMemoryResource.exports_fds
+
+    up = HostUpstream(64 * MiB)
+    payload = lambda b: b""  # noqa: E731
+    assert not SegmentedResource(up, 8 * MiB, None, payload).exports_segments  # the pool's own memory
+    legacy = SegmentedResource(up, 8 * MiB, None, payload, memory=LegacyMemoryResource(0, 64 * MiB))
+    assert not legacy.exports_segments
+    with pytest.raises(UnknownPoolError, match="not by fd"):
+        legacy.segment_fd(1)
+    assert SegmentedResource(up, 8 * MiB, None, payload, memory=FdSegments(0, 64 * MiB)).exports_segments
