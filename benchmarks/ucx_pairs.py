@@ -36,6 +36,10 @@ to back: what a send from a new address inside an allocation UCX already exporte
 ``-region-ab``: a CuPy array at the start of one 1 GiB ``cuMemAlloc`` allocation made through ``cuda.bindings``
 outside every pool, ``:driver``, against one from CuPy's own pool, ``:plain``: both plain arrays to the plugin, so
 only the memory differs).
+``ucxx+gpupool-recvrmm-ab`` (an experiment, one cluster, pool arrays: every sample taken four ways back to back,
+the plugin with distributed-ucxx receiving device frames into ``rmm.DeviceBuffer`` from an RMM pool over
+``cudaMalloc`` (``:rmmpool``), from RMM's ``cudaMallocAsync`` resource (``:rmmasync``), from RMM's current resource
+as UCXX does (``:plugin``: ``cudaMalloc`` per frame), and UCXX alone's path (``:alone``)).
 ``-legacy`` anywhere after ``gpupool`` (``ucxx+gpupool-legacy``, ``ucxx+gpupool-legacy-alone-ab``) gives the pools
 segments of legacy IPC memory (``gpupool.segment-memory: legacy``), which UCX sends to another "host" without the
 staging copy.
@@ -163,26 +167,48 @@ def _set_host_frames(below: int) -> None:
     _set_options(ucx_host_frame_threshold=below)
 
 
-def _set_recv_pool(on: bool) -> None:
-    """On a worker: the ``-recvalone-ab`` experiment. On: distributed-ucxx receives device frames into buffers of the
-    worker's pool (its module's ``device_array``); off: its own ``rmm.DeviceBuffer`` (``cudaMalloc`` on a plain
-    worker)."""
+def _set_receive(mode: str) -> None:
+    """On a worker: where distributed-ucxx receives device frames (its module's ``device_array``), the
+    ``-recvalone-ab`` and ``-recvrmm-ab`` experiments. ``"default"``: its own ``rmm.DeviceBuffer`` from RMM's current
+    resource (``cudaMalloc`` and ``cudaFree`` per frame on a plain worker); ``"pool"``: buffers of the worker's
+    gpupool pool; ``"rmm-pool"``: ``rmm.DeviceBuffer`` from an RMM pool over ``cudaMalloc`` made once per worker
+    (what ``distributed.rmm.pool-size`` gives UCXX); ``"rmm-async"``: from an RMM ``cudaMallocAsync`` resource made
+    once per worker."""
     import distributed_ucxx.ucxx as comm
+    from distributed import get_worker
 
     from dask_gpupool.dask.device_frames import _DeviceFrame
     from dask_gpupool.handoff.active import active_service
 
     saved = comm.__dict__.setdefault("_bench_device_array", comm.device_array)
     service = active_service()
-    if not on or service is None:
+    if mode == "default" or (mode == "pool" and service is None):
         comm.device_array = saved
         return
+    if mode == "pool":
 
-    def device_array(n: int) -> Any:
-        buf = service.allocate(n)
-        return _DeviceFrame(int(buf.handle), n, buf)
+        def device_array(n: int) -> Any:
+            buf = service.allocate(n)
+            return _DeviceFrame(int(buf.handle), n, buf)
 
-    comm.device_array = device_array
+        comm.device_array = device_array
+        return
+    import rmm
+
+    resources = get_worker().__dict__.setdefault("_bench_receive_resources", {})
+    if mode not in resources:
+        if mode == "rmm-pool":
+            resources[mode] = rmm.mr.PoolMemoryResource(rmm.mr.CudaMemoryResource(), initial_pool_size=256 << 20)
+        elif mode == "rmm-async":
+            resources[mode] = rmm.mr.CudaAsyncMemoryResource()
+        else:
+            raise ValueError(f"unknown receive mode {mode!r}")
+    mr = resources[mode]
+
+    def rmm_device_array(n: int) -> Any:
+        return rmm.DeviceBuffer(size=n, mr=mr)
+
+    comm.device_array = rmm_device_array
 
 
 def _produce_outside_pools(nbytes: int) -> Any:
@@ -311,8 +337,16 @@ def _variants(method: str, max_bytes: int) -> list[tuple[str, dict[str, Any]]]:
             ("nohooks", {"off": ["get_data", "serializers"]}),
         ]
     if method.endswith("-recvalone-ab"):
-        alone = {"off": ["get_data", "serializers"], "outside": True, "recv_pool": False}
-        return [("recvpool", {"off": [], "recv_pool": True}), ("alone", alone)]
+        alone = {"off": ["get_data", "serializers"], "outside": True, "receive": "default"}
+        return [("recvpool", {"off": [], "receive": "pool"}), ("alone", alone)]
+    if method.endswith("-recvrmm-ab"):
+        alone = {"off": ["get_data", "serializers"], "outside": True, "receive": "default"}
+        return [
+            ("rmmpool", {"off": [], "receive": "rmm-pool"}),
+            ("rmmasync", {"off": [], "receive": "rmm-async"}),
+            ("plugin", {"off": [], "receive": "default"}),
+            ("alone", alone),
+        ]
     if method.endswith("-plain-hostalone-ab"):
         alone = {"off": ["get_data", "serializers"], "host_below": 0}
         return [("hostframes", {"off": [], "host_below": 2 * max_bytes}), ("alone", alone)]
@@ -404,8 +438,8 @@ def main() -> None:
                                     c.run(_set_inline, settings["inline"])
                                 if "host_below" in settings:
                                     c.run(_set_host_frames, settings["host_below"])
-                                if "recv_pool" in settings:
-                                    c.run(_set_recv_pool, settings["recv_pool"])
+                                if "receive" in settings:
+                                    c.run(_set_receive, settings["receive"])
                                 if "region" in settings:
                                     rotate = settings["region"]
                                     x = c.submit(_produce_in_one_allocation, nbytes, rotate, workers=[src], pure=False)
