@@ -175,7 +175,6 @@ def _set_receive(mode: str) -> None:
     (what ``distributed.rmm.pool-size`` gives UCXX); ``"rmm-async"``: from an RMM ``cudaMallocAsync`` resource made
     once per worker."""
     import distributed_ucxx.ucxx as comm
-    from distributed import get_worker
 
     from dask_gpupool.dask.device_frames import _DeviceFrame
     from dask_gpupool.handoff.active import active_service
@@ -195,7 +194,7 @@ def _set_receive(mode: str) -> None:
         return
     import rmm
 
-    resources = get_worker().__dict__.setdefault("_bench_receive_resources", {})
+    resources = comm.__dict__.setdefault("_bench_receive_resources", {})  # made once per worker process
     if mode not in resources:
         if mode == "rmm-pool":
             resources[mode] = rmm.mr.PoolMemoryResource(rmm.mr.CudaMemoryResource(), initial_pool_size=256 << 20)
