@@ -113,6 +113,16 @@ UCX_STAGING_THRESHOLD = 8 << 10
 #: would not have sent through it.
 UCX_HOST_FRAME_THRESHOLD = 8 << 10
 
+#: ``ucx-receive-pool: auto``: the most device memory the pool that distributed-ucxx receives device frames into may
+#: reserve (:mod:`dask_gpupool.dask.ucx_receive`). Without it distributed-ucxx 0.52 makes an ``rmm.DeviceBuffer`` per
+#: frame from RMM's current resource, which on a worker without an RMM pool is a ``cudaMalloc`` and later a
+#: ``cudaFree``. Measured on one H100, four workers as two "hosts", pool arrays, every sample taken four ways back to
+#: back in one cluster (benchmarks/ucx_pairs.py ``-recvrmm-ab``, 2026-11-25 02:30, docs/performance.md): other-host
+#: pairs received into an RMM pool took 0.86 / 0.95 / 0.85x UCXX alone's path at 64 KiB / 1 MiB / 4 MiB (8, 5 and 8 of
+#: 8 pairs at or below), against 1.10 / 1.10 / 1.08x with a ``cudaMalloc`` per frame (1, 0 and 0 of 8).
+#: Frames that do not fit under it go to RMM's resource as before.
+UCX_RECEIVE_POOL = 1 << 30
+
 
 @dataclass(frozen=True)
 class Size:
@@ -269,6 +279,15 @@ class PoolOptions:
         receiver's ``cudaMalloc``. Counted in ``host_frames_out_bytes`` and
         ``host_frames_bytes``. Default :data:`UCX_HOST_FRAME_THRESHOLD`
         (8 KiB); 0: none.
+    ucx_receive_pool : int or None
+        Most device memory (bytes) of the RMM pool that distributed-ucxx
+        receives this worker's device frames into instead of a
+        ``cudaMalloc`` per frame (:mod:`dask_gpupool.dask.ucx_receive`). 0:
+        off. ``None`` (``auto``, the default): :data:`UCX_RECEIVE_POOL` on a
+        worker that listens over UCX whose RMM resource is RMM's default
+        (``CudaMemoryResource``), or this pool's own (``rmm-allocator``);
+        off beside a resource someone else set (``distributed.rmm.pool-size``,
+        dask-cuda's RMM options), which already serves the frames.
     copy_chunk_size : int
         Chunk of the pipelined copy path (:mod:`dask_gpupool.transport.stream`); 0 sends
         every copy in Dask's frames.
@@ -408,6 +427,7 @@ class PoolOptions:
     ucx_handoff_threshold: int = 0
     ucx_staging_threshold: int = 8 << 10
     ucx_host_frame_threshold: int = 8 << 10
+    ucx_receive_pool: int | None = None
     copy_chunk_size: int = 16 << 20
     copy_stream_threshold: int = 4 << 20
     copy_streams: int = 4
@@ -531,6 +551,7 @@ class PoolOptions:
             ucx_host_frame_threshold=_parse_nbytes(
                 raw.get("ucx-host-frame-threshold", UCX_HOST_FRAME_THRESHOLD), "gpupool.ucx-host-frame-threshold"
             ),
+            ucx_receive_pool=_parse_receive_pool(raw.get("ucx-receive-pool", "auto")),
             copy_chunk_size=_parse_nbytes(raw.get("copy-chunk-size", "16 MiB"), "gpupool.copy-chunk-size"),
             copy_stream_threshold=_parse_nbytes(
                 raw.get("copy-stream-threshold", "4 MiB"), "gpupool.copy-stream-threshold"
@@ -608,6 +629,23 @@ def _parse_nbytes(value: object, key: str) -> int:
     if nbytes is None or nbytes < 0:
         raise ConfigError(f"{key}={value!r} is not a size; valid: '1 GiB', '256MiB', bytes, or 0 for off")
     return nbytes
+
+
+def _parse_receive_pool(value: object) -> int | None:
+    """``gpupool.ucx-receive-pool``: ``auto`` (``None``), ``false`` (0), ``true`` (:data:`UCX_RECEIVE_POOL`) or a
+    size (bytes; 0 is off)."""
+    if value == "auto" or value is None:
+        return None
+    if isinstance(value, bool):
+        return UCX_RECEIVE_POOL if value else 0
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "yes", "no", "on", "off"):
+        return UCX_RECEIVE_POOL if value.strip().lower() in ("true", "yes", "on") else 0
+    try:
+        return _parse_nbytes(value, "gpupool.ucx-receive-pool")
+    except ConfigError:
+        raise ConfigError(
+            f"gpupool.ucx-receive-pool={value!r} is not valid; valid: auto, true, false, or a size such as '1 GiB'"
+        ) from None
 
 
 def _parse_count(value: object, key: str, low: int, high: int) -> int:

@@ -99,6 +99,10 @@ def test_config_values_and_overrides():
     assert PoolOptions.from_config(ucx_staging_threshold="64 KiB").ucx_staging_threshold == 64 << 10
     assert options.ucx_host_frame_threshold == 8 << 10  # smaller CuPy arrays go over UCX as one host frame
     assert PoolOptions.from_config(ucx_host_frame_threshold=0).ucx_host_frame_threshold == 0
+    assert options.ucx_receive_pool is None  # auto: 1 GiB on UCX workers whose RMM resource is RMM's default
+    assert PoolOptions.from_config(ucx_receive_pool="256 MiB").ucx_receive_pool == 256 << 20
+    assert PoolOptions.from_config(ucx_receive_pool=False).ucx_receive_pool == 0
+    assert PoolOptions.from_config(ucx_receive_pool="true").ucx_receive_pool == 1 << 30
     assert PoolOptions.from_config(import_limit=0, segment_size="8 GiB").segment_size == 8 * 2**30
     assert (options.copy_chunk_size, options.copy_stream_threshold, options.copy_streams) == (16 << 20, 4 << 20, 4)
     assert PoolOptions.from_config(copy_streams="2", copy_chunk_size=0).copy_streams == 2
@@ -160,6 +164,8 @@ def test_segments_are_at_most_the_import_limit():
         ("gpupool.ucx-handoff-threshold", "big"),
         ("gpupool.ucx-staging-threshold", "-1"),
         ("gpupool.ucx-host-frame-threshold", "-8 KiB"),
+        ("gpupool.ucx-receive-pool", "plenty"),
+        ("gpupool.ucx-receive-pool", "-1 GiB"),
         ("gpupool.copy-chunk-size", "-1 MiB"),
         ("gpupool.copy-stream-threshold", "some"),
         ("gpupool.stage-threshold", "-4 MiB"),

@@ -1246,6 +1246,87 @@ def test_on_ucxx_cupy_arrays_below_the_host_frame_threshold_go_as_one_host_frame
         wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="the leases to end")
 
 
+def _receive_device_array(dask_worker: Any) -> str:
+    """client.run target: what distributed-ucxx receives device frames with on this worker (a ReceivePool or its
+    own)."""
+    import distributed_ucxx.ucxx as comm
+
+    return type(getattr(comm.device_array, "__self__", None)).__name__
+
+
+@pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
+def test_on_ucxx_device_frames_are_received_into_the_receive_pool(placement):
+    """gpupool.ucx-receive-pool. At auto, on workers whose RMM resource is RMM's default, distributed-ucxx receives
+    the device frames of another "host" into an RMM pool, not a cudaMalloc each: a 1 MiB pool array (staged) and a
+    1 MiB plain CuPy array arrive with the right values, counted in receive_pooled_bytes. With a ceiling of 3 MiB,
+    while those two are held, a 2 MiB array does not fit and a 4 MiB one is over the ceiling: both are misses,
+    received from RMM's resource as before, with the right values. Removing the plugin puts distributed-ucxx's own
+    back; no lease left."""
+    gpus(2 if placement == "two-gpus" else 1)
+    pytest.importorskip("distributed_ucxx")
+    pytest.importorskip("rmm")
+    import dask
+    import numpy as np
+
+    def arange_total(n: int) -> float:
+        return float(np.arange(n).sum())
+
+    for ceiling in ("auto", "3 MiB"):
+        plugin = GPUPool(kind="device", max_size="1 GiB", ucx_receive_pool=ceiling)
+        with dask.config.set(UCX_CONFIG), nanny_cluster(ucx_workers(placement, "two"), plugin, protocol="ucxx") as c:
+            a, b = worker_addresses(c)
+            why = dask_gpupool.stats(c)[b]["routing"]["ucx-receive"]
+            assert why.startswith("on (auto)" if ceiling == "auto" else "on (gpupool.ucx-receive-pool)"), why
+            assert c.run(_receive_device_array, workers=[b])[b] == "ReceivePool"
+            n = MiB // 8
+            held = [
+                c.submit(T.make_array, n, "cupy", workers=[a], pure=False),
+                c.submit(T.plain_cupy, n, workers=[a], pure=False),
+            ]
+            for x in held:
+                assert c.submit(T.total, x, workers=[b], pure=False).result() == arange_total(n)
+            got = c.run(T.handoff_counters)
+            print(placement, ceiling, {w: {k: v for k, v in got[w].items() if v} for w in (a, b)})
+            assert got[b]["receive_pooled_bytes"] == 2 * MiB and got[b]["receive_pool_misses"] == 0, got[b]
+            assert got[b]["device_frames_bytes"] == 2 * MiB and got[b]["copied_bytes"] == 0, got[b]
+            if ceiling != "auto":
+                for m in (2 * MiB // 8, 4 * MiB // 8):  # full while the two are held; over the ceiling
+                    y = c.submit(T.plain_cupy, m, workers=[a], pure=False)
+                    assert c.submit(T.total, y, workers=[b], pure=False).result() == arange_total(m)
+                    del y
+                got = c.run(T.handoff_counters)
+                assert got[b]["receive_pooled_bytes"] == 2 * MiB and got[b]["receive_pool_misses"] == 2, got[b]
+                assert got[b]["device_frames_bytes"] == 8 * MiB and got[b]["copied_bytes"] == 0, got[b]
+            del held, x
+            wait_for(lambda c=c, a=a: counters(c, a)[a]["leases"] == 0, what="the leases to end")
+            c.unregister_worker_plugin("gpupool")
+            assert c.run(_receive_device_array, workers=[b])[b] == "NoneType"  # distributed-ucxx's own function
+
+
+def test_on_ucxx_the_receive_pool_stands_aside_beside_an_rmm_pool_set_before_it():
+    """gpupool.ucx-receive-pool auto beside distributed.rmm.pool-size (distributed-ucxx makes RMM's resource a pool
+    before any plugin runs, as dask-cuda's rmm_pool_size does): the plugin leaves it to serve the frames, says why,
+    and counts nothing; a plain CuPy array from another "host" arrives with the right values."""
+    gpus(1)
+    pytest.importorskip("distributed_ucxx")
+    pytest.importorskip("rmm")
+    import dask
+    import numpy as np
+
+    plugin = GPUPool(kind="device", max_size="1 GiB")
+    config = {**UCX_CONFIG, "distributed.rmm.pool-size": "256 MiB"}
+    with dask.config.set(config), nanny_cluster(ucx_workers("one-gpu", "two"), plugin, protocol="ucxx") as c:
+        a, b = worker_addresses(c)
+        why = dask_gpupool.stats(c)[b]["routing"]["ucx-receive"]
+        assert why.startswith("off (auto): RMM's resource PoolMemoryResource was set before the plugin"), why
+        assert c.run(_receive_device_array, workers=[b])[b] == "NoneType"
+        x = c.submit(T.plain_cupy, MiB // 8, workers=[a], pure=False)
+        assert c.submit(T.total, x, workers=[b], pure=False).result() == float(np.arange(MiB // 8).sum())
+        got = c.run(T.handoff_counters)
+        assert got[b]["receive_pooled_bytes"] == 0 and got[b]["receive_pool_misses"] == 0, got[b]
+        assert got[b]["device_frames_bytes"] == MiB, got[b]
+
+
 @pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
 def test_on_ucxx_plain_cupy_arrays_go_unstaged_as_ucx_device_frames_by_default(placement):
     """gpupool.stage-threshold auto over UCX: a plain CuPy array of 8 MiB to a same-host worker, on the producer's GPU

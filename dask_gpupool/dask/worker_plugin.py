@@ -38,7 +38,7 @@ from distributed import WorkerPlugin
 from distributed.core import Status
 from tornado.ioloop import PeriodicCallback
 
-from dask_gpupool.config import PoolOptions
+from dask_gpupool.config import UCX_RECEIVE_POOL, PoolOptions
 from dask_gpupool.core import (
     JOINED_OP,
     MEMBERSHIP_OP,
@@ -49,6 +49,7 @@ from dask_gpupool.core import (
     UPDATE_OP,
 )
 from dask_gpupool.dask import rmm_routing as _rmm
+from dask_gpupool.dask import ucx_receive as _receive
 from dask_gpupool.dask.device_objects import serializers_for
 from dask_gpupool.dask.task_events import TaskEvents, is_cupy_array
 from dask_gpupool.dask.views import pool_buffer_of
@@ -95,6 +96,8 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
     _push: PeriodicCallback | None
     _cupy_previous: Any
     _rmm_previous: tuple[Any, Any] | None
+    #: ``(comm module, pool, previous device_array)`` while distributed-ucxx receives into the receive pool.
+    _receive: tuple[Any, _receive.ReceivePool, Any] | None
     #: sys.getswitchinterval() before gpupool.switch-interval changed it, put back at teardown.
     _switch_previous: float | None
     #: Events after the kernels of each CuPy task result large enough to be staged (device pools with CuPy and a
@@ -111,6 +114,7 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         self._push = None
         self._cupy_previous = None
         self._rmm_previous = None
+        self._receive = None
         self._switch_previous = None
         self._task_events = None
 
@@ -183,6 +187,7 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
                 why += f"; replaced {replaced}" if replaced else ""
             service.routing["cupy"] = why
         self._install_rmm(service, options)
+        self._install_receive(worker, service, options)
         # A full pool reclaims large buffers' spares that peers map: its changed row goes out on this worker's
         # stream (the scheduler takes row changes only from their worker), from the event loop.
         service.reclaim_through(lambda: worker.loop.add_callback(self._send_row, worker, service))
@@ -211,6 +216,25 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
             self._rmm_previous = (previous, cupy_previous)
             why += f"; replaced {replaced}" if replaced else ""
         service.routing["rmm"] = why
+
+    def _install_receive(self, worker: Worker, service: PoolService, options: PoolOptions) -> None:
+        """``gpupool.ucx-receive-pool``: distributed-ucxx receives device frames into an RMM pool; why in stats()."""
+        module = None if _listens_over_tcp(worker) else _receive.comm_module()
+        resource = None
+        if module is not None and service.pool.kind == "device":
+            routed = self._rmm_previous is not None  # RMM's resource is this pool's own (gpupool.rmm-allocator)
+            resource = "gpupool" if routed else _receive.current_resource(service.pool.device or 0)
+        ceiling, why = _receive.decide(
+            options.ucx_receive_pool, UCX_RECEIVE_POOL, service.pool.kind, module is not None, resource
+        )
+        if module is not None and getattr(module.device_array, "__self__", None) is not None:
+            ceiling, why = 0, "off: another worker of this process installed its receive pool"
+        if ceiling and module is not None:
+            import rmm
+
+            pool = _receive.ReceivePool(rmm, ceiling, service.handoffs, module.device_array)
+            self._receive = (module, pool, _receive.install(module, pool))
+        service.routing["ucx-receive"] = why
 
     @staticmethod
     def _send_row(worker: Worker, service: PoolService) -> None:
@@ -313,6 +337,9 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         if self._switch_previous is not None:
             sys.setswitchinterval(self._switch_previous)
             self._switch_previous = None
+        if self._receive is not None:
+            _receive.uninstall(*self._receive)
+            self._receive = None
         if self._rmm_previous is not None and self.service is not None:
             _rmm.uninstall(self.service, *self._rmm_previous)
             self._rmm_previous = None

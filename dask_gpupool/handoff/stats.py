@@ -152,6 +152,10 @@ class HandoffStats:
         instead of a device frame (below ``gpupool.ucx-host-frame-threshold``,
         where UCX's eager protocol bounces device memory through the host
         itself); not counted in ``copied_bytes``.
+    receive_pooled_bytes, receive_pool_misses : int
+        Device frames distributed-ucxx received into the UCX receive pool
+        (bytes), and frames that did not fit under its ceiling and came from
+        RMM's resource (count; ``gpupool.ucx-receive-pool``).
     peer_copied_bytes : int
         Bytes handed over from another GPU of this host and copied into this
         worker's pool on arrival, device to device (``gpupool.peer-gpu-copy``;
@@ -186,6 +190,8 @@ class HandoffStats:
     host_frames_out_bytes: int
     pool_staged_bytes: int
     peer_copied_bytes: int
+    receive_pooled_bytes: int
+    receive_pool_misses: int
     fallbacks: dict[str, int]
     timings: dict[str, list[Any]]
     _warned: set[tuple[str, str]]
@@ -198,6 +204,7 @@ class HandoffStats:
         self.device_frames_bytes = self.device_frames_out_bytes = self.device_staged_bytes = 0
         self.host_frames_bytes = self.host_frames_out_bytes = 0
         self.pool_staged_bytes = self.peer_copied_bytes = 0
+        self.receive_pooled_bytes = self.receive_pool_misses = 0
         self.fallbacks = {}
         self.timings = {}
         self._warned = set()
@@ -258,6 +265,8 @@ class HandoffStats:
                 "device_staged_bytes": self.device_staged_bytes,
                 "host_frames_bytes": self.host_frames_bytes,
                 "host_frames_out_bytes": self.host_frames_out_bytes,
+                "receive_pooled_bytes": self.receive_pooled_bytes,
+                "receive_pool_misses": self.receive_pool_misses,
                 "pool_staged_bytes": self.pool_staged_bytes,
                 "peer_copied_bytes": self.peer_copied_bytes,
                 "fallbacks": dict(self.fallbacks),

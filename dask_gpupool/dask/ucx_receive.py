@@ -1,0 +1,174 @@
+"""Where distributed-ucxx receives device frames: an RMM pool, not a ``cudaMalloc`` each (``gpupool.ucx-receive-pool``).
+
+distributed-ucxx 0.52 receives every device frame of a message into
+``rmm.DeviceBuffer(size=n)`` from RMM's current resource: its module global
+``device_array``, set once by its ``init_once`` when the first UCX comm of the
+process is made (before any worker plugin runs). On a worker whose RMM
+resource is RMM's default, ``CudaMemoryResource``, that is a ``cudaMalloc`` per
+frame, and a ``cudaFree``, which waits for the whole device, when the value
+is released. dask-cuda's ``rmm_pool_size`` or ``distributed.rmm.pool-size``
+put an RMM pool there; a plain UCX worker has none.
+
+This module points ``device_array`` at :class:`ReceivePool`: an RMM
+``PoolMemoryResource`` over ``CudaMemoryResource`` of at most
+``gpupool.ucx-receive-pool`` bytes, made on the first frame. A frame that does
+not fit under that ceiling is received as before (counted in
+``receive_pool_misses``). The memory is ``cudaMalloc`` memory, which UCX's
+``cuda_ipc`` and ``cuda_copy`` handle as they do any (receiving into the
+plugin's own VMM pool instead was 2.5-5.8x slower at 1-4 MiB: UCX cannot
+register it, ``docs/performance.md``).
+
+Who owns what: each received frame is an ``rmm.DeviceBuffer`` that holds a
+reference to the pool resource, so the resource (and its reserved memory)
+lives until the last frame made from it is released, even after the plugin
+is removed and ``device_array`` put back. No file descriptor is involved.
+
+``auto`` stands aside where someone else chose RMM's resource (an RMM pool,
+``cudaMallocAsync``, managed memory): that resource already serves the frames,
+and the user picked it. It takes over from this plugin's own resource
+(``gpupool.rmm-allocator: true``), whose VMM memory UCX receives into slowly.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+from dask_gpupool.handoff.stats import HandoffStats
+
+__all__ = ["ReceivePool", "decide", "install", "uninstall"]
+
+logger = logging.getLogger(__name__)
+
+#: distributed-ucxx's comm module, whose ``device_array`` global this module replaces.
+COMM_MODULE = "distributed_ucxx.ucxx"
+
+
+def decide(setting: int | None, default: int, kind: str, over_ucx: bool, resource: str | None) -> tuple[int, str]:
+    """The ceiling of the receive pool (0: none) and why (``stats()["routing"]["ucx-receive"]``).
+
+    Parameters
+    ----------
+    setting : int or None
+        ``gpupool.ucx-receive-pool``: ``None`` for ``auto``, 0 for off, else the ceiling in bytes.
+    default : int
+        The ceiling ``auto`` uses.
+    kind : str
+        The worker's pool kind; only a ``device`` pool's worker gets a receive pool.
+    over_ucx : bool
+        Whether the worker listens over UCX and distributed-ucxx has set up its comm module (``device_array``).
+    resource : str or None
+        RMM's current resource for the worker's GPU: ``"default"`` (``CudaMemoryResource``), ``"gpupool"`` (this
+        pool's, ``gpupool.rmm-allocator``), the class name of any other, or ``None`` when RMM is not installed.
+    """
+    if setting == 0:
+        return 0, "off (gpupool.ucx-receive-pool: false)"
+    if not over_ucx:
+        return 0, "off: this worker does not receive over UCX"
+    if kind != "device":
+        return 0, f"off: a {kind} pool's worker receives device frames as distributed-ucxx does"
+    if resource is None:
+        return 0, "off: RMM is not installed (distributed-ucxx needs it to receive device frames)"
+    if setting is None and resource not in ("default", "gpupool"):
+        return 0, f"off (auto): RMM's resource {resource} was set before the plugin and already serves device frames"
+    ceiling = default if setting is None else setting
+    how = "auto" if setting is None else "gpupool.ucx-receive-pool"
+    return ceiling, f"on ({how}): device frames received into an RMM pool of at most {ceiling} bytes"
+
+
+class ReceivePool:
+    """``device_array`` for distributed-ucxx: frames from an RMM pool of at most ``ceiling`` bytes.
+
+    Parameters
+    ----------
+    rmm : module
+        The ``rmm`` package (passed in, so that this module imports it only where RMM is installed).
+    ceiling : int
+        Most bytes the pool reserves from ``cudaMalloc``; it grows on demand up to that (RMM's
+        ``PoolMemoryResource``), from the first frame on.
+    handoffs : HandoffStats
+        Counts ``receive_pooled_bytes`` and ``receive_pool_misses``.
+    fallback : callable
+        ``fallback(n)``: the frame when the pool has no room (distributed-ucxx's own ``device_array``).
+
+    Notes
+    -----
+    Runs on the worker's event loop (distributed-ucxx's ``read``), on the worker's GPU. Each frame is an
+    ``rmm.DeviceBuffer`` that owns its allocation and keeps the pool resource alive; dropping it returns the memory
+    to the pool, stream-ordered on the default stream, which distributed-ucxx synchronizes before receiving.
+    """
+
+    def __init__(self, rmm: Any, ceiling: int, handoffs: HandoffStats, fallback: Any) -> None:
+        self._rmm = rmm
+        self.ceiling = ceiling
+        self._handoffs = handoffs
+        self._fallback = fallback
+        self._resource: Any = None
+
+    def device_array(self, n: int) -> Any:
+        """A device buffer of ``n`` bytes for a frame: from the pool, else from ``fallback``."""
+        resource = self._resource
+        if resource is None:
+            resource = self._resource = self._make()
+        if resource is not False and n <= self.ceiling:
+            try:
+                buf = self._rmm.DeviceBuffer(size=n, mr=resource)
+            except MemoryError:  # the pool is at its ceiling
+                pass
+            except Exception:  # anything else: logged once, and from then on RMM's resource for every frame
+                logger.warning("gpupool: the UCX receive pool failed; frames use RMM's resource", exc_info=True)
+                self._resource = False
+            else:
+                self._handoffs.add(receive_pooled_bytes=n)
+                return buf
+        self._handoffs.add(receive_pool_misses=1)
+        return self._fallback(n)
+
+    def reserved(self) -> int:
+        """Bytes the pool holds from ``cudaMalloc`` now (0 before the first frame)."""
+        resource = self._resource
+        return int(resource.pool_size()) if resource else 0
+
+    def _make(self) -> Any:
+        mr = self._rmm.mr
+        try:
+            return mr.PoolMemoryResource(mr.CudaMemoryResource(), initial_pool_size=0, maximum_pool_size=self.ceiling)
+        except Exception:
+            logger.warning("gpupool: the UCX receive pool could not be made; frames use RMM's resource", exc_info=True)
+            return False
+
+
+def comm_module() -> Any | None:
+    """distributed-ucxx's comm module if it is imported and has set ``device_array`` (its ``init_once`` ran)."""
+    module = sys.modules.get(COMM_MODULE)
+    if module is None or getattr(module, "device_array", None) is None:
+        return None
+    return module
+
+
+def current_resource(device: int) -> str | None:
+    """RMM's current resource for ``device``, as :func:`decide` takes it (``None``: RMM is not installed; the
+    caller says ``"gpupool"`` when it routed RMM to the pool itself)."""
+    try:
+        import rmm.mr
+    except ImportError:
+        return None
+    resource = rmm.mr.get_per_device_resource(device)
+    return "default" if type(resource) is rmm.mr.CudaMemoryResource else type(resource).__name__
+
+
+def install(module: Any, pool: ReceivePool) -> Any:
+    """Point ``module.device_array`` at ``pool``; returns what was there (for :func:`uninstall`)."""
+    previous = module.device_array
+    module.device_array = pool.device_array
+    return previous
+
+
+def uninstall(module: Any, pool: ReceivePool, previous: Any) -> None:
+    """Put ``previous`` back as ``module.device_array`` if ``pool`` is still the one there.
+
+    Frames already received keep their memory (and the pool's resource) until they are released.
+    """
+    if getattr(module.device_array, "__self__", None) is pool:
+        module.device_array = previous

@@ -1,0 +1,45 @@
+"""gpupool.ucx-receive-pool: when distributed-ucxx's device frames go into an RMM pool, and why not (CPU).
+
+The pool itself (RMM over cudaMalloc, frames received into it over UCXX) is covered by the GPU tests
+(``tests/test_gpu.py``, ``ucx_receive``)."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import nanny_cluster
+
+from dask_gpupool import GPUPool
+from dask_gpupool.dask import ucx_receive
+
+GiB = 1 << 30
+
+
+@pytest.mark.parametrize(
+    ("setting", "kind", "over_ucx", "resource", "ceiling", "reason"),
+    [
+        (None, "device", True, "default", GiB, "on (auto): device frames received into an RMM pool of at most"),
+        (None, "device", True, "gpupool", GiB, "on (auto)"),  # this plugin's RMM routing: VMM memory, slow for UCX
+        (None, "device", True, "PoolMemoryResource", 0, "off (auto): RMM's resource PoolMemoryResource was set"),
+        (None, "device", True, "CudaAsyncMemoryResource", 0, "off (auto): RMM's resource CudaAsyncMemoryResource"),
+        (256 << 20, "device", True, "PoolMemoryResource", 256 << 20, "on (gpupool.ucx-receive-pool)"),
+        (0, "device", True, "default", 0, "off (gpupool.ucx-receive-pool: false)"),
+        (None, "device", False, "default", 0, "off: this worker does not receive over UCX"),
+        (None, "host", True, None, 0, "off: a host pool's worker receives device frames as distributed-ucxx does"),
+        (None, "pinned", True, "default", 0, "off: a pinned pool's worker receives device frames as distributed-ucxx"),
+        (None, "device", True, None, 0, "off: RMM is not installed (distributed-ucxx needs it"),
+    ],
+)
+def test_the_receive_pool_is_decided_with_a_reason(setting, kind, over_ucx, resource, ceiling, reason):
+    got, why = ucx_receive.decide(setting, GiB, kind, over_ucx, resource)
+    assert got == ceiling
+    assert why.startswith(reason), why
+
+
+def test_a_tcp_worker_keeps_distributed_ucxx_as_it_is_and_says_why():
+    """Over TCP nothing of distributed-ucxx is touched: stats() names the reason, and the counters are 0."""
+    import dask_gpupool
+
+    with nanny_cluster([{}], GPUPool(kind="host", max_size="64 MiB")) as c:
+        (got,) = dask_gpupool.stats(c).values()
+        assert got["routing"]["ucx-receive"] == "off: this worker does not receive over UCX"
+        assert got["receive_pooled_bytes"] == 0 and got["receive_pool_misses"] == 0
