@@ -39,7 +39,8 @@ only the memory differs).
 ``ucxx+gpupool-recvrmm-ab`` (an experiment, one cluster, pool arrays: every sample taken four ways back to back,
 the plugin with distributed-ucxx receiving device frames into ``rmm.DeviceBuffer`` from an RMM pool over
 ``cudaMalloc`` (``:rmmpool``), from RMM's ``cudaMallocAsync`` resource (``:rmmasync``), from RMM's current resource
-as UCXX does (``:plugin``: ``cudaMalloc`` per frame), and UCXX alone's path (``:alone``)).
+as UCXX does (``:cudamalloc``: ``cudaMalloc`` per frame), and UCXX alone's path (``:alone``)). Since
+``gpupool.ucx-receive-pool`` every ``:alone`` variant receives as distributed-ucxx does by itself.
 ``-legacy`` anywhere after ``gpupool`` (``ucxx+gpupool-legacy``, ``ucxx+gpupool-legacy-alone-ab``) gives the pools
 segments of legacy IPC memory (``gpupool.segment-memory: legacy``), which UCX sends to another "host" without the
 staging copy.
@@ -169,20 +170,26 @@ def _set_host_frames(below: int) -> None:
 
 def _set_receive(mode: str) -> None:
     """On a worker: where distributed-ucxx receives device frames (its module's ``device_array``), the
-    ``-recvalone-ab`` and ``-recvrmm-ab`` experiments. ``"default"``: its own ``rmm.DeviceBuffer`` from RMM's current
-    resource (``cudaMalloc`` and ``cudaFree`` per frame on a plain worker); ``"pool"``: buffers of the worker's
-    gpupool pool; ``"rmm-pool"``: ``rmm.DeviceBuffer`` from an RMM pool over ``cudaMalloc`` made once per worker
-    (what ``distributed.rmm.pool-size`` gives UCXX); ``"rmm-async"``: from an RMM ``cudaMallocAsync`` resource made
-    once per worker."""
+    ``-alone-ab`` methods' and the ``-recvalone-ab`` and ``-recvrmm-ab`` experiments' switch. ``"plugin"``: as the
+    plugin set it (``gpupool.ucx-receive-pool``); ``"default"``: distributed-ucxx's own ``rmm.DeviceBuffer`` from
+    RMM's current resource (``cudaMalloc`` and ``cudaFree`` per frame on a plain worker), as UCXX alone;
+    ``"pool"``: buffers of the worker's gpupool pool; ``"rmm-pool"``: ``rmm.DeviceBuffer`` from an RMM pool over
+    ``cudaMalloc`` made once per worker (what ``distributed.rmm.pool-size`` gives UCXX); ``"rmm-async"``: from an
+    RMM ``cudaMallocAsync`` resource made once per worker."""
     import distributed_ucxx.ucxx as comm
 
     from dask_gpupool.dask.device_frames import _DeviceFrame
     from dask_gpupool.handoff.active import active_service
 
-    saved = comm.__dict__.setdefault("_bench_device_array", comm.device_array)
+    saved = comm.__dict__.setdefault("_bench_device_array", comm.device_array)  # the plugin's, if it installed one
+    pool = getattr(saved, "__self__", None)
+    own = pool._fallback if pool is not None else saved  # distributed-ucxx's own
     service = active_service()
-    if mode == "default" or (mode == "pool" and service is None):
+    if mode == "plugin":
         comm.device_array = saved
+        return
+    if mode == "default" or (mode == "pool" and service is None):
+        comm.device_array = own
         return
     if mode == "pool":
 
@@ -343,15 +350,15 @@ def _variants(method: str, max_bytes: int) -> list[tuple[str, dict[str, Any]]]:
         return [
             ("rmmpool", {"off": [], "receive": "rmm-pool"}),
             ("rmmasync", {"off": [], "receive": "rmm-async"}),
-            ("plugin", {"off": [], "receive": "default"}),
+            ("cudamalloc", {"off": [], "receive": "default"}),
             ("alone", alone),
         ]
     if method.endswith("-plain-hostalone-ab"):
-        alone = {"off": ["get_data", "serializers"], "host_below": 0}
-        return [("hostframes", {"off": [], "host_below": 2 * max_bytes}), ("alone", alone)]
+        alone = {"off": ["get_data", "serializers"], "host_below": 0, "receive": "default"}
+        return [("hostframes", {"off": [], "host_below": 2 * max_bytes, "receive": "plugin"}), ("alone", alone)]
     if method.endswith("-hostalone-ab"):
-        alone = {"off": ["get_data", "serializers"], "outside": True, "host_below": 0}
-        return [("hostframes", {"off": [], "host_below": 2 * max_bytes}), ("alone", alone)]
+        alone = {"off": ["get_data", "serializers"], "outside": True, "host_below": 0, "receive": "default"}
+        return [("hostframes", {"off": [], "host_below": 2 * max_bytes, "receive": "plugin"}), ("alone", alone)]
     if method.endswith("-hostframes-ab"):
         return [("hostframes", {"host_below": 2 * max_bytes}), ("deviceframes", {"host_below": 0})]
     if method.endswith("-inline-ab"):
@@ -363,7 +370,8 @@ def _variants(method: str, max_bytes: int) -> list[tuple[str, dict[str, Any]]]:
     if method.endswith("-pool-ab"):
         return [("pool", {}), ("plain", {"outside": True})]
     if method.endswith("-alone-ab"):
-        return [("plugin", {"off": []}), ("alone", {"off": ["get_data", "serializers"], "outside": True})]
+        alone = {"off": ["get_data", "serializers"], "outside": True, "receive": "default"}
+        return [("plugin", {"off": [], "receive": "plugin"}), ("alone", alone)]
     if method.endswith("-ab"):
         return [("staged", {"threshold": 0}), ("unstaged", {"threshold": 2 * max_bytes})]
     return [("", {})]
