@@ -198,3 +198,15 @@ def test_plugin_checks_options_when_built():
     with pytest.raises(ConfigError, match=r"gpupool\.max-size"):
         GPUPool(max_size="a lot")
     assert GPUPool(kind="host", max_size="1GiB").overrides == {"kind": "host", "max_size": "1GiB"}
+
+
+def test_every_config_key_is_a_keyword_of_the_plugin():
+    """``GPUPool(...)`` takes every ``gpupool.*`` key of the defaults (dashes as underscores), so that a setting
+    can be given to the plugin as to dask config."""
+    import inspect
+
+    import dask_gpupool
+
+    defaults = yaml.safe_load((pathlib.Path(dask_gpupool.__file__).parent / "gpupool.yaml").read_text())["gpupool"]
+    keywords = set(inspect.signature(GPUPool.__init__).parameters)
+    assert {k.replace("-", "_") for k in defaults} - keywords == set()

@@ -92,6 +92,9 @@ class GPUPool(SchedulerPlugin):
     ucx_host_frame_threshold : int or str, optional
         CuPy arrays and pool Buffers below this size in a reply over UCX go as one host frame
         (``gpupool.ucx-host-frame-threshold``).
+    ucx_receive_pool : bool, int, str or "auto", optional
+        Most device memory of the RMM pool distributed-ucxx receives device frames into
+        (``gpupool.ucx-receive-pool``; ``auto``: 1 GiB where RMM's resource is RMM's default).
     copy_chunk_size, copy_stream_threshold : int or str, optional
         The pipelined copy path's chunk, and the smallest copy it carries
         (``gpupool.copy-chunk-size``, ``gpupool.copy-stream-threshold``).
@@ -179,6 +182,7 @@ class GPUPool(SchedulerPlugin):
         ucx_handoff_threshold: int | str | None = None,
         ucx_staging_threshold: int | str | None = None,
         ucx_host_frame_threshold: int | str | None = None,
+        ucx_receive_pool: bool | int | str | None = None,
         copy_chunk_size: int | str | None = None,
         copy_stream_threshold: int | str | None = None,
         copy_streams: int | None = None,
@@ -211,6 +215,7 @@ class GPUPool(SchedulerPlugin):
                 ucx_handoff_threshold=ucx_handoff_threshold,
                 ucx_staging_threshold=ucx_staging_threshold,
                 ucx_host_frame_threshold=ucx_host_frame_threshold,
+                ucx_receive_pool=ucx_receive_pool,
                 copy_chunk_size=copy_chunk_size,
                 copy_stream_threshold=copy_stream_threshold,
                 copy_streams=copy_streams,
