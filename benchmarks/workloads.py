@@ -38,7 +38,8 @@ in place and without them, back to back, the two sides alternating run by run (`
 JSON); or ``-inline-ab``: the same with replies of device values and staged CuPy arrays serialized on the event loop
 (``on``) or in Dask's offload thread as before the twenty-fourth session (``off``); or ``-hostframes-ab``: small
 CuPy arrays in UCX replies as one host frame (``gpupool.ucx-host-frame-threshold`` at its default, ``on``) or as
-device frames (``off``). Layouts on a
+device frames (``off``); or ``-receive-ab``: device frames received into the plugin's UCX receive pool (``on``,
+``gpupool.ucx-receive-pool``) or as distributed-ucxx does by itself (``off``). Layouts on a
 GPU machine: ``two-per-gpu`` and ``one-per-gpu``; two workers without a GPU.
 
 JSON rows ``{workload, layout, method, median_s, copied_bytes, ...}`` go to
@@ -72,6 +73,7 @@ from ucx_pairs import (
     _set_hooks,  # benchmarks/ucx_pairs.py: the plugin's hooks swapped for distributed's own
     _set_host_frames,  # benchmarks/ucx_pairs.py: gpupool.ucx-host-frame-threshold on every worker
     _set_inline,  # benchmarks/ucx_pairs.py: this session's inline replies switched off
+    _set_receive,  # benchmarks/ucx_pairs.py: where distributed-ucxx receives device frames
 )
 
 import dask_gpupool
@@ -180,6 +182,9 @@ INLINE_AB = "-inline-ab"
 #: Method suffix: as ``-ab``, the two sides small CuPy arrays in UCX replies sent as one host frame
 #: (``gpupool.ucx-host-frame-threshold`` at its default, ``on``) and as device frames (the threshold 0, ``off``).
 HOSTFRAMES_AB = "-hostframes-ab"
+#: Method suffix: as ``-ab``, the two sides device frames received into the plugin's UCX receive pool
+#: (``gpupool.ucx-receive-pool`` as the plugin set it, ``on``) and as distributed-ucxx does by itself (``off``).
+RECEIVE_AB = "-receive-ab"
 
 
 def _bare(dask_worker: Any = None) -> None:
@@ -222,7 +227,7 @@ def method_setup(method: str, gpus: int) -> tuple[str, Any] | None:
         return protocol, None
     variant = method.split("gpupool", 1)[1]
     # what is done to the plugin once registered, not options
-    for suffix in (NO_HOOKS, BARE, GONE, INLINE_AB, HOSTFRAMES_AB, AB):
+    for suffix in (NO_HOOKS, BARE, GONE, INLINE_AB, HOSTFRAMES_AB, RECEIVE_AB, AB):
         variant = variant.removesuffix(suffix)
     return protocol, dask_gpupool.GPUPool(**VARIANTS[variant])
 
@@ -324,6 +329,8 @@ def run(
                             c.run(_set_inline, side == "on")
                         elif method.endswith(HOSTFRAMES_AB):
                             c.run(_set_host_frames, UCX_HOST_FRAME_THRESHOLD if side == "on" else 0)
+                        elif method.endswith(RECEIVE_AB):
+                            c.run(_set_receive, "plugin" if side == "on" else "default")
                         else:
                             c.run(_set_hooks, off=[] if side == "on" else ["get_data", "serializers"])
                         _, side_before = _seconds_since(c, {})
@@ -337,6 +344,8 @@ def run(
                         c.run(_set_inline, True)
                     elif method.endswith(HOSTFRAMES_AB):
                         c.run(_set_host_frames, UCX_HOST_FRAME_THRESHOLD)
+                    elif method.endswith(RECEIVE_AB):
+                        c.run(_set_receive, "plugin")
                     else:
                         c.run(_set_hooks, off=[])
                     samples = ab["on"]
