@@ -92,7 +92,14 @@ PLAIN_METHODS = (
     "-plain-hostframes-ab",
     "-plain-hostalone-ab",
 )
-PATH_KEYS = ("zero_copy_bytes", "peer_copied_bytes", "device_frames_bytes", "host_frames_bytes", "copied_bytes")
+PATH_KEYS = (
+    "zero_copy_bytes",
+    "peer_copied_bytes",
+    "device_frames_bytes",
+    "receive_pooled_bytes",  # the part of device_frames_bytes received into the UCX receive pool
+    "host_frames_bytes",
+    "copied_bytes",
+)
 
 
 def _set_options(**changes: Any) -> None:

@@ -35,6 +35,8 @@ import logging
 import sys
 from typing import Any
 
+from dask.utils import format_bytes
+
 from dask_gpupool.handoff.stats import HandoffStats
 
 __all__ = ["ReceivePool", "decide", "install", "uninstall"]
@@ -74,7 +76,7 @@ def decide(setting: int | None, default: int, kind: str, over_ucx: bool, resourc
         return 0, f"off (auto): RMM's resource {resource} was set before the plugin and already serves device frames"
     ceiling = default if setting is None else setting
     how = "auto" if setting is None else "gpupool.ucx-receive-pool"
-    return ceiling, f"on ({how}): device frames received into an RMM pool of at most {ceiling} bytes"
+    return ceiling, f"on ({how}): device frames received into an RMM pool of at most {format_bytes(ceiling)}"
 
 
 class ReceivePool:
