@@ -75,7 +75,7 @@ def main() -> None:
     samples: dict[tuple[str, int], list[float]] = {(m, n): [] for m in modes for n in sizes}
     plugin = GPUPool(kind=kind, max_size=f"{4 * max(sizes) // (1 << 20) + 256} MiB")
     with H.cluster(workers, args.protocol, plugin) as c:
-        info = c.scheduler_info()["workers"]
+        info = T.workers(c)  # not scheduler_info(): see T.workers
         a, b = sorted(info, key=lambda w: str(info[w]["name"]))
         for nbytes in sizes:
             for k in range(args.samples + 3):

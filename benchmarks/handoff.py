@@ -189,7 +189,7 @@ def measure(
     save: Any,
 ) -> None:
     """Append a row per size to ``rows`` and ``save()`` after each (a run cut short keeps them)."""
-    info = c.scheduler_info()["workers"]
+    info = T.workers(c)  # not scheduler_info(): see T.workers
     a, b = sorted(info, key=lambda w: str(info[w]["name"]))
     for nbytes in sizes:
         samples: list[dict[str, float]] = []

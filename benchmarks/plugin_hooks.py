@@ -77,7 +77,7 @@ def main() -> None:
     workers = [{"config": {"gpupool": {"host-id": h}}} for h in hosts]
     samples: dict[str, list[float]] = {m: [] for m in MODES}
     with H.cluster(workers, "tcp", GPUPool(kind="host", max_size="64 MiB")) as c:
-        info = c.scheduler_info()["workers"]
+        info = T.workers(c)  # not scheduler_info(): see T.workers
         a, b = sorted(info, key=lambda w: str(info[w]["name"]))
         for k in range(args.samples + 3):
             for mode in list(MODES) if k % 2 else list(MODES)[::-1]:

@@ -433,7 +433,7 @@ def main() -> None:
         pool = plugin is not None and not method.endswith(PLAIN_METHODS)
         variants = _variants(method, max(sizes))
         with H.cluster(workers, "ucxx", plugin) as c:
-            info = c.scheduler_info()["workers"]
+            info = T.workers(c)  # not scheduler_info(): see T.workers
             addrs = sorted(info, key=lambda w: str(info[w]["name"]))
             for i, src in enumerate(addrs):
                 for j, dst in enumerate(addrs):

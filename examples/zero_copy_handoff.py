@@ -16,6 +16,7 @@ arrays in ``host`` pools), with no change to the code below.
 from __future__ import annotations
 
 import logging
+import os
 
 import dask
 
@@ -62,7 +63,7 @@ def main() -> None:
         with Client(cluster) as client:
             client.wait_for_workers(2)
             client.register_plugin(dask_gpupool.GPUPool(max_size="1 GiB"))
-            a, b = sorted(client.scheduler_info()["workers"])
+            a, b = sorted(client.run(os.getpid))  # the two workers' addresses (client.run answers per worker)
             kind = {r.worker: r.kind for r in dask_gpupool.pools(client)}[a]
             print(f"{gpus} GPU(s) visible; pools are {kind!r}; A = {a}, B = {b}")
 

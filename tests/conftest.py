@@ -87,7 +87,9 @@ def nanny_cluster(
 
 def worker_addresses(client: Any) -> list[str]:
     """Worker addresses ordered by worker name (w0, w1, ...)."""
-    workers = client.scheduler_info()["workers"]
+    from dask_gpupool import testing as T
+
+    workers = T.workers(client)  # not scheduler_info(): see T.workers
     return [a for a, _ in sorted(workers.items(), key=lambda kv: str(kv[1]["name"]))]
 
 

@@ -60,6 +60,7 @@ from dask_gpupool.testing.probes import (
     task_events_recorded,
     vkgdr_kept_bytes,
     vkgdr_unavailable,
+    workers,
 )
 from dask_gpupool.testing.tasks import (
     LAYOUTS,
@@ -169,5 +170,6 @@ __all__ = [
     "visible_devices",
     "vkgdr_kept_bytes",
     "vkgdr_unavailable",
+    "workers",
     "write_bytes",
 ]

@@ -13,6 +13,16 @@ if TYPE_CHECKING:
     from distributed import Worker
 
 
+def workers(client: Any) -> dict[str, dict[str, Any]]:
+    """The scheduler's worker records (address -> info), asked of the scheduler itself (client side, synchronous).
+
+    Not ``client.scheduler_info()["workers"]``: in distributed 2026.8 that returns the client's cached identity
+    after refreshing it, and the client's periodic refresh (which asks for no workers) can replace it in between:
+    a GPU run saw a cluster of two registered workers listed as none.
+    """
+    return dict(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
+
+
 def open_fds() -> list[str]:
     """What every fd of this process points at, less Python source files.
 

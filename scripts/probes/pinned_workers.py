@@ -23,7 +23,7 @@ def main() -> None:
         with Client(cl) as c:
             c.wait_for_workers(2)
             c.register_plugin(GPUPool(kind="pinned", max_size="1 GiB"))
-            a, b = sorted(c.scheduler_info()["workers"], key=lambda w: c.scheduler_info()["workers"][w]["name"])
+            a, b = sorted((info := T.workers(c)), key=lambda w: info[w]["name"])
             rows = {r.worker: r for r in pools(c)}
             reader = sys.argv[1] if len(sys.argv) > 1 else "cpu"
             read = T.read_peer_on_gpu if reader == "gpu" else T.read_peer

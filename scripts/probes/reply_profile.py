@@ -75,7 +75,9 @@ def main() -> None:
     workers = [{"config": {"gpupool": {"host-id": host}}, **env} for host in hosts]
     plugin = GPUPool(kind="device" if gpu else "host", max_size="1 GiB" if gpu else "256 MiB")
     with H.cluster(workers, args.protocol, plugin) as c:
-        info = c.scheduler_info()["workers"]
+        from dask_gpupool.testing import workers
+
+        info = workers(c)  # not scheduler_info(): see dask_gpupool.testing.workers
         addrs = sorted(info, key=lambda w: str(info[w]["name"]))
         src, dst = addrs[0], addrs[2]
         profiled = src if args.side == "producer" else dst

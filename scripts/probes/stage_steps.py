@@ -99,7 +99,9 @@ def main() -> None:
     plugin = GPUPool(kind="device", max_size=f"{4 * max(SIZES) // (1 << 20) + 1024} MiB")
     results: dict[str, list[dict[str, Any]]] = {}
     with H.cluster(workers, "tcp", plugin) as c:
-        info = c.scheduler_info()["workers"]
+        from dask_gpupool.testing import workers
+
+        info = workers(c)  # not scheduler_info(): see dask_gpupool.testing.workers
         w = sorted(info, key=lambda a: str(info[a]["name"]))[0]
         results["idle"] = c.run(steps, SIZES, REPEATS, workers=[w])[w]
         load = c.submit(busy, 60.0, workers=[w], pure=False)

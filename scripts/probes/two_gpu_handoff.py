@@ -119,7 +119,7 @@ def variant(
             c.run(patch_imports, patch)
         if "exporter-peer" in patch:
             print(c.run(exporter_grants_peers), flush=True)
-        a, b = sorted(c.scheduler_info()["workers"], key=lambda w: c.scheduler_info()["workers"][w]["name"])
+        a, b = sorted((info := T.workers(c)), key=lambda w: info[w]["name"])
         try:
             if producer == "fill":
                 xs = [c.submit(T.fill, nbytes, 5, workers=[a], pure=False) for _ in range(n)]

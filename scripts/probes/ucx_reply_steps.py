@@ -117,7 +117,9 @@ def main() -> None:
     ]
     plugin = GPUPool(kind="device", max_size=f"{4 * max(SIZES) // (1 << 20) + 1024} MiB")
     with H.cluster(workers, "ucxx", plugin) as c:
-        info = c.scheduler_info()["workers"]
+        from dask_gpupool.testing import workers
+
+        info = workers(c)  # not scheduler_info(): see dask_gpupool.testing.workers
         addrs = sorted(info, key=lambda w: str(info[w]["name"]))
         producer, other_host = addrs[0], addrs[2]
         rows = c.run(steps, other_host, SIZES, REPEATS, workers=[producer])[producer]

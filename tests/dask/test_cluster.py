@@ -290,7 +290,7 @@ def test_prometheus_metrics_on_dasks_own_endpoints():
         warm_up(c, a, b)
         info = c.scheduler_info()
         host = info["address"].split("://")[1].rsplit(":", 1)[0]
-        text = scrape(host, info["workers"][b]["services"]["dashboard"])
+        text = scrape(host, T.workers(c)[b]["services"]["dashboard"])
         samples = [line for line in text.splitlines() if line.startswith("dask_worker_gpupool_")]
 
         def sample(name: str, label: str) -> list[str]:
@@ -544,11 +544,11 @@ def test_a_worker_whose_pool_set_up_failed_is_reported_and_the_others_still_answ
         with Client(address, timeout=30) as c:
             c.wait_for_workers(2, timeout=60)
             wait_for(lambda: len(dask_gpupool.pools(c)) == 2, what="the two good workers' pools")
-            good = set(c.scheduler_info()["workers"])
+            good = set(T.workers(c))
             bad_env = {**env, "DASK_GPUPOOL__SUBALLOCATOR": "jemalloc"}
             procs.append(subprocess.Popen(worker, env=bad_env, stderr=subprocess.DEVNULL))
             c.wait_for_workers(3, timeout=60)
-            (w,) = set(c.scheduler_info()["workers"]) - good
+            (w,) = set(T.workers(c)) - good
             a, b = sorted(good)
             desc = c.submit(T.hold, "ok", 4096, b"the others still hand over", workers=[a], pure=False).result()
             assert c.submit(T.read_peer, desc, 26, workers=[b], pure=False).result() == b"the others still hand over"
@@ -606,7 +606,7 @@ def test_preload_arguments_set_every_option_and_a_bad_value_is_logged_and_report
                 procs.append(subprocess.Popen([*worker, "--preload", "dask_gpupool"], env=bad_env, stderr=log))
                 c.wait_for_workers(2, timeout=60)
             assert "ConfigError: gpupool.kind='gpu' is not a pool kind" in bad_log.read_text()
-            (bad,) = set(c.scheduler_info()["workers"]) - {row.worker}
+            (bad,) = set(T.workers(c)) - {row.worker}
             wait_for(lambda: "error" in dask_gpupool.stats(c)[bad], what="the bad worker's failure")
             assert "gpupool.kind='gpu'" in dask_gpupool.stats(c)[bad]["error"]
             assert [r.worker for r in dask_gpupool.pools(c)] == [row.worker]

@@ -83,7 +83,7 @@ def test_retiring_the_producer_keeps_the_consumers_data():
         y = c.submit(T.keep, x, workers=[b], pure=False)
         assert c.submit(T.describe, y, workers=[b], pure=False).result()["imported"]
         c.retire_workers([a], close_workers=True)
-        wait_for(lambda: a not in c.scheduler_info()["workers"], what="A to retire")
+        wait_for(lambda: a not in T.workers(c), what="A to retire")
         # B's value is a view of A's memory: it must stay right after A is gone
         assert c.submit(T.head, y, 9, workers=[b], pure=False).result() == b"retired A"
         assert c.submit(T.head, x, 9, workers=[b], pure=False).result() == b"retired A"
