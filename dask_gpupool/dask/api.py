@@ -218,7 +218,10 @@ def stats(client: Client) -> dict[str, dict[str, Any]]:
         memory staged for UCX), ``host_frames_bytes`` and
         ``host_frames_out_bytes`` (CuPy arrays below
         ``gpupool.ucx-host-frame-threshold`` received / sent over UCX as a
-        host frame), ``pool_staged_bytes`` (arrays outside the
+        host frame), ``receive_pooled_bytes`` and ``receive_pool_misses``
+        (device frames received over UCX into the receive pool, in bytes,
+        and frames that did not fit under its ceiling:
+        ``gpupool.ucx-receive-pool``), ``pool_staged_bytes`` (arrays outside the
         pool copied into it before a handoff), ``peer_copied_bytes`` (values
         from another GPU copied into this worker's pool on arrival, device to
         device: ``gpupool.peer-gpu-copy``), ``fallbacks`` (same-host transfers that were
@@ -231,7 +234,8 @@ def stats(client: Client) -> dict[str, dict[str, Any]]:
         ``segments_released`` (this pool's segments held and retired, and
         segment releases sent to peers), and ``routing`` (what allocates into
         the pool besides tasks' own calls: ``{"cupy": what and why}``, see
-        ``gpupool.cupy-allocator``). A worker without a pool (its set-up
+        ``gpupool.cupy-allocator``; and ``"ucx-receive"``, where device
+        frames received over UCX go). A worker without a pool (its set-up
         failed) is listed as ``{"error": why}``.
     """
     return _per_worker(client, _worker_handoff_stats)
