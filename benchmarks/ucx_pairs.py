@@ -392,6 +392,11 @@ def main() -> None:
     p.add_argument(
         "--proto-info", action="store_true", help="UCX_PROTO_INFO=y in the workers: UCX prints the protocols it picks"
     )
+    p.add_argument(
+        "--reverse",
+        action="store_true",
+        help="take the pairs in reverse order (w3's first): does a pair's result depend on when it is taken?",
+    )
     args = p.parse_args()
     n_gpus = len(local_devices().uuids)
     if n_gpus < 1:
@@ -435,8 +440,9 @@ def main() -> None:
         with H.cluster(workers, "ucxx", plugin) as c:
             info = T.workers(c)  # not scheduler_info(): see T.workers
             addrs = sorted(info, key=lambda w: str(info[w]["name"]))
-            for i, src in enumerate(addrs):
-                for j, dst in enumerate(addrs):
+            order = list(enumerate(addrs))[:: -1 if args.reverse else 1]
+            for i, src in order:
+                for j, dst in order:
                     if i == j:
                         continue
                     for nbytes in sizes:
