@@ -98,7 +98,10 @@ class ReceivePool:
     -----
     Runs on the worker's event loop (distributed-ucxx's ``read``), on the worker's GPU. Each frame is an
     ``rmm.DeviceBuffer`` that owns its allocation and keeps the pool resource alive; dropping it returns the memory
-    to the pool, stream-ordered on the default stream, which distributed-ucxx synchronizes before receiving.
+    to the pool, stream-ordered on the default stream. A block given out again is written by UCX only after
+    distributed-ucxx's ``read`` has synchronized the whole device (``ucxx._cuda_context.synchronize_default_stream``
+    is cuda.core's ``Device.sync()``), so kernels of any stream that still read the value it held have ended, as a
+    ``cudaFree`` would have waited for them.
     """
 
     def __init__(self, rmm: Any, ceiling: int, handoffs: HandoffStats, fallback: Any) -> None:
