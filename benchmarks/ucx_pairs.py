@@ -57,7 +57,7 @@ The default sizes span the question of ``gpupool.ucx-handoff-threshold`` (0: eve
 two H200s, pool arrays over UCXX were handed over in 1.8-2.3 ms at every size, where UCXX alone moved 1 KiB-1 MiB
 in 1.4-1.9 ms, so below some size device frames may be the faster path for a same-host pair too.
 
-    python benchmarks/ucx_pairs.py [--sizes 4KiB,1MiB,16MiB,256MiB] [--repeats 5]
+    python benchmarks/ucx_pairs.py [--sizes 4KiB,1MiB,16MiB,256MiB] [--repeats 5] [--reverse] [--pairs 2:0,0:2]
 """
 
 from __future__ import annotations
@@ -397,7 +397,14 @@ def main() -> None:
         action="store_true",
         help="take the pairs in reverse order (w3's first): does a pair's result depend on when it is taken?",
     )
+    p.add_argument(
+        "--pairs",
+        default="",
+        help="only these ordered pairs, by worker index: '2:0,0:2' (default every pair); with a large --repeats, "
+        "each sample's time in order is in the JSON rows' 'samples'",
+    )
     args = p.parse_args()
+    only = {tuple(int(w) for w in pair.split(":")) for pair in args.pairs.split(",") if pair}
     n_gpus = len(local_devices().uuids)
     if n_gpus < 1:
         raise SystemExit("needs a GPU")
@@ -443,7 +450,7 @@ def main() -> None:
             order = list(enumerate(addrs))[:: -1 if args.reverse else 1]
             for i, src in order:
                 for j, dst in order:
-                    if i == j:
+                    if i == j or (only and (i, j) not in only):
                         continue
                     for nbytes in sizes:
                         samples: dict[str, list[float]] = {v: [] for v, _ in variants}
