@@ -632,20 +632,20 @@ def _parse_nbytes(value: object, key: str) -> int:
 
 
 def _parse_receive_pool(value: object) -> int | None:
-    """``gpupool.ucx-receive-pool``: ``auto`` (``None``), ``false`` (0), ``true`` (:data:`UCX_RECEIVE_POOL`) or a
-    size (bytes; 0 is off)."""
+    """``gpupool.ucx-receive-pool``: ``auto`` (``None``), a size (bytes; 0 is off), or a boolean (``true``:
+    :data:`UCX_RECEIVE_POOL`, ``false``: 0)."""
     if value == "auto" or value is None:
         return None
-    if isinstance(value, bool):
-        return UCX_RECEIVE_POOL if value else 0
-    if isinstance(value, str) and value.strip().lower() in ("true", "false", "yes", "no", "on", "off"):
-        return UCX_RECEIVE_POOL if value.strip().lower() in ("true", "yes", "on") else 0
+    key = "gpupool.ucx-receive-pool"
     try:
-        return _parse_nbytes(value, "gpupool.ucx-receive-pool")
+        return _parse_nbytes(value, key)
     except ConfigError:
-        raise ConfigError(
-            f"gpupool.ucx-receive-pool={value!r} is not valid; valid: auto, true, false, or a size such as '1 GiB'"
-        ) from None
+        pass
+    try:
+        return UCX_RECEIVE_POOL if _parse_bool(value, key) else 0
+    except ConfigError:
+        valid = "auto, true, false, or a size such as '1 GiB'"
+        raise ConfigError(f"{key}={value!r} is not valid; valid: {valid}") from None
 
 
 def _parse_count(value: object, key: str, low: int, high: int) -> int:
