@@ -186,11 +186,12 @@ def _set_receive(mode: str) -> None:
     import distributed_ucxx.ucxx as comm
 
     from dask_gpupool.dask.device_frames import _DeviceFrame
+    from dask_gpupool.dask.ucx_receive import ReceivePool
     from dask_gpupool.handoff.active import active_service
 
     saved = comm.__dict__.setdefault("_bench_device_array", comm.device_array)  # the plugin's, if it installed one
     pool = getattr(saved, "__self__", None)
-    own = pool._fallback if pool is not None else saved  # distributed-ucxx's own
+    own = pool.fallback if isinstance(pool, ReceivePool) else saved  # distributed-ucxx's own
     service = active_service()
     if mode == "plugin":
         comm.device_array = saved

@@ -111,6 +111,11 @@ class ReceivePool:
         self._fallback = fallback
         self._resource: Any = None
 
+    @property
+    def fallback(self) -> Any:
+        """What frames the pool does not take come from: the ``device_array`` that was in place before it."""
+        return self._fallback
+
     def device_array(self, n: int) -> Any:
         """A device buffer of ``n`` bytes for a frame: from the pool, else from ``fallback``."""
         resource = self._resource

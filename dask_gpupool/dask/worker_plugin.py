@@ -227,7 +227,7 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         ceiling, why = _receive.decide(
             options.ucx_receive_pool, UCX_RECEIVE_POOL, service.pool.kind, module is not None, resource
         )
-        if module is not None and getattr(module.device_array, "__self__", None) is not None:
+        if module is not None and isinstance(getattr(module.device_array, "__self__", None), _receive.ReceivePool):
             ceiling, why = 0, "off: another worker of this process installed its receive pool"
         if ceiling and module is not None:
             import rmm

@@ -43,3 +43,29 @@ def test_a_tcp_worker_keeps_distributed_ucxx_as_it_is_and_says_why():
         (got,) = dask_gpupool.stats(c).values()
         assert got["routing"]["ucx-receive"] == "off: this worker does not receive over UCX"
         assert got["receive_pooled_bytes"] == 0 and got["receive_pool_misses"] == 0
+
+
+def test_install_and_uninstall_put_back_only_what_was_there():
+    """``install`` points a comm module's ``device_array`` at the pool and keeps the previous one as its fallback;
+    ``uninstall`` puts it back only while the pool is still the one there (a later installer's is left alone)."""
+    import types
+
+    from dask_gpupool.handoff.stats import HandoffStats
+
+    def own(n):  # what distributed-ucxx's init_once puts there
+        return bytearray(n)
+
+    module = types.ModuleType("comm")
+    module.device_array = own
+    pool = ucx_receive.ReceivePool(None, GiB, HandoffStats(), module.device_array)
+    previous = ucx_receive.install(module, pool)
+    assert previous is own and pool.fallback is own
+    assert module.device_array.__self__ is pool
+    ucx_receive.uninstall(module, pool, previous)
+    assert module.device_array is own
+
+    ucx_receive.install(module, pool)
+    later = ucx_receive.ReceivePool(None, GiB, HandoffStats(), module.device_array)
+    ucx_receive.install(module, later)
+    ucx_receive.uninstall(module, pool, own)  # not pool's any more: left as it is
+    assert module.device_array.__self__ is later and later.fallback.__self__ is pool
