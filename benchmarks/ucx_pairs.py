@@ -286,6 +286,28 @@ def _produce_in_driver_allocation(nbytes: int) -> Any:
     return arr
 
 
+def _thirds(samples: list[float]) -> str:
+    """With 12 samples or more, the medians of their first, middle and last thirds in order (ms): does a pair's
+    time drift over its samples?"""
+    n = len(samples) // 3
+    if n < 4:
+        return ""
+    parts = [samples[:n], samples[n:-n], samples[-n:]]
+    return "; thirds " + " / ".join(f"{statistics.median(p) * 1e3:.2f}" for p in parts)
+
+
+def _gc_state() -> dict[str, Any]:
+    """This worker's garbage collector: objects it tracks, collections per generation so far, and the seconds of
+    the full collection it runs now (what a collection costs with the objects the run has left behind)."""
+    import gc
+
+    objects = len(gc.get_objects())
+    collections = [s["collections"] for s in gc.get_stats()]
+    start = time.perf_counter()
+    gc.collect()
+    return {"objects": objects, "collections": collections, "full_collect_s": time.perf_counter() - start}
+
+
 def _address(x: Any) -> int:
     """The device address of a CuPy array (``-pool-ab``, ``-region-ab`` and ``-driver-ab`` count the distinct ones
     per cell)."""
@@ -430,6 +452,7 @@ def main() -> None:
     stamp = time.strftime("%Y%m%d-%H%M%S")  # one JSON, written again after each method (a run cut off keeps those)
     paths: dict[str, dict[str, dict[str, int]]] = {}
     timings: dict[str, dict[str, dict[str, Any]]] = {}
+    gcs: dict[str, dict[str, dict[str, Any]]] = {}  # each worker's garbage collector at a method's start and end
     for method in args.methods.split(","):
         plugin = (
             GPUPool(
@@ -449,6 +472,7 @@ def main() -> None:
             info = T.workers(c)  # not scheduler_info(): see T.workers
             addrs = sorted(info, key=lambda w: str(info[w]["name"]))
             order = list(enumerate(addrs))[:: -1 if args.reverse else 1]
+            gc_start = c.run(_gc_state)
             for i, src in order:
                 for j, dst in order:
                     if i == j or (only and (i, j) not in only):
@@ -500,9 +524,12 @@ def main() -> None:
                             print(
                                 f"{name:14s} {names[i]} -> {names[j]} {format_bytes(nbytes):>10}: "
                                 f"{(row['transfer_s'] or float('nan')) * 1e3:8.2f} ms"
-                                + (f" ({row['addresses']} addresses)" if "addresses" in row else ""),
+                                + (f" ({row['addresses']} addresses)" if "addresses" in row else "")
+                                + _thirds(samples[v]),
                                 flush=True,
                             )
+            gc_end = c.run(_gc_state)
+            gcs[method] = {names[addrs.index(w)]: {"start": gc_start[w], "end": gc_end[w]} for w in addrs}
             if plugin is not None:
                 got = c.run(T.handoff_counters)
                 paths[method] = {names[addrs.index(w)]: {k: int(got[w].get(k, 0)) for k in PATH_KEYS} for w in addrs}
@@ -512,7 +539,7 @@ def main() -> None:
             print(f"\n{method}: mean over pairs of each pair's ratio of medians", flush=True)
             _print_ab(done)
             summary.extend(done)
-        result = {"machine": H.machine(), "layout": layout, "rows": rows, "paths": paths, "timings": timings}
+        result = {"machine": H.machine(), "layout": layout, "rows": rows, "paths": paths, "timings": timings, "gc": gcs}
         H.save_json("ucx_pairs", {**result, "ab": summary}, stamp)
     print(f"\nconsumer transfer time, median of {args.repeats} (ms); hosts by host-id, GPUs by index")
     methods = list(dict.fromkeys(r["method"] for r in rows))
@@ -544,6 +571,14 @@ def main() -> None:
             mean = {k: v["total_s"] / v["count"] * 1e3 for k, v in steps.items() if v["count"]}
             cells = [f"{k} {ms:.3f} ({steps[k]['count']})" for k, ms in mean.items()]
             print(f"  {w}: " + ", ".join(cells))
+    for method, by_worker in gcs.items():
+        print(f"\n{method}: garbage collector at start -> end (objects tracked, ms of a full collection)")
+        for w, ends in by_worker.items():
+            a, b = ends["start"], ends["end"]
+            print(
+                f"  {w}: {a['objects']:,} -> {b['objects']:,} objects, "
+                f"{a['full_collect_s'] * 1e3:.1f} -> {b['full_collect_s'] * 1e3:.1f} ms, collections {b['collections']}"
+            )
     if summary:
         print("\n-ab methods: mean over pairs of each pair's ratio of medians")
         _print_ab(summary)
