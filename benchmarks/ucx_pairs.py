@@ -43,7 +43,8 @@ as UCXX does (``:cudamalloc``: ``cudaMalloc`` per frame), and UCXX alone's path 
 ``gpupool.ucx-receive-pool`` every ``:alone`` variant receives as distributed-ucxx does by itself.
 ``-legacy`` anywhere after ``gpupool`` (``ucxx+gpupool-legacy``, ``ucxx+gpupool-legacy-alone-ab``) gives the pools
 segments of legacy IPC memory (``gpupool.segment-memory: legacy``), which UCX sends to another "host" without the
-staging copy.
+staging copy; since the twenty-ninth session ``auto`` makes those on UCX workers, and ``-vmm``
+(``ucxx+gpupool-vmm-alone-ab``) gives them VMM segments, whose memory is staged for another "host", as before.
 For pool arrays a same-"host" pair gets a descriptor (zero-copy), another-"host" pair the value's device frames,
 which UCX moves GPU to GPU. After each method the table of bytes by path (zero-copy, device frames, host copies)
 shows that no pair went through the host (``--proto-info`` has UCX print the protocols it picked, which says what
@@ -461,7 +462,7 @@ def main() -> None:
                 lease_claims="broker" if method.endswith("-broker") else None,
                 ucx_staging_threshold=2 * max(sizes) if method.endswith("-unstaged") else None,
                 cupy_allocator=False if method.endswith(PLAIN_METHODS) else None,
-                segment_memory="legacy" if "-legacy" in method else None,
+                segment_memory="legacy" if "-legacy" in method else "vmm" if "-vmm" in method else None,
             )
             if "gpupool" in method
             else None

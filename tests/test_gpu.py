@@ -349,6 +349,9 @@ def test_trim_frees_retired_segments_once_the_peer_let_go(memory):
     with nanny_cluster([ONE_GPU, ONE_GPU], plugin) as c:
         a, b = worker_addresses(c)
         made_of = "vmm" if memory == "auto" else memory
+        why = dask_gpupool.stats(c)[a]["routing"]["segment-memory"]
+        want = "vmm (auto): this worker listens over TCP" if memory == "auto" else "legacy (gpupool.segment-memory)"
+        assert why == want, why
         baseline = warm_up(c, a, b)
         # after a handoff each way, so that each worker's copy of the registry holds both rows (it is filled as
         # pools are looked up, not at start: the twenty-seventh session saw it without the peer's row before)
@@ -997,6 +1000,7 @@ def test_on_ucxx_pool_memory_hands_over_or_travels_as_device_frames(placement):
         plugin = GPUPool(
             kind="device",
             max_size="1 GiB",
+            segment_memory="vmm",  # the staging copy (auto over UCX makes legacy segments, which UCX sends unstaged)
             ucx_handoff_threshold="4 MiB",
             stage_threshold="4 MiB",
             cupy_allocator=False,
@@ -1038,9 +1042,11 @@ def test_on_ucxx_pool_memory_hands_over_or_travels_as_device_frames(placement):
             wait_for(lambda c=c, a=a: counters(c, a)[a]["leases"] == 0, what="the leases to end")
 
 
+@pytest.mark.parametrize("memory", ["auto", "legacy"])
 @pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
-def test_on_ucxx_legacy_ipc_segments_go_to_another_host_without_the_staging_copy(placement):
-    """Issue 19, UCX clusters with ``gpupool.segment-memory: legacy``: pool memory sent to a worker of another
+def test_on_ucxx_legacy_ipc_segments_go_to_another_host_without_the_staging_copy(placement, memory):
+    """Issue 19, UCX clusters: ``gpupool.segment-memory: auto`` on workers that listen over UCX makes segments of
+    legacy IPC memory, as ``legacy`` does, and says so in ``stats()``. Pool memory sent to a worker of another
     "host" goes to UCX as it is, which exports ``cuMemAlloc`` memory itself (``cuda_ipc``), not through a staging
     copy: a 1 MiB Buffer, an 8 MiB array and a strided view of it (distributed's serializer copies the view, as for
     any non-contiguous array) arrive with the right bytes, nothing staged, nothing through the host. To a worker
@@ -1053,10 +1059,14 @@ def test_on_ucxx_legacy_ipc_segments_go_to_another_host_without_the_staging_copy
     total = float(np.arange(1 << 20).sum())
     for hosts in ("same", "two"):
         workers = ucx_workers(placement, hosts)
-        plugin = GPUPool(kind="device", max_size="1 GiB", segment_memory="legacy", cupy_allocator=False)
+        plugin = GPUPool(kind="device", max_size="1 GiB", segment_memory=memory, cupy_allocator=False)
         with dask.config.set(UCX_CONFIG), nanny_cluster(workers, plugin, protocol="ucxx") as c:
             a, b = worker_addresses(c)
             assert c.run(T.segment_memory, workers=[a])[a]["pool"] == "legacy"
+            why = dask_gpupool.stats(c)[a]["routing"]["segment-memory"]
+            assert why.startswith("legacy (auto): this worker listens over UCX" if memory == "auto" else "legacy ("), (
+                why
+            )
             for _ in range(2):  # the second time UCX's cache of the opened handle is used
                 x = c.submit(T.make_buffer, MiB, b"legacy!!", workers=[a], pure=False)
                 assert c.submit(T.head, x, 8, workers=[b], pure=False).result() == b"legacy!!"
@@ -1098,7 +1108,7 @@ def test_on_ucxx_replies_of_device_pool_memory_skip_the_offload_thread(placement
             {**w, "protocol": "ucxx", "config": {"gpupool": {"host-id": "h" if hosts == "same" else f"h{i}"}}}
             for i, w in enumerate(layout)
         ]
-        plugin = GPUPool(kind="device", max_size="1 GiB", cupy_allocator=False)
+        plugin = GPUPool(kind="device", max_size="1 GiB", segment_memory="vmm", cupy_allocator=False)  # staged
         with dask.config.set(ucx), nanny_cluster(workers, plugin, protocol="ucxx") as c:
             a, b = worker_addresses(c)
             n = 12 << 17  # 12 MiB of float64
@@ -1192,7 +1202,10 @@ def test_on_ucxx_pool_memory_below_the_staging_threshold_goes_to_ucx_unstaged(pl
     ucx = {f"distributed.comm.ucx.{k}": True for k in ("create-cuda-context", "nvlink", "tcp", "cuda-copy")}
     layout = ROTATED if placement == "two-gpus" else [ONE_GPU, ONE_GPU]
     workers = [{**w, "protocol": "ucxx", "config": {"gpupool": {"host-id": f"host-{i}"}}} for i, w in enumerate(layout)]
-    plugin = GPUPool(kind="device", max_size="1 GiB", ucx_staging_threshold="1 MiB", cupy_allocator=False)
+    # VMM segments: staged from the threshold up (auto over UCX makes legacy segments, which UCX sends unstaged)
+    plugin = GPUPool(
+        kind="device", max_size="1 GiB", segment_memory="vmm", ucx_staging_threshold="1 MiB", cupy_allocator=False
+    )
     with dask.config.set(ucx), nanny_cluster(workers, plugin, protocol="ucxx") as c:
         a, b = worker_addresses(c)
         x = c.submit(T.make_buffer, 64 << 10, b"unstaged", workers=[a], pure=False)
@@ -1228,7 +1241,7 @@ def test_on_ucxx_cupy_arrays_below_the_host_frame_threshold_go_as_one_host_frame
     ucx = {f"distributed.comm.ucx.{k}": True for k in ("create-cuda-context", "nvlink", "tcp", "cuda-copy")}
     layout = ROTATED if placement == "two-gpus" else [ONE_GPU, ONE_GPU]
     workers = [{**w, "protocol": "ucxx", "config": {"gpupool": {"host-id": f"host-{i}"}}} for i, w in enumerate(layout)]
-    plugin = GPUPool(kind="device", max_size="1 GiB", cupy_allocator=False)
+    plugin = GPUPool(kind="device", max_size="1 GiB", segment_memory="vmm", cupy_allocator=False)  # 8 KiB: staged
     with dask.config.set(ucx), nanny_cluster(workers, plugin, protocol="ucxx") as c:
         a, b = worker_addresses(c)
         arr = c.submit(T.make_array, 512, "cupy", workers=[a], pure=False)  # 4 KiB of float64, pool memory

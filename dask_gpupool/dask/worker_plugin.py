@@ -134,8 +134,12 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
 
     async def _setup(self, worker: Worker) -> None:
         options = PoolOptions.from_config(**self.overrides)
-        service = PoolService.start(options, worker.address)
+        over_tcp = _listens_over_tcp(worker)
+        # Over UCX, segments of legacy IPC memory go to other hosts as they are (no staging copy).
+        service = PoolService.start(options, worker.address, prefer_legacy=not over_tcp)
         service.name = str(worker.name)
+        pool = service.pool
+        service.routing["segment-memory"] = _segment_memory_line(options, pool.kind, pool.segment_memory, over_tcp)
         try:
             # An op the scheduler does not know would end this worker's stream: ask first, read-only.
             if await worker.scheduler.gpupool_pools() is None:  # Dask answers an unknown handler with None
@@ -154,7 +158,6 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         has_cupy = importlib.util.find_spec("cupy") is not None
         # Requests come over the comm this worker listens on. The lowest threshold of any requester (a worker on
         # this GPU's): smaller results always go through the comm. Over UCX `auto` stages nothing, so no events.
-        over_tcp = _listens_over_tcp(worker)
         stage_threshold = options.effective_stage_threshold(service.pool.kind, same_gpu=True, over_tcp=over_tcp)
         service.routing["staging"] = _staging_line(service.pool.kind, has_cupy, stage_threshold, over_tcp)
         if service.pool.kind == "device" and has_cupy:
@@ -413,6 +416,22 @@ def _listens_over_tcp(worker: Worker) -> bool:
         return parse_address(worker.address)[0] in TCP_SCHEMES
     except Exception:
         return True  # the thresholds of TCP: staging only ever uses the pool's own memory
+
+
+def _segment_memory_line(options: PoolOptions, kind: str, made_of: str, over_tcp: bool) -> str:
+    """``stats()["routing"]["segment-memory"]``: what a ``kind`` pool's segments are made of (``made_of``), and why."""
+    if kind != "device":
+        return f"none: a {kind} pool has no segments"
+    if not options.segment_size:
+        return "pool: gpupool.segment-size is 0 (each buffer its own allocation of CUDA's IPC pool)"
+    if options.segment_memory != "auto":
+        return f"{made_of} (gpupool.segment-memory)"
+    if made_of == "legacy":
+        return "legacy (auto): this worker listens over UCX, which sends legacy IPC memory with no staging copy"
+    why = "this worker listens over TCP" if over_tcp else "this GPU shares no memory by IPC handle"
+    if made_of == "vmm":
+        return f"vmm (auto): {why}"
+    return f"pool (auto): {why}, and exports no virtual memory as POSIX fds"
 
 
 def _staging_line(kind: str, has_cupy: bool, threshold: int, over_tcp: bool) -> str:

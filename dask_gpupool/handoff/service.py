@@ -170,15 +170,25 @@ class PoolService:
         )
 
     @classmethod
-    def start(cls, options: PoolOptions, worker_address: str, devices: LocalDevices | None = None) -> PoolService:
+    def start(
+        cls,
+        options: PoolOptions,
+        worker_address: str,
+        devices: LocalDevices | None = None,
+        *,
+        prefer_legacy: bool = False,
+    ) -> PoolService:
         """Make the pool and start its broker (:func:`~dask_gpupool.handoff.startup.start_parts`).
+
+        ``prefer_legacy``: ``segment-memory: auto`` makes segments of legacy IPC memory where the GPU allows
+        (:meth:`~dask_gpupool.memory.pool.Pool.create`); the worker plugin asks for it on workers that listen over UCX.
 
         Raises
         ------
         ConfigError
             If ``options`` cannot be honoured on this host.
         """
-        parts = start_parts(options, worker_address, devices)
+        parts = start_parts(options, worker_address, devices, prefer_legacy=prefer_legacy)
         return cls(
             options, parts.pool, parts.broker, parts.record, parts.devices, parts.leases, parts.copier, parts.registry
         )

@@ -40,8 +40,12 @@ class Parts(NamedTuple):
     registry: RegistryView
 
 
-def start_parts(options: PoolOptions, worker_address: str, devices: LocalDevices | None = None) -> Parts:
+def start_parts(
+    options: PoolOptions, worker_address: str, devices: LocalDevices | None = None, *, prefer_legacy: bool = False
+) -> Parts:
     """Make the pool and start its broker (and copy server); describe them in the pool's registry row.
+
+    ``prefer_legacy``: as :meth:`~dask_gpupool.memory.pool.Pool.create` takes it.
 
     Raises
     ------
@@ -49,7 +53,7 @@ def start_parts(options: PoolOptions, worker_address: str, devices: LocalDevices
         If ``options`` cannot be honoured on this host.
     """
     devices = local_devices() if devices is None else devices
-    pool = Pool.create(options, devices)
+    pool = Pool.create(options, devices, prefer_legacy=prefer_legacy)
     leases = LeaseTable(options.lease_timeout, on_drop=make_current(pool))
     registry = RegistryView()
     host, hostname = host_identity(options.host_id)

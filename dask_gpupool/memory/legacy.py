@@ -9,8 +9,7 @@ machines do not have (``CUDA_ERROR_NOT_PERMITTED``,
 ``scripts/probes/handle_types.py``). So a worker whose pool lives in VMM
 segments copies every value it sends to another host over UCX into
 ``cuMemAlloc`` memory first (:mod:`dask_gpupool.memory.ucx_staging`): about
-0.15 ms a value, which made pool arrays of 8 KiB to 4 MiB 1.1x slower to
-another "host" than UCXX alone (``docs/performance.md``). Segments made of
+0.15 ms a value of host time (``docs/performance.md``). Segments made of
 ``cuMemAlloc`` memory need no such copy.
 
 They keep the lease guarantee: an importer's mapping of legacy IPC memory
@@ -20,7 +19,15 @@ wrote 8 GiB, as VMM memory does (``scripts/probes/handle_types.py``,
 ``docs/design.md`` "Pool memory to another host over UCX"). Pool memory
 (``cuMemPoolExportPointer``) does not across GPUs: ``CUDA_ERROR_CONTAINED``.
 
-Opt in with ``gpupool.segment-memory: legacy``; the default stays VMM.
+``gpupool.segment-memory: auto`` makes them on workers that listen over UCX
+(:meth:`~dask_gpupool.memory.pool.Pool.create`'s ``prefer_legacy``): there,
+with distributed-ucxx receiving into an RMM pool
+(:mod:`dask_gpupool.dask.ucx_receive`), other-"host" pool arrays of 8 KiB to
+4 MiB took 0.77-0.82x of UCXX alone's time on one H100, every pair at or
+below, where VMM segments and the staging copy took 0.89-0.97x with one or
+two pairs of eight above. Over TCP ``auto`` stays VMM (the same speed there,
+and the segments every two-GPU test ran with); ``legacy`` sets them anywhere.
+Single imports of 8 and 16 GiB segments completed on one H100 (no import limit).
 
 Ownership
 ---------

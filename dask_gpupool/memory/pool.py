@@ -82,10 +82,14 @@ def _segment_payload(made_of: str) -> Any:
     return _no_payload if made_of == "vmm" else ipc_payload
 
 
-def _segment_memory(options: PoolOptions, ordinal: int, size: int) -> tuple[str, Any]:
+def _segment_memory(options: PoolOptions, ordinal: int, size: int, prefer_legacy: bool = False) -> tuple[str, Any]:
     """What segments are made of (``"vmm"``, ``"legacy"`` or ``"pool"``) and the resource they come from: a
     :class:`~dask_gpupool.memory.vmm.VmmMemoryResource`, a
     :class:`~dask_gpupool.memory.legacy.LegacyMemoryResource`, or ``None`` for pool memory.
+
+    ``segment-memory: auto`` is ``legacy`` when ``prefer_legacy`` (a worker that listens over UCX, which sends
+    legacy IPC memory GPU to GPU as it is) and the GPU shares memory by IPC handles, else ``vmm`` when it exports
+    virtual memory as POSIX fds, else ``pool``.
 
     Raises
     ------
@@ -94,9 +98,10 @@ def _segment_memory(options: PoolOptions, ordinal: int, size: int) -> tuple[str,
     """
     if not options.segment_size or options.segment_memory == "pool":
         return "pool", None
-    if options.segment_memory == "legacy":
-        from dask_gpupool.memory.legacy import LegacyMemoryResource, legacy_supported
+    from dask_gpupool.memory.legacy import LegacyMemoryResource, legacy_supported
 
+    auto_legacy = options.segment_memory == "auto" and prefer_legacy and legacy_supported(ordinal)
+    if options.segment_memory == "legacy" or auto_legacy:
         if not legacy_supported(ordinal):
             raise ConfigError(
                 f"gpupool.segment-memory='legacy': GPU {ordinal} does not share memory by IPC handles; "
@@ -224,9 +229,19 @@ class Pool:
         """Buffers live in segments of VMM memory (``cuMemCreate``), which peers map by POSIX fd."""
         return self.segment_memory == "vmm"
 
+    @property
+    def in_ipc_pool(self) -> bool:
+        """Buffers are allocations of CUDA's IPC pool (no segments of VMM or legacy IPC memory): single imports of
+        6-8 GiB of those stalled, so ``gpupool.import-limit`` defaults to 5 GiB for them."""
+        return self.segment_memory == "pool"
+
     @classmethod
-    def create(cls, options: PoolOptions, devices: LocalDevices) -> Pool:
+    def create(cls, options: PoolOptions, devices: LocalDevices, *, prefer_legacy: bool = False) -> Pool:
         """Make the pool ``options`` describe, on this process's devices.
+
+        ``prefer_legacy``: ``segment-memory: auto`` makes segments of legacy IPC
+        memory where the GPU allows (the worker listens over UCX, which sends
+        them GPU to GPU with no staging copy; :func:`_segment_memory`).
 
         Raises
         ------
@@ -254,7 +269,7 @@ class Pool:
 
             resource = DeviceMemoryResource(dev, DeviceMemoryResourceOptions(ipc_enabled=True, max_size=size))
             try:
-                made_of, memory = _segment_memory(options, ordinal, size)
+                made_of, memory = _segment_memory(options, ordinal, size, prefer_legacy)
                 # Cross-GPU handoffs only of VMM or legacy segments: a peer on another GPU reading pool
                 # memory after its owner died gets CUDA_ERROR_CONTAINED (dask_gpupool.memory.vmm).
                 cross = options.peer_gpu_handoff and memory is not None

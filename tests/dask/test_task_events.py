@@ -109,3 +109,22 @@ def test_the_worker_plugin_wants_an_event_for_its_own_pool_buffers_only(tmp_path
     finally:
         b.close()
         a.close()
+
+
+def test_the_segment_memory_line_says_what_segments_are_made_of_and_why():
+    """``stats()["routing"]["segment-memory"]``: ``auto`` makes legacy IPC segments on a UCX worker (UCX sends them
+    with no staging copy), VMM ones over TCP; a set value is named as such."""
+    from dask_gpupool.config import PoolOptions
+    from dask_gpupool.dask.worker_plugin import _segment_memory_line
+
+    auto = PoolOptions.from_config()
+    assert _segment_memory_line(auto, "device", "legacy", False).startswith(
+        "legacy (auto): this worker listens over UCX"
+    )
+    assert _segment_memory_line(auto, "device", "vmm", True) == "vmm (auto): this worker listens over TCP"
+    assert _segment_memory_line(auto, "device", "vmm", False) == "vmm (auto): this GPU shares no memory by IPC handle"
+    assert _segment_memory_line(auto, "host", "pool", True) == "none: a host pool has no segments"
+    legacy = PoolOptions.from_config(segment_memory="legacy")
+    assert _segment_memory_line(legacy, "device", "legacy", True) == "legacy (gpupool.segment-memory)"
+    unsegmented = PoolOptions.from_config(segment_size=0)
+    assert _segment_memory_line(unsegmented, "device", "pool", True).startswith("pool: gpupool.segment-size is 0")
