@@ -29,7 +29,8 @@ between workers) and ``gpupool`` / ``ucxx+gpupool`` (``GPUPool()`` with no optio
 changed: ``gpupool+cupy`` (``cupy-allocator``), ``gpupool+stage`` (``stage-threshold: 4 MiB``), ``gpupool+stage1``
 (``stage-threshold: 1``: every size staged), ``gpupool+stage64k`` (from 64 KiB),
 ``gpupool+objects`` (``device-objects``), ``gpupool+rmm`` (``rmm-allocator`` and ``device-objects``),
-``gpupool+legacy`` (``segment-memory: legacy``; ``ucxx+gpupool+legacy`` over UCX); any of them
+``gpupool+legacy`` (``segment-memory: legacy``; ``ucxx+gpupool+legacy`` over UCX), ``ucxx+gpupool+vmm``
+(``segment-memory: vmm``: VMM segments over UCX, where ``auto`` makes legacy ones); any of them
 with ``-nohooks`` after it (``ucxx+gpupool-nohooks``): the plugin's ``get_data`` wrapper and CuPy serializers
 swapped for distributed's own once it is registered, what the rest of the plugin costs; or ``-bare``: every
 worker-side hook undone, only its pool, broker and copy server running; or ``-gone``: its worker plugin
@@ -146,6 +147,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "+switch": {"switch_interval": "0.5ms"},  # claims served sooner by producers whose tasks hold the GIL
     "+poolseg": {"segment_memory": "pool"},  # segments from CUDA's IPC pool instead of VMM memory
     "+legacy": {"segment_memory": "legacy"},  # segments of cuMemAlloc memory shared by legacy IPC handles
+    "+vmm": {"segment_memory": "vmm"},  # VMM segments over UCX too (auto makes legacy ones there since 2026-11-25)
 }
 
 
