@@ -315,13 +315,15 @@ def _address(x: Any) -> int:
     return int(x.data.ptr)
 
 
-def ab_summary(rows: list[dict[str, Any]], method: str, variants: list[str]) -> list[dict[str, Any]]:
-    """For an ``-ab`` method's rows: each variant but the last against the last, per same/other "host" and size.
+def ab_summary(rows: list[dict[str, Any]], method: str, variants: list[str], run: int = 0) -> list[dict[str, Any]]:
+    """For an ``-ab`` method's rows of cluster ``run`` (a method named twice in ``--methods`` is two clusters, each
+    summed up on its own): each variant but the last against the last, per same/other "host" and size.
 
     The mean over the pairs of each pair's ratio and difference of medians (this variant over and minus the last),
     and how many pairs were at or below it: the table earlier sessions computed by hand from the log.
     """
     base = variants[-1]
+    rows = [r for r in rows if r.get("run", 0) == run]
     by = {(r["method"], r["src"], r["dst"], r["nbytes"]): r for r in rows}
     out = []
     for v in variants[:-1]:
@@ -338,6 +340,7 @@ def ab_summary(rows: list[dict[str, Any]], method: str, variants: list[str]) -> 
                     out.append(
                         {
                             "method": method,
+                            "run": run,
                             "variant": v,
                             "against": base,
                             "same_host": same,
@@ -454,7 +457,7 @@ def main() -> None:
     paths: dict[str, dict[str, dict[str, int]]] = {}
     timings: dict[str, dict[str, dict[str, Any]]] = {}
     gcs: dict[str, dict[str, dict[str, Any]]] = {}  # each worker's garbage collector at a method's start and end
-    for method in args.methods.split(","):
+    for run, method in enumerate(args.methods.split(",")):
         plugin = (
             GPUPool(
                 kind="device",
@@ -515,7 +518,7 @@ def main() -> None:
                                     samples[v].append(t)
                         for v, _ in variants:
                             name = f"{method}:{v}" if v else method
-                            row = {"method": name, "src": names[i], "dst": names[j], "nbytes": nbytes}
+                            row = {"method": name, "run": run, "src": names[i], "dst": names[j], "nbytes": nbytes}
                             row["same_host"] = layout[i][0] == layout[j][0]
                             row["transfer_s"] = statistics.median(samples[v]) if samples[v] else None
                             row["samples"] = samples[v]
@@ -536,7 +539,7 @@ def main() -> None:
                 paths[method] = {names[addrs.index(w)]: {k: int(got[w].get(k, 0)) for k in PATH_KEYS} for w in addrs}
                 timings[method] = {names[addrs.index(w)]: dict(got[w].get("timings", {})) for w in addrs}
         if len(variants) > 1:
-            done = ab_summary(rows, method, [v for v, _ in variants])
+            done = ab_summary(rows, method, [v for v, _ in variants], run)
             print(f"\n{method}: mean over pairs of each pair's ratio of medians", flush=True)
             _print_ab(done)
             summary.extend(done)

@@ -96,3 +96,7 @@ def test_ucx_pairs_summarizes_each_ab_variant_against_the_last_pair_by_pair():
     assert abs(other["ratio"] - 1.0) < 1e-12 and abs(other["diff_s"]) < 1e-12  # (1.5 + 0.5) / 2, (+1 - 1) / 2 ms
     assert same["pairs"] == 1 and same["at_or_below"] == 1 and abs(same["ratio"] - 0.5) < 1e-12
     assert len(summary) == 2
+    # the same method run again is another cluster: summed up on its own, never paired with the first's rows
+    again = [{**r, "run": 1} for r in rows[:2]] + [{**row("on", "w2", "w0", False, 0.0040), "run": 1}]
+    (second,) = [s for s in ab_summary(rows + again, "m-ab", ["on", "off"], run=1) if not s["same_host"]]
+    assert second["pairs"] == 1 and second["at_or_below"] == 0 and abs(second["ratio"] - 1.5) < 1e-12
