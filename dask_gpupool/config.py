@@ -247,9 +247,10 @@ class PoolOptions:
         zero-copy on one H100); ``pool``: allocations of the IPC-enabled
         pool, which a peer on another GPU can no longer read once their
         owner's process died. ``auto``: ``legacy`` on a worker that listens
-        over UCX (on one H100 other-"host" pool arrays then went 0.77-0.82x
-        of UCXX alone's path at 8 KiB-4 MiB against 0.89-0.97x with VMM
-        segments and the staging copy), else ``vmm``, each when the GPU
+        over UCX (on one H100 other-"host" pool arrays then went 0.76-0.85x
+        of UCXX alone's path at 8 KiB-4 MiB, every pair at or below, against
+        0.80-0.96x with VMM segments and the staging copy, one to three
+        pairs of eight above), else ``vmm``, each when the GPU
         supports it (else ``vmm``, then ``pool``).
     import_limit : int or None
         ``device`` pools: the largest CUDA allocation (a buffer, or the
