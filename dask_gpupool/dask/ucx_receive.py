@@ -26,7 +26,9 @@ is removed and ``device_array`` put back. No file descriptor is involved.
 ``auto`` stands aside where someone else chose RMM's resource (an RMM pool,
 ``cudaMallocAsync``, managed memory): that resource already serves the frames,
 and the user picked it. It takes over from this plugin's own resource
-(``gpupool.rmm-allocator: true``), whose VMM memory UCX receives into slowly.
+(``gpupool.rmm-allocator: true``), whose VMM segments UCX receives into slowly
+(legacy segments, which ``gpupool.segment-memory: auto`` makes on UCX workers,
+are not measured as a place to receive into).
 """
 
 from __future__ import annotations
