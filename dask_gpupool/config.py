@@ -249,10 +249,9 @@ class PoolOptions:
         owner's process died. ``auto``: ``legacy`` on a worker that listens
         over UCX (on one H100 other-"host" pool arrays then went 0.75-0.85x
         of UCXX alone's path at 8 KiB-4 MiB, every pair at or below in four
-        runs of five, against
-        0.80-0.96x with VMM segments and the staging copy, one to three
-        pairs of eight above), else ``vmm``, each when the GPU
-        supports it (else ``vmm``, then ``pool``).
+        runs of five, against 0.80-0.96x with VMM segments and the staging
+        copy, one to three pairs of eight above), else ``vmm``, each when the
+        GPU supports it (else ``vmm``, then ``pool``).
     import_limit : int or None
         ``device`` pools: the largest CUDA allocation (a buffer, or the
         segment it lies in) handed over zero-copy; larger ones are copied

@@ -26,9 +26,10 @@ with distributed-ucxx receiving into an RMM pool
 4 MiB took 0.75-0.85x of UCXX alone's time on one H100, every pair at or
 below in four clusters of five (one pair of eight above at 64 KiB in the
 fifth), where VMM segments and the staging copy took 0.80-0.96x with one to
-three pairs of eight above in each of five. Over TCP ``auto`` stays VMM (the same speed there,
-and the segments every two-GPU test ran with); ``legacy`` sets them anywhere.
-Single imports of 8 and 16 GiB segments completed on one H100 (no import limit).
+three pairs of eight above in each of five. Over TCP ``auto`` stays VMM (the
+same speed there, and the segments every two-GPU test ran with); ``legacy``
+sets them anywhere. Single imports of 8 and 16 GiB segments completed on one
+H100 (no import limit).
 
 Ownership
 ---------

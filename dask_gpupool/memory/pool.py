@@ -98,16 +98,16 @@ def _segment_memory(options: PoolOptions, ordinal: int, size: int, prefer_legacy
     """
     if not options.segment_size or options.segment_memory == "pool":
         return "pool", None
-    from dask_gpupool.memory.legacy import LegacyMemoryResource, legacy_supported
+    if options.segment_memory == "legacy" or (options.segment_memory == "auto" and prefer_legacy):
+        from dask_gpupool.memory.legacy import LegacyMemoryResource, legacy_supported
 
-    auto_legacy = options.segment_memory == "auto" and prefer_legacy and legacy_supported(ordinal)
-    if options.segment_memory == "legacy" or auto_legacy:
-        if not legacy_supported(ordinal):
+        if legacy_supported(ordinal):
+            return "legacy", LegacyMemoryResource(ordinal, size)
+        if options.segment_memory == "legacy":
             raise ConfigError(
                 f"gpupool.segment-memory='legacy': GPU {ordinal} does not share memory by IPC handles; "
                 "valid here: 'vmm', 'pool' (or 'auto')"
             )
-        return "legacy", LegacyMemoryResource(ordinal, size)
     from dask_gpupool.memory.vmm import VmmMemoryResource, vmm_supported
 
     if not vmm_supported(ordinal):
@@ -223,11 +223,6 @@ class Pool:
         self.uuid = str(resource.uuid)
         self._closed = False
         self._lock = threading.Lock()
-
-    @property
-    def vmm(self) -> bool:
-        """Buffers live in segments of VMM memory (``cuMemCreate``), which peers map by POSIX fd."""
-        return self.segment_memory == "vmm"
 
     @property
     def in_ipc_pool(self) -> bool:
