@@ -28,6 +28,7 @@ Reported:
 Writes JSON to ``chaos-*.json`` in ``$BENCH_RESULTS`` (default ``benchmarks/results/``) and ``$OUT``.
 
     python benchmarks/chaos.py [--seconds 600] [--workers 4] [--gpus -1] [--values pool,plain,forwarded]
+                               [--protocol tcp|ucxx]
         [--segment-memory legacy]
 """
 
@@ -294,7 +295,16 @@ def main() -> None:
         "--stage-threshold", default="1 MiB", help="gpupool.stage-threshold ('': auto: never on host pools)"
     )
     parser.add_argument(
-        "--segment-memory", default="", help="gpupool.segment-memory of device pools ('': auto, VMM; legacy; pool)"
+        "--segment-memory",
+        default="",
+        help="gpupool.segment-memory of device pools ('': auto, VMM over TCP and legacy over UCX; vmm; legacy; pool)",
+    )
+    parser.add_argument(
+        "--protocol",
+        default="tcp",
+        choices=["tcp", "ucxx"],
+        help="the workers' comm: ucxx (distributed-ucxx) hands pool memory over in UCX messages, on legacy IPC "
+        "segments at the default segment memory",
     )
     args = parser.parse_args()
     unknown = set(args.values.split(",")) - set(VALUES) - {""}
@@ -325,7 +335,14 @@ def main() -> None:
     }
     rng = random.Random(args.seed)
     result: dict[str, Any] = {"args": vars(args), "kind": kind, "gpus": gpus, "devices": local_devices().uuids}
-    with dask.config.set(config), nanny_cluster(worker_specs(args.workers, gpus), plugin) as client:
+    specs = worker_specs(args.workers, gpus)
+    cluster_options: dict[str, Any] = {}
+    if args.protocol == "ucxx":
+        ucx = ("create-cuda-context", "nvlink", "tcp", "cuda-copy")
+        config.update({f"distributed.comm.ucx.{k}": True for k in ucx})
+        specs = [{**spec, "protocol": "ucxx"} for spec in specs]
+        cluster_options["protocol"] = "ucxx"
+    with dask.config.set(config), nanny_cluster(specs, plugin, **cluster_options) as client:
         warm_all(client, args.nbytes)
         time.sleep(1)
         result["start"] = snapshot(client)
