@@ -234,8 +234,10 @@ def stats(client: Client) -> dict[str, dict[str, Any]]:
         ``segments_released`` (this pool's segments held and retired, and
         segment releases sent to peers), and ``routing`` (what allocates into
         the pool besides tasks' own calls: ``{"cupy": what and why}``, see
-        ``gpupool.cupy-allocator``; and ``"ucx-receive"``, where device
-        frames received over UCX go). A worker without a pool (its set-up
+        ``gpupool.cupy-allocator``; ``"rmm"`` and ``"staging"`` likewise;
+        ``"ucx-receive"``, where device frames received over UCX go; and
+        ``"segment-memory"``, what the pool's segments are made of and why,
+        see ``gpupool.segment-memory``). A worker without a pool (its set-up
         failed) is listed as ``{"error": why}``.
     """
     return _per_worker(client, _worker_handoff_stats)
