@@ -88,8 +88,7 @@ def test_config_values_and_overrides():
     assert options.tcp_landing == "auto"  # vkgdr where it runs (faster on an H100), pinned staging elsewhere
     assert PoolOptions.from_config(tcp_landing="pinned").tcp_landing == "pinned"
     assert PoolOptions.from_config(suballocator="arena").suballocator == "arena"
-    assert options.import_limit is None  # auto: none for VMM segments, 5 GiB for CUDA IPC pool memory
-    # auto: 5 GiB for allocations of CUDA's IPC pool, none for VMM or legacy IPC segments
+    assert options.import_limit is None  # auto: 5 GiB for allocations of CUDA's IPC pool, none for VMM or legacy ones
     assert (options.effective_import_limit(pool_memory=False), options.effective_import_limit(pool_memory=True)) == (
         0,
         5 << 30,
