@@ -350,7 +350,11 @@ def test_trim_frees_retired_segments_once_the_peer_let_go(memory):
         a, b = worker_addresses(c)
         made_of = "vmm" if memory == "auto" else memory
         why = dask_gpupool.stats(c)[a]["routing"]["segment-memory"]
-        want = "vmm (auto): this worker listens over TCP" if memory == "auto" else "legacy (gpupool.segment-memory)"
+        want = (
+            "legacy (gpupool.segment-memory)"
+            if memory == "legacy"
+            else "vmm (auto): this worker does not listen over UCX"
+        )
         assert why == want, why
         baseline = warm_up(c, a, b)
         # after a handoff each way, so that each worker's copy of the registry holds both rows (it is filled as

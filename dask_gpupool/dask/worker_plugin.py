@@ -54,6 +54,7 @@ from dask_gpupool.dask.device_objects import serializers_for
 from dask_gpupool.dask.task_events import TaskEvents, is_cupy_array
 from dask_gpupool.dask.views import pool_buffer_of
 from dask_gpupool.dask.worker_internals import (
+    SYNCHRONIZING_SCHEMES,
     count_own_memory_only,
     fill_after_read,
     install_get_data_hook,
@@ -134,12 +135,12 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
 
     async def _setup(self, worker: Worker) -> None:
         options = PoolOptions.from_config(**self.overrides)
-        over_tcp = _listens_over_tcp(worker)
+        over_tcp, over_ucx = _listens_over_tcp(worker), _listens_over_ucx(worker)
         # Over UCX, segments of legacy IPC memory go to other hosts as they are (no staging copy).
-        service = PoolService.start(options, worker.address, prefer_legacy=not over_tcp)
+        service = PoolService.start(options, worker.address, prefer_legacy=over_ucx)
         service.name = str(worker.name)
         pool = service.pool
-        service.routing["segment-memory"] = _segment_memory_line(options, pool.kind, pool.segment_memory, over_tcp)
+        service.routing["segment-memory"] = _segment_memory_line(options, pool.kind, pool.segment_memory, over_ucx)
         try:
             # An op the scheduler does not know would end this worker's stream: ask first, read-only.
             if await worker.scheduler.gpupool_pools() is None:  # Dask answers an unknown handler with None
@@ -418,7 +419,17 @@ def _listens_over_tcp(worker: Worker) -> bool:
         return True  # the thresholds of TCP: staging only ever uses the pool's own memory
 
 
-def _segment_memory_line(options: PoolOptions, kind: str, made_of: str, over_tcp: bool) -> str:
+def _listens_over_ucx(worker: Worker) -> bool:
+    """Whether ``worker``'s peers reach it over UCX (``ucx://``, ``ucxx://``)."""
+    from distributed.comm import parse_address
+
+    try:
+        return parse_address(worker.address)[0] in SYNCHRONIZING_SCHEMES
+    except Exception:
+        return False
+
+
+def _segment_memory_line(options: PoolOptions, kind: str, made_of: str, over_ucx: bool) -> str:
     """``stats()["routing"]["segment-memory"]``: what a ``kind`` pool's segments are made of (``made_of``), and why."""
     if kind != "device":
         return f"none: a {kind} pool has no segments"
@@ -428,7 +439,7 @@ def _segment_memory_line(options: PoolOptions, kind: str, made_of: str, over_tcp
         return f"{made_of} (gpupool.segment-memory)"
     if made_of == "legacy":
         return "legacy (auto): this worker listens over UCX, which sends legacy IPC memory with no staging copy"
-    why = "this worker listens over TCP" if over_tcp else "this GPU shares no memory by IPC handle"
+    why = "this GPU shares no memory by IPC handle" if over_ucx else "this worker does not listen over UCX"
     if made_of == "vmm":
         return f"vmm (auto): {why}"
     return f"pool (auto): {why}, and exports no virtual memory as POSIX fds"

@@ -118,13 +118,13 @@ def test_the_segment_memory_line_says_what_segments_are_made_of_and_why():
     from dask_gpupool.dask.worker_plugin import _segment_memory_line
 
     auto = PoolOptions.from_config()
-    assert _segment_memory_line(auto, "device", "legacy", False).startswith(
+    assert _segment_memory_line(auto, "device", "legacy", True).startswith(
         "legacy (auto): this worker listens over UCX"
     )
-    assert _segment_memory_line(auto, "device", "vmm", True) == "vmm (auto): this worker listens over TCP"
-    assert _segment_memory_line(auto, "device", "vmm", False) == "vmm (auto): this GPU shares no memory by IPC handle"
-    assert _segment_memory_line(auto, "host", "pool", True) == "none: a host pool has no segments"
+    assert _segment_memory_line(auto, "device", "vmm", False) == "vmm (auto): this worker does not listen over UCX"
+    assert _segment_memory_line(auto, "device", "vmm", True) == "vmm (auto): this GPU shares no memory by IPC handle"
+    assert _segment_memory_line(auto, "host", "pool", False) == "none: a host pool has no segments"
     legacy = PoolOptions.from_config(segment_memory="legacy")
-    assert _segment_memory_line(legacy, "device", "legacy", True) == "legacy (gpupool.segment-memory)"
+    assert _segment_memory_line(legacy, "device", "legacy", False) == "legacy (gpupool.segment-memory)"
     unsegmented = PoolOptions.from_config(segment_size=0)
-    assert _segment_memory_line(unsegmented, "device", "pool", True).startswith("pool: gpupool.segment-size is 0")
+    assert _segment_memory_line(unsegmented, "device", "pool", False).startswith("pool: gpupool.segment-size is 0")
