@@ -11,16 +11,19 @@ O=${OUT:-/tmp/gpu-suite-out}
 mkdir -p "$O"
 # The gpu part's pytest took 452 s on one H100 in the twenty-seventh session and passed 480 s in the twenty-eighth
 # (two more UCX tests): it gets 540 s, the demo and the example the rest of the call.
-# HALF=a runs only the gpu tests that do not use UCX (with the demo and the example), HALF=b the UCX ones beside
-# the two CPU parts: two calls, for when the whole gpu part would not end within one (the twenty-ninth session's
-# 124 gpu tests).
+# The gpu part in pieces, one device call each, for when it would not end within one (the twenty-ninth session's
+# 125 gpu tests): HALF=a runs the gpu tests that use neither UCX nor two GPUs (with the demo and the example; 461 s
+# on one H100), HALF=c the ones that need two GPUs and not UCX (43 tests, all skipped on one GPU), HALF=b the UCX
+# ones beside the two CPU parts.
+TWO_GPUS="(two-gpus or two_gpus or across_gpus or another_gpu or per_gpu or rotated_visible or not_visible_to)"
 GPU_K="test_gpu"
-[ "${HALF:-}" = a ] && GPU_K="test_gpu and not ucx"
+[ "${HALF:-}" = a ] && GPU_K="test_gpu and not ucx and not $TWO_GPUS"
+[ "${HALF:-}" = c ] && GPU_K="test_gpu and not ucx and $TWO_GPUS"
 [ "${HALF:-}" = b ] && GPU_K="test_gpu and ucx"
-(OUT=$O/gpu PART=tests PYTEST_K="$GPU_K" DEMO=$([ "${HALF:-}" = b ] && echo 0 || echo 1) DEADLINE=592 PYTEST_TIMEOUT=540 \
+(OUT=$O/gpu PART=tests PYTEST_K="$GPU_K" DEMO=$(case "${HALF:-}" in b|c) echo 0;; *) echo 1;; esac) DEADLINE=592 PYTEST_TIMEOUT=540 \
    bash scripts/gpu-check.sh > "$O/gpu.txt" 2>&1; echo $? > "$O/gpu.rc") &
 PARTS="gpu"
-if [ "${HALF:-}" != a ]; then
+if [ "${HALF:-}" != a ] && [ "${HALF:-}" != c ]; then
   PARTS="gpu handoff rest"
   (OUT=$O/handoff PART=tests DEMO=0 PYTEST_K="not test_gpu" PYTEST_PATHS=tests/handoff bash scripts/gpu-check.sh > "$O/handoff.txt" 2>&1
    echo $? > "$O/handoff.rc") &
