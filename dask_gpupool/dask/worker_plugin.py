@@ -54,14 +54,13 @@ from dask_gpupool.dask.device_objects import serializers_for
 from dask_gpupool.dask.task_events import TaskEvents, is_cupy_array
 from dask_gpupool.dask.views import pool_buffer_of
 from dask_gpupool.dask.worker_internals import (
-    SYNCHRONIZING_SCHEMES,
     count_own_memory_only,
     fill_after_read,
     install_get_data_hook,
     install_lease_query_handler,
 )
 from dask_gpupool.errors import PoolUnavailableError, ProtocolError
-from dask_gpupool.handoff.routing import TCP_SCHEMES
+from dask_gpupool.handoff.routing import TCP_SCHEMES, UCX_SCHEMES
 from dask_gpupool.handoff.service import PoolService
 from dask_gpupool.memory.topology import current_gpu, sleeping_event
 from dask_gpupool.ops import metrics as _metrics
@@ -135,7 +134,9 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
 
     async def _setup(self, worker: Worker) -> None:
         options = PoolOptions.from_config(**self.overrides)
-        over_tcp, over_ucx = _listens_over_tcp(worker), _listens_over_ucx(worker)
+        scheme = _listen_scheme(worker)
+        # An unknown scheme gets TCP's thresholds (staging only ever uses the pool's own memory), not UCX's choices.
+        over_tcp, over_ucx = scheme is None or scheme in TCP_SCHEMES, scheme in UCX_SCHEMES
         # Over UCX, segments of legacy IPC memory go to other hosts as they are (no staging copy).
         service = PoolService.start(options, worker.address, prefer_legacy=over_ucx)
         service.name = str(worker.name)
@@ -191,7 +192,7 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
                 why += f"; replaced {replaced}" if replaced else ""
             service.routing["cupy"] = why
         self._install_rmm(service, options)
-        self._install_receive(worker, service, options)
+        self._install_receive(over_ucx, service, options)
         # A full pool reclaims large buffers' spares that peers map: its changed row goes out on this worker's
         # stream (the scheduler takes row changes only from their worker), from the event loop.
         service.reclaim_through(lambda: worker.loop.add_callback(self._send_row, worker, service))
@@ -221,9 +222,9 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
             why += f"; replaced {replaced}" if replaced else ""
         service.routing["rmm"] = why
 
-    def _install_receive(self, worker: Worker, service: PoolService, options: PoolOptions) -> None:
+    def _install_receive(self, over_ucx: bool, service: PoolService, options: PoolOptions) -> None:
         """``gpupool.ucx-receive-pool``: distributed-ucxx receives device frames into an RMM pool; why in stats()."""
-        module = None if _listens_over_tcp(worker) else _receive.comm_module()
+        module = _receive.comm_module() if over_ucx else None
         resource = None
         if module is not None and service.pool.kind == "device":
             routed = self._rmm_previous is not None  # RMM's resource is this pool's own (gpupool.rmm-allocator)
@@ -409,24 +410,14 @@ def service_of(worker: Worker) -> PoolService:
     return service
 
 
-def _listens_over_tcp(worker: Worker) -> bool:
-    """Whether ``worker``'s peers reach it over TCP or TLS (else UCX, or in-process)."""
+def _listen_scheme(worker: Worker) -> str | None:
+    """The scheme of the comm ``worker``'s peers reach it over (``"tcp"``, ``"ucxx"``, ...); ``None`` if unknown."""
     from distributed.comm import parse_address
 
     try:
-        return parse_address(worker.address)[0] in TCP_SCHEMES
+        return str(parse_address(worker.address)[0])
     except Exception:
-        return True  # the thresholds of TCP: staging only ever uses the pool's own memory
-
-
-def _listens_over_ucx(worker: Worker) -> bool:
-    """Whether ``worker``'s peers reach it over UCX (``ucx://``, ``ucxx://``)."""
-    from distributed.comm import parse_address
-
-    try:
-        return parse_address(worker.address)[0] in SYNCHRONIZING_SCHEMES
-    except Exception:
-        return False
+        return None
 
 
 def _segment_memory_line(options: PoolOptions, kind: str, made_of: str, over_ucx: bool) -> str:

@@ -16,13 +16,15 @@ from typing import NamedTuple
 
 from dask_gpupool.wire.registry import PoolRecord
 
-__all__ = ["HANDOFF_SCHEMES", "TCP_SCHEMES", "Route", "host_of", "plain_copy_reason", "route"]
+__all__ = ["HANDOFF_SCHEMES", "TCP_SCHEMES", "UCX_SCHEMES", "Route", "host_of", "plain_copy_reason", "route"]
 
 #: Comms whose frames go through host memory (Dask's TCP, and TLS over it); UCX carries device frames itself.
 TCP_SCHEMES = ("tcp", "tls")
+#: Comms over UCX (distributed-ucxx serves both), which carry device frames GPU to GPU.
+UCX_SCHEMES = ("ucx", "ucxx")
 #: Comms over which a same-host worker gets IPC descriptors: the bytes of a descriptor travel in
 #: Dask's frames, so any comm that carries frames between processes would do; these are the ones tested.
-HANDOFF_SCHEMES = (*TCP_SCHEMES, "ucx", "ucxx")
+HANDOFF_SCHEMES = (*TCP_SCHEMES, *UCX_SCHEMES)
 
 
 class Route(NamedTuple):
