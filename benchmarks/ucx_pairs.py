@@ -533,11 +533,12 @@ def main() -> None:
                                 flush=True,
                             )
             gc_end = c.run(_gc_state)
-            gcs[method] = {names[addrs.index(w)]: {"start": gc_start[w], "end": gc_end[w]} for w in addrs}
+            cluster = method if args.methods.split(",").count(method) == 1 else f"{method}#{run}"  # named twice
+            gcs[cluster] = {names[addrs.index(w)]: {"start": gc_start[w], "end": gc_end[w]} for w in addrs}
             if plugin is not None:
                 got = c.run(T.handoff_counters)
-                paths[method] = {names[addrs.index(w)]: {k: int(got[w].get(k, 0)) for k in PATH_KEYS} for w in addrs}
-                timings[method] = {names[addrs.index(w)]: dict(got[w].get("timings", {})) for w in addrs}
+                paths[cluster] = {names[addrs.index(w)]: {k: int(got[w].get(k, 0)) for k in PATH_KEYS} for w in addrs}
+                timings[cluster] = {names[addrs.index(w)]: dict(got[w].get("timings", {})) for w in addrs}
         if len(variants) > 1:
             done = ab_summary(rows, method, [v for v, _ in variants], run)
             print(f"\n{method}: mean over pairs of each pair's ratio of medians", flush=True)
