@@ -20,10 +20,13 @@ GPU_K="test_gpu"
 [ "${HALF:-}" = a ] && GPU_K="test_gpu and not ucx and not $TWO_GPUS"
 [ "${HALF:-}" = c ] && GPU_K="test_gpu and not ucx and $TWO_GPUS"
 [ "${HALF:-}" = b ] && GPU_K="test_gpu and ucx"
-(OUT=$O/gpu PART=tests PYTEST_K="$GPU_K" DEMO=$(case "${HALF:-}" in b|c) echo 0;; *) echo 1;; esac) DEADLINE=592 PYTEST_TIMEOUT=540 \
+# HALF=two: every gpu test that needs two GPUs, UCX or not, and no CPU part: for a two-GPU machine whose one-GPU
+# cases already passed at the same package code on one GPU (the thirtieth session's plan; 52 tests).
+[ "${HALF:-}" = two ] && GPU_K="test_gpu and $TWO_GPUS"
+(OUT=$O/gpu PART=tests PYTEST_K="$GPU_K" DEMO=$(case "${HALF:-}" in b|c|two) echo 0;; *) echo 1;; esac) DEADLINE=592 PYTEST_TIMEOUT=540 \
    bash scripts/gpu-check.sh > "$O/gpu.txt" 2>&1; echo $? > "$O/gpu.rc") &
 PARTS="gpu"
-if [ "${HALF:-}" != a ] && [ "${HALF:-}" != c ]; then
+if [ "${HALF:-}" != a ] && [ "${HALF:-}" != c ] && [ "${HALF:-}" != two ]; then
   PARTS="gpu handoff rest"
   (OUT=$O/handoff PART=tests DEMO=0 PYTEST_K="not test_gpu" PYTEST_PATHS=tests/handoff bash scripts/gpu-check.sh > "$O/handoff.txt" 2>&1
    echo $? > "$O/handoff.rc") &
