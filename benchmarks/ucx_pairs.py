@@ -36,6 +36,10 @@ to back: what a send from a new address inside an allocation UCX already exporte
 ``-region-ab``: a CuPy array at the start of one 1 GiB ``cuMemAlloc`` allocation made through ``cuda.bindings``
 outside every pool, ``:driver``, against one from CuPy's own pool, ``:plain``: both plain arrays to the plugin, so
 only the memory differs).
+``ucxx+gpupool-handoffalone-ab`` (one cluster, pool arrays, every sample taken three ways back to back: ``:handoff``,
+the plugin at its defaults; ``:frames``, the same with ``gpupool.ucx-handoff-threshold`` above every size, so a
+same-"host" pair gets the pool buffer's device frames, which on legacy IPC segments UCX sends with no staging copy;
+and ``:alone``, UCXX alone's path as in ``-alone-ab``): below what size is the handoff slower than UCX's own copy?
 ``ucxx+gpupool-recvrmm-ab`` (an experiment, one cluster, pool arrays: every sample taken four ways back to back,
 the plugin with distributed-ucxx receiving device frames into ``rmm.DeviceBuffer`` from an RMM pool over
 ``cudaMalloc`` (``:rmmpool``), from RMM's ``cudaMallocAsync`` resource (``:rmmasync``), from RMM's current resource
@@ -168,6 +172,13 @@ def _set_inline(on: bool) -> None:
     )
     worker_internals.INLINE_MAX_VALUES = saved[0] if on else 0
     device_frames.SYNCHRONIZING_SCHEMES = saved[1] if on else frozenset()
+
+
+def _set_handoff_threshold(nbytes: int) -> None:
+    """On a worker: the ``-handoffalone-ab`` switch, its pool service's ``gpupool.ucx-handoff-threshold`` (pool
+    values under ``nbytes`` go to a same-"host" worker as device frames instead of a descriptor; 0: every size
+    handed over)."""
+    _set_options(ucx_handoff_threshold=nbytes)
 
 
 def _set_host_frames(below: int) -> None:
@@ -403,6 +414,13 @@ def _variants(method: str, max_bytes: int) -> list[tuple[str, dict[str, Any]]]:
         return [("rotating", {"region": True}), ("fixed", {"region": False})]
     if method.endswith("-pool-ab"):
         return [("pool", {}), ("plain", {"outside": True})]
+    if method.endswith("-handoffalone-ab"):
+        alone = {"off": ["get_data", "serializers"], "outside": True, "receive": "default", "handoff_below": 0}
+        return [
+            ("handoff", {"off": [], "receive": "plugin", "handoff_below": 0}),
+            ("frames", {"off": [], "receive": "plugin", "handoff_below": 2 * max_bytes}),
+            ("alone", alone),
+        ]
     if method.endswith("-alone-ab"):
         alone = {"off": ["get_data", "serializers"], "outside": True, "receive": "default"}
         return [("plugin", {"off": [], "receive": "plugin"}), ("alone", alone)]
@@ -494,6 +512,8 @@ def main() -> None:
                                     c.run(_set_inline, settings["inline"])
                                 if "host_below" in settings:
                                     c.run(_set_host_frames, settings["host_below"])
+                                if "handoff_below" in settings:
+                                    c.run(_set_handoff_threshold, settings["handoff_below"])
                                 if "receive" in settings:
                                     c.run(_set_receive, settings["receive"])
                                 if "region" in settings:
