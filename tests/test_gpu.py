@@ -441,6 +441,46 @@ def test_legacy_ipc_memory_resource_allocates_names_and_bounds_its_memory():
         res.allocate(MiB)
 
 
+def test_a_legacy_ipc_handle_given_for_a_larger_segment_than_its_allocation_is_refused():
+    """``LegacyMapping.open`` maps what the handle names, whatever extent the descriptor says: a handle of a 4 MiB
+    allocation (made in another process, as a peer's segment is) opens as a 4 MiB segment, and given for a 1 GiB
+    one it is a ProtocolError with the mapping closed again, so no buffer past the allocation's end is made (found
+    by a review of bad input, thirtieth session)."""
+    gpus(1)
+    import subprocess
+    import sys
+
+    from cuda.core import Device
+
+    from dask_gpupool.memory.legacy import LegacyMapping, legacy_supported
+
+    Device(0).set_current()
+    if not legacy_supported(0):
+        pytest.skip("GPU 0 does not share memory by IPC handles")
+    code = (
+        "import sys\n"
+        "from cuda.core import Device\n"
+        "from dask_gpupool.memory.legacy import LegacyMemoryResource, legacy_payload\n"
+        "Device(0).set_current()\n"
+        "buf = LegacyMemoryResource(0, 64 << 20).allocate(4 << 20)\n"
+        "print(legacy_payload(buf).hex(), flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    owner = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        payload = bytes.fromhex(owner.stdout.readline().strip())
+        good = LegacyMapping.open(payload, 4 * MiB, 0)
+        assert good.size == 4 * MiB
+        good.close()
+        with pytest.raises(dask_gpupool.ProtocolError, match="4194304-byte allocation given for a segment of"):
+            LegacyMapping.open(payload, 1 << 30, 0)
+        again = LegacyMapping.open(payload, 2 * MiB, 0)  # closed after the refusal: opens again
+        again.close()
+    finally:
+        owner.stdin.close()
+        assert owner.wait(timeout=60) == 0
+
+
 def dask_cuda_cluster(placement: str, **options: Any) -> Any:
     """dask-cuda's ``LocalCUDACluster`` with two workers: one per GPU (``two-gpus``, dask-cuda's own layout), or
     both on GPU 0 (``one-gpu``: dask-cuda names each worker after its GPU and makes one per GPU, so the second is

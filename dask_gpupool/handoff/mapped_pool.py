@@ -226,7 +226,9 @@ class MappedPool:
         Raises
         ------
         ProtocolError
-            If the descriptor does not fit this pool.
+            If the descriptor does not fit this pool, or lies past the end of
+            a segment already mapped here (whose bounds are its mapping's,
+            whatever extent the descriptor says).
         """
         if desc.extent:
             return self._acquire_segment(desc, claimed, segment_fd)
@@ -269,6 +271,11 @@ class MappedPool:
                 elif seg is None and not vmm:
                     seg = self._segments[desc.segment] = [self._import(desc.payload, desc.extent), 0, desc.segment, 0]
                 if seg is not None:
+                    if desc.offset + desc.size > int(seg[0].size):  # its mapping's bounds, not the descriptor's
+                        raise ProtocolError(
+                            f"buffer of {desc.size} bytes at offset {desc.offset} lies past the end of segment "
+                            f"{desc.segment} of pool {self.record.pool} ({int(seg[0].size)} bytes mapped here)"
+                        )
                     seg[1] += 1
                     seg[3] += int(claimed)
                     self.imports += 1

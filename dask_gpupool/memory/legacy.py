@@ -52,7 +52,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from dask_gpupool.errors import GPUPoolError, PeerAccessError
+from dask_gpupool.errors import GPUPoolError, PeerAccessError, ProtocolError
 from dask_gpupool.memory.driver_segments import SegmentMapping, SegmentMemory, check, driver
 from dask_gpupool.memory.topology import current_gpu
 
@@ -166,6 +166,10 @@ class LegacyMapping(SegmentMapping):
         PeerAccessError
             If the driver refuses to open the handle (no peer access, a
             handle of this process, freed memory).
+        ProtocolError
+            If the allocation the handle names is smaller than ``size`` (the
+            extent a descriptor said): the mapping is closed again, so no
+            buffer past its end is ever made.
         """
         if len(payload) != HANDLE_BYTES:
             raise ValueError(f"an IPC handle is {HANDLE_BYTES} bytes, got {len(payload)}")
@@ -174,7 +178,14 @@ class LegacyMapping(SegmentMapping):
         handle.reserved = payload
         err, ptr = d.cuIpcOpenMemHandle(handle, d.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
         check(err, "cuIpcOpenMemHandle", PeerAccessError)
-        return cls(int(ptr), size, device)
+        mapping = cls(int(ptr), size, device)
+        err, base, mapped = d.cuMemGetAddressRange(ptr)  # the allocation's own bounds, not the descriptor's
+        if err != d.CUresult.CUDA_SUCCESS or int(base) != int(ptr) or int(mapped) < size:
+            mapping.close()
+            raise ProtocolError(
+                f"an IPC handle of a {int(mapped)}-byte allocation given for a segment of {size} bytes ({err!r})"
+            )
+        return mapping
 
     def _unmap(self) -> None:
         """Close the mapping (``cuIpcCloseMemHandle``; errors logged)."""

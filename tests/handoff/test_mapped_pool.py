@@ -88,3 +88,23 @@ def test_a_legacy_ipc_segment_needs_its_handle_and_a_gpu_and_comes_only_as_a_seg
     with pytest.raises(ProtocolError, match="segments of legacy IPC memory only"):
         m.import_buffer(BufferDescriptor(legacy.pool, 4096, b"\1" * 64))
     assert m.imports == 0 and m.segments == 0
+
+
+def test_a_descriptor_past_the_end_of_a_segment_mapped_here_is_refused():
+    """The bounds of a segment already mapped are those of its mapping, not the extent a later descriptor claims:
+    a descriptor naming the same segment id with a larger extent and an offset past the mapping is a ProtocolError,
+    and the segment's users are not counted up (found by a review of bad input, thirtieth session)."""
+    import pytest
+
+    from dask_gpupool.errors import ProtocolError
+    from dask_gpupool.wire.handoff import BufferDescriptor
+
+    m = mapped_with((3, 0, 0))  # segment 3 mapped here: 4096 bytes
+    inside = BufferDescriptor(RECORD.pool, 1024, b"\1" * 64, 3072, 4096, 3)
+    key, raw, ptr = m.acquire(inside)
+    assert ptr + inside.size <= int(raw.handle) + int(raw.size)
+    for offset, size, extent in ((1 << 28, 1 << 20, 1 << 29), (4096, 1, 8192), (3072, 2048, 8192)):
+        with pytest.raises(ProtocolError, match="past the end of segment 3"):
+            m.acquire(BufferDescriptor(RECORD.pool, size, b"\1" * 64, offset, extent, 3))
+    assert m._segments[3][1] == 1 and m.imports == 1  # only the good import counted
+    assert m.unshare(key)[0] is None  # still mapped: not retired
