@@ -32,6 +32,7 @@ gone does it raise :class:`~dask_gpupool.DataLostError` naming pool and worker.
 from __future__ import annotations
 
 import logging
+import traceback
 from typing import Any
 
 from cuda.core import Buffer
@@ -226,10 +227,17 @@ def loads_array(header: dict[str, Any], frames: list[Any], previous: Any) -> Any
         if meta is None:
             raise ProtocolError("handoff header of an array carries no array shape")
         buf = _receive(h, frames, "device" if meta.module == "cupy" else "host")
+        return _array_over(h, meta, buf)  # an array that does not fit the buffer is lost too
     except DataLostError:
         raise
     except Exception as e:
+        buf = None
+        traceback.clear_frames(e.__traceback__)  # an import goes now (its lease with it), not with the traceback
         raise _lost(header[KEY], e) from e
+
+
+def _array_over(h: HandoffHeader, meta: ArrayMeta, buf: Buffer) -> Any:
+    """The NumPy or CuPy array ``meta`` describes over ``buf`` (owned by the array from then on)."""
     if meta.module == "numpy" or buf.is_device_accessible:
         arr = as_array(buf, meta.shape, meta.dtype, meta.strides, meta.offset, like=meta.module)
         if h.path == "ipc" and meta.module == "numpy":

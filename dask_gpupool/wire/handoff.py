@@ -8,6 +8,7 @@ the lease, a :class:`BufferDescriptor` of the memory and the
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -108,6 +109,10 @@ class BufferDescriptor:
         )
 
 
+#: ``numpy.dtype.str`` of a plain dtype: byte order, kind (never ``O``, Python objects), item size, a datetime unit.
+_PLAIN_DTYPE = re.compile(r"[<>|][biufcmMSUV][0-9]{1,9}(\[[0-9]{0,9}[a-zA-Z]{1,2}\])?")
+
+
 @dataclass(frozen=True)
 class ArrayMeta:
     """Shape of an array view over a handed-over buffer.
@@ -157,7 +162,7 @@ class ArrayMeta:
         if any(x < 0 for x in shape):
             raise ProtocolError(f"{what}: negative extent")
         dtype = field_of(m, "dtype", str, what)
-        if len(dtype) > 16 or "O" in dtype:
+        if not _PLAIN_DTYPE.fullmatch(dtype):
             raise ProtocolError(f"{what}: dtype {dtype!r} is not a plain dtype")
         offset = field_of(m, "offset", int, what)
         if offset < 0:

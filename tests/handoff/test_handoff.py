@@ -348,6 +348,28 @@ def test_malformed_handoff_header_is_a_protocol_error(bad):
     assert isinstance(info.value.__cause__, dask_gpupool.ProtocolError)
 
 
+@pytest.mark.parametrize(
+    "shape, strides, offset",
+    [((1000,), (8,), 0), ((2,), (8,), 8), ((2, 2), (8, -8), 0), ((3,), (16,), 0)],
+    ids=["past-the-end", "offset-past-the-end", "negative-stride-before-the-start", "stride-past-the-end"],
+)
+def test_an_array_header_that_does_not_fit_its_buffer_is_data_lost(shape, strides, offset):
+    """An array header that passes the wire check but does not fit the buffer it came with is raised as a
+    DataLostError like every other failure to receive (so Dask fetches again and the comm is not left waiting),
+    never as NumPy's own ValueError (bad-input review, thirtieth session)."""
+    from dask_gpupool.dask.serializers import KEY, loads_array
+    from dask_gpupool.wire.handoff import ArrayMeta, HandoffHeader
+
+    meta = ArrayMeta("numpy", shape, strides, "<f8", offset)
+    header = {KEY: HandoffHeader("copy", "host", 16, exporter="tcp://127.0.0.1:1", array=meta).to_msg()}
+    with pytest.raises(dask_gpupool.DataLostError, match=r"tcp://127\.0\.0\.1:1 could not be received") as info:
+        loads_array(header, [b"\0" * 16], lambda header, frames: None)
+    assert isinstance(info.value.__cause__, (dask_gpupool.GPUPoolError, ValueError))
+    good = ArrayMeta("numpy", (2,), (8,), "<f8")
+    header = {KEY: HandoffHeader("copy", "host", 16, exporter="tcp://127.0.0.1:1", array=good).to_msg()}
+    assert loads_array(header, [b"\0" * 16], lambda header, frames: None).tolist() == [0.0, 0.0]
+
+
 def test_handoff_replies_skip_the_offload_thread_and_copies_keep_it():
     """Dask offloads serializing any reply over 10 MiB (by sizeof) to a thread; a reply of
     descriptors only is serialized on the event loop (0.5 ms less per transfer)."""

@@ -22,7 +22,7 @@ from dask_gpupool.wire.broker import (
     raise_for_error,
 )
 from dask_gpupool.wire.codec import MAX_MESSAGE_BYTES, decode, encode
-from dask_gpupool.wire.handoff import BufferDescriptor, HandoffHeader, LeaseQuery, LeaseQueryReply
+from dask_gpupool.wire.handoff import ArrayMeta, BufferDescriptor, HandoffHeader, LeaseQuery, LeaseQueryReply
 from dask_gpupool.wire.registry import PoolRecord, RegistryUpdate
 from dask_gpupool.wire.stream import PullReply, PullRequest
 
@@ -233,6 +233,21 @@ def test_malformed_record_is_a_protocol_error(change):
 def test_malformed_descriptor_is_a_protocol_error(msg):
     with pytest.raises(ProtocolError):
         BufferDescriptor.from_msg(msg)
+
+
+@pytest.mark.parametrize("dtype", ["object", "zz", "|O", "<f", "f8", "<f8 ", "<M8[ns", "", "<" + "f" * 15])
+def test_an_array_header_takes_only_plain_dtype_strings(dtype):
+    """``numpy.dtype.str`` of a plain dtype (byte order, kind, item size, a datetime unit); anything else, Python
+    objects above all, is a ProtocolError before NumPy or CuPy sees it (bad-input review, thirtieth session)."""
+    meta = {"module": "numpy", "shape": [2], "strides": [8], "dtype": dtype, "offset": 0}
+    with pytest.raises(ProtocolError, match="not a plain dtype"):
+        ArrayMeta.from_msg(meta)
+
+
+@pytest.mark.parametrize("dtype", ["<f8", "|b1", "<c16", "<M8[ns]", "<m8[s]", "|V16", "<U5", "|S3", ">i2", "|u1"])
+def test_an_array_header_round_trips_plain_dtypes(dtype):
+    meta = ArrayMeta("numpy", (2,), (8,), dtype)
+    assert ArrayMeta.from_msg(meta.to_msg()) == meta
 
 
 def test_decode_refuses_garbage_and_oversized_messages():
