@@ -481,6 +481,28 @@ def test_a_legacy_ipc_handle_given_for_a_larger_segment_than_its_allocation_is_r
         assert owner.wait(timeout=60) == 0
 
 
+def test_a_received_device_frame_is_taken_at_its_own_size():
+    """On a GPU, the frames distributed-ucxx receives (a CuPy byte array, an ``rmm.DeviceBuffer``) give a Buffer of
+    their own size; a header that says another size is a ProtocolError (bad-input review, thirtieth session)."""
+    gpus(1)
+    import cupy
+
+    from dask_gpupool.dask.device_frames import _cuda_deserialize_buffer
+
+    frames: list[Any] = [cupy.arange(16, dtype="u1")]
+    try:
+        import rmm
+
+        frames.append(rmm.DeviceBuffer(size=16))
+    except ImportError:
+        pass
+    for frame in frames:
+        buf = _cuda_deserialize_buffer({"nbytes": 16}, [frame])
+        assert buf.size == 16 and int(buf.handle) == int(frame.__cuda_array_interface__["data"][0])
+        with pytest.raises(dask_gpupool.ProtocolError, match="a device frame of 16 bytes"):
+            _cuda_deserialize_buffer({"nbytes": 1 << 30}, [frame])
+
+
 def dask_cuda_cluster(placement: str, **options: Any) -> Any:
     """dask-cuda's ``LocalCUDACluster`` with two workers: one per GPU (``two-gpus``, dask-cuda's own layout), or
     both on GPU 0 (``one-gpu``: dask-cuda names each worker after its GPU and makes one per GPU, so the second is

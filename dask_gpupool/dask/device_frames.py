@@ -189,11 +189,27 @@ def _cuda_deserialize_buffer(header: dict[str, Any], frames: list[Any]) -> Buffe
         return deserialize_buffer(header, frames)
     if HOST_FRAME_KEY in header:
         return _buffer_from_host_frame(header, frames)
-    (frame,) = frames
-    nbytes = int(header["nbytes"])
-    ptr = int(frame.__cuda_array_interface__["data"][0])
+    try:
+        (frame,) = frames
+        nbytes = int(header["nbytes"])
+        size = _frame_nbytes(frame)
+        if size != nbytes:  # the frame's own size bounds the Buffer, whatever the header says
+            raise ValueError(f"a device frame of {size} bytes")
+        ptr = int(frame.__cuda_array_interface__["data"][0])
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        raise ProtocolError(f"malformed device-frame header {header!r}: {e}") from e
     _count_device_frames(nbytes, staged=False, out=False)
     return Buffer.from_handle(ptr, nbytes, owner=frame)
+
+
+def _frame_nbytes(frame: Any) -> int:
+    """Bytes of a received device frame, from its ``__cuda_array_interface__`` (shape and item size; an
+    ``rmm.DeviceBuffer``, a CuPy array or a :class:`_DeviceFrame`)."""
+    cai = frame.__cuda_array_interface__
+    count = 1
+    for extent in cai["shape"]:
+        count *= int(extent)
+    return count * int(cai["typestr"][2:])
 
 
 def cuda_dumps_cupy(x: Any, previous: Any) -> tuple[dict[str, Any], list[Any]]:

@@ -69,3 +69,21 @@ def test_install_and_uninstall_put_back_only_what_was_there():
     ucx_receive.install(module, later)
     ucx_receive.uninstall(module, pool, own)  # not pool's any more: left as it is
     assert module.device_array.__self__ is later and later.fallback.__self__ is pool
+
+
+@pytest.mark.parametrize("header", [{"nbytes": 1 << 30}, {"nbytes": 15}, {"nbytes": -1}, {}, {"nbytes": "x"}])
+def test_a_device_frame_whose_header_says_another_size_is_a_protocol_error(header):
+    """A UCX device frame is taken at the size it has, never at the size its header says: a header that names
+    another size (or none) is a ProtocolError, as for host frames, and no Buffer past the frame's end is made
+    (bad-input review, thirtieth session). The frame is the plugin's own ``_DeviceFrame`` (what the receive pool
+    gives distributed-ucxx) over host memory: the check runs before any CUDA call."""
+    import ctypes
+
+    from dask_gpupool import ProtocolError
+    from dask_gpupool.dask.device_frames import _cuda_deserialize_buffer, _DeviceFrame
+
+    memory = ctypes.create_string_buffer(16)
+    frame = _DeviceFrame(ctypes.addressof(memory), 16, memory)
+    with pytest.raises(ProtocolError, match="device-frame header"):
+        _cuda_deserialize_buffer(header, [frame])
+    assert _cuda_deserialize_buffer({"nbytes": 16}, [frame]).size == 16
