@@ -236,13 +236,24 @@ class SharedHostMemoryResource(HostOnlyResource):
         -------
         SharedHostMemoryResource
             A mapped resource: it imports buffers and cannot allocate.
+
+        Raises
+        ------
+        ProtocolError
+            If the fd is not a pool this process can map for reading and
+            writing (empty, or sealed against writes).
         """
         size = os.fstat(alloc_handle).st_size
         if size <= 0:
             raise ProtocolError(f"fd {alloc_handle} is not a shared memory pool (size {size})")
         self = cls.__new__(cls)
-        self._init_mapping(os.dup(alloc_handle), size, mapped=True)
-        os.close(self._fd)  # the mapping stays valid; the dup is not needed
+        fd = os.dup(alloc_handle)
+        try:
+            self._init_mapping(fd, size, mapped=True)
+        except (OSError, ValueError) as e:  # e.g. a memfd sealed against writes
+            raise ProtocolError(f"fd {alloc_handle} cannot be mapped as a shared memory pool: {e}") from e
+        finally:
+            os.close(fd)  # the mapping stays valid without it
         self._fd = -1
         self._arena = None
         self._uuid = None

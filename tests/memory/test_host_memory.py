@@ -237,3 +237,21 @@ def test_a_handoff_and_release_leave_no_shared_memory_resident_in_either_worker(
         trimmed = dask_gpupool.trim(c)
         assert trimmed[a]["reserved"] == trimmed[b]["reserved"] == 0  # nothing live: every page went back
         back_to(c, baseline)
+
+
+def test_a_peer_fd_that_cannot_be_mapped_read_write_is_a_protocol_error_and_leaks_no_fd(no_fd_leak):
+    """A peer's pool fd that cannot be mapped for writing (a memfd sealed against writes) is a ProtocolError of
+    ours, and the mapping's own duplicate of it is closed: retried handoffs from that pool leak nothing
+    (bad-input review, thirtieth session). The caller's fd stays the caller's."""
+    import fcntl
+
+    fd = os.memfd_create("sealed", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, 1 << 20)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
+        for _ in range(3):
+            with pytest.raises(ProtocolError, match="cannot be mapped"):
+                SharedHostMemoryResource.from_allocation_handle(fd)
+        os.fstat(fd)  # still open
+    finally:
+        os.close(fd)
