@@ -30,6 +30,10 @@ with open(_HERE / "gpupool.yaml") as _f:
 dask.config.update_defaults(_defaults)
 
 
+#: The largest ``gpupool.copy-chunk-size``, and the largest chunk an importer takes from a copy server's
+#: ``PullReply``: each lane stages three chunks in pinned or vkgdr memory, so a peer's chunk is bounded too.
+MAX_COPY_CHUNK = 1 << 30
+
 #: ``gpupool.import-limit: auto`` for allocations of CUDA's IPC pool (not VMM segments): on two H200s (driver 580)
 #: handoffs of single 6 and 8 GiB pool allocations did not complete within 60 s while 5 GiB ones took 7 ms to
 #: import; VMM segments of 8 and 16 GiB mapped in 1.5-1.8 ms (H100, 2026-11-23, docs/performance.md).
@@ -557,7 +561,7 @@ class PoolOptions:
                 raw.get("ucx-host-frame-threshold", UCX_HOST_FRAME_THRESHOLD), "gpupool.ucx-host-frame-threshold"
             ),
             ucx_receive_pool=_parse_receive_pool(raw.get("ucx-receive-pool", "auto")),
-            copy_chunk_size=_parse_nbytes(raw.get("copy-chunk-size", "16 MiB"), "gpupool.copy-chunk-size"),
+            copy_chunk_size=_parse_copy_chunk(raw.get("copy-chunk-size", "16 MiB")),
             copy_stream_threshold=_parse_nbytes(
                 raw.get("copy-stream-threshold", "4 MiB"), "gpupool.copy-stream-threshold"
             ),
@@ -633,6 +637,14 @@ def _parse_nbytes(value: object, key: str) -> int:
             nbytes = None
     if nbytes is None or nbytes < 0:
         raise ConfigError(f"{key}={value!r} is not a size; valid: '1 GiB', '256MiB', bytes, or 0 for off")
+    return nbytes
+
+
+def _parse_copy_chunk(value: object) -> int:
+    """``gpupool.copy-chunk-size``: a size up to :data:`MAX_COPY_CHUNK`, or 0 (copies in Dask's frames)."""
+    nbytes = _parse_nbytes(value, "gpupool.copy-chunk-size")
+    if nbytes > MAX_COPY_CHUNK:
+        raise ConfigError(f"gpupool.copy-chunk-size={value!r} is over {MAX_COPY_CHUNK} bytes (1 GiB)")
     return nbytes
 
 

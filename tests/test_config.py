@@ -171,6 +171,7 @@ def test_segments_are_at_most_the_import_limit():
         ("gpupool.ucx-receive-pool", "plenty"),
         ("gpupool.ucx-receive-pool", "-1 GiB"),
         ("gpupool.copy-chunk-size", "-1 MiB"),
+        ("gpupool.copy-chunk-size", "2 GiB"),  # each lane stages three chunks
         ("gpupool.copy-stream-threshold", "some"),
         ("gpupool.stage-threshold", "-4 MiB"),
         ("gpupool.copy-streams", 0),

@@ -13,6 +13,7 @@ import hmac
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from dask_gpupool.config import MAX_COPY_CHUNK
 from dask_gpupool.errors import ProtocolError
 from dask_gpupool.wire.codec import TOKEN_BYTES, as_message, field_of, uuid_str
 
@@ -66,7 +67,7 @@ class PullReply:
         what = "pull reply"
         m = as_message(msg, cls.op, what)
         size, chunk = field_of(m, "size", int, what), field_of(m, "chunk", int, what)
-        if size < 0 or chunk <= 0:
+        if size < 0 or not 0 < chunk <= MAX_COPY_CHUNK:
             raise ProtocolError(f"{what}: size {size} or chunk {chunk} out of range")
         return cls(field_of(m, "lease", int, what), size, chunk)
 

@@ -181,6 +181,9 @@ def test_copy_path_messages_round_trip_and_refuse_bad_fields():
         PullRequest.from_msg({**PullRequest(POOL, 9, b"p" * 32).to_msg(), "lease": -1})
     with pytest.raises(ProtocolError, match="out of range"):
         PullReply.from_msg({**PullReply(9, 10, 16).to_msg(), "chunk": 0})
+    with pytest.raises(ProtocolError, match="out of range"):  # a peer cannot make the importer pin without bound
+        PullReply.from_msg({**PullReply(9, 10, 16).to_msg(), "chunk": (1 << 30) + 1})
+    assert PullReply.from_msg(PullReply(9, 10, 1 << 30).to_msg()).chunk == 1 << 30
 
 
 @pytest.mark.parametrize(
