@@ -18,7 +18,11 @@ when
   from that worker, after it closed its import), or leaves it out of a
   :class:`~dask_gpupool.wire.broker_leases.Resync` after a broken link;
 - the importer is known dead: its process exited (the broker watches it with
-  a pidfd) or it left the registry;
+  a pidfd from its first connection, or from when it left the registry by its
+  row's pid). Leaving the registry is not dying: the scheduler removes
+  workers whose process lives on (``worker-ttl`` after a stall), and their
+  tasks still read what they imported. Only an importer whose process cannot
+  be watched (another pid namespace, no pidfds) is released when it leaves;
 - it was never claimed and the ``get_data`` reply that carried it has ended
   (:meth:`LeaseTable.settle`, or :meth:`LeaseTable.settle_forwarded` for a lease
   another worker forwarded): the importer sends its ``"OK"`` only after its
@@ -306,7 +310,7 @@ class LeaseTable:
         return self._drop(gone)
 
     def release_importer(self, importer: str) -> int:
-        """End every lease granted to ``importer``: it is known dead, or it left the cluster.
+        """End every lease granted to ``importer``: its process is gone (or it left and cannot be watched).
 
         Leases it forwarded that nobody claimed end too: the reply that
         carried them died with it.

@@ -382,7 +382,8 @@ class PoolService:
         self.apply_registry(membership.snapshot)
 
     def apply_registry(self, update: RegistryUpdate) -> None:
-        """Apply a registry change; a peer that left gives back its leases and its mappings go.
+        """Apply a registry change; a peer that left gives back its leases once its process is gone, and its
+        mappings go.
 
         A peer that retired segments (its row's ``retire_below`` grew, or its
         ``reclaim`` changed) gets back those mapped here that no import uses
@@ -399,12 +400,9 @@ class PoolService:
         for record in gone:
             if record.pool == self.pool.uuid:
                 continue
-            n = self.leases.release_importer(record.worker)
-            if n:
-                logger.info("pool %s: released %d lease(s) of %s, which left", self.pool.uuid, n, record.worker)
-            segmented = self.pool.segmented
-            if segmented is not None:  # it closed its mappings before it left (PoolService.close)
-                segmented.drop_connection(record.worker)
+            # Leaving is not dying (the scheduler removes workers whose process lives on): its leases, and the
+            # segments it maps, are released when its process exits (the broker watches it).
+            self.broker.importer_left(record.worker, record.pid if record.host == self.record.host else 0)
             self.importer.exporter_left(record)
             self.routes.forget(record.worker)
 

@@ -72,7 +72,8 @@ class RetireLedger:
                 self._released.setdefault(seg, {})[peer] = claimed
 
     def drop_peer(self, peer: Hashable) -> None:
-        """``peer`` is gone (its process exited, or it left the registry): it maps nothing any more."""
+        """``peer`` is gone (its process exited, or it left the registry and cannot be watched): it maps nothing
+        any more."""
         for table in (self._claims, self._released):
             for seg in [s for s, peers in table.items() if peers.pop(peer, None) is not None and not peers]:
                 del table[seg]

@@ -403,7 +403,8 @@ class SegmentedResource(MemoryResource):
         self._collect()
 
     def drop_connection(self, connection: Hashable) -> None:
-        """A peer is gone (its process exited, or it left the registry): it maps nothing any more."""
+        """A peer is gone (its process exited, or it left the registry and cannot be watched): it maps nothing
+        any more."""
         with self._lock:
             self._ledger.drop_peer(connection)
         self._collect()

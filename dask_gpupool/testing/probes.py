@@ -162,6 +162,16 @@ def known_pools(dask_worker: Worker) -> list[str]:
     return sorted(r.pool for r in service_of(dask_worker).registry.records())
 
 
+def leased_heads(nbytes: int, dask_worker: Worker) -> list[bytes]:
+    """client.run target: the first ``nbytes`` of each buffer this worker's leases keep alive (host pools)."""
+    from dask_gpupool.testing.memory import read_bytes
+
+    leases = service_of(dask_worker).leases
+    with leases._lock:
+        buffers = [getattr(lease.holder, "buf", lease.holder) for lease in leases._leases.values()]  # Exported
+    return [read_bytes(b, nbytes) for b in buffers]
+
+
 def task_events_recorded(dask_worker: Worker) -> int | None:
     """client.run target: how many task results hold a staging event, ``None`` when the plugin records none."""
     from dask_gpupool.dask.worker_plugin import PLUGIN_NAME

@@ -378,6 +378,18 @@ class FdBroker:
             if importer and pid > 0:
                 self._importers.check_exited(pid)
 
+    def importer_left(self, importer: str, pid: int) -> None:
+        """``importer`` (process ``pid`` on this host, 0: unknown) left the registry; any thread.
+
+        Its leases end when its process exits, not now
+        (:meth:`ImporterWatch.left <dask_gpupool.transport.importers.ImporterWatch.left>`, on the broker's
+        thread); at once when this broker is closed.
+        """
+        try:
+            self._loop.call_soon_threadsafe(self._importers.left, self._loop, pid, importer)
+        except RuntimeError:  # the broker's loop is closed: nothing watches any more
+            self._handler.importer_exited(importer)
+
     @property
     def watched(self) -> int:
         """Importer processes watched (for leak checks)."""

@@ -1,7 +1,9 @@
 """The importer processes a broker watches: their exit, not a closed connection, ends their leases.
 
 A connection closing ends nothing (an importer whose link broke reopens it and
-resyncs). The broker watches each importer's process with a pidfd
+resyncs), and neither does an importer leaving the registry while its process
+lives (the scheduler removes workers it lost touch with: ``worker-ttl`` after a
+stall, a broken stream), :meth:`ImporterWatch.left`. The broker watches each importer's process with a pidfd
 (``os.pidfd_open``) on its own event loop and tells its
 :class:`~dask_gpupool.transport.broker_handler.BrokerHandler` when that process
 exits (:meth:`~dask_gpupool.transport.broker_handler.BrokerHandler.importer_exited`).
@@ -56,6 +58,38 @@ class ImporterWatch:
             if isinstance(e, ProcessLookupError):
                 self._handler.importer_exited(importer)
             return
+        self._add(loop, pid, pidfd, importer)
+
+    def left(self, loop: asyncio.AbstractEventLoop, pid: int, importer: str) -> None:
+        """``importer`` left the registry: release what it held when its process ``pid`` exits.
+
+        Leaving is not dying: the scheduler removes workers whose process
+        lives on, and their running tasks can still read what they imported.
+        An importer watched since it connected is left to that watch;
+        otherwise its process is watched from now on by ``pid`` (its registry
+        row's, on this host). Released at once when that process is gone
+        already, or cannot be watched (``pid`` 0: another host or pid
+        namespace; no pidfds here).
+        """
+        if any(name == importer for _, name in self._watched.values()):
+            return
+        if pid > 0 and pid != os.getpid() and pid not in self._watched:
+            try:
+                pidfd = os.pidfd_open(pid)
+            except (AttributeError, OSError) as e:  # gone already, or no pidfds here
+                logger.debug("pool %s: cannot watch pid %d of %s, which left: %s", self._name, pid, importer, e)
+            else:
+                self._add(loop, pid, pidfd, importer)
+                logger.info(
+                    "pool %s: %s left the registry while its process %d lives; its leases end when it exits",
+                    self._name,
+                    importer,
+                    pid,
+                )
+                return
+        self._handler.importer_exited(importer)
+
+    def _add(self, loop: asyncio.AbstractEventLoop, pid: int, pidfd: int, importer: str) -> None:
         self._loop = loop
         self._watched[pid] = (pidfd, importer)
         loop.add_reader(pidfd, self._exited, pid)

@@ -76,6 +76,43 @@ def test_sigkill_of_the_consumer_between_export_and_claim_expires_the_lease():
         back_to(c, base_a, workers=[a])
 
 
+def test_a_worker_the_scheduler_removes_while_its_process_lives_keeps_its_leases_until_it_exits():
+    """The scheduler can remove a worker whose process lives on (``worker-ttl`` after a stall, a broken stream).
+    Leaving the registry is not dying: the exporter keeps its leases until the process is gone (its pid, watched
+    with a pidfd), so the memory it maps is never reused under it. Here B is stalled (SIGSTOP) and removed; A's
+    pool cannot take the leased MiB back until B's process is killed (found by a review of the lease protocol,
+    thirtieth session: A used to end B's leases at once, and a task still running on B read A's next values)."""
+    with nanny_cluster([{}, {}], GPUPool(kind="host", max_size="16 MiB")) as c:
+        a, b = worker_addresses(c)
+        x = c.submit(T.make_buffer, MiB, b"original", workers=[a], pure=False)
+        y = c.submit(T.keep, x, workers=[b], pure=False)
+        wait(y)
+        key = x.key
+        del x
+        wait_for(lambda: not c.who_has().get(key), what="A to forget x")
+        assert counters(c, a)[a]["leases"] == 1
+        pid = pid_of(c, b)
+        b_pool = next(r.pool for r in dask_gpupool.pools(c) if r.worker == b)
+
+        async def remove(dask_scheduler, address=b):
+            await dask_scheduler.remove_worker(address, stimulus_id="test-remove-alive", close=False)
+
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            c.run_on_scheduler(remove)
+            wait_for(lambda: b_pool not in c.run(T.known_pools, workers=[a])[a], what="A to learn that B left")
+            time.sleep(0.5)
+            for _ in range(4):  # new values on A: none lands on the leased MiB
+                c.submit(T.scribble, MiB, b"SCRIBBLED!", workers=[a], pure=False).result()
+            assert c.run(T.lease_counts, workers=[a])[a]["leases"] == 1
+            assert c.run(T.leased_heads, 8, workers=[a])[a] == [b"original"]
+        finally:
+            os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="A to release B's lease once B's process is gone")
+        del y
+        wait_for(lambda: counters(c, a)[a]["used"] == 0, what="A's pool bytes to return")
+
+
 def test_retiring_the_producer_keeps_the_consumers_data():
     with nanny_cluster([{}, {}, {}], HOST_POOL) as c:
         a, b, _ = worker_addresses(c)

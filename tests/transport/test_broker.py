@@ -398,3 +398,45 @@ def test_a_broker_start_removes_our_stale_broker_directories_and_nothing_else(me
         os.close(fd)
     finally:
         live.close()
+
+
+# -- an importer that left the registry: its process, not the registry, ends its leases (thirtieth session) -------
+
+
+def test_an_importer_that_left_the_registry_is_released_when_its_process_exits(memfd, tmp_path, no_fd_leak):
+    """``FdBroker.importer_left`` (the worker's loop calls it when a row leaves the registry): a process that lives
+    on is watched and released when it exits; one gone already, or of pid 0 (another host), is released at once."""
+    from dask_gpupool.transport.broker_handler import LookupOnly
+
+    exited: list[str] = []
+
+    class Recording(LookupOnly):
+        def importer_exited(self, importer: str) -> None:
+            exited.append(importer)
+
+    b = FdBroker(Recording(lambda p: (memfd, HandleReply(POOL, "host", 4096))), str(tmp_path), 1.0, POOL, TOKEN)
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        b.importer_left("tcp://alive:1", child.pid)
+        b.importer_left("tcp://other-host:1", 0)
+        deadline = time.monotonic() + 5
+        while "tcp://other-host:1" not in exited and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        assert exited == ["tcp://other-host:1"] and b.watched == 1  # the live one is watched, not released
+        child.stdin.close()
+        child.wait(10)
+        while "tcp://alive:1" not in exited and time.monotonic() < deadline + 5:
+            time.sleep(0.01)
+        assert exited == ["tcp://other-host:1", "tcp://alive:1"] and b.watched == 0
+        b.importer_left("tcp://gone:1", child.pid)  # exited (and reaped) already: released at once
+        while "tcp://gone:1" not in exited and time.monotonic() < deadline + 10:
+            time.sleep(0.01)
+        assert exited[-1] == "tcp://gone:1"
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        b.close()
+    b.importer_left("tcp://after-close:1", 12345)  # a closed broker watches nothing: at once
+    assert exited[-1] == "tcp://after-close:1"
