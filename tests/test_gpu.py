@@ -387,6 +387,37 @@ def test_trim_frees_retired_segments_once_the_peer_let_go(memory):
         back_to(c, baseline)
 
 
+def test_a_value_in_a_segment_the_peer_released_after_a_trim_comes_as_a_copy_and_the_segment_is_freed():
+    """After a trim, B unmaps a retired segment and releases it with its claims; a value still living in that
+    segment and fetched again goes to B as a copy (fallback ``retired-segment``), with the right bytes, instead of
+    a new mapping whose claims the owner's ledger would never see settled; and A frees the segment once the value
+    goes (a review of the lease protocol, thirtieth session: A used to keep it until B exited)."""
+    gpus(1)
+    plugin = GPUPool(kind="device", max_size="4 GiB", segment_size="256 MiB")
+    with nanny_cluster([ONE_GPU, ONE_GPU], plugin) as c:
+        a, b = worker_addresses(c)
+        baseline = warm_up(c, a, b)
+        x1 = c.submit(T.fill, 64 * MiB, 1, workers=[a], pure=False)
+        x2 = c.submit(T.fill, 64 * MiB, 2, workers=[a], pure=False)  # the same segment as x1
+        assert c.submit(T.all_equal, x1, 1, workers=[b], pure=False).result()  # B maps the segment
+        keys = [x1.key]
+        del x1
+        wait_forgotten(c, keys)
+        wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="B to release x1")
+        dask_gpupool.trim(c)
+        wait_for(lambda: c.run(T.mapped_segments, workers=[b])[b] == 0, what="B to unmap the retired segment")
+        before = counters(c, b)[b]["fallbacks"].get("retired-segment", 0)
+        assert c.submit(T.all_equal, x2, 2, workers=[b], pure=False).result()
+        assert counters(c, b)[b]["fallbacks"].get("retired-segment", 0) == before + 1
+        assert c.run(T.mapped_segments, workers=[b])[b] == 0  # not mapped again
+        keys = [x2.key]
+        del x2
+        wait_forgotten(c, keys)
+        wait_for(lambda: counters(c, a)[a]["segments_retiring"] == 0, what="A to free its retired segments")
+        assert dask_gpupool.pool_stats(c)[a]["reserved"] == 0
+        back_to(c, baseline)
+
+
 def test_stress_with_segments_one_gpu():
     gpus(1)
     with nanny_cluster([ONE_GPU, ONE_GPU], GPUPool(kind="device", max_size="4 GiB", segment_size="256 MiB")) as c:

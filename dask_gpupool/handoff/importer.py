@@ -255,7 +255,13 @@ class Importer:
             mapped = self.map_peer(desc.pool)
             key, raw, ptr = mapped.acquire(desc, segment_fd=self._segment_fetcher(record, desc))
         except Exception as e:  # GPUPoolError, CUDA errors: the copy path still works
-            self.handoffs.fallback(record.worker, "import-failed", self.worker, f"{type(e).__name__}: {e}")
+            known = self.mapped.get(desc.pool)
+            released = bool(desc.extent) and known is not None and known.has_released(desc.segment)
+            why = f"{type(e).__name__}: {e}"
+            if released:
+                self.handoffs.fallback(record.worker, "retired-segment", self.worker, why)
+            else:
+                self.handoffs.fallback(record.worker, "import-failed", self.worker, why)
             try:
                 return self.fetch_copy(header, record, link)  # a held lease is claimed again there, then released
             except BaseException:
@@ -280,11 +286,17 @@ class Importer:
             # Nothing is read from the memory before the exporter acknowledged the lease: a refused lease has
             # ended, and its memory may already hold another buffer. Inside a worker's comm read the claim waits
             # for the message's other claims and runs in a thread before Dask sees the message (deferred.py).
+
+            def abandon() -> None:
+                if not self.releaser.holds(broker, lease):  # not acknowledged: the exporter did not count it
+                    mapped.unclaim(key)
+                buf.close()
+
             claim_later(
                 record.broker,
                 lease,
                 functools.partial(self._claim, record, link),
-                buf.close,
+                abandon,
                 lambda: self.link(record).transfer_failed(),  # the live link: the claim may have reopened it
             )
         local = self._copy_from_other_gpu(buf, record, desc.size)

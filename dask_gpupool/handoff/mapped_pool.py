@@ -104,6 +104,7 @@ class MappedPool:
         self.reclaim = frozenset(record.reclaim)
         self._shared = {}
         self._segments = {}  # segment id -> [import, users, segment id, leases claimed on it in all]
+        self._released: set[int] = set()  # retired segments unmapped here whose (id, claims) went to the owner
         self._closed = False
 
     @property
@@ -265,6 +266,11 @@ class MappedPool:
             with IMPORT_LOCK:
                 if self._closed:
                     raise PoolClosedError(f"mapping of pool {self.record.pool} is closed")
+                if desc.segment in self._released:
+                    raise PeerAccessError(
+                        f"segment {desc.segment} of pool {self.record.pool} was retired, unmapped and released "
+                        "here: it is not mapped again (the release settled this process's claims on it)"
+                    )
                 seg = self._segments.get(desc.segment)
                 if seg is None and legacy:
                     seg = self._segments[desc.segment] = [self._open_legacy(desc), 0, desc.segment, 0]
@@ -292,7 +298,7 @@ class MappedPool:
             finally:
                 os.close(fd)
             with IMPORT_LOCK:
-                if not self._closed and desc.segment not in self._segments:
+                if not self._closed and desc.segment not in self._segments and desc.segment not in self._released:
                     self._segments[desc.segment] = [fresh, 0, desc.segment, 0]
                     fresh = None
             if fresh is not None:  # another thread mapped it meanwhile, or the mapping closed
@@ -322,6 +328,8 @@ class MappedPool:
                 if seg[1] or not self._retiring(seg[2]):
                     return None, None
                 del self._segments[key[0]]
+                if seg[3]:
+                    self._released.add(seg[2])
                 return seg[0], ((seg[2], seg[3]) if seg[3] else None)
             entry = self._shared[key]
             entry[1] -= 1
@@ -345,7 +353,25 @@ class MappedPool:
             self.reclaim |= frozenset(reclaim)
             gone = [k for k, seg in self._segments.items() if not seg[1] and self._retiring(seg[2])]
             segs = [self._segments.pop(k) for k in gone]
+            self._released.update(seg[2] for seg in segs if seg[3])
         return [seg[0] for seg in segs], [(seg[2], seg[3]) for seg in segs if seg[3]]
+
+    def has_released(self, segment_id: int) -> bool:
+        """Whether segment ``segment_id`` was unmapped here after its owner retired it, and released with its
+        claims: it is not mapped here again (its values come as copies), so this process's count of claims on it
+        never restarts where the owner's ledger goes on."""
+        with IMPORT_LOCK:
+            return segment_id in self._released
+
+    def unclaim(self, key: tuple[Any, int, int]) -> None:
+        """Take back the claim :meth:`acquire` counted for ``key``'s segment: the owner never acknowledged it
+        (refused, or not answered). A release then names only claims the owner counted."""
+        if key[2] != _SEGMENT:
+            return
+        with IMPORT_LOCK:
+            seg = self._segments.get(key[0])
+            if seg is not None and seg[3] > 0:
+                seg[3] -= 1
 
     def _retiring(self, segment_id: int) -> bool:
         """Whether the owner retired segment ``segment_id`` (below ``retire_below``, or reclaimed)."""

@@ -201,6 +201,11 @@ class Releaser:
             if not ids:
                 del self._refused[exporter]
 
+    def holds(self, exporter: str, lease: int) -> bool:
+        """Whether ``lease`` of ``exporter`` is held here (claimed and acknowledged, or held by its reply)."""
+        with self._cond:
+            return lease in self._live.get(exporter, ())
+
     def live(self, exporter: str | None = None) -> int:
         """Leases held (of one exporter, or all)."""
         with self._cond:

@@ -36,6 +36,10 @@ FALLBACK_REASONS = {
     "pool-closed": "this worker's pool is closing",
     "too-large": "the CUDA allocation to import is larger than gpupool.import-limit",
     "import-failed": "the requester could not import the descriptor and fetched a copy",
+    "retired-segment": (
+        "the value lies in a segment its exporter retired (trim, reclaim) that the requester had already unmapped "
+        "and released: it fetched a copy rather than map the segment again"
+    ),
     "receiver-pool-full": "the receiver's pool was full; the copy went to memory outside it",
     "unknown-requester": (
         "the requester, at this host's address, has no pool in this worker's registry view "
@@ -75,6 +79,7 @@ FALLBACK_ADVICE = {
     "pool-closed": "nothing: the worker is closing",
     "too-large": "raise gpupool.import-limit, or make smaller results",
     "import-failed": "see the consumer's log for the import error",
+    "retired-segment": "nothing for new values (they go to new segments); values made before a trim() are copied",
     "receiver-pool-full": "raise the receiver's gpupool.max-size, or free its buffers sooner",
     "unknown-requester": "see that worker's entry in dask_gpupool.stats(client): its pool set-up may have failed",
     "peer-unreachable": "see both workers' logs: the peer's broker or copy server could not be reached",

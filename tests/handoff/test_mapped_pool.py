@@ -108,3 +108,43 @@ def test_a_descriptor_past_the_end_of_a_segment_mapped_here_is_refused():
             m.acquire(BufferDescriptor(RECORD.pool, size, b"\1" * 64, offset, extent, 3))
     assert m._segments[3][1] == 1 and m.imports == 1  # only the good import counted
     assert m.unshare(key)[0] is None  # still mapped: not retired
+
+
+def test_a_segment_released_here_is_not_mapped_again():
+    """Once this process unmapped a retired segment and released it (its ``(id, claims)`` sent), the segment is
+    not mapped here again: a later claim would restart its count where the owner's ledger goes on, and the owner
+    would keep the segment for good (a review of the lease protocol, thirtieth session; the handoff goes as a copy
+    instead, fallback ``retired-segment``). A retired segment unmapped with no claim sent nothing, and may be."""
+    import pytest
+
+    from dask_gpupool.errors import PeerAccessError
+    from dask_gpupool.wire.handoff import BufferDescriptor
+
+    m = mapped_with((6, 0, 2), (7, 0, 0))
+    gone, released = m.retire(8)
+    assert released == [(6, 2)] and len(gone) == 2
+    assert m.has_released(6) and not m.has_released(7)
+    with pytest.raises(PeerAccessError, match=r"segment 6 .* released here"):
+        m.acquire(BufferDescriptor(RECORD.pool, 1024, b"\1" * 64, 0, 4096, 6))
+    assert m.imports == 0 and m.segments == 0
+    # released through its last import (unshare) too
+    m = mapped_with((9, 1, 1))
+    m.imports = 1
+    m.retire(10)
+    assert not m.has_released(9)  # still in use
+    m.unshare(key_of(9))
+    assert m.has_released(9)
+
+
+def test_a_claim_the_owner_never_acknowledged_is_taken_back_from_the_segments_count():
+    """The ``(id, claims)`` of a release must count only claims the owner acknowledged: a broker claim it refused
+    (or never answered) is taken back before the buffer closes (``unclaim``), so the release matches the owner's
+    ledger instead of keeping the segment there for good (a review of the lease protocol, thirtieth session)."""
+    from dask_gpupool.wire.handoff import BufferDescriptor
+
+    m = mapped_with((6, 0, 1))
+    key, _raw, _ptr = m.acquire(BufferDescriptor(RECORD.pool, 1024, b"\1" * 64, 0, 4096, 6))
+    assert m._segments[6][3] == 2
+    m.unclaim(key)
+    m.retire(7)
+    assert m.unshare(key)[1] == (6, 1)  # the refused claim is not in the release
