@@ -77,7 +77,16 @@ def nanny_cluster(
             "gpupool.peer-gpu-copy": False,
         }
     )
-    with amm_off, SpecCluster(workers=specs, scheduler=scheduler, asynchronous=False, security=security) as cluster:
+
+    class Cluster(SpecCluster):
+        def _update_worker_status(self, op: str, msg: Any) -> None:
+            # dask/distributed#5407: a "remove" for a worker this cluster's view no longer (or never) lists, seen
+            # when a Nanny restarted a SIGKILLed worker under load, raised KeyError at close (thirtieth session).
+            if op == "remove" and msg not in self.scheduler_info.get("workers", {}):
+                return
+            super()._update_worker_status(op, msg)
+
+    with amm_off, Cluster(workers=specs, scheduler=scheduler, asynchronous=False, security=security) as cluster:
         with Client(cluster, security=security) as client:
             client.wait_for_workers(len(workers))
             if plugin is not None:
