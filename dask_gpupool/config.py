@@ -356,8 +356,8 @@ class PoolOptions:
         waited for. For anything else (a value whose event is not known) it
         synchronizes its GPU, as for every value with ``device``, which also
         covers work a task left on a non-blocking stream without waiting for
-        it (the only thing ``sync`` leaves out, as distributed's UCX comm,
-        which synchronizes the default stream only, does). ``event``: it
+        it (the only thing ``sync`` leaves out; distributed-ucxx's comm
+        synchronizes the whole of device 0). ``event``: it
         sends the descriptor at once; its broker waits for that event (or one
         recorded on the legacy default stream at the export, on the staging
         copy's stream for a staged array) before it acknowledges the

@@ -33,7 +33,7 @@ from cuda.core import Buffer
 from dask_gpupool.dask.plain_arrays import in_segments, stage, warn_once
 from dask_gpupool.dask.serializers import KEY, deserialize_buffer, hand_over, loads_array
 from dask_gpupool.dask.views import VIEWS, c_strides, device_of, viewed_buffer
-from dask_gpupool.dask.worker_internals import REQUEST, SYNCHRONIZING_SCHEMES
+from dask_gpupool.dask.worker_internals import REQUEST, SYNCHRONIZED_DEVICE, SYNCHRONIZING_SCHEMES
 from dask_gpupool.errors import ProtocolError
 from dask_gpupool.handoff.active import active_service
 from dask_gpupool.handoff.deferred import SENDER
@@ -111,10 +111,15 @@ def _unstaged(nbytes: int, buf: Any) -> bool:
 
 
 def _comm_synchronizes() -> bool:
-    """Whether the comm of the ``get_data`` reply being serialized synchronizes the GPU before it sends device
-    frames, so that a staging copy need not be waited for here (anything else, or no reply: it must be)."""
+    """Whether the comm of the ``get_data`` reply being serialized synchronizes the worker's GPU before it sends
+    device frames, so that a staging copy need not be waited for here (anything else, or no reply: it must be).
+    distributed-ucxx synchronizes device 0 of the process: a worker on another ordinal waits itself."""
     request = REQUEST.get()
-    return request is not None and request.scheme in SYNCHRONIZING_SCHEMES
+    return (
+        request is not None
+        and request.scheme in SYNCHRONIZING_SCHEMES
+        and (request.service.pool.device or 0) == SYNCHRONIZED_DEVICE
+    )
 
 
 def _count_device_frames(nbytes: int, *, staged: bool, out: bool) -> None:

@@ -39,6 +39,7 @@ from typing import Any
 
 from dask.utils import format_bytes
 
+from dask_gpupool.dask.worker_internals import SYNCHRONIZED_DEVICE
 from dask_gpupool.handoff.stats import HandoffStats
 
 __all__ = ["ReceivePool", "decide", "install", "uninstall"]
@@ -49,7 +50,9 @@ logger = logging.getLogger(__name__)
 COMM_MODULE = "distributed_ucxx.ucxx"
 
 
-def decide(setting: int | None, default: int, kind: str, over_ucx: bool, resource: str | None) -> tuple[int, str]:
+def decide(
+    setting: int | None, default: int, kind: str, over_ucx: bool, resource: str | None, device: int = 0
+) -> tuple[int, str]:
     """The ceiling of the receive pool (0: none) and why (``stats()["routing"]["ucx-receive"]``).
 
     Parameters
@@ -65,6 +68,9 @@ def decide(setting: int | None, default: int, kind: str, over_ucx: bool, resourc
     resource : str or None
         RMM's current resource for the worker's GPU: ``"default"`` (``CudaMemoryResource``), ``"gpupool"`` (this
         pool's, ``gpupool.rmm-allocator``), the class name of any other, or ``None`` when RMM is not installed.
+    device : int
+        The worker's GPU (ordinal in its process). A block given out again is safe from kernels still reading it
+        only on the GPU distributed-ucxx synchronizes before it receives (device 0).
     """
     if setting == 0:
         return 0, "off (gpupool.ucx-receive-pool: false)"
@@ -74,6 +80,11 @@ def decide(setting: int | None, default: int, kind: str, over_ucx: bool, resourc
         return 0, f"off: a {kind} pool's worker receives device frames as distributed-ucxx does"
     if resource is None:
         return 0, "off: RMM is not installed (distributed-ucxx needs it to receive device frames)"
+    if device != SYNCHRONIZED_DEVICE:
+        return 0, (
+            f"off: the worker's GPU is device {device}, and distributed-ucxx synchronizes only device "
+            f"{SYNCHRONIZED_DEVICE} before it receives"
+        )
     if setting is None and resource not in ("default", "gpupool"):
         return 0, f"off (auto): RMM's resource {resource} was set before the plugin and already serves device frames"
     ceiling = default if setting is None else setting
@@ -102,8 +113,9 @@ class ReceivePool:
     ``rmm.DeviceBuffer`` that owns its allocation and keeps the pool resource alive; dropping it returns the memory
     to the pool, stream-ordered on the default stream. A block given out again is written by UCX only after
     distributed-ucxx's ``read`` has synchronized the whole device (``ucxx._cuda_context.synchronize_default_stream``
-    is cuda.core's ``Device.sync()``), so kernels of any stream that still read the value it held have ended, as a
-    ``cudaFree`` would have waited for them.
+    is cuda.core's ``Device(0).sync()``), so kernels of any stream that still read the value it held have ended, as
+    a ``cudaFree`` would have waited for them. That holds on device 0 only: a worker on another ordinal gets no
+    receive pool (:func:`decide`).
     """
 
     def __init__(self, rmm: Any, ceiling: int, handoffs: HandoffStats, fallback: Any) -> None:

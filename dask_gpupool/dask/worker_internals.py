@@ -255,10 +255,17 @@ async def _ask(worker: Worker, service: PoolService, who: str, leases: list[int]
 
 
 #: Comms (address schemes) that synchronize the GPU before they send a device frame: distributed-ucxx's ``write``
-#: calls ``ucxx._cuda_context.synchronize_default_stream``, a ``cuCtxSynchronize`` (distributed-ucxx 0.52, which
-#: serves both schemes; without it distributed 2026.8 has no ``ucx`` comm). Over them pool memory goes as device
-#: frames (or descriptors) whose serializing only enqueues GPU work (:mod:`dask_gpupool.dask.device_frames`).
+#: calls ``ucxx._cuda_context.synchronize_default_stream``, cuda.core's ``Device(0).sync()`` (distributed-ucxx
+#: 0.52, which serves both schemes; without it distributed 2026.8 has no ``ucx`` comm). Over them pool memory goes
+#: as device frames (or descriptors) whose serializing only enqueues GPU work (:mod:`dask_gpupool.dask.device_frames`),
+#: on a worker whose GPU is :data:`SYNCHRONIZED_DEVICE`.
 SYNCHRONIZING_SCHEMES = frozenset({"ucx", "ucxx"})
+
+#: The one GPU (ordinal in the worker's process) that distributed-ucxx synchronizes, before it sends device frames
+#: and in its ``read`` before it receives into them: ``synchronize_default_stream``'s default, which it never
+#: overrides. dask-cuda's workers each see their GPU as 0; a worker on another ordinal (``gpupool.device``) waits
+#: for its own staging copies and gets no receive pool.
+SYNCHRONIZED_DEVICE = 0
 
 #: The most bytes a reply may stage on the event loop (pool memory for UCX, or CuPy arrays into the pool over TCP):
 #: above it a new allocation (``cuMemAlloc``, a new segment) could hold the loop for milliseconds, so Dask's offload

@@ -230,7 +230,12 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
             routed = self._rmm_previous is not None  # RMM's resource is this pool's own (gpupool.rmm-allocator)
             resource = "gpupool" if routed else _receive.current_resource(service.pool.device or 0)
         ceiling, why = _receive.decide(
-            options.ucx_receive_pool, UCX_RECEIVE_POOL, service.pool.kind, module is not None, resource
+            options.ucx_receive_pool,
+            UCX_RECEIVE_POOL,
+            service.pool.kind,
+            module is not None,
+            resource,
+            service.pool.device or 0,
         )
         if module is not None and isinstance(getattr(module.device_array, "__self__", None), _receive.ReceivePool):
             ceiling, why = 0, "off: another worker of this process installed its receive pool"

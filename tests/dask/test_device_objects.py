@@ -174,12 +174,20 @@ def test_staging_copies_are_waited_for_unless_the_comm_synchronizes_the_gpu():
     from dask_gpupool.dask.worker_internals import REQUEST
 
     assert not F._comm_synchronizes()  # no reply being serialized
+    gpu0 = SimpleNamespace(pool=SimpleNamespace(device=0))
     for scheme, synchronizes in [("ucxx", True), ("ucx", True), ("tcp", False), ("tls", False), ("inproc", False)]:
-        token = REQUEST.set(SimpleNamespace(scheme=scheme))  # type: ignore[arg-type]
+        token = REQUEST.set(SimpleNamespace(scheme=scheme, service=gpu0))  # type: ignore[arg-type]
         try:
             assert F._comm_synchronizes() is synchronizes, scheme
         finally:
             REQUEST.reset(token)
+    # distributed-ucxx synchronizes device 0 of the process, whatever GPU the worker uses (thirtieth session's
+    # review): a worker on another ordinal waits for its staging copy itself
+    token = REQUEST.set(SimpleNamespace(scheme="ucxx", service=SimpleNamespace(pool=SimpleNamespace(device=1))))  # type: ignore[arg-type]
+    try:
+        assert F._comm_synchronizes() is False
+    finally:
+        REQUEST.reset(token)
 
 
 def test_distributed_ucxx_synchronizes_the_gpu_before_it_sends_device_frames():

@@ -35,6 +35,15 @@ def test_the_receive_pool_is_decided_with_a_reason(setting, kind, over_ucx, reso
     assert why.startswith(reason), why
 
 
+@pytest.mark.parametrize("setting", [None, 256 << 20])
+def test_no_receive_pool_on_a_gpu_that_distributed_ucxx_does_not_synchronize(setting):
+    """distributed-ucxx synchronizes device 0 of the process before it writes a received frame; a block of the
+    receive pool given out again is safe from kernels still reading it only there (thirtieth session's review)."""
+    got, why = ucx_receive.decide(setting, GiB, "device", True, "default", device=1)
+    assert got == 0 and why.startswith("off: the worker's GPU is device 1"), why
+    assert ucx_receive.decide(setting, GiB, "device", True, "default", device=0)[0] > 0
+
+
 def test_a_tcp_worker_keeps_distributed_ucxx_as_it_is_and_says_why():
     """Over TCP nothing of distributed-ucxx is touched: stats() names the reason, and the counters are 0."""
     import dask_gpupool
