@@ -32,7 +32,6 @@ gone does it raise :class:`~dask_gpupool.DataLostError` naming pool and worker.
 from __future__ import annotations
 
 import logging
-import traceback
 from typing import Any
 
 from cuda.core import Buffer
@@ -40,7 +39,7 @@ from distributed.protocol import dask_deserialize, dask_serialize
 
 from dask_gpupool.dask.plain_arrays import plain
 from dask_gpupool.dask.views import VIEWS, as_array, c_strides, viewed_buffer
-from dask_gpupool.dask.worker_internals import REQUEST, Request
+from dask_gpupool.dask.worker_internals import REQUEST, Request, clear_tracebacks
 from dask_gpupool.errors import DataLostError, PoolUnavailableError, ProtocolError
 from dask_gpupool.handoff.active import active_service
 from dask_gpupool.memory.buffers import buffer_kind, copy_to_host, host_buffer
@@ -232,7 +231,7 @@ def loads_array(header: dict[str, Any], frames: list[Any], previous: Any) -> Any
         raise
     except Exception as e:
         buf = None
-        traceback.clear_frames(e.__traceback__)  # an import goes now (its lease with it), not with the traceback
+        clear_tracebacks(e)  # an import goes now (its lease with it), not with the traceback
         raise _lost(header[KEY], e) from e
 
 

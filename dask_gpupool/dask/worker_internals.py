@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 __all__ = [
     "REQUEST",
     "Request",
+    "clear_tracebacks",
     "count_own_memory_only",
     "fill_after_read",
     "install_get_data_hook",
@@ -168,8 +169,9 @@ def install_get_data_hook(
             return result
         except BaseException as e:
             # Dask logs a failed reply (requester gone) with its traceback, and the worker's log deque keeps
-            # that record: the frames would keep the reply's values, and so pool memory, alive.
-            traceback.clear_frames(e.__traceback__)
+            # that record: the frames would keep the reply's values, and so pool memory, alive (also those of
+            # its context: distributed-ucxx raises CommClosedError while handling UCX's error in its send).
+            clear_tracebacks(e)
             raise
         finally:
             REQUEST.reset(token)
@@ -439,7 +441,9 @@ def _read_then_fill(comm: Any, read: Any, sender: str) -> Any:
             pending = []
             if isinstance(e, DataLostError):
                 comm.abort()  # the sender waits for an "OK" that will not come
-                _clear_tracebacks(e)  # their locals may hold imports, and so leases
+            # Dask logs the failure and keeps the record: no frame of it may keep imports (and so leases), or the
+            # device frames a comm received (distributed-ucxx's read holds them), alive
+            clear_tracebacks(e)
             raise
         finally:
             SENDER.reset(token)
@@ -463,7 +467,7 @@ def _read_then_fill(comm: Any, read: Any, sender: str) -> Any:
             msg = None
             fills.clear()
             laters.clear()
-            _clear_tracebacks(e)
+            clear_tracebacks(e)
             if isinstance(e, DataLostError):
                 raise
             raise DataLostError(
@@ -473,7 +477,7 @@ def _read_then_fill(comm: Any, read: Any, sender: str) -> Any:
     return read_then_fill
 
 
-def _clear_tracebacks(e: BaseException) -> None:
+def clear_tracebacks(e: BaseException) -> None:
     """Clear the locals of the finished frames of ``e``'s tracebacks, its causes' and its contexts'."""
     seen: set[int] = set()
     todo: list[BaseException | None] = [e]

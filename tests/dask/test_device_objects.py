@@ -376,3 +376,50 @@ def test_pool_memory_goes_to_ucx_unstaged_when_small_or_in_this_workers_own_lega
         other.close()
         b.close()
         a.close()
+
+
+def test_a_failed_read_leaves_no_frame_holding_what_it_received():
+    """Dask logs a failed read with its traceback and keeps the record (``gather_dep``'s ``logger.exception``):
+    no frame of the exception, its cause or its context may keep what the read held alive (distributed-ucxx's
+    ``read`` holds the received device frames, and raises ``CommClosedError`` from the UCX error; thirtieth
+    session's review). The comm is a real one (inproc); the read is the comm's read as the wrapper is given it."""
+    import asyncio
+    import gc
+    import weakref
+
+    from distributed.comm import CommClosedError, connect, listen
+
+    from dask_gpupool.dask.worker_internals import _read_then_fill
+
+    class Frame:
+        pass
+
+    box = [Frame()]
+    held = weakref.ref(box[0])
+
+    async def failing_read(deserializers: Any = None) -> Any:
+        frames = [box.pop()]  # what the comm received, held by this frame only
+        try:
+            raise OSError(f"endpoint closed with {len(frames)} frame(s) received")
+        except OSError as e:
+            raise CommClosedError("while reading") from e
+
+    async def main() -> BaseException:
+        async def serve(comm: Any) -> None:
+            await comm.read()
+
+        listener = await listen("inproc://", serve)  # awaited: started
+        comm = await connect(listener.contact_address)
+        try:
+            await _read_then_fill(comm, failing_read, "tcp://sender:1")()
+        except CommClosedError as e:
+            return e  # what Dask's log keeps
+        finally:
+            comm.abort()
+            listener.stop()
+        raise AssertionError("the read did not fail")
+
+    kept = asyncio.run(main())
+    gc.collect()
+    assert held() is None, "a traceback frame keeps the received frames alive"
+    assert isinstance(kept.__cause__, OSError)
