@@ -94,6 +94,8 @@ from dask_gpupool.testing.tasks import (
     slow_plain_cupy,
     spin,
     total,
+    tracked_alive,
+    tracked_plain_fill,
     try_write,
     view_of,
 )
@@ -166,6 +168,8 @@ __all__ = [
     "stop_loop_ticks",
     "task_events_recorded",
     "total",
+    "tracked_alive",
+    "tracked_plain_fill",
     "try_write",
     "unmap",
     "view_of",

@@ -207,6 +207,25 @@ def plain_fill(nbytes: int, value: int) -> Any:
         return cupy.full(nbytes, value, dtype=cupy.uint8)
 
 
+def tracked_plain_fill(nbytes: int, value: int) -> Any:
+    """Task: :func:`plain_fill`, whose array this worker tracks by a weak reference (:func:`tracked_alive`)."""
+    import weakref
+
+    from distributed import get_worker
+
+    arr = plain_fill(nbytes, value)
+    get_worker().__dict__.setdefault("_gpupool_test_tracked", []).append(weakref.ref(arr))
+    return arr
+
+
+def tracked_alive(dask_worker: Any) -> int:
+    """client.run target: how many arrays :func:`tracked_plain_fill` made on this worker are still alive."""
+    import gc
+
+    gc.collect()
+    return sum(ref() is not None for ref in dask_worker.__dict__.get("_gpupool_test_tracked", []))
+
+
 def spin(spin_ms: float, stream: str = "default") -> int:
     """Task: queue a kernel that spins ``spin_ms`` on CuPy's current stream (``"default"``) or on a new non-blocking
     stream (``"nonblocking"``) and return at once (a worker whose GPU is still busy with a later task, or with

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from conftest import (
     HOST_POOL,
     back_to,
@@ -16,6 +17,7 @@ from conftest import (
     kill_the_middle_of_a_chain,
     nanny_cluster,
     wait_for,
+    wait_forgotten,
     warm_up,
     worker_addresses,
 )
@@ -91,6 +93,27 @@ def test_a_chain_of_three_forwards_maps_the_first_exporter_each_time():
         assert all(got[k]["fallbacks"] == {} for k in (a, b, w, v))
         del x, y, z, u
         back_to(c, baseline)
+
+
+@pytest.mark.parametrize("ordering", ["sync", "event"])
+def test_a_staged_arrays_source_lives_while_its_copy_may_still_run(ordering):
+    """With ``handoff-ordering: event`` the export does not wait for a staging copy (the broker waits before it
+    acknowledges a claim), so the lease keeps the source array too: freed meanwhile, its memory could be reused
+    and written while the copy still reads it (a review of the UCX paths, thirtieth session). With ``sync`` the
+    copy has finished when the export returns, and the source goes with its key."""
+    plugin = GPUPool(kind="host", max_size="64 MiB", stage_threshold="64 KiB", handoff_ordering=ordering)
+    with nanny_cluster([{}, {}], plugin) as c:
+        a, b = worker_addresses(c)
+        x = c.submit(T.tracked_plain_fill, 2 * MiB, 7, workers=[a], pure=False)  # NumPy's own memory
+        y = c.submit(T.keep, x, workers=[b], pure=False)
+        assert c.submit(T.total, y, workers=[b], pure=False).result() == 7 * 2 * MiB
+        keys = [x.key]
+        del x
+        wait_forgotten(c, keys)
+        assert c.run(T.tracked_alive, workers=[a])[a] == (1 if ordering == "event" else 0)
+        del y
+        wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="B to release the staged copy")
+        assert c.run(T.tracked_alive, workers=[a])[a] == 0
 
 
 def test_a_plain_array_staged_for_one_worker_is_passed_on_as_the_staged_copy():
