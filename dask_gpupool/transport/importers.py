@@ -49,16 +49,8 @@ class ImporterWatch:
         A pid already gone releases at once; one that cannot be watched (no
         pidfds here) is logged and left to the lease timeouts.
         """
-        if pid <= 0 or pid in self._watched:
-            return
-        try:
-            pidfd = os.pidfd_open(pid)
-        except (AttributeError, OSError) as e:  # no pidfds here, or it is gone already
-            logger.debug("pool %s: cannot watch pid %d: %s", self._name, pid, e)
-            if isinstance(e, ProcessLookupError):
-                self._handler.importer_exited(importer)
-            return
-        self._add(loop, pid, pidfd, importer)
+        if pid > 0 and pid not in self._watched and self._try_watch(loop, pid, importer) is False:
+            self._handler.importer_exited(importer)
 
     def left(self, loop: asyncio.AbstractEventLoop, pid: int, importer: str) -> None:
         """``importer`` left the registry: release what it held when its process ``pid`` exits.
@@ -73,26 +65,28 @@ class ImporterWatch:
         """
         if any(name == importer for _, name in self._watched.values()):
             return
-        if pid > 0 and pid != os.getpid() and pid not in self._watched:
-            try:
-                pidfd = os.pidfd_open(pid)
-            except (AttributeError, OSError) as e:  # gone already, or no pidfds here
-                logger.debug("pool %s: cannot watch pid %d of %s, which left: %s", self._name, pid, importer, e)
-            else:
-                self._add(loop, pid, pidfd, importer)
-                logger.info(
-                    "pool %s: %s left the registry while its process %d lives; its leases end when it exits",
-                    self._name,
-                    importer,
-                    pid,
-                )
-                return
+        if pid > 0 and pid != os.getpid() and pid not in self._watched and self._try_watch(loop, pid, importer):
+            logger.info(
+                "pool %s: %s left the registry while its process %d lives; its leases end when it exits",
+                self._name,
+                importer,
+                pid,
+            )
+            return
         self._handler.importer_exited(importer)
 
-    def _add(self, loop: asyncio.AbstractEventLoop, pid: int, pidfd: int, importer: str) -> None:
+    def _try_watch(self, loop: asyncio.AbstractEventLoop, pid: int, importer: str) -> bool | None:
+        """Watch ``pid`` on ``loop`` for ``importer``: ``True`` watched, ``False`` the process is gone already,
+        ``None`` it cannot be watched (no pidfds here)."""
+        try:
+            pidfd = os.pidfd_open(pid)
+        except (AttributeError, OSError) as e:
+            logger.debug("pool %s: cannot watch pid %d of %s: %s", self._name, pid, importer, e)
+            return False if isinstance(e, ProcessLookupError) else None
         self._loop = loop
         self._watched[pid] = (pidfd, importer)
         loop.add_reader(pidfd, self._exited, pid)
+        return True
 
     def check_exited(self, pid: int) -> None:
         """Right after a connection closed: release at once if its process is gone already."""
