@@ -423,3 +423,77 @@ def test_a_failed_read_leaves_no_frame_holding_what_it_received():
     gc.collect()
     assert held() is None, "a traceback frame keeps the received frames alive"
     assert isinstance(kept.__cause__, OSError)
+
+
+def test_a_ucx_reply_that_ends_without_its_ok_parks_what_its_device_frames_keep_alive(tmp_path):
+    """A ``get_data`` reply over UCX that ends without the requester's "OK" (cancelled while distributed-ucxx waits
+    for its send, or failed) may leave the requester's UCX reading its device frames (a ``cuda_ipc`` read of a
+    staging block or of pool memory): what those frames keep alive is parked in the process's quarantine, never
+    given back to a free list or pool, until the requester's process exits (its registry row's pid, on this host),
+    or for this process's life when that cannot be watched (a requester without a row: a client). A reply that
+    ended with its "OK" lets go of them at once; over TCP nothing is noted (the sender copies into the socket).
+
+    Real services on ``host`` pools and a registry snapshot; the requester's row names a real process of this host.
+    The device frames are the serializers' own ``_DeviceFrame`` s, noted as ``cuda_dumps_cupy`` and
+    ``_cuda_serialize_buffer`` note what they return (which needs device memory: the GPU test
+    ``test_on_ucxx_a_cancelled_reply_keeps_its_staging_memory_until_the_consumer_exits``); their owners are plain
+    objects, which the code only keeps references to."""
+    import dataclasses
+    import gc
+    import secrets
+    import subprocess
+    import sys
+    import weakref
+
+    from dask_gpupool import PoolOptions
+    from dask_gpupool.dask import device_frames as F
+    from dask_gpupool.dask.worker_internals import REQUEST, Request
+    from dask_gpupool.handoff.service import PoolService
+    from dask_gpupool.memory.lifetime import QUARANTINE
+    from dask_gpupool.wire.registry import Membership, RegistryUpdate
+
+    class Staging:  # what a frame keeps alive: a staging block, a pool buffer, a CuPy array
+        nbytes = 1 << 20
+
+    options = PoolOptions.from_config(kind="host", max_size="16 MiB", broker_dir=str(tmp_path))
+    a = PoolService.start(options, "ucxx://127.0.0.1:40061")
+    b = PoolService.start(options, "ucxx://127.0.0.1:40062")
+    requester = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        row = dataclasses.replace(b.record, pid=requester.pid)  # the requester's process, on this host
+        a.join(Membership(RegistryUpdate(1, (a.record, row), (), snapshot=True), secrets.token_bytes(32)))
+
+        def reply(who: str, scheme: str, ok: bool) -> weakref.ref[Any]:
+            """One reply of one value staged for UCX; the weak reference to what its device frame keeps alive."""
+            staged = Staging()
+            request = Request(who, scheme, a)
+            token = REQUEST.set(request)
+            try:
+                header, frames = F._noted(({"nbytes": staged.nbytes}, [F._DeviceFrame(4096, staged.nbytes, staged)]))
+            finally:
+                REQUEST.reset(token)
+            ref = weakref.ref(staged)
+            del staged, frames  # Dask's write dropped them (a cancelled send drops them at once)
+            request.settle_frames(ok)  # what the get_data hook does when the reply ends
+            gc.collect()
+            return ref
+
+        count, nbytes = QUARANTINE.count, QUARANTINE.nbytes
+        assert reply(b.record.worker, "ucxx", ok=True)() is None  # the requester read it all: its OK came
+        assert reply(b.record.worker, "tcp", ok=False)() is None  # over TCP the bytes were copied into the socket
+        parked = reply(b.record.worker, "ucxx", ok=False)
+        assert parked() is not None, "staging memory the requester may still read went back to the free list"
+        assert (QUARANTINE.count - count, QUARANTINE.nbytes - nbytes) == (1, 1 << 20)
+        client = reply("ucx://127.0.0.1:50000", "ucx", ok=False)  # no row: no process to watch
+        requester.kill()
+        requester.wait()
+        QUARANTINE.sweep()
+        gc.collect()
+        assert parked() is None  # its reader's process is gone: the memory may be reused
+        assert client() is not None  # kept for this process's life
+        assert (QUARANTINE.count - count, QUARANTINE.nbytes - nbytes) == (1, 1 << 20)
+    finally:
+        requester.kill()
+        requester.wait()
+        b.close()
+        a.close()

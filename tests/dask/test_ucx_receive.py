@@ -45,13 +45,15 @@ def test_no_receive_pool_on_a_gpu_that_distributed_ucxx_does_not_synchronize(set
 
 
 def test_a_tcp_worker_keeps_distributed_ucxx_as_it_is_and_says_why():
-    """Over TCP nothing of distributed-ucxx is touched: stats() names the reason, and the counters are 0."""
+    """Over TCP nothing of distributed-ucxx is touched: stats() names the reason, and the counters are 0 (nothing
+    in the UCX quarantine either)."""
     import dask_gpupool
 
     with nanny_cluster([{}], GPUPool(kind="host", max_size="64 MiB")) as c:
         (got,) = dask_gpupool.stats(c).values()
         assert got["routing"]["ucx-receive"] == "off: this worker does not receive over UCX"
         assert got["receive_pooled_bytes"] == 0 and got["receive_pool_misses"] == 0
+        assert got["ucx_quarantined"] == 0 and got["ucx_quarantined_bytes"] == 0
 
 
 def test_install_and_uninstall_put_back_only_what_was_there():
@@ -96,3 +98,77 @@ def test_a_device_frame_whose_header_says_another_size_is_a_protocol_error(heade
     with pytest.raises(ProtocolError, match="device-frame header"):
         _cuda_deserialize_buffer(header, [frame])
     assert _cuda_deserialize_buffer({"nbytes": 16}, [frame]).size == 16
+
+
+def test_a_receive_pool_block_of_a_read_that_did_not_complete_is_never_given_back():
+    """A comm read that raised may leave UCX writing into the device frames it received into (a cancelled or failed
+    read: distributed-ucxx drops its request, which UCX cancels only when it is deallocated; a peer's ``cuda_ipc``
+    copy already queued runs on). So the receive-pool blocks of a read that did not complete are parked in the
+    process's quarantine, never given back to the pool (counted in ``ucx_quarantined_bytes``); those of a read that
+    returned are the message's, as before. A frame asked for outside a read the worker watches (its comm-read
+    wrapper, ``fill_after_read``) comes from distributed-ucxx's own ``device_array``, not from the pool.
+
+    The comm is a real one (inproc) and the reads are what distributed-ucxx's ``read`` does with ``device_array``
+    before its receives. RMM is not installed here: the pool is given plain objects for RMM's pool resource and
+    ``DeviceBuffer`` (it only keeps references to them); the receives into RMM memory run in the GPU tests."""
+    import asyncio
+    import gc
+    import types
+    import weakref
+    from typing import Any
+
+    from distributed.comm import CommClosedError, connect, listen
+
+    from dask_gpupool.dask.worker_internals import _read_then_fill
+    from dask_gpupool.handoff.stats import HandoffStats
+    from dask_gpupool.memory.lifetime import QUARANTINE
+
+    class Block:  # a block of the pool: rmm.DeviceBuffer(size=n, mr=pool)
+        def __init__(self, size: int, mr: Any) -> None:
+            self.nbytes = size
+
+    rmm = types.SimpleNamespace(
+        DeviceBuffer=Block,
+        mr=types.SimpleNamespace(CudaMemoryResource=object, PoolMemoryResource=lambda upstream, **_: object()),
+    )
+    handoffs = HandoffStats()
+    pool = ucx_receive.ReceivePool(rmm, GiB, handoffs, bytearray)  # fallback: distributed-ucxx's own device_array
+    given: list[weakref.ref[Any]] = []
+
+    async def failing_read(deserializers: Any = None) -> Any:
+        frames = [pool.device_array(1 << 20)]  # distributed-ucxx's read: the frames first, then a receive each
+        given.append(weakref.ref(frames[0]))
+        try:
+            raise OSError("the endpoint closed during the receive")
+        except OSError as e:
+            raise CommClosedError("Connection closed by writer") from e
+
+    async def read(deserializers: Any = None) -> Any:
+        frames = [pool.device_array(2 << 20)]
+        given.append(weakref.ref(frames[0]))
+        return {"frames": len(frames)}
+
+    async def main() -> None:
+        async def serve(comm: Any) -> None:
+            await comm.read()
+
+        listener = await listen("inproc://", serve)
+        comm = await connect(listener.contact_address)
+        try:
+            with pytest.raises(CommClosedError):
+                await _read_then_fill(comm, failing_read, "ucxx://127.0.0.1:40051")()
+            assert await _read_then_fill(comm, read, "ucxx://127.0.0.1:40051")() == {"frames": 1}
+        finally:
+            comm.abort()
+            listener.stop()
+
+    count, nbytes = QUARANTINE.count, QUARANTINE.nbytes
+    asyncio.run(main())
+    gc.collect()
+    failed, completed = given
+    assert failed() is not None, "a block UCX may still write went back to the pool"
+    assert completed() is None  # a completed read's frames are the message's: gone with it
+    assert (QUARANTINE.count - count, QUARANTINE.nbytes - nbytes) == (1, 1 << 20)
+    assert handoffs.receive_pooled_bytes == 3 << 20
+    outside = pool.device_array(4096)  # not in a watched read (a client's, or a handler's on an accepted comm)
+    assert type(outside) is bytearray and handoffs.receive_pooled_bytes == 3 << 20
