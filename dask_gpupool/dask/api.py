@@ -230,7 +230,11 @@ def stats(client: Client) -> dict[str, dict[str, Any]]:
         :func:`~dask_gpupool.handoff.stats.quantile_s`; see
         :data:`~dask_gpupool.handoff.stats.TIMED_STEPS`), ``mapped_pools``, ``links``, ``pulls`` and
         ``staging_bytes`` (streamed copies being served, and the pinned staging
-        kept for them), ``segments``, ``segments_retiring`` and
+        kept for them), ``ucx_quarantined`` and ``ucx_quarantined_bytes`` (device
+        frames of this process's UCX transfers that did not complete, and their
+        bytes: kept out of reuse while UCX may still read or write them, until
+        the peer's process exits or for the process's life;
+        :class:`~dask_gpupool.memory.lifetime.Quarantine`), ``segments``, ``segments_retiring`` and
         ``segments_released`` (this pool's segments held and retired, and
         segment releases sent to peers), and ``routing`` (what allocates into
         the pool besides tasks' own calls: ``{"cupy": what and why}``, see

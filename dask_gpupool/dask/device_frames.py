@@ -20,6 +20,14 @@ the receiver's pool.
 
 Counted in ``device_frames_out_bytes``, ``device_staged_bytes``,
 ``device_frames_bytes``, ``host_frames_out_bytes`` and ``host_frames_bytes``.
+
+Ownership of what a reply sends: each device frame keeps its memory alive (a
+:class:`_DeviceFrame` its owner: the staging block or the pool buffer; a CuPy
+array its memory), and the reply's :class:`~dask_gpupool.dask.worker_internals.Request`
+holds every device frame these serializers give it (:func:`_noted`) until the
+reply ends. Then they are dropped when the requester's "OK" came, and parked
+otherwise (:meth:`~dask_gpupool.dask.worker_internals.Request.settle_frames`):
+the requester's UCX may still be reading them.
 """
 
 from __future__ import annotations
@@ -148,7 +156,22 @@ def _timed_stage(start: float, staged: UcxStaging, copied: float | None = None) 
         handoffs.timed("device-serialize", now - copied)
 
 
+def _noted(serialized: tuple[dict[str, Any], list[Any]]) -> tuple[dict[str, Any], list[Any]]:
+    """``serialized`` (a header and frames for the ``get_data`` reply being serialized), its device frames noted in the
+    reply (:meth:`~dask_gpupool.dask.worker_internals.Request.sending`), which holds them until it ends."""
+    request = REQUEST.get()
+    if request is not None:
+        request.sending(serialized[1])
+    return serialized
+
+
 def _cuda_serialize_buffer(buf: Buffer) -> tuple[dict[str, Any], list[Any]]:
+    """A device ``Buffer`` for comms that carry device frames (the ``"cuda"`` family: UCX); its device frames noted
+    in the reply (:func:`_noted`)."""
+    return _noted(_cuda_serialize_pool_buffer(buf))
+
+
+def _cuda_serialize_pool_buffer(buf: Buffer) -> tuple[dict[str, Any], list[Any]]:
     """A device ``Buffer`` for comms that carry device frames (the ``"cuda"`` family: UCX).
 
     To a same-host worker that can map it: an IPC descriptor, as over TCP.
@@ -218,6 +241,12 @@ def _frame_nbytes(frame: Any) -> int:
 
 
 def cuda_dumps_cupy(x: Any, previous: Any) -> tuple[dict[str, Any], list[Any]]:
+    """A CuPy array for a comm that carries device frames (:func:`_dumps_cupy`); its device frames noted in the reply
+    (:func:`_noted`)."""
+    return _noted(_dumps_cupy(x, previous))
+
+
+def _dumps_cupy(x: Any, previous: Any) -> tuple[dict[str, Any], list[Any]]:
     """A CuPy array for a comm that carries device frames: handed over, staged or distributed's own frames.
 
     An array over pool memory (this worker's, or one it imported) goes to a

@@ -23,6 +23,17 @@ reference to the pool resource, so the resource (and its reserved memory)
 lives until the last frame made from it is released, even after the plugin
 is removed and ``device_array`` put back. No file descriptor is involved.
 
+The pool gives blocks only to the comm reads the worker watches (its comm-read
+wrapper, :func:`~dask_gpupool.dask.worker_internals.fill_after_read`: the
+reads of values from other workers), which tell it how they ended
+(:data:`~dask_gpupool.dask.worker_internals.READ_BLOCKS`). The blocks of a read
+that raised (cancelled, or its comm failed) may still be written by UCX: they
+are parked in :data:`~dask_gpupool.memory.lifetime.QUARANTINE` for the
+process's life, never given out again; at most the ceiling's worth, beyond
+which frames come from RMM's resource. Any other read (a handler's on a comm
+the worker accepted, a client's in the same process) gets its frames from
+distributed-ucxx's own ``device_array``, as without the plugin.
+
 ``auto`` stands aside where someone else chose RMM's resource (an RMM pool,
 ``cudaMallocAsync``, managed memory): that resource already serves the frames,
 and the user picked it. It takes over from this plugin's own resource
@@ -39,7 +50,7 @@ from typing import Any
 
 from dask.utils import format_bytes
 
-from dask_gpupool.dask.worker_internals import SYNCHRONIZED_DEVICE
+from dask_gpupool.dask.worker_internals import READ_BLOCKS, SYNCHRONIZED_DEVICE
 from dask_gpupool.handoff.stats import HandoffStats
 
 __all__ = ["ReceivePool", "decide", "install", "uninstall"]
@@ -111,7 +122,9 @@ class ReceivePool:
     -----
     Runs on the worker's event loop (distributed-ucxx's ``read``), on the worker's GPU. Each frame is an
     ``rmm.DeviceBuffer`` that owns its allocation and keeps the pool resource alive; dropping it returns the memory
-    to the pool, stream-ordered on the default stream. A block given out again is written by UCX only after
+    to the pool, stream-ordered on the default stream. A frame of a read that raised is never dropped: the read's
+    :class:`~dask_gpupool.dask.worker_internals.ReadBlocks` parks it, since UCX may still write into it (module
+    docstring). A block given out again is written by UCX only after
     distributed-ucxx's ``read`` has synchronized the whole device (``ucxx._cuda_context.synchronize_default_stream``
     is cuda.core's ``Device(0).sync()``), so kernels of any stream that still read the value it held have ended, as
     a ``cudaFree`` would have waited for them. That holds on device 0 only: a worker on another ordinal gets no
@@ -131,7 +144,15 @@ class ReceivePool:
         return self._fallback
 
     def device_array(self, n: int) -> Any:
-        """A device buffer of ``n`` bytes for a frame: from the pool, else from ``fallback``."""
+        """A device buffer of ``n`` bytes for a frame: from the pool, else from ``fallback``.
+
+        From the pool only inside a read the worker watches (:data:`~dask_gpupool.dask.worker_internals.READ_BLOCKS`
+        open), which holds the block until it knows whether the read completed; outside one, from ``fallback``
+        (not counted).
+        """
+        read = READ_BLOCKS.get()
+        if read is None or not read.open:
+            return self._fallback(n)
         resource = self._resource
         if resource is None:
             resource = self._resource = self._make()
@@ -144,6 +165,7 @@ class ReceivePool:
                 logger.warning("gpupool: the UCX receive pool failed; frames use RMM's resource", exc_info=True)
                 self._resource = False
             else:
+                read.blocks.append(buf)
                 self._handoffs.add(receive_pooled_bytes=n)
                 return buf
         self._handoffs.add(receive_pool_misses=1)

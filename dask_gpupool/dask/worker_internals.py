@@ -15,6 +15,11 @@
 - ``worker.monitor.get_process_memory`` is wrapped so that the process memory
   Dask reads leaves out the peer pool pages a worker maps.
 
+Over UCX comms, the device memory of a reply that ended without the requester's
+"OK", and the receive-pool blocks of a read that raised, are kept out of reuse
+(:data:`~dask_gpupool.memory.lifetime.QUARANTINE`): UCX may still read or write
+them (:meth:`Request.settle_frames`, :data:`READ_BLOCKS`).
+
 Each is put back as it was by the matching ``undo``/restore path when the
 plugin is removed.
 """
@@ -33,8 +38,9 @@ from typing import TYPE_CHECKING, Any
 from dask_gpupool.dask.views import pool_buffer_of
 from dask_gpupool.errors import DataLostError
 from dask_gpupool.handoff.deferred import SENDER, abandon_all, collecting, resolve, run_fills
-from dask_gpupool.handoff.routing import TCP_SCHEMES
+from dask_gpupool.handoff.routing import TCP_SCHEMES, UCX_SCHEMES
 from dask_gpupool.memory.host import peer_resident_bytes
+from dask_gpupool.memory.lifetime import QUARANTINE
 from dask_gpupool.wire.broker_leases import MAX_LEASES_PER_MESSAGE
 from dask_gpupool.wire.handoff import LEASE_QUERY_OP, LeaseQuery, LeaseQueryReply
 
@@ -45,7 +51,9 @@ if TYPE_CHECKING:
     from dask_gpupool.handoff.service import PoolService
 
 __all__ = [
+    "READ_BLOCKS",
     "REQUEST",
+    "ReadBlocks",
     "Request",
     "clear_tracebacks",
     "count_own_memory_only",
@@ -72,6 +80,37 @@ class Request:
     plain_reason: str | None = None
     #: Where the GPU work that made each of this worker's task results ends (``None``: not recorded here).
     task_events: TaskEvents | None = None
+    #: The device frames this reply sends over a UCX comm (:meth:`sending`): they keep the memory the requester's
+    #: UCX reads alive (staging memory, pool memory, CuPy arrays) until the reply ends (:meth:`settle_frames`).
+    device_frames: list[Any] = field(default_factory=list)
+
+    def sending(self, frames: list[Any]) -> None:
+        """Note the device frames (those with ``__cuda_array_interface__``) among ``frames``, which a serializer
+        gives this reply, if it goes over a UCX comm. Over TCP or TLS nothing is noted: the comm copies the bytes
+        into the socket before the reply ends."""
+        if self.scheme in UCX_SCHEMES:
+            self.device_frames.extend(f for f in frames if hasattr(f, "__cuda_array_interface__"))
+
+    def settle_frames(self, ok: bool) -> None:
+        """The reply ended (``ok``: with the requester's "OK"): let go of its device frames, or park them.
+
+        Ownership: until here the request holds each device frame it sent, and so what the frame keeps alive (a
+        :class:`~dask_gpupool.memory.ucx_staging.UcxStaging` block, a pool buffer, a CuPy array). With the "OK"
+        the requester has received every frame (its read returned before it answered), so they are dropped and
+        their memory goes back to its free list or pool as usual. Without it (the reply was cancelled while
+        distributed-ucxx waited for its send, or failed), the requester's UCX may still be reading them (its
+        ``cuda_ipc`` copy of this process's memory), and a requester whose read completes uses what it read:
+        the frames are parked in :data:`~dask_gpupool.memory.lifetime.QUARANTINE` until the requester's process
+        exits (its registry row's pid, when the row is of this host), or for this process's life when that
+        cannot be watched (a requester without a row, of another host, or in this process). Nothing of this
+        holds them afterwards.
+        """
+        frames, self.device_frames[:] = list(self.device_frames), []
+        if ok or not frames:
+            return
+        row = None if self.requester is None else self.service.registry.worker_row(self.requester)
+        pid = row.pid if row is not None and row.host == self.service.record.host else None
+        QUARANTINE.park(frames, pid, f"a reply to {self.requester} ended without its OK over {self.scheme}")
 
     def task_event(self, value: Any) -> Any | None:
         """The event after which no GPU work of the task that made ``value`` writes it, if ``value`` is a task
@@ -107,6 +146,27 @@ class Request:
 REQUEST: contextvars.ContextVar[Request | None] = contextvars.ContextVar("gpupool_request", default=None)
 
 
+@dataclass
+class ReadBlocks:
+    """The receive-pool blocks given to one comm read of this worker while it runs (:func:`fill_after_read`).
+
+    Ownership: while ``open``, ``blocks`` holds each block the receive pool gave the read
+    (:meth:`ReceivePool.device_array <dask_gpupool.dask.ucx_receive.ReceivePool.device_array>`). When the read
+    returns, every receive into them completed: the blocks are dropped here (the message's frames own them). When
+    it raises, UCX may still write into them, so they are parked in
+    :data:`~dask_gpupool.memory.lifetime.QUARANTINE` for this process's life (nothing here learns when UCX is done
+    with them), never given back to the pool. Either way the collector is closed and emptied then.
+    """
+
+    open: bool = True
+    blocks: list[Any] = field(default_factory=list)
+
+
+#: Set while a comm read of this worker runs (:func:`fill_after_read`): the receive pool gives its blocks only to
+#: such reads, whose end it is told of (any other read's frames come from distributed-ucxx's own ``device_array``).
+READ_BLOCKS: contextvars.ContextVar[ReadBlocks | None] = contextvars.ContextVar("gpupool_read_blocks", default=None)
+
+
 def install_get_data_hook(
     worker: Worker,
     service: PoolService,
@@ -140,7 +200,10 @@ def install_get_data_hook(
     traceback are cleared: Dask logs the failure with its traceback and keeps
     the record in the worker's log deque (``distributed.admin.log-length``
     records), whose frames would otherwise keep the values of the reply, and
-    with them pool memory, alive. Returns the original handler (to put back
+    with them pool memory, alive. Over a UCX comm, the device frames of a
+    reply that ended without the requester's "OK" (failed, or cancelled while
+    distributed-ucxx waits for its send) are parked instead
+    (:meth:`Request.settle_frames`). Returns the original handler (to put back
     on teardown).
     """
     from distributed.comm import parse_address
@@ -175,6 +238,7 @@ def install_get_data_hook(
             raise
         finally:
             REQUEST.reset(token)
+            request.settle_frames(ok)  # over UCX: what the requester may still read is kept out of reuse
             service.handoffs.timed("reply", time.perf_counter() - start)
             if inline:
                 comm.allow_offload = True
@@ -403,7 +467,10 @@ def fill_after_read(worker: Worker, *, undo: bool = False) -> None:
     A copy that fails is raised as :class:`~dask_gpupool.errors.DataLostError`
     (a ``ConnectionError``: Dask fetches the key again or recomputes it) and the
     comm is aborted, since the sender still waits for this reader's "OK". The
-    same holds for a ``DataLostError`` a deserializer raised. ``undo=True``
+    same holds for a ``DataLostError`` a deserializer raised. The read runs
+    with a :class:`ReadBlocks` collector open (:data:`READ_BLOCKS`): the UCX
+    receive pool's blocks of a read that raises are parked, never given back.
+    ``undo=True``
     puts Dask's ``connect`` back (comms already wrapped keep a wrapper that
     does nothing without collected copies).
     """
@@ -433,10 +500,14 @@ def _read_then_fill(comm: Any, read: Any, sender: str) -> Any:
     async def read_then_fill(deserializers: Any = None) -> Any:
         pending: list[Any] = []
         token = SENDER.set(sender)  # who answers on this comm: the worker this one connected to
+        blocks = ReadBlocks()
+        watched = READ_BLOCKS.set(blocks)  # the receive pool gives blocks to this read, and is told how it ended
         try:
             with collecting() as pending:
                 msg = await read(deserializers)
         except BaseException as e:
+            # UCX may still write into the receive-pool blocks of a read that did not complete: never given back
+            QUARANTINE.park(blocks.blocks, None, f"a read from {sender} did not complete")
             abandon_all(pending)
             pending = []
             if isinstance(e, DataLostError):
@@ -446,6 +517,9 @@ def _read_then_fill(comm: Any, read: Any, sender: str) -> Any:
             clear_tracebacks(e)
             raise
         finally:
+            READ_BLOCKS.reset(watched)
+            blocks.open = False
+            blocks.blocks.clear()
             SENDER.reset(token)
         if not pending:
             return msg

@@ -50,7 +50,7 @@ from dask_gpupool.handoff.routes import Routes
 from dask_gpupool.handoff.routing import Route
 from dask_gpupool.handoff.startup import start_parts
 from dask_gpupool.handoff.stats import HandoffStats
-from dask_gpupool.memory.lifetime import keep_until_exit
+from dask_gpupool.memory.lifetime import QUARANTINE, keep_until_exit
 from dask_gpupool.memory.pool import Pool, PoolStats
 from dask_gpupool.memory.segments import waiting_for_reclaim
 from dask_gpupool.memory.topology import LocalDevices
@@ -466,6 +466,9 @@ class PoolService:
             "segments": 0 if segmented is None else segmented.segments,
             "segments_retiring": 0 if segmented is None else segmented.retiring,
             "staging_bytes": STAGING.nbytes,
+            # this process's, as staging_bytes: device memory of UCX transfers that did not complete, kept out of reuse
+            "ucx_quarantined": QUARANTINE.count,
+            "ucx_quarantined_bytes": QUARANTINE.nbytes,
             "routing": dict(self.routing),
         }
 

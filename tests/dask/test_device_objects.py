@@ -469,7 +469,7 @@ def test_a_ucx_reply_that_ends_without_its_ok_parks_what_its_device_frames_keep_
             request = Request(who, scheme, a)
             token = REQUEST.set(request)
             try:
-                header, frames = F._noted(({"nbytes": staged.nbytes}, [F._DeviceFrame(4096, staged.nbytes, staged)]))
+                _, frames = F._noted(({"nbytes": staged.nbytes}, [F._DeviceFrame(4096, staged.nbytes, staged)]))
             finally:
                 REQUEST.reset(token)
             ref = weakref.ref(staged)
