@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from typing import Any
 
 import pytest
@@ -1446,6 +1447,125 @@ def test_on_ucxx_the_receive_pool_stands_aside_beside_an_rmm_pool_set_before_it(
         got = c.run(T.handoff_counters)
         assert got[b]["receive_pooled_bytes"] == 0 and got[b]["receive_pool_misses"] == 0, got[b]
         assert got[b]["device_frames_bytes"] == MiB, got[b]
+
+
+def _hold_device_frame_receives(waiting: str, release: str, nbytes: int, dask_worker: Any) -> None:
+    """client.run target: the next device frame of at least ``nbytes`` this worker's distributed-ucxx receives waits,
+    before its receive is posted, until the file ``release`` exists (at most 120 s), after creating the file
+    ``waiting``; once. The worker's event loop waits with it, so the sender's send of that frame waits too."""
+    import time
+
+    import distributed_ucxx.ucxx as comm
+
+    inner = comm.device_array
+
+    def device_array(n: int) -> Any:
+        if n >= nbytes and comm.device_array is device_array:
+            comm.device_array = inner  # once
+            open(waiting, "w").close()
+            deadline = time.monotonic() + 120
+            while not os.path.exists(release) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return inner(n)
+
+    comm.device_array = device_array
+
+
+async def _cancel_get_data_replies(dask_worker: Any) -> int:
+    """client.run target: cancel the tasks answering ``get_data`` on this worker, as a server closing in a process
+    that hosts several workers cancels its handlers; how many there were."""
+    import asyncio
+
+    tasks = [
+        t
+        for t in list(dask_worker._ongoing_background_tasks._ongoing_tasks)
+        if (frame := t.get_coro().cr_frame) is not None
+        and dask_worker._comms.get(frame.f_locals.get("comm")) == "get_data"
+    ]
+    for task in tasks:
+        task.cancel()
+    await asyncio.sleep(0.5)  # the handlers end: the get_data hook settles the reply
+    return len(tasks)
+
+
+def _staging_blocks(dask_worker: Any) -> dict[str, Any]:
+    """client.run target: this process's staging blocks that its UCX quarantine keeps (pointers), those in its free
+    list, and the quarantine's bytes."""
+    from dask_gpupool.memory import ucx_staging
+    from dask_gpupool.memory.lifetime import QUARANTINE
+
+    parked = [
+        frame.owner.ptr
+        for _, frames, _ in list(QUARANTINE._entries)
+        for frame in frames
+        if isinstance(getattr(frame, "owner", None), ucx_staging.UcxStaging)
+    ]
+    free = [ptr for entries in list(ucx_staging._free.values()) for _, ptr in entries]
+    return {"parked": parked, "free": free, "bytes": QUARANTINE.nbytes}
+
+
+def _scribble_staging(nbytes: int, dask_worker: Any) -> int:
+    """client.run target: staging memory for ``nbytes`` (a block of the free list if it has one, as the next staged
+    reply takes), filled with 0xFF and kept on the worker; its pointer."""
+    from cuda.bindings import driver
+
+    from dask_gpupool.memory.ucx_staging import UcxStaging
+
+    staged = UcxStaging(nbytes, 0)
+    assert driver.cuMemsetD8(staged.ptr, 0xFF, nbytes)[0] == driver.CUresult.CUDA_SUCCESS
+    assert driver.cuCtxSynchronize()[0] == driver.CUresult.CUDA_SUCCESS
+    dask_worker._gpupool_scribbled = staged
+    return staged.ptr
+
+
+@pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
+def test_on_ucxx_a_cancelled_reply_keeps_its_staging_memory_until_the_consumer_exits(placement, tmp_path):
+    """Thirty-first session (the review's open UCX case): a ``get_data`` reply of a staged value cancelled while
+    distributed-ucxx waits for its send (here: the consumer's receive of the device frame held back, the producer's
+    handler task cancelled as a closing server cancels it) may leave the consumer's ``cuda_ipc`` read of the staging
+    block running. The producer parks the block in its quarantine (``ucx_quarantined_bytes``), not in the staging
+    free list: the next staging of that size, scribbled with 0xFF, gets other memory. The consumer's read then goes
+    on (completing from the parked block, or failing and fetching the value again): its total is right, never a
+    wrong byte. When the consumer's process exits (SIGKILL), the producer lets the block go."""
+    gpus(2 if placement == "two-gpus" else 1)
+    pytest.importorskip("distributed_ucxx")
+    import dask
+    import numpy as np
+
+    n = 8 * MiB  # float64: 64 MiB of pool memory
+    # staged device frames to a same-host worker (whose process the producer can watch): below the handoff
+    # threshold, in VMM segments (legacy ones go unstaged)
+    plugin = GPUPool(
+        kind="device", max_size="1 GiB", segment_memory="vmm", ucx_handoff_threshold="1 GiB", cupy_allocator=False
+    )
+    with dask.config.set(UCX_CONFIG), nanny_cluster(ucx_workers(placement, "same"), plugin, protocol="ucxx") as c:
+        a, b = worker_addresses(c)
+        before = c.run(_staging_blocks, workers=[a])[a]
+        x = c.submit(T.make_array, n, "cupy", workers=[a], pure=False)
+        x.result()
+        waiting, release = tmp_path / "waiting", tmp_path / "release"
+        c.run(_hold_device_frame_receives, str(waiting), str(release), 8 * n, workers=[b])
+        y = c.submit(T.total, x, workers=[b], pure=False)
+        wait_for(waiting.exists, what="the consumer to reach the receive of the device frame")
+        time.sleep(0.5)  # the producer sends the frame's header first, then waits in the send of the frame itself
+        assert c.run(_cancel_get_data_replies, workers=[a])[a] == 1
+        got = c.run(_staging_blocks, workers=[a])[a]
+        print(placement, "after the cancel:", got)
+        assert got["bytes"] - before["bytes"] >= 8 * n, got
+        (parked,) = set(got["parked"]) - set(before["parked"])
+        assert parked not in got["free"], "a staging block the consumer may still read is in the free list"
+        scribbled = c.run(_scribble_staging, 8 * n, workers=[a])[a]  # what the next staged reply would take
+        assert scribbled != parked
+        assert counters(c, a)[a]["ucx_quarantined_bytes"] == got["bytes"]
+        assert counters(c, a)[a]["device_staged_bytes"] >= 8 * n  # it was staged, not handed over
+        release.touch()
+        assert y.result() == float(np.arange(n).sum())  # whichever way the consumer got it: never a wrong byte
+        os.kill(pid_of(c, b), signal.SIGKILL)
+        wait_for(
+            lambda: parked not in c.run(_staging_blocks, workers=[a])[a]["parked"],
+            what="the producer to let go of the parked block once the consumer exited",
+        )
+        c.run(lambda dask_worker: vars(dask_worker).pop("_gpupool_scribbled", None), workers=[a])
 
 
 @pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])

@@ -83,13 +83,22 @@ class Request:
     #: The device frames this reply sends over a UCX comm (:meth:`sending`): they keep the memory the requester's
     #: UCX reads alive (staging memory, pool memory, CuPy arrays) until the reply ends (:meth:`settle_frames`).
     device_frames: list[Any] = field(default_factory=list)
+    #: The requester's process (its registry row's pid, when the row is of this host; else ``None``), looked up when
+    #: the first device frame is noted: a requester that died may have left the registry by the time its reply fails.
+    reader_pid: int | None = None
 
     def sending(self, frames: list[Any]) -> None:
         """Note the device frames (those with ``__cuda_array_interface__``) among ``frames``, which a serializer
         gives this reply, if it goes over a UCX comm. Over TCP or TLS nothing is noted: the comm copies the bytes
         into the socket before the reply ends."""
-        if self.scheme in UCX_SCHEMES:
-            self.device_frames.extend(f for f in frames if hasattr(f, "__cuda_array_interface__"))
+        if self.scheme not in UCX_SCHEMES:
+            return
+        device = [f for f in frames if hasattr(f, "__cuda_array_interface__")]
+        if device and not self.device_frames:
+            row = None if self.requester is None else self.service.registry.worker_row(self.requester)
+            pid = row.pid if row is not None and row.host == self.service.record.host else None
+            object.__setattr__(self, "reader_pid", pid)  # once, before the reply's first device frame (frozen)
+        self.device_frames.extend(device)
 
     def settle_frames(self, ok: bool) -> None:
         """The reply ended (``ok``: with the requester's "OK"): let go of its device frames, or park them.
@@ -101,16 +110,14 @@ class Request:
         distributed-ucxx waited for its send, or failed), the requester's UCX may still be reading them (its
         ``cuda_ipc`` copy of this process's memory), and a requester whose read completes uses what it read:
         the frames are parked in :data:`~dask_gpupool.memory.lifetime.QUARANTINE` until the requester's process
-        exits (its registry row's pid, when the row is of this host), or for this process's life when that
-        cannot be watched (a requester without a row, of another host, or in this process). Nothing of this
-        holds them afterwards.
+        exits (:attr:`reader_pid`), or for this process's life when that cannot be watched (a requester without
+        a row, of another host, or in this process). Nothing of this holds them afterwards.
         """
         frames, self.device_frames[:] = list(self.device_frames), []
         if ok or not frames:
             return
-        row = None if self.requester is None else self.service.registry.worker_row(self.requester)
-        pid = row.pid if row is not None and row.host == self.service.record.host else None
-        QUARANTINE.park(frames, pid, f"a reply to {self.requester} ended without its OK over {self.scheme}")
+        what = f"a reply to {self.requester} ended without its OK over {self.scheme}"
+        QUARANTINE.park(frames, self.reader_pid, what)
 
     def task_event(self, value: Any) -> Any | None:
         """The event after which no GPU work of the task that made ``value`` writes it, if ``value`` is a task

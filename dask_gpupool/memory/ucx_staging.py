@@ -23,7 +23,12 @@ allocation then goes back to the process's free list, or is freed
 (``cuMemFree``, in the context it was made in) when the list is full. Reuse
 is safe while a copy into it may still run: every copy is on the legacy
 default stream, so the next one is ordered after it, and ``cuMemFree`` waits
-for the GPU. A copy not waited for keeps its source alive with it.
+for the GPU. A copy not waited for keeps its source alive with it. Reuse is
+not safe while a peer's UCX may still read the memory: a UCX reply keeps its
+staging blocks until the requester's "OK", and one that ended without it
+parks them (:class:`~dask_gpupool.memory.lifetime.Quarantine`) until the
+requester's process exits, or for this process's life; only then are they
+collected and come back here.
 """
 
 from __future__ import annotations

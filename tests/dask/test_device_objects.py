@@ -485,6 +485,14 @@ def test_a_ucx_reply_that_ends_without_its_ok_parks_what_its_device_frames_keep_
         assert parked() is not None, "staging memory the requester may still read went back to the free list"
         assert (QUARANTINE.count - count, QUARANTINE.nbytes - nbytes) == (1, 1 << 20)
         client = reply("ucx://127.0.0.1:50000", "ucx", ok=False)  # no row: no process to watch
+        # the requester's process is the one its row named when the reply began sending, even if the row is gone
+        # by the time the reply fails (a requester that died may have left the registry then)
+        request = Request(b.record.worker, "ucxx", a)
+        request.sending([F._DeviceFrame(4096, 1 << 20, Staging())])
+        a.join(Membership(RegistryUpdate(2, (a.record,), (), snapshot=True), secrets.token_bytes(32)))
+        assert a.registry.worker_row(b.record.worker) is None
+        request.settle_frames(False)
+        assert (QUARANTINE.count - count, QUARANTINE.nbytes - nbytes) == (3, 3 << 20)
         requester.kill()
         requester.wait()
         QUARANTINE.sweep()
