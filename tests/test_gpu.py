@@ -1479,7 +1479,7 @@ async def _cancel_get_data_replies(dask_worker: Any) -> int:
     tasks = [
         t
         for t in list(dask_worker._ongoing_background_tasks._ongoing_tasks)
-        if (frame := t.get_coro().cr_frame) is not None
+        if (frame := getattr(t.get_coro(), "cr_frame", None)) is not None
         and dask_worker._comms.get(frame.f_locals.get("comm")) == "get_data"
     ]
     for task in tasks:
