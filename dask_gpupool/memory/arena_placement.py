@@ -123,21 +123,30 @@ class ArenaPlacement:
         return True
 
     def reap(self, *, wait: bool) -> None:
-        """Give back the pending ranges whose frees completed; with ``wait``, all of them (``lock`` held)."""
-        keep = []
-        for seg, offset, event in self._pending:
-            if event is not None and not wait and not event.is_done:
-                keep.append((seg, offset, event))
-                continue
-            if event is not None:
-                if wait:
-                    event.sync()
-                event.close()
-            assert seg.arena is not None
-            size = seg.arena.free(offset)
-            seg.live -= 1
-            self._segments.count_freed(size)
-        self._pending = keep
+        """Give back the pending ranges whose frees completed; with ``wait``, all of them (``lock`` held).
+
+        The list is taken out first: a free that the garbage collector runs
+        meanwhile on this thread (a finalizer; the lock is re-entrant) adds to
+        a fresh one, and a reap it runs never sees the ranges given back here.
+        """
+        pending, self._pending = self._pending, []
+        try:
+            while pending:
+                seg, offset, event = pending[0]
+                if event is not None and not wait and not event.is_done:
+                    self._pending.append(pending.pop(0))
+                    continue
+                if event is not None:
+                    if wait:
+                        event.sync()
+                    event.close()
+                pending.pop(0)
+                assert seg.arena is not None
+                size = seg.arena.free(offset)
+                seg.live -= 1
+                self._segments.count_freed(size)
+        finally:
+            self._pending[:0] = pending  # what an error left: still pending
 
     def reap_retiring(self) -> None:
         """Wait for the pending frees if one is in a retiring segment, so that it may go (``lock`` held)."""

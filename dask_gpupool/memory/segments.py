@@ -51,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import operator
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterator
@@ -211,9 +212,14 @@ class SegmentedResource(MemoryResource):
             When neither a segment nor the upstream pool has room.
         PoolClosedError
             After :meth:`close`.
+        TypeError, ValueError
+            If ``size`` is not an integer, or negative.
         """
         from cuda.core import Buffer
 
+        size = operator.index(size)  # a Python int: NumPy's int64 wrapped around when rounded up near 2**63
+        if size < 0:
+            raise ValueError(f"cannot allocate {size} bytes")
         if self._closed:
             raise PoolClosedError("the segmented resource is closed")
         if self._home is not None:
