@@ -386,12 +386,17 @@ class SharedHostMemoryResource(HostOnlyResource):
             self._mmap.madvise(mmap.MADV_REMOVE, start, end - start)
 
     def _resident(self) -> int:
-        """Bytes of the memfd backed by memory now (0 once its fd is closed)."""
-        if self._fd < 0:
-            return 0
-        resident = os.fstat(self._fd).st_blocks * 512
-        self._reserved_high = max(self._reserved_high, resident)
-        return resident
+        """Bytes of the memfd backed by memory now (0 once its fd is closed).
+
+        Under the lock: a close on another thread must not close the fd (and
+        its number be reused) between the check and the ``fstat``.
+        """
+        with self._lock:
+            if self._fd < 0:
+                return 0
+            resident = os.fstat(self._fd).st_blocks * 512
+            self._reserved_high = max(self._reserved_high, resident)
+            return resident
 
     @property
     def attributes(self) -> HostPoolAttributes:

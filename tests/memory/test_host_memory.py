@@ -398,3 +398,35 @@ def test_a_pool_refuses_sizes_that_are_not_byte_counts_by_name(size, error):
         assert pool.stats().used == 0
     finally:
         pool.close()
+
+
+def test_reading_the_stats_while_the_pool_closes_is_never_an_error():
+    """``Pool.stats()`` reads the memfd's resident pages; a close on another thread closed the fd between the
+    check and the ``fstat`` (``OSError: [Errno 9] Bad file descriptor``, or the figures of whatever file took
+    the fd number since)."""
+    import sys
+    import threading
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(100):
+            owner = SharedHostMemoryResource(1 << 20)
+            errors: list[BaseException] = []
+
+            def read(owner: SharedHostMemoryResource = owner, errors: list[BaseException] = errors) -> None:
+                while not owner.is_closed:
+                    try:
+                        _ = owner.attributes
+                    except BaseException as e:
+                        errors.append(e)
+                        return
+
+            t = threading.Thread(target=read)
+            t.start()
+            owner.close()
+            t.join()
+            assert not errors, errors
+            assert owner.attributes.reserved_mem_current == 0
+    finally:
+        sys.setswitchinterval(interval)
