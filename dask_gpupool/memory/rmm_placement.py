@@ -152,6 +152,9 @@ class RmmPlacement:
         Where new buffers go (made on the first allocation after a retire).
     retired : list of Generation
         Retired generations not dropped yet.
+    on_retired_empty : callable or None
+        Called (no arguments, no lock held) when a deferred free (see the
+        notes) emptied a retiring segment: the resource collects it.
 
     Notes
     -----
@@ -160,11 +163,19 @@ class RmmPlacement:
     :attr:`Generation.pool` outside ``lock``. Segments are the resource's, and
     a buffer is its caller's until :meth:`free`. Thread-safe:
     :meth:`allocate` and :meth:`free` take ``lock`` but call RMM without it.
+
+    RMM calls the upstream callback (Python: the segment source, the VMM
+    driver calls) with its pool's mutex held, and a collection the garbage
+    collector runs there frees the buffers of garbage cycles on that
+    thread: a :meth:`free` into that same RMM pool would wait for the mutex
+    its own thread holds, for ever. So a free that comes while this thread
+    is inside RMM's ``allocate`` is deferred until that call returned.
     """
 
     generation: Generation | None
     retired: list[Generation]
     segment_size: int
+    on_retired_empty: Callable[[], None] | None
     _segments: SegmentTable
     _lock: threading.RLock
     _home: HomeStream
@@ -172,6 +183,8 @@ class RmmPlacement:
     _release_segment: Callable[[int], None]
     _exhausted: Callable[[int, BaseException], PoolExhaustedError]
     _streams: RmmStreams
+    _inside: threading.local
+    _deferred: list[tuple[Segment, int, int, Any]]
 
     def __init__(
         self,
@@ -185,6 +198,7 @@ class RmmPlacement:
     ) -> None:
         self.generation = None
         self.retired = []
+        self.on_retired_empty = None
         self.segment_size = segment_size
         self._segments = segments
         self._lock = lock
@@ -193,6 +207,8 @@ class RmmPlacement:
         self._release_segment = release_segment
         self._exhausted = exhausted
         self._streams = RmmStreams()
+        self._inside = threading.local()  # .rmm: this thread is inside an RMM pool's allocate (its mutex held)
+        self._deferred = []  # frees that came meanwhile (finalizers): (segment, ptr, size, stream)
 
     def allocate(self, size: int, stream: Any) -> int:
         """The address of a new buffer of ``size`` bytes, stream-ordered on ``stream``; owned by the caller.
@@ -208,10 +224,17 @@ class RmmPlacement:
                 gen = self.generation
                 if gen is None:
                     gen = self.generation = self._new_generation(size)
+        rmm_stream = self._stream(stream)
+        outer = getattr(self._inside, "rmm", False)
+        self._inside.rmm = True
         try:
-            ptr = int(gen.pool.allocate(max(size, 1), self._stream(stream)))  # RMM gives no address for 0
+            ptr = int(gen.pool.allocate(max(size, 1), rmm_stream))  # RMM gives no address for 0
         except MemoryError as e:
             raise self._exhausted(size, e) from None
+        finally:
+            self._inside.rmm = outer
+            if not outer:
+                self._free_deferred()
         with self._lock:
             seg, _ = self._segments.locate(ptr)  # type: ignore[misc]  # RMM placed it in a segment of ours
             seg.live += 1
@@ -219,12 +242,33 @@ class RmmPlacement:
         return ptr
 
     def free(self, seg: Segment, ptr: int, size: int, stream: Any) -> None:
-        """Give the buffer at ``ptr`` in ``seg`` back to RMM, stream-ordered on ``stream``."""
+        """Give the buffer at ``ptr`` in ``seg`` back to RMM, stream-ordered on ``stream``.
+
+        Deferred while this thread is inside RMM's ``allocate`` (see the class notes).
+        """
+        if getattr(self._inside, "rmm", False):
+            with self._lock:
+                self._deferred.append((seg, ptr, size, stream))
+            return
         self._home()  # RMM records its free event on the GPU: make it current in this thread (maybe the GC's)
         seg.generation.pool.deallocate(ptr, max(size, 1), self._stream(stream))
         with self._lock:
             seg.live -= 1
             self._segments.count_freed(-(-max(size, 1) // RMM_ALIGNMENT) * RMM_ALIGNMENT)
+
+    def _free_deferred(self) -> None:
+        """Free what came while this thread was inside RMM (it is not now); then :attr:`on_retired_empty`, if one
+        of them was the last buffer of a retiring segment."""
+        emptied = False
+        while True:
+            with self._lock:
+                if not self._deferred:
+                    break
+                seg, ptr, size, stream = self._deferred.pop()
+            self.free(seg, ptr, size, stream)
+            emptied = emptied or (seg.retiring and seg.live == 0)
+        if emptied and self.on_retired_empty is not None:
+            self.on_retired_empty()
 
     def current(self) -> Any:
         """The RMM pool of the current generation, made now if there is none (``lock`` held)."""

@@ -197,6 +197,7 @@ class SegmentedResource(MemoryResource):
             self._rmm = RmmPlacement(
                 segments, lock, home, self.segment_size, source.new, source.release, source.exhausted
             )
+            self._rmm.on_retired_empty = self._collect
         # places nothing under RMM: no segment has an arena, no free is pending
         self._arena = ArenaPlacement(segments, lock, source.new, self.segment_size, home)
         self._own = OwnSegments(segments, lock, source.new, home)

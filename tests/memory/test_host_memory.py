@@ -258,38 +258,12 @@ def test_a_peer_fd_that_cannot_be_mapped_read_write_is_a_protocol_error_and_leak
         os.close(fd)
 
 
-def run_with_frequent_collections(step, timeout: float = 30.0) -> None:
-    """Call ``step()`` over and over in a thread, with the collector's threshold at several small values (and the
-    default), so that collections, and the finalizers of garbage cycles, run at many points inside the pool's own
-    calls; fail if the thread does not finish within ``timeout``."""
-    import threading
-
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            for threshold in (*range(2, 12), 700):
-                gc.set_threshold(threshold)
-                for _ in range(500):
-                    step()
-        except BaseException as e:
-            errors.append(e)
-
-    before = gc.get_threshold()
-    try:
-        t = threading.Thread(target=run, daemon=True)
-        t.start()
-        t.join(timeout)
-    finally:
-        gc.set_threshold(*before)
-    assert not t.is_alive(), "an allocation deadlocked: the collector freed a pool buffer inside the pool's lock"
-    assert not errors, errors
-
-
 def test_a_buffer_freed_by_the_garbage_collector_inside_an_allocation_does_not_deadlock_it():
     """A pool Buffer in a reference cycle (a traceback's frame, a task's closure) is freed whenever the
     collector runs: also inside the pool's own allocate or trim, on the thread that holds the pool's locks.
     Its free must neither wait for those locks (a deadlock, found by review) nor lose its range."""
+    from conftest import run_with_frequent_collections
+
     owner = SharedHostMemoryResource(64 << 20)
 
     def step() -> None:

@@ -359,7 +359,7 @@ def test_a_buffer_freed_by_the_garbage_collector_inside_a_placement_does_not_dea
     thread that holds the segment's arena lock) must neither deadlock nor be freed twice (found by review)."""
     import gc
 
-    from test_host_memory import run_with_frequent_collections
+    from conftest import run_with_frequent_collections
 
     res, up = segmented()
 
