@@ -65,6 +65,10 @@ class Generation:
         ``release_segment(ptr)`` frees the segment at ``ptr``, unless it is
         unregistered already, as at close
         (:meth:`~dask_gpupool.memory.segment_source.SegmentSource.release`).
+    inside : threading.local, optional
+        Its ``rmm`` attribute is true on a thread while RMM runs the upstream
+        callback there, with the RMM pool's mutex held
+        (:class:`RmmPlacement` defers frees meanwhile).
 
     Notes
     -----
@@ -80,6 +84,7 @@ class Generation:
         segment_size: int,
         new_segment: Callable[..., Segment],
         release_segment: Callable[[int], None],
+        inside: threading.local | None = None,
     ) -> None:
         import rmm.mr
 
@@ -87,6 +92,7 @@ class Generation:
         self._segment_size = segment_size
         self._new_segment = new_segment
         self._release_segment = release_segment
+        self._inside = threading.local() if inside is None else inside
         self.upstream = rmm.mr.CallbackMemoryResource(self._take, self._give)
         self.pool: Any = rmm.mr.PoolMemoryResource(self.upstream, initial, None)
 
@@ -94,7 +100,12 @@ class Generation:
         # Called by RMM with its lock held: never call back into RMM from here.
         if nbytes > self._segment_size:
             raise MemoryError(f"segments are at most {self._segment_size} bytes")  # RMM asks for half
-        seg = self._new_segment(nbytes, generation=self)
+        outer = getattr(self._inside, "rmm", False)
+        self._inside.rmm = True  # a collection here runs finalizers on this thread: their frees must not enter RMM
+        try:
+            seg = self._new_segment(nbytes, generation=self)
+        finally:
+            self._inside.rmm = outer
         self.segments.append(seg)
         return seg.base
 
@@ -168,8 +179,10 @@ class RmmPlacement:
     driver calls) with its pool's mutex held, and a collection the garbage
     collector runs there frees the buffers of garbage cycles on that
     thread: a :meth:`free` into that same RMM pool would wait for the mutex
-    its own thread holds, for ever. So a free that comes while this thread
-    is inside RMM's ``allocate`` is deferred until that call returned.
+    its own thread holds, for ever. So a free that comes on a thread while
+    RMM runs the callback there is deferred: done when the allocation that
+    made RMM call back returned, or by the next free (the allocation may be
+    RMM's own user's, ``gpupool.rmm-allocator``).
     """
 
     generation: Generation | None
@@ -207,7 +220,7 @@ class RmmPlacement:
         self._release_segment = release_segment
         self._exhausted = exhausted
         self._streams = RmmStreams()
-        self._inside = threading.local()  # .rmm: this thread is inside an RMM pool's allocate (its mutex held)
+        self._inside = threading.local()  # .rmm: RMM runs a generation's callback on this thread (its mutex held)
         self._deferred = []  # frees that came meanwhile (finalizers): (segment, ptr, size, stream)
 
     def allocate(self, size: int, stream: Any) -> int:
@@ -224,17 +237,12 @@ class RmmPlacement:
                 gen = self.generation
                 if gen is None:
                     gen = self.generation = self._new_generation(size)
-        rmm_stream = self._stream(stream)
-        outer = getattr(self._inside, "rmm", False)
-        self._inside.rmm = True
         try:
-            ptr = int(gen.pool.allocate(max(size, 1), rmm_stream))  # RMM gives no address for 0
+            ptr = int(gen.pool.allocate(max(size, 1), self._stream(stream)))  # RMM gives no address for 0
         except MemoryError as e:
             raise self._exhausted(size, e) from None
         finally:
-            self._inside.rmm = outer
-            if not outer:
-                self._free_deferred()
+            self._free_deferred()  # what finalizers freed while RMM called back
         with self._lock:
             seg, _ = self._segments.locate(ptr)  # type: ignore[misc]  # RMM placed it in a segment of ours
             seg.live += 1
@@ -244,12 +252,16 @@ class RmmPlacement:
     def free(self, seg: Segment, ptr: int, size: int, stream: Any) -> None:
         """Give the buffer at ``ptr`` in ``seg`` back to RMM, stream-ordered on ``stream``.
 
-        Deferred while this thread is inside RMM's ``allocate`` (see the class notes).
+        Deferred while RMM runs its upstream callback on this thread (see the class notes).
         """
         if getattr(self._inside, "rmm", False):
             with self._lock:
                 self._deferred.append((seg, ptr, size, stream))
             return
+        self._give_back(seg, ptr, size, stream)
+        self._free_deferred()
+
+    def _give_back(self, seg: Segment, ptr: int, size: int, stream: Any) -> None:
         self._home()  # RMM records its free event on the GPU: make it current in this thread (maybe the GC's)
         seg.generation.pool.deallocate(ptr, max(size, 1), self._stream(stream))
         with self._lock:
@@ -257,15 +269,17 @@ class RmmPlacement:
             self._segments.count_freed(-(-max(size, 1) // RMM_ALIGNMENT) * RMM_ALIGNMENT)
 
     def _free_deferred(self) -> None:
-        """Free what came while this thread was inside RMM (it is not now); then :attr:`on_retired_empty`, if one
-        of them was the last buffer of a retiring segment."""
+        """Do the deferred frees (not inside RMM's callback on this thread); then :attr:`on_retired_empty`, if
+        one of them was the last buffer of a retiring segment."""
+        if not self._deferred or getattr(self._inside, "rmm", False):
+            return
         emptied = False
         while True:
             with self._lock:
                 if not self._deferred:
                     break
                 seg, ptr, size, stream = self._deferred.pop()
-            self.free(seg, ptr, size, stream)
+            self._give_back(seg, ptr, size, stream)
             emptied = emptied or (seg.retiring and seg.live == 0)
         if emptied and self.on_retired_empty is not None:
             self.on_retired_empty()
@@ -302,7 +316,7 @@ class RmmPlacement:
         initial = self.segment_size
         while True:
             try:
-                return Generation(initial, self.segment_size, self._new_segment, self._release_segment)
+                return Generation(initial, self.segment_size, self._new_segment, self._release_segment, self._inside)
             except MemoryError as e:
                 if initial <= max(SEGMENT_ALIGNMENT, size):
                     raise self._exhausted(size, e) from None
