@@ -154,9 +154,16 @@ class ArenaPlacement:
             self.reap(wait=True)
 
     def close(self) -> None:
-        """Forget the pending frees (``lock`` held): the resource is closing, its segments go or are kept."""
+        """Count the pending frees as done (``lock`` held): the resource is closing, its segments go or are kept,
+        and nothing is placed in them again."""
         self._closed = True
-        self._pending = []
+        pending, self._pending = self._pending, []
+        for seg, offset, event in pending:
+            if event is not None:
+                event.close()
+            assert seg.arena is not None
+            seg.live -= 1
+            self._segments.count_freed(seg.arena.free(offset))
 
     # -- internals (under the lock) ----------------------------------------------------
 

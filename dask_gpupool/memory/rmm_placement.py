@@ -262,8 +262,10 @@ class RmmPlacement:
         self._free_deferred()
 
     def _give_back(self, seg: Segment, ptr: int, size: int, stream: Any) -> None:
-        self._home()  # RMM records its free event on the GPU: make it current in this thread (maybe the GC's)
-        seg.generation.pool.deallocate(ptr, max(size, 1), self._stream(stream))
+        pool = seg.generation.pool
+        if pool is not None:  # None: the resource closed meanwhile and dropped its RMM pools (the segment is kept)
+            self._home()  # RMM records its free event on the GPU: make it current in this thread (maybe the GC's)
+            pool.deallocate(ptr, max(size, 1), self._stream(stream))
         with self._lock:
             seg.live -= 1
             self._segments.count_freed(-(-max(size, 1) // RMM_ALIGNMENT) * RMM_ALIGNMENT)

@@ -405,3 +405,22 @@ def test_a_huge_numpy_size_is_a_clear_error_not_a_wrapped_around_one():
         buf.close()
     assert res.attributes.used_mem_current == 0
     res.close(free_segments=True)
+
+
+def test_buffers_freed_after_close_leave_the_used_bytes():
+    """Closing with buffers alive keeps their segments until the process exits (a peer may map them); the
+    buffers freed after count as freed, so the used bytes come back to 0 (before: they stayed, above the 0 bytes
+    reserved, for good)."""
+    from dask_gpupool.memory.lifetime import KEPT_UNTIL_EXIT
+
+    res, _up = segmented()
+    small, big = res.allocate(MiB), res.allocate(20 * MiB)
+    kept = len(KEPT_UNTIL_EXIT)
+    res.close()
+    assert res.attributes.used_mem_current == MiB + 20 * MiB
+    small.close()
+    big.close()
+    big.close()  # a second close frees nothing twice
+    stats = res.attributes
+    assert (stats.used_mem_current, stats.reserved_mem_current) == (0, 0)
+    del KEPT_UNTIL_EXIT[kept:]
