@@ -130,23 +130,24 @@ class ArenaPlacement:
         a fresh one, and a reap it runs never sees the ranges given back here.
         """
         pending, self._pending = self._pending, []
+        keep: list[tuple[Segment, int, Any]] = []
+        done = 0
         try:
-            while pending:
-                seg, offset, event = pending[0]
+            for seg, offset, event in pending:
                 if event is not None and not wait and not event.is_done:
-                    self._pending.append(pending.pop(0))
-                    continue
-                if event is not None:
-                    if wait:
-                        event.sync()
-                    event.close()
-                pending.pop(0)
-                assert seg.arena is not None
-                size = seg.arena.free(offset)
-                seg.live -= 1
-                self._segments.count_freed(size)
+                    keep.append((seg, offset, event))
+                else:
+                    if event is not None:
+                        if wait:
+                            event.sync()
+                        event.close()
+                    assert seg.arena is not None
+                    size = seg.arena.free(offset)
+                    seg.live -= 1
+                    self._segments.count_freed(size)
+                done += 1
         finally:
-            self._pending[:0] = pending  # what an error left: still pending
+            self._pending[:0] = keep + pending[done:]  # not done yet (or an error stopped the loop): still pending
 
     def reap_retiring(self) -> None:
         """Wait for the pending frees if one is in a retiring segment, so that it may go (``lock`` held)."""
