@@ -397,3 +397,32 @@ def stalled_producer(c: Any, nbytes: int, stop: float = 3.0) -> None:
     assert c.submit(T.head, kept, 8, workers=[b], pure=False).result() == b"keep me!"
     del kept
     back_to(c, baseline)
+
+
+def run_with_frequent_collections(step: Callable[[], None], timeout: float = 30.0, rounds: int = 500) -> None:
+    """Call ``step()`` over and over in a thread, with the collector's threshold at several small values (and the
+    default), so that collections, and the finalizers of garbage cycles, run at many points inside the pool's own
+    calls; fail if the thread does not finish within ``timeout``."""
+    import gc
+    import threading
+
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            for threshold in (*range(2, 12), 700):
+                gc.set_threshold(threshold)
+                for _ in range(rounds):
+                    step()
+        except BaseException as e:
+            errors.append(e)
+
+    before = gc.get_threshold()
+    try:
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        t.join(timeout)
+    finally:
+        gc.set_threshold(*before)
+    assert not t.is_alive(), "an allocation deadlocked: the collector freed a pool buffer inside the pool's lock"
+    assert not errors, errors

@@ -16,6 +16,7 @@ from conftest import (
     kill_the_middle_of_a_chain,
     nanny_cluster,
     pid_of,
+    run_with_frequent_collections,
     stress,
     wait_for,
     wait_forgotten,
@@ -1953,3 +1954,45 @@ def test_every_layout_hands_over_on_a_gpu_and_passes_on(placement):
                 assert now[b]["forwards"] > before[b]["forwards"], layout
             assert all(now[k]["fallbacks"] == before[k]["fallbacks"] for k in (a, b, w)), (layout, now)
             del z
+
+
+@pytest.mark.parametrize("suballocator", ["rmm", "arena"])
+def test_a_buffer_freed_by_the_garbage_collector_inside_a_segment_allocation_does_not_deadlock_it(suballocator):
+    """A pool Buffer in a reference cycle is freed whenever the collector runs, also inside the pool's own
+    allocation: with RMM placement, inside RMM's upstream callback (Python: the segment source, the VMM driver
+    calls), which RMM runs with its pool's mutex held; a free into that pool then waited for the mutex its own
+    thread held (review of the memory layer; the arena case is the host test's, on a GPU). Small segments and a
+    retire per step make RMM call back often."""
+    gpus(1)
+    if suballocator == "rmm":
+        pytest.importorskip("rmm")
+    from dask_gpupool.config import PoolOptions
+    from dask_gpupool.memory.pool import Pool
+
+    options = PoolOptions.from_config(
+        kind="device", max_size="1 GiB", segment_size="2 MiB", suballocator=suballocator, segment_memory="vmm"
+    )
+    pool = Pool.create(options, local_devices())
+    segmented = pool.segmented
+    assert segmented is not None
+
+    def step() -> None:
+        kept = []
+        for _ in range(4):
+            b = pool.allocate(MiB)
+            cycle: list[Any] = [b]
+            cycle.append(cycle)
+            del b, cycle
+            kept.append(pool.allocate(MiB))
+        del kept
+        segmented.retire()
+
+    try:
+        run_with_frequent_collections(step, timeout=300, rounds=100)
+        import gc
+
+        gc.collect()
+        pool.allocate(1).close()
+        assert pool.stats().used == 0
+    finally:
+        pool.close()

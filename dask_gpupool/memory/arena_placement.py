@@ -123,21 +123,31 @@ class ArenaPlacement:
         return True
 
     def reap(self, *, wait: bool) -> None:
-        """Give back the pending ranges whose frees completed; with ``wait``, all of them (``lock`` held)."""
-        keep = []
-        for seg, offset, event in self._pending:
-            if event is not None and not wait and not event.is_done:
-                keep.append((seg, offset, event))
-                continue
-            if event is not None:
-                if wait:
-                    event.sync()
-                event.close()
-            assert seg.arena is not None
-            size = seg.arena.free(offset)
-            seg.live -= 1
-            self._segments.count_freed(size)
-        self._pending = keep
+        """Give back the pending ranges whose frees completed; with ``wait``, all of them (``lock`` held).
+
+        The list is taken out first: a free that the garbage collector runs
+        meanwhile on this thread (a finalizer; the lock is re-entrant) adds to
+        a fresh one, and a reap it runs never sees the ranges given back here.
+        """
+        pending, self._pending = self._pending, []
+        keep: list[tuple[Segment, int, Any]] = []
+        done = 0
+        try:
+            for seg, offset, event in pending:
+                if event is not None and not wait and not event.is_done:
+                    keep.append((seg, offset, event))
+                else:
+                    if event is not None:
+                        if wait:
+                            event.sync()
+                        event.close()
+                    assert seg.arena is not None
+                    size = seg.arena.free(offset)
+                    seg.live -= 1
+                    self._segments.count_freed(size)
+                done += 1
+        finally:
+            self._pending[:0] = keep + pending[done:]  # not done yet (or an error stopped the loop): still pending
 
     def reap_retiring(self) -> None:
         """Wait for the pending frees if one is in a retiring segment, so that it may go (``lock`` held)."""
@@ -145,9 +155,16 @@ class ArenaPlacement:
             self.reap(wait=True)
 
     def close(self) -> None:
-        """Forget the pending frees (``lock`` held): the resource is closing, its segments go or are kept."""
+        """Count the pending frees as done (``lock`` held): the resource is closing, its segments go or are kept,
+        and nothing is placed in them again."""
         self._closed = True
-        self._pending = []
+        pending, self._pending = self._pending, []
+        for seg, offset, event in pending:
+            if event is not None:
+                event.close()
+            assert seg.arena is not None
+            seg.live -= 1
+            self._segments.count_freed(seg.arena.free(offset))
 
     # -- internals (under the lock) ----------------------------------------------------
 

@@ -26,7 +26,10 @@ range, small ones included. A page is removed only while no buffer uses it:
 before its range goes back to the arena, or with allocation blocked; and
 never after :meth:`~SharedHostMemoryResource.keep_pages`, once the pool is
 closed, or while the interpreter exits: then buffers a peer still maps are
-freed without their leases ending. The
+freed without their leases ending; nor in a process forked from the owner
+(a task's ``multiprocessing`` child), whose copies of the owner's buffers
+and arena are not the owner's: its frees and trims leave the memfd alone,
+and it cannot allocate. The
 pool's ``reserved`` bytes are the memfd's resident pages (``st_blocks``).
 
 Trust boundary: the memfd is sealed once sized (``F_SEAL_SHRINK``,
@@ -44,6 +47,7 @@ import ctypes
 import fcntl
 import logging
 import mmap
+import operator
 import os
 import sys
 import threading
@@ -54,7 +58,7 @@ from typing import Any
 
 from cuda.core import Buffer, MemoryResource
 
-from dask_gpupool.errors import PoolClosedError, ProtocolError
+from dask_gpupool.errors import PoolClosedError, PoolUnavailableError, ProtocolError
 from dask_gpupool.memory.arena import Arena
 
 __all__ = ["HostOnlyResource", "HostPoolAttributes", "SharedHostMemoryResource", "peer_resident_bytes"]
@@ -177,6 +181,15 @@ class SharedHostMemoryResource(HostOnlyResource):
     the fd at once and unmaps the memory when the last buffer of the pool is
     freed (closing never pulls memory out from under a live buffer). Buffers
     from :meth:`allocate` or :meth:`import_buffer` keep the resource alive.
+    Only the process that made the pool allocates from it and gives its pages
+    back: a forked child inherits a copy of the arena that the owner's
+    allocations no longer follow.
+
+    Thread-safe: ``_lock`` (re-entrant) orders allocation, frees, trims and
+    close, so a close never unmaps the memory under an allocation under way;
+    a buffer that the garbage collector frees inside one of these calls, on
+    the thread holding the lock, is freed without waiting for it (the arena
+    defers it to the end of its own call).
     """
 
     _fd: int
@@ -190,7 +203,8 @@ class SharedHostMemoryResource(HostOnlyResource):
     _imports: int
     _reserved_high: int
     _keep_pages: bool
-    _lock: threading.Lock
+    _pid: int
+    _lock: threading.RLock
 
     def __init__(self, max_size: int) -> None:
         if max_size <= 0:
@@ -218,7 +232,8 @@ class SharedHostMemoryResource(HostOnlyResource):
         self._imports = 0
         self._reserved_high = 0
         self._keep_pages = False
-        self._lock = threading.Lock()
+        self._pid = os.getpid()  # the owner's process: a forked child's copy neither allocates nor gives back pages
+        self._lock = threading.RLock()
         if mapped:
             _peer_mappings[self._base] = size
 
@@ -268,15 +283,29 @@ class SharedHostMemoryResource(HostOnlyResource):
         ------
         PoolClosedError
             After :meth:`close`.
+        PoolUnavailableError
+            In a process forked from the pool's owner.
         PoolExhaustedError
             When the pool has no free range that large.
+        TypeError, ValueError
+            If ``size`` is not an integer, or negative.
         """
-        if self._closed:
-            raise PoolClosedError("host pool is closed")
-        if self._arena is None:
-            raise TypeError("a mapped host pool cannot allocate; import buffers instead")
-        offset = self._arena.allocate(size)
-        return Buffer.from_handle(self._base + offset, size, mr=self)
+        size = operator.index(size)
+        with self._lock:  # close waits: it must not unmap the memory between the check and the buffer
+            if self._closed:
+                raise PoolClosedError("host pool is closed")
+            if self._arena is None:
+                raise TypeError("a mapped host pool cannot allocate; import buffers instead")
+            if os.getpid() != self._pid:
+                raise PoolUnavailableError(
+                    f"this host pool belongs to process {self._pid}: a process forked from it cannot allocate"
+                )
+            offset = self._arena.allocate(size)
+            try:
+                return Buffer.from_handle(self._base + offset, size, mr=self)
+            except BaseException:
+                self._arena.free(offset)
+                raise
 
     def deallocate(self, ptr: Any, size: int, *, stream: Any = None) -> None:
         """Return a buffer's range to the pool (called by ``Buffer.close``), its whole pages to the OS."""
@@ -286,7 +315,8 @@ class SharedHostMemoryResource(HostOnlyResource):
                 held = self._arena.size_of(offset)
                 # Not once the pool is closed or the interpreter exits: buffers a peer still maps (leases
                 # kept until exit) are freed then, and a hole punched under the peer would read as zeros.
-                keep = self._closed or self._keep_pages or sys.is_finalizing()
+                # Nor in a forked child: its buffers are copies, the memfd's pages the owner's.
+                keep = self._closed or self._keep_pages or sys.is_finalizing() or os.getpid() != self._pid
                 if held is not None and held >= _GIVE_BACK_MIN and not keep:
                     self._give_back(offset, held)  # still this buffer's: no one else in this pool uses it
                 self._arena.free(offset)
@@ -338,10 +368,11 @@ class SharedHostMemoryResource(HostOnlyResource):
     def trim(self) -> int:
         """Give every free page of the pool back to the OS; return the pool's resident bytes after.
 
-        Allocation waits meanwhile. Only the owner trims (a mapped resource returns 0).
+        Allocation waits meanwhile. Only the owner trims (a mapped resource, and
+        a process forked from the owner, return 0).
         """
         with self._lock:
-            if self._arena is None or self._closed:
+            if self._arena is None or self._closed or os.getpid() != self._pid:
                 return 0
             self._arena.each_free(self._give_back)
         return self.attributes.reserved_mem_current
@@ -355,12 +386,17 @@ class SharedHostMemoryResource(HostOnlyResource):
             self._mmap.madvise(mmap.MADV_REMOVE, start, end - start)
 
     def _resident(self) -> int:
-        """Bytes of the memfd backed by memory now (0 once its fd is closed)."""
-        if self._fd < 0:
-            return 0
-        resident = os.fstat(self._fd).st_blocks * 512
-        self._reserved_high = max(self._reserved_high, resident)
-        return resident
+        """Bytes of the memfd backed by memory now (0 once its fd is closed).
+
+        Under the lock: a close on another thread must not close the fd (and
+        its number be reused) between the check and the ``fstat``.
+        """
+        with self._lock:
+            if self._fd < 0:
+                return 0
+            resident = os.fstat(self._fd).st_blocks * 512
+            self._reserved_high = max(self._reserved_high, resident)
+            return resident
 
     @property
     def attributes(self) -> HostPoolAttributes:

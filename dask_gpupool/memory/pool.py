@@ -19,6 +19,7 @@ Peers' pools are mapped by :mod:`dask_gpupool.handoff.mappings`, never here.
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -356,7 +357,12 @@ class Pool:
             When the pool cannot hold ``nbytes`` more.
         PoolClosedError
             After :meth:`close`.
+        TypeError, ValueError
+            If ``nbytes`` is not an integer (NumPy integers are), or negative.
         """
+        nbytes = operator.index(nbytes)  # a Python int: NumPy's int64 wraps around when rounded up near 2**63
+        if nbytes < 0:
+            raise ValueError(f"pool {self.uuid} ({self.kind}): cannot allocate {nbytes} bytes")
         if self._closed:
             raise PoolClosedError(f"pool {self.uuid} is closed")
         try:

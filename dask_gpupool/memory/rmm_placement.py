@@ -65,6 +65,10 @@ class Generation:
         ``release_segment(ptr)`` frees the segment at ``ptr``, unless it is
         unregistered already, as at close
         (:meth:`~dask_gpupool.memory.segment_source.SegmentSource.release`).
+    inside : threading.local, optional
+        Its ``rmm`` attribute is true on a thread while RMM runs the upstream
+        callback there, with the RMM pool's mutex held
+        (:class:`RmmPlacement` defers frees meanwhile).
 
     Notes
     -----
@@ -80,6 +84,7 @@ class Generation:
         segment_size: int,
         new_segment: Callable[..., Segment],
         release_segment: Callable[[int], None],
+        inside: threading.local | None = None,
     ) -> None:
         import rmm.mr
 
@@ -87,6 +92,7 @@ class Generation:
         self._segment_size = segment_size
         self._new_segment = new_segment
         self._release_segment = release_segment
+        self._inside = threading.local() if inside is None else inside
         self.upstream = rmm.mr.CallbackMemoryResource(self._take, self._give)
         self.pool: Any = rmm.mr.PoolMemoryResource(self.upstream, initial, None)
 
@@ -94,7 +100,12 @@ class Generation:
         # Called by RMM with its lock held: never call back into RMM from here.
         if nbytes > self._segment_size:
             raise MemoryError(f"segments are at most {self._segment_size} bytes")  # RMM asks for half
-        seg = self._new_segment(nbytes, generation=self)
+        outer = getattr(self._inside, "rmm", False)
+        self._inside.rmm = True  # a collection here runs finalizers on this thread: their frees must not enter RMM
+        try:
+            seg = self._new_segment(nbytes, generation=self)
+        finally:
+            self._inside.rmm = outer
         self.segments.append(seg)
         return seg.base
 
@@ -152,6 +163,9 @@ class RmmPlacement:
         Where new buffers go (made on the first allocation after a retire).
     retired : list of Generation
         Retired generations not dropped yet.
+    on_retired_empty : callable or None
+        Called (no arguments, no lock held) when a deferred free (see the
+        notes) emptied a retiring segment: the resource collects it.
 
     Notes
     -----
@@ -160,11 +174,21 @@ class RmmPlacement:
     :attr:`Generation.pool` outside ``lock``. Segments are the resource's, and
     a buffer is its caller's until :meth:`free`. Thread-safe:
     :meth:`allocate` and :meth:`free` take ``lock`` but call RMM without it.
+
+    RMM calls the upstream callback (Python: the segment source, the VMM
+    driver calls) with its pool's mutex held, and a collection the garbage
+    collector runs there frees the buffers of garbage cycles on that
+    thread: a :meth:`free` into that same RMM pool would wait for the mutex
+    its own thread holds, for ever. So a free that comes on a thread while
+    RMM runs the callback there is deferred: done when the allocation that
+    made RMM call back returned, or by the next free (the allocation may be
+    RMM's own user's, ``gpupool.rmm-allocator``).
     """
 
     generation: Generation | None
     retired: list[Generation]
     segment_size: int
+    on_retired_empty: Callable[[], None] | None
     _segments: SegmentTable
     _lock: threading.RLock
     _home: HomeStream
@@ -172,6 +196,8 @@ class RmmPlacement:
     _release_segment: Callable[[int], None]
     _exhausted: Callable[[int, BaseException], PoolExhaustedError]
     _streams: RmmStreams
+    _inside: threading.local
+    _deferred: list[tuple[Segment, int, int, Any]]
 
     def __init__(
         self,
@@ -185,6 +211,7 @@ class RmmPlacement:
     ) -> None:
         self.generation = None
         self.retired = []
+        self.on_retired_empty = None
         self.segment_size = segment_size
         self._segments = segments
         self._lock = lock
@@ -193,6 +220,8 @@ class RmmPlacement:
         self._release_segment = release_segment
         self._exhausted = exhausted
         self._streams = RmmStreams()
+        self._inside = threading.local()  # .rmm: RMM runs a generation's callback on this thread (its mutex held)
+        self._deferred = []  # frees that came meanwhile (finalizers): (segment, ptr, size, stream)
 
     def allocate(self, size: int, stream: Any) -> int:
         """The address of a new buffer of ``size`` bytes, stream-ordered on ``stream``; owned by the caller.
@@ -212,6 +241,8 @@ class RmmPlacement:
             ptr = int(gen.pool.allocate(max(size, 1), self._stream(stream)))  # RMM gives no address for 0
         except MemoryError as e:
             raise self._exhausted(size, e) from None
+        finally:
+            self._free_deferred()  # what finalizers freed while RMM called back
         with self._lock:
             seg, _ = self._segments.locate(ptr)  # type: ignore[misc]  # RMM placed it in a segment of ours
             seg.live += 1
@@ -219,12 +250,41 @@ class RmmPlacement:
         return ptr
 
     def free(self, seg: Segment, ptr: int, size: int, stream: Any) -> None:
-        """Give the buffer at ``ptr`` in ``seg`` back to RMM, stream-ordered on ``stream``."""
-        self._home()  # RMM records its free event on the GPU: make it current in this thread (maybe the GC's)
-        seg.generation.pool.deallocate(ptr, max(size, 1), self._stream(stream))
+        """Give the buffer at ``ptr`` in ``seg`` back to RMM, stream-ordered on ``stream``.
+
+        Deferred while RMM runs its upstream callback on this thread (see the class notes).
+        """
+        if getattr(self._inside, "rmm", False):
+            with self._lock:
+                self._deferred.append((seg, ptr, size, stream))
+            return
+        self._give_back(seg, ptr, size, stream)
+        self._free_deferred()
+
+    def _give_back(self, seg: Segment, ptr: int, size: int, stream: Any) -> None:
+        pool = seg.generation.pool
+        if pool is not None:  # None: the resource closed meanwhile and dropped its RMM pools (the segment is kept)
+            self._home()  # RMM records its free event on the GPU: make it current in this thread (maybe the GC's)
+            pool.deallocate(ptr, max(size, 1), self._stream(stream))
         with self._lock:
             seg.live -= 1
             self._segments.count_freed(-(-max(size, 1) // RMM_ALIGNMENT) * RMM_ALIGNMENT)
+
+    def _free_deferred(self) -> None:
+        """Do the deferred frees (not inside RMM's callback on this thread); then :attr:`on_retired_empty`, if
+        one of them was the last buffer of a retiring segment."""
+        if not self._deferred or getattr(self._inside, "rmm", False):
+            return
+        emptied = False
+        while True:
+            with self._lock:
+                if not self._deferred:
+                    break
+                seg, ptr, size, stream = self._deferred.pop()
+            self._give_back(seg, ptr, size, stream)
+            emptied = emptied or (seg.retiring and seg.live == 0)
+        if emptied and self.on_retired_empty is not None:
+            self.on_retired_empty()
 
     def current(self) -> Any:
         """The RMM pool of the current generation, made now if there is none (``lock`` held)."""
@@ -258,7 +318,7 @@ class RmmPlacement:
         initial = self.segment_size
         while True:
             try:
-                return Generation(initial, self.segment_size, self._new_segment, self._release_segment)
+                return Generation(initial, self.segment_size, self._new_segment, self._release_segment, self._inside)
             except MemoryError as e:
                 if initial <= max(SEGMENT_ALIGNMENT, size):
                     raise self._exhausted(size, e) from None

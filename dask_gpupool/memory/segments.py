@@ -51,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import operator
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterator
@@ -65,7 +66,7 @@ from dask_gpupool.memory.home_stream import HomeStream
 from dask_gpupool.memory.lifetime import keep_until_exit
 from dask_gpupool.memory.own_segments import OwnSegments
 from dask_gpupool.memory.retire import RetireLedger
-from dask_gpupool.memory.rmm_placement import RmmPlacement, rmm_available
+from dask_gpupool.memory.rmm_placement import RMM_ALIGNMENT, RmmPlacement, rmm_available
 from dask_gpupool.memory.segment_source import SegmentSource
 from dask_gpupool.memory.segment_table import SEGMENT_ALIGNMENT, Segment, SegmentStats, SegmentTable
 
@@ -146,6 +147,7 @@ class SegmentedResource(MemoryResource):
     retire_below: int
     _home: HomeStream | None
     _segments: SegmentTable
+    _kept: SegmentTable
     _source: SegmentSource
     _rmm: RmmPlacement | None
     _arena: ArenaPlacement
@@ -182,6 +184,7 @@ class SegmentedResource(MemoryResource):
         self.retire_below = 0
         self._home = home = None if device is None else HomeStream(device)
         self._segments = segments = SegmentTable()
+        self._kept = SegmentTable()  # segments kept at close, until the process exits: buffers freed after count
         self._closed = False
         self._lock = lock = threading.RLock()
         self._ledger = RetireLedger()
@@ -196,6 +199,7 @@ class SegmentedResource(MemoryResource):
             self._rmm = RmmPlacement(
                 segments, lock, home, self.segment_size, source.new, source.release, source.exhausted
             )
+            self._rmm.on_retired_empty = self._collect
         # places nothing under RMM: no segment has an arena, no free is pending
         self._arena = ArenaPlacement(segments, lock, source.new, self.segment_size, home)
         self._own = OwnSegments(segments, lock, source.new, home)
@@ -211,9 +215,14 @@ class SegmentedResource(MemoryResource):
             When neither a segment nor the upstream pool has room.
         PoolClosedError
             After :meth:`close`.
+        TypeError, ValueError
+            If ``size`` is not an integer, or negative.
         """
         from cuda.core import Buffer
 
+        size = operator.index(size)  # a Python int: NumPy's int64 wrapped around when rounded up near 2**63
+        if size < 0:
+            raise ValueError(f"cannot allocate {size} bytes")
         if self._closed:
             raise PoolClosedError("the segmented resource is closed")
         if self._home is not None:
@@ -237,6 +246,7 @@ class SegmentedResource(MemoryResource):
     def deallocate(self, ptr: Any, size: int, *, stream: Any = None) -> None:
         """Give a buffer's range back once the work queued on ``stream`` before now is done."""
         if self._closed:
+            self._freed_after_close(int(ptr), size)
             return
         seg, offset = self.locate(int(ptr))
         if seg.own:
@@ -247,7 +257,8 @@ class SegmentedResource(MemoryResource):
         if self._rmm is not None:
             self._rmm.free(seg, int(ptr), size, stream)
         elif not self._arena.free(seg, offset, stream):
-            return  # closed meanwhile
+            self._freed_after_close(int(ptr), size)  # closed meanwhile
+            return
         if seg.retiring and seg.live == 0:
             self._collect()
 
@@ -421,7 +432,8 @@ class SegmentedResource(MemoryResource):
         Segments no peer maps and no buffer lives in are freed; the rest are
         kept until the process exits, unless ``free_segments`` is true, which
         is only safe when no other process imported them. Buffers still alive
-        here must not be used after.
+        here must not be used after; freeing them takes their bytes out of
+        :attr:`attributes`' used bytes, and gives nothing back.
         """
         with self._lock:
             if self._closed:
@@ -433,6 +445,8 @@ class SegmentedResource(MemoryResource):
             self._reclaimer = None
             self._freed.notify_all()  # an allocation waiting for reclaimed spares ends
             segments = self._segments.clear()
+            for seg in segments:
+                self._kept.add(seg)
             self._arena.close()
             generations = self._rmm.take_all() if self._rmm is not None else []
         for g in generations:
@@ -501,6 +515,26 @@ class SegmentedResource(MemoryResource):
                 if not left:
                     raise
                 pending = left
+
+    def _freed_after_close(self, ptr: int, size: int) -> None:
+        """A buffer freed after :meth:`close`: its segment stays kept (nothing is reused), its bytes leave
+        ``used``. Nothing for a segment freed at close (``free_segments``) or a buffer counted freed already."""
+        with self._lock:
+            found = self._kept.locate(ptr)
+            if found is None:
+                return
+            seg, offset = found
+            if seg.own:
+                nbytes = seg.size if seg.live else 0
+            elif seg.arena is not None:
+                nbytes = seg.arena.size_of(offset) or 0
+                if nbytes:
+                    seg.arena.free(offset)
+            else:  # RMM's: its pool is gone, the buffer is counted as placed
+                nbytes = -(-max(size, 1) // RMM_ALIGNMENT) * RMM_ALIGNMENT if seg.live else 0
+            if nbytes:
+                seg.live -= 1
+                self._segments.count_freed(nbytes)
 
     def _reclaimed(self) -> set[int]:
         """Ids of spares retired one by one, not freed yet: own segments retiring at or above ``retire_below``.

@@ -61,3 +61,20 @@ def test_random_alloc_free_keeps_invariants(ops):
         a.free(off)
     assert a.used == 0
     assert a.allocate(16384) == 0  # everything coalesced back into one range
+
+
+def test_sizes_are_exact_integers_even_huge_numpy_ones():
+    """``np.int64`` sizes near 2**63 overflowed when rounded up and wrapped to one alignment unit."""
+    import numpy as np
+
+    a = Arena(1 << 20, alignment=256)
+    for size in (np.int64(2**63 - 100), np.uint64(2**64 - 1), 2**64):
+        with pytest.raises(PoolExhaustedError, match="more than the whole pool"):
+            a.allocate(size)
+    for size in (1.5, "8", None):
+        with pytest.raises(TypeError):
+            a.allocate(size)
+    with pytest.raises(ValueError, match="cannot allocate -1 bytes"):
+        a.allocate(np.int64(-1))
+    assert a.allocate(np.int64(300)) == 0 and a.used == 512
+    assert a.used == 512 and a.live == 1

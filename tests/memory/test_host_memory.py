@@ -2,11 +2,12 @@ from __future__ import annotations
 
 import gc
 import os
+from typing import Any
 
 import numpy as np
 import pytest
 
-from dask_gpupool import PoolClosedError, PoolExhaustedError, ProtocolError
+from dask_gpupool import PoolClosedError, PoolExhaustedError, PoolUnavailableError, ProtocolError
 from dask_gpupool.memory.host import SharedHostMemoryResource
 from dask_gpupool.testing import read_bytes, write_bytes
 
@@ -255,3 +256,151 @@ def test_a_peer_fd_that_cannot_be_mapped_read_write_is_a_protocol_error_and_leak
         os.fstat(fd)  # still open
     finally:
         os.close(fd)
+
+
+def test_a_buffer_freed_by_the_garbage_collector_inside_an_allocation_does_not_deadlock_it():
+    """A pool Buffer in a reference cycle (a traceback's frame, a task's closure) is freed whenever the
+    collector runs: also inside the pool's own allocate or trim, on the thread that holds the pool's locks.
+    Its free must neither wait for those locks (a deadlock, found by review) nor lose its range."""
+    from conftest import run_with_frequent_collections
+
+    owner = SharedHostMemoryResource(64 << 20)
+
+    def step() -> None:
+        b = owner.allocate(128 << 10)
+        cycle: list[Any] = [b]
+        cycle.append(cycle)
+        del b, cycle
+        owner.allocate(100).close()
+        owner.trim()
+
+    run_with_frequent_collections(step)
+    gc.collect()
+    assert owner.attributes.used_mem_current == 0
+    owner.allocate(64 << 20).close()  # every range came back, coalesced
+    owner.close()
+
+
+def test_closing_while_another_thread_allocates_never_hands_out_unmapped_memory():
+    """Pool.close on teardown while a task or the offload thread allocates: an allocation either fails with
+    PoolClosedError or gets a buffer whose memory stays mapped until it is freed (before: the allocation passed
+    the closed check, close unmapped the pool, then the arena handed out a range of the unmapped memory)."""
+    import sys
+    import threading
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(500):
+            owner = SharedHostMemoryResource(1 << 20)
+            unmapped: list[Any] = []
+
+            def allocate(owner: SharedHostMemoryResource = owner, unmapped: list[Any] = unmapped) -> None:
+                while True:
+                    try:
+                        b = owner.allocate(64)
+                    except PoolClosedError:
+                        return
+                    if owner._mmap is None:
+                        unmapped.append(b)
+                        return
+                    b.close()
+
+            t = threading.Thread(target=allocate)
+            t.start()
+            owner.close()
+            t.join()
+            assert not unmapped, "a buffer was handed out over the closed pool's unmapped memory"
+    finally:
+        sys.setswitchinterval(interval)
+
+
+def test_a_forked_child_neither_gives_back_nor_hands_out_the_parents_memory():
+    """A task that forks (multiprocessing's default start method on Linux) leaves the child a copy of the pool:
+    the child's frees and trims must not punch holes in the memfd the parent's live buffers use, and the
+    child cannot allocate from it (its copy of the arena would hand out ranges the parent uses)."""
+    owner = SharedHostMemoryResource(8 << 20)
+    buf = owner.allocate(1 << 20)
+    write_bytes(buf, b"\x07" * (1 << 20))
+    pid = os.fork()
+    if pid == 0:  # the child: free its copy of the buffer, trim, try to allocate; exit code says what happened
+        code = 0
+        try:
+            buf.close()
+            owner.trim()
+            try:
+                owner.allocate(4096)
+                code = 3
+            except PoolUnavailableError:
+                pass
+        except BaseException:
+            code = 4
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert read_bytes(buf, 1 << 20) == b"\x07" * (1 << 20), "the child's free zeroed the parent's live buffer"
+    assert os.waitstatus_to_exitcode(status) == 0, "the forked child could allocate from the parent's pool"
+    assert owner.attributes.used_mem_current == 1 << 20
+    buf.close()
+    owner.close()
+
+
+@pytest.mark.parametrize(
+    ("size", "error"),
+    [(-1, ValueError), (1.5, TypeError), ("8", TypeError), (None, TypeError), (2**64, PoolExhaustedError)],
+)
+def test_a_pool_refuses_sizes_that_are_not_byte_counts_by_name(size, error):
+    """``Pool.allocate`` of a size that is negative, not an integer, or larger than the pool: a clear error that
+    names the pool, and nothing allocated (``1.5`` was a buffer of 1 byte; ``np.int64(2**63 - 100)``, below, one
+    of 2**63 bytes over 256)."""
+    import numpy as np
+
+    from dask_gpupool.config import PoolOptions
+    from dask_gpupool.memory.pool import Pool
+    from dask_gpupool.memory.topology import LocalDevices
+
+    pool = Pool.create(PoolOptions.from_config(kind="host", max_size="16 MiB"), LocalDevices(()))
+    try:
+        for s in (size, np.int64(2**63 - 100)) if error is PoolExhaustedError else (size,):
+            with pytest.raises(error) as got:
+                pool.allocate(s)
+            if error is PoolExhaustedError:
+                assert pool.uuid in str(got.value) and str(16 << 20) in str(got.value)
+        assert pool.stats().used == 0
+        empty = pool.allocate(0)
+        assert empty.size == 0
+        empty.close()
+        assert pool.stats().used == 0
+    finally:
+        pool.close()
+
+
+def test_reading_the_stats_while_the_pool_closes_is_never_an_error():
+    """``Pool.stats()`` reads the memfd's resident pages; a close on another thread closed the fd between the
+    check and the ``fstat`` (``OSError: [Errno 9] Bad file descriptor``, or the figures of whatever file took
+    the fd number since)."""
+    import sys
+    import threading
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(100):
+            owner = SharedHostMemoryResource(1 << 20)
+            errors: list[BaseException] = []
+
+            def read(owner: SharedHostMemoryResource = owner, errors: list[BaseException] = errors) -> None:
+                while not owner.is_closed:
+                    try:
+                        _ = owner.attributes
+                    except BaseException as e:
+                        errors.append(e)
+                        return
+
+            t = threading.Thread(target=read)
+            t.start()
+            owner.close()
+            t.join()
+            assert not errors, errors
+            assert owner.attributes.reserved_mem_current == 0
+    finally:
+        sys.setswitchinterval(interval)

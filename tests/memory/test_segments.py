@@ -352,3 +352,75 @@ def test_segments_are_exported_by_fd_only_when_their_memory_says_so():
     with pytest.raises(UnknownPoolError, match="not by fd"):
         legacy.segment_fd(1)
     assert SegmentedResource(up, 8 * MiB, None, payload, memory=FdSegments(0, 64 * MiB)).exports_segments
+
+
+def test_a_buffer_freed_by_the_garbage_collector_inside_a_placement_does_not_deadlock_it():
+    """A segment buffer in a reference cycle freed by the collector inside the resource's own allocation (on the
+    thread that holds the segment's arena lock) must neither deadlock nor be freed twice (found by review)."""
+    import gc
+
+    from conftest import run_with_frequent_collections
+
+    res, up = segmented()
+
+    def step() -> None:
+        b = res.allocate(4096)
+        cycle: list[Any] = [b]
+        cycle.append(cycle)
+        del b, cycle
+        res.allocate(100).close()
+
+    run_with_frequent_collections(step)
+    gc.collect()
+    res.allocate(1).close()  # reaps what is pending
+    assert res.attributes.used_mem_current == 0
+    res.close(free_segments=True)
+    assert not up.live
+
+
+@pytest.mark.parametrize("size", [-1, 1.5, "8", None])
+def test_sizes_that_are_not_byte_counts_are_refused_and_cost_nothing(size):
+    res, up = segmented()
+    with pytest.raises((TypeError, ValueError)):
+        res.allocate(size)
+    assert res.attributes.used_mem_current == 0
+    res.close(free_segments=True)
+    assert not up.live
+
+
+def test_a_huge_numpy_size_is_a_clear_error_not_a_wrapped_around_one():
+    """A size computed with NumPy (``np.prod(shape) * itemsize``) is an ``int64``: rounding it up to the
+    alignment overflowed and wrapped to a negative number, and a buffer claiming 2**63 bytes was placed in a
+    few hundred."""
+    import numpy as np
+
+    res, _up = segmented()
+    for size in (np.int64(2**63 - 100), np.uint64(2**64 - 1), np.int64(7 * MiB)):
+        try:
+            buf = res.allocate(size)
+        except PoolExhaustedError:
+            continue
+        assert int(size) == 7 * MiB, f"{size!r} bytes placed in a pool of 64 MiB"
+        assert buf.size == 7 * MiB
+        buf.close()
+    assert res.attributes.used_mem_current == 0
+    res.close(free_segments=True)
+
+
+def test_buffers_freed_after_close_leave_the_used_bytes():
+    """Closing with buffers alive keeps their segments until the process exits (a peer may map them); the
+    buffers freed after count as freed, so the used bytes come back to 0 (before: they stayed, above the 0 bytes
+    reserved, for good)."""
+    from dask_gpupool.memory.lifetime import KEPT_UNTIL_EXIT
+
+    res, _up = segmented()
+    small, big = res.allocate(MiB), res.allocate(20 * MiB)
+    kept = len(KEPT_UNTIL_EXIT)
+    res.close()
+    assert res.attributes.used_mem_current == MiB + 20 * MiB
+    small.close()
+    big.close()
+    big.close()  # a second close frees nothing twice
+    stats = res.attributes
+    assert (stats.used_mem_current, stats.reserved_mem_current) == (0, 0)
+    del KEPT_UNTIL_EXIT[kept:]
