@@ -31,6 +31,7 @@ gone does it raise :class:`~dask_gpupool.DataLostError` naming pool and worker.
 
 from __future__ import annotations
 
+import copyreg
 import logging
 from typing import Any
 
@@ -41,7 +42,7 @@ from dask_gpupool.dask.plain_arrays import plain
 from dask_gpupool.dask.views import VIEWS, as_array, c_strides, viewed_buffer
 from dask_gpupool.dask.worker_internals import REQUEST, Request, clear_tracebacks
 from dask_gpupool.errors import DataLostError, PoolUnavailableError, ProtocolError
-from dask_gpupool.handoff.active import active_service
+from dask_gpupool.handoff.active import active_service, active_services
 from dask_gpupool.memory.buffers import buffer_kind, copy_to_host, host_buffer
 from dask_gpupool.wire.handoff import HEADER_KEY, ArrayMeta, HandoffHeader
 
@@ -345,6 +346,20 @@ def _register_cupy_now() -> None:
     cuda_deserialize.register(cupy.ndarray)(cuda_loads)
 
 
+def _reduce_buffer(buf: Buffer) -> Any:
+    """Pickle a Buffer of a gpupool pool (this worker's own, or mapped from a peer) as a host copy of its bytes.
+
+    User code that pickles a value (``pickle.dumps``, a task argument, ``client.run``'s result) must not get a
+    descriptor of pool memory, which would outlive the lease that keeps it: cuda.core's own ``__reduce__``
+    exports an IPC descriptor (and fails on the resources of ``host`` pools). Other Buffers keep it.
+    """
+    resource = buf.memory_resource
+    ours = type(resource).__module__.startswith("dask_gpupool.") or any(s.pool.owns(buf) for s in active_services())
+    if not ours:
+        return buf.__reduce__()
+    return host_buffer, (copy_to_host(buf, 0, int(buf.size)),)
+
+
 def _register_sizeof() -> None:
     from dask.sizeof import sizeof
 
@@ -370,6 +385,7 @@ def _register() -> None:
 
     _register_numpy()
     _register_sizeof()
+    copyreg.pickle(Buffer, _reduce_buffer)
     register_device_objects()
     import sys
 
