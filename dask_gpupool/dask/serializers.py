@@ -360,6 +360,31 @@ def _reduce_buffer(buf: Buffer) -> Any:
     return host_buffer, (copy_to_host(buf, 0, int(buf.size)),)
 
 
+def _count_pickled() -> None:
+    """Wrap distributed's ``"pickle"`` family so that what it sends in a ``get_data`` reply is counted.
+
+    An object none of the ``"dask"`` serializers knows is pickled, and the arrays in it (pool memory or not) go
+    as out-of-band frames: a copy between same-host workers that no serializer of ours sees
+    (:meth:`Request.count_pickled <dask_gpupool.dask.worker_internals.Request.count_pickled>`). What goes on the
+    wire is unchanged.
+    """
+    from distributed.protocol.serialize import families, register_serialization_family
+
+    dumps, loads, _ = families["pickle"]
+    if getattr(dumps, "__gpupool__", False):
+        return
+
+    def pickle_dumps(x: Any, context: Any = None) -> tuple[dict[str, Any], list[Any]]:
+        header, frames = dumps(x, context=context)
+        request = REQUEST.get()
+        if request is not None and len(frames) > 1:
+            request.count_pickled(sum(memoryview(f).nbytes for f in frames[1:]))
+        return header, frames
+
+    pickle_dumps.__gpupool__ = True  # type: ignore[attr-defined]
+    register_serialization_family("pickle", pickle_dumps, loads)
+
+
 def _register_sizeof() -> None:
     from dask.sizeof import sizeof
 
@@ -386,6 +411,7 @@ def _register() -> None:
     _register_numpy()
     _register_sizeof()
     copyreg.pickle(Buffer, _reduce_buffer)
+    _count_pickled()
     register_device_objects()
     import sys
 

@@ -102,6 +102,16 @@ class Request:
             reason = "small" if nbytes < self.service.stage_threshold(self.requester, self.scheme) else reason
         self.service.handoffs.fallback(str(self.requester), reason, self.service.record.worker)
 
+    def count_pickled(self, nbytes: int) -> None:
+        """Count a value Dask pickled in this reply, whose buffers (arrays inside an object none of our serializers
+        knows) add up to ``nbytes``, as a same-host fallback if it is one: ``pickled`` to a same-host peer (pool
+        memory or not, the bytes go in the frames), else the reason every value of this reply is a copy. A value
+        with no buffer in it (a number, a string) is not counted."""
+        if self.plain_reason is None or not nbytes:
+            return
+        reason = "pickled" if self.plain_reason == "not-in-pool" else self.plain_reason
+        self.service.handoffs.fallback(str(self.requester), reason, self.service.record.worker)
+
 
 #: Set while a worker writes its reply to ``get_data``; Dask's offload thread inherits it.
 REQUEST: contextvars.ContextVar[Request | None] = contextvars.ContextVar("gpupool_request", default=None)

@@ -87,3 +87,31 @@ def test_user_code_that_pickles_a_pool_buffer_gets_a_host_copy():
         assert counters(c, a)[a]["leases"] == 1  # B's import; pickling granted none
         del x, y, value
         back_to(c, baseline)
+
+
+def _wrapped(n: int, pool: bool) -> Any:
+    """Task: an array of ``n`` float64 (over a pool buffer, or plain) inside an object Dask pickles."""
+    import types
+
+    import numpy as np
+
+    return types.SimpleNamespace(arr=T.make_array(n) if pool else np.arange(n, dtype="f8"))
+
+
+def _wrapped_total(x: Any) -> float:
+    return float(x.arr.sum())
+
+
+def test_arrays_inside_a_pickled_object_are_a_counted_same_host_copy():
+    """Dask pickles an object none of our serializers knows, and the arrays in it go in the frames: a copy between
+    same-host workers, so counted as a fallback (``pickled``) rather than silent."""
+    with nanny_cluster([{}, {}], HOST_POOL) as c:
+        a, b = worker_addresses(c)
+        for pool in (True, False):
+            x = c.submit(_wrapped, 1 << 17, pool, workers=[a], pure=False)
+            assert c.submit(_wrapped_total, x, workers=[b], pure=False).result() == float(sum(range(1 << 17)))
+        assert counters(c, a)[a]["fallbacks"] == {"pickled": 2}
+        # a pickled value with no buffer in it (a number, a string) copies nothing worth counting
+        n = c.submit(sum, [1, 2, 3], workers=[a], pure=False)
+        assert c.submit(str, n, workers=[b], pure=False).result() == "6"
+        assert counters(c, a)[a]["fallbacks"] == {"pickled": 2}
