@@ -32,40 +32,20 @@ def test_a_value_spilled_while_answering_a_peer_is_a_real_copy_and_leaves_no_lea
         a, b = worker_addresses(c)
         baseline = warm_up(c, a, b)
 
-        def on_disk(dask_worker: Any) -> dict[str, int]:
-            slow = dask_worker.data._slow_uncached
-            return {str(k): int(w.disk) for k, w in slow.weight_by_key.items()}
-
         x = c.submit(T.make_buffer, 3 * MiB, b"x-bytes", workers=[a], pure=False)
         x.result()
         y = c.submit(T.make_buffer, 3 * MiB, b"y-bytes", workers=[a], pure=False)
         y.result()
-        wait_for(lambda key=x.key: key in c.run(on_disk, workers=[a])[a], what="x to be spilled")
+        wait_for(lambda key=x.key: key in c.run(T.spilled_bytes, workers=[a])[a], what="x to be spilled")
         z = c.submit(T.keep, x, workers=[b], pure=False)  # A unspills x in get_data, evicting y
         assert c.submit(T.head, z, 7, workers=[b], pure=False).result() == b"x-bytes"
-        spilled = c.run(on_disk, workers=[a])[a]
+        spilled = c.run(T.spilled_bytes, workers=[a])[a]
         assert y.key in spilled, spilled
         assert spilled[y.key] >= 3 * MiB, f"y went to disk as {spilled[y.key]} bytes, not a copy of its 3 MiB"
         assert counters(c, a)[a]["leases"] == 1  # B's lease on x only
         assert c.submit(T.head, y, 7, workers=[a], pure=False).result() == b"y-bytes"
         del x, y, z
         back_to(c, baseline)
-
-
-def _pickled_copy(x: Any, which: str) -> dict[str, Any]:
-    """Task: ``x`` (a pool Buffer, own or imported) through ``which`` pickler, and what came back."""
-    import pickle
-
-    import cloudpickle
-
-    from dask_gpupool.testing.memory import read_bytes
-
-    dumps = {"pickle": pickle.dumps, "cloudpickle": cloudpickle.dumps}[which]
-    before = read_bytes(x, 8)
-    copy = pickle.loads(dumps(x))
-    after = read_bytes(copy, 8)
-    same = int(copy.handle) == int(x.handle)
-    return {"type": type(copy).__name__, "size": int(copy.size), "before": before, "after": after, "same": same}
 
 
 def test_user_code_that_pickles_a_pool_buffer_gets_a_host_copy():
@@ -76,7 +56,7 @@ def test_user_code_that_pickles_a_pool_buffer_gets_a_host_copy():
         y = c.submit(T.keep, x, workers=[b], pure=False)  # B's import of A's memory
         for which in ("pickle", "cloudpickle"):
             for value, w in ((x, a), (y, b)):
-                got = c.submit(_pickled_copy, value, which, workers=[w], pure=False).result()
+                got = c.submit(T.pickled_copy, value, which, workers=[w], pure=False).result()
                 assert got == {
                     "type": "Buffer",
                     "size": MiB,
