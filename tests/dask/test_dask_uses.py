@@ -95,3 +95,28 @@ def test_arrays_inside_a_pickled_object_are_a_counted_same_host_copy():
         n = c.submit(sum, [1, 2, 3], workers=[a], pure=False)
         assert c.submit(str, n, workers=[b], pure=False).result() == "6"
         assert counters(c, a)[a]["fallbacks"] == {"pickled": 2}
+
+
+def test_the_page_drops_a_workers_stats_when_its_pool_leaves_with_the_worker_plugin():
+    """``client.unregister_worker_plugin("gpupool")``: stats() says the workers have no pool, and the /gpupool page
+    no longer shows their last counters as if they had one."""
+    import json
+    import urllib.request
+
+    import dask_gpupool
+
+    with nanny_cluster([{}, {}], HOST_POOL) as c:
+        a, b = worker_addresses(c)
+        info = c.scheduler_info()
+        host = info["address"].split("://")[1].rsplit(":", 1)[0]
+        url = f"http://{host}:{info['services']['dashboard']}/gpupool.json"
+
+        def snapshot() -> dict[str, Any]:
+            with urllib.request.urlopen(url, timeout=10) as r:
+                return dict(json.loads(r.read().decode()))
+
+        wait_for(lambda: set(snapshot()["workers"]) == {a, b}, what="both workers' stats on the page")
+        c.unregister_worker_plugin("gpupool")
+        wait_for(lambda: not snapshot()["pools"], what="the pools to leave the registry")
+        assert all("error" in s for s in dask_gpupool.stats(c).values())
+        assert snapshot()["workers"] == {}
