@@ -621,6 +621,8 @@ def _parse_device(value: object) -> int | str:
 
 
 def _parse_optional_str(value: object, key: str) -> str | None:
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)  # DASK_GPUPOOL__HOST_ID=42: Dask's environment parsing makes digits an int
     if value is None or (isinstance(value, str) and value):
         return value
     raise ConfigError(f"{key}={value!r} must be a non-empty string or null")

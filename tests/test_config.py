@@ -213,6 +213,14 @@ def test_an_empty_environment_variable_is_a_config_error_naming_the_key(monkeypa
         PoolOptions.from_config()
 
 
+def test_a_host_id_of_digits_from_the_environment_is_a_string(monkeypatch):
+    """Dask reads ``DASK_GPUPOOL__HOST_ID=42`` as the integer 42: still a host identity, the same on every worker."""
+    monkeypatch.setenv("DASK_GPUPOOL__HOST_ID", "42")
+    config = dask.config.collect(env=dict(os.environ))
+    with dask.config.set(gpupool=config["gpupool"]):
+        assert PoolOptions.from_config().host_id == "42"
+
+
 def test_plugin_checks_options_when_built():
     with pytest.raises(ConfigError, match=r"gpupool\.max-size"):
         GPUPool(max_size="a lot")
