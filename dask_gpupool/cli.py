@@ -94,6 +94,9 @@ def trim(target: _Target) -> int:
         result = dask_gpupool.trim(client)
     print(f"{'worker':28} {'segments':>9} {'retiring':>9} {'reserved':>10}")
     for w, t in sorted(result.items()):
+        if "error" in t:
+            print(f"{w:28} no pool: {t['error']}")
+            continue
         print(f"{w:28} {t['segments']:>9} {t['segments_retiring']:>9} {format_bytes(t['reserved']):>10}")
     print("\nRetiring segments are freed as soon as no buffer lives in them and no peer maps them.")
     return 0

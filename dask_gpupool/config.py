@@ -168,7 +168,7 @@ class Size:
                 return cls.parse(share, key)
             try:
                 nbytes = parse_bytes(text)
-            except (ValueError, TypeError):
+            except (ValueError, TypeError, OverflowError):
                 raise ConfigError(f"{key}={value!r} is not a size; use {valid}") from None
             return cls.parse(int(nbytes), key)
         raise ConfigError(f"{key}={value!r} is not a size; use {valid}")
@@ -621,6 +621,8 @@ def _parse_device(value: object) -> int | str:
 
 
 def _parse_optional_str(value: object, key: str) -> str | None:
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)  # DASK_GPUPOOL__HOST_ID=42: Dask's environment parsing makes digits an int
     if value is None or (isinstance(value, str) and value):
         return value
     raise ConfigError(f"{key}={value!r} must be a non-empty string or null")
@@ -633,7 +635,7 @@ def _parse_nbytes(value: object, key: str) -> int:
     elif isinstance(value, str):
         try:
             nbytes = int(parse_bytes(value))
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, OverflowError):  # OverflowError: past a float ("1e400")
             nbytes = None
     if nbytes is None or nbytes < 0:
         raise ConfigError(f"{key}={value!r} is not a size; valid: '1 GiB', '256MiB', bytes, or 0 for off")
@@ -687,7 +689,7 @@ def _parse_timeout(value: object, key: str) -> float:
     if isinstance(value, (str, int, float)) and not isinstance(value, bool):
         try:
             seconds = parse_timedelta(value, default="s")
-        except (ValueError, TypeError, KeyError):
+        except (ValueError, TypeError, KeyError, IndexError, OverflowError):  # IndexError: "" (an empty env var)
             seconds = None
     if seconds is None or seconds <= 0:
         raise ConfigError(f"{key}={value!r} is not a positive duration; valid: '10s', '500ms' or seconds")

@@ -183,6 +183,13 @@ def test_segments_are_at_most_the_import_limit():
         ("gpupool.handoff-ordering", "later"),
         ("gpupool.lease-claims", "later"),
         ("gpupool.tcp-landing", "host"),
+        ("gpupool.broker-timeout", ""),  # an empty environment variable
+        ("gpupool.lease-timeout", " "),
+        ("gpupool.switch-interval", ""),
+        ("gpupool.broker-timeout", "1e400"),  # past a float
+        ("gpupool.max-size", "1e400"),
+        ("gpupool.segment-size", "1e400"),
+        ("gpupool.stage-threshold", "1e400 B"),
     ],
 )
 def test_bad_config_values_name_the_key(key, value):
@@ -197,6 +204,21 @@ def test_underscores_in_keys_are_dashes_as_in_dask(monkeypatch):
     with dask.config.set(gpupool=config["gpupool"]):
         options = PoolOptions.from_config()
     assert options.max_size == Size(nbytes=3 * 2**30) and options.lease_timeout == 5.0
+
+
+def test_an_empty_environment_variable_is_a_config_error_naming_the_key(monkeypatch):
+    monkeypatch.setenv("DASK_GPUPOOL__BROKER_TIMEOUT", "")
+    config = dask.config.collect(env=dict(os.environ))
+    with dask.config.set(gpupool=config["gpupool"]), pytest.raises(ConfigError, match=r"gpupool\.broker-timeout"):
+        PoolOptions.from_config()
+
+
+def test_a_host_id_of_digits_from_the_environment_is_a_string(monkeypatch):
+    """Dask reads ``DASK_GPUPOOL__HOST_ID=42`` as the integer 42: still a host identity, the same on every worker."""
+    monkeypatch.setenv("DASK_GPUPOOL__HOST_ID", "42")
+    config = dask.config.collect(env=dict(os.environ))
+    with dask.config.set(gpupool=config["gpupool"]):
+        assert PoolOptions.from_config().host_id == "42"
 
 
 def test_plugin_checks_options_when_built():

@@ -1996,3 +1996,55 @@ def test_a_buffer_freed_by_the_garbage_collector_inside_a_segment_allocation_doe
         assert pool.stats().used == 0
     finally:
         pool.close()
+
+
+def test_a_device_value_spilled_while_answering_a_peer_is_a_host_copy_and_leaves_no_lease():
+    """tests/dask/test_dask_uses.py's spill case on a ``device`` pool: B's get_data unspills x on A, which evicts y
+    to disk inside the reply; y must go to disk as its bytes, not as a descriptor under a lease nobody claims."""
+    import dask
+
+    gpus(1)
+    memory = {"target": 0.5, "spill": False, "pause": False, "terminate": False}
+    spilling = {
+        **ONE_GPU,
+        "memory_limit": "64 MiB",
+        "config": {f"distributed.worker.memory.{k}": v for k, v in memory.items()},
+    }
+    with (
+        dask.config.set({"distributed.worker.memory.terminate": False}),
+        nanny_cluster([spilling, ONE_GPU], GPUPool(kind="device", max_size="1 GiB")) as c,
+    ):
+        a, b = worker_addresses(c)
+        baseline = warm_up(c, a, b)
+        x = c.submit(T.make_buffer, 24 * MiB, b"x-bytes", workers=[a], pure=False)
+        x.result()
+        y = c.submit(T.make_buffer, 24 * MiB, b"y-bytes", workers=[a], pure=False)
+        y.result()
+        wait_for(lambda key=x.key: key in c.run(T.spilled_bytes, workers=[a])[a], what="x to be spilled")
+        z = c.submit(T.keep, x, workers=[b], pure=False)
+        assert c.submit(T.head, z, 7, workers=[b], pure=False).result() == b"x-bytes"
+        spilled = c.run(T.spilled_bytes, workers=[a])[a]
+        assert spilled.get(y.key, 0) >= 24 * MiB, spilled
+        assert counters(c, a)[a]["leases"] == 1
+        assert c.submit(T.head, y, 7, workers=[a], pure=False).result() == b"y-bytes"
+        del x, y, z
+        back_to(c, baseline)
+
+
+def test_user_code_that_pickles_a_device_pool_buffer_gets_a_host_copy():
+    """tests/dask/test_dask_uses.py's pickling case on a ``device`` pool: cuda.core's own ``__reduce__`` would
+    export an IPC descriptor with no lease behind it."""
+    gpus(1)
+    with nanny_cluster([ONE_GPU, ONE_GPU], GPUPool(kind="device", max_size="1 GiB")) as c:
+        a, b = worker_addresses(c)
+        baseline = warm_up(c, a, b)
+        x = c.submit(T.make_buffer, MiB, b"pickled!", workers=[a], pure=False)
+        y = c.submit(T.keep, x, workers=[b], pure=False)
+        for which in ("pickle", "cloudpickle"):
+            for value, w in ((x, a), (y, b)):
+                got = c.submit(T.pickled_copy, value, which, workers=[w], pure=False).result()
+                want = {"type": "Buffer", "size": MiB, "before": b"pickled!", "after": b"pickled!", "same": False}
+                assert got == want, (which, w)
+        assert counters(c, a)[a]["leases"] == 1
+        del x, y, value
+        back_to(c, baseline)

@@ -267,7 +267,7 @@ async def _worker_trim(dask_worker: Worker) -> dict[str, int]:
     }
 
 
-def trim(client: Client) -> dict[str, dict[str, int]]:
+def trim(client: Client) -> dict[str, dict[str, Any]]:
     """Give pool memory back, on every worker.
 
     ``device`` pools retire their segments. Retired segments take no new
@@ -292,6 +292,7 @@ def trim(client: Client) -> dict[str, dict[str, int]]:
         (segment ids below it are retired; 0 without segments), ``segments``
         and ``segments_retiring`` (held, and retired but not freed yet), and
         ``reserved`` (bytes the pool holds), ``ucx_staging_freed`` (bytes of
-        kept UCX staging memory freed).
+        kept UCX staging memory freed). A worker without a pool (its set-up
+        failed) is listed as ``{"error": why}``; the others are trimmed.
     """
-    return client.run(_worker_trim)
+    return _per_worker(client, _worker_trim)

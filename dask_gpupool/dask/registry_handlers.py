@@ -265,8 +265,10 @@ class RegistryHandlers:
             self._reject(UNREGISTER_OP, "another-worker", worker, f"pool {pool} is registered to {row.worker}")
         elif self._pending.get(worker) is row and row is not None:
             del self._pending[worker]
+            self.worker_stats.pop(worker, None)
         else:
             self._broadcast(self.registry.remove([pool]))
+            self.worker_stats.pop(worker, None)  # its last push described a pool that is gone (the /gpupool page)
 
     # -- RPC handlers (scheduler's event loop; any comm, clients included) ----------------
 

@@ -31,6 +31,7 @@ gone does it raise :class:`~dask_gpupool.DataLostError` naming pool and worker.
 
 from __future__ import annotations
 
+import copyreg
 import logging
 from typing import Any
 
@@ -41,7 +42,7 @@ from dask_gpupool.dask.plain_arrays import plain
 from dask_gpupool.dask.views import VIEWS, as_array, c_strides, viewed_buffer
 from dask_gpupool.dask.worker_internals import REQUEST, Request, clear_tracebacks
 from dask_gpupool.errors import DataLostError, PoolUnavailableError, ProtocolError
-from dask_gpupool.handoff.active import active_service
+from dask_gpupool.handoff.active import active_service, active_services
 from dask_gpupool.memory.buffers import buffer_kind, copy_to_host, host_buffer
 from dask_gpupool.wire.handoff import HEADER_KEY, ArrayMeta, HandoffHeader
 
@@ -345,6 +346,45 @@ def _register_cupy_now() -> None:
     cuda_deserialize.register(cupy.ndarray)(cuda_loads)
 
 
+def _reduce_buffer(buf: Buffer) -> Any:
+    """Pickle a Buffer of a gpupool pool (this worker's own, or mapped from a peer) as a host copy of its bytes.
+
+    User code that pickles a value (``pickle.dumps``, a task argument, ``client.run``'s result) must not get a
+    descriptor of pool memory, which would outlive the lease that keeps it: cuda.core's own ``__reduce__``
+    exports an IPC descriptor (and fails on the resources of ``host`` pools). Other Buffers keep it.
+    """
+    resource = buf.memory_resource
+    ours = type(resource).__module__.startswith("dask_gpupool.") or any(s.pool.owns(buf) for s in active_services())
+    if not ours:
+        return buf.__reduce__()
+    return host_buffer, (copy_to_host(buf, 0, int(buf.size)),)
+
+
+def _count_pickled() -> None:
+    """Wrap distributed's ``"pickle"`` family so that what it sends in a ``get_data`` reply is counted.
+
+    An object none of the ``"dask"`` serializers knows is pickled, and the arrays in it (pool memory or not) go
+    as out-of-band frames: a copy between same-host workers that no serializer of ours sees
+    (:meth:`Request.count_pickled <dask_gpupool.dask.worker_internals.Request.count_pickled>`). What goes on the
+    wire is unchanged.
+    """
+    from distributed.protocol.serialize import families, register_serialization_family
+
+    dumps, loads, _ = families["pickle"]
+    if getattr(dumps, "__gpupool__", False):
+        return
+
+    def pickle_dumps(x: Any, context: Any = None) -> tuple[dict[str, Any], list[Any]]:
+        header, frames = dumps(x, context=context)
+        request = REQUEST.get()
+        if request is not None and len(frames) > 1:
+            request.count_pickled(sum(memoryview(f).nbytes for f in frames[1:]))
+        return header, frames
+
+    pickle_dumps.__gpupool__ = True  # type: ignore[attr-defined]
+    register_serialization_family("pickle", pickle_dumps, loads)
+
+
 def _register_sizeof() -> None:
     from dask.sizeof import sizeof
 
@@ -370,6 +410,8 @@ def _register() -> None:
 
     _register_numpy()
     _register_sizeof()
+    copyreg.pickle(Buffer, _reduce_buffer)
+    _count_pickled()
     register_device_objects()
     import sys
 

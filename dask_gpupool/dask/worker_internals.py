@@ -148,8 +148,18 @@ class Request:
             reason = "small" if nbytes < self.service.stage_threshold(self.requester, self.scheme) else reason
         self.service.handoffs.fallback(str(self.requester), reason, self.service.record.worker)
 
+    def count_pickled(self, nbytes: int) -> None:
+        """Count a value Dask pickled in this reply, whose buffers (arrays inside an object none of our serializers
+        knows) add up to ``nbytes``, as a same-host fallback if it is one: ``pickled`` to a same-host peer (pool
+        memory or not, the bytes go in the frames), else the reason every value of this reply is a copy. A value
+        with no buffer in it (a number, a string) is not counted."""
+        if self.plain_reason is None or not nbytes:
+            return
+        reason = "pickled" if self.plain_reason == "not-in-pool" else self.plain_reason
+        self.service.handoffs.fallback(str(self.requester), reason, self.service.record.worker)
 
-#: Set while a worker answers ``get_data``; Dask's offload thread inherits it.
+
+#: Set while a worker writes its reply to ``get_data``; Dask's offload thread inherits it.
 REQUEST: contextvars.ContextVar[Request | None] = contextvars.ContextVar("gpupool_request", default=None)
 
 
@@ -223,7 +233,7 @@ def install_get_data_hook(
         except Exception:
             scheme = ""
         request = Request(who, scheme, service, plain_reason=service.plain_copy_reason(who), task_events=task_events)
-        token = REQUEST.set(request)
+        restore_write = _request_while_writing(comm, request)
         inline = getattr(comm, "allow_offload", False) and _inline_reply(worker, service, keys, who, scheme)
         if inline:
             comm.allow_offload = False
@@ -244,7 +254,7 @@ def install_get_data_hook(
             clear_tracebacks(e)
             raise
         finally:
-            REQUEST.reset(token)
+            restore_write()
             request.settle_frames(ok)  # over UCX: what the requester may still read is kept out of reuse
             service.handoffs.timed("reply", time.perf_counter() - start)
             if inline:
@@ -262,6 +272,34 @@ def install_get_data_hook(
     get_data.__wrapped__ = original  # type: ignore[attr-defined]
     worker.handlers["get_data"] = get_data
     return original
+
+
+def _request_while_writing(comm: Any, request: Request) -> Callable[[], None]:
+    """Set :data:`REQUEST` to ``request`` only while ``comm`` writes (the reply); returns what puts ``comm`` back.
+
+    Not for the whole handler: Dask's ``get_data`` reads the keys from ``worker.data`` first, and unspilling one
+    may evict others to disk, serialized right there. A value spilled under the request would go to disk as a
+    descriptor under a lease of the requester's, which nobody claims, instead of its bytes.
+    """
+    own = "write" in vars(comm)
+    write = comm.write
+
+    async def write_reply(*args: Any, **kwargs: Any) -> Any:
+        token = REQUEST.set(request)
+        try:
+            return await write(*args, **kwargs)
+        finally:
+            REQUEST.reset(token)
+
+    comm.write = write_reply
+
+    def restore() -> None:
+        if own:
+            comm.write = write
+        else:
+            del comm.write
+
+    return restore
 
 
 def install_lease_query_handler(worker: Worker, service: PoolService | None) -> None:

@@ -57,6 +57,10 @@ FALLBACK_REASONS = {
         "the array lived outside this worker's pool: it was copied into the pool here (device to device for "
         "CuPy) and then handed over, instead of going through the comm"
     ),
+    "pickled": (
+        "the value is an object Dask pickles (none of gpupool's serializers knows its type): the arrays in it, "
+        "pool memory or not, go in the comm's frames"
+    ),
     "small": (
         "the value is small: an array outside this worker's pool below gpupool.stage-threshold, or a pool buffer "
         "below gpupool.handoff-threshold; the comm moves it as fast as staging or a handoff would"
@@ -87,6 +91,10 @@ FALLBACK_ADVICE = {
     "staged-in-pool": (
         "make the result in the pool to skip the copy: dask_gpupool.allocate + as_array, to_pool, "
         "or gpupool.cupy-allocator for CuPy"
+    ),
+    "pickled": (
+        "return the arrays themselves, or a tuple, list or dict of them (Dask serializes those one by one), or "
+        "register a Dask serializer for the type"
     ),
     "small": "nothing (lower gpupool.stage-threshold or gpupool.handoff-threshold to hand smaller values over)",
 }

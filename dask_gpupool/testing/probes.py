@@ -309,3 +309,9 @@ def vkgdr_kept_bytes() -> int:
     from dask_gpupool.transport.vkgdr_staging import VKGDR
 
     return VKGDR.nbytes
+
+
+def spilled_bytes(dask_worker: Worker) -> dict[str, int]:
+    """The bytes each key spilled to disk takes there (distributed's ``SpillBuffer``)."""
+    slow = dask_worker.data._slow_uncached  # type: ignore[attr-defined]
+    return {str(k): int(w.disk) for k, w in slow.weight_by_key.items()}

@@ -445,3 +445,18 @@ def try_write(x: Any) -> str:
     except Exception as e:
         return type(e).__name__
     return "wrote"
+
+
+def pickled_copy(x: Buffer, which: str) -> dict[str, Any]:
+    """Task: a pool Buffer (own or imported) through ``pickle`` or ``cloudpickle`` (``which``), and what came back:
+    its type, size, first 8 bytes (and the original's), and whether it is the same memory."""
+    import pickle
+
+    import cloudpickle
+
+    dumps = {"pickle": pickle.dumps, "cloudpickle": cloudpickle.dumps}[which]
+    before = read_bytes(x, 8)
+    copy = pickle.loads(dumps(x))
+    after = read_bytes(copy, 8)
+    same = int(copy.handle) == int(x.handle)
+    return {"type": type(copy).__name__, "size": int(copy.size), "before": before, "after": after, "same": same}

@@ -516,8 +516,8 @@ def test_dashboard_page_escapes_every_pushed_value():
 
 
 def test_a_worker_whose_pool_set_up_failed_is_reported_and_the_others_still_answer(tmp_path):
-    """A worker joins with a bad gpupool config (no preload of its own): stats, pool_stats, info and the page
-    name its failure; the other workers' pools work and are listed (issue 20)."""
+    """A worker joins with a bad gpupool config (no preload of its own): stats, pool_stats, trim, info, the trim
+    command and the page name its failure; the other workers' pools work and are listed (issue 20)."""
     import json
     import sys
     import urllib.request
@@ -574,6 +574,13 @@ def test_a_worker_whose_pool_set_up_failed_is_reported_and_the_others_still_answ
             out = cli("info", address)
             assert out.returncode == 0, out.stderr
             assert "2 pool(s)" in out.stdout and f"{w:28} no pool: PoolUnavailableError" in out.stdout
+            # trim gives the others' memory back and names the poolless worker, as stats() does
+            trimmed = dask_gpupool.trim(c)
+            assert set(trimmed) == good | {w} and not any("error" in trimmed[g] for g in good)
+            assert "its set-up failed: ConfigError: gpupool.suballocator='jemalloc'" in trimmed[w]["error"]
+            out = cli("trim", address)
+            assert out.returncode == 0, out.stderr
+            assert f"{w:28} no pool: PoolUnavailableError" in out.stdout
     finally:
         stop_processes(procs)
 
