@@ -38,7 +38,7 @@ from cuda.core import Buffer
 from distributed.protocol import dask_deserialize, dask_serialize
 
 from dask_gpupool.dask.plain_arrays import plain
-from dask_gpupool.dask.views import VIEWS, as_array, c_strides, viewed_buffer
+from dask_gpupool.dask.views import VIEWS, as_array, c_strides, described, viewed_buffer
 from dask_gpupool.dask.worker_internals import REQUEST, Request, clear_tracebacks
 from dask_gpupool.errors import DataLostError, PoolUnavailableError, ProtocolError
 from dask_gpupool.handoff.active import active_service
@@ -194,10 +194,19 @@ def deserialize_buffer(header: dict[str, Any], frames: list[Any]) -> Buffer:
 
 
 def _dumps_array(arr: Any, module: str, ptr: int, previous: Any, context: Any) -> tuple[dict[str, Any], list[Any]]:
-    """Hand an array over a pool buffer over (or copy it); any other array goes to ``previous(arr, context)``."""
+    """Hand an array over a pool buffer over (or copy it); any other array goes to ``previous(arr, context)``.
+
+    So does one whose dtype an array header does not describe (a structured dtype: :func:`~dask_gpupool.dask.views.
+    described`), copied: the header's ``dtype.str`` would lose its fields.
+    """
     buf = viewed_buffer(arr, ptr)
     if buf is None:
         return plain(arr, module, previous, context)
+    if not described(arr):
+        request = REQUEST.get()
+        if request is not None:
+            request.service.handoffs.add(copied_out_bytes=int(arr.nbytes))
+        return previous(arr, context)
     shape, strides = tuple(arr.shape), tuple(arr.strides)
 
     def host_frame() -> Any:

@@ -9,13 +9,14 @@ the memory: it keeps its Buffer alive, and the Buffer's owner frees it.
 from __future__ import annotations
 
 import bisect
+import functools
 import threading
 import weakref
 from typing import Any
 
 from cuda.core import Buffer
 
-__all__ = ["as_array", "pool_buffer_of"]
+__all__ = ["as_array", "described", "pool_buffer_of"]
 
 
 def pool_buffer_of(value: Any) -> Buffer | None:
@@ -30,6 +31,28 @@ def pool_buffer_of(value: Any) -> Buffer | None:
     if module == "cupy":
         return viewed_buffer(value, int(value.data.ptr))
     return None
+
+
+def described(value: Any) -> bool:
+    """Whether an array header (``ArrayMeta.dtype``, the ``dtype.str``) rebuilds ``value``'s dtype (a Buffer: yes).
+
+    Not for structured dtypes, whose ``dtype.str`` (``"|V12"``) says neither
+    their fields nor their offsets, nor for any other dtype that string does
+    not rebuild: such arrays go through distributed's serializer (a copy),
+    which keeps them.
+    """
+    dtype = getattr(value, "dtype", None)
+    return dtype is None or _rebuilt_by_str(dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _rebuilt_by_str(dtype: Any) -> bool:
+    import numpy as np
+
+    try:
+        return bool(np.dtype(dtype.str) == dtype)
+    except TypeError:
+        return False
 
 
 def viewed_buffer(arr: Any, ptr: int) -> Buffer | None:
@@ -120,7 +143,8 @@ def as_array(
     shape : int or tuple of int
         As for ``numpy.ndarray``.
     dtype : numpy.dtype or str
-        As for ``numpy.ndarray``; object dtypes are refused.
+        As for ``numpy.ndarray``; object dtypes are refused. An array of a
+        structured dtype is sent as a copy, not handed over (:func:`described`).
     strides : tuple of int, optional
         In bytes; default C order.
     offset : int, optional

@@ -5,10 +5,13 @@ Issue 18. The GPU twin with CuPy is ``tests/test_gpu.py::test_every_layout_hands
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from conftest import HOST_POOL, counters, nanny_cluster, worker_addresses
 
+from dask_gpupool import GPUPool
 from dask_gpupool import testing as T
 
 
@@ -55,3 +58,52 @@ def test_a_consumer_cannot_write_into_the_producers_memory(three_workers):
     assert c.submit(T.try_write, y, workers=[b], pure=False).result() == "ValueError"
     assert c.submit(T.try_write, x, workers=[a], pure=False).result() == "wrote"  # the producer's own array
     assert c.submit(T.total, y, workers=[b], pure=False).result() == 0.0  # ... which B sees: shared memory
+
+
+#: A structured dtype: its ``dtype.str`` (``"|V12"``) does not say its fields.
+RECORD = [("i", "<i4"), ("x", "<f8")]
+
+
+def _records(n: int, in_pool: bool) -> Any:
+    """Task: ``n`` records of :data:`RECORD` (``i`` counts up, ``x`` is half of it), in the pool or NumPy's own."""
+    import dask_gpupool
+
+    a = np.zeros(n, RECORD)
+    a["i"] = np.arange(n)
+    a["x"] = np.arange(n) / 2
+    return dask_gpupool.to_pool(a) if in_pool else a
+
+
+def _fields(x: Any) -> dict[str, Any]:
+    """Task: the dtype of records ``x``, and the sums of its fields (the error when it has none)."""
+    try:
+        return {"dtype": x.dtype.descr, "i": int(x["i"].sum()), "x": float(x["x"].sum())}
+    except (IndexError, KeyError, ValueError) as e:
+        return {"dtype": x.dtype.descr, "error": str(e)}
+
+
+@pytest.mark.parametrize("where", ["handed-over", "passed-on", "gathered", "staged"])
+def test_records_arrive_with_their_fields(three_workers, where):
+    """An array of a structured dtype keeps its fields on every path (a review of the array headers, thirty-first
+    session: they carried ``dtype.str``, ``"|V12"``, and the consumer got raw bytes with no fields). Such arrays
+    go through distributed's serializer, which keeps them; ``staged``: a plain NumPy array over the stage
+    threshold, on a cluster that stages."""
+    n = 5000
+    expected = {"dtype": RECORD, "i": n * (n - 1) // 2, "x": n * (n - 1) / 4}
+    if where == "staged":
+        with nanny_cluster([{}, {}], GPUPool(kind="host", max_size="64 MiB", stage_threshold="16 KiB")) as c:
+            a, b = worker_addresses(c)
+            x = c.submit(_records, n, False, workers=[a], pure=False)
+            got = c.submit(T.keep, x, workers=[b], pure=False)
+            assert c.submit(_fields, got, workers=[b], pure=False).result() == expected
+        return
+    c, a, b, w = three_workers
+    x = c.submit(_records, n, True, workers=[a], pure=False)
+    if where == "gathered":
+        assert _fields(x.result()) == expected
+        return
+    got = c.submit(T.keep, x, workers=[b], pure=False)
+    last = b
+    if where == "passed-on":
+        got, last = c.submit(T.keep, got, workers=[w], pure=False), w
+    assert c.submit(_fields, got, workers=[last], pure=False).result() == expected
