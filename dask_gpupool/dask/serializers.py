@@ -38,7 +38,7 @@ from cuda.core import Buffer
 from distributed.protocol import dask_deserialize, dask_serialize
 
 from dask_gpupool.dask.plain_arrays import plain
-from dask_gpupool.dask.views import VIEWS, as_array, c_strides, described, viewed_buffer
+from dask_gpupool.dask.views import VIEWS, as_array, c_strides, described, read_only, viewed_buffer
 from dask_gpupool.dask.worker_internals import REQUEST, Request, clear_tracebacks
 from dask_gpupool.errors import DataLostError, PoolUnavailableError, ProtocolError
 from dask_gpupool.handoff.active import active_service
@@ -249,7 +249,8 @@ def _array_over(h: HandoffHeader, meta: ArrayMeta, buf: Buffer) -> Any:
     if meta.module == "numpy" or buf.is_device_accessible:
         arr = as_array(buf, meta.shape, meta.dtype, meta.strides, meta.offset, like=meta.module)
         if h.path == "ipc" and meta.module == "numpy":
-            arr.flags.writeable = False  # the producer's memory, shared: tasks must not write their inputs
+            # the producer's memory, shared: tasks must not write their inputs, nor make them writable again
+            return read_only(arr)
         return arr
     # A CuPy array that landed in host memory (a client, or a host pool without a GPU).
     host = as_array(buf, meta.shape, meta.dtype, meta.strides, meta.offset, like="numpy")
@@ -260,7 +261,7 @@ def _array_over(h: HandoffHeader, meta: ArrayMeta, buf: Buffer) -> Any:
             return cupy.asarray(host)
     except Exception:
         pass
-    return host
+    return read_only(host) if h.path == "ipc" else host  # the producer's memory, as above
 
 
 def _with_context(fn: Any) -> Any:

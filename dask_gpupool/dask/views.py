@@ -16,7 +16,7 @@ from typing import Any
 
 from cuda.core import Buffer
 
-__all__ = ["as_array", "described", "pool_buffer_of"]
+__all__ = ["as_array", "described", "pool_buffer_of", "read_only"]
 
 
 def pool_buffer_of(value: Any) -> Buffer | None:
@@ -199,6 +199,24 @@ def as_array(
     anchor = (ctypes.c_char * buf.size).from_address(int(buf.handle))
     anchor._buf = buf  # the array keeps the Buffer alive through it
     return np.ndarray(shape, dt, buffer=anchor, offset=offset, strides=strides)
+
+
+def read_only(arr: Any) -> Any:
+    """The NumPy view ``arr`` made by :func:`as_array`, again and read-only for good.
+
+    Over a read-only buffer, so that NumPy refuses to make it, or any view
+    of it, writable (``flags.writeable = True`` raises ``ValueError``);
+    clearing the flag alone leaves it settable, since the ctypes array under
+    it is writable. It keeps the Buffer alive as ``arr`` does.
+    """
+    import ctypes
+
+    import numpy as np
+
+    anchor = arr.base  # the ctypes array over the whole Buffer (as_array), which keeps the Buffer alive
+    flat = np.frombuffer(memoryview(anchor).toreadonly(), np.uint8)
+    offset = int(arr.__array_interface__["data"][0]) - ctypes.addressof(anchor)
+    return np.ndarray(arr.shape, arr.dtype, buffer=flat, offset=offset, strides=arr.strides)
 
 
 def c_strides(shape: tuple[int, ...], dt: Any) -> tuple[int, ...]:

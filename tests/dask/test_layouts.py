@@ -60,6 +60,32 @@ def test_a_consumer_cannot_write_into_the_producers_memory(three_workers):
     assert c.submit(T.total, y, workers=[b], pure=False).result() == 0.0  # ... which B sees: shared memory
 
 
+def _unlock_and_write(x: Any) -> str:
+    """Task: make array ``x`` writable again and write into it; ``"wrote"`` or the error's type name."""
+    try:
+        x.flags.writeable = True
+        x[...] = 0
+    except ValueError as e:
+        return type(e).__name__
+    return "wrote"
+
+
+@pytest.mark.parametrize("hops", [1, 2], ids=["handed-over", "passed-on"])
+def test_a_received_array_cannot_be_made_writable_again(three_workers, hops):
+    """NumPy refuses to set ``writeable`` back only on an array whose base is read-only memory: over a writable
+    base (the ctypes array over the mapping) a task could turn the flag on and write into the producer's memory
+    (a review of the array views, thirty-first session)."""
+    c, a, b, w = three_workers
+    x = c.submit(T.make_array, 400, workers=[a], pure=False)
+    got = c.submit(T.keep, x, workers=[b], pure=False)
+    last = b
+    if hops == 2:
+        got, last = c.submit(T.keep, got, workers=[w], pure=False), w
+    assert c.submit(T.describe, got, workers=[last], pure=False).result()["imported"]
+    assert c.submit(_unlock_and_write, got, workers=[last], pure=False).result() == "ValueError"
+    assert c.submit(T.total, x, workers=[a], pure=False).result() == float(sum(range(400)))
+
+
 #: A structured dtype: its ``dtype.str`` (``"|V12"``) does not say its fields.
 RECORD = [("i", "<i4"), ("x", "<f8")]
 
