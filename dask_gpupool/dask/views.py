@@ -64,19 +64,28 @@ def viewed_buffer(arr: Any, ptr: int) -> Buffer | None:
 
 
 class ViewIndex:
-    """Buffers that :func:`as_array` made arrays over, by address range (weakly held)."""
+    """Buffers that :func:`as_array` made arrays over, by address range (weakly held).
+
+    Several live Buffers may start at one address: two imports of one
+    allocation (fetched under two keys) share one mapping, each its own
+    Buffer and lease. Each is kept until it dies, so the arrays of either
+    are found as long as that one lives.
+    """
 
     def __init__(self) -> None:
         self._starts: list[int] = []
-        self._entries: dict[int, tuple[int, weakref.ref[Buffer]]] = {}
+        self._entries: dict[int, list[tuple[int, weakref.ref[Buffer]]]] = {}
         self._lock = threading.Lock()
 
     def add(self, buf: Buffer) -> None:
         start, size = int(buf.handle), int(buf.size)
         with self._lock:
-            if start not in self._entries:
+            entries = self._entries.get(start)
+            if entries is None:
                 bisect.insort(self._starts, start)
-            self._entries[start] = (size, weakref.ref(buf, self._on_death(start)))
+                entries = self._entries[start] = []
+            if not any(ref() is buf for _size, ref in entries):
+                entries.append((size, weakref.ref(buf, self._on_death(start))))
 
     def _on_death(self, start: int) -> Any:
         def callback(_ref: Any) -> None:
@@ -86,25 +95,29 @@ class ViewIndex:
 
     def _remove(self, start: int) -> None:
         with self._lock:
-            entry = self._entries.get(start)
-            if entry is not None and entry[1]() is None:
+            entries = self._entries.get(start)
+            if entries is None:
+                return
+            entries[:] = [(size, ref) for size, ref in entries if ref() is not None]
+            if not entries:
                 del self._entries[start]
                 i = bisect.bisect_left(self._starts, start)
                 if i < len(self._starts) and self._starts[i] == start:
                     del self._starts[i]
 
     def find(self, low: int, high: int) -> Buffer | None:
-        """The live buffer holding ``[low, high)``, if any."""
+        """A live buffer holding ``[low, high)``, if any."""
         with self._lock:
             i = bisect.bisect_right(self._starts, low) - 1
             if i < 0:
                 return None
             start = self._starts[i]
-            size, ref = self._entries[start]
-        buf = ref()
-        if buf is None or buf.is_closed or high > start + size:
-            return None
-        return buf
+            entries = list(self._entries[start])
+        for size, ref in entries:
+            buf = ref()
+            if buf is not None and not buf.is_closed and high <= start + size:
+                return buf
+        return None
 
     def __bool__(self) -> bool:
         return bool(self._starts)

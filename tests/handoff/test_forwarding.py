@@ -167,3 +167,33 @@ def test_a_reply_of_values_to_pass_on_is_serialized_on_the_event_loop():
         assert c.run(T.serialized_inline, [y.key], w, workers=[b])[b]
         assert c.submit(T.head, y, 3, workers=[w], pure=False).result() == b"big"
         assert counters(c, b)[b]["forwards"] == 1
+
+
+def test_a_value_imported_twice_is_still_passed_on_once_its_other_import_went():
+    """B fetches one allocation of A under two keys: two imports (one shared mapping), two Buffers at one address.
+    The view index kept one Buffer per address, the last one added: once that import went, B no longer knew the
+    other one's arrays for pool memory and sent them as copies (a review of the views, thirty-first session)."""
+    n = 100_000
+    with nanny_cluster([{}, {}, {}], HOST_POOL) as c:
+        a, b, w = worker_addresses(c)
+        baseline = _warm(c, a, b, w)
+        x = c.submit(T.make_array, n, workers=[a], pure=False)
+        twin = c.submit(T.keep, x, workers=[a], pure=False)  # the same array under another key
+        y = c.submit(T.keep, x, workers=[b], pure=False)
+        y.result()
+        y_twin = c.submit(T.keep, twin, workers=[b], pure=False)
+        assert c.submit(T.describe, y_twin, workers=[b], pure=False).result()["imported"]
+        keys = [twin.key, y_twin.key]
+        del twin, y_twin
+        wait_forgotten(c, keys)
+        wait_for(lambda: counters(c, a)[a]["leases"] == 1, what="B's second lease on A to end")
+        before = counters(c)
+        z = c.submit(T.keep, y, workers=[w], pure=False)
+        assert c.submit(T.total, z, workers=[w], pure=False).result() == float(sum(range(n)))
+        now = counters(c)
+        assert now[b]["fallbacks"] == before[b]["fallbacks"], now[b]["fallbacks"]
+        assert now[b]["forwards"] - before[b]["forwards"] == 1
+        assert now[w]["zero_copy_bytes"] - before[w]["zero_copy_bytes"] == 8 * n
+        assert now[w]["copied_bytes"] == before[w]["copied_bytes"]
+        del x, y, z
+        back_to(c, baseline)
