@@ -7,6 +7,7 @@ maps A's pool itself. The memory then lives until C lets go, whatever B does.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -24,6 +25,7 @@ from conftest import (
 
 from dask_gpupool import GPUPool
 from dask_gpupool import testing as T
+from dask_gpupool.testing import faults as F
 
 MiB = 1 << 20
 
@@ -196,4 +198,36 @@ def test_a_value_imported_twice_is_still_passed_on_once_its_other_import_went():
         assert now[w]["zero_copy_bytes"] - before[w]["zero_copy_bytes"] == 8 * n
         assert now[w]["copied_bytes"] == before[w]["copied_bytes"]
         del x, y, z
+        back_to(c, baseline)
+
+
+def test_a_forward_settle_that_could_not_be_sent_is_sent_once_the_exporter_is_reached_again():
+    """B passes A's value on to W in a reply that fails before W claimed it, at a moment B cannot reach A's broker:
+    the ForwardSettle could not be sent. It was dropped (logged), and A kept the forwarded lease, and the memory,
+    until B died. Now B sends it again, as it does releases, once a link to A opens (a review of forwarding,
+    thirty-first session)."""
+    with nanny_cluster([{}, {}, {}], HOST_POOL) as c:
+        a, b, w = worker_addresses(c)
+        baseline = _warm(c, a, b, w)
+        x = c.submit(T.make_buffer, MiB, b"settle", workers=[a], pure=False)
+        y = c.submit(T.keep, x, workers=[b], pure=False)
+        y.result()
+        assert c.run(F.get_data_held_open, b, y.key, workers=[w])[w] == 1  # read, not deserialized: nothing claimed
+        assert counters(c, b)[b]["forwards"] == 1
+        assert c.run(T.lease_counts, workers=[a])[a]["unclaimed"] == 1  # W's forwarded lease
+        c.run(F.close_links, workers=[b])
+        c.run(F.hide_broker, workers=[a])
+        try:
+            c.run(F.abort_held_reply, workers=[w])  # B's reply fails; its ForwardSettle cannot reach A now
+            time.sleep(1.0)
+        finally:
+            c.run(F.restore_broker, workers=[a])
+        wait_for(
+            lambda: c.run(T.lease_counts, workers=[a])[a]["unclaimed"] == 0,
+            timeout=20,
+            what="the forwarded lease nobody claimed to end",
+        )
+        assert c.submit(T.head, y, 6, workers=[b], pure=False).result() == b"settle"
+        del x, y
+        warm_up(c, b, w)  # B's link to W, closed above, opens again
         back_to(c, baseline)
