@@ -191,7 +191,9 @@ def as_array(
     if dt.hasobject:
         raise ValueError(f"dtype {dt} holds Python objects, which cannot live in pool memory")
     if strides is None:
-        strides = tuple(int(s) for s in np.empty((0,), dtype=dt).strides) if not shape else c_strides(shape, dt)
+        strides = c_strides(shape, dt)  # () for a 0-d array
+    elif len(strides) != len(shape):
+        raise ValueError(f"shape {shape} and strides {strides} differ in length")
     low, high = _byte_bounds(int(buf.handle) + offset, shape, strides, dt.itemsize)
     if low < int(buf.handle) or high > int(buf.handle) + buf.size:
         raise ValueError(f"an array of shape {shape}, strides {strides} at offset {offset} does not fit {buf!r}")

@@ -133,3 +133,20 @@ def test_records_arrive_with_their_fields(three_workers, where):
     if where == "passed-on":
         got, last = c.submit(T.keep, got, workers=[w], pure=False), w
     assert c.submit(_fields, got, workers=[last], pure=False).result() == expected
+
+
+def _zero_d_in_pool() -> Any:
+    """Task: a 0-d NumPy array put in the pool."""
+    import dask_gpupool
+
+    return dask_gpupool.to_pool(np.array(3.5))
+
+
+def test_a_zero_d_array_goes_into_the_pool_and_hands_over(three_workers):
+    """``as_array`` without strides made the strides of a 0-d array those of a 1-d one, and failed (``zip()
+    argument 2 is longer``): ``to_pool`` of a 0-d result raised (a review of the views, thirty-first session)."""
+    c, a, b, _w = three_workers
+    x = c.submit(_zero_d_in_pool, workers=[a], pure=False)
+    y = c.submit(T.keep, x, workers=[b], pure=False)
+    assert c.submit(T.as_nested_list, y, workers=[b], pure=False).result() == {"shape": [], "values": 3.5}
+    assert c.submit(T.describe, y, workers=[b], pure=False).result()["imported"]
