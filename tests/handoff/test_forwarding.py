@@ -231,3 +231,33 @@ def test_a_forward_settle_that_could_not_be_sent_is_sent_once_the_exporter_is_re
         del x, y
         warm_up(c, b, w)  # B's link to W, closed above, opens again
         back_to(c, baseline)
+
+
+@pytest.mark.parametrize("order", ["settle-first", "claim-first"])
+def test_a_forward_and_its_settle_in_either_order(order):
+    """W reads B's reply that passes on A's value, and B's reply fails (no "OK"). ``settle-first``: W deserializes
+    it only after B settled the forward: A refuses W's claim (the lease ended), W gets a DataLostError and holds
+    nothing. ``claim-first``: W claimed before the reply failed: the settle leaves W's lease alone, and W reads
+    A's memory after A and B dropped their keys and A's pool was scribbled over."""
+    with nanny_cluster([{}, {}, {}], HOST_POOL) as c:
+        a, b, w = worker_addresses(c)
+        baseline = _warm(c, a, b, w)
+        x = c.submit(T.make_buffer, MiB, b"either", workers=[a], pure=False)
+        y = c.submit(T.keep, x, workers=[b], pure=False)
+        y.result()
+        deserialize = order == "claim-first"
+        assert c.run(T.get_data_without_ok, b, y.key, deserialize, workers=[w])[w] == 1
+        wait_for(lambda: c.run(T.lease_counts, workers=[a])[a]["leases"] == (2 if deserialize else 1), what="settle")
+        if deserialize:
+            del x, y
+            wait_for(lambda: counters(c, a)[a]["leases"] == 1, what="B's lease on A to end")
+            for _ in range(8):
+                c.submit(T.scribble_all, MiB, ord("S"), workers=[a], pure=False).result()
+            assert c.run(T.kept_head, 6, workers=[w])[w] == b"either"
+            c.run(T.drop_kept, workers=[w])
+        else:
+            outcome = c.run(T.deserialize_kept, b, workers=[w])[w]
+            assert outcome.startswith("DataLostError"), outcome
+            assert c.submit(T.head, y, 6, workers=[b], pure=False).result() == b"either"
+            del x, y
+        back_to(c, baseline)
