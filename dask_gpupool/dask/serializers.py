@@ -248,8 +248,9 @@ def _array_over(h: HandoffHeader, meta: ArrayMeta, buf: Buffer) -> Any:
     """The NumPy or CuPy array ``meta`` describes over ``buf`` (owned by the array from then on)."""
     if meta.module == "numpy" or buf.is_device_accessible:
         arr = as_array(buf, meta.shape, meta.dtype, meta.strides, meta.offset, like=meta.module)
-        if h.path == "ipc" and meta.module == "numpy":
-            # the producer's memory, shared: tasks must not write their inputs, nor make them writable again
+        if h.path == "ipc" and meta.module == "numpy" and arr.flags.writeable:
+            # the producer's memory, shared (an import's view is read-only already; this is a value of this worker's
+            # own pool that came back): tasks must not write their inputs, nor make them writable again
             return read_only(arr)
         return arr
     # A CuPy array that landed in host memory (a client, or a host pool without a GPU).
@@ -261,7 +262,7 @@ def _array_over(h: HandoffHeader, meta: ArrayMeta, buf: Buffer) -> Any:
             return cupy.asarray(host)
     except Exception:
         pass
-    return read_only(host) if h.path == "ipc" else host  # the producer's memory, as above
+    return read_only(host) if h.path == "ipc" and host.flags.writeable else host  # the producer's memory, as above
 
 
 def _with_context(fn: Any) -> Any:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import sys
 import threading
 import weakref
 from typing import Any
@@ -170,7 +171,9 @@ def as_array(
     Returns
     -------
     cupy.ndarray or numpy.ndarray
-        A view: no copy, and the array keeps ``buf`` alive.
+        A view: no copy, and the array keeps ``buf`` alive. A NumPy view of
+        memory received from another worker (an imported Buffer) is
+        read-only, for good (:func:`read_only`): it is that worker's memory.
 
     Raises
     ------
@@ -213,7 +216,14 @@ def as_array(
 
     anchor = (ctypes.c_char * buf.size).from_address(int(buf.handle))
     anchor._buf = buf  # the array keeps the Buffer alive through it
-    return np.ndarray(shape, dt, buffer=anchor, offset=offset, strides=strides)
+    arr = np.ndarray(shape, dt, buffer=anchor, offset=offset, strides=strides)
+    return read_only(arr) if _received(buf) else arr
+
+
+def _received(buf: Buffer) -> bool:
+    """Whether ``buf`` is another worker's memory mapped here (an import), not this process's own."""
+    imported = sys.modules.get("dask_gpupool.handoff.imported")  # not loaded: no import was made here
+    return imported is not None and isinstance(buf.memory_resource, imported.ImportedMemoryResource)
 
 
 def read_only(arr: Any) -> Any:

@@ -150,3 +150,32 @@ def test_a_zero_d_array_goes_into_the_pool_and_hands_over(three_workers):
     y = c.submit(T.keep, x, workers=[b], pure=False)
     assert c.submit(T.as_nested_list, y, workers=[b], pure=False).result() == {"shape": [], "values": 3.5}
     assert c.submit(T.describe, y, workers=[b], pure=False).result()["imported"]
+
+
+def _view_and_write(buf: Any) -> str:
+    """Task: view Buffer ``buf`` with ``as_array`` and write into the view; ``"wrote"`` or the error's type name."""
+    from dask_gpupool import as_array
+
+    view = as_array(buf, int(buf.size), "u1", like="numpy")
+    try:
+        view[...] = 0
+    except ValueError as e:
+        return type(e).__name__
+    return "wrote"
+
+
+@pytest.mark.parametrize("hops", [1, 2], ids=["handed-over", "passed-on"])
+def test_a_view_of_a_received_buffer_is_read_only(three_workers, hops):
+    """A Buffer received zero-copy is the producer's memory as an array over it is: ``as_array`` views it
+    read-only. It gave a writable view, and a task wrote into the producer's value (a review of the views,
+    thirty-first session). The producer's own buffers stay writable."""
+    c, a, b, w = three_workers
+    x = c.submit(T.make_buffer, 4096, b"mine", workers=[a], pure=False)
+    got = c.submit(T.keep, x, workers=[b], pure=False)
+    last = b
+    if hops == 2:
+        got, last = c.submit(T.keep, got, workers=[w], pure=False), w
+    assert c.submit(T.describe, got, workers=[last], pure=False).result()["imported"]
+    assert c.submit(_view_and_write, got, workers=[last], pure=False).result() == "ValueError"
+    assert c.submit(T.head, x, 4, workers=[a], pure=False).result() == b"mine"
+    assert c.submit(_view_and_write, x, workers=[a], pure=False).result() == "wrote"
