@@ -179,3 +179,35 @@ def test_a_view_of_a_received_buffer_is_read_only(three_workers, hops):
     assert c.submit(_view_and_write, got, workers=[last], pure=False).result() == "ValueError"
     assert c.submit(T.head, x, 4, workers=[a], pure=False).result() == b"mine"
     assert c.submit(_view_and_write, x, workers=[a], pure=False).result() == "wrote"
+
+
+def test_the_view_index_keeps_every_live_buffer_at_one_address():
+    """Two Buffers at one address (two imports of one allocation): the index finds the one left when the other went,
+    and nothing once both went; a buffer that does not hold the whole range is never the answer."""
+    import gc
+
+    from cuda.core import Buffer
+
+    from dask_gpupool.dask.views import ViewIndex
+    from dask_gpupool.memory.buffers import host_buffer
+
+    outer = host_buffer(bytearray(64))
+    start = int(outer.handle)
+    first = Buffer.from_handle(start, 64, owner=outer)
+    second = Buffer.from_handle(start, 64, owner=outer)
+    short = Buffer.from_handle(start, 8, owner=outer)
+    index = ViewIndex()
+    for buf in (first, short, second, second):
+        index.add(buf)
+    del buf
+    assert index.find(start + 8, start + 64) in (first, second)
+    del second
+    gc.collect()
+    assert index.find(start + 8, start + 64) is first
+    assert index.find(start, start + 8) in (first, short)
+    del first
+    gc.collect()
+    assert index.find(start + 8, start + 64) is None and index.find(start, start + 8) is short
+    del short
+    gc.collect()
+    assert not index
