@@ -219,7 +219,7 @@ def test_a_forward_settle_that_could_not_be_sent_is_sent_once_the_exporter_is_re
         c.run(F.hide_broker, workers=[a])
         try:
             c.run(F.abort_held_reply, workers=[w])  # B's reply fails; its ForwardSettle cannot reach A now
-            time.sleep(1.0)
+            time.sleep(2.0)  # B notices at once (its read of the "OK" fails) and tries to settle meanwhile
         finally:
             c.run(F.restore_broker, workers=[a])
         wait_for(
