@@ -211,3 +211,30 @@ def test_the_view_index_keeps_every_live_buffer_at_one_address():
     del short
     gc.collect()
     assert not index
+
+
+@pytest.mark.parametrize(
+    "shape, strides, offset",
+    [
+        ((3,), (-8,), 0),  # element 0 at the start: the others below the buffer
+        ((2,), (8,), 24),  # the second element past the end
+        ((5,), (8,), 0),  # one element past the end
+        ((0,), (8,), 40),  # empty, but placed past the end
+        ((2**62, 2), (0, 8), 0),  # a broadcast NumPy cannot make: too many elements
+        ((2**40, 2**40), (8, 8), 0),  # far past the end
+        ((2,), (2**63 - 1,), 0),  # a stride that overflows
+        ((), (), 2**64 - 1),  # an offset that overflows
+    ],
+)
+def test_an_array_header_that_does_not_fit_its_bytes_is_a_data_lost_error(shape, strides, offset):
+    """A header whose shape, strides and offset reach outside the 32 bytes that came is refused with the package's
+    DataLostError (Dask then fetches the value again), never read: the lowest address of negative strides, empty
+    arrays, overflowing sizes, strides and offsets."""
+    from dask_gpupool.dask.serializers import KEY, loads_array
+    from dask_gpupool.errors import DataLostError
+    from dask_gpupool.wire.handoff import ArrayMeta, HandoffHeader
+
+    meta = ArrayMeta("numpy", shape, strides, "<f8", offset)
+    header = HandoffHeader("copy", "host", 32, exporter="tcp://10.0.0.1:1", array=meta)
+    with pytest.raises(DataLostError):
+        loads_array({KEY: header.to_msg()}, [bytes(32)], lambda header, frames: None)
