@@ -1956,6 +1956,58 @@ def test_every_layout_hands_over_on_a_gpu_and_passes_on(placement):
             del z
 
 
+@pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
+def test_a_device_value_imported_twice_is_still_passed_on_once_its_other_import_went(placement):
+    """The GPU twin of ``test_forwarding.py::test_a_value_imported_twice_is_still_passed_on_once_its_other_import_
+    went`` (thirty-first session's review): B maps one allocation of A (in a segment) under two keys, the second
+    import goes, and B still passes the first one's CuPy array on to W as A's memory, not as a copy."""
+    n = 1 << 20
+    workers, plugin = _chain_cluster(placement)
+    with nanny_cluster(workers, plugin) as c:
+        a, b, w = worker_addresses(c)
+        baseline = warm_up(c, a, b)
+        baseline = warm_up(c, b, w)
+        baseline = warm_up(c, a, w)
+        x = c.submit(T.make_array, n, "cupy", workers=[a], pure=False)
+        twin = c.submit(T.keep, x, workers=[a], pure=False)
+        y = c.submit(T.keep, x, workers=[b], pure=False)
+        y.result()
+        y_twin = c.submit(T.keep, twin, workers=[b], pure=False)
+        assert c.submit(T.describe, y_twin, workers=[b], pure=False).result()["imported"]
+        keys = [twin.key, y_twin.key]
+        del twin, y_twin
+        wait_forgotten(c, keys)
+        wait_for(lambda: counters(c, a)[a]["leases"] == 1, what="B's second lease on A to end")
+        before = counters(c)
+        z = c.submit(T.keep, y, workers=[w], pure=False)
+        assert c.submit(T.total, z, workers=[w], pure=False).result() == float(n * (n - 1) // 2)
+        now = counters(c)
+        assert now[b]["fallbacks"] == before[b]["fallbacks"], now[b]["fallbacks"]
+        assert now[b]["forwards"] - before[b]["forwards"] == 1
+        assert now[w]["copied_bytes"] == before[w]["copied_bytes"]
+        del x, y, z
+        back_to(c, baseline)
+
+
+def _zero_d_cupy_in_pool() -> Any:
+    """Task: a 0-d CuPy array put in the pool."""
+    import cupy
+
+    return dask_gpupool.to_pool(cupy.asarray(3.5))
+
+
+def test_a_zero_d_cupy_array_goes_into_the_pool_and_hands_over():
+    """The GPU twin of ``test_layouts.py::test_a_zero_d_array_goes_into_the_pool_and_hands_over``: ``as_array``
+    without strides failed for a 0-d shape (thirty-first session's review), on CuPy as on NumPy."""
+    gpus(1)
+    with nanny_cluster([ONE_GPU, ONE_GPU], GPUPool(kind="device", max_size="1 GiB")) as c:
+        a, b = worker_addresses(c)
+        x = c.submit(_zero_d_cupy_in_pool, workers=[a], pure=False)
+        y = c.submit(T.keep, x, workers=[b], pure=False)
+        assert c.submit(T.as_nested_list, y, workers=[b], pure=False).result() == {"shape": [], "values": 3.5}
+        assert c.submit(T.describe, y, workers=[b], pure=False).result()["imported"]
+
+
 @pytest.mark.parametrize("suballocator", ["rmm", "arena"])
 def test_a_buffer_freed_by_the_garbage_collector_inside_a_segment_allocation_does_not_deadlock_it(suballocator):
     """A pool Buffer in a reference cycle is freed whenever the collector runs, also inside the pool's own

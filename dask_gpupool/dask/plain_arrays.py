@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Any
 
-from dask_gpupool.dask.views import as_array, c_strides
+from dask_gpupool.dask.views import as_array, c_strides, described
 from dask_gpupool.dask.worker_internals import REQUEST, Request
 from dask_gpupool.errors import PoolExhaustedError
 from dask_gpupool.wire.handoff import HEADER_KEY, ArrayMeta
@@ -118,13 +118,16 @@ def stage(request: Request, arr: Any, module: str) -> tuple[dict[str, Any], list
     a stream of its own after the event recorded when Dask stored it; any
     other, or with the default stream idle, on the default stream, after
     everything queued there. Returns ``None`` (the caller sends the array as before)
-    when the request does not allow it, the pool has no room, or the
+    when the request does not allow it, the pool has no room, the array's
+    dtype is not one an array header describes (a structured dtype), or the
     allocation or the copy failed (logged once).
     """
     if request.plain_reason != "not-in-pool":
         return None
     service = request.service
     if (module == "numpy") != (service.pool.kind == "host") or arr.dtype.hasobject or arr.size == 0:
+        return None
+    if not described(arr):  # a structured dtype: the header's dtype.str would lose its fields
         return None
     nbytes = int(arr.nbytes)
     row = service.stage_route(request.requester, request.scheme, nbytes)

@@ -39,7 +39,7 @@ from cuda.core import Buffer
 from distributed.protocol import dask_deserialize, dask_serialize
 
 from dask_gpupool.dask.plain_arrays import plain
-from dask_gpupool.dask.views import VIEWS, as_array, c_strides, viewed_buffer
+from dask_gpupool.dask.views import VIEWS, as_array, c_strides, described, read_only, viewed_buffer
 from dask_gpupool.dask.worker_internals import REQUEST, Request, clear_tracebacks
 from dask_gpupool.errors import DataLostError, PoolUnavailableError, ProtocolError
 from dask_gpupool.handoff.active import active_service, active_services
@@ -195,10 +195,19 @@ def deserialize_buffer(header: dict[str, Any], frames: list[Any]) -> Buffer:
 
 
 def _dumps_array(arr: Any, module: str, ptr: int, previous: Any, context: Any) -> tuple[dict[str, Any], list[Any]]:
-    """Hand an array over a pool buffer over (or copy it); any other array goes to ``previous(arr, context)``."""
+    """Hand an array over a pool buffer over (or copy it); any other array goes to ``previous(arr, context)``.
+
+    So does one whose dtype an array header does not describe (a structured dtype: :func:`~dask_gpupool.dask.views.
+    described`), copied: the header's ``dtype.str`` would lose its fields.
+    """
     buf = viewed_buffer(arr, ptr)
     if buf is None:
         return plain(arr, module, previous, context)
+    if not described(arr):
+        request = REQUEST.get()
+        if request is not None:
+            request.service.handoffs.add(copied_out_bytes=int(arr.nbytes))
+        return previous(arr, context)
     shape, strides = tuple(arr.shape), tuple(arr.strides)
 
     def host_frame() -> Any:
@@ -240,8 +249,10 @@ def _array_over(h: HandoffHeader, meta: ArrayMeta, buf: Buffer) -> Any:
     """The NumPy or CuPy array ``meta`` describes over ``buf`` (owned by the array from then on)."""
     if meta.module == "numpy" or buf.is_device_accessible:
         arr = as_array(buf, meta.shape, meta.dtype, meta.strides, meta.offset, like=meta.module)
-        if h.path == "ipc" and meta.module == "numpy":
-            arr.flags.writeable = False  # the producer's memory, shared: tasks must not write their inputs
+        if h.path == "ipc" and meta.module == "numpy" and arr.flags.writeable:
+            # the producer's memory, shared (an import's view is read-only already; this is a value of this worker's
+            # own pool that came back): tasks must not write their inputs, nor make them writable again
+            return read_only(arr)
         return arr
     # A CuPy array that landed in host memory (a client, or a host pool without a GPU).
     host = as_array(buf, meta.shape, meta.dtype, meta.strides, meta.offset, like="numpy")
@@ -252,7 +263,7 @@ def _array_over(h: HandoffHeader, meta: ArrayMeta, buf: Buffer) -> Any:
             return cupy.asarray(host)
     except Exception:
         pass
-    return host
+    return read_only(host) if h.path == "ipc" and host.flags.writeable else host  # the producer's memory, as above
 
 
 def _with_context(fn: Any) -> Any:

@@ -9,13 +9,15 @@ the memory: it keeps its Buffer alive, and the Buffer's owner frees it.
 from __future__ import annotations
 
 import bisect
+import functools
+import sys
 import threading
 import weakref
 from typing import Any
 
 from cuda.core import Buffer
 
-__all__ = ["as_array", "pool_buffer_of"]
+__all__ = ["as_array", "described", "pool_buffer_of", "read_only"]
 
 
 def pool_buffer_of(value: Any) -> Buffer | None:
@@ -32,6 +34,28 @@ def pool_buffer_of(value: Any) -> Buffer | None:
     return None
 
 
+def described(value: Any) -> bool:
+    """Whether an array header (``ArrayMeta.dtype``, the ``dtype.str``) rebuilds ``value``'s dtype (a Buffer: yes).
+
+    Not for structured dtypes, whose ``dtype.str`` (``"|V12"``) says neither
+    their fields nor their offsets, nor for any other dtype that string does
+    not rebuild: such arrays go through distributed's serializer (a copy),
+    which keeps them.
+    """
+    dtype = getattr(value, "dtype", None)
+    return dtype is None or _rebuilt_by_str(dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _rebuilt_by_str(dtype: Any) -> bool:
+    import numpy as np
+
+    try:
+        return bool(np.dtype(dtype.str) == dtype)
+    except TypeError:
+        return False
+
+
 def viewed_buffer(arr: Any, ptr: int) -> Buffer | None:
     """The live pool buffer holding all of array ``arr`` (data at ``ptr``), if any."""
     if not VIEWS or arr.dtype.hasobject:
@@ -41,19 +65,28 @@ def viewed_buffer(arr: Any, ptr: int) -> Buffer | None:
 
 
 class ViewIndex:
-    """Buffers that :func:`as_array` made arrays over, by address range (weakly held)."""
+    """Buffers that :func:`as_array` made arrays over, by address range (weakly held).
+
+    Several live Buffers may start at one address: two imports of one
+    allocation (fetched under two keys) share one mapping, each its own
+    Buffer and lease. Each is kept until it dies, so the arrays of either
+    are found as long as that one lives.
+    """
 
     def __init__(self) -> None:
         self._starts: list[int] = []
-        self._entries: dict[int, tuple[int, weakref.ref[Buffer]]] = {}
+        self._entries: dict[int, list[tuple[int, weakref.ref[Buffer]]]] = {}
         self._lock = threading.Lock()
 
     def add(self, buf: Buffer) -> None:
         start, size = int(buf.handle), int(buf.size)
         with self._lock:
-            if start not in self._entries:
+            entries = self._entries.get(start)
+            if entries is None:
                 bisect.insort(self._starts, start)
-            self._entries[start] = (size, weakref.ref(buf, self._on_death(start)))
+                entries = self._entries[start] = []
+            if not any(ref() is buf for _size, ref in entries):
+                entries.append((size, weakref.ref(buf, self._on_death(start))))
 
     def _on_death(self, start: int) -> Any:
         def callback(_ref: Any) -> None:
@@ -63,25 +96,29 @@ class ViewIndex:
 
     def _remove(self, start: int) -> None:
         with self._lock:
-            entry = self._entries.get(start)
-            if entry is not None and entry[1]() is None:
+            entries = self._entries.get(start)
+            if entries is None:
+                return
+            entries[:] = [(size, ref) for size, ref in entries if ref() is not None]
+            if not entries:
                 del self._entries[start]
                 i = bisect.bisect_left(self._starts, start)
                 if i < len(self._starts) and self._starts[i] == start:
                     del self._starts[i]
 
     def find(self, low: int, high: int) -> Buffer | None:
-        """The live buffer holding ``[low, high)``, if any."""
+        """A live buffer holding ``[low, high)``, if any."""
         with self._lock:
             i = bisect.bisect_right(self._starts, low) - 1
             if i < 0:
                 return None
             start = self._starts[i]
-            size, ref = self._entries[start]
-        buf = ref()
-        if buf is None or buf.is_closed or high > start + size:
-            return None
-        return buf
+            entries = list(self._entries[start])
+        for size, ref in entries:
+            buf = ref()
+            if buf is not None and not buf.is_closed and high <= start + size:
+                return buf
+        return None
 
     def __bool__(self) -> bool:
         return bool(self._starts)
@@ -120,7 +157,8 @@ def as_array(
     shape : int or tuple of int
         As for ``numpy.ndarray``.
     dtype : numpy.dtype or str
-        As for ``numpy.ndarray``; object dtypes are refused.
+        As for ``numpy.ndarray``; object dtypes are refused. An array of a
+        structured dtype is sent as a copy, not handed over (:func:`described`).
     strides : tuple of int, optional
         In bytes; default C order.
     offset : int, optional
@@ -133,7 +171,9 @@ def as_array(
     Returns
     -------
     cupy.ndarray or numpy.ndarray
-        A view: no copy, and the array keeps ``buf`` alive.
+        A view: no copy, and the array keeps ``buf`` alive. A NumPy view of
+        memory received from another worker (an imported Buffer) is
+        read-only, for good (:func:`read_only`): it is that worker's memory.
 
     Raises
     ------
@@ -154,7 +194,9 @@ def as_array(
     if dt.hasobject:
         raise ValueError(f"dtype {dt} holds Python objects, which cannot live in pool memory")
     if strides is None:
-        strides = tuple(int(s) for s in np.empty((0,), dtype=dt).strides) if not shape else c_strides(shape, dt)
+        strides = c_strides(shape, dt)  # () for a 0-d array
+    elif len(strides) != len(shape):
+        raise ValueError(f"shape {shape} and strides {strides} differ in length")
     low, high = _byte_bounds(int(buf.handle) + offset, shape, strides, dt.itemsize)
     if low < int(buf.handle) or high > int(buf.handle) + buf.size:
         raise ValueError(f"an array of shape {shape}, strides {strides} at offset {offset} does not fit {buf!r}")
@@ -174,7 +216,32 @@ def as_array(
 
     anchor = (ctypes.c_char * buf.size).from_address(int(buf.handle))
     anchor._buf = buf  # the array keeps the Buffer alive through it
-    return np.ndarray(shape, dt, buffer=anchor, offset=offset, strides=strides)
+    arr = np.ndarray(shape, dt, buffer=anchor, offset=offset, strides=strides)
+    return read_only(arr) if _received(buf) else arr
+
+
+def _received(buf: Buffer) -> bool:
+    """Whether ``buf`` is another worker's memory mapped here (an import), not this process's own."""
+    imported = sys.modules.get("dask_gpupool.handoff.imported")  # not loaded: no import was made here
+    return imported is not None and isinstance(buf.memory_resource, imported.ImportedMemoryResource)
+
+
+def read_only(arr: Any) -> Any:
+    """The NumPy view ``arr`` made by :func:`as_array`, again and read-only for good.
+
+    Over a read-only buffer, so that NumPy refuses to make it, or any view
+    of it, writable (``flags.writeable = True`` raises ``ValueError``);
+    clearing the flag alone leaves it settable, since the ctypes array under
+    it is writable. It keeps the Buffer alive as ``arr`` does.
+    """
+    import ctypes
+
+    import numpy as np
+
+    anchor = arr.base  # the ctypes array over the whole Buffer (as_array), which keeps the Buffer alive
+    flat = np.frombuffer(memoryview(anchor).toreadonly(), np.uint8)
+    offset = int(arr.__array_interface__["data"][0]) - ctypes.addressof(anchor)
+    return np.ndarray(arr.shape, arr.dtype, buffer=flat, offset=offset, strides=arr.strides)
 
 
 def c_strides(shape: tuple[int, ...], dt: Any) -> tuple[int, ...]:

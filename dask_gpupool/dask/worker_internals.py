@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dask_gpupool.dask.views import pool_buffer_of
+from dask_gpupool.dask.views import described, pool_buffer_of
 from dask_gpupool.errors import DataLostError
 from dask_gpupool.handoff.deferred import SENDER, abandon_all, collecting, resolve, run_fills
 from dask_gpupool.handoff.routing import TCP_SCHEMES, UCX_SCHEMES
@@ -478,6 +478,8 @@ def _all_handed_over(worker: Worker, service: PoolService, keys: Any, who: str |
             if staged > INLINE_STAGING_LIMIT:
                 return False
             continue
+        if not described(value):  # a structured dtype: copied by distributed's serializer
+            return False
         origin = getattr(buf.memory_resource, "origin", None)  # an import, passed on as its exporter's memory
         row, reason = service.forward_route(origin, who, scheme)[0] if origin else service.route(who, scheme, buf)
         if row is None or reason is not None:

@@ -142,7 +142,13 @@ class Forwarder:
         return held.buf
 
     def settle_forwarded(self, forwarded: list[tuple[str, int]], requester: str | None) -> None:
-        """The reply that carried these ``(exporter, lease)`` forwards ended: the exporters end unclaimed ones."""
+        """The reply that carried these ``(exporter, lease)`` forwards ended: the exporters end unclaimed ones.
+
+        An exporter that cannot be reached now is told once a link to it
+        opens again (:meth:`Releaser.settle_later
+        <dask_gpupool.handoff.releaser.Releaser.settle_later>`): until then it
+        keeps the leases, and their memory.
+        """
         by_exporter: dict[str, list[int]] = {}
         for exporter, lease in forwarded:
             by_exporter.setdefault(exporter, []).append(lease)
@@ -154,10 +160,12 @@ class Forwarder:
                 self.importer.link(owner).settle_forwarded(leases)
             except GPUPoolError as e:
                 logger.warning(
-                    "pool %s: could not tell %s that %d forwarded lease(s) for %s may end: %s",
+                    "pool %s: could not tell %s that %d forwarded lease(s) for %s may end (%s); told once it is "
+                    "reached again",
                     self.pool.uuid,
                     exporter,
                     len(leases),
                     requester,
                     e,
                 )
+                self.importer.releaser.settle_later(owner.broker, leases)

@@ -243,6 +243,19 @@ class Releaser:
             self._pending.append((exporter, lease, event, segments, unmapped))
             self._cond.notify()
 
+    def settle_later(self, exporter: str, leases: list[int]) -> None:
+        """Tell ``exporter`` once it can be reached again that the replies carrying these forwarded leases ended.
+
+        For a :class:`~dask_gpupool.wire.broker_leases.ForwardSettle` that
+        could not be sent when the reply ended (the link was down): sent
+        after the new link's resync, as releases are, so that the leases
+        nobody claimed end while this worker lives. Dropped if ``exporter``
+        leaves the cluster (:meth:`forget`).
+        """
+        with self._cond:
+            self._retry.setdefault(exporter, _Releases()).settled.extend(leases)
+            self._cond.notify()
+
     def _run(self) -> None:
         backoff = 0.05
         while True:
@@ -318,12 +331,15 @@ class Releaser:
             if entry.segments:
                 link.release_segments(entry.segments)
                 self.segments_sent += len(entry.segments)
+            if entry.settled:
+                link.settle_forwarded(entry.settled)
             return True
         except GPUPoolError as e:
             logger.info(
-                "releasing %d lease(s), %d segment(s) at %s failed (%s); retrying",
+                "releasing %d lease(s), %d segment(s), settling %d forwarded at %s failed (%s); retrying",
                 len(entry.leases) + len(entry.unmapped),
                 len(entry.segments),
+                len(entry.settled),
                 exporter,
                 e,
             )
@@ -370,22 +386,25 @@ class Releaser:
 
 
 class _Releases:
-    """What one exporter is told in one go: leases released (used here), leases never mapped here, segments."""
+    """What one exporter is told in one go: leases released (used here), leases never mapped here, segments, and
+    leases forwarded in replies that ended (:meth:`Releaser.settle_later`)."""
 
-    __slots__ = ("leases", "segments", "unmapped")
+    __slots__ = ("leases", "segments", "settled", "unmapped")
 
     def __init__(self) -> None:
         self.leases: list[int] = []
         self.unmapped: list[int] = []
         self.segments: list[tuple[int, int]] = []
+        self.settled: list[int] = []
 
     def extend(self, other: _Releases) -> None:
         self.leases.extend(other.leases)
         self.unmapped.extend(other.unmapped)
         self.segments.extend(other.segments)
+        self.settled.extend(other.settled)
 
     def __bool__(self) -> bool:
-        return bool(self.leases or self.unmapped or self.segments)
+        return bool(self.leases or self.unmapped or self.segments or self.settled)
 
 
 def _bound(ids: dict[int, None]) -> None:

@@ -136,3 +136,23 @@ def deserialize_kept(exporter: str, dask_worker: Worker) -> str:
 def drop_kept(dask_worker: Worker) -> None:
     """client.run target: drop what :func:`get_data_without_ok` kept."""
     dask_worker._gpupool_kept = None  # type: ignore[attr-defined]
+
+
+async def get_data_held_open(exporter: str, key: str, dask_worker: Worker) -> int:
+    """client.run target: ask ``exporter`` for ``key`` as Dask's gather does, read the reply without deserializing
+    it (no lease is claimed here), and keep the comm open without sending "OK": the exporter's reply waits until
+    :func:`abort_held_reply`. Returns the reply's value count."""
+    from distributed.comm import connect
+
+    comm = await connect(exporter, deserialize=False, **dask_worker.connection_args)
+    await comm.write({"op": "get_data", "keys": [key], "who": dask_worker.address, "reply": True})
+    msg = await comm.read()
+    dask_worker._gpupool_held_reply = comm  # type: ignore[attr-defined]
+    return len(msg["data"])
+
+
+def abort_held_reply(dask_worker: Worker) -> None:
+    """client.run target: abort the comm :func:`get_data_held_open` kept: the exporter's reply fails there."""
+    comm = dask_worker._gpupool_held_reply  # type: ignore[attr-defined]
+    dask_worker._gpupool_held_reply = None  # type: ignore[attr-defined]
+    comm.abort()

@@ -7,6 +7,7 @@ maps A's pool itself. The memory then lives until C lets go, whatever B does.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -24,6 +25,7 @@ from conftest import (
 
 from dask_gpupool import GPUPool
 from dask_gpupool import testing as T
+from dask_gpupool.testing import faults as F
 
 MiB = 1 << 20
 
@@ -167,3 +169,95 @@ def test_a_reply_of_values_to_pass_on_is_serialized_on_the_event_loop():
         assert c.run(T.serialized_inline, [y.key], w, workers=[b])[b]
         assert c.submit(T.head, y, 3, workers=[w], pure=False).result() == b"big"
         assert counters(c, b)[b]["forwards"] == 1
+
+
+def test_a_value_imported_twice_is_still_passed_on_once_its_other_import_went():
+    """B fetches one allocation of A under two keys: two imports (one shared mapping), two Buffers at one address.
+    The view index kept one Buffer per address, the last one added: once that import went, B no longer knew the
+    other one's arrays for pool memory and sent them as copies (a review of the views, thirty-first session)."""
+    n = 100_000
+    with nanny_cluster([{}, {}, {}], HOST_POOL) as c:
+        a, b, w = worker_addresses(c)
+        baseline = _warm(c, a, b, w)
+        x = c.submit(T.make_array, n, workers=[a], pure=False)
+        twin = c.submit(T.keep, x, workers=[a], pure=False)  # the same array under another key
+        y = c.submit(T.keep, x, workers=[b], pure=False)
+        y.result()
+        y_twin = c.submit(T.keep, twin, workers=[b], pure=False)
+        assert c.submit(T.describe, y_twin, workers=[b], pure=False).result()["imported"]
+        keys = [twin.key, y_twin.key]
+        del twin, y_twin
+        wait_forgotten(c, keys)
+        wait_for(lambda: counters(c, a)[a]["leases"] == 1, what="B's second lease on A to end")
+        before = counters(c)
+        z = c.submit(T.keep, y, workers=[w], pure=False)
+        assert c.submit(T.total, z, workers=[w], pure=False).result() == float(sum(range(n)))
+        now = counters(c)
+        assert now[b]["fallbacks"] == before[b]["fallbacks"], now[b]["fallbacks"]
+        assert now[b]["forwards"] - before[b]["forwards"] == 1
+        assert now[w]["zero_copy_bytes"] - before[w]["zero_copy_bytes"] == 8 * n
+        assert now[w]["copied_bytes"] == before[w]["copied_bytes"]
+        del x, y, z
+        back_to(c, baseline)
+
+
+def test_a_forward_settle_that_could_not_be_sent_is_sent_once_the_exporter_is_reached_again():
+    """B passes A's value on to W in a reply that fails before W claimed it, at a moment B cannot reach A's broker:
+    the ForwardSettle could not be sent. It was dropped (logged), and A kept the forwarded lease, and the memory,
+    until B died. Now B sends it again, as it does releases, once a link to A opens (a review of forwarding,
+    thirty-first session)."""
+    with nanny_cluster([{}, {}, {}], HOST_POOL) as c:
+        a, b, w = worker_addresses(c)
+        baseline = _warm(c, a, b, w)
+        x = c.submit(T.make_buffer, MiB, b"settle", workers=[a], pure=False)
+        y = c.submit(T.keep, x, workers=[b], pure=False)
+        y.result()
+        assert c.run(F.get_data_held_open, b, y.key, workers=[w])[w] == 1  # read, not deserialized: nothing claimed
+        assert counters(c, b)[b]["forwards"] == 1
+        assert c.run(T.lease_counts, workers=[a])[a]["unclaimed"] == 1  # W's forwarded lease
+        c.run(F.close_links, workers=[b])
+        c.run(F.hide_broker, workers=[a])
+        try:
+            c.run(F.abort_held_reply, workers=[w])  # B's reply fails; its ForwardSettle cannot reach A now
+            time.sleep(2.0)  # B notices at once (its read of the "OK" fails) and tries to settle meanwhile
+        finally:
+            c.run(F.restore_broker, workers=[a])
+        wait_for(
+            lambda: c.run(T.lease_counts, workers=[a])[a]["unclaimed"] == 0,
+            timeout=20,
+            what="the forwarded lease nobody claimed to end",
+        )
+        assert c.submit(T.head, y, 6, workers=[b], pure=False).result() == b"settle"
+        del x, y
+        warm_up(c, b, w)  # B's link to W, closed above, opens again
+        back_to(c, baseline)
+
+
+@pytest.mark.parametrize("order", ["settle-first", "claim-first"])
+def test_a_forward_and_its_settle_in_either_order(order):
+    """W reads B's reply that passes on A's value, and B's reply fails (no "OK"). ``settle-first``: W deserializes
+    it only after B settled the forward: A refuses W's claim (the lease ended), W gets a DataLostError and holds
+    nothing. ``claim-first``: W claimed before the reply failed: the settle leaves W's lease alone, and W reads
+    A's memory after A and B dropped their keys and A's pool was scribbled over."""
+    with nanny_cluster([{}, {}, {}], HOST_POOL) as c:
+        a, b, w = worker_addresses(c)
+        baseline = _warm(c, a, b, w)
+        x = c.submit(T.make_buffer, MiB, b"either", workers=[a], pure=False)
+        y = c.submit(T.keep, x, workers=[b], pure=False)
+        y.result()
+        deserialize = order == "claim-first"
+        assert c.run(T.get_data_without_ok, b, y.key, deserialize, workers=[w])[w] == 1
+        wait_for(lambda: c.run(T.lease_counts, workers=[a])[a]["leases"] == (2 if deserialize else 1), what="settle")
+        if deserialize:
+            del x, y
+            wait_for(lambda: counters(c, a)[a]["leases"] == 1, what="B's lease on A to end")
+            for _ in range(8):
+                c.submit(T.scribble_all, MiB, ord("S"), workers=[a], pure=False).result()
+            assert c.run(T.kept_head, 6, workers=[w])[w] == b"either"
+            c.run(T.drop_kept, workers=[w])
+        else:
+            outcome = c.run(T.deserialize_kept, b, workers=[w])[w]
+            assert outcome.startswith("DataLostError"), outcome
+            assert c.submit(T.head, y, 6, workers=[b], pure=False).result() == b"either"
+            del x, y
+        back_to(c, baseline)

@@ -607,6 +607,11 @@ def test_forwards_over_the_broker_are_scoped_to_the_lease_holder_and_settled_by_
         as_c.release([claimed])
         as_c.claim([1])
         assert len(leases) == 0 and pool.stats().used == 0
+        with pytest.raises(dask_gpupool.DataLostError, match="not a claimed IPC lease"):
+            as_b.forward(lease, c)  # a lease that ended: refused, and nothing granted
+        with pytest.raises(dask_gpupool.DataLostError):
+            as_c.forward(claimed, b)  # nor a forwarded one that ended
+        assert as_b.claim([1]) == [1] and len(leases) == 0  # the link still answers
     finally:
         as_b.close()
         as_c.close()

@@ -18,12 +18,14 @@ from dask_gpupool.handoff.releaser import Releaser
 
 
 class RecordingLink:
-    """What the releaser calls on a link: ``release`` and ``release_segments``; ``down`` makes them fail."""
+    """What the releaser calls on a link: ``release``, ``release_segments`` and ``settle_forwarded``; ``down`` makes
+    them fail."""
 
     def __init__(self) -> None:
         self.released: list[list[int]] = []
         self.unmapped: list[list[int]] = []
         self.segments: list[list[tuple[int, int]]] = []
+        self.settled: list[list[int]] = []
         self.down = False
 
     def release(self, leases: list[int], unmapped: bool = False) -> None:
@@ -35,6 +37,11 @@ class RecordingLink:
         if self.down:
             raise PeerLostError("link down")
         self.segments.append(list(segments))
+
+    def settle_forwarded(self, leases: list[int]) -> None:
+        if self.down:
+            raise PeerLostError("link down")
+        self.settled.append(list(leases))
 
 
 class Links:
@@ -237,3 +244,25 @@ def test_queries_that_refuse_nothing_keep_nothing_and_exporters_kept_are_bounded
     r.answer("c", [4])  # a third exporter: the least recently asked ("a") goes whole
     assert r.hold_here("a", 2) is True
     assert r.hold_here("b", 3) is False and r.hold_here("c", 4) is False
+
+
+def test_a_forward_settle_that_could_not_be_sent_goes_once_the_link_is_back(releaser):
+    """``settle_later``: the forwarder could not send a ForwardSettle when its reply ended; the releaser sends it
+    once a link to that exporter opens again (with backoff), and drops it if the exporter left."""
+    r, links = releaser
+    link = links("a")
+    assert link is not None
+    link.down = True
+    r.settle_later("a", [11, 12])
+    time.sleep(0.3)  # a few retries, all failed
+    assert link.settled == []
+    link.down = False
+    deadline = time.monotonic() + 10
+    while not link.settled and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert link.settled == [[11, 12]]
+    links.left.add("gone")
+    r.settle_later("gone", [13])
+    r.flush()
+    time.sleep(0.3)
+    assert "gone" not in links.links  # no link to an exporter that left, nothing kept for it
