@@ -207,6 +207,7 @@ def _dumps_array(arr: Any, module: str, ptr: int, previous: Any, context: Any) -
         request = REQUEST.get()
         if request is not None:
             request.service.handoffs.add(copied_out_bytes=int(arr.nbytes))
+            request.count_copy("structured-dtype", int(arr.nbytes))
         return previous(arr, context)
     shape, strides = tuple(arr.shape), tuple(arr.strides)
 

@@ -150,13 +150,20 @@ class Request:
 
     def count_pickled(self, nbytes: int) -> None:
         """Count a value Dask pickled in this reply, whose buffers (arrays inside an object none of our serializers
-        knows) add up to ``nbytes``, as a same-host fallback if it is one: ``pickled`` to a same-host peer (pool
-        memory or not, the bytes go in the frames), else the reason every value of this reply is a copy. A value
-        with no buffer in it (a number, a string) is not counted."""
+        knows) add up to ``nbytes``, as a same-host fallback if it is one (:meth:`count_copy`, ``pickled``: pool
+        memory or not, the bytes go in the frames). A value with no buffer in it (a number, a string) is not
+        counted."""
+        self.count_copy("pickled", nbytes)
+
+    def count_copy(self, reason: str, nbytes: int) -> None:
+        """Count a value of ``nbytes`` that this reply sends as a copy for ``reason`` (a reason of
+        :data:`~dask_gpupool.handoff.stats.FALLBACK_REASONS`), as a same-host fallback if it is one: ``reason`` to a
+        same-host peer that could map this worker's pool, else the reason every value of this reply is a copy. An
+        empty value is not counted."""
         if self.plain_reason is None or not nbytes:
             return
-        reason = "pickled" if self.plain_reason == "not-in-pool" else self.plain_reason
-        self.service.handoffs.fallback(str(self.requester), reason, self.service.record.worker)
+        why = reason if self.plain_reason == "not-in-pool" else self.plain_reason
+        self.service.handoffs.fallback(str(self.requester), why, self.service.record.worker)
 
 
 #: Set while a worker writes its reply to ``get_data``; Dask's offload thread inherits it.

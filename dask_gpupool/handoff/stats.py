@@ -61,6 +61,10 @@ FALLBACK_REASONS = {
         "the value is an object Dask pickles (none of gpupool's serializers knows its type): the arrays in it, "
         "pool memory or not, go in the comm's frames"
     ),
+    "structured-dtype": (
+        "the value is a pool array of a structured dtype, which an array header cannot describe (its dtype.str "
+        "loses the fields): it goes through Dask's own serializer, in the comm's frames"
+    ),
     "small": (
         "the value is small: an array outside this worker's pool below gpupool.stage-threshold, or a pool buffer "
         "below gpupool.handoff-threshold; the comm moves it as fast as staging or a handoff would"
@@ -95,6 +99,10 @@ FALLBACK_ADVICE = {
     "pickled": (
         "return the arrays themselves, or a tuple, list or dict of them (Dask serializes those one by one), or "
         "register a Dask serializer for the type"
+    ),
+    "structured-dtype": (
+        "hand over a plain-dtype view (arr.view(np.uint8)) or one array per field, and rebuild the records in the "
+        "consumer"
     ),
     "small": "nothing (lower gpupool.stage-threshold or gpupool.handoff-threshold to hand smaller values over)",
 }

@@ -135,6 +135,20 @@ def test_records_arrive_with_their_fields(three_workers, where):
     assert c.submit(_fields, got, workers=[last], pure=False).result() == expected
 
 
+def test_a_pool_array_of_a_structured_dtype_is_a_counted_copy(three_workers):
+    """A pool array whose dtype an array header cannot describe (structured) goes as distributed's copy: counted under
+    its own fallback reason, never a silent same-host copy (review of the thirty-first session's structured-dtype
+    fix)."""
+    c, a, b, _w = three_workers
+    before = counters(c)
+    x = c.submit(_records, 5000, True, workers=[a], pure=False)
+    got = c.submit(T.keep, x, workers=[b], pure=False)
+    assert c.submit(_fields, got, workers=[b], pure=False).result()["i"] == 5000 * 4999 // 2
+    now = counters(c)
+    fallbacks = {k: v - before[a]["fallbacks"].get(k, 0) for k, v in now[a]["fallbacks"].items()}
+    assert {k: v for k, v in fallbacks.items() if v} == {"structured-dtype": 1}
+
+
 def _zero_d_in_pool() -> Any:
     """Task: a 0-d NumPy array put in the pool."""
     import dask_gpupool
