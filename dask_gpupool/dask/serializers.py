@@ -431,8 +431,54 @@ def _register() -> None:
         register_cupy()
     else:
         # Replaces distributed's lazy hooks for CuPy with ours, which run theirs first.
-        dask_serialize.register_lazy("cupy")(register_cupy)
-        dask_deserialize.register_lazy("cupy")(register_cupy)
+        from distributed.protocol.cuda import cuda_deserialize, cuda_serialize
+
+        for dispatch in (dask_serialize, dask_deserialize, cuda_serialize, cuda_deserialize):
+            dispatch.register_lazy("cupy")(register_cupy)
+        _register_cupy_when_seen()
+
+
+def _register_cupy_when_seen() -> None:
+    """Wrap distributed's ``"dask"`` and ``"cuda"`` families so that ours are CuPy's serializers once CuPy is imported.
+
+    The lazy hooks (:func:`_register`) run only if CuPy's first dispatch finds no serializer registered for
+    ``cupy.ndarray``. But importing ``distributed.protocol.cupy`` registers distributed's directly (a user's import,
+    or distributed's own lazy hook of another family), and a dispatch then finds those and never runs ours: a
+    client's read of a pool array's header then reached distributed's deserializer (``KeyError: 'shape'``). So each
+    serialization and deserialization of these two families first registers ours when CuPy is imported and they
+    are not yet (:func:`register_cupy`; a string compare otherwise).
+    """
+    import sys
+
+    from distributed.protocol.serialize import families, register_serialization_family
+
+    def ensure_cupy() -> None:
+        if _cupy_registered == "no" and sys.modules.get("cupy") is not None:
+            register_cupy()
+
+    for name in ("dask", "cuda"):
+        dumps, loads, takes_context = families[name]
+        if getattr(loads, "__gpupool_cupy__", False):
+            continue
+
+        def checked_loads(header: Any, frames: list[Any], loads: Any = loads) -> Any:
+            ensure_cupy()
+            return loads(header, frames)
+
+        if takes_context:
+
+            def checked_dumps(x: Any, context: Any = None, dumps: Any = dumps) -> Any:
+                ensure_cupy()
+                return dumps(x, context=context)
+
+        else:
+
+            def checked_dumps(x: Any, dumps: Any = dumps) -> Any:  # type: ignore[misc]
+                ensure_cupy()
+                return dumps(x)
+
+        checked_loads.__gpupool_cupy__ = True  # type: ignore[attr-defined]
+        register_serialization_family(name, checked_dumps, checked_loads)
 
 
 _register()
