@@ -1864,10 +1864,10 @@ def test_the_package_imports_after_cupy():
 _CLIENT_AFTER_DISTRIBUTEDS_CUPY = """
 import sys
 import dask_gpupool  # before CuPy: its CuPy serializers wait for the first CuPy dispatch
-from distributed import Client, Future
+from distributed import Client
 {first}
 with Client(sys.argv[1], timeout=30) as client:
-    got = Future(sys.argv[2], client=client).result(timeout=60)
+    got = client.get_dataset(sys.argv[2]).result(timeout=60)
     print(type(got).__module__.split(".")[0], float(got.sum()))
 """
 
@@ -1893,9 +1893,10 @@ def test_a_client_gathers_a_pool_cupy_array_whatever_registered_cupys_serializer
         (a,) = worker_addresses(c)
         x = c.submit(T.make_array, 1000, "cupy", workers=[a], pure=False)
         assert c.submit(T.describe, x, workers=[a], pure=False).result()["in_own_pool"]
+        c.publish_dataset(x, name="pool-cupy")  # a Future by key alone in another client never resolved
         code = _CLIENT_AFTER_DISTRIBUTEDS_CUPY.format(first=first)
         done = subprocess.run(
-            [sys.executable, "-c", code, c.scheduler.address, str(x.key)], capture_output=True, text=True, timeout=180
+            [sys.executable, "-c", code, c.scheduler.address, "pool-cupy"], capture_output=True, text=True, timeout=120
         )
         assert done.returncode == 0, done.stderr[-3000:]
         assert done.stdout.split() == ["cupy", str(float(999 * 1000 // 2))], done.stdout
