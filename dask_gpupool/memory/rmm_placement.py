@@ -21,6 +21,7 @@ its segments may go (:mod:`dask_gpupool.memory.retire`).
 
 from __future__ import annotations
 
+import gc
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,22 @@ __all__ = ["RMM_ALIGNMENT", "Generation", "RmmPlacement", "RmmStreams", "rmm_ava
 
 #: RMM's allocation alignment (``rmm::CUDA_ALLOCATION_ALIGNMENT``), for the used-bytes count.
 RMM_ALIGNMENT = 256
+
+#: ``.depth``: how many garbage collections run on this thread now (:func:`collecting`).
+_collections = threading.local()
+
+
+def _count_collections(phase: str, info: dict[str, Any]) -> None:
+    depth = getattr(_collections, "depth", 0) + (1 if phase == "start" else -1)
+    _collections.depth = max(depth, 0)  # a "stop" without its "start" (registered mid-collection)
+
+
+gc.callbacks.append(_count_collections)
+
+
+def collecting() -> bool:
+    """Whether the garbage collector runs on this thread now (its finalizers are what calls us)."""
+    return getattr(_collections, "depth", 0) > 0
 
 
 def rmm_available() -> bool:
@@ -182,7 +199,11 @@ class RmmPlacement:
     its own thread holds, for ever. So a free that comes on a thread while
     RMM runs the callback there is deferred: done when the allocation that
     made RMM call back returned, or by the next free (the allocation may be
-    RMM's own user's, ``gpupool.rmm-allocator``).
+    RMM's own user's, ``gpupool.rmm-allocator``). So is any free that a
+    garbage collection runs (:func:`collecting`): RMM's Cython wrapper of the
+    callback allocates Python objects before it calls ours, and a collection
+    there ran a finalizer that waited for RMM's mutex for ever (an H100,
+    thirty-first session: the flag set inside our callback came too late).
     """
 
     generation: Generation | None
@@ -252,9 +273,10 @@ class RmmPlacement:
     def free(self, seg: Segment, ptr: int, size: int, stream: Any) -> None:
         """Give the buffer at ``ptr`` in ``seg`` back to RMM, stream-ordered on ``stream``.
 
-        Deferred while RMM runs its upstream callback on this thread (see the class notes).
+        Deferred while RMM runs its upstream callback on this thread, and while the garbage collector runs here
+        (see the class notes).
         """
-        if getattr(self._inside, "rmm", False):
+        if getattr(self._inside, "rmm", False) or collecting():
             with self._lock:
                 self._deferred.append((seg, ptr, size, stream))
             return
@@ -273,7 +295,7 @@ class RmmPlacement:
     def _free_deferred(self) -> None:
         """Do the deferred frees (not inside RMM's callback on this thread); then :attr:`on_retired_empty`, if
         one of them was the last buffer of a retiring segment."""
-        if not self._deferred or getattr(self._inside, "rmm", False):
+        if not self._deferred or getattr(self._inside, "rmm", False) or collecting():
             return
         emptied = False
         while True:

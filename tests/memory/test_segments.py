@@ -378,6 +378,34 @@ def test_a_buffer_freed_by_the_garbage_collector_inside_a_placement_does_not_dea
     assert not up.live
 
 
+def test_frees_that_a_garbage_collection_runs_know_it():
+    """RMM placement defers the frees a collection runs (its finalizers may run inside RMM's callback wrapper, with
+    RMM's mutex held: a deadlock on an H100, thirty-first session); ``collecting()`` tells them, per thread."""
+    import gc
+    import threading
+
+    from dask_gpupool.memory.rmm_placement import collecting
+
+    seen: list[bool] = []
+
+    class Cycle:
+        def __init__(self) -> None:
+            self.me = self
+
+        def __del__(self) -> None:
+            seen.append(collecting())
+
+    Cycle()
+    assert not collecting()
+    gc.collect()
+    assert seen == [True] and not collecting()
+    other: list[bool] = []
+    t = threading.Thread(target=lambda: other.append(collecting()))
+    t.start()
+    t.join()
+    assert other == [False]
+
+
 @pytest.mark.parametrize("size", [-1, 1.5, "8", None])
 def test_sizes_that_are_not_byte_counts_are_refused_and_cost_nothing(size):
     res, up = segmented()
