@@ -2058,7 +2058,7 @@ def test_a_zero_d_cupy_array_goes_into_the_pool_and_hands_over():
             marks=pytest.mark.xfail(
                 reason="open (thirty-first session, H100 call 5): 461 MB stayed counted used after the run, cause not "
                 "found; the same steps on host segments (CPU) end at 0",
-                strict=False,
+                strict=True,
             ),
         ),
     ],

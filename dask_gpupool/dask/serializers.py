@@ -377,8 +377,9 @@ def _count_pickled() -> None:
 
     An object none of the ``"dask"`` serializers knows is pickled, and the arrays in it (pool memory or not) go
     as out-of-band frames: a copy between same-host workers that no serializer of ours sees
-    (:meth:`Request.count_pickled <dask_gpupool.dask.worker_internals.Request.count_pickled>`). What goes on the
-    wire is unchanged.
+    (:meth:`Request.count_copy <dask_gpupool.dask.worker_internals.Request.count_copy>`, ``pickled``: pool memory
+    or not, the bytes go in the frames; a value with no buffer in it is not counted). What goes on the wire is
+    unchanged.
     """
     from distributed.protocol.serialize import families, register_serialization_family
 
@@ -390,7 +391,7 @@ def _count_pickled() -> None:
         header, frames = dumps(x, context=context)
         request = REQUEST.get()
         if request is not None and len(frames) > 1:
-            request.count_pickled(sum(memoryview(f).nbytes for f in frames[1:]))
+            request.count_copy("pickled", sum(memoryview(f).nbytes for f in frames[1:]))
         return header, frames
 
     pickle_dumps.__gpupool__ = True  # type: ignore[attr-defined]

@@ -216,8 +216,9 @@ def as_array(
 
     anchor = (ctypes.c_char * buf.size).from_address(int(buf.handle))
     anchor._buf = buf  # the array keeps the Buffer alive through it
-    arr = np.ndarray(shape, dt, buffer=anchor, offset=offset, strides=strides)
-    return read_only(arr) if _received(buf) else arr
+    if _received(buf):  # another worker's memory: read-only for good
+        return _read_only_view(anchor, shape, dt, offset, strides)
+    return np.ndarray(shape, dt, buffer=anchor, offset=offset, strides=strides)
 
 
 def _received(buf: Buffer) -> bool:
@@ -236,12 +237,17 @@ def read_only(arr: Any) -> Any:
     """
     import ctypes
 
+    anchor = arr.base  # the ctypes array over the whole Buffer (as_array), which keeps the Buffer alive
+    offset = int(arr.__array_interface__["data"][0]) - ctypes.addressof(anchor)
+    return _read_only_view(anchor, arr.shape, arr.dtype, offset, arr.strides)
+
+
+def _read_only_view(anchor: Any, shape: Any, dt: Any, offset: int, strides: Any) -> Any:
+    """An array over ctypes array ``anchor`` through a read-only memoryview (which keeps ``anchor`` alive)."""
     import numpy as np
 
-    anchor = arr.base  # the ctypes array over the whole Buffer (as_array), which keeps the Buffer alive
     flat = np.frombuffer(memoryview(anchor).toreadonly(), np.uint8)
-    offset = int(arr.__array_interface__["data"][0]) - ctypes.addressof(anchor)
-    return np.ndarray(arr.shape, arr.dtype, buffer=flat, offset=offset, strides=arr.strides)
+    return np.ndarray(shape, dt, buffer=flat, offset=offset, strides=strides)
 
 
 def c_strides(shape: tuple[int, ...], dt: Any) -> tuple[int, ...]:

@@ -148,13 +148,6 @@ class Request:
             reason = "small" if nbytes < self.service.stage_threshold(self.requester, self.scheme) else reason
         self.service.handoffs.fallback(str(self.requester), reason, self.service.record.worker)
 
-    def count_pickled(self, nbytes: int) -> None:
-        """Count a value Dask pickled in this reply, whose buffers (arrays inside an object none of our serializers
-        knows) add up to ``nbytes``, as a same-host fallback if it is one (:meth:`count_copy`, ``pickled``: pool
-        memory or not, the bytes go in the frames). A value with no buffer in it (a number, a string) is not
-        counted."""
-        self.count_copy("pickled", nbytes)
-
     def count_copy(self, reason: str, nbytes: int) -> None:
         """Count a value of ``nbytes`` that this reply sends as a copy for ``reason`` (a reason of
         :data:`~dask_gpupool.handoff.stats.FALLBACK_REASONS`), as a same-host fallback if it is one: ``reason`` to a

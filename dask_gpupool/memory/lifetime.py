@@ -15,7 +15,7 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["KEPT_UNTIL_EXIT", "QUARANTINE", "Quarantine", "keep_until_exit"]
+__all__ = ["KEPT_UNTIL_EXIT", "QUARANTINE", "Quarantine", "keep_until_exit", "open_pidfd"]
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +34,24 @@ def keep_until_exit(items: Any) -> int:
     before = len(KEPT_UNTIL_EXIT)
     KEPT_UNTIL_EXIT.extend(items)
     return len(KEPT_UNTIL_EXIT) - before
+
+
+def open_pidfd(pid: int) -> int | None:
+    """A pidfd of process ``pid`` (readable once it exits), owned by the caller, who closes it; ``None`` where the
+    process cannot be watched (no pidfds here, another pid namespace).
+
+    Raises
+    ------
+    ProcessLookupError
+        When the process has exited already.
+    """
+    try:
+        return os.pidfd_open(pid)
+    except ProcessLookupError:
+        raise
+    except (AttributeError, OSError) as e:
+        logger.debug("gpupool: cannot watch pid %d: %s", pid, e)
+        return None
 
 
 class Quarantine:
@@ -117,10 +135,11 @@ class Quarantine:
             if pid in self._pidfds:
                 return True
         try:
-            pidfd = os.pidfd_open(pid)
-        except (AttributeError, OSError) as e:
-            logger.debug("gpupool: cannot watch pid %d: %s", pid, e)
-            return False if isinstance(e, ProcessLookupError) else None
+            pidfd = open_pidfd(pid)
+        except ProcessLookupError:
+            return False
+        if pidfd is None:
+            return None
         with self._lock:
             if pid in self._pidfds:  # another thread opened one meanwhile
                 os.close(pidfd)

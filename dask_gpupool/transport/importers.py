@@ -19,6 +19,7 @@ import logging
 import os
 import select
 
+from dask_gpupool.memory.lifetime import open_pidfd
 from dask_gpupool.transport.broker_handler import BrokerHandler
 
 __all__ = ["ImporterWatch"]
@@ -79,10 +80,12 @@ class ImporterWatch:
         """Watch ``pid`` on ``loop`` for ``importer``: ``True`` watched, ``False`` the process is gone already,
         ``None`` it cannot be watched (no pidfds here)."""
         try:
-            pidfd = os.pidfd_open(pid)
-        except (AttributeError, OSError) as e:
-            logger.debug("pool %s: cannot watch pid %d of %s: %s", self._name, pid, importer, e)
-            return False if isinstance(e, ProcessLookupError) else None
+            pidfd = open_pidfd(pid)
+        except ProcessLookupError:
+            return False
+        if pidfd is None:
+            logger.debug("pool %s: cannot watch pid %d of %s", self._name, pid, importer)
+            return None
         self._loop = loop
         self._watched[pid] = (pidfd, importer)
         loop.add_reader(pidfd, self._exited, pid)
