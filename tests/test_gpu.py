@@ -2053,14 +2053,10 @@ def test_a_zero_d_cupy_array_goes_into_the_pool_and_hands_over():
     "suballocator",
     [
         "rmm",
-        pytest.param(
-            "arena",
-            marks=pytest.mark.xfail(
-                reason="open (thirty-first session, H100 call 5): 461 MB stayed counted used after the run, cause not "
-                "found; the same steps on host segments (CPU) end at 0",
-                strict=True,
-            ),
-        ),
+        # the 461 MB the thirty-first session saw counted used here was no leak: this case ran after the [rmm] one had
+        # deadlocked inside a collection, and a collection stuck on one thread stops every later one in the process
+        # (conftest.assert_the_collector_collects now says so first); it passed on an H100 once [rmm] no longer did
+        "arena",
     ],
 )
 def test_a_buffer_freed_by_the_garbage_collector_inside_a_segment_allocation_does_not_deadlock_it(suballocator):

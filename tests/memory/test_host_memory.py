@@ -281,6 +281,41 @@ def test_a_buffer_freed_by_the_garbage_collector_inside_an_allocation_does_not_d
     owner.close()
 
 
+def test_the_collector_check_fails_while_a_collection_is_stuck_on_another_thread():
+    """Why the garbage-collector tests first check that ``gc.collect()`` collects: a finalizer blocked on another
+    thread (an earlier case's deadlock) stops every later collection in the process, so pool Buffers in cycles stay
+    allocated and a used-bytes check fails for a reason that is not the pool's (thirty-first session, ``[arena]``
+    on an H100, after ``[rmm]`` deadlocked)."""
+    import threading
+
+    from conftest import assert_the_collector_collects
+
+    release = threading.Event()
+    entered = threading.Event()
+
+    class Blocks:
+        def __del__(self) -> None:
+            entered.set()
+            release.wait(30)
+
+    def collect_a_blocking_cycle() -> None:
+        cycle: list[Any] = [Blocks(), None]
+        cycle[1] = cycle
+        del cycle
+        gc.collect()
+
+    t = threading.Thread(target=collect_a_blocking_cycle, daemon=True)
+    t.start()
+    try:
+        assert entered.wait(10)
+        with pytest.raises(AssertionError, match="stuck on another thread"):
+            assert_the_collector_collects()
+    finally:
+        release.set()
+        t.join(10)
+    assert_the_collector_collects()
+
+
 def test_closing_while_another_thread_allocates_never_hands_out_unmapped_memory():
     """Pool.close on teardown while a task or the offload thread allocates: an allocation either fails with
     PoolClosedError or gets a buffer whose memory stays mapped until it is freed (before: the allocation passed
