@@ -12,11 +12,14 @@ metric                                                    type     labels
 ``dask_worker_gpupool_leased_bytes``                      gauge
 ``dask_worker_gpupool_mapped_pools``                      gauge
 ``dask_worker_gpupool_handoffs_total``                    counter  ``direction``: export, import, forward, return
-``dask_worker_gpupool_received_bytes_total``              counter  ``path``: zero-copy, copy, device-frames
+``dask_worker_gpupool_received_bytes_total``              counter  ``path``: zero-copy, copy, device-frames,
+                                                                   host-frames, peer-gpu-copy
 ``dask_worker_gpupool_sent_copy_bytes_total``             counter
+``dask_worker_gpupool_staged_bytes_total``                counter
+``dask_worker_gpupool_ucx_quarantined_bytes``             gauge
 ``dask_worker_gpupool_fallbacks_total``                   counter  ``reason`` (see ``FALLBACK_REASONS``)
-``dask_worker_gpupool_leases_abandoned_total``              counter
-``dask_worker_gpupool_leases_in_doubt``                    gauge
+``dask_worker_gpupool_leases_abandoned_total``            counter
+``dask_worker_gpupool_leases_in_doubt``                   gauge
 ``dask_worker_gpupool_segments``                          gauge    ``state``: held, retiring
 ``dask_scheduler_gpupool_pools``                          gauge    ``kind``
 ========================================================  =======  ==============================
@@ -62,6 +65,16 @@ def _worker_metrics() -> Iterator[Any]:
         name + "received_bytes", "Bytes received from same-host peers, by path.", labels=["worker", "path"]
     )
     sent = CounterMetricFamily(name + "sent_copy_bytes", "Bytes sent to peers as host copies.", labels=["worker"])
+    staged = CounterMetricFamily(
+        name + "staged_bytes",
+        "Bytes of arrays outside the pool copied into it on the GPU to be handed over (fallback staged-in-pool).",
+        labels=["worker"],
+    )
+    quarantined = GaugeMetricFamily(
+        name + "ucx_quarantined_bytes",
+        "Device memory of UCX transfers that did not complete, kept out of reuse (this worker's process).",
+        labels=["worker"],
+    )
     fallbacks = CounterMetricFamily(
         name + "fallbacks", "Same-host transfers copied instead of handed over, by reason.", labels=["worker", "reason"]
     )
@@ -98,13 +111,16 @@ def _worker_metrics() -> Iterator[Any]:
         received.add_metric([pool, "host-frames"], h.get("host_frames_bytes", 0))  # small CuPy arrays over UCX
         received.add_metric([pool, "peer-gpu-copy"], h.get("peer_copied_bytes", 0))  # mapped, then copied here
         sent.add_metric([pool], h["copied_out_bytes"])
+        staged.add_metric([pool], h.get("pool_staged_bytes", 0))
+        quarantined.add_metric([pool], h.get("ucx_quarantined_bytes", 0))
         for reason in FALLBACK_REASONS:
             fallbacks.add_metric([pool, reason], h["fallbacks"].get(reason, 0))
         abandoned.add_metric([pool], h["leases_abandoned"])
         in_doubt.add_metric([pool], h.get("leases_in_doubt", 0))
         segments.add_metric([pool, "held"], h["segments"])
         segments.add_metric([pool, "retiring"], h["segments_retiring"])
-    yield from (pool_bytes, leases, leased, mapped, handoffs, received, sent, fallbacks, abandoned, in_doubt, segments)
+    yield from (pool_bytes, leases, leased, mapped, handoffs, received, sent, staged, quarantined, fallbacks)
+    yield from (abandoned, in_doubt, segments)
 
 
 class _Collector:

@@ -300,6 +300,10 @@ def test_prometheus_metrics_on_dasks_own_endpoints():
         assert sample("dask_worker_gpupool_pool_bytes", 'state="used"') and 'reason="other-gpu"' in text
         assert sample("dask_worker_gpupool_segments", 'state="retiring"')
         assert [line.rsplit(" ", 1)[1] for line in sample("dask_worker_gpupool_leases_in_doubt", "w1")] == ["0.0"]
+        # what stats() counts beside the handoffs: arrays staged into the pool, device memory kept out of reuse
+        # after a UCX transfer that did not complete (both 0 here: host pools stage nothing, and TCP has no quarantine)
+        assert [line.rsplit(" ", 1)[1] for line in sample("dask_worker_gpupool_staged_bytes_total", "w1")] == ["0.0"]
+        assert [line.rsplit(" ", 1)[1] for line in sample("dask_worker_gpupool_ucx_quarantined_bytes", "w1")] == ["0.0"]
         # labelled by the worker's name, which a restarted worker keeps, not by its pool's UUID
         assert samples and all('worker="w1"' in line and "pool=" not in line for line in samples)
         imported = sample("dask_worker_gpupool_handoffs_total", 'direction="import"')
