@@ -440,3 +440,78 @@ def test_an_importer_that_left_the_registry_is_released_when_its_process_exits(m
         b.close()
     b.importer_left("tcp://after-close:1", 12345)  # a closed broker watches nothing: at once
     assert exited[-1] == "tcp://after-close:1"
+
+
+# -- review (transport): a copy in flight when the broker closes -----------------------------------------------
+
+
+def _open_copies() -> list[str]:
+    """The host copies (``copy_out``'s memfds) open in this process."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith("/memfd:dask-gpupool-copy"):
+                out.append(target)
+    return out
+
+
+def test_a_copy_in_flight_when_the_broker_closes_closes_its_memfd(tmp_path):
+    """``CopyRequest``: the memfd ``copy_out`` makes on a helper thread, for a connection the broker stopped
+    serving meanwhile (it closed), is closed once the copy returns, not left open with the bytes in it."""
+    import threading
+
+    from dask_gpupool.config import PoolOptions
+    from dask_gpupool.handoff.exporter import Exported, ExportSide
+    from dask_gpupool.handoff.leases import LeaseTable
+    from dask_gpupool.handoff.registry import RegistryView
+    from dask_gpupool.memory.pool import Pool
+    from dask_gpupool.memory.topology import LocalDevices
+    from dask_gpupool.wire.registry import PoolRecord, RegistryUpdate
+
+    pool = Pool.create(PoolOptions.from_config(kind="host", max_size="16 MiB"), LocalDevices(()))
+    leases = LeaseTable(60)
+    registry = RegistryView()
+    importer = "tcp://127.0.0.1:1"
+    row = PoolRecord(str(uuid.uuid4()), importer, os.getpid(), "h", "h", "host", None, 1 << 20, "/x")
+    registry.apply(RegistryUpdate(version=1, added=(row,)))
+    broker = FdBroker(ExportSide(pool, leases, registry, "h"), str(tmp_path), 30.0, pool.uuid, TOKEN)
+    copying, go = threading.Event(), threading.Event()
+
+    def written() -> None:  # the GPU "still writes" the buffer: the copy waits for it on the broker's helper thread
+        copying.set()
+        go.wait(30)
+
+    outcome: list[BaseException] = []
+    link = PeerLink(broker.address, 30.0, TOKEN, importer)
+
+    def fetch() -> None:
+        try:
+            _reply, fd = link.fetch_copy(lease)
+            os.close(fd)
+        except BaseException as e:
+            outcome.append(e)
+
+    buf = pool.allocate(4096)
+    lease = leases.grant(Exported(buf, buf, written), 4096, importer)
+    fetcher = threading.Thread(target=fetch)
+    try:
+        assert _open_copies() == []
+        fetcher.start()
+        assert copying.wait(30), "the copy did not start"
+        broker.close()  # the worker shuts down while the copy runs
+        go.set()
+        fetcher.join(30)
+        assert outcome and isinstance(outcome[0], PeerLostError)  # the importer hears the broker went away
+        deadline = time.monotonic() + 10
+        while _open_copies() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _open_copies() == [], "the copy's memfd stayed open after its connection was gone"
+    finally:
+        go.set()
+        fetcher.join(30)
+        link.close()
+        broker.close()
+        leases.clear()
+        del buf
+        pool.close()
