@@ -515,3 +515,49 @@ def test_a_copy_in_flight_when_the_broker_closes_closes_its_memfd(tmp_path):
         leases.clear()
         del buf
         pool.close()
+
+
+def test_an_importer_gone_when_its_connection_closes_is_released_at_once_even_with_a_pidfd_over_1023():
+    """``ImporterWatch.check_exited`` (a connection just closed: is its process gone?) in a worker with many fds
+    open, as one whose broker holds its 1024 connections: the pidfd is numbered 1024 or more, which ``select()``
+    refuses with ``ValueError``; the exit is noticed all the same."""
+    import asyncio
+    import resource
+
+    from dask_gpupool.transport.broker_handler import LookupOnly
+    from dask_gpupool.transport.importers import ImporterWatch
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"needs 1200 fds (hard limit {hard})")
+    exited: list[str] = []
+
+    class Recording(LookupOnly):
+        def importer_exited(self, importer: str) -> None:
+            exited.append(importer)
+
+    watch = ImporterWatch(Recording(lambda p: None), POOL)
+    loop = asyncio.new_event_loop()
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    filler: list[int] = []
+    try:
+        if soft != resource.RLIM_INFINITY and soft < 1200:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (1200, hard))
+        filler.append(os.open(os.devnull, os.O_RDONLY))
+        while filler[-1] < 1024:  # every fd below 1024 taken: the next one opened is numbered over it
+            filler.append(os.dup(filler[0]))
+        watch.watch(loop, child.pid, "tcp://importer:1")
+        assert len(watch) == 1 and exited == []
+        child.stdin.close()  # type: ignore[union-attr]
+        child.wait(10)
+        watch.check_exited(child.pid)
+        assert exited == ["tcp://importer:1"] and len(watch) == 0
+    finally:
+        for fd in filler:
+            os.close(fd)
+        watch.close()
+        loop.close()
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
