@@ -199,9 +199,11 @@ class PeerLink:
             msg = self._request(request, context)
             assert self._sock is not None
             try:
-                _, fds, flags, _ = socket.recv_fds(self._sock, 16, 4)
+                data, fds, flags, _ = socket.recv_fds(self._sock, 16, 4)
             except OSError as e:
                 raise self._broken(e) from e
+            if not data and not fds:  # it hung up between the reply and the fd (it could not send it)
+                raise self._broken(ConnectionResetError("the broker closed the connection before sending the fd"))
             if len(fds) != 1 or flags & socket.MSG_CTRUNC:
                 for fd in fds:
                     os.close(fd)

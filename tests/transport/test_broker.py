@@ -561,3 +561,23 @@ def test_an_importer_gone_when_its_connection_closes_is_released_at_once_even_wi
             child.kill()
             child.wait()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_broker_that_hangs_up_between_its_reply_and_the_fd_is_a_lost_peer(tmp_path, no_fd_leak):
+    """The fd travels in a message after the reply; a broker that cannot send it (here the pool's fd is gone: the
+    pool closed meanwhile) hangs up in between. That is ``PeerLostError``, as documented for a broker that hangs
+    up, and the link is dead (not handed out again to fail at its next request)."""
+    gone = next(n for n in range(4000, 8000) if not os.path.exists(f"/proc/self/fd/{n}"))
+    b = FdBroker(lambda p: (gone, HandleReply(POOL, "host", 4096)), str(tmp_path), 5.0, POOL, TOKEN)
+    try:
+        with pytest.raises(PeerLostError, match="closed the connection"):
+            request_pool_fd(b.address, POOL, 5, TOKEN)
+        link = PeerLink(b.address, 5, TOKEN)
+        try:
+            with pytest.raises(PeerLostError):
+                link.request_pool_fd(POOL)
+            assert not link.alive
+        finally:
+            link.close()
+    finally:
+        b.close()
