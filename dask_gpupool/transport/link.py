@@ -93,7 +93,8 @@ class PeerLink:
         group- or other-writable; or when ``SO_PEERCRED`` shows that the
         listening process is of another uid, or not ``expected_pid``.
     PeerLostError
-        When the broker cannot be reached or hangs up.
+        When the broker cannot be reached (this process out of fds
+        included) or hangs up.
 
     Notes
     -----
@@ -133,7 +134,10 @@ class PeerLink:
                 f"broker {address}: its directory is not a directory of ours closed to group and others "
                 f"(owner uid {st.st_uid}, mode {stat.filemode(st.st_mode)}); refusing to connect"
             )
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        except OSError as e:  # out of fds or memory here: this broker cannot be reached either
+            raise PeerLostError(f"broker {address}: {type(e).__name__}: {e}") from e
         try:
             sock.settimeout(timeout)
             sock.connect(address)

@@ -581,3 +581,29 @@ def test_a_broker_that_hangs_up_between_its_reply_and_the_fd_is_a_lost_peer(tmp_
             link.close()
     finally:
         b.close()
+
+
+def test_a_link_opened_with_no_fd_left_is_a_lost_peer_not_a_bare_os_error(broker, no_fd_leak):
+    """Out of fds (an fd flood, issue 15) the importer cannot even make the socket: ``PeerLostError`` like any
+    broker it cannot reach, which its callers turn into ``DataLostError``, not an ``OSError`` from outside the
+    hierarchy."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    filler: list[int] = []
+    try:
+        top = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (top + 2, hard))
+        null = os.open(os.devnull, os.O_RDONLY)
+        filler.append(null)
+        with contextlib.suppress(OSError):  # EMFILE: every fd this process may have is taken
+            while True:
+                filler.append(os.dup(null))
+        with pytest.raises(PeerLostError, match="Too many open files"):
+            PeerLink(broker.address, 5, TOKEN)
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    _reply, fd = request_pool_fd(broker.address, POOL, 5, TOKEN)  # with fds again, it connects
+    os.close(fd)
