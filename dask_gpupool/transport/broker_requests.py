@@ -10,7 +10,8 @@ request raises :class:`~dask_gpupool.errors.ProtocolError`, which closes the
 connection (:class:`~dask_gpupool.transport.broker.FdBroker` does).
 
 fd ownership: a pool's fd stays the pool's; a segment fd or a copy's memfd,
-made for one request, is closed here once sent. Broker thread only.
+made for one request, is closed here once sent, or once the broker stops waiting for it
+(:class:`_FdHandover`: it closed while a copy ran). Broker thread only.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import asyncio
 import logging
 import os
 import socket
+import threading
 from collections.abc import Callable
 
 from dask_gpupool.errors import DataLostError, GPUPoolError, ProtocolError, UnknownPoolError
@@ -156,7 +158,7 @@ class BrokerRequests:
             self._handler.transfer_failed(importer)
         elif isinstance(request, CopyRequest):
             try:
-                fd, size = await self._loop.run_in_executor(None, self._handler.copy_out, request.lease, importer)
+                fd, size = await self._copy_out(request.lease, importer)
             except GPUPoolError as e:
                 await self._loop.sock_sendall(conn, encode(ErrorReply.of(e)))
                 return
@@ -166,6 +168,27 @@ class BrokerRequests:
             finally:
                 os.close(fd)
             self.copies += 1
+
+    async def _copy_out(self, lease: int, importer: str) -> tuple[int, int]:
+        """``handler.copy_out`` on a helper thread: ``(memfd, size)``, the memfd now the caller's.
+
+        When this wait is cancelled (the broker closes while the copy runs) the
+        memfd the helper thread still makes has no owner: it is closed there, as
+        soon as the copy returns, or here if it returned already.
+        """
+        handover = _FdHandover()
+
+        def copy_out() -> tuple[int, int]:
+            fd, size = self._handler.copy_out(lease, importer)
+            handover.made(fd)
+            return fd, size
+
+        try:
+            _fd, size = await self._loop.run_in_executor(None, copy_out)
+        except asyncio.CancelledError:
+            handover.abandon()
+            raise
+        return handover.take(), size
 
     async def _send_fd(self, conn: socket.socket, fd: int) -> None:
         # The fd travels in a message of its own; a seqpacket socket sends it whole or not at all.
@@ -180,3 +203,40 @@ class BrokerRequests:
 def _run_all(waits: list[Callable[[], None]]) -> None:
     for wait in waits:
         wait()
+
+
+class _FdHandover:
+    """An fd made on a helper thread for a coroutine that may stop waiting for it (cancelled).
+
+    Exactly one side closes it: the coroutine, once it :meth:`take` s it; or,
+    once it :meth:`abandon` ed the wait, whichever of the two sides holds it
+    then (the helper thread in :meth:`made`, or :meth:`abandon` itself).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._fd: int | None = None
+        self._abandoned = False
+
+    def made(self, fd: int) -> None:
+        """The helper thread made ``fd``: keep it for the coroutine, or close it if the coroutine left."""
+        with self._lock:
+            if not self._abandoned:
+                self._fd = fd
+                return
+        os.close(fd)
+
+    def take(self) -> int:
+        """The coroutine's result arrived: the fd is its own now."""
+        with self._lock:
+            fd, self._fd = self._fd, None
+        assert fd is not None
+        return fd
+
+    def abandon(self) -> None:
+        """The coroutine stops waiting: close the fd if it was made, else have the helper thread close it."""
+        with self._lock:
+            self._abandoned = True
+            fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)

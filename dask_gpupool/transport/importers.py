@@ -96,8 +96,9 @@ class ImporterWatch:
         entry = self._watched.get(pid)
         if entry is None:
             return
-        ready, _, _ = select.select([entry[0]], [], [], 0)
-        if ready:
+        poll = select.poll()  # not select(): a worker with many fds open numbers its pidfds over FD_SETSIZE
+        poll.register(entry[0], select.POLLIN)
+        if poll.poll(0):
             self._exited(pid)
 
     def _exited(self, pid: int) -> None:

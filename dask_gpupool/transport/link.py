@@ -93,7 +93,8 @@ class PeerLink:
         group- or other-writable; or when ``SO_PEERCRED`` shows that the
         listening process is of another uid, or not ``expected_pid``.
     PeerLostError
-        When the broker cannot be reached or hangs up.
+        When the broker cannot be reached (this process out of fds
+        included) or hangs up.
 
     Notes
     -----
@@ -133,7 +134,10 @@ class PeerLink:
                 f"broker {address}: its directory is not a directory of ours closed to group and others "
                 f"(owner uid {st.st_uid}, mode {stat.filemode(st.st_mode)}); refusing to connect"
             )
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        except OSError as e:  # out of fds or memory here: this broker cannot be reached either
+            raise PeerLostError(f"broker {address}: {type(e).__name__}: {e}") from e
         try:
             sock.settimeout(timeout)
             sock.connect(address)
@@ -199,9 +203,11 @@ class PeerLink:
             msg = self._request(request, context)
             assert self._sock is not None
             try:
-                _, fds, flags, _ = socket.recv_fds(self._sock, 16, 4)
+                data, fds, flags, _ = socket.recv_fds(self._sock, 16, 4)
             except OSError as e:
                 raise self._broken(e) from e
+            if not data and not fds:  # it hung up between the reply and the fd (it could not send it)
+                raise self._broken(ConnectionResetError("the broker closed the connection before sending the fd"))
             if len(fds) != 1 or flags & socket.MSG_CTRUNC:
                 for fd in fds:
                     os.close(fd)

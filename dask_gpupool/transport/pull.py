@@ -72,13 +72,14 @@ def pull(
     Raises
     ------
     DataLostError
-        The exporter cannot be reached, refused (a lease ended), or a
+        The exporter cannot be reached (its ``address`` is not
+        ``tcp://host:port`` included), refused (a lease ended), or a
         connection broke. Leases of lanes not pulled end with the exporter's reply.
     """
-    host, port = host_port(address)
     conns: list[socket.socket] = []
     what = f"pulling lease(s) {list(leases)} of pool {pool} from {address}"
     try:
+        host, port = host_port(address)
         for lease in leases:
             conn = socket.create_connection((host, port), timeout=timeout)
             conns.append(conn)

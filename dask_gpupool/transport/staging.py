@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from dask_gpupool.errors import ProtocolError
 from dask_gpupool.wire.codec import MAX_MESSAGE_BYTES
+from dask_gpupool.wire.stream import copy_server_address
 
 if TYPE_CHECKING:
     from cuda.core import Buffer
@@ -186,9 +187,5 @@ def recv_exactly(conn: socket.socket, view: memoryview, deadline: float | None =
 
 
 def host_port(address: str) -> tuple[str, int]:
-    if not address.startswith("tcp://"):
-        raise ProtocolError(f"copy server address {address!r} is not tcp://")
-    host, _, port = address[len("tcp://") :].rpartition(":")
-    if not host or not port.isdigit():
-        raise ProtocolError(f"copy server address {address!r} is not tcp://host:port")
-    return host.strip("[]"), int(port)
+    """``(host, port)`` of a copy server's address (:func:`~dask_gpupool.wire.stream.copy_server_address`)."""
+    return copy_server_address(address)

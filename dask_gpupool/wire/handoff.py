@@ -16,6 +16,7 @@ from dask_gpupool.errors import ProtocolError
 from dask_gpupool.wire.broker_leases import _lease_ids
 from dask_gpupool.wire.codec import as_mapping, field_of, uuid_str
 from dask_gpupool.wire.registry import PoolRecord
+from dask_gpupool.wire.stream import copy_server_address
 
 __all__ = [
     "HEADER_KEY",
@@ -267,8 +268,14 @@ class HandoffHeader:
         if path == "ipc" and (desc is None or lease == 0):
             raise ProtocolError(f"{what}: an ipc handoff needs a descriptor and a lease")
         address = field_of(m, "address", str, what)
-        if path == "stream" and (lease == 0 or not address.startswith("tcp://")):
-            raise ProtocolError(f"{what}: a stream handoff needs a lease and a tcp:// address")
+        if path == "stream":
+            needs = f"{what}: a stream handoff needs a lease and a tcp://host:port address"
+            try:
+                copy_server_address(address)  # what the importer connects to, as it stands
+            except ProtocolError as e:
+                raise ProtocolError(f"{needs}: {e}") from None
+            if lease == 0:
+                raise ProtocolError(needs)
         raw_lanes = field_of(m, "lanes", (list, tuple), what)
         if len(raw_lanes) >= MAX_LANES or not all(
             isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in raw_lanes

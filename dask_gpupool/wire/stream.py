@@ -17,7 +17,7 @@ from dask_gpupool.config import MAX_COPY_CHUNK
 from dask_gpupool.errors import ProtocolError
 from dask_gpupool.wire.codec import TOKEN_BYTES, as_message, field_of, uuid_str
 
-__all__ = ["PullReply", "PullRequest", "pull_proof"]
+__all__ = ["PullReply", "PullRequest", "copy_server_address", "pull_proof"]
 
 
 @dataclass(frozen=True)
@@ -75,3 +75,19 @@ class PullReply:
 def pull_proof(token: bytes, pool: str, lease: int) -> bytes:
     """What a member of the cluster presents to pull lease ``lease`` of ``pool``."""
     return hmac.new(token, f"pull:{pool}:{lease}".encode(), hashlib.sha256).digest()
+
+
+def copy_server_address(address: str) -> tuple[str, int]:
+    """``(host, port)`` of a copy server's ``tcp://host:port`` address; :class:`ProtocolError` for anything else.
+
+    The port is 1 to 65535 in ASCII digits: a larger one is not refused by the
+    resolver but wrapped to another port (65536 + p reaches port p), and
+    ``str.isdigit`` takes digits that ``int`` does not. An IPv6 host is in
+    brackets (``tcp://[::1]:40000``), which are taken off.
+    """
+    host, _, port = address[len("tcp://") :].rpartition(":") if address.startswith("tcp://") else ("", "", "")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 1 << 16:
+        raise ProtocolError(f"copy server address {address!r} is not tcp://host:port")
+    return host, int(port)

@@ -440,3 +440,170 @@ def test_an_importer_that_left_the_registry_is_released_when_its_process_exits(m
         b.close()
     b.importer_left("tcp://after-close:1", 12345)  # a closed broker watches nothing: at once
     assert exited[-1] == "tcp://after-close:1"
+
+
+# -- review (transport): a copy in flight when the broker closes -----------------------------------------------
+
+
+def _open_copies() -> list[str]:
+    """The host copies (``copy_out``'s memfds) open in this process."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith("/memfd:dask-gpupool-copy"):
+                out.append(target)
+    return out
+
+
+def test_a_copy_in_flight_when_the_broker_closes_closes_its_memfd(tmp_path):
+    """``CopyRequest``: the memfd ``copy_out`` makes on a helper thread, for a connection the broker stopped
+    serving meanwhile (it closed), is closed once the copy returns, not left open with the bytes in it."""
+    import threading
+
+    from dask_gpupool.config import PoolOptions
+    from dask_gpupool.handoff.exporter import Exported, ExportSide
+    from dask_gpupool.handoff.leases import LeaseTable
+    from dask_gpupool.handoff.registry import RegistryView
+    from dask_gpupool.memory.pool import Pool
+    from dask_gpupool.memory.topology import LocalDevices
+    from dask_gpupool.wire.registry import PoolRecord, RegistryUpdate
+
+    pool = Pool.create(PoolOptions.from_config(kind="host", max_size="16 MiB"), LocalDevices(()))
+    leases = LeaseTable(60)
+    registry = RegistryView()
+    importer = "tcp://127.0.0.1:1"
+    row = PoolRecord(str(uuid.uuid4()), importer, os.getpid(), "h", "h", "host", None, 1 << 20, "/x")
+    registry.apply(RegistryUpdate(version=1, added=(row,)))
+    broker = FdBroker(ExportSide(pool, leases, registry, "h"), str(tmp_path), 30.0, pool.uuid, TOKEN)
+    copying, go = threading.Event(), threading.Event()
+
+    def written() -> None:  # the GPU "still writes" the buffer: the copy waits for it on the broker's helper thread
+        copying.set()
+        go.wait(30)
+
+    outcome: list[BaseException] = []
+    link = PeerLink(broker.address, 30.0, TOKEN, importer)
+
+    def fetch() -> None:
+        try:
+            _reply, fd = link.fetch_copy(lease)
+            os.close(fd)
+        except BaseException as e:
+            outcome.append(e)
+
+    buf = pool.allocate(4096)
+    lease = leases.grant(Exported(buf, buf, written), 4096, importer)
+    fetcher = threading.Thread(target=fetch)
+    try:
+        assert _open_copies() == []
+        fetcher.start()
+        assert copying.wait(30), "the copy did not start"
+        broker.close()  # the worker shuts down while the copy runs
+        go.set()
+        fetcher.join(30)
+        assert outcome and isinstance(outcome[0], PeerLostError)  # the importer hears the broker went away
+        deadline = time.monotonic() + 10
+        while _open_copies() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _open_copies() == [], "the copy's memfd stayed open after its connection was gone"
+    finally:
+        go.set()
+        fetcher.join(30)
+        link.close()
+        broker.close()
+        leases.clear()
+        del buf
+        pool.close()
+
+
+def test_an_importer_gone_when_its_connection_closes_is_released_at_once_even_with_a_pidfd_over_1023():
+    """``ImporterWatch.check_exited`` (a connection just closed: is its process gone?) in a worker with many fds
+    open, as one whose broker holds its 1024 connections: the pidfd is numbered 1024 or more, which ``select()``
+    refuses with ``ValueError``; the exit is noticed all the same."""
+    import asyncio
+    import resource
+
+    from dask_gpupool.transport.broker_handler import LookupOnly
+    from dask_gpupool.transport.importers import ImporterWatch
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"needs 1200 fds (hard limit {hard})")
+    exited: list[str] = []
+
+    class Recording(LookupOnly):
+        def importer_exited(self, importer: str) -> None:
+            exited.append(importer)
+
+    watch = ImporterWatch(Recording(lambda p: None), POOL)
+    loop = asyncio.new_event_loop()
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    filler: list[int] = []
+    try:
+        if soft != resource.RLIM_INFINITY and soft < 1200:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (1200, hard))
+        filler.append(os.open(os.devnull, os.O_RDONLY))
+        while filler[-1] < 1024:  # every fd below 1024 taken: the next one opened is numbered over it
+            filler.append(os.dup(filler[0]))
+        watch.watch(loop, child.pid, "tcp://importer:1")
+        assert len(watch) == 1 and exited == []
+        child.stdin.close()  # type: ignore[union-attr]
+        child.wait(10)
+        watch.check_exited(child.pid)
+        assert exited == ["tcp://importer:1"] and len(watch) == 0
+    finally:
+        for fd in filler:
+            os.close(fd)
+        watch.close()
+        loop.close()
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_broker_that_hangs_up_between_its_reply_and_the_fd_is_a_lost_peer(tmp_path, no_fd_leak):
+    """The fd travels in a message after the reply; a broker that cannot send it (here the pool's fd is gone: the
+    pool closed meanwhile) hangs up in between. That is ``PeerLostError``, as documented for a broker that hangs
+    up, and the link is dead (not handed out again to fail at its next request)."""
+    gone = next(n for n in range(4000, 8000) if not os.path.exists(f"/proc/self/fd/{n}"))
+    b = FdBroker(lambda p: (gone, HandleReply(POOL, "host", 4096)), str(tmp_path), 5.0, POOL, TOKEN)
+    try:
+        with pytest.raises(PeerLostError, match="closed the connection"):
+            request_pool_fd(b.address, POOL, 5, TOKEN)
+        link = PeerLink(b.address, 5, TOKEN)
+        try:
+            with pytest.raises(PeerLostError):
+                link.request_pool_fd(POOL)
+            assert not link.alive
+        finally:
+            link.close()
+    finally:
+        b.close()
+
+
+def test_a_link_opened_with_no_fd_left_is_a_lost_peer_not_a_bare_os_error(broker, no_fd_leak):
+    """Out of fds (an fd flood, issue 15) the importer cannot even make the socket: ``PeerLostError`` like any
+    broker it cannot reach, which its callers turn into ``DataLostError``, not an ``OSError`` from outside the
+    hierarchy."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    filler: list[int] = []
+    try:
+        top = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (top + 2, hard))
+        null = os.open(os.devnull, os.O_RDONLY)
+        filler.append(null)
+        with contextlib.suppress(OSError):  # EMFILE: every fd this process may have is taken
+            while True:
+                filler.append(os.dup(null))
+        with pytest.raises(PeerLostError, match="Too many open files"):
+            PeerLink(broker.address, 5, TOKEN)
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    _reply, fd = request_pool_fd(broker.address, POOL, 5, TOKEN)  # with fds again, it connects
+    os.close(fd)

@@ -169,3 +169,24 @@ def test_a_dead_exporter_is_data_lost(no_fd_leak):  # noqa: F811
     srv.close()
     with pytest.raises(DataLostError, match="ConnectionRefusedError"):
         pull(address, POOL, [1], TOKEN, host_buffer(bytearray(8)), 5.0)
+
+
+@pytest.mark.parametrize("how", ["port over 65535", "not a port", "no port"])
+def test_a_copy_server_address_that_is_not_host_and_port_is_data_lost_and_reaches_nobody(server, how):
+    """``pull`` of an address it cannot use as it stands fails with ``DataLostError`` (Dask fetches again), and
+    never connects elsewhere: a port 65536 over the server's would reach the server itself if it wrapped."""
+    srv, leases = server
+    port = int(srv.address.rpartition(":")[2])
+    address = {
+        "port over 65535": f"tcp://127.0.0.1:{port + 65536}",
+        "not a port": "tcp://127.0.0.1:\u00b9\u00b2",
+        "no port": "tcp://127.0.0.1",
+    }[how]
+    data = os.urandom(1000)
+    lease, n = offer(leases, data)
+    dst = host_buffer(bytearray(n))
+    with pytest.raises(DataLostError, match="not tcp://host:port"):
+        pull(address, POOL, [lease], TOKEN, dst, 5.0)
+    assert read_bytes(dst, n) == bytes(n)  # nothing landed
+    pull(srv.address, POOL, [lease], TOKEN, dst, 5.0)  # the lease was not pulled: its own address still serves it
+    assert read_bytes(dst, n) == data

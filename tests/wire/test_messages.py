@@ -282,3 +282,26 @@ def test_arbitrary_bytes_decode_or_raise_protocol_error(data):
             cls.from_msg(msg)
         except ProtocolError:
             pass
+
+
+@pytest.mark.parametrize(
+    "address",
+    [
+        "tcp://h:99999",  # over 65535: the resolver wraps it to another port (34463) instead of refusing
+        "tcp://h:65536",
+        "tcp://h:0",
+        "tcp://h:\u00b2",  # str.isdigit() says yes, int() says no
+        "tcp://h:",
+        "tcp://:2",
+        "tcp://[]:2",
+        "tcp://h:+2",
+        "tcp://h: 2",
+    ],
+)
+def test_a_stream_header_refuses_a_copy_server_address_that_is_not_host_and_port(address):
+    """The importer pulls from ``address``: one it cannot connect to as it stands is malformed at decode time."""
+    header = HandoffHeader("stream", "host", 64, "tcp://h:1", lease=3, address="tcp://h:2")
+    with pytest.raises(ProtocolError, match="stream handoff needs"):
+        HandoffHeader.from_msg({**header.to_msg(), "address": address})
+    for good in ("tcp://h:1", "tcp://h:65535", "tcp://[::1]:2", "tcp://10.0.0.1:40000"):
+        assert HandoffHeader.from_msg({**header.to_msg(), "address": good}).address == good
