@@ -10,14 +10,15 @@ release that importer's leases. Who uses it: the importer's links
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
 import stat
 import struct
 import threading
-from collections.abc import Callable, Collection
-from typing import Any, Union
+from collections.abc import Callable, Collection, Iterator
+from typing import Any, TypeVar, Union
 
 from dask_gpupool.errors import BrokerRefusedError, PeerLostError, ProtocolError
 from dask_gpupool.wire.broker import (
@@ -57,6 +58,8 @@ Message = Union[  # noqa: UP007
 ]
 
 logger = logging.getLogger(__name__)
+
+_R = TypeVar("_R")
 
 
 class PeerLink:
@@ -182,6 +185,26 @@ class PeerLink:
             sock.close()
         return PeerLostError(f"broker {self.address}: {type(e).__name__}: {e}")
 
+    @contextlib.contextmanager
+    def _in_step(self) -> Iterator[None]:
+        """Close the link if the block raises :class:`ProtocolError`. Call with ``_lock`` held.
+
+        A reply that is not the answer to the request just sent (bytes that
+        are no message, another message, an fd too many or too few) puts the
+        link out of step: whatever the broker sent after it would be read as
+        the answer to the next request, another pool's or segment's fd among
+        them. A link cannot find its step again, so it is closed; the next
+        request on it raises :class:`PeerLostError` and the caller opens a new
+        one.
+        """
+        try:
+            yield
+        except ProtocolError:
+            sock, self._sock = self._sock, None
+            if sock is not None:
+                sock.close()
+            raise
+
     def _request(self, request: Message, context: str) -> dict[str, Any]:
         """Send ``request`` and return the reply (errors raised). Call with ``_lock`` held."""
         if self._sock is None:
@@ -193,12 +216,19 @@ class PeerLink:
             raise self._broken(e) from e
         if not data:
             raise self._broken(ConnectionResetError("the broker closed the connection"))
-        msg = decode(data)
-        raise_for_error(msg, context)
+        with self._in_step():
+            msg = decode(data)
+        raise_for_error(msg, context)  # a refusal is an answer: the link stays in step
         return msg
 
-    def _exchange(self, request: HandleRequest | CopyRequest, context: str) -> tuple[dict[str, Any], int]:
-        """Send ``request``; return the reply and the fd that follows it (caller closes)."""
+    def _exchange(
+        self, request: HandleRequest | CopyRequest, context: str, check: Callable[[dict[str, Any], int], _R]
+    ) -> tuple[_R, int]:
+        """Send ``request``; return ``check(reply, fd)`` and the fd that follows the reply (caller closes).
+
+        ``check`` parses the reply and raises :class:`ProtocolError` if it does not answer ``request``; then the
+        fd is closed here, and the link too (:meth:`_in_step`).
+        """
         with self._lock:
             msg = self._request(request, context)
             assert self._sock is not None
@@ -208,11 +238,16 @@ class PeerLink:
                 raise self._broken(e) from e
             if not data and not fds:  # it hung up between the reply and the fd (it could not send it)
                 raise self._broken(ConnectionResetError("the broker closed the connection before sending the fd"))
-            if len(fds) != 1 or flags & socket.MSG_CTRUNC:
-                for fd in fds:
-                    os.close(fd)
-                raise ProtocolError(f"{context}: expected one fd, got {len(fds)}")
-            return msg, fds[0]
+            with self._in_step():
+                if len(fds) != 1 or flags & socket.MSG_CTRUNC:
+                    for fd in fds:
+                        os.close(fd)
+                    raise ProtocolError(f"{context}: expected one fd, got {len(fds)}")
+                try:
+                    return check(msg, fds[0]), fds[0]
+                except BaseException:
+                    os.close(fds[0])
+                    raise
 
     def _resync(self, live: list[int], epoch: int = 0) -> None:
         context = f"broker {self.address} (resync of {len(live)} leases)"
@@ -223,7 +258,9 @@ class PeerLink:
                 if not done:
                     self._send_locked(Resync(chunk, False, epoch))
                     continue
-                reply = ResyncReply.from_msg(self._request(Resync(chunk, True, epoch), context))
+                msg = self._request(Resync(chunk, True, epoch), context)
+                with self._in_step():
+                    reply = ResyncReply.from_msg(msg)
                 if reply.ended:
                     logger.info(
                         "%s: the exporter ended %d lease(s) released while the link was down", context, reply.ended
@@ -232,41 +269,38 @@ class PeerLink:
     def request_pool_fd(self, pool: str) -> tuple[HandleReply, int]:
         """The pool's fd (**caller closes it**) and the broker's reply."""
         context = f"broker {self.address} (pool {pool})"
-        msg, fd = self._exchange(HandleRequest(pool), context)
-        try:
+
+        def check(msg: dict[str, Any], _fd: int) -> HandleReply:
             reply = HandleReply.from_msg(msg)
             if reply.pool != pool:
                 raise ProtocolError(f"{context}: reply names pool {reply.pool}")
-        except BaseException:
-            os.close(fd)
-            raise
-        return reply, fd
+            return reply
+
+        return self._exchange(HandleRequest(pool), context, check)
 
     def request_segment_fd(self, pool: str, segment: int) -> tuple[HandleReply, int]:
         """The fd of VMM segment ``segment`` of ``pool`` (**caller closes it**) and the broker's reply."""
         context = f"broker {self.address} (pool {pool}, segment {segment})"
-        msg, fd = self._exchange(HandleRequest(pool, segment), context)
-        try:
+
+        def check(msg: dict[str, Any], _fd: int) -> HandleReply:
             reply = HandleReply.from_msg(msg)
             if reply.pool != pool or reply.segment != segment:
                 raise ProtocolError(f"{context}: reply names pool {reply.pool}, segment {reply.segment}")
-        except BaseException:
-            os.close(fd)
-            raise
-        return reply, fd
+            return reply
+
+        return self._exchange(HandleRequest(pool, segment), context, check)
 
     def fetch_copy(self, lease: int) -> tuple[CopyReply, int]:
         """A memfd holding a host copy of leased buffer ``lease`` (**caller closes it**)."""
         context = f"broker {self.address} (lease {lease})"
-        msg, fd = self._exchange(CopyRequest(lease), context)
-        try:
+
+        def check(msg: dict[str, Any], fd: int) -> CopyReply:
             reply = CopyReply.from_msg(msg)
             if reply.lease != lease or os.fstat(fd).st_size < reply.size:
                 raise ProtocolError(f"{context}: copy reply does not match the request")
-        except BaseException:
-            os.close(fd)
-            raise
-        return reply, fd
+            return reply
+
+        return self._exchange(CopyRequest(lease), context, check)
 
     def _send_locked(self, message: Message) -> None:
         if self._sock is None:
@@ -297,7 +331,9 @@ class PeerLink:
         with self._lock:
             for i in range(0, len(leases), MAX_LEASES_PER_MESSAGE):
                 chunk = leases[i : i + MAX_LEASES_PER_MESSAGE]
-                reply = ClaimReply.from_msg(self._request(LeaseClaim(tuple(chunk)), context))
+                msg = self._request(LeaseClaim(tuple(chunk)), context)
+                with self._in_step():
+                    reply = ClaimReply.from_msg(msg)
                 bad = set(reply.refused)
                 held = [lease for lease in chunk if lease not in bad]
                 if held and on_held is not None and not on_held(held):
@@ -324,7 +360,9 @@ class PeerLink:
         """
         context = f"broker {self.address} (forward of lease {lease} to {to})"
         with self._lock:
-            reply = ForwardReply.from_msg(self._request(LeaseForward(lease, to), context))
+            msg = self._request(LeaseForward(lease, to), context)
+            with self._in_step():
+                reply = ForwardReply.from_msg(msg)
         return reply.lease, reply.segment
 
     def settle_forwarded(self, leases: list[int]) -> None:

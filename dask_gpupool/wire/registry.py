@@ -141,13 +141,25 @@ class PoolRecord:
             kind=kind,
             device=field_of(m, "device", (str, type(None)), what),
             max_size=max_size,
-            broker=field_of(m, "broker", str, what),
+            broker=broker_path(field_of(m, "broker", str, what), what),
             devices=tuple(devices),
             peers=tuple(peers),
             retire_below=retire_below,
             reclaim=tuple(reclaim),
             segment_memory=segment_memory,
         )
+
+
+#: The longest path of a Unix socket (``sun_path`` holds 108 bytes with the closing NUL).
+MAX_BROKER_PATH = 107
+
+
+def broker_path(value: str, what: str) -> str:
+    """``value`` if it can name a broker's Unix socket: absolute, without NUL, at most :data:`MAX_BROKER_PATH`
+    bytes; else :class:`ProtocolError` (a peer's link would fail on it outside the error hierarchy)."""
+    if not value.startswith("/") or "\0" in value or len(value.encode("utf-8", "surrogatepass")) > MAX_BROKER_PATH:
+        raise ProtocolError(f"{what}: broker {value[:120]!r} is not an absolute Unix socket path")
+    return value
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 import msgpack
 import pytest
 
-from dask_gpupool import BrokerRefusedError, NotAMemberError, PeerLostError, UnknownPoolError
+from dask_gpupool import BrokerRefusedError, NotAMemberError, PeerLostError, ProtocolError, UnknownPoolError
 from dask_gpupool.transport.broker import FdBroker
 from dask_gpupool.transport.link import PeerLink, request_pool_fd
 from dask_gpupool.wire.broker import HandleReply, HandleRequest, Hello
@@ -607,3 +607,60 @@ def test_a_link_opened_with_no_fd_left_is_a_lost_peer_not_a_bare_os_error(broker
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     _reply, fd = request_pool_fd(broker.address, POOL, 5, TOKEN)  # with fds again, it connects
     os.close(fd)
+
+
+@contextlib.contextmanager
+def out_of_step_broker(directory: str) -> Iterator[tuple[str, int]]:
+    """A listener of ours that welcomes a link, answers its first handle request with bytes that are no message,
+    then sends a well-formed reply for the pool and an fd anyway (a broker gone wrong, or a member that lies); yields
+    its address and the fd it sent, whose memory says ``stale``."""
+    import threading
+
+    from dask_gpupool.wire.broker_hello import Welcome
+
+    os.mkdir(directory, 0o700)
+    address = os.path.join(directory, "broker.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(address)
+    listener.listen(1)
+    stale = os.memfd_create("stale", os.MFD_CLOEXEC)
+    os.pwrite(stale, b"stale", 0)
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.settimeout(10)
+            conn.recv(65536)  # the hello
+            conn.sendall(encode(Welcome()))
+            conn.recv(65536)  # the first request
+            conn.sendall(b"\xc1 not a message")
+            conn.sendall(encode(HandleReply(POOL, "host", 4096)))
+            socket.send_fds(conn, [b"\0"], [stale])
+            with contextlib.suppress(OSError):
+                while conn.recv(65536):  # whatever comes next gets no answer of its own
+                    pass
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        yield address, stale
+    finally:
+        listener.close()
+        t.join(10)
+        os.close(stale)
+
+
+def test_a_reply_that_cannot_be_decoded_breaks_the_link_so_no_later_request_takes_its_fd(tmp_path, no_fd_leak):
+    """A handle request whose reply cannot be decoded left the link alive, with whatever the broker sent after it
+    (here a reply and an fd) queued as the answer to the *next* request: another pool's or segment's memory. Out of
+    step is not recoverable on a link: the link is broken, and the next request fails as a lost peer."""
+    with out_of_step_broker(str(tmp_path / "dask-gpupool-lying")) as (address, _stale):
+        link = PeerLink(address, 5, TOKEN)
+        try:
+            with pytest.raises(ProtocolError):
+                link.request_pool_fd(POOL)
+            assert not link.alive
+            with pytest.raises(PeerLostError, match="link is closed"):
+                link.request_pool_fd(POOL)
+        finally:
+            link.close()

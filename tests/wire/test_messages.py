@@ -210,6 +210,11 @@ def test_copy_path_messages_round_trip_and_refuse_bad_fields():
         {"segment_memory": "cuda"},
         {"segment_memory": 1},
         {"segment_memory": "legacy", "kind": "host", "device": None},  # segments are device memory
+        # a broker path a Unix socket cannot have: a peer's link raised a bare ValueError from os.lstat for a NUL
+        {"broker": "/tmp/x/bro\0ker.sock"},
+        {"broker": "relative/broker.sock"},
+        {"broker": ""},
+        {"broker": "/tmp/" + "x" * 200 + "/broker.sock"},
     ],
 )
 def test_malformed_record_is_a_protocol_error(change):
