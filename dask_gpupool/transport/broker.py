@@ -109,7 +109,9 @@ class FdBroker:
     directory : str or None
         Parent of the broker's private directory (default: the temp dir).
     timeout : float
-        Seconds a connection may wait to send its next request.
+        Seconds a new connection may take to send its hello, and a reply (or
+        the fd after it) may wait for room in a connection whose member does
+        not read its answers; past either, the connection is closed.
     name : str
         Used in log messages and the directory name (the pool UUID).
     token : bytes or None
@@ -213,7 +215,7 @@ class FdBroker:
             os.rmdir(self._dir)
             raise
         self._loop = asyncio.new_event_loop()
-        self._requests = BrokerRequests(self._handler, self._loop)
+        self._requests = BrokerRequests(self._handler, self._loop, timeout)
         self._thread = threading.Thread(target=self._run, name=f"gpupool-broker-{name[:8]}", daemon=True)
         self._thread.start()
         logger.debug("pool %s: broker serving at %s", name, self.address)
@@ -366,6 +368,9 @@ class FdBroker:
         except ProtocolError as e:
             self.refused += 1
             logger.warning("pool %s: broker closed connection of pid %d: %s", self._name, pid, e)
+        except TimeoutError as e:  # a reply found no room: it sends requests and does not read the answers
+            self.refused += 1
+            logger.warning("pool %s: broker dropped connection of pid %d: it reads no replies (%s)", self._name, pid, e)
         except (ConnectionError, OSError) as e:
             logger.debug("pool %s: broker connection of pid %d broke: %s", self._name, pid, e)
         except asyncio.CancelledError:

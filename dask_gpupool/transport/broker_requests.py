@@ -62,6 +62,12 @@ class BrokerRequests:
     loop : asyncio.AbstractEventLoop
         The broker's event loop: replies are sent on it, copies made in its
         default executor.
+    timeout : float
+        Seconds a reply, or the fd after it, may wait for room in the
+        connection: a member that sends requests and does not read the
+        answers fills its queue; past this it is dropped (``TimeoutError``,
+        the connection closed), instead of holding a coroutine, and a copy's
+        memfd, for ever. A member that reads never waits: one reply fits.
 
     Attributes
     ----------
@@ -75,10 +81,12 @@ class BrokerRequests:
     copies: int
     _handler: BrokerHandler
     _loop: asyncio.AbstractEventLoop
+    _timeout: float
 
-    def __init__(self, handler: BrokerHandler, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, handler: BrokerHandler, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
         self._handler = handler
         self._loop = loop
+        self._timeout = timeout
         self.served = self.copies = 0
 
     async def answer(self, conn: socket.socket, msg: dict[str, object], importer: str, resync: set[int]) -> None:
@@ -93,10 +101,10 @@ class BrokerRequests:
             try:
                 fd, handle_reply = self._handler.segment_handle(request.pool, request.segment, importer)
             except GPUPoolError as e:
-                await self._loop.sock_sendall(conn, encode(ErrorReply.of(e)))
+                await self._send(conn, encode(ErrorReply.of(e)))
                 return
             try:
-                await self._loop.sock_sendall(conn, encode(handle_reply))
+                await self._send(conn, encode(handle_reply))
                 await self._send_fd(conn, fd)
             finally:
                 os.close(fd)
@@ -106,10 +114,10 @@ class BrokerRequests:
             found = self._handler.pool_handle(request.pool)
             if found is None:
                 reply = ErrorReply.of(UnknownPoolError(f"pool {request.pool} is not served by this broker"))
-                await self._loop.sock_sendall(conn, encode(reply))
+                await self._send(conn, encode(reply))
                 return
             fd, handle_reply = found
-            await self._loop.sock_sendall(conn, encode(handle_reply))
+            await self._send(conn, encode(handle_reply))
             await self._send_fd(conn, fd)
             self.served += 1
             return
@@ -129,9 +137,9 @@ class BrokerRequests:
                     self._handler.release(claimed, importer)
                     self._handler.transfer_failed(importer)
                     failed = DataLostError(f"the memory of leases {claimed} could not be waited for: {e}")
-                    await self._loop.sock_sendall(conn, encode(ErrorReply.of(failed)))
+                    await self._send(conn, encode(ErrorReply.of(failed)))
                     return
-            await self._loop.sock_sendall(conn, encode(ClaimReply(tuple(refused))))
+            await self._send(conn, encode(ClaimReply(tuple(refused))))
         elif isinstance(request, LeaseRelease):
             self._handler.release(request.leases, importer, request.unmapped)
         elif isinstance(request, Resync):
@@ -142,16 +150,16 @@ class BrokerRequests:
             if request.done:
                 ended = self._handler.resync(set(resync), importer, request.epoch)
                 resync.clear()
-                await self._loop.sock_sendall(conn, encode(ResyncReply(ended)))
+                await self._send(conn, encode(ResyncReply(ended)))
         elif isinstance(request, SegmentRelease):
             self._handler.segments_released(request.segments, importer)
         elif isinstance(request, LeaseForward):
             try:
                 lease, segment = self._handler.forward(request.lease, importer, request.to)
             except GPUPoolError as e:
-                await self._loop.sock_sendall(conn, encode(ErrorReply.of(e)))
+                await self._send(conn, encode(ErrorReply.of(e)))
                 return
-            await self._loop.sock_sendall(conn, encode(ForwardReply(lease, segment)))
+            await self._send(conn, encode(ForwardReply(lease, segment)))
         elif isinstance(request, ForwardSettle):
             self._handler.settle_forwarded(request.leases, importer)
         elif isinstance(request, TransferFailed):
@@ -160,10 +168,10 @@ class BrokerRequests:
             try:
                 fd, size = await self._copy_out(request.lease, importer)
             except GPUPoolError as e:
-                await self._loop.sock_sendall(conn, encode(ErrorReply.of(e)))
+                await self._send(conn, encode(ErrorReply.of(e)))
                 return
             try:
-                await self._loop.sock_sendall(conn, encode(CopyReply(request.lease, size)))
+                await self._send(conn, encode(CopyReply(request.lease, size)))
                 await self._send_fd(conn, fd)
             finally:
                 os.close(fd)
@@ -190,14 +198,24 @@ class BrokerRequests:
             raise
         return handover.take(), size
 
+    async def _send(self, conn: socket.socket, data: bytes) -> None:
+        """Send one message, waiting at most ``timeout`` for room (``TimeoutError``: the connection is dropped)."""
+        await asyncio.wait_for(self._loop.sock_sendall(conn, data), self._timeout)
+
     async def _send_fd(self, conn: socket.socket, fd: int) -> None:
-        # The fd travels in a message of its own; a seqpacket socket sends it whole or not at all.
+        """Send ``fd`` in a message of its own (a seqpacket socket sends it whole or not at all), waiting at most
+        ``timeout`` for room (``TimeoutError``). ``fd`` stays the caller's."""
+        deadline = self._loop.time() + self._timeout
+        pause = 0.001
         while True:
             try:
                 socket.send_fds(conn, [b"\0"], [fd])
                 return
             except BlockingIOError:
-                await asyncio.sleep(0.001)
+                if self._loop.time() >= deadline:
+                    raise TimeoutError(f"no room to send an fd within {self._timeout:g} s") from None
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 0.05)
 
 
 def _run_all(waits: list[Callable[[], None]]) -> None:

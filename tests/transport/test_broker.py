@@ -664,3 +664,31 @@ def test_a_reply_that_cannot_be_decoded_breaks_the_link_so_no_later_request_take
                 link.request_pool_fd(POOL)
         finally:
             link.close()
+
+
+def test_a_member_that_never_reads_its_replies_is_dropped_after_the_timeout(broker):
+    """A member that sends requests and never reads the answers (a flood, or a lying member) filled its socket's
+    queue, and the broker then waited to send it the next reply or fd for ever (the fd retried every millisecond),
+    holding the connection, and a copy's memfd where it asked for copies. Past the broker's timeout it is dropped."""
+    s = connect(broker.address)
+    s.sendall(encode(Hello(TOKEN)))
+    assert msgpack.unpackb(s.recv(1000))["op"] == "welcome"
+    s.setblocking(False)
+    sent = 0
+    with contextlib.suppress(BlockingIOError):
+        while sent < 10_000:
+            s.send(encode(HandleRequest(POOL)))
+            sent += 1
+    assert 0 < sent < 10_000  # the queues filled: the broker waits to send
+    s.setblocking(True)
+    deadline = time.monotonic() + 10
+    while broker.connections and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert broker.connections == 0  # dropped after its 1 s timeout
+    s.settimeout(5)
+    with contextlib.suppress(ConnectionResetError):
+        while s.recv(1000):  # what was queued for it, then the end
+            pass
+    s.close()
+    _reply, fd = request_pool_fd(broker.address, POOL, 5, TOKEN)  # other members are served
+    os.close(fd)
