@@ -145,6 +145,8 @@ class PoolService:
         #: What allocates into this pool besides the task's own calls, and why (``{"cupy": reason}``; set by the
         #: worker plugin; shown by ``stats()["routing"]``).
         self.routing: dict[str, str] = {}
+        #: This worker's registry key, from its Membership (:meth:`join`): its registry messages carry it.
+        self.registry_key: bytes | None = None
         self.importer = Importer(options, pool, record.worker, record.host, self.registry, devices, self.handoffs)
         self.copier = copier
         self.routes = Routes(options, pool, record, self.registry, self.handoffs, copier)
@@ -374,6 +376,7 @@ class PoolService:
         made with the old one.
         """
         old, self.importer.token = self.importer.token, membership.token
+        self.registry_key = membership.key
         self.broker.token = membership.token
         if self.copier is not None:
             self.copier.token = membership.token
