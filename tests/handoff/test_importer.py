@@ -139,3 +139,51 @@ def test_a_lease_granted_to_an_importer_that_already_left_dead_ends(tmp_path, no
         assert a.pool.stats().used == 0 and a.broker.watched == 0
     finally:
         a.close()
+
+
+def test_a_pool_mapped_while_its_owner_left_is_not_kept_mapped(pair):
+    """The importer maps a peer's pool (a broker round trip, outside the import lock) while the peer leaves the
+    registry: the removal finds nothing mapped yet, so the mapping made after it must not stay for the importer's
+    life (it would keep the gone peer's memory). The import fails with a typed error and nothing is left mapped."""
+    import threading
+
+    from dask_gpupool.handoff.mapped_pool import IMPORT_LOCK
+
+    a, b = pair
+    got: list[object] = []
+    with IMPORT_LOCK:  # the import below stops at the lock, before it maps (the removal takes no import lock)
+        importing = threading.Thread(target=lambda: got.append(_outcome(b.map_peer, a.record.pool)))
+        importing.start()
+        importing.join(0.5)  # time to pass the registry check (microseconds) and stop at the lock
+        b.apply_registry(RegistryUpdate(2, removed=(a.record.pool,)))  # a left meanwhile
+    importing.join(30)
+    assert not importing.is_alive() and len(got) == 1
+    assert isinstance(got[0], UnknownPoolError), got[0]
+    assert a.record.pool not in b.mapped and b.importer.stats()["mapped_pools"] == 0
+
+
+def test_a_pool_mapped_while_the_importer_closed_is_not_kept_mapped(pair):
+    """The same race with the importer's own close: the mapping made after every mapping was closed would never
+    be closed. The import fails with PoolClosedError and nothing is left mapped (no fd either: ``no_fd_leak``)."""
+    import threading
+
+    from dask_gpupool.handoff.mapped_pool import IMPORT_LOCK
+
+    a, b = pair
+    got: list[object] = []
+    with IMPORT_LOCK:
+        importing = threading.Thread(target=lambda: got.append(_outcome(b.map_peer, a.record.pool)))
+        importing.start()
+        importing.join(0.5)  # time to pass the closed check (microseconds) and stop at the lock
+        b.importer.mapped.close_all()  # what the importer's close does after its releaser stopped
+    importing.join(30)
+    assert not importing.is_alive() and len(got) == 1
+    assert isinstance(got[0], PoolClosedError), got[0]
+    assert a.record.pool not in b.mapped and b.importer.stats()["mapped_pools"] == 0
+
+
+def _outcome(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as e:
+        return e
