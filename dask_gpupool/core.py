@@ -16,13 +16,17 @@ PLUGIN_NAME = "gpupool"
 
 # -- worker -> scheduler (the worker's batched stream; Dask adds ``worker=<its address>``) ------------
 
-#: ``{"record": PoolRecord}``: register this worker's pool (answered with :data:`MEMBERSHIP_OP`).
+# Dask lets a message's own keys override the ``worker=`` it adds: every op but the first carries ``key``, the
+# worker's own registry key from its Membership, which no other worker has.
+
+#: ``{"record": PoolRecord}``: register this worker's pool (answered with :data:`MEMBERSHIP_OP`; changes nothing).
 REGISTER_OP = "gpupool-register"
-#: ``{"pool": str}``: this worker took its :class:`~dask_gpupool.wire.registry.Membership`; publish its row.
+#: ``{"record": PoolRecord, "key": bytes}``: this worker took its :class:`~dask_gpupool.wire.registry.Membership`;
+#: publish this row (its earlier rows leave).
 JOINED_OP = "gpupool-joined"
-#: ``{"record": PoolRecord}``: this worker's row changed (only ``retire_below`` may, and only grow).
+#: ``{"record": PoolRecord, "key": bytes}``: this worker's row changed (only ``retire_below`` may, and only grow).
 UPDATE_OP = "gpupool-update"
-#: ``{"pool": str}``: this worker's pool leaves while the worker stays (the plugin is removed).
+#: ``{"pool": str, "key": bytes}``: this worker's pool leaves while the worker stays (the plugin is removed).
 UNREGISTER_OP = "gpupool-unregister"
 
 # -- scheduler -> worker (``Scheduler.stream_comms[worker]``) -------------------------------------------

@@ -250,10 +250,11 @@ def stats(client: Client) -> dict[str, dict[str, Any]]:
 async def _worker_trim(dask_worker: Worker) -> dict[str, int]:
     service = service_of(dask_worker)
     row = service.retire_segments()
-    if row is not None:
-        # Over this worker's own stream (the scheduler takes row changes only from their worker): peers learn
-        # retire_below from the update the scheduler then pushes.
-        dask_worker.batched_stream.send({"op": UPDATE_OP, "record": row.to_msg()})
+    if row is not None and service.registry_key is not None:
+        # Over this worker's own stream, with its key (the scheduler takes row changes only from their worker):
+        # peers learn retire_below from the update the scheduler then pushes. No key: not joined yet, and the
+        # row it joins with is refreshed then.
+        dask_worker.batched_stream.send({"op": UPDATE_OP, "record": row.to_msg(), "key": service.registry_key})
     counters = service.handoff_stats()
     staging = 0
     if "dask_gpupool.memory.ucx_staging" in sys.modules:  # loaded only once a value went to UCX as device frames

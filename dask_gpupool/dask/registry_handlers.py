@@ -8,11 +8,16 @@ installs its methods as the scheduler's handlers.
 
 Only a worker changes the registry, and only its own row, over its own
 batched stream: Dask calls these stream handlers with ``worker=<the address
-of the stream's worker>`` (:meth:`RegistryHandlers._source` checks it).
-Registration is a handshake: ``gpupool-register`` (the row; it stays pending),
-the :class:`~dask_gpupool.wire.registry.Membership` (registry and token) sent
-back over that worker's stream only, then ``gpupool-joined``, which publishes
-the row to every worker. Clients get the read-only ``gpupool_pools`` RPC;
+of the stream's worker>`` (:meth:`RegistryHandlers._source` checks it). A
+message's own keys override that ``worker``, so every message that changes a
+row also carries the worker's own registry key, which only that worker gets
+(in its Membership, over its own stream).
+Registration is a handshake: ``gpupool-register`` (the row; it stays pending
+and changes nothing else, so a worker naming another cannot act as it),
+the :class:`~dask_gpupool.wire.registry.Membership` (registry, token and the
+worker's key) sent back over that worker's stream only, then
+``gpupool-joined`` with the key and the row, which publishes the row to every
+worker. Clients get the read-only ``gpupool_pools`` RPC;
 ``gpupool_register`` and ``gpupool_unregister`` called over RPC are refused.
 Refused messages are logged (WARNING) and counted in
 :attr:`RegistryHandlers.rejected`. Every method runs on the scheduler's event
@@ -25,6 +30,8 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import hashlib
+import hmac
 import logging
 import secrets
 import time
@@ -76,6 +83,7 @@ class RegistryHandlers:
     rejected: collections.Counter[str]
     scheduler: Scheduler | None
     _token: bytes
+    _secret: bytes
     _pending: dict[str, PoolRecord]
     _joined: asyncio.Event | None
 
@@ -84,6 +92,7 @@ class RegistryHandlers:
         self.worker_stats = {}
         self.rejected = collections.Counter()
         self._token = secrets.token_bytes(TOKEN_BYTES)
+        self._secret = secrets.token_bytes(TOKEN_BYTES)  # makes each worker's registry key (_key)
         self.scheduler = None
         self._pending = {}  # worker -> its row, registered but not yet joined (not published)
         self._joined = None
@@ -147,6 +156,10 @@ class RegistryHandlers:
 
     # -- who sent it -----------------------------------------------------------------
 
+    def _key(self, worker: str) -> bytes:
+        """The registry key of the worker at address ``worker``: sent to it alone, in its Membership."""
+        return hmac.new(self._secret, worker.encode(), hashlib.sha256).digest()
+
     def _source(self, op: str, msg: dict[str, Any], fields: tuple[str, ...]) -> str | None:
         """The worker whose own batched stream carried ``msg``; ``None`` (refused) otherwise.
 
@@ -154,8 +167,11 @@ class RegistryHandlers:
         stream and ``client=<id>`` for a client's (one handler table serves
         both). A message's own keys override these (``merge(extra, msg)``) but
         cannot remove them: a ``client`` key therefore means a client's
-        stream, whatever else the message says. Beyond ``worker``, the
-        message must carry exactly ``fields``.
+        stream, whatever else the message says. A ``worker`` key may be
+        another worker's own, put in by a worker naming it: a message with a
+        ``key`` field is taken only if it is that worker's registry key
+        (:meth:`_key`). Beyond ``worker``, the message must carry exactly
+        ``fields``.
         """
         if "client" in msg:
             self._reject(op, "client", f"client {msg['client']!r}", "registry messages come from workers")
@@ -167,6 +183,11 @@ class RegistryHandlers:
         if set(msg) != {"worker", *fields}:
             got = sorted(set(msg) - {"worker"})
             self._reject(op, "malformed", worker, f"fields {got}, expected {sorted(fields)}")
+            return None
+        if "key" in fields and not (
+            isinstance(msg["key"], bytes) and hmac.compare_digest(msg["key"], self._key(worker))
+        ):
+            self._reject(op, "not-its-key", worker, "the message does not carry that worker's registry key")
             return None
         return worker
 
@@ -196,9 +217,11 @@ class RegistryHandlers:
     def handle_register(self, **msg: Any) -> None:
         """``gpupool-register``: a worker registers its pool; the row stays pending until it joins.
 
-        The :class:`Membership` (the registry and the cluster's token) goes
-        back over that worker's own stream, and only there. A worker has one
-        pool: a row it registered before leaves.
+        The :class:`Membership` (the registry, the cluster's token and the
+        worker's key) goes back over that worker's own stream, and only there.
+        Nothing else changes here: the message carries no key (the worker has
+        none yet), so it may come from another worker naming this one; the
+        row that is published is the one ``gpupool-joined`` carries.
         """
         worker = self._source(REGISTER_OP, msg, ("record",))
         row = None if worker is None else self._own_row(REGISTER_OP, worker, msg["record"])
@@ -211,21 +234,28 @@ class RegistryHandlers:
         stream = self.scheduler.stream_comms.get(worker) if self.scheduler is not None else None
         if stream is None:  # the worker is leaving
             return
-        self._broadcast(self.registry.remove_worker(worker))
         self._pending[worker] = row
-        stream.send({"op": MEMBERSHIP_OP, **Membership(self.registry.snapshot(), self._token).to_msg()})
+        membership = Membership(self.registry.snapshot(), self._token, self._key(worker))
+        stream.send({"op": MEMBERSHIP_OP, **membership.to_msg()})
         logger.info("pool %s: registering (%s pool of %s on %s)", row.pool, row.kind, row.worker, row.hostname)
 
     def handle_joined(self, **msg: Any) -> None:
-        """``gpupool-joined``: the worker holds its Membership; publish its row to every worker."""
-        worker = self._source(JOINED_OP, msg, ("pool",))
-        if worker is None:
+        """``gpupool-joined``: the worker holds its Membership; publish the row it sends (with its key) to every
+        worker. A worker has one pool: a row of another pool it published before leaves."""
+        worker = self._source(JOINED_OP, msg, ("record", "key"))
+        row = None if worker is None else self._own_row(JOINED_OP, worker, msg["record"])
+        if worker is None or row is None:
             return
-        row = self._pending.get(worker)
-        if row is None or row.pool != msg["pool"]:
-            self._reject(JOINED_OP, "not-its-row", worker, f"no pending registration of pool {msg['pool']!r}")
+        if self._pending.pop(worker, None) is None:
+            if self.registry.get(row.pool) != row:  # a second Membership's answer repeats the published row
+                self._reject(JOINED_OP, "not-its-row", worker, f"no pending registration of pool {row.pool}")
             return
-        del self._pending[worker]
+        taken = self._row_of_pool(row.pool)
+        if taken is not None and taken.worker != worker:
+            self._reject(JOINED_OP, "another-worker", worker, f"pool {row.pool} is registered to {taken.worker}")
+            return
+        earlier = [r.pool for r in self.registry.records() if r.worker == worker and r.pool != row.pool]
+        self._broadcast(self.registry.remove(earlier))
         self._broadcast(self.registry.add(row))
         logger.info("pool %s: registered (%s pool of %s on %s)", row.pool, row.kind, row.worker, row.hostname)
         if self._joined is not None:
@@ -233,7 +263,7 @@ class RegistryHandlers:
 
     def handle_update(self, **msg: Any) -> None:
         """``gpupool-update``: a worker's row changed; only ``retire_below`` (only up) and ``reclaim`` may."""
-        worker = self._source(UPDATE_OP, msg, ("record",))
+        worker = self._source(UPDATE_OP, msg, ("record", "key"))
         row = None if worker is None else self._own_row(UPDATE_OP, worker, msg["record"])
         if worker is None or row is None:
             return
@@ -254,7 +284,7 @@ class RegistryHandlers:
 
     def handle_unregister(self, **msg: Any) -> None:
         """``gpupool-unregister``: a worker's pool leaves while the worker stays."""
-        worker = self._source(UNREGISTER_OP, msg, ("pool",))
+        worker = self._source(UNREGISTER_OP, msg, ("pool", "key"))
         if worker is None:
             return
         pool = msg["pool"]
@@ -267,6 +297,8 @@ class RegistryHandlers:
             del self._pending[worker]
             self.worker_stats.pop(worker, None)
         else:
+            if (pending := self._pending.get(worker)) is not None and pending.pool == pool:
+                del self._pending[worker]  # registered again, not joined yet: it must not join after this
             self._broadcast(self.registry.remove([pool]))
             self.worker_stats.pop(worker, None)  # its last push described a pool that is gone (the /gpupool page)
 

@@ -139,8 +139,10 @@ class GPUPool(SchedulerPlugin):
         or ``gpupool_unregister`` called over RPC), ``"client"`` (sent on a
         client's stream), ``"not-a-worker"``, ``"malformed"``,
         ``"another-worker"`` (the row or pool is another worker's),
-        ``"row-changed"`` (an update changing more than ``retire_below``) and
-        ``"not-its-row"`` (no such row of this worker). Each is logged once
+        ``"row-changed"`` (an update changing more than ``retire_below``),
+        ``"not-its-row"`` (no such row of this worker) and ``"not-its-key"``
+        (a message naming a worker without that worker's registry key: sent
+        by another worker that put this one's address in it). Each is logged once
         per message as a WARNING.
 
     Raises

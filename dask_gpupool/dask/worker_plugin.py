@@ -250,8 +250,10 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
     def _send_row(worker: Worker, service: PoolService) -> None:
         """Send this worker's registry row as it is now (its ``reclaim``) to the scheduler, if the stream is open."""
         stream = getattr(worker, "batched_stream", None)
-        if stream is not None and not stream.closed() and not service.closed:
-            stream.send({"op": UPDATE_OP, "record": service.refresh_row().to_msg()})
+        key = service.registry_key
+        if stream is not None and not stream.closed() and not service.closed and key is not None:
+            # no key yet: not joined, and the row gpupool-joined sends is refreshed then
+            stream.send({"op": UPDATE_OP, "record": service.refresh_row().to_msg(), "key": key})
 
     def _push_stats(self, worker: Worker) -> None:
         """Send this worker's pool and handoff stats to the scheduler (the /gpupool page)."""
@@ -283,9 +285,12 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         except ProtocolError:
             logger.error("pool %s: malformed membership from the scheduler", service.pool.uuid, exc_info=True)
             return
-        service.join(Membership(RegistryUpdate(0), membership.token))
+        service.join(Membership(RegistryUpdate(0), membership.token, membership.key))
         self._hold([membership.snapshot])
-        worker.batched_stream.send({"op": JOINED_OP, "pool": service.pool.uuid})
+        # This worker's own row, as it is now: a registration another worker sent in this one's name (which
+        # brought this Membership too) had a row of its own making, and that row is never published.
+        row = service.refresh_row()
+        worker.batched_stream.send({"op": JOINED_OP, "record": row.to_msg(), "key": membership.key})
 
     def _on_registry_update(self, **msg: Any) -> None:
         """A registry change pushed by the scheduler (this worker's stream; event loop); a malformed one is logged."""
@@ -381,12 +386,13 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         if service is None:
             return
         stream = getattr(worker, "batched_stream", None)
-        if worker.status == Status.running and stream is not None and not stream.closed():
+        key = service.registry_key
+        if worker.status == Status.running and stream is not None and not stream.closed() and key is not None:
             # The plugin goes while the worker stays: take the row out, over this worker's own stream
             # (ahead of any later registration on it). A closing worker sends nothing; the scheduler
             # drops its rows when it leaves.
             with contextlib.suppress(Exception):
-                stream.send({"op": UNREGISTER_OP, "pool": service.pool.uuid})
+                stream.send({"op": UNREGISTER_OP, "pool": service.pool.uuid, "key": key})
         service.close()
 
 

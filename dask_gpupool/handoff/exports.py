@@ -54,6 +54,15 @@ class Exports:
         This worker's routing decisions (memory RMM placed; peers whose reply failed).
     copier : CopyServer or None
         The copy server stream leases are pulled from (``None``: that path is off).
+
+    Attributes
+    ----------
+    left : callable or None
+        Called with the row of an importer that left the registry before its
+        IPC lease was granted (its route was decided before): the
+        :class:`~dask_gpupool.handoff.service.PoolService` watches it again,
+        so that the lease ends when its process exits, or at once if it has
+        already (its removal ended only what it held then). ``None``: nothing.
     """
 
     options: PoolOptions
@@ -63,6 +72,7 @@ class Exports:
     handoffs: HandoffStats
     routes: Routes
     copier: CopyServer | None
+    left: Callable[[PoolRecord], None] | None
 
     def __init__(
         self,
@@ -81,6 +91,7 @@ class Exports:
         self.handoffs = handoffs
         self.routes = routes
         self.copier = copier
+        self.left = None
 
     def export_ipc(
         self,
@@ -115,6 +126,10 @@ class Exports:
         # tells this worker (settle). Not with event ordering: there the broker's answer to a claim is the wait.
         by_reply = self.options.lease_claims == "reply" and written is None
         lease = self.leases.grant(Exported(holder, buf, written), buf.size, row.worker, desc.segment, by_reply=by_reply)
+        if self.left is not None and self.routes.registry.worker_row(row.worker) is None:
+            # It left after its route was decided (a reply outlasting the wait for the GPU above): granted after the
+            # removal released its leases, this one would wait for ever for a process that may be gone.
+            self.left(row)
         if by_reply and desc.segment:
             # noted now: the importer's release of the segment may come before this worker reads the "OK"
             segmented = self.pool.segmented

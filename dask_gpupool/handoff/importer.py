@@ -137,7 +137,8 @@ class Importer:
         Raises
         ------
         UnknownPoolError
-            If ``pool`` is not in this worker's copy of the registry.
+            If ``pool`` is not in this worker's copy of the registry, or left
+            it while it was being mapped (then it is unmapped once idle).
         PeerAccessError
             If the pool is this worker's own, lives on another host, or its
             memory cannot be reached from here.
@@ -166,7 +167,14 @@ class Importer:
                 raise ProtocolError(f"pool {pool}: broker says kind {reply.kind!r}, registry {record.kind!r}")
             return fd
 
-        return self.mapped.map(record, fetch)
+        mapped = self.mapped.map(record, fetch)
+        if self.registry.get(pool) is None:
+            # Its owner left while the fd was fetched: the removal (exporter_left) found nothing mapped, and
+            # nothing else would ever unmap it. The row goes before exporter_left runs (apply_registry), so either
+            # that finds this mapping or this check finds the row gone.
+            self._orphan(mapped)
+            raise UnknownPoolError(f"pool {pool} of {record.worker} left the registry while it was mapped here")
+        return mapped
 
     def import_buffer(self, desc: BufferDescriptor) -> Buffer:
         """Map a peer's buffer (mapping its pool first if needed). No copy, no lease; the caller owns the Buffer.
@@ -420,11 +428,15 @@ class Importer:
         self.releaser.forget(record.broker)
         mapped = self.mapped.get(record.pool)
         if mapped is not None:
-            with IMPORT_LOCK:
-                mapped.orphaned = True
-                idle = mapped.imports == 0
-            if idle:
-                self.mapped.forget(record.pool)
+            self._orphan(mapped)
+
+    def _orphan(self, mapped: MappedPool) -> None:
+        """``mapped``'s owner left: unmap it now if no import uses it, else when its last import closes."""
+        with IMPORT_LOCK:
+            mapped.orphaned = True
+            idle = mapped.imports == 0
+        if idle:
+            self.mapped.forget(mapped.record.pool)
 
     def stats(self) -> dict[str, int]:
         """The importer's part of :func:`dask_gpupool.stats`."""

@@ -98,6 +98,8 @@ class MappedPools:
         fd = fetch_fd()
         try:
             with IMPORT_LOCK:
+                if self._closed:  # closed while the fd was fetched: a mapping made now would never be closed
+                    raise PoolClosedError("the mapped-pool cache is closed")
                 mapped = self._pools.get(record.pool)
                 if mapped is None:
                     mapped = MappedPool.open(record, fd, self.devices, self.own_device)

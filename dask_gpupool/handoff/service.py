@@ -145,6 +145,8 @@ class PoolService:
         #: What allocates into this pool besides the task's own calls, and why (``{"cupy": reason}``; set by the
         #: worker plugin; shown by ``stats()["routing"]``).
         self.routing: dict[str, str] = {}
+        #: This worker's registry key, from its Membership (:meth:`join`): its registry messages carry it.
+        self.registry_key: bytes | None = None
         self.importer = Importer(options, pool, record.worker, record.host, self.registry, devices, self.handoffs)
         self.copier = copier
         self.routes = Routes(options, pool, record, self.registry, self.handoffs, copier)
@@ -152,6 +154,7 @@ class PoolService:
             pool, record.worker, self.registry, self.routes, self.importer, self.handoffs, self.leases
         )
         self.exports = Exports(options, pool, record.worker, self.leases, self.handoffs, self.routes, copier)
+        self.exports.left = self._importer_left
         handler = getattr(broker, "handler", None)
         if isinstance(handler, ExportSide):
             handler.on_transfer_failed = self._transfer_failed
@@ -374,6 +377,7 @@ class PoolService:
         made with the old one.
         """
         old, self.importer.token = self.importer.token, membership.token
+        self.registry_key = membership.key
         self.broker.token = membership.token
         if self.copier is not None:
             self.copier.token = membership.token
@@ -400,11 +404,15 @@ class PoolService:
         for record in gone:
             if record.pool == self.pool.uuid:
                 continue
-            # Leaving is not dying (the scheduler removes workers whose process lives on): its leases, and the
-            # segments it maps, are released when its process exits (the broker watches it).
-            self.broker.importer_left(record.worker, record.pid if record.host == self.record.host else 0)
+            self._importer_left(record)
             self.importer.exporter_left(record)
             self.routes.forget(record.worker)
+
+    def _importer_left(self, record: PoolRecord) -> None:
+        """``record``'s worker left the registry: its leases, and the segments it maps, are released when its
+        process exits (the broker watches it; at once if it is gone). Leaving is not dying: the scheduler removes
+        workers whose process lives on. Any thread."""
+        self.broker.importer_left(record.worker, record.pid if record.host == self.record.host else 0)
 
     def retire_segments(self) -> PoolRecord | None:
         """Give memory back: retire this pool's segments (:meth:`SegmentedResource.retire`), or trim a

@@ -8,6 +8,10 @@ stall, a broken stream), :meth:`ImporterWatch.left`. The broker watches each imp
 :class:`~dask_gpupool.transport.broker_handler.BrokerHandler` when that process
 exits (:meth:`~dask_gpupool.transport.broker_handler.BrokerHandler.importer_exited`).
 
+One process may be several importers (``dask worker --no-nanny --nworkers 2``
+runs two workers in one process): a pid is watched once, for every worker
+address it is, and its exit ends the leases of each.
+
 Ownership: :class:`ImporterWatch` owns the pidfds and closes each when its
 process exits or in :meth:`ImporterWatch.close`. Broker thread only.
 """
@@ -28,7 +32,8 @@ logger = logging.getLogger(__name__)
 
 
 class ImporterWatch:
-    """Pidfds of importer processes, by pid; their exit calls ``handler.importer_exited``.
+    """Pidfds of importer processes, by pid; their exit calls ``handler.importer_exited`` for each importer
+    (worker address) of that process.
 
     Parameters
     ----------
@@ -42,15 +47,21 @@ class ImporterWatch:
         self._handler = handler
         self._name = name
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._watched: dict[int, tuple[int, str]] = {}
+        self._watched: dict[int, tuple[int, set[str]]] = {}  # pid -> (pidfd, the importers of that process)
 
     def watch(self, loop: asyncio.AbstractEventLoop, pid: int, importer: str) -> None:
         """Watch ``pid`` (the importer ``importer``) on ``loop``; its exit releases its leases.
 
         A pid already gone releases at once; one that cannot be watched (no
-        pidfds here) is logged and left to the lease timeouts.
+        pidfds here) is logged and left to the lease timeouts. A pid watched
+        already (another worker of that process) is watched for this importer too.
         """
-        if pid > 0 and pid not in self._watched and self._try_watch(loop, pid, importer) is False:
+        if pid <= 0:
+            return
+        entry = self._watched.get(pid)
+        if entry is not None:
+            entry[1].add(importer)
+        elif self._try_watch(loop, pid, importer) is False:
             self._handler.importer_exited(importer)
 
     def left(self, loop: asyncio.AbstractEventLoop, pid: int, importer: str) -> None:
@@ -64,9 +75,13 @@ class ImporterWatch:
         already, or cannot be watched (``pid`` 0: another host or pid
         namespace; no pidfds here).
         """
-        if any(name == importer for _, name in self._watched.values()):
+        if any(importer in names for _, names in self._watched.values()):
             return
-        if pid > 0 and pid != os.getpid() and pid not in self._watched and self._try_watch(loop, pid, importer):
+        entry = self._watched.get(pid) if pid > 0 and pid != os.getpid() else None
+        if entry is not None:  # its process is watched already, for another worker of that process
+            entry[1].add(importer)
+            return
+        if pid > 0 and pid != os.getpid() and self._try_watch(loop, pid, importer):
             logger.info(
                 "pool %s: %s left the registry while its process %d lives; its leases end when it exits",
                 self._name,
@@ -87,7 +102,7 @@ class ImporterWatch:
             logger.debug("pool %s: cannot watch pid %d of %s", self._name, pid, importer)
             return None
         self._loop = loop
-        self._watched[pid] = (pidfd, importer)
+        self._watched[pid] = (pidfd, {importer})
         loop.add_reader(pidfd, self._exited, pid)
         return True
 
@@ -102,15 +117,16 @@ class ImporterWatch:
             self._exited(pid)
 
     def _exited(self, pid: int) -> None:
-        pidfd, importer = self._watched.pop(pid)
+        pidfd, importers = self._watched.pop(pid)
         if self._loop is not None:
             self._loop.remove_reader(pidfd)
         os.close(pidfd)
-        logger.info("pool %s: importer %s (pid %d) exited; releasing what it held", self._name, importer, pid)
-        try:
-            self._handler.importer_exited(importer)
-        except Exception:
-            logger.exception("pool %s: releasing the leases of %s failed", self._name, importer)
+        for importer in sorted(importers):
+            logger.info("pool %s: importer %s (pid %d) exited; releasing what it held", self._name, importer, pid)
+            try:
+                self._handler.importer_exited(importer)
+            except Exception:
+                logger.exception("pool %s: releasing the leases of %s failed", self._name, importer)
 
     def __len__(self) -> int:
         return len(self._watched)

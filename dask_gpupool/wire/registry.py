@@ -222,13 +222,21 @@ class Membership:
         broker serves only peers presenting it, and the worker presents it to
         others'. It travels only over the registering worker's own stream
         from the scheduler (TLS when the cluster is secured).
+    key : bytes
+        This worker's own registry key (:data:`TOKEN_BYTES`), sent like the
+        token over its own stream only: its later registry messages
+        (``gpupool-joined``, ``gpupool-update``, ``gpupool-unregister``) carry
+        it, so that another worker naming this one's address in a message of
+        its own stream cannot act as it (Dask lets a message's keys override
+        the ``worker=`` it adds). Empty only where no scheduler made it (tests).
     """
 
     snapshot: RegistryUpdate
     token: bytes = field(repr=False)
+    key: bytes = field(default=b"", repr=False)
 
     def to_msg(self) -> dict[str, Any]:
-        return {"snapshot": self.snapshot.to_msg(), "token": self.token}
+        return {"snapshot": self.snapshot.to_msg(), "token": self.token, "key": self.key}
 
     @classmethod
     def from_msg(cls, msg: object) -> Membership:
@@ -237,4 +245,7 @@ class Membership:
         token = field_of(m, "token", bytes, what)
         if len(token) != TOKEN_BYTES:
             raise ProtocolError(f"{what}: token of {len(token)} bytes (expected {TOKEN_BYTES})")
-        return cls(RegistryUpdate.from_msg(field_of(m, "snapshot", dict, what)), token)
+        key = field_of(m, "key", bytes, what)
+        if len(key) != TOKEN_BYTES:
+            raise ProtocolError(f"{what}: key of {len(key)} bytes (expected {TOKEN_BYTES})")
+        return cls(RegistryUpdate.from_msg(field_of(m, "snapshot", dict, what)), token, key)

@@ -34,7 +34,7 @@ from distributed import Client
 import dask_gpupool
 from dask_gpupool import GPUPool, NotAMemberError
 from dask_gpupool import testing as T
-from dask_gpupool.core import REGISTER_OP, UNREGISTER_OP, UPDATE_OP
+from dask_gpupool.core import JOINED_OP, REGISTER_OP, UNREGISTER_OP, UPDATE_OP
 from dask_gpupool.wire.registry import PoolRecord
 
 MiB = 1 << 20
@@ -71,10 +71,16 @@ def wait_rejected(client: Any, before: dict[str, int], more: dict[str, int]) -> 
     wait_for(reached, timeout=30, what=f"the scheduler to refuse {more}")
 
 
+#: Stands in a message for the sending worker's own registry key (``send_on_own_stream``).
+OWN_KEY = "own registry key"
+
+
 def send_on_own_stream(msgs: list[dict[str, Any]], dask_worker: Any) -> None:
-    """client.run target: send ``msgs`` over this worker's batched stream to the scheduler."""
+    """client.run target: send ``msgs`` over this worker's batched stream to the scheduler; a ``key`` of
+    :data:`OWN_KEY` is replaced by this worker's own registry key."""
+    key = dask_gpupool.dask.worker_plugin.service_of(dask_worker).registry_key
     for m in msgs:
-        dask_worker.batched_stream.send(dict(m))
+        dask_worker.batched_stream.send({k: key if v == OWN_KEY else v for k, v in m.items()})
 
 
 def rpc(client: Any, op: str, **kwargs: Any) -> Any:
@@ -174,9 +180,9 @@ def test_a_worker_cannot_register_update_or_unregister_another_workers_row(clien
             {"op": REGISTER_OP, "record": theirs.to_msg()},  # a row naming another worker
             {"op": REGISTER_OP, "record": made_up.to_msg()},  # ... or an address that is no worker
             {"op": REGISTER_OP, "record": dataclasses.replace(rows[b], worker=b, pool=rows[a].pool).to_msg()},
-            {"op": UPDATE_OP, "record": dataclasses.replace(rows[a], retire_below=9).to_msg()},
-            {"op": UPDATE_OP, "record": dataclasses.replace(rows[b], broker="/tmp/moved.sock").to_msg()},
-            {"op": UNREGISTER_OP, "pool": rows[a].pool},
+            {"op": UPDATE_OP, "record": dataclasses.replace(rows[a], retire_below=9).to_msg(), "key": OWN_KEY},
+            {"op": UPDATE_OP, "record": dataclasses.replace(rows[b], broker="/tmp/x.sock").to_msg(), "key": OWN_KEY},
+            {"op": UNREGISTER_OP, "pool": rows[a].pool, "key": OWN_KEY},
             {"op": REGISTER_OP, "record": {"pool": "not a row"}},
             {"op": UNREGISTER_OP, "pool": 12, "extra": True},
         ],
@@ -187,6 +193,41 @@ def test_a_worker_cannot_register_update_or_unregister_another_workers_row(clien
     assert client.run(T.known_pools) == {w: sorted(r.pool for r in rows.values()) for w in rows}
     assert all(client.run(T.has_cluster_token).values())
     handoff_round_trip(client, MiB, b"rows untouched")
+
+
+def test_a_worker_naming_another_worker_in_its_messages_changes_nothing_of_that_worker(client):
+    """Dask lets a message's own keys override the ``worker=`` it adds for a worker's stream
+    (``merge(extra, msg)``): a worker that puts another's address in its messages must not act as it.
+    Here B, with its own registry key, raises A's ``retire_below``, re-registers A's row with another
+    broker and joins it, and unregisters A's pool, each time naming A."""
+    a, b = worker_addresses(client)
+    rows = by_worker(client)
+    evil = dataclasses.replace(rows[a], broker="/tmp/not-the-broker.sock")
+    first = rejected(client)
+    client.run(
+        send_on_own_stream,
+        [
+            {"op": UPDATE_OP, "worker": a, "record": dataclasses.replace(rows[a], retire_below=5).to_msg()},
+            {"op": UPDATE_OP, "worker": a, "record": rows[a].to_msg(), "key": OWN_KEY},
+            {"op": REGISTER_OP, "worker": a, "record": evil.to_msg()},
+            {"op": JOINED_OP, "worker": a, "pool": rows[a].pool},
+            {"op": JOINED_OP, "worker": a, "record": evil.to_msg(), "key": OWN_KEY},
+            {"op": UNREGISTER_OP, "worker": a, "pool": rows[a].pool},
+            {"op": UNREGISTER_OP, "worker": a, "pool": rows[a].pool, "key": OWN_KEY},
+        ],
+        workers=[b],
+    )
+    # a message B sends after them on the same stream is handled after them: once it is refused, they were
+    before = rejected(client)
+    client.run(send_on_own_stream, [{"op": UNREGISTER_OP, "pool": 12, "key": OWN_KEY}], workers=[b])
+    wait_rejected(client, before, {"malformed": 1})
+    # without a key they are malformed, with B's own they are not A's: A's registration (which changes nothing)
+    # went to A, which joined again with its own row
+    more = {k: n - first.get(k, 0) for k, n in rejected(client).items() if n != first.get(k, 0)}
+    assert more == {"malformed": 4, "not-its-key": 3}
+    assert by_worker(client) == rows
+    assert client.run(T.known_pools) == {w: sorted(r.pool for r in rows.values()) for w in rows}
+    handoff_round_trip(client, MiB, b"still A's own row")  # B maps A's pool through A's broker; nothing leaks
 
 
 def test_a_worker_joining_later_gets_its_membership_and_its_row_leaves_with_it(client, tmp_path):
@@ -230,7 +271,7 @@ def test_a_worker_updates_its_own_row_and_removing_the_plugin_takes_the_rows_out
     a, b = worker_addresses(client)
     rows = by_worker(client)
     raised = dataclasses.replace(rows[b], retire_below=3, reclaim=(4, 6))  # what trim / a full pool send
-    client.run(send_on_own_stream, [{"op": UPDATE_OP, "record": raised.to_msg()}], workers=[b])
+    client.run(send_on_own_stream, [{"op": UPDATE_OP, "record": raised.to_msg(), "key": OWN_KEY}], workers=[b])
     wait_for(lambda: by_worker(client)[b] == raised, what="the scheduler to take B's own update")
 
     def view_of_b(dask_worker: Any) -> int:

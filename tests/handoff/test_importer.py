@@ -97,3 +97,93 @@ def test_a_claim_refused_after_the_link_was_opened_again_tells_the_exporter(pair
     while not a.routes.is_unreachable(b.record.worker) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert a.routes.is_unreachable(b.record.worker)
+
+
+def test_a_lease_granted_to_an_importer_that_already_left_dead_ends(tmp_path, no_fd_leak):
+    """A reply decided before its requester left the registry, granted after: the exporter's removal of that
+    requester (its process already gone) released what it held then, and the lease granted after it, in doubt
+    once the reply failed, must end too, not wait for ever for an answer from a process that is gone."""
+    import dataclasses
+    import subprocess
+    import sys
+    import time
+
+    options = PoolOptions.from_config(kind="host", max_size="16 MiB", broker_dir=str(tmp_path))
+    a = PoolService.start(options, "tcp://127.0.0.1:40001")
+    try:
+        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        dead.wait(30)
+        gone = dataclasses.replace(
+            a.record, pool="00000000-0000-0000-0000-0000000000aa", worker="tcp://127.0.0.1:40009", pid=dead.pid
+        )
+        a.join(Membership(RegistryUpdate(1, (a.record, gone), (), snapshot=True), secrets.token_bytes(32)))
+        row = a.registry.worker_row(gone.worker)  # the route of a reply to it, decided now
+        assert row is not None
+        earlier = a.allocate(4096)
+        a.export_ipc(earlier, earlier, row, None)  # a lease of an earlier reply
+        del earlier
+
+        def leases_end() -> None:
+            deadline = time.monotonic() + 10
+            while len(a.leases) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert len(a.leases) == 0
+
+        a.apply_registry(RegistryUpdate(2, removed=(gone.pool,)))  # it left, dead, while the reply was serialized
+        leases_end()  # the removal was handled: what it held then has ended
+        buf = a.allocate(4096)
+        header = a.export_ipc(buf, buf, row, None)
+        del buf
+        assert a.settle([header.lease], gone.worker, ok=False) == [header.lease]  # the reply failed: in doubt
+        leases_end()
+        assert a.pool.stats().used == 0 and a.broker.watched == 0
+    finally:
+        a.close()
+
+
+def test_a_pool_mapped_while_its_owner_left_is_not_kept_mapped(pair):
+    """The importer maps a peer's pool (a broker round trip, outside the import lock) while the peer leaves the
+    registry: the removal finds nothing mapped yet, so the mapping made after it must not stay for the importer's
+    life (it would keep the gone peer's memory). The import fails with a typed error and nothing is left mapped."""
+    import threading
+
+    from dask_gpupool.handoff.mapped_pool import IMPORT_LOCK
+
+    a, b = pair
+    got: list[object] = []
+    with IMPORT_LOCK:  # the import below stops at the lock, before it maps (the removal takes no import lock)
+        importing = threading.Thread(target=lambda: got.append(_outcome(b.map_peer, a.record.pool)))
+        importing.start()
+        importing.join(0.5)  # time to pass the registry check (microseconds) and stop at the lock
+        b.apply_registry(RegistryUpdate(2, removed=(a.record.pool,)))  # a left meanwhile
+    importing.join(30)
+    assert not importing.is_alive() and len(got) == 1
+    assert isinstance(got[0], UnknownPoolError), got[0]
+    assert a.record.pool not in b.mapped and b.importer.stats()["mapped_pools"] == 0
+
+
+def test_a_pool_mapped_while_the_importer_closed_is_not_kept_mapped(pair):
+    """The same race with the importer's own close: the mapping made after every mapping was closed would never
+    be closed. The import fails with PoolClosedError and nothing is left mapped (no fd either: ``no_fd_leak``)."""
+    import threading
+
+    from dask_gpupool.handoff.mapped_pool import IMPORT_LOCK
+
+    a, b = pair
+    got: list[object] = []
+    with IMPORT_LOCK:
+        importing = threading.Thread(target=lambda: got.append(_outcome(b.map_peer, a.record.pool)))
+        importing.start()
+        importing.join(0.5)  # time to pass the closed check (microseconds) and stop at the lock
+        b.importer.mapped.close_all()  # what the importer's close does after its releaser stopped
+    importing.join(30)
+    assert not importing.is_alive() and len(got) == 1
+    assert isinstance(got[0], PoolClosedError), got[0]
+    assert a.record.pool not in b.mapped and b.importer.stats()["mapped_pools"] == 0
+
+
+def _outcome(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as e:
+        return e

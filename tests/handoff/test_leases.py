@@ -705,3 +705,65 @@ def test_a_closed_link_keeps_the_leases_and_the_importers_exit_ends_them(exporte
     finally:
         child.kill()
         child.wait(10)
+
+
+TWO_WORKERS_CHILD = """
+import sys
+from dask_gpupool.transport.link import PeerLink
+address, token = sys.argv[1], bytes.fromhex(sys.argv[2])
+for worker in sys.argv[3:]:
+    lease = int(sys.stdin.readline())
+    link = PeerLink(address, 5.0, token, worker)
+    assert link.claim([lease]) == []
+    link.close()
+print("claimed", flush=True)
+sys.stdin.readline()  # stays alive until killed
+"""
+
+
+def test_the_leases_of_two_workers_of_one_process_end_with_that_process_and_not_before(exporter):
+    """Two workers in one process (``dask worker --no-nanny --nworkers 2``) import from this exporter. Each
+    leaving the registry while the process lives ends nothing; the process exiting ends the leases of both."""
+    import subprocess
+    import sys
+
+    from dask_gpupool.handoff.exporter import Exported
+    from dask_gpupool.transport.link import PeerLink
+    from dask_gpupool.wire.registry import PoolRecord, RegistryUpdate
+
+    pool, leases, broker, (here, _) = exporter
+    workers = ["tcp://127.0.0.1:7", "tcp://127.0.0.1:8"]
+    child = subprocess.Popen(
+        [sys.executable, "-c", TWO_WORKERS_CHILD, broker.address, TOKEN.hex(), *workers],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        rows = [PoolRecord(str(uuid.uuid4()), w, child.pid, "h", "h", "host", None, MiB, "/x") for w in workers]
+        broker.handler._registry.apply(RegistryUpdate(version=2, added=tuple(rows)))  # type: ignore[attr-defined]
+        assert child.stdin is not None and child.stdout is not None
+        for w in workers:
+            buf = pool.allocate(4096)
+            child.stdin.write(f"{leases.grant(Exported(buf, buf), 4096, w)}\n")
+            del buf
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "claimed"
+        assert leases.importers() == dict.fromkeys(workers, 1) and leases.unclaimed == 0
+        # the scheduler removes both (a stalled process, past worker-ttl) while the process lives
+        for w in workers:
+            broker.importer_left(w, child.pid)
+        barrier = PeerLink(broker.address, 2.0, TOKEN, here)  # answered on the broker's loop after the two calls
+        assert barrier.claim([1]) == [1]
+        barrier.close()
+        assert leases.importers() == dict.fromkeys(workers, 1), "a lease ended while its importer's process lives"
+        assert broker.watched == 2  # the child, once for both of its workers, and this process (the barrier)
+        child.kill()
+        child.wait(10)
+        deadline = time.monotonic() + 10
+        while len(leases) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(leases) == 0 and pool.stats().used == 0 and broker.watched == 1  # this process
+    finally:
+        child.kill()
+        child.wait(10)
