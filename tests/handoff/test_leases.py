@@ -655,15 +655,18 @@ def test_copies_of_ipc_and_stream_leases_go_only_to_their_importer(exporter):
         leases.clear()
 
 
-CHILD = """
+# A process that claims one lease per worker address it is given (as those workers, one link each), then
+# lives until it is killed.
+CLAIMING_CHILD = """
 import sys
 from dask_gpupool.transport.link import PeerLink
-address, token, worker = sys.argv[1], bytes.fromhex(sys.argv[2]), sys.argv[3]
-lease = int(sys.stdin.readline())
-link = PeerLink(address, 5.0, token, worker)
-assert link.claim([lease]) == []
-link.close()
-print("closed", flush=True)
+address, token = sys.argv[1], bytes.fromhex(sys.argv[2])
+for worker in sys.argv[3:]:
+    lease = int(sys.stdin.readline())
+    link = PeerLink(address, 5.0, token, worker)
+    assert link.claim([lease]) == []
+    link.close()
+print("claimed", flush=True)
 sys.stdin.readline()  # stays alive until killed
 """
 
@@ -679,7 +682,7 @@ def test_a_closed_link_keeps_the_leases_and_the_importers_exit_ends_them(exporte
     pool, leases, broker, _ = exporter
     worker = "tcp://127.0.0.1:9"
     child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, broker.address, TOKEN.hex(), worker],
+        [sys.executable, "-c", CLAIMING_CHILD, broker.address, TOKEN.hex(), worker],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -693,7 +696,7 @@ def test_a_closed_link_keeps_the_leases_and_the_importers_exit_ends_them(exporte
         assert child.stdin is not None and child.stdout is not None
         child.stdin.write(f"{lease}\n")
         child.stdin.flush()
-        assert child.stdout.readline().strip() == "closed"
+        assert child.stdout.readline().strip() == "claimed"
         time.sleep(0.5)
         assert len(leases) == 1 and leases.unclaimed == 0  # claimed, its link closed, still held
         child.kill()
@@ -705,20 +708,6 @@ def test_a_closed_link_keeps_the_leases_and_the_importers_exit_ends_them(exporte
     finally:
         child.kill()
         child.wait(10)
-
-
-TWO_WORKERS_CHILD = """
-import sys
-from dask_gpupool.transport.link import PeerLink
-address, token = sys.argv[1], bytes.fromhex(sys.argv[2])
-for worker in sys.argv[3:]:
-    lease = int(sys.stdin.readline())
-    link = PeerLink(address, 5.0, token, worker)
-    assert link.claim([lease]) == []
-    link.close()
-print("claimed", flush=True)
-sys.stdin.readline()  # stays alive until killed
-"""
 
 
 def test_the_leases_of_two_workers_of_one_process_end_with_that_process_and_not_before(exporter):
@@ -734,7 +723,7 @@ def test_the_leases_of_two_workers_of_one_process_end_with_that_process_and_not_
     pool, leases, broker, (here, _) = exporter
     workers = ["tcp://127.0.0.1:7", "tcp://127.0.0.1:8"]
     child = subprocess.Popen(
-        [sys.executable, "-c", TWO_WORKERS_CHILD, broker.address, TOKEN.hex(), *workers],
+        [sys.executable, "-c", CLAIMING_CHILD, broker.address, TOKEN.hex(), *workers],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
