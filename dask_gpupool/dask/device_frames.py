@@ -41,8 +41,8 @@ from cuda.core import Buffer
 from dask_gpupool.dask.plain_arrays import in_segments, stage, warn_once
 from dask_gpupool.dask.serializers import KEY, deserialize_buffer, hand_over, loads_array
 from dask_gpupool.dask.views import VIEWS, c_strides, device_of, viewed_buffer
-from dask_gpupool.dask.worker_internals import REQUEST, SYNCHRONIZED_DEVICE, SYNCHRONIZING_SCHEMES
-from dask_gpupool.errors import ProtocolError
+from dask_gpupool.dask.worker_internals import REQUEST, SYNCHRONIZED_DEVICE, SYNCHRONIZING_SCHEMES, clear_tracebacks
+from dask_gpupool.errors import DataLostError, ProtocolError
 from dask_gpupool.handoff.active import active_service
 from dask_gpupool.handoff.deferred import SENDER
 from dask_gpupool.memory.buffers import copy_from_host, copy_to_host
@@ -208,6 +208,30 @@ def _cuda_serialize_pool_buffer(buf: Buffer) -> tuple[dict[str, Any], list[Any]]
     _count_device_frames(nbytes, staged=True, out=True)
     _timed_stage(start, staged)
     return {"nbytes": nbytes}, [_DeviceFrame(staged.ptr, nbytes, staged)]
+
+
+def _frame_lost(e: Exception) -> DataLostError:
+    """The :class:`DataLostError` a failure to receive a value of the ``"cuda"`` family is raised as.
+
+    As the ``"dask"`` family's (:func:`~dask_gpupool.dask.serializers.deserialize_buffer`): Dask 2026.8 fetches a
+    key again after a ``ConnectionError``, while any other error a deserializer raises (a :class:`ProtocolError`
+    for a malformed header among them) leaves the dependent task waiting for ever. The sender is the worker whose
+    reply is read (:data:`~dask_gpupool.handoff.deferred.SENDER`), when known.
+    """
+    sender = SENDER.get() or "?"
+    return DataLostError(f"a value from worker {sender} could not be received: {type(e).__name__}: {e}")
+
+
+def _cuda_loads_buffer(header: dict[str, Any], frames: list[Any]) -> Buffer:
+    """The ``"cuda"`` family's deserializer of a Buffer (:func:`_cuda_deserialize_buffer`); every failure, a
+    malformed header included, raised as :func:`_frame_lost`. The caller owns the Buffer returned."""
+    try:
+        return _cuda_deserialize_buffer(header, frames)
+    except DataLostError:
+        raise
+    except Exception as e:
+        clear_tracebacks(e)  # a landing buffer or an import goes now, not with the traceback Dask logs
+        raise _frame_lost(e) from e
 
 
 def _cuda_deserialize_buffer(header: dict[str, Any], frames: list[Any]) -> Buffer:
@@ -458,7 +482,11 @@ def cuda_loads_cupy(header: dict[str, Any], frames: list[Any], previous: Any) ->
     if KEY in header:
         return loads_array(header, frames, previous)
     if HOST_FRAME_KEY in header:
-        return _from_host_frame(header, frames)
+        try:
+            return _from_host_frame(header, frames)
+        except Exception as e:  # malformed, or no GPU memory for the copy: Dask fetches again (_frame_lost)
+            clear_tracebacks(e)
+            raise _frame_lost(e) from e
     arr = previous(header, frames)
     _count_device_frames(int(arr.nbytes), staged=False, out=False)
     return arr
@@ -469,7 +497,7 @@ def register() -> None:
     from distributed.protocol.cuda import cuda_deserialize, cuda_serialize
 
     cuda_serialize.register(Buffer)(_cuda_serialize_buffer)
-    cuda_deserialize.register(Buffer)(_cuda_deserialize_buffer)
+    cuda_deserialize.register(Buffer)(_cuda_loads_buffer)
 
 
 register()

@@ -155,7 +155,9 @@ def _receive(header: HandoffHeader, frames: list[Any], need: str) -> Buffer:
     """The Buffer a header and its frames describe, in this process.
 
     ``need``: ``"host"`` or ``"device"`` when the value must be readable there
-    (a NumPy or CuPy array), else ``"any"``. Callers raise its failures as :func:`_lost`.
+    (a NumPy or CuPy array), else ``"any"``. A ``copy`` comes with one frame of
+    exactly ``nbytes`` bytes (:class:`ProtocolError` otherwise). Callers raise
+    its failures as :func:`_lost`.
     """
     service = active_service()
     if header.path == "ipc":
@@ -173,6 +175,13 @@ def _receive(header: HandoffHeader, frames: list[Any], need: str) -> Buffer:
             )
         return service.pull_copy(header, need)
     data = frames[0] if frames else b""
+    if len(frames) > 1 or memoryview(data).nbytes != header.nbytes:
+        # distributed merges split frames before a deserializer runs: anything else is a malformed message, and the
+        # bytes it holds are not the value (a Buffer of another size, silently)
+        raise ProtocolError(
+            f"a copy of {header.nbytes} bytes from {header.exporter} came with {len(frames)} frame(s) of "
+            f"{[memoryview(f).nbytes for f in frames]} bytes"
+        )
     if service is not None:
         return service.receive_copy(header.kind, data, header.exporter, need)
     return host_buffer(bytearray(data))  # a client: host memory it owns

@@ -189,7 +189,8 @@ class LeaseTable:
     def claim(self, lease_ids: Iterable[int], importer: str, segments: list[int] | None = None) -> list[int]:
         """``importer`` acknowledges these leases; return the ids refused (ended, or not its own).
 
-        Claiming a lease twice is harmless. The segment ids of newly claimed
+        Claiming a lease twice is harmless. A lease in doubt that is claimed
+        is held: it is in doubt no more. The segment ids of newly claimed
         leases that have one are appended to ``segments``.
         """
         refused = []
@@ -199,6 +200,7 @@ class LeaseTable:
                 if lease is None or lease.importer != importer or lease.connection is not None:
                     refused.append(i)
                     continue
+                lease.in_doubt = False  # held: nothing left to ask its importer (doubtful counts it no more)
                 if not lease.claimed:
                     lease.claimed = True
                     if lease.segment and segments is not None and not lease.by_reply:  # by_reply: noted at grant
@@ -327,7 +329,8 @@ class LeaseTable:
         """``importer`` still holds exactly ``live``: end its claimed leases not in it; return how many.
 
         Its unclaimed leases are left alone (their replies may still be on
-        the way); leases in ``live`` that were not claimed yet count as claimed.
+        the way); leases in ``live`` that were not claimed yet count as claimed
+        (and those in doubt are in doubt no more).
         """
         keep = set(live)
         with self._lock:
@@ -336,7 +339,7 @@ class LeaseTable:
                 if lease.importer != importer or lease.connection is not None:
                     continue
                 if i in keep:
-                    lease.claimed = True
+                    lease.claimed, lease.in_doubt = True, False
                 elif lease.claimed:
                     gone.append(self._leases.pop(i))
         return self._drop(gone)

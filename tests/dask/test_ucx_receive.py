@@ -100,6 +100,60 @@ def test_a_device_frame_whose_header_says_another_size_is_a_protocol_error(heade
     assert _cuda_deserialize_buffer({"nbytes": 16}, [frame]).size == 16
 
 
+@pytest.mark.parametrize(
+    "header, frames",
+    [
+        ({"nbytes": 15}, "device-frame"),  # a device frame of 16 bytes whose header says 15
+        ({}, "device-frame"),  # no size at all
+        ({"gpupool-host-frame": True, "nbytes": 8}, [b"abc"]),  # a host frame of a Buffer, 3 bytes for 8
+        ({"gpupool-host-frame": True}, [b"abcdefgh"]),  # a host frame of a Buffer without its size
+    ],
+    ids=["device-frame-of-another-size", "device-frame-without-size", "host-frame-too-short", "host-frame-no-size"],
+)
+def test_a_malformed_device_frame_message_reaches_dask_as_data_lost(header, frames):
+    """What distributed's ``"cuda"`` family calls for a Buffer (``cuda_deserialize``) raises DataLostError, caused
+    by the ProtocolError, for a device- or host-frame header that does not describe its frame: a ConnectionError,
+    so Dask fetches the key again, where a bare ProtocolError left the dependent task waiting for ever (Dask
+    2026.8's ``gather_dep`` never retries other errors). As the ``"dask"`` family's serializers do for a malformed
+    handoff header (error-path review, thirty-third session). Checked before any CUDA call or allocation."""
+    import ctypes
+
+    from cuda.core import Buffer
+    from distributed.protocol.cuda import cuda_deserialize
+
+    from dask_gpupool import DataLostError, ProtocolError
+    from dask_gpupool.dask.device_frames import _DeviceFrame
+
+    memory = ctypes.create_string_buffer(16)
+    if frames == "device-frame":
+        frames = [_DeviceFrame(ctypes.addressof(memory), 16, memory)]
+    with pytest.raises(DataLostError, match="could not be received") as info:
+        cuda_deserialize.dispatch(Buffer)(header, frames)
+    assert isinstance(info.value, ConnectionError) and isinstance(info.value.__cause__, ProtocolError)
+    good = cuda_deserialize.dispatch(Buffer)({"nbytes": 16}, [_DeviceFrame(ctypes.addressof(memory), 16, memory)])
+    assert good.size == 16
+
+
+@pytest.mark.parametrize(
+    "header, frames",
+    [
+        ({"shape": [3], "dtype": "<f8", "gpupool-host-frame": True}, [b"\0" * 16]),  # 16 bytes for 24
+        ({"shape": [2], "gpupool-host-frame": True}, [b"\0" * 16]),  # no dtype
+    ],
+    ids=["too-short", "no-dtype"],
+)
+def test_a_malformed_cupy_host_frame_reaches_dask_as_data_lost(header, frames):
+    """The ``"cuda"`` family's CuPy deserializer (:func:`~dask_gpupool.dask.device_frames.cuda_loads_cupy`) raises
+    DataLostError caused by the ProtocolError for a host-frame header that does not describe its frame, before
+    CuPy is imported (so this runs on a CPU-only host)."""
+    from dask_gpupool import DataLostError, ProtocolError
+    from dask_gpupool.dask.device_frames import cuda_loads_cupy
+
+    with pytest.raises(DataLostError, match="could not be received") as info:
+        cuda_loads_cupy(header, frames, lambda header, frames: None)
+    assert isinstance(info.value.__cause__, ProtocolError)
+
+
 def test_a_receive_pool_block_of_a_read_that_did_not_complete_is_never_given_back():
     """A comm read that raised may leave UCX writing into the device frames it received into (a cancelled or failed
     read: distributed-ucxx drops its request, which UCX cancels only when it is deallocated; a peer's ``cuda_ipc``

@@ -105,6 +105,24 @@ def test_a_lease_claimed_by_its_reply_is_claimed_by_the_ok_and_in_doubt_when_the
     assert table.forward(table.grant(held, 8, "tcp://b:1"), "tcp://b:1", "tcp://c:1") is None
 
 
+def test_a_lease_in_doubt_claimed_another_way_is_no_longer_counted_in_doubt():
+    """A reply-claimed lease in doubt (its reply failed at the exporter) that its importer then claims over the
+    broker (an import that fell back to a copy, or a claim while a resync was open) or lists in a resync is held:
+    the exporter stops asking about it (``in_doubt``), and ``leases_in_doubt`` (``doubtful``) no longer counts it.
+    Before, the flag stayed set for as long as the importer held the value, and ``stats()`` showed the lease in
+    doubt, waiting for an answer nobody would ask for (error-path review, thirty-third session)."""
+    table = LeaseTable(60)
+    held = bytearray(8)
+    by_claim, by_resync = (table.grant(held, 8, "tcp://b:1", by_reply=True) for _ in range(2))
+    assert table.settle([by_claim, by_resync], ok=False) == (0, [by_claim, by_resync]) and table.doubtful == 2
+    assert table.claim([by_claim], "tcp://b:1") == []
+    assert table.in_doubt([by_claim], "tcp://b:1") == [] and table.doubtful == 1
+    assert table.resync("tcp://b:1", [by_claim, by_resync]) == 0
+    assert table.in_doubt([by_resync], "tcp://b:1") == [] and table.doubtful == 0 and table.unclaimed == 0
+    assert table.holder(by_claim) is held and table.holder(by_resync) is held
+    assert table.release([by_claim, by_resync], "tcp://b:1") == 2 and len(table) == 0
+
+
 def test_leases_of_headers_never_sent_are_revoked_and_a_copy_takes_back_the_segment_claim():
     """A serializer that gives up on a value after granting leases for its first frames revokes them (no "OK" may
     claim them); an importer that asks for a copy of a lease it could not map never counts its segment."""
