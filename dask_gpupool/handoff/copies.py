@@ -111,6 +111,12 @@ class Copies:
                 os.close(fd)
                 self.releaser.put(record.broker, header.lease)
 
+        if reply.size != header.nbytes:  # another buffer's copy, or a lie: never a value of another size
+            end()
+            raise DataLostError(
+                f"lease {header.lease} on pool {record.pool} of worker {record.worker}: its copy holds "
+                f"{reply.size} bytes, the header says {header.nbytes}"
+            )
         try:
             buf = self.landing(reply.size, record.worker, "any")
         except BaseException:

@@ -187,3 +187,26 @@ def _outcome(fn, *args):
         return fn(*args)
     except Exception as e:
         return e
+
+
+def test_a_host_copy_of_another_size_than_the_header_says_is_data_lost(pair):
+    """The exporter's copy of a leased buffer (the fallback when the import fails) is landed at the size the
+    exporter's reply gives: one that is not the header's ``nbytes`` (an exporter that lies, or a lease that names
+    another buffer) became a value of another size. It is ``DataLostError`` now, and the lease goes back."""
+    import time
+
+    from dask_gpupool.handoff.exporter import Exported
+
+    a, b = pair
+    buf = a.allocate(4096)
+    lease = a.leases.grant(Exported(buf, buf), 4096, b.record.worker)
+    record = b.registry.get(a.record.pool)
+    assert record is not None
+    header = HandoffHeader("ipc", "host", 16, exporter=a.record.worker, desc=a.export(buf), lease=lease)
+    with pytest.raises(DataLostError, match="4096 bytes"):
+        b.importer.fetch_copy(header, record, b.importer.link(record))
+    deadline = time.monotonic() + 10
+    while a.leases.holder(lease) is not None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert a.leases.holder(lease) is None and len(a.leases) == 0
+    buf.close()
