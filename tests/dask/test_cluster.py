@@ -642,3 +642,44 @@ def test_switch_interval_is_set_while_the_plugin_runs_and_put_back_after():
         handoff_round_trip(c, 1 << 20, b"switch interval")
         c.unregister_worker_plugin("gpupool")
         wait_for(lambda: c.run(sys.getswitchinterval) == before, what="the workers' own interval back")
+
+
+def rejected_on_scheduler(client):
+    """The scheduler plugin's count of refused registry messages, by reason (test inspection only)."""
+
+    def get(dask_scheduler):
+        return dict(getattr(dask_scheduler.plugins["gpupool"], "rejected", {}))
+
+    return client.run_on_scheduler(get)
+
+
+def test_registering_the_plugin_again_replaces_every_pool_and_refuses_nothing():
+    """``client.register_plugin(GPUPool(...))`` again, with new options, on a running cluster: every worker gets a
+    new pool with the new options, the old pools leave the registry and their broker directories go, and the old
+    pools' own unregistrations are not refused as a worker acting as another (no false alarm in ``rejected``)."""
+    with nanny_cluster([{}, {}], PLUGIN) as c:
+        old = by_worker(c)
+        c.register_plugin(GPUPool(kind="host", max_size="32MiB", broker_timeout="2s"))
+        new = by_worker(c)
+        assert set(new) == set(old) and {r.max_size for r in new.values()} == {32 * MiB}
+        assert not {r.pool for r in new.values()} & {r.pool for r in old.values()}
+        handoff_round_trip(c, MiB, b"registered again")
+        wait_for(lambda: not any(os.path.exists(os.path.dirname(r.broker)) for r in old.values()))
+        assert rejected_on_scheduler(c) == {}
+
+
+def test_workers_preloading_with_different_arguments_each_get_their_own_options():
+    """``dask worker --preload dask_gpupool --gpupool-<key> VALUE``: a worker's arguments are its own dask config
+    (README), so two workers preloading with different sizes get different pools, whichever registered
+    ``GPUPool`` on the scheduler first."""
+    config = {"gpupool": {"kind": "host"}}
+    workers = [
+        {"config": config, "preload": ["dask_gpupool"], "preload_argv": [["--gpupool-max-size", f"{size}MiB"]]}
+        for size in (32, 16)
+    ]
+    with nanny_cluster(workers) as c:
+        wait_for(lambda: len(dask_gpupool.pools(c)) == 2)
+        w0, w1 = worker_addresses(c)
+        rows = by_worker(c)
+        assert (rows[w0].max_size, rows[w1].max_size) == (32 * MiB, 16 * MiB)
+        handoff_round_trip(c, MiB, b"own options")
