@@ -683,3 +683,39 @@ def test_workers_preloading_with_different_arguments_each_get_their_own_options(
         rows = by_worker(c)
         assert (rows[w0].max_size, rows[w1].max_size) == (32 * MiB, 16 * MiB)
         handoff_round_trip(c, MiB, b"own options")
+
+
+def pool_count(client):
+    """How many pools the registry lists; 0 while the scheduler has no registry."""
+    try:
+        return len(dask_gpupool.pools(client))
+    except dask_gpupool.PoolUnavailableError:
+        return 0
+
+
+def test_a_failed_registration_over_a_running_plugin_leaves_none_so_a_preloading_worker_installs_it(tmp_path):
+    """``client.register_plugin(GPUPool(...))`` again with options that fail on the workers raises, and tears down
+    the pools of the plugin it replaced: the cluster is then left without the plugin, not with the old one
+    listed on the scheduler and serving nothing, so that a worker started with ``--preload dask_gpupool``
+    installs it again (its registration is idempotent)."""
+    import sys
+
+    with nanny_cluster([{}, {}], PLUGIN) as c:
+        old = by_worker(c)
+        with pytest.raises(Exception, match="missing"):
+            c.register_plugin(GPUPool(kind="host", max_size="64MiB", broker_dir=str(tmp_path / "missing")))
+        with pytest.raises(dask_gpupool.PoolUnavailableError):
+            dask_gpupool.pools(c)
+        assert not any(os.path.exists(os.path.dirname(r.broker)) for r in old.values())
+        env = {**os.environ, "DASK_GPUPOOL__KIND": "host", "DASK_GPUPOOL__MAX_SIZE": "32MiB"}
+        worker = [sys.executable, "-m", "distributed.cli.dask_worker", c.scheduler.address, "--nthreads", "1"]
+        with open(tmp_path / "late-worker.log", "w") as log:
+            procs = [subprocess.Popen([*worker, "--no-dashboard", "--preload", "dask_gpupool"], env=env, stderr=log)]
+        try:
+            c.wait_for_workers(3, timeout=60)
+            wait_for(lambda: pool_count(c) == 3, timeout=60)
+            assert not {r.pool for r in dask_gpupool.pools(c)} & {r.pool for r in old.values()}
+        finally:
+            stop_processes(procs)
+        wait_for(lambda: len(dask_gpupool.pools(c)) == 2, timeout=60)
+        handoff_round_trip(c, MiB, b"installed again")
