@@ -719,3 +719,19 @@ def test_a_failed_registration_over_a_running_plugin_leaves_none_so_a_preloading
             stop_processes(procs)
         wait_for(lambda: len(dask_gpupool.pools(c)) == 2, timeout=60)
         handoff_round_trip(c, MiB, b"installed again")
+
+
+def test_a_relative_broker_dir_is_taken_from_the_workers_directory_and_every_worker_joins(tmp_path):
+    """``gpupool.broker-dir`` given as a relative path (as Dask's own ``temporary-directory`` may be) names a
+    directory under each worker's working directory: every worker joins the registry with an absolute broker
+    path, and peers hand over zero-copy; rather than each registration being refused as malformed while
+    ``register_plugin`` waits out the connect timeout and returns with no pools."""
+    relative = os.path.relpath(tmp_path)
+    with nanny_cluster([{}, {}]) as c:
+        c.register_plugin(GPUPool(kind="host", max_size="64MiB", broker_timeout="2s", broker_dir=relative))
+        rows = by_worker(c)
+        assert len(rows) == 2
+        assert all(os.path.dirname(os.path.dirname(r.broker)) == str(tmp_path) for r in rows.values())
+        handoff_round_trip(c, MiB, b"relative broker dir")
+        assert rejected_on_scheduler(c) == {}
+    assert os.listdir(tmp_path) == []
