@@ -735,3 +735,20 @@ def test_a_relative_broker_dir_is_taken_from_the_workers_directory_and_every_wor
         handoff_round_trip(c, MiB, b"relative broker dir")
         assert rejected_on_scheduler(c) == {}
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("problem", ["missing", "a-file"])
+def test_a_broker_dir_the_workers_cannot_use_is_a_config_error_naming_the_key(tmp_path, problem):
+    """``gpupool.broker-dir`` naming no directory (or a file) fails the registration with a ``ConfigError`` that
+    names the key and the path, as every other bad option does, not an ``OSError`` about a random subdirectory;
+    nothing is left behind."""
+    path = tmp_path / problem
+    if problem == "a-file":
+        path.write_text("")
+    with nanny_cluster([{}]) as c:
+        with pytest.raises(dask_gpupool.ConfigError, match=rf"gpupool\.broker-dir='{re.escape(str(path))}'"):
+            c.register_plugin(GPUPool(kind="host", max_size="64MiB", broker_dir=str(path)))
+        with pytest.raises(dask_gpupool.PoolUnavailableError):
+            dask_gpupool.pools(c)
+        assert c.run(lambda dask_worker: "gpupool" in dask_worker.plugins) == {a: False for a in worker_addresses(c)}
+    assert os.listdir(tmp_path) == ([] if problem == "missing" else ["a-file"])
