@@ -42,10 +42,11 @@ async def dask_setup(dask_object: Scheduler | Worker, **options: Any) -> None:
     On a worker, the options (arguments over the worker's dask config) are
     checked here, before the worker starts, and become that worker's dask
     config, and only that worker's: the ``GPUPool`` it asks the scheduler to
-    install (if none is yet) sets no option, so every worker reads its own. A bad value raises :class:`~dask_gpupool.ConfigError` naming the
-    key; distributed logs it and starts the worker anyway, and the worker
-    then joins without a pool, reported as such by ``stats()``, ``info`` and
-    the ``/gpupool`` page.
+    install (if none is yet) sets no option, so every worker reads its own.
+    A bad value raises :class:`~dask_gpupool.ConfigError` naming the key;
+    distributed logs it and starts the worker anyway, and the worker then
+    joins without a pool, reported as such by ``stats()``, ``info`` and the
+    ``/gpupool`` page.
     """
     options = {k: v for k, v in options.items() if v is not None}
     plugin = GPUPool(**options)  # checks every value, with this process's dask config
