@@ -702,7 +702,7 @@ def test_a_failed_registration_over_a_running_plugin_leaves_none_so_a_preloading
 
     with nanny_cluster([{}, {}], PLUGIN) as c:
         old = by_worker(c)
-        with pytest.raises(Exception, match="missing"):
+        with pytest.raises(dask_gpupool.ConfigError, match=r"gpupool\.broker-dir=.*missing"):
             c.register_plugin(GPUPool(kind="host", max_size="64MiB", broker_dir=str(tmp_path / "missing")))
         with pytest.raises(dask_gpupool.PoolUnavailableError):
             dask_gpupool.pools(c)
