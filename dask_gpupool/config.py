@@ -9,6 +9,7 @@ is the one place that reads and checks them; everything else receives a
 from __future__ import annotations
 
 import math
+import os
 import pathlib
 from dataclasses import dataclass
 from typing import Any, Literal, cast
@@ -212,7 +213,8 @@ class PoolOptions:
     host_id : str or None
         Host identity override; ``None`` means hostname + kernel boot id.
     broker_dir : str or None
-        Parent directory of the broker's private directory.
+        Parent directory of the broker's private directory, absolute (a
+        relative path is taken under the worker's working directory).
     broker_timeout : float
         Seconds a broker waits for a request, and a client for a reply.
     lease_timeout : float
@@ -539,7 +541,7 @@ class PoolOptions:
             device=_parse_device(raw.get("device", 0)),
             max_size=Size.parse(raw.get("max-size", "50%")),
             host_id=_parse_optional_str(raw.get("host-id"), "gpupool.host-id"),
-            broker_dir=_parse_optional_str(raw.get("broker-dir"), "gpupool.broker-dir"),
+            broker_dir=_parse_broker_dir(raw.get("broker-dir")),
             broker_timeout=_parse_timeout(raw.get("broker-timeout", "10s"), "gpupool.broker-timeout"),
             lease_timeout=_parse_timeout(raw.get("lease-timeout", "60s"), "gpupool.lease-timeout"),
             peer_gpu_handoff=peer_gpu_handoff,
@@ -626,6 +628,15 @@ def _parse_optional_str(value: object, key: str) -> str | None:
     if value is None or (isinstance(value, str) and value):
         return value
     raise ConfigError(f"{key}={value!r} must be a non-empty string or null")
+
+
+def _parse_broker_dir(value: object) -> str | None:
+    """``gpupool.broker-dir`` as an absolute path: a relative one is under this process's working directory.
+
+    Peers connect to the broker socket by the path in the registry row, which must be absolute.
+    """
+    path = _parse_optional_str(value, "gpupool.broker-dir")
+    return None if path is None else os.path.abspath(os.path.expanduser(path))
 
 
 def _parse_nbytes(value: object, key: str) -> int:

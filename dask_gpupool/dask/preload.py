@@ -41,18 +41,22 @@ async def dask_setup(dask_object: Scheduler | Worker, **options: Any) -> None:
 
     On a worker, the options (arguments over the worker's dask config) are
     checked here, before the worker starts, and become that worker's dask
-    config. A bad value raises :class:`~dask_gpupool.ConfigError` naming the
-    key; distributed logs it and starts the worker anyway, and the worker
-    then joins without a pool, reported as such by ``stats()``, ``info`` and
-    the ``/gpupool`` page.
+    config, and only that worker's: the ``GPUPool`` it asks the scheduler to
+    install (if none is yet) sets no option, so every worker reads its own.
+    A bad value raises :class:`~dask_gpupool.ConfigError` naming the key;
+    distributed logs it and starts the worker anyway, and the worker then
+    joins without a pool, reported as such by ``stats()``, ``info`` and the
+    ``/gpupool`` page.
     """
     options = {k: v for k, v in options.items() if v is not None}
     plugin = GPUPool(**options)  # checks every value, with this process's dask config
-    if not isinstance(dask_object, Scheduler) and options:
-        # This worker's own config from now on: its plugin reads the options the scheduler's GPUPool
-        # does not set from here, whichever process registered GPUPool first.
-        dask.config.set({f"gpupool.{k.replace('_', '-')}": v for k, v in options.items()})
     if isinstance(dask_object, Scheduler):
         await dask_object.register_scheduler_plugin(plugin, name=PLUGIN_NAME, idempotent=True)
-    else:
-        await dask_object.scheduler.register_scheduler_plugin(plugin=dumps(plugin), name=PLUGIN_NAME, idempotent=True)
+        return
+    if options:
+        # This worker's own config from now on: its plugin reads every option the scheduler's GPUPool
+        # does not set from here, whichever process registered GPUPool first.
+        dask.config.set({f"gpupool.{k.replace('_', '-')}": v for k, v in options.items()})
+    # Without options: the GPUPool a worker registers would give them to every worker, overriding
+    # each one's own arguments and config.
+    await dask_object.scheduler.register_scheduler_plugin(plugin=dumps(GPUPool()), name=PLUGIN_NAME, idempotent=True)

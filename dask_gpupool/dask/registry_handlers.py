@@ -98,7 +98,17 @@ class RegistryHandlers:
         self._joined = None
 
     def serve(self, scheduler: Scheduler) -> None:
-        """Answer for ``scheduler`` from now on (called on its event loop)."""
+        """Answer for ``scheduler`` from now on (called on its event loop).
+
+        The secret of the workers' registry keys is the scheduler's, kept from the first plugin that served it:
+        a plugin registered again (new options) takes over while the old one's worker plugins are torn down, and
+        their ``gpupool-unregister`` carries the key they have. Each key still belongs to its worker alone.
+        """
+        secret = getattr(scheduler, "_gpupool_registry_secret", None)
+        if isinstance(secret, bytes):
+            self._secret = secret
+        else:
+            scheduler._gpupool_registry_secret = self._secret  # type: ignore[attr-defined]
         self.scheduler = scheduler
         self._joined = asyncio.Event()
 
@@ -300,7 +310,8 @@ class RegistryHandlers:
             if (pending := self._pending.get(worker)) is not None and pending.pool == pool:
                 del self._pending[worker]  # registered again, not joined yet: it must not join after this
             self._broadcast(self.registry.remove([pool]))
-            self.worker_stats.pop(worker, None)  # its last push described a pool that is gone (the /gpupool page)
+            if row is not None:  # not a pool of an earlier plugin, which this registry never held
+                self.worker_stats.pop(worker, None)  # its last push described a pool that is gone (the /gpupool page)
 
     # -- RPC handlers (scheduler's event loop; any comm, clients included) ----------------
 

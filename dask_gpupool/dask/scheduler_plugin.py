@@ -311,6 +311,13 @@ class GPUPool(SchedulerPlugin):
             await scheduler.unregister_worker_plugin(None, PLUGIN_NAME)
             self._remove_handlers()
             self._registry_handlers.scheduler = None
+            replaced = scheduler.plugins.get(PLUGIN_NAME)
+            if isinstance(replaced, GPUPool) and replaced is not self:
+                # Registered again over a running plugin: its worker plugins were replaced by ours and are gone
+                # with them, and its handlers by ours. Listed still, it would make every later idempotent
+                # registration (``--preload dask_gpupool``) a no-op on a cluster with no pools.
+                scheduler.remove_plugin(name=PLUGIN_NAME)
+                await replaced.close()
             worker, response = next(iter(failed.items()))
             logger.error("gpupool: setup failed on %d worker(s), e.g. %s", len(failed), worker)
             exc = response.get("exception")

@@ -75,7 +75,7 @@ import tempfile
 import threading
 from typing import cast
 
-from dask_gpupool.errors import BrokerRefusedError, GPUPoolError, ProtocolError
+from dask_gpupool.errors import BrokerRefusedError, ConfigError, GPUPoolError, ProtocolError
 from dask_gpupool.transport.accept import AcceptBackoff
 from dask_gpupool.transport.broker_admission import (
     MAX_CONNECTIONS,
@@ -137,6 +137,12 @@ class FdBroker:
     max_per_peer, max_connections : int
         The bounds above.
 
+    Raises
+    ------
+    ConfigError
+        When ``directory`` (``gpupool.broker-dir``) is missing, not a
+        directory, or not writable by this process.
+
     Notes
     -----
     fd ownership: the listening socket and every accepted connection are the
@@ -193,7 +199,15 @@ class FdBroker:
         self._closed = False
         parent = directory or tempfile.gettempdir()
         remove_stale_broker_dirs(parent)
-        self._dir = tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{name[:8]}-", dir=parent)  # mode 0700
+        try:
+            self._dir = tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{name[:8]}-", dir=parent)  # mode 0700
+        except (FileNotFoundError, NotADirectoryError, PermissionError) as e:
+            if directory is None:
+                raise
+            raise ConfigError(
+                f"gpupool.broker-dir={directory!r}: this worker cannot make its broker's directory there "
+                f"({e.strerror}); valid: an existing directory it may write to, on this host"
+            ) from None
         self.address = os.path.join(self._dir, SOCKET_NAME)
         try:
             if len(os.fsencode(self.address)) > _UNIX_PATH_MAX:

@@ -642,3 +642,113 @@ def test_switch_interval_is_set_while_the_plugin_runs_and_put_back_after():
         handoff_round_trip(c, 1 << 20, b"switch interval")
         c.unregister_worker_plugin("gpupool")
         wait_for(lambda: c.run(sys.getswitchinterval) == before, what="the workers' own interval back")
+
+
+def rejected_on_scheduler(client):
+    """The scheduler plugin's count of refused registry messages, by reason (test inspection only)."""
+
+    def get(dask_scheduler):
+        return dict(getattr(dask_scheduler.plugins["gpupool"], "rejected", {}))
+
+    return client.run_on_scheduler(get)
+
+
+def test_registering_the_plugin_again_replaces_every_pool_and_refuses_nothing():
+    """``client.register_plugin(GPUPool(...))`` again, with new options, on a running cluster: every worker gets a
+    new pool with the new options, the old pools leave the registry and their broker directories go, and the old
+    pools' own unregistrations are not refused as a worker acting as another (no false alarm in ``rejected``)."""
+    with nanny_cluster([{}, {}], PLUGIN) as c:
+        old = by_worker(c)
+        c.register_plugin(GPUPool(kind="host", max_size="32MiB", broker_timeout="2s"))
+        new = by_worker(c)
+        assert set(new) == set(old) and {r.max_size for r in new.values()} == {32 * MiB}
+        assert not {r.pool for r in new.values()} & {r.pool for r in old.values()}
+        handoff_round_trip(c, MiB, b"registered again")
+        wait_for(lambda: not any(os.path.exists(os.path.dirname(r.broker)) for r in old.values()))
+        assert rejected_on_scheduler(c) == {}
+
+
+def test_workers_preloading_with_different_arguments_each_get_their_own_options():
+    """``dask worker --preload dask_gpupool --gpupool-<key> VALUE``: a worker's arguments are its own dask config
+    (README), so two workers preloading with different sizes get different pools, whichever registered
+    ``GPUPool`` on the scheduler first."""
+    config = {"gpupool": {"kind": "host"}}
+    workers = [
+        {"config": config, "preload": ["dask_gpupool"], "preload_argv": [["--gpupool-max-size", f"{size}MiB"]]}
+        for size in (32, 16)
+    ]
+    with nanny_cluster(workers) as c:
+        wait_for(lambda: len(dask_gpupool.pools(c)) == 2)
+        w0, w1 = worker_addresses(c)
+        rows = by_worker(c)
+        assert (rows[w0].max_size, rows[w1].max_size) == (32 * MiB, 16 * MiB)
+        handoff_round_trip(c, MiB, b"own options")
+
+
+def pool_count(client):
+    """How many pools the registry lists; 0 while the scheduler has no registry."""
+    try:
+        return len(dask_gpupool.pools(client))
+    except dask_gpupool.PoolUnavailableError:
+        return 0
+
+
+def test_a_failed_registration_over_a_running_plugin_leaves_none_so_a_preloading_worker_installs_it(tmp_path):
+    """``client.register_plugin(GPUPool(...))`` again with options that fail on the workers raises, and tears down
+    the pools of the plugin it replaced: the cluster is then left without the plugin, not with the old one
+    listed on the scheduler and serving nothing, so that a worker started with ``--preload dask_gpupool``
+    installs it again (its registration is idempotent)."""
+    import sys
+
+    with nanny_cluster([{}, {}], PLUGIN) as c:
+        old = by_worker(c)
+        with pytest.raises(dask_gpupool.ConfigError, match=r"gpupool\.broker-dir=.*missing"):
+            c.register_plugin(GPUPool(kind="host", max_size="64MiB", broker_dir=str(tmp_path / "missing")))
+        with pytest.raises(dask_gpupool.PoolUnavailableError):
+            dask_gpupool.pools(c)
+        assert not any(os.path.exists(os.path.dirname(r.broker)) for r in old.values())
+        env = {**os.environ, "DASK_GPUPOOL__KIND": "host", "DASK_GPUPOOL__MAX_SIZE": "32MiB"}
+        worker = [sys.executable, "-m", "distributed.cli.dask_worker", c.scheduler.address, "--nthreads", "1"]
+        with open(tmp_path / "late-worker.log", "w") as log:
+            procs = [subprocess.Popen([*worker, "--no-dashboard", "--preload", "dask_gpupool"], env=env, stderr=log)]
+        try:
+            c.wait_for_workers(3, timeout=60)
+            wait_for(lambda: pool_count(c) == 3, timeout=60)
+            assert not {r.pool for r in dask_gpupool.pools(c)} & {r.pool for r in old.values()}
+        finally:
+            stop_processes(procs)
+        wait_for(lambda: len(dask_gpupool.pools(c)) == 2, timeout=60)
+        handoff_round_trip(c, MiB, b"installed again")
+
+
+def test_a_relative_broker_dir_is_taken_from_the_workers_directory_and_every_worker_joins(tmp_path):
+    """``gpupool.broker-dir`` given as a relative path (as Dask's own ``temporary-directory`` may be) names a
+    directory under each worker's working directory: every worker joins the registry with an absolute broker
+    path, and peers hand over zero-copy; rather than each registration being refused as malformed while
+    ``register_plugin`` waits out the connect timeout and returns with no pools."""
+    relative = os.path.relpath(tmp_path)
+    with nanny_cluster([{}, {}]) as c:
+        c.register_plugin(GPUPool(kind="host", max_size="64MiB", broker_timeout="2s", broker_dir=relative))
+        rows = by_worker(c)
+        assert len(rows) == 2
+        assert all(os.path.dirname(os.path.dirname(r.broker)) == str(tmp_path) for r in rows.values())
+        handoff_round_trip(c, MiB, b"relative broker dir")
+        assert rejected_on_scheduler(c) == {}
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("problem", ["missing", "a-file"])
+def test_a_broker_dir_the_workers_cannot_use_is_a_config_error_naming_the_key(tmp_path, problem):
+    """``gpupool.broker-dir`` naming no directory (or a file) fails the registration with a ``ConfigError`` that
+    names the key and the path, as every other bad option does, not an ``OSError`` about a random subdirectory;
+    nothing is left behind."""
+    path = tmp_path / problem
+    if problem == "a-file":
+        path.write_text("")
+    with nanny_cluster([{}]) as c:
+        with pytest.raises(dask_gpupool.ConfigError, match=rf"gpupool\.broker-dir='{re.escape(str(path))}'"):
+            c.register_plugin(GPUPool(kind="host", max_size="64MiB", broker_dir=str(path)))
+        with pytest.raises(dask_gpupool.PoolUnavailableError):
+            dask_gpupool.pools(c)
+        assert c.run(lambda dask_worker: "gpupool" in dask_worker.plugins) == {a: False for a in worker_addresses(c)}
+    assert os.listdir(tmp_path) == ([] if problem == "missing" else ["a-file"])
