@@ -752,3 +752,20 @@ def test_a_broker_dir_the_workers_cannot_use_is_a_config_error_naming_the_key(tm
             dask_gpupool.pools(c)
         assert c.run(lambda dask_worker: "gpupool" in dask_worker.plugins) == {a: False for a in worker_addresses(c)}
     assert os.listdir(tmp_path) == ([] if problem == "missing" else ["a-file"])
+
+
+def test_a_worker_whose_registry_row_would_be_refused_fails_setup_naming_itself_and_why(tmp_path):
+    """A worker whose temporary directory is ``.`` (``TMPDIR=.``) makes its broker under a relative path, which the
+    scheduler refuses in its registry row (peers connect by that path). The worker checks its row as the scheduler
+    will and fails its setup: ``register_plugin`` raises at once naming the worker and the reason, as for any other
+    setup failure, rather than waiting out the connect timeout and returning with that worker silently poolless;
+    nothing is left behind."""
+    with nanny_cluster([{"env": {"TMPDIR": "."}}, {}]) as c:
+        bad, _ = worker_addresses(c)
+        cwd = c.run(os.getcwd, workers=[bad])[bad]
+        with pytest.raises(dask_gpupool.PoolUnavailableError, match=rf"{re.escape(bad)}.*not an absolute"):
+            c.register_plugin(GPUPool(kind="host", max_size="64MiB", broker_timeout="2s"))
+        with pytest.raises(dask_gpupool.PoolUnavailableError):
+            dask_gpupool.pools(c)
+        assert c.run(lambda dask_worker: "gpupool" in dask_worker.plugins) == {a: False for a in worker_addresses(c)}
+        assert not [d for d in os.listdir(cwd) if d.startswith("dask-gpupool-")]
