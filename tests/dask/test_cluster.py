@@ -769,3 +769,43 @@ def test_a_worker_whose_registry_row_would_be_refused_fails_setup_naming_itself_
             dask_gpupool.pools(c)
         assert c.run(lambda dask_worker: "gpupool" in dask_worker.plugins) == {a: False for a in worker_addresses(c)}
         assert not [d for d in os.listdir(cwd) if d.startswith("dask-gpupool-")]
+
+
+def test_two_clients_registering_the_plugin_at_once_leave_one_registry_whose_rows_leave_with_their_workers():
+    """Two clients call ``register_plugin(GPUPool(...))`` at the same moment (as workers started with ``--preload
+    dask_gpupool`` at once do): the second start takes over the handlers and worker plugins while the first still
+    waits for its workers. The plugin Dask lists in the end serves the registry the workers joined, so a killed
+    worker's row leaves it and the Nanny's restarted worker joins again; nothing is refused."""
+    import threading
+
+    from distributed import Client
+
+    with nanny_cluster([{}, {}]) as c:
+        clients = [Client(c.scheduler.address, timeout=30) for _ in range(2)]
+        barrier, errors = threading.Barrier(2), []
+
+        def register(client):
+            barrier.wait()
+            try:
+                client.register_plugin(GPUPool(kind="host", max_size="64MiB", broker_timeout="2s"))
+            except BaseException as e:
+                errors.append(e)
+
+        try:
+            threads = [threading.Thread(target=register, args=(other,)) for other in clients]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        finally:
+            for other in clients:
+                other.close()
+        assert errors == []
+        rows = by_worker(c)
+        assert len(rows) == 2
+        victim = rows[worker_addresses(c)[0]]
+        os.kill(victim.pid, signal.SIGKILL)
+        wait_for(lambda: victim.pool not in {r.pool for r in dask_gpupool.pools(c)}, timeout=60)
+        wait_for(lambda: len(dask_gpupool.pools(c)) == 2, timeout=60)
+        handoff_round_trip(c, MiB, b"registered at once")
+        assert rejected_on_scheduler(c) == {}
