@@ -65,7 +65,7 @@ from dask_gpupool.handoff.service import PoolService
 from dask_gpupool.memory.topology import current_gpu, sleeping_event
 from dask_gpupool.ops import metrics as _metrics
 from dask_gpupool.ops.dashboard import STATS_INTERVAL, STATS_OP
-from dask_gpupool.wire.registry import Membership, RegistryUpdate
+from dask_gpupool.wire.registry import Membership, PoolRecord, RegistryUpdate
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -143,6 +143,7 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         pool = service.pool
         service.routing["segment-memory"] = _segment_memory_line(options, pool.kind, pool.segment_memory, over_ucx)
         try:
+            _check_row(service.record, worker.address)
             # An op the scheduler does not know would end this worker's stream: ask first, read-only.
             if await worker.scheduler.gpupool_pools() is None:  # Dask answers an unknown handler with None
                 raise PoolUnavailableError(
@@ -419,6 +420,26 @@ def service_of(worker: Worker) -> PoolService:
             "or start the scheduler with --preload dask_gpupool"
         )
     return service
+
+
+def _check_row(record: PoolRecord, address: str) -> None:
+    """Check this worker's registry row as the scheduler will (:meth:`PoolRecord.from_msg`) before it is sent.
+
+    A row the scheduler refuses (a broker under a relative temporary directory, ``TMPDIR=.``) would leave the
+    worker without a pool, and ``register_plugin`` waiting out the connect timeout and returning with no error:
+    the scheduler answers no refusal, since a registration may come from another worker in this one's name.
+
+    Raises
+    ------
+    PoolUnavailableError
+        Naming the worker and what in its row the scheduler would refuse; its setup fails with it.
+    """
+    try:
+        PoolRecord.from_msg(record.to_msg())
+    except ProtocolError as e:
+        raise PoolUnavailableError(
+            f"worker {address}: the scheduler would refuse this worker's pool registration: {e}"
+        ) from None
 
 
 def _listen_scheme(worker: Worker) -> str | None:

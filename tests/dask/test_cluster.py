@@ -752,3 +752,87 @@ def test_a_broker_dir_the_workers_cannot_use_is_a_config_error_naming_the_key(tm
             dask_gpupool.pools(c)
         assert c.run(lambda dask_worker: "gpupool" in dask_worker.plugins) == {a: False for a in worker_addresses(c)}
     assert os.listdir(tmp_path) == ([] if problem == "missing" else ["a-file"])
+
+
+def test_a_worker_whose_registry_row_would_be_refused_fails_setup_naming_itself_and_why(tmp_path):
+    """A worker whose temporary directory is ``.`` (``TMPDIR=.``) makes its broker under a relative path, which the
+    scheduler refuses in its registry row (peers connect by that path). The worker checks its row as the scheduler
+    will and fails its setup: ``register_plugin`` raises at once naming the worker and the reason, as for any other
+    setup failure, rather than waiting out the connect timeout and returning with that worker silently poolless;
+    nothing is left behind."""
+    with nanny_cluster([{"env": {"TMPDIR": "."}}, {}]) as c:
+        bad, _ = worker_addresses(c)
+        cwd = c.run(os.getcwd, workers=[bad])[bad]
+        with pytest.raises(dask_gpupool.PoolUnavailableError, match=rf"{re.escape(bad)}.*not an absolute"):
+            c.register_plugin(GPUPool(kind="host", max_size="64MiB", broker_timeout="2s"))
+        with pytest.raises(dask_gpupool.PoolUnavailableError):
+            dask_gpupool.pools(c)
+        assert c.run(lambda dask_worker: "gpupool" in dask_worker.plugins) == {a: False for a in worker_addresses(c)}
+        assert not [d for d in os.listdir(cwd) if d.startswith("dask-gpupool-")]
+
+
+def register_at_once(c, plugins):
+    """Each of ``plugins`` registered by a client of its own, all at the same moment (threads); what each
+    ``register_plugin`` raised, or ``None``, in order."""
+    import threading
+
+    from distributed import Client
+
+    clients = [Client(c.scheduler.address, timeout=30) for _ in plugins]
+    barrier, outcomes = threading.Barrier(len(plugins)), [None] * len(plugins)
+
+    def register(i):
+        barrier.wait()
+        try:
+            clients[i].register_plugin(plugins[i])
+        except BaseException as e:
+            outcomes[i] = e
+
+    try:
+        threads = [threading.Thread(target=register, args=(i,)) for i in range(len(plugins))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        for other in clients:
+            other.close()
+    return outcomes
+
+
+def test_two_clients_registering_the_plugin_at_once_leave_one_registry_whose_rows_leave_with_their_workers():
+    """Two clients call ``register_plugin(GPUPool(...))`` at the same moment (as workers started with ``--preload
+    dask_gpupool`` at once do): the second start takes over the handlers and worker plugins while the first still
+    waits for its workers. The plugin Dask lists in the end serves the registry the workers joined, so a killed
+    worker's row leaves it and the Nanny's restarted worker joins again; nothing is refused."""
+    with nanny_cluster([{}, {}]) as c:
+        plugins = [GPUPool(kind="host", max_size="64MiB", broker_timeout="2s") for _ in range(2)]
+        assert register_at_once(c, plugins) == [None, None]
+        rows = by_worker(c)
+        assert len(rows) == 2
+        victim = rows[worker_addresses(c)[0]]
+        os.kill(victim.pid, signal.SIGKILL)
+        wait_for(lambda: victim.pool not in {r.pool for r in dask_gpupool.pools(c)}, timeout=60)
+        wait_for(lambda: len(dask_gpupool.pools(c)) == 2, timeout=60)
+        handoff_round_trip(c, MiB, b"registered at once")
+        assert rejected_on_scheduler(c) == {}
+
+
+def test_of_two_registrations_at_once_with_other_options_the_replaced_one_raises_naming_the_other():
+    """Two clients register ``GPUPool`` with different sizes at the same moment: the workers run the pools of the
+    start that came second, and the other ``register_plugin`` raises ``GPUPoolError`` saying its options were
+    replaced by which, rather than returning as if its own options applied; the plugin listed is the one whose
+    pools the workers run."""
+    with nanny_cluster([{}, {}]) as c:
+        sizes = (32, 16)
+        plugins = [GPUPool(kind="host", max_size=f"{size}MiB", broker_timeout="2s") for size in sizes]
+        outcomes = register_at_once(c, plugins)
+        assert [type(e) for e in outcomes].count(dask_gpupool.GPUPoolError) == 1, outcomes
+        assert outcomes.count(None) == 1, outcomes
+        lost = next(e for e in outcomes if e is not None)
+        won = sizes[outcomes.index(None)]
+        assert "replaced this one" in str(lost) and f"'max_size': '{won}MiB'" in str(lost)
+        assert {r.max_size for r in dask_gpupool.pools(c)} == {won * MiB}
+        listed = c.run_on_scheduler(lambda dask_scheduler: dask_scheduler.plugins["gpupool"].overrides["max_size"])
+        assert listed == f"{won}MiB"
+        handoff_round_trip(c, MiB, b"the later options")
