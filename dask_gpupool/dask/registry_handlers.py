@@ -86,7 +86,6 @@ class RegistryHandlers:
     _secret: bytes
     _pending: dict[str, PoolRecord]
     _joined: asyncio.Event | None
-    superseded: bool
 
     def __init__(self) -> None:
         self.registry = PoolRegistry()
@@ -97,14 +96,6 @@ class RegistryHandlers:
         self.scheduler = None
         self._pending = {}  # worker -> its row, registered but not yet joined (not published)
         self._joined = None
-        self.superseded = False  # another plugin's handlers replaced these (set by supersede)
-
-    def supersede(self) -> None:
-        """Another plugin's handlers replaced these on the scheduler: a :meth:`wait_until_joined` still running
-        returns (the workers join the other registry, never this one)."""
-        self.superseded = True
-        if self._joined is not None:
-            self._joined.set()
 
     def serve(self, scheduler: Scheduler) -> None:
         """Answer for ``scheduler`` from now on (called on its event loop).
@@ -127,16 +118,13 @@ class RegistryHandlers:
 
         A worker's setup sends its registration and returns before the handshake ends (a worker
         joining the cluster reads its stream only after its plugins are set up). Bounded by
-        ``distributed.comm.timeouts.connect``; a worker still missing then is logged, not failed. Returns at
-        once when another plugin's handlers replace these (:meth:`supersede`).
+        ``distributed.comm.timeouts.connect``; a worker still missing then is logged, not failed.
         """
         assert self._joined is not None
         scheduler_workers = self._scheduler_workers()
         deadline = time.monotonic() + parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"))
         while True:
             self._joined.clear()
-            if self.superseded:
-                return
             owners = self.registry.owners()
             missing = [w for w in workers if w in scheduler_workers and w not in owners]
             left = deadline - time.monotonic()

@@ -299,10 +299,6 @@ class GPUPool(SchedulerPlugin):
             # the preloads are done: once is enough.
             return
         self._registry_handlers.serve(scheduler)
-        previous = getattr(scheduler, "_gpupool_latest", None)
-        scheduler._gpupool_latest = self  # type: ignore[attr-defined]
-        if isinstance(previous, GPUPool) and previous is not self:
-            previous._registry_handlers.supersede()  # a start of it still waiting for its workers stops waiting
         scheduler.handlers.update(self._handlers)
         # Never removed: an unknown op would end that worker's whole stream (see _drop).
         scheduler.stream_handlers.update(self._stream_handlers)
@@ -332,41 +328,8 @@ class GPUPool(SchedulerPlugin):
             if isinstance(exc, BaseException):
                 raise exc
             raise GPUPoolError(f"gpupool setup failed on {worker}: {response.get('exception_text')}")
-        while True:
-            await self._registry_handlers.wait_until_joined(list(responses))
-            latest = getattr(scheduler, "_gpupool_latest", self)
-            if latest._registry_handlers is self._registry_handlers:
-                break
-            self._join_latest(latest)
-        if self._scheduler is None:
-            raise GPUPoolError(
-                "gpupool: another GPUPool registration replaced this one while it started, and failed; "
-                "the workers have no pools (see the scheduler's log)"
-            )
+        await self._registry_handlers.wait_until_joined(list(responses))
         logger.info("gpupool: registry started, worker plugin installed on %d worker(s)", len(responses))
-
-    def _join_latest(self, latest: GPUPool) -> None:
-        """Another ``GPUPool`` started while this one did (two clients registering at once, or workers started
-        with ``--preload dask_gpupool`` at once): its handlers and worker plugins replaced this one's, and the
-        workers join its registry. Distributed lists whichever start ends last, so this one serves that registry
-        from now on (and waits for the workers to join it): the rows of workers that leave then leave it
-        (``remove_worker``).
-
-        Raises
-        ------
-        GPUPoolError
-            If the other plugin has other options: the workers run its pools, not the ones asked for here
-            (this plugin is then not listed; the other one is).
-        """
-        if latest.overrides != self.overrides:
-            self._registry_handlers.scheduler = None
-            raise GPUPoolError(
-                f"gpupool: another GPUPool registration, with options {latest.overrides}, replaced this one "
-                f"({self.overrides}) while it started; the workers run its pools. Register again to apply these."
-            )
-        self._registry_handlers.scheduler = None
-        self._registry_handlers = latest._registry_handlers
-        logger.info("gpupool: registered twice at once; this registration serves the later one's registry")
 
     async def close(self) -> None:
         self._remove_handlers()
