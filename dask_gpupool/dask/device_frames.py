@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from cuda.core import Buffer
 
 from dask_gpupool.dask.plain_arrays import in_segments, stage, warn_once
-from dask_gpupool.dask.serializers import KEY, deserialize_buffer, hand_over, loads_array
+from dask_gpupool.dask.serializers import KEY, data_lost, deserialize_buffer, hand_over, loads_array
 from dask_gpupool.dask.views import VIEWS, c_strides, device_of, viewed_buffer
 from dask_gpupool.dask.worker_internals import REQUEST, SYNCHRONIZED_DEVICE, SYNCHRONIZING_SCHEMES, clear_tracebacks
 from dask_gpupool.errors import DataLostError, ProtocolError
@@ -211,15 +211,12 @@ def _cuda_serialize_pool_buffer(buf: Buffer) -> tuple[dict[str, Any], list[Any]]
 
 
 def _frame_lost(e: Exception) -> DataLostError:
-    """The :class:`DataLostError` a failure to receive a value of the ``"cuda"`` family is raised as.
-
-    As the ``"dask"`` family's (:func:`~dask_gpupool.dask.serializers.deserialize_buffer`): Dask 2026.8 fetches a
-    key again after a ``ConnectionError``, while any other error a deserializer raises (a :class:`ProtocolError`
-    for a malformed header among them) leaves the dependent task waiting for ever. The sender is the worker whose
-    reply is read (:data:`~dask_gpupool.handoff.deferred.SENDER`), when known.
-    """
-    sender = SENDER.get() or "?"
-    return DataLostError(f"a value from worker {sender} could not be received: {type(e).__name__}: {e}")
+    """The :class:`DataLostError` a failure to receive a value of the ``"cuda"`` family is raised as, as the
+    ``"dask"`` family's (:func:`~dask_gpupool.dask.serializers.data_lost`), naming the worker whose reply is read
+    (:data:`~dask_gpupool.handoff.deferred.SENDER`) when known. ``e``'s tracebacks are cleared first: a landing
+    buffer or an import goes now, not with the traceback Dask logs."""
+    clear_tracebacks(e)
+    return data_lost({"exporter": SENDER.get() or "?"}, e)
 
 
 def _cuda_loads_buffer(header: dict[str, Any], frames: list[Any]) -> Buffer:
@@ -230,7 +227,6 @@ def _cuda_loads_buffer(header: dict[str, Any], frames: list[Any]) -> Buffer:
     except DataLostError:
         raise
     except Exception as e:
-        clear_tracebacks(e)  # a landing buffer or an import goes now, not with the traceback Dask logs
         raise _frame_lost(e) from e
 
 
@@ -485,7 +481,6 @@ def cuda_loads_cupy(header: dict[str, Any], frames: list[Any], previous: Any) ->
         try:
             return _from_host_frame(header, frames)
         except Exception as e:  # malformed, or no GPU memory for the copy: Dask fetches again (_frame_lost)
-            clear_tracebacks(e)
             raise _frame_lost(e) from e
     arr = previous(header, frames)
     _count_device_frames(int(arr.nbytes), staged=False, out=False)

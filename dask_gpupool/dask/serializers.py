@@ -136,7 +136,7 @@ def hand_over(
     return header
 
 
-def _lost(raw_header: Any, e: Exception) -> DataLostError:
+def data_lost(raw_header: Any, e: Exception) -> DataLostError:
     """The :class:`DataLostError` every failure to receive a handed-over value is raised as.
 
     :class:`DataLostError` is a ``ConnectionError``. Dask 2026.8 leaves a
@@ -157,7 +157,7 @@ def _receive(header: HandoffHeader, frames: list[Any], need: str) -> Buffer:
     ``need``: ``"host"`` or ``"device"`` when the value must be readable there
     (a NumPy or CuPy array), else ``"any"``. A ``copy`` comes with one frame of
     exactly ``nbytes`` bytes (:class:`ProtocolError` otherwise). Callers raise
-    its failures as :func:`_lost`.
+    its failures as :func:`data_lost`.
     """
     service = active_service()
     if header.path == "ipc":
@@ -200,7 +200,7 @@ def deserialize_buffer(header: dict[str, Any], frames: list[Any]) -> Buffer:
     except DataLostError:
         raise
     except Exception as e:
-        raise _lost(raw, e) from e
+        raise data_lost(raw, e) from e
 
 
 def _dumps_array(arr: Any, module: str, ptr: int, previous: Any, context: Any) -> tuple[dict[str, Any], list[Any]]:
@@ -252,7 +252,7 @@ def loads_array(header: dict[str, Any], frames: list[Any], previous: Any) -> Any
     except Exception as e:
         buf = None
         clear_tracebacks(e)  # an import goes now (its lease with it), not with the traceback
-        raise _lost(header[KEY], e) from e
+        raise data_lost(header[KEY], e) from e
 
 
 def _array_over(h: HandoffHeader, meta: ArrayMeta, buf: Buffer) -> Any:

@@ -54,9 +54,6 @@ class Exports:
         This worker's routing decisions (memory RMM placed; peers whose reply failed).
     copier : CopyServer or None
         The copy server stream leases are pulled from (``None``: that path is off).
-
-    Attributes
-    ----------
     left : callable or None
         Called with the row of an importer that left the registry before its
         IPC lease was granted (its route was decided before): the
@@ -83,6 +80,7 @@ class Exports:
         handoffs: HandoffStats,
         routes: Routes,
         copier: CopyServer | None,
+        left: Callable[[PoolRecord], None] | None = None,
     ) -> None:
         self.options = options
         self.pool = pool
@@ -91,7 +89,7 @@ class Exports:
         self.handoffs = handoffs
         self.routes = routes
         self.copier = copier
-        self.left = None
+        self.left = left
 
     def export_ipc(
         self,

@@ -153,8 +153,9 @@ class PoolService:
         self.forwarder = Forwarder(
             pool, record.worker, self.registry, self.routes, self.importer, self.handoffs, self.leases
         )
-        self.exports = Exports(options, pool, record.worker, self.leases, self.handoffs, self.routes, copier)
-        self.exports.left = self._importer_left
+        self.exports = Exports(
+            options, pool, record.worker, self.leases, self.handoffs, self.routes, copier, left=self._importer_left
+        )
         handler = getattr(broker, "handler", None)
         if isinstance(handler, ExportSide):
             handler.on_transfer_failed = self._transfer_failed
