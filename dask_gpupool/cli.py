@@ -20,10 +20,12 @@ scheduler that cannot be reached is one line on stderr and exit status 2.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
+import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -129,21 +131,45 @@ class _Target:
     def name(self) -> str:
         return self.address or f"the scheduler of {self.scheduler_file}"
 
+    def _fail(self, why: str) -> NoReturn:
+        click.echo(f"cannot reach {self.name}: {why}", err=True)
+        raise SystemExit(2)
+
+    def _address(self) -> str:
+        """The scheduler's address: given, or read from the scheduler file.
+
+        Dask's ``Client(scheduler_file=...)`` waits for a missing file for ever and raises a bare
+        ``AssertionError`` on one without an address: the file is read here instead, waiting for it (a
+        scheduler starting) at most ``--timeout``.
+        """
+        if self.address is not None:
+            return self.address
+        assert self.scheduler_file is not None
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                with open(self.scheduler_file) as f:
+                    address = json.load(f).get("address")
+                if isinstance(address, str) and address:
+                    return address
+                why = "no scheduler address in it"
+            except FileNotFoundError:
+                why = f"no such file after {self.timeout:g} s"
+            except (OSError, ValueError, AttributeError) as e:  # AttributeError: JSON that is not an object
+                why = f"no scheduler address in it ({type(e).__name__}: {e})"
+            if time.monotonic() >= deadline:  # a file being written: read again until the deadline
+                self._fail(why)
+            time.sleep(0.1)
+
     @contextlib.contextmanager
     def client(self) -> Iterator[Any]:
         from distributed import Client
 
+        address = self._address()
         try:
-            client = Client(
-                self.address,
-                scheduler_file=self.scheduler_file,
-                timeout=self.timeout,
-                security=self.security,
-                set_as_default=False,
-            )
+            client = Client(address, timeout=self.timeout, security=self.security, set_as_default=False)
         except (OSError, TimeoutError, ValueError) as e:
-            click.echo(f"cannot reach {self.name}: {type(e).__name__}: {e}", err=True)
-            raise SystemExit(2) from None
+            self._fail(f"{type(e).__name__}: {e}")
         with client:
             yield client
 

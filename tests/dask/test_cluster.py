@@ -275,6 +275,38 @@ def test_info_command_on_a_cluster_without_the_plugin_says_so():
         assert out.returncode == 2 and "no gpupool registry" in out.stderr
 
 
+def one_line_exit_2(*args: str, within: float = 30.0) -> str:
+    """``python -m dask_gpupool ARGS`` must fail at once with status 2 and one line on stderr; that line."""
+    import sys
+
+    t0 = time.monotonic()
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "dask_gpupool", *args], capture_output=True, text=True, timeout=within
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{args}: still running after {within} s")
+    took = time.monotonic() - t0
+    assert out.returncode == 2 and out.stdout == "", (args, out.returncode, out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, (args, out.stderr)
+    assert took < within, (args, took)
+    return out.stderr.strip()
+
+
+def test_a_scheduler_file_that_is_missing_or_not_one_is_one_line_and_status_2(tmp_path):
+    """``--scheduler-file``: a file that does not appear within ``--timeout`` (Dask's Client waits for it for
+    ever), or one that holds no scheduler address (the Client raised ``AssertionError`` after ten reads), is one
+    line and status 2, like an unreachable scheduler."""
+    missing = tmp_path / "nowhere.json"
+    line = one_line_exit_2("info", "--scheduler-file", str(missing), "--timeout", "1")
+    assert str(missing) in line and "no such file" in line
+    for name, text in (("garbage.json", "garbage"), ("empty.json", "{}"), ("number.json", '{"address": 7}')):
+        bad = tmp_path / name
+        bad.write_text(text)
+        line = one_line_exit_2("trim", "--scheduler-file", str(bad), "--timeout", "1")
+        assert str(bad) in line and "no scheduler address" in line
+
+
 def test_prometheus_metrics_on_dasks_own_endpoints():
     pytest.importorskip("prometheus_client")
     import urllib.request
