@@ -161,13 +161,41 @@ class _Target:
                 self._fail(why)
             time.sleep(0.1)
 
+    def _security_for(self, address: str) -> Any:
+        """The TLS settings for ``address``, checked: Dask raises a bare ``RuntimeError`` for TLS options with a
+        ``tcp://`` address and a ``TypeError`` when they make no TLS context (a key without a certificate)."""
+        from distributed.comm import parse_address
+        from distributed.security import Security
+
+        scheme = parse_address(address)[0]
+        if scheme == "wss":
+            return self.security  # TLS over websockets, with or without a client certificate: Dask's to check
+        if scheme != "tls":
+            if self.security is not None:
+                self._fail(
+                    f"--tls-ca-file, --tls-cert and --tls-key are for a tls:// (or wss://) address, not {scheme}://"
+                )
+            return None
+        security = self.security if self.security is not None else Security()  # else Dask's own TLS config
+        try:
+            context = security.get_connection_args("client")["ssl_context"]
+        except (OSError, ValueError) as e:  # ssl.SSLError is an OSError
+            self._fail(f"TLS: {type(e).__name__}: {e}")
+        if context is None:
+            self._fail(
+                "a tls:// address needs --tls-ca-file and --tls-cert (and --tls-key unless the certificate file "
+                "holds the key), or Dask's distributed.comm.tls configuration"
+            )
+        return security
+
     @contextlib.contextmanager
     def client(self) -> Iterator[Any]:
         from distributed import Client
 
         address = self._address()
+        security = self._security_for(address)
         try:
-            client = Client(address, timeout=self.timeout, security=self.security, set_as_default=False)
+            client = Client(address, timeout=self.timeout, security=security, set_as_default=False)
         except (OSError, TimeoutError, ValueError) as e:
             self._fail(f"{type(e).__name__}: {e}")
         with client:

@@ -307,6 +307,31 @@ def test_a_scheduler_file_that_is_missing_or_not_one_is_one_line_and_status_2(tm
         assert str(bad) in line and "no scheduler address" in line
 
 
+def test_tls_options_that_cannot_work_are_one_line_and_status_2(tmp_path):
+    """TLS options with a ``tcp://`` address (Dask's ``RuntimeError``: encryption required), a CA file that does
+    not exist, or a key without a certificate (Dask's ``TypeError``: no ``ssl_context``) are one line and status
+    2, not a traceback followed by the half-started client's own one at exit."""
+    from distributed.security import Security
+
+    pytest.importorskip("cryptography", reason="Security.temporary needs cryptography")
+    security = Security.temporary()
+    ca, cert, key = tmp_path / "ca.pem", tmp_path / "cert.pem", tmp_path / "key.pem"
+    ca.write_text(security.tls_ca_file)
+    cert.write_text(security.tls_client_cert)
+    key.write_text(security.tls_client_key)
+    tls = ["--tls-ca-file", str(ca), "--tls-cert", str(cert), "--tls-key", str(key)]
+    port = free_port()
+    line = one_line_exit_2("info", f"tcp://127.0.0.1:{port}", *tls)
+    assert "tls://" in line
+    pem = tmp_path / "not-a-cert.pem"
+    pem.write_text("not a certificate")
+    missing = tmp_path / "missing-ca.pem"
+    line = one_line_exit_2("info", f"tls://127.0.0.1:{port}", "--tls-ca-file", str(missing), "--tls-cert", str(pem))
+    assert "TLS" in line
+    line = one_line_exit_2("trim", f"tls://127.0.0.1:{port}", "--tls-key", str(pem))
+    assert "--tls-ca-file" in line and "--tls-cert" in line
+
+
 def test_prometheus_metrics_on_dasks_own_endpoints():
     pytest.importorskip("prometheus_client")
     import urllib.request
