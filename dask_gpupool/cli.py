@@ -193,6 +193,9 @@ class _Target:
         from distributed import Client
 
         address = self._address()
+        bad = _address_error(address)
+        if bad is not None:
+            self._fail(bad)
         security = self._security_for(address)
         try:
             client = Client(address, timeout=self.timeout, security=security, set_as_default=False)
@@ -200,6 +203,25 @@ class _Target:
             self._fail(f"{type(e).__name__}: {e}")
         with client:
             yield client
+
+
+def _address_error(address: str) -> str | None:
+    """Why ``address`` is no address a client can connect to (an unknown scheme, no port), or ``None``.
+
+    Checked before the client starts: Dask's ``Client`` raises ``ValueError`` for these from a half-started
+    client, whose finalizer then waits twice the timeout at exit and prints a traceback.
+    """
+    from distributed.comm import parse_address
+    from distributed.comm.registry import get_backend
+
+    try:
+        scheme, location = parse_address(address)
+        backend = get_backend(scheme)
+        if scheme in ("tcp", "tls"):  # other backends may load (or refuse) their transport on any call
+            backend.get_address_host(location)
+    except ValueError as e:
+        return f"not a scheduler address: {e}"
+    return None
 
 
 def _connection_options(fn: Any) -> Any:

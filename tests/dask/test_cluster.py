@@ -332,6 +332,14 @@ def test_tls_options_that_cannot_work_are_one_line_and_status_2(tmp_path):
     assert "--tls-ca-file" in line and "--tls-cert" in line
 
 
+def test_an_address_that_is_not_one_is_one_line_and_status_2():
+    """An unknown scheme, a missing port or an unparsable address was one line, then the half-started client's
+    ``TimeoutError`` traceback at exit, twice ``--timeout`` later."""
+    for address in ("foo://127.0.0.1:8786", "127.0.0.1", "notanaddress:::"):
+        line = one_line_exit_2("info", address, "--timeout", "5", within=9)
+        assert line.startswith(f"cannot reach {address}: ") and "address" in line
+
+
 def test_prometheus_metrics_on_dasks_own_endpoints():
     pytest.importorskip("prometheus_client")
     import urllib.request
