@@ -251,11 +251,23 @@ def gpupool() -> None:
 @gpupool.command(name="demo", help="Start a local cluster with the plugin and show a peer mapping a pool.")
 @click.option("--kind", default="auto", type=click.Choice(["auto", "device", "pinned", "host"]), show_default=True)
 @click.option("--workers", type=int, default=2, show_default=True, help="workers when there are fewer than two GPUs")
-@click.option("--max-size", default="1 GiB", show_default=True)
+@click.option("--max-size", default="1 GiB", show_default=True, callback=lambda ctx, param, v: _size(v))
 def _demo_command(kind: str, workers: int, max_size: str) -> None:
     from dask_gpupool.demo import demo
 
     sys.exit(demo(kind, max(2, workers), max_size))
+
+
+def _size(value: str) -> str:
+    """``--max-size``, checked as ``gpupool.max-size`` is before any cluster starts."""
+    from dask_gpupool.config import Size
+    from dask_gpupool.errors import ConfigError
+
+    try:
+        Size.parse(value)
+    except ConfigError as e:
+        raise click.BadParameter(str(e)) from None
+    return value
 
 
 @gpupool.command(name="info", help="Print a running cluster's pool registry and per-worker stats.")

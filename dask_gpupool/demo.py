@@ -12,6 +12,7 @@ user's tasks would.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -48,7 +49,8 @@ def _worker_specs(n_gpus: int, workers: int) -> list[dict[str, Any]]:
 
 
 def demo(kind: str = "auto", workers: int = 2, max_size: str = "1 GiB") -> int:
-    """Run the demo; 0 when the second worker read what the first wrote without a host copy.
+    """Run the demo; 0 when the second worker read what the first wrote without a host copy, 2 when the workers
+    cannot have the pools asked for (one line on stderr says why).
 
     Zero-copy, or, with ``gpupool.peer-gpu-copy`` on and the workers on two GPUs, mapped and copied GPU to GPU.
     """
@@ -58,6 +60,12 @@ def demo(kind: str = "auto", workers: int = 2, max_size: str = "1 GiB") -> int:
     from dask_gpupool.memory.topology import local_devices
 
     n_gpus = len(local_devices().uuids)
+    if kind in ("device", "pinned") and not n_gpus:
+        print(
+            f"dask_gpupool demo: --kind {kind} needs a GPU and none is visible; use --kind host (or auto)",
+            file=sys.stderr,
+        )
+        return 2
     specs = _worker_specs(n_gpus if kind in ("auto", "device", "pinned") else 0, workers)
     print(f"dask_gpupool demo: {n_gpus} GPU(s) visible; starting {len(specs)} Nanny workers, pool kind {kind!r}")
     cluster_workers = {
@@ -71,7 +79,13 @@ def demo(kind: str = "auto", workers: int = 2, max_size: str = "1 GiB") -> int:
     cluster = SpecCluster(workers=cluster_workers, scheduler=scheduler, silence_logs=logging.WARNING)
     with cluster, Client(cluster) as client:
         client.wait_for_workers(len(specs))
-        client.register_plugin(dask_gpupool.GPUPool(kind=kind, max_size=max_size))
+        try:
+            client.register_plugin(dask_gpupool.GPUPool(kind=kind, max_size=max_size))
+        except dask_gpupool.GPUPoolError as e:  # each worker's log above has its traceback
+            print(
+                f"dask_gpupool demo: the workers could not make their pools: {type(e).__name__}: {e}", file=sys.stderr
+            )
+            return 2
         rows = sorted(dask_gpupool.pools(client), key=lambda r: r.worker)
         print("\nRegistry (scheduler), one row per pool:")
         print(f"  {'pool':36}  {'worker':24} {'pid':>7}  {'kind':6}  {'max_size':>14}  device")

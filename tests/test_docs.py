@@ -44,3 +44,30 @@ def test_the_readme_demo_runs_without_a_gpu_and_hands_over_zero_copy():
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.rstrip().endswith("OK"), out.stdout
     assert "zero-copy bytes received: 1,048,576, copied: 0" in out.stdout, out.stdout
+
+
+def test_demo_options_that_cannot_work_are_a_clear_error_not_a_traceback():
+    """``demo --max-size garbage`` raised ``ConfigError`` after starting a cluster, ``--kind device`` on a machine
+    without a GPU and a size the workers cannot have raised the workers' ``ConfigError`` from ``register_plugin``:
+    each a traceback and status 1. A bad size or a GPU kind without GPUs is refused before any cluster starts;
+    a pool the workers cannot make is one line naming why, status 2."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DASK_GPUPOOL")}
+
+    def demo(*args: str, **extra: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "dask_gpupool", "demo", *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=150, env={**env, **extra})
+
+    out = demo("--max-size", "garbage")
+    assert out.returncode == 2 and out.stdout == "", out.stdout + out.stderr
+    assert "Traceback" not in out.stderr and "--max-size" in out.stderr and "not a size" in out.stderr
+    for kind in ("device", "pinned"):
+        out = demo("--kind", kind, CUDA_VISIBLE_DEVICES="")
+        assert out.returncode == 2 and out.stdout == "", out.stdout + out.stderr
+        assert "Traceback" not in out.stderr and f"--kind {kind} needs a GPU" in out.stderr, out.stderr
+    out = demo("--kind", "host", "--max-size", "1 PiB")  # more than the host has: each worker's setup fails
+    assert out.returncode == 2, out.stdout + out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("dask_gpupool demo: the workers could not make their pools: ConfigError: gpupool.max-size")
+    assert "dask_gpupool/cli.py" not in out.stderr and "dask_gpupool/demo.py" not in out.stderr  # no traceback of ours
