@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import pathlib
+import re
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
@@ -147,7 +148,7 @@ class Size:
 
     @classmethod
     def parse(cls, value: object, key: str = "gpupool.max-size") -> Size:
-        """Parse ``8589934592``, ``"8 GiB"``, ``"50%"`` or ``0.5``."""
+        """Parse ``8589934592``, ``"8 GiB"``, ``"50%"`` or ``0.5`` (also written as text, ``"0.5"``)."""
         valid = 'bytes (8589934592 or "8 GiB") or a share ("50%" or 0.5)'
         if isinstance(value, bool) or value is None:
             raise ConfigError(f"{key}={value!r} is not a size; use {valid}")
@@ -167,6 +168,10 @@ class Size:
                 except ValueError:
                     raise ConfigError(f"{key}={value!r} is not a size; use {valid}") from None
                 return cls.parse(share, key)
+            if re.fullmatch(r"\d*\.\d+|\d+\.", text):
+                # a decimal without a unit is a share, as the float 0.5 is: text from preload arguments
+                # (--gpupool-max-size 0.5) or quoted YAML, which parse_bytes would truncate to 0 or 1 bytes
+                return cls.parse(float(text), key)
             try:
                 nbytes = parse_bytes(text)
             except (ValueError, TypeError, OverflowError):

@@ -237,3 +237,17 @@ def test_every_config_key_is_a_keyword_of_the_plugin():
     defaults = yaml.safe_load((pathlib.Path(dask_gpupool.__file__).parent / "gpupool.yaml").read_text())["gpupool"]
     keywords = set(inspect.signature(GPUPool.__init__).parameters)
     assert {k.replace("-", "_") for k in defaults} - keywords == set()
+
+
+@pytest.mark.parametrize(("text", "share"), [("0.5", 0.5), (" 0.25 ", 0.25), ("1.0", 1.0), (".75", 0.75)])
+def test_a_share_written_as_text_is_a_share(text, share):
+    """Preload arguments are text (``--gpupool-max-size 0.5``), as a quoted YAML value is: ``0.5`` was read as
+    ``parse_bytes("0.5")``, 0 bytes, refused with a message that suggests 0.5; ``1.5`` made a one-byte pool."""
+    assert Size.parse(text) == Size(fraction=share)
+    assert PoolOptions.from_config(max_size=text).max_size == Size(fraction=share)
+
+
+@pytest.mark.parametrize("text", ["1.5", "2.0", "0.0"])
+def test_a_decimal_written_as_text_outside_a_share_is_refused(text):
+    with pytest.raises(ConfigError, match=r"gpupool\.max-size=.*a share must be in \(0, 1\]"):
+        Size.parse(text)
