@@ -71,3 +71,16 @@ def test_demo_options_that_cannot_work_are_a_clear_error_not_a_traceback():
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("dask_gpupool demo: the workers could not make their pools: ConfigError: gpupool.max-size")
     assert "dask_gpupool/cli.py" not in out.stderr and "dask_gpupool/demo.py" not in out.stderr  # no traceback of ours
+
+
+def test_the_operations_page_names_every_fallback_reason_and_timed_step():
+    """docs/operations.rst is where "why did this copy?" and "where did the time go?" are answered: its table of
+    reasons lacked ``retired-segment``, and its list of timed steps said ``import`` includes the claim (it does
+    not: the claim is timed on its own) and left out the steps added since."""
+    from dask_gpupool.handoff.stats import FALLBACK_REASONS, TIMED_STEPS
+
+    text = (ROOT / "docs" / "operations.rst").read_text()
+    assert set(re.findall(r"^   \* - ``([a-z-]+)``$", text, re.M)) == set(FALLBACK_REASONS)
+    timings = re.search(r"Where does a handoff's time go\?\n-+\n(.*?)\n\S[^\n]*\n-{3,}", text, re.S).group(1)
+    assert {step for step in TIMED_STEPS if f"``{step}``" not in timings} == set()
+    assert "claim included" not in timings
