@@ -2049,6 +2049,24 @@ def test_a_zero_d_cupy_array_goes_into_the_pool_and_hands_over():
         assert c.submit(T.describe, y, workers=[b], pure=False).result()["imported"]
 
 
+def _numpy_to_pool_on_a_device_pool() -> bool:
+    """Task: whether ``to_pool`` of a NumPy array on a worker whose pool is GPU memory returned it as it is."""
+    import numpy as np
+
+    arr = np.arange(4.0)
+    return dask_gpupool.to_pool(arr) is arr
+
+
+def test_to_pool_of_a_numpy_array_on_a_device_pool_returns_it_as_it_is():
+    """``to_pool`` of a NumPy result on a ``device`` pool (the default kind on a GPU) raised ``ValueError`` from
+    ``as_array`` (GPU memory cannot be viewed as NumPy) instead of returning the array, as it does for a CuPy
+    array on a ``host`` pool (review of the user-facing operations, thirty-third session)."""
+    gpus(1)
+    with nanny_cluster([ONE_GPU], GPUPool(kind="device", max_size="64 MiB")) as c:
+        (a,) = worker_addresses(c)
+        assert c.submit(_numpy_to_pool_on_a_device_pool, workers=[a], pure=False).result()
+
+
 @pytest.mark.parametrize(
     "suballocator",
     [

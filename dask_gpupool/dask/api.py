@@ -81,8 +81,10 @@ def to_pool(array: Any) -> Any:
     (``dask.array`` chunks, CuPy's or NumPy's functions): returning
     ``to_pool(result)`` costs one copy here, on the producer, and saves the
     copies of every same-host transfer after it. An array in this worker's
-    pool already, and any array outside a worker with a pool (plain Dask, or
-    the plugin not registered), is returned as it is.
+    pool already, any array outside a worker with a pool (plain Dask, or
+    the plugin not registered), a NumPy array on a worker whose pool is GPU
+    memory (``device``) and a CuPy array on one whose pool is host memory
+    (``host``) are returned as they are.
 
     Parameters
     ----------
@@ -115,7 +117,8 @@ def to_pool(array: Any) -> Any:
     if held is not None and service.pool.owns(held):
         return array  # in this worker's pool already
     buf = service.allocate(max(int(array.nbytes), 1), wait=True)
-    if module == "cupy" and not buf.is_device_accessible:  # a host pool on a GPU worker: leave it on the GPU
+    if (module == "cupy" and not buf.is_device_accessible) or (module == "numpy" and not buf.is_host_accessible):
+        # a host pool cannot hold a CuPy array, nor a device pool a NumPy one: leave it where it is
         buf.close()
         return array
     out = as_array(buf, tuple(array.shape), array.dtype, like=module)
