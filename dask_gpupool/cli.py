@@ -14,7 +14,8 @@ and every worker's pool and handoff statistics as tables.
 
 ``info`` and ``trim`` take the scheduler's address, or ``--scheduler-file``,
 and Dask's TLS options (``--tls-ca-file``, ``--tls-cert``, ``--tls-key``). A
-scheduler that cannot be reached is one line on stderr and exit status 2.
+scheduler that cannot be reached is one line on stderr and exit status 2; a
+worker that does not answer within ``--timeout`` is listed as such.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import click
 
 
 def info(target: _Target) -> int:
-    """Print the registry and per-worker stats of the cluster; 0 on success, 2 if it has no pools."""
+    """Print the registry and per-worker stats of the cluster; 0 on success, 2 if it has no gpupool registry."""
     from dask.utils import format_bytes
 
     import dask_gpupool
@@ -43,8 +44,8 @@ def info(target: _Target) -> int:
         except dask_gpupool.PoolUnavailableError as e:
             print(f"{address}: {e}", file=sys.stderr)
             return 2
-        usage = dask_gpupool.pool_stats(client)
-        handoffs = dask_gpupool.stats(client)
+        usage = dask_gpupool.pool_stats(client, timeout=target.timeout)
+        handoffs = dask_gpupool.stats(client, timeout=target.timeout)
     print(f"{len(rows)} pool(s) at {address}\n")
     print(
         f"{'worker':28} {'host':16} {'kind':6} {'device':14} {'used':>10} {'reserved':>10} {'max':>10}  "
@@ -52,9 +53,10 @@ def info(target: _Target) -> int:
     )
     for r in rows:
         u = usage.get(r.worker, {})
+        used, reserved = (format_bytes(u[k]) if k in u else "-" for k in ("used", "reserved"))
         print(
             f"{r.worker:28} {r.hostname[:16]:16} {r.kind:6} {(r.device or '-')[:14]:14} "
-            f"{format_bytes(u.get('used', 0)):>10} {format_bytes(u.get('reserved', 0)):>10} "
+            f"{used:>10} {reserved:>10} "
             f"{format_bytes(r.max_size):>10}  {len(r.peers):>5}  {r.pool}"
         )
     print(
@@ -63,7 +65,7 @@ def info(target: _Target) -> int:
     )
     for w, h in sorted(handoffs.items()):
         if "error" in h:
-            print(f"{w:28} no pool: {h['error']}")
+            print(f"{w:28} {_problem(h['error'])}")
             continue
         fallbacks = ", ".join(f"{k} {v}" for k, v in sorted(h["fallbacks"].items())) or "-"
         print(
@@ -72,6 +74,13 @@ def info(target: _Target) -> int:
             f"{format_bytes(h['copied_out_bytes']):>10} {_segments(h):>9}  {fallbacks}"
         )
     return 0
+
+
+def _problem(error: str) -> str:
+    """A worker's error row as a table line: ``no answer within N s`` (stopped, busy), else ``no pool: why``."""
+    if error.startswith("TimeoutError: no answer"):
+        return error.removeprefix("TimeoutError: ")
+    return f"no pool: {error}"
 
 
 def _segments(h: dict[str, Any]) -> str:
@@ -93,11 +102,11 @@ def trim(target: _Target) -> int:
         except dask_gpupool.PoolUnavailableError as e:
             print(f"{address}: {e}", file=sys.stderr)
             return 2
-        result = dask_gpupool.trim(client)
+        result = dask_gpupool.trim(client, timeout=target.timeout)
     print(f"{'worker':28} {'segments':>9} {'retiring':>9} {'reserved':>10}")
     for w, t in sorted(result.items()):
         if "error" in t:
-            print(f"{w:28} no pool: {t['error']}")
+            print(f"{w:28} {_problem(t['error'])}")
             continue
         print(f"{w:28} {t['segments']:>9} {t['segments_retiring']:>9} {format_bytes(t['reserved']):>10}")
     print("\nRetiring segments are freed as soon as no buffer lives in them and no peer maps them.")
@@ -232,7 +241,11 @@ def _connection_options(fn: Any) -> Any:
                 "--scheduler-file", default=None, help="the scheduler's file (dask scheduler --scheduler-file)"
             ),
             click.option(
-                "--timeout", type=float, default=10.0, show_default=True, help="seconds to reach the scheduler"
+                "--timeout",
+                type=float,
+                default=10.0,
+                show_default=True,
+                help="seconds to reach the scheduler, and for each worker to answer",
             ),
             click.option("--tls-ca-file", default=None, help="CA certificate(s) file for TLS (PEM)"),
             click.option("--tls-cert", default=None, help="client certificate file for TLS (PEM)"),

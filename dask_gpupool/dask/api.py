@@ -161,19 +161,48 @@ def _worker_pool_stats(dask_worker: Worker) -> dict[str, Any]:
     }
 
 
-def _per_worker(client: Client, fn: Any) -> dict[str, dict[str, Any]]:
-    """``client.run(fn)``; a worker where it fails (no pool: its set-up failed) gets ``{"error": text}``."""
-    results = client.run(fn, on_error="return")
+def _per_worker(client: Client, fn: Any, timeout: float | None = None) -> dict[str, dict[str, Any]]:
+    """``fn`` run on every worker (``client.run``), each given ``timeout`` seconds to answer (default:
+    ``distributed.comm.timeouts.connect``); a worker where it fails (no pool: its set-up failed) or that does not
+    answer in time (stopped, or its event loop held) gets ``{"error": text}``, and the others answer as usual.
+
+    One ``client.run`` per worker, so that a worker that never answers (SIGSTOP) cannot hold back the others:
+    ``client.run`` has no timeout, and one call to all of them waited for it with no end.
+    """
+    import asyncio
+
+    import dask.config
+    from dask.utils import parse_timedelta
+
+    limit = parse_timedelta(dask.config.get("distributed.comm.timeouts.connect")) if timeout is None else timeout
+    assert client.scheduler is not None, "the client is not connected"
+    workers = list(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
+
+    async def one(worker: str) -> Any:
+        try:
+            got = await asyncio.wait_for(client.run(fn, workers=[worker], on_error="return", asynchronous=True), limit)
+        except asyncio.TimeoutError:
+            return TimeoutError(f"no answer within {limit:g} s")
+        except Exception as e:  # the worker left while asked
+            return e
+        return got.get(worker, KeyError(f"{worker} left")) if isinstance(got, dict) else got
+
+    async def every() -> list[Any]:
+        return list(await asyncio.gather(*(one(w) for w in workers)))
+
+    results = dict(zip(workers, client.sync(every), strict=True))
     return {w: {"error": f"{type(r).__name__}: {r}"} if isinstance(r, BaseException) else r for w, r in results.items()}
 
 
-def pool_stats(client: Client) -> dict[str, dict[str, Any]]:
+def pool_stats(client: Client, timeout: float | None = None) -> dict[str, dict[str, Any]]:
     """Per worker: its pool's used and reserved bytes (now and high-water) and mapped peer pools.
 
     Parameters
     ----------
     client : distributed.Client
         A client of the cluster.
+    timeout : float, optional
+        Seconds each worker has to answer; default ``distributed.comm.timeouts.connect``.
 
     Returns
     -------
@@ -181,22 +210,24 @@ def pool_stats(client: Client) -> dict[str, dict[str, Any]]:
         ``{worker address: stats}`` with ``pool`` (its UUID), ``kind``,
         ``used``, ``used_high``, ``reserved``, ``reserved_high`` (bytes),
         ``max_size`` and ``mapped_pools`` (peers' pools mapped there). A worker without
-        a pool (its set-up failed) is listed as ``{"error": why}``.
+        a pool (its set-up failed), or that did not answer within ``timeout``, is listed as ``{"error": why}``.
     """
-    return _per_worker(client, _worker_pool_stats)
+    return _per_worker(client, _worker_pool_stats, timeout)
 
 
 def _worker_handoff_stats(dask_worker: Worker) -> dict[str, Any]:
     return service_of(dask_worker).handoff_stats()
 
 
-def stats(client: Client) -> dict[str, dict[str, Any]]:
+def stats(client: Client, timeout: float | None = None) -> dict[str, dict[str, Any]]:
     """Per worker: its handoff counters.
 
     Parameters
     ----------
     client : distributed.Client
         A client of the cluster.
+    timeout : float, optional
+        Seconds each worker has to answer; default ``distributed.comm.timeouts.connect``.
 
     Returns
     -------
@@ -245,9 +276,9 @@ def stats(client: Client) -> dict[str, dict[str, Any]]:
         ``"ucx-receive"``, where device frames received over UCX go; and
         ``"segment-memory"``, what the pool's segments are made of and why,
         see ``gpupool.segment-memory``). A worker without a pool (its set-up
-        failed) is listed as ``{"error": why}``.
+        failed), or that did not answer within ``timeout``, is listed as ``{"error": why}``.
     """
-    return _per_worker(client, _worker_handoff_stats)
+    return _per_worker(client, _worker_handoff_stats, timeout)
 
 
 async def _worker_trim(dask_worker: Worker) -> dict[str, int]:
@@ -271,7 +302,7 @@ async def _worker_trim(dask_worker: Worker) -> dict[str, int]:
     }
 
 
-def trim(client: Client) -> dict[str, dict[str, Any]]:
+def trim(client: Client, timeout: float | None = None) -> dict[str, dict[str, Any]]:
     """Give pool memory back, on every worker.
 
     ``device`` pools retire their segments. Retired segments take no new
@@ -288,6 +319,8 @@ def trim(client: Client) -> dict[str, dict[str, Any]]:
     ----------
     client : distributed.Client
         A client of the cluster.
+    timeout : float, optional
+        Seconds each worker has to answer; default ``distributed.comm.timeouts.connect``.
 
     Returns
     -------
@@ -297,6 +330,7 @@ def trim(client: Client) -> dict[str, dict[str, Any]]:
         and ``segments_retiring`` (held, and retired but not freed yet), and
         ``reserved`` (bytes the pool holds), ``ucx_staging_freed`` (bytes of
         kept UCX staging memory freed). A worker without a pool (its set-up
-        failed) is listed as ``{"error": why}``; the others are trimmed.
+        failed), or that did not answer within ``timeout``, is listed as ``{"error": why}``; the others are
+        trimmed.
     """
-    return _per_worker(client, _worker_trim)
+    return _per_worker(client, _worker_trim, timeout)

@@ -340,6 +340,46 @@ def test_an_address_that_is_not_one_is_one_line_and_status_2():
         assert line.startswith(f"cannot reach {address}: ") and "address" in line
 
 
+def test_a_worker_that_does_not_answer_is_reported_and_the_others_still_are():
+    """A stopped worker (SIGSTOP: swapping, a debugger, a task holding the GIL) made ``dask gpupool info`` and
+    ``trim``, and ``stats()``, ``pool_stats()`` and ``trim()``, wait for it with no end: the operator's tool hung
+    exactly when something was wrong. Each worker now has ``--timeout`` (``timeout=``) to answer; one that does
+    not is listed as not answering, and the others are listed as usual."""
+    import sys
+
+    from conftest import pid_of, warm_up
+
+    with nanny_cluster([{}, {}], PLUGIN) as c:
+        a, b = worker_addresses(c)
+        warm_up(c, a, b)
+        address = c.scheduler.address
+        pid = pid_of(c, b)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            for command in ("info", "trim"):
+                t0 = time.monotonic()
+                try:
+                    out = subprocess.run(
+                        [sys.executable, "-m", "dask_gpupool", command, address, "--timeout", "3"],
+                        capture_output=True,
+                        text=True,
+                        timeout=60,
+                    )
+                except subprocess.TimeoutExpired:
+                    pytest.fail(f"`{command}` still waited for the stopped worker after 60 s")
+                assert out.returncode == 0, out.stderr
+                assert time.monotonic() - t0 < 30
+                assert f"{b:28} no answer within 3 s" in out.stdout, out.stdout
+                assert f"{a:28} no answer" not in out.stdout and f"{a:28} no pool" not in out.stdout, out.stdout
+            for call in (dask_gpupool.stats, dask_gpupool.pool_stats, dask_gpupool.trim):
+                got = call(c, timeout=2)
+                assert set(got) == {a, b} and "error" not in got[a], (call, got)
+                assert got[b] == {"error": "TimeoutError: no answer within 2 s"}, (call, got)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert "error" not in dask_gpupool.stats(c)[b]  # answering again
+
+
 def test_prometheus_metrics_on_dasks_own_endpoints():
     pytest.importorskip("prometheus_client")
     import urllib.request
