@@ -166,7 +166,7 @@ async def hold_plugin_add(held: str, until: str, timeout: float, dask_worker: Wo
     one whose ``max_size`` is ``until`` has been installed (its ``plugin-add`` answered), or ``timeout`` seconds pass
     (a later registration that never comes while the held one's runs). What arrived, in order, is in
     :func:`plugin_adds`: ``"held <size>"`` when the held one starts waiting, ``"add <size>"`` when one is installed.
-    Undone by :func:`release_plugin_add`.
+    Undone by :func:`release_plugin_add`, which also lets a held one go on at once.
     """
     import asyncio
     import contextlib
@@ -196,6 +196,7 @@ async def hold_plugin_add(held: str, until: str, timeout: float, dask_worker: Wo
 
     plugin_add.original = original  # type: ignore[attr-defined]
     plugin_add.seen = seen  # type: ignore[attr-defined]
+    plugin_add.release = installed.set  # type: ignore[attr-defined]
     dask_worker.handlers["plugin-add"] = plugin_add
 
 
@@ -205,7 +206,10 @@ def plugin_adds(dask_worker: Worker) -> list[str]:
 
 
 def release_plugin_add(dask_worker: Worker) -> None:
-    """client.run target: undo :func:`hold_plugin_add` (the worker's own ``plugin-add`` handler again)."""
-    original = getattr(dask_worker.handlers["plugin-add"], "original", None)
+    """client.run target: undo :func:`hold_plugin_add`: a ``plugin-add`` held goes on at once, and the worker's own
+    ``plugin-add`` handler answers from now on."""
+    gate = dask_worker.handlers["plugin-add"]
+    original = getattr(gate, "original", None)
     if original is not None:
+        gate.release()  # type: ignore[attr-defined]
         dask_worker.handlers["plugin-add"] = original
