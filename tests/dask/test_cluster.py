@@ -881,7 +881,6 @@ def register_from_threads(client, plugins, start=None):
     return outcomes
 
 
-@pytest.mark.xfail(strict=True, reason="two registrations at once: not fixed yet (docs/reliability.md)")
 def test_two_registrations_at_once_with_other_options_leave_the_later_one_on_the_scheduler_and_every_worker(tmp_path):
     """Two clients register ``GPUPool`` with other sizes, the second while the first's start is still installing its
     worker plugins. The interleaving that left the workers with pools of both plugins is forced: worker w0 gets to
@@ -914,7 +913,6 @@ def test_two_registrations_at_once_with_other_options_leave_the_later_one_on_the
     assert os.listdir(tmp_path) == []
 
 
-@pytest.mark.xfail(strict=True, reason="two registrations at once: not fixed yet (docs/reliability.md)")
 def test_two_clients_registering_other_options_at_the_same_moment_leave_one_plugin_everywhere(tmp_path):
     """Two clients call ``register_plugin(GPUPool(...))`` with other sizes at the same moment (no forced order): both
     return, and whichever the scheduler received last is the plugin listed, serving the registry and installed on
@@ -932,7 +930,6 @@ def test_two_clients_registering_other_options_at_the_same_moment_leave_one_plug
     assert os.listdir(tmp_path) == []
 
 
-@pytest.mark.xfail(strict=True, reason="two registrations at once: not fixed yet (docs/reliability.md)")
 def test_two_installs_of_the_worker_plugin_at_once_leave_that_worker_one_pool(tmp_path):
     """A worker gets a gpupool worker plugin while another one's set-up has not ended (a worker joining while a
     registration is broadcast gets the plugin the scheduler gave it and the broadcast one): Dask tears the first
@@ -974,7 +971,6 @@ def test_two_installs_of_the_worker_plugin_at_once_leave_that_worker_one_pool(tm
     assert os.listdir(tmp_path) == []
 
 
-@pytest.mark.xfail(strict=True, reason="a worker dying during a registration: not fixed yet")
 def test_a_worker_killed_while_a_registration_waits_for_the_others_leaves_the_new_registry(tmp_path):
     """A worker dies while ``register_plugin(GPUPool(...))`` still runs: w1 joined the new registry, w0's install is
     held, and w1 is killed. Distributed tells only the plugins it lists of a worker leaving, and the new one is
@@ -1005,5 +1001,28 @@ def test_a_worker_killed_while_a_registration_waits_for_the_others_leaves_the_ne
         remove_stale_broker_dirs(str(tmp_path), min_age=0)  # the killed broker's own directory
         assert_one_plugin(c, "16MiB", tmp_path)
         handoff_round_trip(c, MiB, b"after a death during registration")
+        assert rejected_on_scheduler(c) == {}
+    assert os.listdir(tmp_path) == []
+
+
+def test_two_idempotent_registrations_at_once_install_the_plugin_once(tmp_path):
+    """Two ``GPUPool`` registrations marked idempotent at the same moment, as workers started together with
+    ``--preload dask_gpupool`` make (distributed lets both start: neither finds a plugin listed): the one that runs
+    second finds the first listed and does nothing, so each worker installs the worker plugin once, and the
+    cluster runs the first one's pools."""
+    plugins = [
+        GPUPool(kind="host", max_size=size, broker_timeout="2s", broker_dir=str(tmp_path))
+        for size in ("32MiB", "16MiB")
+    ]
+    for plugin in plugins:
+        plugin.idempotent = True
+    with nanny_cluster([{}, {}]) as c:
+        c.run(T.hold_plugin_add, "none", "none", 0.0)  # holds nothing; counts the installs
+        assert register_from_threads(c, plugins) == [None, None]
+        size = registration_state(c)[0]["listed"]
+        assert c.run(T.plugin_adds) == {w: [f"add {size}"] for w in worker_addresses(c)}
+        c.run(T.release_plugin_add)
+        assert_one_plugin(c, size, tmp_path)
+        handoff_round_trip(c, MiB, b"installed once")
         assert rejected_on_scheduler(c) == {}
     assert os.listdir(tmp_path) == []
