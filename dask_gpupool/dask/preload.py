@@ -51,6 +51,7 @@ async def dask_setup(dask_object: Scheduler | Worker, **options: Any) -> None:
     options = {k: v for k, v in options.items() if v is not None}
     plugin = GPUPool(**options)  # checks every value, with this process's dask config
     if isinstance(dask_object, Scheduler):
+        plugin.idempotent = True
         await dask_object.register_scheduler_plugin(plugin, name=PLUGIN_NAME, idempotent=True)
         return
     if options:
@@ -59,4 +60,7 @@ async def dask_setup(dask_object: Scheduler | Worker, **options: Any) -> None:
         dask.config.set({f"gpupool.{k.replace('_', '-')}": v for k, v in options.items()})
     # Without options: the GPUPool a worker registers would give them to every worker, overriding
     # each one's own arguments and config.
-    await dask_object.scheduler.register_scheduler_plugin(plugin=dumps(GPUPool()), name=PLUGIN_NAME, idempotent=True)
+    # Idempotent: one registered by another worker while this one's waited for its turn (GPUPool.start) is kept.
+    plugin = GPUPool()
+    plugin.idempotent = True
+    await dask_object.scheduler.register_scheduler_plugin(plugin=dumps(plugin), name=PLUGIN_NAME, idempotent=True)

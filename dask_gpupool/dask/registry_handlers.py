@@ -147,6 +147,15 @@ class RegistryHandlers:
         if self._joined is not None:
             self._joined.set()
 
+    def drop_departed(self) -> None:
+        """Rows (published or pending) and statistics of workers the scheduler no longer has leave, as in
+        :meth:`remove_worker`: for departures while the plugin was not listed yet, which distributed told only the
+        plugins listed then."""
+        workers = self._scheduler_workers()
+        for worker in sorted(self.registry.owners() | set(self._pending) | set(self.worker_stats)):
+            if worker not in workers:
+                self.remove_worker(worker)
+
     def handle_stats(self, **msg: Any) -> None:
         """A worker's periodic statistics push (its batched stream); kept for the /gpupool page."""
         worker = self._source(STATS_OP, msg, ("stats",))

@@ -19,6 +19,7 @@ logged (WARNING) and counted in :attr:`GPUPool.rejected`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -160,10 +161,21 @@ class GPUPool(SchedulerPlugin):
     sent over that worker's own stream only, and brokers serve only peers
     presenting it (docs/security.md). Every handler runs on the scheduler's
     event loop.
+
+    Registrations on one scheduler run one at a time, in the order the
+    scheduler received them (two clients registering at the same moment, or
+    workers started with ``--preload dask_gpupool`` together): each one's whole
+    start (handlers, the worker plugin on every worker, the wait for the
+    workers to join) runs while no other's does, and distributed lists it
+    before the next one starts. So the later of two registrations replaces the
+    earlier one everywhere, as registering again does; an idempotent one
+    (``--preload``) that finds a plugin listed once its turn comes does nothing.
     """
 
     name = PLUGIN_NAME
     overrides: dict[str, Any]
+    #: ``True``: install only if the scheduler lists no ``GPUPool`` yet (distributed's ``idempotent``; ``--preload``).
+    idempotent: bool
     _registry_handlers: RegistryHandlers
 
     def __init__(
@@ -234,16 +246,18 @@ class GPUPool(SchedulerPlugin):
             if v is not None
         }
         PoolOptions.from_config(**self.overrides)  # fail early on bad values
+        self.idempotent = False
         self._fresh_state()
 
     def _fresh_state(self) -> None:
         self._registry_handlers = RegistryHandlers()  # the registry, and a token of its own
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"overrides": self.overrides}
+        return {"overrides": self.overrides, "idempotent": self.idempotent}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.overrides = state["overrides"]
+        self.idempotent = bool(state.get("idempotent", False))
         self._fresh_state()
 
     @property
@@ -292,12 +306,35 @@ class GPUPool(SchedulerPlugin):
         }
 
     async def start(self, scheduler: Scheduler) -> None:
-        from dask_gpupool.dask.worker_plugin import GPUPoolWorkerPlugin  # the class, pickled for workers
+        """Install the registry's handlers and the worker plugin on every worker; wait for the workers to join.
 
+        One registration at a time per scheduler (:func:`_registrations`): distributed lists a plugin
+        (``Scheduler.add_plugin``) as soon as its ``start`` returns, with nothing in between that could let another
+        registration run, so the one that starts next finds this one listed and replaces it (its handlers, its
+        worker plugin on every worker). Two starts at once instead left the scheduler listing one plugin while the
+        other's handlers served the registry (so dead workers' rows stayed), and the workers running the pools of
+        both, in whichever order each got the two plugins.
+        """
         if self._scheduler is scheduler:
             # A plugin that a preload registered (and so started) is started again by distributed once
             # the preloads are done: once is enough.
             return
+        registrations = _registrations(scheduler)
+        if registrations.locked():
+            logger.info("gpupool: another GPUPool registration is under way; this one %s waits for it", self.overrides)
+        async with registrations:
+            listed = scheduler.plugins.get(PLUGIN_NAME)
+            if self.idempotent and isinstance(listed, GPUPool):
+                # Installed by a registration that ran while this one waited; distributed keeps it listed
+                # (idempotent add_plugin), as it would have, had this one come after it.
+                return
+            if isinstance(listed, GPUPool) and listed.overrides != self.overrides:
+                logger.info("gpupool: GPUPool %s replaces the running GPUPool %s", self.overrides, listed.overrides)
+            await self._start(scheduler)
+
+    async def _start(self, scheduler: Scheduler) -> None:
+        from dask_gpupool.dask.worker_plugin import GPUPoolWorkerPlugin  # the class, pickled for workers
+
         self._registry_handlers.serve(scheduler)
         scheduler.handlers.update(self._handlers)
         # Never removed: an unknown op would end that worker's whole stream (see _drop).
@@ -329,6 +366,9 @@ class GPUPool(SchedulerPlugin):
                 raise exc
             raise GPUPoolError(f"gpupool setup failed on {worker}: {response.get('exception_text')}")
         await self._registry_handlers.wait_until_joined(list(responses))
+        # Workers that left meanwhile: distributed tells only listed plugins (remove_worker), and this one is listed
+        # only once start returns (nothing runs in between, so every later departure reaches remove_worker).
+        self._registry_handlers.drop_departed()
         logger.info("gpupool: registry started, worker plugin installed on %d worker(s)", len(responses))
 
     async def close(self) -> None:
@@ -346,6 +386,15 @@ class GPUPool(SchedulerPlugin):
     def remove_worker(self, scheduler: Scheduler, worker: str, *, stimulus_id: str, **kwargs: Any) -> None:
         """Rows (published or pending) leave with their worker (:meth:`RegistryHandlers.remove_worker`)."""
         self._registry_handlers.remove_worker(worker)
+
+
+def _registrations(scheduler: Scheduler) -> asyncio.Lock:
+    """The lock that runs ``scheduler``'s ``GPUPool`` registrations one at a time, in the order they came (FIFO)."""
+    lock = getattr(scheduler, "_gpupool_registrations", None)
+    if not isinstance(lock, asyncio.Lock):
+        lock = asyncio.Lock()
+        scheduler._gpupool_registrations = lock  # type: ignore[attr-defined]
+    return lock
 
 
 def _drop(**msg: Any) -> None:

@@ -90,6 +90,8 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
     service: PoolService | None
     #: Why :meth:`setup` failed (``"ConfigError: ..."``), or ``None``.
     failure: str | None
+    #: :meth:`teardown` has begun (Dask removed this plugin, possibly while :meth:`setup` still waited).
+    _torn_down: bool
     _worker: Worker | None
     _held: list[RegistryUpdate] | None
     _get_data: Any
@@ -108,6 +110,7 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         self.overrides = dict(overrides or {})
         self.service = None
         self.failure = None
+        self._torn_down = False
         self._worker = None
         self._held = None  # registry updates held until this worker's own row is published
         self._get_data = None
@@ -133,6 +136,8 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
             raise
 
     async def _setup(self, worker: Worker) -> None:
+        if self._torn_down:  # removed before its setup ran (see below)
+            return
         options = PoolOptions.from_config(**self.overrides)
         scheme = _listen_scheme(worker)
         # An unknown scheme gets TCP's thresholds (staging only ever uses the pool's own memory), not UCX's choices.
@@ -153,6 +158,15 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         except BaseException:
             service.close()
             raise
+        if self._torn_down:
+            # Removed while it asked the scheduler (the one await here): Dask's plugin_add removes the plugin of
+            # that name, tearing it down, whether or not its setup has ended, and sets up the new one (two installs
+            # at once: a worker joining while a registration is broadcast). The new one is this worker's; this
+            # one's pool goes, having touched nothing else (set up after this, it ran unlisted, its broker
+            # serving, its stream handlers in place of the new plugin's).
+            service.close()
+            logger.info("gpupool: worker plugin removed while it set up (another replaced it); its pool closed")
+            return
         self._worker = worker
         self._held = []
         worker.stream_handlers[REGISTRY_OP] = self._on_registry_update
@@ -350,6 +364,7 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
             events.released(key)
 
     async def teardown(self, worker: Worker) -> None:
+        self._torn_down = True  # a setup still waiting on the scheduler ends without installing anything
         if self._switch_previous is not None:
             sys.setswitchinterval(self._switch_previous)
             self._switch_previous = None

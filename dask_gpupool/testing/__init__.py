@@ -7,7 +7,7 @@ workers can import them by name. Nothing here is used by the library itself
 - :mod:`~dask_gpupool.testing.memory`: reading and writing pool memory;
 - :mod:`~dask_gpupool.testing.tasks`: tasks whose values travel through Dask;
 - :mod:`~dask_gpupool.testing.probes`: ``client.run`` targets that look into a worker;
-- :mod:`~dask_gpupool.testing.faults`: fault injection for the lease tests.
+- :mod:`~dask_gpupool.testing.faults`: fault injection for the lease and registration tests.
 
 Everything is importable from here (``from dask_gpupool import testing as T``).
 """
@@ -22,7 +22,10 @@ from dask_gpupool.testing.faults import (
     forget_pool,
     get_data_without_ok,
     hide_broker,
+    hold_plugin_add,
     kept_head,
+    plugin_adds,
+    release_plugin_add,
     report_failed_transfer,
     restore_broker,
     stop_copy_server,
@@ -130,6 +133,7 @@ __all__ = [
     "held_count",
     "hide_broker",
     "hold",
+    "hold_plugin_add",
     "keep",
     "kept_head",
     "known_pools",
@@ -148,11 +152,13 @@ __all__ = [
     "plain_cupy_shaped",
     "plain_fill",
     "plain_view",
+    "plugin_adds",
     "read_bytes",
     "read_bytes_of",
     "read_peer",
     "read_peer_on_gpu",
     "release",
+    "release_plugin_add",
     "report_failed_transfer",
     "resources",
     "restore_broker",

@@ -1,4 +1,5 @@
-"""Fault injection for the lease tests (``tests/handoff/test_leases.py``): stalls, hidden brokers, broken links."""
+"""Fault injection: stalls, hidden brokers, broken links (the lease tests, ``tests/handoff/test_leases.py``), and
+plugin installs held back (the registration tests, ``tests/dask/test_cluster.py``)."""
 
 from __future__ import annotations
 
@@ -156,3 +157,59 @@ def abort_held_reply(dask_worker: Worker) -> None:
     comm = dask_worker._gpupool_held_reply  # type: ignore[attr-defined]
     dask_worker._gpupool_held_reply = None  # type: ignore[attr-defined]
     comm.abort()
+
+
+async def hold_plugin_add(held: str, until: str, timeout: float, dask_worker: Worker) -> None:
+    """client.run target: order this worker's gpupool plugin installs, to force an interleaving of two registrations.
+
+    The scheduler's ``plugin-add`` of a gpupool worker plugin whose ``max_size`` option is ``held`` waits here until
+    one whose ``max_size`` is ``until`` has been installed (its ``plugin-add`` answered), or ``timeout`` seconds pass
+    (a later registration that never comes while the held one's runs). What arrived, in order, is in
+    :func:`plugin_adds`: ``"held <size>"`` when the held one starts waiting, ``"add <size>"`` when one is installed.
+    Undone by :func:`release_plugin_add`, which also lets a held one go on at once.
+    """
+    import asyncio
+    import contextlib
+
+    from distributed.protocol.pickle import loads
+
+    from dask_gpupool.core import PLUGIN_NAME
+
+    original = dask_worker.handlers["plugin-add"]
+    installed = asyncio.Event()
+    seen: list[str] = []
+
+    async def plugin_add(plugin: object, name: str | None = None, catch_errors: bool = True) -> object:
+        if isinstance(plugin, bytes):
+            plugin = loads(plugin)
+        size = getattr(plugin, "overrides", {}).get("max_size") if name == PLUGIN_NAME else None
+        if size == held and not installed.is_set():
+            seen.append(f"held {size}")
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(installed.wait(), timeout)
+        seen.append(f"add {size}")
+        try:
+            return await original(plugin=plugin, name=name, catch_errors=catch_errors)
+        finally:
+            if size == until:
+                installed.set()
+
+    plugin_add.original = original  # type: ignore[attr-defined]
+    plugin_add.seen = seen  # type: ignore[attr-defined]
+    plugin_add.release = installed.set  # type: ignore[attr-defined]
+    dask_worker.handlers["plugin-add"] = plugin_add
+
+
+def plugin_adds(dask_worker: Worker) -> list[str]:
+    """client.run target: the gpupool plugin installs :func:`hold_plugin_add` saw on this worker, in order."""
+    return list(getattr(dask_worker.handlers["plugin-add"], "seen", []))
+
+
+def release_plugin_add(dask_worker: Worker) -> None:
+    """client.run target: undo :func:`hold_plugin_add`: a ``plugin-add`` held goes on at once, and the worker's own
+    ``plugin-add`` handler answers from now on."""
+    gate = dask_worker.handlers["plugin-add"]
+    original = getattr(gate, "original", None)
+    if original is not None:
+        gate.release()  # type: ignore[attr-defined]
+        dask_worker.handlers["plugin-add"] = original

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -874,3 +875,259 @@ def test_a_worker_whose_registry_row_would_be_refused_fails_setup_naming_itself_
             dask_gpupool.pools(c)
         assert c.run(lambda dask_worker: "gpupool" in dask_worker.plugins) == {a: False for a in worker_addresses(c)}
         assert not [d for d in os.listdir(cwd) if d.startswith("dask-gpupool-")]
+
+
+def registration_state(client):
+    """Where the cluster's gpupool registration stands (test inspection only), by the ``max_size`` option of each
+    plugin: on the scheduler, the plugin listed, whether its registry is the one the handlers serve, the worker plugin
+    new workers get, and the listed registry's rows (worker -> pool); on each worker, its plugin, its pool, and
+    whether the worker's registry stream handlers are that plugin's."""
+
+    def on_scheduler(dask_scheduler):
+        from distributed.protocol.pickle import loads
+
+        from dask_gpupool.core import JOINED_OP, REGISTER_OP, UNREGISTER_OP
+
+        listed = dask_scheduler.plugins.get("gpupool")
+        handlers = [dask_scheduler.handlers["gpupool_pools"]]
+        handlers += [dask_scheduler.stream_handlers[op] for op in (REGISTER_OP, JOINED_OP, UNREGISTER_OP)]
+        return {
+            "listed": listed.overrides.get("max_size"),
+            "serves": all(getattr(h, "__self__", None) is listed._registry_handlers for h in handlers),
+            "worker-plugin": loads(dask_scheduler.worker_plugins["gpupool"]).overrides.get("max_size"),
+            "rows": {r.worker: r.pool for r in listed.registry.records()},
+        }
+
+    def on_worker(dask_worker):
+        from dask_gpupool.core import MEMBERSHIP_OP, REGISTRY_OP
+
+        plugin = dask_worker.plugins.get("gpupool")
+        service = getattr(plugin, "service", None)
+        return {
+            "plugin": getattr(plugin, "overrides", {}).get("max_size"),
+            "pool": None if service is None else service.pool.uuid,
+            "handlers": all(
+                getattr(dask_worker.stream_handlers.get(op), "__self__", None) is plugin
+                for op in (MEMBERSHIP_OP, REGISTRY_OP)
+            ),
+        }
+
+    return client.run_on_scheduler(on_scheduler), client.run(on_worker)
+
+
+def broker_dirs(path):
+    return sorted(d for d in os.listdir(path) if d.startswith("dask-gpupool-"))
+
+
+def assert_one_plugin(client, size, broker_dir):
+    """The whole cluster runs the GPUPool of ``max_size=size``: the scheduler lists it, its handlers serve the
+    registry, new workers get its worker plugin; every worker runs its pool and no other (``broker_dir`` holds the
+    live pools' broker directories only); the registry holds exactly the live workers' rows, of those pools."""
+    on_scheduler, on_workers = registration_state(client)
+    state = {"scheduler": on_scheduler, "workers": on_workers, "rows": dask_gpupool.pools(client)}
+    assert on_scheduler["listed"] == on_scheduler["worker-plugin"] == size, state
+    assert on_scheduler["serves"], state
+    assert {w: (s["plugin"], s["handlers"]) for w, s in on_workers.items()} == dict.fromkeys(
+        on_workers, (size, True)
+    ), state
+    rows = by_worker(client)
+    assert set(rows) == set(on_workers) == set(worker_addresses(client))
+    assert {w: r.pool for w, r in rows.items()} == on_scheduler["rows"] == {w: s["pool"] for w, s in on_workers.items()}
+    assert {r.max_size for r in rows.values()} == {int(size.removesuffix("MiB")) * MiB}
+    live = sorted(os.path.basename(os.path.dirname(r.broker)) for r in rows.values())
+    with contextlib.suppress(AssertionError):  # a torn-down pool's directory may take a moment to go
+        wait_for(lambda: broker_dirs(broker_dir) == live, timeout=10)
+    assert broker_dirs(broker_dir) == live
+
+
+def assert_a_killed_workers_row_leaves(client, size, broker_dir):
+    """Kill w0: its row leaves the registry, and the Nanny's new worker joins with the same plugin's pool."""
+    victim = by_worker(client)[worker_addresses(client)[0]]
+    os.kill(victim.pid, signal.SIGKILL)
+    wait_for(lambda: victim.pool not in {r.pool for r in dask_gpupool.pools(client)}, timeout=60)
+    wait_for(lambda: len(dask_gpupool.pools(client)) == 2, timeout=60)
+    from dask_gpupool.transport.broker_dirs import remove_stale_broker_dirs
+
+    remove_stale_broker_dirs(broker_dir, min_age=0)  # the killed broker's own directory (as in the kill test above)
+    assert_one_plugin(client, size, broker_dir)
+
+
+def register_from_threads(client, plugins, start=None):
+    """Each of ``plugins`` registered by a client of its own, each from a thread: all at the same moment (a barrier),
+    or, with ``start`` given, each once ``start(i)`` returned. What each ``register_plugin`` raised, or ``None``."""
+    import threading
+
+    from distributed import Client
+
+    clients = [Client(client.scheduler.address, timeout=30) for _ in plugins]
+    outcomes = [None] * len(plugins)
+    barrier = threading.Barrier(len(plugins)) if start is None else None
+
+    def register(i):
+        if barrier is not None:
+            barrier.wait(30)
+        try:
+            clients[i].register_plugin(plugins[i])
+        except BaseException as e:
+            outcomes[i] = e
+
+    try:
+        threads = [threading.Thread(target=register, args=(i,)) for i in range(len(plugins))]
+        for i, t in enumerate(threads):
+            if start is not None:
+                start(i)
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads), "register_plugin did not return"
+    finally:
+        for other in clients:
+            other.close()
+    return outcomes
+
+
+def test_two_registrations_at_once_with_other_options_leave_the_later_one_on_the_scheduler_and_every_worker(tmp_path):
+    """Two clients register ``GPUPool`` with other sizes, the second while the first's start is still installing its
+    worker plugins. The interleaving that left the workers with pools of both plugins is forced: worker w0 gets to
+    install the first plugin only after the second (it holds the first one's ``plugin-add`` until the second's is
+    answered, or 5 s); w1 installs them as they come. Registrations run one after the other, in the order the
+    scheduler received them, as two registrations made in turn do: both ``register_plugin`` calls return, and the
+    later one replaces the first everywhere (one plugin listed, serving the registry, installed on every worker;
+    one pool per worker); a worker killed afterwards leaves the registry, and its restarted worker joins with the
+    same plugin. Nothing is refused, and no broker directory is left."""
+    plugins = [
+        GPUPool(kind="host", max_size=size, broker_timeout="2s", broker_dir=str(tmp_path))
+        for size in ("32MiB", "16MiB")
+    ]
+    with nanny_cluster([{}, {}]) as c:
+        w0, _ = worker_addresses(c)
+        c.run(T.hold_plugin_add, "32MiB", "16MiB", 5.0, workers=[w0])
+
+        def start(i):
+            if i == 1:  # the second registration goes once the first one's plugin-add is held on w0
+                wait_for(lambda: c.run(T.plugin_adds, workers=[w0])[w0] == ["held 32MiB"])
+
+        assert register_from_threads(c, plugins, start) == [None, None]
+        seen = c.run(T.plugin_adds, workers=[w0])[w0]
+        c.run(T.release_plugin_add, workers=[w0])
+        assert_one_plugin(c, "16MiB", tmp_path)
+        assert seen == ["held 32MiB", "add 32MiB", "add 16MiB"], seen  # the second waited for the first
+        assert_a_killed_workers_row_leaves(c, "16MiB", tmp_path)
+        handoff_round_trip(c, MiB, b"registered at once")
+        assert rejected_on_scheduler(c) == {}
+    assert os.listdir(tmp_path) == []
+
+
+def test_two_clients_registering_other_options_at_the_same_moment_leave_one_plugin_everywhere(tmp_path):
+    """Two clients call ``register_plugin(GPUPool(...))`` with other sizes at the same moment (no forced order): both
+    return, and whichever the scheduler received last is the plugin listed, serving the registry and installed on
+    every worker; a killed worker's row leaves the registry; nothing is refused, no broker directory is left."""
+    sizes = ("32MiB", "16MiB")
+    plugins = [GPUPool(kind="host", max_size=size, broker_timeout="2s", broker_dir=str(tmp_path)) for size in sizes]
+    with nanny_cluster([{}, {}]) as c:
+        assert register_from_threads(c, plugins) == [None, None]
+        size = registration_state(c)[0]["listed"]
+        assert size in sizes
+        assert_one_plugin(c, size, tmp_path)
+        assert_a_killed_workers_row_leaves(c, size, tmp_path)
+        handoff_round_trip(c, MiB, b"registered at the same moment")
+        assert rejected_on_scheduler(c) == {}
+    assert os.listdir(tmp_path) == []
+
+
+def test_two_installs_of_the_worker_plugin_at_once_leave_that_worker_one_pool(tmp_path):
+    """A worker gets a gpupool worker plugin while another one's set-up has not ended (a worker joining while a
+    registration is broadcast gets the plugin the scheduler gave it and the broadcast one): Dask tears the first
+    down, installs the second, and the first's set-up goes on after (forced here: it waits until the second is
+    installed). The worker ends with the second plugin's pool alone, registered and serving; the first's pool is not
+    left running, unlisted, with its broker and its stream handlers; nothing is refused, no broker directory is
+    left."""
+    options = {"kind": "host", "broker_timeout": "2s", "broker_dir": str(tmp_path)}
+    with nanny_cluster([{}, {}], GPUPool(max_size="16MiB", **options)) as c:
+        w0, _ = worker_addresses(c)
+
+        async def install_two(dask_worker):
+            import asyncio
+
+            from dask_gpupool.dask.worker_plugin import GPUPoolWorkerPlugin
+
+            replaced = asyncio.Event()
+
+            class SetUpLate(GPUPoolWorkerPlugin):
+                async def setup(self, worker):
+                    await replaced.wait()
+                    await super().setup(worker)
+
+            first = SetUpLate({**options, "max_size": "32MiB"})
+            second = GPUPoolWorkerPlugin({**options, "max_size": "16MiB"})
+            installing = asyncio.ensure_future(dask_worker.plugin_add(first, name="gpupool"))
+            while dask_worker.plugins.get("gpupool") is not first:
+                await asyncio.sleep(0.01)
+            added = await dask_worker.plugin_add(second, name="gpupool")
+            replaced.set()
+            return [(await installing)["status"], added["status"]], dask_worker.plugins["gpupool"] is second
+
+        old = by_worker(c)[w0].pool
+        assert c.run(install_two, workers=[w0])[w0] == (["OK", "OK"], True)
+        wait_for(lambda: getattr(by_worker(c).get(w0), "pool", old) != old)  # w0's row leaves, then the new one joins
+        assert_one_plugin(c, "16MiB", tmp_path)
+        handoff_round_trip(c, MiB, b"installed twice at once")
+        assert rejected_on_scheduler(c) == {}
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_worker_killed_while_a_registration_waits_for_the_others_leaves_the_new_registry(tmp_path):
+    """A worker dies while ``register_plugin(GPUPool(...))`` still runs: w1 joined the new registry, w0's install is
+    held, and w1 is killed. Distributed tells only the plugins it lists of a worker leaving, and the new one is
+    listed only when its start returns; its registry drops the dead worker's row then. The registry holds exactly
+    the live workers' rows (the Nanny's new w1 joins), and nothing is left behind."""
+    import threading
+
+    plugin = GPUPool(kind="host", max_size="16MiB", broker_timeout="2s", broker_dir=str(tmp_path))
+    with nanny_cluster([{}, {}]) as c:
+        w0, w1 = worker_addresses(c)
+        c.run(T.hold_plugin_add, "16MiB", "none", 60.0, workers=[w0])
+        outcome = []
+        thread = threading.Thread(target=lambda: outcome.append(c.register_plugin(plugin)))
+        thread.start()
+        try:
+            wait_for(lambda: c.run(T.plugin_adds, workers=[w0])[w0] == ["held 16MiB"])
+            wait_for(lambda: w1 in by_worker(c))
+            os.kill(by_worker(c)[w1].pid, signal.SIGKILL)
+            wait_for(lambda: not c.run_on_scheduler(lambda dask_scheduler: w1 in dask_scheduler.workers))
+        finally:
+            c.run(T.release_plugin_add, workers=[w0])
+            thread.join(120)
+        assert outcome == [None]
+        wait_for(lambda: len(worker_addresses(c)) == 2 and set(worker_addresses(c)) <= set(by_worker(c)), timeout=60)
+        assert set(by_worker(c)) == set(worker_addresses(c))  # the dead w1's row is not among them
+        from dask_gpupool.transport.broker_dirs import remove_stale_broker_dirs
+
+        remove_stale_broker_dirs(str(tmp_path), min_age=0)  # the killed broker's own directory
+        assert_one_plugin(c, "16MiB", tmp_path)
+        handoff_round_trip(c, MiB, b"after a death during registration")
+        assert rejected_on_scheduler(c) == {}
+    assert os.listdir(tmp_path) == []
+
+
+def test_two_idempotent_registrations_at_once_install_the_plugin_once(tmp_path):
+    """Two ``GPUPool`` registrations marked idempotent at the same moment, as workers started together with
+    ``--preload dask_gpupool`` make (distributed lets both start: neither finds a plugin listed): the one that runs
+    second finds the first listed and does nothing, so each worker installs the worker plugin once, and the
+    cluster runs the first one's pools."""
+    plugins = [
+        GPUPool(kind="host", max_size=size, broker_timeout="2s", broker_dir=str(tmp_path))
+        for size in ("32MiB", "16MiB")
+    ]
+    for plugin in plugins:
+        plugin.idempotent = True
+    with nanny_cluster([{}, {}]) as c:
+        c.run(T.hold_plugin_add, "none", "none", 0.0)  # holds nothing; counts the installs
+        assert register_from_threads(c, plugins) == [None, None]
+        size = registration_state(c)[0]["listed"]
+        assert c.run(T.plugin_adds) == {w: [f"add {size}"] for w in worker_addresses(c)}
+        c.run(T.release_plugin_add)
+        assert_one_plugin(c, size, tmp_path)
+        handoff_round_trip(c, MiB, b"installed once")
+        assert rejected_on_scheduler(c) == {}
+    assert os.listdir(tmp_path) == []
