@@ -207,11 +207,18 @@ class _Lanes:
                 if i == len(self._leases) - 1 and offset + size != self._dst.size:
                     raise ProtocolError(f"the lanes hold {offset + size} bytes, the value {self._dst.size}")
                 self._offset = offset + size
+                with self._state:
+                    stopped = self.error is not None  # another lane failed meanwhile: this one is not received
+                    if stopped:
+                        self._open.discard(conn)
             except BaseException:
                 with self._state:
                     self._open.discard(conn)
                 conn.close()
                 raise
+            if stopped:
+                conn.close()
+                return None
             return conn, offset, size, reply.chunk
 
     def _fail(self, e: BaseException) -> None:
