@@ -756,3 +756,27 @@ def test_a_copy_asked_with_no_fd_left_is_refused_and_the_connection_keeps_servin
         leases.clear()
         del buf
         pool.close()
+
+
+def test_an_os_error_a_handlers_copy_lets_through_refuses_that_request_only(memfd, tmp_path, no_fd_leak):
+    """Any handler's ``copy_out`` that lets an ``OSError`` through (no fd left for its memfd) gets the same answer
+    from the broker: ``BrokerRefusedError`` for that request, and the connection serves the next one."""
+    import errno
+
+    from dask_gpupool.transport.broker_handler import LookupOnly
+
+    class OutOfFds(LookupOnly):
+        def copy_out(self, lease: int, importer: str) -> tuple[int, int]:
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+    b = FdBroker(OutOfFds(lambda p: (memfd, HandleReply(POOL, "host", 4096))), str(tmp_path), 5.0, POOL, TOKEN)
+    link = PeerLink(b.address, 5.0, TOKEN, "tcp://127.0.0.1:1")
+    try:
+        with pytest.raises(BrokerRefusedError, match="Too many open files"):
+            link.fetch_copy(7)
+        assert link.alive and b.connections == 1
+        _reply, fd = link.request_pool_fd(POOL)  # the same connection serves on
+        os.close(fd)
+    finally:
+        link.close()
+        b.close()
