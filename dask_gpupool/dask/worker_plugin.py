@@ -440,9 +440,10 @@ def service_of(worker: Worker) -> PoolService:
 def _check_row(record: PoolRecord, address: str) -> None:
     """Check this worker's registry row as the scheduler will (:meth:`PoolRecord.from_msg`) before it is sent.
 
-    A row the scheduler refuses (a broker under a relative temporary directory, ``TMPDIR=.``) would leave the
-    worker without a pool, and ``register_plugin`` waiting out the connect timeout and returning with no error:
-    the scheduler answers no refusal, since a registration may come from another worker in this one's name.
+    A row the scheduler refuses would leave the worker without a pool, and ``register_plugin`` waiting out the
+    connect timeout and returning with no error: the scheduler answers no refusal, since a registration may come
+    from another worker in this one's name. A row Dask cannot even send (a broker under a temporary directory whose
+    path is not UTF-8) broke the worker's stream to the scheduler, and the worker closed.
 
     Raises
     ------

@@ -204,6 +204,21 @@ class ExportSide:
             segmented.drop_connection(importer)
 
     def copy_out(self, lease: int, importer: str) -> tuple[int, int]:
+        """A host copy of ``importer``'s leased buffer ``lease`` in a new memfd: ``(memfd, size)``.
+
+        The memfd is the **caller's** (the broker closes it once sent); it is
+        closed here when the copy into it fails. The lease stays: its
+        importer releases it.
+
+        Raises
+        ------
+        DataLostError
+            The lease has ended (or is another worker's), or the copy failed
+            (a CUDA error, waiting for the GPU's writes).
+        BrokerRefusedError
+            No memfd can be made now (``EMFILE``, ``ENFILE``, ``ENOMEM``): this
+            request is refused; nothing was made, and the connection serves on.
+        """
         holder = self._leases.holder_for(lease, importer)
         if holder is None:
             raise DataLostError(f"lease {lease} on pool {self._pool.uuid} has ended (or is not {importer}'s)")
@@ -219,7 +234,12 @@ class ExportSide:
                 except Exception as e:
                     raise DataLostError(f"lease {lease}: waiting for the GPU to write its memory failed: {e}") from e
             buf, offset, n = holder.buf, 0, int(holder.buf.size)
-        fd = os.memfd_create("dask-gpupool-copy", os.MFD_CLOEXEC)
+        try:
+            fd = os.memfd_create("dask-gpupool-copy", os.MFD_CLOEXEC)
+        except OSError as e:  # EMFILE, ENFILE, ENOMEM: this request is refused, the connection keeps serving
+            raise BrokerRefusedError(
+                f"lease {lease}: no host copy of pool {self._pool.uuid} can be made now: {e}"
+            ) from e
         try:
             if n:
                 os.ftruncate(fd, n)

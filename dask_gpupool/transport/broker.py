@@ -107,7 +107,8 @@ class FdBroker:
         Answers requests (runs on the broker's thread). A bare
         :data:`PoolLookup` serves pool fds only.
     directory : str or None
-        Parent of the broker's private directory (default: the temp dir).
+        Parent of the broker's private directory (default: the temporary
+        directory, made absolute from the working directory).
     timeout : float
         Seconds a new connection may take to send its hello, and a reply (or
         the fd after it) may wait for room in a connection whose member does
@@ -197,7 +198,10 @@ class FdBroker:
         self._conns = set()
         self._importers = ImporterWatch(self._handler, name)
         self._closed = False
-        parent = directory or tempfile.gettempdir()
+        # Peers connect by the path in the registry row, which must be absolute: a relative temporary directory
+        # (TMPDIR=., which tempfile keeps as ".") is taken from this process's working directory, as a relative
+        # gpupool.broker-dir is (config._parse_broker_dir).
+        parent = directory or os.path.abspath(tempfile.gettempdir())
         remove_stale_broker_dirs(parent)
         try:
             self._dir = tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{name[:8]}-", dir=parent)  # mode 0700

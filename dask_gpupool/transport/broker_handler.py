@@ -86,7 +86,10 @@ class BrokerHandler(Protocol):
     def copy_out(self, lease: int, importer: str) -> tuple[int, int]:
         """``(memfd, size)`` holding a copy of a leased buffer of ``importer``; the broker closes the memfd.
 
-        Raises a :class:`~dask_gpupool.GPUPoolError` when the lease is gone.
+        Raises a :class:`~dask_gpupool.GPUPoolError` when the lease is gone, or
+        a :class:`~dask_gpupool.BrokerRefusedError` when no memfd can be made
+        now (no fd left): either is that request's answer, and the connection
+        serves on. Makes no fd when it raises.
         """
 
     def tick(self) -> None:

@@ -12,6 +12,10 @@ connection (:class:`~dask_gpupool.transport.broker.FdBroker` does).
 fd ownership: a pool's fd stays the pool's; a segment fd or a copy's memfd,
 made for one request, is closed here once sent, or once the broker stops waiting for it
 (:class:`_FdHandover`: it closed while a copy ran). Broker thread only.
+
+A copy that cannot be made (the lease ended, a CUDA error, no fd left for its
+memfd) is answered with an :class:`~dask_gpupool.wire.broker.ErrorReply` for
+that request; the connection keeps serving.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import socket
 import threading
 from collections.abc import Callable
 
-from dask_gpupool.errors import DataLostError, GPUPoolError, ProtocolError, UnknownPoolError
+from dask_gpupool.errors import BrokerRefusedError, DataLostError, GPUPoolError, ProtocolError, UnknownPoolError
 from dask_gpupool.transport.broker_handler import BrokerHandler
 from dask_gpupool.wire.broker import (
     ClaimReply,
@@ -169,6 +173,10 @@ class BrokerRequests:
                 fd, size = await self._copy_out(request.lease, importer)
             except GPUPoolError as e:
                 await self._send(conn, encode(ErrorReply.of(e)))
+                return
+            except OSError as e:  # a handler that let one through (no fd left): refuse the request, not the link
+                refusal = BrokerRefusedError(f"lease {request.lease}: no host copy can be made now: {e}")
+                await self._send(conn, encode(ErrorReply.of(refusal)))
                 return
             try:
                 await self._send(conn, encode(CopyReply(request.lease, size)))

@@ -5,7 +5,8 @@ Each lane is one TCP connection that asks for its part of the buffer with a
 and the lease) and receives it in chunks through pinned staging
 (:mod:`dask_gpupool.transport.staging`), or GPU memory mapped into the host
 (:mod:`dask_gpupool.transport.vkgdr_staging`, ``gpupool.tcp-landing: vkgdr``),
-copied into the destination Buffer as they arrive. Runs in the calling thread and a small executor.
+copied into the destination Buffer as they arrive. Runs in the calling thread and a small executor shared
+by the process; a lane connects only when a thread is there to read it (:func:`pull`).
 """
 
 from __future__ import annotations
@@ -54,8 +55,15 @@ def pull(
     """Pull stream leases ``leases`` of ``pool`` from ``address`` into ``dst``, one connection each. Blocking.
 
     Each lease is one lane: a contiguous part of the value, in order; lane k
-    lands after the bytes of lanes 0..k-1. Lanes after the first are received
-    in threads of a shared executor, the first in the calling thread.
+    lands after the bytes of lanes 0..k-1. The calling thread and up to
+    ``len(leases) - 1`` threads of a pool shared by the process
+    (:data:`MAX_LANE_THREADS`) take the lanes in order, each connecting its lane
+    only when it is about to read it: the copy server sends a lane's bytes only
+    once it has the lane's request, and gives up when a chunk finds no room
+    for ``timeout`` seconds, so a lane must never wait for a thread after its
+    request went out. A pull is given only threads that are free now, never
+    queued behind other pulls' lanes: when the shared threads are all busy, the
+    calling thread receives every lane itself, one after the other.
 
     Parameters
     ----------
@@ -66,6 +74,8 @@ def pull(
         into the host (:mod:`dask_gpupool.transport.vkgdr_staging`), received
         into straight from the socket. Where vkgdr cannot run, pinned slots
         are used (logged once per GPU).
+    timeout : float
+        Seconds to connect a lane, and for each ``recv`` of its bytes.
     landing : {"auto", "pinned", "vkgdr"}
         ``gpupool.tcp-landing`` (``auto``: vkgdr where it runs).
 
@@ -74,63 +84,207 @@ def pull(
     DataLostError
         The exporter cannot be reached (its ``address`` is not
         ``tcp://host:port`` included), refused (a lease ended), or a
-        connection broke. Leases of lanes not pulled end with the exporter's reply.
+        connection broke. The other lanes being received stop at once; leases
+        of lanes never connected end with the exporter's reply.
+
+    Notes
+    -----
+    Every connection is this function's: each lane closes its own once
+    received, or on failure; none is open when it returns or raises.
     """
-    conns: list[socket.socket] = []
     what = f"pulling lease(s) {list(leases)} of pool {pool} from {address}"
     try:
         host, port = host_port(address)
-        for lease in leases:
-            conn = socket.create_connection((host, port), timeout=timeout)
-            conns.append(conn)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            send_message(conn, PullRequest(pool, lease, pull_proof(token, pool, lease)).to_msg())
-        offset, parts = 0, []
-        for conn, lease in zip(conns, leases, strict=True):
-            msg = decode(recv_message(conn))
-            raise_for_error(msg, f"copy server {address}")
-            reply = PullReply.from_msg(msg)
-            if reply.lease != lease or offset + reply.size > dst.size:
-                raise ProtocolError(f"pull reply for lease {reply.lease} of {reply.size} bytes; asked lease {lease}")
-            parts.append((conn, offset, reply.size, reply.chunk))
-            offset += reply.size
-        if offset != dst.size:
-            raise ProtocolError(f"the lanes hold {offset} bytes, the value {dst.size}")
-        others = [_executor().submit(_receive, c, dst, off, n, chunk, landing) for c, off, n, chunk in parts[1:]]
-        first, off, n, chunk = parts[0]
-        try:
-            _receive(first, dst, off, n, chunk, landing)
-        except BaseException:
-            for c in conns:  # the other lanes stop at once instead of at their timeout
-                with contextlib.suppress(OSError):
-                    c.shutdown(socket.SHUT_RDWR)
-            raise
-        finally:
-            for f in others:
-                f.exception()  # wait for every lane before the connections close
-        for f in others:
-            f.result()
-    except (OSError, GPUPoolError) as e:
-        if isinstance(e, DataLostError):
-            raise
+    except GPUPoolError as e:
         raise DataLostError(f"{what}: {type(e).__name__}: {e}") from e
+    if not leases:
+        raise DataLostError(f"{what}: no lanes")
+    job = _Lanes(address, host, port, pool, leases, token, dst, timeout, landing)
+    helpers = _help(job, len(leases) - 1)
+    try:
+        job.work()
     finally:
-        for conn in conns:
-            conn.close()
+        for f in helpers:
+            f.cancel()  # one that has not started: the lanes are all taken; never wait for it
+        job.finish()
+    error = job.error
+    if error is None:
+        return
+    if isinstance(error, DataLostError):
+        raise error
+    if isinstance(error, (OSError, GPUPoolError)):
+        raise DataLostError(f"{what}: {type(error).__name__}: {error}") from error
+    raise error
+
+
+#: Threads shared by every pull of the process to receive lanes besides each pull's calling thread.
+MAX_LANE_THREADS = 16
+
+
+class _Lanes:
+    """The lanes of one :func:`pull`, taken in order by whichever of its threads is free.
+
+    A thread takes the next lane under ``_order``: connects it, sends its
+    request and reads its reply (whose size places the next lane), then
+    receives its bytes outside the lock. The first error stops the pull: no
+    lane is taken after it, and the connections being received are shut down.
+    ``address`` names the copy server in errors.
+
+    fd ownership: each lane's connection is the thread's that took it, which
+    closes it; ``_open`` only lists them, to shut them down on failure.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        host: str,
+        port: int,
+        pool: str,
+        leases: list[int],
+        token: bytes,
+        dst: Buffer,
+        timeout: float,
+        landing: str,
+    ) -> None:
+        self._address, self._host, self._port, self._pool, self._token = address, host, port, pool, token
+        self._leases, self._dst, self._timeout, self._landing = list(leases), dst, timeout, landing
+        self._order = threading.Lock()  # one lane connected and placed at a time, in order
+        self._state = threading.Condition()  # the fields below
+        self._next = 0
+        self._offset = 0
+        self._running = 0
+        self._finished = False
+        self._open: set[socket.socket] = set()
+        self.error: BaseException | None = None
+
+    def work(self) -> None:
+        """Take and receive lanes until none is left or one failed (the error is kept, not raised)."""
+        with self._state:
+            if self._finished:
+                return
+            self._running += 1
+        try:
+            while True:
+                lane = self._take()
+                if lane is None:
+                    return
+                conn, offset, n, chunk = lane
+                try:
+                    _receive(conn, self._dst, offset, n, chunk, self._landing)
+                finally:
+                    with self._state:
+                        self._open.discard(conn)
+                    conn.close()
+        except BaseException as e:
+            self._fail(e)
+        finally:
+            with self._state:
+                self._running -= 1
+                self._state.notify_all()
+
+    def _take(self) -> tuple[socket.socket, int, int, int] | None:
+        """Connect the next lane and read its reply: ``(conn, offset, size, chunk)``, the conn the caller's; ``None``
+        when every lane is taken or the pull failed."""
+        with self._order:
+            with self._state:
+                if self.error is not None or self._next == len(self._leases):
+                    return None
+                i = self._next
+                self._next += 1
+            lease = self._leases[i]
+            conn = socket.create_connection((self._host, self._port), timeout=self._timeout)
+            try:
+                with self._state:
+                    self._open.add(conn)
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                send_message(conn, PullRequest(self._pool, lease, pull_proof(self._token, self._pool, lease)).to_msg())
+                msg = decode(recv_message(conn))
+                raise_for_error(msg, f"copy server {self._address}")
+                reply = PullReply.from_msg(msg)
+                offset, size = self._offset, reply.size
+                if reply.lease != lease or offset + size > self._dst.size:
+                    raise ProtocolError(f"pull reply for lease {reply.lease} of {size} bytes; asked lease {lease}")
+                if i == len(self._leases) - 1 and offset + size != self._dst.size:
+                    raise ProtocolError(f"the lanes hold {offset + size} bytes, the value {self._dst.size}")
+                self._offset = offset + size
+                with self._state:
+                    stopped = self.error is not None  # another lane failed meanwhile: this one is not received
+                    if stopped:
+                        self._open.discard(conn)
+            except BaseException:
+                with self._state:
+                    self._open.discard(conn)
+                conn.close()
+                raise
+            if stopped:
+                conn.close()
+                return None
+            return conn, offset, size, reply.chunk
+
+    def _fail(self, e: BaseException) -> None:
+        """Keep the first error; stop the lanes being received (at once, not at their timeout)."""
+        with self._state:
+            if self.error is None:
+                self.error = e
+            conns = list(self._open)
+        for c in conns:
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
+
+    def finish(self) -> None:
+        """No thread takes a lane from now on; wait for those receiving one (each bounded by ``timeout``)."""
+        with self._state:
+            self._finished = True
+            while self._running:
+                self._state.wait()
 
 
 _EXECUTOR: Any = None
 _EXECUTOR_LOCK = threading.Lock()
+#: Threads of the shared pool given to pulls now (under ``_RESERVED_LOCK``); at most :data:`MAX_LANE_THREADS`.
+_RESERVED = 0
+_RESERVED_LOCK = threading.Lock()
+
+
+def _help(job: _Lanes, wanted: int) -> list[Any]:
+    """Up to ``wanted`` threads of the shared pool that take ``job``'s lanes: as many as are free now, none queued
+    behind other pulls (the calling thread receives the lanes left). Returns their futures; each thread is given
+    back when its future is done or cancelled."""
+    global _RESERVED
+    with _RESERVED_LOCK:
+        n = max(0, min(wanted, MAX_LANE_THREADS - _RESERVED))
+        _RESERVED += n
+    futures: list[Any] = []
+    try:
+        executor = _executor()
+        for _ in range(n):
+            f = executor.submit(job.work)
+            futures.append(f)
+            f.add_done_callback(_given_back)
+    except RuntimeError:  # the pool is shut down (interpreter exit): the calling thread takes every lane
+        pass
+    finally:
+        with _RESERVED_LOCK:
+            _RESERVED -= n - len(futures)
+    return futures
+
+
+def _given_back(_future: Any) -> None:
+    global _RESERVED
+    with _RESERVED_LOCK:
+        _RESERVED -= 1
 
 
 def _executor() -> Any:
-    """The threads that receive lanes after the first (made on first use, shared by the process)."""
+    """The threads that receive lanes besides each pull's calling thread (made on first use, shared by the
+    process, at most :data:`MAX_LANE_THREADS`). A task queued here holds no connection: it connects a lane only
+    once it runs."""
     global _EXECUTOR
     with _EXECUTOR_LOCK:
         if _EXECUTOR is None:
             from concurrent.futures import ThreadPoolExecutor
 
-            _EXECUTOR = ThreadPoolExecutor(max_workers=16, thread_name_prefix="gpupool-pull")
+            _EXECUTOR = ThreadPoolExecutor(max_workers=MAX_LANE_THREADS, thread_name_prefix="gpupool-pull")
         return _EXECUTOR
 
 

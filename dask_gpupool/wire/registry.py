@@ -155,9 +155,21 @@ MAX_BROKER_PATH = 107
 
 
 def broker_path(value: str, what: str) -> str:
-    """``value`` if it can name a broker's Unix socket: absolute, without NUL, at most :data:`MAX_BROKER_PATH`
-    bytes; else :class:`ProtocolError` (a peer's link would fail on it outside the error hierarchy)."""
-    if not value.startswith("/") or "\0" in value or len(value.encode("utf-8", "surrogatepass")) > MAX_BROKER_PATH:
+    """``value`` if it can name a broker's Unix socket: UTF-8, absolute, without NUL, at most
+    :data:`MAX_BROKER_PATH` bytes; else :class:`ProtocolError` (a peer's link would fail on it outside the error
+    hierarchy).
+
+    A path of bytes that are not UTF-8 (which Python decodes to surrogates) cannot travel in the registry at all:
+    msgpack refuses it, and a worker's stream that tried to send such a row broke.
+    """
+    try:
+        nbytes = len(value.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise ProtocolError(
+            f"{what}: broker {value[:120]!r} is not UTF-8; set gpupool.broker-dir (or the temporary directory) "
+            "to a directory whose path is"
+        ) from None
+    if not value.startswith("/") or "\0" in value or nbytes > MAX_BROKER_PATH:
         raise ProtocolError(f"{what}: broker {value[:120]!r} is not an absolute Unix socket path")
     return value
 

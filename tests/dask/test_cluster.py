@@ -860,21 +860,51 @@ def test_a_broker_dir_the_workers_cannot_use_is_a_config_error_naming_the_key(tm
     assert os.listdir(tmp_path) == ([] if problem == "missing" else ["a-file"])
 
 
-def test_a_worker_whose_registry_row_would_be_refused_fails_setup_naming_itself_and_why(tmp_path):
-    """A worker whose temporary directory is ``.`` (``TMPDIR=.``) makes its broker under a relative path, which the
-    scheduler refuses in its registry row (peers connect by that path). The worker checks its row as the scheduler
-    will and fails its setup: ``register_plugin`` raises at once naming the worker and the reason, as for any other
-    setup failure, rather than waiting out the connect timeout and returning with that worker silently poolless;
-    nothing is left behind."""
+def test_a_worker_whose_temporary_directory_is_relative_makes_its_broker_under_its_directory_and_joins():
+    """A worker whose temporary directory is ``.`` (``TMPDIR=.``) and that sets no ``gpupool.broker-dir`` made its
+    broker under a relative path, which the scheduler refuses in its registry row (peers connect by that path), so
+    the worker failed its setup. The default broker directory is now made absolute from the worker's working
+    directory, as a relative ``gpupool.broker-dir`` is: the worker joins, and a peer maps its pool; nothing is left
+    behind."""
     with nanny_cluster([{"env": {"TMPDIR": "."}}, {}]) as c:
-        bad, _ = worker_addresses(c)
-        cwd = c.run(os.getcwd, workers=[bad])[bad]
-        with pytest.raises(dask_gpupool.PoolUnavailableError, match=rf"{re.escape(bad)}.*not an absolute"):
-            c.register_plugin(GPUPool(kind="host", max_size="64MiB", broker_timeout="2s"))
-        with pytest.raises(dask_gpupool.PoolUnavailableError):
-            dask_gpupool.pools(c)
-        assert c.run(lambda dask_worker: "gpupool" in dask_worker.plugins) == {a: False for a in worker_addresses(c)}
-        assert not [d for d in os.listdir(cwd) if d.startswith("dask-gpupool-")]
+        relative, _ = worker_addresses(c)
+        cwd = c.run(os.getcwd, workers=[relative])[relative]
+        c.register_plugin(GPUPool(kind="host", max_size="64MiB", broker_timeout="2s"))
+        rows = by_worker(c)
+        assert len(rows) == 2
+        assert os.path.dirname(os.path.dirname(rows[relative].broker)) == cwd
+        handoff_round_trip(c, MiB, b"relative temporary directory")  # the peer reaches its broker by that path
+        assert rejected_on_scheduler(c) == {}
+    assert not [d for d in os.listdir(cwd) if d.startswith("dask-gpupool-")]
+
+
+def test_a_worker_whose_registry_row_would_be_refused_fails_setup_naming_itself_and_why():
+    """A worker whose temporary directory is not UTF-8 (a ``TMPDIR`` of other bytes, here Latin-1 ``café``) makes
+    its broker under a path the registry cannot carry: Dask's msgpack refuses the surrogates Python decodes such
+    bytes to, so sending the row broke the worker's stream to the scheduler and the worker closed, while
+    ``register_plugin`` returned with no error. The registry now refuses a broker path that is not UTF-8, and the
+    worker checks its row as the scheduler will and fails its setup: ``register_plugin`` raises at once naming the
+    worker and the reason, as for any other setup failure, rather than returning with that worker silently gone or
+    silently poolless; nothing is left behind. (Before, this test used ``TMPDIR=.``, which now joins: above.)"""
+    import shutil
+    import tempfile
+
+    short = tempfile.mkdtemp(prefix="gp-", dir="/tmp")  # the socket path must fit in 107 bytes
+    latin1 = os.fsencode(short) + b"/caf\xe9"
+    os.mkdir(latin1)
+    try:
+        with nanny_cluster([{"env": {"TMPDIR": os.fsdecode(latin1)}}, {}]) as c:
+            bad, _ = worker_addresses(c)
+            with pytest.raises(dask_gpupool.PoolUnavailableError, match=rf"{re.escape(bad)}.*not UTF-8"):
+                c.register_plugin(GPUPool(kind="host", max_size="64MiB", broker_timeout="2s"))
+            with pytest.raises(dask_gpupool.PoolUnavailableError):
+                dask_gpupool.pools(c)
+            addresses = worker_addresses(c)
+            assert len(addresses) == 2  # the worker lives on, without a pool
+            assert c.run(lambda dask_worker: "gpupool" in dask_worker.plugins) == {a: False for a in addresses}
+        assert os.listdir(latin1) == []
+    finally:
+        shutil.rmtree(short)
 
 
 def registration_state(client):

@@ -692,3 +692,91 @@ def test_a_member_that_never_reads_its_replies_is_dropped_after_the_timeout(brok
     s.close()
     _reply, fd = request_pool_fd(broker.address, POOL, 5, TOKEN)  # other members are served
     os.close(fd)
+
+
+def test_a_copy_asked_with_no_fd_left_is_refused_and_the_connection_keeps_serving(tmp_path, no_fd_leak):
+    """``CopyRequest`` while the exporter's process has no fd left (an fd flood, issue 15): the memfd of the copy
+    cannot be made. That one request is answered with a refusal of ours (``BrokerRefusedError``, naming the cause),
+    not an ``OSError`` that dropped the whole connection (the importer saw ``PeerLostError``, and its link, with
+    every lease it held over it, had to be opened again and resynced). The link stays up, nothing is left open, and
+    once fds are free the same link gets the copy."""
+    import resource
+
+    from dask_gpupool.config import PoolOptions
+    from dask_gpupool.handoff.exporter import Exported, ExportSide
+    from dask_gpupool.handoff.leases import LeaseTable
+    from dask_gpupool.handoff.registry import RegistryView
+    from dask_gpupool.memory.buffers import copy_from_host
+    from dask_gpupool.memory.pool import Pool
+    from dask_gpupool.memory.topology import LocalDevices
+    from dask_gpupool.wire.registry import PoolRecord, RegistryUpdate
+
+    pool = Pool.create(PoolOptions.from_config(kind="host", max_size="16 MiB"), LocalDevices(()))
+    leases = LeaseTable(60)
+    registry = RegistryView()
+    importer = "tcp://127.0.0.1:1"
+    row = PoolRecord(str(uuid.uuid4()), importer, os.getpid(), "h", "h", "host", None, 1 << 20, "/x")
+    registry.apply(RegistryUpdate(version=1, added=(row,)))
+    broker = FdBroker(ExportSide(pool, leases, registry, "h"), str(tmp_path), 30.0, pool.uuid, TOKEN)
+    link = PeerLink(broker.address, 30.0, TOKEN, importer)
+    buf = pool.allocate(4096)
+    data = os.urandom(4096)
+    copy_from_host(buf, memoryview(data))
+    lease = leases.grant(Exported(buf, buf, None), 4096, importer)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    filler: list[int] = []
+    try:
+        assert broker.connections == 1
+        top = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (top + 2, hard))
+        filler.append(os.open(os.devnull, os.O_RDONLY))
+        with contextlib.suppress(OSError):  # EMFILE: every fd this process may have is taken
+            while True:
+                filler.append(os.dup(filler[0]))
+        with pytest.raises(BrokerRefusedError, match="Too many open files"):
+            link.fetch_copy(lease)
+        for fd in filler:
+            os.close(fd)
+        filler.clear()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert link.alive and broker.connections == 1  # that request was refused, not the connection
+        assert _open_copies() == [] and broker.copies == 0
+        reply, fd = link.fetch_copy(lease)  # the same link, fds free again: the copy
+        try:
+            assert reply.size == 4096 and os.pread(fd, 4096, 0) == data
+        finally:
+            os.close(fd)
+        assert broker.copies == 1 and leases.holder(lease) is not None  # the lease is still the importer's to end
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        link.close()
+        broker.close()
+        leases.clear()
+        del buf
+        pool.close()
+
+
+def test_an_os_error_a_handlers_copy_lets_through_refuses_that_request_only(memfd, tmp_path, no_fd_leak):
+    """Any handler's ``copy_out`` that lets an ``OSError`` through (no fd left for its memfd) gets the same answer
+    from the broker: ``BrokerRefusedError`` for that request, and the connection serves the next one."""
+    import errno
+
+    from dask_gpupool.transport.broker_handler import LookupOnly
+
+    class OutOfFds(LookupOnly):
+        def copy_out(self, lease: int, importer: str) -> tuple[int, int]:
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+    b = FdBroker(OutOfFds(lambda p: (memfd, HandleReply(POOL, "host", 4096))), str(tmp_path), 5.0, POOL, TOKEN)
+    link = PeerLink(b.address, 5.0, TOKEN, "tcp://127.0.0.1:1")
+    try:
+        with pytest.raises(BrokerRefusedError, match="Too many open files"):
+            link.fetch_copy(7)
+        assert link.alive and b.connections == 1
+        _reply, fd = link.request_pool_fd(POOL)  # the same connection serves on
+        os.close(fd)
+    finally:
+        link.close()
+        b.close()

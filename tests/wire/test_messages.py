@@ -215,6 +215,8 @@ def test_copy_path_messages_round_trip_and_refuse_bad_fields():
         {"broker": "relative/broker.sock"},
         {"broker": ""},
         {"broker": "/tmp/" + "x" * 200 + "/broker.sock"},
+        # a path of bytes that are not UTF-8 (decoded with surrogates): Dask's msgpack cannot send the row at all
+        {"broker": "/tmp/caf\udce9/broker.sock"},
     ],
 )
 def test_malformed_record_is_a_protocol_error(change):
