@@ -170,6 +170,20 @@ def test_bad_option_fails_setup_naming_it_and_leaves_nothing_behind():
         assert c.run(lambda dask_worker: "gpupool" in dask_worker.plugins) == {a: False for a in worker_addresses(c)}
 
 
+def test_a_bad_gpupool_config_on_the_client_does_not_fail_the_registration():
+    """The client's own ``gpupool.*`` config is no worker's: an unknown key, a bad value and a value conflicting with
+    an option given there failed ``GPUPool(...)``, although each worker reads (and checks) its own config."""
+    import dask
+
+    with nanny_cluster([{}, {}]) as c:
+        client_config = {"gpupool.kidn": "host", "gpupool.lease-timeout": "-1s", "gpupool.segment-memory": "pool"}
+        with dask.config.set(client_config):
+            c.register_plugin(GPUPool(kind="host", max_size="64MiB", peer_gpu_handoff=True))
+        rows = by_worker(c)
+        assert set(rows) == set(worker_addresses(c)) and {r.kind for r in rows.values()} == {"host"}
+        handoff_round_trip(c, MiB, b"client config")
+
+
 @pytest.mark.parametrize("where", ["scheduler", "worker"])
 def test_preload_gives_the_same_cluster(where):
     config = {"gpupool": {"kind": "host", "max-size": "64MiB"}}
