@@ -24,6 +24,10 @@ metric                                                    type     labels
 ``dask_scheduler_gpupool_pools``                          gauge    ``kind``
 ========================================================  =======  ==============================
 
+What each counts is its help text, and docs/operations.rst: ``received_bytes`` counts values from any sender
+(only its ``zero-copy`` and ``peer-gpu-copy`` paths are same-host by nature), and ``sent_copy_bytes`` every host
+copy of a pool value, to workers of any host, clients and disk (spilling).
+
 Every worker metric also carries a ``worker`` label (the worker's Dask name),
 so that several workers in one process (tests, ``LocalCluster(processes=False)``)
 stay apart, and a restarted worker (a new pool UUID, a new address) continues
@@ -38,6 +42,19 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 __all__ = ["register", "register_scheduler"]
+
+#: ``received_bytes``: only ``zero-copy`` and ``peer-gpu-copy`` are same-host by nature; ``copy``, ``device-frames``
+#: and ``host-frames`` count whoever sent the value.
+RECEIVED_HELP = (
+    "Bytes of values received, by path: zero-copy (a same-host peer's pool mapped, or a value of this pool come back), "
+    "copy (host copies from any sender, workers of other hosts included), device-frames and host-frames (over UCX, "
+    "from any sender), peer-gpu-copy (handed over from another GPU of this host, copied on arrival)."
+)
+#: ``sent_copy_bytes``: every host copy this worker's serializers made of a pool value, whoever it was for.
+SENT_COPY_HELP = (
+    "Bytes of this worker's pool values sent as host copies, whoever they went to: workers of this host (fallbacks) "
+    "and of other hosts, the scheduler and clients, and disk when spilled."
+)
 
 _lock = threading.Lock()
 _registered: set[str] = set()
@@ -61,10 +78,8 @@ def _worker_metrics() -> Iterator[Any]:
         "Zero-copy handoffs, by direction (forward: an import passed on; return: a value taken back).",
         labels=["worker", "direction"],
     )
-    received = CounterMetricFamily(
-        name + "received_bytes", "Bytes received from same-host peers, by path.", labels=["worker", "path"]
-    )
-    sent = CounterMetricFamily(name + "sent_copy_bytes", "Bytes sent to peers as host copies.", labels=["worker"])
+    received = CounterMetricFamily(name + "received_bytes", RECEIVED_HELP, labels=["worker", "path"])
+    sent = CounterMetricFamily(name + "sent_copy_bytes", SENT_COPY_HELP, labels=["worker"])
     staged = CounterMetricFamily(
         name + "staged_bytes",
         "Bytes of arrays outside the pool copied into it on the GPU to be handed over (fallback staged-in-pool).",

@@ -434,6 +434,48 @@ def test_prometheus_metrics_on_dasks_own_endpoints():
         assert 'dask_scheduler_gpupool_pools{kind="host"} 2.0' in text
 
 
+def scrape_metrics(client, worker=None):
+    """The text of ``/metrics`` on ``worker`` (its dashboard's port), or on the scheduler."""
+    import urllib.request
+
+    info = client.scheduler_info()
+    host = info["address"].split("://")[1].rsplit(":", 1)[0]
+    port = T.workers(client)[worker]["services"]["dashboard"] if worker else info["services"]["dashboard"]
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def metric_help(text: str, name: str) -> str:
+    return re.search(rf"^# HELP {name} (.*)$", text, re.M).group(1)
+
+
+def metric_value(text: str, name: str, labels: str) -> float:
+    return float(re.search(rf"^{name}{{{labels}}} (\S+)$", text, re.M).group(1))
+
+
+def test_prometheus_help_says_what_the_copy_counters_count():
+    """``received_bytes`` said "from same-host peers" but its ``copy`` path counts copies from any sender, other
+    hosts included; ``sent_copy_bytes`` said "to peers" but counts copies to workers of other hosts and to clients
+    too. Both are seen counting those here, and their help says so."""
+    pytest.importorskip("prometheus_client")
+    hosts = [{"dashboard_address": ":0", "config": {"gpupool": {"host-id": host}}} for host in ("host-a", "host-b")]
+    with nanny_cluster(hosts, PLUGIN) as c:
+        a, b = worker_addresses(c)
+        x = c.submit(T.make_buffer, MiB, b"x", workers=[a], pure=False)
+        assert c.submit(T.head, x, 1, workers=[b], pure=False).result() == b"x"  # a copy: w1 is on another host
+        received = scrape_metrics(c, b)
+        assert metric_value(received, "dask_worker_gpupool_received_bytes_total", 'path="copy",worker="w1"') == MiB
+        help_text = metric_help(received, "dask_worker_gpupool_received_bytes_total")
+        assert "from same-host peers" not in help_text, help_text
+        assert "any sender" in help_text and "other hosts" in help_text, help_text
+        y = c.submit(T.make_buffer, MiB, b"y", workers=[a], pure=False)  # on w0 alone (w1 holds a replica of x)
+        c.gather(y)  # the client's copy
+        sent = scrape_metrics(c, a)
+        assert metric_value(sent, "dask_worker_gpupool_sent_copy_bytes_total", 'worker="w0"') == 2 * MiB
+        help_text = metric_help(sent, "dask_worker_gpupool_sent_copy_bytes_total")
+        assert all(who in help_text for who in ("other hosts", "clients", "spill")), help_text
+
+
 def test_dashboard_page_lists_pools_and_handoffs():
     import importlib.util
     import json
