@@ -7,7 +7,8 @@ that registry (:func:`register`), named in Dask's style:
 ========================================================  =======  ==============================
 metric                                                    type     labels
 ========================================================  =======  ==============================
-``dask_worker_gpupool_pool_bytes``                        gauge    ``state``: used, reserved, max
+``dask_worker_gpupool_pool_bytes``                        gauge    ``state``: used, free
+``dask_worker_gpupool_pool_limit_bytes``                  gauge
 ``dask_worker_gpupool_leases``                            gauge
 ``dask_worker_gpupool_leased_bytes``                      gauge
 ``dask_worker_gpupool_mapped_pools``                      gauge
@@ -23,6 +24,10 @@ metric                                                    type     labels
 ``dask_worker_gpupool_segments``                          gauge    ``state``: held, retiring
 ``dask_scheduler_gpupool_pools``                          gauge    ``kind``
 ========================================================  =======  ==============================
+
+Summed over a label, a metric means something: ``pool_bytes`` over ``state`` (used, and free: reserved but in no
+live buffer) is the bytes the pool reserves; its bound is ``pool_limit_bytes``. (Formerly the bound was
+``pool_bytes{state="max"}`` and the reserve ``pool_bytes{state="reserved"}``: docs/operations.rst.)
 
 What each counts is its help text, and docs/operations.rst: ``received_bytes`` counts values from any sender
 (only its ``zero-copy`` and ``peer-gpu-copy`` paths are same-host by nature), and ``sent_copy_bytes`` every host
@@ -69,7 +74,14 @@ def _worker_metrics() -> Iterator[Any]:
 
     services = active_services()
     name = "dask_worker_gpupool_"
-    pool_bytes = GaugeMetricFamily(name + "pool_bytes", "Bytes of this worker's pool.", labels=["worker", "state"])
+    pool_bytes = GaugeMetricFamily(
+        name + "pool_bytes",
+        "Bytes this worker's pool reserves, by state: used (in live buffers), free (in none); the sum is the reserve.",
+        labels=["worker", "state"],
+    )
+    limit = GaugeMetricFamily(
+        name + "pool_limit_bytes", "The bound of this worker's pool (gpupool.max-size).", labels=["worker"]
+    )
     leases = GaugeMetricFamily(name + "leases", "Live leases this worker granted to importers.", labels=["worker"])
     leased = GaugeMetricFamily(name + "leased_bytes", "Bytes kept alive by live leases.", labels=["worker"])
     mapped = GaugeMetricFamily(name + "mapped_pools", "Peers' pools mapped by this worker.", labels=["worker"])
@@ -111,8 +123,8 @@ def _worker_metrics() -> Iterator[Any]:
         st = s.stats()
         h = s.handoff_stats()
         pool_bytes.add_metric([pool, "used"], st.used)
-        pool_bytes.add_metric([pool, "reserved"], st.reserved)
-        pool_bytes.add_metric([pool, "max"], s.pool.max_size)
+        pool_bytes.add_metric([pool, "free"], max(st.reserved - st.used, 0))
+        limit.add_metric([pool], s.pool.max_size)
         leases.add_metric([pool], h["leases"])
         leased.add_metric([pool], h["lease_bytes"])
         mapped.add_metric([pool], h["mapped_pools"])
@@ -134,7 +146,7 @@ def _worker_metrics() -> Iterator[Any]:
         in_doubt.add_metric([pool], h.get("leases_in_doubt", 0))
         segments.add_metric([pool, "held"], h["segments"])
         segments.add_metric([pool, "retiring"], h["segments_retiring"])
-    yield from (pool_bytes, leases, leased, mapped, handoffs, received, sent, staged, quarantined, fallbacks)
+    yield from (pool_bytes, limit, leases, leased, mapped, handoffs, received, sent, staged, quarantined, fallbacks)
     yield from (abandoned, in_doubt, segments)
 
 

@@ -418,6 +418,16 @@ def test_prometheus_metrics_on_dasks_own_endpoints():
 
         assert sample("dask_worker_gpupool_received_bytes_total", 'path="zero-copy"')
         assert sample("dask_worker_gpupool_pool_bytes", 'state="used"') and 'reason="other-gpu"' in text
+        # pool_bytes summed over ``state`` is what the pool reserves (used, and free: reserved, in no live buffer);
+        # the limit is a metric of its own, not a ``state`` to be summed with them
+        states = {
+            re.search(r'state="(\w+)"', line).group(1): float(line.rsplit(" ", 1)[1])
+            for line in sample("dask_worker_gpupool_pool_bytes", "w1")
+        }
+        assert set(states) == {"used", "free"}, states
+        assert sum(states.values()) == dask_gpupool.pool_stats(c)[b]["reserved"] > 0
+        limit = [float(line.rsplit(" ", 1)[1]) for line in sample("dask_worker_gpupool_pool_limit_bytes", "w1")]
+        assert limit == [64 * MiB]
         assert sample("dask_worker_gpupool_segments", 'state="retiring"')
         assert [line.rsplit(" ", 1)[1] for line in sample("dask_worker_gpupool_leases_in_doubt", "w1")] == ["0.0"]
         # what stats() counts beside the handoffs: arrays staged into the pool, device memory kept out of reuse
