@@ -346,7 +346,7 @@ class GPUPool(SchedulerPlugin):
         scheduler.handlers.update(self._handlers)
         # Never removed: an unknown op would end that worker's whole stream (see _drop).
         scheduler.stream_handlers.update(self._stream_handlers)
-        _metrics.register_scheduler(self._registry_handlers.pools_by_kind)
+        _metrics.register_scheduler(self._registry_handlers.pools_by_kind, scheduler)
         _dashboard.install(scheduler, self.snapshot)
         worker_plugin = dumps(GPUPoolWorkerPlugin(self.overrides))
         responses = await scheduler.register_worker_plugin(None, worker_plugin, PLUGIN_NAME, idempotent=False)

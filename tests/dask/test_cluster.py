@@ -486,6 +486,54 @@ def test_prometheus_help_says_what_the_copy_counters_count():
         assert all(who in help_text for who in ("other hosts", "clients", "spill")), help_text
 
 
+IN_ONE_PROCESS = """
+import json, sys, urllib.request
+import dask
+from distributed import Client, LocalCluster
+import dask_gpupool
+
+def scrape(port):
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        return [line for line in r.read().decode().splitlines() if line.startswith("dask_") and "_gpupool_" in line]
+
+if __name__ == "__main__":
+    options = dict(n_workers=2, threads_per_worker=1, processes=False, protocol="tcp", host="127.0.0.1")
+    with LocalCluster(dashboard_address=":0", worker_dashboard_address=":0", **options) as cluster:
+        with Client(cluster) as c:
+            c.register_plugin(dask_gpupool.GPUPool(kind="host", max_size="64MiB"))
+            info = c.scheduler_info()
+            out = {"scheduler": scrape(info["services"]["dashboard"])}
+            out.update({str(w["name"]): scrape(w["services"]["dashboard"]) for w in info["workers"].values()})
+            print(json.dumps(out))
+"""
+
+
+def test_several_workers_in_one_process_serve_each_series_once(tmp_path):
+    """Workers of one process (``LocalCluster(processes=False)``) share one Prometheus registry: every worker's
+    ``/metrics`` (and the scheduler's) served every worker's series, and the process-wide ``ucx_quarantined_bytes``
+    once per worker, so sums over the endpoints counted them several times. Each endpoint now serves its own
+    worker's series, the scheduler's its own, and a process-wide figure comes once per process."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("prometheus_client")
+    script = tmp_path / "in_one_process.py"
+    script.write_text(IN_ONE_PROCESS)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DASK_GPUPOOL")}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    by_endpoint = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(by_endpoint) == {"scheduler", "0", "1"}
+    assert by_endpoint["scheduler"] and all(s.startswith("dask_scheduler_") for s in by_endpoint["scheduler"])
+    for worker in ("0", "1"):
+        assert by_endpoint[worker] and all(f'worker="{worker}"' in s for s in by_endpoint[worker]), worker
+    served = [s.rsplit(" ", 1)[0] for samples in by_endpoint.values() for s in samples]
+    assert len(served) == len(set(served))  # each series on one endpoint only
+    quarantined = [s for s in served if s.startswith("dask_worker_gpupool_ucx_quarantined_bytes{")]
+    assert len(quarantined) == 1, quarantined  # once per process, under one of its workers
+
+
 def test_dashboard_page_lists_pools_and_handoffs():
     import importlib.util
     import json
