@@ -739,6 +739,62 @@ def test_dashboard_page_escapes_every_pushed_value():
         assert c.run(T.resources) == before  # the workers hold nothing more for it
 
 
+def test_gpupool_json_is_strict_json_whatever_a_worker_pushes():
+    """A worker's push with NaN or infinite numbers made ``/gpupool.json`` carry ``NaN`` and ``Infinity``, which
+    strict JSON parsers (JavaScript's ``JSON.parse``, Go's, jq's) refuse: the scheduler keeps them as null, and the
+    page still renders."""
+    import json
+    import math
+    import urllib.request
+
+    from conftest import wait_for
+
+    from dask_gpupool.ops.dashboard import STATS_OP
+
+    nan, inf = math.nan, math.inf
+    stats = {
+        "leases": 7,
+        "exports": nan,
+        "lease_bytes": -inf,
+        "fallbacks": {"small": inf},
+        "timings": {"import": {"count": 1, "total_s": nan}},
+        "samples": [1.5, nan, [inf]],
+    }
+    finite = {
+        "leases": 7,
+        "exports": None,
+        "lease_bytes": None,
+        "fallbacks": {"small": None},
+        "timings": {"import": {"count": 1, "total_s": None}},
+        "samples": [1.5, None, [None]],
+    }
+
+    def push(dask_worker):
+        dask_worker.plugins["gpupool"]._push.stop()  # no honest push overwrites this one
+        dask_worker.batched_stream.send({"op": STATS_OP, "stats": stats})
+
+    def strict(text: str):
+        def refuse(constant: str):
+            raise ValueError(f"not JSON: {constant}")
+
+        return json.loads(text, parse_constant=refuse)
+
+    with nanny_cluster([{}, {}], PLUGIN) as c:
+        a, _ = worker_addresses(c)
+        c.run(push, workers=[a])
+        info = c.scheduler_info()
+        host = info["address"].split("://")[1].rsplit(":", 1)[0]
+        base = f"http://{host}:{info['services']['dashboard']}"
+
+        def fetch(path: str) -> str:
+            with urllib.request.urlopen(base + path, timeout=10) as r:
+                return r.read().decode()
+
+        wait_for(lambda: json.loads(fetch("/gpupool.json"))["workers"].get(a, {}).get("leases") == 7, what="the push")
+        assert strict(fetch("/gpupool.json"))["workers"][a] == finite
+        assert "<td>7</td>" in fetch("/gpupool")
+
+
 def test_a_worker_whose_pool_set_up_failed_is_reported_and_the_others_still_answer(tmp_path):
     """A worker joins with a bad gpupool config (no preload of its own): stats, pool_stats, trim, info, the trim
     command and the page name its failure; the other workers' pools work and are listed (issue 20)."""
