@@ -308,6 +308,32 @@ def one_line_exit_2(*args: str, within: float = 30.0) -> str:
     return out.stderr.strip()
 
 
+@pytest.mark.parametrize("timeout", ["-1", "0", "nan", "-inf"])
+def test_a_timeout_that_is_not_a_positive_number_of_seconds_is_a_usage_error(timeout):
+    """``--timeout -1`` reached Dask as ``-1`` and came back as "could not convert string to float: '1-1.0'",
+    ``nan`` as a traceback (``KeyError: 'Invalid time unit: nan'``), and 0 timed out at once: each is click's usage
+    error now, status 2, before any connection."""
+    for command in ("info", "trim"):
+        out = cli(command, f"tcp://127.0.0.1:{free_port()}", "--timeout", timeout)
+        assert out.returncode == 2 and out.stdout == "", (out.stdout, out.stderr)
+        assert "Traceback" not in out.stderr and "Invalid value for '--timeout'" in out.stderr, out.stderr
+        assert "cannot reach" not in out.stderr
+
+
+def test_the_console_script_names_itself_in_its_usage():
+    """``dask-gpupool --help`` said ``Usage: python -m dask_gpupool``; ``python -m dask_gpupool`` still says that."""
+    import shutil
+    import sys
+
+    script = shutil.which("dask-gpupool", path=os.path.dirname(sys.executable))
+    if script is None:
+        pytest.skip("the dask-gpupool script is not installed beside this Python (pip install -e .)")
+    out = subprocess.run([script, "info", "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.startswith("Usage: dask-gpupool info "), out.stdout + out.stderr
+    out = cli("info", "--help")
+    assert out.returncode == 0 and out.stdout.startswith("Usage: python -m dask_gpupool info "), out.stdout
+
+
 def test_a_scheduler_file_that_is_missing_or_not_one_is_one_line_and_status_2(tmp_path):
     """``--scheduler-file``: a file that does not appear within ``--timeout`` (Dask's Client waits for it for
     ever), or one that holds no scheduler address (the Client raised ``AssertionError`` after ten reads), is one
