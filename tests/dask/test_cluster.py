@@ -127,6 +127,34 @@ def test_another_uid_gets_nothing_from_a_worker_broker(client):
     assert os.waitstatus_to_exitcode(status) == 0
 
 
+def test_the_client_functions_work_on_an_asynchronous_client(client):
+    """``pools``, ``stats``, ``pool_stats`` and ``trim`` on ``Client(asynchronous=True)`` raised ``TypeError`` (a
+    coroutine is not subscriptable): they return awaitables there, as Dask's own Client methods do."""
+    import asyncio
+
+    from distributed import Client
+
+    async def ask(address: str) -> dict:
+        async with Client(address, asynchronous=True) as ac:
+            calls = {
+                "pools": dask_gpupool.pools(ac),
+                "stats": dask_gpupool.stats(ac),
+                "pool_stats": dask_gpupool.pool_stats(ac, timeout=10),
+                "trim": dask_gpupool.trim(ac),
+            }
+            assert all(asyncio.iscoroutine(c) or asyncio.isfuture(c) for c in calls.values()), calls
+            return {name: await call for name, call in calls.items()}
+
+    got = asyncio.run(ask(client.scheduler.address))
+    workers = set(worker_addresses(client))
+    assert {r.worker for r in got["pools"]} == workers
+    assert {r.pool for r in got["pools"]} == {r.pool for r in dask_gpupool.pools(client)}  # as the sync client sees
+    for name in ("stats", "pool_stats", "trim"):
+        assert set(got[name]) == workers and not any("error" in v for v in got[name].values()), (name, got[name])
+    assert all(got["pool_stats"][w]["kind"] == "host" for w in workers)
+    assert all("exports" in got["stats"][w] and "reserved" in got["trim"][w] for w in workers)
+
+
 def test_workers_on_different_hosts_do_not_map():
     hosts = [{"config": {"gpupool": {"host-id": "host-a"}}}, {"config": {"gpupool": {"host-id": "host-b"}}}]
     with nanny_cluster(hosts, PLUGIN) as c:
