@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sys
 import time
@@ -233,6 +234,14 @@ def _address_error(address: str) -> str | None:
     return None
 
 
+def _positive_seconds(ctx: Any, param: Any, value: float) -> float:
+    """``--timeout``: a finite number of seconds above 0, else click's usage error (status 2), before any connection:
+    Dask took -1 as a malformed duration, NaN as a unit, and 0 timed out at once."""
+    if not (math.isfinite(value) and value > 0):
+        raise click.BadParameter(f"{value:g} is not a positive number of seconds")
+    return value
+
+
 def _connection_options(fn: Any) -> Any:
     for option in reversed(
         [
@@ -245,6 +254,7 @@ def _connection_options(fn: Any) -> Any:
                 type=float,
                 default=10.0,
                 show_default=True,
+                callback=_positive_seconds,
                 help="seconds to reach the scheduler, and for each worker to answer",
             ),
             click.option("--tls-ca-file", default=None, help="CA certificate(s) file for TLS (PEM)"),
@@ -296,10 +306,14 @@ def _trim_command(**options: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m dask_gpupool`` and the ``dask-gpupool`` script: the ``dask gpupool`` commands."""
+    """``python -m dask_gpupool`` and the ``dask-gpupool`` script: the ``dask gpupool`` commands.
+
+    The usage text names the command as it was run: click makes ``python -m dask_gpupool`` of ``-m`` and the
+    script's own name of a script.
+    """
     try:
         try:
-            gpupool.main(args=argv, prog_name="python -m dask_gpupool")
+            gpupool.main(args=argv)
         finally:
             sys.stdout.flush()  # here, where a closed pipe can still be caught
     except BrokenPipeError:  # the reader went away (``... | head``): stop quietly, as a Unix tool does

@@ -494,10 +494,28 @@ class PoolOptions:
         ConfigError
             Naming the key, the bad value and the valid values.
         """
+        return cls._from(dask.config.get("gpupool", default={}) or {}, overrides)
+
+    @classmethod
+    def from_overrides(cls, **overrides: Any) -> PoolOptions:
+        """The shipped defaults (``gpupool.yaml``) with non-``None`` overrides applied, all checked; this process's
+        dask config is not read.
+
+        What :class:`~dask_gpupool.GPUPool` checks where it is made (a client, or the scheduler's preload): each
+        value given, and the values given against each other. The options left out are each worker's own config,
+        read and checked by :meth:`from_config` on that worker, not the config of the process that made the plugin.
+
+        Raises
+        ------
+        ConfigError
+            Naming the key, the bad value and the valid values.
+        """
+        return cls._from(_defaults["gpupool"], overrides)
+
+    @classmethod
+    def _from(cls, config: dict[str, Any], overrides: dict[str, Any]) -> PoolOptions:
         # Dask treats "_" and "-" in keys alike (DASK_GPUPOOL__MAX_SIZE sets gpupool.max_size): so do we.
-        raw: dict[str, Any] = {
-            str(k).replace("_", "-"): v for k, v in (dask.config.get("gpupool", default={}) or {}).items()
-        }
+        raw: dict[str, Any] = {str(k).replace("_", "-"): v for k, v in config.items()}
         unknown = set(raw) - {f.replace("_", "-") for f in cls.__dataclass_fields__}
         if unknown:
             raise ConfigError(

@@ -251,3 +251,23 @@ def test_a_share_written_as_text_is_a_share(text, share):
 def test_a_decimal_written_as_text_outside_a_share_is_refused(text):
     with pytest.raises(ConfigError, match=r"gpupool\.max-size=.*a share must be in \(0, 1\]"):
         Size.parse(text)
+
+
+def test_the_plugin_checks_the_options_it_was_given_not_this_processs_config():
+    """``GPUPool(...)`` checked its options against the dask config of the process that made it (a client): a bad or
+    conflicting ``gpupool.*`` value there, which no worker reads, failed it. The options given are still checked,
+    each on its own and against each other."""
+    client_config = {"gpupool.kind": "gpu", "gpupool.segment-memory": "pool", "gpupool.kidn": "host"}
+    with dask.config.set(client_config):
+        with pytest.raises(ConfigError):
+            PoolOptions.from_config()  # this process's own config is bad...
+        plugin = GPUPool(kind="host", max_size="64MiB", peer_gpu_handoff=True)  # ...and none of the plugin's business
+        assert plugin.overrides == {"kind": "host", "max_size": "64MiB", "peer_gpu_handoff": True}
+        with pytest.raises(ConfigError, match=r"gpupool\.kind='gpu'"):
+            GPUPool(kind="gpu")
+        with pytest.raises(ConfigError, match=r"rmm-allocator and gpupool\.cupy-allocator"):
+            GPUPool(rmm_allocator=True, cupy_allocator=True)
+        with pytest.raises(ConfigError, match=r"peer-gpu-handoff=true needs segments"):
+            GPUPool(peer_gpu_handoff=True, segment_memory="pool")
+    with dask.config.set({"gpupool.cupy-allocator": True}):
+        GPUPool(rmm_allocator=True)  # a conflict with this process's config only: the workers' configs decide

@@ -84,3 +84,15 @@ def test_the_operations_page_names_every_fallback_reason_and_timed_step():
     timings = re.search(r"Where does a handoff's time go\?\n-+\n(.*?)\n\S[^\n]*\n-{3,}", text, re.S).group(1)
     assert {step for step in TIMED_STEPS if f"``{step}``" not in timings} == set()
     assert "claim included" not in timings
+
+
+def test_the_operations_page_lists_every_prometheus_metric():
+    """docs/operations.rst lists each metric the collectors serve, under its full name."""
+    from dask_gpupool.ops.metrics import _worker_metrics
+
+    text = (ROOT / "docs" / "operations.rst").read_text()
+    names = {m.name for m in _worker_metrics()} | {"dask_scheduler_gpupool_pools"}
+    counters = {m.name for m in _worker_metrics() if m.type == "counter"}
+    listed = {n.removesuffix("_total") for n in re.findall(r"``(dask_(?:worker|scheduler)_gpupool_[a-z_]+)``", text)}
+    assert names - listed == set()
+    assert {n for n in counters if f"``{n}_total``" not in text} == set()  # counters under their exposed name

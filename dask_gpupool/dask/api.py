@@ -143,9 +143,20 @@ def pools(client: Client) -> list[PoolRecord]:
     ------
     PoolUnavailableError
         If the scheduler has no gpupool plugin.
+
+    Notes
+    -----
+    On an asynchronous client (``Client(asynchronous=True)``) this returns an
+    awaitable of the same, as Dask's own ``Client`` methods do:
+    ``await pools(client)``.
     """
+    result: list[PoolRecord] = client.sync(_pools, client)
+    return result
+
+
+async def _pools(client: Client) -> list[PoolRecord]:
     assert client.scheduler is not None, "the client is not connected"
-    rows = client.sync(client.scheduler.gpupool_pools)
+    rows = await client.scheduler.gpupool_pools()
     if rows is None:  # Dask answers an unknown handler with None (and logs it)
         raise PoolUnavailableError("the scheduler has no gpupool registry; register dask_gpupool.GPUPool() first")
     return [PoolRecord.from_msg(r) for r in rows]
@@ -168,7 +179,15 @@ def _per_worker(client: Client, fn: Any, timeout: float | None = None) -> dict[s
 
     One ``client.run`` per worker, so that a worker that never answers (SIGSTOP) cannot hold back the others:
     ``client.run`` has no timeout, and one call to all of them waited for it with no end.
+
+    On an asynchronous client, an awaitable of the same (``client.sync`` returns the coroutine there, as for
+    Dask's own methods).
     """
+    result: dict[str, dict[str, Any]] = client.sync(_per_worker_async, client, fn, timeout)
+    return result
+
+
+async def _per_worker_async(client: Client, fn: Any, timeout: float | None) -> dict[str, dict[str, Any]]:
     import asyncio
 
     import dask.config
@@ -176,7 +195,7 @@ def _per_worker(client: Client, fn: Any, timeout: float | None = None) -> dict[s
 
     limit = parse_timedelta(dask.config.get("distributed.comm.timeouts.connect")) if timeout is None else timeout
     assert client.scheduler is not None, "the client is not connected"
-    workers = list(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
+    workers = list((await client.scheduler.identity(n_workers=-1))["workers"])
 
     async def one(worker: str) -> Any:
         try:
@@ -187,10 +206,7 @@ def _per_worker(client: Client, fn: Any, timeout: float | None = None) -> dict[s
             return e
         return got.get(worker, KeyError(f"{worker} left")) if isinstance(got, dict) else got
 
-    async def every() -> list[Any]:
-        return list(await asyncio.gather(*(one(w) for w in workers)))
-
-    results = dict(zip(workers, client.sync(every), strict=True))
+    results = dict(zip(workers, await asyncio.gather(*(one(w) for w in workers)), strict=True))
     return {w: {"error": f"{type(r).__name__}: {r}"} if isinstance(r, BaseException) else r for w, r in results.items()}
 
 
@@ -211,6 +227,12 @@ def pool_stats(client: Client, timeout: float | None = None) -> dict[str, dict[s
         ``used``, ``used_high``, ``reserved``, ``reserved_high`` (bytes),
         ``max_size`` and ``mapped_pools`` (peers' pools mapped there). A worker without
         a pool (its set-up failed), or that did not answer within ``timeout``, is listed as ``{"error": why}``.
+
+    Notes
+    -----
+    On an asynchronous client (``Client(asynchronous=True)``) this returns an
+    awaitable of the same, as Dask's own ``Client`` methods do:
+    ``await pool_stats(client)``.
     """
     return _per_worker(client, _worker_pool_stats, timeout)
 
@@ -277,6 +299,12 @@ def stats(client: Client, timeout: float | None = None) -> dict[str, dict[str, A
         ``"segment-memory"``, what the pool's segments are made of and why,
         see ``gpupool.segment-memory``). A worker without a pool (its set-up
         failed), or that did not answer within ``timeout``, is listed as ``{"error": why}``.
+
+    Notes
+    -----
+    On an asynchronous client (``Client(asynchronous=True)``) this returns an
+    awaitable of the same, as Dask's own ``Client`` methods do:
+    ``await stats(client)``.
     """
     return _per_worker(client, _worker_handoff_stats, timeout)
 
@@ -332,5 +360,11 @@ def trim(client: Client, timeout: float | None = None) -> dict[str, dict[str, An
         kept UCX staging memory freed). A worker without a pool (its set-up
         failed), or that did not answer within ``timeout``, is listed as ``{"error": why}``; the others are
         trimmed.
+
+    Notes
+    -----
+    On an asynchronous client (``Client(asynchronous=True)``) this returns an
+    awaitable of the same, as Dask's own ``Client`` methods do:
+    ``await trim(client)``.
     """
     return _per_worker(client, _worker_trim, timeout)

@@ -49,7 +49,9 @@ async def dask_setup(dask_object: Scheduler | Worker, **options: Any) -> None:
     ``/gpupool`` page.
     """
     options = {k: v for k, v in options.items() if v is not None}
-    plugin = GPUPool(**options)  # checks every value, with this process's dask config
+    plugin = GPUPool(**options)  # checks the values given, each on its own and against each other
+    if isinstance(dask_object, Worker):
+        PoolOptions.from_config(**options)  # and, on a worker, over its own dask config: the one its pool reads
     if isinstance(dask_object, Scheduler):
         plugin.idempotent = True
         await dask_object.register_scheduler_plugin(plugin, name=PLUGIN_NAME, idempotent=True)

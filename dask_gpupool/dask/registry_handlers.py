@@ -44,7 +44,7 @@ from distributed.core import error_message
 from dask_gpupool.core import JOINED_OP, MEMBERSHIP_OP, REGISTER_OP, REGISTRY_OP, UNREGISTER_OP, UPDATE_OP
 from dask_gpupool.errors import NotAMemberError, ProtocolError
 from dask_gpupool.handoff.registry import PoolRegistry
-from dask_gpupool.ops.dashboard import STATS_OP
+from dask_gpupool.ops.dashboard import STATS_OP, finite
 from dask_gpupool.wire.registry import TOKEN_BYTES, Membership, PoolRecord, RegistryUpdate
 
 if TYPE_CHECKING:
@@ -157,10 +157,15 @@ class RegistryHandlers:
                 self.remove_worker(worker)
 
     def handle_stats(self, **msg: Any) -> None:
-        """A worker's periodic statistics push (its batched stream); kept for the /gpupool page."""
+        """A worker's periodic statistics push (its batched stream); kept for the /gpupool page, with NaN and
+        infinite numbers as ``None`` (:func:`~dask_gpupool.ops.dashboard.finite`: ``/gpupool.json`` is strict
+        JSON). A push nested too deep to walk is refused (``malformed``)."""
         worker = self._source(STATS_OP, msg, ("stats",))
         if worker is not None and isinstance(msg["stats"], dict):
-            self.worker_stats[worker] = msg["stats"]
+            try:
+                self.worker_stats[worker] = finite(msg["stats"])
+            except RecursionError:
+                self._reject(STATS_OP, "malformed", worker, "statistics nested too deep")
 
     def _scheduler_workers(self) -> Any:
         return self.scheduler.workers if self.scheduler is not None else {}

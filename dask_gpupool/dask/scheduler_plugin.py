@@ -149,9 +149,13 @@ class GPUPool(SchedulerPlugin):
     Raises
     ------
     ConfigError
-        For a bad option value: values are checked here, so a typo fails at
-        once. Options left out are read by each worker from its own dask
-        config when it sets its pool up.
+        For a bad option value, or options given that conflict (such as
+        ``rmm_allocator=True`` with ``cupy_allocator=True``): the values given
+        are checked here, each on its own and against each other, so a typo
+        fails at once. This process's own ``gpupool.*`` config is not read
+        here: options left out are read by each worker from its own dask
+        config when it sets its pool up, where the whole is checked again
+        (a failure there names the worker).
 
     Notes
     -----
@@ -245,7 +249,10 @@ class GPUPool(SchedulerPlugin):
             ).items()
             if v is not None
         }
-        PoolOptions.from_config(**self.overrides)  # fail early on bad values
+        # Fail early on a bad value given here, or on values given that conflict; not on this process's own
+        # config (a client's, or the scheduler's), which no worker reads: each worker checks the whole, the
+        # overrides over its own config, and a failure there names the worker.
+        PoolOptions.from_overrides(**self.overrides)
         self.idempotent = False
         self._fresh_state()
 
@@ -339,7 +346,7 @@ class GPUPool(SchedulerPlugin):
         scheduler.handlers.update(self._handlers)
         # Never removed: an unknown op would end that worker's whole stream (see _drop).
         scheduler.stream_handlers.update(self._stream_handlers)
-        _metrics.register_scheduler(self._registry_handlers.pools_by_kind)
+        _metrics.register_scheduler(self._registry_handlers.pools_by_kind, scheduler)
         _dashboard.install(scheduler, self.snapshot)
         worker_plugin = dumps(GPUPoolWorkerPlugin(self.overrides))
         responses = await scheduler.register_worker_plugin(None, worker_plugin, PLUGIN_NAME, idempotent=False)

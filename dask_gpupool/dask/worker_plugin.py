@@ -219,7 +219,7 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
                 options.switch_interval * 1e3,
                 self._switch_previous * 1e3,
             )
-        _metrics.register()  # on the worker's /metrics (when prometheus_client is installed)
+        _metrics.register(worker)  # on the worker's /metrics (when prometheus_client is installed)
         self._push = PeriodicCallback(lambda: self._push_stats(worker), STATS_INTERVAL * 1000)
         self._push.start()
         self._push_stats(worker)

@@ -11,6 +11,10 @@ by the scheduler's own HTTP server, next to Dask's dashboard.
 Trust boundary: the pushed statistics are each worker's own claim. The page
 escapes every value and key it shows (:func:`html.escape`, whatever the
 value's type), and ``/gpupool.json`` carries no raw ``<``, ``>`` or ``&``.
+``/gpupool.json`` is strict JSON: a NaN or infinite number that a worker
+pushes is kept as ``None`` (:func:`finite`, when the push arrives), and the
+output is checked again (``null``), never ``NaN`` or ``Infinity``, which
+strict parsers refuse.
 
 Threads: both handlers run on the scheduler's event loop.
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 import html
 import json
 import logging
+import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -28,7 +33,7 @@ from tornado import web
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["STATS_INTERVAL", "STATS_OP", "install"]
+__all__ = ["STATS_INTERVAL", "STATS_OP", "finite", "install"]
 
 #: Seconds between a worker's statistics pushes (and the page's reloads).
 STATS_INTERVAL = 2.0
@@ -36,6 +41,21 @@ STATS_INTERVAL = 2.0
 STATS_OP = "gpupool-stats"
 
 Source = Callable[[], dict[str, Any]]
+
+
+def finite(value: Any) -> Any:
+    """``value`` with every NaN or infinite float in it (in dicts, lists and tuples, at any depth) made ``None``.
+
+    Strict JSON has no NaN or Infinity (``json.dumps`` writes them by default, and ``JSON.parse``, Go and jq refuse
+    the result). Raises :class:`RecursionError` for a value nested deeper than Python's recursion limit.
+    """
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
 
 
 def _peer_copies(s: dict[str, Any]) -> str:
@@ -126,8 +146,9 @@ class _Json(web.RequestHandler):
         self.set_header("Content-Type", "application/json")
         self.set_header("X-Content-Type-Options", "nosniff")
         # No raw <, > or & (JSON's \u escapes instead): the pushed strings cannot open or close
-        # markup where this is embedded. Values JSON cannot carry (bytes) go as their repr.
-        text = json.dumps(self._holder["source"](), skipkeys=True, default=repr)
+        # markup where this is embedded. Values JSON cannot carry (bytes) go as their repr; NaN and infinities
+        # as null (strict JSON has neither: finite(), and allow_nan=False so that none slips through).
+        text = json.dumps(finite(self._holder["source"]()), skipkeys=True, default=repr, allow_nan=False)
         self.write(text.replace("&", "\\u0026").replace("<", "\\u003c").replace(">", "\\u003e"))
 
 

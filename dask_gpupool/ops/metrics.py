@@ -7,7 +7,8 @@ that registry (:func:`register`), named in Dask's style:
 ========================================================  =======  ==============================
 metric                                                    type     labels
 ========================================================  =======  ==============================
-``dask_worker_gpupool_pool_bytes``                        gauge    ``state``: used, reserved, max
+``dask_worker_gpupool_pool_bytes``                        gauge    ``state``: used, free
+``dask_worker_gpupool_pool_limit_bytes``                  gauge
 ``dask_worker_gpupool_leases``                            gauge
 ``dask_worker_gpupool_leased_bytes``                      gauge
 ``dask_worker_gpupool_mapped_pools``                      gauge
@@ -24,24 +25,66 @@ metric                                                    type     labels
 ``dask_scheduler_gpupool_pools``                          gauge    ``kind``
 ========================================================  =======  ==============================
 
+Summed over a label, a metric means something: ``pool_bytes`` over ``state`` (used, and free: reserved but in no
+live buffer) is the bytes the pool reserves; its bound is ``pool_limit_bytes``. (Formerly the bound was
+``pool_bytes{state="max"}`` and the reserve ``pool_bytes{state="reserved"}``: docs/operations.rst.)
+
+What each counts is its help text, and docs/operations.rst: ``received_bytes`` counts values from any sender
+(only its ``zero-copy`` and ``peer-gpu-copy`` paths are same-host by nature), and ``sent_copy_bytes`` every host
+copy of a pool value, to workers of any host, clients and disk (spilling).
+
 Every worker metric also carries a ``worker`` label (the worker's Dask name),
-so that several workers in one process (tests, ``LocalCluster(processes=False)``)
-stay apart, and a restarted worker (a new pool UUID, a new address) continues
-its series. ``prometheus_client`` is optional, as it is for Dask: without it
+so that a restarted worker (a new pool UUID, a new address) continues its
+series. ``prometheus_client`` is optional, as it is for Dask: without it
 nothing is registered.
+
+Several workers in one process (``LocalCluster(processes=False)``, tests)
+share one Prometheus registry, which Dask serves on each of their ``/metrics``
+and on the scheduler's. So that each series is served once, by one endpoint,
+:func:`register` and :func:`register_scheduler` route the server's own
+``/metrics`` through a subclass of Dask's handler that tells the collectors
+which server asks (:data:`_SERVING`): a worker's serves that worker's series
+alone, the scheduler's the scheduler's alone. A figure of the whole process
+(``ucx_quarantined_bytes``: :data:`~dask_gpupool.memory.lifetime.QUARANTINE`
+is one per process) is served once, under the process's first worker with a
+pool. Scraped any other way (an exporter of the user's own), the registry
+gives every series of the process, each once.
 """
 
 from __future__ import annotations
 
+import contextvars
+import inspect
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 __all__ = ["register", "register_scheduler"]
 
+#: ``received_bytes``: only ``zero-copy`` and ``peer-gpu-copy`` are same-host by nature; ``copy``, ``device-frames``
+#: and ``host-frames`` count whoever sent the value.
+RECEIVED_HELP = (
+    "Bytes of values received, by path: zero-copy (a same-host peer's pool mapped, or a value of this pool come back), "
+    "copy (host copies from any sender, workers of other hosts included), device-frames and host-frames (over UCX, "
+    "from any sender), peer-gpu-copy (handed over from another GPU of this host, copied on arrival)."
+)
+#: ``sent_copy_bytes``: every host copy this worker's serializers made of a pool value, whoever it was for.
+SENT_COPY_HELP = (
+    "Bytes of this worker's pool values sent as host copies, whoever they went to: workers of this host (fallbacks) "
+    "and of other hosts, the scheduler and clients, and disk when spilled."
+)
+
 _lock = threading.Lock()
 _registered: set[str] = set()
 _scheduler_source: Callable[[], dict[str, int]] | None = None
+
+#: Which server's ``/metrics`` is being served, as ``(role, address)`` (``role``: ``"worker"`` or ``"scheduler"``);
+#: ``None`` outside Dask's handlers, where the collectors give every series of the process.
+_SERVING: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar("gpupool_serving", default=None)
+#: The HTTP applications whose ``/metrics`` is routed through :func:`_scoped` already.
+_scoped_apps: weakref.WeakSet[Any] = weakref.WeakSet()
+_scoped_classes: dict[tuple[type, str], type] = {}
 
 
 def _worker_metrics() -> Iterator[Any]:
@@ -50,9 +93,24 @@ def _worker_metrics() -> Iterator[Any]:
     from dask_gpupool.handoff.active import active_services
     from dask_gpupool.handoff.stats import FALLBACK_REASONS
 
-    services = active_services()
+    every = active_services()
+    home = every[0] if every else None  # where the process's own figures are served
+    serving = _SERVING.get()
+    if serving is None:
+        services = every
+    elif serving[0] == "worker":
+        services = [s for s in every if s.record.worker == serving[1]]
+    else:
+        services = []  # the scheduler's /metrics, in a process that runs workers too
     name = "dask_worker_gpupool_"
-    pool_bytes = GaugeMetricFamily(name + "pool_bytes", "Bytes of this worker's pool.", labels=["worker", "state"])
+    pool_bytes = GaugeMetricFamily(
+        name + "pool_bytes",
+        "Bytes this worker's pool reserves, by state: used (in live buffers), free (in none); the sum is the reserve.",
+        labels=["worker", "state"],
+    )
+    limit = GaugeMetricFamily(
+        name + "pool_limit_bytes", "The bound of this worker's pool (gpupool.max-size).", labels=["worker"]
+    )
     leases = GaugeMetricFamily(name + "leases", "Live leases this worker granted to importers.", labels=["worker"])
     leased = GaugeMetricFamily(name + "leased_bytes", "Bytes kept alive by live leases.", labels=["worker"])
     mapped = GaugeMetricFamily(name + "mapped_pools", "Peers' pools mapped by this worker.", labels=["worker"])
@@ -61,10 +119,8 @@ def _worker_metrics() -> Iterator[Any]:
         "Zero-copy handoffs, by direction (forward: an import passed on; return: a value taken back).",
         labels=["worker", "direction"],
     )
-    received = CounterMetricFamily(
-        name + "received_bytes", "Bytes received from same-host peers, by path.", labels=["worker", "path"]
-    )
-    sent = CounterMetricFamily(name + "sent_copy_bytes", "Bytes sent to peers as host copies.", labels=["worker"])
+    received = CounterMetricFamily(name + "received_bytes", RECEIVED_HELP, labels=["worker", "path"])
+    sent = CounterMetricFamily(name + "sent_copy_bytes", SENT_COPY_HELP, labels=["worker"])
     staged = CounterMetricFamily(
         name + "staged_bytes",
         "Bytes of arrays outside the pool copied into it on the GPU to be handed over (fallback staged-in-pool).",
@@ -72,7 +128,8 @@ def _worker_metrics() -> Iterator[Any]:
     )
     quarantined = GaugeMetricFamily(
         name + "ucx_quarantined_bytes",
-        "Device memory of UCX transfers that did not complete, kept out of reuse (this worker's process).",
+        "Device memory of UCX transfers that did not complete, kept out of reuse: a figure of the worker's process, "
+        "served once per process (under its first worker with a pool).",
         labels=["worker"],
     )
     fallbacks = CounterMetricFamily(
@@ -96,8 +153,8 @@ def _worker_metrics() -> Iterator[Any]:
         st = s.stats()
         h = s.handoff_stats()
         pool_bytes.add_metric([pool, "used"], st.used)
-        pool_bytes.add_metric([pool, "reserved"], st.reserved)
-        pool_bytes.add_metric([pool, "max"], s.pool.max_size)
+        pool_bytes.add_metric([pool, "free"], max(st.reserved - st.used, 0))
+        limit.add_metric([pool], s.pool.max_size)
         leases.add_metric([pool], h["leases"])
         leased.add_metric([pool], h["lease_bytes"])
         mapped.add_metric([pool], h["mapped_pools"])
@@ -112,14 +169,15 @@ def _worker_metrics() -> Iterator[Any]:
         received.add_metric([pool, "peer-gpu-copy"], h.get("peer_copied_bytes", 0))  # mapped, then copied here
         sent.add_metric([pool], h["copied_out_bytes"])
         staged.add_metric([pool], h.get("pool_staged_bytes", 0))
-        quarantined.add_metric([pool], h.get("ucx_quarantined_bytes", 0))
+        if s is home:  # one figure for the whole process: once, or sums over its workers would count it again
+            quarantined.add_metric([pool], h.get("ucx_quarantined_bytes", 0))
         for reason in FALLBACK_REASONS:
             fallbacks.add_metric([pool, reason], h["fallbacks"].get(reason, 0))
         abandoned.add_metric([pool], h["leases_abandoned"])
         in_doubt.add_metric([pool], h.get("leases_in_doubt", 0))
         segments.add_metric([pool, "held"], h["segments"])
         segments.add_metric([pool, "retiring"], h["segments_retiring"])
-    yield from (pool_bytes, leases, leased, mapped, handoffs, received, sent, staged, quarantined, fallbacks)
+    yield from (pool_bytes, limit, leases, leased, mapped, handoffs, received, sent, staged, quarantined, fallbacks)
     yield from (abandoned, in_doubt, segments)
 
 
@@ -143,13 +201,70 @@ def _register(key: str, collect: Callable[[], Iterator[Any]]) -> bool:
     return True
 
 
-def register() -> bool:
-    """Add the worker collector to this process's Prometheus registry (once); ``False`` without prometheus_client."""
-    return _register("worker", _worker_metrics)
+def _scoped(base: type, role: str) -> type:
+    """``base`` (Dask's ``/metrics`` handler) telling the collectors, while it serves, which server asks."""
+    key = (base, role)
+    if key not in _scoped_classes:
+
+        class Scoped(base):
+            async def get(self, *args: Any, **kwargs: Any) -> None:
+                token = _SERVING.set((role, str(getattr(self.server, "address", None))))
+                try:
+                    result = super().get(*args, **kwargs)
+                    if inspect.isawaitable(result):
+                        await result
+                finally:
+                    _SERVING.reset(token)
+
+        Scoped.__name__ = Scoped.__qualname__ = f"GPUPoolScoped{base.__name__}"
+        _scoped_classes[key] = Scoped
+    return _scoped_classes[key]
 
 
-def register_scheduler(pools_by_kind: Callable[[], dict[str, int]]) -> bool:
-    """Add the scheduler collector (once per process); ``pools_by_kind`` reads the live registry.
+def _scope(server: Any, role: str) -> bool:
+    """Route ``server``'s own ``/metrics`` through :func:`_scoped` (once per server); ``False`` where it has none.
+
+    Tornado tries handlers added to an application before the ones it was made with, so the scoped route (the same
+    path, handler arguments and behaviour as Dask's) answers in place of Dask's, on this server only.
+    """
+    from tornado import routing, web
+
+    app = getattr(server, "http_application", None)
+    if app is None:
+        return False
+    with _lock:
+        if app in _scoped_apps:
+            return True
+        routes = []
+        for rule in getattr(getattr(app, "wildcard_router", None), "rules", []):
+            matcher, target = rule.matcher, rule.target
+            if (
+                isinstance(matcher, routing.PathMatches)
+                and matcher.regex.pattern.rstrip("$").endswith("/metrics")
+                and isinstance(target, type)
+                and issubclass(target, web.RequestHandler)
+            ):
+                routes.append((matcher.regex.pattern, _scoped(target, role), rule.target_kwargs))
+        if not routes:
+            return False
+        app.add_handlers(".*$", routes)
+        _scoped_apps.add(app)
+    return True
+
+
+def register(worker: Any = None) -> bool:
+    """Add the worker collector to this process's Prometheus registry (once), and make ``worker``'s ``/metrics``
+    serve its own series only (:func:`_scope`); ``False`` without prometheus_client."""
+    if not _register("worker", _worker_metrics):
+        return False
+    if worker is not None:
+        _scope(worker, "worker")
+    return True
+
+
+def register_scheduler(pools_by_kind: Callable[[], dict[str, int]], scheduler: Any = None) -> bool:
+    """Add the scheduler collector (once per process); ``pools_by_kind`` reads the live registry. ``scheduler``'s
+    ``/metrics`` serves it, and no worker series of this process (:func:`_scope`).
 
     A later call (the plugin registered again) replaces the source.
     """
@@ -159,10 +274,17 @@ def register_scheduler(pools_by_kind: Callable[[], dict[str, int]]) -> bool:
     def collect() -> Iterator[Any]:
         from prometheus_client.core import GaugeMetricFamily
 
+        serving = _SERVING.get()
+        if serving is not None and serving[0] != "scheduler":
+            return  # a worker's /metrics, in a process that runs the scheduler too
         g = GaugeMetricFamily("dask_scheduler_gpupool_pools", "Pools in the gpupool registry.", labels=["kind"])
         counts = _scheduler_source() if _scheduler_source is not None else {}
         for kind in ("device", "pinned", "host"):
             g.add_metric([kind], counts.get(kind, 0))
         yield g
 
-    return _register("scheduler", collect)
+    if not _register("scheduler", collect):
+        return False
+    if scheduler is not None:
+        _scope(scheduler, "scheduler")
+    return True

@@ -127,6 +127,34 @@ def test_another_uid_gets_nothing_from_a_worker_broker(client):
     assert os.waitstatus_to_exitcode(status) == 0
 
 
+def test_the_client_functions_work_on_an_asynchronous_client(client):
+    """``pools``, ``stats``, ``pool_stats`` and ``trim`` on ``Client(asynchronous=True)`` raised ``TypeError`` (a
+    coroutine is not subscriptable): they return awaitables there, as Dask's own Client methods do."""
+    import asyncio
+
+    from distributed import Client
+
+    async def ask(address: str) -> dict:
+        async with Client(address, asynchronous=True) as ac:
+            calls = {
+                "pools": dask_gpupool.pools(ac),
+                "stats": dask_gpupool.stats(ac),
+                "pool_stats": dask_gpupool.pool_stats(ac, timeout=10),
+                "trim": dask_gpupool.trim(ac),
+            }
+            assert all(asyncio.iscoroutine(c) or asyncio.isfuture(c) for c in calls.values()), calls
+            return {name: await call for name, call in calls.items()}
+
+    got = asyncio.run(ask(client.scheduler.address))
+    workers = set(worker_addresses(client))
+    assert {r.worker for r in got["pools"]} == workers
+    assert {r.pool for r in got["pools"]} == {r.pool for r in dask_gpupool.pools(client)}  # as the sync client sees
+    for name in ("stats", "pool_stats", "trim"):
+        assert set(got[name]) == workers and not any("error" in v for v in got[name].values()), (name, got[name])
+    assert all(got["pool_stats"][w]["kind"] == "host" for w in workers)
+    assert all("exports" in got["stats"][w] and "reserved" in got["trim"][w] for w in workers)
+
+
 def test_workers_on_different_hosts_do_not_map():
     hosts = [{"config": {"gpupool": {"host-id": "host-a"}}}, {"config": {"gpupool": {"host-id": "host-b"}}}]
     with nanny_cluster(hosts, PLUGIN) as c:
@@ -168,6 +196,20 @@ def test_bad_option_fails_setup_naming_it_and_leaves_nothing_behind():
         with pytest.raises(dask_gpupool.PoolUnavailableError):
             dask_gpupool.pools(c)
         assert c.run(lambda dask_worker: "gpupool" in dask_worker.plugins) == {a: False for a in worker_addresses(c)}
+
+
+def test_a_bad_gpupool_config_on_the_client_does_not_fail_the_registration():
+    """The client's own ``gpupool.*`` config is no worker's: an unknown key, a bad value and a value conflicting with
+    an option given there failed ``GPUPool(...)``, although each worker reads (and checks) its own config."""
+    import dask
+
+    with nanny_cluster([{}, {}]) as c:
+        client_config = {"gpupool.kidn": "host", "gpupool.lease-timeout": "-1s", "gpupool.segment-memory": "pool"}
+        with dask.config.set(client_config):
+            c.register_plugin(GPUPool(kind="host", max_size="64MiB", peer_gpu_handoff=True))
+        rows = by_worker(c)
+        assert set(rows) == set(worker_addresses(c)) and {r.kind for r in rows.values()} == {"host"}
+        handoff_round_trip(c, MiB, b"client config")
 
 
 @pytest.mark.parametrize("where", ["scheduler", "worker"])
@@ -294,6 +336,32 @@ def one_line_exit_2(*args: str, within: float = 30.0) -> str:
     return out.stderr.strip()
 
 
+@pytest.mark.parametrize("timeout", ["-1", "0", "nan", "-inf"])
+def test_a_timeout_that_is_not_a_positive_number_of_seconds_is_a_usage_error(timeout):
+    """``--timeout -1`` reached Dask as ``-1`` and came back as "could not convert string to float: '1-1.0'",
+    ``nan`` as a traceback (``KeyError: 'Invalid time unit: nan'``), and 0 timed out at once: each is click's usage
+    error now, status 2, before any connection."""
+    for command in ("info", "trim"):
+        out = cli(command, f"tcp://127.0.0.1:{free_port()}", "--timeout", timeout)
+        assert out.returncode == 2 and out.stdout == "", (out.stdout, out.stderr)
+        assert "Traceback" not in out.stderr and "Invalid value for '--timeout'" in out.stderr, out.stderr
+        assert "cannot reach" not in out.stderr
+
+
+def test_the_console_script_names_itself_in_its_usage():
+    """``dask-gpupool --help`` said ``Usage: python -m dask_gpupool``; ``python -m dask_gpupool`` still says that."""
+    import shutil
+    import sys
+
+    script = shutil.which("dask-gpupool", path=os.path.dirname(sys.executable))
+    if script is None:
+        pytest.skip("the dask-gpupool script is not installed beside this Python (pip install -e .)")
+    out = subprocess.run([script, "info", "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.startswith("Usage: dask-gpupool info "), out.stdout + out.stderr
+    out = cli("info", "--help")
+    assert out.returncode == 0 and out.stdout.startswith("Usage: python -m dask_gpupool info "), out.stdout
+
+
 def test_a_scheduler_file_that_is_missing_or_not_one_is_one_line_and_status_2(tmp_path):
     """``--scheduler-file``: a file that does not appear within ``--timeout`` (Dask's Client waits for it for
     ever), or one that holds no scheduler address (the Client raised ``AssertionError`` after ten reads), is one
@@ -404,6 +472,16 @@ def test_prometheus_metrics_on_dasks_own_endpoints():
 
         assert sample("dask_worker_gpupool_received_bytes_total", 'path="zero-copy"')
         assert sample("dask_worker_gpupool_pool_bytes", 'state="used"') and 'reason="other-gpu"' in text
+        # pool_bytes summed over ``state`` is what the pool reserves (used, and free: reserved, in no live buffer);
+        # the limit is a metric of its own, not a ``state`` to be summed with them
+        states = {
+            re.search(r'state="(\w+)"', line).group(1): float(line.rsplit(" ", 1)[1])
+            for line in sample("dask_worker_gpupool_pool_bytes", "w1")
+        }
+        assert set(states) == {"used", "free"}, states
+        assert sum(states.values()) == dask_gpupool.pool_stats(c)[b]["reserved"] > 0
+        limit = [float(line.rsplit(" ", 1)[1]) for line in sample("dask_worker_gpupool_pool_limit_bytes", "w1")]
+        assert limit == [64 * MiB]
         assert sample("dask_worker_gpupool_segments", 'state="retiring"')
         assert [line.rsplit(" ", 1)[1] for line in sample("dask_worker_gpupool_leases_in_doubt", "w1")] == ["0.0"]
         # what stats() counts beside the handoffs: arrays staged into the pool, device memory kept out of reuse
@@ -418,6 +496,96 @@ def test_prometheus_metrics_on_dasks_own_endpoints():
         assert sample("dask_worker_gpupool_handoffs_total", 'direction="return"')
         text = scrape(host, info["services"]["dashboard"])
         assert 'dask_scheduler_gpupool_pools{kind="host"} 2.0' in text
+
+
+def scrape_metrics(client, worker=None):
+    """The text of ``/metrics`` on ``worker`` (its dashboard's port), or on the scheduler."""
+    import urllib.request
+
+    info = client.scheduler_info()
+    host = info["address"].split("://")[1].rsplit(":", 1)[0]
+    port = T.workers(client)[worker]["services"]["dashboard"] if worker else info["services"]["dashboard"]
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def metric_help(text: str, name: str) -> str:
+    return re.search(rf"^# HELP {name} (.*)$", text, re.M).group(1)
+
+
+def metric_value(text: str, name: str, labels: str) -> float:
+    return float(re.search(rf"^{name}{{{labels}}} (\S+)$", text, re.M).group(1))
+
+
+def test_prometheus_help_says_what_the_copy_counters_count():
+    """``received_bytes`` said "from same-host peers" but its ``copy`` path counts copies from any sender, other
+    hosts included; ``sent_copy_bytes`` said "to peers" but counts copies to workers of other hosts and to clients
+    too. Both are seen counting those here, and their help says so."""
+    pytest.importorskip("prometheus_client")
+    hosts = [{"dashboard_address": ":0", "config": {"gpupool": {"host-id": host}}} for host in ("host-a", "host-b")]
+    with nanny_cluster(hosts, PLUGIN) as c:
+        a, b = worker_addresses(c)
+        x = c.submit(T.make_buffer, MiB, b"x", workers=[a], pure=False)
+        assert c.submit(T.head, x, 1, workers=[b], pure=False).result() == b"x"  # a copy: w1 is on another host
+        received = scrape_metrics(c, b)
+        assert metric_value(received, "dask_worker_gpupool_received_bytes_total", 'path="copy",worker="w1"') == MiB
+        help_text = metric_help(received, "dask_worker_gpupool_received_bytes_total")
+        assert "from same-host peers" not in help_text, help_text
+        assert "any sender" in help_text and "other hosts" in help_text, help_text
+        y = c.submit(T.make_buffer, MiB, b"y", workers=[a], pure=False)  # on w0 alone (w1 holds a replica of x)
+        c.gather(y)  # the client's copy
+        sent = scrape_metrics(c, a)
+        assert metric_value(sent, "dask_worker_gpupool_sent_copy_bytes_total", 'worker="w0"') == 2 * MiB
+        help_text = metric_help(sent, "dask_worker_gpupool_sent_copy_bytes_total")
+        assert all(who in help_text for who in ("other hosts", "clients", "spill")), help_text
+
+
+IN_ONE_PROCESS = """
+import json, sys, urllib.request
+import dask
+from distributed import Client, LocalCluster
+import dask_gpupool
+
+def scrape(port):
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        return [line for line in r.read().decode().splitlines() if line.startswith("dask_") and "_gpupool_" in line]
+
+if __name__ == "__main__":
+    options = dict(n_workers=2, threads_per_worker=1, processes=False, protocol="tcp", host="127.0.0.1")
+    with LocalCluster(dashboard_address=":0", worker_dashboard_address=":0", **options) as cluster:
+        with Client(cluster) as c:
+            c.register_plugin(dask_gpupool.GPUPool(kind="host", max_size="64MiB"))
+            info = c.scheduler_info()
+            out = {"scheduler": scrape(info["services"]["dashboard"])}
+            out.update({str(w["name"]): scrape(w["services"]["dashboard"]) for w in info["workers"].values()})
+            print(json.dumps(out))
+"""
+
+
+def test_several_workers_in_one_process_serve_each_series_once(tmp_path):
+    """Workers of one process (``LocalCluster(processes=False)``) share one Prometheus registry: every worker's
+    ``/metrics`` (and the scheduler's) served every worker's series, and the process-wide ``ucx_quarantined_bytes``
+    once per worker, so sums over the endpoints counted them several times. Each endpoint now serves its own
+    worker's series, the scheduler's its own, and a process-wide figure comes once per process."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("prometheus_client")
+    script = tmp_path / "in_one_process.py"
+    script.write_text(IN_ONE_PROCESS)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DASK_GPUPOOL")}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    by_endpoint = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(by_endpoint) == {"scheduler", "0", "1"}
+    assert by_endpoint["scheduler"] and all(s.startswith("dask_scheduler_") for s in by_endpoint["scheduler"])
+    for worker in ("0", "1"):
+        assert by_endpoint[worker] and all(f'worker="{worker}"' in s for s in by_endpoint[worker]), worker
+    served = [s.rsplit(" ", 1)[0] for samples in by_endpoint.values() for s in samples]
+    assert len(served) == len(set(served))  # each series on one endpoint only
+    quarantined = [s for s in served if s.startswith("dask_worker_gpupool_ucx_quarantined_bytes{")]
+    assert len(quarantined) == 1, quarantined  # once per process, under one of its workers
 
 
 def test_dashboard_page_lists_pools_and_handoffs():
@@ -623,6 +791,62 @@ def test_dashboard_page_escapes_every_pushed_value():
         assert kind.startswith("application/json") and "<" not in raw
         assert all(json.loads(raw)["workers"][w] == stats for w, stats in by_worker.items())
         assert c.run(T.resources) == before  # the workers hold nothing more for it
+
+
+def test_gpupool_json_is_strict_json_whatever_a_worker_pushes():
+    """A worker's push with NaN or infinite numbers made ``/gpupool.json`` carry ``NaN`` and ``Infinity``, which
+    strict JSON parsers (JavaScript's ``JSON.parse``, Go's, jq's) refuse: the scheduler keeps them as null, and the
+    page still renders."""
+    import json
+    import math
+    import urllib.request
+
+    from conftest import wait_for
+
+    from dask_gpupool.ops.dashboard import STATS_OP
+
+    nan, inf = math.nan, math.inf
+    stats = {
+        "leases": 7,
+        "exports": nan,
+        "lease_bytes": -inf,
+        "fallbacks": {"small": inf},
+        "timings": {"import": {"count": 1, "total_s": nan}},
+        "samples": [1.5, nan, [inf]],
+    }
+    finite = {
+        "leases": 7,
+        "exports": None,
+        "lease_bytes": None,
+        "fallbacks": {"small": None},
+        "timings": {"import": {"count": 1, "total_s": None}},
+        "samples": [1.5, None, [None]],
+    }
+
+    def push(dask_worker):
+        dask_worker.plugins["gpupool"]._push.stop()  # no honest push overwrites this one
+        dask_worker.batched_stream.send({"op": STATS_OP, "stats": stats})
+
+    def strict(text: str):
+        def refuse(constant: str):
+            raise ValueError(f"not JSON: {constant}")
+
+        return json.loads(text, parse_constant=refuse)
+
+    with nanny_cluster([{}, {}], PLUGIN) as c:
+        a, _ = worker_addresses(c)
+        c.run(push, workers=[a])
+        info = c.scheduler_info()
+        host = info["address"].split("://")[1].rsplit(":", 1)[0]
+        base = f"http://{host}:{info['services']['dashboard']}"
+
+        def fetch(path: str) -> str:
+            with urllib.request.urlopen(base + path, timeout=10) as r:
+                return r.read().decode()
+
+        wait_for(lambda: json.loads(fetch("/gpupool.json"))["workers"].get(a, {}).get("leases") == 7, what="the push")
+        assert strict(fetch("/gpupool.json"))["workers"][a] == finite
+        assert "<td>7</td>" in fetch("/gpupool")
 
 
 def test_a_worker_whose_pool_set_up_failed_is_reported_and_the_others_still_answer(tmp_path):
