@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 
 import msgpack
 import pytest
+from conftest import wait_for
 
 from dask_gpupool import BrokerRefusedError, NotAMemberError, PeerLostError, ProtocolError, UnknownPoolError
 from dask_gpupool.transport.broker import FdBroker
@@ -746,7 +747,10 @@ def test_a_copy_asked_with_no_fd_left_is_refused_and_the_connection_keeps_servin
             assert reply.size == 4096 and os.pread(fd, 4096, 0) == data
         finally:
             os.close(fd)
-        assert broker.copies == 1 and leases.holder(lease) is not None  # the lease is still the importer's to end
+        # The broker counts a copy once its fd is sent, on its own thread: this one may read the fd first (seen on
+        # the GPU machine, thirty-third session).
+        wait_for(lambda: broker.copies == 1, 10.0, "the broker to count the copy")
+        assert leases.holder(lease) is not None  # the lease is still the importer's to end
     finally:
         for fd in filler:
             os.close(fd)
