@@ -1385,3 +1385,45 @@ def test_two_idempotent_registrations_at_once_install_the_plugin_once(tmp_path):
         handoff_round_trip(c, MiB, b"installed once")
         assert rejected_on_scheduler(c) == {}
     assert os.listdir(tmp_path) == []
+
+
+def test_a_worker_killed_while_its_install_is_under_way_fails_the_registration_and_leaves_no_plugin_serving(
+    tmp_path,
+):
+    """A worker dies while the scheduler waits for its answer to ``plugin-add`` (the broadcast's comm breaks):
+    distributed's ``register_worker_plugin`` raises, and ``register_plugin`` with it. The registration's handlers
+    stayed installed and its worker plugin registered, with the plugin never listed: the registry went on serving
+    with no ``remove_worker`` reaching it, so a worker that died later kept its row for ever, and new workers kept
+    installing pools of a plugin the scheduler did not have. A registration that fails so is now undone as one that a
+    worker's setup failed: no handler serves (``pools`` says there is no registry), and no worker runs a pool."""
+    plugin = GPUPool(kind="host", max_size="16MiB", broker_timeout="2s", broker_dir=str(tmp_path))
+    with nanny_cluster([{}, {}]) as c:
+        w0, _ = worker_addresses(c)
+        pid = c.run(os.getpid, workers=[w0])[w0]
+        c.run(T.hold_plugin_add, "16MiB", "none", 60.0, workers=[w0])
+        outcome = []
+
+        def register():
+            try:
+                c.register_plugin(plugin)
+                outcome.append(None)
+            except Exception as e:
+                outcome.append(e)
+
+        import threading
+
+        thread = threading.Thread(target=register)
+        thread.start()
+        wait_for(lambda: c.run(T.plugin_adds, workers=[w0])[w0] == ["held 16MiB"])
+        os.kill(pid, signal.SIGKILL)
+        thread.join(120)
+        assert len(outcome) == 1 and isinstance(outcome[0], Exception), outcome
+        wait_for(lambda: len(worker_addresses(c)) == 2 and w0 not in worker_addresses(c), timeout=60)
+        with pytest.raises(dask_gpupool.PoolUnavailableError):
+            dask_gpupool.pools(c)
+        assert c.run_on_scheduler(lambda dask_scheduler: "gpupool" in dask_scheduler.worker_plugins) is False
+        assert c.run(lambda dask_worker: "gpupool" in dask_worker.plugins) == dict.fromkeys(worker_addresses(c), False)
+    from dask_gpupool.transport.broker_dirs import remove_stale_broker_dirs
+
+    remove_stale_broker_dirs(str(tmp_path), min_age=0)  # the killed worker never made one; w1's went with its pool
+    assert os.listdir(tmp_path) == []
