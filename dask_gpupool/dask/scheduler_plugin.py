@@ -349,19 +349,17 @@ class GPUPool(SchedulerPlugin):
         _metrics.register_scheduler(self._registry_handlers.pools_by_kind, scheduler)
         _dashboard.install(scheduler, self.snapshot)
         worker_plugin = dumps(GPUPoolWorkerPlugin(self.overrides))
-        responses = await scheduler.register_worker_plugin(None, worker_plugin, PLUGIN_NAME, idempotent=False)
+        try:
+            responses = await scheduler.register_worker_plugin(None, worker_plugin, PLUGIN_NAME, idempotent=False)
+        except Exception:
+            # The broadcast itself failed (a worker died while its plugin-add was under way: distributed raises
+            # its CommClosedError). Undone as a failed setup is: left in place, this plugin's handlers served a
+            # registry that no listed plugin owns, which no remove_worker reaches, and new workers installed it.
+            await self._undo(scheduler)
+            raise
         failed = {w: r for w, r in responses.items() if r.get("status") == "error"}
         if failed:
-            await scheduler.unregister_worker_plugin(None, PLUGIN_NAME)
-            self._remove_handlers()
-            self._registry_handlers.scheduler = None
-            replaced = scheduler.plugins.get(PLUGIN_NAME)
-            if isinstance(replaced, GPUPool) and replaced is not self:
-                # Registered again over a running plugin: its worker plugins were replaced by ours and are gone
-                # with them, and its handlers by ours. Listed still, it would make every later idempotent
-                # registration (``--preload dask_gpupool``) a no-op on a cluster with no pools.
-                scheduler.remove_plugin(name=PLUGIN_NAME)
-                await replaced.close()
+            await self._undo(scheduler)
             worker, response = next(iter(failed.items()))
             logger.error("gpupool: setup failed on %d worker(s), e.g. %s", len(failed), worker)
             exc = response.get("exception")
@@ -377,6 +375,23 @@ class GPUPool(SchedulerPlugin):
         # only once start returns (nothing runs in between, so every later departure reaches remove_worker).
         self._registry_handlers.drop_departed()
         logger.info("gpupool: registry started, worker plugin installed on %d worker(s)", len(responses))
+
+    async def _undo(self, scheduler: Scheduler) -> None:
+        """A failed registration: its worker plugin unregistered (from every worker), its handlers removed, and a
+        plugin it was replacing delisted."""
+        try:
+            await scheduler.unregister_worker_plugin(None, PLUGIN_NAME)
+        except Exception:  # a worker that cannot be reached (the one that died): the others are told
+            logger.warning("gpupool: removing the worker plugin of a failed registration failed", exc_info=True)
+        self._remove_handlers()
+        self._registry_handlers.scheduler = None
+        replaced = scheduler.plugins.get(PLUGIN_NAME)
+        if isinstance(replaced, GPUPool) and replaced is not self:
+            # Registered again over a running plugin: its worker plugins were replaced by ours and are gone
+            # with them, and its handlers by ours. Listed still, it would make every later idempotent
+            # registration (``--preload dask_gpupool``) a no-op on a cluster with no pools.
+            scheduler.remove_plugin(name=PLUGIN_NAME)
+            await replaced.close()
 
     async def close(self) -> None:
         self._remove_handlers()
