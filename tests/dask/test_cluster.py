@@ -849,6 +849,49 @@ def test_gpupool_json_is_strict_json_whatever_a_worker_pushes():
         assert "<td>7</td>" in fetch("/gpupool")
 
 
+def test_gpupool_json_answers_when_a_worker_pushes_a_nan_or_infinite_key():
+    """A worker's push whose dicts have NaN or infinite numbers as keys (msgpack carries them): ``finite`` made the
+    values null but left the keys, and ``json.dumps(..., allow_nan=False)`` raised on them, so ``/gpupool.json``
+    answered 500 for the whole cluster for as long as that push was the worker's last. Such keys are kept as text;
+    the output is strict JSON, and the page renders."""
+    import json
+    import math
+    import urllib.request
+
+    from conftest import wait_for
+
+    from dask_gpupool.ops.dashboard import STATS_OP
+
+    stats = {"leases": 9, "fallbacks": {math.nan: 1, math.inf: 2, -math.inf: 3, 1.5: 4}}
+
+    def push(dask_worker):
+        dask_worker.plugins["gpupool"]._push.stop()  # no honest push overwrites this one
+        dask_worker.batched_stream.send({"op": STATS_OP, "stats": stats})
+
+    def refuse(constant: str):
+        raise ValueError(f"not JSON: {constant}")
+
+    with nanny_cluster([{}, {}], PLUGIN) as c:
+        a, _ = worker_addresses(c)
+        c.run(push, workers=[a])
+        info = c.scheduler_info()
+        host = info["address"].split("://")[1].rsplit(":", 1)[0]
+        base = f"http://{host}:{info['services']['dashboard']}"
+
+        def fetch(path: str) -> str:
+            try:
+                with urllib.request.urlopen(base + path, timeout=10) as r:
+                    return r.read().decode()
+            except urllib.error.HTTPError as e:
+                return f"HTTP {e.code}"
+
+        wait_for(lambda: "<td>9</td>" in fetch("/gpupool"), what="the push")
+        text = fetch("/gpupool.json")
+        assert not text.startswith("HTTP"), text
+        fallbacks = json.loads(text, parse_constant=refuse)["workers"][a]["fallbacks"]
+        assert sorted(fallbacks.values()) == [1, 2, 3, 4], fallbacks
+
+
 def test_a_worker_whose_pool_set_up_failed_is_reported_and_the_others_still_answer(tmp_path):
     """A worker joins with a bad gpupool config (no preload of its own): stats, pool_stats, trim, info, the trim
     command and the page name its failure; the other workers' pools work and are listed (issue 20)."""
