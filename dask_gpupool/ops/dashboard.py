@@ -44,7 +44,8 @@ Source = Callable[[], dict[str, Any]]
 
 
 def finite(value: Any) -> Any:
-    """``value`` with every NaN or infinite float in it (in dicts, lists and tuples, at any depth) made ``None``.
+    """``value`` with every NaN or infinite float in it (in dicts, lists and tuples, at any depth) made ``None``,
+    and such a float used as a dict key made text (``"nan"``, ``"inf"``, ``"-inf"``).
 
     Strict JSON has no NaN or Infinity (``json.dumps`` writes them by default, and ``JSON.parse``, Go and jq refuse
     the result). Raises :class:`RecursionError` for a value nested deeper than Python's recursion limit.
@@ -52,7 +53,8 @@ def finite(value: Any) -> Any:
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
-        return {k: finite(v) for k, v in value.items()}
+        # a NaN or infinite key as text (json.dumps writes float keys as text too; allow_nan=False refuses these)
+        return {str(k) if isinstance(k, float) and not math.isfinite(k) else k: finite(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [finite(v) for v in value]
     return value
