@@ -232,11 +232,26 @@ class _Lanes:
                 c.shutdown(socket.SHUT_RDWR)
 
     def finish(self) -> None:
-        """No thread takes a lane from now on; wait for those receiving one (each bounded by ``timeout``)."""
+        """No thread takes a lane from now on; wait for those receiving one (each bounded by ``timeout``).
+
+        Interrupted while waiting (``KeyboardInterrupt`` on the main thread), it stops the lanes as an error
+        would and still waits for them, then raises the interrupt: no thread writes into ``dst`` or holds a
+        connection once the pull has raised.
+        """
+        interrupted: BaseException | None = None
         with self._state:
             self._finished = True
-            while self._running:
-                self._state.wait()
+        while True:
+            try:
+                with self._state:
+                    while self._running:
+                        self._state.wait()
+                break
+            except BaseException as e:
+                interrupted = interrupted or e
+                self._fail(e)
+        if interrupted is not None:
+            raise interrupted
 
 
 _EXECUTOR: Any = None
