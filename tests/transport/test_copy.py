@@ -430,3 +430,44 @@ def test_a_pull_interrupted_while_it_waits_for_its_other_lanes_stops_them_before
     finally:
         watcher.join(10)
         slow.close()
+
+
+def test_an_interrupt_as_the_calling_threads_lanes_end_cannot_leave_the_pull_waiting_for_ever(server):
+    """An interrupt is raised at whichever bytecode the calling thread runs when it arrives. Arriving as the calling
+    thread's own lanes ended, just before it counted itself out of the threads receiving them, it left that count at
+    one for ever: ``finish`` waited for the calling thread itself, and the pull never returned. The interrupt is
+    raised here the way a signal's would be, at that line (a trace function in the calling thread)."""
+    import linecache
+    import threading
+
+    from dask_gpupool.transport import pull as pull_module
+
+    srv, leases = server
+    data = os.urandom(4 * CHUNK)
+    src = host_buffer(bytearray(data))
+    ids = [leases.grant(Staged(src, src, off, n), n, "tcp://importer:1") for off, n in lanes(len(data), CHUNK, 1)]
+    outcome: list[BaseException | None] = []
+
+    def tracer(frame: Any, event: str, _arg: Any) -> Any:
+        if frame.f_code.co_filename != pull_module.__file__:
+            return None
+        if event == "line" and "self._running -= 1" in linecache.getline(frame.f_code.co_filename, frame.f_lineno):
+            raise KeyboardInterrupt
+        return tracer
+
+    def caller() -> None:
+        sys.settrace(tracer)
+        try:
+            pull(srv.address, POOL, ids, TOKEN, host_buffer(bytearray(len(data))), 5.0)
+            outcome.append(None)
+        except BaseException as e:
+            outcome.append(e)
+        finally:
+            sys.settrace(None)
+
+    t = threading.Thread(target=caller, daemon=True)
+    t.start()
+    t.join(15)
+    assert not t.is_alive(), "the pull waits for ever"
+    assert outcome and (outcome[0] is None or isinstance(outcome[0], KeyboardInterrupt))
+    wait_for(lambda: len(leases) == 0)
