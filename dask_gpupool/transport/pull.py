@@ -102,7 +102,7 @@ def pull(
     job = _Lanes(address, host, port, pool, leases, token, dst, timeout, landing)
     helpers = _help(job, len(leases) - 1)
     try:
-        job.work()
+        job.receive()
     finally:
         for f in helpers:
             f.cancel()  # one that has not started: the lanes are all taken; never wait for it
@@ -158,11 +158,23 @@ class _Lanes:
         self.error: BaseException | None = None
 
     def work(self) -> None:
-        """Take and receive lanes until none is left or one failed (the error is kept, not raised)."""
+        """A shared thread's part: take and receive lanes until none is left or one failed (the error is kept, not
+        raised). :meth:`finish` waits for it."""
         with self._state:
             if self._finished:
                 return
             self._running += 1
+        try:
+            self.receive()
+        finally:
+            with self._state:
+                self._running -= 1
+                self._state.notify_all()
+
+    def receive(self) -> None:
+        """Take and receive lanes until none is left or one failed (the error is kept, not raised). The calling
+        thread's part: it is not counted, so that an interrupt arriving at any point of it cannot leave
+        :meth:`finish`, which the same thread runs next, waiting for the calling thread itself."""
         try:
             while True:
                 lane = self._take()
@@ -177,10 +189,6 @@ class _Lanes:
                     conn.close()
         except BaseException as e:
             self._fail(e)
-        finally:
-            with self._state:
-                self._running -= 1
-                self._state.notify_all()
 
     def _take(self) -> tuple[socket.socket, int, int, int] | None:
         """Connect the next lane and read its reply: ``(conn, offset, size, chunk)``, the conn the caller's; ``None``
@@ -232,11 +240,26 @@ class _Lanes:
                 c.shutdown(socket.SHUT_RDWR)
 
     def finish(self) -> None:
-        """No thread takes a lane from now on; wait for those receiving one (each bounded by ``timeout``)."""
+        """No thread takes a lane from now on; wait for those receiving one (each bounded by ``timeout``).
+
+        Interrupted while waiting (``KeyboardInterrupt`` on the main thread), it stops the lanes as an error
+        would and still waits for them, then raises the interrupt: no thread writes into ``dst`` or holds a
+        connection once the pull has raised.
+        """
+        interrupted: BaseException | None = None
         with self._state:
             self._finished = True
-            while self._running:
-                self._state.wait()
+        while True:
+            try:
+                with self._state:
+                    while self._running:
+                        self._state.wait()
+                break
+            except BaseException as e:
+                interrupted = interrupted or e
+                self._fail(e)
+        if interrupted is not None:
+            raise interrupted
 
 
 _EXECUTOR: Any = None

@@ -6,8 +6,11 @@ import contextlib
 import os
 import socket
 import struct
+import sys
 import time
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 import msgpack
 import pytest
@@ -299,3 +302,172 @@ def test_lanes_waiting_behind_other_pulls_never_outlast_the_servers_send_timeout
         for t in background:
             t.join(30)
         srv.close()
+
+
+# -- review (pull): what a pull leaves behind when it is interrupted ---------------------------------------------
+
+
+class ScriptedExporter:
+    """A copy server whose lanes behave as ``script(lease)`` says, asked when a lane's request arrives:
+    ``(size, delay, pause)``: the lane's reply at once, then ``delay`` seconds, then its ``size`` bytes (each the
+    lease's low byte), one every ``pause`` seconds (all at once for 0). Records, per lease, when the importer closed
+    the lane's connection (``hung_up``)."""
+
+    def __init__(self, script: Callable[[int], tuple[int, float, float]]) -> None:
+        import threading
+
+        self.script = script
+        self.hung_up: dict[int, float] = {}
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self.address = f"tcp://127.0.0.1:{self._sock.getsockname()[1]}"
+        self._threads: list[threading.Thread] = []
+        self._acceptor = threading.Thread(target=self._accept, daemon=True)
+        self._acceptor.start()
+
+    def _accept(self) -> None:
+        import threading
+
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            t = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+            self._threads.append(t)
+            t.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        from dask_gpupool.transport.staging import recv_message, send_message
+        from dask_gpupool.wire.codec import decode
+        from dask_gpupool.wire.stream import PullReply, PullRequest
+
+        with conn:
+            request = PullRequest.from_msg(decode(recv_message(conn)))
+            size, delay, pause = self.script(request.lease)
+            send_message(conn, PullReply(request.lease, size, CHUNK).to_msg())
+            byte = bytes([request.lease % 256])
+            try:
+                time.sleep(delay)
+                if pause:
+                    for _ in range(size):
+                        time.sleep(pause)
+                        conn.sendall(byte)
+                else:
+                    conn.sendall(byte * size)
+                conn.settimeout(10)
+                conn.recv(1)  # the importer hangs up once it has the bytes (or once it stopped)
+            except OSError:
+                pass
+            self.hung_up[request.lease] = time.monotonic()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+        self._acceptor.join(10)
+        for t in self._threads:
+            t.join(30)
+
+
+def _in_frames(frame: Any, *names: str) -> bool:
+    """Whether the stack from ``frame`` holds a frame of each of these functions (``module.py:function``)."""
+    stack = set()
+    while frame is not None:
+        stack.add(f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_name}")
+        frame = frame.f_back
+    return all(name in stack for name in names)
+
+
+def _main_thread_in(*names: str) -> bool:
+    """Whether the main thread is running all of these functions now."""
+    import threading
+
+    return _in_frames(sys._current_frames().get(threading.main_thread().ident or 0), *names)
+
+
+def test_a_pull_interrupted_while_it_waits_for_its_other_lanes_stops_them_before_it_raises(no_fd_leak):  # noqa: F811
+    """``KeyboardInterrupt`` (Ctrl-C in a script that pulls on its main thread) while the calling thread, its own
+    lane done, waits for a lane another thread receives: ``pull`` raised at once and left that lane running. Its
+    connection stayed open after the pull had raised (the docstring: none is), and its bytes went on landing in
+    ``dst``, which the caller frees on failure (a pool buffer that may hold another value by then). The interrupt
+    now stops the other lanes like any error, and the pull raises it once they have stopped."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("SIGINT interrupts only the main thread's waits")
+
+    def script(lease: int) -> tuple[int, float, float]:
+        # The lane the main thread asked for (it waits for the reply in _take): its bytes after 0.3 s, at once;
+        # the lane of the shared thread: 200 bytes over 6 s.
+        return (200, 0.3, 0.0) if _main_thread_in("pull.py:_take", "staging.py:recv_message") else (200, 0.0, 0.03)
+
+    slow = ScriptedExporter(script)
+    dst = host_buffer(bytearray(400))
+    sent = threading.Event()
+
+    def interrupt_in_finish() -> None:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if _main_thread_in("pull.py:pull", "pull.py:finish"):
+                signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+                sent.set()
+                return
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=interrupt_in_finish, daemon=True)
+    try:
+        watcher.start()
+        with pytest.raises(KeyboardInterrupt):
+            pull(slow.address, POOL, [1, 2], TOKEN, dst, 10.0)
+        receiving = [t for t, f in sys._current_frames().items() if _in_frames(f, "pull.py:work")]
+        assert sent.is_set()
+        landed = read_bytes(dst, 400)
+        assert receiving == [], "a thread still received a lane of the pull that raised"
+        time.sleep(0.3)
+        assert read_bytes(dst, 400) == landed, "bytes landed in dst after the pull raised"
+        wait_for(lambda: len(slow.hung_up) == 2)  # the slow lane's server saw it closed
+    finally:
+        watcher.join(10)
+        slow.close()
+
+
+def test_an_interrupt_as_the_calling_threads_lanes_end_cannot_leave_the_pull_waiting_for_ever(server):
+    """An interrupt is raised at whichever bytecode the calling thread runs when it arrives. Arriving as the calling
+    thread's own lanes ended, just before it counted itself out of the threads receiving them, it left that count at
+    one for ever: ``finish`` waited for the calling thread itself, and the pull never returned. The interrupt is
+    raised here the way a signal's would be, at that line (a trace function in the calling thread)."""
+    import linecache
+    import threading
+
+    from dask_gpupool.transport import pull as pull_module
+
+    srv, leases = server
+    data = os.urandom(4 * CHUNK)
+    src = host_buffer(bytearray(data))
+    ids = [leases.grant(Staged(src, src, off, n), n, "tcp://importer:1") for off, n in lanes(len(data), CHUNK, 1)]
+    outcome: list[BaseException | None] = []
+
+    def tracer(frame: Any, event: str, _arg: Any) -> Any:
+        if frame.f_code.co_filename != pull_module.__file__:
+            return None
+        if event == "line" and "self._running -= 1" in linecache.getline(frame.f_code.co_filename, frame.f_lineno):
+            raise KeyboardInterrupt
+        return tracer
+
+    def caller() -> None:
+        sys.settrace(tracer)
+        try:
+            pull(srv.address, POOL, ids, TOKEN, host_buffer(bytearray(len(data))), 5.0)
+            outcome.append(None)
+        except BaseException as e:
+            outcome.append(e)
+        finally:
+            sys.settrace(None)
+
+    t = threading.Thread(target=caller, daemon=True)
+    t.start()
+    t.join(15)
+    assert not t.is_alive(), "the pull waits for ever"
+    assert outcome and (outcome[0] is None or isinstance(outcome[0], KeyboardInterrupt))
+    wait_for(lambda: len(leases) == 0)
