@@ -264,38 +264,29 @@ class _Lanes:
 
 _EXECUTOR: Any = None
 _EXECUTOR_LOCK = threading.Lock()
-#: Threads of the shared pool given to pulls now (under ``_RESERVED_LOCK``); at most :data:`MAX_LANE_THREADS`.
-_RESERVED = 0
-_RESERVED_LOCK = threading.Lock()
+#: The shared pool's threads not given to a pull now: one taken per helper thread, given back when its future is
+#: done or cancelled.
+_FREE = threading.BoundedSemaphore(MAX_LANE_THREADS)
 
 
 def _help(job: _Lanes, wanted: int) -> list[Any]:
     """Up to ``wanted`` threads of the shared pool that take ``job``'s lanes: as many as are free now, none queued
     behind other pulls (the calling thread receives the lanes left). Returns their futures; each thread is given
     back when its future is done or cancelled."""
-    global _RESERVED
-    with _RESERVED_LOCK:
-        n = max(0, min(wanted, MAX_LANE_THREADS - _RESERVED))
-        _RESERVED += n
     futures: list[Any] = []
-    try:
-        executor = _executor()
-        for _ in range(n):
-            f = executor.submit(job.work)
-            futures.append(f)
-            f.add_done_callback(_given_back)
-    except RuntimeError:  # the pool is shut down (interpreter exit): the calling thread takes every lane
-        pass
-    finally:
-        with _RESERVED_LOCK:
-            _RESERVED -= n - len(futures)
+    for _ in range(wanted):
+        if not _FREE.acquire(blocking=False):
+            break
+        try:
+            f = _executor().submit(job.work)
+        except BaseException as e:
+            _FREE.release()
+            if isinstance(e, RuntimeError):  # the pool is shut down (interpreter exit): the calling thread takes
+                break  # the lanes left
+            raise
+        f.add_done_callback(lambda _f: _FREE.release())
+        futures.append(f)
     return futures
-
-
-def _given_back(_future: Any) -> None:
-    global _RESERVED
-    with _RESERVED_LOCK:
-        _RESERVED -= 1
 
 
 def _executor() -> Any:
