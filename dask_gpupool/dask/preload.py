@@ -49,13 +49,13 @@ async def dask_setup(dask_object: Scheduler | Worker, **options: Any) -> None:
     ``/gpupool`` page.
     """
     options = {k: v for k, v in options.items() if v is not None}
-    plugin = GPUPool(**options)  # checks the values given, each on its own and against each other
-    if isinstance(dask_object, Worker):
-        PoolOptions.from_config(**options)  # and, on a worker, over its own dask config: the one its pool reads
     if isinstance(dask_object, Scheduler):
+        plugin = GPUPool(**options)  # checks the values given, each on its own and against each other
         plugin.idempotent = True
         await dask_object.register_scheduler_plugin(plugin, name=PLUGIN_NAME, idempotent=True)
         return
+    # Checked over this worker's own dask config, the one its pool reads (each value, and the whole).
+    PoolOptions.from_config(**options)
     if options:
         # This worker's own config from now on: its plugin reads every option the scheduler's GPUPool
         # does not set from here, whichever process registered GPUPool first.
