@@ -199,125 +199,20 @@ def test_a_copy_server_address_that_is_not_host_and_port_is_data_lost_and_reache
 # -- review (transport): lanes queued behind other pulls ---------------------------------------------------------
 
 
-class SlowExporter:
-    """A copy server far away or congested: it answers each lane's request at once, then sends the lane's ``size``
-    bytes one every ``pause`` seconds. Speaks the copy path's own messages; serves any lease (it checks nothing)."""
-
-    def __init__(self, size: int, pause: float) -> None:
-        import threading
-
-        self.size, self.pause = size, pause
-        self.replied = 0
-        self._lock = threading.Lock()
-        self._sock = socket.create_server(("127.0.0.1", 0))
-        self.address = f"tcp://127.0.0.1:{self._sock.getsockname()[1]}"
-        self._threads: list[threading.Thread] = []
-        self._acceptor = threading.Thread(target=self._accept, daemon=True)
-        self._acceptor.start()
-
-    def _accept(self) -> None:
-        import threading
-
-        while True:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            t = threading.Thread(target=self._serve, args=(conn,), daemon=True)
-            self._threads.append(t)
-            t.start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        from dask_gpupool.transport.staging import recv_message, send_message
-        from dask_gpupool.wire.codec import decode
-        from dask_gpupool.wire.stream import PullReply, PullRequest
-
-        with conn:
-            request = PullRequest.from_msg(decode(recv_message(conn)))
-            send_message(conn, PullReply(request.lease, self.size, CHUNK).to_msg())
-            with self._lock:
-                self.replied += 1
-            try:
-                for _ in range(self.size):
-                    time.sleep(self.pause)
-                    conn.sendall(bytes([request.lease % 256]))
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-        self._sock.close()
-        self._acceptor.join(10)
-        for t in self._threads:
-            t.join(30)
-
-
-def test_lanes_waiting_behind_other_pulls_never_outlast_the_servers_send_timeout(no_fd_leak):  # noqa: F811
-    """Lanes after the first were received by a 16-thread pool shared by every pull of the process, after all the
-    pull's lanes had sent their requests: while other pulls' lanes (here 16, from a slow exporter) held those
-    threads, a lane's copy server sent into a connection nobody read, gave up at its per-chunk timeout, and the
-    pull failed with ``DataLostError`` (Dask fetched the value again, with the same odds). A lane now asks for its
-    bytes only once a thread reads it, so a pull that finds the threads busy receives its lanes itself, one after
-    the other; threads stay bounded."""
-    import threading
-
-    leases = LeaseTable(60.0)
-    srv = CopyServer(POOL, leases, "127.0.0.1", 0.5, CHUNK)  # a short per-chunk send timeout
-    srv.token = TOKEN
-    slow = SlowExporter(size=30, pause=0.1)  # each of its lanes takes 3 s
-    outcomes: list[BaseException | bytes] = []
-
-    def slow_pull(first: int) -> None:
-        dst = host_buffer(bytearray(3 * slow.size))
-        try:
-            pull(slow.address, POOL, [first, first + 1, first + 2], TOKEN, dst, 10.0)
-            outcomes.append(read_bytes(dst, 3 * slow.size))
-        except BaseException as e:
-            outcomes.append(e)
-
-    background = [threading.Thread(target=slow_pull, args=(1 + 3 * i,)) for i in range(8)]  # 8 pulls of 3 lanes
-    try:
-        for t in background:
-            t.start()
-        wait_for(lambda: slow.replied == 24)  # every lane of theirs is being received: 16 in the shared threads
-        data = os.urandom(32 << 20)
-        src = host_buffer(bytearray(data))
-        ids = [leases.grant(Staged(src, src, off, n), n, "tcp://importer:1") for off, n in lanes(len(data), CHUNK, 4)]
-        assert len(ids) == 4
-        dst = host_buffer(bytearray(len(data)))
-        pull(srv.address, POOL, ids, TOKEN, dst, 10.0)
-        assert read_bytes(dst, len(data)) == data
-        pull_threads = [t for t in threading.enumerate() if t.name.startswith("gpupool-pull")]
-        assert len(pull_threads) <= 16
-        for t in background:
-            t.join(30)
-        expected = [bytes([(1 + 3 * i + k) % 256]) * slow.size for i in range(8) for k in range(3)]
-        assert all(isinstance(o, bytes) for o in outcomes), outcomes  # the slow pulls got their bytes too
-        assert sorted(outcomes) == sorted(b"".join(expected[3 * i : 3 * i + 3]) for i in range(8))  # type: ignore
-        wait_for(lambda: len(leases) == 0 and srv.transfers == 0)
-        assert srv.refused == 0
-    finally:
-        slow.close()
-        for t in background:
-            t.join(30)
-        srv.close()
-
-
-# -- review (pull): what a pull leaves behind when it is interrupted ---------------------------------------------
-
-
 class ScriptedExporter:
     """A copy server whose lanes behave as ``script(lease)`` says, asked when a lane's request arrives:
     ``(size, delay, pause)``: the lane's reply at once, then ``delay`` seconds, then its ``size`` bytes (each the
     lease's low byte), one every ``pause`` seconds (all at once for 0). Records, per lease, when the importer closed
-    the lane's connection (``hung_up``)."""
+    the lane's connection (``hung_up``) and counts the lanes answered (``replied``). Speaks the copy path's own
+    messages; serves any lease (it checks nothing)."""
 
     def __init__(self, script: Callable[[int], tuple[int, float, float]]) -> None:
         import threading
 
         self.script = script
         self.hung_up: dict[int, float] = {}
+        self.replied = 0  # lanes answered
+        self._lock = threading.Lock()
         self._sock = socket.create_server(("127.0.0.1", 0))
         self.address = f"tcp://127.0.0.1:{self._sock.getsockname()[1]}"
         self._threads: list[threading.Thread] = []
@@ -345,6 +240,8 @@ class ScriptedExporter:
             request = PullRequest.from_msg(decode(recv_message(conn)))
             size, delay, pause = self.script(request.lease)
             send_message(conn, PullReply(request.lease, size, CHUNK).to_msg())
+            with self._lock:
+                self.replied += 1
             byte = bytes([request.lease % 256])
             try:
                 time.sleep(delay)
@@ -367,6 +264,61 @@ class ScriptedExporter:
         self._acceptor.join(10)
         for t in self._threads:
             t.join(30)
+
+
+def test_lanes_waiting_behind_other_pulls_never_outlast_the_servers_send_timeout(no_fd_leak):  # noqa: F811
+    """Lanes after the first were received by a 16-thread pool shared by every pull of the process, after all the
+    pull's lanes had sent their requests: while other pulls' lanes (here 16, from a slow exporter) held those
+    threads, a lane's copy server sent into a connection nobody read, gave up at its per-chunk timeout, and the
+    pull failed with ``DataLostError`` (Dask fetched the value again, with the same odds). A lane now asks for its
+    bytes only once a thread reads it, so a pull that finds the threads busy receives its lanes itself, one after
+    the other; threads stay bounded."""
+    import threading
+
+    leases = LeaseTable(60.0)
+    srv = CopyServer(POOL, leases, "127.0.0.1", 0.5, CHUNK)  # a short per-chunk send timeout
+    srv.token = TOKEN
+    size = 30
+    slow = ScriptedExporter(lambda lease: (size, 0.0, 0.1))  # each of its lanes takes 3 s
+    outcomes: list[BaseException | bytes] = []
+
+    def slow_pull(first: int) -> None:
+        dst = host_buffer(bytearray(3 * size))
+        try:
+            pull(slow.address, POOL, [first, first + 1, first + 2], TOKEN, dst, 10.0)
+            outcomes.append(read_bytes(dst, 3 * size))
+        except BaseException as e:
+            outcomes.append(e)
+
+    background = [threading.Thread(target=slow_pull, args=(1 + 3 * i,)) for i in range(8)]  # 8 pulls of 3 lanes
+    try:
+        for t in background:
+            t.start()
+        wait_for(lambda: slow.replied == 24)  # every lane of theirs is being received: 16 in the shared threads
+        data = os.urandom(32 << 20)
+        src = host_buffer(bytearray(data))
+        ids = [leases.grant(Staged(src, src, off, n), n, "tcp://importer:1") for off, n in lanes(len(data), CHUNK, 4)]
+        assert len(ids) == 4
+        dst = host_buffer(bytearray(len(data)))
+        pull(srv.address, POOL, ids, TOKEN, dst, 10.0)
+        assert read_bytes(dst, len(data)) == data
+        pull_threads = [t for t in threading.enumerate() if t.name.startswith("gpupool-pull")]
+        assert len(pull_threads) <= 16
+        for t in background:
+            t.join(30)
+        expected = [bytes([(1 + 3 * i + k) % 256]) * size for i in range(8) for k in range(3)]
+        assert all(isinstance(o, bytes) for o in outcomes), outcomes  # the slow pulls got their bytes too
+        assert sorted(outcomes) == sorted(b"".join(expected[3 * i : 3 * i + 3]) for i in range(8))  # type: ignore
+        wait_for(lambda: len(leases) == 0 and srv.transfers == 0)
+        assert srv.refused == 0
+    finally:
+        slow.close()
+        for t in background:
+            t.join(30)
+        srv.close()
+
+
+# -- review (pull): what a pull leaves behind when it is interrupted ---------------------------------------------
 
 
 def _in_frames(frame: Any, *names: str) -> bool:
