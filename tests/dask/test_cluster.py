@@ -498,14 +498,19 @@ def test_prometheus_metrics_on_dasks_own_endpoints():
         assert 'dask_scheduler_gpupool_pools{kind="host"} 2.0' in text
 
 
+def dashboard_base(client, worker=None):
+    """``http://host:port`` of ``worker``'s HTTP server (its dashboard's port), or of the scheduler's."""
+    info = client.scheduler_info()
+    host = info["address"].split("://")[1].rsplit(":", 1)[0]
+    port = T.workers(client)[worker]["services"]["dashboard"] if worker else info["services"]["dashboard"]
+    return f"http://{host}:{port}"
+
+
 def scrape_metrics(client, worker=None):
     """The text of ``/metrics`` on ``worker`` (its dashboard's port), or on the scheduler."""
     import urllib.request
 
-    info = client.scheduler_info()
-    host = info["address"].split("://")[1].rsplit(":", 1)[0]
-    port = T.workers(client)[worker]["services"]["dashboard"] if worker else info["services"]["dashboard"]
-    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as r:
+    with urllib.request.urlopen(dashboard_base(client, worker) + "/metrics", timeout=10) as r:
         return r.read().decode()
 
 
@@ -598,9 +603,7 @@ def test_dashboard_page_lists_pools_and_handoffs():
     with nanny_cluster([{}, {}], PLUGIN) as c:
         a, b = worker_addresses(c)
         warm_up(c, a, b)
-        info = c.scheduler_info()
-        host = info["address"].split("://")[1].rsplit(":", 1)[0]
-        base = f"http://{host}:{info['services']['dashboard']}"
+        base = dashboard_base(c)
 
         def page(path: str) -> str:
             with urllib.request.urlopen(base + path, timeout=10) as r:
@@ -713,9 +716,7 @@ def test_dashboard_page_in_a_headless_browser(tmp_path):
         x = c.submit(T.make_buffer, 3 * MiB, b"x", workers=[a], pure=False)
         y = c.submit(T.keep, x, workers=[third], pure=False)  # a live lease on A, held by the third worker
         wait(y)  # not y.result(): the client's copy would show as copied out
-        info = c.scheduler_info()
-        host = info["address"].split("://")[1].rsplit(":", 1)[0]
-        url = f"http://{host}:{info['services']['dashboard']}/gpupool"
+        url = dashboard_base(c) + "/gpupool"
         # the workers push their stats every 2 s: wait until the browser shows A's 3 MiB lease
         wait_for(lambda: "3.00 MiB" in render(url, "--dump-dom"), what="the page to show the pushed stats")
         dom = render(url, "--dump-dom")
@@ -766,9 +767,7 @@ def test_dashboard_page_escapes_every_pushed_value():
         before = c.run(T.resources)
         for w, stats in by_worker.items():
             c.run(push, stats, workers=[w])
-        info = c.scheduler_info()
-        host = info["address"].split("://")[1].rsplit(":", 1)[0]
-        base = f"http://{host}:{info['services']['dashboard']}"
+        base = dashboard_base(c)
 
         def fetch(path: str) -> tuple[str, str]:
             with urllib.request.urlopen(base + path, timeout=10) as r:
@@ -836,9 +835,7 @@ def test_gpupool_json_is_strict_json_whatever_a_worker_pushes():
     with nanny_cluster([{}, {}], PLUGIN) as c:
         a, _ = worker_addresses(c)
         c.run(push, workers=[a])
-        info = c.scheduler_info()
-        host = info["address"].split("://")[1].rsplit(":", 1)[0]
-        base = f"http://{host}:{info['services']['dashboard']}"
+        base = dashboard_base(c)
 
         def fetch(path: str) -> str:
             with urllib.request.urlopen(base + path, timeout=10) as r:
@@ -874,9 +871,7 @@ def test_gpupool_json_answers_when_a_worker_pushes_a_nan_or_infinite_key():
     with nanny_cluster([{}, {}], PLUGIN) as c:
         a, _ = worker_addresses(c)
         c.run(push, workers=[a])
-        info = c.scheduler_info()
-        host = info["address"].split("://")[1].rsplit(":", 1)[0]
-        base = f"http://{host}:{info['services']['dashboard']}"
+        base = dashboard_base(c)
 
         def fetch(path: str) -> str:
             try:
