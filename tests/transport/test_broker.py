@@ -11,6 +11,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import msgpack
 import pytest
@@ -457,13 +458,11 @@ def _open_copies() -> list[str]:
     return out
 
 
-def test_a_copy_in_flight_when_the_broker_closes_closes_its_memfd(tmp_path):
-    """``CopyRequest``: the memfd ``copy_out`` makes on a helper thread, for a connection the broker stopped
-    serving meanwhile (it closed), is closed once the copy returns, not left open with the bytes in it."""
-    import threading
-
+def _exporting_broker(tmp_path: Any) -> tuple[Any, Any, str, FdBroker]:
+    """A broker over a real exporter of a 16 MiB ``host`` pool, with one importer in its registry:
+    ``(pool, leases, importer, broker)``; the caller closes the broker, then the pool."""
     from dask_gpupool.config import PoolOptions
-    from dask_gpupool.handoff.exporter import Exported, ExportSide
+    from dask_gpupool.handoff.exporter import ExportSide
     from dask_gpupool.handoff.leases import LeaseTable
     from dask_gpupool.handoff.registry import RegistryView
     from dask_gpupool.memory.pool import Pool
@@ -477,6 +476,17 @@ def test_a_copy_in_flight_when_the_broker_closes_closes_its_memfd(tmp_path):
     row = PoolRecord(str(uuid.uuid4()), importer, os.getpid(), "h", "h", "host", None, 1 << 20, "/x")
     registry.apply(RegistryUpdate(version=1, added=(row,)))
     broker = FdBroker(ExportSide(pool, leases, registry, "h"), str(tmp_path), 30.0, pool.uuid, TOKEN)
+    return pool, leases, importer, broker
+
+
+def test_a_copy_in_flight_when_the_broker_closes_closes_its_memfd(tmp_path):
+    """``CopyRequest``: the memfd ``copy_out`` makes on a helper thread, for a connection the broker stopped
+    serving meanwhile (it closed), is closed once the copy returns, not left open with the bytes in it."""
+    import threading
+
+    from dask_gpupool.handoff.exporter import Exported
+
+    pool, leases, importer, broker = _exporting_broker(tmp_path)
     copying, go = threading.Event(), threading.Event()
 
     def written() -> None:  # the GPU "still writes" the buffer: the copy waits for it on the broker's helper thread
@@ -703,22 +713,10 @@ def test_a_copy_asked_with_no_fd_left_is_refused_and_the_connection_keeps_servin
     once fds are free the same link gets the copy."""
     import resource
 
-    from dask_gpupool.config import PoolOptions
-    from dask_gpupool.handoff.exporter import Exported, ExportSide
-    from dask_gpupool.handoff.leases import LeaseTable
-    from dask_gpupool.handoff.registry import RegistryView
+    from dask_gpupool.handoff.exporter import Exported
     from dask_gpupool.memory.buffers import copy_from_host
-    from dask_gpupool.memory.pool import Pool
-    from dask_gpupool.memory.topology import LocalDevices
-    from dask_gpupool.wire.registry import PoolRecord, RegistryUpdate
 
-    pool = Pool.create(PoolOptions.from_config(kind="host", max_size="16 MiB"), LocalDevices(()))
-    leases = LeaseTable(60)
-    registry = RegistryView()
-    importer = "tcp://127.0.0.1:1"
-    row = PoolRecord(str(uuid.uuid4()), importer, os.getpid(), "h", "h", "host", None, 1 << 20, "/x")
-    registry.apply(RegistryUpdate(version=1, added=(row,)))
-    broker = FdBroker(ExportSide(pool, leases, registry, "h"), str(tmp_path), 30.0, pool.uuid, TOKEN)
+    pool, leases, importer, broker = _exporting_broker(tmp_path)
     link = PeerLink(broker.address, 30.0, TOKEN, importer)
     buf = pool.allocate(4096)
     data = os.urandom(4096)
