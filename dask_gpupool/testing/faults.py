@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dask_gpupool.dask.worker_plugin import service_of
 
@@ -228,7 +228,8 @@ def replay_import(key: str, sender: str, dask_worker: Worker) -> str:
     from dask_gpupool.wire.handoff import HandoffHeader
 
     service = service_of(dask_worker)
-    origin = dask_worker.data[key].memory_resource.origin
+    value: Any = dask_worker.data[key]
+    origin = value.memory_resource.origin
     row = service.registry.worker_row(origin.exporter)
     assert row is not None
     header = HandoffHeader(
