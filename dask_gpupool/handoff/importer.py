@@ -241,6 +241,25 @@ class Importer:
                 f"pool {desc.pool} of worker {header.exporter} is not registered (its worker left?); "
                 f"lease {header.lease} cannot be read"
             )
+        if not self.releaser.begin(record.broker, header.lease):
+            # A header sent again (a member replaying a descriptor it sent before, for another key): claimed again
+            # (the exporter answers a second claim as held), its import's release would end the lease while the
+            # first import still maps the memory, which the exporter may then reuse.
+            raise DataLostError(
+                f"lease {header.lease} of worker {record.worker} is imported here already (or was released): "
+                "a header naming it again is refused"
+            )
+        try:
+            return self._import_leased(header, record)
+        except BaseException:
+            self.releaser.end_import(record.broker, header.lease)  # its release, if any, was queued already
+            raise
+
+    def _import_leased(self, header: HandoffHeader, record: PoolRecord) -> Buffer:
+        """:meth:`import_handoff` of a lease :meth:`Releaser.begin <dask_gpupool.handoff.releaser.Releaser.begin>`
+        admitted: map it and claim it, or fetch a host copy. The Buffer is the caller's."""
+        desc = header.desc
+        assert desc is not None
         try:
             link = self.link(record)
         except GPUPoolError as e:

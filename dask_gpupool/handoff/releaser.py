@@ -63,6 +63,7 @@ class Releaser:
     _epoch: dict[str, int]
     _retry: dict[str, _Releases]
     _resyncing: dict[str, set[int]]
+    _importing: dict[str, set[int]]
     _refused: dict[str, dict[int, None]]
     _released: dict[str, dict[int, None]]
     _cond: threading.Condition
@@ -77,6 +78,7 @@ class Releaser:
         self._epoch = {}
         self._retry = {}
         self._resyncing = {}
+        self._importing = {}
         self._refused = {}
         self._refused_total = 0
         self._released = {}
@@ -135,6 +137,42 @@ class Releaser:
             open_.difference_update([e for e in open_ if e <= epoch])
             if not open_:
                 del self._resyncing[exporter]
+
+    def begin(self, exporter: str, lease: int) -> bool:
+        """Start an import of ``lease`` of ``exporter``; ``False`` when one is open here, or was released.
+
+        A lease keeps memory alive for one import. A header naming it again
+        (a member replaying a descriptor it sent before) would be claimed
+        again, which the exporter answers as held, and its import's release
+        would end the lease while the first import still maps the memory. So
+        a lease is imported here once: from :meth:`begin` until its release
+        was queued (:meth:`put`) it is open, then live until that release was
+        handled, then kept among the released ones (:meth:`answer`). An
+        import that ends without a release says so with :meth:`end_import`.
+        """
+        with self._cond:
+            if (
+                lease in self._importing.get(exporter, ())
+                or lease in self._live.get(exporter, ())
+                or lease in self._released.get(exporter, ())
+            ):
+                return False
+            self._importing.setdefault(exporter, set()).add(lease)
+            return True
+
+    def end_import(self, exporter: str, lease: int) -> None:
+        """The import of ``lease`` that :meth:`begin` started ended without a release (it failed before it held
+        anything, or its release was queued already: then this changes nothing)."""
+        with self._cond:
+            self._end_import(exporter, lease)
+
+    def _end_import(self, exporter: str, lease: int) -> None:
+        """Called under the lock."""
+        importing = self._importing.get(exporter)
+        if importing is not None:
+            importing.discard(lease)
+            if not importing:
+                del self._importing[exporter]
 
     def hold_here(self, exporter: str, lease: int) -> bool | None:
         """Hold a lease claimed by its reply: ``True`` held; ``False`` refused (:meth:`answer` said this
@@ -241,6 +279,8 @@ class Releaser:
         """
         with self._cond:
             self._pending.append((exporter, lease, event, segments, unmapped))
+            if lease:
+                self._end_import(exporter, lease)  # live until the release is handled, then released (begin)
             self._cond.notify()
 
     def settle_later(self, exporter: str, leases: list[int]) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dask_gpupool.dask.worker_plugin import service_of
 
@@ -213,3 +213,38 @@ def release_plugin_add(dask_worker: Worker) -> None:
     if original is not None:
         gate.release()  # type: ignore[attr-defined]
         dask_worker.handlers["plugin-add"] = original
+
+
+def replay_import(key: str, sender: str, dask_worker: Worker) -> str:
+    """client.run target: deserialize again the header this worker's import of ``key`` came with, as a message
+    from ``sender`` (a member that sent it once, replaying it for another key) would carry it, and keep what it
+    gives (:func:`drop_replayed`). ``"Type: message"`` of the error, or ``""``.
+    """
+    from cuda.core import Buffer
+    from distributed.protocol import dask_deserialize
+
+    from dask_gpupool.dask.serializers import KEY
+    from dask_gpupool.handoff.deferred import SENDER
+    from dask_gpupool.wire.handoff import HandoffHeader
+
+    service = service_of(dask_worker)
+    value: Any = dask_worker.data[key]
+    origin = value.memory_resource.origin
+    row = service.registry.worker_row(origin.exporter)
+    assert row is not None
+    header = HandoffHeader(
+        "ipc", row.kind, origin.desc.size, exporter=origin.exporter, desc=origin.desc, lease=origin.lease
+    )
+    token = SENDER.set(sender)
+    try:
+        dask_worker._gpupool_replayed = dask_deserialize.dispatch(Buffer)({KEY: header.to_msg()}, [])  # type: ignore[attr-defined]
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        SENDER.reset(token)
+    return ""
+
+
+def drop_replayed(dask_worker: Worker) -> None:
+    """client.run target: drop what :func:`replay_import` kept (its import closes, and its lease is released)."""
+    dask_worker._gpupool_replayed = None  # type: ignore[attr-defined]

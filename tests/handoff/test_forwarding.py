@@ -261,3 +261,31 @@ def test_a_forward_and_its_settle_in_either_order(order):
             assert c.submit(T.head, y, 6, workers=[b], pure=False).result() == b"either"
             del x, y
         back_to(c, baseline)
+
+
+def test_a_forwarded_descriptor_replayed_by_its_forwarder_cannot_end_the_lease_of_the_import_it_came_with():
+    """B passes A's value on to W (W maps A's memory under its own lease L), then, lying, sends W the same header
+    again for another key: a replayed descriptor. W claimed L a second time (A answers a second claim of a lease as
+    held) and had two imports under one lease: when the replayed key went, its release ended L at A while W's first
+    import still mapped the memory, so a member could make an exporter free memory another worker maps
+    (docs/security.md says it cannot), and W's own value read zeros (review of leases, thirty-fourth session). Now W
+    imports a lease once: a header naming a lease it holds is ``DataLostError``, and its value keeps its lease."""
+    with nanny_cluster([{}, {}, {}], HOST_POOL) as c:
+        a, b, w = worker_addresses(c)
+        baseline = _warm(c, a, b, w)
+        x = c.submit(T.make_buffer, MiB, b"original", workers=[a], pure=False)
+        y = c.submit(T.keep, x, workers=[b], pure=False)
+        z = c.submit(T.keep, y, workers=[w], pure=False)
+        z.result()
+        assert counters(c, b)[b]["forwards"] == 1
+        outcome = c.run(F.replay_import, z.key, b, workers=[w])[w]
+        c.run(F.drop_replayed, workers=[w])  # the replayed key goes: its import (if any) closes
+        del x, y
+        wait_for(lambda: counters(c, a)[a]["leases"] <= 1, what="B's lease on A to end")
+        assert c.run(T.lease_counts, workers=[a])[a]["leases"] == 1, "W's lease of its own value ended"
+        for _ in range(8):
+            c.submit(T.scribble_all, MiB, ord("S"), workers=[a], pure=False).result()
+        assert c.submit(T.head, z, 8, workers=[w], pure=False).result() == b"original"
+        assert outcome.startswith("DataLostError") and "imported here already" in outcome, outcome
+        del z
+        back_to(c, baseline)

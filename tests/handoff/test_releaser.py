@@ -266,3 +266,20 @@ def test_a_forward_settle_that_could_not_be_sent_goes_once_the_link_is_back(rele
     r.flush()
     time.sleep(0.3)
     assert "gone" not in links.links  # no link to an exporter that left, nothing kept for it
+
+
+def test_a_lease_is_imported_once_from_its_begin_through_its_release(releaser):
+    """``begin`` admits a lease once: while its import is open (claimed or not), held, or after it was released, a
+    header naming it again (a replay) is refused; an import that failed before holding anything gives it back."""
+    r, links = releaser
+    assert r.begin("a", 1) and not r.begin("a", 1)  # open, not claimed yet
+    assert r.begin("b", 1)  # another exporter's lease 1 is another lease
+    assert r.hold("a", [1], epoch=r.epoch("a")) and not r.begin("a", 1)  # claimed
+    r.put("a", 1)  # the import closed: live until its release is handled
+    assert not r.begin("a", 1)
+    r.flush()
+    assert links.links["a"].released == [[1]] and r.live("a") == 0
+    assert not r.begin("a", 1)  # released: a later header naming it is a replay
+    assert r.begin("a", 2)
+    r.end_import("a", 2)  # failed before it held anything (a refused claim, no link)
+    assert r.begin("a", 2)
