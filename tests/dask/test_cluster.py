@@ -1530,3 +1530,46 @@ def test_a_registration_returns_while_a_worker_never_answers_its_install_and_tha
         del x
         assert rejected_on_scheduler(c) == {}
     assert os.listdir(tmp_path) == []
+
+
+def gpupool_served(client):
+    """What of the gpupool plugin the scheduler still serves (test inspection only): its RPC handlers, its stream
+    handlers other than the one that drops late messages, and whether new workers get its worker plugin."""
+
+    def on_scheduler(dask_scheduler):
+        from dask_gpupool.core import JOINED_OP, PLUGIN_NAME, REGISTER_OP, UNREGISTER_OP, UPDATE_OP
+        from dask_gpupool.dask.scheduler_plugin import _drop
+        from dask_gpupool.ops.dashboard import STATS_OP
+
+        ops = (REGISTER_OP, JOINED_OP, UPDATE_OP, UNREGISTER_OP, STATS_OP)
+        return {
+            "handlers": sorted(op for op in dask_scheduler.handlers if op.startswith("gpupool")),
+            "stream-handlers": sorted(op for op in ops if dask_scheduler.stream_handlers.get(op) not in (None, _drop)),
+            "worker-plugin": PLUGIN_NAME in dask_scheduler.worker_plugins,
+        }
+
+    return client.run_on_scheduler(on_scheduler)
+
+
+def test_unregistering_the_scheduler_plugin_stops_its_handlers_and_every_pool_and_a_new_registration_works(tmp_path):
+    """``client.unregister_scheduler_plugin("gpupool")``: distributed only delists the plugin (``remove_plugin`` calls
+    no ``close``), so its handlers kept serving the registry, new workers kept getting its worker plugin, and every
+    worker's pool kept running. Now no gpupool handler serves (late stream messages are dropped), the worker plugin is
+    unregistered from every worker (their pools close, their broker directories go), and a later registration works
+    from a clean state; nothing is refused or left behind."""
+    plugin = GPUPool(kind="host", max_size="16MiB", broker_timeout="2s", broker_dir=str(tmp_path))
+    with nanny_cluster([{}, {}], plugin) as c:
+        assert len(broker_dirs(tmp_path)) == 2
+        c.unregister_scheduler_plugin("gpupool")
+        gone = {"handlers": [], "stream-handlers": [], "worker-plugin": False}
+        wait_for(lambda: gpupool_served(c) == gone, timeout=30)
+        with pytest.raises(dask_gpupool.PoolUnavailableError):
+            dask_gpupool.pools(c)
+        no_plugin = dict.fromkeys(worker_addresses(c), False)
+        wait_for(lambda: c.run(lambda dask_worker: "gpupool" in dask_worker.plugins) == no_plugin, timeout=30)
+        wait_for(lambda: broker_dirs(tmp_path) == [], timeout=30)
+        c.register_plugin(GPUPool(kind="host", max_size="32MiB", broker_timeout="2s", broker_dir=str(tmp_path)))
+        assert_one_plugin(c, "32MiB", tmp_path)
+        handoff_round_trip(c, MiB, b"registered after it was unregistered")
+        assert rejected_on_scheduler(c) == {}
+    assert os.listdir(tmp_path) == []
