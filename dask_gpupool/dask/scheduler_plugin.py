@@ -30,6 +30,7 @@ from distributed import SchedulerPlugin
 from distributed.core import Status
 from distributed.protocol import Serialized, deserialize
 from distributed.protocol.pickle import dumps, loads
+from tornado.ioloop import PeriodicCallback
 
 from dask_gpupool.config import PoolOptions
 from dask_gpupool.core import JOINED_OP, PLUGIN_NAME, REGISTER_OP, UNREGISTER_OP, UPDATE_OP
@@ -49,6 +50,9 @@ if TYPE_CHECKING:
 __all__ = ["GPUPool"]
 
 logger = logging.getLogger(__name__)
+
+#: Seconds between two looks at whether distributed still lists the plugin (:meth:`GPUPool._check_listed`).
+_WATCH_INTERVAL = 0.5
 
 
 class GPUPool(SchedulerPlugin):
@@ -186,6 +190,11 @@ class GPUPool(SchedulerPlugin):
     registry like a worker joining the cluster, or else the current one, or the removal of the one it holds): a
     worker plugin of a registration replaced or removed meanwhile makes no pool (it carries its registration's id,
     and the scheduler answers which one its handlers serve).
+
+    ``client.unregister_scheduler_plugin("gpupool")`` undoes a registration: distributed only delists the plugin, and
+    the plugin, which looks every half second whether it is still listed, then stops serving (its stream handlers
+    drop late messages) and unregisters its worker plugin from every worker, whose pools close once their leases
+    end. A later registration starts from a clean state.
     """
 
     name = PLUGIN_NAME
@@ -194,6 +203,8 @@ class GPUPool(SchedulerPlugin):
     idempotent: bool
     _registry_handlers: RegistryHandlers
     _worker_plugin: bytes | None
+    _watch: PeriodicCallback | None
+    _delisting: asyncio.Future[None] | None
 
     def __init__(
         self,
@@ -272,6 +283,8 @@ class GPUPool(SchedulerPlugin):
     def _fresh_state(self) -> None:
         self._registry_handlers = RegistryHandlers()  # the registry, and a token of its own
         self._worker_plugin = None  # the pickled worker plugin this registration sent
+        self._watch = None  # sees distributed delist this plugin (_check_listed)
+        self._delisting = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {"overrides": self.overrides, "idempotent": self.idempotent}
@@ -406,6 +419,8 @@ class GPUPool(SchedulerPlugin):
         # Workers that left meanwhile: distributed tells only listed plugins (remove_worker), and this one is listed
         # only once start returns (nothing runs in between, so every later departure reaches remove_worker).
         self._registry_handlers.drop_departed()
+        self._watch = PeriodicCallback(lambda: self._check_listed(scheduler), _WATCH_INTERVAL * 1000)
+        self._watch.start()
         logger.info("gpupool: registry started, worker plugin installed on %d worker(s)", len(responses))
 
     async def _undo(self, scheduler: Scheduler) -> None:
@@ -443,8 +458,50 @@ class GPUPool(SchedulerPlugin):
                 ", ".join(sorted(late)),
             )
 
+    def _check_listed(self, scheduler: Scheduler) -> None:
+        """The watch (a periodic callback from the end of :meth:`start`, when distributed lists this plugin): once
+        distributed no longer lists it (``client.unregister_scheduler_plugin``), stop serving (:meth:`_delisted`).
+
+        Distributed's ``Scheduler.remove_plugin`` only deletes the plugin from ``scheduler.plugins``: it calls no
+        ``close`` and tells the plugin nothing, so its handlers served on and every worker kept its pool. Looking
+        at ``scheduler.plugins`` changes nothing of distributed's; wrapping ``remove_plugin`` would replace a
+        method of the scheduler for every plugin, and miss any other way a plugin is delisted.
+        """
+        listed = scheduler.plugins.get(PLUGIN_NAME)
+        if listed is self:
+            return
+        self._stop_watch()
+        if scheduler.status != Status.running or isinstance(listed, GPUPool):
+            return  # closing, or registered again: the new one replaced this one's handlers and worker plugin
+        self._delisting = asyncio.ensure_future(self._delisted(scheduler))
+
+    async def _delisted(self, scheduler: Scheduler) -> None:
+        """Delisted by ``client.unregister_scheduler_plugin``: no handler of this plugin serves from now on (late
+        stream messages are dropped), and its worker plugin is unregistered from every worker. In turn with
+        registrations (:func:`_registrations`), so that one made meanwhile is left as it is."""
+        async with _registrations(scheduler):
+            if isinstance(scheduler.plugins.get(PLUGIN_NAME), GPUPool):
+                return  # registered again meanwhile: the new one replaced this one's handlers and worker plugin
+            await self.close()
+            await self._unregister_worker_plugin(scheduler)
+            self._registry_handlers.scheduler = None
+            logger.info(
+                "gpupool: GPUPool %s unregistered from the scheduler; its worker plugin removed", self.overrides
+            )
+
     async def close(self) -> None:
+        self._stop_watch()
         self._remove_handlers()
+        scheduler = self._scheduler
+        if scheduler is not None and getattr(scheduler, "_gpupool_page", {}).get("source") == self.snapshot:
+            # The /gpupool page and the scheduler's gauge showed this registry: now none.
+            _dashboard.install(scheduler, _no_registry)
+            _metrics.register_scheduler(dict, scheduler)
+
+    def _stop_watch(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
 
     def _remove_handlers(self) -> None:
         if self._scheduler is not None:
@@ -471,6 +528,11 @@ def _registrations(scheduler: Scheduler) -> asyncio.Lock:
 
 def _drop(**msg: Any) -> None:
     """Stands in for a stream handler after the plugin closed: late messages are dropped."""
+
+
+def _no_registry() -> dict[str, Any]:
+    """What the /gpupool page shows once the plugin is unregistered: no pools."""
+    return {"pools": [], "workers": {}, "rejected": {}}
 
 
 def _outstanding(scheduler: Scheduler) -> dict[str, asyncio.Future[Any]]:
