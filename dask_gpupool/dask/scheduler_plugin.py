@@ -379,10 +379,10 @@ class GPUPool(SchedulerPlugin):
         _dashboard.install(scheduler, self.snapshot)
         worker_plugin = dumps(GPUPoolWorkerPlugin(self.overrides, self._registry_handlers.registration))
         self._worker_plugin = worker_plugin
-        # What Scheduler.register_worker_plugin does, with each worker's answer awaited on its own and for at most
-        # the deadline: its broadcast waited for every worker, so one that never answered (stopped, its event loop
-        # blocked) held this registration, and every later one, until worker-ttl removed it.
-        # distributed's own log line, on its own logger, as register_worker_plugin writes it (operators look for it)
+        # What Scheduler.register_worker_plugin does (its log line too, on distributed's logger), with each worker's
+        # answer awaited on its own and for at most the deadline: its broadcast waited for every worker, so one that
+        # never answered (stopped, its event loop blocked) held this registration, and every later one, until
+        # distributed.scheduler.worker-ttl removed it (never, with worker-ttl: null).
         logging.getLogger("distributed.scheduler").info("Registering Worker plugin %s", PLUGIN_NAME)
         scheduler.worker_plugins[PLUGIN_NAME] = worker_plugin
         add = {"op": "plugin-add", "plugin": worker_plugin, "name": PLUGIN_NAME}
@@ -513,8 +513,12 @@ class GPUPool(SchedulerPlugin):
                     self._scheduler.stream_handlers[op] = _drop
 
     def remove_worker(self, scheduler: Scheduler, worker: str, *, stimulus_id: str, **kwargs: Any) -> None:
-        """Rows (published or pending) leave with their worker (:meth:`RegistryHandlers.remove_worker`)."""
+        """Rows (published or pending) leave with their worker (:meth:`RegistryHandlers.remove_worker`); a plugin
+        install or removal it never answered (stopped until ``worker-ttl`` removed it) is given up."""
         self._registry_handlers.remove_worker(worker)
+        unanswered = _outstanding(scheduler).pop(worker, None)
+        if unanswered is not None:
+            unanswered.cancel()
 
 
 def _registrations(scheduler: Scheduler) -> asyncio.Lock:
@@ -567,6 +571,8 @@ async def _tell(
         if not task.done():
             late.append(worker)
             task.add_done_callback(functools.partial(_settle, scheduler, worker, sent))
+        elif task.cancelled():
+            responses[worker] = asyncio.CancelledError(f"the message to {worker} was cancelled")
         elif task.exception() is not None:
             responses[worker] = task.exception()
         else:
