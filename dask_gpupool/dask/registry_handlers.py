@@ -17,7 +17,8 @@ and changes nothing else, so a worker naming another cannot act as it),
 the :class:`~dask_gpupool.wire.registry.Membership` (registry, token and the
 worker's key) sent back over that worker's stream only, then
 ``gpupool-joined`` with the key and the row, which publishes the row to every
-worker. Clients get the read-only ``gpupool_pools`` RPC;
+worker. Clients get the read-only ``gpupool_pools`` RPC, and workers the
+read-only ``gpupool_registration`` (which registration the handlers serve);
 ``gpupool_register`` and ``gpupool_unregister`` called over RPC are refused.
 Refused messages are logged (WARNING) and counted in
 :attr:`RegistryHandlers.rejected`. Every method runs on the scheduler's event
@@ -50,9 +51,15 @@ from dask_gpupool.wire.registry import TOKEN_BYTES, Membership, PoolRecord, Regi
 if TYPE_CHECKING:
     from distributed import Scheduler
 
-__all__ = ["RegistryHandlers"]
+__all__ = ["RegistryHandlers", "answer_timeout"]
 
 logger = logging.getLogger(__name__)
+
+
+def answer_timeout() -> float:
+    """How long, in seconds, a registration waits for the workers: for their answers to the plugin install, then for
+    them to join (``distributed.comm.timeouts.connect``, both within one such time)."""
+    return float(parse_timedelta(dask.config.get("distributed.comm.timeouts.connect")))
 
 
 class RegistryHandlers:
@@ -70,6 +77,11 @@ class RegistryHandlers:
     scheduler : Scheduler or None
         The scheduler served (set by :meth:`serve`); ``None`` before, or
         after a failed start: then nothing is sent and no worker is known.
+    registration : str
+        This registration's id (random), carried by the worker plugins it
+        sends: a worker plugin whose id is not the one the scheduler's
+        handlers serve belongs to a registration replaced or removed since,
+        and sets nothing up.
 
     Notes
     -----
@@ -82,6 +94,7 @@ class RegistryHandlers:
     worker_stats: dict[str, dict[str, Any]]
     rejected: collections.Counter[str]
     scheduler: Scheduler | None
+    registration: str
     _token: bytes
     _secret: bytes
     _pending: dict[str, PoolRecord]
@@ -94,6 +107,7 @@ class RegistryHandlers:
         self._token = secrets.token_bytes(TOKEN_BYTES)
         self._secret = secrets.token_bytes(TOKEN_BYTES)  # makes each worker's registry key (_key)
         self.scheduler = None
+        self.registration = secrets.token_hex(16)
         self._pending = {}  # worker -> its row, registered but not yet joined (not published)
         self._joined = None
 
@@ -112,17 +126,19 @@ class RegistryHandlers:
         self.scheduler = scheduler
         self._joined = asyncio.Event()
 
-    async def wait_until_joined(self, workers: list[str]) -> None:
+    async def wait_until_joined(self, workers: list[str], deadline: float | None = None) -> None:
         """Wait until each of ``workers`` (still here) has a published row, so that ``register_plugin``
         returns with the registry complete, as it did when registration was an RPC.
 
         A worker's setup sends its registration and returns before the handshake ends (a worker
         joining the cluster reads its stream only after its plugins are set up). Bounded by
-        ``distributed.comm.timeouts.connect``; a worker still missing then is logged, not failed.
+        ``deadline`` (a :func:`time.monotonic` time; by default :func:`answer_timeout` from now); a worker still
+        missing then is logged, not failed.
         """
         assert self._joined is not None
         scheduler_workers = self._scheduler_workers()
-        deadline = time.monotonic() + parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"))
+        if deadline is None:
+            deadline = time.monotonic() + answer_timeout()
         while True:
             self._joined.clear()
             owners = self.registry.owners()
@@ -345,6 +361,11 @@ class RegistryHandlers:
             "stream to the scheduler; clients can read the registry (dask_gpupool.pools)"
         )
         return dict(error_message(error, status="uncaught-error"))  # raised in the caller; no traceback logged here
+
+    def handle_registration(self) -> str:
+        """``gpupool_registration`` over RPC: the id of the registration these handlers serve, read-only (a worker
+        plugin's setup asks it: one of a registration replaced or removed since it was sent sets nothing up)."""
+        return self.registration
 
     def pools_by_kind(self) -> dict[str, int]:
         counts: dict[str, int] = {}

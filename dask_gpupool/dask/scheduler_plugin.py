@@ -12,7 +12,8 @@ its own row, over its own batched stream (the ops of :mod:`dask_gpupool.core`),
 in a handshake that hands it the cluster's token before it is published: so
 no peer hands a worker anything, nor maps its pool, before it holds the token.
 Rows leave with their worker (``remove_worker``). Clients get the read-only
-``gpupool_pools`` RPC (and the ``/gpupool`` page); ``gpupool_register`` and
+``gpupool_pools`` RPC (and the ``/gpupool`` page), workers the read-only
+``gpupool_registration`` (which registration the handlers serve); ``gpupool_register`` and
 ``gpupool_unregister`` called over RPC are refused. Refused messages are
 logged (WARNING) and counted in :attr:`GPUPool.rejected`.
 """
@@ -20,16 +21,20 @@ logged (WARNING) and counted in :attr:`GPUPool.rejected`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from distributed import SchedulerPlugin
+from distributed.core import Status
 from distributed.protocol import Serialized, deserialize
 from distributed.protocol.pickle import dumps, loads
+from tornado.ioloop import PeriodicCallback
 
 from dask_gpupool.config import PoolOptions
 from dask_gpupool.core import JOINED_OP, PLUGIN_NAME, REGISTER_OP, UNREGISTER_OP, UPDATE_OP
-from dask_gpupool.dask.registry_handlers import RegistryHandlers
+from dask_gpupool.dask.registry_handlers import RegistryHandlers, answer_timeout
 from dask_gpupool.errors import GPUPoolError
 from dask_gpupool.ops import dashboard as _dashboard
 from dask_gpupool.ops import metrics as _metrics
@@ -45,6 +50,9 @@ if TYPE_CHECKING:
 __all__ = ["GPUPool"]
 
 logger = logging.getLogger(__name__)
+
+#: Seconds between two looks at whether distributed still lists the plugin (:meth:`GPUPool._check_listed`).
+_WATCH_INTERVAL = 0.5
 
 
 class GPUPool(SchedulerPlugin):
@@ -174,6 +182,19 @@ class GPUPool(SchedulerPlugin):
     before the next one starts. So the later of two registrations replaces the
     earlier one everywhere, as registering again does; an idempotent one
     (``--preload``) that finds a plugin listed once its turn comes does nothing.
+
+    A registration waits for the workers at most ``distributed.comm.timeouts.connect`` (their answers to the plugin
+    install, then their joining the registry, together). A worker that does not answer by then (stopped, its event
+    loop blocked) is named in a WARNING and the registration goes on without it; no later registration waits for it
+    either. Once it answers, it gets the worker plugin registered then (the one it was sent, which joins it to the
+    registry like a worker joining the cluster, or else the current one, or the removal of the one it holds): a
+    worker plugin of a registration replaced or removed meanwhile makes no pool (it carries its registration's id,
+    and the scheduler answers which one its handlers serve).
+
+    ``client.unregister_scheduler_plugin("gpupool")`` undoes a registration: distributed only delists the plugin, and
+    the plugin, which looks every half second whether it is still listed, then stops serving (its stream handlers
+    drop late messages) and unregisters its worker plugin from every worker, whose pools close once their leases
+    end. A later registration starts from a clean state.
     """
 
     name = PLUGIN_NAME
@@ -181,6 +202,9 @@ class GPUPool(SchedulerPlugin):
     #: ``True``: install only if the scheduler lists no ``GPUPool`` yet (distributed's ``idempotent``; ``--preload``).
     idempotent: bool
     _registry_handlers: RegistryHandlers
+    _worker_plugin: bytes | None
+    _watch: PeriodicCallback | None
+    _delisting: asyncio.Future[None] | None
 
     def __init__(
         self,
@@ -258,6 +282,9 @@ class GPUPool(SchedulerPlugin):
 
     def _fresh_state(self) -> None:
         self._registry_handlers = RegistryHandlers()  # the registry, and a token of its own
+        self._worker_plugin = None  # the pickled worker plugin this registration sent
+        self._watch = None  # sees distributed delist this plugin (_check_listed)
+        self._delisting = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {"overrides": self.overrides, "idempotent": self.idempotent}
@@ -296,6 +323,7 @@ class GPUPool(SchedulerPlugin):
         h = self._registry_handlers
         return {
             "gpupool_pools": h.handle_pools,
+            "gpupool_registration": h.handle_registration,
             "gpupool_register": h.refuse_register_rpc,
             "gpupool_unregister": h.refuse_unregister_rpc,
         }
@@ -342,21 +370,30 @@ class GPUPool(SchedulerPlugin):
     async def _start(self, scheduler: Scheduler) -> None:
         from dask_gpupool.dask.worker_plugin import GPUPoolWorkerPlugin  # the class, pickled for workers
 
+        deadline = time.monotonic() + answer_timeout()
         self._registry_handlers.serve(scheduler)
         scheduler.handlers.update(self._handlers)
         # Never removed: an unknown op would end that worker's whole stream (see _drop).
         scheduler.stream_handlers.update(self._stream_handlers)
         _metrics.register_scheduler(self._registry_handlers.pools_by_kind, scheduler)
         _dashboard.install(scheduler, self.snapshot)
-        worker_plugin = dumps(GPUPoolWorkerPlugin(self.overrides))
-        try:
-            responses = await scheduler.register_worker_plugin(None, worker_plugin, PLUGIN_NAME, idempotent=False)
-        except Exception:
-            # The broadcast itself failed (a worker died while its plugin-add was under way: distributed raises
-            # its CommClosedError). Undone as a failed setup is: left in place, this plugin's handlers served a
-            # registry that no listed plugin owns, which no remove_worker reaches, and new workers installed it.
+        worker_plugin = dumps(GPUPoolWorkerPlugin(self.overrides, self._registry_handlers.registration))
+        self._worker_plugin = worker_plugin
+        # What Scheduler.register_worker_plugin does (its log line too, on distributed's logger), with each worker's
+        # answer awaited on its own and for at most the deadline: its broadcast waited for every worker, so one that
+        # never answered (stopped, its event loop blocked) held this registration, and every later one, until
+        # distributed.scheduler.worker-ttl removed it (never, with worker-ttl: null).
+        logging.getLogger("distributed.scheduler").info("Registering Worker plugin %s", PLUGIN_NAME)
+        scheduler.worker_plugins[PLUGIN_NAME] = worker_plugin
+        add = {"op": "plugin-add", "plugin": worker_plugin, "name": PLUGIN_NAME}
+        responses, late = await _tell(scheduler, add, worker_plugin, list(scheduler.workers), deadline)
+        broken = [r for r in responses.values() if isinstance(r, BaseException)]
+        if broken:
+            # A worker died while its plugin-add was under way (distributed's CommClosedError). Undone as a failed
+            # setup is: left in place, this plugin's handlers served a registry that no listed plugin owns, which no
+            # remove_worker reaches, and new workers installed it.
             await self._undo(scheduler)
-            raise
+            raise broken[0]
         failed = {w: r for w, r in responses.items() if r.get("status") == "error"}
         if failed:
             await self._undo(scheduler)
@@ -370,19 +407,26 @@ class GPUPool(SchedulerPlugin):
             if isinstance(exc, BaseException):
                 raise exc
             raise GPUPoolError(f"gpupool setup failed on {worker}: {response.get('exception_text')}")
-        await self._registry_handlers.wait_until_joined(list(responses))
+        if late:
+            logger.warning(
+                "gpupool: %d worker(s) did not answer the plugin install (within %.3g s, or one sent before): %s; "
+                "registering without them: each gets the plugin registered when it answers, and joins then",
+                len(late),
+                answer_timeout(),
+                ", ".join(sorted(late)),
+            )
+        await self._registry_handlers.wait_until_joined(list(responses), deadline)
         # Workers that left meanwhile: distributed tells only listed plugins (remove_worker), and this one is listed
         # only once start returns (nothing runs in between, so every later departure reaches remove_worker).
         self._registry_handlers.drop_departed()
+        self._watch = PeriodicCallback(lambda: self._check_listed(scheduler), _WATCH_INTERVAL * 1000)
+        self._watch.start()
         logger.info("gpupool: registry started, worker plugin installed on %d worker(s)", len(responses))
 
     async def _undo(self, scheduler: Scheduler) -> None:
         """A failed registration: its worker plugin unregistered (from every worker), its handlers removed, and a
         plugin it was replacing delisted."""
-        try:
-            await scheduler.unregister_worker_plugin(None, PLUGIN_NAME)
-        except Exception:  # a worker that cannot be reached (the one that died): the others are told
-            logger.warning("gpupool: removing the worker plugin of a failed registration failed", exc_info=True)
+        await self._unregister_worker_plugin(scheduler)
         self._remove_handlers()
         self._registry_handlers.scheduler = None
         replaced = scheduler.plugins.get(PLUGIN_NAME)
@@ -393,8 +437,71 @@ class GPUPool(SchedulerPlugin):
             scheduler.remove_plugin(name=PLUGIN_NAME)
             await replaced.close()
 
+    async def _unregister_worker_plugin(self, scheduler: Scheduler) -> None:
+        """This registration's worker plugin, if still the one new workers get, unregistered from every worker: each
+        tears its pool down (closed once its leases end). A worker that does not answer within
+        :func:`~dask_gpupool.dask.registry_handlers.answer_timeout` is logged and gets it when it answers."""
+        if self._worker_plugin is None or scheduler.worker_plugins.get(PLUGIN_NAME) is not self._worker_plugin:
+            return  # another registration's since
+        del scheduler.worker_plugins[PLUGIN_NAME]
+        remove = {"op": "plugin-remove", "name": PLUGIN_NAME}
+        deadline = time.monotonic() + answer_timeout()
+        responses, late = await _tell(scheduler, remove, None, list(scheduler.workers), deadline)
+        broken = sorted(w for w, r in responses.items() if isinstance(r, BaseException))
+        if broken:  # a worker that cannot be reached (one that died): the others are told
+            logger.warning("gpupool: removing the worker plugin failed on %s", ", ".join(broken))
+        if late:
+            logger.warning(
+                "gpupool: %d worker(s) did not answer the plugin removal within %.3g s: %s; each is told on answering",
+                len(late),
+                answer_timeout(),
+                ", ".join(sorted(late)),
+            )
+
+    def _check_listed(self, scheduler: Scheduler) -> None:
+        """The watch (a periodic callback from the end of :meth:`start`, when distributed lists this plugin): once
+        distributed no longer lists it (``client.unregister_scheduler_plugin``), stop serving (:meth:`_delisted`).
+
+        Distributed's ``Scheduler.remove_plugin`` only deletes the plugin from ``scheduler.plugins``: it calls no
+        ``close`` and tells the plugin nothing, so its handlers served on and every worker kept its pool. Looking
+        at ``scheduler.plugins`` changes nothing of distributed's; wrapping ``remove_plugin`` would replace a
+        method of the scheduler for every plugin, and miss any other way a plugin is delisted.
+        """
+        listed = scheduler.plugins.get(PLUGIN_NAME)
+        if listed is self:
+            return
+        self._stop_watch()
+        if scheduler.status != Status.running or isinstance(listed, GPUPool):
+            return  # closing, or registered again: the new one replaced this one's handlers and worker plugin
+        self._delisting = asyncio.ensure_future(self._delisted(scheduler))
+
+    async def _delisted(self, scheduler: Scheduler) -> None:
+        """Delisted by ``client.unregister_scheduler_plugin``: no handler of this plugin serves from now on (late
+        stream messages are dropped), and its worker plugin is unregistered from every worker. In turn with
+        registrations (:func:`_registrations`), so that one made meanwhile is left as it is."""
+        async with _registrations(scheduler):
+            if isinstance(scheduler.plugins.get(PLUGIN_NAME), GPUPool):
+                return  # registered again meanwhile: the new one replaced this one's handlers and worker plugin
+            await self.close()
+            await self._unregister_worker_plugin(scheduler)
+            self._registry_handlers.scheduler = None
+            logger.info(
+                "gpupool: GPUPool %s unregistered from the scheduler; its worker plugin removed", self.overrides
+            )
+
     async def close(self) -> None:
+        self._stop_watch()
         self._remove_handlers()
+        scheduler = self._scheduler
+        if scheduler is not None and getattr(scheduler, "_gpupool_page", {}).get("source") == self.snapshot:
+            # The /gpupool page and the scheduler's gauge showed this registry: now none.
+            _dashboard.install(scheduler, _no_registry)
+            _metrics.register_scheduler(dict, scheduler)
+
+    def _stop_watch(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
 
     def _remove_handlers(self) -> None:
         if self._scheduler is not None:
@@ -406,8 +513,12 @@ class GPUPool(SchedulerPlugin):
                     self._scheduler.stream_handlers[op] = _drop
 
     def remove_worker(self, scheduler: Scheduler, worker: str, *, stimulus_id: str, **kwargs: Any) -> None:
-        """Rows (published or pending) leave with their worker (:meth:`RegistryHandlers.remove_worker`)."""
+        """Rows (published or pending) leave with their worker (:meth:`RegistryHandlers.remove_worker`); a plugin
+        install or removal it never answered (stopped until ``worker-ttl`` removed it) is given up."""
         self._registry_handlers.remove_worker(worker)
+        unanswered = _outstanding(scheduler).pop(worker, None)
+        if unanswered is not None:
+            unanswered.cancel()
 
 
 def _registrations(scheduler: Scheduler) -> asyncio.Lock:
@@ -421,3 +532,95 @@ def _registrations(scheduler: Scheduler) -> asyncio.Lock:
 
 def _drop(**msg: Any) -> None:
     """Stands in for a stream handler after the plugin closed: late messages are dropped."""
+
+
+def _no_registry() -> dict[str, Any]:
+    """What the /gpupool page shows once the plugin is unregistered: no pools."""
+    return {"pools": [], "workers": {}, "rejected": {}}
+
+
+def _outstanding(scheduler: Scheduler) -> dict[str, asyncio.Future[Any]]:
+    """The plugin install or removal each worker has not answered yet, by worker (at most one per worker)."""
+    outstanding = getattr(scheduler, "_gpupool_outstanding", None)
+    if not isinstance(outstanding, dict):
+        outstanding = {}
+        scheduler._gpupool_outstanding = outstanding  # type: ignore[attr-defined]
+    return outstanding
+
+
+async def _tell(
+    scheduler: Scheduler, msg: dict[str, Any], sent: bytes | None, workers: list[str], deadline: float
+) -> tuple[dict[str, Any], list[str]]:
+    """Send ``msg`` (a ``plugin-add`` of the worker plugin ``sent``, or a ``plugin-remove``: ``sent`` is ``None``) to
+    each of ``workers`` as ``Scheduler.broadcast`` does, each on its own; wait for their answers until ``deadline``.
+
+    Returns the answers that came (a worker's reply, or the exception its comm raised) by worker, and the workers
+    that did not answer. Those are not waited for, and nothing later waits behind them: a worker gets one message at
+    a time (a later one is not sent while it has not answered the one before, so that two cannot reach it in the
+    wrong order), and once it answers it gets whatever is registered then (:func:`_settle`).
+    """
+    outstanding = _outstanding(scheduler)
+    late = [w for w in workers if w in outstanding]
+    tasks = {w: _send(scheduler, w, msg) for w in workers if w not in outstanding}
+    if tasks:
+        await asyncio.wait(
+            tasks.values(), timeout=max(0.0, deadline - time.monotonic()), return_when=asyncio.FIRST_EXCEPTION
+        )
+    responses: dict[str, Any] = {}
+    for worker, task in tasks.items():
+        if not task.done():
+            late.append(worker)
+            task.add_done_callback(functools.partial(_settle, scheduler, worker, sent))
+        elif task.cancelled():
+            responses[worker] = asyncio.CancelledError(f"the message to {worker} was cancelled")
+        elif task.exception() is not None:
+            responses[worker] = task.exception()
+        else:
+            responses[worker] = task.result().get(worker, {})
+    return responses, late
+
+
+def _send(scheduler: Scheduler, worker: str, msg: dict[str, Any]) -> asyncio.Future[Any]:
+    """``msg`` sent to ``worker`` alone, outstanding until it answers (:func:`_outstanding`)."""
+    outstanding = _outstanding(scheduler)
+    task = asyncio.ensure_future(scheduler.broadcast(msg=msg, workers=[worker]))
+    outstanding[worker] = task
+
+    def answered(task: asyncio.Future[Any]) -> None:
+        if outstanding.get(worker) is task:
+            del outstanding[worker]
+
+    task.add_done_callback(answered)
+    return task
+
+
+def _settle(scheduler: Scheduler, worker: str, sent: bytes | None, task: asyncio.Future[Any]) -> None:
+    """``worker`` answered late the ``plugin-add`` of ``sent`` (or, with ``sent`` ``None``, a ``plugin-remove``): if
+    that is not what is registered now (a registration replaced, made or removed meanwhile, which sent it nothing),
+    it gets what is: the worker plugin registered now, else the removal of the one it holds."""
+    if task.cancelled():
+        return
+    if task.exception() is not None:  # it left (distributed logged it); remove_worker takes its rows
+        return
+    current = scheduler.worker_plugins.get(PLUGIN_NAME)
+    answer = task.result().get(worker, {})
+    if sent is not None and sent is current:
+        if isinstance(answer, dict) and answer.get("status") == "error":
+            logger.warning(
+                "gpupool: %s answered the plugin install late: its setup failed (%s); it has no pool",
+                worker,
+                answer.get("exception_text"),
+            )
+        else:
+            logger.info("gpupool: %s answered the plugin install late; it joins the registry", worker)
+        return
+    if worker not in scheduler.workers or scheduler.status != Status.running or (current is sent is None):
+        return
+    if current is not None:
+        msg: dict[str, Any] = {"op": "plugin-add", "plugin": current, "name": PLUGIN_NAME}
+    else:
+        msg = {"op": "plugin-remove", "name": PLUGIN_NAME}
+    logger.info(
+        "gpupool: %s answered late for a registration since replaced or removed; it gets the current one", worker
+    )
+    _send(scheduler, worker, msg).add_done_callback(functools.partial(_settle, scheduler, worker, current))

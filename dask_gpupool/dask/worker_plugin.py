@@ -83,10 +83,18 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
     overrides : dict
         Options given to ``GPUPool(...)``; every option left out is read from
         the worker's own ``dask.config`` at setup.
+    registration : str, optional
+        The id of the registration that sent it
+        (:attr:`~dask_gpupool.dask.registry_handlers.RegistryHandlers.registration`).
+        Its setup sets nothing up when the scheduler's handlers serve another
+        one by then: a worker that did not answer the install in time (stopped,
+        its event loop blocked) may get it after the registration was replaced
+        or removed. ``None``: not checked.
     """
 
     name = PLUGIN_NAME
     overrides: dict[str, Any]
+    registration: str | None
     service: PoolService | None
     #: Why :meth:`setup` failed (``"ConfigError: ..."``), or ``None``.
     failure: str | None
@@ -106,8 +114,9 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
     #: stage threshold), for staging copies.
     _task_events: TaskEvents | None
 
-    def __init__(self, overrides: dict[str, Any] | None = None) -> None:
+    def __init__(self, overrides: dict[str, Any] | None = None, registration: str | None = None) -> None:
         self.overrides = dict(overrides or {})
+        self.registration = registration
         self.service = None
         self.failure = None
         self._torn_down = False
@@ -150,7 +159,8 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         try:
             _check_row(service.record, worker.address)
             # An op the scheduler does not know would end this worker's stream: ask first, read-only.
-            if await worker.scheduler.gpupool_pools() is None:  # Dask answers an unknown handler with None
+            serving = await worker.scheduler.gpupool_registration()
+            if serving is None:  # Dask answers an unknown handler with None
                 raise PoolUnavailableError(
                     f"pool {service.pool.uuid}: the scheduler has no gpupool registry; "
                     "register dask_gpupool.GPUPool() or preload dask_gpupool on the scheduler"
@@ -166,6 +176,13 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
             # serving, its stream handlers in place of the new plugin's).
             service.close()
             logger.info("gpupool: worker plugin removed while it set up (another replaced it); its pool closed")
+            return
+        if self.registration is not None and serving != self.registration:
+            # Sent by a registration that was replaced or removed before this worker answered (it was stopped, or its
+            # event loop blocked): its pool would serve beside the registry of another. The scheduler sends this
+            # worker the plugin registered now, if any, once it has this answer (scheduler_plugin._settle).
+            service.close()
+            logger.info("gpupool: worker plugin of a registration replaced or removed since it was sent; no pool")
             return
         self._worker = worker
         self._held = []

@@ -1465,3 +1465,111 @@ def test_a_worker_killed_while_its_install_is_under_way_fails_the_registration_a
 
     remove_stale_broker_dirs(str(tmp_path), min_age=0)  # the killed worker never made one; w1's went with its pool
     assert os.listdir(tmp_path) == []
+
+
+def test_a_registration_returns_while_a_worker_never_answers_its_install_and_that_worker_joins_when_it_resumes(
+    tmp_path, caplog
+):
+    """A worker that never answers the scheduler's ``plugin-add`` (stopped with SIGSTOP, its event loop blocked)
+    made ``register_plugin(GPUPool(...))`` wait for it, and every later registration wait behind that one, until
+    ``distributed.scheduler.worker-ttl`` removed the worker (never, with ``worker-ttl: null``). A registration now
+    returns within ``distributed.comm.timeouts.connect``, logging a WARNING that names the worker that did not
+    answer; the workers that answered have pools and hand over zero-copy, and a later registration does not wait
+    behind the stopped worker either. When it resumes, the worker ends with the pool of the plugin registered last
+    (never the replaced one's), joins the registry and hands over zero-copy; nothing is refused or left behind."""
+    import logging
+    import threading
+
+    import dask
+    from conftest import counters
+
+    plugins = [
+        GPUPool(kind="host", max_size=size, broker_timeout="2s", broker_dir=str(tmp_path))
+        for size in ("32MiB", "16MiB")
+    ]
+    caplog.set_level(logging.WARNING, logger="dask_gpupool.dask.scheduler_plugin")
+    with dask.config.set({"distributed.comm.timeouts.connect": "5s"}), nanny_cluster([{}, {}, {}]) as c:
+        w0, w1, w2 = worker_addresses(c)
+        pid = c.run(os.getpid, workers=[w2])[w2]
+        os.kill(pid, signal.SIGSTOP)
+        threads = []
+        try:
+            for plugin in plugins:
+                outcome = []
+                thread = threading.Thread(target=lambda p=plugin, o=outcome: o.append(c.register_plugin(p)))
+                threads.append(thread)
+                t0 = time.monotonic()
+                thread.start()
+                thread.join(30)
+                assert outcome == [None], f"register_plugin had not returned after {time.monotonic() - t0:.0f} s"
+                rows = by_worker(c)
+                assert set(rows) == {w0, w1}
+                assert {r.max_size for r in rows.values()} == {int(plugin.overrides["max_size"][:2]) * MiB}
+                warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+                assert any(w2 in m and "did not answer" in m for m in warned), warned
+                caplog.clear()
+                before = counters(c, w1)[w1]
+                x = c.submit(T.make_buffer, MiB, b"answered", workers=[w0], pure=False)
+                assert c.submit(T.head, x, 8, workers=[w1], pure=False).result() == b"answered"
+                after = counters(c, w1)[w1]
+                assert after["zero_copy_bytes"] - before["zero_copy_bytes"] == MiB, (before, after)
+                assert after["copied_bytes"] == before["copied_bytes"], (before, after)
+                del x
+        finally:
+            os.kill(pid, signal.SIGCONT)
+            for thread in threads:
+                thread.join(120)
+        wait_for(lambda: set(by_worker(c)) == {w0, w1, w2}, timeout=60)
+        assert_one_plugin(c, "16MiB", tmp_path)
+        before = counters(c, w2)[w2]
+        x = c.submit(T.make_buffer, MiB, b"resumed", workers=[w0], pure=False)
+        assert c.submit(T.head, x, 7, workers=[w2], pure=False).result() == b"resumed"
+        after = counters(c, w2)[w2]
+        assert after["zero_copy_bytes"] - before["zero_copy_bytes"] == MiB, (before, after)
+        assert after["copied_bytes"] == before["copied_bytes"], (before, after)
+        del x
+        assert rejected_on_scheduler(c) == {}
+    assert os.listdir(tmp_path) == []
+
+
+def gpupool_served(client):
+    """What of the gpupool plugin the scheduler still serves (test inspection only): its RPC handlers, its stream
+    handlers other than the one that drops late messages, and whether new workers get its worker plugin."""
+
+    def on_scheduler(dask_scheduler):
+        from dask_gpupool.core import JOINED_OP, PLUGIN_NAME, REGISTER_OP, UNREGISTER_OP, UPDATE_OP
+        from dask_gpupool.dask.scheduler_plugin import _drop
+        from dask_gpupool.ops.dashboard import STATS_OP
+
+        ops = (REGISTER_OP, JOINED_OP, UPDATE_OP, UNREGISTER_OP, STATS_OP)
+        return {
+            "handlers": sorted(op for op in dask_scheduler.handlers if op.startswith("gpupool")),
+            "stream-handlers": sorted(op for op in ops if dask_scheduler.stream_handlers.get(op) not in (None, _drop)),
+            "worker-plugin": PLUGIN_NAME in dask_scheduler.worker_plugins,
+        }
+
+    return client.run_on_scheduler(on_scheduler)
+
+
+def test_unregistering_the_scheduler_plugin_stops_its_handlers_and_every_pool_and_a_new_registration_works(tmp_path):
+    """``client.unregister_scheduler_plugin("gpupool")``: distributed only delists the plugin (``remove_plugin`` calls
+    no ``close``), so its handlers kept serving the registry, new workers kept getting its worker plugin, and every
+    worker's pool kept running. Now no gpupool handler serves (late stream messages are dropped), the worker plugin is
+    unregistered from every worker (their pools close, their broker directories go), and a later registration works
+    from a clean state; nothing is refused or left behind."""
+    plugin = GPUPool(kind="host", max_size="16MiB", broker_timeout="2s", broker_dir=str(tmp_path))
+    with nanny_cluster([{}, {}], plugin) as c:
+        assert len(broker_dirs(tmp_path)) == 2
+        c.unregister_scheduler_plugin("gpupool")
+        gone = {"handlers": [], "stream-handlers": [], "worker-plugin": False}
+        wait_for(lambda: gpupool_served(c) == gone, timeout=30)
+        with pytest.raises(dask_gpupool.PoolUnavailableError):
+            dask_gpupool.pools(c)
+        no_plugin = dict.fromkeys(worker_addresses(c), False)
+        wait_for(lambda: c.run(lambda dask_worker: "gpupool" in dask_worker.plugins) == no_plugin, timeout=30)
+        wait_for(lambda: broker_dirs(tmp_path) == [], timeout=30)
+        c.register_plugin(GPUPool(kind="host", max_size="32MiB", broker_timeout="2s", broker_dir=str(tmp_path)))
+        assert_one_plugin(c, "32MiB", tmp_path)
+        handoff_round_trip(c, MiB, b"registered after it was unregistered")
+        assert rejected_on_scheduler(c) == {}
+    assert os.listdir(tmp_path) == []
