@@ -313,3 +313,21 @@ def test_a_lease_whose_claim_failed_on_a_broken_link_stays_refused_until_its_rel
     assert not (replay and r.holds("a", 1)), "the exporter ended the lease that the replayed import maps"
     assert not replay, "a replay was admitted while the first import's release was pending"
     assert not r.begin("a", 1)  # settled: still refused here (kept with the released ones, bounded)
+
+
+def test_ended_leases_are_remembered_within_the_bound_and_forgotten_with_their_exporter(releaser, monkeypatch):
+    """Leases released without being held here (failed claims) are refused once settled as released ones are: the
+    last :data:`REFUSED_KEPT` per exporter, and none once the exporter left."""
+    from dask_gpupool.handoff import releaser as module
+
+    monkeypatch.setattr(module, "REFUSED_KEPT", 2)
+    r, links = releaser
+    for lease in (1, 2, 3):
+        assert r.begin("a", lease)
+        r.put("a", lease)  # never held here
+    r.flush()
+    assert links.links["a"].released == [[1, 2, 3]]
+    assert r.begin("a", 1)  # the oldest was forgotten: two are kept
+    assert not r.begin("a", 2) and not r.begin("a", 3)
+    r.forget("a")
+    assert r.begin("a", 2) and r.begin("a", 3)
