@@ -64,6 +64,8 @@ class Releaser:
     _retry: dict[str, _Releases]
     _resyncing: dict[str, set[int]]
     _importing: dict[str, set[int]]
+    _releasing: dict[str, set[int]]
+    _ended: dict[str, dict[int, None]]
     _refused: dict[str, dict[int, None]]
     _released: dict[str, dict[int, None]]
     _cond: threading.Condition
@@ -79,6 +81,8 @@ class Releaser:
         self._retry = {}
         self._resyncing = {}
         self._importing = {}
+        self._releasing = {}
+        self._ended = {}
         self._refused = {}
         self._refused_total = 0
         self._released = {}
@@ -146,15 +150,22 @@ class Releaser:
         again, which the exporter answers as held, and its import's release
         would end the lease while the first import still maps the memory. So
         a lease is imported here once: from :meth:`begin` until its release
-        was queued (:meth:`put`) it is open, then live until that release was
-        handled, then kept among the released ones (:meth:`answer`). An
+        was queued (:meth:`put`) it is open; then it is releasing until that
+        release was written to the exporter (:meth:`_deliver`), whether it
+        was ever held here or not (a claim that failed on a broken link may
+        have reached the exporter, which then counts it claimed until that
+        release arrives); then it is kept among the released ones (held
+        here: :meth:`answer`) or the ended ones, at most :data:`REFUSED_KEPT`
+        per exporter, forgotten when the exporter leaves (:meth:`forget`). An
         import that ends without a release says so with :meth:`end_import`.
         """
         with self._cond:
             if (
                 lease in self._importing.get(exporter, ())
+                or lease in self._releasing.get(exporter, ())
                 or lease in self._live.get(exporter, ())
                 or lease in self._released.get(exporter, ())
+                or lease in self._ended.get(exporter, ())
             ):
                 return False
             self._importing.setdefault(exporter, set()).add(lease)
@@ -162,7 +173,8 @@ class Releaser:
 
     def end_import(self, exporter: str, lease: int) -> None:
         """The import of ``lease`` that :meth:`begin` started ended without a release (it failed before it held
-        anything, or its release was queued already: then this changes nothing)."""
+        anything, or its release was queued already: then this changes nothing, and the lease stays refused until
+        that release was written, :meth:`put`)."""
         with self._cond:
             self._end_import(exporter, lease)
 
@@ -258,6 +270,8 @@ class Releaser:
             self._retry.pop(exporter, None)
             self._refused_total -= len(self._refused.pop(exporter, {}))
             self._released.pop(exporter, None)
+            self._releasing.pop(exporter, None)
+            self._ended.pop(exporter, None)
 
     # -- releases ------------------------------------------------------------------
 
@@ -276,11 +290,14 @@ class Releaser:
         the lease was never mapped here (its import failed), so its segment
         was never counted here, and the exporter takes back the claim it
         noted (:class:`~dask_gpupool.wire.broker_leases.LeaseRelease`).
+        From now until the release was written to the exporter, ``lease`` is
+        refused to a header naming it again (:meth:`begin`).
         """
         with self._cond:
             self._pending.append((exporter, lease, event, segments, unmapped))
             if lease:
-                self._end_import(exporter, lease)  # live until the release is handled, then released (begin)
+                self._end_import(exporter, lease)
+                self._releasing.setdefault(exporter, set()).add(lease)  # refused until written (begin, _settled)
             self._cond.notify()
 
     def settle_later(self, exporter: str, leases: list[int]) -> None:
@@ -373,6 +390,8 @@ class Releaser:
                 self.segments_sent += len(entry.segments)
             if entry.settled:
                 link.settle_forwarded(entry.settled)
+            with self._cond:
+                self._settled(exporter, entry.leases + entry.unmapped)
             return True
         except GPUPoolError as e:
             logger.info(
@@ -388,6 +407,25 @@ class Releaser:
                 # were claimed by then, and a lease claimed later (an answer) must still be released
                 self._retry.setdefault(exporter, _Releases()).extend(entry)
             return False
+
+    def _settled(self, exporter: str, leases: list[int]) -> None:
+        """The releases of ``leases`` were written to ``exporter``: releasing no more, kept as ended (unless kept as
+        released already), at most :data:`REFUSED_KEPT` per exporter. Called under the lock."""
+        releasing = self._releasing.get(exporter)
+        if releasing is None:
+            return
+        released = self._released.get(exporter, {})
+        ended = self._ended.setdefault(exporter, {})
+        for lease in leases:
+            if lease in releasing:
+                releasing.discard(lease)
+                if lease not in released:
+                    ended[lease] = None
+        _bound(ended)
+        if not releasing:
+            del self._releasing[exporter]
+        if not ended:
+            del self._ended[exporter]
 
     def _drop_live(self, exporter: str, leases: list[int]) -> None:
         """Take ``leases`` out of ``exporter``'s live set (dropped when empty). Called under the lock."""

@@ -100,13 +100,7 @@ def pull(
     if not leases:
         raise DataLostError(f"{what}: no lanes")
     job = _Lanes(address, host, port, pool, leases, token, dst, timeout, landing)
-    helpers = _help(job, len(leases) - 1)
-    try:
-        job.receive()
-    finally:
-        for f in helpers:
-            f.cancel()  # one that has not started: the lanes are all taken; never wait for it
-        job.finish()
+    job.run(len(leases) - 1)
     error = job.error
     if error is None:
         return
@@ -157,6 +151,38 @@ class _Lanes:
         self._open: set[socket.socket] = set()
         self.error: BaseException | None = None
 
+    def run(self, helpers: int) -> None:
+        """Receive the lanes with the calling thread and up to ``helpers`` shared threads (:func:`_help`); return once
+        no thread receives one. The first error is kept in :attr:`error`; an interrupt is raised.
+
+        The wait for the shared threads (:meth:`finish`) cannot be skipped by a ``KeyboardInterrupt``, which the
+        main thread raises at whichever point of this method it arrives: one arriving before the wait or during it
+        stops the lanes being received, as an error does (:meth:`_fail`), and the wait starts again, until no
+        thread receives a lane; the first interrupt is raised after that. The helpers that never started are
+        cancelled only once the wait is over (one that starts later takes no lane: :meth:`work`), so an interrupt
+        that lands while they are cancelled finds every lane stopped.
+        """
+        interrupted: BaseException | None = None
+        futures: list[Any] = []
+        try:
+            futures = _help(self, helpers)
+            self.receive()
+        except BaseException as e:  # an interrupt while helpers were asked for, or as the lanes ended here
+            interrupted = e
+        # From here to the wait, nothing runs code: no interrupt can be raised before the try below.
+        while True:
+            try:
+                if interrupted is not None:
+                    self._fail(interrupted)  # stop the lanes being received: the wait below is short
+                self.finish()
+                break
+            except BaseException as e:
+                interrupted = interrupted or e
+        for f in futures:
+            f.cancel()  # one that has not started: the lanes are all taken; it gives its thread back
+        if interrupted is not None:
+            raise interrupted
+
     def work(self) -> None:
         """A shared thread's part: take and receive lanes until none is left or one failed (the error is kept, not
         raised). :meth:`finish` waits for it."""
@@ -174,7 +200,7 @@ class _Lanes:
     def receive(self) -> None:
         """Take and receive lanes until none is left or one failed (the error is kept, not raised). The calling
         thread's part: it is not counted, so that an interrupt arriving at any point of it cannot leave
-        :meth:`finish`, which the same thread runs next, waiting for the calling thread itself."""
+        :meth:`finish`, which the same thread runs next (:meth:`run`), waiting for the calling thread itself."""
         try:
             while True:
                 lane = self._take()
@@ -242,24 +268,14 @@ class _Lanes:
     def finish(self) -> None:
         """No thread takes a lane from now on; wait for those receiving one (each bounded by ``timeout``).
 
-        Interrupted while waiting (``KeyboardInterrupt`` on the main thread), it stops the lanes as an error
-        would and still waits for them, then raises the interrupt: no thread writes into ``dst`` or holds a
-        connection once the pull has raised.
+        An interrupt (``KeyboardInterrupt`` on the main thread) raised at any point of it is raised to
+        :meth:`run`, which stops the lanes and calls it again until it returns: no thread writes into ``dst`` or
+        holds a connection once the pull has raised.
         """
-        interrupted: BaseException | None = None
         with self._state:
             self._finished = True
-        while True:
-            try:
-                with self._state:
-                    while self._running:
-                        self._state.wait()
-                break
-            except BaseException as e:
-                interrupted = interrupted or e
-                self._fail(e)
-        if interrupted is not None:
-            raise interrupted
+            while self._running:
+                self._state.wait()
 
 
 _EXECUTOR: Any = None

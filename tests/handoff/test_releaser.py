@@ -283,3 +283,51 @@ def test_a_lease_is_imported_once_from_its_begin_through_its_release(releaser):
     assert r.begin("a", 2)
     r.end_import("a", 2)  # failed before it held anything (a refused claim, no link)
     assert r.begin("a", 2)
+
+
+def test_a_lease_whose_claim_failed_on_a_broken_link_stays_refused_until_its_release_is_settled(releaser):
+    """A claim written on a link that then broke may have reached the exporter, which counts the lease claimed; the
+    import fails (``DataLostError``) and its buffer's close queues the release, which waits for the link. A header
+    naming that lease again meanwhile (a replay) was admitted: the lease was neither importing (the release was
+    queued), nor live (the claim was never acknowledged), nor released (only held leases were kept). Its claim was
+    answered as held (the exporter counts it claimed), and the first import's release, sent once the link was back,
+    ended the lease the replay maps. A lease id now stays refused until its release went to the exporter, and after
+    that as released ones are (bounded)."""
+    r, links = releaser
+    link = links("a")
+    assert link is not None
+    assert r.begin("a", 1)  # the first import: mapped, its claim over the broker
+    link.down = True  # the claim reached the exporter, its answer did not: never held here
+    r.put("a", 1)  # the failed claim closed the buffer: its release is queued, and waits for the link
+    r.end_import("a", 1)  # then the import raised (a claim run at once; a deferred one raises after it returned)
+    r.flush()
+    assert link.released == []
+    replay = r.begin("a", 1)  # the header again, while that release is pending
+    if replay:  # what the importer does next: claim it, which the exporter answers as held (claimed already)
+        assert r.hold("a", [1], epoch=r.epoch("a"))
+    link.down = False
+    deadline = time.monotonic() + 10
+    while not link.released and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert link.released == [[1]]  # the first import's release: the lease ended at the exporter
+    assert not (replay and r.holds("a", 1)), "the exporter ended the lease that the replayed import maps"
+    assert not replay, "a replay was admitted while the first import's release was pending"
+    assert not r.begin("a", 1)  # settled: still refused here (kept with the released ones, bounded)
+
+
+def test_ended_leases_are_remembered_within_the_bound_and_forgotten_with_their_exporter(releaser, monkeypatch):
+    """Leases released without being held here (failed claims) are refused once settled as released ones are: the
+    last :data:`REFUSED_KEPT` per exporter, and none once the exporter left."""
+    from dask_gpupool.handoff import releaser as module
+
+    monkeypatch.setattr(module, "REFUSED_KEPT", 2)
+    r, links = releaser
+    for lease in (1, 2, 3):
+        assert r.begin("a", lease)
+        r.put("a", lease)  # never held here
+    r.flush()
+    assert links.links["a"].released == [[1, 2, 3]]
+    assert r.begin("a", 1)  # the oldest was forgotten: two are kept
+    assert not r.begin("a", 2) and not r.begin("a", 3)
+    r.forget("a")
+    assert r.begin("a", 2) and r.begin("a", 3)

@@ -423,3 +423,60 @@ def test_an_interrupt_as_the_calling_threads_lanes_end_cannot_leave_the_pull_wai
     assert not t.is_alive(), "the pull waits for ever"
     assert outcome and (outcome[0] is None or isinstance(outcome[0], KeyboardInterrupt))
     wait_for(lambda: len(leases) == 0)
+
+
+def test_a_pull_interrupted_as_it_cancels_its_unstarted_helpers_still_waits_for_its_lanes(no_fd_leak, monkeypatch):  # noqa: F811
+    """The calling thread's own lane done, ``pull``'s ``finally`` cancels the helpers that never started, then
+    waits for the lanes others receive (``finish``). A ``KeyboardInterrupt`` that landed between the two (a real
+    SIGINT, raised here as the calling thread cancels a helper) skipped the wait: ``pull`` raised while a shared
+    thread still received a lane into ``dst``, which the caller frees on failure. The lanes are now waited for
+    whatever point of that ``finally`` the interrupt lands at, and it is raised after."""
+    import linecache
+    import signal
+    import threading
+
+    from dask_gpupool.transport import pull as pull_module
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("SIGINT interrupts only the main thread")
+
+    def sent_by_the_calling_thread() -> bool:
+        """Whether the request the server just read is the calling thread's: it is then in ``_take`` past the lock
+        that one lane's connection holds at a time (until its reply is read), not waiting for it."""
+        frame = sys._current_frames().get(threading.main_thread().ident or 0)
+        while frame is not None and frame.f_code is not pull_module._Lanes._take.__code__:
+            frame = frame.f_back
+        return frame is not None and "self._order" not in linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+
+    def script(lease: int) -> tuple[int, float, float]:
+        # the calling thread's lane: at once; the shared thread's: 40 bytes over a second
+        return (40, 0.0, 0.0) if sent_by_the_calling_thread() else (40, 0.0, 0.025)
+
+    class InterruptedCancel:
+        """A helper's future whose ``cancel`` is followed by a real SIGINT to this (the main) thread."""
+
+        def __init__(self, future: Any) -> None:
+            self._future = future
+
+        def cancel(self) -> bool:
+            cancelled = self._future.cancel()
+            signal.raise_signal(signal.SIGINT)  # its handler raises KeyboardInterrupt here, as this call returns
+            return cancelled
+
+    real_help = pull_module._help
+    monkeypatch.setattr(
+        pull_module, "_help", lambda job, wanted: [InterruptedCancel(f) for f in real_help(job, wanted)]
+    )
+    slow = ScriptedExporter(script)
+    dst = host_buffer(bytearray(80))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            pull(slow.address, POOL, [1, 2], TOKEN, dst, 10.0)
+        receiving = [t for t, f in sys._current_frames().items() if _in_frames(f, "pull.py:work")]
+        landed = read_bytes(dst, 80)
+        assert receiving == [], "a thread still received a lane of the pull that raised"
+        time.sleep(0.3)
+        assert read_bytes(dst, 80) == landed, "bytes landed in dst after the pull raised"
+        wait_for(lambda: len(slow.hung_up) == 2)
+    finally:
+        slow.close()
