@@ -1573,3 +1573,52 @@ def test_unregistering_the_scheduler_plugin_stops_its_handlers_and_every_pool_an
         handoff_round_trip(c, MiB, b"registered after it was unregistered")
         assert rejected_on_scheduler(c) == {}
     assert os.listdir(tmp_path) == []
+
+
+def test_a_stopped_worker_retired_while_a_registration_waits_for_it_leaves_the_registration_to_the_others(tmp_path):
+    """A re-registration waits for a worker that never answers its install (stopped with SIGSTOP), and the operator
+    retires that worker meanwhile (``client.retire_workers``): the scheduler removes it, and the listed plugin gives
+    up the install it never answered (``remove_worker``). That worker left the cluster as any worker leaving during a
+    registration does: ``register_plugin`` returns, the others run the new plugin's pools and hand over zero-copy,
+    and the registry holds the live workers' rows only; nothing is refused or left behind."""
+    import threading
+
+    import dask
+
+    plugins = [
+        GPUPool(kind="host", max_size=size, broker_timeout="2s", broker_dir=str(tmp_path))
+        for size in ("32MiB", "16MiB")
+    ]
+    with dask.config.set({"distributed.comm.timeouts.connect": "30s"}), nanny_cluster([{}, {}], plugins[0]) as c:
+        w0, w1 = worker_addresses(c)
+        pid = c.run(os.getpid, workers=[w1])[w1]
+        os.kill(pid, signal.SIGSTOP)
+        outcome = []
+
+        def register():
+            try:
+                c.register_plugin(plugins[1])
+                outcome.append(None)
+            except BaseException as e:
+                outcome.append(e)
+
+        thread = threading.Thread(target=register)
+        try:
+            thread.start()
+            wait_for(lambda: set(by_worker(c)) == {w0} and {r.max_size for r in by_worker(c).values()} == {16 * MiB})
+            c.retire_workers([w1], close_workers=False)
+            thread.join(60)
+            assert outcome == [None], outcome
+        finally:
+            os.kill(pid, signal.SIGKILL)
+            thread.join(120)
+        wait_for(lambda: w1 not in c.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.workers)))
+        wait_for(lambda: len(worker_addresses(c)) == 2, timeout=60)  # the Nanny's new w1 joins
+        wait_for(lambda: len(dask_gpupool.pools(c)) == 2, timeout=60)
+        from dask_gpupool.transport.broker_dirs import remove_stale_broker_dirs
+
+        remove_stale_broker_dirs(str(tmp_path), min_age=0)  # the killed w1's broker directory
+        assert_one_plugin(c, "16MiB", tmp_path)
+        handoff_round_trip(c, MiB, b"after a stopped worker was retired")
+        assert rejected_on_scheduler(c) == {}
+    assert os.listdir(tmp_path) == []
