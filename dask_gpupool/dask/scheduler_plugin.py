@@ -555,9 +555,10 @@ async def _tell(
     each of ``workers`` as ``Scheduler.broadcast`` does, each on its own; wait for their answers until ``deadline``.
 
     Returns the answers that came (a worker's reply, or the exception its comm raised) by worker, and the workers
-    that did not answer. Those are not waited for, and nothing later waits behind them: a worker gets one message at
-    a time (a later one is not sent while it has not answered the one before, so that two cannot reach it in the
-    wrong order), and once it answers it gets whatever is registered then (:func:`_settle`).
+    that did not answer (a worker removed meanwhile, :meth:`GPUPool.remove_worker`, is in neither). Those are not
+    waited for, and nothing later waits behind them: a worker gets one message at a time (a later one is not sent
+    while it has not answered the one before, so that two cannot reach it in the wrong order), and once it answers
+    it gets whatever is registered then (:func:`_settle`).
     """
     outstanding = _outstanding(scheduler)
     late = [w for w in workers if w in outstanding]
@@ -572,7 +573,10 @@ async def _tell(
             late.append(worker)
             task.add_done_callback(functools.partial(_settle, scheduler, worker, sent))
         elif task.cancelled():
-            responses[worker] = asyncio.CancelledError(f"the message to {worker} was cancelled")
+            # Its worker was removed meanwhile (remove_worker gave the message up): it left the cluster, as any worker
+            # may during a registration, and is neither an answer nor late. As an answer, the CancelledError raised
+            # out of start undid the registration on every worker and ended the client's comm.
+            continue
         elif task.exception() is not None:
             responses[worker] = task.exception()
         else:
