@@ -1622,3 +1622,36 @@ def test_a_stopped_worker_retired_while_a_registration_waits_for_it_leaves_the_r
         handoff_round_trip(c, MiB, b"after a stopped worker was retired")
         assert rejected_on_scheduler(c) == {}
     assert os.listdir(tmp_path) == []
+
+
+def test_a_plugin_registered_under_a_name_of_its_own_serves_until_unregistered_under_that_name(tmp_path):
+    """``client.register_plugin(GPUPool(...), name="pools")``: distributed lists the plugin under the name given. Its
+    watch looked for it under ``"gpupool"`` only, took it for unregistered half a second after it started and tore
+    it down (its handlers, every worker's pool). It now serves on, pools hand over zero-copy, and
+    ``client.unregister_scheduler_plugin("pools")`` tears it down as unregistering ``"gpupool"`` does; nothing is
+    refused or left behind."""
+    from dask_gpupool.dask.scheduler_plugin import _WATCH_INTERVAL
+
+    plugin = GPUPool(kind="host", max_size="16MiB", broker_timeout="2s", broker_dir=str(tmp_path))
+    with nanny_cluster([{}, {}]) as c:
+        c.register_plugin(plugin, name="pools")
+        time.sleep(4 * _WATCH_INTERVAL)  # the watch looks several times
+        served = {
+            "handlers": sorted(gpupool_served(c)["handlers"]),
+            "worker-plugin": gpupool_served(c)["worker-plugin"],
+        }
+        assert served == {
+            "handlers": ["gpupool_pools", "gpupool_register", "gpupool_registration", "gpupool_unregister"],
+            "worker-plugin": True,
+        }
+        assert set(by_worker(c)) == set(worker_addresses(c))
+        assert len(broker_dirs(tmp_path)) == 2
+        handoff_round_trip(c, MiB, b"registered under a name of its own")
+        assert c.run_on_scheduler(lambda dask_scheduler: dict(dask_scheduler.plugins["pools"].rejected)) == {}
+        c.unregister_scheduler_plugin("pools")
+        gone = {"handlers": [], "stream-handlers": [], "worker-plugin": False}
+        wait_for(lambda: gpupool_served(c) == gone, timeout=30)
+        no_plugin = dict.fromkeys(worker_addresses(c), False)
+        wait_for(lambda: c.run(lambda dask_worker: "gpupool" in dask_worker.plugins) == no_plugin, timeout=30)
+        wait_for(lambda: broker_dirs(tmp_path) == [], timeout=30)
+    assert os.listdir(tmp_path) == []
