@@ -467,9 +467,9 @@ class GPUPool(SchedulerPlugin):
         at ``scheduler.plugins`` changes nothing of distributed's; wrapping ``remove_plugin`` would replace a
         method of the scheduler for every plugin, and miss any other way a plugin is delisted.
         """
+        if any(plugin is self for plugin in scheduler.plugins.values()):
+            return  # listed, under "gpupool" or the name given to register_plugin (distributed lists it under that)
         listed = scheduler.plugins.get(PLUGIN_NAME)
-        if listed is self:
-            return
         self._stop_watch()
         if scheduler.status != Status.running or isinstance(listed, GPUPool):
             return  # closing, or registered again: the new one replaced this one's handlers and worker plugin
