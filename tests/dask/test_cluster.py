@@ -1655,3 +1655,49 @@ def test_a_plugin_registered_under_a_name_of_its_own_serves_until_unregistered_u
         wait_for(lambda: c.run(lambda dask_worker: "gpupool" in dask_worker.plugins) == no_plugin, timeout=30)
         wait_for(lambda: broker_dirs(tmp_path) == [], timeout=30)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_registration_a_killed_worker_fails_raises_only_once_every_live_worker_answered_and_is_undone(tmp_path):
+    """A worker dies while its install is under way, and another, live, answers its install a moment later (forced:
+    w1 holds it for 3 s, far within ``distributed.comm.timeouts.connect``). ``register_plugin`` raised as soon as the
+    dead worker's comm broke, before w1 answered: the undo skipped w1 (one message at a time), and w1 installed the
+    failed registration's worker plugin after the caller was told it failed (the removal came later still; the
+    neighbouring kill test saw w1 holding it, now and then, on a loaded machine). It now raises once every live
+    worker answered and was undone: w1 installed it before, runs no pool after, and installs nothing later; no
+    handler serves; nothing is left behind."""
+    import threading
+
+    plugin = GPUPool(kind="host", max_size="16MiB", broker_timeout="2s", broker_dir=str(tmp_path))
+    with nanny_cluster([{}, {}]) as c:
+        w0, w1 = worker_addresses(c)
+        pid = c.run(os.getpid, workers=[w0])[w0]
+        c.run(T.hold_plugin_add, "16MiB", "none", 60.0, workers=[w0])
+        c.run(T.hold_plugin_add, "16MiB", "none", 3.0, workers=[w1])
+        outcome = []
+
+        def register():
+            try:
+                c.register_plugin(plugin)
+                outcome.append(None)
+            except Exception as e:
+                outcome.append(e)
+            outcome.append(c.run(T.plugin_adds, workers=[w1])[w1])  # what w1 had installed when it raised
+
+        thread = threading.Thread(target=register)
+        thread.start()
+        wait_for(lambda: c.run(T.plugin_adds) == {w: ["held 16MiB"] for w in (w0, w1)})
+        os.kill(pid, signal.SIGKILL)
+        thread.join(120)
+        assert len(outcome) == 2 and isinstance(outcome[0], Exception), outcome
+        assert outcome[1] == ["held 16MiB", "add 16MiB"], outcome  # w1 had answered before it raised
+        assert c.run(lambda dask_worker: "gpupool" in dask_worker.plugins, workers=[w1]) == {w1: False}
+        with pytest.raises(dask_gpupool.PoolUnavailableError):
+            dask_gpupool.pools(c)
+        assert c.run_on_scheduler(lambda dask_scheduler: "gpupool" in dask_scheduler.worker_plugins) is False
+        wait_for(lambda: len(worker_addresses(c)) == 2 and w0 not in worker_addresses(c), timeout=60)
+        assert c.run(lambda dask_worker: "gpupool" in dask_worker.plugins) == dict.fromkeys(worker_addresses(c), False)
+        assert c.run(T.plugin_adds, workers=[w1])[w1] == ["held 16MiB", "add 16MiB"]  # nothing installed since
+    from dask_gpupool.transport.broker_dirs import remove_stale_broker_dirs
+
+    remove_stale_broker_dirs(str(tmp_path), min_age=0)  # the killed worker never made one; w1's went with its pool
+    assert os.listdir(tmp_path) == []
