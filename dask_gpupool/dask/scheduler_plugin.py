@@ -564,9 +564,10 @@ async def _tell(
     late = [w for w in workers if w in outstanding]
     tasks = {w: _send(scheduler, w, msg) for w in workers if w not in outstanding}
     if tasks:
-        await asyncio.wait(
-            tasks.values(), timeout=max(0.0, deadline - time.monotonic()), return_when=asyncio.FIRST_EXCEPTION
-        )
+        # Every answer, even once one worker's comm broke: returning at the first exception left the workers that
+        # answer a moment later outstanding, so undoing a failed registration skipped them, and they installed its
+        # worker plugin after register_plugin had raised.
+        await asyncio.wait(tasks.values(), timeout=max(0.0, deadline - time.monotonic()))
     responses: dict[str, Any] = {}
     for worker, task in tasks.items():
         if not task.done():
