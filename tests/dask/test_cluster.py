@@ -1701,3 +1701,43 @@ def test_a_registration_a_killed_worker_fails_raises_only_once_every_live_worker
 
     remove_stale_broker_dirs(str(tmp_path), min_age=0)  # the killed worker never made one; w1's went with its pool
     assert os.listdir(tmp_path) == []
+
+
+def test_a_registration_a_killed_worker_fails_tells_the_caller_which_worker_left(tmp_path):
+    """A worker dies while its install is under way: the scheduler re-raised the dead worker's ``CommClosedError``
+    out of the ``register_scheduler_plugin`` handler, which Dask takes for the caller's own connection closing: it
+    aborted the client's comm without an answer, so ``register_plugin`` raised a ``CommClosedError`` naming the
+    client's connection to the scheduler ("ConnectionPool.register_scheduler_plugin ... Stream is closed"), as if the
+    scheduler were gone. The caller now gets a ``GPUPoolError`` naming the worker that left and why; no handler
+    serves and nothing is left behind."""
+    import threading
+
+    plugin = GPUPool(kind="host", max_size="16MiB", broker_timeout="2s", broker_dir=str(tmp_path))
+    with nanny_cluster([{}, {}]) as c:
+        w0, _ = worker_addresses(c)
+        pid = c.run(os.getpid, workers=[w0])[w0]
+        c.run(T.hold_plugin_add, "16MiB", "none", 60.0, workers=[w0])
+        outcome = []
+
+        def register():
+            try:
+                c.register_plugin(plugin)
+                outcome.append(None)
+            except Exception as e:
+                outcome.append(e)
+
+        thread = threading.Thread(target=register)
+        thread.start()
+        wait_for(lambda: c.run(T.plugin_adds, workers=[w0])[w0] == ["held 16MiB"])
+        os.kill(pid, signal.SIGKILL)
+        thread.join(120)
+        assert len(outcome) == 1 and isinstance(outcome[0], dask_gpupool.GPUPoolError), outcome
+        assert w0 in str(outcome[0]) and "CommClosedError" in str(outcome[0]), outcome
+        with pytest.raises(dask_gpupool.PoolUnavailableError):
+            dask_gpupool.pools(c)
+        wait_for(lambda: len(worker_addresses(c)) == 2 and w0 not in worker_addresses(c), timeout=60)
+        assert c.run(lambda dask_worker: "gpupool" in dask_worker.plugins) == dict.fromkeys(worker_addresses(c), False)
+    from dask_gpupool.transport.broker_dirs import remove_stale_broker_dirs
+
+    remove_stale_broker_dirs(str(tmp_path), min_age=0)  # the killed worker never made one; w1's went with its pool
+    assert os.listdir(tmp_path) == []
