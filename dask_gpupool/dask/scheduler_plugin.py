@@ -387,13 +387,19 @@ class GPUPool(SchedulerPlugin):
         scheduler.worker_plugins[PLUGIN_NAME] = worker_plugin
         add = {"op": "plugin-add", "plugin": worker_plugin, "name": PLUGIN_NAME}
         responses, late = await _tell(scheduler, add, worker_plugin, list(scheduler.workers), deadline)
-        broken = [r for r in responses.values() if isinstance(r, BaseException)]
+        broken = {w: r for w, r in sorted(responses.items()) if isinstance(r, BaseException)}
         if broken:
             # A worker died while its plugin-add was under way (distributed's CommClosedError). Undone as a failed
             # setup is: left in place, this plugin's handlers served a registry that no listed plugin owns, which no
             # remove_worker reaches, and new workers installed it.
             await self._undo(scheduler)
-            raise broken[0]
+            worker, exc = next(iter(broken.items()))
+            # Not re-raised as it is: Dask takes a CommClosedError out of a handler for the caller's own connection
+            # closing, aborts it unanswered, and the caller saw a CommClosedError naming its link to the scheduler.
+            raise GPUPoolError(
+                f"gpupool: {worker} left while it installed the worker plugin ({type(exc).__name__}: {exc}); "
+                "the registration is undone"
+            ) from exc
         failed = {w: r for w, r in responses.items() if r.get("status") == "error"}
         if failed:
             await self._undo(scheduler)
