@@ -387,13 +387,19 @@ class GPUPool(SchedulerPlugin):
         scheduler.worker_plugins[PLUGIN_NAME] = worker_plugin
         add = {"op": "plugin-add", "plugin": worker_plugin, "name": PLUGIN_NAME}
         responses, late = await _tell(scheduler, add, worker_plugin, list(scheduler.workers), deadline)
-        broken = [r for r in responses.values() if isinstance(r, BaseException)]
+        broken = {w: r for w, r in sorted(responses.items()) if isinstance(r, BaseException)}
         if broken:
             # A worker died while its plugin-add was under way (distributed's CommClosedError). Undone as a failed
             # setup is: left in place, this plugin's handlers served a registry that no listed plugin owns, which no
             # remove_worker reaches, and new workers installed it.
             await self._undo(scheduler)
-            raise broken[0]
+            worker, exc = next(iter(broken.items()))
+            # Not re-raised as it is: Dask takes a CommClosedError out of a handler for the caller's own connection
+            # closing, aborts it unanswered, and the caller saw a CommClosedError naming its link to the scheduler.
+            raise GPUPoolError(
+                f"gpupool: {worker} left while it installed the worker plugin ({type(exc).__name__}: {exc}); "
+                "the registration is undone"
+            ) from exc
         failed = {w: r for w, r in responses.items() if r.get("status") == "error"}
         if failed:
             await self._undo(scheduler)
@@ -467,9 +473,9 @@ class GPUPool(SchedulerPlugin):
         at ``scheduler.plugins`` changes nothing of distributed's; wrapping ``remove_plugin`` would replace a
         method of the scheduler for every plugin, and miss any other way a plugin is delisted.
         """
+        if any(plugin is self for plugin in scheduler.plugins.values()):
+            return  # listed, under "gpupool" or the name given to register_plugin (distributed lists it under that)
         listed = scheduler.plugins.get(PLUGIN_NAME)
-        if listed is self:
-            return
         self._stop_watch()
         if scheduler.status != Status.running or isinstance(listed, GPUPool):
             return  # closing, or registered again: the new one replaced this one's handlers and worker plugin
@@ -555,24 +561,29 @@ async def _tell(
     each of ``workers`` as ``Scheduler.broadcast`` does, each on its own; wait for their answers until ``deadline``.
 
     Returns the answers that came (a worker's reply, or the exception its comm raised) by worker, and the workers
-    that did not answer. Those are not waited for, and nothing later waits behind them: a worker gets one message at
-    a time (a later one is not sent while it has not answered the one before, so that two cannot reach it in the
-    wrong order), and once it answers it gets whatever is registered then (:func:`_settle`).
+    that did not answer (a worker removed meanwhile, :meth:`GPUPool.remove_worker`, is in neither). Those are not
+    waited for, and nothing later waits behind them: a worker gets one message at a time (a later one is not sent
+    while it has not answered the one before, so that two cannot reach it in the wrong order), and once it answers
+    it gets whatever is registered then (:func:`_settle`).
     """
     outstanding = _outstanding(scheduler)
     late = [w for w in workers if w in outstanding]
     tasks = {w: _send(scheduler, w, msg) for w in workers if w not in outstanding}
     if tasks:
-        await asyncio.wait(
-            tasks.values(), timeout=max(0.0, deadline - time.monotonic()), return_when=asyncio.FIRST_EXCEPTION
-        )
+        # Every answer, even once one worker's comm broke: returning at the first exception left the workers that
+        # answer a moment later outstanding, so undoing a failed registration skipped them, and they installed its
+        # worker plugin after register_plugin had raised.
+        await asyncio.wait(tasks.values(), timeout=max(0.0, deadline - time.monotonic()))
     responses: dict[str, Any] = {}
     for worker, task in tasks.items():
         if not task.done():
             late.append(worker)
             task.add_done_callback(functools.partial(_settle, scheduler, worker, sent))
         elif task.cancelled():
-            responses[worker] = asyncio.CancelledError(f"the message to {worker} was cancelled")
+            # Its worker was removed meanwhile (remove_worker gave the message up): it left the cluster, as any worker
+            # may during a registration, and is neither an answer nor late. As an answer, the CancelledError raised
+            # out of start undid the registration on every worker and ended the client's comm.
+            continue
         elif task.exception() is not None:
             responses[worker] = task.exception()
         else:

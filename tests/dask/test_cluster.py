@@ -1573,3 +1573,171 @@ def test_unregistering_the_scheduler_plugin_stops_its_handlers_and_every_pool_an
         handoff_round_trip(c, MiB, b"registered after it was unregistered")
         assert rejected_on_scheduler(c) == {}
     assert os.listdir(tmp_path) == []
+
+
+def test_a_stopped_worker_retired_while_a_registration_waits_for_it_leaves_the_registration_to_the_others(tmp_path):
+    """A re-registration waits for a worker that never answers its install (stopped with SIGSTOP), and the operator
+    retires that worker meanwhile (``client.retire_workers``): the scheduler removes it, and the listed plugin gives
+    up the install it never answered (``remove_worker``). That worker left the cluster as any worker leaving during a
+    registration does: ``register_plugin`` returns, the others run the new plugin's pools and hand over zero-copy,
+    and the registry holds the live workers' rows only; nothing is refused or left behind."""
+    import threading
+
+    import dask
+
+    plugins = [
+        GPUPool(kind="host", max_size=size, broker_timeout="2s", broker_dir=str(tmp_path))
+        for size in ("32MiB", "16MiB")
+    ]
+    with dask.config.set({"distributed.comm.timeouts.connect": "30s"}), nanny_cluster([{}, {}], plugins[0]) as c:
+        w0, w1 = worker_addresses(c)
+        pid = c.run(os.getpid, workers=[w1])[w1]
+        os.kill(pid, signal.SIGSTOP)
+        outcome = []
+
+        def register():
+            try:
+                c.register_plugin(plugins[1])
+                outcome.append(None)
+            except BaseException as e:
+                outcome.append(e)
+
+        thread = threading.Thread(target=register)
+        try:
+            thread.start()
+            wait_for(lambda: set(by_worker(c)) == {w0} and {r.max_size for r in by_worker(c).values()} == {16 * MiB})
+            c.retire_workers([w1], close_workers=False)
+            thread.join(60)
+            assert outcome == [None], outcome
+        finally:
+            os.kill(pid, signal.SIGKILL)
+            thread.join(120)
+        wait_for(lambda: w1 not in c.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.workers)))
+        wait_for(lambda: len(worker_addresses(c)) == 2, timeout=60)  # the Nanny's new w1 joins
+        wait_for(lambda: len(dask_gpupool.pools(c)) == 2, timeout=60)
+        from dask_gpupool.transport.broker_dirs import remove_stale_broker_dirs
+
+        remove_stale_broker_dirs(str(tmp_path), min_age=0)  # the killed w1's broker directory
+        assert_one_plugin(c, "16MiB", tmp_path)
+        handoff_round_trip(c, MiB, b"after a stopped worker was retired")
+        assert rejected_on_scheduler(c) == {}
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_plugin_registered_under_a_name_of_its_own_serves_until_unregistered_under_that_name(tmp_path):
+    """``client.register_plugin(GPUPool(...), name="pools")``: distributed lists the plugin under the name given. Its
+    watch looked for it under ``"gpupool"`` only, took it for unregistered half a second after it started and tore
+    it down (its handlers, every worker's pool). It now serves on, pools hand over zero-copy, and
+    ``client.unregister_scheduler_plugin("pools")`` tears it down as unregistering ``"gpupool"`` does; nothing is
+    refused or left behind."""
+    from dask_gpupool.dask.scheduler_plugin import _WATCH_INTERVAL
+
+    plugin = GPUPool(kind="host", max_size="16MiB", broker_timeout="2s", broker_dir=str(tmp_path))
+    with nanny_cluster([{}, {}]) as c:
+        c.register_plugin(plugin, name="pools")
+        time.sleep(4 * _WATCH_INTERVAL)  # the watch looks several times
+        served = {
+            "handlers": sorted(gpupool_served(c)["handlers"]),
+            "worker-plugin": gpupool_served(c)["worker-plugin"],
+        }
+        assert served == {
+            "handlers": ["gpupool_pools", "gpupool_register", "gpupool_registration", "gpupool_unregister"],
+            "worker-plugin": True,
+        }
+        assert set(by_worker(c)) == set(worker_addresses(c))
+        assert len(broker_dirs(tmp_path)) == 2
+        handoff_round_trip(c, MiB, b"registered under a name of its own")
+        assert c.run_on_scheduler(lambda dask_scheduler: dict(dask_scheduler.plugins["pools"].rejected)) == {}
+        c.unregister_scheduler_plugin("pools")
+        gone = {"handlers": [], "stream-handlers": [], "worker-plugin": False}
+        wait_for(lambda: gpupool_served(c) == gone, timeout=30)
+        no_plugin = dict.fromkeys(worker_addresses(c), False)
+        wait_for(lambda: c.run(lambda dask_worker: "gpupool" in dask_worker.plugins) == no_plugin, timeout=30)
+        wait_for(lambda: broker_dirs(tmp_path) == [], timeout=30)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_registration_a_killed_worker_fails_raises_only_once_every_live_worker_answered_and_is_undone(tmp_path):
+    """A worker dies while its install is under way, and another, live, answers its install a moment later (forced:
+    w1 holds it for 3 s, far within ``distributed.comm.timeouts.connect``). ``register_plugin`` raised as soon as the
+    dead worker's comm broke, before w1 answered: the undo skipped w1 (one message at a time), and w1 installed the
+    failed registration's worker plugin after the caller was told it failed (the removal came later still; the
+    neighbouring kill test saw w1 holding it, now and then, on a loaded machine). It now raises once every live
+    worker answered and was undone: w1 installed it before, runs no pool after, and installs nothing later; no
+    handler serves; nothing is left behind."""
+    import threading
+
+    plugin = GPUPool(kind="host", max_size="16MiB", broker_timeout="2s", broker_dir=str(tmp_path))
+    with nanny_cluster([{}, {}]) as c:
+        w0, w1 = worker_addresses(c)
+        pid = c.run(os.getpid, workers=[w0])[w0]
+        c.run(T.hold_plugin_add, "16MiB", "none", 60.0, workers=[w0])
+        c.run(T.hold_plugin_add, "16MiB", "none", 3.0, workers=[w1])
+        outcome = []
+
+        def register():
+            try:
+                c.register_plugin(plugin)
+                outcome.append(None)
+            except Exception as e:
+                outcome.append(e)
+            outcome.append(c.run(T.plugin_adds, workers=[w1])[w1])  # what w1 had installed when it raised
+
+        thread = threading.Thread(target=register)
+        thread.start()
+        wait_for(lambda: c.run(T.plugin_adds) == {w: ["held 16MiB"] for w in (w0, w1)})
+        os.kill(pid, signal.SIGKILL)
+        thread.join(120)
+        assert len(outcome) == 2 and isinstance(outcome[0], Exception), outcome
+        assert outcome[1] == ["held 16MiB", "add 16MiB"], outcome  # w1 had answered before it raised
+        assert c.run(lambda dask_worker: "gpupool" in dask_worker.plugins, workers=[w1]) == {w1: False}
+        with pytest.raises(dask_gpupool.PoolUnavailableError):
+            dask_gpupool.pools(c)
+        assert c.run_on_scheduler(lambda dask_scheduler: "gpupool" in dask_scheduler.worker_plugins) is False
+        wait_for(lambda: len(worker_addresses(c)) == 2 and w0 not in worker_addresses(c), timeout=60)
+        assert c.run(lambda dask_worker: "gpupool" in dask_worker.plugins) == dict.fromkeys(worker_addresses(c), False)
+        assert c.run(T.plugin_adds, workers=[w1])[w1] == ["held 16MiB", "add 16MiB"]  # nothing installed since
+    from dask_gpupool.transport.broker_dirs import remove_stale_broker_dirs
+
+    remove_stale_broker_dirs(str(tmp_path), min_age=0)  # the killed worker never made one; w1's went with its pool
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_registration_a_killed_worker_fails_tells_the_caller_which_worker_left(tmp_path):
+    """A worker dies while its install is under way: the scheduler re-raised the dead worker's ``CommClosedError``
+    out of the ``register_scheduler_plugin`` handler, which Dask takes for the caller's own connection closing: it
+    aborted the client's comm without an answer, so ``register_plugin`` raised a ``CommClosedError`` naming the
+    client's connection to the scheduler ("ConnectionPool.register_scheduler_plugin ... Stream is closed"), as if the
+    scheduler were gone. The caller now gets a ``GPUPoolError`` naming the worker that left and why; no handler
+    serves and nothing is left behind."""
+    import threading
+
+    plugin = GPUPool(kind="host", max_size="16MiB", broker_timeout="2s", broker_dir=str(tmp_path))
+    with nanny_cluster([{}, {}]) as c:
+        w0, _ = worker_addresses(c)
+        pid = c.run(os.getpid, workers=[w0])[w0]
+        c.run(T.hold_plugin_add, "16MiB", "none", 60.0, workers=[w0])
+        outcome = []
+
+        def register():
+            try:
+                c.register_plugin(plugin)
+                outcome.append(None)
+            except Exception as e:
+                outcome.append(e)
+
+        thread = threading.Thread(target=register)
+        thread.start()
+        wait_for(lambda: c.run(T.plugin_adds, workers=[w0])[w0] == ["held 16MiB"])
+        os.kill(pid, signal.SIGKILL)
+        thread.join(120)
+        assert len(outcome) == 1 and isinstance(outcome[0], dask_gpupool.GPUPoolError), outcome
+        assert w0 in str(outcome[0]) and "CommClosedError" in str(outcome[0]), outcome
+        with pytest.raises(dask_gpupool.PoolUnavailableError):
+            dask_gpupool.pools(c)
+        wait_for(lambda: len(worker_addresses(c)) == 2 and w0 not in worker_addresses(c), timeout=60)
+        assert c.run(lambda dask_worker: "gpupool" in dask_worker.plugins) == dict.fromkeys(worker_addresses(c), False)
+    from dask_gpupool.transport.broker_dirs import remove_stale_broker_dirs
+
+    remove_stale_broker_dirs(str(tmp_path), min_age=0)  # the killed worker never made one; w1's went with its pool
+    assert os.listdir(tmp_path) == []
