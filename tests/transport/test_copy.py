@@ -337,6 +337,22 @@ def _main_thread_in(*names: str) -> bool:
     return _in_frames(sys._current_frames().get(threading.main_thread().ident or 0), *names)
 
 
+def _sent_by_the_calling_thread() -> bool:
+    """Whether the request a :class:`ScriptedExporter` just read is the main (calling) thread's: it is then in
+    ``_take`` past the lane lock (``_order``), which the thread that sent a lane's request holds until its reply is
+    read, not waiting for it. Where it waits for the reply cannot tell: the server may read the request before the
+    calling thread, descheduled under load, has left ``send_message``."""
+    import linecache
+    import threading
+
+    from dask_gpupool.transport import pull as pull_module
+
+    frame = sys._current_frames().get(threading.main_thread().ident or 0)
+    while frame is not None and frame.f_code is not pull_module._Lanes._take.__code__:
+        frame = frame.f_back
+    return frame is not None and "self._order" not in linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+
+
 def test_a_pull_interrupted_while_it_waits_for_its_other_lanes_stops_them_before_it_raises(no_fd_leak):  # noqa: F811
     """``KeyboardInterrupt`` (Ctrl-C in a script that pulls on its main thread) while the calling thread, its own
     lane done, waits for a lane another thread receives: ``pull`` raised at once and left that lane running. Its
@@ -350,9 +366,9 @@ def test_a_pull_interrupted_while_it_waits_for_its_other_lanes_stops_them_before
         pytest.skip("SIGINT interrupts only the main thread's waits")
 
     def script(lease: int) -> tuple[int, float, float]:
-        # The lane the main thread asked for (it waits for the reply in _take): its bytes after 0.3 s, at once;
+        # The lane the main thread asked for (it holds the lane lock in _take): its bytes after 0.3 s, at once;
         # the lane of the shared thread: 200 bytes over 6 s.
-        return (200, 0.3, 0.0) if _main_thread_in("pull.py:_take", "staging.py:recv_message") else (200, 0.0, 0.03)
+        return (200, 0.3, 0.0) if _sent_by_the_calling_thread() else (200, 0.0, 0.03)
 
     slow = ScriptedExporter(script)
     dst = host_buffer(bytearray(400))
@@ -431,7 +447,6 @@ def test_a_pull_interrupted_as_it_cancels_its_unstarted_helpers_still_waits_for_
     SIGINT, raised here as the calling thread cancels a helper) skipped the wait: ``pull`` raised while a shared
     thread still received a lane into ``dst``, which the caller frees on failure. The lanes are now waited for
     whatever point of that ``finally`` the interrupt lands at, and it is raised after."""
-    import linecache
     import signal
     import threading
 
@@ -440,17 +455,9 @@ def test_a_pull_interrupted_as_it_cancels_its_unstarted_helpers_still_waits_for_
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("SIGINT interrupts only the main thread")
 
-    def sent_by_the_calling_thread() -> bool:
-        """Whether the request the server just read is the calling thread's: it is then in ``_take`` past the lock
-        that one lane's connection holds at a time (until its reply is read), not waiting for it."""
-        frame = sys._current_frames().get(threading.main_thread().ident or 0)
-        while frame is not None and frame.f_code is not pull_module._Lanes._take.__code__:
-            frame = frame.f_back
-        return frame is not None and "self._order" not in linecache.getline(frame.f_code.co_filename, frame.f_lineno)
-
     def script(lease: int) -> tuple[int, float, float]:
         # the calling thread's lane: at once; the shared thread's: 40 bytes over a second
-        return (40, 0.0, 0.0) if sent_by_the_calling_thread() else (40, 0.0, 0.025)
+        return (40, 0.0, 0.0) if _sent_by_the_calling_thread() else (40, 0.0, 0.025)
 
     class InterruptedCancel:
         """A helper's future whose ``cancel`` is followed by a real SIGINT to this (the main) thread."""
