@@ -180,8 +180,11 @@ class GPUPool(SchedulerPlugin):
     start (handlers, the worker plugin on every worker, the wait for the
     workers to join) runs while no other's does, and distributed lists it
     before the next one starts. So the later of two registrations replaces the
-    earlier one everywhere, as registering again does; an idempotent one
-    (``--preload``) that finds a plugin listed once its turn comes does nothing.
+    earlier one everywhere, as registering again does, and delists it, under
+    whatever name it was listed (``register_plugin(GPUPool(...), name="pools")``
+    over ``"gpupool"``): the scheduler lists one ``GPUPool`` at most. An
+    idempotent one (``--preload``) that finds a ``GPUPool`` listed, under any
+    name, once its turn comes does nothing, and is not left listed.
 
     A registration waits for the workers at most ``distributed.comm.timeouts.connect`` (their answers to the plugin
     install, then their joining the registry, together). A worker that does not answer by then (stopped, its event
@@ -358,13 +361,19 @@ class GPUPool(SchedulerPlugin):
         if registrations.locked():
             logger.info("gpupool: another GPUPool registration is under way; this one %s waits for it", self.overrides)
         async with registrations:
-            listed = scheduler.plugins.get(PLUGIN_NAME)
-            if self.idempotent and isinstance(listed, GPUPool):
-                # Installed by a registration that ran while this one waited; distributed keeps it listed
-                # (idempotent add_plugin), as it would have, had this one come after it.
+            listed = [plugin for plugin in _listed(scheduler).values() if plugin is not self]
+            if self.idempotent and listed:
+                # Installed by a registration that ran while this one waited, or listed under a name of its own
+                # (distributed looked under this one's name only). Distributed keeps a plugin listed under this
+                # one's name (idempotent add_plugin), as it would have, had this one come after it; under another
+                # name, it lists this one too once start returns: delisted right after, so one GPUPool stays listed.
+                asyncio.get_running_loop().call_soon(self._delist_unstarted, scheduler)
                 return
-            if isinstance(listed, GPUPool) and listed.overrides != self.overrides:
-                logger.info("gpupool: GPUPool %s replaces the running GPUPool %s", self.overrides, listed.overrides)
+            for running in listed:
+                if running.overrides != self.overrides:
+                    logger.info(
+                        "gpupool: GPUPool %s replaces the running GPUPool %s", self.overrides, running.overrides
+                    )
             await self._start(scheduler)
 
     async def _start(self, scheduler: Scheduler) -> None:
@@ -427,6 +436,7 @@ class GPUPool(SchedulerPlugin):
         self._registry_handlers.drop_departed()
         self._watch = PeriodicCallback(lambda: self._check_listed(scheduler), _WATCH_INTERVAL * 1000)
         self._watch.start()
+        await self._delist_replaced(scheduler)
         logger.info("gpupool: registry started, worker plugin installed on %d worker(s)", len(responses))
 
     async def _undo(self, scheduler: Scheduler) -> None:
@@ -435,13 +445,28 @@ class GPUPool(SchedulerPlugin):
         await self._unregister_worker_plugin(scheduler)
         self._remove_handlers()
         self._registry_handlers.scheduler = None
-        replaced = scheduler.plugins.get(PLUGIN_NAME)
-        if isinstance(replaced, GPUPool) and replaced is not self:
-            # Registered again over a running plugin: its worker plugins were replaced by ours and are gone
-            # with them, and its handlers by ours. Listed still, it would make every later idempotent
-            # registration (``--preload dask_gpupool``) a no-op on a cluster with no pools.
-            scheduler.remove_plugin(name=PLUGIN_NAME)
-            await replaced.close()
+        # Registered again over a running plugin: its worker plugins were replaced by ours and are gone with them,
+        # and its handlers by ours. Listed still, it would make every later idempotent registration
+        # (``--preload dask_gpupool``) a no-op on a cluster with no pools.
+        await self._delist_replaced(scheduler)
+
+    async def _delist_replaced(self, scheduler: Scheduler) -> None:
+        """Every other ``GPUPool`` listed, under any name (the one this registration replaced), closed and delisted
+        (``Scheduler.remove_plugin``): distributed then lists this one only, so that unregistering its name tears
+        everything down. A replaced one left listed under a name other than this one's (``register_plugin(...,
+        name="pools")`` over ``"gpupool"``) served nothing, yet its listing kept this one's watch from tearing
+        down once this one was unregistered, and unregistering it would have torn down this one's pools."""
+        for name, replaced in _listed(scheduler).items():
+            if replaced is not self:
+                await replaced.close()  # its watch stopped; its handlers, already ours, left in place
+                scheduler.remove_plugin(name=name)
+
+    def _delist_unstarted(self, scheduler: Scheduler) -> None:
+        """An idempotent registration that found a ``GPUPool`` listed and did nothing: delisted, wherever distributed
+        listed it after its ``start`` returned (a name that no plugin held)."""
+        if self._scheduler is None:
+            for name in [name for name, plugin in scheduler.plugins.items() if plugin is self]:
+                scheduler.remove_plugin(name=name)
 
     async def _unregister_worker_plugin(self, scheduler: Scheduler) -> None:
         """This registration's worker plugin, if still the one new workers get, unregistered from every worker: each
@@ -475,9 +500,8 @@ class GPUPool(SchedulerPlugin):
         """
         if any(plugin is self for plugin in scheduler.plugins.values()):
             return  # listed, under "gpupool" or the name given to register_plugin (distributed lists it under that)
-        listed = scheduler.plugins.get(PLUGIN_NAME)
         self._stop_watch()
-        if scheduler.status != Status.running or isinstance(listed, GPUPool):
+        if scheduler.status != Status.running or _listed(scheduler):
             return  # closing, or registered again: the new one replaced this one's handlers and worker plugin
         self._delisting = asyncio.ensure_future(self._delisted(scheduler))
 
@@ -486,8 +510,8 @@ class GPUPool(SchedulerPlugin):
         stream messages are dropped), and its worker plugin is unregistered from every worker. In turn with
         registrations (:func:`_registrations`), so that one made meanwhile is left as it is."""
         async with _registrations(scheduler):
-            if isinstance(scheduler.plugins.get(PLUGIN_NAME), GPUPool):
-                return  # registered again meanwhile: the new one replaced this one's handlers and worker plugin
+            if _listed(scheduler):
+                return  # registered again meanwhile, under any name: the new one replaced all of this one
             await self.close()
             await self._unregister_worker_plugin(scheduler)
             self._registry_handlers.scheduler = None
@@ -525,6 +549,13 @@ class GPUPool(SchedulerPlugin):
         unanswered = _outstanding(scheduler).pop(worker, None)
         if unanswered is not None:
             unanswered.cancel()
+
+
+def _listed(scheduler: Scheduler) -> dict[str, GPUPool]:
+    """The ``GPUPool`` distributed lists on ``scheduler``, by name: at most one, under ``"gpupool"`` or the name given
+    to ``register_plugin`` (two only while a registration under another name takes over, before it delists the one it
+    replaced)."""
+    return {name: plugin for name, plugin in scheduler.plugins.items() if isinstance(plugin, GPUPool)}
 
 
 def _registrations(scheduler: Scheduler) -> asyncio.Lock:

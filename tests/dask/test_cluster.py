@@ -1012,11 +1012,11 @@ def test_switch_interval_is_set_while_the_plugin_runs_and_put_back_after():
         wait_for(lambda: c.run(sys.getswitchinterval) == before, what="the workers' own interval back")
 
 
-def rejected_on_scheduler(client):
+def rejected_on_scheduler(client, name="gpupool"):
     """The scheduler plugin's count of refused registry messages, by reason (test inspection only)."""
 
     def get(dask_scheduler):
-        return dict(getattr(dask_scheduler.plugins["gpupool"], "rejected", {}))
+        return dict(getattr(dask_scheduler.plugins[name], "rejected", {}))
 
     return client.run_on_scheduler(get)
 
@@ -1169,22 +1169,33 @@ def test_a_worker_whose_registry_row_would_be_refused_fails_setup_naming_itself_
         shutil.rmtree(short)
 
 
-def registration_state(client):
+def listed_gpupools(client):
+    """The names under which the scheduler lists a ``GPUPool``, with each one's ``max_size`` option."""
+
+    def on_scheduler(dask_scheduler):
+        return {n: p.overrides.get("max_size") for n, p in dask_scheduler.plugins.items() if isinstance(p, GPUPool)}
+
+    return client.run_on_scheduler(on_scheduler)
+
+
+def registration_state(client, name="gpupool"):
     """Where the cluster's gpupool registration stands (test inspection only), by the ``max_size`` option of each
-    plugin: on the scheduler, the plugin listed, whether its registry is the one the handlers serve, the worker plugin
-    new workers get, and the listed registry's rows (worker -> pool); on each worker, its plugin, its pool, and
-    whether the worker's registry stream handlers are that plugin's."""
+    plugin: on the scheduler, the plugin listed under ``name``, every name a ``GPUPool`` is listed under, whether its
+    registry is the one the handlers serve, the worker plugin new workers get, and the listed registry's rows
+    (worker -> pool); on each worker, its plugin, its pool, and whether the worker's registry stream handlers are
+    that plugin's."""
 
     def on_scheduler(dask_scheduler):
         from distributed.protocol.pickle import loads
 
         from dask_gpupool.core import JOINED_OP, REGISTER_OP, UNREGISTER_OP
 
-        listed = dask_scheduler.plugins.get("gpupool")
+        listed = dask_scheduler.plugins.get(name)
         handlers = [dask_scheduler.handlers["gpupool_pools"]]
         handlers += [dask_scheduler.stream_handlers[op] for op in (REGISTER_OP, JOINED_OP, UNREGISTER_OP)]
         return {
             "listed": listed.overrides.get("max_size"),
+            "names": sorted(n for n, p in dask_scheduler.plugins.items() if isinstance(p, GPUPool)),
             "serves": all(getattr(h, "__self__", None) is listed._registry_handlers for h in handlers),
             "worker-plugin": loads(dask_scheduler.worker_plugins["gpupool"]).overrides.get("max_size"),
             "rows": {r.worker: r.pool for r in listed.registry.records()},
@@ -1211,12 +1222,14 @@ def broker_dirs(path):
     return sorted(d for d in os.listdir(path) if d.startswith("dask-gpupool-"))
 
 
-def assert_one_plugin(client, size, broker_dir):
-    """The whole cluster runs the GPUPool of ``max_size=size``: the scheduler lists it, its handlers serve the
-    registry, new workers get its worker plugin; every worker runs its pool and no other (``broker_dir`` holds the
-    live pools' broker directories only); the registry holds exactly the live workers' rows, of those pools."""
-    on_scheduler, on_workers = registration_state(client)
+def assert_one_plugin(client, size, broker_dir, name="gpupool"):
+    """The whole cluster runs the GPUPool of ``max_size=size``: the scheduler lists it under ``name`` and no other
+    GPUPool, its handlers serve the registry, new workers get its worker plugin; every worker runs its pool and no
+    other (``broker_dir`` holds the live pools' broker directories only); the registry holds exactly the live
+    workers' rows, of those pools."""
+    on_scheduler, on_workers = registration_state(client, name)
     state = {"scheduler": on_scheduler, "workers": on_workers, "rows": dask_gpupool.pools(client)}
+    assert on_scheduler["names"] == [name], state
     assert on_scheduler["listed"] == on_scheduler["worker-plugin"] == size, state
     assert on_scheduler["serves"], state
     assert {w: (s["plugin"], s["handlers"]) for w, s in on_workers.items()} == dict.fromkeys(
@@ -1705,4 +1718,63 @@ def test_a_registration_a_killed_worker_fails_raises_only_once_every_live_worker
     from dask_gpupool.transport.broker_dirs import remove_stale_broker_dirs
 
     remove_stale_broker_dirs(str(tmp_path), min_age=0)  # the killed worker never made one; w1's went with its pool
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_registration_under_another_name_delists_the_plugin_it_replaces_and_unregistering_it_tears_all_down(
+    tmp_path,
+):
+    """``register_plugin(GPUPool(...))`` (listed as ``"gpupool"``), then ``register_plugin(GPUPool(...),
+    name="pools")``: the second replaced the first's handlers and worker plugins, yet distributed listed both, so
+    unregistering ``"pools"`` left the first listed and taken for a registration made since: no watch tore anything
+    down, and the second's handlers and every worker's pool served on. The later registration now delists the one it
+    replaced: the scheduler lists one ``GPUPool``, under ``"pools"``; every worker runs its pool and hands over
+    zero-copy; unregistering ``"pools"`` leaves no handler serving, no worker plugin, no pool, no ``GPUPool``
+    listed; nothing is refused or left behind."""
+    plugins = [
+        GPUPool(kind="host", max_size=size, broker_timeout="2s", broker_dir=str(tmp_path))
+        for size in ("32MiB", "16MiB")
+    ]
+    with nanny_cluster([{}, {}], plugins[0]) as c:
+        w0, w1 = worker_addresses(c)
+        c.register_plugin(plugins[1], name="pools")
+        assert listed_gpupools(c) == {"pools": "16MiB"}
+        assert_one_plugin(c, "16MiB", tmp_path, name="pools")
+        assert_a_mib_goes_zero_copy(c, w0, w1, b"under a name of its own")
+        assert_a_mib_goes_zero_copy(c, w1, w0, b"and back")
+        assert rejected_on_scheduler(c, "pools") == {}
+        c.unregister_scheduler_plugin("pools")
+        gone = {"handlers": [], "stream-handlers": [], "worker-plugin": False}
+        wait_for(lambda: gpupool_served(c) == gone, timeout=30)
+        assert listed_gpupools(c) == {}
+        with pytest.raises(dask_gpupool.PoolUnavailableError):
+            dask_gpupool.pools(c)
+        no_plugin = dict.fromkeys(worker_addresses(c), False)
+        wait_for(lambda: c.run(lambda dask_worker: "gpupool" in dask_worker.plugins) == no_plugin, timeout=30)
+        wait_for(lambda: broker_dirs(tmp_path) == [], timeout=30)
+    assert os.listdir(tmp_path) == []
+
+
+def test_an_idempotent_registration_finding_a_plugin_listed_under_another_name_does_nothing(tmp_path):
+    """A ``GPUPool`` listed as ``"pools"``, then an idempotent registration (what ``--preload dask_gpupool`` makes,
+    under ``"gpupool"``): distributed found no plugin under ``"gpupool"``, and the plugin looked under that name only,
+    so it replaced the running one everywhere and both were listed. It now does nothing: one ``GPUPool`` listed, as
+    ``"pools"``; no worker installs a plugin; every worker keeps its pool; nothing is refused or left behind."""
+    plugin = GPUPool(kind="host", max_size="16MiB", broker_timeout="2s", broker_dir=str(tmp_path))
+    preloaded = GPUPool(kind="host", max_size="32MiB", broker_timeout="2s", broker_dir=str(tmp_path))
+    preloaded.idempotent = True
+    with nanny_cluster([{}, {}]) as c:
+        w0, w1 = worker_addresses(c)
+        c.register_plugin(plugin, name="pools")
+        before = by_worker(c)
+        c.run(T.hold_plugin_add, "none", "none", 0.0)  # holds nothing; counts the installs
+        c.register_plugin(preloaded)
+        time.sleep(0.5)
+        assert c.run(T.plugin_adds) == {w0: [], w1: []}
+        c.run(T.release_plugin_add)
+        assert listed_gpupools(c) == {"pools": "16MiB"}
+        assert by_worker(c) == before
+        assert_one_plugin(c, "16MiB", tmp_path, name="pools")
+        assert_a_mib_goes_zero_copy(c, w0, w1, b"preloaded once")
+        assert rejected_on_scheduler(c, "pools") == {}
     assert os.listdir(tmp_path) == []
