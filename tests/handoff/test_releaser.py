@@ -331,3 +331,38 @@ def test_ended_leases_are_remembered_within_the_bound_and_forgotten_with_their_e
     assert not r.begin("a", 2) and not r.begin("a", 3)
     r.forget("a")
     assert r.begin("a", 2) and r.begin("a", 3)
+
+
+def test_a_lease_whose_release_waits_for_a_broken_link_stays_refused_and_one_of_an_exporter_that_left_is_dropped(
+    releaser,
+):
+    """The two ways a release stays queued: its link is down (the release is retried, the lease refused until it was
+    written, and after that as an ended one), or the exporter left meanwhile (nothing is sent, nothing of it kept)."""
+    r, links = releaser
+    link = links("a")
+    assert link is not None
+    assert r.begin("a", 1) and r.begin("a", 2)
+    link.down = True
+    r.put("a", 1)  # never held here (a failed claim)
+    r.end_import("a", 1)
+    r.put("a", 2)
+    r.flush()
+    time.sleep(0.2)  # a few retries, all failed
+    assert link.released == [] and not r.begin("a", 1) and not r.begin("a", 2)
+    link.down = False
+    deadline = time.monotonic() + 10
+    while not link.released and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert sorted(x for batch in link.released for x in batch) == [1, 2]
+    assert not r.begin("a", 1) and not r.begin("a", 2)  # written: ended, still refused
+    gone = links("gone")
+    assert gone is not None and r.begin("gone", 3)
+    gone.down = True
+    r.put("gone", 3)
+    r.flush()
+    assert not r.begin("gone", 3)  # waiting for the link
+    links.left.add("gone")
+    deadline = time.monotonic() + 10
+    while not r.begin("gone", 3) and time.monotonic() < deadline:  # the retry finds it left: forgotten
+        time.sleep(0.02)
+    assert gone.released == [] and r.live() == 0
