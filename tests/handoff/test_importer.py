@@ -134,7 +134,9 @@ def test_a_lease_granted_to_an_importer_that_already_left_dead_ends(tmp_path, no
         buf = a.allocate(4096)
         header = a.export_ipc(buf, buf, row, None)
         del buf
-        assert a.settle([header.lease], gone.worker, ok=False) == [header.lease]  # the reply failed: in doubt
+        # The reply failed: the lease is in doubt, unless the broker's loop already ended it (export_ipc saw the
+        # importer gone and told the broker, which runs on its own thread: on a loaded machine it may come first).
+        assert a.settle([header.lease], gone.worker, ok=False) in ([header.lease], [])
         leases_end()
         assert a.pool.stats().used == 0 and a.broker.watched == 0
     finally:
