@@ -366,3 +366,32 @@ def test_a_lease_whose_release_waits_for_a_broken_link_stays_refused_and_one_of_
     while not r.begin("gone", 3) and time.monotonic() < deadline:  # the retry finds it left: forgotten
         time.sleep(0.02)
     assert gone.released == [] and r.live() == 0
+
+
+def test_an_unexpected_error_while_releasing_is_retried_and_the_releaser_keeps_serving(releaser):
+    """A link that raises something other than a :class:`GPUPoolError` (a fault of ours: the link turns ``OSError``
+    into ``PeerLostError``) must not end the releaser's thread: every later release would then stay queued, and the
+    exporter would keep that memory until this worker's process exits. The failed release is sent again, as after a
+    broken link, and later ones go as usual."""
+    r, links = releaser
+    link = links("a")
+    assert link is not None
+    failures = [RuntimeError("a fault of ours")]
+    release = link.release
+
+    def failing_once(leases: list[int], unmapped: bool = False) -> None:
+        if failures:
+            raise failures.pop()
+        release(leases, unmapped)
+
+    link.release = failing_once
+    r.hold("a", [1, 2], epoch=r.epoch("a"))
+    r.put("a", 1)
+    r.flush(timeout=2)
+    r.put("a", 2)
+    deadline = time.monotonic() + 10
+    while sorted(x for batch in link.released for x in batch) != [1, 2] and time.monotonic() < deadline:
+        r.flush(timeout=0.5)
+        time.sleep(0.05)
+    assert sorted(x for batch in link.released for x in batch) == [1, 2], "the releaser's thread died"
+    assert r.live("a") == 0
