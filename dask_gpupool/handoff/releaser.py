@@ -393,8 +393,12 @@ class Releaser:
             with self._cond:
                 self._settled(exporter, entry.leases + entry.unmapped)
             return True
-        except GPUPoolError as e:
-            logger.info(
+        except Exception as e:
+            # A GPUPoolError is the link failing (the link turns OSError into PeerLostError). Anything else is a
+            # fault of ours: logged with its traceback, and retried the same way, for raised out of here it would
+            # end this thread, and every later release would stay queued (the exporter keeping that memory until
+            # this process exits).
+            (logger.info if isinstance(e, GPUPoolError) else logger.exception)(
                 "releasing %d lease(s), %d segment(s), settling %d forwarded at %s failed (%s); retrying",
                 len(entry.leases) + len(entry.unmapped),
                 len(entry.segments),
