@@ -1438,6 +1438,27 @@ def test_two_idempotent_registrations_at_once_install_the_plugin_once(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def register_in_background(c, plugin, then=None):
+    """``c.register_plugin(plugin)`` on a thread of its own, started: returns the thread and the list its outcome
+    lands in (``None``, or the exception raised; then ``then()``'s value, when given)."""
+    import threading
+
+    outcome = []
+
+    def register():
+        try:
+            c.register_plugin(plugin)
+            outcome.append(None)
+        except BaseException as e:
+            outcome.append(e)
+        if then is not None:
+            outcome.append(then())
+
+    thread = threading.Thread(target=register)
+    thread.start()
+    return thread, outcome
+
+
 def test_a_worker_killed_while_its_install_is_under_way_fails_the_registration_and_leaves_no_plugin_serving(
     tmp_path,
 ):
@@ -1454,19 +1475,7 @@ def test_a_worker_killed_while_its_install_is_under_way_fails_the_registration_a
         w0, _ = worker_addresses(c)
         pid = c.run(os.getpid, workers=[w0])[w0]
         c.run(T.hold_plugin_add, "16MiB", "none", 60.0, workers=[w0])
-        outcome = []
-
-        def register():
-            try:
-                c.register_plugin(plugin)
-                outcome.append(None)
-            except Exception as e:
-                outcome.append(e)
-
-        import threading
-
-        thread = threading.Thread(target=register)
-        thread.start()
+        thread, outcome = register_in_background(c, plugin)
         wait_for(lambda: c.run(T.plugin_adds, workers=[w0])[w0] == ["held 16MiB"])
         os.kill(pid, signal.SIGKILL)
         thread.join(120)
@@ -1599,7 +1608,6 @@ def test_a_stopped_worker_retired_while_a_registration_waits_for_it_leaves_the_r
     up the install it never answered (``remove_worker``). That worker left the cluster as any worker leaving during a
     registration does: ``register_plugin`` returns, the others run the new plugin's pools and hand over zero-copy,
     and the registry holds the live workers' rows only; nothing is refused or left behind."""
-    import threading
 
     import dask
 
@@ -1611,18 +1619,8 @@ def test_a_stopped_worker_retired_while_a_registration_waits_for_it_leaves_the_r
         w0, w1 = worker_addresses(c)
         pid = c.run(os.getpid, workers=[w1])[w1]
         os.kill(pid, signal.SIGSTOP)
-        outcome = []
-
-        def register():
-            try:
-                c.register_plugin(plugins[1])
-                outcome.append(None)
-            except BaseException as e:
-                outcome.append(e)
-
-        thread = threading.Thread(target=register)
+        thread, outcome = register_in_background(c, plugins[1])
         try:
-            thread.start()
             wait_for(lambda: set(by_worker(c)) == {w0} and {r.max_size for r in by_worker(c).values()} == {16 * MiB})
             c.retire_workers([w1], close_workers=False)
             thread.join(60)
@@ -1683,7 +1681,6 @@ def test_a_registration_a_killed_worker_fails_raises_only_once_every_live_worker
     neighbouring kill test saw w1 holding it, now and then, on a loaded machine). It now raises once every live
     worker answered and was undone: w1 installed it before, runs no pool after, and installs nothing later; no
     handler serves; nothing is left behind."""
-    import threading
 
     plugin = GPUPool(kind="host", max_size="16MiB", broker_timeout="2s", broker_dir=str(tmp_path))
     with nanny_cluster([{}, {}]) as c:
@@ -1691,18 +1688,8 @@ def test_a_registration_a_killed_worker_fails_raises_only_once_every_live_worker
         pid = c.run(os.getpid, workers=[w0])[w0]
         c.run(T.hold_plugin_add, "16MiB", "none", 60.0, workers=[w0])
         c.run(T.hold_plugin_add, "16MiB", "none", 3.0, workers=[w1])
-        outcome = []
-
-        def register():
-            try:
-                c.register_plugin(plugin)
-                outcome.append(None)
-            except Exception as e:
-                outcome.append(e)
-            outcome.append(c.run(T.plugin_adds, workers=[w1])[w1])  # what w1 had installed when it raised
-
-        thread = threading.Thread(target=register)
-        thread.start()
+        # and what w1 had installed when it raised
+        thread, outcome = register_in_background(c, plugin, then=lambda: c.run(T.plugin_adds, workers=[w1])[w1])
         wait_for(lambda: c.run(T.plugin_adds) == {w: ["held 16MiB"] for w in (w0, w1)})
         os.kill(pid, signal.SIGKILL)
         thread.join(120)
