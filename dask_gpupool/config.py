@@ -36,11 +36,6 @@ dask.config.update_defaults(_defaults)
 #: ``PullReply``: each lane stages three chunks in pinned or vkgdr memory, so a peer's chunk is bounded too.
 MAX_COPY_CHUNK = 1 << 30
 
-#: ``gpupool.import-limit: auto`` for allocations of CUDA's IPC pool (not VMM segments): on two H200s (driver 580)
-#: handoffs of single 6 and 8 GiB pool allocations did not complete within 60 s while 5 GiB ones took 7 ms to
-#: import; VMM segments of 8 and 16 GiB mapped in 1.5-1.8 ms (H100, 2026-11-23, docs/performance.md).
-POOL_MEMORY_IMPORT_LIMIT = 5 << 30
-
 #: ``stage-threshold: auto`` on ``device`` pools, to a worker on another GPU over TCP or TLS: from 64 KiB, as on the
 #: same GPU (:data:`SAME_GPU_STAGE_THRESHOLD`; over UCX ``auto`` stages nothing, ``effective_stage_threshold`` says
 #: why). Measured on two H200s (NVLink, driver 580), each sample staged and sent through the comm back to back in one
@@ -118,16 +113,6 @@ UCX_STAGING_THRESHOLD = 8 << 10
 #: moves device memory GPU to GPU, so the default stays at its eager limit: no byte goes through the host that UCX
 #: would not have sent through it.
 UCX_HOST_FRAME_THRESHOLD = 8 << 10
-
-#: ``ucx-receive-pool: auto``: the most device memory the pool that distributed-ucxx receives device frames into may
-#: reserve (:mod:`dask_gpupool.dask.ucx_receive`). Without it distributed-ucxx 0.52 makes an ``rmm.DeviceBuffer`` per
-#: frame from RMM's current resource, which on a worker without an RMM pool is a ``cudaMalloc`` and later a
-#: ``cudaFree``. Measured on one H100, four workers as two "hosts", pool arrays, every sample taken four ways back to
-#: back in one cluster (benchmarks/ucx_pairs.py ``-recvrmm-ab``, 2026-11-25 02:30, docs/performance.md): other-host
-#: pairs received into an RMM pool took 0.86 / 0.95 / 0.85x UCXX alone's path at 64 KiB / 1 MiB / 4 MiB (8, 5 and 8 of
-#: 8 pairs at or below), against 1.10 / 1.10 / 1.08x with a ``cudaMalloc`` per frame (1, 0 and 0 of 8).
-#: Frames that do not fit under it go to RMM's resource as before.
-UCX_RECEIVE_POOL = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -225,51 +210,22 @@ class PoolOptions:
     lease_timeout : float
         Seconds after which a lease still unclaimed is logged, and for which a
         peer whose transfer failed gets copies (no timer ends a lease).
-    cupy_allocator : bool or None
-        Route CuPy's allocations on the worker through its ``device`` or
-        ``pinned`` pool, so that plain CuPy results hand over zero-copy.
-        ``None`` (``auto``, the default): CuPy keeps its allocator (its
-        own pool, or dask-cuda's RMM), and ``stage_threshold`` moves its
-        arrays on the GPU instead (:func:`dask_gpupool.dask.cupy_routing.decide`
-        says why; ``stats()["routing"]`` shows it).
-    rmm_allocator : bool or None
-        Make the RMM pool inside the ``device`` pool's segments RMM's resource
-        for the worker's GPU, and RMM CuPy's allocator, so that CuPy arrays
-        and ``rmm.DeviceBuffer`` objects tasks make hand over zero-copy with
-        no staging copy (:mod:`dask_gpupool.dask.rmm_routing`). ``None``
-        (``auto``, the default): RMM keeps its resource (dask-cuda's
-        included), and ``stage_threshold`` moves what it allocates on the GPU
-        instead: its GPU tests pass on two H200s, and on the workloads it was
-        as fast as staging (0.83-1.07x of it). Exclusive with ``cupy_allocator``.
-    segment_size : int
-        ``device`` pools: bytes of the segments buffers are placed in, which
-        peers map once (:mod:`dask_gpupool.memory.segments`); 0 turns segments off
-        (each buffer is its own CUDA allocation, imported anew by each peer).
-    suballocator : {"auto", "rmm", "arena"}
-        What places buffers inside segments: RMM's pool (``auto`` when RMM is
-        installed) or the in-tree arena.
-    segment_memory : {"auto", "vmm", "legacy", "pool"}
-        ``device`` pools: what segments are made of. ``vmm``: CUDA virtual
+    segment_memory : {"auto", "vmm", "legacy"}
+        ``device`` pools: what the segments buffers are placed in are made
+        of (:mod:`dask_gpupool.memory.segments`). ``vmm``: CUDA virtual
         memory exported as POSIX fds, whose memory outlives its maker for the
         peers that map it (:mod:`dask_gpupool.memory.vmm`); ``legacy``:
         ``cuMemAlloc`` memory shared by legacy IPC handles, which outlives its
         maker too and which UCX sends GPU to GPU without a staging copy
         (:mod:`dask_gpupool.memory.legacy`; 8 and 16 GiB buffers hand over
-        zero-copy on one H100); ``pool``: allocations of the IPC-enabled
-        pool, which a peer on another GPU can no longer read once their
-        owner's process died. ``auto``: ``legacy`` on a worker that listens
+        zero-copy on one H100). ``auto``: ``legacy`` on a worker that listens
         over UCX (on one H100 other-"host" pool arrays then went 0.75-0.85x
         of UCXX alone's path at 8 KiB-4 MiB, every pair at or below in four
         runs of five, against 0.80-0.96x with VMM segments and the staging
         copy, one to three pairs of eight above), else ``vmm``, each when the
-        GPU supports it (else ``vmm``, then ``pool``).
-    import_limit : int or None
-        ``device`` pools: the largest CUDA allocation (a buffer, or the
-        segment it lies in) handed over zero-copy; larger ones are copied
-        (fallback ``too-large``). 0: no limit. ``None`` (``auto``, the
-        default): no limit for VMM and legacy IPC segments,
-        :data:`POOL_MEMORY_IMPORT_LIMIT` for allocations of CUDA's IPC pool
-        (:meth:`effective_import_limit`).
+        GPU supports it (else the other one). Either way the pool grants
+        every other GPU with peer access to its GPU access, and workers there
+        get its buffers zero-copy (others get copies, fallback ``other-gpu``).
     ucx_handoff_threshold : int
         Smallest value handed over zero-copy to a same-host worker on UCX
         comms; smaller pool memory goes as device frames, which UCX moves
@@ -294,15 +250,6 @@ class PoolOptions:
         receiver's ``cudaMalloc``. Counted in ``host_frames_out_bytes`` and
         ``host_frames_bytes``. Default :data:`UCX_HOST_FRAME_THRESHOLD`
         (8 KiB); 0: none.
-    ucx_receive_pool : int or None
-        Most device memory (bytes) of the RMM pool that distributed-ucxx
-        receives this worker's device frames into instead of a
-        ``cudaMalloc`` per frame (:mod:`dask_gpupool.dask.ucx_receive`). 0:
-        off. ``None`` (``auto``, the default): :data:`UCX_RECEIVE_POOL` on a
-        worker that listens over UCX whose RMM resource is RMM's default
-        (``CudaMemoryResource``), or this pool's own (``rmm-allocator``);
-        off beside a resource someone else set (``distributed.rmm.pool-size``,
-        dask-cuda's RMM options), which already serves the frames.
     copy_chunk_size : int
         Chunk of the pipelined copy path (:mod:`dask_gpupool.transport.stream`); 0 sends
         every copy in Dask's frames.
@@ -343,20 +290,11 @@ class PoolOptions:
         took 111-125 ms with it, 309-322 ms without (1.1-1.4 GB copied per
         run), UCXX 87-103, the other workloads unchanged; off, they go
         through distributed's serializer, copied through the host.
-    peer_gpu_handoff : bool
-        Hand ``device`` buffers over zero-copy to workers on other GPUs too:
-        the pool grants those GPUs access when it is made. Only VMM segments
-        go (``segment_memory``): pool memory imported on another GPU breaks
-        the importer's CUDA context once its owner dies, and buffers imported
-        one by one broke it under stress (docs/gpu-checks.md). ``auto`` (the
-        default) means on with segments; :class:`~dask_gpupool.memory.pool.Pool`
-        turns it off when the GPU cannot make VMM segments. Off, such
-        transfers get copies, counted as fallback ``other-gpu``.
     handoff_ordering : {"sync", "event", "device"}
         How an exporter makes sure the GPU work that wrote a buffer has
         finished before a peer reads it. ``sync`` (the default): it waits
         before the descriptor goes out. For a task result of its own (a pool
-        array, a pool Buffer, an array RMM placed in the pool) it waits for
+        array, a pool Buffer) it waits for
         the event it recorded on the legacy default stream when Dask stored
         the result, which follows every blocking stream's earlier work, CuPy's
         default included: kernels queued since, and other streams', are not
@@ -428,21 +366,14 @@ class PoolOptions:
     broker_dir: str | None = None
     broker_timeout: float = 10.0
     lease_timeout: float = 60.0
-    peer_gpu_handoff: bool = True
     peer_gpu_copy: bool = False
     handoff_ordering: str = "sync"
     lease_claims: str = "reply"
     tcp_landing: str = "auto"
-    segment_size: int = 1 << 30
-    suballocator: str = "auto"
     segment_memory: str = "auto"
-    import_limit: int | None = None
-    cupy_allocator: bool | None = None
-    rmm_allocator: bool | None = None
     ucx_handoff_threshold: int = 0
     ucx_staging_threshold: int = 8 << 10
     ucx_host_frame_threshold: int = 8 << 10
-    ucx_receive_pool: int | None = None
     copy_chunk_size: int = 16 << 20
     copy_stream_threshold: int = 4 << 20
     copy_streams: int = 4
@@ -475,13 +406,6 @@ class PoolOptions:
         if kind == "device" and same_gpu:
             return SAME_GPU_HANDOFF_THRESHOLD
         return {"host": HOST_HANDOFF_THRESHOLD, "device": DEVICE_HANDOFF_THRESHOLD}.get(kind, 0)
-
-    def effective_import_limit(self, pool_memory: bool) -> int:
-        """The import limit of a pool whose buffers are allocations of CUDA's IPC pool (``pool_memory``) or lie in
-        segments of VMM or legacy IPC memory (not ``pool_memory``); 0: none."""
-        if self.import_limit is not None:
-            return self.import_limit
-        return POOL_MEMORY_IMPORT_LIMIT if pool_memory else 0
 
     @classmethod
     def from_config(cls, **overrides: Any) -> PoolOptions:
@@ -527,38 +451,6 @@ class PoolOptions:
                 raise ConfigError(f"unknown option {name!r}; valid: {sorted(cls.__dataclass_fields__)}")
             if value is not None:
                 raw[name.replace("_", "-")] = value
-        segment_size = _parse_nbytes(raw.get("segment-size", "1 GiB"), "gpupool.segment-size")
-        rmm = raw.get("rmm-allocator", "auto")
-        rmm_allocator = None if rmm == "auto" else _parse_bool(rmm, "gpupool.rmm-allocator")
-        cupy = raw.get("cupy-allocator", "auto")
-        cupy_allocator = None if cupy == "auto" else _parse_bool(cupy, "gpupool.cupy-allocator")
-        if rmm_allocator and cupy_allocator:
-            raise ConfigError(
-                "gpupool.rmm-allocator and gpupool.cupy-allocator are both on: choose one "
-                "(rmm-allocator gives CuPy RMM's allocator over the pool)"
-            )
-        peer = raw.get("peer-gpu-handoff", "auto")
-        peer_gpu_handoff = segment_size > 0 if peer == "auto" else _parse_bool(peer, "gpupool.peer-gpu-handoff")
-        suballocator = raw.get("suballocator", "auto")
-        if suballocator not in ("auto", "rmm", "arena"):
-            raise ConfigError(f"gpupool.suballocator={suballocator!r} is not a suballocator; valid: auto, rmm, arena")
-        segment_memory = raw.get("segment-memory", "auto")
-        if segment_memory not in ("auto", "vmm", "legacy", "pool"):
-            raise ConfigError(f"gpupool.segment-memory={segment_memory!r} is not valid; valid: auto, vmm, legacy, pool")
-        if peer_gpu_handoff and peer != "auto" and (segment_memory == "pool" or not segment_size):
-            raise ConfigError(
-                "gpupool.peer-gpu-handoff=true needs segments of VMM or legacy IPC memory (gpupool.segment-size > 0 "
-                f"and gpupool.segment-memory auto, vmm or legacy; got {segment_size} and {segment_memory!r}): "
-                "pool memory read from another GPU breaks the reader's CUDA context once its owner's process dies"
-            )
-        if peer == "auto" and segment_memory == "pool":
-            peer_gpu_handoff = False
-        raw_limit = raw.get("import-limit", "auto")
-        import_limit = None if raw_limit == "auto" else _parse_nbytes(raw_limit, "gpupool.import-limit")
-        limited = segment_memory == "pool"  # single large imports of CUDA's IPC pool stalled at 6-8 GiB
-        bound = POOL_MEMORY_IMPORT_LIMIT if import_limit is None and limited else import_limit
-        if bound and segment_size > bound:
-            segment_size = bound  # a larger segment could not be mapped by any peer
         return cls(
             kind=_parse_kind(raw.get("kind", "auto")),
             device=_parse_device(raw.get("device", 0)),
@@ -567,17 +459,11 @@ class PoolOptions:
             broker_dir=_parse_broker_dir(raw.get("broker-dir")),
             broker_timeout=_parse_timeout(raw.get("broker-timeout", "10s"), "gpupool.broker-timeout"),
             lease_timeout=_parse_timeout(raw.get("lease-timeout", "60s"), "gpupool.lease-timeout"),
-            peer_gpu_handoff=peer_gpu_handoff,
             peer_gpu_copy=_parse_bool(raw.get("peer-gpu-copy", False), "gpupool.peer-gpu-copy"),
             handoff_ordering=_parse_choice(raw.get("handoff-ordering", "sync"), "gpupool.handoff-ordering", ORDERINGS),
             lease_claims=_parse_choice(raw.get("lease-claims", "reply"), "gpupool.lease-claims", CLAIMS),
             tcp_landing=_parse_choice(raw.get("tcp-landing", "auto"), "gpupool.tcp-landing", LANDINGS),
-            segment_size=segment_size,
-            suballocator=suballocator,
-            segment_memory=segment_memory,
-            import_limit=import_limit,
-            cupy_allocator=cupy_allocator,
-            rmm_allocator=rmm_allocator,
+            segment_memory=_parse_choice(raw.get("segment-memory", "auto"), "gpupool.segment-memory", SEGMENT_MEMORY),
             ucx_handoff_threshold=_parse_nbytes(raw.get("ucx-handoff-threshold", 0), "gpupool.ucx-handoff-threshold"),
             ucx_staging_threshold=_parse_nbytes(
                 raw.get("ucx-staging-threshold", UCX_STAGING_THRESHOLD), "gpupool.ucx-staging-threshold"
@@ -585,7 +471,6 @@ class PoolOptions:
             ucx_host_frame_threshold=_parse_nbytes(
                 raw.get("ucx-host-frame-threshold", UCX_HOST_FRAME_THRESHOLD), "gpupool.ucx-host-frame-threshold"
             ),
-            ucx_receive_pool=_parse_receive_pool(raw.get("ucx-receive-pool", "auto")),
             copy_chunk_size=_parse_copy_chunk(raw.get("copy-chunk-size", "16 MiB")),
             copy_stream_threshold=_parse_nbytes(
                 raw.get("copy-stream-threshold", "4 MiB"), "gpupool.copy-stream-threshold"
@@ -601,6 +486,10 @@ class PoolOptions:
             switch_interval=_parse_switch_interval(raw.get("switch-interval")),
         )
 
+
+#: ``gpupool.segment-memory`` of ``device`` pools: segments of CUDA virtual memory shared by POSIX fds, or of
+#: ``cuMemAlloc`` memory shared by legacy IPC handles; ``auto`` picks per worker (:mod:`dask_gpupool.memory.pool`).
+SEGMENT_MEMORY = ("auto", "vmm", "legacy")
 
 #: ``gpupool.handoff-ordering``: wait before a descriptor goes out for the task's event (else the GPU), wait for an
 #: event before acknowledging the consumer's claim, or synchronize the exporter's whole GPU before every descriptor.
@@ -682,23 +571,6 @@ def _parse_copy_chunk(value: object) -> int:
     if nbytes > MAX_COPY_CHUNK:
         raise ConfigError(f"gpupool.copy-chunk-size={value!r} is over {MAX_COPY_CHUNK} bytes (1 GiB)")
     return nbytes
-
-
-def _parse_receive_pool(value: object) -> int | None:
-    """``gpupool.ucx-receive-pool``: ``auto`` (``None``), a size (bytes; 0 is off), or a boolean (``true``:
-    :data:`UCX_RECEIVE_POOL`, ``false``: 0)."""
-    if value == "auto" or value is None:
-        return None
-    key = "gpupool.ucx-receive-pool"
-    try:
-        return _parse_nbytes(value, key)
-    except ConfigError:
-        pass
-    try:
-        return UCX_RECEIVE_POOL if _parse_bool(value, key) else 0
-    except ConfigError:
-        valid = "auto, true, false, or a size such as '1 GiB'"
-        raise ConfigError(f"{key}={value!r} is not valid; valid: {valid}") from None
 
 
 def _parse_count(value: object, key: str, low: int, high: int) -> int:

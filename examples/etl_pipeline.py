@@ -10,14 +10,11 @@ the same graph runs on plain Dask.
 CuPy chunks on GPU pools when GPUs are visible (``--layout shared``: all
 workers on GPU 0; ``--layout per-gpu``: one worker per GPU; ``--layout
 dask-cuda``: dask-cuda's ``LocalCUDACluster``, one worker per GPU), NumPy chunks
-on ``host`` pools otherwise. Across GPUs, handoffs are zero-copy with
-segments (``gpupool.peer-gpu-handoff: auto``); ``--segment-size 0`` turns
-segments off, and with them cross-GPU zero-copy unless ``--peer-gpu-handoff``.
-Prints the time of each stage, the bytes handed over zero-copy and copied,
+on ``host`` pools otherwise. Across GPUs with peer access, handoffs are
+zero-copy too. Prints the time of each stage, the bytes handed over zero-copy and copied,
 and saves a bar plot when matplotlib is installed.
 
     python examples/etl_pipeline.py [--size 64MiB] [--chunks 16] [--workers 3] [--layout shared]
-        [--segment-size 1GiB] [--peer-gpu-handoff]
 """
 
 from __future__ import annotations
@@ -177,8 +174,6 @@ def main() -> None:
     p.add_argument("--chunks", type=int, default=16)
     p.add_argument("--workers", type=int, default=3, help="workers (on GPU 0 with --layout shared)")
     p.add_argument("--layout", choices=["shared", "per-gpu", "dask-cuda"], default="shared")
-    p.add_argument("--segment-size", default=None, help="gpupool.segment-size (device pools; default 1 GiB)")
-    p.add_argument("--peer-gpu-handoff", action="store_true", help="gpupool.peer-gpu-handoff: true (default: auto)")
     p.add_argument("--plot", default="etl_pipeline.png")
     p.add_argument(
         "--progress",
@@ -206,11 +201,7 @@ def main() -> None:
         ("plain Dask", None),
         (
             "dask_gpupool",
-            dask_gpupool.GPUPool(
-                max_size=f"{4 * size // (1 << 20) + 64} MiB",
-                segment_size=args.segment_size if gpus else None,
-                peer_gpu_handoff=args.peer_gpu_handoff or None,
-            ),
+            dask_gpupool.GPUPool(max_size=f"{4 * size // (1 << 20) + 64} MiB"),
         ),
     ]:
         with dask.config.set({"distributed.scheduler.active-memory-manager.start": False}):

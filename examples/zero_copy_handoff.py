@@ -8,8 +8,8 @@ memory instead of receiving a copy: the script shows that a write A makes
 afterwards is visible to B, and prints both workers' handoff stats.
 
 Uses the GPU when there is one (CuPy arrays in ``device`` pools, both workers
-on GPU 0; handoffs between GPUs are zero-copy too, see the
-``gpupool.peer-gpu-handoff`` option), shared host memory otherwise (NumPy
+on GPU 0; handoffs between GPUs with peer access are zero-copy too), shared
+host memory otherwise (NumPy
 arrays in ``host`` pools), with no change to the code below.
 """
 

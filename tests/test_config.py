@@ -64,12 +64,6 @@ def test_config_values_and_overrides():
     assert options.max_size == Size(nbytes=2**30)
     assert options.broker_timeout == 0.5
     assert options.device == "GPU-abc"
-    assert options.segment_size == 2**30 and options.cupy_allocator is None
-    assert options.peer_gpu_handoff is True and options.suballocator == "auto"  # "auto": on with segments
-    assert PoolOptions.from_config(cupy_allocator="true").cupy_allocator is True
-    no_segments = PoolOptions.from_config(segment_size=0)
-    assert no_segments.segment_size == 0 and no_segments.peer_gpu_handoff is False
-    assert PoolOptions.from_config(peer_gpu_handoff="false").peer_gpu_handoff is False
     assert options.peer_gpu_copy is False  # off until its GPU tests pass (docs/gpu-checks.md, twelfth session)
     assert PoolOptions.from_config(peer_gpu_copy="true").peer_gpu_copy is True
     assert options.handoff_ordering == "sync"  # the exporter waits (for the task's event, else its GPU) before sending
@@ -87,27 +81,12 @@ def test_config_values_and_overrides():
     assert PoolOptions.from_config(lease_claims="broker").lease_claims == "broker"
     assert options.tcp_landing == "auto"  # vkgdr where it runs (faster on an H100), pinned staging elsewhere
     assert PoolOptions.from_config(tcp_landing="pinned").tcp_landing == "pinned"
-    assert PoolOptions.from_config(suballocator="arena").suballocator == "arena"
-    assert options.import_limit is None  # auto: 5 GiB for allocations of CUDA's IPC pool, none for VMM or legacy ones
-    assert (options.effective_import_limit(pool_memory=False), options.effective_import_limit(pool_memory=True)) == (
-        0,
-        5 << 30,
-    )
-    assert PoolOptions.from_config(import_limit="8 GiB").effective_import_limit(pool_memory=False) == 8 << 30
-    assert PoolOptions.from_config(segment_memory="pool", segment_size="8 GiB").segment_size == 5 << 30
-    assert PoolOptions.from_config(segment_memory="legacy", segment_size="8 GiB").segment_size == 8 << 30
-    assert PoolOptions.from_config(segment_size="8 GiB").segment_size == 8 << 30  # VMM segments of any size
     assert options.ucx_handoff_threshold == 0
     assert PoolOptions.from_config(ucx_handoff_threshold="64 MiB").ucx_handoff_threshold == 64 << 20
     assert options.ucx_staging_threshold == 8 << 10  # smaller pool values go to UCX as they are
     assert PoolOptions.from_config(ucx_staging_threshold="64 KiB").ucx_staging_threshold == 64 << 10
     assert options.ucx_host_frame_threshold == 8 << 10  # smaller CuPy arrays go over UCX as one host frame
     assert PoolOptions.from_config(ucx_host_frame_threshold=0).ucx_host_frame_threshold == 0
-    assert options.ucx_receive_pool is None  # auto: 1 GiB on UCX workers whose RMM resource is RMM's default
-    assert PoolOptions.from_config(ucx_receive_pool="256 MiB").ucx_receive_pool == 256 << 20
-    assert PoolOptions.from_config(ucx_receive_pool=False).ucx_receive_pool == 0
-    assert PoolOptions.from_config(ucx_receive_pool="true").ucx_receive_pool == 1 << 30
-    assert PoolOptions.from_config(import_limit=0, segment_size="8 GiB").segment_size == 8 * 2**30
     assert (options.copy_chunk_size, options.copy_stream_threshold, options.copy_streams) == (16 << 20, 4 << 20, 4)
     assert PoolOptions.from_config(copy_streams="2", copy_chunk_size=0).copy_streams == 2
     # auto: on device pools 64 KiB to a worker on the same GPU over TCP (paired on one H100) or another (paired on two
@@ -131,28 +110,37 @@ def test_config_values_and_overrides():
     assert PoolOptions.from_config(handoff_threshold="1 MiB").effective_handoff_threshold("device") == 1 << 20
 
 
-def test_cross_gpu_handoffs_need_segments_of_vmm_or_legacy_ipc_memory():
-    """Pool memory read from another GPU after its owner died breaks the reader (dask_gpupool.memory.vmm); VMM and
-    legacy IPC memory do not (dask_gpupool.memory.legacy)."""
+def test_segments_are_vmm_or_legacy_ipc_memory():
+    """A ``device`` pool's segments are memory that outlives its owner for the peers that map it: VMM or legacy IPC
+    (``auto`` picks per worker, dask_gpupool.memory.pool); allocations of CUDA's IPC pool are no choice."""
     assert PoolOptions.from_config().segment_memory == "auto"
-    pool_memory = PoolOptions.from_config(segment_memory="pool")
-    assert pool_memory.segment_memory == "pool" and pool_memory.peer_gpu_handoff is False
-    assert PoolOptions.from_config(segment_memory="vmm").peer_gpu_handoff is True
-    legacy = PoolOptions.from_config(segment_memory="legacy", peer_gpu_handoff=True)
-    assert legacy.segment_memory == "legacy" and legacy.peer_gpu_handoff is True
-    assert PoolOptions.from_config(segment_memory="legacy").peer_gpu_handoff is True
-    for bad in ({"segment_memory": "pool", "peer_gpu_handoff": True}, {"segment_size": 0, "peer_gpu_handoff": "true"}):
-        with pytest.raises(ConfigError, match="peer-gpu-handoff=true needs segments of VMM or legacy IPC memory"):
-            PoolOptions.from_config(**bad)
-    with pytest.raises(ConfigError, match=r"gpupool\.segment-memory='cuda'.*valid: auto, vmm, legacy, pool"):
-        PoolOptions.from_config(segment_memory="cuda")
+    assert PoolOptions.from_config(segment_memory="vmm").segment_memory == "vmm"
+    assert PoolOptions.from_config(segment_memory="legacy").segment_memory == "legacy"
+    for bad in ("cuda", "pool"):
+        with pytest.raises(ConfigError, match=rf"gpupool\.segment-memory='{bad}'.*valid: auto, vmm, legacy$"):
+            PoolOptions.from_config(segment_memory=bad)
 
 
-def test_segments_are_at_most_the_import_limit():
-    assert PoolOptions.from_config(segment_size="6 GiB", segment_memory="pool").segment_size == 5 << 30
-    # single legacy IPC imports of 8 and 16 GiB hand over on one H100 (tests/test_gpu.py): not bounded
-    assert PoolOptions.from_config(segment_size="6 GiB", segment_memory="legacy").segment_size == 6 << 30
-    assert PoolOptions.from_config(import_limit="64 MiB").segment_size == 64 << 20
+@pytest.mark.parametrize(
+    "key",
+    [
+        "segment-size",
+        "suballocator",
+        "import-limit",
+        "peer-gpu-handoff",
+        "cupy-allocator",
+        "rmm-allocator",
+        "ucx-receive-pool",
+    ],
+)
+def test_keys_that_are_no_choice_are_unknown(key):
+    """Segments of 1 GiB placed by the arena, cross-GPU handoffs where the GPUs have peer access, CuPy's and RMM's
+    own allocators, and the UCX receive pool where RMM's resource is its default are what every worker does: a config
+    that still sets one of these keys fails naming it, in dask config and as a ``GPUPool`` keyword."""
+    with dask.config.set({f"gpupool.{key}": "auto"}), pytest.raises(ConfigError, match=rf"gpupool\.{key}"):
+        PoolOptions.from_config()
+    with pytest.raises(TypeError, match=key.replace("-", "_")):
+        GPUPool(**{key.replace("-", "_"): "auto"})
 
 
 @pytest.mark.parametrize(
@@ -162,14 +150,9 @@ def test_segments_are_at_most_the_import_limit():
         ("gpupool.broker-timeout", "soon"),
         ("gpupool.host-id", ""),
         ("gpupool.colour", 1),
-        ("gpupool.segment-size", "big"),
-        ("gpupool.segment-size", -1),
-        ("gpupool.import-limit", "huge"),
         ("gpupool.ucx-handoff-threshold", "big"),
         ("gpupool.ucx-staging-threshold", "-1"),
         ("gpupool.ucx-host-frame-threshold", "-8 KiB"),
-        ("gpupool.ucx-receive-pool", "plenty"),
-        ("gpupool.ucx-receive-pool", "-1 GiB"),
         ("gpupool.copy-chunk-size", "-1 MiB"),
         ("gpupool.copy-chunk-size", "2 GiB"),  # each lane stages three chunks
         ("gpupool.copy-stream-threshold", "some"),
@@ -177,18 +160,16 @@ def test_segments_are_at_most_the_import_limit():
         ("gpupool.copy-streams", 0),
         ("gpupool.copy-streams", 17),
         ("gpupool.copy-streams", "four"),
-        ("gpupool.suballocator", "jemalloc"),
-        ("gpupool.peer-gpu-handoff", "sometimes"),
         ("gpupool.peer-gpu-copy", "sometimes"),
         ("gpupool.handoff-ordering", "later"),
         ("gpupool.lease-claims", "later"),
         ("gpupool.tcp-landing", "host"),
+        ("gpupool.segment-memory", "pool"),
         ("gpupool.broker-timeout", ""),  # an empty environment variable
         ("gpupool.lease-timeout", " "),
         ("gpupool.switch-interval", ""),
         ("gpupool.broker-timeout", "1e400"),  # past a float
         ("gpupool.max-size", "1e400"),
-        ("gpupool.segment-size", "1e400"),
         ("gpupool.stage-threshold", "1e400 B"),
     ],
 )
@@ -261,13 +242,9 @@ def test_the_plugin_checks_the_options_it_was_given_not_this_processs_config():
     with dask.config.set(client_config):
         with pytest.raises(ConfigError):
             PoolOptions.from_config()  # this process's own config is bad...
-        plugin = GPUPool(kind="host", max_size="64MiB", peer_gpu_handoff=True)  # ...and none of the plugin's business
-        assert plugin.overrides == {"kind": "host", "max_size": "64MiB", "peer_gpu_handoff": True}
+        plugin = GPUPool(kind="host", max_size="64MiB", segment_memory="legacy")  # ...and none of the plugin's business
+        assert plugin.overrides == {"kind": "host", "max_size": "64MiB", "segment_memory": "legacy"}
         with pytest.raises(ConfigError, match=r"gpupool\.kind='gpu'"):
             GPUPool(kind="gpu")
-        with pytest.raises(ConfigError, match=r"rmm-allocator and gpupool\.cupy-allocator"):
-            GPUPool(rmm_allocator=True, cupy_allocator=True)
-        with pytest.raises(ConfigError, match=r"peer-gpu-handoff=true needs segments"):
-            GPUPool(peer_gpu_handoff=True, segment_memory="pool")
-    with dask.config.set({"gpupool.cupy-allocator": True}):
-        GPUPool(rmm_allocator=True)  # a conflict with this process's config only: the workers' configs decide
+        with pytest.raises(ConfigError, match=r"gpupool\.segment-memory='pool'"):
+            GPUPool(segment_memory="pool")

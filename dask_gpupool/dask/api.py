@@ -277,7 +277,7 @@ def stats(client: Client, timeout: float | None = None) -> dict[str, dict[str, A
         host frame), ``receive_pooled_bytes`` and ``receive_pool_misses``
         (device frames received over UCX into the receive pool, in bytes,
         and frames that did not fit under its ceiling:
-        ``gpupool.ucx-receive-pool``), ``pool_staged_bytes`` (arrays outside the
+        :mod:`~dask_gpupool.dask.ucx_receive`), ``pool_staged_bytes`` (arrays outside the
         pool copied into it before a handoff), ``peer_copied_bytes`` (values
         from another GPU copied into this worker's pool on arrival, device to
         device: ``gpupool.peer-gpu-copy``), ``fallbacks`` (same-host transfers that were
@@ -292,9 +292,8 @@ def stats(client: Client, timeout: float | None = None) -> dict[str, dict[str, A
         the peer's process exits or for the process's life;
         :class:`~dask_gpupool.memory.lifetime.Quarantine`), ``segments``, ``segments_retiring`` and
         ``segments_released`` (this pool's segments held and retired, and
-        segment releases sent to peers), and ``routing`` (what allocates into
-        the pool besides tasks' own calls: ``{"cupy": what and why}``, see
-        ``gpupool.cupy-allocator``; ``"rmm"`` and ``"staging"`` likewise;
+        segment releases sent to peers), and ``routing`` (what and why:
+        ``"staging"``, whether plain CuPy results are staged into the pool;
         ``"ucx-receive"``, where device frames received over UCX go; and
         ``"segment-memory"``, what the pool's segments are made of and why,
         see ``gpupool.segment-memory``). A worker without a pool (its set-up

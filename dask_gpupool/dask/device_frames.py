@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from cuda.core import Buffer
 
-from dask_gpupool.dask.plain_arrays import in_segments, stage, warn_once
+from dask_gpupool.dask.plain_arrays import stage, warn_once
 from dask_gpupool.dask.serializers import KEY, data_lost, deserialize_buffer, hand_over, loads_array
 from dask_gpupool.dask.views import VIEWS, c_strides, device_of, viewed_buffer
 from dask_gpupool.dask.worker_internals import REQUEST, SYNCHRONIZED_DEVICE, SYNCHRONIZING_SCHEMES, clear_tracebacks
@@ -281,12 +281,7 @@ def _dumps_cupy(x: Any, previous: Any) -> tuple[dict[str, Any], list[Any]]:
     buf = viewed_buffer(x, int(x.data.ptr)) if VIEWS else None
     if buf is None:
         request = REQUEST.get()
-        placed = (  # RMM placed it in the pool (gpupool.rmm-allocator)
-            False if request is None else in_segments(request, x, "cupy", request.service.options.ucx_handoff_threshold)
-        )
-        if isinstance(placed, tuple):
-            return placed
-        if request is not None and not placed:  # to a worker on this GPU, from gpupool.stage-threshold up
+        if request is not None:  # to a worker on this GPU, from gpupool.stage-threshold up
             staged_in_pool = stage(request, x, "cupy")
             if staged_in_pool is not None:
                 return staged_in_pool
@@ -296,7 +291,7 @@ def _dumps_cupy(x: Any, previous: Any) -> tuple[dict[str, Any], list[Any]]:
         else:
             header, frames = previous(x)
             _count_device_frames(int(x.nbytes), staged=False, out=True)
-        if request is not None and not placed:
+        if request is not None:
             request.count_plain_fallback(int(x.nbytes))  # to a same-host peer: fallback not-in-pool
         return header, frames
     meta = ArrayMeta("cupy", tuple(x.shape), tuple(x.strides), x.dtype.str, int(x.data.ptr) - int(buf.handle))

@@ -26,7 +26,7 @@ from dask_gpupool.dask.worker_internals import REQUEST, Request
 from dask_gpupool.errors import PoolExhaustedError
 from dask_gpupool.wire.handoff import HEADER_KEY, ArrayMeta
 
-__all__ = ["in_segments", "plain", "stage", "warn_once"]
+__all__ = ["plain", "stage", "warn_once"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,50 +56,17 @@ def _staging_stream(device: int | None) -> Any:
 
 
 def plain(arr: Any, module: str, previous: Any, context: Any) -> tuple[dict[str, Any], list[Any]]:
-    """An array over no pool Buffer: handed over if RMM placed it in the pool, else staged into the pool and handed
-    over, or distributed's serializer (counted). Reads the ``get_data`` request once."""
+    """An array over no pool Buffer: staged into the pool and handed over, or distributed's serializer (counted).
+    Reads the ``get_data`` request once."""
     request = REQUEST.get()
     if request is None:  # spilling, a task graph, a client: distributed's serializer, nothing to count
         return previous(arr, context)
-    handed = in_segments(request, arr, module)
-    if isinstance(handed, tuple):
-        return handed
-    if not handed:
-        staged = stage(request, arr, module)
-        if staged is not None:
-            return staged
-        request.count_plain_fallback(int(arr.nbytes))
-    # a copy: counted here; in the pool but a copy for this requester (handed is True): its fallback is counted
+    staged = stage(request, arr, module)
+    if staged is not None:
+        return staged
+    request.count_plain_fallback(int(arr.nbytes))
     request.service.handoffs.add(copied_out_bytes=int(arr.nbytes))
     return previous(arr, context)
-
-
-def in_segments(request: Request, arr: Any, module: str, threshold: int = 0) -> tuple[dict[str, Any], list[Any]] | bool:
-    """Hand over a CuPy array that RMM placed in this worker's pool (``gpupool.rmm-allocator``), if it is one.
-
-    Returns the serialized handoff; ``True`` when the array lies in the
-    pool but goes as a copy to this requester (the fallback is counted);
-    ``False`` when it does not lie in the pool, or nothing is asked here (not
-    a same-host worker, RMM not routed to the pool, a non-contiguous view, or
-    fewer than ``threshold`` bytes). The lease holds the array, and with it
-    RMM's allocation.
-    """
-    if module != "cupy" or request.plain_reason is None:
-        return False
-    segmented = request.service.pool.segmented
-    if segmented is None or not segmented.rmm_shared or arr.size == 0 or arr.nbytes < threshold:
-        return False
-    if not (arr.flags.c_contiguous or arr.flags.f_contiguous):
-        return False  # its extent is not its nbytes: staged instead
-    meta = ArrayMeta(module, tuple(arr.shape), tuple(arr.strides), arr.dtype.str, 0)
-    event = request.task_event(arr)  # a task result of this worker: exported after its event only
-    handed = request.service.export_range(
-        arr, int(arr.data.ptr), int(arr.nbytes), request.requester, request.scheme, meta, written_by=event
-    )
-    if isinstance(handed, bool):
-        return handed
-    request.granted.append(handed.lease)
-    return {HEADER_KEY: handed.to_msg()}, []
 
 
 def stage(request: Request, arr: Any, module: str) -> tuple[dict[str, Any], list[Any]] | None:
@@ -153,7 +120,9 @@ def stage(request: Request, arr: Any, module: str) -> tuple[dict[str, Any], list
     allocating = time.perf_counter()
     try:
         if side is not None:
-            buf = service.allocate(nbytes, side)  # stream-ordered on the staging stream
+            # stream-ordered on the staging stream, which waits for the frees queued on the default stream, not for
+            # its kernels (memory/arena_placement.py)
+            buf = service.allocate(nbytes, side)
         else:
             buf = service.allocate(nbytes)
     except PoolExhaustedError:

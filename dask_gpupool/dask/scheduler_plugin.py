@@ -79,20 +79,10 @@ class GPUPool(SchedulerPlugin):
     lease_timeout : str or float, optional
         After how long an unclaimed lease is logged, and how long a peer whose
         transfer failed gets copies (``gpupool.lease-timeout``); no timer ends a lease.
-    peer_gpu_handoff : bool or "auto", optional
-        Zero-copy handoffs to workers on another GPU (``gpupool.peer-gpu-handoff``).
-    segment_size : int or str, optional
-        Segments of ``device`` pools, e.g. ``"1 GiB"``; 0 for none (``gpupool.segment-size``).
-    suballocator : {"auto", "rmm", "arena"}, optional
-        What places buffers inside segments (``gpupool.suballocator``).
-    segment_memory : {"auto", "vmm", "legacy", "pool"}, optional
-        What segments are made of (``gpupool.segment-memory``): ``vmm`` and
+    segment_memory : {"auto", "vmm", "legacy"}, optional
+        What the segments of ``device`` pools are made of (``gpupool.segment-memory``): ``vmm`` and
         ``legacy`` memory stay readable by peers after their owner died;
         ``legacy`` (``cuMemAlloc``) also goes over UCX without a staging copy.
-    import_limit : int or str, optional
-        Largest CUDA allocation handed over zero-copy (``gpupool.import-limit``).
-    cupy_allocator : bool or "auto", optional
-        Route CuPy's allocations through the pool (``gpupool.cupy-allocator``; ``auto``: CuPy keeps its allocator).
     ucx_handoff_threshold : int or str, optional
         Smallest value handed over zero-copy on UCX comms (``gpupool.ucx-handoff-threshold``).
     ucx_staging_threshold : int or str, optional
@@ -101,9 +91,6 @@ class GPUPool(SchedulerPlugin):
     ucx_host_frame_threshold : int or str, optional
         CuPy arrays and pool Buffers below this size in a reply over UCX go as one host frame
         (``gpupool.ucx-host-frame-threshold``).
-    ucx_receive_pool : bool, int, str or "auto", optional
-        Most device memory of the RMM pool distributed-ucxx receives device frames into
-        (``gpupool.ucx-receive-pool``; ``auto``: 1 GiB where RMM's resource is RMM's default).
     copy_chunk_size, copy_stream_threshold : int or str, optional
         The pipelined copy path's chunk, and the smallest copy it carries
         (``gpupool.copy-chunk-size``, ``gpupool.copy-stream-threshold``).
@@ -119,9 +106,6 @@ class GPUPool(SchedulerPlugin):
         Send every object with a ``"cuda"`` serializer (``rmm.DeviceBuffer``,
         Numba and cuDF objects) frame by frame through the pool
         (``gpupool.device-objects``).
-    rmm_allocator : bool or "auto", optional
-        Make RMM (and CuPy through it) allocate from the pool
-        (``gpupool.rmm-allocator``; ``auto``: RMM keeps its resource).
     peer_gpu_copy : bool, optional
         Copy a value handed over from another GPU into this worker's pool on
         arrival, device to device (``gpupool.peer-gpu-copy``).
@@ -157,8 +141,7 @@ class GPUPool(SchedulerPlugin):
     Raises
     ------
     ConfigError
-        For a bad option value, or options given that conflict (such as
-        ``rmm_allocator=True`` with ``cupy_allocator=True``): the values given
+        For a bad option value, or options given that conflict: the values given
         are checked here, each on its own and against each other, so a typo
         fails at once. This process's own ``gpupool.*`` config is not read
         here: options left out are read by each worker from its own dask
@@ -218,23 +201,16 @@ class GPUPool(SchedulerPlugin):
         broker_dir: str | None = None,
         broker_timeout: str | float | None = None,
         lease_timeout: str | float | None = None,
-        peer_gpu_handoff: bool | str | None = None,
-        segment_size: int | str | None = None,
-        suballocator: str | None = None,
         segment_memory: str | None = None,
-        import_limit: int | str | None = None,
-        cupy_allocator: bool | str | None = None,
         ucx_handoff_threshold: int | str | None = None,
         ucx_staging_threshold: int | str | None = None,
         ucx_host_frame_threshold: int | str | None = None,
-        ucx_receive_pool: bool | int | str | None = None,
         copy_chunk_size: int | str | None = None,
         copy_stream_threshold: int | str | None = None,
         copy_streams: int | None = None,
         stage_threshold: int | str | None = None,
         handoff_threshold: int | str | None = None,
         device_objects: bool | None = None,
-        rmm_allocator: bool | str | None = None,
         peer_gpu_copy: bool | None = None,
         handoff_ordering: str | None = None,
         lease_claims: str | None = None,
@@ -251,23 +227,16 @@ class GPUPool(SchedulerPlugin):
                 broker_dir=broker_dir,
                 broker_timeout=broker_timeout,
                 lease_timeout=lease_timeout,
-                peer_gpu_handoff=peer_gpu_handoff,
-                segment_size=segment_size,
-                suballocator=suballocator,
                 segment_memory=segment_memory,
-                import_limit=import_limit,
-                cupy_allocator=cupy_allocator,
                 ucx_handoff_threshold=ucx_handoff_threshold,
                 ucx_staging_threshold=ucx_staging_threshold,
                 ucx_host_frame_threshold=ucx_host_frame_threshold,
-                ucx_receive_pool=ucx_receive_pool,
                 copy_chunk_size=copy_chunk_size,
                 copy_stream_threshold=copy_stream_threshold,
                 copy_streams=copy_streams,
                 stage_threshold=stage_threshold,
                 handoff_threshold=handoff_threshold,
                 device_objects=device_objects,
-                rmm_allocator=rmm_allocator,
                 peer_gpu_copy=peer_gpu_copy,
                 handoff_ordering=handoff_ordering,
                 lease_claims=lease_claims,

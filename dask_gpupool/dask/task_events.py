@@ -11,7 +11,7 @@ task's CuPy result is stored (its ``transition`` hook, on the event loop,
 right after the task returned; the default stream follows every blocking
 stream's earlier work, CuPy's default included), and the staging copy runs on
 a stream of its own that waits for that event only. A task result over pool
-memory (a pool Buffer, an array over one, an array RMM placed in the pool)
+memory (a pool Buffer, an array over one)
 gets one too, whatever its size: its export waits for that event rather than
 for the whole GPU (``gpupool.handoff-ordering: sync``,
 :meth:`Exports._order <dask_gpupool.handoff.exports.Exports._order>`).

@@ -1,4 +1,4 @@
-"""Where distributed-ucxx receives device frames: an RMM pool, not a ``cudaMalloc`` each (``gpupool.ucx-receive-pool``).
+"""Where distributed-ucxx receives device frames: an RMM pool, not a ``cudaMalloc`` each.
 
 distributed-ucxx 0.52 receives every device frame of a message into
 ``rmm.DeviceBuffer(size=n)`` from RMM's current resource: its module global
@@ -11,7 +11,7 @@ put an RMM pool there; a plain UCX worker has none.
 
 This module points ``device_array`` at :class:`ReceivePool`: an RMM
 ``PoolMemoryResource`` over ``CudaMemoryResource`` of at most
-``gpupool.ucx-receive-pool`` bytes, made on the first frame. A frame that does
+:data:`UCX_RECEIVE_POOL` bytes, made on the first frame. A frame that does
 not fit under that ceiling is received as before (counted in
 ``receive_pool_misses``). The memory is ``cudaMalloc`` memory, which UCX's
 ``cuda_ipc`` and ``cuda_copy`` handle as they do any (receiving into the
@@ -34,12 +34,9 @@ which frames come from RMM's resource. Any other read (a handler's on a comm
 the worker accepted, a client's in the same process) gets its frames from
 distributed-ucxx's own ``device_array``, as without the plugin.
 
-``auto`` stands aside where someone else chose RMM's resource (an RMM pool,
+It stands aside where someone else chose RMM's resource (an RMM pool,
 ``cudaMallocAsync``, managed memory): that resource already serves the frames,
-and the user picked it. It takes over from this plugin's own resource
-(``gpupool.rmm-allocator: true``), whose VMM segments UCX receives into slowly
-(legacy segments, which ``gpupool.segment-memory: auto`` makes on UCX workers,
-are not measured as a place to receive into).
+and the user picked it (:func:`decide`).
 """
 
 from __future__ import annotations
@@ -53,38 +50,38 @@ from dask.utils import format_bytes
 from dask_gpupool.dask.worker_internals import READ_BLOCKS, SYNCHRONIZED_DEVICE
 from dask_gpupool.handoff.stats import HandoffStats
 
-__all__ = ["ReceivePool", "decide", "install", "uninstall"]
+__all__ = ["UCX_RECEIVE_POOL", "ReceivePool", "decide", "install", "uninstall"]
 
 logger = logging.getLogger(__name__)
 
 #: distributed-ucxx's comm module, whose ``device_array`` global this module replaces.
 COMM_MODULE = "distributed_ucxx.ucxx"
 
+#: The most device memory the receive pool may reserve. Without it distributed-ucxx 0.52 makes an
+#: ``rmm.DeviceBuffer`` per frame from RMM's current resource: on a worker without an RMM pool a ``cudaMalloc`` and
+#: later a ``cudaFree``. On one H100, four workers as two "hosts", pool arrays, each sample taken four ways back to
+#: back in one cluster (benchmarks/ucx_pairs.py ``-recvrmm-ab``, 2026-11-25, docs/performance.md): other-host pairs
+#: received into an RMM pool took 0.86 / 0.95 / 0.85x UCXX alone's path at 64 KiB / 1 MiB / 4 MiB, against 1.10 /
+#: 1.10 / 1.08x with a ``cudaMalloc`` per frame. Frames that do not fit under it go to RMM's resource.
+UCX_RECEIVE_POOL = 1 << 30
 
-def decide(
-    setting: int | None, default: int, kind: str, over_ucx: bool, resource: str | None, device: int = 0
-) -> tuple[int, str]:
+
+def decide(kind: str, over_ucx: bool, resource: str | None, device: int = 0) -> tuple[int, str]:
     """The ceiling of the receive pool (0: none) and why (``stats()["routing"]["ucx-receive"]``).
 
     Parameters
     ----------
-    setting : int or None
-        ``gpupool.ucx-receive-pool``: ``None`` for ``auto``, 0 for off, else the ceiling in bytes.
-    default : int
-        The ceiling ``auto`` uses.
     kind : str
         The worker's pool kind; only a ``device`` pool's worker gets a receive pool.
     over_ucx : bool
         Whether the worker listens over UCX and distributed-ucxx has set up its comm module (``device_array``).
     resource : str or None
-        RMM's current resource for the worker's GPU: ``"default"`` (``CudaMemoryResource``), ``"gpupool"`` (this
-        pool's, ``gpupool.rmm-allocator``), the class name of any other, or ``None`` when RMM is not installed.
+        RMM's current resource for the worker's GPU: ``"default"`` (``CudaMemoryResource``), the class name of any
+        other, or ``None`` when RMM is not installed.
     device : int
         The worker's GPU (ordinal in its process). A block given out again is safe from kernels still reading it
         only on the GPU distributed-ucxx synchronizes before it receives (device 0).
     """
-    if setting == 0:
-        return 0, "off (gpupool.ucx-receive-pool: false)"
     if not over_ucx:
         return 0, "off: this worker does not receive over UCX"
     if kind != "device":
@@ -96,11 +93,11 @@ def decide(
             f"off: the worker's GPU is device {device}, and distributed-ucxx synchronizes only device "
             f"{SYNCHRONIZED_DEVICE} before it receives"
         )
-    if setting is None and resource not in ("default", "gpupool"):
-        return 0, f"off (auto): RMM's resource {resource} was set before the plugin and already serves device frames"
-    ceiling = default if setting is None else setting
-    how = "auto" if setting is None else "gpupool.ucx-receive-pool"
-    return ceiling, f"on ({how}): device frames received into an RMM pool of at most {format_bytes(ceiling)}"
+    if resource != "default":
+        return 0, f"off: RMM's resource {resource} was set before the plugin and already serves device frames"
+    return UCX_RECEIVE_POOL, (
+        f"on: device frames received into an RMM pool of at most {format_bytes(UCX_RECEIVE_POOL)}"
+    )
 
 
 class ReceivePool:
@@ -194,8 +191,7 @@ def comm_module() -> Any | None:
 
 
 def current_resource(device: int) -> str | None:
-    """RMM's current resource for ``device``, as :func:`decide` takes it (``None``: RMM is not installed; the
-    caller says ``"gpupool"`` when it routed RMM to the pool itself)."""
+    """RMM's current resource for ``device``, as :func:`decide` takes it (``None``: RMM is not installed)."""
     try:
         import rmm.mr
     except ImportError:

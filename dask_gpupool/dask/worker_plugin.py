@@ -38,7 +38,7 @@ from distributed import WorkerPlugin
 from distributed.core import Status
 from tornado.ioloop import PeriodicCallback
 
-from dask_gpupool.config import UCX_RECEIVE_POOL, PoolOptions
+from dask_gpupool.config import PoolOptions
 from dask_gpupool.core import (
     JOINED_OP,
     MEMBERSHIP_OP,
@@ -48,7 +48,6 @@ from dask_gpupool.core import (
     UNREGISTER_OP,
     UPDATE_OP,
 )
-from dask_gpupool.dask import rmm_routing as _rmm
 from dask_gpupool.dask import ucx_receive as _receive
 from dask_gpupool.dask.device_objects import serializers_for
 from dask_gpupool.dask.task_events import TaskEvents, is_cupy_array
@@ -104,8 +103,6 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
     _held: list[RegistryUpdate] | None
     _get_data: Any
     _push: PeriodicCallback | None
-    _cupy_previous: Any
-    _rmm_previous: tuple[Any, Any] | None
     #: ``(comm module, pool, previous device_array)`` while distributed-ucxx receives into the receive pool.
     _receive: tuple[Any, _receive.ReceivePool, Any] | None
     #: sys.getswitchinterval() before gpupool.switch-interval changed it, put back at teardown.
@@ -124,8 +121,6 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         self._held = None  # registry updates held until this worker's own row is published
         self._get_data = None
         self._push = None
-        self._cupy_previous = None
-        self._rmm_previous = None
         self._receive = None
         self._switch_previous = None
         self._task_events = None
@@ -213,18 +208,7 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
                 register_cupy()
             except Exception:  # the lazy registration retries on the first CuPy array
                 logger.warning("gpupool: registering CuPy's serializers failed; retried on first use", exc_info=True)
-        if not has_cupy:
-            service.routing["cupy"] = "off: CuPy is not installed"
-        else:
-            from dask_gpupool.dask import cupy_routing as _cupy
-
-            route, why = _cupy.decide(options.cupy_allocator, service.pool.kind)
-            if route:
-                self._cupy_previous, replaced = _cupy.install(service)
-                why += f"; replaced {replaced}" if replaced else ""
-            service.routing["cupy"] = why
-        self._install_rmm(service, options)
-        self._install_receive(over_ucx, service, options)
+        self._install_receive(over_ucx, service)
         # A full pool reclaims large buffers' spares that peers map: its changed row goes out on this worker's
         # stream (the scheduler takes row changes only from their worker), from the event loop.
         service.reclaim_through(lambda: worker.loop.add_callback(self._send_row, worker, service))
@@ -243,32 +227,14 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         # Last, with nothing after it that can fail: the answer arrives on this stream (_on_membership).
         worker.batched_stream.send({"op": REGISTER_OP, "record": service.record.to_msg()})
 
-    def _install_rmm(self, service: PoolService, options: PoolOptions) -> None:
-        """``gpupool.rmm-allocator``: RMM (and CuPy through it) allocates from the pool; the reason in stats()."""
-        segmented = service.pool.segmented
-        placed = segmented is not None and segmented.suballocator == "rmm"
-        route, why = _rmm.decide(options.rmm_allocator, service.pool.kind, placed)
-        if route:
-            previous, cupy_previous, replaced = _rmm.install(service)
-            self._rmm_previous = (previous, cupy_previous)
-            why += f"; replaced {replaced}" if replaced else ""
-        service.routing["rmm"] = why
-
-    def _install_receive(self, over_ucx: bool, service: PoolService, options: PoolOptions) -> None:
-        """``gpupool.ucx-receive-pool``: distributed-ucxx receives device frames into an RMM pool; why in stats()."""
+    def _install_receive(self, over_ucx: bool, service: PoolService) -> None:
+        """distributed-ucxx receives device frames into an RMM pool (:mod:`~dask_gpupool.dask.ucx_receive`); why in
+        stats()."""
         module = _receive.comm_module() if over_ucx else None
         resource = None
         if module is not None and service.pool.kind == "device":
-            routed = self._rmm_previous is not None  # RMM's resource is this pool's own (gpupool.rmm-allocator)
-            resource = "gpupool" if routed else _receive.current_resource(service.pool.device or 0)
-        ceiling, why = _receive.decide(
-            options.ucx_receive_pool,
-            UCX_RECEIVE_POOL,
-            service.pool.kind,
-            module is not None,
-            resource,
-            service.pool.device or 0,
-        )
+            resource = _receive.current_resource(service.pool.device or 0)
+        ceiling, why = _receive.decide(service.pool.kind, module is not None, resource, service.pool.device or 0)
         if module is not None and isinstance(getattr(module.device_array, "__self__", None), _receive.ReceivePool):
             ceiling, why = 0, "off: another worker of this process installed its receive pool"
         if ceiling and module is not None:
@@ -388,14 +354,6 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         if self._receive is not None:
             _receive.uninstall(*self._receive)
             self._receive = None
-        if self._rmm_previous is not None and self.service is not None:
-            _rmm.uninstall(self.service, *self._rmm_previous)
-            self._rmm_previous = None
-        if self._cupy_previous is not None:
-            from dask_gpupool.dask import cupy_routing as _cupy
-
-            _cupy.uninstall(self._cupy_previous)
-            self._cupy_previous = None
         if self._push is not None:
             self._push.stop()
             self._push = None
@@ -489,16 +447,14 @@ def _segment_memory_line(options: PoolOptions, kind: str, made_of: str, over_ucx
     """``stats()["routing"]["segment-memory"]``: what a ``kind`` pool's segments are made of (``made_of``), and why."""
     if kind != "device":
         return f"none: a {kind} pool has no segments"
-    if not options.segment_size:
-        return "pool: gpupool.segment-size is 0 (each buffer its own allocation of CUDA's IPC pool)"
     if options.segment_memory != "auto":
         return f"{made_of} (gpupool.segment-memory)"
-    if made_of == "legacy":
+    if made_of == "legacy" and over_ucx:
         return "legacy (auto): this worker listens over UCX, which sends legacy IPC memory with no staging copy"
+    if made_of == "legacy":
+        return "legacy (auto): this GPU exports no virtual memory as POSIX fds"
     why = "this GPU shares no memory by IPC handle" if over_ucx else "this worker does not listen over UCX"
-    if made_of == "vmm":
-        return f"vmm (auto): {why}"
-    return f"pool (auto): {why}, and exports no virtual memory as POSIX fds"
+    return f"vmm (auto): {why}"
 
 
 def _staging_line(kind: str, has_cupy: bool, threshold: int, over_tcp: bool) -> str:
@@ -533,8 +489,8 @@ def _default_stream_recorder(device: int | None) -> Callable[[], Any]:
 def _wants_event(service: PoolService, stage_threshold: int) -> Callable[[Any], bool]:
     """Which stored task results get an event (:class:`TaskEvents`): CuPy arrays of ``stage_threshold`` bytes or
     more (staged after it; 0: none for that reason), and any over this worker's pool memory, whatever its size (a
-    pool Buffer, an array over one, an array RMM placed in the pool's segments): their export waits for that event
-    rather than for the whole GPU (``gpupool.handoff-ordering: sync``)."""
+    pool Buffer, an array over one): their export waits for that event rather than for the whole GPU
+    (``gpupool.handoff-ordering: sync``)."""
     pool = service.pool
 
     def wanted(value: Any) -> bool:
@@ -545,15 +501,6 @@ def _wants_event(service: PoolService, stage_threshold: int) -> Callable[[Any], 
         nbytes = int(value.nbytes)
         if stage_threshold and nbytes >= stage_threshold:
             return True
-        if not nbytes:
-            return False
-        if pool_buffer_of(value) is not None:
-            return True
-        segmented = pool.segmented
-        return bool(
-            segmented is not None
-            and segmented.rmm_shared
-            and segmented.locate_range(int(value.data.ptr), nbytes) is not None
-        )
+        return bool(nbytes) and pool_buffer_of(value) is not None
 
     return wanted

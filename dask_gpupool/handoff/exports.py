@@ -2,8 +2,7 @@
 
 :class:`Exports` makes what a ``get_data`` reply carries for a value of this
 worker's pool, as :class:`~dask_gpupool.handoff.routes.Routes` decided: an
-IPC descriptor under a lease (:meth:`Exports.export_ipc`; for memory RMM
-placed in the pool's segments, :meth:`Exports.export_range`), or a stream
+IPC descriptor under a lease (:meth:`Exports.export_ipc`), or a stream
 lease for the pipelined copy (:meth:`Exports.export_stream`), and ends the
 leases a reply left unclaimed (:meth:`Exports.settle`). The
 :class:`~dask_gpupool.handoff.service.PoolService` owns one and delegates to
@@ -28,7 +27,7 @@ from dask_gpupool.memory.buffers import buffer_kind
 from dask_gpupool.memory.pool import Pool
 from dask_gpupool.memory.topology import current_gpu, sleeping_event
 from dask_gpupool.transport.stream import CopyServer, Staged, lanes
-from dask_gpupool.wire.handoff import ArrayMeta, BufferDescriptor, HandoffHeader
+from dask_gpupool.wire.handoff import ArrayMeta, HandoffHeader
 from dask_gpupool.wire.registry import PoolRecord
 
 __all__ = ["Exports"]
@@ -51,7 +50,7 @@ class Exports:
     handoffs : HandoffStats
         The worker's counters (exports, copies, timings).
     routes : Routes
-        This worker's routing decisions (memory RMM placed; peers whose reply failed).
+        This worker's routing decisions (peers whose reply failed).
     copier : CopyServer or None
         The copy server stream leases are pulled from (``None``: that path is off).
     left : callable or None
@@ -100,7 +99,6 @@ class Exports:
         *,
         written_on: Any = None,
         written_by: Any = None,
-        desc: BufferDescriptor | None = None,
     ) -> HandoffHeader:
         """Grant ``row``'s worker a lease on ``buf`` and describe it.
 
@@ -118,7 +116,7 @@ class Exports:
         that event, so only the event counts (not with ``device``).
         """
         start = time.perf_counter()
-        desc = self.pool.export(buf) if desc is None else desc  # given: memory RMM placed (export_range)
+        desc = self.pool.export(buf)
         written = self._order(written_on, written_by)
         # gpupool.lease-claims: reply. The importer holds the lease once it has the header, and the reply's "OK"
         # tells this worker (settle). Not with event ordering: there the broker's answer to a claim is the wait.
@@ -204,34 +202,6 @@ class Exports:
             done()
 
         return wait
-
-    def export_range(
-        self,
-        holder: Any,
-        ptr: int,
-        nbytes: int,
-        requester: str | None,
-        scheme: str,
-        array: ArrayMeta | None,
-        *,
-        written_by: Any = None,
-    ) -> HandoffHeader | bool:
-        """Hand over ``nbytes`` at ``ptr`` if RMM placed them in this pool's segments (``gpupool.rmm-allocator``).
-
-        ``holder`` keeps the memory alive (the array over it); the lease
-        holds it. Returns the header; ``False`` when the memory is in no
-        segment of this pool (the caller treats it as an array outside the
-        pool); ``True`` when it is but goes as a copy (the fallback is
-        counted here). ``written_by``: as for :meth:`export_ipc`.
-        """
-        desc = self.pool.export_range(ptr, nbytes)
-        if desc is None:
-            return False
-        row, _reason = self.routes.plan_range(requester, scheme, nbytes, desc.extent)
-        if row is None:
-            return True
-        view = Buffer.from_handle(ptr, nbytes, owner=holder)
-        return self.export_ipc(holder, view, row, array, written_by=written_by, desc=desc)
 
     def settle(self, leases: list[int], requester: str | None, ok: bool = False) -> list[int]:
         """The ``get_data`` reply that carried ``leases`` to ``requester`` ended (``ok``: its "OK" was read).

@@ -92,21 +92,9 @@ class Routes:
         """
         return self._counted(self.route(requester, scheme, buf), requester)
 
-    def plan_range(
-        self, requester: str | None, scheme: str, nbytes: int, import_size: int
-    ) -> tuple[PoolRecord | None, str | None]:
-        """:meth:`plan` for ``nbytes`` that RMM placed in this pool's segments (``gpupool.rmm-allocator``).
-
-        ``import_size``: the size of the segment a peer would map.
-        """
-        decision = self._route(self.record, requester, scheme, True, import_size, self.pool.in_ipc_pool, nbytes)
-        return self._counted(decision, requester)
-
     def route(self, requester: str | None, scheme: str, buf: Buffer) -> Route:
         """:meth:`plan`'s decision without counting it (:func:`~dask_gpupool.handoff.routing.route`)."""
-        owned = self.pool.owns(buf)
-        size = self.pool.import_size(buf) if owned and self.pool.kind == "device" else 0
-        return self._route(self.record, requester, scheme, owned, size, self.pool.in_ipc_pool, int(buf.size))
+        return self._route(self.record, requester, scheme, self.pool.owns(buf), int(buf.size))
 
     def _counted(self, decision: Route, requester: str | None) -> tuple[PoolRecord | None, str | None]:
         """``decision`` as :meth:`plan` returns it, its same-host fallback counted (and warned once)."""
@@ -122,16 +110,13 @@ class Routes:
         requester: str | None,
         scheme: str,
         owned: bool,
-        import_size: int,
-        pool_memory: bool,
         nbytes: int = 0,
     ) -> Route:
         """:func:`~dask_gpupool.handoff.routing.route` for memory of ``own``'s pool, with this worker's state.
 
         ``nbytes`` (the value's size) is held against ``gpupool.handoff-threshold``
         of ``own``'s pool kind (this worker's pool when ``nbytes`` is given) and the requester's GPU (``own``'s or
-        another); 0 (staging, forwards) never is. ``pool_memory``: ``own``'s buffers are allocations of CUDA's IPC
-        pool, held to ``gpupool.import-limit`` (5 GiB by default; VMM and legacy IPC segments to none).
+        another); 0 (staging, forwards) never is.
         """
         row = self.registry.worker_row(requester) if requester else None
         same_gpu = _on_gpu_of(row, own)
@@ -143,8 +128,6 @@ class Routes:
             pool_open=not (self.closed or self.pool.closed),
             owned=owned,
             unreachable=row is not None and self.is_unreachable(row.worker),
-            import_size=import_size,
-            import_limit=self.options.effective_import_limit(pool_memory),
             nbytes=nbytes,
             handoff_threshold=self.options.effective_handoff_threshold(own.kind, same_gpu) if nbytes else 0,
         )
@@ -163,8 +146,7 @@ class Routes:
         threshold = self.stage_threshold(requester, scheme)
         if not threshold or nbytes < threshold or scheme not in HANDOFF_SCHEMES:
             return None
-        size = nbytes if self.pool.kind == "device" else 0
-        decision = self._route(self.record, requester, scheme, True, size, self.pool.in_ipc_pool)
+        decision = self._route(self.record, requester, scheme, True)
         row = decision.row if decision.reason is None else None
         if row is not None and scheme not in TCP_SCHEMES and row.device != self.record.device:
             return None
@@ -199,8 +181,7 @@ class Routes:
             return Route(row, "forward-refused" if same_host else None), None
         if row is not None and row.worker == owner.worker and not self.closed and scheme in HANDOFF_SCHEMES:
             return Route(row, None), owner  # back to its exporter: its own memory, nothing to map
-        pool_memory = owner.kind == "device" and owner.segment_memory == "pool"
-        return self._route(owner, requester, scheme, True, origin.desc.size, pool_memory), owner
+        return self._route(owner, requester, scheme, True), owner
 
     def stream_route(self, requester: str | None, scheme: str, nbytes: int) -> PoolRecord | None:
         """The requester's row when a copy of ``nbytes`` to it goes over the pipelined copy path, else ``None``.

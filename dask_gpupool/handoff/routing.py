@@ -43,8 +43,6 @@ def route(
     pool_open: bool,
     owned: bool,
     unreachable: bool = False,
-    import_size: int = 0,
-    import_limit: int = 0,
     nbytes: int = 0,
     handoff_threshold: int = 0,
 ) -> Route:
@@ -66,10 +64,6 @@ def route(
         The buffer lies in this worker's pool.
     unreachable : bool
         A recent transfer to the requester failed (it gets copies for a while).
-    import_size : int
-        Bytes the requester would import to map the buffer (its segment, or itself).
-    import_limit : int
-        The largest allocation handed over (0: no limit).
     nbytes : int
         Bytes of the value.
     handoff_threshold : int
@@ -104,8 +98,6 @@ def route(
         reason = "other-gpu"
     elif own.kind == "pinned" and not row.devices:
         reason = "no-access"
-    elif own.kind == "device" and 0 < import_limit < import_size:
-        reason = "too-large"
     elif nbytes < handoff_threshold and scheme in TCP_SCHEMES:
         reason = "small"
     else:

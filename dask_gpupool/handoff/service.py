@@ -292,24 +292,9 @@ class PoolService:
         *,
         written_on: Any = None,
         written_by: Any = None,
-        desc: BufferDescriptor | None = None,
     ) -> HandoffHeader:
         """:meth:`Exports.export_ipc <dask_gpupool.handoff.exports.Exports.export_ipc>`."""
-        return self.exports.export_ipc(holder, buf, row, array, written_on=written_on, written_by=written_by, desc=desc)
-
-    def export_range(
-        self,
-        holder: Any,
-        ptr: int,
-        nbytes: int,
-        requester: str | None,
-        scheme: str,
-        array: ArrayMeta | None,
-        *,
-        written_by: Any = None,
-    ) -> HandoffHeader | bool:
-        """:meth:`Exports.export_range <dask_gpupool.handoff.exports.Exports.export_range>`."""
-        return self.exports.export_range(holder, ptr, nbytes, requester, scheme, array, written_by=written_by)
+        return self.exports.export_ipc(holder, buf, row, array, written_on=written_on, written_by=written_by)
 
     def export_stream(
         self, holder: Any, buf: Buffer, offset: int, nbytes: int, row: PoolRecord, array: ArrayMeta | None

@@ -29,12 +29,8 @@ FALLBACK_REASONS = {
     "comm": "the comm is not TCP, TLS or UCX (inproc, websockets): the value goes in the comm's frames",
     "not-in-pool": "the value does not live in this worker's pool",
     "no-access": "the requester cannot reach the memory (GPU not visible, or no GPU)",
-    "other-gpu": (
-        "the requester works on another GPU that this pool is not shared with "
-        "(gpupool.peer-gpu-handoff is off, or the GPUs have no peer access)"
-    ),
+    "other-gpu": "the requester works on another GPU, which has no peer access to this pool's GPU",
     "pool-closed": "this worker's pool is closing",
-    "too-large": "the CUDA allocation to import is larger than gpupool.import-limit",
     "import-failed": "the requester could not import the descriptor and fetched a copy",
     "retired-segment": (
         "the value lies in a segment its exporter retired (trim, reclaim) that the requester had already unmapped "
@@ -76,26 +72,17 @@ FALLBACK_REASONS = {
 FALLBACK_ADVICE = {
     "same-process": "nothing: values within one process are not copied by Dask anyway",
     "comm": "use a tcp://, tls:// or ucx(x):// comm between same-host workers for zero-copy handoffs",
-    "not-in-pool": (
-        "make the result in the pool: dask_gpupool.allocate + as_array, dask_gpupool.to_pool(result), "
-        "or gpupool.cupy-allocator for plain CuPy"
-    ),
+    "not-in-pool": ("make the result in the pool: dask_gpupool.allocate + as_array, or dask_gpupool.to_pool(result)"),
     "no-access": "make the producer's GPU visible to the consumer (CUDA_VISIBLE_DEVICES), or accept copies",
-    "other-gpu": (
-        "keep gpupool.segment-size above 0 and gpupool.segment-memory auto, vmm or legacy, on GPUs with peer access"
-    ),
+    "other-gpu": "put producer and consumer on one GPU, or on GPUs with peer access to each other (NVLink, PCIe P2P)",
     "pool-closed": "nothing: the worker is closing",
-    "too-large": "raise gpupool.import-limit, or make smaller results",
     "import-failed": "see the consumer's log for the import error",
     "retired-segment": "nothing for new values (they go to new segments); values made before a trim() are copied",
     "receiver-pool-full": "raise the receiver's gpupool.max-size, or free its buffers sooner",
     "unknown-requester": "see that worker's entry in dask_gpupool.stats(client): its pool set-up may have failed",
     "peer-unreachable": "see both workers' logs: the peer's broker or copy server could not be reached",
     "forward-refused": "see this worker's log for the exporter's answer (it may have left)",
-    "staged-in-pool": (
-        "make the result in the pool to skip the copy: dask_gpupool.allocate + as_array, to_pool, "
-        "or gpupool.cupy-allocator for CuPy"
-    ),
+    "staged-in-pool": ("make the result in the pool to skip the copy: dask_gpupool.allocate + as_array, or to_pool"),
     "pickled": (
         "return the arrays themselves, or a tuple, list or dict of them (Dask serializes those one by one), or "
         "register a Dask serializer for the type"
@@ -176,7 +163,7 @@ class HandoffStats:
     receive_pooled_bytes, receive_pool_misses : int
         Device frames distributed-ucxx received into the UCX receive pool
         (bytes), and frames that did not fit under its ceiling and came from
-        RMM's resource (count; ``gpupool.ucx-receive-pool``).
+        RMM's resource (count; :mod:`dask_gpupool.dask.ucx_receive`).
     peer_copied_bytes : int
         Bytes handed over from another GPU of this host and copied into this
         worker's pool on arrival, device to device (``gpupool.peer-gpu-copy``;

@@ -1,1 +1,1 @@
-"""Memory: the worker's pool of each kind, segments (RMM, arena, VMM), shared host memory, copies, UCX staging."""
+"""Memory: the worker's pool of each kind, segments (arena, VMM, legacy IPC), host memory, copies, UCX staging."""

@@ -1,8 +1,10 @@
 """A first-fit sub-allocator over one contiguous range of offsets.
 
-Used by the ``host`` pool to carve buffers out of its shared memfd. RMM is
-the sub-allocator for CUDA memory, but it needs a CUDA runtime, and the
-``host`` pool exists for hosts without one; no maintained pure-Python arena
+The one placement allocator of every pool kind: the ``host`` pool carves
+buffers out of its shared memfd with it, and a ``device`` pool places buffers
+in each of its segments with one
+(:mod:`dask_gpupool.memory.arena_placement`). It needs no CUDA runtime, so it
+runs and is tested on hosts without one; no maintained pure-Python arena
 allocator exists, so this one is kept small and tested on its own.
 
 Offsets only: the arena never touches memory. Thread-safe, and safe to free

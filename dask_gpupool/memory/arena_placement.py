@@ -1,20 +1,30 @@
 """Arena placement inside segments: first fit, one arena per segment, with stream-ordered frees.
 
-The placement of ``suballocator="arena"``, and whenever RMM cannot be
-imported, as on hosts without CUDA (:mod:`dask_gpupool.memory.rmm_placement`
-is the other one). Each segment a
-:class:`~dask_gpupool.memory.segments.SegmentedResource` makes for it carries
-an :class:`~dask_gpupool.memory.arena.Arena` (first fit, offsets only), and
-:class:`ArenaPlacement` places a buffer in the first segment with room, or
-in a new segment.
+The one placement of a :class:`~dask_gpupool.memory.segments.SegmentedResource`
+for buffers up to its segment size. Each segment the resource makes for it
+carries an :class:`~dask_gpupool.memory.arena.Arena` (first fit, offsets
+only), and :class:`ArenaPlacement` places a buffer in the first segment with
+room, or in a new segment.
 
-Frees are stream-ordered here, since the arena knows no streams: a range
-freed on the GPU's default stream (the resource's
-:class:`~dask_gpupool.memory.home_stream.HomeStream`) is reused at once, as
-work on a non-default stream that allocates waits for the default stream
-first; one freed on another stream is pending until an event recorded there
-completed. Pending ranges are reaped on every allocation and free, and
-waited for when no segment has room, or when a retiring segment must go.
+Frees are stream-ordered here, since the arena knows no streams, the way
+RMM's stream-ordered pool orders them:
+
+- A range freed on the GPU's default stream (the resource's
+  :class:`~dask_gpupool.memory.home_stream.HomeStream`) is reused at once.
+  Each such free records the placement's *home event* on the default stream
+  (one event, recorded again at every free there, so that it always marks the
+  latest one, which follows every earlier one). An allocation on another
+  stream makes that stream wait for the home event: for the frees queued on
+  the default stream so far, not for the kernels queued there besides (a
+  staging copy on a stream of its own, :func:`~dask_gpupool.dask.plain_arrays.stage`,
+  does not wait for the tasks queued on the default stream after the one it
+  copies from).
+- A range freed on another stream is pending until an event recorded there
+  completed. Pending ranges are reaped on every allocation and free, and
+  waited for when no segment has room, or when a retiring segment must go.
+
+The ordering is tested on the CPU with stand-in streams and events (host
+memory has none), and on a GPU with cuda.core's.
 """
 
 from __future__ import annotations
@@ -53,14 +63,21 @@ class ArenaPlacement:
     segment_size : int
         Size of the segments it asks for.
     home : HomeStream or None
-        The GPU's default stream (``None`` for host memory: no streams).
+        The GPU's default stream (``None`` for host memory: no streams). Any
+        callable with its ``handle`` and ``sync()`` will do, returning a
+        stream with cuda.core's ``handle``, ``record(event=None)`` and
+        ``wait(event)``, whose events have ``is_done``, ``sync()`` and
+        ``close()``.
 
     Notes
     -----
     Owns no memory: segments are the resource's, and a buffer's range is its
     caller's until :meth:`free`. Owns the events of pending frees, closed
-    when reaped. Thread-safe: every method takes ``lock`` (``reap`` and
-    ``reap_retiring`` expect it held).
+    when reaped, and the home event, closed by :meth:`close`. Thread-safe:
+    every method takes ``lock`` (``reap`` and ``reap_retiring`` expect it
+    held). The home event is recorded and waited for under ``lock``: an
+    allocation that takes a range after its free was appended waits for a
+    record at or after that free.
     """
 
     segment_size: int
@@ -69,6 +86,7 @@ class ArenaPlacement:
     _new_segment: Callable[..., Segment]
     _home: HomeStream | None
     _pending: list[tuple[Segment, int, Any]]
+    _home_freed: Any
     _closed: bool
 
     def __init__(
@@ -85,39 +103,61 @@ class ArenaPlacement:
         self._new_segment = new_segment
         self._home = home
         self._pending = []
+        self._home_freed = None  # the home event: recorded on the home stream at its latest free
         self._closed = False
 
     def allocate(self, size: int, stream: Any) -> int:
         """The address of a new range of ``size`` bytes, usable on ``stream``; owned by the caller.
+
+        On a stream other than the home stream, ``stream`` first waits for the
+        home event (the frees queued on the home stream so far; see the module
+        notes), not for the rest of the home stream's work.
 
         Raises
         ------
         PoolExhaustedError
             When no segment has room and the upstream no room for another.
         """
-        home = self._home
-        if home is not None and int(stream.handle) != home.handle:
-            stream.wait(home())  # ranges freed on the home stream are reused at once
+        away = self._away(stream)
         with self._lock:
             self.reap(wait=False)
             seg, offset = self._place(size, stream)
+            arena = seg.arena
+            assert arena is not None
             seg.live += 1
-            self._segments.count_used(seg.arena.size_of(offset) or 0)  # type: ignore[union-attr]
+            nbytes = arena.size_of(offset) or 0
+            self._segments.count_used(nbytes)
+            if away and self._home_freed is not None:
+                try:
+                    stream.wait(self._home_freed)  # ranges freed on the home stream are reused at once there
+                except BaseException:
+                    arena.free(offset)
+                    seg.live -= 1
+                    self._segments.count_freed(nbytes)
+                    raise
         return seg.base + offset
 
     def free(self, seg: Segment, offset: int, stream: Any) -> bool:
         """Give the range at ``offset`` in ``seg`` back once the work queued on ``stream`` before now is done.
 
-        Returns whether it was taken back: ``False`` after :meth:`close`.
+        ``None``: the home stream. There the range is reused at once, after
+        the home event is recorded again; on another stream it is pending
+        until an event recorded there now completed. Returns whether it was
+        taken back: ``False`` after :meth:`close`.
         """
-        event = None
         home = self._home
-        if stream is not None and home is not None and int(stream.handle) != home.handle:
-            home()
-            event = stream.record()
+        event = None
+        if home is not None:
+            home_stream = home()  # makes the GPU current in this thread (maybe the garbage collector's)
+            if stream is not None and int(stream.handle) != home.handle:
+                event = stream.record()
         with self._lock:
             if self._closed:
+                if event is not None:
+                    event.close()
                 return False
+            if home is not None and event is None:
+                self._home_freed = home_stream.record(self._home_freed)
             self._pending.append((seg, offset, event))
             self.reap(wait=False)
         return True
@@ -158,6 +198,9 @@ class ArenaPlacement:
         """Count the pending frees as done (``lock`` held): the resource is closing, its segments go or are kept,
         and nothing is placed in them again."""
         self._closed = True
+        if self._home_freed is not None:
+            self._home_freed.close()
+            self._home_freed = None
         pending, self._pending = self._pending, []
         for seg, offset, event in pending:
             if event is not None:
@@ -166,7 +209,16 @@ class ArenaPlacement:
             seg.live -= 1
             self._segments.count_freed(seg.arena.free(offset))
 
-    # -- internals (under the lock) ----------------------------------------------------
+    # -- internals -----------------------------------------------------------------------
+
+    def _away(self, stream: Any) -> bool:
+        """Whether ``stream`` is a stream other than the home stream (never for host memory)."""
+        home = self._home
+        if home is None or stream is None:
+            return False
+        if home.handle is None:
+            home()  # looks the stream up
+        return int(stream.handle) != home.handle
 
     def _place(self, size: int, stream: Any) -> tuple[Segment, int]:
         for wait in (False, True):

@@ -5,7 +5,9 @@ CUDA calls run against the calling thread's current context, and a
 threads (task threads allocate, any thread, the garbage collector's included,
 deallocates), so every CUDA path of the resource and of its placements starts
 by calling its :class:`HomeStream`. A range freed on the home stream is
-reused at once; frees on other streams are ordered by events.
+reused at once there, and on another stream after an event recorded at the
+home stream's latest free; frees on other streams are ordered by events
+(:mod:`dask_gpupool.memory.arena_placement`).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ fifth), where VMM segments and the staging copy took 0.80-0.96x with one to
 three pairs of eight above in each of five. Over TCP ``auto`` stays VMM (the
 same speed there, and the segments every two-GPU test ran with); ``legacy``
 sets them anywhere. Single imports of 8 and 16 GiB segments completed on one
-H100 (no import limit).
+H100.
 
 Ownership
 ---------

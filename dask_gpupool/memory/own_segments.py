@@ -1,7 +1,7 @@
 """Own segments: a buffer larger than the segment size gets a segment of its own, kept for reuse.
 
 A :class:`~dask_gpupool.memory.segments.SegmentedResource` places buffers up
-to its segment size with RMM or the arena; a larger buffer gets a segment of
+to its segment size with the arena; a larger buffer gets a segment of
 its own (:class:`OwnSegments`), rounded up to 2 MiB, at offset 0. When the
 buffer is freed the segment is kept as a *spare* and reused by a later
 buffer that fits it (at most twice as small), so repeated large results map

@@ -1,15 +1,15 @@
 """A worker's own pool: one IPC-enabled memory resource of one of three kinds.
 
-=========  =====================================================  ==========================
-kind       memory resource                                        shared as
-=========  =====================================================  ==========================
-device     cuda.core ``DeviceMemoryResource(ipc_enabled=True)``   CUDA pool fd + 64-byte
-           (with segments: :class:`SegmentedResource` over         pointer export per buffer;
-           :class:`~dask_gpupool.memory.vmm.VmmMemoryResource`)          segments: one fd each, by id
-pinned     cuda.core ``PinnedMemoryResource(ipc_enabled=True)``   same
-host       :class:`~dask_gpupool.memory.host.SharedHostMemoryResource`
-                                                                  memfd + offset per buffer
-=========  =====================================================  ==========================
+- ``device``: a :class:`SegmentedResource` that places buffers in segments of
+  :class:`~dask_gpupool.memory.vmm.VmmMemoryResource` (one fd per segment) or
+  :class:`~dask_gpupool.memory.legacy.LegacyMemoryResource` (one IPC handle per
+  segment) memory; a buffer is its segment and an offset. The IPC-enabled
+  cuda.core ``DeviceMemoryResource`` under it names the pool (UUID, the fd
+  peers open first).
+- ``pinned``: cuda.core ``PinnedMemoryResource(ipc_enabled=True)``: the CUDA
+  pool's fd, and a 64-byte pointer export per buffer.
+- ``host``: :class:`~dask_gpupool.memory.host.SharedHostMemoryResource`: a
+  memfd, and an offset per buffer.
 
 The :class:`Pool` owns its resource and the resource owns its allocation
 handle (the fd the broker hands to peers); :meth:`Pool.close` closes both.
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from dask_gpupool.config import PoolOptions
 from dask_gpupool.errors import ConfigError, PoolClosedError, PoolExhaustedError, UnknownPoolError
 from dask_gpupool.memory.host import SharedHostMemoryResource
-from dask_gpupool.memory.segments import SegmentedResource
+from dask_gpupool.memory.segments import SEGMENT_SIZE, SegmentedResource
 from dask_gpupool.memory.topology import LocalDevices, current_gpu, device_memory, host_memory
 from dask_gpupool.wire.handoff import BufferDescriptor
 
@@ -80,50 +80,63 @@ def _segment_payload(made_of: str) -> Any:
         from dask_gpupool.memory.legacy import legacy_payload
 
         return legacy_payload
-    return _no_payload if made_of == "vmm" else ipc_payload
+    return _no_payload
+
+
+#: What each segment memory needs of the GPU, for the errors of :func:`_segment_memory`.
+_NEEDS = {"vmm": "export virtual memory as POSIX fds", "legacy": "share memory by IPC handles"}
+
+
+def _supported(made_of: str, ordinal: int) -> bool:
+    """Whether GPU ``ordinal`` can make segments of ``made_of`` (``"vmm"`` or ``"legacy"``) memory."""
+    if made_of == "legacy":
+        from dask_gpupool.memory.legacy import legacy_supported
+
+        return legacy_supported(ordinal)
+    from dask_gpupool.memory.vmm import vmm_supported
+
+    return vmm_supported(ordinal)
 
 
 def _segment_memory(options: PoolOptions, ordinal: int, size: int, prefer_legacy: bool = False) -> tuple[str, Any]:
-    """What segments are made of (``"vmm"``, ``"legacy"`` or ``"pool"``) and the resource they come from: a
-    :class:`~dask_gpupool.memory.vmm.VmmMemoryResource`, a
-    :class:`~dask_gpupool.memory.legacy.LegacyMemoryResource`, or ``None`` for pool memory.
+    """What a ``device`` pool's segments are made of (``"vmm"`` or ``"legacy"``) and the resource they come from:
+    a :class:`~dask_gpupool.memory.vmm.VmmMemoryResource` or a
+    :class:`~dask_gpupool.memory.legacy.LegacyMemoryResource` of ``size`` bytes, owned by the caller.
 
     ``segment-memory: auto`` is ``legacy`` when ``prefer_legacy`` (a worker that listens over UCX, which sends
     legacy IPC memory GPU to GPU as it is) and the GPU shares memory by IPC handles, else ``vmm`` when it exports
-    virtual memory as POSIX fds, else ``pool``.
+    virtual memory as POSIX fds, else ``legacy``.
 
     Raises
     ------
     ConfigError
-        For ``segment-memory: vmm`` on a GPU without VMM fd export, or ``legacy`` on one without IPC handles.
+        For ``segment-memory: vmm`` on a GPU without VMM fd export, or ``legacy`` on one without IPC handles; and for
+        any value on a GPU with neither, whose memory no other process can map: there the worker takes a ``pinned``
+        or ``host`` pool (``gpupool.kind``), whose buffers other processes map without segments.
     """
-    if not options.segment_size or options.segment_memory == "pool":
-        return "pool", None
-    if options.segment_memory == "legacy" or (options.segment_memory == "auto" and prefer_legacy):
-        from dask_gpupool.memory.legacy import LegacyMemoryResource, legacy_supported
-
-        if legacy_supported(ordinal):
-            return "legacy", LegacyMemoryResource(ordinal, size)
-        if options.segment_memory == "legacy":
-            raise ConfigError(
-                f"gpupool.segment-memory='legacy': GPU {ordinal} does not share memory by IPC handles; "
-                "valid here: 'vmm', 'pool' (or 'auto')"
-            )
-    from dask_gpupool.memory.vmm import VmmMemoryResource, vmm_supported
-
-    if not vmm_supported(ordinal):
-        if options.segment_memory == "vmm":
-            raise ConfigError(
-                f"gpupool.segment-memory='vmm': GPU {ordinal} cannot export virtual memory as POSIX fds; "
-                "valid here: 'pool' (or 'auto')"
-            )
-        logger.warning(
-            "GPU %d cannot export virtual memory as POSIX fds: segments are pool memory and workers on "
-            "other GPUs get copies (gpupool.segment-memory)",
-            ordinal,
+    wanted = options.segment_memory
+    if wanted == "auto":
+        order = ("legacy", "vmm") if prefer_legacy else ("vmm", "legacy")
+    else:
+        order = (wanted, "legacy" if wanted == "vmm" else "vmm")
+    made_of = next((m for m in order if _supported(m, ordinal)), None)
+    if made_of is None:
+        raise ConfigError(
+            f"gpupool.kind={options.kind!r}: GPU {ordinal} can neither {_NEEDS['vmm']} nor {_NEEDS['legacy']}, "
+            "so no other process can map a device pool's memory; valid here: gpupool.kind 'pinned' or 'host'"
         )
-        return "pool", None
-    return "vmm", VmmMemoryResource(ordinal, size)
+    if wanted not in ("auto", made_of):
+        raise ConfigError(
+            f"gpupool.segment-memory={wanted!r}: GPU {ordinal} cannot {_NEEDS[wanted]}; "
+            f"valid here: {made_of!r} (or 'auto')"
+        )
+    if made_of == "legacy":
+        from dask_gpupool.memory.legacy import LegacyMemoryResource
+
+        return made_of, LegacyMemoryResource(ordinal, size)
+    from dask_gpupool.memory.vmm import VmmMemoryResource
+
+    return made_of, VmmMemoryResource(ordinal, size)
 
 
 def ipc_payload(buf: Buffer) -> bytes:
@@ -196,8 +209,9 @@ class Pool:
     device: int | None
     device_uuid: str | None
     peers: tuple[str, ...]
-    #: What the segments are made of: ``"vmm"``, ``"legacy"`` (``cuMemAlloc``, shared by IPC handle) or ``"pool"``
-    #: (allocations of the IPC-enabled pool; also without segments). Peers learn it from the registry row.
+    #: What a ``device`` pool's segments are made of: ``"vmm"`` or ``"legacy"`` (``cuMemAlloc``, shared by IPC
+    #: handle); ``"pool"`` for ``pinned`` and ``host`` pools, whose buffers peers map without segments. Peers learn
+    #: it from the registry row.
     segment_memory: str
     resource: Any
     _closed: bool
@@ -225,12 +239,6 @@ class Pool:
         self._closed = False
         self._lock = threading.Lock()
 
-    @property
-    def in_ipc_pool(self) -> bool:
-        """Buffers are allocations of CUDA's IPC pool (no segments of VMM or legacy IPC memory): single imports of
-        6-8 GiB of those stalled, so ``gpupool.import-limit`` defaults to 5 GiB for them."""
-        return self.segment_memory == "pool"
-
     @classmethod
     def create(cls, options: PoolOptions, devices: LocalDevices, *, prefer_legacy: bool = False) -> Pool:
         """Make the pool ``options`` describe, on this process's devices.
@@ -242,7 +250,9 @@ class Pool:
         Raises
         ------
         ConfigError
-            For a kind this host cannot provide, a device it does not see, or a
+            For a kind this host cannot provide (a ``device`` pool on a GPU
+            that can make neither VMM nor legacy IPC segments:
+            :func:`_segment_memory`), a device it does not see, or a
             ``max_size`` larger than the memory behind the pool.
         """
         kind = options.kind
@@ -266,22 +276,11 @@ class Pool:
             resource = DeviceMemoryResource(dev, DeviceMemoryResourceOptions(ipc_enabled=True, max_size=size))
             try:
                 made_of, memory = _segment_memory(options, ordinal, size, prefer_legacy)
-                # Cross-GPU handoffs only of VMM or legacy segments: a peer on another GPU reading pool
-                # memory after its owner died gets CUDA_ERROR_CONTAINED (dask_gpupool.memory.vmm).
-                cross = options.peer_gpu_handoff and memory is not None
-                peers = grant_peers(resource, ordinal, devices) if cross else ()
+                peers = grant_peers(resource, ordinal, devices)
             except BaseException:
                 resource.close()
                 raise
-            if options.segment_size:
-                resource = SegmentedResource(
-                    resource,
-                    min(options.segment_size, size),
-                    ordinal,
-                    _segment_payload(made_of),
-                    options.suballocator,
-                    memory,
-                )
+            resource = SegmentedResource(resource, min(SEGMENT_SIZE, size), ordinal, _segment_payload(made_of), memory)
             return cls(kind, resource, size, ordinal, devices.uuids[ordinal], peers, segment_memory=made_of)
         else:
             if not dev.properties.host_numa_memory_pools_supported:
@@ -385,16 +384,6 @@ class Pool:
         """Whether ``buf`` was allocated from this pool."""
         return buf.memory_resource is self.resource
 
-    def import_size(self, buf: Buffer) -> int:
-        """Bytes a peer imports to map ``buf``: its segment's size with segments, else its own.
-
-        0 for ``host`` pools, which peers map whole, once.
-        """
-        if self.kind == "host":
-            return 0
-        segmented = self.segmented
-        return int(segmented.locate(int(buf.handle))[0].size) if segmented is not None else int(buf.size)
-
     def export(self, buf: Buffer) -> BufferDescriptor:
         """Describe ``buf`` so that a peer that mapped this pool can map it.
 
@@ -409,19 +398,6 @@ class Pool:
             segment, offset = segmented.locate(int(buf.handle))
             return BufferDescriptor(self.uuid, buf.size, segment.payload, offset, segment.size, segment.id)
         return BufferDescriptor(self.uuid, buf.size, ipc_payload(buf), 0)
-
-    def export_range(self, ptr: int, nbytes: int) -> BufferDescriptor | None:
-        """Describe ``nbytes`` at ``ptr`` in this pool's segments, placed there by RMM (``gpupool.rmm-allocator``).
-
-        ``None`` when the range is not inside one live segment. As for
-        :meth:`export`, the caller keeps the memory alive (leases do).
-        """
-        segmented = self.segmented
-        found = None if segmented is None else segmented.locate_range(ptr, nbytes)
-        if found is None:
-            return None
-        segment, offset = found
-        return BufferDescriptor(self.uuid, nbytes, segment.payload, offset, segment.size, segment.id)
 
     def stats(self) -> PoolStats:
         """Used and reserved bytes, now and at most, from the pool's attributes."""

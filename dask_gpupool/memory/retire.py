@@ -6,7 +6,7 @@ after its owner freed it breaks the reader's CUDA context
 <dask_gpupool.memory.segments.SegmentedResource.retire>` starts the protocol:
 
 1. Every segment existing now is marked retiring (ids below ``retire_below``);
-   new buffers go to new segments (a new RMM pool, a new *generation*). A full
+   new buffers go to new segments. A full
    pool also retires single spare segments of large buffers that peers map
    (ids in ``reclaim``).
 2. The pool service publishes ``retire_below`` (and ``reclaim``) in its registry row. A peer
@@ -17,8 +17,7 @@ after its owner freed it breaks the reader's CUDA context
    leases claimed on it by that peer (worker) outnumber those the peer's last
    release accounted for (a release that crosses a newer claim does not
    count), and stops being mapped when the peer's process exits.
-4. A retiring segment with no live buffer and no mapping peer is freed; an
-   RMM generation is freed when all its segments are.
+4. A retiring segment with no live buffer and no mapping peer is freed.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Where a segmented resource's segments come from, and how they go back.
 
-A segment is one allocation from the resource's segment memory (its
-IPC-enabled cuda.core pool, or a
-:class:`~dask_gpupool.memory.vmm.VmmMemoryResource`). :class:`SegmentSource`
-takes one for a placement (RMM's upstream callback, the arena, or a large
+A segment is one allocation from the resource's segment memory (a
+:class:`~dask_gpupool.memory.vmm.VmmMemoryResource` or
+:class:`~dask_gpupool.memory.legacy.LegacyMemoryResource`; any cuda.core
+memory resource in the host tests). :class:`SegmentSource`
+takes one for a placement (the arena, or a large
 buffer's own segment), numbers it and registers it in the resource's
 :class:`~dask_gpupool.memory.segment_table.SegmentTable`; and gives a
 segment back to that memory once it is unregistered, which happens only when
@@ -63,8 +64,7 @@ class SegmentSource:
     -----
     A segment's Buffer is the resource's from :meth:`new` until
     :meth:`free` closes it; this class decides nothing about when.
-    Thread-safe: it takes ``lock`` itself. :meth:`new` is RMM's upstream
-    callback too, called with RMM's lock held, so it calls nothing of RMM's.
+    Thread-safe: it takes ``lock`` itself.
     """
 
     memory: Any
@@ -92,17 +92,16 @@ class SegmentSource:
         self._ledger = ledger
         self._home = home
 
-    def new(self, size: int, *, own: bool = False, generation: Any = None, stream: Any = None) -> Segment:
+    def new(self, size: int, *, own: bool = False, stream: Any = None) -> Segment:
         """Take ``size`` bytes from upstream and register them as a segment (any placement).
 
         ``own``: it holds one buffer larger than the segment size, counted as
-        used; ``generation``: RMM's; else it gets an arena.
+        used; else it gets an arena.
 
         Raises
         ------
         PoolExhaustedError
-            When the upstream has no room (``MemoryError`` for RMM's
-            ``generation``, which then asks for less).
+            When the upstream has no room.
         """
         if stream is None and self._home is not None:
             stream = self._home()
@@ -111,8 +110,6 @@ class SegmentSource:
         except Exception as e:
             if not isinstance(e, PoolExhaustedError) and "OUT_OF_MEMORY" not in str(e):
                 raise
-            if generation is not None:
-                raise MemoryError(str(e)) from None  # RMM tries a smaller segment, then gives up
             raise self.exhausted(size, e) from None
         with self._lock:
             # VMM rounds up to its granularity: the segment is what was made
@@ -121,8 +118,6 @@ class SegmentSource:
             if own:
                 seg.live = 1
                 self._segments.count_used(seg.size)  # as its free counts it: VMM may have rounded it up
-            elif generation is not None:
-                seg.generation = generation
             else:
                 seg.arena = Arena(size, BUFFER_ALIGNMENT)
             self._segments.add(seg)  # counts the reserved high-water mark
@@ -137,15 +132,6 @@ class SegmentSource:
             f"cannot allocate {size} bytes: no segment has room and a new segment does not fit "
             f"({self._segments.used} bytes in buffers, {reserved} in {n} segment(s)): {e}"
         )
-
-    def release(self, ptr: int) -> None:
-        """Free the segment at ``ptr`` (RMM's ``_give``): unregister it, free upstream."""
-        with self._lock:
-            found = self._segments.starting_at(ptr)
-            if found is None:
-                return  # unregistered already (close)
-            seg = self.unregister(found)
-        self.free(seg)
 
     def unregister(self, seg: Segment) -> Segment:
         """Take ``seg`` out of the lookup tables (call with ``lock`` held); return it."""

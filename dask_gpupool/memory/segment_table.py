@@ -39,11 +39,9 @@ class Segment:
     id : int
         Its number in this resource (1, 2, ...), sent in descriptors.
     arena : Arena or None
-        Where buffers are placed inside it (arena placement only).
+        Where buffers are placed inside it (``None`` for an own segment).
     own : bool
         Holds one buffer larger than the segment size, at offset 0.
-    generation : object
-        The RMM generation it belongs to (RMM placement only).
     live : int
         Buffers alive in it.
     retiring : bool
@@ -60,7 +58,6 @@ class Segment:
     id: int
     arena: Arena | None = None
     own: bool = False
-    generation: Any = None
     live: int = 0
     retiring: bool = False
     free_event: Any = None
@@ -136,11 +133,6 @@ class SegmentTable:
             if ptr < seg.base + seg.size:
                 return seg, ptr - seg.base
         return None
-
-    def starting_at(self, ptr: int) -> Segment | None:
-        """The segment whose base is exactly ``ptr``, or ``None``."""
-        i = bisect.bisect_left(self._bases, ptr)
-        return self._segments[i] if i < len(self._bases) and self._bases[i] == ptr else None
 
     def get(self, segment_id: int) -> Segment | None:
         """The segment numbered ``segment_id``, or ``None`` (never made, or freed)."""

@@ -4,10 +4,10 @@ Importing a CUDA allocation costs time linear in its size (≈1.1 ms per GiB on
 one H200, ≈7.7 ms per GiB across two, as measured on the project's GPUs and
 seen again in docs/performance.md's first run), so a handoff that
 imports each buffer anew is slower than UCXX at GiB sizes. A ``device`` pool
-with ``gpupool.segment-size`` set therefore takes *segments* from its
-IPC-enabled cuda.core pool and places buffers inside them
-(:class:`SegmentedResource`). A buffer's descriptor is then its segment's IPC
-payload, the segment's id and an offset: a peer imports each segment once and
+therefore takes *segments* of :data:`SEGMENT_SIZE` from its segment memory
+(VMM or legacy IPC memory) and places buffers inside them
+(:class:`SegmentedResource`). A buffer's descriptor is then its segment's id,
+size and IPC payload (if any) and an offset: a peer imports each segment once and
 keeps it mapped (:class:`~dask_gpupool.handoff.mapped_pool.MappedPool`), and a later
 handoff from the same segment is pointer arithmetic and a lease.
 
@@ -18,15 +18,13 @@ Each placement is its own class, sharing the resource's lock and
 segments they place buffers in from the resource's
 :class:`~dask_gpupool.memory.segment_source.SegmentSource`.
 
-- **RMM** (``suballocator="rmm"``, the default when RMM is installed):
-  :class:`~dask_gpupool.memory.rmm_placement.RmmPlacement`, one RMM pool per
-  generation of segments.
-- **Arena** (``suballocator="arena"``, and whenever RMM cannot be imported,
-  as on hosts without CUDA):
-  :class:`~dask_gpupool.memory.arena_placement.ArenaPlacement`: an
-  :class:`~dask_gpupool.memory.arena.Arena`, first fit, one per segment, with
-  stream-ordered frees (a range freed on the GPU's default stream is reused at
-  once; one freed on another stream once an event recorded there completed).
+- Buffers up to the segment size:
+  :class:`~dask_gpupool.memory.arena_placement.ArenaPlacement`, an
+  :class:`~dask_gpupool.memory.arena.Arena` per segment (first fit), with
+  stream-ordered frees: a range freed on the GPU's default stream is reused
+  at once there, and on another stream after an event recorded at the
+  default stream's latest free; one freed on another stream once an event
+  recorded there completed.
 - A buffer larger than the segment size gets a segment of its own (rounded
   up to 2 MiB), kept when the buffer is freed and reused by a later buffer
   that fits it (at most twice as small), so repeated large results map once
@@ -40,10 +38,9 @@ The resource owns its segments and never frees one a peer may map
 (:mod:`dask_gpupool.memory.retire` describes the retire protocol and keeps its
 ledger). :meth:`SegmentedResource.close` frees what the protocol allows and
 hands the rest to :func:`~dask_gpupool.memory.lifetime.keep_until_exit`.
-Segments of VMM memory (:mod:`dask_gpupool.memory.vmm`, the default) stay
-readable by a peer that maps them even after they are freed here or this
-process died (the peer holds its own reference); pool-memory segments do not
-across GPUs.
+Segments of VMM memory (:mod:`dask_gpupool.memory.vmm`) and of legacy IPC
+memory (:mod:`dask_gpupool.memory.legacy`) stay readable by a peer that maps
+them even after they are freed here or this process died.
 """
 
 from __future__ import annotations
@@ -66,7 +63,6 @@ from dask_gpupool.memory.home_stream import HomeStream
 from dask_gpupool.memory.lifetime import keep_until_exit
 from dask_gpupool.memory.own_segments import OwnSegments
 from dask_gpupool.memory.retire import RetireLedger
-from dask_gpupool.memory.rmm_placement import RMM_ALIGNMENT, RmmPlacement, rmm_available
 from dask_gpupool.memory.segment_source import SegmentSource
 from dask_gpupool.memory.segment_table import SEGMENT_ALIGNMENT, Segment, SegmentStats, SegmentTable
 
@@ -76,11 +72,18 @@ if TYPE_CHECKING:
 __all__ = [
     "BUFFER_ALIGNMENT",
     "SEGMENT_ALIGNMENT",
+    "SEGMENT_SIZE",
     "Segment",
     "SegmentStats",
     "SegmentedResource",
     "waiting_for_reclaim",
 ]
+
+#: Size of a ``device`` pool's ordinary segments: a peer maps each once, so a handoff from it is an offset and a
+#: lease at any size. Mapping costs ≈1.1 ms per GiB on one H200, ≈7.7 ms per GiB across two, once per segment and
+#: peer; with 1 GiB segments a 1 GiB handoff took 2.11 ms instead of 5.13 ms imported anew (two H200s, 2026-11-22,
+#: docs/performance.md). A larger buffer gets a segment of its own (:mod:`dask_gpupool.memory.own_segments`).
+SEGMENT_SIZE = 1 << 30
 
 #: Whether an allocation that finds the pool full may wait for reclaimed spares (:func:`waiting_for_reclaim`).
 _RECLAIM_WAIT: ContextVar[bool] = ContextVar("gpupool_reclaim_wait", default=False)
@@ -111,8 +114,9 @@ class SegmentedResource(MemoryResource):
     Parameters
     ----------
     upstream : cuda.core.MemoryResource
-        The IPC-enabled pool segments come from (owned from now on: closed by
-        :meth:`close`).
+        The IPC-enabled pool that names this resource (UUID, shareable
+        handle), and where segments come from when ``memory`` is not given
+        (owned from now on: closed by :meth:`close`).
     segment_size : int
         Size of an ordinary segment (rounded up to 2 MiB).
     device : int or None
@@ -120,42 +124,34 @@ class SegmentedResource(MemoryResource):
     payload_of : callable
         Returns a segment Buffer's IPC payload (bytes); ``b""`` for segments
         that peers fetch by id (VMM).
-    suballocator : {"auto", "rmm", "arena"}
-        What places buffers inside segments; ``"auto"``: RMM on a GPU when it
-        imports, else the arena.
     memory : cuda.core.MemoryResource, optional
         Where segments come from, when not ``upstream`` itself: a
-        :class:`~dask_gpupool.memory.vmm.VmmMemoryResource`, whose memory outlives
-        this process for peers that map it (owned from now on). ``upstream``
-        then only names the pool (UUID, shareable handle).
+        :class:`~dask_gpupool.memory.vmm.VmmMemoryResource` or
+        :class:`~dask_gpupool.memory.legacy.LegacyMemoryResource`, whose
+        memory outlives this process for peers that map it (owned from now
+        on). ``upstream`` then only names the pool.
 
     Notes
     -----
     Thread-safe: task threads allocate, any thread (the garbage collector's
-    included) deallocates. RMM is never called with ``_lock`` held (RMM calls
-    back into :meth:`SegmentSource.new
-    <dask_gpupool.memory.segment_source.SegmentSource.new>` with its own lock
-    held), except to make a new RMM pool, which no other thread can call yet.
-    The placements (``_rmm`` or ``_arena``, and ``_own``) and the segment
-    source share ``_lock`` and ``_segments`` and take the lock themselves.
+    included) deallocates. The placements (``_arena`` and ``_own``) and the
+    segment source share ``_lock`` and ``_segments`` and take the lock
+    themselves.
     """
 
     upstream: Any
     memory: Any
     segment_size: int
-    suballocator: str
     retire_below: int
     _home: HomeStream | None
     _segments: SegmentTable
     _kept: SegmentTable
     _source: SegmentSource
-    _rmm: RmmPlacement | None
     _arena: ArenaPlacement
     _own: OwnSegments
     _closed: bool
     _lock: threading.RLock
     _ledger: RetireLedger
-    _rmm_shared: bool
     _reclaimer: Callable[[], None] | None
     _reclaim_timeout: float
     _freed: threading.Condition
@@ -166,21 +162,13 @@ class SegmentedResource(MemoryResource):
         segment_size: int,
         device: int | None,
         payload_of: Any,
-        suballocator: str = "auto",
         memory: Any = None,
     ) -> None:
         if segment_size <= 0:
             raise ValueError(f"segment_size must be positive, got {segment_size}")
-        if suballocator not in ("auto", "rmm", "arena"):
-            raise ValueError(f"suballocator must be 'auto', 'rmm' or 'arena', got {suballocator!r}")
-        if suballocator == "auto":
-            suballocator = "rmm" if device is not None and rmm_available() else "arena"
-        elif suballocator == "rmm" and (device is None or not rmm_available()):
-            raise ValueError("suballocator='rmm' needs a GPU and the rmm package (pip install rmm-cu12 or rmm-cu13)")
         self.upstream = upstream
         self.memory = upstream if memory is None else memory
         self.segment_size = -(-segment_size // SEGMENT_ALIGNMENT) * SEGMENT_ALIGNMENT
-        self.suballocator = suballocator
         self.retire_below = 0
         self._home = home = None if device is None else HomeStream(device)
         self._segments = segments = SegmentTable()
@@ -192,15 +180,6 @@ class SegmentedResource(MemoryResource):
         self._reclaim_timeout = 0.0
         self._freed = threading.Condition(lock)  # notified when _collect freed segments
         self._source = source = SegmentSource(self.memory, payload_of, segments, lock, self._ledger, home)
-        self._rmm = None
-        self._rmm_shared = False
-        if suballocator == "rmm":
-            assert home is not None  # checked above: RMM needs a GPU
-            self._rmm = RmmPlacement(
-                segments, lock, home, self.segment_size, source.new, source.release, source.exhausted
-            )
-            self._rmm.on_retired_empty = self._collect
-        # places nothing under RMM: no segment has an arena, no free is pending
         self._arena = ArenaPlacement(segments, lock, source.new, self.segment_size, home)
         self._own = OwnSegments(segments, lock, source.new, home)
 
@@ -228,13 +207,7 @@ class SegmentedResource(MemoryResource):
         if self._home is not None:
             home = self._home()
             stream = home if stream is None else stream
-        place = (
-            self._own.allocate
-            if size > self.segment_size
-            else self._rmm.allocate
-            if self._rmm is not None
-            else self._arena.allocate
-        )
+        place = self._own.allocate if size > self.segment_size else self._arena.allocate
         try:
             ptr = place(size, stream)
         except PoolExhaustedError as full:
@@ -246,7 +219,7 @@ class SegmentedResource(MemoryResource):
     def deallocate(self, ptr: Any, size: int, *, stream: Any = None) -> None:
         """Give a buffer's range back once the work queued on ``stream`` before now is done."""
         if self._closed:
-            self._freed_after_close(int(ptr), size)
+            self._freed_after_close(int(ptr))
             return
         seg, offset = self.locate(int(ptr))
         if seg.own:
@@ -254,10 +227,8 @@ class SegmentedResource(MemoryResource):
             if seg.retiring:
                 self._collect()
             return
-        if self._rmm is not None:
-            self._rmm.free(seg, int(ptr), size, stream)
-        elif not self._arena.free(seg, offset, stream):
-            self._freed_after_close(int(ptr), size)  # closed meanwhile
+        if not self._arena.free(seg, offset, stream):
+            self._freed_after_close(int(ptr))  # closed meanwhile
             return
         if seg.retiring and seg.live == 0:
             self._collect()
@@ -306,45 +277,6 @@ class SegmentedResource(MemoryResource):
                 return found
         raise ValueError(f"address {ptr:#x} is in no segment of this resource")
 
-    def locate_range(self, ptr: int, nbytes: int) -> tuple[Segment, int] | None:
-        """The segment that holds all of ``[ptr, ptr + nbytes)`` and the offset of ``ptr`` in it, or ``None``.
-
-        For memory placed here by someone else than :meth:`allocate` (RMM
-        itself, :meth:`shared_rmm_resource`): ``None`` when the range is in no
-        segment, straddles one's end, or lies in a retiring one.
-        """
-        with self._lock:
-            found = self._segments.locate(ptr)
-        if found is None:
-            return None
-        seg, offset = found
-        if seg.retiring or offset + max(nbytes, 1) > seg.size:
-            return None
-        return seg, offset
-
-    @property
-    def rmm_shared(self) -> bool:
-        """Whether RMM allocates from these segments directly (:meth:`shared_rmm_resource` was called)."""
-        return self._rmm_shared
-
-    def shared_rmm_resource(self) -> Any:
-        """The RMM pool new buffers come from, to be RMM's current device resource (``gpupool.rmm-allocator``).
-
-        ``None`` without RMM placement. RMM then places allocations of every
-        RMM user (CuPy through RMM's allocator, ``rmm.DeviceBuffer``) in this
-        resource's segments without counting them here: from then on
-        :meth:`retire` leaves the segments as they are, since their buffers
-        cannot be told apart from free space. The caller owns nothing; the
-        RMM pool lives while RMM or any of its buffers refers to it.
-        """
-        if self._rmm is None:
-            return None
-        with self._lock:
-            if self._closed:
-                raise PoolClosedError("the segmented resource is closed")
-            self._rmm_shared = True
-            return self._rmm.current()
-
     @property
     def segments(self) -> int:
         """How many segments the resource holds."""
@@ -385,9 +317,6 @@ class SegmentedResource(MemoryResource):
         with self._lock:
             if self._closed:
                 raise PoolClosedError("the segmented resource is closed")
-            if self._rmm_shared:
-                logger.info("segments not retired: RMM allocates from them directly (gpupool.rmm-allocator)")
-                return self.retire_below
             self.retire_below = self._source.next_id
             self._retire_all()
         self._collect()
@@ -448,9 +377,6 @@ class SegmentedResource(MemoryResource):
             for seg in segments:
                 self._kept.add(seg)
             self._arena.close()
-            generations = self._rmm.take_all() if self._rmm is not None else []
-        for g in generations:
-            g.pool = None  # RMM gives its blocks back through _give, which finds them unregistered: kept
         if segments:
             keep_until_exit(seg.buffer for seg in segments)
             logger.info("closing with %d segment(s) a peer may still map: kept until this process exits", len(segments))
@@ -516,7 +442,7 @@ class SegmentedResource(MemoryResource):
                     raise
                 pending = left
 
-    def _freed_after_close(self, ptr: int, size: int) -> None:
+    def _freed_after_close(self, ptr: int) -> None:
         """A buffer freed after :meth:`close`: its segment stays kept (nothing is reused), its bytes leave
         ``used``. Nothing for a segment freed at close (``free_segments``) or a buffer counted freed already."""
         with self._lock:
@@ -526,12 +452,11 @@ class SegmentedResource(MemoryResource):
             seg, offset = found
             if seg.own:
                 nbytes = seg.size if seg.live else 0
-            elif seg.arena is not None:
+            else:
+                assert seg.arena is not None
                 nbytes = seg.arena.size_of(offset) or 0
                 if nbytes:
                     seg.arena.free(offset)
-            else:  # RMM's: its pool is gone, the buffer is counted as placed
-                nbytes = -(-max(size, 1) // RMM_ALIGNMENT) * RMM_ALIGNMENT if seg.live else 0
             if nbytes:
                 seg.live -= 1
                 self._segments.count_freed(nbytes)
@@ -582,14 +507,12 @@ class SegmentedResource(MemoryResource):
         return len(spares)
 
     def _retire_all(self) -> None:
-        """Mark every segment retiring; new buffers go to a new RMM pool (call with ``_lock`` held)."""
+        """Mark every segment retiring: new buffers go to new segments (call with ``_lock`` held)."""
         for seg in self._segments:
             seg.retiring = True
-        if self._rmm is not None:
-            self._rmm.retire()
 
     def _collect(self, force: bool = False) -> None:
-        """Free retiring segments (and RMM generations) no buffer lives in and no peer maps."""
+        """Free retiring segments no buffer lives in and no peer maps."""
         with self._lock:
             if self._closed:
                 return
@@ -598,21 +521,16 @@ class SegmentedResource(MemoryResource):
             def free(s: Segment) -> bool:
                 return s.retiring and (force or (s.live == 0 and not self._ledger.mapped(s.id)))
 
-            singles = [self._source.unregister(s) for s in self._segments if s.generation is None and free(s)]
-            done = self._rmm.take_done(free) if self._rmm is not None else []
-        if not singles and not done:
+            singles = [self._source.unregister(s) for s in self._segments if free(s)]
+        if not singles:
             return
         if self._home is not None:
             self._home.sync()  # frees queued on any stream have run
         for s in singles:
             self._source.free(s)
-        for g in done:
-            pool, g.pool = g.pool, None
-            del pool  # RMM releases its upstream blocks through _give
-            g.segments.clear()
         with self._lock:
             self._freed.notify_all()
-        logger.info("freed %d retired segment(s) and %d RMM pool(s)", len(singles), len(done))
+        logger.info("freed %d retired segment(s)", len(singles))
 
 
 def _on_event_loop() -> bool:

@@ -183,7 +183,7 @@ def slow_plain_cupy(nbytes: int, value: int, spin_ms: float) -> Any:
     spinning ``spin_ms``; returned without waiting (the ordering tests of staged copies)."""
     import cupy
 
-    with cupy.cuda.using_allocator(cupy.get_default_memory_pool().malloc):  # not the pool, whatever routing says
+    with cupy.cuda.using_allocator(cupy.get_default_memory_pool().malloc):  # not the pool, whatever allocator CuPy has
         out = cupy.empty(nbytes, dtype=cupy.uint8)
     kernel = cupy.RawKernel(_SLOW_FILL, "slow_fill")
     kernel((256,), (256,), (out, cupy.int64(nbytes), cupy.uint8(value), cupy.int64(int(spin_ms * 1e6))))
@@ -193,7 +193,7 @@ def slow_plain_cupy(nbytes: int, value: int, spin_ms: float) -> Any:
 def plain_fill(nbytes: int, value: int) -> Any:
     """Task: ``nbytes`` uint8 all ``value`` from the array library's own allocator, not this worker's pool.
 
-    NumPy on a worker with a ``host`` pool; CuPy (its own memory pool, whatever routing says) otherwise, filled on
+    NumPy on a worker with a ``host`` pool; CuPy (its own memory pool, whatever allocator CuPy has) otherwise, filled on
     CuPy's current stream and returned without waiting, as a task's result is. Sent to a same-host worker, such
     an array is staged into the pool (:mod:`dask_gpupool.dask.plain_arrays`).
     """

@@ -199,14 +199,14 @@ def test_bad_option_fails_setup_naming_it_and_leaves_nothing_behind():
 
 
 def test_a_bad_gpupool_config_on_the_client_does_not_fail_the_registration():
-    """The client's own ``gpupool.*`` config is no worker's: an unknown key, a bad value and a value conflicting with
-    an option given there failed ``GPUPool(...)``, although each worker reads (and checks) its own config."""
+    """The client's own ``gpupool.*`` config is no worker's: an unknown key and bad values there failed
+    ``GPUPool(...)``, although each worker reads (and checks) its own config."""
     import dask
 
     with nanny_cluster([{}, {}]) as c:
         client_config = {"gpupool.kidn": "host", "gpupool.lease-timeout": "-1s", "gpupool.segment-memory": "pool"}
         with dask.config.set(client_config):
-            c.register_plugin(GPUPool(kind="host", max_size="64MiB", peer_gpu_handoff=True))
+            c.register_plugin(GPUPool(kind="host", max_size="64MiB", segment_memory="vmm"))
         rows = by_worker(c)
         assert set(rows) == set(worker_addresses(c)) and {r.kind for r in rows.values()} == {"host"}
         handoff_round_trip(c, MiB, b"client config")
@@ -917,7 +917,7 @@ def test_a_worker_whose_pool_set_up_failed_is_reported_and_the_others_still_answ
             c.wait_for_workers(2, timeout=60)
             wait_for(lambda: len(dask_gpupool.pools(c)) == 2, what="the two good workers' pools")
             good = set(T.workers(c))
-            bad_env = {**env, "DASK_GPUPOOL__SUBALLOCATOR": "jemalloc"}
+            bad_env = {**env, "DASK_GPUPOOL__SEGMENT_MEMORY": "jemalloc"}
             procs.append(subprocess.Popen(worker, env=bad_env, stderr=subprocess.DEVNULL))
             c.wait_for_workers(3, timeout=60)
             (w,) = set(T.workers(c)) - good
@@ -933,7 +933,7 @@ def test_a_worker_whose_pool_set_up_failed_is_reported_and_the_others_still_answ
             for got in (dask_gpupool.stats(c), dask_gpupool.pool_stats(c)):
                 assert set(got) == good | {w}
                 assert not any("error" in got[g] for g in good)
-                assert "its set-up failed: ConfigError: gpupool.suballocator='jemalloc'" in got[w]["error"]
+                assert "its set-up failed: ConfigError: gpupool.segment-memory='jemalloc'" in got[w]["error"]
 
             dash = c.scheduler_info()["services"]["dashboard"]
 
@@ -942,14 +942,14 @@ def test_a_worker_whose_pool_set_up_failed_is_reported_and_the_others_still_answ
                     return r.read().decode()
 
             wait_for(lambda: "error" in json.loads(page("/gpupool.json"))["workers"].get(w, {}), what="w's failure")
-            assert "no pool: ConfigError: gpupool.suballocator=&#x27;jemalloc&#x27;" in page("/gpupool")
+            assert "no pool: ConfigError: gpupool.segment-memory=&#x27;jemalloc&#x27;" in page("/gpupool")
             out = cli("info", address)
             assert out.returncode == 0, out.stderr
             assert "2 pool(s)" in out.stdout and f"{w:28} no pool: PoolUnavailableError" in out.stdout
             # trim gives the others' memory back and names the poolless worker, as stats() does
             trimmed = dask_gpupool.trim(c)
             assert set(trimmed) == good | {w} and not any("error" in trimmed[g] for g in good)
-            assert "its set-up failed: ConfigError: gpupool.suballocator='jemalloc'" in trimmed[w]["error"]
+            assert "its set-up failed: ConfigError: gpupool.segment-memory='jemalloc'" in trimmed[w]["error"]
             out = cli("trim", address)
             assert out.returncode == 0, out.stderr
             assert f"{w:28} no pool: PoolUnavailableError" in out.stdout

@@ -113,7 +113,7 @@ def test_the_worker_plugin_wants_an_event_for_its_own_pool_buffers_only(tmp_path
 
 def test_the_segment_memory_line_says_what_segments_are_made_of_and_why():
     """``stats()["routing"]["segment-memory"]``: ``auto`` makes legacy IPC segments on a UCX worker (UCX sends them
-    with no staging copy), VMM ones over TCP; a set value is named as such."""
+    with no staging copy), VMM ones over TCP, each the other where the GPU lacks it; a set value is named as such."""
     from dask_gpupool.config import PoolOptions
     from dask_gpupool.dask.worker_plugin import _segment_memory_line
 
@@ -126,5 +126,6 @@ def test_the_segment_memory_line_says_what_segments_are_made_of_and_why():
     assert _segment_memory_line(auto, "host", "pool", False) == "none: a host pool has no segments"
     legacy = PoolOptions.from_config(segment_memory="legacy")
     assert _segment_memory_line(legacy, "device", "legacy", False) == "legacy (gpupool.segment-memory)"
-    unsegmented = PoolOptions.from_config(segment_size=0)
-    assert _segment_memory_line(unsegmented, "device", "pool", False).startswith("pool: gpupool.segment-size is 0")
+    assert _segment_memory_line(auto, "device", "legacy", False) == (
+        "legacy (auto): this GPU exports no virtual memory as POSIX fds"
+    )

@@ -1,4 +1,4 @@
-"""gpupool.ucx-receive-pool: when distributed-ucxx's device frames go into an RMM pool, and why not (CPU).
+"""The UCX receive pool: when distributed-ucxx's device frames go into an RMM pool, and why not (CPU).
 
 The pool itself (RMM over cudaMalloc, frames received into it over UCXX) is covered by the GPU tests
 (``tests/test_gpu.py``, ``ucx_receive``)."""
@@ -15,33 +15,31 @@ GiB = 1 << 30
 
 
 @pytest.mark.parametrize(
-    ("setting", "kind", "over_ucx", "resource", "ceiling", "reason"),
+    ("kind", "over_ucx", "resource", "ceiling", "reason"),
     [
-        (None, "device", True, "default", GiB, "on (auto): device frames received into an RMM pool of at most"),
-        (None, "device", True, "gpupool", GiB, "on (auto)"),  # this plugin's RMM routing: VMM memory, slow for UCX
-        (None, "device", True, "PoolMemoryResource", 0, "off (auto): RMM's resource PoolMemoryResource was set"),
-        (None, "device", True, "CudaAsyncMemoryResource", 0, "off (auto): RMM's resource CudaAsyncMemoryResource"),
-        (256 << 20, "device", True, "PoolMemoryResource", 256 << 20, "on (gpupool.ucx-receive-pool)"),
-        (0, "device", True, "default", 0, "off (gpupool.ucx-receive-pool: false)"),
-        (None, "device", False, "default", 0, "off: this worker does not receive over UCX"),
-        (None, "host", True, None, 0, "off: a host pool's worker receives device frames as distributed-ucxx does"),
-        (None, "pinned", True, "default", 0, "off: a pinned pool's worker receives device frames as distributed-ucxx"),
-        (None, "device", True, None, 0, "off: RMM is not installed (distributed-ucxx needs it"),
+        ("device", True, "default", GiB, "on: device frames received into an RMM pool of at most 1.00 GiB"),
+        ("device", True, "PoolMemoryResource", 0, "off: RMM's resource PoolMemoryResource was set"),
+        ("device", True, "CudaAsyncMemoryResource", 0, "off: RMM's resource CudaAsyncMemoryResource"),
+        ("device", False, "default", 0, "off: this worker does not receive over UCX"),
+        ("host", True, None, 0, "off: a host pool's worker receives device frames as distributed-ucxx does"),
+        ("pinned", True, "default", 0, "off: a pinned pool's worker receives device frames as distributed-ucxx"),
+        ("device", True, None, 0, "off: RMM is not installed (distributed-ucxx needs it"),
     ],
 )
-def test_the_receive_pool_is_decided_with_a_reason(setting, kind, over_ucx, resource, ceiling, reason):
-    got, why = ucx_receive.decide(setting, GiB, kind, over_ucx, resource)
-    assert got == ceiling
+def test_the_receive_pool_is_decided_with_a_reason(kind, over_ucx, resource, ceiling, reason):
+    """1 GiB (``UCX_RECEIVE_POOL``) on a ``device`` pool's UCX worker whose RMM resource is RMM's default; none
+    beside a resource someone else set, which already serves the frames."""
+    got, why = ucx_receive.decide(kind, over_ucx, resource)
+    assert got == ceiling and ceiling in (0, ucx_receive.UCX_RECEIVE_POOL)
     assert why.startswith(reason), why
 
 
-@pytest.mark.parametrize("setting", [None, 256 << 20])
-def test_no_receive_pool_on_a_gpu_that_distributed_ucxx_does_not_synchronize(setting):
+def test_no_receive_pool_on_a_gpu_that_distributed_ucxx_does_not_synchronize():
     """distributed-ucxx synchronizes device 0 of the process before it writes a received frame; a block of the
-    receive pool given out again is safe from kernels still reading it only there (thirtieth session's review)."""
-    got, why = ucx_receive.decide(setting, GiB, "device", True, "default", device=1)
+    receive pool given out again is safe from kernels still reading it only there."""
+    got, why = ucx_receive.decide("device", True, "default", device=1)
     assert got == 0 and why.startswith("off: the worker's GPU is device 1"), why
-    assert ucx_receive.decide(setting, GiB, "device", True, "default", device=0)[0] > 0
+    assert ucx_receive.decide("device", True, "default", device=0)[0] > 0
 
 
 def test_a_tcp_worker_keeps_distributed_ucxx_as_it_is_and_says_why():

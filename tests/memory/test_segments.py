@@ -316,26 +316,9 @@ def test_without_a_reclaimer_a_mapped_spare_stays_and_the_pool_is_full():
     res.close()
 
 
-def test_a_range_is_located_only_inside_one_live_segment():
-    """``locate_range`` (memory RMM placed, ``gpupool.rmm-allocator``): the whole range inside one segment that is
-    not retiring, else ``None``."""
-    res, _up = segmented()
-    buf = res.allocate(4096)
-    seg, offset = res.locate(int(buf.handle))
-    assert res.locate_range(int(buf.handle), 4096) == (seg, offset)
-    assert res.locate_range(seg.base + seg.size - 16, 16) == (seg, seg.size - 16)
-    assert res.locate_range(seg.base + seg.size - 16, 17) is None  # straddles the segment's end
-    assert res.locate_range(seg.base - 1, 1) is None  # before every segment
-    assert res.shared_rmm_resource() is None and not res.rmm_shared  # no RMM placement here (arena)
-    res.retire()
-    assert res.locate_range(int(buf.handle), 4096) is None  # a retiring segment takes no new exports
-    buf.close()
-    res.close()
-
-
 def test_segments_are_exported_by_fd_only_when_their_memory_says_so():
     """Peers fetch a segment's fd from the broker only for memory that exports fds (VMM); segments of legacy IPC
-    memory travel by the handle in their descriptor, and pool-memory segments through the pool's own export.
+    memory travel by the handle in their descriptor (as do those of an upstream's own memory, in these host tests).
     The resources are only constructed here (no CUDA call): what is checked is the decision, not the driver."""
     from dask_gpupool.memory.driver_segments import SegmentMemory
     from dask_gpupool.memory.legacy import LegacyMemoryResource
@@ -346,7 +329,7 @@ def test_segments_are_exported_by_fd_only_when_their_memory_says_so():
 
     up = HostUpstream(64 * MiB)
     payload = lambda b: b""  # noqa: E731
-    assert not SegmentedResource(up, 8 * MiB, None, payload).exports_segments  # the pool's own memory
+    assert not SegmentedResource(up, 8 * MiB, None, payload).exports_segments  # the upstream's own memory
     legacy = SegmentedResource(up, 8 * MiB, None, payload, memory=LegacyMemoryResource(0, 64 * MiB))
     assert not legacy.exports_segments
     with pytest.raises(UnknownPoolError, match="not by fd"):
@@ -376,34 +359,6 @@ def test_a_buffer_freed_by_the_garbage_collector_inside_a_placement_does_not_dea
     assert res.attributes.used_mem_current == 0
     res.close(free_segments=True)
     assert not up.live
-
-
-def test_frees_that_a_garbage_collection_runs_know_it():
-    """RMM placement defers the frees a collection runs (its finalizers may run inside RMM's callback wrapper, with
-    RMM's mutex held: a deadlock on an H100, thirty-first session); ``collecting()`` tells them, per thread."""
-    import gc
-    import threading
-
-    from dask_gpupool.memory.rmm_placement import collecting
-
-    seen: list[bool] = []
-
-    class Cycle:
-        def __init__(self) -> None:
-            self.me = self
-
-        def __del__(self) -> None:
-            seen.append(collecting())
-
-    Cycle()
-    assert not collecting()
-    gc.collect()
-    assert seen == [True] and not collecting()
-    other: list[bool] = []
-    t = threading.Thread(target=lambda: other.append(collecting()))
-    t.start()
-    t.join()
-    assert other == [False]
 
 
 @pytest.mark.parametrize("size", [-1, 1.5, "8", None])
