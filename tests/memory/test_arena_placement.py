@@ -178,3 +178,15 @@ def test_closing_closes_every_event_the_placement_owns():
     assert all(e.closed for e in default.events + side.events)
     assert table.used == 0
     assert not arena.free(*table.locate(other), None)  # type: ignore[misc]  # closed: nothing taken back
+
+
+def test_a_full_segment_waits_for_the_frees_pending_on_other_streams_before_taking_another():
+    """When no segment has room for a buffer, the frees pending on other streams are waited for (their events
+    synchronized) and the range tried again, before a new segment is taken from the upstream."""
+    arena, table, home = placement()
+    default, side = home.stream, Stream(2)
+    whole = arena.allocate(8 * MiB, side)  # the whole first segment
+    side.launch()
+    free(arena, table, whole, side)
+    assert arena.allocate(8 * MiB, default) == whole
+    assert len(table) == 1 and side.events[0].closed
