@@ -229,7 +229,7 @@ class ArenaPlacement:
                     return seg, seg.arena.allocate(size)
                 except PoolExhaustedError:
                     continue
-            if not wait or not self._pending:
+            if wait or not self._pending:
                 break
             self.reap(wait=True)  # frees still in flight may make room
         seg = self._new_segment(self.segment_size, stream=stream)
