@@ -143,7 +143,7 @@ def test_handoff_two_workers_on_one_gpu():
 
 def test_handoff_one_worker_per_gpu():
     gpus(2)
-    with nanny_cluster(ROTATED, GPUPool(kind="device", max_size="2 GiB", peer_gpu_handoff=True)) as c:
+    with nanny_cluster(ROTATED, GPUPool(kind="device", max_size="2 GiB")) as c:
         a, b = worker_addresses(c)
         rows = {r.worker: r for r in dask_gpupool.pools(c)}
         assert rows[a].peers == (rows[b].device,) and rows[b].peers == (rows[a].device,)
@@ -158,7 +158,7 @@ def test_a_value_from_another_gpu_is_copied_into_the_consumers_pool_on_arrival()
     gpus(2)
     import numpy as np
 
-    plugin = GPUPool(kind="device", max_size="2 GiB", peer_gpu_handoff=True, peer_gpu_copy=True)
+    plugin = GPUPool(kind="device", max_size="2 GiB", peer_gpu_copy=True)
     with nanny_cluster(ROTATED, plugin) as c:
         a, b = worker_addresses(c)
         baseline = warm_up(c, a, b)
@@ -194,7 +194,7 @@ def test_concurrent_handoffs_across_gpus_while_the_producer_allocates():
     # themselves: the consumer imports buffer i while the producer's pool grows for i + 1.
     gpus(2)
 
-    with nanny_cluster(ROTATED, GPUPool(kind="device", max_size="2 GiB", peer_gpu_handoff=True)) as c:
+    with nanny_cluster(ROTATED, GPUPool(kind="device", max_size="2 GiB")) as c:
         a, b = worker_addresses(c)
 
         def batch() -> None:
@@ -211,9 +211,9 @@ def test_concurrent_handoffs_across_gpus_while_the_producer_allocates():
         back_to(c, baseline)
 
 
-def test_handoff_to_another_gpu_is_zero_copy_by_default_and_copied_without_vmm_segments():
+def test_handoff_to_another_gpu_is_zero_copy():
     gpus(2)
-    with nanny_cluster(ROTATED, GPUPool(kind="device", max_size="2 GiB")) as c:  # segments on: peers granted
+    with nanny_cluster(ROTATED, GPUPool(kind="device", max_size="2 GiB")) as c:  # the other GPU granted access
         assert all(len(r.peers) == 1 for r in dask_gpupool.pools(c))
         a, b = worker_addresses(c)
         x = c.submit(T.fill, 16 * MiB, 9, workers=[a], pure=False)
@@ -221,20 +221,6 @@ def test_handoff_to_another_gpu_is_zero_copy_by_default_and_copied_without_vmm_s
         assert c.submit(T.all_equal, y, 9, workers=[b], pure=False).result()
         got = c.run(T.handoff_counters)
         assert got[b]["zero_copy_bytes"] == 16 * MiB and got[b]["copied_bytes"] == 0, got
-    for options in ({"segment_size": 0}, {"segment_memory": "pool"}):
-        copied_to_another_gpu(**options)
-
-
-def copied_to_another_gpu(**options) -> None:
-    """Without VMM segments a handoff to a worker on another GPU is a copy (fallback ``other-gpu``)."""
-    with nanny_cluster(ROTATED, GPUPool(kind="device", max_size="2 GiB", **options)) as c:
-        assert all(r.peers == () for r in dask_gpupool.pools(c))
-        a, b = worker_addresses(c)
-        x = c.submit(T.fill, 16 * MiB, 9, workers=[a], pure=False)
-        y = c.submit(T.keep, x, workers=[b], pure=False)
-        assert c.submit(T.all_equal, y, 9, workers=[b], pure=False).result()
-        got = c.run(T.handoff_counters)
-        assert got[b]["copied_bytes"] == 16 * MiB and got[a]["fallbacks"] == {"other-gpu": 1}
 
 
 def test_vmm_memory_outlives_its_maker_for_an_importer():
@@ -279,26 +265,36 @@ def test_vmm_memory_outlives_its_maker_for_an_importer():
         res.allocate(MiB)
 
 
-def test_rmm_places_buffers_in_segments_and_retiring_frees_them():
-    """RMM's pool over segments of an IPC pool (no Dask): every buffer lies inside one segment of at most
-    the segment size, large ones get their own, a full upstream is a clear error, retire frees all."""
-    gpus(1)
-    pytest.importorskip("rmm")
+def vmm_segments(segment_size: int, max_size: int) -> Any:
+    """A SegmentedResource over VMM memory of ``max_size`` bytes on GPU 0 (no Dask), as a ``device`` pool makes one,
+    with segments of ``segment_size``; skips where GPU 0 cannot export virtual memory as POSIX fds."""
     from cuda.core import Device, DeviceMemoryResource, DeviceMemoryResourceOptions
 
-    from dask_gpupool.memory.pool import ipc_payload
     from dask_gpupool.memory.segments import SegmentedResource
+    from dask_gpupool.memory.vmm import VmmMemoryResource, vmm_supported
 
     dev = Device(0)
     dev.set_current()
-    up = DeviceMemoryResource(dev, DeviceMemoryResourceOptions(ipc_enabled=True, max_size=1536 * MiB))
-    res = SegmentedResource(up, 256 * MiB, 0, ipc_payload, "rmm")
-    assert res.suballocator == "rmm"
+    if not vmm_supported(0):
+        pytest.skip("GPU 0 cannot export virtual memory as POSIX fds")
+    up = DeviceMemoryResource(dev, DeviceMemoryResourceOptions(ipc_enabled=True, max_size=max_size))
+    return SegmentedResource(up, segment_size, 0, lambda b: b"", VmmMemoryResource(0, max_size))
+
+
+def test_the_arena_places_buffers_in_segments_and_retiring_frees_them():
+    """The arena over VMM segments (no Dask): every buffer lies inside one segment of the segment size, large ones
+    get their own, a buffer freed on another stream is reused after its event, a full upstream is a clear error,
+    retire frees all."""
+    gpus(1)
+    from cuda.core import Device
+
+    dev = Device(0)
+    res = vmm_segments(256 * MiB, 1536 * MiB)
     sizes = [0, 1, 4096, 100 * MiB, 200 * MiB, 250 * MiB, 3 * MiB]
     bufs = [res.allocate(n) for n in sizes]
     for b in bufs:
         seg, offset = res.locate(int(b.handle))
-        assert not seg.own and seg.size <= 256 * MiB and offset + b.size <= seg.size
+        assert not seg.own and seg.size == 256 * MiB and offset + b.size <= seg.size
     assert res.segments >= 3
     big = res.allocate(300 * MiB)
     seg, offset = res.locate(int(big.handle))
@@ -314,23 +310,64 @@ def test_rmm_places_buffers_in_segments_and_retiring_frees_them():
     assert res.attributes.used_mem_current == 0
     res.retire()
     assert res.segments == 0 and res.attributes.reserved_mem_current == 0
-    again = res.allocate(MiB)  # a new generation
+    again = res.allocate(MiB)  # a new segment
     assert res.locate(int(again.handle))[0].id >= res.retire_below
     again.close()
     res.close()
     stream.close()
 
 
+def test_an_allocation_on_another_stream_waits_for_the_default_streams_frees_not_its_later_kernels():
+    """A staging copy's allocation on a stream of its own while the default stream is busy: the range freed on the
+    default stream is reused at once, and the other stream waits for that free, not for the 2 s kernel queued on the
+    default stream after it (the kernel still runs when the other stream's work is done). A free queued after the
+    kernel is waited for: the next allocation's stream is not done before the kernel is."""
+    gpus(1)
+    from cuda.bindings import driver
+    from cuda.core import Device, StreamOptions
+
+    dev = Device(0)
+    res = vmm_segments(256 * MiB, 1 << 30)
+    default = dev.default_stream
+    side = dev.create_stream(options=StreamOptions(nonblocking=True))
+
+    def default_busy() -> bool:
+        (err,) = driver.cuStreamQuery(driver.CUstream(int(default.handle)))
+        return bool(err == driver.CUresult.CUDA_ERROR_NOT_READY)
+
+    first = res.allocate(MiB)
+    ptr = int(first.handle)
+    first.close(default)  # freed on the default stream
+    T.spin(2000)  # a later task's kernel on the legacy default stream, still running below
+    reused = res.allocate(MiB, stream=side)
+    assert int(reused.handle) == ptr
+    side.record().sync()  # what the side stream waits for has run...
+    assert default_busy()  # ...while the kernel queued after the free still runs
+    later = res.allocate(MiB)
+    later.close(default)  # freed after the kernel
+    again = res.allocate(MiB, stream=side)
+    after = side.record()
+    assert not after.is_done and default_busy()  # waits for that free, so for the kernel before it
+    after.sync()
+    assert not default_busy()
+    for b in (reused, again):
+        b.close(side)
+    side.sync()
+    assert res.attributes.used_mem_current == 0
+    res.close()
+    side.close()
+
+
 def test_handoff_with_segments_on_one_gpu():
     """Buffers placed in segments: B maps a segment once and later handoffs reuse it."""
     gpus(1)
-    with nanny_cluster([ONE_GPU, ONE_GPU], GPUPool(kind="device", max_size="4 GiB", segment_size="256 MiB")) as c:
+    with nanny_cluster([ONE_GPU, ONE_GPU], GPUPool(kind="device", max_size="4 GiB")) as c:
         a, b = worker_addresses(c)
         _handoff_roundtrip(c, 64 * MiB)
         segments = c.run(T.mapped_segments, workers=[b])[b]
-        # A larger buffer gets a segment of its own; the next one of that size reuses it.
+        # A buffer over the segment size (1 GiB) gets a segment of its own; the next one of that size reuses it.
         for _ in range(2):
-            x = c.submit(T.fill, 300 * MiB, 3, workers=[a], pure=False)
+            x = c.submit(T.fill, 1280 * MiB, 3, workers=[a], pure=False)
             y = c.submit(T.keep, x, workers=[b], pure=False)
             assert c.submit(T.all_equal, y, 3, workers=[b], pure=False).result()
             del x, y
@@ -347,7 +384,7 @@ def test_trim_frees_retired_segments_once_the_peer_let_go(memory):
     (``auto``) or of legacy IPC memory (``cuMemAlloc``; a new segment may get a freed one's address, and a handle
     of its own)."""
     gpus(1)
-    plugin = GPUPool(kind="device", max_size="4 GiB", segment_size="256 MiB", segment_memory=memory)
+    plugin = GPUPool(kind="device", max_size="4 GiB", segment_memory=memory)
     with nanny_cluster([ONE_GPU, ONE_GPU], plugin) as c:
         a, b = worker_addresses(c)
         made_of = "vmm" if memory == "auto" else memory
@@ -395,7 +432,7 @@ def test_a_value_in_a_segment_the_peer_released_after_a_trim_comes_as_a_copy_and
     a new mapping whose claims the owner's ledger would never see settled; and A frees the segment once the value
     goes (a review of the lease protocol, thirtieth session: A used to keep it until B exited)."""
     gpus(1)
-    plugin = GPUPool(kind="device", max_size="4 GiB", segment_size="256 MiB")
+    plugin = GPUPool(kind="device", max_size="4 GiB")
     with nanny_cluster([ONE_GPU, ONE_GPU], plugin) as c:
         a, b = worker_addresses(c)
         baseline = warm_up(c, a, b)
@@ -422,13 +459,13 @@ def test_a_value_in_a_segment_the_peer_released_after_a_trim_comes_as_a_copy_and
 
 def test_stress_with_segments_one_gpu():
     gpus(1)
-    with nanny_cluster([ONE_GPU, ONE_GPU], GPUPool(kind="device", max_size="4 GiB", segment_size="256 MiB")) as c:
+    with nanny_cluster([ONE_GPU, ONE_GPU], GPUPool(kind="device", max_size="4 GiB")) as c:
         stress(c, 20, 16 * MiB)
 
 
 @pytest.mark.parametrize(
     "options",
-    [{"peer_gpu_handoff": True}, {"segment_memory": "legacy"}],
+    [{}, {"segment_memory": "legacy"}],
     ids=["vmm", "legacy"],
 )
 def test_stress_with_segments_two_gpus(options):
@@ -437,7 +474,7 @@ def test_stress_with_segments_two_gpus(options):
     memory, or of legacy IPC memory (``gpupool.segment-memory: legacy``, each opened once by its handle): handoffs,
     releases and reuse under load, every value read right, nothing copied."""
     gpus(2)
-    plugin = GPUPool(kind="device", max_size="4 GiB", segment_size="256 MiB", **options)
+    plugin = GPUPool(kind="device", max_size="4 GiB", **options)
     with nanny_cluster(ROTATED, plugin) as c:
         stress(c, 40, 16 * MiB)
         b = worker_addresses(c)[1]
@@ -575,8 +612,6 @@ def test_dask_cuda_local_cuda_cluster_hands_over(placement):
     plugin = GPUPool(
         kind="device",
         max_size="1 GiB",
-        segment_size="256 MiB",
-        peer_gpu_handoff=True,
         handoff_threshold=0,
         peer_gpu_copy=False,
     )
@@ -605,7 +640,7 @@ def test_dask_cuda_local_cuda_cluster_hands_over(placement):
 def test_dask_cuda_rmm_options_meet_the_plugin_at_its_defaults(rmm_options, placement):
     """Issue 18, dask-cuda's RMM combinations: LocalCUDACluster with each RMM option (a pool, the async allocator,
     managed memory, none), the plugin registered at its defaults, two workers on one GPU or one per GPU. dask-cuda's
-    allocator stays (stats() says why); an 8 MiB plain CuPy array, made by whatever dask-cuda set up, reaches the
+    allocator stays; an 8 MiB plain CuPy array, made by whatever dask-cuda set up, reaches the
     other worker staged into the pool and handed over (staged-in-pool: managed memory cannot be exported, its bytes
     are copied on the GPU), with the right values and 0 bytes through the comm; no lease and no staged bytes left."""
     gpus(2 if placement == "two-gpus" else 1)
@@ -616,12 +651,10 @@ def test_dask_cuda_rmm_options_meet_the_plugin_at_its_defaults(rmm_options, plac
     from distributed import Client
 
     with dask_cuda_cluster(placement, **rmm_options) as cluster, Client(cluster) as c:
-        c.register_plugin(GPUPool(kind="device", max_size="1 GiB", segment_size="256 MiB"))
+        c.register_plugin(GPUPool(kind="device", max_size="1 GiB"))
         a, b = worker_addresses(c)
         rows = {r.worker: r for r in dask_gpupool.pools(c)}
         assert (rows[a].device == rows[b].device) == (placement == "one-gpu"), rows
-        why = dask_gpupool.stats(c)[a]["routing"]["cupy"]
-        assert why.startswith("off (auto)"), why
         before = c.run(T.handoff_counters)
         x = c.submit(T.plain_cupy, 1 << 20, workers=[a], pure=False)  # 8 MiB
         y = c.submit(T.keep, x, workers=[b], pure=False)
@@ -636,64 +669,11 @@ def test_dask_cuda_rmm_options_meet_the_plugin_at_its_defaults(rmm_options, plac
         assert c.run(T.handoff_counters, workers=[a])[a]["used"] == before[a]["used"]
 
 
-def test_rmm_allocator_hands_plain_cupy_and_rmm_buffers_over_without_staging():
-    """gpupool.rmm-allocator: RMM's resource on the worker's GPU is the pool's RMM pool, and CuPy allocates through
-    RMM. A plain 8 MiB CuPy array and an 8 MiB rmm.DeviceBuffer (device-objects on) reach the other worker zero-copy
-    with no staging copy and no fallback; the array reads right after the producer dropped its key and scribbled
-    over its pool; teardown gives RMM and CuPy their allocators back."""
-    gpus(1)
-    pytest.importorskip("rmm")
-    import numpy as np
-
-    plugin = GPUPool(kind="device", max_size="1 GiB", rmm_allocator=True, device_objects=True)
-    with nanny_cluster([ONE_GPU, ONE_GPU], plugin) as c:
-        a, b = worker_addresses(c)
-        why = dask_gpupool.stats(c)[a]["routing"]["rmm"]
-        assert why.startswith("pool"), why
-        before = counters(c)
-        x = c.submit(T.plain_cupy, 1 << 20, workers=[a], pure=False)  # 8 MiB, allocated by RMM in the pool
-        y = c.submit(T.keep, x, workers=[b], pure=False)
-        assert c.submit(T.describe, y, workers=[b], pure=False).result()["imported"]
-        del x
-        for _ in range(4):
-            c.submit(T.scribble_all, 16 * MiB, ord("S"), workers=[a], pure=False).result()
-        assert c.submit(T.total, y, workers=[b], pure=False).result() == float(np.arange(1 << 20).sum())
-        z = c.submit(T.device_object, "rmm", 1 << 20, workers=[a], pure=False)
-        got = c.submit(T.keep, z, workers=[b], pure=False)
-        assert c.submit(T.check_device_object, got, 1 << 20, workers=[b], pure=False).result() == "DeviceBuffer:ok"
-        now = counters(c)
-        assert now[a]["fallbacks"] == before[a]["fallbacks"], now[a]["fallbacks"]
-        assert now[a]["pool_staged_bytes"] == before[a]["pool_staged_bytes"]
-        assert now[b]["zero_copy_bytes"] - before[b]["zero_copy_bytes"] == 16 * MiB
-        assert now[b]["copied_bytes"] == before[b]["copied_bytes"]
-        del y, z, got
-
-
-def test_plain_cupy_arrays_hand_over_when_cupy_allocates_from_the_pool():
-    """gpupool.cupy-allocator: true: plain CuPy results live in the pool and hand over zero-copy; stats() says so."""
-    gpus(1)
-    import numpy as np
-
-    with nanny_cluster([ONE_GPU, ONE_GPU], GPUPool(kind="device", max_size="2 GiB", cupy_allocator=True)) as c:
-        a, b = worker_addresses(c)
-        assert dask_gpupool.stats(c)[a]["routing"]["cupy"].startswith("pool"), dask_gpupool.stats(c)[a]
-        x = c.submit(T.plain_cupy, 1 << 20, workers=[a], pure=False)
-        y = c.submit(T.keep, x, workers=[b], pure=False)
-        assert c.submit(T.describe, y, workers=[b], pure=False).result() == {
-            "type": "cupy.ndarray",
-            "imported": True,
-            "in_own_pool": False,
-        }
-        assert c.submit(T.total, y, workers=[b], pure=False).result() == float(np.arange(1 << 20).sum())
-        assert c.run(T.handoff_counters)[b]["copied_bytes"] == 0
-
-
 def test_cupy_arrays_of_an_allocator_installed_before_the_plugin_are_staged_at_defaults():
-    """Issue 18, dask-cuda's RMM set-up: CuPy given RMM's allocator before the plugin starts keeps it (stats() says
-    why); at default settings an 8 MiB RMM-made CuPy array is copied into the pool on the GPU and handed over
-    (staged-in-pool), as is a 128 KiB one (stage-threshold auto: 64 KiB to a worker on the same GPU), a 32 KiB one
-    goes through the comm (fallback small); the right values either way. With cupy-allocator: true the plugin
-    replaces RMM's allocator and says so."""
+    """Issue 18, dask-cuda's RMM set-up: CuPy given RMM's allocator before the plugin starts keeps it; at default
+    settings an 8 MiB RMM-made CuPy array is copied into the pool on the GPU and handed over (staged-in-pool), as
+    is a 128 KiB one (stage-threshold auto: 64 KiB to a worker on the same GPU), a 32 KiB one goes through the comm
+    (fallback small); the right values either way."""
     gpus(1)
     pytest.importorskip("rmm")
     import numpy as np
@@ -709,8 +689,6 @@ def test_cupy_arrays_of_an_allocator_installed_before_the_plugin_are_staged_at_d
         assert set(c.run(rmm_for_cupy).values()) == {"ok"}
         c.register_plugin(GPUPool(kind="device", max_size="1 GiB"))
         a, b = worker_addresses(c)
-        why = dask_gpupool.stats(c)[a]["routing"]["cupy"]
-        assert why.startswith("off (auto)"), why
         big = c.submit(T.plain_cupy, 1 << 20, workers=[a], pure=False)  # 8 MiB, made by RMM
         medium = c.submit(T.plain_cupy, 1 << 14, workers=[a], pure=False)  # 128 KiB
         small = c.submit(T.plain_cupy, 1 << 12, workers=[a], pure=False)  # 32 KiB
@@ -723,12 +701,6 @@ def test_cupy_arrays_of_an_allocator_installed_before_the_plugin_are_staged_at_d
         assert now[a]["fallbacks"] == {"staged-in-pool": 2, "small": 1}, now[a]
         assert now[b]["zero_copy_bytes"] >= 8 * MiB + (128 << 10), now[b]
         del big, medium, small, got
-    with nanny_cluster([ONE_GPU]) as c:
-        assert set(c.run(rmm_for_cupy).values()) == {"ok"}
-        c.register_plugin(GPUPool(kind="device", max_size="1 GiB", cupy_allocator=True))
-        (a,) = worker_addresses(c)
-        why = dask_gpupool.stats(c)[a]["routing"]["cupy"]
-        assert why.startswith("pool") and "replaced" in why and "rmm" in why, why
 
 
 def test_handoff_pinned_pools():
@@ -848,23 +820,8 @@ def test_sigkill_of_the_producer_leaves_the_consumers_device_mapping_readable(me
         back_to(c, base_b, workers=[b])
 
 
-def test_buffers_over_the_import_limit_are_copied():
-    """gpupool.import-limit: a larger CUDA allocation goes as a copy (fallback too-large), a smaller one zero-copy."""
-    gpus(1)
-    with nanny_cluster([ONE_GPU, ONE_GPU], GPUPool(kind="device", max_size="1 GiB", import_limit="64 MiB")) as c:
-        a, b = worker_addresses(c)
-        small = c.submit(T.fill, 16 * MiB, 4, workers=[a], pure=False)
-        large = c.submit(T.fill, 128 * MiB, 5, workers=[a], pure=False)
-        assert c.submit(T.all_equal, c.submit(T.keep, small, workers=[b], pure=False), 4, workers=[b]).result()
-        assert c.submit(T.all_equal, c.submit(T.keep, large, workers=[b], pure=False), 5, workers=[b]).result()
-        got = c.run(T.handoff_counters)
-        assert got[b]["zero_copy_bytes"] == 16 * MiB and got[b]["copied_bytes"] == 128 * MiB
-        assert got[a]["fallbacks"] == {"too-large": 1}
-
-
-#: Segment memory of the large-buffer tests: VMM (the default), and legacy IPC memory with no import limit (single
-#: legacy imports over gpupool.import-limit's 5 GiB had not been shown to complete: these tests say whether they do).
-LARGE_MEMORY = {"vmm": {}, "legacy": {"segment_memory": "legacy", "import_limit": 0}}
+#: Segment memory of the large-buffer tests: VMM (the default over TCP), and legacy IPC memory.
+LARGE_MEMORY = {"vmm": {}, "legacy": {"segment_memory": "legacy"}}
 
 
 @pytest.mark.timeout(300)  # its own waits run to 120 s: let them say what differs
@@ -872,16 +829,14 @@ LARGE_MEMORY = {"vmm": {}, "legacy": {"segment_memory": "legacy", "import_limit"
 @pytest.mark.parametrize("gib", [8, 16])
 @pytest.mark.parametrize("layout", ["one-gpu", "two-gpus"])
 def test_buffers_of_8_and_16_gib_hand_over_zero_copy(layout, gib, memory):
-    """Issue 19, any size: with VMM segments (or legacy IPC ones with no import limit) an 8 or 16 GiB pool buffer
+    """Issue 19, any size: with VMM segments (or legacy IPC ones) an 8 or 16 GiB pool buffer
     reaches the consumer on the same GPU or the other one mapped, not copied, with the right bytes at its start,
     middle and end and everywhere (all_equal), and everything back to the baseline once it is dropped. Workers
     without a host memory limit: Dask counts a device value's bytes as managed memory and would spill a 16 GiB
     result through the host."""
     nbytes = gib << 30
     workers = [{**w, "memory_limit": 0} for w in layout_workers(layout)]
-    plugin = GPUPool(
-        kind="device", max_size=f"{2 * gib + 2} GiB", peer_gpu_handoff=layout == "two-gpus", **LARGE_MEMORY[memory]
-    )
+    plugin = GPUPool(kind="device", max_size=f"{2 * gib + 2} GiB", **LARGE_MEMORY[memory])
     with nanny_cluster(workers, plugin) as c:
         a, b = worker_addresses(c)
         baseline = warm_up(c, a, b)
@@ -902,12 +857,11 @@ def test_buffers_of_8_and_16_gib_hand_over_zero_copy(layout, gib, memory):
 @pytest.mark.parametrize("killed", ["producer", "consumer"])
 @pytest.mark.parametrize("layout", ["one-gpu", "two-gpus"])
 def test_sigkill_with_an_8_gib_mapping_held(layout, killed, memory):
-    """Issue 19, faults at any size: B maps an 8 GiB buffer of A's (VMM segments, or legacy IPC ones, no import
-    limit). A SIGKILLed: B still reads every byte right. B SIGKILLed: A ends its lease and its pool is back to 0
-    bytes used."""
+    """Issue 19, faults at any size: B maps an 8 GiB buffer of A's (VMM segments, or legacy IPC ones). A SIGKILLed:
+    B still reads every byte right. B SIGKILLed: A ends its lease and its pool is back to 0 bytes used."""
     nbytes = 8 << 30
     workers = [{**w, "memory_limit": 0} for w in layout_workers(layout)]
-    plugin = GPUPool(kind="device", max_size="18 GiB", peer_gpu_handoff=layout == "two-gpus", **LARGE_MEMORY[memory])
+    plugin = GPUPool(kind="device", max_size="18 GiB", **LARGE_MEMORY[memory])
     with nanny_cluster(workers, plugin) as c:
         a, b = worker_addresses(c)
         base_b = own_baseline(c, b)
@@ -931,26 +885,25 @@ def test_sigkill_with_an_8_gib_mapping_held(layout, killed, memory):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("layout", ["one-gpu", "two-gpus"])
 def test_a_full_pool_reclaims_a_large_spare_that_the_consumer_still_maps(layout):
-    """A 1 GiB buffer (a segment of its own: segments are 256 MiB) is handed over and dropped: its spare stays
-    mapped by the consumer. A 2.5 GiB allocation in A's 3 GiB pool then does not fit beside it, so A reclaims the
-    spare (its row's ``reclaim``), B unmaps it and releases it (one more segment released), A frees it, and the
-    allocation succeeds with the right bytes, with no trim(). Before, it failed with PoolExhaustedError
-    (docs/design.md, "Not yet")."""
+    """A 1.25 GiB buffer (a segment of its own: segments are 1 GiB) is handed over and dropped: its spare stays
+    mapped by the consumer. A 1.875 GiB allocation in A's 3 GiB pool then does not fit beside it (and the warm-up's
+    1 GiB segment), so A reclaims the spare (its row's ``reclaim``), B unmaps it and releases it (one more segment
+    released), A frees it, and the allocation succeeds with the right bytes, with no trim()."""
     workers = [{**w, "memory_limit": 0} for w in layout_workers(layout)]
-    plugin = GPUPool(kind="device", max_size="3 GiB", segment_size="256 MiB", peer_gpu_handoff=layout == "two-gpus")
+    plugin = GPUPool(kind="device", max_size="3 GiB")
     with nanny_cluster(workers, plugin) as c:
         a, b = worker_addresses(c)
         baseline = warm_up(c, a, b)
-        x = c.submit(T.fill, 1 << 30, 3, workers=[a], pure=False)
+        x = c.submit(T.fill, 5 << 28, 3, workers=[a], pure=False)  # 1.25 GiB
         y = c.submit(T.keep, x, workers=[b], pure=False)
         assert c.submit(T.describe, y, workers=[b], pure=False).result()["imported"]
         assert c.submit(T.all_equal, y, 3, workers=[b], pure=False).result()
         del x, y
         wait_for(lambda: counters(c, a)[a]["leases"] == 0 and counters(c, a)[a]["used"] == 0, what="the lease to end")
         released = counters(c, b)[b]["segments_released"]
-        big = c.submit(T.fill, 5 << 29, 4, workers=[a], pure=False)  # 2.5 GiB
+        big = c.submit(T.fill, 15 << 27, 4, workers=[a], pure=False)  # 1.875 GiB
         assert c.submit(T.all_equal, big, 4, workers=[a], pure=False).result()
-        assert counters(c, b)[b]["segments_released"] == released + 1  # B gave the 1 GiB spare back
+        assert counters(c, b)[b]["segments_released"] == released + 1  # B gave the 1.25 GiB spare back
         assert c.submit(T.all_equal, c.submit(T.keep, big, workers=[b], pure=False), 4, workers=[b]).result()
         del big
         back_to(c, baseline, timeout=120)
@@ -974,7 +927,7 @@ def test_a_consumer_never_reads_before_the_producers_kernel_wrote(layout, orderi
     stored the task's result (step ``export-task-wait``), with ``device`` because it synchronized its GPU, with
     ``event`` because its broker acknowledged the claim only after that event. With ``event`` the header says so
     (``ready="claim"``), and the export itself did not wait for the kernel."""
-    plugin = GPUPool(kind="device", max_size="1 GiB", peer_gpu_handoff=layout == "two-gpus", handoff_ordering=ordering)
+    plugin = GPUPool(kind="device", max_size="1 GiB", handoff_ordering=ordering)
     with nanny_cluster(layout_workers(layout), plugin) as c:
         a, b = worker_addresses(c)
         baseline = warm_up(c, a, b)
@@ -1102,7 +1055,6 @@ def test_on_ucxx_pool_memory_hands_over_or_travels_as_device_frames(placement):
             segment_memory="vmm",  # the staging copy (auto over UCX makes legacy segments, which UCX sends unstaged)
             ucx_handoff_threshold="4 MiB",
             stage_threshold="4 MiB",
-            cupy_allocator=False,
         )
         with dask.config.set(UCX_CONFIG), nanny_cluster(workers, plugin, protocol="ucxx") as c:
             a, b = worker_addresses(c)
@@ -1158,7 +1110,7 @@ def test_on_ucxx_legacy_ipc_segments_go_to_another_host_without_the_staging_copy
     total = float(np.arange(1 << 20).sum())
     for hosts in ("same", "two"):
         workers = ucx_workers(placement, hosts)
-        plugin = GPUPool(kind="device", max_size="1 GiB", segment_memory=memory, cupy_allocator=False)
+        plugin = GPUPool(kind="device", max_size="1 GiB", segment_memory=memory)
         with dask.config.set(UCX_CONFIG), nanny_cluster(workers, plugin, protocol="ucxx") as c:
             a, b = worker_addresses(c)
             assert c.run(T.segment_memory, workers=[a])[a]["pool"] == "legacy"
@@ -1207,7 +1159,7 @@ def test_on_ucxx_replies_of_device_pool_memory_skip_the_offload_thread(placement
             {**w, "protocol": "ucxx", "config": {"gpupool": {"host-id": "h" if hosts == "same" else f"h{i}"}}}
             for i, w in enumerate(layout)
         ]
-        plugin = GPUPool(kind="device", max_size="1 GiB", segment_memory="vmm", cupy_allocator=False)  # staged
+        plugin = GPUPool(kind="device", max_size="1 GiB", segment_memory="vmm")  # staged
         with dask.config.set(ucx), nanny_cluster(workers, plugin, protocol="ucxx") as c:
             a, b = worker_addresses(c)
             n = 12 << 17  # 12 MiB of float64
@@ -1302,9 +1254,7 @@ def test_on_ucxx_pool_memory_below_the_staging_threshold_goes_to_ucx_unstaged(pl
     layout = ROTATED if placement == "two-gpus" else [ONE_GPU, ONE_GPU]
     workers = [{**w, "protocol": "ucxx", "config": {"gpupool": {"host-id": f"host-{i}"}}} for i, w in enumerate(layout)]
     # VMM segments: staged from the threshold up (auto over UCX makes legacy segments, which UCX sends unstaged)
-    plugin = GPUPool(
-        kind="device", max_size="1 GiB", segment_memory="vmm", ucx_staging_threshold="1 MiB", cupy_allocator=False
-    )
+    plugin = GPUPool(kind="device", max_size="1 GiB", segment_memory="vmm", ucx_staging_threshold="1 MiB")
     with dask.config.set(ucx), nanny_cluster(workers, plugin, protocol="ucxx") as c:
         a, b = worker_addresses(c)
         x = c.submit(T.make_buffer, 64 << 10, b"unstaged", workers=[a], pure=False)
@@ -1340,7 +1290,7 @@ def test_on_ucxx_cupy_arrays_below_the_host_frame_threshold_go_as_one_host_frame
     ucx = {f"distributed.comm.ucx.{k}": True for k in ("create-cuda-context", "nvlink", "tcp", "cuda-copy")}
     layout = ROTATED if placement == "two-gpus" else [ONE_GPU, ONE_GPU]
     workers = [{**w, "protocol": "ucxx", "config": {"gpupool": {"host-id": f"host-{i}"}}} for i, w in enumerate(layout)]
-    plugin = GPUPool(kind="device", max_size="1 GiB", segment_memory="vmm", cupy_allocator=False)  # 8 KiB: staged
+    plugin = GPUPool(kind="device", max_size="1 GiB", segment_memory="vmm")  # 8 KiB: staged
     with dask.config.set(ucx), nanny_cluster(workers, plugin, protocol="ucxx") as c:
         a, b = worker_addresses(c)
         arr = c.submit(T.make_array, 512, "cupy", workers=[a], pure=False)  # 4 KiB of float64, pool memory
@@ -1379,12 +1329,11 @@ def _receive_device_array(dask_worker: Any) -> str:
 
 @pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
 def test_on_ucxx_device_frames_are_received_into_the_receive_pool(placement):
-    """gpupool.ucx-receive-pool. At auto, on workers whose RMM resource is RMM's default, distributed-ucxx receives
-    the device frames of another "host" into an RMM pool, not a cudaMalloc each: a 1 MiB pool array (staged) and a
-    1 MiB plain CuPy array arrive with the right values, counted in receive_pooled_bytes. With a ceiling of 3 MiB,
-    while those two are held, a 2 MiB array does not fit and a 4 MiB one is over the ceiling: both are misses,
-    received from RMM's resource as before, with the right values. Removing the plugin puts distributed-ucxx's own
-    back; no lease left."""
+    """On workers whose RMM resource is RMM's default, distributed-ucxx receives the device frames of another "host"
+    into an RMM pool of at most 1 GiB, not a cudaMalloc each: a 1 MiB pool array (staged) and a 1 MiB plain CuPy
+    array arrive with the right values, counted in receive_pooled_bytes. A 1 GiB + 1 MiB plain array is over the
+    ceiling: a miss, received from RMM's resource as before, with the right values. Removing the plugin puts
+    distributed-ucxx's own back; no lease left."""
     gpus(2 if placement == "two-gpus" else 1)
     pytest.importorskip("distributed_ucxx")
     pytest.importorskip("rmm")
@@ -1394,40 +1343,37 @@ def test_on_ucxx_device_frames_are_received_into_the_receive_pool(placement):
     def arange_total(n: int) -> float:
         return float(np.arange(n).sum())
 
-    for ceiling in ("auto", "3 MiB"):
-        plugin = GPUPool(kind="device", max_size="1 GiB", ucx_receive_pool=ceiling)
-        with dask.config.set(UCX_CONFIG), nanny_cluster(ucx_workers(placement, "two"), plugin, protocol="ucxx") as c:
-            a, b = worker_addresses(c)
-            why = dask_gpupool.stats(c)[b]["routing"]["ucx-receive"]
-            assert why.startswith("on (auto)" if ceiling == "auto" else "on (gpupool.ucx-receive-pool)"), why
-            assert c.run(_receive_device_array, workers=[b])[b] == "ReceivePool"
-            n = MiB // 8
-            held = [
-                c.submit(T.make_array, n, "cupy", workers=[a], pure=False),
-                c.submit(T.plain_cupy, n, workers=[a], pure=False),
-            ]
-            for x in held:
-                assert c.submit(T.total, x, workers=[b], pure=False).result() == arange_total(n)
-            got = c.run(T.handoff_counters)
-            print(placement, ceiling, {w: {k: v for k, v in got[w].items() if v} for w in (a, b)})
-            assert got[b]["receive_pooled_bytes"] == 2 * MiB and got[b]["receive_pool_misses"] == 0, got[b]
-            assert got[b]["device_frames_bytes"] == 2 * MiB and got[b]["copied_bytes"] == 0, got[b]
-            if ceiling != "auto":
-                for m in (2 * MiB // 8, 4 * MiB // 8):  # full while the two are held; over the ceiling
-                    y = c.submit(T.plain_cupy, m, workers=[a], pure=False)
-                    assert c.submit(T.total, y, workers=[b], pure=False).result() == arange_total(m)
-                    del y
-                got = c.run(T.handoff_counters)
-                assert got[b]["receive_pooled_bytes"] == 2 * MiB and got[b]["receive_pool_misses"] == 2, got[b]
-                assert got[b]["device_frames_bytes"] == 8 * MiB and got[b]["copied_bytes"] == 0, got[b]
-            del held, x
-            wait_for(lambda c=c, a=a: counters(c, a)[a]["leases"] == 0, what="the leases to end")
-            c.unregister_worker_plugin("gpupool")
-            assert c.run(_receive_device_array, workers=[b])[b] == "NoneType"  # distributed-ucxx's own function
+    plugin = GPUPool(kind="device", max_size="1 GiB")
+    with dask.config.set(UCX_CONFIG), nanny_cluster(ucx_workers(placement, "two"), plugin, protocol="ucxx") as c:
+        a, b = worker_addresses(c)
+        why = dask_gpupool.stats(c)[b]["routing"]["ucx-receive"]
+        assert why == "on: device frames received into an RMM pool of at most 1.00 GiB", why
+        assert c.run(_receive_device_array, workers=[b])[b] == "ReceivePool"
+        n = MiB // 8
+        held = [
+            c.submit(T.make_array, n, "cupy", workers=[a], pure=False),
+            c.submit(T.plain_cupy, n, workers=[a], pure=False),
+        ]
+        for x in held:
+            assert c.submit(T.total, x, workers=[b], pure=False).result() == arange_total(n)
+        got = c.run(T.handoff_counters)
+        assert got[b]["receive_pooled_bytes"] == 2 * MiB and got[b]["receive_pool_misses"] == 0, got[b]
+        assert got[b]["device_frames_bytes"] == 2 * MiB and got[b]["copied_bytes"] == 0, got[b]
+        over = (1 << 30) + MiB
+        y = c.submit(T.plain_fill, over, 7, workers=[a], pure=False)  # over the ceiling
+        assert c.submit(T.array_equal, y, 7, workers=[b], pure=False).result()
+        del y
+        got = c.run(T.handoff_counters)
+        assert got[b]["receive_pooled_bytes"] == 2 * MiB and got[b]["receive_pool_misses"] == 1, got[b]
+        assert got[b]["device_frames_bytes"] == 2 * MiB + over and got[b]["copied_bytes"] == 0, got[b]
+        del held, x
+        wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="the leases to end")
+        c.unregister_worker_plugin("gpupool")
+        assert c.run(_receive_device_array, workers=[b])[b] == "NoneType"  # distributed-ucxx's own function
 
 
 def test_on_ucxx_the_receive_pool_stands_aside_beside_an_rmm_pool_set_before_it():
-    """gpupool.ucx-receive-pool auto beside distributed.rmm.pool-size (distributed-ucxx makes RMM's resource a pool
+    """The UCX receive pool beside distributed.rmm.pool-size (distributed-ucxx makes RMM's resource a pool
     before any plugin runs, as dask-cuda's rmm_pool_size does): the plugin leaves it to serve the frames, says why,
     and counts nothing; a plain CuPy array from another "host" arrives with the right values."""
     gpus(1)
@@ -1441,7 +1387,7 @@ def test_on_ucxx_the_receive_pool_stands_aside_beside_an_rmm_pool_set_before_it(
     with dask.config.set(config), nanny_cluster(ucx_workers("one-gpu", "two"), plugin, protocol="ucxx") as c:
         a, b = worker_addresses(c)
         why = dask_gpupool.stats(c)[b]["routing"]["ucx-receive"]
-        assert why.startswith("off (auto): RMM's resource PoolMemoryResource was set before the plugin"), why
+        assert why.startswith("off: RMM's resource PoolMemoryResource was set before the plugin"), why
         assert c.run(_receive_device_array, workers=[b])[b] == "NoneType"
         x = c.submit(T.plain_cupy, MiB // 8, workers=[a], pure=False)
         assert c.submit(T.total, x, workers=[b], pure=False).result() == float(np.arange(MiB // 8).sum())
@@ -1536,9 +1482,7 @@ def test_on_ucxx_a_cancelled_reply_keeps_its_staging_memory_until_the_consumer_e
     n = 8 * MiB  # float64: 64 MiB of pool memory
     # staged device frames to a same-host worker (whose process the producer can watch): below the handoff
     # threshold, in VMM segments (legacy ones go unstaged)
-    plugin = GPUPool(
-        kind="device", max_size="1 GiB", segment_memory="vmm", ucx_handoff_threshold="1 GiB", cupy_allocator=False
-    )
+    plugin = GPUPool(kind="device", max_size="1 GiB", segment_memory="vmm", ucx_handoff_threshold="1 GiB")
     with dask.config.set(UCX_CONFIG), nanny_cluster(ucx_workers(placement, "same"), plugin, protocol="ucxx") as c:
         a, b = worker_addresses(c)
         before = c.run(_staging_blocks, workers=[a])[a]
@@ -1647,7 +1591,7 @@ def test_every_pair_of_two_hosts_over_ucxx_hands_over_or_sends_device_frames(pla
         {"env": {"CUDA_VISIBLE_DEVICES": v}, "protocol": "ucxx", "config": {"gpupool": {"host-id": h}}}
         for h, v in zip(hosts, ["0,1", "1,0", "0,1", "1,0"] if placement == "two-gpus" else ["0"] * 4, strict=True)
     ]
-    plugin = GPUPool(kind="device", max_size="1 GiB", peer_gpu_handoff=True)
+    plugin = GPUPool(kind="device", max_size="1 GiB")
     total = float(np.arange(1 << 20).sum())
     with dask.config.set(ucx), nanny_cluster(workers, plugin, protocol="ucxx") as c:
         addrs = worker_addresses(c)
@@ -1673,7 +1617,7 @@ def test_plain_cupy_arrays_are_staged_into_the_pool_when_asked(placement):
 
     gpus(2 if placement == "two-gpus" else 1)
     layout = ROTATED if placement == "two-gpus" else [ONE_GPU, ONE_GPU]
-    plugin = GPUPool(kind="device", max_size="1 GiB", stage_threshold="4 MiB", cupy_allocator=False)
+    plugin = GPUPool(kind="device", max_size="1 GiB", stage_threshold="4 MiB")
     with nanny_cluster(layout, plugin) as c:
         a, b = worker_addresses(c)
         baseline = warm_up(c, a, b)
@@ -1702,7 +1646,7 @@ def test_replies_of_staged_cupy_arrays_over_tcp_skip_the_offload_thread(placemen
 
     gpus(2 if placement == "two-gpus" else 1)
     layout = ROTATED if placement == "two-gpus" else [ONE_GPU, ONE_GPU]
-    plugin = GPUPool(kind="device", max_size="1 GiB", cupy_allocator=False)
+    plugin = GPUPool(kind="device", max_size="1 GiB")
     with nanny_cluster(layout, plugin) as c:
         a, b = worker_addresses(c)
         baseline = warm_up(c, a, b)
@@ -1737,7 +1681,7 @@ def test_plain_cupy_arrays_of_every_layout_are_staged_with_their_values(placemen
 
     gpus(2 if placement == "two-gpus" else 1)
     layout = ROTATED if placement == "two-gpus" else [ONE_GPU, ONE_GPU]
-    plugin = GPUPool(kind="device", max_size="1 GiB", stage_threshold=1, cupy_allocator=False)
+    plugin = GPUPool(kind="device", max_size="1 GiB", stage_threshold=1)
     with nanny_cluster(layout, plugin) as c:
         a, b = worker_addresses(c)
         baseline = warm_up(c, a, b)
@@ -1773,7 +1717,7 @@ def test_a_staged_task_result_is_copied_after_its_own_kernel(placement):
 
     gpus(2 if placement == "two-gpus" else 1)
     layout = ROTATED if placement == "two-gpus" else [ONE_GPU, ONE_GPU]
-    plugin = GPUPool(kind="device", max_size="1 GiB", stage_threshold="4 MiB", cupy_allocator=False)
+    plugin = GPUPool(kind="device", max_size="1 GiB", stage_threshold="4 MiB")
     with nanny_cluster(layout, plugin) as c:
         a, b = worker_addresses(c)
         for i in range(3):
@@ -1912,7 +1856,7 @@ def _chain_cluster(placement: str) -> tuple[list[dict[str, Any]], Any]:
         one = {"env": {"CUDA_VISIBLE_DEVICES": local_devices().uuids[0]}}
         return [one] * 3, GPUPool(kind="device", max_size="1 GiB")
     gpus(2)
-    return [ROTATED[0], ROTATED[1], ROTATED[0]], GPUPool(kind="device", max_size="1 GiB", peer_gpu_handoff=True)
+    return [ROTATED[0], ROTATED[1], ROTATED[0]], GPUPool(kind="device", max_size="1 GiB")
 
 
 @pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
@@ -2067,60 +2011,38 @@ def test_to_pool_of_a_numpy_array_on_a_device_pool_returns_it_as_it_is():
         assert c.submit(_numpy_to_pool_on_a_device_pool, workers=[a], pure=False).result()
 
 
-@pytest.mark.parametrize(
-    "suballocator",
-    [
-        "rmm",
-        # the 461 MB the thirty-first session saw counted used here was no leak: this case ran after the [rmm] one had
-        # deadlocked inside a collection, and a collection stuck on one thread stops every later one in the process
-        # (conftest.assert_the_collector_collects now says so first); it passed on an H100 once [rmm] no longer did
-        "arena",
-    ],
-)
-def test_a_buffer_freed_by_the_garbage_collector_inside_a_segment_allocation_does_not_deadlock_it(suballocator):
+def test_a_buffer_freed_by_the_garbage_collector_inside_a_segment_allocation_does_not_deadlock_it():
     """A pool Buffer in a reference cycle is freed whenever the collector runs, also inside the pool's own
-    allocation: with RMM placement, inside RMM's upstream callback (Python: the segment source, the VMM driver
-    calls), which RMM runs with its pool's mutex held; a free into that pool then waited for the mutex its own
-    thread held (review of the memory layer; the arena case is the host test's, on a GPU). Small segments and a
-    retire per step make RMM call back often."""
+    allocation, on the thread that holds the segments' lock (the host test's case, on a GPU with VMM segments and
+    its driver calls). Small segments and a retire per step make new segments often."""
     gpus(1)
-    if suballocator == "rmm":
-        pytest.importorskip("rmm")
-    from dask_gpupool.config import PoolOptions
-    from dask_gpupool.memory.pool import Pool
-
-    options = PoolOptions.from_config(
-        kind="device", max_size="1 GiB", segment_size="2 MiB", suballocator=suballocator, segment_memory="vmm"
-    )
-    pool = Pool.create(options, local_devices())
-    segmented = pool.segmented
-    assert segmented is not None
+    segmented = vmm_segments(2 * MiB, 1 << 30)
 
     def step() -> None:
         kept = []
         for _ in range(4):
-            b = pool.allocate(MiB)
+            b = segmented.allocate(MiB)
             cycle: list[Any] = [b]
             cycle.append(cycle)
             del b, cycle
-            kept.append(pool.allocate(MiB))
+            kept.append(segmented.allocate(MiB))
         del kept
         segmented.retire()
 
     deadlocked = True
     try:
         # 10 rounds per threshold: on an H100 100 rounds did not end within the suite's time (the collector's full
-        # collections of a pytest process with CuPy loaded dominate), and 110 steps already free inside RMM's callback
+        # collections of a pytest process with CuPy loaded dominate)
         run_with_frequent_collections(step, timeout=120, rounds=10)
         deadlocked = False
         import gc
 
         gc.collect()
-        pool.allocate(1).close()
-        assert pool.stats().used == 0
+        segmented.allocate(1).close()
+        assert segmented.attributes.used_mem_current == 0
     finally:
-        if not deadlocked:  # a thread stuck in RMM's mutex would hang the close, and the suite with it
-            pool.close()
+        if not deadlocked:  # a thread stuck on the segments' lock would hang the close, and the suite with it
+            segmented.close()
 
 
 def test_a_device_value_spilled_while_answering_a_peer_is_a_host_copy_and_leaves_no_lease():
