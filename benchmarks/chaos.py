@@ -297,7 +297,7 @@ def main() -> None:
     parser.add_argument(
         "--segment-memory",
         default="",
-        help="gpupool.segment-memory of device pools ('': auto, VMM over TCP and legacy over UCX; vmm; legacy; pool)",
+        help="gpupool.segment-memory of device pools ('': auto, VMM over TCP and legacy over UCX; vmm; legacy)",
     )
     parser.add_argument(
         "--protocol",

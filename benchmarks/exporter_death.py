@@ -11,8 +11,8 @@ the CUDA error (``CUDA_ERROR_CONTAINED`` kills the importer's context).
 Mechanisms:
 
 - ``pool``: cuda.core ``DeviceMemoryResource(ipc_enabled=True)``, the
-  allocation imported with ``Buffer.from_ipc_descriptor`` (what ``device``
-  pools use);
+  allocation imported with ``Buffer.from_ipc_descriptor`` (the memory
+  ``device`` pools do not place buffers in, for what this shows);
 - ``vmm``: ``cuMemCreate`` with a POSIX-fd handle, imported with
   ``cuMemImportFromShareableHandle`` and mapped with ``cuMemMap`` /
   ``cuMemSetAccess`` (the importer holds its own reference to the physical

@@ -21,7 +21,6 @@ gpupool       dask_gpupool at its defaults: an array over a pool buffer (copied 
 gpupool-handoff  the same, handed over at every size (handoff-threshold 0)
 gpupool-handoff-broker  the same, each lease claimed over the broker first (gpupool.lease-claims: broker, the
               round trip the default ``reply`` saves)
-gpupool-cupy  dask_gpupool zero-copy of plain CuPy arrays (gpupool.cupy-allocator routes CuPy to the pool)
 gpupool-plain  TCP with the plugin at its defaults, a plain CuPy array: staged into the pool from 4 MiB up
 gpupool-copy  dask_gpupool's host-copy path, forced with different host ids
 gpupool-copy-vkgdr  the same, pulled chunks received into vkgdr-mapped GPU memory (gpupool.tcp-landing: vkgdr)
@@ -32,8 +31,8 @@ ucxx+gpupool-staged  ucxx+gpupool with different host ids: pool memory as device
 ============  ==========================================================
 
 Placements: ``same`` (two workers on GPU 0) and ``other`` (one worker per
-GPU, rotated ``CUDA_VISIBLE_DEVICES``, zero-copy with
-``peer_gpu_handoff=True``). With no GPU, one ``host`` placement with
+GPU, rotated ``CUDA_VISIBLE_DEVICES``, zero-copy where the GPUs have peer
+access). With no GPU, one ``host`` placement with
 NumPy arrays and host pools (a smoke run). The 1 KiB row of each method is
 the floor of a Dask round trip on that comm.
 
@@ -83,7 +82,6 @@ METHODS = (
     "gpupool",
     "gpupool-handoff",
     "gpupool-handoff-broker",
-    "gpupool-cupy",
     "gpupool-plain",
     "gpupool-copy",
     "gpupool-copy-vkgdr",
@@ -323,11 +321,9 @@ def gpu_placements(names: str) -> dict[str, list[dict[str, Any]]]:
 
 def method_setup(
     method: str,
-    place: str,
     workers: list[dict[str, Any]],
     gpus: int,
     max_size: str,
-    segment_size: str | None,
     kind: str = "",
 ) -> tuple[str, list[dict[str, Any]], Any, bool] | None:
     """(protocol, worker options, plugin, pool) for a method, or None when it cannot run here.
@@ -352,21 +348,16 @@ def method_setup(
         claims = "broker" if method == "ucxx+gpupool-broker" else None
         plugin = GPUPool(kind=kind, max_size=max_size, lease_claims=claims)
         return "ucxx", workers, plugin, method != "ucxx+gpupool-plain"
-    if method == "gpupool-cupy" and not gpus:
-        return None
     plugin = GPUPool(
         kind=kind,
         max_size=max_size,
-        peer_gpu_handoff=place == "other" or None,
-        segment_size=segment_size if gpus else None,
-        cupy_allocator=method == "gpupool-cupy" or None,
         handoff_threshold=0 if method.startswith("gpupool-handoff") else None,
         lease_claims="broker" if method == "gpupool-handoff-broker" else None,
         tcp_landing="vkgdr" if method == "gpupool-copy-vkgdr" else None,
     )
     if method in ("gpupool", "gpupool-handoff", "gpupool-handoff-broker"):
         return "tcp", workers, plugin, True
-    if method in ("gpupool-cupy", "gpupool-plain"):  # plain cupy.ones: routed to the pool, or staged into it
+    if method == "gpupool-plain":  # plain cupy.ones: staged into the pool
         return "tcp", workers, plugin, False
     hosts = [{**w, "config": {"gpupool": {"host-id": f"bench-host-{i}"}}} for i, w in enumerate(workers)]
     return "tcp", hosts, plugin, True
@@ -378,7 +369,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument(
         "--methods",
-        default="gpupool,ucxx,gpupool-cupy,gpupool-copy,tcp",
+        default="gpupool,ucxx,gpupool-copy,tcp",
         help="comma-separated; PLACEMENT:METHOD runs a method in that placement only",
     )
     p.add_argument("--placements", default="")
@@ -391,7 +382,6 @@ def main() -> None:
     )
     p.add_argument("--budget", type=float, default=540.0, help="seconds; later sizes are skipped past it")
     p.add_argument("--kind", default="", help="the plugin's pool kind (default: device on a GPU, else host)")
-    p.add_argument("--segment-size", default="1GiB", help="gpupool.segment-size of the gpupool methods; 0: off")
     p.add_argument("--replot", nargs="+", metavar="FILE", help="JSON results or logs to redraw (runs nothing)")
     p.add_argument("--stamp", default=None, help="name part of the files --replot writes")
     args = p.parse_args()
@@ -415,7 +405,6 @@ def main() -> None:
         "machine": machine(),
         "lib": lib,
         "repeats": args.repeats,
-        "segment_size": args.segment_size if gpus else None,
         "gpupool_config": dask.config.get("gpupool"),  # with DASK_GPUPOOL__* from the environment
         "runs": [],
     }
@@ -432,7 +421,7 @@ def main() -> None:
             only, _, method = token.rpartition(":")  # "other:gpupool": that placement only
             if only and only != place:
                 continue
-            setup = method_setup(method, place, workers, gpus, max_size, args.segment_size, args.kind)
+            setup = method_setup(method, workers, gpus, max_size, args.kind)
             if setup is None:
                 log(f"{place:5s} {method}: not available here, skipped")
             else:

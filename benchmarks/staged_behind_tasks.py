@@ -3,14 +3,15 @@
 ``dask/plain_arrays.py::stage`` copies a plain CuPy array into the pool for a same-host worker. On the device's
 default stream that copy waits for every kernel queued there before it, the producer's later tasks' included
 (``scripts/probes/stage_steps.py``: 5.6 ms median behind queued matrix products). For a result of a task the
-producer ran, the copy now waits on a stream of its own for the event recorded when Dask stored the result
-(``dask/task_events.py``). This takes each sample both ways back to back in one cluster (two workers, one GPU or
-one per GPU): the producer makes a float64 CuPy array (CuPy's own memory), then a later task queues a ``--spin-ms``
-kernel on the default stream, then a task on the consumer takes the array; ``event`` as the plugin does it (the
-side stream while the default stream has work queued, the default stream when it is idle), ``default-stream`` with
-the producer's table of events switched off (what it did before). ``idle`` rows take the
-same samples without the later task. The transfer time is the consumer's ``stop - start`` of its transfer log
-entry; median of ``--samples``. JSON to ``benchmarks/results/``.
+producer ran, the copy waits on a stream of its own for the event recorded when Dask stored the result
+(``dask/task_events.py``), and its pool allocation on that stream for the frees queued on the default stream only
+(``memory/arena_placement.py``). This takes each sample both ways back to back in one cluster (two workers, one GPU
+or one per GPU): the producer makes a float64 CuPy array (CuPy's own memory), then a later task queues a
+``--spin-ms`` kernel on the default stream, then a task on the consumer takes the array; ``event`` as the plugin
+does it (the side stream while the default stream has work queued, the default stream when it is idle),
+``default-stream`` with the producer's table of events switched off (the copy on the default stream, after every
+kernel queued there). ``idle`` rows take the same samples without the later task. The transfer time is the
+consumer's ``stop - start`` of its transfer log entry; median of ``--samples``. JSON to ``benchmarks/results/``.
 
     python benchmarks/staged_behind_tasks.py [--sizes 16MiB,64MiB] [--spin-ms 20] [--samples 15]
 """

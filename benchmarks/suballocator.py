@@ -1,26 +1,20 @@
-"""The sub-allocator inside segments: the in-tree arena against RMM's pool, on the same workload.
+"""The placement allocator inside segments: the in-tree arena, alone and as a ``device`` pool runs it.
 
-Issue 4 asks for RMM's ``PoolMemoryResource`` over an upstream that takes
-IPC-exportable segments from the cuda.core pool, unless a home-made allocator
-measures as fast and as robust. This script measures both, one process, one
-GPU, the same seeded workload:
+Every pool kind places buffers with :class:`~dask_gpupool.memory.arena.Arena`
+(docs/design.md, "Alternatives measured and removed", says why not RMM). This
+script measures, one process, one GPU, the same seeded workload:
 
 - ``arena``: :class:`~dask_gpupool.memory.arena.Arena` alone (offsets, no memory).
-- ``segments-arena`` / ``segments-rmm``: :class:`~dask_gpupool.memory.segments.SegmentedResource`
-  over an IPC-enabled cuda.core ``DeviceMemoryResource``, placing buffers with
-  the in-tree arena or with RMM - what a ``device`` pool with segments runs: a
-  cuda.core ``Buffer`` per allocation and a stream-ordered free.
-- ``rmm``: bare ``rmm.mr.PoolMemoryResource`` over ``rmm.mr.CallbackMemoryResource``
-  whose callbacks take segments from the same kind of cuda.core pool; each
-  allocation wrapped in a cuda.core ``Buffer`` (the floor for ``segments-rmm``).
-- ``cuda.core``: the IPC-enabled pool itself, one allocation per buffer (the
-  layout without segments).
+- ``segments``: a ``device`` :class:`~dask_gpupool.memory.pool.Pool` (its
+  :class:`~dask_gpupool.memory.segments.SegmentedResource`, segments of VMM or
+  legacy IPC memory): a cuda.core ``Buffer`` per allocation and a
+  stream-ordered free, on the GPU's default stream.
 
 Workload: ``--live`` buffers of log-uniform sizes between 4 KiB and 16 MiB
 stay alive; each step frees a random one and allocates a new one. Reports
 microseconds per free + allocate pair (median of ``--repeats`` runs of
-``--pairs`` steps) and the bytes reserved from the upstream pool at the end
-against the live bytes (fragmentation). Without a GPU only ``arena`` runs.
+``--pairs`` steps) and the bytes reserved at the end against the live bytes
+(fragmentation). Without a GPU only ``arena`` runs.
 
     python benchmarks/suballocator.py [--pairs 20000] [--live 64] [--repeats 3]
 """
@@ -76,76 +70,26 @@ def arena_case() -> Case:
     return arena.allocate, arena.free, lambda: arena.extent, lambda: None
 
 
-def cuda_pool(dev: Any) -> Any:
-    from cuda.core import DeviceMemoryResource, DeviceMemoryResourceOptions
+def segments_case(dev: Any) -> Case:
+    from dask_gpupool.config import PoolOptions
+    from dask_gpupool.memory.pool import Pool
 
-    return DeviceMemoryResource(dev, DeviceMemoryResourceOptions(ipc_enabled=True, max_size=16 * SEGMENT))
-
-
-def segments_case(dev: Any, suballocator: str) -> Case:
-    from dask_gpupool.memory.pool import ipc_payload
-    from dask_gpupool.memory.segments import SegmentedResource
-
-    mr = SegmentedResource(cuda_pool(dev), SEGMENT, dev.device_id, ipc_payload, suballocator)
+    pool = Pool.create(PoolOptions.from_overrides(kind="device", max_size=16 * SEGMENT), local_devices())
     stream = dev.default_stream
 
     def alloc(n: int) -> Any:
-        return mr.allocate(n, stream=stream)
+        return pool.allocate(n, stream=stream)
 
     def free(buf: Any) -> None:
         buf.close(stream)
 
-    return alloc, free, lambda: mr.attributes.reserved_mem_current, lambda: mr.close(free_segments=True)
-
-
-def rmm_case(dev: Any) -> Case:
-    import rmm.mr
-    from cuda.core import Buffer
-
-    upstream = cuda_pool(dev)
-    stream = dev.default_stream
-    segments: dict[int, Any] = {}
-
-    def take(nbytes: int, _stream: Any) -> int:
-        buf = upstream.allocate(nbytes, stream=stream)
-        segments[int(buf.handle)] = buf
-        return int(buf.handle)
-
-    def give(ptr: int, nbytes: int, _stream: Any) -> None:
-        segments.pop(ptr).close(stream)
-
-    pool = rmm.mr.PoolMemoryResource(rmm.mr.CallbackMemoryResource(take, give), SEGMENT, 16 * SEGMENT)
-
-    class Wrapped:
-        __slots__ = ("buf", "n", "ptr")
-
-    def alloc(n: int) -> Any:
-        w = Wrapped()
-        w.ptr, w.n = pool.allocate(n), n
-        w.buf = Buffer.from_handle(w.ptr, n)  # the Buffer a pool must hand out; freed below
-        return w
-
-    def free(w: Any) -> None:
-        w.buf.close()
-        pool.deallocate(w.ptr, w.n)
-
     def close() -> None:
-        nonlocal pool
-        del pool  # gives its upstream blocks back through ``give``
-        upstream.close()
+        segmented = pool.segmented
+        if segmented is not None:
+            segmented.close(free_segments=True)  # no peer mapped them
+        pool.close()
 
-    return alloc, free, lambda: sum(b.size for b in segments.values()), close
-
-
-def core_case(dev: Any) -> Case:
-    mr = cuda_pool(dev)
-    stream = dev.default_stream
-    return (
-        (lambda n: mr.allocate(n, stream=stream)),
-        (lambda b: b.close(stream)),
-        lambda: mr.attributes.reserved_mem_current,
-        mr.close,
-    )
+    return alloc, free, lambda: pool.stats().reserved, close
 
 
 def main() -> None:
@@ -165,16 +109,7 @@ def main() -> None:
         dev.set_current()
         gpu = dev.name
         versions["cuda.core"] = cuda.core.__version__
-        cases["segments-arena"] = lambda: segments_case(dev, "arena")
-        cases["cuda.core"] = lambda: core_case(dev)
-        try:
-            import rmm
-
-            versions["rmm"] = rmm.__version__
-            cases["rmm"] = lambda: rmm_case(dev)
-            cases["segments-rmm"] = lambda: segments_case(dev, "rmm")
-        except Exception as e:  # reported; the other cases still run
-            print(f"rmm not available: {e}")
+        cases["segments"] = lambda: segments_case(dev)
     rows = []
     live_bytes = sum(sizes(args.live + args.pairs, 7)[-args.live :])
     for name, make in cases.items():

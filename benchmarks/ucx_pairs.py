@@ -8,7 +8,7 @@ transfer time is ``stop - start`` of its transfer log entry, median of ``--repea
 ``ucxx+gpupool-broker`` (the same with ``gpupool.lease-claims: broker``, the claim round trip that the default
 ``reply`` saves) and ``ucxx+gpupool-unstaged`` (``gpupool.ucx-staging-threshold`` above every size: pool memory goes
 to UCX as it is, for UCX's own small-message protocol, instead of staged first); ``ucxx+gpupool-plain`` (the plugin
-with ``gpupool.cupy-allocator`` off and a plain CuPy array: what the plugin costs on Dask's own path);
+and a plain CuPy array: what the plugin costs on Dask's own path);
 ``ucxx+gpupool-ab`` (one cluster, every sample taken with pool memory staged and unstaged back to back, so that the
 two are compared at the same moment: rows ``ucxx+gpupool-ab:staged`` and ``-ab:unstaged``);
 ``ucxx+gpupool-hooks-ab`` (one cluster, the plugin with plain CuPy arrays, every sample taken with the plugin's
@@ -43,8 +43,8 @@ and ``:alone``, UCXX alone's path as in ``-alone-ab``): below what size is the h
 ``ucxx+gpupool-recvrmm-ab`` (an experiment, one cluster, pool arrays: every sample taken four ways back to back,
 the plugin with distributed-ucxx receiving device frames into ``rmm.DeviceBuffer`` from an RMM pool over
 ``cudaMalloc`` (``:rmmpool``), from RMM's ``cudaMallocAsync`` resource (``:rmmasync``), from RMM's current resource
-as UCXX does (``:cudamalloc``: ``cudaMalloc`` per frame), and UCXX alone's path (``:alone``)). Since
-``gpupool.ucx-receive-pool`` every ``:alone`` variant receives as distributed-ucxx does by itself.
+as UCXX does (``:cudamalloc``: ``cudaMalloc`` per frame), and UCXX alone's path (``:alone``)). Every ``:alone``
+variant receives as distributed-ucxx does by itself, not into the plugin's UCX receive pool.
 ``-legacy`` anywhere after ``gpupool`` (``ucxx+gpupool-legacy``, ``ucxx+gpupool-legacy-alone-ab``) gives the pools
 segments of legacy IPC memory (``gpupool.segment-memory: legacy``), which UCX sends to another "host" without the
 staging copy; since the twenty-ninth session ``auto`` makes those on UCX workers, and ``-vmm``
@@ -88,7 +88,7 @@ from dask_gpupool.memory.topology import local_devices
 LAYOUT = [("host-a", "0,1"), ("host-a", "1,0"), ("host-b", "0,1"), ("host-b", "1,0")]
 #: The same two "hosts" on a machine with one GPU.
 ONE_GPU_LAYOUT = [("host-a", "0"), ("host-a", "0"), ("host-b", "0"), ("host-b", "0")]
-#: Methods whose arrays are plain CuPy (``gpupool.cupy-allocator`` off), not pool arrays.
+#: Methods whose arrays are plain CuPy, not pool arrays.
 PLAIN_METHODS = (
     "-plain",
     "-hooks-ab",
@@ -188,13 +188,13 @@ def _set_host_frames(below: int) -> None:
 
 
 def _set_receive(mode: str) -> None:
-    """On a worker: where distributed-ucxx receives device frames (its module's ``device_array``), the
-    ``-alone-ab`` methods' and the ``-recvalone-ab`` and ``-recvrmm-ab`` experiments' switch. ``"plugin"``: as the
-    plugin set it (``gpupool.ucx-receive-pool``); ``"default"``: distributed-ucxx's own ``rmm.DeviceBuffer`` from
-    RMM's current resource (``cudaMalloc`` and ``cudaFree`` per frame on a plain worker), as UCXX alone;
-    ``"pool"``: buffers of the worker's gpupool pool; ``"rmm-pool"``: ``rmm.DeviceBuffer`` from an RMM pool over
-    ``cudaMalloc`` made once per worker (what ``distributed.rmm.pool-size`` gives UCXX); ``"rmm-async"``: from an
-    RMM ``cudaMallocAsync`` resource made once per worker."""
+    """On a worker: where distributed-ucxx receives device frames (its module's ``device_array``), the ``-alone-ab``
+    methods' and the ``-recvalone-ab`` and ``-recvrmm-ab`` experiments' switch. ``"plugin"``: as the plugin set it
+    (:mod:`dask_gpupool.dask.ucx_receive`); ``"default"``: distributed-ucxx's own ``rmm.DeviceBuffer`` from RMM's
+    current resource (``cudaMalloc`` and ``cudaFree`` per frame on a plain worker), as UCXX alone; ``"pool"``:
+    buffers of the worker's gpupool pool; ``"rmm-pool"``: ``rmm.DeviceBuffer`` from an RMM pool over ``cudaMalloc``
+    made once per worker (what ``distributed.rmm.pool-size`` gives UCXX); ``"rmm-async"``: from an RMM
+    ``cudaMallocAsync`` resource made once per worker."""
     import distributed_ucxx.ucxx as comm
 
     from dask_gpupool.dask.device_frames import _DeviceFrame
@@ -482,7 +482,6 @@ def main() -> None:
                 max_size=f"{4 * max(sizes) // (1 << 20) + 1024} MiB",
                 lease_claims="broker" if method.endswith("-broker") else None,
                 ucx_staging_threshold=2 * max(sizes) if method.endswith("-unstaged") else None,
-                cupy_allocator=False if method.endswith(PLAIN_METHODS) else None,
                 segment_memory="legacy" if "-legacy" in method else "vmm" if "-vmm" in method else None,
             )
             if "gpupool" in method

@@ -10,7 +10,7 @@
 # unset runs both (more than one 10-minute device call can hold when the handoff budget is large).
 # PYTEST_K selects tests (pytest -k), PYTEST_PATHS the paths (default tests), PYTEST_ARGS adds pytest options; HANDOFF_ARGS adds options to benchmarks/handoff.py; ETL=0 and
 # LARGE=0 skip the ETL example and the 5-8 GiB import check; MAPPING=0 the pool-mapping benchmark; DEMO=0
-# the demo and the example; SUBALLOC=0 the sub-allocator benchmark. ETL_LAYOUTS (default "shared") lists
+# the demo and the example; SUBALLOC=0 the placement allocator benchmark. ETL_LAYOUTS (default "shared") lists
 # the ETL example's layouts (shared, per-gpu, dask-cuda); ETL_ARGS adds options to it. Everything under $OUT
 # is packed into logs.tgz at the end when more than 8 files would come back. DEATH=1 runs benchmarks/exporter_death.py
 # (what an importer reads after its exporter's SIGKILL, pool vs VMM memory). ARRAY_BENCH=1 runs benchmarks/dask_array.py
@@ -128,7 +128,7 @@ echo "== single imports of 5-8 GiB"; timeout $(left 150) python3 benchmarks/pool
 echo "large exit: $?"; sed -n '/^placement/,$p' "$OUT/large.log"
 fi
 if [ "${SUBALLOC:-1}" != 0 ] && has_time suballocator; then
-echo "== sub-allocator: arena vs RMM"; timeout $(left 120) python3 benchmarks/suballocator.py > "$OUT/suballocator.log" 2>&1
+echo "== placement allocator: the arena alone and in a device pool's segments"; timeout $(left 120) python3 benchmarks/suballocator.py > "$OUT/suballocator.log" 2>&1
 echo "suballocator exit: $?"; sed -n '/^case/,$p' "$OUT/suballocator.log"
 fi
 if [ "${ETL:-1}" != 0 ] && has_time etl; then

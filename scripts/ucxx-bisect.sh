@@ -4,7 +4,7 @@
 #   bash scripts/ucxx-bisect.sh
 # Each variant runs benchmarks/handoff.py --placements same --methods ucxx,ucxx+gpupool-plain, interleaved rounds,
 # so the plugin's run and its baseline share the cluster-to-cluster drift; the table of each lands in $OUT.
-# VARIANTS (default "default host nopeer onegpu old"; also arena, nostage, cupyfalse, at-<commit> for a snapshot)
+# VARIANTS (default "default host onegpu old"; also nostage, at-<commit> for a snapshot)
 # picks which; BISECT_SIZES, BISECT_ROUNDS, BISECT_PLACEMENTS
 # (default "same"; "other": one worker per GPU) tune the run.
 set -uo pipefail
@@ -24,25 +24,17 @@ SIZES=${BISECT_SIZES:-1GiB,4GiB}
 ROUNDS=${BISECT_ROUNDS:-2}
 ARGS=(--placements "${BISECT_PLACEMENTS:-same}" --methods ucxx,ucxx+gpupool-plain --sizes "$SIZES" --rounds "$ROUNDS" --repeats 5 --budget 110)
 here=$PWD
-for v in ${VARIANTS:-default host nopeer onegpu old}; do
+for v in ${VARIANTS:-default host onegpu old}; do
   echo "== $v"
   case $v in
     default) (export PYTHONPATH=/tmp/site:$here; timeout 150 python3 benchmarks/handoff.py "${ARGS[@]}") ;;
     host) (export PYTHONPATH=/tmp/site:$here; timeout 150 python3 benchmarks/handoff.py "${ARGS[@]}" --kind host) ;;
-    # the pool without peer grants (cuMemPoolSetAccess / cuMemSetAccess for the other GPU)
-    nopeer) (export PYTHONPATH=/tmp/site:$here DASK_GPUPOOL__PEER_GPU_HANDOFF=False
-             timeout 150 python3 benchmarks/handoff.py "${ARGS[@]}") ;;
     # one GPU visible: no peer GPU at all, for the plugin and the baseline alike
     onegpu) (export PYTHONPATH=/tmp/site:$here CUDA_VISIBLE_DEVICES=0
              timeout 150 python3 benchmarks/handoff.py "${ARGS[@]}") ;;
-    # the arena instead of RMM inside the segments
-    arena) (export PYTHONPATH=/tmp/site:$here DASK_GPUPOOL__SUBALLOCATOR=arena
-            timeout 150 python3 benchmarks/handoff.py "${ARGS[@]}") ;;
     # the defaults that changed since 6d06220, one at a time
     nostage) (export PYTHONPATH=/tmp/site:$here DASK_GPUPOOL__STAGE_THRESHOLD=0
               timeout 150 python3 benchmarks/handoff.py "${ARGS[@]}") ;;
-    cupyfalse) (export PYTHONPATH=/tmp/site:$here DASK_GPUPOOL__CUPY_ALLOCATOR=False
-                timeout 150 python3 benchmarks/handoff.py "${ARGS[@]}") ;;
     # an earlier commit's package and handoff.py (.old/snapshots.tar.xz: one folder per commit, made with
     # git archive <commit> dask_gpupool benchmarks/handoff.py); "old" is 6d06220
     old|at-*) c=${v#at-}; [ "$v" = old ] && c=6d06220

@@ -112,7 +112,7 @@ def variant(
     sched = {"cls": Scheduler, "options": {"dashboard_address": None}}
     with SpecCluster(workers=workers, scheduler=sched, silence_logs=logging.ERROR) as cl, Client(cl) as c:
         c.wait_for_workers(2)
-        c.register_plugin(GPUPool(kind="device", max_size="2 GiB", peer_gpu_handoff=True))
+        c.register_plugin(GPUPool(kind="device", max_size="2 GiB"))
         tag = "".join(ch if ch.isalnum() else "_" for ch in name)
         c.run(_debug_log, tag)
         if patch:
