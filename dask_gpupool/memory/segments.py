@@ -95,8 +95,8 @@ def waiting_for_reclaim() -> Iterator[None]:
 
     For a task's own allocation (``dask_gpupool.allocate``): it has nothing
     better to do. Outside, a full pool still reclaims (so that later
-    allocations fit) but fails at once: callers with a fallback (staging, the
-    CuPy allocator, a copy's landing buffer) take it instead of waiting.
+    allocations fit) but fails at once: callers with a fallback (staging, a
+    copy's landing buffer) take it instead of waiting.
     """
     token = _RECLAIM_WAIT.set(True)
     try:
