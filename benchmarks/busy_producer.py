@@ -69,9 +69,7 @@ def main() -> None:
     deadline = time.monotonic() + 3600
     for place, workers in places.items():
         for ordering in orderings:
-            plugin = GPUPool(
-                kind="device", max_size="4 GiB", peer_gpu_handoff=place == "other" or None, handoff_ordering=ordering
-            )
+            plugin = GPUPool(kind="device", max_size="4 GiB", handoff_ordering=ordering)
             with H.cluster(workers, "tcp", plugin) as c:
                 a = sorted(c.scheduler_info()["workers"], key=lambda w: str(c.scheduler_info()["workers"][w]["name"]))[
                     0

@@ -76,7 +76,7 @@ def main() -> None:
     variants = [("event", True), ("default-stream", False)]
     rows: list[dict[str, Any]] = []
     for place, workers in places.items():
-        plugin = GPUPool(kind="device", max_size="4 GiB", peer_gpu_handoff=place == "other" or None)
+        plugin = GPUPool(kind="device", max_size="4 GiB")
         with H.cluster(workers, "tcp", plugin) as c:
             info = c.scheduler_info()["workers"]
             a, b = sorted(info, key=lambda w: str(info[w]["name"]))[:2]

@@ -1,7 +1,7 @@
 """The pipelined copy path: bytes streamed from an exporter's memory into an importer's pool.
 
 A value that must be copied to another worker (another host, a GPU that cannot
-map the exporter's memory, a buffer over the import limit) over a ``tcp`` comm,
+map the exporter's memory) over a ``tcp`` comm,
 and is at least ``gpupool.copy-stream-threshold`` bytes, does not travel in
 Dask's frames. Dask's comm writes a whole message from one thread after it was
 serialized, so the device->host copy, the send, the receive and the
