@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import operator
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +35,7 @@ from dask_gpupool.wire.handoff import BufferDescriptor
 if TYPE_CHECKING:
     from cuda.core import Buffer
 
-__all__ = ["Pool", "PoolStats", "grant_peers", "ipc_payload"]
+__all__ = ["Pool", "PoolStats", "grant_peers", "ipc_payload", "segment_memory_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -98,14 +99,15 @@ def _supported(made_of: str, ordinal: int) -> bool:
     return vmm_supported(ordinal)
 
 
-def _segment_memory(options: PoolOptions, ordinal: int, size: int, prefer_legacy: bool = False) -> tuple[str, Any]:
-    """What a ``device`` pool's segments are made of (``"vmm"`` or ``"legacy"``) and the resource they come from:
-    a :class:`~dask_gpupool.memory.vmm.VmmMemoryResource` or a
-    :class:`~dask_gpupool.memory.legacy.LegacyMemoryResource` of ``size`` bytes, owned by the caller.
+def segment_memory_of(
+    options: PoolOptions, ordinal: int, supported: Callable[[str], bool], prefer_legacy: bool = False
+) -> str:
+    """What a ``device`` pool's segments on GPU ``ordinal`` are made of: ``"vmm"`` or ``"legacy"``.
 
-    ``segment-memory: auto`` is ``legacy`` when ``prefer_legacy`` (a worker that listens over UCX, which sends
-    legacy IPC memory GPU to GPU as it is) and the GPU shares memory by IPC handles, else ``vmm`` when it exports
-    virtual memory as POSIX fds, else ``legacy``.
+    ``supported(made_of)`` says whether the GPU can make segments of that memory (:func:`_supported`; asked only
+    as far as needed). ``segment-memory: auto`` is ``legacy`` when ``prefer_legacy`` (a worker that listens over
+    UCX, which sends legacy IPC memory GPU to GPU as it is) and the GPU shares memory by IPC handles, else ``vmm``
+    when it exports virtual memory as POSIX fds, else ``legacy``.
 
     Raises
     ------
@@ -119,7 +121,7 @@ def _segment_memory(options: PoolOptions, ordinal: int, size: int, prefer_legacy
         order = ("legacy", "vmm") if prefer_legacy else ("vmm", "legacy")
     else:
         order = (wanted, "legacy" if wanted == "vmm" else "vmm")
-    made_of = next((m for m in order if _supported(m, ordinal)), None)
+    made_of = next((m for m in order if supported(m)), None)
     if made_of is None:
         raise ConfigError(
             f"gpupool.kind={options.kind!r}: GPU {ordinal} can neither {_NEEDS['vmm']} nor {_NEEDS['legacy']}, "
@@ -130,6 +132,20 @@ def _segment_memory(options: PoolOptions, ordinal: int, size: int, prefer_legacy
             f"gpupool.segment-memory={wanted!r}: GPU {ordinal} cannot {_NEEDS[wanted]}; "
             f"valid here: {made_of!r} (or 'auto')"
         )
+    return made_of
+
+
+def _segment_memory(options: PoolOptions, ordinal: int, size: int, prefer_legacy: bool = False) -> tuple[str, Any]:
+    """What a ``device`` pool's segments are made of (:func:`segment_memory_of`) and the resource they come from:
+    a :class:`~dask_gpupool.memory.vmm.VmmMemoryResource` or a
+    :class:`~dask_gpupool.memory.legacy.LegacyMemoryResource` of ``size`` bytes, owned by the caller.
+
+    Raises
+    ------
+    ConfigError
+        As :func:`segment_memory_of`.
+    """
+    made_of = segment_memory_of(options, ordinal, lambda m: _supported(m, ordinal), prefer_legacy)
     if made_of == "legacy":
         from dask_gpupool.memory.legacy import LegacyMemoryResource
 
@@ -245,14 +261,14 @@ class Pool:
 
         ``prefer_legacy``: ``segment-memory: auto`` makes segments of legacy IPC
         memory where the GPU allows (the worker listens over UCX, which sends
-        them GPU to GPU with no staging copy; :func:`_segment_memory`).
+        them GPU to GPU with no staging copy; :func:`segment_memory_of`).
 
         Raises
         ------
         ConfigError
             For a kind this host cannot provide (a ``device`` pool on a GPU
             that can make neither VMM nor legacy IPC segments:
-            :func:`_segment_memory`), a device it does not see, or a
+            :func:`segment_memory_of`), a device it does not see, or a
             ``max_size`` larger than the memory behind the pool.
         """
         kind = options.kind

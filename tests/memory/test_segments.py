@@ -407,3 +407,42 @@ def test_buffers_freed_after_close_leave_the_used_bytes():
     stats = res.attributes
     assert (stats.used_mem_current, stats.reserved_mem_current) == (0, 0)
     del KEPT_UNTIL_EXIT[kept:]
+
+
+@pytest.mark.parametrize(
+    ("wanted", "prefer_legacy", "gpu_has", "made_of"),
+    [
+        ("auto", False, {"vmm", "legacy"}, "vmm"),  # a worker that listens over TCP
+        ("auto", True, {"vmm", "legacy"}, "legacy"),  # over UCX: UCX sends legacy IPC memory as it is
+        ("auto", False, {"legacy"}, "legacy"),  # each where the GPU supports it, else the other
+        ("auto", True, {"vmm"}, "vmm"),
+        ("vmm", True, {"vmm", "legacy"}, "vmm"),  # a set value holds whatever the comm
+        ("legacy", False, {"legacy"}, "legacy"),
+    ],
+)
+def test_segments_are_vmm_or_legacy_ipc_memory_as_the_gpu_allows(wanted, prefer_legacy, gpu_has, made_of):
+    """A ``device`` pool's segment memory, from the option, the worker's comm and what the GPU supports (the GPU's
+    answers given here as a set; on a GPU they are its driver attributes)."""
+    from dask_gpupool.config import PoolOptions
+    from dask_gpupool.memory.pool import segment_memory_of
+
+    options = PoolOptions.from_config(kind="device", segment_memory=wanted)
+    assert segment_memory_of(options, 0, gpu_has.__contains__, prefer_legacy) == made_of
+
+
+def test_a_gpu_without_vmm_or_legacy_ipc_memory_is_a_clear_error():
+    """No allocations of CUDA's IPC pool as a way out: a set segment memory the GPU lacks names the one it has, and a
+    GPU with neither makes no ``device`` pool, naming the kinds that need neither."""
+    from dask_gpupool import ConfigError
+    from dask_gpupool.config import PoolOptions
+    from dask_gpupool.memory.pool import segment_memory_of
+
+    vmm = PoolOptions.from_config(kind="device", segment_memory="vmm")
+    with pytest.raises(ConfigError, match=r"segment-memory='vmm': GPU 1 cannot export .* valid here: 'legacy'"):
+        segment_memory_of(vmm, 1, {"legacy"}.__contains__)
+    legacy = PoolOptions.from_config(kind="device", segment_memory="legacy")
+    with pytest.raises(ConfigError, match=r"segment-memory='legacy': GPU 0 cannot share .* valid here: 'vmm'"):
+        segment_memory_of(legacy, 0, {"vmm"}.__contains__)
+    for options in (vmm, legacy, PoolOptions.from_config(kind="auto")):
+        with pytest.raises(ConfigError, match=r"GPU 0 can neither .* valid here: gpupool.kind 'pinned' or 'host'"):
+            segment_memory_of(options, 0, set().__contains__, prefer_legacy=True)
