@@ -23,6 +23,10 @@ RMM's stream-ordered pool orders them:
   completed. Pending ranges are reaped on every allocation and free, and
   waited for when no segment has room, or when a retiring segment must go.
 
+A new segment is of the segment size, or smaller when the upstream is short
+of that (down to what the buffer needs), as RMM's pool asks its upstream for
+less.
+
 The ordering is tested on the CPU with stand-in streams and events (host
 memory has none), and on a GPU with cuda.core's.
 """
@@ -34,6 +38,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from dask_gpupool.errors import PoolExhaustedError
+from dask_gpupool.memory.segment_table import SEGMENT_ALIGNMENT
 
 if TYPE_CHECKING:
     from dask_gpupool.memory.home_stream import HomeStream
@@ -232,6 +237,21 @@ class ArenaPlacement:
             if wait or not self._pending:
                 break
             self.reap(wait=True)  # frees still in flight may make room
-        seg = self._new_segment(self.segment_size, stream=stream)
-        assert seg.arena is not None
-        return seg, seg.arena.allocate(size)
+        return self._in_new_segment(size, stream)
+
+    def _in_new_segment(self, size: int, stream: Any) -> tuple[Segment, int]:
+        """``size`` bytes at the start of a new segment: of the segment size, else half of it, a quarter, ... down to
+        ``size`` rounded up to 2 MiB, the first the upstream has room for (as RMM's pool asks its upstream for less),
+        so that a pool short of a whole segment still places what fits."""
+        need = max(SEGMENT_ALIGNMENT, -(-size // SEGMENT_ALIGNMENT) * SEGMENT_ALIGNMENT)
+        want = max(need, self.segment_size)
+        while True:
+            try:
+                seg = self._new_segment(want, stream=stream)
+            except PoolExhaustedError:
+                if want <= need:
+                    raise
+                want = max(need, want // 2 // SEGMENT_ALIGNMENT * SEGMENT_ALIGNMENT)
+                continue
+            assert seg.arena is not None
+            return seg, seg.arena.allocate(size)

@@ -92,6 +92,24 @@ def test_a_full_upstream_is_a_clear_error_and_loses_nothing():
     del a
 
 
+def test_an_upstream_short_of_a_whole_segment_gives_a_smaller_one():
+    """When the upstream has room for less than a segment, a buffer goes into a new segment of half (a quarter, ...)
+    the segment size, down to its own size rounded up to 2 MiB, rather than failing while memory is left."""
+    res, _up = segmented(capacity=14 * MiB)
+    bufs = [res.allocate(8 * MiB)]  # the whole first segment; 6 MiB left upstream
+    bufs.append(res.allocate(3 * MiB))
+    assert res.locate(int(bufs[-1].handle))[0].size == 4 * MiB  # not 8: 2 MiB left
+    bufs.append(res.allocate(MiB))  # beside it
+    bufs.append(res.allocate(2 * MiB))
+    assert res.locate(int(bufs[-1].handle))[0].size == 2 * MiB and res.segments == 3
+    with pytest.raises(PoolExhaustedError, match="no segment has room"):
+        res.allocate(1)
+    assert res.attributes.reserved_mem_current == 14 * MiB
+    for b in bufs:
+        b.close()
+    res.close(free_segments=True)
+
+
 def test_unknown_addresses_and_close():
     res, up = segmented()
     keep = res.allocate(MiB)
