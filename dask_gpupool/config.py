@@ -223,7 +223,9 @@ class PoolOptions:
         of UCXX alone's path at 8 KiB-4 MiB, every pair at or below in four
         runs of five, against 0.80-0.96x with VMM segments and the staging
         copy, one to three pairs of eight above), else ``vmm``, each when the
-        GPU supports it (else the other one). Either way the pool grants
+        GPU supports it (else the other one; a GPU with neither makes no
+        ``device`` pool: :func:`~dask_gpupool.memory.pool.segment_memory_of`
+        raises :class:`~dask_gpupool.errors.ConfigError`). Either way the pool grants
         every other GPU with peer access to its GPU access, and workers there
         get its buffers zero-copy (others get copies, fallback ``other-gpu``).
     ucx_handoff_threshold : int
