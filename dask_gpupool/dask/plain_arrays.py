@@ -1,10 +1,11 @@
 """Arrays outside every pool in a ``get_data`` reply: staged into the pool and handed over, or counted copies.
 
 A NumPy or CuPy array that a task made with its library's own allocator (or
-RMM's) is not pool memory. Asked for by a same-host worker over TCP or TLS
-(over UCX: one on the same GPU), one of ``gpupool.stage-threshold`` bytes or more is copied into this
+RMM's) is not pool memory. Asked for by a same-host worker over TCP or TLS,
+one of the stage threshold or more (:meth:`Routes.stage_threshold
+<dask_gpupool.handoff.routes.Routes.stage_threshold>`) is copied into this
 worker's pool here (device to device for CuPy on a ``device`` pool, a memcpy
-for NumPy on a ``host`` pool) and handed over under the requester's lease
+for NumPy on a ``host`` pool where a test gives one a threshold) and handed over under the requester's lease
 (fallback ``staged-in-pool``, ``pool_staged_bytes``): :func:`stage`. Every
 other such array goes through distributed's own serializer and is counted
 (:func:`plain`: ``copied_out_bytes`` and, to a same-host worker, the fallback
@@ -74,20 +75,19 @@ def plain(arr: Any, module: str, previous: Any, context: Any) -> tuple[dict[str,
     return previous(arr, context)
 
 
-def in_segments(request: Request, arr: Any, module: str, threshold: int = 0) -> tuple[dict[str, Any], list[Any]] | bool:
+def in_segments(request: Request, arr: Any, module: str) -> tuple[dict[str, Any], list[Any]] | bool:
     """Hand over a CuPy array that RMM placed in this worker's pool (``gpupool.rmm-allocator``), if it is one.
 
     Returns the serialized handoff; ``True`` when the array lies in the
     pool but goes as a copy to this requester (the fallback is counted);
     ``False`` when it does not lie in the pool, or nothing is asked here (not
-    a same-host worker, RMM not routed to the pool, a non-contiguous view, or
-    fewer than ``threshold`` bytes). The lease holds the array, and with it
+    a same-host worker, RMM not routed to the pool, or a non-contiguous view). The lease holds the array, and with it
     RMM's allocation.
     """
     if module != "cupy" or request.plain_reason is None:
         return False
     segmented = request.service.pool.segmented
-    if segmented is None or not segmented.rmm_shared or arr.size == 0 or arr.nbytes < threshold:
+    if segmented is None or not segmented.rmm_shared or arr.size == 0:
         return False
     if not (arr.flags.c_contiguous or arr.flags.f_contiguous):
         return False  # its extent is not its nbytes: staged instead
@@ -103,11 +103,12 @@ def in_segments(request: Request, arr: Any, module: str, threshold: int = 0) -> 
 
 
 def stage(request: Request, arr: Any, module: str) -> tuple[dict[str, Any], list[Any]] | None:
-    """Copy ``arr`` into this worker's pool and hand the copy over, when a same-host worker asked over TCP
-    (over UCX: a worker on the same GPU; :meth:`Routes.stage_route <dask_gpupool.handoff.routes.Routes.stage_route>`).
+    """Copy ``arr`` into this worker's pool and hand the copy over, when a same-host worker asked over TCP or TLS
+    (:meth:`Routes.stage_route <dask_gpupool.handoff.routes.Routes.stage_route>`).
 
-    From ``gpupool.stage-threshold`` bytes up, NumPy arrays on ``host`` pools
-    and CuPy arrays on ``device`` pools: a memcpy or a device-to-device copy
+    From the stage threshold up, CuPy arrays on ``device`` pools (and NumPy
+    arrays on ``host`` pools, which stage only where a test or benchmark gives
+    a threshold: :func:`dask_gpupool.tuning.stage_threshold`): a memcpy or a device-to-device copy
     here replaces the host copy, the comm's bytes and the receiver's copy.
     The lease keeps the staged copy alive until the receiver lets go.
     A C- or Fortran-contiguous CuPy array is copied with one ``cuMemcpyAsync``

@@ -970,7 +970,7 @@ def test_preload_arguments_set_every_option_and_a_bad_value_is_logged_and_report
     env = {**os.environ, "DASK_GPUPOOL__KIND": "host"}
     scheduler = [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", str(port)]
     worker = [sys.executable, "-m", "distributed.cli.dask_worker", address, "--nthreads", "1", "--no-dashboard"]
-    args = ["--preload", "dask_gpupool", "--gpupool-max-size", "32MiB", "--gpupool-copy-streams", "2"]
+    args = ["--preload", "dask_gpupool", "--gpupool-max-size", "32MiB", "--gpupool-lease-timeout", "30s"]
     procs = [subprocess.Popen([*scheduler, "--no-dashboard", "--preload", "dask_gpupool"], env=env)]
     try:
         procs.append(subprocess.Popen([*worker, *args], env=env, stderr=subprocess.DEVNULL))
