@@ -1481,9 +1481,7 @@ def test_on_ucxx_a_cancelled_reply_keeps_its_staging_memory_until_the_consumer_e
     n = 8 * MiB  # float64: 64 MiB of pool memory
     # staged device frames to a same-host worker (whose process the producer can watch): B reports a failed
     # transfer, so A sends it copies (device frames) for lease-timeout, from VMM segments (legacy ones go unstaged)
-    plugin = GPUPool(
-        kind="device", max_size="1 GiB", segment_memory="vmm", lease_timeout="600s", cupy_allocator=False
-    )
+    plugin = GPUPool(kind="device", max_size="1 GiB", segment_memory="vmm", lease_timeout="600s", cupy_allocator=False)
     with dask.config.set(UCX_CONFIG), nanny_cluster(ucx_workers(placement, "same"), plugin, protocol="ucxx") as c:
         a, b = worker_addresses(c)
         assert c.run(T.report_failed_transfer, a, workers=[b])[b]

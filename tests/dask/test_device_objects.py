@@ -242,9 +242,9 @@ def test_a_staged_cupy_header_is_distributeds_for_a_c_ordered_array(shape, dtype
     ],
 )
 def test_a_malformed_host_frame_is_a_protocol_error_before_anything_is_allocated(header, frames):
-    """Host frames (tuning.UCX_HOST_FRAME_THRESHOLD): a host-frame header that does not describe its frame (no dtype, a size that
-    does not match, more than one frame, a bad shape or dtype) raises ProtocolError, checked on the host before the
-    receiver allocates GPU memory (so this runs without CuPy)."""
+    """Host frames (tuning.UCX_HOST_FRAME_THRESHOLD): a host-frame header that does not describe its frame (no dtype,
+    a size that does not match, more than one frame, a bad shape or dtype) raises ProtocolError, checked on the host
+    before the receiver allocates GPU memory (so this runs without CuPy)."""
     from dask_gpupool.dask import device_frames as F
 
     with pytest.raises(ProtocolError, match="malformed host-frame header"):
@@ -252,11 +252,11 @@ def test_a_malformed_host_frame_is_a_protocol_error_before_anything_is_allocated
 
 
 def test_a_buffers_host_frame_lands_in_the_receivers_pool_and_a_malformed_one_allocates_nothing(tmp_path, no_fd_leak):
-    """Host frames (tuning.UCX_HOST_FRAME_THRESHOLD), a pool Buffer's receiving side: the host frame's bytes land in a new buffer of
-    this worker's pool (a ``host`` pool stands in for the device pool; the copy is the same ``copy_from_host``),
-    counted in ``host_frames_bytes``, or outside a full pool (fallback ``receiver-pool-full``), as host copies land; a
-    header that does not describe its frame raises ProtocolError before anything is allocated, and without a pool in
-    the process it is a ProtocolError too."""
+    """Host frames (tuning.UCX_HOST_FRAME_THRESHOLD), a pool Buffer's receiving side: the host frame's bytes land in
+    a new buffer of this worker's pool (a ``host`` pool stands in for the device pool; the copy is the same
+    ``copy_from_host``), counted in ``host_frames_bytes``, or outside a full pool (fallback ``receiver-pool-full``),
+    as host copies land; a header that does not describe its frame raises ProtocolError before anything is
+    allocated, and without a pool in the process it is a ProtocolError too."""
     import ctypes
 
     from dask_gpupool import PoolOptions
