@@ -361,7 +361,8 @@ def stalled_producer(c: Any, nbytes: int, stop: float = 3.0) -> None:
     baseline = warm_up(c, a, b)
     z = c.submit(T.make_buffer, nbytes, b"keep me!", workers=[a], pure=False)
     kept = c.submit(T.keep, z, workers=[b], pure=False)
-    xs = [c.submit(T.make_buffer, 4096, b"x", workers=[a], pure=False) for _ in range(300)]
+    # handed over, not copied: host pools copy smaller buffers
+    xs = [c.submit(T.make_buffer, HOST_HANDOFF_THRESHOLD, b"x", workers=[a], pure=False) for _ in range(300)]
     ys = [c.submit(T.keep, x, workers=[b], pure=False) for x in xs]
     c.gather(ys)
     kept.result()
