@@ -3,9 +3,12 @@
 No ``gpupool.*`` key sets these. Each constant is the value measured best, with what it decides and the figure
 behind it (machine, date); ``docs/performance.md`` and ``docs/cpu-users.md`` hold the runs. :func:`stage_threshold`
 and :func:`handoff_threshold` give the thresholds of a pool kind and comm.
-:class:`~dask_gpupool.handoff.routes.Routes` takes them as collaborators, so that a test or a benchmark can give
-one worker's routing other sizes (:func:`dask_gpupool.testing.faults.route_sizes`) to take a path that the
-defaults send values of its size past; the product never does.
+
+The product never changes them. To measure or test another size: :class:`~dask_gpupool.handoff.routes.Routes`
+takes the routing thresholds as collaborators, which :func:`dask_gpupool.testing.faults.route_sizes` replaces in
+one worker (``client.run``); the others are read from this module where they are used (the copy chunk when a
+worker's copy server starts), so a benchmark sets them as module attributes in its workers' processes
+(``benchmarks/ucx_pairs.py``).
 """
 
 from __future__ import annotations
