@@ -33,7 +33,7 @@ COPY_STREAM_THRESHOLD = 4 << 20
 
 #: The chunk of the pipelined copy path; each lane keeps two chunks of pinned staging on each side. Pulls of 256 MiB /
 #: 1 GiB / 4 GiB on the H200 host (2026-11-22, ``benchmarks/results/copy-sweep-20261122/``) took 56.4 / 192.4 / 760.8 ms
-#: over four lanes of 16 MiB, 63.0 / 215.4 / 745.2 of 64 MiB and 60.8 / 197.7 / 775.8 over eight of 8 MiB.
+#: in 16 MiB chunks over four lanes, 63.0 / 215.4 / 745.2 in 64 MiB chunks, 60.8 / 197.7 / 775.8 in 8 MiB over eight.
 COPY_CHUNK_SIZE = 16 << 20
 
 #: Lanes (TCP connections, each with its staging and CUDA stream) one copy is pulled over. On the H200 host

@@ -462,6 +462,9 @@ def test_prometheus_metrics_on_dasks_own_endpoints():
     with nanny_cluster([{"dashboard_address": ":0"}] * 2, PLUGIN) as c:
         a, b = worker_addresses(c)
         warm_up(c, a, b)
+        # a small buffer held on B: its page stays resident (freed buffers from 64 KiB give theirs back at once)
+        held = c.submit(T.make_buffer, 4096, b"held", workers=[b], pure=False)
+        held.result()
         info = c.scheduler_info()
         host = info["address"].split("://")[1].rsplit(":", 1)[0]
         text = scrape(host, T.workers(c)[b]["services"]["dashboard"])

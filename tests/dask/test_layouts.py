@@ -25,7 +25,10 @@ def _expected(layout: str) -> dict[str, object]:
 
 @pytest.fixture(scope="module")
 def three_workers():
+    """Three workers whose host pools hand over every size: the layouts here are a few KiB and a 0-d array, which
+    host pools would copy by default (tuning.HOST_HANDOFF_THRESHOLD is not what these tests are about)."""
     with nanny_cluster([{}, {}, {}], HOST_POOL) as c:
+        c.run(T.route_sizes, handoff=0)
         yield c, *worker_addresses(c)
 
 
