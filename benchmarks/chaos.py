@@ -169,10 +169,11 @@ class Chaos(threading.Thread):
 VALUES = ("pool", "plain", "forwarded")
 
 
-def stage_from(nbytes: int, dask_worker: Any) -> None:
+async def stage_from(nbytes: int, dask_worker: Any) -> None:
     """client.run target: this worker's routing stages plain arrays from ``nbytes`` (``host`` pools stage nothing by
     default, measured slower on the CPU; :func:`dask_gpupool.testing.faults.route_sizes`). A worker without its pool
-    yet (restarting) is left alone: the next round gives it the size."""
+    yet (restarting) is left alone: the next round gives it the size. A coroutine, so that ``client.run`` need not
+    wait for it (``wait=False``): a stopped worker answers only once it runs again."""
     try:
         T.route_sizes(dask_worker, stage=nbytes)
     except dask_gpupool.PoolUnavailableError:
