@@ -45,6 +45,7 @@ import time
 from typing import Any
 
 import dask
+from dask.utils import parse_bytes
 
 import dask_gpupool
 from dask_gpupool import GPUPool
@@ -168,12 +169,25 @@ class Chaos(threading.Thread):
 VALUES = ("pool", "plain", "forwarded")
 
 
+async def stage_from(nbytes: int, dask_worker: Any) -> None:
+    """client.run target: this worker's routing stages plain arrays from ``nbytes`` (``host`` pools stage nothing by
+    default, measured slower on the CPU; :func:`dask_gpupool.testing.faults.route_sizes`). A worker without its pool
+    yet (restarting) is left alone: the next round gives it the size. A coroutine, so that ``client.run`` need not
+    wait for it (``wait=False``): a stopped worker answers only once it runs again."""
+    try:
+        T.route_sizes(dask_worker, stage=nbytes)
+    except dask_gpupool.PoolUnavailableError:
+        pass
+
+
 def one_round(client: Any, rnd: int, args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
     client.wait_for_workers(2, timeout=300)  # killed workers are restarting
     workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
     while len(workers) < 2:
         time.sleep(0.5)
         workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    if args.stage_threshold:  # each round: a restarted worker has the defaults again; a stopped one answers later
+        client.run(stage_from, int(parse_bytes(args.stage_threshold)), wait=False)
     kinds = [v for v in args.values.split(",") if v]
 
     def on(w: str) -> dict[str, Any]:
@@ -292,7 +306,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--values", default=",".join(VALUES), help="what the pairs hand over: " + ", ".join(VALUES))
     parser.add_argument(
-        "--stage-threshold", default="1 MiB", help="gpupool.stage-threshold ('': auto: never on host pools)"
+        "--stage-threshold",
+        default="1 MiB",
+        help="the stage threshold given to every worker's routing each round ('': the defaults, which stage nothing "
+        "on host pools)",
     )
     parser.add_argument(
         "--segment-memory",
@@ -321,8 +338,6 @@ def main() -> None:
         max_size="2 GiB" if gpus else "512 MiB",
         lease_timeout=args.lease_timeout,
         broker_timeout=args.broker_timeout,
-        # host pools never stage by default (measured slower on the CPU): set, so that plain values take that path
-        stage_threshold=args.stage_threshold or None,
         segment_memory=(args.segment_memory or None) if gpus else None,
     )
     max_stop = 2 * max(args.lease_timeout, args.broker_timeout)

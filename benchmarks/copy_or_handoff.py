@@ -1,22 +1,21 @@
 """Copy or handoff for small pool values, each sample taken both ways back to back in one cluster.
 
-``gpupool.handoff-threshold`` sends pool buffers under it to a same-host worker as a copy in Dask's frames instead
-of a handoff. Whether the copy is faster was measured so far with one cluster per method, and clusters started one
-after another differ by as much as the two paths do (0.1-0.5 ms, ``docs/cpu-users.md``). Here one cluster with the
-plugin takes every sample handed over (``handoff-threshold: 0``) and copied (the threshold above every size) back to
-back, in alternating order, switching the producer's threshold between them.
+The handoff threshold (``dask_gpupool.tuning.handoff_threshold``) sends pool buffers under it to a same-host worker
+over TCP as a copy in Dask's frames instead of a handoff. Clusters started one after another differ by as much as the
+two paths do (0.1-0.5 ms, ``docs/cpu-users.md``), so one cluster with the plugin takes every sample handed over (the
+threshold 0) and copied (the threshold above every size) back to back, in alternating order, switching the
+producer's threshold between them: :func:`dask_gpupool.testing.faults.route_sizes` gives it to the producer's
+routing (``client.run``), which holds values against it instead of the constant.
 
-``--plain`` asks the same of ``gpupool.stage-threshold``: plain CuPy (or NumPy) arrays, from the library's own
-allocator, staged into the producer's pool and handed over (``stage-threshold`` at 1 byte) or sent through Dask's
-comm as before (``stage-threshold: 0``, fallback ``not-in-pool``). ``--protocol ucxx`` runs the cluster over UCXX:
-there staging is for a worker on the same GPU, against UCX's own device-to-device copy.
+``--plain`` asks the same of the stage threshold (``dask_gpupool.tuning.stage_threshold``): plain CuPy (or NumPy)
+arrays, from the library's own allocator, staged into the producer's pool and handed over (the threshold at 1 byte)
+or sent through Dask's comm (0, fallback ``not-in-pool``).
 
 Two same-host workers (``--placement other`` with two GPUs: one per GPU); pool arrays of each ``--sizes`` over
 ``device`` pools with a GPU, ``host`` pools without (``--kind`` overrides); the transfer time is the consumer's
 ``stop - start`` of its transfer log entry, median of ``--samples``. JSON to ``benchmarks/results/``.
 
     python benchmarks/copy_or_handoff.py [--sizes 1KiB,16KiB,64KiB,256KiB,1MiB] [--samples 100] [--kind host] [--plain]
-        [--protocol ucxx]
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ import argparse
 import os
 import statistics
 import sys
-from typing import Any
 
 from dask.utils import format_bytes, parse_bytes
 from distributed import wait
@@ -38,20 +36,6 @@ from dask_gpupool import testing as T
 from dask_gpupool.memory.topology import local_devices
 
 
-def set_threshold(dask_worker: Any, nbytes: int, option: str = "handoff_threshold") -> None:
-    """On a worker: set its pool service's ``gpupool.handoff-threshold`` (or another option, by its field name) where
-    routing reads it."""
-    import dataclasses
-
-    from dask_gpupool.handoff.active import active_service
-
-    service = active_service()
-    if service is not None:
-        options = dataclasses.replace(service.options, **{option: nbytes})
-        service.options = options
-        service.routes.options = options
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="1KiB,16KiB,64KiB,256KiB,1MiB")
@@ -59,7 +43,6 @@ def main() -> None:
     p.add_argument("--kind", default="", help="pool kind (default: device with a GPU, else host)")
     p.add_argument("--placement", default="same", choices=["same", "other"])
     p.add_argument("--plain", action="store_true", help="plain arrays: staged into the pool or through the comm")
-    p.add_argument("--protocol", default="tcp", choices=["tcp", "ucxx"])
     args = p.parse_args()
     gpus = len(local_devices().uuids)
     kind = args.kind or ("device" if gpus else "host")
@@ -68,19 +51,19 @@ def main() -> None:
     if args.placement == "other" and gpus < 2:
         raise SystemExit("--placement other needs two GPUs")
     workers = H.placements(gpus)[args.placement] if gpus else [{}, {}]
-    if args.plain:  # stage-threshold 0 turns staging off: the array goes through the comm
-        option, modes = "stage_threshold", {"handoff": 1, "copy": 0}
+    if args.plain:  # a stage threshold of 0 turns staging off: the array goes through the comm
+        option, modes = "stage", {"handoff": 1, "copy": 0}
     else:
-        option, modes = "handoff_threshold", {"handoff": 0, "copy": 2 * max(sizes)}
+        option, modes = "handoff", {"handoff": 0, "copy": 2 * max(sizes)}
     samples: dict[tuple[str, int], list[float]] = {(m, n): [] for m in modes for n in sizes}
     plugin = GPUPool(kind=kind, max_size=f"{4 * max(sizes) // (1 << 20) + 256} MiB")
-    with H.cluster(workers, args.protocol, plugin) as c:
+    with H.cluster(workers, "tcp", plugin) as c:
         info = T.workers(c)  # not scheduler_info(): see T.workers
         a, b = sorted(info, key=lambda w: str(info[w]["name"]))
         for nbytes in sizes:
             for k in range(args.samples + 3):
                 for mode in list(modes) if k % 2 else list(modes)[::-1]:
-                    c.run(set_threshold, nbytes=modes[mode], option=option, workers=[a])
+                    c.run(T.route_sizes, **{option: modes[mode]}, workers=[a])
                     x = c.submit(H.produce, nbytes, lib, not args.plain, workers=[a], pure=False)
                     wait(x)
                     c.submit(H.consume, x, workers=[b], pure=False).result()
@@ -91,10 +74,7 @@ def main() -> None:
                         samples[mode, nbytes].append(t)
         counters = c.run(T.handoff_counters)
     what = "plain arrays staged (handoff) or through the comm (copy)" if args.plain else "pool arrays"
-    print(
-        f"{kind} pools, {what}, {args.placement} placement, over {args.protocol}, median of {args.samples} samples "
-        "each (ms)"
-    )
+    print(f"{kind} pools, {what}, {args.placement} placement, over TCP, median of {args.samples} samples each (ms)")
     print(f"{'size':>10}{'handoff':>10}{'copy':>10}{'copy faster':>14}")
     rows = []
     for nbytes in sizes:

@@ -17,13 +17,12 @@ Methods:
 tcp           Dask over TCP, a CuPy array (NumPy on a host run): today's default
 ucxx          Dask over UCXX, a CuPy array (only when distributed-ucxx imports)
 gpupool       dask_gpupool at its defaults: an array over a pool buffer (copied in Dask's frames under
-              gpupool.handoff-threshold: 64 KiB on host pools, 1 MiB on device pools)
-gpupool-handoff  the same, handed over at every size (handoff-threshold 0)
+              64 KiB on host pools, ``dask_gpupool.tuning.HOST_HANDOFF_THRESHOLD``; every size handed over on
+              device pools)
 gpupool-handoff-broker  the same, each lease claimed over the broker first (gpupool.lease-claims: broker, the
               round trip the default ``reply`` saves)
-gpupool-plain  TCP with the plugin at its defaults, a plain CuPy array: staged into the pool from 4 MiB up
+gpupool-plain  TCP with the plugin at its defaults, a plain CuPy array: staged into the pool from 64 KiB up
 gpupool-copy  dask_gpupool's host-copy path, forced with different host ids
-gpupool-copy-vkgdr  the same, pulled chunks received into vkgdr-mapped GPU memory (gpupool.tcp-landing: vkgdr)
 ucxx+gpupool  Dask over UCXX with the plugin at its defaults, an array over a pool buffer
 ucxx+gpupool-broker  the same, leases claimed over the broker (gpupool.lease-claims: broker)
 ucxx+gpupool-plain  the same cluster, a plain CuPy array (the plugin must cost UCXX nothing)
@@ -80,11 +79,9 @@ METHODS = (
     "tcp",
     "ucxx",
     "gpupool",
-    "gpupool-handoff",
     "gpupool-handoff-broker",
     "gpupool-plain",
     "gpupool-copy",
-    "gpupool-copy-vkgdr",
     "ucxx+gpupool",
     "ucxx+gpupool-broker",
     "ucxx+gpupool-plain",
@@ -351,11 +348,9 @@ def method_setup(
     plugin = GPUPool(
         kind=kind,
         max_size=max_size,
-        handoff_threshold=0 if method.startswith("gpupool-handoff") else None,
         lease_claims="broker" if method == "gpupool-handoff-broker" else None,
-        tcp_landing="vkgdr" if method == "gpupool-copy-vkgdr" else None,
     )
-    if method in ("gpupool", "gpupool-handoff", "gpupool-handoff-broker"):
+    if method in ("gpupool", "gpupool-handoff-broker"):
         return "tcp", workers, plugin, True
     if method == "gpupool-plain":  # plain cupy.ones: staged into the pool
         return "tcp", workers, plugin, False

@@ -6,9 +6,10 @@ CuPy array of each ``--sizes`` is made on the first worker and consumed by a tas
 transfer time is ``stop - start`` of its transfer log entry, median of ``--repeats`` after a warm-up. Methods:
 ``ucxx`` (plain CuPy, no plugin), ``ucxx+gpupool`` (the plugin at its defaults, an array over a pool buffer),
 ``ucxx+gpupool-broker`` (the same with ``gpupool.lease-claims: broker``, the claim round trip that the default
-``reply`` saves) and ``ucxx+gpupool-unstaged`` (``gpupool.ucx-staging-threshold`` above every size: pool memory goes
-to UCX as it is, for UCX's own small-message protocol, instead of staged first); ``ucxx+gpupool-plain`` (the plugin
-and a plain CuPy array: what the plugin costs on Dask's own path);
+``reply`` saves) and ``ucxx+gpupool-unstaged`` (``dask_gpupool.tuning.UCX_STAGING_THRESHOLD`` set above every size
+in the workers: pool memory goes to UCX as it is, for UCX's own small-message protocol, instead of staged first);
+``ucxx+gpupool-plain`` (the plugin and a plain CuPy array: what the plugin
+costs on Dask's own path);
 ``ucxx+gpupool-ab`` (one cluster, every sample taken with pool memory staged and unstaged back to back, so that the
 two are compared at the same moment: rows ``ucxx+gpupool-ab:staged`` and ``-ab:unstaged``);
 ``ucxx+gpupool-hooks-ab`` (one cluster, the plugin with plain CuPy arrays, every sample taken with the plugin's
@@ -22,8 +23,8 @@ pool buffer with the plugin's hooks, and ``:alone``, a CuPy array from CuPy's ow
 ``get_data`` and serializers put back, which is UCXX alone's path in the same workers at the same moment: the
 per-pair comparison without the 15-25% that separate two clusters);
 ``ucxx+gpupool-hostframes-ab`` and ``ucxx+gpupool-plain-hostframes-ab`` (one cluster, pool arrays or plain ones,
-every sample taken with every size sent as one host frame (``gpupool.ucx-host-frame-threshold`` above it) and as
-device frames (the threshold 0), back to back); ``ucxx+gpupool-hostalone-ab`` and
+every sample taken with every size sent as one host frame (``dask_gpupool.tuning.UCX_HOST_FRAME_THRESHOLD`` above
+it) and as device frames (the threshold 0), back to back); ``ucxx+gpupool-hostalone-ab`` and
 ``ucxx+gpupool-plain-hostalone-ab`` (the same host frames against UCXX alone's path, as ``-alone-ab``);
 ``ucxx+gpupool-inline-ab`` (one cluster, pool arrays, every sample taken with the plugin as it is and as before the
 twenty-fourth session, back to back: rows ``:inline``, a UCX reply of a few device values serialized on the event
@@ -36,10 +37,6 @@ to back: what a send from a new address inside an allocation UCX already exporte
 ``-region-ab``: a CuPy array at the start of one 1 GiB ``cuMemAlloc`` allocation made through ``cuda.bindings``
 outside every pool, ``:driver``, against one from CuPy's own pool, ``:plain``: both plain arrays to the plugin, so
 only the memory differs).
-``ucxx+gpupool-handoffalone-ab`` (one cluster, pool arrays, every sample taken three ways back to back: ``:handoff``,
-the plugin at its defaults; ``:frames``, the same with ``gpupool.ucx-handoff-threshold`` above every size, so a
-same-"host" pair gets the pool buffer's device frames, which on legacy IPC segments UCX sends with no staging copy;
-and ``:alone``, UCXX alone's path as in ``-alone-ab``): below what size is the handoff slower than UCX's own copy?
 ``ucxx+gpupool-recvrmm-ab`` (an experiment, one cluster, pool arrays: every sample taken four ways back to back,
 the plugin with distributed-ucxx receiving device frames into ``rmm.DeviceBuffer`` from an RMM pool over
 ``cudaMalloc`` (``:rmmpool``), from RMM's ``cudaMallocAsync`` resource (``:rmmasync``), from RMM's current resource
@@ -56,11 +53,9 @@ UCX itself did). Needs distributed-ucxx. On a machine with one GPU all four work
 "hosts"): every pair is then a same-GPU pair, which says nothing about pairs across GPUs.
 JSON to ``benchmarks/results/`` (and ``$OUT``), written again after each method, so that a run cut off by its time
 limit keeps the methods it finished. After each ``-ab`` method, and in the JSON (``ab``): every variant but the last
-against the last, the mean over pairs of each pair's ratio and difference, and the pairs at or below it.
-
-The default sizes span the question of ``gpupool.ucx-handoff-threshold`` (0: every pool value is handed over): on
-two H200s, pool arrays over UCXX were handed over in 1.8-2.3 ms at every size, where UCXX alone moved 1 KiB-1 MiB
-in 1.4-1.9 ms, so below some size device frames may be the faster path for a same-host pair too.
+against the last, the mean over pairs of each pair's ratio and difference, and the pairs at or below it. The
+``-ab`` variants that measure another size of a :mod:`dask_gpupool.tuning` constant set it as a module attribute in
+the workers' processes (``client.run``), where the serializers read it at each value.
 
     python benchmarks/ucx_pairs.py [--sizes 4KiB,1MiB,16MiB,256MiB] [--repeats 5] [--reverse] [--pairs 2:0,0:2]
 """
@@ -99,7 +94,6 @@ PLAIN_METHODS = (
 )
 PATH_KEYS = (
     "zero_copy_bytes",
-    "peer_copied_bytes",
     "device_frames_bytes",
     "receive_pooled_bytes",  # the part of device_frames_bytes received into the UCX receive pool
     "host_frames_bytes",
@@ -107,20 +101,18 @@ PATH_KEYS = (
 )
 
 
-def _set_options(**changes: Any) -> None:
-    """On a worker: change its pool service's options (``PoolOptions`` fields), the ``-ab`` methods' switch."""
-    import dataclasses
+def _set_tuning(**values: int) -> None:
+    """On a worker: constants of :mod:`dask_gpupool.tuning` set in this process, where the serializers read them at
+    each value (the ``-ab`` methods' switch)."""
+    from dask_gpupool import tuning
 
-    from dask_gpupool.handoff.active import active_service
-
-    service = active_service()
-    if service is not None:
-        service.options = dataclasses.replace(service.options, **changes)
+    for name, value in values.items():
+        setattr(tuning, name, value)
 
 
 def _set_staging_threshold(nbytes: int) -> None:
-    """On a worker: ``gpupool.ucx-staging-threshold`` (the ``-ab`` methods' switch)."""
-    _set_options(ucx_staging_threshold=nbytes)
+    """On a worker: ``dask_gpupool.tuning.UCX_STAGING_THRESHOLD`` (the ``-ab`` methods' switch)."""
+    _set_tuning(UCX_STAGING_THRESHOLD=nbytes)
 
 
 def _set_hooks(off: list[str], dask_worker: Any = None) -> None:
@@ -174,17 +166,10 @@ def _set_inline(on: bool) -> None:
     device_frames.SYNCHRONIZING_SCHEMES = saved[1] if on else frozenset()
 
 
-def _set_handoff_threshold(nbytes: int) -> None:
-    """On a worker: the ``-handoffalone-ab`` switch, its pool service's ``gpupool.ucx-handoff-threshold`` (pool
-    values under ``nbytes`` go to a same-"host" worker as device frames instead of a descriptor; 0: every size
-    handed over)."""
-    _set_options(ucx_handoff_threshold=nbytes)
-
-
 def _set_host_frames(below: int) -> None:
-    """On a worker: the ``-hostframes-ab`` switch, its pool service's ``gpupool.ucx-host-frame-threshold`` (CuPy
-    arrays under ``below`` bytes in a UCX reply go as a host frame; 0: none, device frames)."""
-    _set_options(ucx_host_frame_threshold=below)
+    """On a worker: the ``-hostframes-ab`` switch, ``dask_gpupool.tuning.UCX_HOST_FRAME_THRESHOLD`` (CuPy arrays
+    under ``below`` bytes in a UCX reply go as a host frame; 0: none, device frames)."""
+    _set_tuning(UCX_HOST_FRAME_THRESHOLD=below)
 
 
 def _set_receive(mode: str) -> None:
@@ -414,13 +399,6 @@ def _variants(method: str, max_bytes: int) -> list[tuple[str, dict[str, Any]]]:
         return [("rotating", {"region": True}), ("fixed", {"region": False})]
     if method.endswith("-pool-ab"):
         return [("pool", {}), ("plain", {"outside": True})]
-    if method.endswith("-handoffalone-ab"):
-        alone = {"off": ["get_data", "serializers"], "outside": True, "receive": "default", "handoff_below": 0}
-        return [
-            ("handoff", {"off": [], "receive": "plugin", "handoff_below": 0}),
-            ("frames", {"off": [], "receive": "plugin", "handoff_below": 2 * max_bytes}),
-            ("alone", alone),
-        ]
     if method.endswith("-alone-ab"):
         alone = {"off": ["get_data", "serializers"], "outside": True, "receive": "default"}
         return [("plugin", {"off": [], "receive": "plugin"}), ("alone", alone)]
@@ -481,7 +459,6 @@ def main() -> None:
                 kind="device",
                 max_size=f"{4 * max(sizes) // (1 << 20) + 1024} MiB",
                 lease_claims="broker" if method.endswith("-broker") else None,
-                ucx_staging_threshold=2 * max(sizes) if method.endswith("-unstaged") else None,
                 segment_memory="legacy" if "-legacy" in method else "vmm" if "-vmm" in method else None,
             )
             if "gpupool" in method
@@ -494,6 +471,8 @@ def main() -> None:
             addrs = sorted(info, key=lambda w: str(info[w]["name"]))
             order = list(enumerate(addrs))[:: -1 if args.reverse else 1]
             gc_start = c.run(_gc_state)
+            if method.endswith("-unstaged"):
+                c.run(_set_staging_threshold, 2 * max(sizes))
             for i, src in order:
                 for j, dst in order:
                     if i == j or (only and (i, j) not in only):
@@ -511,8 +490,6 @@ def main() -> None:
                                     c.run(_set_inline, settings["inline"])
                                 if "host_below" in settings:
                                     c.run(_set_host_frames, settings["host_below"])
-                                if "handoff_below" in settings:
-                                    c.run(_set_handoff_threshold, settings["handoff_below"])
                                 if "receive" in settings:
                                     c.run(_set_receive, settings["receive"])
                                 if "region" in settings:

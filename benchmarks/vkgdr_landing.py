@@ -1,6 +1,6 @@
 """Where a copy that arrives over TCP should land: pinned staging and a host-to-device copy, or vkgdr (issue 19).
 
-The pipelined copy path (``gpupool.copy-chunk-size``; values for another host over TCP) receives each chunk into
+The pipelined copy path (values for another host over TCP, ``dask_gpupool/tuning.py``) receives each chunk into
 pinned host staging and copies it into the receiver's pool with ``cuMemcpyHtoDAsync``. vkgdr maps device memory
 into the host's address space through Vulkan (``HOST_VISIBLE | DEVICE_LOCAL``), so ``recv_into`` can write the
 bytes straight into GPU memory. This compares the two on one machine, over a loopback TCP connection from a sender

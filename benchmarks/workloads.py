@@ -26,9 +26,6 @@ a halo exchange of depth 8; ``rmm_objects`` every block copied into an ``rmm.Dev
 distributed splits into device frames), each summed with the next block's. Methods: ``tcp`` and ``ucxx``
 (plain Dask), ``local`` (the floor: one worker with the layout's threads on its first GPU, so nothing moves
 between workers) and ``gpupool`` / ``ucxx+gpupool`` (``GPUPool()`` with no options), and variants with one option
-changed: ``gpupool+stage`` (``stage-threshold: 4 MiB``), ``gpupool+stage1``
-(``stage-threshold: 1``: every size staged), ``gpupool+stage64k`` (from 64 KiB),
-``gpupool+objects`` (``device-objects``),
 ``gpupool+legacy`` (``segment-memory: legacy``; ``ucxx+gpupool+legacy`` over UCX), ``ucxx+gpupool+vmm``
 (``segment-memory: vmm``: VMM segments over UCX, where ``auto`` makes legacy ones); any of them
 with ``-nohooks`` after it (``ucxx+gpupool-nohooks``): the plugin's ``get_data`` wrapper and CuPy serializers
@@ -38,8 +35,8 @@ unregistered again (what stays behind in the processes); or ``-ab``: one cluster
 in place and without them, back to back, the two sides alternating run by run (``ab:`` lines, ``ab_rounds`` in the
 JSON); or ``-inline-ab``: the same with replies of device values and staged CuPy arrays serialized on the event loop
 (``on``) or in Dask's offload thread as before the twenty-fourth session (``off``); or ``-hostframes-ab``: small
-CuPy arrays in UCX replies as one host frame (``gpupool.ucx-host-frame-threshold`` at its default, ``on``) or as
-device frames (``off``); or ``-receive-ab``: device frames received into the plugin's UCX receive pool (``on``,
+CuPy arrays in UCX replies as one host frame (``dask_gpupool.tuning.UCX_HOST_FRAME_THRESHOLD`` at its value, ``on``)
+or as device frames (``off``); or ``-receive-ab``: device frames received into the plugin's UCX receive pool (``on``,
 :mod:`dask_gpupool.dask.ucx_receive`) or as distributed-ucxx does by itself (``off``). Layouts on a
 GPU machine: ``two-per-gpu`` and ``one-per-gpu``; two workers without a GPU.
 
@@ -72,14 +69,14 @@ from handoff import (  # benchmarks/handoff.py (this directory is on sys.path wh
 )
 from ucx_pairs import (
     _set_hooks,  # benchmarks/ucx_pairs.py: the plugin's hooks swapped for distributed's own
-    _set_host_frames,  # benchmarks/ucx_pairs.py: gpupool.ucx-host-frame-threshold on every worker
+    _set_host_frames,  # benchmarks/ucx_pairs.py: dask_gpupool.tuning.UCX_HOST_FRAME_THRESHOLD on every worker
     _set_inline,  # benchmarks/ucx_pairs.py: this session's inline replies switched off
     _set_receive,  # benchmarks/ucx_pairs.py: where distributed-ucxx receives device frames
 )
 
 import dask_gpupool
-from dask_gpupool.config import UCX_HOST_FRAME_THRESHOLD
 from dask_gpupool.memory.topology import local_devices
+from dask_gpupool.tuning import UCX_HOST_FRAME_THRESHOLD
 
 
 def _device_buffer(block: Any) -> Any:
@@ -124,15 +121,6 @@ WORKLOADS: dict[str, Callable[[Any, int], list[Any]]] = {
 #: Method suffixes after ``gpupool``: option overrides measured against the defaults (``""``).
 VARIANTS: dict[str, dict[str, Any]] = {
     "": {},
-    "+stage": {"stage_threshold": "4 MiB"},  # plain CuPy arrays over 4 MiB copied into the pool, then handed over
-    "+nostage": {"stage_threshold": 0},  # plain CuPy arrays through the comm (over UCX: UCX's own GPU copy)
-    "+stage1": {"stage_threshold": 1},  # every plain CuPy array staged, however small (no fallback small)
-    "+stage64k": {"stage_threshold": "64 KiB"},  # plain CuPy arrays from 64 KiB staged
-    "+objects": {"device_objects": True},  # rmm.DeviceBuffer / Numba arrays frame by frame over TCP
-    # values from another GPU copied into the consumer's pool on arrival (gpupool.peer-gpu-copy)
-    "+peer": {"peer_gpu_copy": True},
-    "+peer-objects": {"peer_gpu_copy": True, "device_objects": True},
-    "+peer-event": {"peer_gpu_copy": True, "handoff_ordering": "event"},  # no GPU synchronize at the export
     # the staging copy's stream not waited for in get_data: an event the broker waits on before the claim's answer
     "+event": {"handoff_ordering": "event"},
     "+switch": {"switch_interval": "0.5ms"},  # claims served sooner by producers whose tasks hold the GIL
@@ -172,7 +160,8 @@ AB = "-ab"
 #: twenty-fourth session; ``benchmarks/ucx_pairs.py``'s ``-inline-ab`` switch).
 INLINE_AB = "-inline-ab"
 #: Method suffix: as ``-ab``, the two sides small CuPy arrays in UCX replies sent as one host frame
-#: (``gpupool.ucx-host-frame-threshold`` at its default, ``on``) and as device frames (the threshold 0, ``off``).
+#: (``dask_gpupool.tuning.UCX_HOST_FRAME_THRESHOLD`` at its value, ``on``) and as device frames (the threshold 0,
+#: ``off``).
 HOSTFRAMES_AB = "-hostframes-ab"
 #: Method suffix: as ``-ab``, the two sides device frames received into the plugin's UCX receive pool
 #: (as the plugin sets it, ``on``) and as distributed-ucxx does by itself (``off``).

@@ -32,89 +32,6 @@ with open(_HERE / "gpupool.yaml") as _f:
 dask.config.update_defaults(_defaults)
 
 
-#: The largest ``gpupool.copy-chunk-size``, and the largest chunk an importer takes from a copy server's
-#: ``PullReply``: each lane stages three chunks in pinned or vkgdr memory, so a peer's chunk is bounded too.
-MAX_COPY_CHUNK = 1 << 30
-
-#: ``stage-threshold: auto`` on ``device`` pools, to a worker on another GPU over TCP or TLS: from 64 KiB, as on the
-#: same GPU (:data:`SAME_GPU_STAGE_THRESHOLD`; over UCX ``auto`` stages nothing, ``effective_stage_threshold`` says
-#: why). Measured on two H200s (NVLink, driver 580), each sample staged and sent through the comm back to back in one
-#: cluster (benchmarks/copy_or_handoff.py --plain --placement other, 40 samples per size, 2026-11-24 22:35,
-#: docs/performance.md "Twenty-sixth session"): staged and handed over 1.66-1.87 ms from 1 KiB to 1 MiB and 2.04 at
-#: 4 MiB, through the comm 1.70-2.50 ms and 7.17 at 4 MiB; the comm was faster in 60% of the pairs at 1 KiB, 38% at
-#: 16 KiB, 30-32% at 64-256 KiB, 2% at 1 MiB and none at 4 MiB. On the dask.array workloads (8192^2 float64 in
-#: 2048^2 chunks, four rounds, a fresh cluster per method and round) staging from 64 KiB instead of 4 MiB took
-#: 0.91-1.02x as long with one worker per GPU (faster in 3-4 of 4 rounds on six of eight workloads) and 0.93-1.10x
-#: with two (1.10 on ``rmm_objects``, whose buffers the threshold does not touch); map_overlap's halo strips no longer
-#: go through the host (0-0.1 MiB a run instead of 4.8-8.6). It was 4 MiB from the twenty-second session's
-#: workloads (matmul 2.0-2.7x faster than TCP) until then.
-DEVICE_STAGE_THRESHOLD = 64 << 10
-
-#: ``stage-threshold: auto`` on ``device`` pools, to a worker on the pool's GPU: from 64 KiB. Measured on one H100
-#: with leases claimed by the reply, each sample staged and sent through the comm back to back in one cluster
-#: (benchmarks/copy_or_handoff.py --plain --placement same, 40 samples per size, 2026-11-24 01:32,
-#: docs/performance.md): staged and handed over 2.50-2.63 ms from 1 KiB to 4 MiB, through the comm 2.56-3.14 ms to
-#: 1 MiB and 8.39 at 4 MiB; staging was faster in 20 of 40 back-to-back pairs at 1 KiB (a tie), 26 at 16 KiB, 31 at
-#: 64 KiB, 28 at 256 KiB, 37 at 1 MiB and all 40 at 4 MiB. Staging every size (``stage-threshold: 1``) was no faster
-#: on the dask.array workloads, whose small values are partial sums of a few KiB; from 64 KiB the halo strips of
-#: ``map_overlap`` are staged too (0.03 MiB through the comm instead of 11 MiB). Since contiguous arrays are staged
-#: with one driver copy (2026-11-24 03:22), staging was faster than the comm at every size from 1 KiB (22-30 of 30
-#: pairs), yet staging every size was still no faster on the workloads (1.02-1.29x the defaults, seven rounds).
-SAME_GPU_STAGE_THRESHOLD = 64 << 10
-
-#: ``handoff-threshold: auto`` on ``host`` pools: a pool buffer smaller than 64 KiB goes to a same-host worker over
-#: TCP as a copy in Dask's frames (landing in the receiver's pool) instead of a handoff. Measured on a 2-vCPU container
-#: with leases claimed by the reply, each sample taken both ways back to back in one cluster
-#: (benchmarks/copy_or_handoff.py, two runs of 150 samples per size, 2026-11-23 22:30, docs/cpu-users.md): up to
-#: 32 KiB the two were within 0.08 ms (the copy faster in 49-66% of the pairs), from 64 KiB the handoff was faster
-#: (the copy faster in 22-35% of the pairs at 64 KiB, 3-13% at 128 KiB-1 MiB). It was 256 KiB while claims cost a
-#: round trip to the exporter's broker.
-HOST_HANDOFF_THRESHOLD = 64 << 10
-
-#: ``handoff-threshold: auto`` on ``device`` pools, to a worker on another GPU: none, every size is handed over, as
-#: on the same GPU. Measured on two H200s (NVLink) with leases claimed by the reply, each sample handed over and copied
-#: back to back in one cluster (benchmarks/copy_or_handoff.py --placement other, 60 samples per size, 2026-11-24
-#: 22:34, docs/performance.md "Twenty-sixth session"): handed over 1.65-1.81 ms from 1 KiB to 1 MiB, copied
-#: 1.79-2.64 ms; the copy was faster in 23% of the pairs at 1 KiB, 32% at 16 KiB, 12% at 64 KiB, 8% at 256 KiB and 5%
-#: at 1 MiB. It was 1 MiB while claims cost a round trip to the exporter's broker (2026-11-23: a copy 1.57-1.70 ms to
-#: 512 KiB against 2.08-2.14 handed over).
-DEVICE_HANDOFF_THRESHOLD = 0
-
-#: ``handoff-threshold: auto`` on ``device`` pools, to a worker on the same GPU: none, every size is handed over.
-#: Measured on one H100 with leases claimed by the reply, each sample taken handed over and copied back to back in one
-#: cluster (benchmarks/copy_or_handoff.py --placement same, 60 samples per size, 2026-11-23 23:25,
-#: docs/performance.md): handed over 1.83-2.02 ms from 1 KiB to 1 MiB, copied 2.18-2.54 ms; the copy was faster in
-#: 28% of the pairs at 1 KiB, 23% at 16 KiB, 7-8% at 64-256 KiB and none at 1 MiB.
-SAME_GPU_HANDOFF_THRESHOLD = 0
-
-#: ``ucx-staging-threshold`` by default: pool memory under 8 KiB goes to UCX as it is, not copied into
-#: ``cuMemAlloc`` memory first. UCX 1.21 (``UCX_PROTO_INFO``) sends any device memory under 8 KiB eagerly through host
-#: bounce buffers over its TCP transport, plain CuPy arrays with UCXX alone included, so a staging copy buys nothing
-#: there, and from 8 KiB to 4 MiB moves pool memory (which its ``cuda_ipc`` cannot export) with its own ``cuda_copy``
-#: pipeline; above 4 MiB it falls back to host fragments, hence staging from some size on. Measured on one H100, four
-#: workers as two "hosts", staged and unstaged samples back to back in one cluster (benchmarks/ucx_pairs.py
-#: ``ucxx+gpupool-ab``, 2026-11-23 22:04, docs/performance.md): other-host pairs unstaged 1.90 against 2.09 ms at 4 KiB
-#: (faster on all 8 pairs) and 2.08 against 2.21 ms at 64 KiB (6 of 8). Those "hosts" shared one machine, where UCX
-#: reaches the other process by ``cuda_ipc`` and TCP over loopback. Between real hosts (InfiniBand, GPUDirect RDMA)
-#: UCX picks other protocols from 8 KiB up, and whether it moves pool memory there as well as ``cuMemAlloc`` memory
-#: is not measured; below 8 KiB it copies device memory into host bounce buffers whatever the transport. So the
-#: default stays at the eager limit, where giving UCX the pool memory itself cannot change its path.
-UCX_STAGING_THRESHOLD = 8 << 10
-
-#: ``ucx-host-frame-threshold`` by default: a CuPy array (or a pool Buffer) under 8 KiB in a reply over UCX to a worker
-#: running the plugin goes as one host frame (copied to the host by the sender, back to the GPU by the receiver) rather
-#: than as a device frame. Below 8 KiB UCX 1.21 sends device memory eagerly through host bounce buffers itself, so the
-#: bytes take the same way; done by the plugin the transfer skips distributed-ucxx's GPU synchronize on both sides, the
-#: receiver's ``cudaMalloc`` and ``cudaFree`` of the frame (0.04-0.05 ms each on one H100,
-#: scripts/probes/recv_alloc.py) and UCX's device-memory handling. Measured on one H100, four workers as two "hosts",
-#: every sample both ways back to back in one cluster (benchmarks/ucx_pairs.py ``-hostframes-ab``, 2026-11-24 20:31,
-#: docs/performance.md): at 4 KiB other-host pool arrays 1.67 against 1.87 ms (8 of 8 pairs faster), plain CuPy arrays
-#: 1.73 against 1.90 (8 of 8); at 64 KiB also faster (0.86-0.89x), at 1 MiB much slower (1.45-1.51x). From 8 KiB UCX
-#: moves device memory GPU to GPU, so the default stays at its eager limit: no byte goes through the host that UCX
-#: would not have sent through it.
-UCX_HOST_FRAME_THRESHOLD = 8 << 10
-
-
 @dataclass(frozen=True)
 class Size:
     """A pool size: either absolute bytes or a share of some capacity.
@@ -228,75 +145,11 @@ class PoolOptions:
         raises :class:`~dask_gpupool.errors.ConfigError`). Either way the pool grants
         every other GPU with peer access to its GPU access, and workers there
         get its buffers zero-copy (others get copies, fallback ``other-gpu``).
-    ucx_handoff_threshold : int
-        Smallest value handed over zero-copy to a same-host worker on UCX
-        comms; smaller pool memory goes as device frames, which UCX moves
-        faster than a handoff's round trips. 0: every value is handed over.
-    ucx_staging_threshold : int
-        Smallest pool value copied into ``cuMemAlloc`` memory before it goes
-        to UCX as a device frame (:mod:`dask_gpupool.memory.ucx_staging`);
-        smaller pool memory is given to UCX as it is, which UCX 1.21 moves
-        with its own protocols (eager through host bounce buffers below
-        8 KiB, as for any device memory; its ``cuda_copy`` pipeline up to
-        4 MiB). Default :data:`UCX_STAGING_THRESHOLD` (8 KiB): on one H100,
-        with staged and unstaged samples taken back to back, unstaged was
-        faster at 4 KiB (every pair) and 64 KiB; above 8 KiB UCX's path
-        between real hosts is not measured. 0: every value is staged.
-    ucx_host_frame_threshold : int
-        On UCX comms, CuPy arrays and pool Buffers below this many bytes in a
-        ``get_data`` reply to a worker running the plugin (that are not
-        handed over) go as one host frame instead of a device frame:
-        copied to the host by the sender and back to the GPU by the
-        receiver, the way UCX's eager protocol moves device memory
-        below 8 KiB anyway, without the comm's GPU synchronizes and the
-        receiver's ``cudaMalloc``. Counted in ``host_frames_out_bytes`` and
-        ``host_frames_bytes``. Default :data:`UCX_HOST_FRAME_THRESHOLD`
-        (8 KiB); 0: none.
-    copy_chunk_size : int
-        Chunk of the pipelined copy path (:mod:`dask_gpupool.transport.stream`); 0 sends
-        every copy in Dask's frames.
-    copy_stream_threshold : int
-        Smallest copy sent over the pipelined copy path; smaller ones travel
-        in Dask's frames.
-    copy_streams : int
-        Connections (lanes) one copy is pulled over, each with its own
-        staging and CUDA stream; at most 16.
-    stage_threshold : int or None
-        Smallest array outside the pool that is copied into it on the
-        producer (device to device for CuPy) and handed over when a same-host
-        worker asks for it over TCP, instead of going through distributed's
-        serializer (host memory and TCP), or over UCX when the worker is on
-        the same GPU (instead of UCX's copy). 0: never. ``None`` (``auto``, the
-        default): on ``device`` pools :data:`SAME_GPU_STAGE_THRESHOLD`
-        (64 KiB) to a worker on the pool's GPU over TCP or TLS and
-        :data:`DEVICE_STAGE_THRESHOLD` (64 KiB) to one on another GPU; never
-        over UCX, whose own GPU-to-GPU copy was as fast or faster on the
-        workloads, and never on ``host`` pools, where it measured slower
-        (:meth:`effective_stage_threshold`).
-    handoff_threshold : int or None
-        Smallest pool buffer handed over to a same-host worker over TCP or
-        TLS; smaller ones go as copies in Dask's frames (fallback ``small``),
-        which is faster there than a handoff's lease claim. 0: hand over at
-        every size. ``None`` (``auto``, the default):
-        :data:`HOST_HANDOFF_THRESHOLD` (64 KiB) on ``host`` pools; on
-        ``device`` pools :data:`SAME_GPU_HANDOFF_THRESHOLD` (0) to a worker
-        on the pool's GPU and :data:`DEVICE_HANDOFF_THRESHOLD` (0) to one
-        on another GPU; 0 on ``pinned`` pools
-        (:meth:`effective_handoff_threshold`).
-    device_objects : bool
-        Send every object with a ``"cuda"`` serializer (``rmm.DeviceBuffer``,
-        Numba device arrays, cuDF objects, a user's type) to same-host
-        workers over TCP frame by frame through the pool
-        (:mod:`dask_gpupool.dask.device_objects`). On by default: on one
-        H100 (two workers) ``rmm_objects`` in ``benchmarks/workloads.py``
-        took 111-125 ms with it, 309-322 ms without (1.1-1.4 GB copied per
-        run), UCXX 87-103, the other workloads unchanged; off, they go
-        through distributed's serializer, copied through the host.
     handoff_ordering : {"sync", "event", "device"}
         How an exporter makes sure the GPU work that wrote a buffer has
         finished before a peer reads it. ``sync`` (the default): it waits
         before the descriptor goes out. For a task result of its own (a pool
-        array, a pool Buffer) it waits for
+        array, a pool Buffer, an array RMM placed in the pool) it waits for
         the event it recorded on the legacy default stream when Dask stored
         the result, which follows every blocking stream's earlier work, CuPy's
         default included: kernels queued since, and other streams', are not
@@ -325,29 +178,6 @@ class PoolOptions:
         exporter's broker before the importer reads (0.3-0.7 ms idle, more
         under load). With ``handoff-ordering: event`` leases are always
         claimed over the broker: its answer is the wait for the GPU.
-    tcp_landing : {"auto", "pinned", "vkgdr"}
-        Where a value pulled from another host over TCP lands on its way
-        into this worker's pool (:mod:`dask_gpupool.transport.pull`):
-        ``pinned`` receives each chunk into pinned host staging and copies it
-        to the GPU; ``vkgdr`` receives it straight into GPU memory that vkgdr
-        maps into the host (the optional ``vkgdr`` extra, with the Vulkan
-        loader and NVIDIA's Vulkan driver), then copies it device to device
-        (:mod:`dask_gpupool.transport.vkgdr_staging`); ``auto`` (the default):
-        vkgdr where it runs, pinned staging elsewhere (said once, at INFO).
-        On one H100 a pull of 256 MiB / 1 GiB took 55.7 / 200.6 ms with
-        vkgdr against 78.4 / 265.4 ms through pinned staging
-        (docs/performance.md).
-    peer_gpu_copy : bool
-        A ``device`` buffer handed over from another GPU of this host is
-        copied into this worker's pool when it arrives, device to device over
-        NVLink or PCIe, and its lease ends at once; off, kernels read it where
-        it is. On two H200s a kernel reading its operand from the other GPU
-        ran 2.8-10x slower than from its own memory (a 2048^2 float64 matrix
-        product 4.5x), where copying the 32 MiB operand took 0.1 ms
-        (``benchmarks/peer_read.py``, docs/performance.md). Off by default:
-        its GPU tests pass on two H200s, but on the ``dask.array`` workloads
-        (staged 32 MiB blocks) it was no faster than reading in place,
-        0.84-1.14x the default's wall time (docs/performance.md).
     switch_interval : float or None
         Seconds: the worker process's Python thread switch interval
         (:func:`sys.setswitchinterval`), set while the plugin runs and put
@@ -368,46 +198,10 @@ class PoolOptions:
     broker_dir: str | None = None
     broker_timeout: float = 10.0
     lease_timeout: float = 60.0
-    peer_gpu_copy: bool = False
     handoff_ordering: str = "sync"
     lease_claims: str = "reply"
-    tcp_landing: str = "auto"
     segment_memory: str = "auto"
-    ucx_handoff_threshold: int = 0
-    ucx_staging_threshold: int = 8 << 10
-    ucx_host_frame_threshold: int = 8 << 10
-    copy_chunk_size: int = 16 << 20
-    copy_stream_threshold: int = 4 << 20
-    copy_streams: int = 4
-    stage_threshold: int | None = None
-    handoff_threshold: int | None = None
-    device_objects: bool = True
     switch_interval: float | None = None
-
-    def effective_stage_threshold(self, kind: str, same_gpu: bool = False, over_tcp: bool = True) -> int:
-        """The stage threshold of a pool of ``kind`` (``"device"``, ``"pinned"``, ``"host"``) for a requester on this
-        pool's GPU (``same_gpu``) or another, asking over TCP or TLS (``over_tcp``) or UCX; 0: never. With
-        ``same_gpu`` over TCP it is also the lowest for any requester.
-
-        ``auto`` stages nothing over UCX: UCX already copies the array GPU to GPU, and with each workload run
-        both ways in one cluster, alternating run by run (one H100, docs/performance.md "Twenty-first session on
-        one H100"), staging from 4 MiB was 0.97-1.02x UCX's copy on seven workloads and 0.92x on one (elementwise,
-        11 of 16 pairs): no gain that one call's spread does not cover, for pool memory that UCX does not need.
-        A threshold the user sets holds over every comm."""
-        if self.stage_threshold is not None:
-            return self.stage_threshold
-        if kind != "device" or not over_tcp:
-            return 0
-        return SAME_GPU_STAGE_THRESHOLD if same_gpu else DEVICE_STAGE_THRESHOLD
-
-    def effective_handoff_threshold(self, kind: str, same_gpu: bool = False) -> int:
-        """The handoff threshold of a pool of ``kind`` for a requester on this pool's GPU (``same_gpu``) or not:
-        smaller buffers go to same-host workers as copies; 0: none."""
-        if self.handoff_threshold is not None:
-            return self.handoff_threshold
-        if kind == "device" and same_gpu:
-            return SAME_GPU_HANDOFF_THRESHOLD
-        return {"host": HOST_HANDOFF_THRESHOLD, "device": DEVICE_HANDOFF_THRESHOLD}.get(kind, 0)
 
     @classmethod
     def from_config(cls, **overrides: Any) -> PoolOptions:
@@ -461,30 +255,9 @@ class PoolOptions:
             broker_dir=_parse_broker_dir(raw.get("broker-dir")),
             broker_timeout=_parse_timeout(raw.get("broker-timeout", "10s"), "gpupool.broker-timeout"),
             lease_timeout=_parse_timeout(raw.get("lease-timeout", "60s"), "gpupool.lease-timeout"),
-            peer_gpu_copy=_parse_bool(raw.get("peer-gpu-copy", False), "gpupool.peer-gpu-copy"),
             handoff_ordering=_parse_choice(raw.get("handoff-ordering", "sync"), "gpupool.handoff-ordering", ORDERINGS),
             lease_claims=_parse_choice(raw.get("lease-claims", "reply"), "gpupool.lease-claims", CLAIMS),
-            tcp_landing=_parse_choice(raw.get("tcp-landing", "auto"), "gpupool.tcp-landing", LANDINGS),
             segment_memory=_parse_choice(raw.get("segment-memory", "auto"), "gpupool.segment-memory", SEGMENT_MEMORY),
-            ucx_handoff_threshold=_parse_nbytes(raw.get("ucx-handoff-threshold", 0), "gpupool.ucx-handoff-threshold"),
-            ucx_staging_threshold=_parse_nbytes(
-                raw.get("ucx-staging-threshold", UCX_STAGING_THRESHOLD), "gpupool.ucx-staging-threshold"
-            ),
-            ucx_host_frame_threshold=_parse_nbytes(
-                raw.get("ucx-host-frame-threshold", UCX_HOST_FRAME_THRESHOLD), "gpupool.ucx-host-frame-threshold"
-            ),
-            copy_chunk_size=_parse_copy_chunk(raw.get("copy-chunk-size", "16 MiB")),
-            copy_stream_threshold=_parse_nbytes(
-                raw.get("copy-stream-threshold", "4 MiB"), "gpupool.copy-stream-threshold"
-            ),
-            copy_streams=_parse_count(raw.get("copy-streams", 4), "gpupool.copy-streams", 1, 16),
-            stage_threshold=None
-            if raw.get("stage-threshold", "auto") == "auto"
-            else _parse_nbytes(raw.get("stage-threshold"), "gpupool.stage-threshold"),
-            handoff_threshold=None
-            if raw.get("handoff-threshold", "auto") == "auto"
-            else _parse_nbytes(raw.get("handoff-threshold"), "gpupool.handoff-threshold"),
-            device_objects=_parse_bool(raw.get("device-objects", True), "gpupool.device-objects"),
             switch_interval=_parse_switch_interval(raw.get("switch-interval")),
         )
 
@@ -500,9 +273,6 @@ ORDERINGS = ("sync", "event", "device")
 #: ``gpupool.lease-claims``: an importer holds a lease once it has the header (the reply's "OK" tells the exporter),
 #: or claims it over the exporter's broker first.
 CLAIMS = ("reply", "broker")
-
-#: ``gpupool.tcp-landing``: pinned host staging, GPU memory vkgdr maps into the host, or vkgdr where it runs.
-LANDINGS = ("auto", "pinned", "vkgdr")
 
 
 def _parse_choice(value: object, key: str, choices: tuple[str, ...]) -> str:
@@ -565,22 +335,6 @@ def _parse_nbytes(value: object, key: str) -> int:
     if nbytes is None or nbytes < 0:
         raise ConfigError(f"{key}={value!r} is not a size; valid: '1 GiB', '256MiB', bytes, or 0 for off")
     return nbytes
-
-
-def _parse_copy_chunk(value: object) -> int:
-    """``gpupool.copy-chunk-size``: a size up to :data:`MAX_COPY_CHUNK`, or 0 (copies in Dask's frames)."""
-    nbytes = _parse_nbytes(value, "gpupool.copy-chunk-size")
-    if nbytes > MAX_COPY_CHUNK:
-        raise ConfigError(f"gpupool.copy-chunk-size={value!r} is over {MAX_COPY_CHUNK} bytes (1 GiB)")
-    return nbytes
-
-
-def _parse_count(value: object, key: str, low: int, high: int) -> int:
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value.strip())
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ConfigError(f"{key}={value!r} is not a count; valid: an integer from {low} to {high}")
-    return value
 
 
 def _parse_switch_interval(value: object) -> float | None:

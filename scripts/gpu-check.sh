@@ -80,7 +80,7 @@ if [ "${CHAOS_BG:-}" = collect ]; then
   grep "^t=" /tmp/chaos-out/chaos.log | tail -2; sed -n '/^chaos:/,$p' /tmp/chaos-out/chaos.log
   exit 0
 fi
-# The Vulkan loader and NVIDIA's GL dispatch libraries for vkgdr (gpupool.tcp-landing: vkgdr, its GPU test and
+# The Vulkan loader and NVIDIA's GL dispatch libraries for vkgdr (where pulled copies land when it runs, its GPU test and
 # benchmarks/vkgdr_landing.py), when .gl is carried: the device README's .deb set (libvulkan1 libegl1 libglvnd0
 # libopengl0 libgl1 libglx0 libgles2). With libvulkan1 alone vkCreateInstance failed with
 # VK_ERROR_INCOMPATIBLE_DRIVER (fourteenth session); with the whole set vkgdr opened (fifteenth).

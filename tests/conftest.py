@@ -12,6 +12,7 @@ import pytest
 from dask_gpupool import GPUPool
 from dask_gpupool import testing as T
 from dask_gpupool.memory.topology import local_devices
+from dask_gpupool.tuning import HOST_HANDOFF_THRESHOLD
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -52,14 +53,6 @@ def nanny_cluster(
     (ReduceReplicas may drop it, and a task pinned to the producer would then
     fetch a copy back from the consumer and write into that). A GPU run saw
     this once. Tests of the AMM make its requests themselves.
-
-    ``gpupool.handoff-threshold`` is 0 in these workers: the tests hand over
-    small ``host``-pool buffers to test the handoff itself, which the default
-    (64 KiB on ``host`` pools) would send as copies. Tests of the threshold
-    pass ``handoff_threshold`` to ``GPUPool``, which wins over the config.
-    ``gpupool.peer-gpu-copy`` is false: tests across GPUs check the mapping
-    itself (leases, deaths, forwarding); the copy on arrival has tests of its
-    own that pass ``peer_gpu_copy=True``.
     """
     import dask
     from distributed import Client, Nanny, Scheduler, SpecCluster
@@ -70,13 +63,7 @@ def nanny_cluster(
         for i, options in enumerate(workers)
     }
     scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0", **secured, **scheduler_options}}
-    amm_off = dask.config.set(
-        {
-            "distributed.scheduler.active-memory-manager.start": False,
-            "gpupool.handoff-threshold": 0,
-            "gpupool.peer-gpu-copy": False,
-        }
-    )
+    amm_off = dask.config.set({"distributed.scheduler.active-memory-manager.start": False})
 
     class Cluster(SpecCluster):
         def _update_worker_status(self, op: str, msg: Any) -> None:
@@ -241,9 +228,10 @@ def counters(client: Any, *workers: str) -> dict[str, dict[str, Any]]:
     return client.run(T.handoff_counters, workers=list(workers) or None)
 
 
-def warm_up(client: Any, a: str, b: str, nbytes: int = 4096) -> dict[str, Any]:
+def warm_up(client: Any, a: str, b: str, nbytes: int = HOST_HANDOFF_THRESHOLD) -> dict[str, Any]:
     """One handoff each way of an ``nbytes`` buffer (opens links and mappings that then stay); returns the resource
-    baseline, taken once the warm-up's leases ended and Dask forgot its values."""
+    baseline, taken once the warm-up's leases ended and Dask forgot its values. The default is the smallest
+    ``host``-pool buffer handed over rather than copied."""
     keys = []
     for src, dst in ((a, b), (b, a)):
         x = client.submit(T.make_buffer, nbytes, b"w", workers=[src], pure=False)
@@ -373,7 +361,8 @@ def stalled_producer(c: Any, nbytes: int, stop: float = 3.0) -> None:
     baseline = warm_up(c, a, b)
     z = c.submit(T.make_buffer, nbytes, b"keep me!", workers=[a], pure=False)
     kept = c.submit(T.keep, z, workers=[b], pure=False)
-    xs = [c.submit(T.make_buffer, 4096, b"x", workers=[a], pure=False) for _ in range(300)]
+    # handed over, not copied: host pools copy smaller buffers
+    xs = [c.submit(T.make_buffer, HOST_HANDOFF_THRESHOLD, b"x", workers=[a], pure=False) for _ in range(300)]
     ys = [c.submit(T.keep, x, workers=[b], pure=False) for x in xs]
     c.gather(ys)
     kept.result()

@@ -58,7 +58,8 @@ def test_workloads_runs_every_kind_of_method_and_the_methods_agree(tmp_path):
 
 
 def test_handoff_records_the_steps_of_the_timed_samples(tmp_path):
-    out = _run("handoff.py", ["--sizes", "1KiB,1MiB", "--methods", "gpupool-handoff", "--repeats", "2"], tmp_path)
+    # host pools hand over from 64 KiB (dask_gpupool.tuning.HOST_HANDOFF_THRESHOLD): both sizes are handoffs
+    out = _run("handoff.py", ["--sizes", "64KiB,1MiB", "--methods", "gpupool", "--repeats", "2"], tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "steps: export" in out.stdout
     (run,) = _rows(tmp_path, "handoff")["runs"]

@@ -64,11 +64,7 @@ def test_config_values_and_overrides():
     assert options.max_size == Size(nbytes=2**30)
     assert options.broker_timeout == 0.5
     assert options.device == "GPU-abc"
-    assert options.peer_gpu_copy is False  # off until its GPU tests pass (docs/gpu-checks.md, twelfth session)
-    assert PoolOptions.from_config(peer_gpu_copy="true").peer_gpu_copy is True
     assert options.handoff_ordering == "sync"  # the exporter waits (for the task's event, else its GPU) before sending
-    assert options.device_objects is True  # "cuda"-serialized objects frame by frame to same-host workers
-    assert PoolOptions.from_config(device_objects=False).device_objects is False
     assert options.switch_interval is None  # Python's own thread switch interval is left alone
     assert PoolOptions.from_config(switch_interval="0.5ms").switch_interval == 0.0005
     assert PoolOptions.from_config(switch_interval=0.001).switch_interval == 0.001
@@ -79,35 +75,39 @@ def test_config_values_and_overrides():
     assert PoolOptions.from_config(handoff_ordering="device").handoff_ordering == "device"
     assert options.lease_claims == "reply"  # an importer holds a lease once deserialized; the "OK" tells the exporter
     assert PoolOptions.from_config(lease_claims="broker").lease_claims == "broker"
-    assert options.tcp_landing == "auto"  # vkgdr where it runs (faster on an H100), pinned staging elsewhere
-    assert PoolOptions.from_config(tcp_landing="pinned").tcp_landing == "pinned"
-    assert options.ucx_handoff_threshold == 0
-    assert PoolOptions.from_config(ucx_handoff_threshold="64 MiB").ucx_handoff_threshold == 64 << 20
-    assert options.ucx_staging_threshold == 8 << 10  # smaller pool values go to UCX as they are
-    assert PoolOptions.from_config(ucx_staging_threshold="64 KiB").ucx_staging_threshold == 64 << 10
-    assert options.ucx_host_frame_threshold == 8 << 10  # smaller CuPy arrays go over UCX as one host frame
-    assert PoolOptions.from_config(ucx_host_frame_threshold=0).ucx_host_frame_threshold == 0
-    assert (options.copy_chunk_size, options.copy_stream_threshold, options.copy_streams) == (16 << 20, 4 << 20, 4)
-    assert PoolOptions.from_config(copy_streams="2", copy_chunk_size=0).copy_streams == 2
-    # auto: on device pools 64 KiB to a worker on the same GPU over TCP (paired on one H100) or another (paired on two
-    # H200s); off on host pools
-    assert options.stage_threshold is None
-    assert (options.effective_stage_threshold("device"), options.effective_stage_threshold("host")) == (64 << 10, 0)
-    assert options.effective_stage_threshold("device", same_gpu=True) == 64 << 10
-    assert options.effective_stage_threshold("host", same_gpu=True) == 0
-    assert options.effective_stage_threshold("device", same_gpu=True, over_tcp=False) == 0  # auto over UCX: never
-    set_by_user = PoolOptions.from_config(stage_threshold="1 MiB")
-    assert set_by_user.effective_stage_threshold("device", same_gpu=True) == 1 << 20
-    assert PoolOptions.from_config(stage_threshold="1 MiB").effective_stage_threshold("host") == 1 << 20
-    assert options.handoff_threshold is None  # auto: the crossovers measured on the CPU, one H100 and H200s; pinned: 0
-    assert [options.effective_handoff_threshold(k) for k in ("host", "device", "pinned")] == [64 << 10, 0, 0]
-    assert [options.effective_handoff_threshold(k, same_gpu=True) for k in ("host", "device", "pinned")] == [
-        64 << 10,
-        0,
-        0,
+
+
+def test_the_thresholds_are_measured_constants_not_options():
+    """Staging, handoff, copy-path and UCX sizes are constants of dask_gpupool.tuning, each with its measured reason;
+    the keys that once set them, and the alternatives that went (device-objects off, peer-gpu-copy, tcp-landing),
+    are unknown options."""
+    from dask_gpupool import tuning
+
+    # plain arrays staged into device pools over TCP or TLS from 64 KiB; never over UCX, on host or pinned pools
+    assert [tuning.stage_threshold(k, True) for k in ("device", "host", "pinned")] == [64 << 10, 0, 0]
+    assert tuning.stage_threshold("device", False) == 0
+    # host pool buffers under 64 KiB copied (the CPU crossover); every size handed over on device and pinned pools
+    assert [tuning.handoff_threshold(k) for k in ("host", "device", "pinned")] == [64 << 10, 0, 0]
+    assert (tuning.COPY_CHUNK_SIZE, tuning.COPY_STREAM_THRESHOLD, tuning.COPY_STREAMS) == (16 << 20, 4 << 20, 4)
+    assert tuning.UCX_STAGING_THRESHOLD == tuning.UCX_HOST_FRAME_THRESHOLD == 8 << 10  # UCX 1.21's eager limit
+    gone = [
+        "stage-threshold",
+        "handoff-threshold",
+        "copy-chunk-size",
+        "copy-stream-threshold",
+        "copy-streams",
+        "ucx-staging-threshold",
+        "ucx-host-frame-threshold",
+        "ucx-handoff-threshold",
+        "device-objects",
+        "peer-gpu-copy",
+        "tcp-landing",
     ]
-    assert PoolOptions.from_config(handoff_threshold=0).effective_handoff_threshold("host") == 0
-    assert PoolOptions.from_config(handoff_threshold="1 MiB").effective_handoff_threshold("device") == 1 << 20
+    for key in gone:
+        with dask.config.set({f"gpupool.{key}": 0}), pytest.raises(ConfigError, match=rf"unknown option.*{key}"):
+            PoolOptions.from_config()
+        with pytest.raises(ConfigError, match="unknown option"):
+            PoolOptions.from_overrides(**{key.replace("-", "_"): 0})
 
 
 def test_segments_are_vmm_or_legacy_ipc_memory():
@@ -150,27 +150,14 @@ def test_keys_that_are_no_choice_are_unknown(key):
         ("gpupool.broker-timeout", "soon"),
         ("gpupool.host-id", ""),
         ("gpupool.colour", 1),
-        ("gpupool.ucx-handoff-threshold", "big"),
-        ("gpupool.ucx-staging-threshold", "-1"),
-        ("gpupool.ucx-host-frame-threshold", "-8 KiB"),
-        ("gpupool.copy-chunk-size", "-1 MiB"),
-        ("gpupool.copy-chunk-size", "2 GiB"),  # each lane stages three chunks
-        ("gpupool.copy-stream-threshold", "some"),
-        ("gpupool.stage-threshold", "-4 MiB"),
-        ("gpupool.copy-streams", 0),
-        ("gpupool.copy-streams", 17),
-        ("gpupool.copy-streams", "four"),
-        ("gpupool.peer-gpu-copy", "sometimes"),
         ("gpupool.handoff-ordering", "later"),
         ("gpupool.lease-claims", "later"),
-        ("gpupool.tcp-landing", "host"),
         ("gpupool.segment-memory", "pool"),
         ("gpupool.broker-timeout", ""),  # an empty environment variable
         ("gpupool.lease-timeout", " "),
         ("gpupool.switch-interval", ""),
         ("gpupool.broker-timeout", "1e400"),  # past a float
         ("gpupool.max-size", "1e400"),
-        ("gpupool.stage-threshold", "1e400 B"),
     ],
 )
 def test_bad_config_values_name_the_key(key, value):

@@ -150,45 +150,6 @@ def test_handoff_one_worker_per_gpu():
         _handoff_roundtrip(c, 64 * MiB)
 
 
-def test_a_value_from_another_gpu_is_copied_into_the_consumers_pool_on_arrival():
-    """gpupool.peer-gpu-copy: a pool buffer and a CuPy array made on GPU A's worker reach GPU B's worker
-    as handoffs, are copied device to device into B's own pool once claimed, and their leases end at once while B
-    still holds the values; B reads the bytes A wrote even after A dropped them and scribbled over its pool; nothing
-    went through the comm; resources back to the baseline."""
-    gpus(2)
-    import numpy as np
-
-    plugin = GPUPool(kind="device", max_size="2 GiB", peer_gpu_copy=True)
-    with nanny_cluster(ROTATED, plugin) as c:
-        a, b = worker_addresses(c)
-        baseline = warm_up(c, a, b)
-        before = counters(c)
-        x = c.submit(T.make_buffer, 32 * MiB, b"device bytes from A", workers=[a], pure=False)
-        y = c.submit(T.keep, x, workers=[b], pure=False)
-        arr = c.submit(T.make_array, 1 << 20, workers=[a], pure=False)
-        got = c.submit(T.keep, arr, workers=[b], pure=False)
-        assert c.submit(T.describe, y, workers=[b], pure=False).result()["in_own_pool"]
-        assert c.submit(T.describe, got, workers=[b], pure=False).result() == {
-            "type": "cupy.ndarray",
-            "imported": False,
-            "in_own_pool": True,
-        }
-        wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="the leases to end once B copied the values")
-        del x, arr
-        for _ in range(4):
-            c.submit(T.scribble_all, 16 * MiB, ord("S"), workers=[a], pure=False).result()
-        assert c.submit(T.head, y, 19, workers=[b], pure=False).result() == b"device bytes from A"
-        assert c.submit(T.total, got, workers=[b], pure=False).result() == float(np.arange(1 << 20).sum())
-        now = counters(c)
-        assert now[b]["peer_copied_bytes"] - before[b]["peer_copied_bytes"] == 32 * MiB + 8 * MiB, now[b]
-        assert now[b]["imports"] - before[b]["imports"] == 2
-        assert now[b]["zero_copy_bytes"] == before[b]["zero_copy_bytes"]
-        assert now[b]["copied_bytes"] == before[b]["copied_bytes"]
-        assert now[b]["fallbacks"] == before[b]["fallbacks"], now[b]["fallbacks"]
-        del y, got
-        back_to(c, baseline)
-
-
 def test_concurrent_handoffs_across_gpus_while_the_producer_allocates():
     # The pattern that broke the consumer's context before pools granted peers access
     # themselves: the consumer imports buffer i while the producer's pool grows for i + 1.
@@ -607,13 +568,9 @@ def test_dask_cuda_local_cuda_cluster_hands_over(placement):
     pytest.importorskip("dask_cuda")
     from distributed import Client
 
-    # handoff_threshold 0: the warm-up's 4 KiB handoffs open the links that the baseline counts; peer_gpu_copy off:
-    # this test checks the mapping across GPUs
     plugin = GPUPool(
         kind="device",
         max_size="1 GiB",
-        handoff_threshold=0,
-        peer_gpu_copy=False,
     )
     with dask_cuda_cluster(placement) as cluster, Client(cluster) as c:
         c.register_plugin(plugin)
@@ -670,10 +627,10 @@ def test_dask_cuda_rmm_options_meet_the_plugin_at_its_defaults(rmm_options, plac
 
 
 def test_cupy_arrays_of_an_allocator_installed_before_the_plugin_are_staged_at_defaults():
-    """Issue 18, dask-cuda's RMM set-up: CuPy given RMM's allocator before the plugin starts keeps it; at default
+    """dask-cuda's RMM set-up: CuPy given RMM's allocator before the plugin starts keeps it; at default
     settings an 8 MiB RMM-made CuPy array is copied into the pool on the GPU and handed over (staged-in-pool), as
-    is a 128 KiB one (stage-threshold auto: 64 KiB to a worker on the same GPU), a 32 KiB one goes through the comm
-    (fallback small); the right values either way."""
+    is a 128 KiB one (the stage threshold: 64 KiB over TCP), a 32 KiB one goes through the comm (fallback small);
+    the right values either way."""
     gpus(1)
     pytest.importorskip("rmm")
     import numpy as np
@@ -709,20 +666,17 @@ def test_handoff_pinned_pools():
         _handoff_roundtrip(c, 8 * MiB)
 
 
-@pytest.mark.parametrize("landing", ["pinned", "vkgdr"])
-def test_handoff_copies_across_host_ids_on_gpus(landing):
-    """Other hosts get copies: large ones pulled in chunks, small ones in the frames. The chunks land through pinned
-    staging, or (gpupool.tcp-landing: vkgdr) straight in GPU memory vkgdr maps into the host, then device to device:
-    the same bytes either way, every lane's last chunk short."""
+def test_handoff_copies_across_host_ids_on_gpus():
+    """Other hosts get copies: large ones pulled in 16 MiB chunks, small ones in the frames. The chunks land straight
+    in GPU memory vkgdr maps into the host where vkgdr runs, else through pinned staging, then device to device: the
+    same bytes either way, the last lane short."""
     import numpy as np
 
     gpus(1)
-    config = {"copy-chunk-size": "4 MiB", "tcp-landing": landing}
-    hosts = [{**ONE_GPU, "config": {"gpupool": {"host-id": f"host-{i}", **config}}} for i in range(2)]
+    hosts = [{**ONE_GPU, "config": {"gpupool": {"host-id": f"host-{i}"}}} for i in range(2)]
     with nanny_cluster(hosts, GPUPool(kind="device", max_size="1 GiB")) as c:
         a, b = worker_addresses(c)
-        if landing == "vkgdr" and (why := c.run(T.vkgdr_unavailable, workers=[b])[b]):
-            pytest.skip(f"vkgdr cannot run here: {why}")
+        vkgdr = c.run(T.vkgdr_unavailable, workers=[b])[b] is None
         warm_up(c, a, b)
         # the first pull allocates the process's pinned staging, kept for the next ones
         first = c.submit(T.fill, 8 * MiB, 1, workers=[a], pure=False)
@@ -737,7 +691,7 @@ def test_handoff_copies_across_host_ids_on_gpus(landing):
         y = c.submit(T.keep, x, workers=[b], pure=False)
         assert c.submit(T.describe, y, workers=[b], pure=False).result()["in_own_pool"]
         assert c.submit(T.all_equal, y, 7, workers=[b], pure=False).result()
-        n = 5_000_001  # float64: 9 chunks and a short one
+        n = 5_000_001  # float64: two chunks and a short one
         arr = c.submit(T.make_array, n, "cupy", workers=[a], pure=False)
         assert c.submit(T.total, arr, workers=[b], pure=False).result() == float(np.arange(n).sum())
         small = c.submit(T.fill, MiB, 5, workers=[a], pure=False)
@@ -747,8 +701,8 @@ def test_handoff_copies_across_host_ids_on_gpus(landing):
         assert now[b]["streamed_bytes"] - before[b]["streamed_bytes"] == streamed
         assert now[b]["copied_bytes"] - before[b]["copied_bytes"] == streamed + MiB
         assert now[a]["streamed_out_bytes"] - before[a]["streamed_out_bytes"] == streamed
-        # the chunks went through vkgdr's slots (kept for the next pull), or none were made
-        assert (c.run(T.vkgdr_kept_bytes, workers=[b])[b] > 0) == (landing == "vkgdr")
+        # the chunks went through vkgdr's slots (kept for the next pull) where vkgdr runs, or none were made
+        assert (c.run(T.vkgdr_kept_bytes, workers=[b])[b] > 0) == vkgdr
         del x, y, arr, small
         back_to(c, baseline)
 
@@ -1035,12 +989,10 @@ def ucx_workers(placement: str, hosts: str) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
 def test_on_ucxx_pool_memory_hands_over_or_travels_as_device_frames(placement):
     """Issue 16 on UCXX clusters, on one GPU and across two: values reach the consumer with the right bytes and
-    never as a host copy. Same host: pool arrays from gpupool.ucx-handoff-threshold (here 4 MiB) up go zero-copy
-    (descriptors in UCX's frames), a smaller pool Buffer as device frames staged into memory UCX can send GPU to
-    GPU. Workers that look like two hosts (host-id): all pool memory goes as staged device frames. A plain CuPy
-    array goes as distributed's own device frames (to a same-host peer on another GPU: fallback not-in-pool), or,
-    to a worker on the same GPU, is copied into the pool and handed over (staged-in-pool: gpupool.stage-threshold
-    set to 4 MiB; its auto stages nothing over UCX). All of it counted."""
+    never as a host copy. Same host: pool memory of every size goes zero-copy (descriptors in UCX's frames). Workers
+    that look like two hosts (host-id): all pool memory goes as device frames staged into memory UCX can send GPU to
+    GPU. A plain CuPy array goes as distributed's own device frames, which UCX copies GPU to GPU (to a same-host
+    peer: fallback not-in-pool; nothing is staged into the pool over UCX). All of it counted."""
     gpus(2 if placement == "two-gpus" else 1)
     pytest.importorskip("distributed_ucxx")
     import dask
@@ -1053,8 +1005,6 @@ def test_on_ucxx_pool_memory_hands_over_or_travels_as_device_frames(placement):
             kind="device",
             max_size="1 GiB",
             segment_memory="vmm",  # the staging copy (auto over UCX makes legacy segments, which UCX sends unstaged)
-            ucx_handoff_threshold="4 MiB",
-            stage_threshold="4 MiB",
         )
         with dask.config.set(UCX_CONFIG), nanny_cluster(workers, plugin, protocol="ucxx") as c:
             a, b = worker_addresses(c)
@@ -1071,24 +1021,19 @@ def test_on_ucxx_pool_memory_hands_over_or_travels_as_device_frames(placement):
             print(placement, hosts, "hosts:", {w: {k: v for k, v in got[w].items() if v} for w in (a, b)})
             assert got[a]["copied_out_bytes"] == 0 and got[b]["copied_bytes"] == 0, got  # never a host copy
             pool_bytes = MiB + 8 * MiB + 4 * MiB  # the Buffer, the array, its strided view
-            same_gpu = placement == "one-gpu"
             if hosts == "same":
-                assert got[b]["zero_copy_bytes"] >= 8 * MiB, got  # the array and its view (4 MiB: not below)
-                assert got[a]["device_staged_bytes"] == MiB, got  # the Buffer, below the threshold
-                # the plain array: on the same GPU copied into the pool and handed over (stage-threshold 4 MiB);
-                # to the other GPU distributed's device frames, which UCX copies into the consumer's memory
-                frames = MiB if same_gpu else 9 * MiB
-                assert got[a]["device_frames_out_bytes"] == frames == got[b]["device_frames_bytes"], got
-                assert got[a]["pool_staged_bytes"] == (8 * MiB if same_gpu else 0), got
+                assert got[b]["zero_copy_bytes"] >= MiB + 8 * MiB, got  # the Buffer, the array and its view
+                assert got[a]["device_staged_bytes"] == 0, got
+                # the plain array: distributed's device frames, which UCX copies into the consumer's memory
+                assert got[a]["device_frames_out_bytes"] == 8 * MiB == got[b]["device_frames_bytes"], got
+                assert got[a]["pool_staged_bytes"] == 0, got
             else:
                 assert got[b]["zero_copy_bytes"] == 0, got
                 assert got[a]["device_staged_bytes"] == pool_bytes, got
                 assert got[a]["device_frames_out_bytes"] == pool_bytes + 8 * MiB == got[b]["device_frames_bytes"]
                 assert dask_gpupool.trim(c)[a]["ucx_staging_freed"] > 0  # the staging kept for reuse goes back
-            # the plain CuPy array is staged (same GPU) or a same-host copy on the GPUs, counted with its reason; to
-            # another host neither
-            reason = "staged-in-pool" if same_gpu else "not-in-pool"
-            assert got[a]["fallbacks"] == ({reason: 1} if hosts == "same" else {}), got
+            # the plain CuPy array is a same-host copy on the GPUs, counted with its reason; to another host not
+            assert got[a]["fallbacks"] == ({"not-in-pool": 1} if hosts == "same" else {}), got
             del x, arr, strided, plain
             wait_for(lambda c=c, a=a: counters(c, a)[a]["leases"] == 0, what="the leases to end")
 
@@ -1242,9 +1187,10 @@ def test_a_staging_copy_left_to_the_comm_keeps_its_source_alive_and_lands_right(
 
 @pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
 def test_on_ucxx_pool_memory_below_the_staging_threshold_goes_to_ucx_unstaged(placement):
-    """gpupool.ucx-staging-threshold: to a worker of another "host", a pool Buffer and a pool array (and a strided
-    view of it) below the threshold go as device frames of the pool memory itself (no staging copy), with the right
-    bytes; a value from the threshold up is staged as before. None is a host copy of ours."""
+    """tuning.UCX_STAGING_THRESHOLD (8 KiB): a 4 KiB pool array and a strided view of it, gathered by the client
+    (which reads no host frames, so they go as device frames), go as device frames of the pool memory itself (no
+    staging copy), with the right values; a 2 MiB pool array to a worker of another "host" is staged. None is a
+    host copy of ours."""
     gpus(2 if placement == "two-gpus" else 1)
     pytest.importorskip("distributed_ucxx")
     import dask
@@ -1254,30 +1200,31 @@ def test_on_ucxx_pool_memory_below_the_staging_threshold_goes_to_ucx_unstaged(pl
     layout = ROTATED if placement == "two-gpus" else [ONE_GPU, ONE_GPU]
     workers = [{**w, "protocol": "ucxx", "config": {"gpupool": {"host-id": f"host-{i}"}}} for i, w in enumerate(layout)]
     # VMM segments: staged from the threshold up (auto over UCX makes legacy segments, which UCX sends unstaged)
-    plugin = GPUPool(kind="device", max_size="1 GiB", segment_memory="vmm", ucx_staging_threshold="1 MiB")
+    plugin = GPUPool(kind="device", max_size="1 GiB", segment_memory="vmm")
     with dask.config.set(ucx), nanny_cluster(workers, plugin, protocol="ucxx") as c:
         a, b = worker_addresses(c)
-        x = c.submit(T.make_buffer, 64 << 10, b"unstaged", workers=[a], pure=False)
-        assert c.submit(T.head, x, 8, workers=[b], pure=False).result() == b"unstaged"
-        arr = c.submit(T.make_array, 1 << 13, "cupy", workers=[a], pure=False)  # 64 KiB of float64
-        assert c.submit(T.total, arr, workers=[b], pure=False).result() == float(np.arange(1 << 13).sum())
+        arr = c.submit(T.make_array, 512, "cupy", workers=[a], pure=False)  # 4 KiB of float64
         strided = c.submit(T.every_other, arr, workers=[a], pure=False)
-        assert c.submit(T.total, strided, workers=[b], pure=False).result() == float(np.arange(0, 1 << 13, 2).sum())
+        assert float(arr.result().sum()) == float(np.arange(512).sum())
+        assert float(strided.result().sum()) == float(np.arange(0, 512, 2).sum())
+        got = c.run(T.handoff_counters)
+        assert got[a]["device_staged_bytes"] == 0, got
+        assert got[a]["device_frames_out_bytes"] == 4096 + 2048, got
         big = c.submit(T.make_array, 1 << 18, "cupy", workers=[a], pure=False)  # 2 MiB: staged
         assert c.submit(T.total, big, workers=[b], pure=False).result() == float(np.arange(1 << 18).sum())
         got = c.run(T.handoff_counters)
         print(placement, {w: {k: v for k, v in got[w].items() if v} for w in (a, b)})
-        unstaged = (64 << 10) + (64 << 10) + (32 << 10)
         assert got[a]["device_staged_bytes"] == 2 * MiB, got
-        assert got[a]["device_frames_out_bytes"] == unstaged + 2 * MiB == got[b]["device_frames_bytes"], got
+        assert got[a]["device_frames_out_bytes"] == 4096 + 2048 + 2 * MiB, got
+        assert got[b]["device_frames_bytes"] == 2 * MiB, got
         assert got[a]["copied_out_bytes"] == 0 and got[b]["copied_bytes"] == 0, got
-        del x, arr, strided, big
+        del arr, strided, big
         wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="the leases to end")
 
 
 @pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
 def test_on_ucxx_cupy_arrays_below_the_host_frame_threshold_go_as_one_host_frame(placement):
-    """gpupool.ucx-host-frame-threshold (8 KiB): to a worker of another "host", a 4 KiB pool array, a strided 2 KiB
+    """tuning.UCX_HOST_FRAME_THRESHOLD (8 KiB): to a worker of another "host", a 4 KiB pool array, a strided 2 KiB
     view of it, a 4 KiB plain CuPy array, a 0-d and an empty one, and a 4 KiB pool Buffer (which lands in the
     receiver's pool) go as one host frame each and arrive with the right values; to the client, device frames; an
     8 KiB pool array goes as a staged device frame as before. Host frames are counted on both sides and not as host
@@ -1480,11 +1427,12 @@ def test_on_ucxx_a_cancelled_reply_keeps_its_staging_memory_until_the_consumer_e
     import numpy as np
 
     n = 8 * MiB  # float64: 64 MiB of pool memory
-    # staged device frames to a same-host worker (whose process the producer can watch): below the handoff
-    # threshold, in VMM segments (legacy ones go unstaged)
-    plugin = GPUPool(kind="device", max_size="1 GiB", segment_memory="vmm", ucx_handoff_threshold="1 GiB")
+    # staged device frames to a same-host worker (whose process the producer can watch): B reports a failed
+    # transfer, so A sends it copies (device frames) for lease-timeout, from VMM segments (legacy ones go unstaged)
+    plugin = GPUPool(kind="device", max_size="1 GiB", segment_memory="vmm", lease_timeout="600s")
     with dask.config.set(UCX_CONFIG), nanny_cluster(ucx_workers(placement, "same"), plugin, protocol="ucxx") as c:
         a, b = worker_addresses(c)
+        assert c.run(T.report_failed_transfer, a, workers=[b])[b]
         before = c.run(_staging_blocks, workers=[a])[a]
         x = c.submit(T.make_array, n, "cupy", workers=[a], pure=False)
         x.result()
@@ -1515,7 +1463,7 @@ def test_on_ucxx_a_cancelled_reply_keeps_its_staging_memory_until_the_consumer_e
 
 @pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
 def test_on_ucxx_plain_cupy_arrays_go_unstaged_as_ucx_device_frames_by_default(placement):
-    """gpupool.stage-threshold auto over UCX: a plain CuPy array of 8 MiB to a same-host worker, on the producer's GPU
+    """Nothing is staged over UCX: a plain CuPy array of 8 MiB to a same-host worker, on the producer's GPU
     too, goes as distributed's own device frames, UCX's GPU-to-GPU copy (fallback not-in-pool), not staged into the
     pool, never a host copy; the right values; no lease, nothing left in the pool."""
     gpus(2 if placement == "two-gpus" else 1)
@@ -1552,14 +1500,15 @@ def test_on_ucxx_plain_cupy_arrays_go_unstaged_as_ucx_device_frames_by_default(p
 
 
 @pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
-def test_handoff_threshold_auto_hands_small_pool_arrays_to_same_host_workers(placement):
-    """gpupool.handoff-threshold: auto on device pools: a 16 KiB pool array goes to a worker on the producer's GPU,
-    or on another GPU, as a handoff (zero-copy, no fallback ``small``); the right values, and no lease left after."""
+def test_device_pools_hand_small_pool_arrays_to_same_host_workers(placement):
+    """Device pools hand over every size (tuning.handoff_threshold): a 16 KiB pool array goes to a worker on the
+    producer's GPU, or on another GPU, as a handoff (zero-copy, no fallback ``small``); the right values, and no lease
+    left after."""
     gpus(2 if placement == "two-gpus" else 1)
     import numpy as np
 
     layout = ROTATED if placement == "two-gpus" else [ONE_GPU, ONE_GPU]
-    plugin = GPUPool(kind="device", max_size="1 GiB", handoff_threshold="auto")
+    plugin = GPUPool(kind="device", max_size="1 GiB")
     with nanny_cluster(layout, plugin) as c:
         a, b = worker_addresses(c)
         before = counters(c)
@@ -1610,24 +1559,25 @@ def test_every_pair_of_two_hosts_over_ucxx_hands_over_or_sends_device_frames(pla
 
 
 @pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
-def test_plain_cupy_arrays_are_staged_into_the_pool_when_asked(placement):
-    """gpupool.stage-threshold: a plain CuPy array of 8 MiB goes to a same-host worker over TCP as a device copy into
-    the producer's pool and a handoff (fallback staged-in-pool), never through the host; a 1 MiB one as before."""
+def test_plain_cupy_arrays_are_staged_into_the_pool(placement):
+    """From the stage threshold (64 KiB over TCP) up, a plain CuPy array of 8 MiB goes to a same-host worker over TCP
+    as a device copy into the producer's pool and a handoff (fallback staged-in-pool), never through the host; a
+    32 KiB one through the comm (fallback small)."""
     import numpy as np
 
     gpus(2 if placement == "two-gpus" else 1)
     layout = ROTATED if placement == "two-gpus" else [ONE_GPU, ONE_GPU]
-    plugin = GPUPool(kind="device", max_size="1 GiB", stage_threshold="4 MiB")
+    plugin = GPUPool(kind="device", max_size="1 GiB")
     with nanny_cluster(layout, plugin) as c:
         a, b = worker_addresses(c)
         baseline = warm_up(c, a, b)
         before = counters(c)
         big = c.submit(T.plain_cupy, 1 << 20, workers=[a], pure=False)  # 8 MiB, CuPy's own memory
-        small = c.submit(T.plain_cupy, 1 << 17, workers=[a], pure=False)  # 1 MiB
+        small = c.submit(T.plain_cupy, 1 << 12, workers=[a], pure=False)  # 32 KiB
         got = c.submit(T.keep, big, workers=[b], pure=False)
         assert c.submit(T.total, got, workers=[b], pure=False).result() == float(np.arange(1 << 20).sum())
         assert c.submit(T.describe, got, workers=[b], pure=False).result()["imported"]
-        assert c.submit(T.total, small, workers=[b], pure=False).result() == float(np.arange(1 << 17).sum())
+        assert c.submit(T.total, small, workers=[b], pure=False).result() == float(np.arange(1 << 12).sum())
         now = counters(c)
         assert now[a]["fallbacks"] == {"staged-in-pool": 1, "small": 1}, now[a]
         assert now[a]["pool_staged_bytes"] - before[a]["pool_staged_bytes"] == 8 * MiB
@@ -1639,7 +1589,7 @@ def test_plain_cupy_arrays_are_staged_into_the_pool_when_asked(placement):
 @pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
 def test_replies_of_staged_cupy_arrays_over_tcp_skip_the_offload_thread(placement):
     """Over TCP a reply over Dask's 10 MiB offload size of plain CuPy arrays that the producer's pool stages and hands
-    over (at the default ``stage-threshold``) is serialized on the event loop, as replies of pool memory are; with
+    over (from the stage threshold, 64 KiB) is serialized on the event loop, as replies of pool memory are; with
     more than ``INLINE_MAX_VALUES`` values, or a host value beside them, Dask's thread does it. Values arrive right."""
     import numpy as np
     from distributed import wait
@@ -1653,7 +1603,7 @@ def test_replies_of_staged_cupy_arrays_over_tcp_skip_the_offload_thread(placemen
         n = 12 << 17  # 12 MiB of float64
         plain = c.submit(T.plain_cupy, n, workers=[a], pure=False)
         host = c.submit(np.ones, n, workers=[a], pure=False)
-        # 9 x 5 MiB: staged on either placement (over 4 MiB, the stage threshold to another GPU until 2026-11-24)
+        # 9 x 5 MiB: staged on either placement
         many = [c.submit(T.plain_cupy, 5 << 17, workers=[a], pure=False) for _ in range(9)]
         wait([plain, host, *many])
 
@@ -1673,7 +1623,8 @@ def test_replies_of_staged_cupy_arrays_over_tcp_skip_the_offload_thread(placemen
 
 @pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
 def test_plain_cupy_arrays_of_every_layout_are_staged_with_their_values(placement):
-    """Plain CuPy arrays of every layout (``T.LAYOUTS`` and the whole array), staged at every size: contiguous ones
+    """Plain CuPy arrays of every layout (``T.LAYOUTS`` and the whole array), staged at every size (a stage threshold
+    of 1 byte given to the producer: the layouts are a few KiB, under the default 64 KiB): contiguous ones
     (whole, transposed: Fortran order, 0-d) by one driver copy of their bytes, the others (slices, negative strides,
     broadcasts) through CuPy. B reads the same shape and values, also after A's key is gone and A's pool scribbled
     over; empty arrays are sent as before."""
@@ -1681,9 +1632,10 @@ def test_plain_cupy_arrays_of_every_layout_are_staged_with_their_values(placemen
 
     gpus(2 if placement == "two-gpus" else 1)
     layout = ROTATED if placement == "two-gpus" else [ONE_GPU, ONE_GPU]
-    plugin = GPUPool(kind="device", max_size="1 GiB", stage_threshold=1)
+    plugin = GPUPool(kind="device", max_size="1 GiB")
     with nanny_cluster(layout, plugin) as c:
         a, b = worker_addresses(c)
+        c.run(T.route_sizes, stage=1, workers=[a])
         baseline = warm_up(c, a, b)
         for name in [*sorted(T.LAYOUTS), "whole"]:
             before = counters(c, a)[a]
@@ -1717,7 +1669,7 @@ def test_a_staged_task_result_is_copied_after_its_own_kernel(placement):
 
     gpus(2 if placement == "two-gpus" else 1)
     layout = ROTATED if placement == "two-gpus" else [ONE_GPU, ONE_GPU]
-    plugin = GPUPool(kind="device", max_size="1 GiB", stage_threshold="4 MiB")
+    plugin = GPUPool(kind="device", max_size="1 GiB")
     with nanny_cluster(layout, plugin) as c:
         a, b = worker_addresses(c)
         for i in range(3):
@@ -1739,7 +1691,7 @@ def test_device_objects_go_frame_by_frame_over_tcp(kind, placement):
     """Issue 18, every "cuda"-serialized object: an rmm.DeviceBuffer or a Numba device array of 8 MiB goes to a
     same-host worker over TCP as its device frame staged into the producer's pool and handed over (staged-in-pool),
     a 1 KiB one through the comm (small); the consumer rebuilds the same type with the right bytes, and keeps them
-    after the producer's key is gone and its pool scribbled over. At the defaults (device-objects on); the consumer
+    after the producer's key is gone and its pool scribbled over. At the defaults; the consumer
     on the same GPU, or on the other one (the frame read in place over NVLink or PCIe)."""
     workers = layout_workers(placement)
     pytest.importorskip("numba.cuda" if kind == "numba" else "rmm")
@@ -1776,7 +1728,7 @@ def test_any_cuda_serialized_type_goes_frame_by_frame_and_is_read_only_after_its
     workers = layout_workers(placement)
     if kind == "wants-rmm-frames":
         pytest.importorskip("rmm")
-    plugin = GPUPool(kind="device", max_size="1 GiB", device_objects=True, handoff_ordering=ordering)
+    plugin = GPUPool(kind="device", max_size="1 GiB", handoff_ordering=ordering)
     with nanny_cluster(workers, plugin) as c:
         a, b = worker_addresses(c)
         baseline = warm_up(c, a, b)

@@ -110,7 +110,7 @@ PACKAGE = ROOT / "dask_gpupool"
 #: Lowest first. A module imports (at the top or inside a function) only from its own layer or lower ones.
 LAYERS = [
     ("errors", "core"),
-    ("config",),
+    ("config", "tuning"),
     ("wire",),
     ("memory",),
     ("transport",),

@@ -273,14 +273,12 @@ def stats(client: Client, timeout: float | None = None) -> dict[str, dict[str, A
         comms), ``device_staged_bytes`` (the part of those sent that was pool
         memory staged for UCX), ``host_frames_bytes`` and
         ``host_frames_out_bytes`` (CuPy arrays below
-        ``gpupool.ucx-host-frame-threshold`` received / sent over UCX as a
+        :data:`~dask_gpupool.tuning.UCX_HOST_FRAME_THRESHOLD` received / sent over UCX as a
         host frame), ``receive_pooled_bytes`` and ``receive_pool_misses``
         (device frames received over UCX into the receive pool, in bytes,
         and frames that did not fit under its ceiling:
         :mod:`~dask_gpupool.dask.ucx_receive`), ``pool_staged_bytes`` (arrays outside the
-        pool copied into it before a handoff), ``peer_copied_bytes`` (values
-        from another GPU copied into this worker's pool on arrival, device to
-        device: ``gpupool.peer-gpu-copy``), ``fallbacks`` (same-host transfers that were
+        pool copied into it before a handoff), ``fallbacks`` (same-host transfers that were
         copied, by reason), ``timings`` (where a handoff's time went, by step:
         ``{step: {"count", "total_s", "max_s", "hist"}}``, the histogram for
         :func:`~dask_gpupool.handoff.stats.quantile_s`; see

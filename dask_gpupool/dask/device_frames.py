@@ -1,18 +1,17 @@
 """Serializers of distributed's ``"cuda"`` family: what comms that carry device frames (UCX) get.
 
 Pool memory asked for by a same-host worker that can map it goes as an IPC
-descriptor, as over TCP (from ``gpupool.ucx-handoff-threshold`` up). Otherwise
+descriptor, as over TCP, at every size. Otherwise
 device frames that the comm moves GPU to GPU: pool memory is first copied
 into memory UCX can export (:mod:`dask_gpupool.memory.ucx_staging`), except
-below ``gpupool.ucx-staging-threshold``, where it goes as it is for UCX's own
+below :data:`~dask_gpupool.tuning.UCX_STAGING_THRESHOLD`, where it goes as it is for UCX's own
 small-message protocol. The staging copy is not waited for when the comm is
 distributed-ucxx's, which synchronizes the GPU before it sends device frames
 (the staging memory keeps the pool memory alive meanwhile). Other CuPy arrays
-go as distributed's own frames, or, to a worker on the same GPU, are copied
-into the pool and handed over, as over TCP (``gpupool.stage-threshold``).
+go as distributed's own frames, which UCX copies GPU to GPU.
 
 The one exception to "device frames": a CuPy array (pool memory or not) or a
-pool Buffer under ``gpupool.ucx-host-frame-threshold`` (8 KiB) that is not
+pool Buffer under :data:`~dask_gpupool.tuning.UCX_HOST_FRAME_THRESHOLD` (8 KiB) that is not
 handed over goes to a worker running the plugin as one host frame, which is
 how UCX's eager protocol moves device memory that small anyway, minus the
 comm's GPU synchronizes and the receiver's ``cudaMalloc``. A Buffer lands in
@@ -38,7 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 from cuda.core import Buffer
 
-from dask_gpupool.dask.plain_arrays import stage, warn_once
+from dask_gpupool import tuning
+from dask_gpupool.dask.plain_arrays import warn_once
 from dask_gpupool.dask.serializers import KEY, data_lost, deserialize_buffer, hand_over, loads_array
 from dask_gpupool.dask.views import VIEWS, c_strides, device_of, viewed_buffer
 from dask_gpupool.dask.worker_internals import REQUEST, SYNCHRONIZED_DEVICE, SYNCHRONIZING_SCHEMES, clear_tracebacks
@@ -57,7 +57,7 @@ __all__ = ["cuda_dumps_cupy", "cuda_loads_cupy", "register"]
 
 logger = logging.getLogger(__name__)
 
-#: Header key of a CuPy array sent as one host frame (``gpupool.ucx-host-frame-threshold``).
+#: Header key of a CuPy array sent as one host frame (:data:`~dask_gpupool.tuning.UCX_HOST_FRAME_THRESHOLD`).
 HOST_FRAME_KEY = "gpupool-host-frame"
 
 
@@ -89,12 +89,10 @@ def _hand_over_on_device_comm(
 
     ``value``: what Dask serializes (an array over ``buf``), for its task's event (:func:`hand_over`).
 
-    Not below ``gpupool.ucx-handoff-threshold`` bytes (``nbytes``, the value's
-    size): UCX moves small device frames faster than a handoff. Counts the
-    fallback reason when a same-host peer could not have it zero-copy.
+    At every size. Counts the fallback reason when a same-host peer could not have it zero-copy.
     """
     request = REQUEST.get()
-    if request is None or nbytes < request.service.options.ucx_handoff_threshold:
+    if request is None:
         return None
     header = hand_over(request, holder, buf, meta, value)
     return None if header is None else {KEY: header.to_msg()}
@@ -107,13 +105,14 @@ def _service(reply: bool = True) -> PoolService | None:
 
 
 def _unstaged(nbytes: int, buf: Any) -> bool:
-    """Whether pool memory of ``nbytes`` in ``buf`` goes to UCX as it is: below ``gpupool.ucx-staging-threshold``,
-    or at any size when ``buf`` is in this worker's own segments of legacy IPC memory, which UCX's ``cuda_ipc``
-    exports itself (``gpupool.segment-memory: legacy``; memory imported from a peer cannot be exported again)."""
+    """Whether pool memory of ``nbytes`` in ``buf`` goes to UCX as it is: below
+    :data:`~dask_gpupool.tuning.UCX_STAGING_THRESHOLD`, or at any size when ``buf`` is in this worker's own segments
+    of legacy IPC memory, which UCX's ``cuda_ipc`` exports itself (``gpupool.segment-memory: legacy``; memory
+    imported from a peer cannot be exported again)."""
     service = _service()
     if service is None:
         return False
-    if nbytes < service.options.ucx_staging_threshold:
+    if nbytes < tuning.UCX_STAGING_THRESHOLD:
         return True
     return service.pool.segment_memory == "legacy" and service.pool.owns(buf)
 
@@ -178,7 +177,7 @@ def _cuda_serialize_pool_buffer(buf: Buffer) -> tuple[dict[str, Any], list[Any]]
     Otherwise one device frame, copied first into memory UCX can send GPU to
     GPU (:class:`~dask_gpupool.memory.ucx_staging.UcxStaging`; counted in ``device_frames_out_bytes`` and
     ``device_staged_bytes``), never a host copy; except under
-    ``gpupool.ucx-host-frame-threshold`` to a worker running the plugin,
+    :data:`~dask_gpupool.tuning.UCX_HOST_FRAME_THRESHOLD` to a worker running the plugin,
     where it goes as one host frame (UCX's eager protocol would bounce it
     through the host too) and lands in the receiver's pool. Host memory,
     and empty buffers, go on to the ``"dask"`` family (a host frame).
@@ -267,24 +266,17 @@ def cuda_dumps_cupy(x: Any, previous: Any) -> tuple[dict[str, Any], list[Any]]:
 
 
 def _dumps_cupy(x: Any, previous: Any) -> tuple[dict[str, Any], list[Any]]:
-    """A CuPy array for a comm that carries device frames: handed over, staged or distributed's own frames.
+    """A CuPy array for a comm that carries device frames: handed over, or distributed's own frames.
 
     An array over pool memory (this worker's, or one it imported) goes to a
     same-host worker that can map it as an IPC descriptor; otherwise it is
     copied into :class:`~dask_gpupool.memory.ucx_staging.UcxStaging` memory (C order) and sent as distributed's
-    device frames from there. Any other array is copied into the pool and
-    handed over when a worker on this GPU asks, from ``gpupool.stage-threshold``
-    up (:func:`~dask_gpupool.dask.plain_arrays.stage`, fallback
-    ``staged-in-pool``); else it is distributed's serializer untouched, only
-    counted.
+    device frames from there. Any other array goes as distributed's serializer makes it (UCX copies it GPU to
+    GPU), only counted; small ones as one host frame (:func:`_host_frame`).
     """
     buf = viewed_buffer(x, int(x.data.ptr)) if VIEWS else None
     if buf is None:
         request = REQUEST.get()
-        if request is not None:  # to a worker on this GPU, from gpupool.stage-threshold up
-            staged_in_pool = stage(request, x, "cupy")
-            if staged_in_pool is not None:
-                return staged_in_pool
         small = _host_frame(x)
         if small is not None:
             header, frames = small
@@ -373,15 +365,15 @@ def _staging_failed(e: Exception) -> None:
 
 def _host_frame_reply(nbytes: int) -> PoolService | None:
     """The service of the ``get_data`` reply being serialized, when a value of ``nbytes`` goes in it as one host
-    frame: the reply is over UCX, the value is under ``gpupool.ucx-host-frame-threshold``, and the requester is a
-    worker that runs the plugin (it has a registry row; only its deserializer reads the frame, so a client or the
-    scheduler gets device frames). Else ``None``.
+    frame: the reply is over UCX, the value is under :data:`~dask_gpupool.tuning.UCX_HOST_FRAME_THRESHOLD`, and the
+    requester is a worker that runs the plugin (it has a registry row; only its deserializer reads the frame, so a
+    client or the scheduler gets device frames). Else ``None``.
 
     UCX 1.21 sends device memory under 8 KiB eagerly through host bounce
     buffers itself, so below that the bytes take the same way; done by the
     plugin, the reply has no device frame, so distributed-ucxx synchronizes
     the GPU on neither side, and the receiver allocates nothing with
-    ``cudaMalloc`` (:data:`~dask_gpupool.config.UCX_HOST_FRAME_THRESHOLD` has
+    ``cudaMalloc`` (:data:`~dask_gpupool.tuning.UCX_HOST_FRAME_THRESHOLD` has
     the figures). Under ``gpupool.handoff-ordering: device`` the whole GPU is
     synchronized here first, as distributed-ucxx does before device frames;
     otherwise the copy to the host is ordered after the work queued on the
@@ -391,7 +383,7 @@ def _host_frame_reply(nbytes: int) -> PoolService | None:
     if request is None or request.scheme not in SYNCHRONIZING_SCHEMES:
         return None
     service = request.service
-    if nbytes >= service.options.ucx_host_frame_threshold:
+    if nbytes >= tuning.UCX_HOST_FRAME_THRESHOLD:
         return None
     if request.requester is None or service.registry.worker_row(request.requester) is None:
         return None  # a client, the scheduler, a worker without the plugin: no deserializer for the host frame

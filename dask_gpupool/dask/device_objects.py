@@ -4,13 +4,13 @@ distributed knows how to split an ``rmm.DeviceBuffer``, a Numba device
 array, a cuDF object or any type with a ``cuda_serialize`` registration into
 a header and device frames, but over TCP or TLS it sends them with its
 ``"dask"`` serializer: device → host → comm → host → device. For a same-host
-worker asking over TCP or TLS (and ``gpupool.device-objects`` on), the
+worker asking over TCP or TLS, the
 worker's ``get_data`` hook puts this module's serialization family,
 :data:`FAMILY`, in front of Dask's (:func:`serializers_for`). It serializes
 a value with distributed's own ``cuda_serialize`` and sends **each device
 frame as a CuPy array through this package's CuPy serializer**: a frame in
-this worker's pool is handed over in place; one outside it, from
-``gpupool.stage-threshold`` bytes up, is copied into the pool on the GPU and
+this worker's pool is handed over in place; one outside it, from the stage
+threshold up (:func:`dask_gpupool.tuning.stage_threshold`), is copied into the pool on the GPU and
 handed over (fallback ``staged-in-pool``); a smaller one goes through the
 comm (fallback ``small``). Host frames (an object may mix both) go as they
 are. The consumer turns each frame back into device memory (the imported
@@ -99,7 +99,7 @@ def serializers_for(request: Request) -> list[str] | None:
 
     That is a same-host worker that could map this worker's ``device`` pool
     (the reason a plain value would be a same-host copy is ``not-in-pool``),
-    asking over TCP or TLS, with ``gpupool.device-objects`` on. ``None``
+    asking over TCP or TLS. ``None``
     leaves Dask's default (``"dask"``, then ``"pickle"``).
     """
     if not _wanted(request):
@@ -111,7 +111,6 @@ def _wanted(request: Request | None) -> bool:
     """Whether this reply goes to a same-host worker that can map device frames: both pools are ``device`` pools."""
     if not (
         request is not None
-        and request.service.options.device_objects
         and request.plain_reason == "not-in-pool"
         and request.scheme in TCP_SCHEMES
         and request.service.pool.kind == "device"

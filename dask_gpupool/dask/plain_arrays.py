@@ -1,10 +1,11 @@
 """Arrays outside every pool in a ``get_data`` reply: staged into the pool and handed over, or counted copies.
 
 A NumPy or CuPy array that a task made with its library's own allocator (or
-RMM's) is not pool memory. Asked for by a same-host worker over TCP or TLS
-(over UCX: one on the same GPU), one of ``gpupool.stage-threshold`` bytes or more is copied into this
+RMM's) is not pool memory. Asked for by a same-host worker over TCP or TLS,
+one of the stage threshold or more (:meth:`Routes.stage_threshold
+<dask_gpupool.handoff.routes.Routes.stage_threshold>`) is copied into this
 worker's pool here (device to device for CuPy on a ``device`` pool, a memcpy
-for NumPy on a ``host`` pool) and handed over under the requester's lease
+for NumPy on a ``host`` pool where a test gives one a threshold) and handed over under the requester's lease
 (fallback ``staged-in-pool``, ``pool_staged_bytes``): :func:`stage`. Every
 other such array goes through distributed's own serializer and is counted
 (:func:`plain`: ``copied_out_bytes`` and, to a same-host worker, the fallback
@@ -70,11 +71,12 @@ def plain(arr: Any, module: str, previous: Any, context: Any) -> tuple[dict[str,
 
 
 def stage(request: Request, arr: Any, module: str) -> tuple[dict[str, Any], list[Any]] | None:
-    """Copy ``arr`` into this worker's pool and hand the copy over, when a same-host worker asked over TCP
-    (over UCX: a worker on the same GPU; :meth:`Routes.stage_route <dask_gpupool.handoff.routes.Routes.stage_route>`).
+    """Copy ``arr`` into this worker's pool and hand the copy over, when a same-host worker asked over TCP or TLS
+    (:meth:`Routes.stage_route <dask_gpupool.handoff.routes.Routes.stage_route>`).
 
-    From ``gpupool.stage-threshold`` bytes up, NumPy arrays on ``host`` pools
-    and CuPy arrays on ``device`` pools: a memcpy or a device-to-device copy
+    From the stage threshold up, CuPy arrays on ``device`` pools (and NumPy
+    arrays on ``host`` pools, which stage only where a test or benchmark gives
+    a threshold: :func:`dask_gpupool.tuning.stage_threshold`): a memcpy or a device-to-device copy
     here replaces the host copy, the comm's bytes and the receiver's copy.
     The lease keeps the staged copy alive until the receiver lets go.
     A C- or Fortran-contiguous CuPy array is copied with one ``cuMemcpyAsync``

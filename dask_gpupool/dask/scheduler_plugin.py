@@ -83,32 +83,6 @@ class GPUPool(SchedulerPlugin):
         What the segments of ``device`` pools are made of (``gpupool.segment-memory``): ``vmm`` and
         ``legacy`` memory stay readable by peers after their owner died;
         ``legacy`` (``cuMemAlloc``) also goes over UCX without a staging copy.
-    ucx_handoff_threshold : int or str, optional
-        Smallest value handed over zero-copy on UCX comms (``gpupool.ucx-handoff-threshold``).
-    ucx_staging_threshold : int or str, optional
-        Smallest pool value staged before it goes to UCX as a device frame
-        (``gpupool.ucx-staging-threshold``).
-    ucx_host_frame_threshold : int or str, optional
-        CuPy arrays and pool Buffers below this size in a reply over UCX go as one host frame
-        (``gpupool.ucx-host-frame-threshold``).
-    copy_chunk_size, copy_stream_threshold : int or str, optional
-        The pipelined copy path's chunk, and the smallest copy it carries
-        (``gpupool.copy-chunk-size``, ``gpupool.copy-stream-threshold``).
-    copy_streams : int, optional
-        Connections one copy is pulled over (``gpupool.copy-streams``).
-    stage_threshold : int or str, optional
-        Smallest array outside the pool copied into it and handed over to a
-        same-host worker (``gpupool.stage-threshold``; 0: never).
-    handoff_threshold : int or str, optional
-        Smallest pool buffer handed over to a same-host worker over TCP;
-        smaller ones are copied (``gpupool.handoff-threshold``; 0: none).
-    device_objects : bool, optional
-        Send every object with a ``"cuda"`` serializer (``rmm.DeviceBuffer``,
-        Numba and cuDF objects) frame by frame through the pool
-        (``gpupool.device-objects``).
-    peer_gpu_copy : bool, optional
-        Copy a value handed over from another GPU into this worker's pool on
-        arrival, device to device (``gpupool.peer-gpu-copy``).
     handoff_ordering : {"sync", "event", "device"}, optional
         Wait for the task's event (else the GPU) before a descriptor goes out,
         wait for it before acknowledging the consumer's claim, or synchronize
@@ -116,9 +90,6 @@ class GPUPool(SchedulerPlugin):
     lease_claims : {"reply", "broker"}, optional
         Hold a lease once the descriptor is deserialized, or claim it over the
         exporter's broker first (``gpupool.lease-claims``).
-    tcp_landing : {"auto", "pinned", "vkgdr"}, optional
-        Where values pulled from another host over TCP land before the pool
-        (``gpupool.tcp-landing``).
     switch_interval : str or float, optional
         The workers' Python thread switch interval while the plugin runs
         (``gpupool.switch-interval``).
@@ -202,19 +173,8 @@ class GPUPool(SchedulerPlugin):
         broker_timeout: str | float | None = None,
         lease_timeout: str | float | None = None,
         segment_memory: str | None = None,
-        ucx_handoff_threshold: int | str | None = None,
-        ucx_staging_threshold: int | str | None = None,
-        ucx_host_frame_threshold: int | str | None = None,
-        copy_chunk_size: int | str | None = None,
-        copy_stream_threshold: int | str | None = None,
-        copy_streams: int | None = None,
-        stage_threshold: int | str | None = None,
-        handoff_threshold: int | str | None = None,
-        device_objects: bool | None = None,
-        peer_gpu_copy: bool | None = None,
         handoff_ordering: str | None = None,
         lease_claims: str | None = None,
-        tcp_landing: str | None = None,
         switch_interval: str | float | None = None,
     ) -> None:
         self.overrides = {
@@ -228,19 +188,8 @@ class GPUPool(SchedulerPlugin):
                 broker_timeout=broker_timeout,
                 lease_timeout=lease_timeout,
                 segment_memory=segment_memory,
-                ucx_handoff_threshold=ucx_handoff_threshold,
-                ucx_staging_threshold=ucx_staging_threshold,
-                ucx_host_frame_threshold=ucx_host_frame_threshold,
-                copy_chunk_size=copy_chunk_size,
-                copy_stream_threshold=copy_stream_threshold,
-                copy_streams=copy_streams,
-                stage_threshold=stage_threshold,
-                handoff_threshold=handoff_threshold,
-                device_objects=device_objects,
-                peer_gpu_copy=peer_gpu_copy,
                 handoff_ordering=handoff_ordering,
                 lease_claims=lease_claims,
-                tcp_landing=tcp_landing,
                 switch_interval=switch_interval,
             ).items()
             if v is not None

@@ -13,7 +13,7 @@ memory lies in this worker's pool, and the requester can reach it (see
 the scheduler relaying one, spilling to disk, the same process -
 gets a host copy in the frames, which a receiving worker lands in its own
 pool so that it can be handed on again. Copies to a worker over ``tcp`` from
-``gpupool.copy-stream-threshold`` up are not put in the frames: the receiver
+:data:`~dask_gpupool.tuning.COPY_STREAM_THRESHOLD` up are not put in the frames: the receiver
 pulls them from the sender's copy server, chunked and pipelined
 (:mod:`dask_gpupool.transport.stream`).
 

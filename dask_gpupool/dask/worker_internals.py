@@ -137,7 +137,7 @@ class Request:
     def count_plain_fallback(self, nbytes: int) -> None:
         """Count a value of ``nbytes`` outside every pool sent in this reply as a same-host fallback, if it is one.
 
-        Over TCP or TLS, one below an active ``gpupool.stage-threshold`` is counted ``small`` rather than
+        Over TCP or TLS, one below the pool's stage threshold (if it stages) is counted ``small`` rather than
         ``not-in-pool``: the comm is its best path (a small NumPy array on a ``device`` pool too, which is never
         staged). An empty value copies nothing and is not counted.
         """
@@ -392,27 +392,24 @@ def _inline_reply(worker: Worker, service: PoolService, keys: Any, who: str | No
     (over UCX) device memory that goes as descriptors or device frames (:func:`_all_device_frames`)."""
     if not _offloaded(worker, keys):
         return False
-    if scheme in SYNCHRONIZING_SCHEMES and _all_device_frames(worker, service, keys, who, scheme):
+    if scheme in SYNCHRONIZING_SCHEMES and _all_device_frames(worker, keys):
         return True
     return _all_handed_over(worker, service, keys, who, scheme)
 
 
-def _all_device_frames(worker: Worker, service: PoolService, keys: Any, who: str | None, scheme: str) -> bool:
+def _all_device_frames(worker: Worker, keys: Any) -> bool:
     """Whether every key is in memory (not spilled) and device memory whose serializing for a UCX comm only
     enqueues GPU work: at most :data:`INLINE_MAX_VALUES` values, each device pool memory (this worker's or
     imported) or a CuPy array, with at most :data:`INLINE_STAGING_LIMIT` bytes of pool memory.
 
     Over a UCX comm such a value goes as an IPC descriptor or as device frames: pool memory staged by a copy that
     the comm's own synchronize waits for (no wait here), a CuPy array as distributed's frames (a contiguous copy
-    at most, enqueued). That is cheaper than the hop to Dask's offload thread (about 0.5 ms). Not where plain
-    arrays are staged into the pool (``gpupool.stage-threshold`` set for this requester): that export waits for
-    its copy.
+    at most, enqueued). That is cheaper than the hop to Dask's offload thread (about 0.5 ms).
     """
     values = _values_in_memory(worker, keys) if keys and len(keys) <= INLINE_MAX_VALUES else None
     if values is None:
         return False
     pool_bytes = 0
-    plain_staged = None
     for value in values:
         buf = pool_buffer_of(value)
         if buf is not None:
@@ -423,10 +420,6 @@ def _all_device_frames(worker: Worker, service: PoolService, keys: Any, who: str
                 return False
             continue
         if type(value).__module__.split(".", 1)[0] != "cupy" or not hasattr(value, "__cuda_array_interface__"):
-            return False
-        if plain_staged is None:
-            plain_staged = service.stage_threshold(who, scheme) > 0
-        if plain_staged:
             return False
     return True
 

@@ -38,6 +38,7 @@ from distributed import WorkerPlugin
 from distributed.core import Status
 from tornado.ioloop import PeriodicCallback
 
+from dask_gpupool import tuning
 from dask_gpupool.config import PoolOptions
 from dask_gpupool.core import (
     JOINED_OP,
@@ -185,10 +186,10 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         worker.stream_handlers[MEMBERSHIP_OP] = self._on_membership
         gpu_pool = service.pool.kind in ("device", "pinned")
         has_cupy = importlib.util.find_spec("cupy") is not None
-        # Requests come over the comm this worker listens on. The lowest threshold of any requester (a worker on
-        # this GPU's): smaller results always go through the comm. Over UCX `auto` stages nothing, so no events.
-        stage_threshold = options.effective_stage_threshold(service.pool.kind, same_gpu=True, over_tcp=over_tcp)
-        service.routing["staging"] = _staging_line(service.pool.kind, has_cupy, stage_threshold, over_tcp)
+        # Requests come over the comm this worker listens on: smaller results always go through it. Over UCX
+        # nothing is staged, so no events for that reason.
+        stage_threshold = tuning.stage_threshold(service.pool.kind, over_tcp)
+        service.routing["staging"] = _staging_line(service.pool.kind, has_cupy, over_tcp)
         if service.pool.kind == "device" and has_cupy:
             # results large enough to be staged, and pool memory (exported after its task's event only)
             self._task_events = TaskEvents(
@@ -457,20 +458,17 @@ def _segment_memory_line(options: PoolOptions, kind: str, made_of: str, over_ucx
     return f"vmm (auto): {why}"
 
 
-def _staging_line(kind: str, has_cupy: bool, threshold: int, over_tcp: bool) -> str:
-    """``stats()["routing"]["staging"]``: whether plain CuPy results are staged into the pool, and why (not)."""
+def _staging_line(kind: str, has_cupy: bool, over_tcp: bool) -> str:
+    """``stats()["routing"]["staging"]``: whether plain CuPy results are staged into the pool, and why (not)
+    (:func:`dask_gpupool.tuning.stage_threshold`)."""
     if kind != "device":
         return f"off: a {kind} pool stages no CuPy results"
     if not has_cupy:
         return "off: CuPy is not installed"
+    threshold = tuning.stage_threshold(kind, over_tcp)
     if not threshold:
-        if not over_tcp:
-            return "off: over UCX, UCX copies plain CuPy arrays GPU to GPU (gpupool.stage-threshold: auto)"
-        return "off: gpupool.stage-threshold is 0"
-    return (
-        f"on: plain CuPy results of {format_bytes(threshold)} or more are staged into the pool for same-host workers"
-        " (the threshold of a worker on this GPU)"
-    )
+        return "off: over UCX, UCX copies plain CuPy arrays GPU to GPU"
+    return f"on: plain CuPy results of {format_bytes(threshold)} or more are staged into the pool for same-host workers"
 
 
 def _default_stream_recorder(device: int | None) -> Callable[[], Any]:

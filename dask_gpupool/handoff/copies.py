@@ -188,7 +188,7 @@ class Copies:
         leases, token = [header.lease, *header.lanes], self.links.token
 
         def copy() -> None:
-            pull(header.address, record.pool, leases, token, buf, self.options.broker_timeout, self.options.tcp_landing)
+            pull(header.address, record.pool, leases, token, buf, self.options.broker_timeout)
             self.handoffs.add(copied_bytes=header.nbytes, streamed_bytes=header.nbytes)
 
         fill_later(copy, buf.close)  # a lease not pulled ends at the exporter (at its timeout or the hang-up)

@@ -18,6 +18,7 @@ from typing import Any
 
 from cuda.core import Buffer
 
+from dask_gpupool import tuning
 from dask_gpupool.config import PoolOptions
 from dask_gpupool.handoff.exporter import Exported
 from dask_gpupool.handoff.leases import LeaseTable
@@ -265,7 +266,7 @@ class Exports:
         assert self.copier is not None
         if buf.is_device_accessible:
             current_gpu(int(buf.device_id) if int(buf.device_id) >= 0 else (self.pool.device or 0)).sync()
-        parts = lanes(nbytes, self.options.copy_chunk_size, self.options.copy_streams)
+        parts = lanes(nbytes, tuning.COPY_CHUNK_SIZE, tuning.COPY_STREAMS)
         leases = [self.leases.grant(Staged(holder, buf, offset + off, n), n, row.worker) for off, n in parts]
         self.handoffs.add(copied_out_bytes=nbytes, streamed_out_bytes=nbytes)
         return HandoffHeader(

@@ -30,7 +30,7 @@ from dask_gpupool.errors import (
     UnknownPoolError,
 )
 from dask_gpupool.handoff.copies import Copies
-from dask_gpupool.handoff.deferred import SENDER, claim_later, fill_later
+from dask_gpupool.handoff.deferred import SENDER, claim_later
 from dask_gpupool.handoff.imported import ImportedMemoryResource, Origin
 from dask_gpupool.handoff.links import ExporterLinks
 from dask_gpupool.handoff.mapped_pool import IMPORT_LOCK, MappedPool
@@ -97,7 +97,6 @@ class Importer:
     links: ExporterLinks
     copies: Copies
     closed: bool
-    _peer_copy_failed: bool
 
     def __init__(
         self,
@@ -120,7 +119,6 @@ class Importer:
         self.links = ExporterLinks(options, pool, worker, self.releaser)
         self.copies = Copies(options, pool, worker, registry, handoffs, self.links, self.releaser)
         self.closed = False
-        self._peer_copy_failed = False
 
     @property
     def token(self) -> bytes | None:
@@ -326,9 +324,6 @@ class Importer:
                 abandon,
                 lambda: self.link(record).transfer_failed(),  # the live link: the claim may have reopened it
             )
-        local = self._copy_from_other_gpu(buf, record, desc.size)
-        if local is not None:
-            return local
         self.handoffs.add(imports=1, zero_copy_bytes=desc.size)
         logger.debug(
             "lease %d of %s: mapped %d bytes at %#x (GPU %s)",
@@ -339,67 +334,6 @@ class Importer:
             mapped.device,
         )
         return buf
-
-    def _copy_from_other_gpu(self, buf: Buffer, record: PoolRecord, nbytes: int) -> Buffer | None:
-        """``gpupool.peer-gpu-copy``: a buffer mapped from another GPU, copied into this worker's pool once claimed.
-
-        Returns the landing buffer (owned by the caller), or ``None`` where
-        the value is read in place: the option is off, the memory is on this
-        worker's GPU (or not device memory), the value is empty, or this pool has no room. The
-        copy is queued on this GPU's default stream after the claim
-        (:func:`~dask_gpupool.handoff.deferred.fill_later`), then ``buf`` is
-        closed: its lease release waits for that stream's work, the copy
-        included, so the exporter reuses the memory only once it is read.
-        Kernels on blocking streams (CuPy's default) run after the copy.
-
-        The copy runs in whatever thread runs the fill (a worker's comm read
-        runs them off the event loop), so it makes this GPU current there
-        first. A copy that fails is raised (the transfer fails, and Dask asks
-        again) and turns the copies off in this process, logged once: the
-        next transfer maps the value instead of failing the same way.
-        """
-        pool = self.pool
-        if not (
-            self.options.peer_gpu_copy
-            and nbytes > 0
-            and not self._peer_copy_failed
-            and pool.kind == "device"
-            and record.kind == "device"
-            and record.device not in (None, pool.device_uuid)
-        ):
-            return None
-        try:
-            local = pool.allocate(nbytes)
-        except Exception as e:  # full, closing, or a CUDA error: the value is read where it is
-            logger.info("pool %s: %s; a value from %s is read on its GPU, not copied", pool.uuid, e, record.worker)
-            return None
-
-        def run() -> None:
-            try:
-                stream = current_gpu(pool.device).default_stream  # this thread's context: the fill's thread
-                local.copy_from(buf, stream=stream)
-                # Finished before the value is delivered: a task on a non-blocking stream would not wait for it
-                # (one reading in place needed nothing but the claim). The fill runs off the event loop.
-                stream.sync()
-            except Exception:
-                self._peer_copy_failed = True
-                logger.exception(
-                    "pool %s: copying a value from %s's GPU failed; values from other GPUs are read where they "
-                    "are from now on in this worker (gpupool.peer-gpu-copy)",
-                    pool.uuid,
-                    record.worker,
-                )
-                raise
-            buf.close()  # the lease ends once the stream has run the copy (the releaser waits for it)
-            self.handoffs.add(peer_copied_bytes=nbytes)
-
-        def abandon() -> None:
-            local.close()
-            buf.close()
-
-        fill_later(run, abandon)
-        self.handoffs.add(imports=1)
-        return local
 
     # -- copies (handoff/copies.py) ----------------------------------------------------
 

@@ -14,8 +14,10 @@ last transfer failed get copies for ``lease-timeout`` seconds
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from dask_gpupool import tuning
 from dask_gpupool.config import PoolOptions
 from dask_gpupool.handoff.imported import Origin
 from dask_gpupool.handoff.registry import RegistryView
@@ -48,6 +50,11 @@ class Routes:
         The worker's counters (:meth:`plan` counts fallbacks).
     copier : CopyServer or None
         This worker's copy server (``None``: the pipelined copy path is off).
+    stage_threshold_of, handoff_threshold_of, stream_threshold
+        What values are held against: by default :func:`dask_gpupool.tuning.stage_threshold` (of a pool kind,
+        over TCP or TLS or not), :func:`dask_gpupool.tuning.handoff_threshold` (of a pool kind) and
+        :data:`dask_gpupool.tuning.COPY_STREAM_THRESHOLD`. Tests and benchmarks give others, to take a path at
+        sizes the defaults route elsewhere (:func:`dask_gpupool.testing.faults.route_sizes`).
 
     Attributes
     ----------
@@ -63,6 +70,9 @@ class Routes:
     registry: RegistryView
     handoffs: HandoffStats
     copier: CopyServer | None
+    stage_threshold_of: Callable[[str, bool], int]
+    handoff_threshold_of: Callable[[str], int]
+    stream_threshold: int
     closed: bool
     _unreachable: dict[str, float]
 
@@ -74,6 +84,9 @@ class Routes:
         registry: RegistryView,
         handoffs: HandoffStats,
         copier: CopyServer | None,
+        stage_threshold_of: Callable[[str, bool], int] = tuning.stage_threshold,
+        handoff_threshold_of: Callable[[str], int] = tuning.handoff_threshold,
+        stream_threshold: int = tuning.COPY_STREAM_THRESHOLD,
     ) -> None:
         self.options = options
         self.pool = pool
@@ -81,6 +94,9 @@ class Routes:
         self.registry = registry
         self.handoffs = handoffs
         self.copier = copier
+        self.stage_threshold_of = stage_threshold_of
+        self.handoff_threshold_of = handoff_threshold_of
+        self.stream_threshold = stream_threshold
         self.closed = False
         self._unreachable = {}  # peer -> until when its handoffs go as copies
 
@@ -114,12 +130,11 @@ class Routes:
     ) -> Route:
         """:func:`~dask_gpupool.handoff.routing.route` for memory of ``own``'s pool, with this worker's state.
 
-        ``nbytes`` (the value's size) is held against ``gpupool.handoff-threshold``
-        of ``own``'s pool kind (this worker's pool when ``nbytes`` is given) and the requester's GPU (``own``'s or
-        another); 0 (staging, forwards) never is.
+        ``nbytes`` (the value's size) is held against the handoff threshold of ``own``'s pool kind
+        (:attr:`handoff_threshold_of`; this worker's pool when ``nbytes`` is given); 0 (staging, forwards) never
+        is.
         """
         row = self.registry.worker_row(requester) if requester else None
-        same_gpu = _on_gpu_of(row, own)
         return route(
             own,
             requester,
@@ -129,38 +144,26 @@ class Routes:
             owned=owned,
             unreachable=row is not None and self.is_unreachable(row.worker),
             nbytes=nbytes,
-            handoff_threshold=self.options.effective_handoff_threshold(own.kind, same_gpu) if nbytes else 0,
+            handoff_threshold=self.handoff_threshold_of(own.kind) if nbytes else 0,
         )
 
     def stage_route(self, requester: str | None, scheme: str, nbytes: int) -> PoolRecord | None:
         """The requester's row when an array of ``nbytes`` outside the pool should be staged into it and handed over.
 
-        That is: ``nbytes`` is at least ``gpupool.stage-threshold`` and a new
-        buffer of that size in this pool would be handed over (decided by
-        :func:`~dask_gpupool.handoff.routing.route`, without counting). Over
-        TCP or TLS for any such requester; over UCX only for one on this
-        pool's GPU: to another GPU UCX itself copies the array into the
-        requester's own memory, where its kernels read it faster than this
-        GPU's memory over NVLink.
+        That is: the request is over TCP or TLS, ``nbytes`` is at least the stage threshold
+        (:meth:`stage_threshold`) and a new buffer of that size in this pool would be handed over (decided by
+        :func:`~dask_gpupool.handoff.routing.route`, without counting).
         """
         threshold = self.stage_threshold(requester, scheme)
-        if not threshold or nbytes < threshold or scheme not in HANDOFF_SCHEMES:
+        if not threshold or nbytes < threshold:
             return None
         decision = self._route(self.record, requester, scheme, True)
-        row = decision.row if decision.reason is None else None
-        if row is not None and scheme not in TCP_SCHEMES and row.device != self.record.device:
-            return None
-        return row
+        return decision.row if decision.reason is None else None
 
     def stage_threshold(self, requester: str | None, scheme: str) -> int:
-        """``gpupool.stage-threshold`` of this pool for ``requester`` asking over ``scheme``; 0: never.
-
-        Its ``auto`` depends on the comm and, over TCP or TLS, on whether the requester is on this pool's GPU
-        (:meth:`PoolOptions.effective_stage_threshold <dask_gpupool.config.PoolOptions.effective_stage_threshold>`).
-        """
-        over_tcp = scheme in TCP_SCHEMES
-        same_gpu = over_tcp and requester is not None and _on_gpu_of(self.registry.worker_row(requester), self.record)
-        return self.options.effective_stage_threshold(self.record.kind, same_gpu, over_tcp)
+        """The smallest array outside this pool staged into it for ``requester`` asking over ``scheme``; 0: never
+        (:attr:`stage_threshold_of`: by default :func:`dask_gpupool.tuning.stage_threshold`, nothing over UCX)."""
+        return self.stage_threshold_of(self.record.kind, scheme in TCP_SCHEMES)
 
     def plain_copy_reason(self, requester: str | None) -> str | None:
         """Why a value outside every pool sent to ``requester`` is a same-host copy (``None``: it is not one).
@@ -187,10 +190,10 @@ class Routes:
         """The requester's row when a copy of ``nbytes`` to it goes over the pipelined copy path, else ``None``.
 
         That is: a worker of this cluster in another process, over a ``tcp``
-        comm, at least ``copy-stream-threshold`` bytes, with this worker's
+        comm, at least :attr:`stream_threshold` bytes, with this worker's
         copy server running.
         """
-        if self.copier is None or scheme != "tcp" or nbytes < max(self.options.copy_stream_threshold, 1):
+        if self.copier is None or scheme != "tcp" or nbytes < max(self.stream_threshold, 1):
             return None
         row = self.registry.worker_row(requester) if requester else None
         if row is None or (row.host == self.record.host and row.pid == self.record.pid):
@@ -213,8 +216,3 @@ class Routes:
     def forget(self, worker: str) -> None:
         """``worker`` left the cluster: drop what is known of it."""
         self._unreachable.pop(worker, None)
-
-
-def _on_gpu_of(row: PoolRecord | None, own: PoolRecord) -> bool:
-    """Whether the requester's registry ``row`` is a worker on ``own``'s GPU (the ``auto`` thresholds differ)."""
-    return row is not None and row.device is not None and row.device == own.device

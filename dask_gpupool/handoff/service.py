@@ -508,6 +508,6 @@ class PoolService:
         self.importer.close()
         if not active.active_services():
             STAGING.clear()  # the process's pinned staging slots go with its last pool
-            VKGDR.clear()  # and its vkgdr landing slots (gpupool.tcp-landing)
+            VKGDR.clear()  # and its vkgdr landing slots
         self.pool.close()
         logger.info("pool %s: closed", self.pool.uuid)

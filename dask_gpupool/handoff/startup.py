@@ -13,6 +13,7 @@ import logging
 import os
 from typing import NamedTuple
 
+from dask_gpupool import tuning
 from dask_gpupool.config import PoolOptions
 from dask_gpupool.handoff.exporter import ExportSide, make_current
 from dask_gpupool.handoff.leases import LeaseTable
@@ -96,8 +97,8 @@ def start_parts(
 
 
 def _copy_server(options: PoolOptions, pool: Pool, leases: LeaseTable, worker_address: str) -> CopyServer | None:
-    """The worker's copy server, listening on the worker's interface; ``None`` when off or not ``tcp``."""
-    if not options.copy_chunk_size or not worker_address.startswith("tcp://"):
+    """The worker's copy server, listening on the worker's interface; ``None`` when the worker is not on ``tcp``."""
+    if not worker_address.startswith("tcp://"):
         return None
     from distributed.comm import get_address_host
 
@@ -106,5 +107,5 @@ def _copy_server(options: PoolOptions, pool: Pool, leases: LeaseTable, worker_ad
         leases,
         get_address_host(worker_address),
         options.broker_timeout,
-        options.copy_chunk_size,
+        tuning.COPY_CHUNK_SIZE,
     )

@@ -62,8 +62,8 @@ FALLBACK_REASONS = {
         "loses the fields): it goes through Dask's own serializer, in the comm's frames"
     ),
     "small": (
-        "the value is small: an array outside this worker's pool below gpupool.stage-threshold, or a pool buffer "
-        "below gpupool.handoff-threshold; the comm moves it as fast as staging or a handoff would"
+        "the value is small: an array outside this worker's pool below the stage threshold, or a pool buffer "
+        "below the handoff threshold (dask_gpupool.tuning); the comm moves it as fast as staging or a handoff would"
     ),
 }
 
@@ -91,7 +91,7 @@ FALLBACK_ADVICE = {
         "hand over a plain-dtype view (arr.view(np.uint8)) or one array per field, and rebuild the records in the "
         "consumer"
     ),
-    "small": "nothing (lower gpupool.stage-threshold or gpupool.handoff-threshold to hand smaller values over)",
+    "small": "nothing: the comm is the faster path at this size",
 }
 
 
@@ -157,21 +157,17 @@ class HandoffStats:
         device to device into memory UCX can send through ``cuda_ipc`` first.
     host_frames_bytes, host_frames_out_bytes : int
         Bytes of CuPy arrays and pool Buffers received / sent over UCX as one host frame
-        instead of a device frame (below ``gpupool.ucx-host-frame-threshold``,
+        instead of a device frame (below :data:`~dask_gpupool.tuning.UCX_HOST_FRAME_THRESHOLD`,
         where UCX's eager protocol bounces device memory through the host
         itself); not counted in ``copied_bytes``.
     receive_pooled_bytes, receive_pool_misses : int
         Device frames distributed-ucxx received into the UCX receive pool
         (bytes), and frames that did not fit under its ceiling and came from
         RMM's resource (count; :mod:`dask_gpupool.dask.ucx_receive`).
-    peer_copied_bytes : int
-        Bytes handed over from another GPU of this host and copied into this
-        worker's pool on arrival, device to device (``gpupool.peer-gpu-copy``;
-        counted in ``imports``, not in ``zero_copy_bytes`` nor ``copied_bytes``).
     pool_staged_bytes : int
         Arrays outside the pool copied into it on this worker (device to
         device for CuPy) and then handed over to a same-host worker
-        (``gpupool.stage-threshold``; fallback ``staged-in-pool``).
+        (:func:`~dask_gpupool.tuning.stage_threshold`; fallback ``staged-in-pool``).
     fallbacks : dict of str to int
         Same-host transfers that were copied, by reason (see :data:`FALLBACK_REASONS`).
     timings : dict of str to list
@@ -197,7 +193,6 @@ class HandoffStats:
     host_frames_bytes: int
     host_frames_out_bytes: int
     pool_staged_bytes: int
-    peer_copied_bytes: int
     receive_pooled_bytes: int
     receive_pool_misses: int
     fallbacks: dict[str, int]
@@ -211,7 +206,7 @@ class HandoffStats:
         self.streamed_bytes = self.streamed_out_bytes = 0
         self.device_frames_bytes = self.device_frames_out_bytes = self.device_staged_bytes = 0
         self.host_frames_bytes = self.host_frames_out_bytes = 0
-        self.pool_staged_bytes = self.peer_copied_bytes = 0
+        self.pool_staged_bytes = 0
         self.receive_pooled_bytes = self.receive_pool_misses = 0
         self.fallbacks = {}
         self.timings = {}
@@ -276,7 +271,6 @@ class HandoffStats:
                 "receive_pooled_bytes": self.receive_pooled_bytes,
                 "receive_pool_misses": self.receive_pool_misses,
                 "pool_staged_bytes": self.pool_staged_bytes,
-                "peer_copied_bytes": self.peer_copied_bytes,
                 "fallbacks": dict(self.fallbacks),
                 "timings": {
                     step: {

@@ -60,12 +60,6 @@ def finite(value: Any) -> Any:
     return value
 
 
-def _peer_copies(s: dict[str, Any]) -> str:
-    """`` + N copied from other GPUs`` when values were copied here on arrival (gpupool.peer-gpu-copy)."""
-    n = s.get("peer_copied_bytes", 0)
-    return f" + {_bytes(n)} copied from other GPUs" if n else ""
-
-
 def _bytes(n: Any) -> str:
     from dask.utils import format_bytes
 
@@ -113,7 +107,7 @@ class _Page(web.RequestHandler):
             f"<td>{_text(s.get('forwards', 0))} / {_text(s.get('returns', 0))}</td>"
             f"<td>{_mean_ms(s.get('timings', {}), 'import')} ({_mean_ms(s.get('timings', {}), 'claim')})</td>"
             f"<td>{_text(s.get('leases', 0))}</td><td>{_bytes(s.get('lease_bytes', 0))}</td>"
-            f"<td>{_bytes(s.get('zero_copy_bytes', 0))}{_peer_copies(s)}</td>"
+            f"<td>{_bytes(s.get('zero_copy_bytes', 0))}</td>"
             f"<td>{_bytes(s.get('copied_bytes', 0))}</td>"
             f"<td>{_bytes(s.get('copied_out_bytes', 0))}</td>"
             f"<td>{_text(s.get('segments', 0))} ({_text(s.get('segments_retiring', 0))})</td>"

@@ -14,7 +14,7 @@ metric                                                    type     labels
 ``dask_worker_gpupool_mapped_pools``                      gauge
 ``dask_worker_gpupool_handoffs_total``                    counter  ``direction``: export, import, forward, return
 ``dask_worker_gpupool_received_bytes_total``              counter  ``path``: zero-copy, copy, device-frames,
-                                                                   host-frames, peer-gpu-copy
+                                                                   host-frames
 ``dask_worker_gpupool_sent_copy_bytes_total``             counter
 ``dask_worker_gpupool_staged_bytes_total``                counter
 ``dask_worker_gpupool_ucx_quarantined_bytes``             gauge
@@ -30,7 +30,7 @@ live buffer) is the bytes the pool reserves; its bound is ``pool_limit_bytes``. 
 ``pool_bytes{state="max"}`` and the reserve ``pool_bytes{state="reserved"}``: docs/operations.rst.)
 
 What each counts is its help text, and docs/operations.rst: ``received_bytes`` counts values from any sender
-(only its ``zero-copy`` and ``peer-gpu-copy`` paths are same-host by nature), and ``sent_copy_bytes`` every host
+(only its ``zero-copy`` path is same-host by nature), and ``sent_copy_bytes`` every host
 copy of a pool value, to workers of any host, clients and disk (spilling).
 
 Every worker metric also carries a ``worker`` label (the worker's Dask name),
@@ -62,12 +62,12 @@ from typing import Any
 
 __all__ = ["register", "register_scheduler"]
 
-#: ``received_bytes``: only ``zero-copy`` and ``peer-gpu-copy`` are same-host by nature; ``copy``, ``device-frames``
-#: and ``host-frames`` count whoever sent the value.
+#: ``received_bytes``: only ``zero-copy`` is same-host by nature; ``copy``, ``device-frames`` and ``host-frames``
+#: count whoever sent the value.
 RECEIVED_HELP = (
     "Bytes of values received, by path: zero-copy (a same-host peer's pool mapped, or a value of this pool come back), "
     "copy (host copies from any sender, workers of other hosts included), device-frames and host-frames (over UCX, "
-    "from any sender), peer-gpu-copy (handed over from another GPU of this host, copied on arrival)."
+    "from any sender)."
 )
 #: ``sent_copy_bytes``: every host copy this worker's serializers made of a pool value, whoever it was for.
 SENT_COPY_HELP = (
@@ -166,7 +166,6 @@ def _worker_metrics() -> Iterator[Any]:
         received.add_metric([pool, "copy"], h["copied_bytes"])
         received.add_metric([pool, "device-frames"], h["device_frames_bytes"])
         received.add_metric([pool, "host-frames"], h.get("host_frames_bytes", 0))  # small CuPy arrays over UCX
-        received.add_metric([pool, "peer-gpu-copy"], h.get("peer_copied_bytes", 0))  # mapped, then copied here
         sent.add_metric([pool], h["copied_out_bytes"])
         staged.add_metric([pool], h.get("pool_staged_bytes", 0))
         if s is home:  # one figure for the whole process: once, or sums over its workers would count it again

@@ -28,6 +28,7 @@ from dask_gpupool.testing.faults import (
     release_plugin_add,
     report_failed_transfer,
     restore_broker,
+    route_sizes,
     stop_copy_server,
 )
 from dask_gpupool.testing.memory import (
@@ -162,6 +163,7 @@ __all__ = [
     "report_failed_transfer",
     "resources",
     "restore_broker",
+    "route_sizes",
     "scribble",
     "scribble_all",
     "segment_memory",

@@ -1,5 +1,6 @@
-"""Fault injection: stalls, hidden brokers, broken links (the lease tests, ``tests/handoff/test_leases.py``), and
-plugin installs held back (the registration tests, ``tests/dask/test_cluster.py``)."""
+"""Fault injection: stalls, hidden brokers, broken links (the lease tests, ``tests/handoff/test_leases.py``),
+plugin installs held back (the registration tests, ``tests/dask/test_cluster.py``), and routing sizes other than the
+measured ones (:func:`route_sizes`)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,25 @@ def block_imports(seconds: float) -> None:
 
     threading.Thread(target=hold, name="gpupool-test-block-imports", daemon=True).start()
     held.wait(10)
+
+
+def route_sizes(
+    dask_worker: Worker, stage: int | None = None, handoff: int | None = None, stream: int | None = None
+) -> None:
+    """client.run target: this worker's routing holds values against these sizes instead of
+    :mod:`dask_gpupool.tuning`'s, for every pool kind: ``stage`` (plain arrays staged into the pool for same-host
+    workers over TCP or TLS; a ``host`` pool then stages NumPy arrays), ``handoff`` (smaller pool buffers go to
+    same-host workers as copies) and ``stream`` (the smallest copy pulled over the pipelined copy path). ``None``
+    keeps that one. For tests and benchmarks that take a path at sizes the defaults route elsewhere; a restarted
+    worker has the defaults again.
+    """
+    routes = service_of(dask_worker).routes
+    if stage is not None:
+        routes.stage_threshold_of = lambda kind, over_tcp: stage if over_tcp else 0
+    if handoff is not None:
+        routes.handoff_threshold_of = lambda kind: handoff
+    if stream is not None:
+        routes.stream_threshold = stream
 
 
 def hide_broker(dask_worker: Worker) -> str:

@@ -2,7 +2,7 @@
 
 A value that must be copied to another worker (another host, a GPU that cannot
 map the exporter's memory) over a ``tcp`` comm,
-and is at least ``gpupool.copy-stream-threshold`` bytes, does not travel in
+and is at least :data:`~dask_gpupool.tuning.COPY_STREAM_THRESHOLD` bytes, does not travel in
 Dask's frames. Dask's comm writes a whole message from one thread after it was
 serialized, so the device->host copy, the send, the receive and the
 host->device copy would each wait for the one before. Instead the exporter

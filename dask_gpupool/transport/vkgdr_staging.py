@@ -1,9 +1,7 @@
-"""Device-memory landing slots for the streamed copy, mapped into the host by vkgdr (``gpupool.tcp-landing``).
+"""Device-memory landing slots for the streamed copy, mapped into the host by vkgdr.
 
 A value pulled from another host over TCP (:mod:`dask_gpupool.transport.pull`)
-arrives chunk by chunk. By default each chunk is received into pinned host
-staging and copied to the GPU (:mod:`dask_gpupool.transport.staging`). With
-``gpupool.tcp-landing: vkgdr``, the chunks are received straight into GPU
+arrives chunk by chunk. Where vkgdr runs, the chunks are received straight into GPU
 memory that `vkgdr <https://pypi.org/project/vkgdr/>`_ maps into the host's
 address space through Vulkan (``HOST_VISIBLE | DEVICE_LOCAL``): the kernel's
 ``recv`` writes the bytes to the GPU, and a device-to-device copy moves each
@@ -12,7 +10,8 @@ IPC pool). Why a dependency: vkgdr is the maintained way to get such a
 mapping from Python (it wraps the Vulkan calls and their CUDA interop); it
 needs the Vulkan loader and NVIDIA's Vulkan driver on the host, so it is an
 optional extra (``pip install dask-gpupool[vkgdr]``) and a worker without it
-lands through pinned staging, saying why once.
+receives each chunk into pinned host staging and copies it to the GPU
+(:mod:`dask_gpupool.transport.staging`), saying why once.
 
 Ownership: a :class:`VkgdrSlot` owns its vkgdr allocation, freed by
 :meth:`VkgdrSlot.free` with its GPU current; :data:`VKGDR` keeps sets of

@@ -13,11 +13,15 @@ import hmac
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from dask_gpupool.config import MAX_COPY_CHUNK
 from dask_gpupool.errors import ProtocolError
 from dask_gpupool.wire.codec import TOKEN_BYTES, as_message, field_of, uuid_str
 
-__all__ = ["PullReply", "PullRequest", "copy_server_address", "pull_proof"]
+__all__ = ["MAX_COPY_CHUNK", "PullReply", "PullRequest", "copy_server_address", "pull_proof"]
+
+#: The largest chunk an importer takes from a copy server's :class:`PullReply`: each lane stages two chunks in
+#: pinned or vkgdr memory, so a peer's chunk is bounded (this package's servers send
+#: :data:`~dask_gpupool.tuning.COPY_CHUNK_SIZE`).
+MAX_COPY_CHUNK = 1 << 30
 
 
 @dataclass(frozen=True)

@@ -461,6 +461,9 @@ def test_prometheus_metrics_on_dasks_own_endpoints():
     with nanny_cluster([{"dashboard_address": ":0"}] * 2, PLUGIN) as c:
         a, b = worker_addresses(c)
         warm_up(c, a, b)
+        # a small buffer held on B: its page stays resident (freed buffers from 64 KiB give theirs back at once)
+        held = c.submit(T.make_buffer, 4096, b"held", workers=[b], pure=False)
+        held.result()
         info = c.scheduler_info()
         host = info["address"].split("://")[1].rsplit(":", 1)[0]
         text = scrape(host, T.workers(c)[b]["services"]["dashboard"])
@@ -969,7 +972,7 @@ def test_preload_arguments_set_every_option_and_a_bad_value_is_logged_and_report
     env = {**os.environ, "DASK_GPUPOOL__KIND": "host"}
     scheduler = [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", str(port)]
     worker = [sys.executable, "-m", "distributed.cli.dask_worker", address, "--nthreads", "1", "--no-dashboard"]
-    args = ["--preload", "dask_gpupool", "--gpupool-max-size", "32MiB", "--gpupool-copy-streams", "2"]
+    args = ["--preload", "dask_gpupool", "--gpupool-max-size", "32MiB", "--gpupool-lease-timeout", "30s"]
     procs = [subprocess.Popen([*scheduler, "--no-dashboard", "--preload", "dask_gpupool"], env=env)]
     try:
         procs.append(subprocess.Popen([*worker, *args], env=env, stderr=subprocess.DEVNULL))

@@ -242,9 +242,9 @@ def test_a_staged_cupy_header_is_distributeds_for_a_c_ordered_array(shape, dtype
     ],
 )
 def test_a_malformed_host_frame_is_a_protocol_error_before_anything_is_allocated(header, frames):
-    """gpupool.ucx-host-frame-threshold: a host-frame header that does not describe its frame (no dtype, a size that
-    does not match, more than one frame, a bad shape or dtype) raises ProtocolError, checked on the host before the
-    receiver allocates GPU memory (so this runs without CuPy)."""
+    """Host frames (tuning.UCX_HOST_FRAME_THRESHOLD): a host-frame header that does not describe its frame (no dtype,
+    a size that does not match, more than one frame, a bad shape or dtype) raises ProtocolError, checked on the host
+    before the receiver allocates GPU memory (so this runs without CuPy)."""
     from dask_gpupool.dask import device_frames as F
 
     with pytest.raises(ProtocolError, match="malformed host-frame header"):
@@ -252,11 +252,11 @@ def test_a_malformed_host_frame_is_a_protocol_error_before_anything_is_allocated
 
 
 def test_a_buffers_host_frame_lands_in_the_receivers_pool_and_a_malformed_one_allocates_nothing(tmp_path, no_fd_leak):
-    """gpupool.ucx-host-frame-threshold, a pool Buffer's receiving side: the host frame's bytes land in a new buffer of
-    this worker's pool (a ``host`` pool stands in for the device pool; the copy is the same ``copy_from_host``),
-    counted in ``host_frames_bytes``, or outside a full pool (fallback ``receiver-pool-full``), as host copies land; a
-    header that does not describe its frame raises ProtocolError before anything is allocated, and without a pool in
-    the process it is a ProtocolError too."""
+    """Host frames (tuning.UCX_HOST_FRAME_THRESHOLD), a pool Buffer's receiving side: the host frame's bytes land in
+    a new buffer of this worker's pool (a ``host`` pool stands in for the device pool; the copy is the same
+    ``copy_from_host``), counted in ``host_frames_bytes``, or outside a full pool (fallback ``receiver-pool-full``),
+    as host copies land; a header that does not describe its frame raises ProtocolError before anything is
+    allocated, and without a pool in the process it is a ProtocolError too."""
     import ctypes
 
     from dask_gpupool import PoolOptions
@@ -291,11 +291,10 @@ def test_a_buffers_host_frame_lands_in_the_receivers_pool_and_a_malformed_one_al
 
 
 def test_host_frames_go_only_in_small_ucx_replies_to_workers_that_run_the_plugin(tmp_path, no_fd_leak):
-    """gpupool.ucx-host-frame-threshold, the sending side's decision (real services on ``host`` pools, a registry
-    snapshot naming both workers): a value under the threshold in a ``get_data`` reply over ``ucx``/``ucxx`` to a
-    worker with a registry row goes as a host frame; not over TCP, not from the threshold up, not with the
-    threshold at 0, and not to a requester without a row (a client or the scheduler, which could not read it)."""
-    import dataclasses
+    """Host frames (tuning.UCX_HOST_FRAME_THRESHOLD, 8 KiB), the sending side's decision (real services on ``host``
+    pools, a registry snapshot naming both workers): a value under the threshold in a ``get_data`` reply over
+    ``ucx``/``ucxx`` to a worker with a registry row goes as a host frame; not over TCP, not from the threshold up,
+    and not to a requester without a row (a client or the scheduler, which could not read it)."""
     import secrets
 
     from dask_gpupool import PoolOptions
@@ -326,8 +325,7 @@ def test_host_frames_go_only_in_small_ucx_replies_to_workers_that_run_the_plugin
         assert not decided(b.record.worker, "ucxx", 8192)  # the threshold itself goes as device frames
         assert not decided("ucxx://127.0.0.1:50000", "ucxx", 4096)  # a client: no registry row
         assert not decided(None, "ucxx", 4096)
-        a.options = dataclasses.replace(a.options, ucx_host_frame_threshold=0)
-        assert not decided(b.record.worker, "ucxx", 1)
+        assert decided(b.record.worker, "ucxx", 1)
     finally:
         b.close()
         a.close()
@@ -335,7 +333,7 @@ def test_host_frames_go_only_in_small_ucx_replies_to_workers_that_run_the_plugin
 
 def test_pool_memory_goes_to_ucx_unstaged_when_small_or_in_this_workers_own_legacy_segments(tmp_path, no_fd_leak):
     """The sending side's staging decision for pool memory in a UCX reply (real services on ``host`` pools): under
-    ``gpupool.ucx-staging-threshold`` it goes as it is; larger, it is staged, unless the worker's pool makes
+    ``tuning.UCX_STAGING_THRESHOLD`` (8 KiB) it goes as it is; larger, it is staged, unless the worker's pool makes
     segments of legacy IPC memory (``segment-memory: legacy``, which UCX exports itself) and the buffer is that
     pool's own: a buffer imported from or made by another pool is staged, since an opened IPC handle cannot be
     exported again. The pool's ``segment_memory`` is set here as a ``device`` pool with legacy segments has it; the

@@ -29,6 +29,7 @@ from distributed import wait
 import dask_gpupool
 from dask_gpupool import GPUPool
 from dask_gpupool import testing as T
+from dask_gpupool.tuning import HOST_HANDOFF_THRESHOLD  # the smallest host-pool buffer handed over, not copied
 
 MiB = 1 << 20
 
@@ -158,7 +159,7 @@ def test_consumer_killed_while_holding_many_leases_releases_them_all():
     with nanny_cluster([{}, {}], HOST_POOL) as c:
         a, b = worker_addresses(c)
         baseline = warm_up(c, a, b)
-        xs = [c.submit(T.make_buffer, 4096, b"x", workers=[a], pure=False) for _ in range(200)]
+        xs = [c.submit(T.make_buffer, HOST_HANDOFF_THRESHOLD, b"x", workers=[a], pure=False) for _ in range(200)]
         kill_consumer_holding_leases(c, a, b, xs)
         del xs
         c.wait_for_workers(2, timeout=60)
@@ -177,7 +178,7 @@ def test_consumer_killed_while_importing_leaves_the_producer_at_baseline():
     with nanny_cluster([{}, {}], plugin) as c:
         a, b = worker_addresses(c)
         baseline = c.run(T.resources, workers=[a])
-        xs = [c.submit(T.make_buffer, 4096, b"x", workers=[a], pure=False) for _ in range(400)]
+        xs = [c.submit(T.make_buffer, HOST_HANDOFF_THRESHOLD, b"x", workers=[a], pure=False) for _ in range(400)]
         wait(xs)
         ys = [c.submit(T.keep, x, workers=[b], pure=False) for x in xs]
         wait_for(lambda: counters(c, a)[a]["leases"] > 0, timeout=30, what="B to start importing")

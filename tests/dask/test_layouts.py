@@ -25,7 +25,10 @@ def _expected(layout: str) -> dict[str, object]:
 
 @pytest.fixture(scope="module")
 def three_workers():
+    """Three workers whose host pools hand over every size: the layouts here are a few KiB and a 0-d array, which
+    host pools would copy by default (tuning.HOST_HANDOFF_THRESHOLD is not what these tests are about)."""
     with nanny_cluster([{}, {}, {}], HOST_POOL) as c:
+        c.run(T.route_sizes, handoff=0)
         yield c, *worker_addresses(c)
 
 
@@ -113,12 +116,13 @@ def test_records_arrive_with_their_fields(three_workers, where):
     """An array of a structured dtype keeps its fields on every path (a review of the array headers, thirty-first
     session: they carried ``dtype.str``, ``"|V12"``, and the consumer got raw bytes with no fields). Such arrays
     go through distributed's serializer, which keeps them; ``staged``: a plain NumPy array over the stage
-    threshold, on a cluster that stages."""
+    threshold given to the producer (host pools stage nothing by default)."""
     n = 5000
     expected = {"dtype": RECORD, "i": n * (n - 1) // 2, "x": n * (n - 1) / 4}
     if where == "staged":
-        with nanny_cluster([{}, {}], GPUPool(kind="host", max_size="64 MiB", stage_threshold="16 KiB")) as c:
+        with nanny_cluster([{}, {}], GPUPool(kind="host", max_size="64 MiB")) as c:
             a, b = worker_addresses(c)
+            c.run(T.route_sizes, stage=16 << 10, workers=[a])
             x = c.submit(_records, n, False, workers=[a], pure=False)
             got = c.submit(T.keep, x, workers=[b], pure=False)
             assert c.submit(_fields, got, workers=[b], pure=False).result() == expected

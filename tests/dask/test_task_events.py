@@ -72,18 +72,12 @@ def test_cupy_arrays_are_told_by_their_module_without_importing_cupy():
 def test_the_worker_says_why_it_stages_or_not():
     """``stats()["routing"]["staging"]``: the plugin records task events only where it stages (on a UCX comm at
     ``auto`` it stages nothing, so records nothing either)."""
-    from dask_gpupool.config import PoolOptions
     from dask_gpupool.dask.worker_plugin import _staging_line
 
-    options = PoolOptions()
-    over_ucx = options.effective_stage_threshold("device", same_gpu=True, over_tcp=False)
-    assert over_ucx == 0
-    assert _staging_line("device", True, over_ucx, False).startswith("off: over UCX")
-    over_tcp = options.effective_stage_threshold("device", same_gpu=True, over_tcp=True)
-    assert _staging_line("device", True, over_tcp, True).startswith("on: plain CuPy results of 64.00 kiB or more")
-    assert _staging_line("device", False, over_tcp, True) == "off: CuPy is not installed"
-    assert _staging_line("host", True, 0, True) == "off: a host pool stages no CuPy results"
-    assert _staging_line("device", True, 0, True) == "off: gpupool.stage-threshold is 0"
+    assert _staging_line("device", True, False).startswith("off: over UCX")
+    assert _staging_line("device", True, True).startswith("on: plain CuPy results of 64.00 kiB or more")
+    assert _staging_line("device", False, True) == "off: CuPy is not installed"
+    assert _staging_line("host", True, True) == "off: a host pool stages no CuPy results"
 
 
 def test_the_worker_plugin_wants_an_event_for_its_own_pool_buffers_only(tmp_path, no_fd_leak):

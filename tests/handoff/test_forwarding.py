@@ -103,9 +103,10 @@ def test_a_staged_arrays_source_lives_while_its_copy_may_still_run(ordering):
     acknowledges a claim), so the lease keeps the source array too: freed meanwhile, its memory could be reused
     and written while the copy still reads it (a review of the UCX paths, thirtieth session). With ``sync`` the
     copy has finished when the export returns, and the source goes with its key."""
-    plugin = GPUPool(kind="host", max_size="64 MiB", stage_threshold="64 KiB", handoff_ordering=ordering)
+    plugin = GPUPool(kind="host", max_size="64 MiB", handoff_ordering=ordering)
     with nanny_cluster([{}, {}], plugin) as c:
         a, b = worker_addresses(c)
+        c.run(T.route_sizes, stage=64 << 10, workers=[a])  # host pools stage nothing by default
         x = c.submit(T.tracked_plain_fill, 2 * MiB, 7, workers=[a], pure=False)  # NumPy's own memory
         y = c.submit(T.keep, x, workers=[b], pure=False)
         assert c.submit(T.total, y, workers=[b], pure=False).result() == 7 * 2 * MiB
@@ -119,14 +120,14 @@ def test_a_staged_arrays_source_lives_while_its_copy_may_still_run(ordering):
 
 
 def test_a_plain_array_staged_for_one_worker_is_passed_on_as_the_staged_copy():
-    """A NumPy array outside every pool, staged into A's pool for B (``stage-threshold``), and passed on by B to W:
-    W maps A's staged copy (a forward, no copy), and reads it after A's and B's keys are gone and A's pool was
-    scribbled over."""
+    """A NumPy array outside every pool, staged into A's pool for B (a stage threshold given to A: host pools stage
+    nothing by default), and passed on by B to W: W maps A's staged copy (a forward, no copy), and reads it after A's
+    and B's keys are gone and A's pool was scribbled over."""
     import numpy as np
 
-    plugin = GPUPool(kind="host", max_size="64 MiB", stage_threshold="64 KiB")
-    with nanny_cluster([{}, {}, {}], plugin) as c:
+    with nanny_cluster([{}, {}, {}], HOST_POOL) as c:
         a, b, w = worker_addresses(c)
+        c.run(T.route_sizes, stage=64 << 10, workers=[a])
         baseline = _warm(c, a, b, w)
         before = counters(c)
         x = c.submit(T.plain_fill, 2 * MiB, 7, workers=[a], pure=False)  # NumPy's own memory, not the pool

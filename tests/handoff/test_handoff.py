@@ -63,14 +63,14 @@ def test_arrays_over_pool_buffers_hand_over_and_plain_arrays_do_not():
     with nanny_cluster([{}, {}], HOST_POOL) as c:
         a, b = worker_addresses(c)
         baseline = warm_up(c, a, b)
-        arr = c.submit(T.make_array, 1000, workers=[a], pure=False)
+        arr = c.submit(T.make_array, 10_000, workers=[a], pure=False)  # 80 KB: from 64 KiB host pools hand over
         info = c.submit(T.describe, c.submit(T.keep, arr, workers=[b], pure=False), workers=[b], pure=False)
         assert info.result() == {"type": "numpy.ndarray", "imported": True, "in_own_pool": False}
-        assert c.submit(T.total, arr, workers=[b], pure=False).result() == float(np.arange(1000).sum())
+        assert c.submit(T.total, arr, workers=[b], pure=False).result() == float(np.arange(10_000).sum())
         plain = c.submit(np.arange, 10, workers=[a], pure=False)
         assert c.submit(T.total, plain, workers=[b], pure=False).result() == 45.0
         # A client gets a host copy.
-        np.testing.assert_array_equal(arr.result(), np.arange(1000, dtype="f8"))
+        np.testing.assert_array_equal(arr.result(), np.arange(10_000, dtype="f8"))
         del arr, info, plain
         back_to(c, baseline)
 
@@ -94,14 +94,15 @@ def test_a_plain_array_to_a_same_host_peer_is_counted_as_a_copy_with_its_reason(
 
 
 def test_a_large_plain_array_is_staged_into_the_pool_and_handed_over():
-    """From gpupool.stage-threshold up (set here: host pools stage nothing by default), an array outside the pool
-    is copied into it on the producer and handed over to a same-host worker: no comm bytes, counted as fallback
-    staged-in-pool; back to baseline after."""
+    """From the stage threshold up (given here: host pools stage nothing by default, device pools from 64 KiB), an
+    array outside the pool is copied into it on the producer and handed over to a same-host worker: no comm bytes,
+    counted as fallback staged-in-pool; back to baseline after."""
     import numpy as np
 
     hosts = [{}, {}, {"config": {"gpupool": {"host-id": "elsewhere"}}}]
-    with nanny_cluster(hosts, GPUPool(kind="host", max_size="64 MiB", stage_threshold="4 MiB")) as c:
+    with nanny_cluster(hosts, HOST_POOL) as c:
         a, b, far = worker_addresses(c)
+        c.run(T.route_sizes, stage=4 * MiB, workers=[a])
         warm_up(c, a, far)  # Dask's comms between them stay open: part of the baseline
         baseline = warm_up(c, a, b)
         before = counters(c)
@@ -136,15 +137,15 @@ def test_a_large_plain_array_is_staged_into_the_pool_and_handed_over():
 
 
 def test_a_small_host_pool_buffer_goes_as_a_copy_by_default():
-    """``gpupool.handoff-threshold: auto`` is 64 KiB on host pools, the crossover measured on the CPU: a 16 KiB pool
-    buffer goes to a same-host worker as a copy in Dask's frames (fallback small, no lease), landing in the
-    receiver's pool so that it can be handed on; a 64 KiB one (the threshold) is handed over. Back to baseline
-    after."""
-    with nanny_cluster([{}, {}], GPUPool(kind="host", max_size="64 MiB", handoff_threshold="auto")) as c:
+    """The handoff threshold is 64 KiB on host pools (tuning.HOST_HANDOFF_THRESHOLD), the crossover measured on the
+    CPU: a 16 KiB pool buffer goes to a same-host worker as a copy in Dask's frames (fallback small, no lease),
+    landing in the receiver's pool so that it can be handed on; a 64 KiB one (the threshold) is handed over. Back to
+    baseline after."""
+    with nanny_cluster([{}, {}], HOST_POOL) as c:
         a, b = worker_addresses(c)
-        # links and mappings: 1 MiB, since 4 KiB buffers would be copies here. Dask forgets the warm-up's values
-        # asynchronously; warm_up waits for that (a baseline taken before counted a 1 MiB buffer once, in CI).
-        baseline = warm_up(c, a, b, nbytes=MiB)
+        # Dask forgets the warm-up's values asynchronously; warm_up waits for that (a baseline taken before counted a
+        # warm-up buffer once, in CI).
+        baseline = warm_up(c, a, b)
         before = counters(c)
         small = c.submit(T.make_buffer, 16 << 10, b"small", workers=[a], pure=False)
         big = c.submit(T.make_buffer, 64 << 10, b"big", workers=[a], pure=False)
@@ -205,15 +206,16 @@ def test_other_host_ids_copy_and_land_in_the_receivers_pool():
 
 
 def test_large_copies_to_another_host_are_pulled_in_chunks_and_leave_nothing():
-    """Copies from ``copy-stream-threshold`` up go over the pipelined copy path, smaller ones in the frames."""
+    """Copies from tuning.COPY_STREAM_THRESHOLD (4 MiB) up go over the pipelined copy path, in chunks of
+    tuning.COPY_CHUNK_SIZE (16 MiB) over up to tuning.COPY_STREAMS lanes; smaller ones in the frames."""
     import numpy as np
 
-    hosts = [{"config": {"gpupool": {"host-id": h, "copy-chunk-size": "1 MiB"}}} for h in ("host-a", "host-b")]
+    hosts = [{"config": {"gpupool": {"host-id": h}}} for h in ("host-a", "host-b")]
     with nanny_cluster(hosts, HOST_POOL) as c:
         a, b = worker_addresses(c)
         baseline = warm_up(c, a, b)
         before = counters(c)
-        n = 1_000_003  # 8 chunks and a short one
+        n = 4_500_003  # two 16 MiB chunks and a short one: three lanes
         arr = c.submit(T.make_array, n, workers=[a], pure=False)
         got = c.submit(T.keep, arr, workers=[b], pure=False)
         assert c.submit(T.total, got, workers=[b], pure=False).result() == float(np.arange(n).sum())

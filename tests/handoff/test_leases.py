@@ -303,16 +303,17 @@ def test_a_link_that_cannot_be_opened_becomes_a_copy_not_a_hung_task():
 
 
 def test_a_pull_that_fails_becomes_a_copy_in_the_frames():
-    # Two "hosts": A's values reach B over the pipelined copy path (a pull from A's copy server).
-    plugin = GPUPool(kind="host", max_size="64 MiB", copy_stream_threshold="64 KiB")
+    # Two "hosts": A's values from 4 MiB (tuning.COPY_STREAM_THRESHOLD) reach B over the pipelined copy path (a pull
+    # from A's copy server).
+    plugin = GPUPool(kind="host", max_size="64 MiB")
     workers = [{"config": {"gpupool": {"host-id": "one"}}}, {"config": {"gpupool": {"host-id": "two"}}}]
     with nanny_cluster(workers, plugin) as c:
         a, b = worker_addresses(c)
-        x = c.submit(T.make_buffer, MiB, b"streamed", workers=[a], pure=False)
+        x = c.submit(T.make_buffer, 4 * MiB, b"streamed", workers=[a], pure=False)
         assert c.submit(T.head, x, 8, workers=[b], pure=False).result() == b"streamed"
-        assert counters(c, b)[b]["streamed_bytes"] == MiB
+        assert counters(c, b)[b]["streamed_bytes"] == 4 * MiB
         c.run(T.stop_copy_server, workers=[a])
-        x2 = c.submit(T.make_buffer, MiB, b"in frames", workers=[a], pure=False)
+        x2 = c.submit(T.make_buffer, 4 * MiB, b"in frames", workers=[a], pure=False)
         assert c.submit(T.head, x2, 9, workers=[b], pure=False).result(timeout=60) == b"in frames"
         assert c.run(T.lease_counts, workers=[a])[a]["leases"] == 0
 

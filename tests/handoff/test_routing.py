@@ -100,9 +100,10 @@ def test_plain_copy_reason(case, requester, row, expected):
 
 
 @contextlib.contextmanager
-def _routes(requester: PoolRecord, **options: object) -> Iterator[tuple[Any, Any]]:
-    """:class:`Routes` of a real (host) pool under ``OWN``, a device pool's registry row, with ``requester``'s row
-    registered, and its stats: the decisions read the rows (no GPU needed)."""
+def _routes(requester: PoolRecord, own: PoolRecord = OWN, **sizes: Any) -> Iterator[tuple[Any, Any]]:
+    """:class:`Routes` of a real (host) pool under ``own`` (by default a device pool's registry row), with
+    ``requester``'s row registered, and its stats: the decisions read the rows (no GPU needed). ``sizes``: the
+    collaborators Routes holds values against (by default dask_gpupool.tuning's)."""
     from dask_gpupool.config import PoolOptions
     from dask_gpupool.handoff.registry import RegistryView
     from dask_gpupool.handoff.routes import Routes
@@ -111,13 +112,13 @@ def _routes(requester: PoolRecord, **options: object) -> Iterator[tuple[Any, Any
     from dask_gpupool.memory.topology import LocalDevices
     from dask_gpupool.wire.registry import RegistryUpdate
 
-    pool_options = PoolOptions.from_config(kind="host", max_size="16 MiB", **options)
+    pool_options = PoolOptions.from_config(kind="host", max_size="16 MiB")
     pool = Pool.create(pool_options, LocalDevices(()))
     try:
         view = RegistryView()
-        view.apply(RegistryUpdate(version=1, added=(OWN, requester)))
+        view.apply(RegistryUpdate(version=1, added=(own, requester)))
         stats = HandoffStats()
-        yield Routes(pool_options, pool, OWN, view, stats, None), stats
+        yield Routes(pool_options, pool, own, view, stats, None, **sizes), stats
     finally:
         pool.close()
 
@@ -126,67 +127,57 @@ def _routes(requester: PoolRecord, **options: object) -> Iterator[tuple[Any, Any
     ("requester", "scheme", "nbytes", "staged"),
     [
         (PEER, "tcp", 8 * MiB, True),
-        (peer(device=GPU1), "tcp", 8 * MiB, True),  # over TCP the alternative is a host copy: stage for any GPU
-        (PEER, "ucxx", 8 * MiB, True),  # UCX, same GPU: a staging copy and a handoff instead of UCX's copy
-        (peer(device=GPU1), "ucxx", 8 * MiB, False),  # UCX, another GPU: UCX copies into the requester's memory
+        (PEER, "tcp", 64 << 10, True),  # a device pool over TCP: from 64 KiB (tuning.STAGE_THRESHOLD)
+        (PEER, "tls", 64 << 10, True),
+        (PEER, "tcp", 32 << 10, False),
+        (peer(device=GPU1), "tcp", 64 << 10, True),  # over TCP the alternative is a host copy: for any GPU
+        (peer(device=GPU1), "tcp", 32 << 10, False),
+        (PEER, "ucxx", 8 * MiB, False),  # over UCX never: UCX copies the array GPU to GPU itself
+        (peer(device=GPU1), "ucxx", 8 * MiB, False),
         (peer(device=GPU1), "ucx", 8 * MiB, False),
-        (PEER, "ucxx", 1 * MiB, False),  # below gpupool.stage-threshold
         (PEER, "inproc", 8 * MiB, False),
         (peer(host="host-b"), "tcp", 8 * MiB, False),
     ],
 )
 def test_which_plain_arrays_are_staged_into_the_pool(requester, scheme, nbytes, staged):
-    """Routes.stage_route: from gpupool.stage-threshold up, to a same-host worker over TCP or TLS, and over UCX only
-    to one on this pool's GPU."""
-    with _routes(requester, stage_threshold="4 MiB") as (routes, _stats):
+    """Routes.stage_route: on a device pool from 64 KiB, to a same-host worker over TCP or TLS, whatever its GPU;
+    never over UCX."""
+    with _routes(requester) as (routes, _stats):
         row = routes.stage_route(requester.worker, scheme, nbytes)
         assert (row == requester) if staged else row is None
 
 
-@pytest.mark.parametrize(
-    ("requester", "scheme", "nbytes", "threshold", "staged"),
-    [
-        (PEER, "tcp", 64 << 10, None, True),  # auto, a worker on this GPU over TCP: from 64 KiB
-        (PEER, "tls", 64 << 10, None, True),
-        (PEER, "tcp", 32 << 10, None, False),
-        (peer(device=GPU1), "tcp", 64 << 10, None, True),  # auto, another GPU: from 64 KiB too
-        (peer(device=GPU1), "tcp", 32 << 10, None, False),
-        (PEER, "ucxx", 64 << 10, None, False),  # auto over UCX: never (PoolOptions.effective_stage_threshold)
-        (PEER, "ucxx", 64 * MiB, None, False),
-        (PEER, "ucx", 64 * MiB, None, False),
-        (PEER, "ucxx", 4 * MiB, "4 MiB", True),  # set by the user: over UCX too, to a worker on this GPU
-        (PEER, "tcp", 64 << 10, "1 MiB", False),  # set by the user: for every GPU and comm
-        (peer(device=GPU1), "tcp", 1 * MiB, "1 MiB", True),
-    ],
-)
-def test_the_stage_threshold_of_device_pools_depends_on_the_requesters_gpu_and_comm(
-    requester, scheme, nbytes, threshold, staged
-):
-    """gpupool.stage-threshold: auto on a device pool is 64 KiB for a worker on the pool's GPU over TCP or TLS (staging
-    measured faster than the comm from there) and for one on another GPU, and never over UCX; a value the user
-    sets holds for all."""
-    with _routes(requester, stage_threshold=threshold) as (routes, _stats):
-        row = routes.stage_route(requester.worker, scheme, nbytes)
-        assert (row == requester) if staged else row is None
+def test_host_pools_stage_nothing_unless_given_a_threshold():
+    """tuning.stage_threshold is 0 on host pools (staging measured slower on the CPU); a test's own threshold
+    (testing.faults.route_sizes gives one to a worker) is what Routes holds arrays against then, over TCP only."""
+    host = dataclasses.replace(OWN, kind="host", device=None, devices=(), peers=())
+    requester = peer(devices=(), device=None)
+    with _routes(requester, host) as (routes, _stats):
+        assert routes.stage_threshold(requester.worker, "tcp") == 0
+        assert routes.stage_route(requester.worker, "tcp", 8 * MiB) is None
+    given = {"stage_threshold_of": lambda kind, over_tcp: (1 * MiB) if over_tcp else 0}
+    with _routes(requester, host, **given) as (routes, _stats):
+        assert routes.stage_route(requester.worker, "tcp", 1 * MiB) == requester
+        assert routes.stage_route(requester.worker, "tcp", MiB - 1) is None
+        assert routes.stage_route(requester.worker, "ucxx", 8 * MiB) is None
 
 
 @pytest.mark.parametrize(
-    ("requester", "nbytes", "threshold", "handed"),
+    ("own", "requester", "nbytes", "handed"),
     [
-        (PEER, 4 << 10, None, True),  # auto, a worker on this GPU: every size is handed over
-        (PEER, 1, None, True),
-        (peer(device=GPU1), 4 << 10, None, True),  # auto, another GPU: every size handed over too
-        (peer(device=GPU1), 1, None, True),
-        (PEER, 4 << 10, "64 KiB", False),  # set by the user: for every GPU
-        (peer(device=GPU1), 64 << 10, "64 KiB", True),
+        ({}, PEER, 4 << 10, True),  # a device pool, a worker on its GPU: every size is handed over
+        ({}, PEER, 1, True),
+        ({}, peer(device=GPU1), 4 << 10, True),  # another GPU: every size handed over too
+        ({}, peer(device=GPU1), 1, True),
+        ({"kind": "host", "device": None}, peer(devices=(), device=None), 32 << 10, False),  # host pools: from 64 KiB
+        ({"kind": "host", "device": None}, peer(devices=(), device=None), 64 << 10, True),
     ],
 )
-def test_the_handoff_threshold_of_device_pools_depends_on_the_requesters_gpu(requester, nbytes, threshold, handed):
-    """gpupool.handoff-threshold: auto on a device pool is 0 for a worker on the pool's GPU (a handoff measured faster
-    at every size there) and for one on another GPU (measured the same on two H200s); a value the user sets holds for
-    both."""
-    with _routes(requester, handoff_threshold=threshold) as (routes, stats):
-        buf = routes.pool.allocate(nbytes)  # a host pool's buffer under a device pool's row: the row decides
+def test_the_handoff_threshold_depends_on_the_pool_kind(own, requester, nbytes, handed):
+    """tuning.handoff_threshold: 0 on a device pool, for a worker on its GPU or another (a handoff measured faster at
+    every size on one H100 and across two H200s); 64 KiB on a host pool (the CPU crossover)."""
+    with _routes(requester, dataclasses.replace(OWN, **own)) as (routes, stats):
+        buf = routes.pool.allocate(nbytes)  # a host pool's buffer under the row given: the row decides
         try:
             row, reason = routes.plan(requester.worker, "tcp", buf)
         finally:

@@ -1,0 +1,87 @@
+"""The sizes and counts the transfer paths decide by: measured, not configured.
+
+No ``gpupool.*`` key sets these. Each constant is the value measured best, with what it decides and the figure
+behind it (machine, date); ``docs/performance.md`` and ``docs/cpu-users.md`` hold the runs. :func:`stage_threshold`
+and :func:`handoff_threshold` give the thresholds of a pool kind and comm.
+
+The product never changes them. To measure or test another size: :class:`~dask_gpupool.handoff.routes.Routes`
+takes the routing thresholds as collaborators, which :func:`dask_gpupool.testing.faults.route_sizes` replaces in
+one worker (``client.run``); the others are read from this module where they are used (the copy chunk when a
+worker's copy server starts), so a benchmark sets them as module attributes in its workers' processes
+(``benchmarks/ucx_pairs.py``).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "COPY_CHUNK_SIZE",
+    "COPY_STREAMS",
+    "COPY_STREAM_THRESHOLD",
+    "HOST_HANDOFF_THRESHOLD",
+    "STAGE_THRESHOLD",
+    "UCX_HOST_FRAME_THRESHOLD",
+    "UCX_STAGING_THRESHOLD",
+    "handoff_threshold",
+    "stage_threshold",
+]
+
+#: The smallest copy to another worker over TCP pulled over the pipelined copy path
+#: (:mod:`dask_gpupool.transport.stream`); smaller ones travel in Dask's frames, which spares the copy server's
+#: connections. Not measured at other sizes: from 256 MiB up the path was 2.95-3.46x faster than Dask TCP (the H200
+#: host, 2026-11-22).
+COPY_STREAM_THRESHOLD = 4 << 20
+
+#: The chunk of the pipelined copy path; each lane keeps two chunks of pinned staging on each side. Pulls of 256 MiB /
+#: 1 GiB / 4 GiB on the H200 host (2026-11-22, ``benchmarks/results/copy-sweep-20261122/``) took 56.4 / 192.4 / 760.8 ms
+#: in 16 MiB chunks over four lanes, 63.0 / 215.4 / 745.2 in 64 MiB chunks, 60.8 / 197.7 / 775.8 in 8 MiB over eight.
+COPY_CHUNK_SIZE = 16 << 20
+
+#: Lanes (TCP connections, each with its staging and CUDA stream) one copy is pulled over. On the H200 host
+#: (2026-11-22) one loopback connection moved 4.6-6.4 GB/s and four 16-20 GB/s (``scripts/probes/copy_pipeline.py``);
+#: a 256 MiB pull took 56.4 ms over four lanes, 65.6 over one and 59.9 over eight, equal from 1 GiB.
+COPY_STREAMS = 4
+
+#: Plain arrays outside the pool from this size up, asked for by a same-host worker over TCP or TLS, are copied into
+#: a ``device`` pool and handed over (:func:`stage_threshold`). Each sample staged and sent through the comm back to
+#: back (``benchmarks/copy_or_handoff.py --plain``): staging won 31 of 40 pairs at 64 KiB and 20 of 40 at 1 KiB on one
+#: H100 (same GPU, 2026-11-24); the comm won 30-32% at 64-256 KiB and 60% at 1 KiB on two H200s (other GPU, 2026-11-24).
+STAGE_THRESHOLD = 64 << 10
+
+#: ``host`` pool buffers under this size go to a same-host worker over TCP or TLS as a copy in Dask's frames, not a
+#: handoff (:func:`handoff_threshold`). On a 2-vCPU container (2026-11-23, ``benchmarks/copy_or_handoff.py``, 300
+#: pairs per size) the two were within 0.08 ms up to 32 KiB; the copy was faster in 22-35% of pairs at 64 KiB and
+#: 3-13% at 128 KiB-1 MiB.
+HOST_HANDOFF_THRESHOLD = 64 << 10
+
+#: Over UCX, pool memory under this size goes to UCX as it is rather than copied into ``cuMemAlloc`` memory first:
+#: UCX 1.21 sends any device memory under 8 KiB eagerly through host bounce buffers. On one H100 (2026-11-23,
+#: ``benchmarks/ucx_pairs.py``) other-"host" pairs took 1.90 ms unstaged against 2.09 staged at 4 KiB (8 of 8 pairs).
+UCX_STAGING_THRESHOLD = 8 << 10
+
+#: Over UCX, a CuPy array or pool Buffer under this size in a reply to a worker running the plugin goes as one host
+#: frame, as UCX's eager protocol would move it, without the comm's GPU synchronizes and the receiver's ``cudaMalloc``.
+#: On one H100 (2026-11-24, ``benchmarks/ucx_pairs.py``) 4 KiB other-"host" pool arrays took 1.67 ms against 1.87 (8 of
+#: 8 pairs); at 1 MiB host frames were 1.45-1.51x slower.
+UCX_HOST_FRAME_THRESHOLD = 8 << 10
+
+
+def stage_threshold(kind: str, over_tcp: bool) -> int:
+    """The smallest plain array a pool of ``kind`` stages for a same-host worker asking over TCP or TLS
+    (``over_tcp``) or UCX; 0: never.
+
+    :data:`STAGE_THRESHOLD` for ``device`` pools over TCP or TLS. Never over UCX: UCX copies the array GPU to GPU
+    itself, and staging from 4 MiB was 0.97-1.02x of that on seven ``dask.array`` workloads, 0.92x on one (one H100,
+    2026-11-24). Never on ``host`` pools: a task rechunk of 8 MiB NumPy chunks staged took 1.25x as long (2-vCPU
+    container, 2026-11-23). Never on ``pinned`` pools (not measured).
+    """
+    return STAGE_THRESHOLD if kind == "device" and over_tcp else 0
+
+
+def handoff_threshold(kind: str) -> int:
+    """The smallest buffer of a pool of ``kind`` handed over to a same-host worker over TCP or TLS; 0: every size.
+
+    :data:`HOST_HANDOFF_THRESHOLD` for ``host`` pools. Every size on ``device`` pools, to a worker on the same GPU or
+    another: handed over 1.83-2.02 ms from 1 KiB to 1 MiB against 2.18-2.54 copied on one H100 (2026-11-23), 1.65-1.81
+    against 1.79-2.64 across two H200s (2026-11-24). Every size on ``pinned`` pools (not measured).
+    """
+    return HOST_HANDOFF_THRESHOLD if kind == "host" else 0
