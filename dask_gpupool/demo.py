@@ -48,13 +48,28 @@ def _worker_specs(n_gpus: int, workers: int) -> list[dict[str, Any]]:
     return [{} for _ in range(workers)]
 
 
+def _local_cluster(specs: list[dict[str, Any]]) -> Any:
+    """The demo's cluster (not started): a scheduler and one Nanny worker per entry of ``specs`` (extra options)."""
+    from distributed import Nanny, Scheduler, SpecCluster
+
+    workers = {
+        f"worker-{i}": {
+            "cls": Nanny,
+            "options": {"nthreads": 1, "dashboard_address": None, "silence_logs": logging.WARNING, **s},
+        }
+        for i, s in enumerate(specs)
+    }
+    scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0"}}
+    return SpecCluster(workers=workers, scheduler=scheduler, silence_logs=logging.WARNING)
+
+
 def demo(kind: str = "auto", workers: int = 2, max_size: str = "1 GiB") -> int:
     """Run the demo; 0 when the second worker read what the first wrote without a host copy, 2 when the workers
     cannot have the pools asked for (one line on stderr says why).
 
     Zero-copy, or, with ``gpupool.peer-gpu-copy`` on and the workers on two GPUs, mapped and copied GPU to GPU.
     """
-    from distributed import Client, Nanny, Scheduler, SpecCluster
+    from distributed import Client
 
     import dask_gpupool
     from dask_gpupool.memory.topology import local_devices
@@ -68,15 +83,7 @@ def demo(kind: str = "auto", workers: int = 2, max_size: str = "1 GiB") -> int:
         return 2
     specs = _worker_specs(n_gpus if kind in ("auto", "device", "pinned") else 0, workers)
     print(f"dask_gpupool demo: {n_gpus} GPU(s) visible; starting {len(specs)} Nanny workers, pool kind {kind!r}")
-    cluster_workers = {
-        f"worker-{i}": {
-            "cls": Nanny,
-            "options": {"nthreads": 1, "dashboard_address": None, "silence_logs": logging.WARNING, **s},
-        }
-        for i, s in enumerate(specs)
-    }
-    scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0"}}
-    cluster = SpecCluster(workers=cluster_workers, scheduler=scheduler, silence_logs=logging.WARNING)
+    cluster = _local_cluster(specs)
     with cluster, Client(cluster) as client:
         client.wait_for_workers(len(specs))
         try:
