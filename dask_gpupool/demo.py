@@ -49,17 +49,20 @@ def _worker_specs(n_gpus: int, workers: int) -> list[dict[str, Any]]:
 
 
 def _local_cluster(specs: list[dict[str, Any]]) -> Any:
-    """The demo's cluster (not started): a scheduler and one Nanny worker per entry of ``specs`` (extra options)."""
+    """The demo's cluster (not started): a scheduler and one Nanny worker per entry of ``specs`` (extra options).
+
+    Everything listens on 127.0.0.1 only, as a ``LocalCluster`` does: the scheduler, its dashboard, the nannies,
+    the workers and their HTTP servers (on the host's outside interfaces, anyone who reaches the host could submit
+    code to run).
+    """
     from distributed import Nanny, Scheduler, SpecCluster
 
+    loopback = {"host": "127.0.0.1", "dashboard_address": "127.0.0.1:0"}
     workers = {
-        f"worker-{i}": {
-            "cls": Nanny,
-            "options": {"nthreads": 1, "dashboard_address": None, "silence_logs": logging.WARNING, **s},
-        }
+        f"worker-{i}": {"cls": Nanny, "options": {"nthreads": 1, "silence_logs": logging.WARNING, **loopback, **s}}
         for i, s in enumerate(specs)
     }
-    scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0"}}
+    scheduler = {"cls": Scheduler, "options": loopback}
     return SpecCluster(workers=workers, scheduler=scheduler, silence_logs=logging.WARNING)
 
 

@@ -44,15 +44,17 @@ def consume(arr) -> tuple[float, float]:
 
 
 def local_cluster():
-    """Two Nanny workers, both on GPU 0 when there is one (ordinal 0 of what they see), and a scheduler."""
+    """Two Nanny workers, both on GPU 0 when there is one (ordinal 0 of what they see), and a scheduler, listening
+    on 127.0.0.1 only (dashboards included), as a ``LocalCluster`` does."""
     from distributed import Nanny, Scheduler, SpecCluster
 
+    loopback = {"host": "127.0.0.1", "dashboard_address": "127.0.0.1:0"}
     envs: list[dict[str, str]] = [{}, {}]
     workers = {
-        f"w{i}": {"cls": Nanny, "options": {"nthreads": 1, "env": env, "silence_logs": logging.WARNING}}
+        f"w{i}": {"cls": Nanny, "options": {"nthreads": 1, "env": env, "silence_logs": logging.WARNING, **loopback}}
         for i, env in enumerate(envs)
     }
-    scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0"}}
+    scheduler = {"cls": Scheduler, "options": loopback}
     return SpecCluster(workers=workers, scheduler=scheduler, silence_logs=logging.WARNING)
 
 
