@@ -69,7 +69,8 @@ def allocate(nbytes: int, stream: Any = None) -> Buffer:
     PoolUnavailableError
         Outside a task on a worker that runs the plugin.
     PoolExhaustedError
-        When the pool cannot hold ``nbytes`` more.
+        When the pool cannot hold ``nbytes`` more, even after a garbage collection (buffers that only reference
+        cycles hold, such as a failed task's: docs/operations.rst).
     """
     return current_service().allocate(nbytes, stream, wait=True)
 
