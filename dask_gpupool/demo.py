@@ -48,11 +48,29 @@ def _worker_specs(n_gpus: int, workers: int) -> list[dict[str, Any]]:
     return [{} for _ in range(workers)]
 
 
+def _local_cluster(specs: list[dict[str, Any]]) -> Any:
+    """The demo's cluster (not started): a scheduler and one Nanny worker per entry of ``specs`` (extra options).
+
+    Everything listens on 127.0.0.1 only, as a ``LocalCluster`` does: the scheduler, its dashboard, the nannies,
+    the workers and their HTTP servers (on the host's outside interfaces, anyone who reaches the host could submit
+    code to run).
+    """
+    from distributed import Nanny, Scheduler, SpecCluster
+
+    loopback = {"host": "127.0.0.1", "dashboard_address": "127.0.0.1:0"}
+    workers = {
+        f"worker-{i}": {"cls": Nanny, "options": {"nthreads": 1, "silence_logs": logging.WARNING, **loopback, **s}}
+        for i, s in enumerate(specs)
+    }
+    scheduler = {"cls": Scheduler, "options": loopback}
+    return SpecCluster(workers=workers, scheduler=scheduler, silence_logs=logging.WARNING)
+
+
 def demo(kind: str = "auto", workers: int = 2, max_size: str = "1 GiB") -> int:
     """Run the demo; 0 when the second worker read what the first wrote without a host copy, 2 when the workers
     cannot have the pools asked for (one line on stderr says why).
     """
-    from distributed import Client, Nanny, Scheduler, SpecCluster
+    from distributed import Client
 
     import dask_gpupool
     from dask_gpupool.memory.topology import local_devices
@@ -66,15 +84,7 @@ def demo(kind: str = "auto", workers: int = 2, max_size: str = "1 GiB") -> int:
         return 2
     specs = _worker_specs(n_gpus if kind in ("auto", "device", "pinned") else 0, workers)
     print(f"dask_gpupool demo: {n_gpus} GPU(s) visible; starting {len(specs)} Nanny workers, pool kind {kind!r}")
-    cluster_workers = {
-        f"worker-{i}": {
-            "cls": Nanny,
-            "options": {"nthreads": 1, "dashboard_address": None, "silence_logs": logging.WARNING, **s},
-        }
-        for i, s in enumerate(specs)
-    }
-    scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0"}}
-    cluster = SpecCluster(workers=cluster_workers, scheduler=scheduler, silence_logs=logging.WARNING)
+    cluster = _local_cluster(specs)
     with cluster, Client(cluster) as client:
         client.wait_for_workers(len(specs))
         try:

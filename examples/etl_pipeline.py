@@ -153,13 +153,17 @@ def cluster(workers: list[dict[str, Any]], plugin: Any, dask_cuda: bool = False)
     if dask_cuda:
         from dask_cuda import LocalCUDACluster
 
-        cl = LocalCUDACluster(threads_per_worker=1, dashboard_address=":0", silence_logs=logging.WARNING)
+        cl = LocalCUDACluster(
+            host="127.0.0.1", threads_per_worker=1, dashboard_address="127.0.0.1:0", silence_logs=logging.WARNING
+        )
     else:
+        # on 127.0.0.1 only (dashboards included), as a LocalCluster does
+        loopback = {"host": "127.0.0.1", "dashboard_address": "127.0.0.1:0"}
         specs = {
-            f"w{i}": {"cls": Nanny, "options": {"nthreads": 1, "silence_logs": logging.WARNING, **w}}
+            f"w{i}": {"cls": Nanny, "options": {"nthreads": 1, "silence_logs": logging.WARNING, **loopback, **w}}
             for i, w in enumerate(workers)
         }
-        sched = {"cls": Scheduler, "options": {"dashboard_address": ":0"}}
+        sched = {"cls": Scheduler, "options": loopback}
         cl = SpecCluster(workers=specs, scheduler=sched, silence_logs=logging.WARNING)
     client = Client(cl)
     client.wait_for_workers(len(workers))

@@ -43,23 +43,32 @@ def consume(arr) -> tuple[float, float]:
     return float(arr[0]), float(arr.sum())
 
 
+def local_cluster():
+    """Two Nanny workers, both on GPU 0 when there is one (ordinal 0 of what they see), and a scheduler, listening
+    on 127.0.0.1 only (dashboards included), as a ``LocalCluster`` does."""
+    from distributed import Nanny, Scheduler, SpecCluster
+
+    loopback = {"host": "127.0.0.1", "dashboard_address": "127.0.0.1:0"}
+    envs: list[dict[str, str]] = [{}, {}]
+    workers = {
+        f"w{i}": {"cls": Nanny, "options": {"nthreads": 1, "env": env, "silence_logs": logging.WARNING, **loopback}}
+        for i, env in enumerate(envs)
+    }
+    scheduler = {"cls": Scheduler, "options": loopback}
+    return SpecCluster(workers=workers, scheduler=scheduler, silence_logs=logging.WARNING)
+
+
 def main() -> None:
-    from distributed import Client, Nanny, Scheduler, SpecCluster
+    from distributed import Client
 
     from dask_gpupool.memory.topology import local_devices
 
     gpus = len(local_devices().uuids)
-    envs: list[dict[str, str]] = [{}, {}]  # both workers on GPU 0 (ordinal 0 of what they see)
-    workers = {
-        f"w{i}": {"cls": Nanny, "options": {"nthreads": 1, "env": env, "silence_logs": logging.WARNING}}
-        for i, env in enumerate(envs)
-    }
-    scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0"}}
     # The demo writes into A's copy of a result after B got it. Dask treats results as immutable,
     # and its Active Memory Manager may drop A's replica (A would then fetch B's back as a copy):
     # its timer is off here so that A keeps its own.
     amm_off = dask.config.set({"distributed.scheduler.active-memory-manager.start": False})
-    with amm_off, SpecCluster(workers=workers, scheduler=scheduler, silence_logs=logging.WARNING) as cluster:
+    with amm_off, local_cluster() as cluster:
         with Client(cluster) as client:
             client.wait_for_workers(2)
             client.register_plugin(dask_gpupool.GPUPool(max_size="1 GiB"))

@@ -96,3 +96,79 @@ def test_the_operations_page_lists_every_prometheus_metric():
     listed = {n.removesuffix("_total") for n in re.findall(r"``(dask_(?:worker|scheduler)_gpupool_[a-z_]+)``", text)}
     assert names - listed == set()
     assert {n for n in counters if f"``{n}_total``" not in text} == set()  # counters under their exposed name
+
+
+LISTENING = """
+import importlib.util, json, sys
+
+import psutil
+from distributed import Client
+
+import dask_gpupool
+from dask_gpupool import testing as T
+
+
+def load(path):
+    spec = importlib.util.spec_from_file_location("example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def listening():
+    me = psutil.Process()
+    return sorted(
+        {(c.laddr.ip, c.laddr.port) for p in (me, *me.children(recursive=True)) for c in p.net_connections("inet")
+         if c.status == psutil.CONN_LISTEN}
+    )
+
+
+if __name__ == "__main__":
+    which, root, brokers = sys.argv[1:]
+    plugin = dask_gpupool.GPUPool(kind="host", max_size="64 MiB", broker_dir=brokers)
+    if which == "demo":
+        from dask_gpupool.demo import _local_cluster, _worker_specs
+
+        cluster, client = _local_cluster(_worker_specs(0, 2)), None
+    elif which == "zero_copy_handoff":
+        cluster, client = load(f"{root}/examples/zero_copy_handoff.py").local_cluster(), None
+    else:
+        cluster, client = load(f"{root}/examples/etl_pipeline.py").cluster([{}, {}], plugin)
+    with cluster, client or Client(cluster) as c:
+        c.wait_for_workers(2)
+        if client is None:
+            c.register_plugin(plugin)
+        addresses = {"scheduler": cluster.scheduler_address, "workers": sorted(T.workers(c))}
+        addresses["listening"] = listening()
+        rows = dask_gpupool.pools(c)
+        addresses["pools"] = len(rows)
+    # multiprocessing's resource tracker lives as long as this process, whatever it ran
+    left = [p.cmdline() for p in psutil.Process().children(recursive=True)]
+    addresses["left"] = [cmd for cmd in left if not any("resource_tracker" in part for part in cmd)]
+    print(json.dumps(addresses))
+"""
+
+
+@pytest.mark.parametrize("which", ["demo", "zero_copy_handoff", "etl_pipeline"])
+def test_the_demo_and_the_examples_listen_on_the_loopback_interface_only(which, tmp_path):
+    """The demo's and the examples' clusters (scheduler, its dashboard, nannies, workers and their HTTP servers)
+    listen on 127.0.0.1 only, as a LocalCluster does, not on the host's outside interfaces; and leave no process
+    nor broker directory behind."""
+    import json
+    import tempfile
+
+    script = tmp_path / "listening.py"
+    script.write_text(LISTENING)
+    with tempfile.TemporaryDirectory(prefix="brokers-") as brokers:  # short: a socket path under it fits AF_UNIX
+        out = subprocess.run(
+            [sys.executable, str(script), which, str(ROOT), brokers], capture_output=True, text=True, timeout=170
+        )
+        assert out.returncode == 0, out.stderr[-4000:]
+        seen = json.loads(out.stdout.strip().splitlines()[-1])
+        assert __import__("os").listdir(brokers) == []
+    assert seen["listening"], seen
+    outside = [ip for ip, _port in seen["listening"] if ip not in ("127.0.0.1", "::1")]
+    assert outside == [], seen
+    for address in (seen["scheduler"], *seen["workers"]):
+        assert address.startswith("tcp://127.0.0.1:"), seen
+    assert seen["pools"] == 2 and seen["left"] == [], seen

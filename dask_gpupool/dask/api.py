@@ -69,7 +69,8 @@ def allocate(nbytes: int, stream: Any = None) -> Buffer:
     PoolUnavailableError
         Outside a task on a worker that runs the plugin.
     PoolExhaustedError
-        When the pool cannot hold ``nbytes`` more.
+        When the pool cannot hold ``nbytes`` more, even after a garbage collection (buffers that only reference
+        cycles hold, such as a failed task's: docs/operations.rst).
     """
     return current_service().allocate(nbytes, stream, wait=True)
 
@@ -162,7 +163,19 @@ async def _pools(client: Client) -> list[PoolRecord]:
     return [PoolRecord.from_msg(r) for r in rows]
 
 
+def _no_pool(dask_worker: Worker) -> dict[str, str] | None:
+    """``{"error": why}`` where ``dask_worker`` has no pool, else ``None``: returned to ``client.run`` rather than
+    raised, for which distributed logs a traceback on the worker at every call (``stats()``, ``info``, the page)."""
+    try:
+        service_of(dask_worker)
+    except PoolUnavailableError as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    return None
+
+
 def _worker_pool_stats(dask_worker: Worker) -> dict[str, Any]:
+    if (no_pool := _no_pool(dask_worker)) is not None:
+        return no_pool
     service = service_of(dask_worker)
     return {
         "pool": service.pool.uuid,
@@ -238,7 +251,7 @@ def pool_stats(client: Client, timeout: float | None = None) -> dict[str, dict[s
 
 
 def _worker_handoff_stats(dask_worker: Worker) -> dict[str, Any]:
-    return service_of(dask_worker).handoff_stats()
+    return _no_pool(dask_worker) or service_of(dask_worker).handoff_stats()
 
 
 def stats(client: Client, timeout: float | None = None) -> dict[str, dict[str, Any]]:
@@ -306,7 +319,9 @@ def stats(client: Client, timeout: float | None = None) -> dict[str, dict[str, A
     return _per_worker(client, _worker_handoff_stats, timeout)
 
 
-async def _worker_trim(dask_worker: Worker) -> dict[str, int]:
+async def _worker_trim(dask_worker: Worker) -> dict[str, Any]:
+    if (no_pool := _no_pool(dask_worker)) is not None:
+        return no_pool
     service = service_of(dask_worker)
     row = service.retire_segments()
     if row is not None and service.registry_key is not None:

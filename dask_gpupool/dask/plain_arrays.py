@@ -8,7 +8,8 @@ worker's pool here (device to device for CuPy on a ``device`` pool, a memcpy
 for NumPy on a ``host`` pool where a test gives one a threshold) and handed over under the requester's lease
 (fallback ``staged-in-pool``, ``pool_staged_bytes``): :func:`stage`. Every
 other such array goes through distributed's own serializer and is counted
-(:func:`plain`: ``copied_out_bytes`` and, to a same-host worker, the fallback
+(:func:`plain`: ``copied_out_bytes``, the receiving worker's ``copied_bytes``
+(:func:`sent_as_copy`) and, to a same-host worker, the fallback
 ``small`` or ``not-in-pool``: :meth:`Request.count_plain_fallback
 <dask_gpupool.dask.worker_internals.Request.count_plain_fallback>`). The
 staged copy is owned by the lease (the exporter's ``Exported`` holds the
@@ -25,9 +26,10 @@ from typing import Any
 from dask_gpupool.dask.views import as_array, c_strides, described
 from dask_gpupool.dask.worker_internals import REQUEST, Request
 from dask_gpupool.errors import PoolExhaustedError
-from dask_gpupool.wire.handoff import HEADER_KEY, ArrayMeta
+from dask_gpupool.handoff.active import active_service
+from dask_gpupool.wire.handoff import COPIED_KEY, HEADER_KEY, ArrayMeta
 
-__all__ = ["plain", "stage", "warn_once"]
+__all__ = ["plain", "received_copy", "sent_as_copy", "stage", "warn_once"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +68,29 @@ def plain(arr: Any, module: str, previous: Any, context: Any) -> tuple[dict[str,
     if staged is not None:
         return staged
     request.count_plain_fallback(int(arr.nbytes))
-    request.service.handoffs.add(copied_out_bytes=int(arr.nbytes))
-    return previous(arr, context)
+    return sent_as_copy(request, int(arr.nbytes), previous(arr, context))
+
+
+def sent_as_copy(
+    request: Request, nbytes: int, serialized: tuple[dict[str, Any], list[Any]]
+) -> tuple[dict[str, Any], list[Any]]:
+    """``serialized`` (distributed's own header and frames of a value of ``nbytes`` bytes in ``request``'s reply),
+    counted in ``copied_out_bytes`` here and marked so that the receiving worker counts it in ``copied_bytes``
+    (:data:`~dask_gpupool.wire.handoff.COPIED_KEY`)."""
+    request.service.handoffs.add(copied_out_bytes=nbytes)
+    header, frames = serialized
+    header[COPIED_KEY] = nbytes
+    return header, frames
+
+
+def received_copy(header: dict[str, Any]) -> None:
+    """Count the bytes of a copy a peer sent in distributed's own frames (:func:`sent_as_copy`) in this worker's
+    ``copied_bytes``; nothing for any other header, or in a process without a pool (a client)."""
+    nbytes = header.get(COPIED_KEY)
+    if type(nbytes) is int and nbytes > 0:
+        service = active_service()
+        if service is not None:
+            service.handoffs.add(copied_bytes=nbytes)
 
 
 def stage(request: Request, arr: Any, module: str) -> tuple[dict[str, Any], list[Any]] | None:

@@ -11,6 +11,7 @@ per ``gpupool.*`` key) or from dask config.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import click
@@ -21,8 +22,11 @@ from distributed.protocol.pickle import dumps
 from dask_gpupool.config import KINDS, PoolOptions
 from dask_gpupool.core import PLUGIN_NAME
 from dask_gpupool.dask.scheduler_plugin import GPUPool
+from dask_gpupool.errors import ConfigError
 
 __all__ = ["dask_setup"]
+
+logger = logging.getLogger(__name__)
 
 
 def _with_every_option(command: Any) -> Any:
@@ -43,10 +47,10 @@ async def dask_setup(dask_object: Scheduler | Worker, **options: Any) -> None:
     checked here, before the worker starts, and become that worker's dask
     config, and only that worker's: the ``GPUPool`` it asks the scheduler to
     install (if none is yet) sets no option, so every worker reads its own.
-    A bad value raises :class:`~dask_gpupool.ConfigError` naming the key;
-    distributed logs it and starts the worker anyway, and the worker then
-    joins without a pool, reported as such by ``stats()``, ``info`` and the
-    ``/gpupool`` page.
+    A bad value is logged in one line (the :class:`~dask_gpupool.ConfigError`
+    naming the key), and the worker joins without a pool, whatever
+    registration comes, reported as ``no pool: ConfigError: ...`` by
+    ``stats()``, ``info`` and the ``/gpupool`` page.
     """
     options = {k: v for k, v in options.items() if v is not None}
     if isinstance(dask_object, Scheduler):
@@ -54,8 +58,18 @@ async def dask_setup(dask_object: Scheduler | Worker, **options: Any) -> None:
         plugin.idempotent = True
         await dask_object.register_scheduler_plugin(plugin, name=PLUGIN_NAME, idempotent=True)
         return
-    # Checked over this worker's own dask config, the one its pool reads (each value, and the whole).
-    PoolOptions.from_config(**options)
+    try:
+        # Checked over this worker's own dask config, the one its pool reads (each value, and the whole).
+        PoolOptions.from_config(**options)
+    except ConfigError as e:
+        # Not raised: distributed would log a traceback and start the worker with its config unchanged, so that
+        # its pool took the default in place of the bad value. This worker gets no pool (said once, here).
+        from dask_gpupool.dask.worker_plugin import refuse_pool  # the worker stack, loaded on workers only
+
+        why = f"{type(e).__name__}: {e}"
+        logger.error("gpupool: this worker joins with no pool: %s", why)
+        refuse_pool(dask_object, why)
+        options = {}
     if options:
         # This worker's own config from now on: its plugin reads every option the scheduler's GPUPool
         # does not set from here, whichever process registered GPUPool first.

@@ -142,7 +142,12 @@ class RegistryHandlers:
         while True:
             self._joined.clear()
             owners = self.registry.owners()
-            missing = [w for w in workers if w in scheduler_workers and w not in owners]
+            # a worker that reported it has no pool (its set-up failed, or its options were refused) never joins
+            missing = [
+                w
+                for w in workers
+                if w in scheduler_workers and w not in owners and "error" not in self.worker_stats.get(w, {})
+            ]
             left = deadline - time.monotonic()
             if not missing:
                 return
@@ -182,6 +187,9 @@ class RegistryHandlers:
                 self.worker_stats[worker] = finite(msg["stats"])
             except RecursionError:
                 self._reject(STATS_OP, "malformed", worker, "statistics nested too deep")
+                return
+            if "error" in msg["stats"] and self._joined is not None:
+                self._joined.set()  # it has no pool: a registration waits for it no more (wait_until_joined)
 
     def _scheduler_workers(self) -> Any:
         return self.scheduler.workers if self.scheduler is not None else {}

@@ -38,7 +38,7 @@ from typing import Any
 from cuda.core import Buffer
 from distributed.protocol import dask_deserialize, dask_serialize
 
-from dask_gpupool.dask.plain_arrays import plain
+from dask_gpupool.dask.plain_arrays import plain, received_copy, sent_as_copy
 from dask_gpupool.dask.views import VIEWS, as_array, c_strides, described, read_only, viewed_buffer
 from dask_gpupool.dask.worker_internals import REQUEST, Request, clear_tracebacks
 from dask_gpupool.errors import DataLostError, PoolUnavailableError, ProtocolError
@@ -214,10 +214,10 @@ def _dumps_array(arr: Any, module: str, ptr: int, previous: Any, context: Any) -
         return plain(arr, module, previous, context)
     if not described(arr):
         request = REQUEST.get()
-        if request is not None:
-            request.service.handoffs.add(copied_out_bytes=int(arr.nbytes))
-            request.count_copy("structured-dtype", int(arr.nbytes))
-        return previous(arr, context)
+        if request is None:
+            return previous(arr, context)
+        request.count_copy("structured-dtype", int(arr.nbytes))
+        return sent_as_copy(request, int(arr.nbytes), previous(arr, context))
     shape, strides = tuple(arr.shape), tuple(arr.strides)
 
     def host_frame() -> Any:
@@ -239,6 +239,7 @@ def _dumps_array(arr: Any, module: str, ptr: int, previous: Any, context: Any) -
 
 def loads_array(header: dict[str, Any], frames: list[Any], previous: Any) -> Any:
     if KEY not in header:
+        received_copy(header)
         return previous(header, frames)
     try:
         h = HandoffHeader.from_msg(header[KEY])
@@ -387,8 +388,9 @@ def _count_pickled() -> None:
     An object none of the ``"dask"`` serializers knows is pickled, and the arrays in it (pool memory or not) go
     as out-of-band frames: a copy between same-host workers that no serializer of ours sees
     (:meth:`Request.count_copy <dask_gpupool.dask.worker_internals.Request.count_copy>`, ``pickled``: pool memory
-    or not, the bytes go in the frames; a value with no buffer in it is not counted). What goes on the wire is
-    unchanged.
+    or not, the bytes go in the frames; a value with no buffer in it is not counted), in ``copied_out_bytes`` here
+    and in the receiving worker's ``copied_bytes`` (:func:`~dask_gpupool.dask.plain_arrays.sent_as_copy`). The
+    frames on the wire are unchanged.
     """
     from distributed.protocol.serialize import families, register_serialization_family
 
@@ -400,11 +402,17 @@ def _count_pickled() -> None:
         header, frames = dumps(x, context=context)
         request = REQUEST.get()
         if request is not None and len(frames) > 1:
-            request.count_copy("pickled", sum(memoryview(f).nbytes for f in frames[1:]))
+            nbytes = sum(memoryview(f).nbytes for f in frames[1:])
+            request.count_copy("pickled", nbytes)
+            return sent_as_copy(request, nbytes, (header, frames))
         return header, frames
 
+    def pickle_loads(header: Any, frames: list[Any]) -> Any:
+        received_copy(header)
+        return loads(header, frames)
+
     pickle_dumps.__gpupool__ = True  # type: ignore[attr-defined]
-    register_serialization_family("pickle", pickle_dumps, loads)
+    register_serialization_family("pickle", pickle_dumps, pickle_loads)
 
 
 def _register_sizeof() -> None:

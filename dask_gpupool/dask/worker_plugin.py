@@ -29,6 +29,7 @@ import contextlib
 import importlib.util
 import logging
 import sys
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
@@ -70,9 +71,22 @@ from dask_gpupool.wire.registry import Membership, PoolRecord, RegistryUpdate
 if TYPE_CHECKING:
     from distributed import Worker
 
-__all__ = ["PLUGIN_NAME", "GPUPoolWorkerPlugin", "service_of"]
+__all__ = ["PLUGIN_NAME", "GPUPoolWorkerPlugin", "refuse_pool", "service_of"]
 
 logger = logging.getLogger(__name__)
+
+#: Workers refused a pool before they joined (:func:`refuse_pool`), and why.
+_refused: weakref.WeakKeyDictionary[Worker, str] = weakref.WeakKeyDictionary()
+
+
+def refuse_pool(worker: Worker, why: str) -> None:
+    """``worker`` gets no pool from any registration; ``why`` (``"ConfigError: ..."``) is its failure.
+
+    For ``--preload dask_gpupool`` with a bad ``--gpupool-<key>`` argument, which has logged ``why`` already: the
+    worker plugin's setup then makes nothing, logs nothing and raises nothing (a registration does not fail for
+    it, nor wait for it to join), and reports ``why`` as :meth:`GPUPoolWorkerPlugin.setup` reports a failure.
+    """
+    _refused[worker] = why
 
 
 class GPUPoolWorkerPlugin(WorkerPlugin):
@@ -128,17 +142,25 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
 
     async def setup(self, worker: Worker) -> None:
         """Make the pool and join the registry; on failure, remember why (see :func:`service_of`) and raise."""
+        refused = _refused.get(worker)
+        if refused is not None:  # logged when it was refused (refuse_pool)
+            self._fail(worker, refused)
+            return
         try:
             await self._setup(worker)
         except BaseException as e:
-            self.failure = f"{type(e).__name__}: {e}"
-            # Dask logs the exception with its traceback; the failure is also what stats(), info and
-            # the /gpupool page show for this worker, so the rest of the cluster can still be asked.
-            stream = getattr(worker, "batched_stream", None)
-            if stream is not None and not stream.closed():
-                with contextlib.suppress(Exception):
-                    stream.send({"op": STATS_OP, "stats": {"error": self.failure}})
+            # Dask logs the exception with its traceback
+            self._fail(worker, f"{type(e).__name__}: {e}")
             raise
+
+    def _fail(self, worker: Worker, why: str) -> None:
+        """No pool here, because of ``why``: what stats(), info and the /gpupool page show for this worker, so the
+        rest of the cluster can still be asked (the scheduler waits for no join of this worker's)."""
+        self.failure = why
+        stream = getattr(worker, "batched_stream", None)
+        if stream is not None and not stream.closed():
+            with contextlib.suppress(Exception):
+                stream.send({"op": STATS_OP, "stats": {"error": why}})
 
     async def _setup(self, worker: Worker) -> None:
         if self._torn_down:  # removed before its setup ran (see below)

@@ -27,14 +27,14 @@ trip, bounded by ``broker-timeout``).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import gc
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from dask_gpupool.config import PoolOptions
-from dask_gpupool.errors import PoolClosedError
+from dask_gpupool.errors import PoolClosedError, PoolExhaustedError
 from dask_gpupool.handoff import active
 from dask_gpupool.handoff.exporter import ExportSide
 from dask_gpupool.handoff.exports import Exports
@@ -202,12 +202,26 @@ class PoolService:
     def allocate(self, nbytes: int, stream: Any = None, *, wait: bool = False) -> Buffer:
         """A buffer of ``nbytes`` from this worker's pool (see :meth:`Pool.allocate`).
 
-        ``wait``: a full pool may wait up to ``broker-timeout`` for peers to
-        release large buffers' spares it reclaims (a task's own allocation);
-        otherwise it fails at once and the caller takes its fallback.
+        ``wait`` (a task's own allocation): a full pool may wait up to
+        ``broker-timeout`` for peers to release large buffers' spares it
+        reclaims, then collects garbage once (``gc.collect()``, in the
+        caller's thread) and tries once more: buffers that only reference
+        cycles hold go back to the pool first, such as those of a task that
+        failed (distributed keeps its frames in a cycle: docs/operations.rst).
+        Without ``wait`` it fails at once and the caller takes its fallback.
         """
-        with waiting_for_reclaim() if wait else contextlib.nullcontext():
+        if not wait:
             return self.pool.allocate(nbytes, stream)
+        with waiting_for_reclaim():
+            try:
+                return self.pool.allocate(nbytes, stream)
+            except PoolExhaustedError:
+                used = self.pool.stats().used
+        # 0: nothing unreachable, or a collection already runs in another thread (the retry raises as before)
+        if gc.collect():
+            freed = used - self.pool.stats().used
+            logger.debug("pool %s: full; a garbage collection gave %d bytes back", self.pool.uuid, freed)
+        return self.pool.allocate(nbytes, stream)  # without a second wait for reclaimed spares
 
     def export(self, buf: Buffer) -> BufferDescriptor:
         """Describe a buffer of this worker's pool for a peer (see :meth:`Pool.export`)."""

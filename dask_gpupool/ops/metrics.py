@@ -69,10 +69,12 @@ RECEIVED_HELP = (
     "copy (host copies from any sender, workers of other hosts included), device-frames and host-frames (over UCX, "
     "from any sender)."
 )
-#: ``sent_copy_bytes``: every host copy this worker's serializers made of a pool value, whoever it was for.
+#: ``sent_copy_bytes``: every host copy this worker's serializers counted (a pool value, an array outside the pool,
+#: the arrays of a pickled object), whoever it was for.
 SENT_COPY_HELP = (
-    "Bytes of this worker's pool values sent as host copies, whoever they went to: workers of this host (fallbacks) "
-    "and of other hosts, the scheduler and clients, and disk when spilled."
+    "Bytes of values sent as host copies (pool values, arrays outside the pool, the arrays of pickled objects), "
+    "whoever they went to: workers of this host (fallbacks) and of other hosts, the scheduler and clients, and disk "
+    "when spilled."
 )
 
 _lock = threading.Lock()

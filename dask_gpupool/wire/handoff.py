@@ -19,6 +19,7 @@ from dask_gpupool.wire.registry import PoolRecord
 from dask_gpupool.wire.stream import copy_server_address
 
 __all__ = [
+    "COPIED_KEY",
     "HEADER_KEY",
     "LEASE_QUERY_OP",
     "MAX_LANES",
@@ -31,6 +32,11 @@ __all__ = [
 
 #: The key of a handed-over value's sub-header in Dask's serialization header: ``{HEADER_KEY: HandoffHeader.to_msg()}``.
 HEADER_KEY = "gpupool"
+
+#: The key, in the header of a value a worker's ``get_data`` reply sends in distributed's own frames (a plain array,
+#: a pickled object), of the bytes the sender counted in ``copied_out_bytes``: the receiving worker counts them in
+#: ``copied_bytes``. Distributed's deserializers ignore it.
+COPIED_KEY = "gpupool-copied"
 
 #: Most connections (lanes) one streamed copy is pulled over.
 MAX_LANES = 16
