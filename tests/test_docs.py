@@ -180,3 +180,16 @@ def test_the_demo_and_the_examples_listen_on_the_loopback_interface_only(which, 
     for address in (seen["scheduler"], *seen["workers"]):
         assert address.startswith("tcp://127.0.0.1:"), seen
     assert seen["pools"] == 2 and seen["left"] == [], seen
+
+
+def test_every_test_the_docs_name_exists():
+    """A node id on a docs page (``tests/...py::test_name``) names a test function defined in that file."""
+    missing = []
+    for page in sorted((ROOT / "docs").glob("*.*")):
+        if page.suffix not in (".md", ".rst"):
+            continue
+        for path, name in re.findall(r"(tests/[\w/]+\.py)::(test_\w+)", page.read_text()):
+            source = ROOT / path
+            if not source.is_file() or not re.search(rf"^(?:async )?def {name}\(", source.read_text(), re.M):
+                missing.append(f"{page.name}: {path}::{name}")
+    assert missing == []
