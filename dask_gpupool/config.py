@@ -352,7 +352,7 @@ class PoolOptions:
         default) means on with segments; :class:`~dask_gpupool.memory.pool.Pool`
         turns it off when the GPU cannot make VMM segments. Off, such
         transfers get copies, counted as fallback ``other-gpu``.
-    handoff_ordering : {"sync", "event", "device"}
+    handoff_ordering : {"sync", "device"}
         How an exporter makes sure the GPU work that wrote a buffer has
         finished before a peer reads it. ``sync`` (the default): it waits
         before the descriptor goes out. For a task result of its own (a pool
@@ -364,27 +364,7 @@ class PoolOptions:
         synchronizes its GPU, as for every value with ``device``, which also
         covers work a task left on a non-blocking stream without waiting for
         it (the only thing ``sync`` leaves out; distributed-ucxx's comm
-        synchronizes the whole of device 0). ``event``: it
-        sends the descriptor at once; its broker waits for that event (or one
-        recorded on the legacy default stream at the export, on the staging
-        copy's stream for a staged array) before it acknowledges the
-        consumer's claim, which the consumer waits for before it reads: the
-        wait counts against the consumer's ``broker-timeout``, and the lease
-        is claimed over the broker, a round trip more than ``sync``. On one
-        H100 a handoff from a producer whose other stream ran 20 ms kernels
-        took 2.8 ms with ``event`` and 17 ms when the whole GPU was
-        synchronized (docs/performance.md).
-    lease_claims : {"reply", "broker"}
-        How an importer claims the lease of a handed-over buffer before it
-        reads it. ``reply`` (the default): it holds the lease as soon as it
-        has deserialized the descriptor, with no round trip; the exporter
-        counts it claimed when it reads Dask's "OK" for the reply, and when
-        the reply failed it asks the importer (over Dask's comm) which leases
-        it holds, the others being refused for good as it answers
-        (:mod:`dask_gpupool.handoff.leases`). ``broker``: a round trip to the
-        exporter's broker before the importer reads (0.3-0.7 ms idle, more
-        under load). With ``handoff-ordering: event`` leases are always
-        claimed over the broker: its answer is the wait for the GPU.
+        synchronizes the whole of device 0).
     tcp_landing : {"auto", "pinned", "vkgdr"}
         Where a value pulled from another host over TCP lands on its way
         into this worker's pool (:mod:`dask_gpupool.transport.pull`):
@@ -408,17 +388,6 @@ class PoolOptions:
         its GPU tests pass on two H200s, but on the ``dask.array`` workloads
         (staged 32 MiB blocks) it was no faster than reading in place,
         0.84-1.14x the default's wall time (docs/performance.md).
-    switch_interval : float or None
-        Seconds: the worker process's Python thread switch interval
-        (:func:`sys.setswitchinterval`), set while the plugin runs and put
-        back at teardown. A thread that waits for the GIL behind a task
-        holding it waits up to this long at each step, and a handoff's
-        claim takes several such steps in the producer's broker thread: on
-        the 2-vCPU CPU container, with a busy pure-Python task on the
-        producer, a 1 MiB handoff took 36.5 ms at Python's default 5 ms
-        (its claim 13.6 ms) and 16.9 ms at 0.5 ms (claim 1.8 ms); plain
-        Dask's copy 30.8 and 19.2 ms (``benchmarks/busy_python.py``,
-        docs/performance.md). ``None`` (the default): left as it is.
     """
 
     kind: PoolKind = "auto"
@@ -431,7 +400,6 @@ class PoolOptions:
     peer_gpu_handoff: bool = True
     peer_gpu_copy: bool = False
     handoff_ordering: str = "sync"
-    lease_claims: str = "reply"
     tcp_landing: str = "auto"
     segment_size: int = 1 << 30
     suballocator: str = "auto"
@@ -449,7 +417,6 @@ class PoolOptions:
     stage_threshold: int | None = None
     handoff_threshold: int | None = None
     device_objects: bool = True
-    switch_interval: float | None = None
 
     def effective_stage_threshold(self, kind: str, same_gpu: bool = False, over_tcp: bool = True) -> int:
         """The stage threshold of a pool of ``kind`` (``"device"``, ``"pinned"``, ``"host"``) for a requester on this
@@ -570,7 +537,6 @@ class PoolOptions:
             peer_gpu_handoff=peer_gpu_handoff,
             peer_gpu_copy=_parse_bool(raw.get("peer-gpu-copy", False), "gpupool.peer-gpu-copy"),
             handoff_ordering=_parse_choice(raw.get("handoff-ordering", "sync"), "gpupool.handoff-ordering", ORDERINGS),
-            lease_claims=_parse_choice(raw.get("lease-claims", "reply"), "gpupool.lease-claims", CLAIMS),
             tcp_landing=_parse_choice(raw.get("tcp-landing", "auto"), "gpupool.tcp-landing", LANDINGS),
             segment_size=segment_size,
             suballocator=suballocator,
@@ -598,17 +564,12 @@ class PoolOptions:
             if raw.get("handoff-threshold", "auto") == "auto"
             else _parse_nbytes(raw.get("handoff-threshold"), "gpupool.handoff-threshold"),
             device_objects=_parse_bool(raw.get("device-objects", True), "gpupool.device-objects"),
-            switch_interval=_parse_switch_interval(raw.get("switch-interval")),
         )
 
 
-#: ``gpupool.handoff-ordering``: wait before a descriptor goes out for the task's event (else the GPU), wait for an
-#: event before acknowledging the consumer's claim, or synchronize the exporter's whole GPU before every descriptor.
-ORDERINGS = ("sync", "event", "device")
-
-#: ``gpupool.lease-claims``: an importer holds a lease once it has the header (the reply's "OK" tells the exporter),
-#: or claims it over the exporter's broker first.
-CLAIMS = ("reply", "broker")
+#: ``gpupool.handoff-ordering``: wait before a descriptor goes out for the task's event (else the GPU), or synchronize
+#: the exporter's whole GPU before every descriptor.
+ORDERINGS = ("sync", "device")
 
 #: ``gpupool.tcp-landing``: pinned host staging, GPU memory vkgdr maps into the host, or vkgdr where it runs.
 LANDINGS = ("auto", "pinned", "vkgdr")
@@ -707,15 +668,6 @@ def _parse_count(value: object, key: str, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ConfigError(f"{key}={value!r} is not a count; valid: an integer from {low} to {high}")
     return value
-
-
-def _parse_switch_interval(value: object) -> float | None:
-    if value is None:
-        return None
-    seconds = _parse_timeout(value, "gpupool.switch-interval")
-    if seconds > 1.0:
-        raise ConfigError(f"gpupool.switch-interval={value!r} is over 1 s; valid: null, '0.5ms', '1ms' or seconds")
-    return seconds
 
 
 def _parse_timeout(value: object, key: str) -> float:

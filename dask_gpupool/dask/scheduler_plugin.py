@@ -125,19 +125,13 @@ class GPUPool(SchedulerPlugin):
     peer_gpu_copy : bool, optional
         Copy a value handed over from another GPU into this worker's pool on
         arrival, device to device (``gpupool.peer-gpu-copy``).
-    handoff_ordering : {"sync", "event", "device"}, optional
+    handoff_ordering : {"sync", "device"}, optional
         Wait for the task's event (else the GPU) before a descriptor goes out,
-        wait for it before acknowledging the consumer's claim, or synchronize
-        the whole GPU before every descriptor (``gpupool.handoff-ordering``).
-    lease_claims : {"reply", "broker"}, optional
-        Hold a lease once the descriptor is deserialized, or claim it over the
-        exporter's broker first (``gpupool.lease-claims``).
+        or synchronize the whole GPU before every descriptor
+        (``gpupool.handoff-ordering``).
     tcp_landing : {"auto", "pinned", "vkgdr"}, optional
         Where values pulled from another host over TCP land before the pool
         (``gpupool.tcp-landing``).
-    switch_interval : str or float, optional
-        The workers' Python thread switch interval while the plugin runs
-        (``gpupool.switch-interval``).
 
     Attributes
     ----------
@@ -237,9 +231,7 @@ class GPUPool(SchedulerPlugin):
         rmm_allocator: bool | str | None = None,
         peer_gpu_copy: bool | None = None,
         handoff_ordering: str | None = None,
-        lease_claims: str | None = None,
         tcp_landing: str | None = None,
-        switch_interval: str | float | None = None,
     ) -> None:
         self.overrides = {
             k: v
@@ -270,9 +262,7 @@ class GPUPool(SchedulerPlugin):
                 rmm_allocator=rmm_allocator,
                 peer_gpu_copy=peer_gpu_copy,
                 handoff_ordering=handoff_ordering,
-                lease_claims=lease_claims,
                 tcp_landing=tcp_landing,
-                switch_interval=switch_interval,
             ).items()
             if v is not None
         }

@@ -66,7 +66,7 @@ logger = logging.getLogger(__name__)
 
 #: The worker whose message is being read here (the address this worker connected to), set by the comm read
 #: wrapper (:func:`dask_gpupool.dask.worker_internals.fill_after_read`); ``None`` when not known. A lease claimed by
-#: its reply (``gpupool.lease-claims: reply``) is held here only when the header names that worker as its
+#: its reply (``claim="reply"`` in the header) is held here only when the header names that worker as its
 #: exporter: a header that names another worker is claimed over that worker's broker, which refuses a lease it
 #: never granted (a lying or confused sender).
 SENDER: contextvars.ContextVar[str | None] = contextvars.ContextVar("gpupool_sender", default=None)

@@ -266,7 +266,7 @@ class Importer:
             raise DataLostError(f"pool {desc.pool} of worker {record.worker}: {e}") from e
         lease = header.lease
         broker = record.broker
-        # gpupool.lease-claims: reply. Held here at once, no round trip: the exporter learns it from the reply's
+        # Claimed by the reply: held here at once, no round trip; the exporter learns it from the reply's
         # "OK" (or asks, if the reply failed there). Refused: the exporter was told this worker does not hold it.
         # None: a resync with the exporter is open, or the header names another worker than the one whose reply is
         # read (deferred.SENDER): the exporter's broker claims it (below), and refuses a lease it never granted.

@@ -43,7 +43,7 @@ class Releaser:
     ends every lease released meanwhile; segment releases are sent again.
     It gives up on an exporter only when ``links`` says it left the cluster.
 
-    Leases claimed by the reply (``gpupool.lease-claims: reply``) are held
+    Leases claimed by the reply (``claim="reply"`` in their header) are held
     here without asking the exporter (:meth:`hold_here`). When such a reply
     failed at the exporter, it asks which of its leases this worker holds
     (:meth:`answer`): the others are refused for good from then on, so a
