@@ -19,14 +19,11 @@ ucxx          Dask over UCXX, a CuPy array (only when distributed-ucxx imports)
 gpupool       dask_gpupool at its defaults: an array over a pool buffer (copied in Dask's frames under
               gpupool.handoff-threshold: 64 KiB on host pools, 1 MiB on device pools)
 gpupool-handoff  the same, handed over at every size (handoff-threshold 0)
-gpupool-handoff-broker  the same, each lease claimed over the broker first (gpupool.lease-claims: broker, the
-              round trip the default ``reply`` saves)
 gpupool-cupy  dask_gpupool zero-copy of plain CuPy arrays (gpupool.cupy-allocator routes CuPy to the pool)
 gpupool-plain  TCP with the plugin at its defaults, a plain CuPy array: staged into the pool from 4 MiB up
 gpupool-copy  dask_gpupool's host-copy path, forced with different host ids
 gpupool-copy-vkgdr  the same, pulled chunks received into vkgdr-mapped GPU memory (gpupool.tcp-landing: vkgdr)
 ucxx+gpupool  Dask over UCXX with the plugin at its defaults, an array over a pool buffer
-ucxx+gpupool-broker  the same, leases claimed over the broker (gpupool.lease-claims: broker)
 ucxx+gpupool-plain  the same cluster, a plain CuPy array (the plugin must cost UCXX nothing)
 ucxx+gpupool-staged  ucxx+gpupool with different host ids: pool memory as device frames, staged for UCX
 ============  ==========================================================
@@ -82,13 +79,11 @@ METHODS = (
     "ucxx",
     "gpupool",
     "gpupool-handoff",
-    "gpupool-handoff-broker",
     "gpupool-cupy",
     "gpupool-plain",
     "gpupool-copy",
     "gpupool-copy-vkgdr",
     "ucxx+gpupool",
-    "ucxx+gpupool-broker",
     "ucxx+gpupool-plain",
     "ucxx+gpupool-staged",
 )
@@ -349,8 +344,7 @@ def method_setup(
             return "ucxx", workers, None, False
         if method == "ucxx+gpupool-staged":
             workers = [{**w, "config": {"gpupool": {"host-id": f"bench-host-{i}"}}} for i, w in enumerate(workers)]
-        claims = "broker" if method == "ucxx+gpupool-broker" else None
-        plugin = GPUPool(kind=kind, max_size=max_size, lease_claims=claims)
+        plugin = GPUPool(kind=kind, max_size=max_size)
         return "ucxx", workers, plugin, method != "ucxx+gpupool-plain"
     if method == "gpupool-cupy" and not gpus:
         return None
@@ -361,10 +355,9 @@ def method_setup(
         segment_size=segment_size if gpus else None,
         cupy_allocator=method == "gpupool-cupy" or None,
         handoff_threshold=0 if method.startswith("gpupool-handoff") else None,
-        lease_claims="broker" if method == "gpupool-handoff-broker" else None,
         tcp_landing="vkgdr" if method == "gpupool-copy-vkgdr" else None,
     )
-    if method in ("gpupool", "gpupool-handoff", "gpupool-handoff-broker"):
+    if method in ("gpupool", "gpupool-handoff"):
         return "tcp", workers, plugin, True
     if method in ("gpupool-cupy", "gpupool-plain"):  # plain cupy.ones: routed to the pool, or staged into it
         return "tcp", workers, plugin, False

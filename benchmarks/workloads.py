@@ -141,10 +141,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "+peer": {"peer_gpu_copy": True},
     "+peer-rmm1": {"peer_gpu_copy": True, "rmm_allocator": True, "device_objects": True, "handoff_threshold": "1 MiB"},
     "+peer-objects": {"peer_gpu_copy": True, "device_objects": True},
-    "+peer-event": {"peer_gpu_copy": True, "handoff_ordering": "event"},  # no GPU synchronize at the export
-    # the staging copy's stream not waited for in get_data: an event the broker waits on before the claim's answer
-    "+event": {"handoff_ordering": "event"},
-    "+switch": {"switch_interval": "0.5ms"},  # claims served sooner by producers whose tasks hold the GIL
     "+poolseg": {"segment_memory": "pool"},  # segments from CUDA's IPC pool instead of VMM memory
     "+legacy": {"segment_memory": "legacy"},  # segments of cuMemAlloc memory shared by legacy IPC handles
     "+vmm": {"segment_memory": "vmm"},  # VMM segments over UCX too (auto makes legacy ones there since 2026-11-25)
