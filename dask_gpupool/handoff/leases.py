@@ -38,7 +38,7 @@ Two ways to claim:
 - by the reply (the leases of this worker's own buffers, ``claim="reply"``
   in their header, their memory written before the export): the importer
   holds the lease from the moment it deserializes the header
-  (:meth:`Releaser.hold_here <dask_gpupool.handoff.releaser.Releaser.hold_here>`),
+  (:meth:`HeldLeases.hold_here <dask_gpupool.handoff.held.HeldLeases.hold_here>`),
   with no round trip. The exporter learns it from the reply: Dask's
   ``"OK"``, which the importer sends only after deserializing, marks the
   reply's leases claimed (:meth:`LeaseTable.settle` with ``ok``). When the
@@ -47,7 +47,7 @@ Two ways to claim:
   the importer answers a query (Dask's own comm,
   :class:`~dask_gpupool.wire.handoff.LeaseQuery`). The importer answers which
   it holds and, atomically, refuses for good the others
-  (:meth:`Releaser.answer <dask_gpupool.handoff.releaser.Releaser.answer>`),
+  (:meth:`HeldLeases.answer <dask_gpupool.handoff.held.HeldLeases.answer>`),
   so a header deserialized later can no longer hold them
   (:meth:`LeaseTable.resolve`). An importer that never answers keeps them until
   it dies or leaves, as for any lease.

@@ -312,7 +312,7 @@ class LeaseQuery:
 
     Only leases claimed by the reply (``claim="reply"`` in their header) are
     asked about. Answering refuses the others for good
-    (:meth:`Releaser.answer <dask_gpupool.handoff.releaser.Releaser.answer>`).
+    (:meth:`HeldLeases.answer <dask_gpupool.handoff.held.HeldLeases.answer>`).
 
     Attributes
     ----------

@@ -430,22 +430,21 @@ def test_one_thread_at_a_time_opens_a_link_to_an_exporter(exporter):
     """Two resyncs of one importer in flight at once could reach the broker in either order: threads that find the
     link to an exporter closed at the same moment wait for one of them to open it."""
     from dask_gpupool.config import PoolOptions
+    from dask_gpupool.handoff.held import HeldLeases
     from dask_gpupool.handoff.links import ExporterLinks
-    from dask_gpupool.handoff.releaser import Releaser
     from dask_gpupool.wire.registry import PoolRecord
 
     pool, _leases, broker, (b, _) = exporter
 
-    class CountingReleaser(Releaser):
+    class CountingHeld(HeldLeases):
         snapshots = 0
 
         def snapshot(self, exporter: str) -> tuple[list[int], int]:
-            CountingReleaser.snapshots += 1
+            CountingHeld.snapshots += 1
             time.sleep(0.05)  # widen the window two openers would share
             return super().snapshot(exporter)
 
-    releaser = CountingReleaser(lambda broker: None)
-    links = ExporterLinks(PoolOptions.from_config(kind="host", max_size="16 MiB"), pool, b, releaser)
+    links = ExporterLinks(PoolOptions.from_config(kind="host", max_size="16 MiB"), pool, b, CountingHeld())
     links.token = TOKEN
     record = PoolRecord(pool.uuid, "tcp://127.0.0.1:3", os.getpid(), "h", "h", "host", None, MiB, broker.address)
     got: list[object] = []
@@ -455,10 +454,9 @@ def test_one_thread_at_a_time_opens_a_link_to_an_exporter(exporter):
             t.start()
         for t in threads:
             t.join(10)
-        assert len(got) == 8 and len({id(x) for x in got}) == 1 and CountingReleaser.snapshots == 1
+        assert len(got) == 8 and len({id(x) for x in got}) == 1 and CountingHeld.snapshots == 1
     finally:
         links.drop()
-        releaser.close()
 
 
 def test_a_forward_to_a_worker_whose_transfers_go_as_copies_is_refused(exporter):
