@@ -12,9 +12,11 @@ hands the copy that fills it to :func:`fill_later`. Inside :func:`collecting`
 the copy waits in the collector until the caller runs :func:`run_fills` in a
 thread, before anyone sees the message. Outside it, the copy runs at once.
 
-Claims wait the same way (:func:`claim_later`): a mapped buffer must not be
-read before its exporter acknowledged the lease, and that acknowledgement is
-a round trip to the exporter's broker (0.7 ms on a 2-vCPU container). Inside
+Claims over the broker (a forwarded value's lease, or one received while a
+resync with its exporter is open; the others are held by their reply) wait
+the same way (:func:`claim_later`): such a mapped buffer must not be read
+before its exporter acknowledged the lease, and that acknowledgement is a
+round trip to the exporter's broker (0.7 ms on a 2-vCPU container). Inside
 :func:`collecting` the claims of one message wait, grouped by exporter, and
 run first when the caller runs the fills: one round trip per exporter for a
 reply of several values, off the event loop, before anyone sees the message.
