@@ -1,15 +1,14 @@
 """Handoff latency while the producer's GPU is busy with another stream's kernels (issue 19, stream order).
 
 With ``gpupool.handoff-ordering: device`` an exporter synchronizes its whole GPU before a descriptor goes out, so a
-handoff waits for every kernel the producer's process has queued, on any stream. With ``sync`` (the default since the
-twenty-third session; before, ``sync`` was what ``device`` is now) it waits for the event recorded when Dask stored
-the task's result. With ``event`` its broker waits for that event before acknowledging the consumer's claim. Kernels
-of other streams are waited for by ``device`` only. This runs the handoff benchmark's pool-array handoff (two
-workers, one GPU or two) with and without a background thread on the producer that keeps a non-blocking stream busy
-with ``--spin-ms`` kernels, for each ordering; median of ``--repeats`` after a warm-up. Needs a GPU and CuPy. JSON
-to ``benchmarks/results/`` (and ``$OUT``).
+handoff waits for every kernel the producer's process has queued, on any stream. With ``sync`` (the default) it waits
+for the event recorded when Dask stored the task's result: kernels of other streams are waited for by ``device``
+only. This runs the handoff benchmark's pool-array handoff (two workers, one GPU or two) with and without a
+background thread on the producer that keeps a non-blocking stream busy with ``--spin-ms`` kernels, for each
+ordering; median of ``--repeats`` after a warm-up. Needs a GPU and CuPy. JSON to ``benchmarks/results/`` (and
+``$OUT``).
 
-    python benchmarks/busy_producer.py [--sizes 1MiB,64MiB] [--spin-ms 20] [--repeats 7] [--orderings sync,event,device]
+    python benchmarks/busy_producer.py [--sizes 1MiB,64MiB] [--spin-ms 20] [--repeats 7] [--orderings sync,device]
 """
 
 from __future__ import annotations
@@ -60,7 +59,7 @@ def main() -> None:
     p.add_argument("--spin-ms", type=float, default=20.0)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--placements", default="same,other")
-    p.add_argument("--orderings", default="sync,event,device", help="gpupool.handoff-ordering values, in this order")
+    p.add_argument("--orderings", default="sync,device", help="gpupool.handoff-ordering values, in this order")
     args = p.parse_args()
     places = H.gpu_placements(args.placements)
     sizes = [int(parse_bytes(s)) for s in args.sizes.split(",")]

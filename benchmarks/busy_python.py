@@ -1,16 +1,14 @@
-"""Transfers from a producer whose tasks hold the GIL: Python's thread switch interval, plain Dask and a handoff.
+"""Transfers from a producer whose tasks hold the GIL: plain Dask and a handoff.
 
 A worker thread that waits for the GIL behind a thread running Python code waits up to the interpreter's switch
-interval (``sys.getswitchinterval()``, 5 ms by default) each time it needs it again. Dask's own transfer needs the
-producer's event loop; a handoff also needs its broker thread for the lease claim, a few steps each. This times a
-value of ``--size`` made on worker A and read by a task pinned to worker B (the dependent task's wall time from
-the client, median of ``--repeats``) with A idle and with a thread on A spinning in pure Python, for: plain Dask
-(``tcp``), plain Dask with the interval lowered on every worker (``tcp+switch``), dask_gpupool at its defaults
-(``gpupool``: an array over a pool buffer, handed over) and with ``gpupool.switch-interval`` (``gpupool+switch``).
-Host pools and NumPy without a GPU; ``device`` pools and CuPy with one. JSON to ``benchmarks/results/`` (and
-``$OUT``).
+interval (``sys.getswitchinterval()``, 5 ms by default) each time it needs it again; Dask's own transfer and a
+handoff both need the producer's event loop. This times a value of ``--size`` made on worker A and read by a task
+pinned to worker B (the dependent task's wall time from the client, median of ``--repeats``) with A idle and with a
+thread on A spinning in pure Python, for plain Dask (``tcp``) and dask_gpupool at its defaults (``gpupool``: an array
+over a pool buffer, handed over). Host pools and NumPy without a GPU; ``device`` pools and CuPy with one. JSON to
+``benchmarks/results/`` (and ``$OUT``).
 
-    python benchmarks/busy_python.py [--size 1MiB] [--repeats 40] [--switch 0.5ms]
+    python benchmarks/busy_python.py [--size 1MiB] [--repeats 40]
 """
 
 from __future__ import annotations
@@ -23,17 +21,16 @@ import threading
 import time
 from typing import Any
 
-from dask.utils import format_bytes, parse_bytes, parse_timedelta
+from dask.utils import format_bytes, parse_bytes
 from distributed import wait
 
 sys.path.insert(0, os.path.dirname(__file__))
 import handoff as H  # benchmarks/handoff.py: its cluster, produce and machine
 
-import dask_gpupool
 from dask_gpupool import GPUPool
 from dask_gpupool.memory.topology import local_devices
 
-METHODS = ("tcp", "tcp+switch", "gpupool", "gpupool+switch")
+METHODS = ("tcp", "gpupool")
 
 
 def spin(on: bool, dask_worker: Any = None) -> None:
@@ -55,20 +52,9 @@ def spin(on: bool, dask_worker: Any = None) -> None:
     threading.Thread(target=loop, daemon=True, name="busy-python").start()
 
 
-def set_switch_interval(seconds: float) -> float:
-    sys.setswitchinterval(seconds)
-    return sys.getswitchinterval()
-
-
 def total(arr: Any) -> float:
     """The dependent task: reads every element (the whole value must have arrived)."""
     return float(arr.sum())
-
-
-def claims(c: Any, worker: str) -> tuple[int, float]:
-    """How many lease claims ``worker`` made so far and their total seconds."""
-    t = dask_gpupool.stats(c)[worker]["timings"].get("claim") or {"count": 0, "total_s": 0.0}
-    return int(t["count"]), float(t["total_s"])
 
 
 def timed(c: Any, a: str, b: str, nbytes: int, lib: str, pool: bool, repeats: int) -> float:
@@ -88,43 +74,31 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", default="1MiB")
     p.add_argument("--repeats", type=int, default=40)
-    p.add_argument("--switch", default="0.5ms", help="the lowered switch interval")
     p.add_argument("--methods", default=",".join(METHODS))
     args = p.parse_args()
     nbytes = int(parse_bytes(args.size))
-    switch = float(parse_timedelta(args.switch))
     gpu = bool(local_devices().uuids)
     lib = "cupy" if gpu else "numpy"
     workers = [{"env": {"CUDA_VISIBLE_DEVICES": "0"}} for _ in range(2)] if gpu else [{}, {}]
     rows = []
     for method in args.methods.split(","):
-        plugin = None
-        if "gpupool" in method:
-            plugin = GPUPool(switch_interval=args.switch if method == "gpupool+switch" else None)
+        plugin = GPUPool() if method == "gpupool" else None
         with H.cluster(workers, "tcp", plugin) as c:
-            if method == "tcp+switch":
-                c.run(set_switch_interval, switch)
             intervals = sorted(set(c.run(sys.getswitchinterval).values()))
             a, b = sorted(c.scheduler_info()["workers"])
             idle = timed(c, a, b, nbytes, lib, plugin is not None, args.repeats)
-            before = claims(c, b) if plugin is not None else (0, 0.0)
             c.run(spin, True, workers=[a])
             try:
                 busy = timed(c, a, b, nbytes, lib, plugin is not None, args.repeats)
             finally:
                 c.run(spin, False, workers=[a])
-            claim = None
-            if plugin is not None:  # B's mean claim round trip while A was busy
-                n, total_s = claims(c, b)
-                claim = (total_s - before[1]) / (n - before[0]) if n > before[0] else None
-        rows.append({"method": method, "switch_s": intervals, "idle_s": idle, "busy_s": busy, "claim_mean_s": claim})
+        rows.append({"method": method, "switch_s": intervals, "idle_s": idle, "busy_s": busy})
         print(f"{method:16} idle {idle * 1e3:7.2f} ms  producer busy {busy * 1e3:7.2f} ms", flush=True)
     print(f"\n{format_bytes(nbytes)} {lib} value A -> B, dependent task's wall time, median of {args.repeats}")
-    print(f"{'method':16} {'switch interval':>16} {'idle ms':>9} {'busy ms':>9} {'claim ms (busy)':>16}")
+    print(f"{'method':16} {'switch interval':>16} {'idle ms':>9} {'busy ms':>9}")
     for r in rows:
-        claim = f"{r['claim_mean_s'] * 1e3:16.2f}" if r["claim_mean_s"] is not None else f"{'-':>16}"
         sw = ",".join(f"{s * 1e3:g}" for s in r["switch_s"]) + " ms"
-        print(f"{r['method']:16} {sw:>16} {r['idle_s'] * 1e3:9.2f} {r['busy_s'] * 1e3:9.2f} {claim}")
+        print(f"{r['method']:16} {sw:>16} {r['idle_s'] * 1e3:9.2f} {r['busy_s'] * 1e3:9.2f}")
     H.save_json("busy_python", {"machine": H.machine(), "size": nbytes, "lib": lib, "rows": rows})
 
 

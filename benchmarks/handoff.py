@@ -19,12 +19,9 @@ ucxx          Dask over UCXX, a CuPy array (only when distributed-ucxx imports)
 gpupool       dask_gpupool at its defaults: an array over a pool buffer (copied in Dask's frames under
               64 KiB on host pools, ``dask_gpupool.tuning.HOST_HANDOFF_THRESHOLD``; every size handed over on
               device pools)
-gpupool-handoff-broker  the same, each lease claimed over the broker first (gpupool.lease-claims: broker, the
-              round trip the default ``reply`` saves)
 gpupool-plain  TCP with the plugin at its defaults, a plain CuPy array: staged into the pool from 64 KiB up
 gpupool-copy  dask_gpupool's host-copy path, forced with different host ids
 ucxx+gpupool  Dask over UCXX with the plugin at its defaults, an array over a pool buffer
-ucxx+gpupool-broker  the same, leases claimed over the broker (gpupool.lease-claims: broker)
 ucxx+gpupool-plain  the same cluster, a plain CuPy array (the plugin must cost UCXX nothing)
 ucxx+gpupool-staged  ucxx+gpupool with different host ids: pool memory as device frames, staged for UCX
 ============  ==========================================================
@@ -79,11 +76,9 @@ METHODS = (
     "tcp",
     "ucxx",
     "gpupool",
-    "gpupool-handoff-broker",
     "gpupool-plain",
     "gpupool-copy",
     "ucxx+gpupool",
-    "ucxx+gpupool-broker",
     "ucxx+gpupool-plain",
     "ucxx+gpupool-staged",
 )
@@ -342,15 +337,13 @@ def method_setup(
             return "ucxx", workers, None, False
         if method == "ucxx+gpupool-staged":
             workers = [{**w, "config": {"gpupool": {"host-id": f"bench-host-{i}"}}} for i, w in enumerate(workers)]
-        claims = "broker" if method == "ucxx+gpupool-broker" else None
-        plugin = GPUPool(kind=kind, max_size=max_size, lease_claims=claims)
+        plugin = GPUPool(kind=kind, max_size=max_size)
         return "ucxx", workers, plugin, method != "ucxx+gpupool-plain"
     plugin = GPUPool(
         kind=kind,
         max_size=max_size,
-        lease_claims="broker" if method == "gpupool-handoff-broker" else None,
     )
-    if method in ("gpupool", "gpupool-handoff-broker"):
+    if method == "gpupool":
         return "tcp", workers, plugin, True
     if method == "gpupool-plain":  # plain cupy.ones: staged into the pool
         return "tcp", workers, plugin, False

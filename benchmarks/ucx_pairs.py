@@ -4,9 +4,8 @@ Four workers on one machine with two GPUs, ``gpupool.host-id`` set so that they 
 (w0, w1 on "host-a"; w2, w3 on "host-b"; w0 and w2 on GPU 0, w1 and w3 on GPU 1). For every ordered pair a float64
 CuPy array of each ``--sizes`` is made on the first worker and consumed by a task pinned to the second; the consumer's
 transfer time is ``stop - start`` of its transfer log entry, median of ``--repeats`` after a warm-up. Methods:
-``ucxx`` (plain CuPy, no plugin), ``ucxx+gpupool`` (the plugin at its defaults, an array over a pool buffer),
-``ucxx+gpupool-broker`` (the same with ``gpupool.lease-claims: broker``, the claim round trip that the default
-``reply`` saves) and ``ucxx+gpupool-unstaged`` (``dask_gpupool.tuning.UCX_STAGING_THRESHOLD`` set above every size
+``ucxx`` (plain CuPy, no plugin), ``ucxx+gpupool`` (the plugin at its defaults, an array over a pool buffer)
+and ``ucxx+gpupool-unstaged`` (``dask_gpupool.tuning.UCX_STAGING_THRESHOLD`` set above every size
 in the workers: pool memory goes to UCX as it is, for UCX's own small-message protocol, instead of staged first);
 ``ucxx+gpupool-plain`` (the plugin and a plain CuPy array: what the plugin
 costs on Dask's own path);
@@ -458,7 +457,6 @@ def main() -> None:
             GPUPool(
                 kind="device",
                 max_size=f"{4 * max(sizes) // (1 << 20) + 1024} MiB",
-                lease_claims="broker" if method.endswith("-broker") else None,
                 segment_memory="legacy" if "-legacy" in method else "vmm" if "-vmm" in method else None,
             )
             if "gpupool" in method

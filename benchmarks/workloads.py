@@ -121,9 +121,6 @@ WORKLOADS: dict[str, Callable[[Any, int], list[Any]]] = {
 #: Method suffixes after ``gpupool``: option overrides measured against the defaults (``""``).
 VARIANTS: dict[str, dict[str, Any]] = {
     "": {},
-    # the staging copy's stream not waited for in get_data: an event the broker waits on before the claim's answer
-    "+event": {"handoff_ordering": "event"},
-    "+switch": {"switch_interval": "0.5ms"},  # claims served sooner by producers whose tasks hold the GIL
     "+legacy": {"segment_memory": "legacy"},  # segments of cuMemAlloc memory shared by legacy IPC handles
     "+vmm": {"segment_memory": "vmm"},  # VMM segments over UCX too (auto makes legacy ones there since 2026-11-25)
 }

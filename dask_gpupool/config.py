@@ -145,50 +145,19 @@ class PoolOptions:
         raises :class:`~dask_gpupool.errors.ConfigError`). Either way the pool grants
         every other GPU with peer access to its GPU access, and workers there
         get its buffers zero-copy (others get copies, fallback ``other-gpu``).
-    handoff_ordering : {"sync", "event", "device"}
+    handoff_ordering : {"sync", "device"}
         How an exporter makes sure the GPU work that wrote a buffer has
         finished before a peer reads it. ``sync`` (the default): it waits
         before the descriptor goes out. For a task result of its own (a pool
-        array, a pool Buffer, an array RMM placed in the pool) it waits for
-        the event it recorded on the legacy default stream when Dask stored
-        the result, which follows every blocking stream's earlier work, CuPy's
-        default included: kernels queued since, and other streams', are not
-        waited for. For anything else (a value whose event is not known) it
-        synchronizes its GPU, as for every value with ``device``, which also
-        covers work a task left on a non-blocking stream without waiting for
-        it (the only thing ``sync`` leaves out; distributed-ucxx's comm
-        synchronizes the whole of device 0). ``event``: it
-        sends the descriptor at once; its broker waits for that event (or one
-        recorded on the legacy default stream at the export, on the staging
-        copy's stream for a staged array) before it acknowledges the
-        consumer's claim, which the consumer waits for before it reads: the
-        wait counts against the consumer's ``broker-timeout``, and the lease
-        is claimed over the broker, a round trip more than ``sync``. On one
-        H100 a handoff from a producer whose other stream ran 20 ms kernels
-        took 2.8 ms with ``event`` and 17 ms when the whole GPU was
-        synchronized (docs/performance.md).
-    lease_claims : {"reply", "broker"}
-        How an importer claims the lease of a handed-over buffer before it
-        reads it. ``reply`` (the default): it holds the lease as soon as it
-        has deserialized the descriptor, with no round trip; the exporter
-        counts it claimed when it reads Dask's "OK" for the reply, and when
-        the reply failed it asks the importer (over Dask's comm) which leases
-        it holds, the others being refused for good as it answers
-        (:mod:`dask_gpupool.handoff.leases`). ``broker``: a round trip to the
-        exporter's broker before the importer reads (0.3-0.7 ms idle, more
-        under load). With ``handoff-ordering: event`` leases are always
-        claimed over the broker: its answer is the wait for the GPU.
-    switch_interval : float or None
-        Seconds: the worker process's Python thread switch interval
-        (:func:`sys.setswitchinterval`), set while the plugin runs and put
-        back at teardown. A thread that waits for the GIL behind a task
-        holding it waits up to this long at each step, and a handoff's
-        claim takes several such steps in the producer's broker thread: on
-        the 2-vCPU CPU container, with a busy pure-Python task on the
-        producer, a 1 MiB handoff took 36.5 ms at Python's default 5 ms
-        (its claim 13.6 ms) and 16.9 ms at 0.5 ms (claim 1.8 ms); plain
-        Dask's copy 30.8 and 19.2 ms (``benchmarks/busy_python.py``,
-        docs/performance.md). ``None`` (the default): left as it is.
+        array, a pool Buffer) it waits for the event it recorded on the
+        legacy default stream when Dask stored the result, which follows
+        every blocking stream's earlier work, CuPy's default included:
+        kernels queued since, and other streams', are not waited for. For
+        anything else (a value whose event is not known) it synchronizes its
+        GPU, as for every value with ``device``, which also covers work a
+        task left on a non-blocking stream without waiting for it (the only
+        thing ``sync`` leaves out; distributed-ucxx's comm synchronizes the
+        whole of device 0).
     """
 
     kind: PoolKind = "auto"
@@ -199,9 +168,7 @@ class PoolOptions:
     broker_timeout: float = 10.0
     lease_timeout: float = 60.0
     handoff_ordering: str = "sync"
-    lease_claims: str = "reply"
     segment_memory: str = "auto"
-    switch_interval: float | None = None
 
     @classmethod
     def from_config(cls, **overrides: Any) -> PoolOptions:
@@ -256,9 +223,7 @@ class PoolOptions:
             broker_timeout=_parse_timeout(raw.get("broker-timeout", "10s"), "gpupool.broker-timeout"),
             lease_timeout=_parse_timeout(raw.get("lease-timeout", "60s"), "gpupool.lease-timeout"),
             handoff_ordering=_parse_choice(raw.get("handoff-ordering", "sync"), "gpupool.handoff-ordering", ORDERINGS),
-            lease_claims=_parse_choice(raw.get("lease-claims", "reply"), "gpupool.lease-claims", CLAIMS),
             segment_memory=_parse_choice(raw.get("segment-memory", "auto"), "gpupool.segment-memory", SEGMENT_MEMORY),
-            switch_interval=_parse_switch_interval(raw.get("switch-interval")),
         )
 
 
@@ -266,13 +231,9 @@ class PoolOptions:
 #: ``cuMemAlloc`` memory shared by legacy IPC handles; ``auto`` picks per worker (:mod:`dask_gpupool.memory.pool`).
 SEGMENT_MEMORY = ("auto", "vmm", "legacy")
 
-#: ``gpupool.handoff-ordering``: wait before a descriptor goes out for the task's event (else the GPU), wait for an
-#: event before acknowledging the consumer's claim, or synchronize the exporter's whole GPU before every descriptor.
-ORDERINGS = ("sync", "event", "device")
-
-#: ``gpupool.lease-claims``: an importer holds a lease once it has the header (the reply's "OK" tells the exporter),
-#: or claims it over the exporter's broker first.
-CLAIMS = ("reply", "broker")
+#: ``gpupool.handoff-ordering``: wait before a descriptor goes out for the task's event (else the GPU), or synchronize
+#: the exporter's whole GPU before every descriptor.
+ORDERINGS = ("sync", "device")
 
 
 def _parse_choice(value: object, key: str, choices: tuple[str, ...]) -> str:
@@ -335,15 +296,6 @@ def _parse_nbytes(value: object, key: str) -> int:
     if nbytes is None or nbytes < 0:
         raise ConfigError(f"{key}={value!r} is not a size; valid: '1 GiB', '256MiB', bytes, or 0 for off")
     return nbytes
-
-
-def _parse_switch_interval(value: object) -> float | None:
-    if value is None:
-        return None
-    seconds = _parse_timeout(value, "gpupool.switch-interval")
-    if seconds > 1.0:
-        raise ConfigError(f"gpupool.switch-interval={value!r} is over 1 s; valid: null, '0.5ms', '1ms' or seconds")
-    return seconds
 
 
 def _parse_timeout(value: object, key: str) -> float:

@@ -19,10 +19,10 @@
 # COPY_OR_HANDOFF=1 runs benchmarks/copy_or_handoff.py (each sample handed over and copied, or staged and sent through the
 # comm, back to back; COPY_OR_HANDOFF_ARGS, e.g. "--placement other --plain").
 # GATHER=1 runs benchmarks/gather.py (one reply of 1, 8, 32 pool arrays; GATHER_ARGS). BUSY=1 runs
-# benchmarks/busy_producer.py (handoffs while the producer's GPU is busy, gpupool.handoff-ordering sync vs event; BUSY_ARGS).
+# benchmarks/busy_producer.py (handoffs while the producer's GPU is busy, gpupool.handoff-ordering sync vs device; BUSY_ARGS).
 # STAGED=1 runs benchmarks/staged_behind_tasks.py (a staged task result while later tasks keep the default stream busy,
 # the task's event vs the default stream; STAGED_ARGS).
-# BUSY_PY=1 runs benchmarks/busy_python.py (a producer busy in Python, gpupool.switch-interval; BUSY_PY_ARGS).
+# BUSY_PY=1 runs benchmarks/busy_python.py (a producer busy in Python, Dask vs handoff; BUSY_PY_ARGS).
 # UCX_PAIRS=1 runs benchmarks/ucx_pairs.py (four workers as two hosts of two GPUs, every pair, UCXX vs plugin; all on GPU 0 with one GPU;
 # UCX_PAIRS_TIMEOUT caps it, default 300 s).
 # VKGDR=1 runs benchmarks/vkgdr_landing.py (TCP into pinned staging + copy vs straight into vkgdr-mapped device
@@ -174,7 +174,7 @@ if [ "${STAGED:-0}" != 0 ] && has_time "staged behind tasks"; then  # a staged t
   echo "== staged behind tasks ${STAGED_ARGS:-}"; timeout $(left 300) python3 benchmarks/staged_behind_tasks.py ${STAGED_ARGS:-} > "$OUT/staged_behind_tasks.log" 2>&1
   sed -n '/consumer transfer time/,$p' "$OUT/staged_behind_tasks.log"
 fi
-if [ "${BUSY_PY:-0}" != 0 ] && has_time "busy python"; then  # a producer whose task holds the GIL: switch interval, Dask vs handoff
+if [ "${BUSY_PY:-0}" != 0 ] && has_time "busy python"; then  # a producer whose task holds the GIL: Dask vs handoff
   echo "== busy python ${BUSY_PY_ARGS:-}"; timeout $(left 240) python3 benchmarks/busy_python.py ${BUSY_PY_ARGS:-} > "$OUT/busy_python.log" 2>&1
   echo "busy python exit: $?"; sed -n '/value A -> B/,$p' "$OUT/busy_python.log"
 fi

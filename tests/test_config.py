@@ -65,16 +65,7 @@ def test_config_values_and_overrides():
     assert options.broker_timeout == 0.5
     assert options.device == "GPU-abc"
     assert options.handoff_ordering == "sync"  # the exporter waits (for the task's event, else its GPU) before sending
-    assert options.switch_interval is None  # Python's own thread switch interval is left alone
-    assert PoolOptions.from_config(switch_interval="0.5ms").switch_interval == 0.0005
-    assert PoolOptions.from_config(switch_interval=0.001).switch_interval == 0.001
-    for bad in ("2s", "0", -1, "soon", True):
-        with pytest.raises(ConfigError, match=r"gpupool\.switch-interval"):
-            PoolOptions.from_config(switch_interval=bad)
-    assert PoolOptions.from_config(handoff_ordering="event").handoff_ordering == "event"
     assert PoolOptions.from_config(handoff_ordering="device").handoff_ordering == "device"
-    assert options.lease_claims == "reply"  # an importer holds a lease once deserialized; the "OK" tells the exporter
-    assert PoolOptions.from_config(lease_claims="broker").lease_claims == "broker"
 
 
 def test_the_thresholds_are_measured_constants_not_options():
@@ -102,6 +93,8 @@ def test_the_thresholds_are_measured_constants_not_options():
         "device-objects",
         "peer-gpu-copy",
         "tcp-landing",
+        "lease-claims",
+        "switch-interval",
     ]
     for key in gone:
         with dask.config.set({f"gpupool.{key}": 0}), pytest.raises(ConfigError, match=rf"unknown option.*{key}"):
@@ -151,11 +144,11 @@ def test_keys_that_are_no_choice_are_unknown(key):
         ("gpupool.host-id", ""),
         ("gpupool.colour", 1),
         ("gpupool.handoff-ordering", "later"),
-        ("gpupool.lease-claims", "later"),
+        ("gpupool.handoff-ordering", "event"),  # measured and removed (docs/design.md)
         ("gpupool.segment-memory", "pool"),
         ("gpupool.broker-timeout", ""),  # an empty environment variable
         ("gpupool.lease-timeout", " "),
-        ("gpupool.switch-interval", ""),
+        ("gpupool.switch-interval", "0.5ms"),  # measured and removed (docs/design.md)
         ("gpupool.broker-timeout", "1e400"),  # past a float
         ("gpupool.max-size", "1e400"),
     ],

@@ -274,7 +274,7 @@ def stats(client: Client, timeout: float | None = None) -> dict[str, dict[str, A
         leases this worker granted and the bytes they keep alive),
         ``leases_unclaimed`` (granted, not claimed yet), ``leases_in_doubt``
         (claimed by a reply that failed: kept until the importer answers
-        which it holds, ``gpupool.lease-claims: reply``), ``leases_abandoned``
+        which it holds), ``leases_abandoned``
         (ended unclaimed: their transfer failed), ``imports_held`` (peers'
         leases this worker holds), ``resyncs`` (links opened again after one
         broke), ``zero_copy_bytes`` and ``copied_bytes`` (bytes this

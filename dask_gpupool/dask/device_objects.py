@@ -34,10 +34,9 @@ What the consumer's deserializer gets, by type:
   (:mod:`~dask_gpupool.handoff.deferred`).
 - Every other type (cuDF's, a user's) maps the frames too, but its
   deserializer may read device memory (a cuDF column's may), and nothing may
-  be read before the exporter acknowledged the lease (and, with
-  ``gpupool.handoff-ordering: event``, before the producer's kernels
-  finished): so the deserializer runs in a fill after the message's claims,
-  off the event loop, and the message holds a placeholder until then
+  be read before the exporter acknowledged the lease: so the deserializer
+  runs in a fill after the message's claims, off the event loop, and the
+  message holds a placeholder until then
   (:func:`~dask_gpupool.handoff.deferred.make_later`). A deserializer that
   refuses CuPy frames (it wants ``rmm.DeviceBuffer`` frames, as UCX gives them
   when RMM is installed) is given copies in ``rmm.DeviceBuffer`` s, logged

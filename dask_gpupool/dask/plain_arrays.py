@@ -193,10 +193,6 @@ def stage(request: Request, arr: Any, module: str) -> tuple[dict[str, Any], list
     else:
         service.handoffs.timed("stage-after-task", time.perf_counter() - start)
     meta = ArrayMeta(module, tuple(arr.shape), strides, arr.dtype.str, 0)
-    if service.options.handoff_ordering == "event":
-        # The export does not wait for the copy (the broker waits before it acknowledges a claim): the lease keeps
-        # the source too, or its memory could be reused and written while the copy still reads it.
-        holder = (holder, arr)
     header = service.export_ipc(holder, buf, row, meta, written_on=stream)  # ordered after the copy
     request.granted.append(header.lease)
     service.handoffs.add(pool_staged_bytes=nbytes)

@@ -83,16 +83,10 @@ class GPUPool(SchedulerPlugin):
         What the segments of ``device`` pools are made of (``gpupool.segment-memory``): ``vmm`` and
         ``legacy`` memory stay readable by peers after their owner died;
         ``legacy`` (``cuMemAlloc``) also goes over UCX without a staging copy.
-    handoff_ordering : {"sync", "event", "device"}, optional
+    handoff_ordering : {"sync", "device"}, optional
         Wait for the task's event (else the GPU) before a descriptor goes out,
-        wait for it before acknowledging the consumer's claim, or synchronize
-        the whole GPU before every descriptor (``gpupool.handoff-ordering``).
-    lease_claims : {"reply", "broker"}, optional
-        Hold a lease once the descriptor is deserialized, or claim it over the
-        exporter's broker first (``gpupool.lease-claims``).
-    switch_interval : str or float, optional
-        The workers' Python thread switch interval while the plugin runs
-        (``gpupool.switch-interval``).
+        or synchronize the whole GPU before every descriptor
+        (``gpupool.handoff-ordering``).
 
     Attributes
     ----------
@@ -174,8 +168,6 @@ class GPUPool(SchedulerPlugin):
         lease_timeout: str | float | None = None,
         segment_memory: str | None = None,
         handoff_ordering: str | None = None,
-        lease_claims: str | None = None,
-        switch_interval: str | float | None = None,
     ) -> None:
         self.overrides = {
             k: v
@@ -189,8 +181,6 @@ class GPUPool(SchedulerPlugin):
                 lease_timeout=lease_timeout,
                 segment_memory=segment_memory,
                 handoff_ordering=handoff_ordering,
-                lease_claims=lease_claims,
-                switch_interval=switch_interval,
             ).items()
             if v is not None
         }

@@ -11,7 +11,7 @@
   thread after the read, not on the event loop
   (:mod:`dask_gpupool.handoff.deferred`).
 - ``worker.handlers[LEASE_QUERY_OP]`` answers an exporter whose reply failed
-  which of its leases this worker holds (``gpupool.lease-claims: reply``).
+  which of its leases this worker holds (leases claimed by the reply).
 - ``worker.monitor.get_process_memory`` is wrapped so that the process memory
   Dask reads leaves out the peer pool pages a worker maps.
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
-import sys
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
@@ -120,8 +119,6 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
     _push: PeriodicCallback | None
     #: ``(comm module, pool, previous device_array)`` while distributed-ucxx receives into the receive pool.
     _receive: tuple[Any, _receive.ReceivePool, Any] | None
-    #: sys.getswitchinterval() before gpupool.switch-interval changed it, put back at teardown.
-    _switch_previous: float | None
     #: Events after the kernels of each CuPy task result large enough to be staged (device pools with CuPy and a
     #: stage threshold), for staging copies.
     _task_events: TaskEvents | None
@@ -137,7 +134,6 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         self._get_data = None
         self._push = None
         self._receive = None
-        self._switch_previous = None
         self._task_events = None
 
     async def setup(self, worker: Worker) -> None:
@@ -235,14 +231,6 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         # A full pool reclaims large buffers' spares that peers map: its changed row goes out on this worker's
         # stream (the scheduler takes row changes only from their worker), from the event loop.
         service.reclaim_through(lambda: worker.loop.add_callback(self._send_row, worker, service))
-        if options.switch_interval is not None:
-            self._switch_previous = sys.getswitchinterval()
-            sys.setswitchinterval(options.switch_interval)
-            logger.info(
-                "gpupool: Python's thread switch interval %.2g ms (was %.2g ms; gpupool.switch-interval)",
-                options.switch_interval * 1e3,
-                self._switch_previous * 1e3,
-            )
         _metrics.register(worker)  # on the worker's /metrics (when prometheus_client is installed)
         self._push = PeriodicCallback(lambda: self._push_stats(worker), STATS_INTERVAL * 1000)
         self._push.start()
@@ -371,9 +359,6 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
 
     async def teardown(self, worker: Worker) -> None:
         self._torn_down = True  # a setup still waiting on the scheduler ends without installing anything
-        if self._switch_previous is not None:
-            sys.setswitchinterval(self._switch_previous)
-            self._switch_previous = None
         if self._receive is not None:
             _receive.uninstall(*self._receive)
             self._receive = None
@@ -496,8 +481,8 @@ def _staging_line(kind: str, has_cupy: bool, over_tcp: bool) -> str:
 def _default_stream_recorder(device: int | None) -> Callable[[], Any]:
     """``record()`` for :class:`TaskEvents`: a new cuda.core event on GPU ``device``'s default stream, now.
 
-    Its ``sync()`` sleeps rather than spins (:func:`~dask_gpupool.memory.topology.sleeping_event`): with
-    ``gpupool.handoff-ordering: event`` the broker's helper thread waits on it for as long as the task's kernels run.
+    Its ``sync()`` sleeps rather than spins (:func:`~dask_gpupool.memory.topology.sleeping_event`): an export waits on
+    it for as long as the task's kernels run.
     """
 
     def record() -> Any:

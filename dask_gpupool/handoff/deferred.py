@@ -12,9 +12,11 @@ hands the copy that fills it to :func:`fill_later`. Inside :func:`collecting`
 the copy waits in the collector until the caller runs :func:`run_fills` in a
 thread, before anyone sees the message. Outside it, the copy runs at once.
 
-Claims wait the same way (:func:`claim_later`): a mapped buffer must not be
-read before its exporter acknowledged the lease, and that acknowledgement is
-a round trip to the exporter's broker (0.7 ms on a 2-vCPU container). Inside
+Claims over the broker (a forwarded value's lease, or one received while a
+resync with its exporter is open; the others are held by their reply) wait
+the same way (:func:`claim_later`): such a mapped buffer must not be read
+before its exporter acknowledged the lease, and that acknowledgement is a
+round trip to the exporter's broker (0.7 ms on a 2-vCPU container). Inside
 :func:`collecting` the claims of one message wait, grouped by exporter, and
 run first when the caller runs the fills: one round trip per exporter for a
 reply of several values, off the event loop, before anyone sees the message.
@@ -66,7 +68,7 @@ logger = logging.getLogger(__name__)
 
 #: The worker whose message is being read here (the address this worker connected to), set by the comm read
 #: wrapper (:func:`dask_gpupool.dask.worker_internals.fill_after_read`); ``None`` when not known. A lease claimed by
-#: its reply (``gpupool.lease-claims: reply``) is held here only when the header names that worker as its
+#: its reply (``claim="reply"`` in the header) is held here only when the header names that worker as its
 #: exporter: a header that names another worker is claimed over that worker's broker, which refuses a lease it
 #: never granted (a lying or confused sender).
 SENDER: contextvars.ContextVar[str | None] = contextvars.ContextVar("gpupool_sender", default=None)

@@ -15,7 +15,6 @@ thread of the broker's loop.
 
 from __future__ import annotations
 
-import functools
 import logging
 import mmap
 import os
@@ -50,24 +49,13 @@ def make_current(pool: Pool) -> Callable[[], None]:
 
 
 class Exported:
-    """What an IPC lease keeps alive: the value handed over (``holder``) and the pool buffer under it.
+    """What an IPC lease keeps alive: the value handed over (``holder``) and the pool buffer under it, whose writes
+    had finished when the descriptor went out."""
 
-    ``written``: with ``gpupool.handoff-ordering: event``, a function that
-    blocks until the GPU work queued before the export (which may still be
-    writing ``buf``) has finished; the broker runs it before it acknowledges
-    a claim (:meth:`ExportSide.unwritten`), and it is dropped once it
-    returned. ``None``: the memory was ready when the descriptor went out.
-    """
+    __slots__ = ("buf", "holder")
 
-    __slots__ = ("buf", "holder", "written")
-
-    def __init__(self, holder: Any, buf: Buffer, written: Callable[[], None] | None = None) -> None:
-        self.holder, self.buf, self.written = holder, buf, written
-
-
-def _wait_written(exported: Exported, wait: Callable[[], None]) -> None:
-    wait()
-    exported.written = None  # returned once: later claims of the same memory (forwards) need not wait
+    def __init__(self, holder: Any, buf: Buffer) -> None:
+        self.holder, self.buf = holder, buf
 
 
 class ExportSide:
@@ -131,23 +119,6 @@ class ExportSide:
         if segments:
             self._pool.resource.note_claims(segments, importer)
         return refused
-
-    def unwritten(self, leases: Iterable[int], importer: str) -> list[Callable[[], None]]:
-        """The waits for the memory of ``importer``'s claimed ``leases`` that the GPU may still be writing.
-
-        ``gpupool.handoff-ordering: event``: the broker runs them on a helper
-        thread between the claim and its reply, and the importer reads only
-        after the reply, so it never reads before the exporter's GPU finished
-        the work queued before the export. Empty when every lease was
-        exported after a synchronize (the default), or its wait has already
-        returned once: then the claim is answered at once.
-        """
-        waits: list[Callable[[], None]] = []
-        for lease in leases:
-            exported = self._leases.holder_for(lease, importer)
-            if isinstance(exported, Exported) and exported.written is not None:
-                waits.append(functools.partial(_wait_written, exported, exported.written))
-        return waits
 
     def release(self, leases: Iterable[int], importer: str, unmapped: bool = False) -> None:
         if unmapped:  # its import failed: the segment claims noted for these leases go back first
@@ -214,7 +185,7 @@ class ExportSide:
         ------
         DataLostError
             The lease has ended (or is another worker's), or the copy failed
-            (a CUDA error, waiting for the GPU's writes).
+            (a CUDA error).
         BrokerRefusedError
             No memfd can be made now (``EMFILE``, ``ENFILE``, ``ENOMEM``): this
             request is refused; nothing was made, and the connection serves on.
@@ -227,12 +198,6 @@ class ExportSide:
         if isinstance(holder, Staged):  # a stream lease: its span of the buffer
             buf, offset, n = holder.buf, holder.offset, holder.nbytes
         else:
-            written = holder.written  # read once: a claim's wait may clear it meanwhile
-            if written is not None:  # gpupool.handoff-ordering: event; the copy must not read early either
-                try:
-                    written()
-                except Exception as e:
-                    raise DataLostError(f"lease {lease}: waiting for the GPU to write its memory failed: {e}") from e
             buf, offset, n = holder.buf, 0, int(holder.buf.size)
         try:
             fd = os.memfd_create("dask-gpupool-copy", os.MFD_CLOEXEC)

@@ -26,7 +26,7 @@ from dask_gpupool.handoff.routes import Routes
 from dask_gpupool.handoff.stats import HandoffStats
 from dask_gpupool.memory.buffers import buffer_kind
 from dask_gpupool.memory.pool import Pool
-from dask_gpupool.memory.topology import current_gpu, sleeping_event
+from dask_gpupool.memory.topology import current_gpu
 from dask_gpupool.transport.stream import CopyServer, Staged, lanes
 from dask_gpupool.wire.handoff import ArrayMeta, HandoffHeader
 from dask_gpupool.wire.registry import PoolRecord
@@ -104,30 +104,26 @@ class Exports:
         """Grant ``row``'s worker a lease on ``buf`` and describe it.
 
         ``holder`` (``buf`` or an object that keeps it alive) stays referenced
-        by the lease until the importer releases it. The importer must not
-        read before the GPU work that wrote ``buf`` has finished
-        (:meth:`_order`): with ``gpupool.handoff-ordering: sync`` that work is
-        finished here (``ready="synced"``); with ``event`` the broker waits
-        for it before it acknowledges the importer's claim (``ready="claim"``).
-        ``written_on`` (a CuPy stream): the caller wrote ``buf`` itself on
-        that stream (a staged copy), so only that stream's work counts.
-        ``written_by`` (a cuda.core event, owned by the caller's
+        by the lease until the importer releases it. The GPU work that wrote
+        ``buf`` has finished before the descriptor goes out (:meth:`_order`),
+        so the importer holds the lease once it has deserialized the header
+        (``claim="reply"``), and the reply's "OK" tells this worker
+        (:meth:`settle`). ``written_on`` (a CuPy stream): the caller wrote
+        ``buf`` itself on that stream (a staged copy), so only that stream's
+        work counts. ``written_by`` (a cuda.core event, owned by the caller's
         :class:`~dask_gpupool.dask.task_events.TaskEvents`): ``holder`` is a
         task result of this worker, and no GPU work of its task comes after
         that event, so only the event counts (not with ``device``).
         """
         start = time.perf_counter()
         desc = self.pool.export(buf)
-        written = self._order(written_on, written_by)
-        # gpupool.lease-claims: reply. The importer holds the lease once it has the header, and the reply's "OK"
-        # tells this worker (settle). Not with event ordering: there the broker's answer to a claim is the wait.
-        by_reply = self.options.lease_claims == "reply" and written is None
-        lease = self.leases.grant(Exported(holder, buf, written), buf.size, row.worker, desc.segment, by_reply=by_reply)
+        self._order(written_on, written_by)
+        lease = self.leases.grant(Exported(holder, buf), buf.size, row.worker, desc.segment, by_reply=True)
         if self.left is not None and self.routes.registry.worker_row(row.worker) is None:
             # It left after its route was decided (a reply outlasting the wait for the GPU above): granted after the
             # removal released its leases, this one would wait for ever for a process that may be gone.
             self.left(row)
-        if by_reply and desc.segment:
+        if desc.segment:
             # noted now: the importer's release of the segment may come before this worker reads the "OK"
             segmented = self.pool.segmented
             if segmented is not None:
@@ -141,13 +137,12 @@ class Exports:
             exporter=self.worker,
             desc=desc,
             lease=lease,
-            ready="synced" if written is None else "claim",
             array=array,
-            claim="reply" if by_reply else "broker",
+            claim="reply",
         )
 
-    def _order(self, written_on: Any, written_by: Any = None) -> Callable[[], None] | None:
-        """Finish the GPU work that may still write an exported buffer, or mark it and return the wait for it.
+    def _order(self, written_on: Any, written_by: Any = None) -> None:
+        """Finish the GPU work that may still write an exported buffer.
 
         What may still write it: the work queued on ``written_on`` (a staged
         copy's stream) when given; else, for a task result whose event is
@@ -157,61 +152,32 @@ class Exports:
         kernel of the process on the pool's GPU.
 
         ``sync``: that work is finished here (``written_on`` synchronized,
-        ``written_by`` waited for, or the whole GPU synchronized); returns
-        ``None``. ``device``: the same, but always the whole GPU for a
-        value the caller did not write itself, so that work a task left on a
-        non-blocking stream is covered too (what ``sync`` did before it used
-        the task's event). ``event``: an event is recorded on ``written_on``,
-        or ``written_by`` is the event, or one is recorded on the legacy
-        default stream; returns what waits for it, which the broker runs
-        before it acknowledges a claim
-        (:meth:`ExportSide.unwritten <dask_gpupool.handoff.exporter.ExportSide.unwritten>`).
-        Host pools have nothing to order.
+        ``written_by`` waited for, or the whole GPU synchronized).
+        ``device``: the same, but always the whole GPU for a value the caller
+        did not write itself, so that work a task left on a non-blocking
+        stream is covered too. Host pools have nothing to order.
         """
         device = self.pool.device
         if device is None and written_on is None:
-            return None
-        ordering = self.options.handoff_ordering
-        if ordering != "event":
-            if written_on is not None:
-                written_on.synchronize()
-            elif written_by is not None and ordering == "sync":
-                waiting = time.perf_counter()
-                if device is not None:
-                    current_gpu(device)  # the event's context current in this thread (an offload thread may not be)
-                written_by.sync()
-                self.handoffs.timed("export-task-wait", time.perf_counter() - waiting)
-            else:
-                current_gpu(device).sync()
-            return None
+            return
         if written_on is not None:
-            import cupy
-
+            written_on.synchronize()
+        elif written_by is not None and self.options.handoff_ordering == "sync":
+            waiting = time.perf_counter()
             if device is not None:
-                current_gpu(device)  # CuPy records on the current device: the stream's, the pool's GPU
-            event = cupy.cuda.Event(block=True, disable_timing=True)  # its wait sleeps, not spins
-            event.record(written_on)
-            done = event.synchronize
-        elif written_by is not None:
-            done = written_by.sync  # the task's own event (it sleeps: the worker plugin records blocking-sync ones)
+                current_gpu(device)  # the event's context current in this thread (an offload thread may not be)
+            written_by.sync()
+            self.handoffs.timed("export-task-wait", time.perf_counter() - waiting)
         else:
-            done = sleeping_event(current_gpu(device).default_stream).sync  # a cuda.core event
-
-        def wait() -> None:
-            if device is not None:
-                current_gpu(device)  # the broker's helper thread has no context of its own
-            done()
-
-        return wait
+            current_gpu(device).sync()
 
     def settle(self, leases: list[int], requester: str | None, ok: bool = False) -> list[int]:
         """The ``get_data`` reply that carried ``leases`` to ``requester`` ended (``ok``: its "OK" was read).
 
-        An importer claims over the broker (and waits for the answer) before
-        it acknowledges a reply, so such a lease unclaimed now will never be
-        used: it ends. A lease claimed by the reply
-        (``gpupool.lease-claims: reply``) is claimed when ``ok``, and in doubt
-        otherwise: the caller asks the importer (:meth:`resolve`). A reply
+        A lease of :meth:`export_ipc` is claimed by the reply: claimed when
+        ``ok``, and in doubt otherwise (the caller asks the importer,
+        :meth:`resolve`). A stream lease that no pull claimed by now will
+        never be used: it ends. A reply
         whose leases were left unclaimed failed at the importer (or never
         reached it): for ``lease-timeout`` seconds its handoffs go as copies
         instead (fallback ``peer-unreachable``), so that Dask's retry of the

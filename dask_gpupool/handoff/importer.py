@@ -31,6 +31,7 @@ from dask_gpupool.errors import (
 )
 from dask_gpupool.handoff.copies import Copies
 from dask_gpupool.handoff.deferred import SENDER, claim_later
+from dask_gpupool.handoff.held import HeldLeases
 from dask_gpupool.handoff.imported import ImportedMemoryResource, Origin
 from dask_gpupool.handoff.links import ExporterLinks
 from dask_gpupool.handoff.mapped_pool import IMPORT_LOCK, MappedPool
@@ -75,6 +76,8 @@ class Importer:
     ----------
     mapped : MappedPools
         Peers' pools mapped here (owned; closed by :meth:`close`).
+    held : HeldLeases
+        The leases held here, imports open and releases done, per exporter.
     releaser : Releaser
         Sends lease releases for buffers imported here (owned; stopped by :meth:`close`).
     links : ExporterLinks
@@ -93,6 +96,7 @@ class Importer:
     registry: RegistryView
     handoffs: HandoffStats
     mapped: MappedPools
+    held: HeldLeases
     releaser: Releaser
     links: ExporterLinks
     copies: Copies
@@ -115,8 +119,9 @@ class Importer:
         self.registry = registry
         self.handoffs = handoffs
         self.mapped = MappedPools(devices, pool.device if pool.kind != "host" else _own_device(options, devices))
-        self.releaser = Releaser(self._link_to)  # asks self.links, made next, only once a release is queued
-        self.links = ExporterLinks(options, pool, worker, self.releaser)
+        self.held = HeldLeases()
+        self.releaser = Releaser(self._link_to, self.held)  # asks self.links, made next, once a release is queued
+        self.links = ExporterLinks(options, pool, worker, self.held)
         self.copies = Copies(options, pool, worker, registry, handoffs, self.links, self.releaser)
         self.closed = False
 
@@ -239,7 +244,7 @@ class Importer:
                 f"pool {desc.pool} of worker {header.exporter} is not registered (its worker left?); "
                 f"lease {header.lease} cannot be read"
             )
-        if not self.releaser.begin(record.broker, header.lease):
+        if not self.held.begin(record.broker, header.lease):
             # A header sent again (a member replaying a descriptor it sent before, for another key): claimed again
             # (the exporter answers a second claim as held), its import's release would end the lease while the
             # first import still maps the memory, which the exporter may then reuse.
@@ -250,11 +255,11 @@ class Importer:
         try:
             return self._import_leased(header, record)
         except BaseException:
-            self.releaser.end_import(record.broker, header.lease)  # its release, if any, was queued already
+            self.held.end_import(record.broker, header.lease)  # its release, if any, was queued already
             raise
 
     def _import_leased(self, header: HandoffHeader, record: PoolRecord) -> Buffer:
-        """:meth:`import_handoff` of a lease :meth:`Releaser.begin <dask_gpupool.handoff.releaser.Releaser.begin>`
+        """:meth:`import_handoff` of a lease :meth:`HeldLeases.begin <dask_gpupool.handoff.held.HeldLeases.begin>`
         admitted: map it and claim it, or fetch a host copy. The Buffer is the caller's."""
         desc = header.desc
         assert desc is not None
@@ -264,12 +269,12 @@ class Importer:
             raise DataLostError(f"pool {desc.pool} of worker {record.worker}: {e}") from e
         lease = header.lease
         broker = record.broker
-        # gpupool.lease-claims: reply. Held here at once, no round trip: the exporter learns it from the reply's
+        # Claimed by the reply: held here at once, no round trip; the exporter learns it from the reply's
         # "OK" (or asks, if the reply failed there). Refused: the exporter was told this worker does not hold it.
         # None: a resync with the exporter is open, or the header names another worker than the one whose reply is
         # read (deferred.SENDER): the exporter's broker claims it (below), and refuses a lease it never granted.
         by_reply = header.claim == "reply" and SENDER.get() == header.exporter
-        held_here = self.releaser.hold_here(broker, lease) if by_reply else None
+        held_here = self.held.hold_here(broker, lease) if by_reply else None
         if held_here is False:
             raise DataLostError(
                 f"lease {lease} of worker {record.worker} was refused here: its reply failed at the exporter, "
@@ -313,7 +318,7 @@ class Importer:
             # for the message's other claims and runs in a thread before Dask sees the message (deferred.py).
 
             def abandon() -> None:
-                if not self.releaser.holds(broker, lease):  # not acknowledged: the exporter did not count it
+                if not self.held.holds(broker, lease):  # not acknowledged: the exporter did not count it
                     mapped.unclaim(key)
                 buf.close()
 
@@ -394,7 +399,7 @@ class Importer:
     def stats(self) -> dict[str, int]:
         """The importer's part of :func:`dask_gpupool.stats`."""
         return {
-            "imports_held": self.releaser.live(),
+            "imports_held": self.held.live(),
             "resyncs": self.releaser.resyncs,
             "mapped_pools": len(self.mapped),
             "links": self.links.alive,

@@ -23,21 +23,22 @@ when
   workers whose process lives on (``worker-ttl`` after a stall), and their
   tasks still read what they imported. Only an importer whose process cannot
   be watched (another pid namespace, no pidfds) is released when it leaves;
-- it was never claimed and the ``get_data`` reply that carried it has ended
-  (:meth:`LeaseTable.settle`, or :meth:`LeaseTable.settle_forwarded` for a lease
-  another worker forwarded): the importer sends its ``"OK"`` only after its
-  claims were acknowledged, so a lease still unclaimed then will never be
-  used; a reply that failed is never used either, because a claim that
-  arrives after the lease ended is refused and the importer never hands out
-  memory whose claim was refused.
+- it was never claimed and the ``get_data`` reply that carried it has
+  ended (:meth:`LeaseTable.settle` for a stream lease no pull
+  claimed, :meth:`LeaseTable.settle_forwarded` for a lease another worker
+  forwarded): the importer sends its ``"OK"`` only after its claims were
+  acknowledged, so a lease still unclaimed then will never be used; a reply
+  that failed is never used either, because a claim that arrives after the
+  lease ended is refused and the importer never hands out memory whose claim
+  was refused. A lease claimed by the reply (below) ends unheld only once
+  its importer said it does not hold it (:meth:`LeaseTable.resolve`).
 
-Two ways to claim (``gpupool.lease-claims``):
+Two ways to claim:
 
-- ``broker``: the importer claims over the exporter's broker and waits for
-  the answer before it reads (a round trip per reply and exporter).
-- ``reply`` (the default, for leases of memory written before the export):
-  the importer holds the lease from the moment it deserializes the header
-  (:meth:`Releaser.hold_here <dask_gpupool.handoff.releaser.Releaser.hold_here>`),
+- by the reply (the leases of this worker's own buffers, ``claim="reply"``
+  in their header, their memory written before the export): the importer
+  holds the lease from the moment it deserializes the header
+  (:meth:`HeldLeases.hold_here <dask_gpupool.handoff.held.HeldLeases.hold_here>`),
   with no round trip. The exporter learns it from the reply: Dask's
   ``"OK"``, which the importer sends only after deserializing, marks the
   reply's leases claimed (:meth:`LeaseTable.settle` with ``ok``). When the
@@ -46,10 +47,15 @@ Two ways to claim (``gpupool.lease-claims``):
   the importer answers a query (Dask's own comm,
   :class:`~dask_gpupool.wire.handoff.LeaseQuery`). The importer answers which
   it holds and, atomically, refuses for good the others
-  (:meth:`Releaser.answer <dask_gpupool.handoff.releaser.Releaser.answer>`),
+  (:meth:`HeldLeases.answer <dask_gpupool.handoff.held.HeldLeases.answer>`),
   so a header deserialized later can no longer hold them
   (:meth:`LeaseTable.resolve`). An importer that never answers keeps them until
   it dies or leaves, as for any lease.
+- over the broker: the importer claims over the exporter's broker and waits
+  for the answer before it reads (a round trip per reply and exporter). So
+  are leases another worker forwarded (:meth:`LeaseTable.forward`), and
+  leases of the first kind that the importer receives while a resync of its
+  link to this worker is open.
 
 No timer ends a lease, and a broker connection closing does not either (a
 link can break while its importer lives: an exporter stalled past
@@ -115,9 +121,9 @@ class Lease:
         (:meth:`LeaseTable.forward`: it passed on a value it had imported);
         ``""`` for leases granted by this worker's own serializers.
     by_reply : bool
-        Claimed by the reply (``gpupool.lease-claims: reply``): the importer
-        holds it once it deserialized the header; its segment was noted at
-        the grant, and is forgotten if the lease ends unheld.
+        Claimed by the reply (the IPC leases of this worker's own buffers):
+        the importer holds it once it deserialized the header; its segment
+        was noted at the grant, and is forgotten if the lease ends unheld.
     in_doubt : bool
         A ``by_reply`` lease whose reply failed: kept until the importer
         says whether it holds it (:meth:`LeaseTable.resolve`).
@@ -173,7 +179,7 @@ class LeaseTable:
         """Keep ``holder`` alive for ``importer``; return the lease id (random, positive).
 
         ``by_reply``: the importer holds it from deserialization on, and the reply's end settles it
-        (``gpupool.lease-claims: reply``).
+        (the IPC leases of this worker's own buffers).
         """
         with self._lock:
             while True:
@@ -347,10 +353,9 @@ class LeaseTable:
     def settle(self, lease_ids: Iterable[int], ok: bool = False) -> tuple[int, list[int]]:
         """The reply that carried these leases has ended (``ok``: the importer's ``"OK"`` was read).
 
-        Leases claimed over the broker and still unclaimed end (their importer
-        acknowledges a reply only after its claims). Leases claimed by the
-        reply count as claimed when ``ok``; otherwise they are marked in
-        doubt and kept (:meth:`resolve`). Returns how many ended and the ids
+        Leases claimed by the reply count as claimed when ``ok``; otherwise
+        they are marked in doubt and kept (:meth:`resolve`). Others still
+        unclaimed (stream leases no pull claimed) end. Returns how many ended and the ids
         now in doubt.
         """
         doubt: list[int] = []

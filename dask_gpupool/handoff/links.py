@@ -2,9 +2,10 @@
 
 One :class:`~dask_gpupool.transport.link.PeerLink` per exporter's broker,
 opened on first use and again after it broke: a new link first resyncs the
-leases still held from that exporter (the releaser's live set). Every link
-presents the cluster's membership token. :meth:`ExporterLinks.claim` claims
-leases over a link and waits for the exporter's answer. The
+leases still held from that exporter (the live set of
+:class:`~dask_gpupool.handoff.held.HeldLeases`). Every link presents the
+cluster's membership token. :meth:`ExporterLinks.claim` claims leases over a
+link and waits for the exporter's answer. The
 :class:`~dask_gpupool.handoff.importer.Importer` owns one.
 """
 
@@ -16,7 +17,7 @@ import threading
 
 from dask_gpupool.config import PoolOptions
 from dask_gpupool.errors import DataLostError, GPUPoolError, NotAMemberError
-from dask_gpupool.handoff.releaser import Releaser
+from dask_gpupool.handoff.held import HeldLeases
 from dask_gpupool.memory.pool import Pool
 from dask_gpupool.transport.link import PeerLink
 from dask_gpupool.wire.registry import PoolRecord
@@ -37,8 +38,8 @@ class ExporterLinks:
         This worker's own pool (errors name it).
     worker : str
         This worker's address (links present it).
-    releaser : Releaser
-        The importer's releaser: a new link resyncs its live set, claimed leases are added to it.
+    held : HeldLeases
+        The importer's leases: a new link resyncs its live set, claimed leases are added to it.
 
     Attributes
     ----------
@@ -49,16 +50,16 @@ class ExporterLinks:
     options: PoolOptions
     pool: Pool
     worker: str
-    releaser: Releaser
+    held: HeldLeases
     token: bytes | None
     _links: dict[str, PeerLink]
     _links_lock: threading.Lock
 
-    def __init__(self, options: PoolOptions, pool: Pool, worker: str, releaser: Releaser) -> None:
+    def __init__(self, options: PoolOptions, pool: Pool, worker: str, held: HeldLeases) -> None:
         self.options = options
         self.pool = pool
         self.worker = worker
-        self.releaser = releaser
+        self.held = held
         self.token = None
         self._links = {}
         self._links_lock = threading.Lock()
@@ -89,7 +90,7 @@ class ExporterLinks:
         if self.token is None:
             raise NotAMemberError(f"pool {self.pool.uuid}: not registered with the scheduler yet (no cluster token)")
         # A link opened again after one broke first resyncs the leases still held from this exporter.
-        live, epoch = self.releaser.snapshot(record.broker)
+        live, epoch = self.held.snapshot(record.broker)
         link = PeerLink(
             record.broker,
             self.options.broker_timeout,
@@ -99,7 +100,7 @@ class ExporterLinks:
             expected_pid=record.pid,
             epoch=epoch,
         )
-        self.releaser.resynced(record.broker, epoch)  # answered (the constructor raises otherwise)
+        self.held.resynced(record.broker, epoch)  # answered (the constructor raises otherwise)
         with self._links_lock:
             old = self._links.get(record.broker)
             if old is not None and old.alive:
@@ -125,9 +126,9 @@ class ExporterLinks:
             If the exporter refused a lease (it ended) or cannot be reached.
         """
         for attempt in (0, 1):
-            epoch = self.releaser.epoch(record.broker)
+            epoch = self.held.epoch(record.broker)
             try:
-                refused = link.claim(leases, functools.partial(self.releaser.hold, record.broker, epoch=epoch))
+                refused = link.claim(leases, functools.partial(self.held.hold, record.broker, epoch=epoch))
             except GPUPoolError as e:
                 if attempt:
                     _tell_failed(link)

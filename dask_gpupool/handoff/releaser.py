@@ -3,36 +3,33 @@
 ``ImportedMemoryResource.deallocate`` (:mod:`dask_gpupool.handoff.imported`)
 queues each release; the thread waits for the GPU work recorded with it,
 then sends it over the exporter's :class:`~dask_gpupool.transport.link.PeerLink`,
-off the hot path.
+off the hot path. Which leases are held, and which were released, is kept by
+:class:`~dask_gpupool.handoff.held.HeldLeases`.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from typing import Any
 
 from dask_gpupool.errors import GPUPoolError
+from dask_gpupool.handoff.held import HeldLeases
 from dask_gpupool.transport.link import LinkFactory
 
-__all__ = ["REFUSED_EXPORTERS", "REFUSED_KEPT", "Releaser"]
+__all__ = ["Releaser"]
 
 logger = logging.getLogger(__name__)
 
-#: Refused lease ids kept in all, and released ones per exporter (:meth:`Releaser.answer`).
-REFUSED_KEPT = 65536
-#: Exporters whose refusals are kept (a query may name any string of up to 4 KiB).
-REFUSED_EXPORTERS = 1024
-
 
 class Releaser:
-    """Sends lease releases in batches from its own thread, and keeps the importer's live leases.
+    """Sends lease releases in batches from its own thread.
 
     :meth:`put` is called from ``ImportedMemoryResource.deallocate`` (any
     thread, often the garbage collector's); the thread waits for the GPU work
     recorded with each release to finish, then drops the lease from the live
-    set and sends one :class:`~dask_gpupool.wire.broker_leases.LeaseRelease` (and one
+    set (``held``) and sends one
+    :class:`~dask_gpupool.wire.broker_leases.LeaseRelease` (and one
     :class:`~dask_gpupool.wire.broker_leases.SegmentRelease` for unmapped retiring
     segments) per exporter.
 
@@ -43,237 +40,34 @@ class Releaser:
     ends every lease released meanwhile; segment releases are sent again.
     It gives up on an exporter only when ``links`` says it left the cluster.
 
-    Leases claimed by the reply (``gpupool.lease-claims: reply``) are held
-    here without asking the exporter (:meth:`hold_here`). When such a reply
-    failed at the exporter, it asks which of its leases this worker holds
-    (:meth:`answer`): the others are refused for good from then on, so a
-    header of that reply deserialized later cannot hold them.
-
     Parameters
     ----------
     links : LinkFactory
         Opens (or returns) the link to an exporter, by broker address.
+    held : HeldLeases
+        The importer's leases: released ones leave its live set.
     """
 
     sent: int
     segments_sent: int
     resyncs: int
+    held: HeldLeases
     _pending: list[tuple[str, int, Any, tuple[tuple[int, int], ...], bool]]
-    _live: dict[str, set[int]]
-    _epoch: dict[str, int]
     _retry: dict[str, _Releases]
-    _resyncing: dict[str, set[int]]
-    _importing: dict[str, set[int]]
-    _releasing: dict[str, set[int]]
-    _ended: dict[str, dict[int, None]]
-    _refused: dict[str, dict[int, None]]
-    _released: dict[str, dict[int, None]]
     _cond: threading.Condition
     _closed: bool
     _thread: threading.Thread
 
-    def __init__(self, links: LinkFactory) -> None:
+    def __init__(self, links: LinkFactory, held: HeldLeases) -> None:
         self.sent = self.segments_sent = self.resyncs = 0
+        self.held = held
         self._links = links
         self._pending = []
-        self._live = {}
-        self._epoch = {}
         self._retry = {}
-        self._resyncing = {}
-        self._importing = {}
-        self._releasing = {}
-        self._ended = {}
-        self._refused = {}
-        self._refused_total = 0
-        self._released = {}
         self._cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="gpupool-releaser", daemon=True)
         self._thread.start()
-
-    # -- the live set ------------------------------------------------------------
-
-    def epoch(self, exporter: str) -> int:
-        """A number that changes whenever a resync of ``exporter`` snapshots the live set."""
-        with self._cond:
-            return self._epoch.get(exporter, 0)
-
-    def hold(self, exporter: str, leases: list[int], *, epoch: int) -> bool:
-        """Add claimed leases to the live set, unless a resync snapshot was taken since ``epoch``."""
-        with self._cond:
-            if self._epoch.get(exporter, 0) != epoch:
-                return False
-            self._live.setdefault(exporter, set()).update(leases)
-            return True
-
-    def snapshot(self, exporter: str) -> tuple[list[int], int]:
-        """The live leases of ``exporter`` for a resync, and the new epoch; claims in flight must be held again.
-
-        Until :meth:`resynced` says that this epoch's resync was answered,
-        :meth:`hold_here` holds nothing of ``exporter``: a lease held here
-        after the snapshot, and claimed by its reply meanwhile, would be ended
-        by the resync that does not list it.
-
-        Epochs grow with the host's monotonic clock (nanoseconds), so that a
-        process that takes over a worker address after another numbers its
-        resyncs above the earlier process's (the exporter ignores a resync
-        older than the newest it applied for that address).
-        """
-        with self._cond:
-            epoch = self._epoch[exporter] = max(self._epoch.get(exporter, 0) + 1, time.monotonic_ns())
-            self._resyncing.setdefault(exporter, set()).add(epoch)
-            return sorted(self._live.get(exporter, ())), epoch
-
-    def resynced(self, exporter: str, epoch: int) -> None:
-        """The resync of snapshot ``epoch`` was answered by the exporter.
-
-        Resyncs of earlier snapshots that are still open (one on another
-        thread, or one whose answer never came: the exporter may read it
-        later) close with it: the exporter ignores a resync older than the
-        newest it answered (:meth:`ExportSide.resync
-        <dask_gpupool.handoff.exporter.ExportSide.resync>`). A resync that
-        failed stays open until a later one is answered.
-        """
-        with self._cond:
-            open_ = self._resyncing.get(exporter)
-            if open_ is None:
-                return
-            open_.difference_update([e for e in open_ if e <= epoch])
-            if not open_:
-                del self._resyncing[exporter]
-
-    def begin(self, exporter: str, lease: int) -> bool:
-        """Start an import of ``lease`` of ``exporter``; ``False`` when one is open here, or was released.
-
-        A lease keeps memory alive for one import. A header naming it again
-        (a member replaying a descriptor it sent before) would be claimed
-        again, which the exporter answers as held, and its import's release
-        would end the lease while the first import still maps the memory. So
-        a lease is imported here once: from :meth:`begin` until its release
-        was queued (:meth:`put`) it is open; then it is releasing until that
-        release was written to the exporter (:meth:`_deliver`), whether it
-        was ever held here or not (a claim that failed on a broken link may
-        have reached the exporter, which then counts it claimed until that
-        release arrives); then it is kept among the released ones (held
-        here: :meth:`answer`) or the ended ones, at most :data:`REFUSED_KEPT`
-        per exporter, forgotten when the exporter leaves (:meth:`forget`). An
-        import that ends without a release says so with :meth:`end_import`.
-        """
-        with self._cond:
-            if (
-                lease in self._importing.get(exporter, ())
-                or lease in self._releasing.get(exporter, ())
-                or lease in self._live.get(exporter, ())
-                or lease in self._released.get(exporter, ())
-                or lease in self._ended.get(exporter, ())
-            ):
-                return False
-            self._importing.setdefault(exporter, set()).add(lease)
-            return True
-
-    def end_import(self, exporter: str, lease: int) -> None:
-        """The import of ``lease`` that :meth:`begin` started ended without a release (it failed before it held
-        anything, or its release was queued already: then this changes nothing, and the lease stays refused until
-        that release was written, :meth:`put`)."""
-        with self._cond:
-            self._end_import(exporter, lease)
-
-    def _end_import(self, exporter: str, lease: int) -> None:
-        """Called under the lock."""
-        importing = self._importing.get(exporter)
-        if importing is not None:
-            importing.discard(lease)
-            if not importing:
-                del self._importing[exporter]
-
-    def hold_here(self, exporter: str, lease: int) -> bool | None:
-        """Hold a lease claimed by its reply: ``True`` held; ``False`` refused (:meth:`answer` said this
-        worker does not hold it, and the exporter ends it); ``None``: a resync of ``exporter`` is open, so the
-        caller claims over the broker instead."""
-        with self._cond:
-            if lease in self._refused.get(exporter, ()):
-                return False
-            if exporter in self._resyncing:
-                return None
-            self._live.setdefault(exporter, set()).add(lease)
-            return True
-
-    def answer(self, exporter: str, leases: tuple[int, ...] | list[int]) -> list[int]:
-        """Which of ``leases`` (of a reply that failed at ``exporter``) are held here; refuse the others for good.
-
-        A lease held here and released since counts as held: its release
-        (sent, queued behind a broken link, or resynced) ends it at the
-        exporter, and its segment was counted here, so the exporter must not
-        take the segment's claim back as it does for a lease never held.
-        Refusals are kept for the last :data:`REFUSED_KEPT` leases in all
-        (the least recently asked exporter's oldest go first), releases for
-        as many per exporter: a header is deserialized within a reply's
-        lifetime, long before that many later replies failed.
-        """
-        with self._cond:
-            live = self._live.get(exporter, set())
-            released = self._released.get(exporter, {})
-            refused = self._refused.pop(exporter, {})
-            held = []
-            for lease in leases:
-                if lease in live:
-                    held.append(lease)
-                elif lease in released:
-                    held.append(lease)
-                    # released once; sent again, so that it ends even if the exporter counts it claimed only now
-                    # (its first release may have gone before the answer, or be waiting for a broken link)
-                    self._pending.append((exporter, lease, None, (), False))
-                elif lease not in refused:
-                    refused[lease] = None
-                    self._refused_total += 1
-            if refused:
-                self._refused[exporter] = refused  # the most recently asked exporter last: the others go first
-            self._bound_refused()
-            self._cond.notify()
-            return held
-
-    def _bound_refused(self) -> None:
-        """Keep at most :data:`REFUSED_KEPT` refusals in all, of at most :data:`REFUSED_EXPORTERS` exporters: the
-        least recently asked exporter's go first, its oldest ids first. Called under the lock.
-
-        Only a peer that floods this worker with queries (any peer may send one over Dask's comm) can evict the
-        refusals of a real exporter asked before the flood; a header of that exporter's failed reply deserialized
-        after that could then be held. Bounded memory is the trade-off taken.
-        """
-        while len(self._refused) > REFUSED_EXPORTERS:
-            self._refused_total -= len(self._refused.pop(next(iter(self._refused))))
-        while self._refused_total > REFUSED_KEPT:
-            exporter = next(iter(self._refused))
-            ids = self._refused[exporter]
-            if ids:
-                del ids[next(iter(ids))]
-                self._refused_total -= 1
-            if not ids:
-                del self._refused[exporter]
-
-    def holds(self, exporter: str, lease: int) -> bool:
-        """Whether ``lease`` of ``exporter`` is held here (claimed and acknowledged, or held by its reply)."""
-        with self._cond:
-            return lease in self._live.get(exporter, ())
-
-    def live(self, exporter: str | None = None) -> int:
-        """Leases held (of one exporter, or all)."""
-        with self._cond:
-            if exporter is not None:
-                return len(self._live.get(exporter, ()))
-            return sum(len(v) for v in self._live.values())
-
-    def forget(self, exporter: str) -> None:
-        """``exporter`` left the cluster: nothing to release there any more."""
-        with self._cond:
-            self._live.pop(exporter, None)
-            self._retry.pop(exporter, None)
-            self._refused_total -= len(self._refused.pop(exporter, {}))
-            self._released.pop(exporter, None)
-            self._releasing.pop(exporter, None)
-            self._ended.pop(exporter, None)
-
-    # -- releases ------------------------------------------------------------------
 
     def put(
         self,
@@ -291,14 +85,31 @@ class Releaser:
         was never counted here, and the exporter takes back the claim it
         noted (:class:`~dask_gpupool.wire.broker_leases.LeaseRelease`).
         From now until the release was written to the exporter, ``lease`` is
-        refused to a header naming it again (:meth:`begin`).
+        refused to a header naming it again (:meth:`HeldLeases.begin
+        <dask_gpupool.handoff.held.HeldLeases.begin>`).
         """
+        if lease:
+            self.held.releasing(exporter, lease)
         with self._cond:
             self._pending.append((exporter, lease, event, segments, unmapped))
-            if lease:
-                self._end_import(exporter, lease)
-                self._releasing.setdefault(exporter, set()).add(lease)  # refused until written (begin, _settled)
             self._cond.notify()
+
+    def answer(self, exporter: str, leases: tuple[int, ...] | list[int]) -> list[int]:
+        """Which of ``leases`` (of a reply that failed at ``exporter``) are held here; the others are refused for
+        good (:meth:`HeldLeases.answer <dask_gpupool.handoff.held.HeldLeases.answer>`). Those held and released
+        here already are released again."""
+        held, again = self.held.answer(exporter, leases)
+        if again:
+            with self._cond:
+                self._pending.extend((exporter, lease, None, (), False) for lease in again)
+                self._cond.notify()
+        return held
+
+    def forget(self, exporter: str) -> None:
+        """``exporter`` left the cluster: nothing to release there any more."""
+        with self._cond:
+            self._retry.pop(exporter, None)
+        self.held.forget(exporter)
 
     def settle_later(self, exporter: str, leases: list[int]) -> None:
         """Tell ``exporter`` once it can be reached again that the replies carrying these forwarded leases ended.
@@ -345,20 +156,11 @@ class Releaser:
             if lease:
                 (entry.unmapped if unmapped else entry.leases).append(lease)
             entry.segments.extend(segments)
-        with self._cond:
-            for exporter, entry in by_exporter.items():
-                live = self._live.get(exporter)
-                if live is not None:
-                    released = self._released.setdefault(exporter, {})
-                    for lease in entry.leases:  # held and used here: answered as held from now on (answer)
-                        if lease in live:
-                            released[lease] = None
-                    _bound(released)
-                    # unmapped leases stay live until their release was written: a resync on a link reopened
-                    # before that must keep them, or it would end them without taking their segment claims back
-                    # (_deliver). Not covered: the link breaking after the write, and the new link's resync read
-                    # before the old link's release; the claim then stays until this worker leaves.
-                    self._drop_live(exporter, entry.leases)
+        for exporter, entry in by_exporter.items():
+            # unmapped leases stay live until their release was written (_deliver). Not covered: the link breaking
+            # after the write, and the new link's resync read before the old link's release; the claim then stays
+            # until this worker leaves.
+            self.held.released(exporter, entry.leases)
         for exporter, entry in by_exporter.items():
             if not entry:
                 continue
@@ -380,8 +182,7 @@ class Releaser:
             if entry.unmapped:
                 link.release(entry.unmapped, unmapped=True)
                 self.sent += len(entry.unmapped)
-                with self._cond:
-                    self._drop_live(exporter, entry.unmapped)
+                self.held.released(exporter, entry.unmapped, unmapped=True)
             if entry.leases:
                 link.release(entry.leases)
                 self.sent += len(entry.leases)
@@ -390,8 +191,7 @@ class Releaser:
                 self.segments_sent += len(entry.segments)
             if entry.settled:
                 link.settle_forwarded(entry.settled)
-            with self._cond:
-                self._settled(exporter, entry.leases + entry.unmapped)
+            self.held.settled(exporter, entry.leases + entry.unmapped)
             return True
         except Exception as e:
             # A GPUPoolError is the link failing (the link turns OSError into PeerLostError). Anything else is a
@@ -411,33 +211,6 @@ class Releaser:
                 # were claimed by then, and a lease claimed later (an answer) must still be released
                 self._retry.setdefault(exporter, _Releases()).extend(entry)
             return False
-
-    def _settled(self, exporter: str, leases: list[int]) -> None:
-        """The releases of ``leases`` were written to ``exporter``: releasing no more, kept as ended (unless kept as
-        released already), at most :data:`REFUSED_KEPT` per exporter. Called under the lock."""
-        releasing = self._releasing.get(exporter)
-        if releasing is None:
-            return
-        released = self._released.get(exporter, {})
-        ended = self._ended.setdefault(exporter, {})
-        for lease in leases:
-            if lease in releasing:
-                releasing.discard(lease)
-                if lease not in released:
-                    ended[lease] = None
-        _bound(ended)
-        if not releasing:
-            del self._releasing[exporter]
-        if not ended:
-            del self._ended[exporter]
-
-    def _drop_live(self, exporter: str, leases: list[int]) -> None:
-        """Take ``leases`` out of ``exporter``'s live set (dropped when empty). Called under the lock."""
-        live = self._live.get(exporter)
-        if live is not None:
-            live.difference_update(leases)
-            if not live:
-                del self._live[exporter]
 
     def _retry_failed(self) -> bool:
         """Open broken links again (they resync on opening) and resend the releases; whether all went."""
@@ -487,12 +260,6 @@ class _Releases:
 
     def __bool__(self) -> bool:
         return bool(self.leases or self.unmapped or self.segments or self.settled)
-
-
-def _bound(ids: dict[int, None]) -> None:
-    """Keep the last :data:`REFUSED_KEPT` ids (insertion order)."""
-    while len(ids) > REFUSED_KEPT:
-        del ids[next(iter(ids))]
 
 
 class _SetOnSync:

@@ -335,7 +335,7 @@ class PoolService:
     def answer_lease_query(self, query: LeaseQuery) -> LeaseQueryReply:
         """An exporter asks which of the leases it sent in a failed reply this worker holds.
 
-        Answered by :meth:`Releaser.answer <dask_gpupool.handoff.releaser.Releaser.answer>`: the
+        Answered by :meth:`HeldLeases.answer <dask_gpupool.handoff.held.HeldLeases.answer>`: the
         leases not held are refused for good, atomically with the answer.
 
         Raises
@@ -346,7 +346,7 @@ class PoolService:
         if self.closed:
             raise PoolClosedError(f"pool service of {self.record.worker} is closed")
         # refusals are kept even for an exporter this worker's registry does not know yet: its row may come
-        # before a header of that reply is deserialized (the releaser bounds the refusals and the exporters kept)
+        # before a header of that reply is deserialized (HeldLeases bounds the refusals and the exporters kept)
         return LeaseQueryReply(tuple(self.importer.releaser.answer(query.exporter, query.leases)))
 
     def forward(

@@ -120,8 +120,8 @@ TIMED_STEPS = {
     "device-stage-alloc": "the part of device-stage spent allocating new staging memory (counted only then: a "
     "new allocation also costs the receiver a new cuda_ipc mapping)",
     "device-serialize": "the header and device frame of a staged value, in distributed's format (after device-stage)",
-    "claim": "the claim round trip to the exporter's broker, once per exporter for a message's values (none with "
-    "gpupool.lease-claims: reply, the default, unless a resync with that exporter is open)",
+    "claim": "the claim round trip to the exporter's broker, once per exporter for a message's values: for forwarded "
+    "values, and while a resync with that exporter is open (the others are claimed by the reply)",
 }
 
 

@@ -102,9 +102,8 @@ def report_failed_transfer(exporter: str, dask_worker: Worker) -> bool:
 async def get_data_without_ok(exporter: str, key: str, deserialize: bool, dask_worker: Worker) -> int:
     """client.run target: ask ``exporter`` for ``key`` as Dask's gather does, then abort instead of sending "OK".
 
-    The exporter's reply fails after it was written: with
-    ``gpupool.lease-claims: reply`` its leases are in doubt until this worker
-    answers the exporter's query. ``deserialize``: the value is deserialized
+    The exporter's reply fails after it was written: its leases, claimed by
+    the reply, are in doubt until this worker answers the exporter's query. ``deserialize``: the value is deserialized
     (its lease held here) and kept (:func:`kept_head`, :func:`drop_kept`);
     otherwise its serialized form is kept, to deserialize later
     (:func:`deserialize_kept`). Returns the reply's frame count (0: no value).

@@ -69,7 +69,7 @@ def resources(dask_worker: Worker) -> dict[str, Any]:
         "used": service.stats().used,
         "held": held_count(),
         "leases": len(service.leases),
-        "imports_held": service.releaser.live(),
+        "imports_held": service.importer.held.live(),
         "pulls": 0 if service.copier is None else service.copier.transfers,
     }
 
@@ -209,7 +209,7 @@ def lease_counts(dask_worker: Worker) -> dict[str, int]:
         "leases": len(service.leases),
         "unclaimed": service.leases.unclaimed,
         "in_doubt": service.leases.doubtful,
-        "held": service.releaser.live(),
+        "held": service.importer.held.live(),
         "resyncs": service.releaser.resyncs,
     }
 

@@ -48,12 +48,6 @@ class BrokerHandler(Protocol):
     def claim(self, leases: Iterable[int], importer: str) -> list[int]:
         """``importer`` imported these leased buffers; return the ids refused."""
 
-    def unwritten(self, leases: Iterable[int], importer: str) -> list[Callable[[], None]]:
-        """Waits for the memory of these claimed leases, which the GPU may still be writing (none: answer at once).
-
-        The broker runs them on a helper thread before it answers the claim.
-        """
-
     def release(self, leases: Iterable[int], importer: str, unmapped: bool = False) -> None:
         """``importer`` closed its imports of these leased buffers (``unmapped``: it never mapped them)."""
 
@@ -116,9 +110,6 @@ class LookupOnly:
 
     def claim(self, leases: Iterable[int], importer: str) -> list[int]:
         return list(leases)
-
-    def unwritten(self, leases: Iterable[int], importer: str) -> list[Callable[[], None]]:
-        return []
 
     def release(self, leases: Iterable[int], importer: str, unmapped: bool = False) -> None:
         pass

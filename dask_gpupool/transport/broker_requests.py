@@ -21,13 +21,11 @@ that request; the connection keeps serving.
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import socket
 import threading
-from collections.abc import Callable
 
-from dask_gpupool.errors import BrokerRefusedError, DataLostError, GPUPoolError, ProtocolError, UnknownPoolError
+from dask_gpupool.errors import BrokerRefusedError, GPUPoolError, ProtocolError, UnknownPoolError
 from dask_gpupool.transport.broker_handler import BrokerHandler
 from dask_gpupool.wire.broker import (
     ClaimReply,
@@ -49,8 +47,6 @@ from dask_gpupool.wire.broker import (
 from dask_gpupool.wire.codec import encode
 
 __all__ = ["BrokerRequests"]
-
-logger = logging.getLogger(__name__)
 
 #: Most lease ids one resync may name (an importer's live imports of one exporter).
 _MAX_RESYNC = 1 << 20
@@ -129,20 +125,6 @@ class BrokerRequests:
             raise ProtocolError(f"{request.op} on a connection that named no worker")
         if isinstance(request, LeaseClaim):
             refused = self._handler.claim(request.leases, importer)
-            refused_ids = set(refused)
-            claimed = [lease for lease in request.leases if lease not in refused_ids]
-            waits = self._handler.unwritten(claimed, importer)
-            if waits:  # the GPU may still be writing (gpupool.handoff-ordering: event): wait, off this loop
-                try:
-                    await self._loop.run_in_executor(None, _run_all, waits)
-                except Exception as e:  # the importer must not read: the claim fails, its transfer with it
-                    logger.exception("waiting for the memory of leases %s failed", claimed)
-                    # The leases end here (the importer does not read them), and Dask's retry gets copies.
-                    self._handler.release(claimed, importer)
-                    self._handler.transfer_failed(importer)
-                    failed = DataLostError(f"the memory of leases {claimed} could not be waited for: {e}")
-                    await self._send(conn, encode(ErrorReply.of(failed)))
-                    return
             await self._send(conn, encode(ClaimReply(tuple(refused))))
         elif isinstance(request, LeaseRelease):
             self._handler.release(request.leases, importer, request.unmapped)
@@ -224,11 +206,6 @@ class BrokerRequests:
                     raise TimeoutError(f"no room to send an fd within {self._timeout:g} s") from None
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, 0.05)
-
-
-def _run_all(waits: list[Callable[[], None]]) -> None:
-    for wait in waits:
-        wait()
 
 
 class _FdHandover:

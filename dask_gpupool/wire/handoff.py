@@ -198,19 +198,17 @@ class HandoffHeader:
         ``ipc`` only: where the buffer lives in the exporter's pool.
     lease : int
         ``ipc`` and ``stream``: the lease that keeps the memory alive; 0 otherwise.
-    ready : str
-        How the exporter ordered its pending work before the importer reads:
-        ``"synced"`` (the work that wrote the buffer had finished before
-        sending: its task's event, the staging copy's stream, or the GPU)
-        or ``"claim"`` (the exporter's broker acknowledges the importer's
-        claim only once that work has finished: ``gpupool.handoff-ordering:
-        event``). Either way the importer reads only after its claim.
     claim : str
-        ``ipc`` only: how the importer claims the lease. ``"broker"`` (also
-        when the field is absent): over the exporter's broker, and it reads
-        only after the answer. ``"reply"`` (``gpupool.lease-claims: reply``):
-        it holds the lease once it has deserialized the header, and the
-        reply's "OK" tells the exporter (:mod:`dask_gpupool.handoff.leases`).
+        ``ipc`` only: how the importer claims the lease. ``"reply"`` (what an
+        exporter's own buffers carry): it holds the lease once it has
+        deserialized the header, and the reply's "OK" tells the exporter
+        (:mod:`dask_gpupool.handoff.leases`). ``"broker"`` (also when the
+        field is absent; a forwarded value's lease): over the exporter's
+        broker, and it reads only after the answer.
+
+    The message also carries ``"ready": "synced"``: the work that wrote the
+    buffer had finished before the header was sent (its task's event, the
+    staging copy's stream, or the GPU); any other value is refused.
     array : ArrayMeta or None
         Present when the value is an array view rather than a Buffer.
     address : str
@@ -227,14 +225,13 @@ class HandoffHeader:
     exporter: str = ""
     desc: BufferDescriptor | None = None
     lease: int = 0
-    ready: str = "synced"
     array: ArrayMeta | None = None
     address: str = ""
     lanes: tuple[int, ...] = ()
     claim: str = "broker"
 
     PATHS: ClassVar[tuple[str, ...]] = ("ipc", "copy", "stream")
-    READY: ClassVar[tuple[str, ...]] = ("synced", "claim")
+    READY: ClassVar[str] = "synced"
     CLAIMS: ClassVar[tuple[str, ...]] = ("broker", "reply")
 
     def to_msg(self) -> dict[str, Any]:
@@ -245,7 +242,7 @@ class HandoffHeader:
             "exporter": self.exporter,
             "desc": None if self.desc is None else self.desc.to_msg(),
             "lease": self.lease,
-            "ready": self.ready,
+            "ready": self.READY,
             "array": None if self.array is None else self.array.to_msg(),
             "address": self.address,
             "lanes": list(self.lanes),
@@ -267,7 +264,7 @@ class HandoffHeader:
         if nbytes < 0 or lease < 0:
             raise ProtocolError(f"{what}: negative nbytes or lease")
         ready = field_of(m, "ready", str, what)
-        if ready not in cls.READY:
+        if ready != cls.READY:
             raise ProtocolError(f"{what}: unknown readiness {ready!r}")
         raw_desc = field_of(m, "desc", (dict, type(None)), what)
         desc = None if raw_desc is None else BufferDescriptor.from_msg(raw_desc)
@@ -294,8 +291,8 @@ class HandoffHeader:
         claim = field_of(m, "claim", str, what) if "claim" in m else "broker"
         if claim not in cls.CLAIMS:
             raise ProtocolError(f"{what}: unknown claim {claim!r}")
-        if claim == "reply" and (path != "ipc" or ready != "synced"):
-            raise ProtocolError(f"{what}: only an ipc handoff of memory synced before the export is claimed by reply")
+        if claim == "reply" and path != "ipc":
+            raise ProtocolError(f"{what}: only an ipc handoff is claimed by reply")
         raw_array = field_of(m, "array", (dict, type(None)), what)
         return cls(
             path=path,
@@ -304,7 +301,6 @@ class HandoffHeader:
             exporter=field_of(m, "exporter", str, what),
             desc=desc,
             lease=lease,
-            ready=ready,
             array=None if raw_array is None else ArrayMeta.from_msg(raw_array),
             address=address,
             lanes=tuple(raw_lanes),
@@ -320,9 +316,9 @@ LEASE_QUERY_OP = "gpupool_lease_query"
 class LeaseQuery:
     """Exporter → importer (Dask's comm): which of these leases, sent in a reply that failed, do you hold?
 
-    Only leases claimed by the reply (``gpupool.lease-claims: reply``) are
+    Only leases claimed by the reply (``claim="reply"`` in their header) are
     asked about. Answering refuses the others for good
-    (:meth:`Releaser.answer <dask_gpupool.handoff.releaser.Releaser.answer>`).
+    (:meth:`HeldLeases.answer <dask_gpupool.handoff.held.HeldLeases.answer>`).
 
     Attributes
     ----------

@@ -620,7 +620,7 @@ def test_dashboard_page_lists_pools_and_handoffs():
         assert "2 pool(s)" in html and a in html and b in html and "zero-copy in" in html
         assert "http-equiv='refresh'" in html
         # each worker imported once: its mean import time is a number; no claim round trip was timed
-        # (gpupool.lease-claims: reply)
+        # (claimed by the reply)
         assert "mean import, ms (claim)" in html
         assert re.search(r"<td>\d+\.\d\d \(-\)</td>", html), html
         # linked from Dask's own dashboard: the "More..." menu of every page (Bokeh, a test dependency, serves it)
@@ -993,25 +993,6 @@ def test_preload_arguments_set_every_option_and_a_bad_value_is_logged_and_report
             assert [r.worker for r in dask_gpupool.pools(c)] == [row.worker]
     finally:
         stop_processes(procs)
-
-
-def test_switch_interval_is_set_while_the_plugin_runs_and_put_back_after():
-    """gpupool.switch-interval: every worker runs with the given thread switch interval while the plugin is
-    registered, hands over as before, and gets its own interval back when the plugin is removed; a bad value
-    fails the plugin's creation naming the key."""
-    import sys
-
-    from conftest import wait_for
-
-    with pytest.raises(dask_gpupool.ConfigError, match=r"gpupool\.switch-interval"):
-        GPUPool(kind="host", switch_interval="2s")
-    with nanny_cluster([{}, {}]) as c:
-        before = c.run(sys.getswitchinterval)
-        c.register_plugin(GPUPool(kind="host", max_size="64 MiB", switch_interval="0.5ms"))
-        assert set(c.run(sys.getswitchinterval).values()) == {0.0005}
-        handoff_round_trip(c, 1 << 20, b"switch interval")
-        c.unregister_worker_plugin("gpupool")
-        wait_for(lambda: c.run(sys.getswitchinterval) == before, what="the workers' own interval back")
 
 
 def rejected_on_scheduler(client, name="gpupool"):

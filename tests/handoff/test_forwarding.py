@@ -97,13 +97,10 @@ def test_a_chain_of_three_forwards_maps_the_first_exporter_each_time():
         back_to(c, baseline)
 
 
-@pytest.mark.parametrize("ordering", ["sync", "event"])
-def test_a_staged_arrays_source_lives_while_its_copy_may_still_run(ordering):
-    """With ``handoff-ordering: event`` the export does not wait for a staging copy (the broker waits before it
-    acknowledges a claim), so the lease keeps the source array too: freed meanwhile, its memory could be reused
-    and written while the copy still reads it (a review of the UCX paths, thirtieth session). With ``sync`` the
-    copy has finished when the export returns, and the source goes with its key."""
-    plugin = GPUPool(kind="host", max_size="64 MiB", handoff_ordering=ordering)
+def test_a_staged_arrays_source_goes_with_its_key():
+    """The export waits for a staging copy (``handoff-ordering: sync``), so the copy has finished when the header
+    goes out and the lease keeps only the staged copy: the source array goes with its key."""
+    plugin = GPUPool(kind="host", max_size="64 MiB")
     with nanny_cluster([{}, {}], plugin) as c:
         a, b = worker_addresses(c)
         c.run(T.route_sizes, stage=64 << 10, workers=[a])  # host pools stage nothing by default
@@ -113,7 +110,7 @@ def test_a_staged_arrays_source_lives_while_its_copy_may_still_run(ordering):
         keys = [x.key]
         del x
         wait_forgotten(c, keys)
-        assert c.run(T.tracked_alive, workers=[a])[a] == (1 if ordering == "event" else 0)
+        assert c.run(T.tracked_alive, workers=[a])[a] == 0
         del y
         wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="B to release the staged copy")
         assert c.run(T.tracked_alive, workers=[a])[a] == 0

@@ -167,7 +167,7 @@ def test_a_large_plain_array_is_staged_into_the_pool_and_handed_over():
         assert now[b]["copied_bytes"] - before[b]["copied_bytes"] == 8 * 1000  # the small one
         assert now[a]["leases"] == 1  # the staged copy lives while B holds it
         # where the time went: each step timed once more (warm_up's own handoffs are in "before"); no claim round
-        # trip (gpupool.lease-claims: reply, the default)
+        # trip (the lease is claimed by the reply)
         steps = {"producer": (a, ("stage", "export", "reply")), "consumer": (b, ("import",))}
         for who, names in steps.values():
             for step in names:

@@ -68,7 +68,7 @@ def test_leases_end_only_when_their_importer_is_done():
 
 
 def test_a_lease_claimed_by_its_reply_is_claimed_by_the_ok_and_in_doubt_when_the_reply_failed():
-    """gpupool.lease-claims: reply. The exporter never ends such a lease on its own: the "OK" claims it, and after a
+    """A lease claimed by the reply: the exporter never ends it on its own: the "OK" claims it, and after a
     failed reply only the importer's answer (held, or refused for good) decides."""
     table = LeaseTable(60)
     held = bytearray(8)
@@ -219,7 +219,7 @@ def test_a_consumer_stalled_past_lease_timeout_reads_the_original_bytes():
         stalled_consumer(c, MiB)
 
 
-# -- case 1b: a reply that failed at the exporter (gpupool.lease-claims: reply) ----------------------
+# -- case 1b: a reply that failed at the exporter (leases claimed by the reply) ----------------------
 
 
 def test_a_reply_that_failed_at_the_exporter_leaves_its_leases_to_the_importers_answer():
@@ -431,22 +431,21 @@ def test_one_thread_at_a_time_opens_a_link_to_an_exporter(exporter):
     """Two resyncs of one importer in flight at once could reach the broker in either order: threads that find the
     link to an exporter closed at the same moment wait for one of them to open it."""
     from dask_gpupool.config import PoolOptions
+    from dask_gpupool.handoff.held import HeldLeases
     from dask_gpupool.handoff.links import ExporterLinks
-    from dask_gpupool.handoff.releaser import Releaser
     from dask_gpupool.wire.registry import PoolRecord
 
     pool, _leases, broker, (b, _) = exporter
 
-    class CountingReleaser(Releaser):
+    class CountingHeld(HeldLeases):
         snapshots = 0
 
         def snapshot(self, exporter: str) -> tuple[list[int], int]:
-            CountingReleaser.snapshots += 1
+            CountingHeld.snapshots += 1
             time.sleep(0.05)  # widen the window two openers would share
             return super().snapshot(exporter)
 
-    releaser = CountingReleaser(lambda broker: None)
-    links = ExporterLinks(PoolOptions.from_config(kind="host", max_size="16 MiB"), pool, b, releaser)
+    links = ExporterLinks(PoolOptions.from_config(kind="host", max_size="16 MiB"), pool, b, CountingHeld())
     links.token = TOKEN
     record = PoolRecord(pool.uuid, "tcp://127.0.0.1:3", os.getpid(), "h", "h", "host", None, MiB, broker.address)
     got: list[object] = []
@@ -456,85 +455,9 @@ def test_one_thread_at_a_time_opens_a_link_to_an_exporter(exporter):
             t.start()
         for t in threads:
             t.join(10)
-        assert len(got) == 8 and len({id(x) for x in got}) == 1 and CountingReleaser.snapshots == 1
+        assert len(got) == 8 and len({id(x) for x in got}) == 1 and CountingHeld.snapshots == 1
     finally:
         links.drop()
-        releaser.close()
-
-
-def test_a_claim_is_acknowledged_only_once_the_memory_is_written_and_the_broker_serves_others_meanwhile(exporter):
-    """gpupool.handoff-ordering: event. A lease whose memory the exporter's GPU may still be writing carries the wait
-    for it (``Exported.written``, on GPUs a CUDA event recorded at the export). The broker runs that wait on a
-    helper thread between the claim and its reply: B's claim returns only after it, C's requests on another
-    connection are answered meanwhile, the wait runs once (B's second claim and a forward's claim do not wait), and
-    a wait that fails fails the claim instead of letting the importer read."""
-    import threading
-
-    from dask_gpupool.handoff.exporter import Exported
-    from dask_gpupool.transport.link import PeerLink
-
-    pool, leases, broker, (b, c) = exporter
-    buf = pool.allocate(4096)
-    written, waits = threading.Event(), []
-
-    def wait() -> None:
-        waits.append(threading.current_thread().name)
-        assert written.wait(10)
-
-    lease = leases.grant(Exported(buf, buf, wait), 4096, b)
-    as_b, as_c = PeerLink(broker.address, 2.0, TOKEN, b), PeerLink(broker.address, 2.0, TOKEN, c)
-    try:
-        answered: list[list[int]] = []
-        claiming = threading.Thread(target=lambda: answered.append(as_b.claim([lease])))
-        claiming.start()
-        time.sleep(0.3)
-        assert not answered and waits  # B waits for the memory...
-        assert as_c.claim([lease]) == [lease]  # ...while the broker answers C
-        written.set()
-        claiming.join(5)
-        assert answered == [[]]
-        assert len(waits) == 1 and waits[0] != threading.current_thread().name
-        assert as_b.claim([lease]) == [] and len(waits) == 1  # once
-        forwarded, _ = as_b.forward(lease, c)
-        assert as_c.claim([forwarded]) == [] and len(waits) == 1
-
-        def broken() -> None:
-            raise RuntimeError("CUDA_ERROR_LAUNCH_FAILED")
-
-        heard: list[str] = []
-        broker.handler.on_transfer_failed = heard.append
-        other = leases.grant(Exported(buf, buf, broken), 4096, b)
-        with pytest.raises(dask_gpupool.DataLostError, match="could not be waited for"):
-            as_b.claim([other])
-        # the lease ended (B never reads it), and the exporter heard: Dask's retry gets copies
-        assert leases.holder_for(other, b) is None and heard == [b]
-    finally:
-        as_b.close()
-        as_c.close()
-        del buf
-
-
-def test_a_copy_out_of_memory_whose_wait_fails_is_an_error_reply_not_a_lost_connection(exporter):
-    """The copy fallback (a memfd) of a lease whose memory the GPU may still be writing waits for it too; when
-    that wait fails the importer gets a ``DataLostError`` over a link that stays usable."""
-    from dask_gpupool.handoff.exporter import Exported
-    from dask_gpupool.transport.link import PeerLink
-
-    pool, leases, broker, (b, _c) = exporter
-    buf = pool.allocate(4096)
-
-    def broken() -> None:
-        raise RuntimeError("CUDA_ERROR_LAUNCH_FAILED")
-
-    lease = leases.grant(Exported(buf, buf, broken), 4096, b)
-    as_b = PeerLink(broker.address, 2.0, TOKEN, b)
-    try:
-        with pytest.raises(dask_gpupool.DataLostError, match="waiting for the GPU"):
-            as_b.fetch_copy(lease)
-        assert as_b.claim([1]) == [1]  # the same connection answers on
-    finally:
-        as_b.close()
-        del buf
 
 
 def test_a_forward_to_a_worker_whose_transfers_go_as_copies_is_refused(exporter):

@@ -479,19 +479,24 @@ def _exporting_broker(tmp_path: Any) -> tuple[Any, Any, str, FdBroker]:
     return pool, leases, importer, broker
 
 
-def test_a_copy_in_flight_when_the_broker_closes_closes_its_memfd(tmp_path):
+def test_a_copy_in_flight_when_the_broker_closes_closes_its_memfd(tmp_path, monkeypatch):
     """``CopyRequest``: the memfd ``copy_out`` makes on a helper thread, for a connection the broker stopped
     serving meanwhile (it closed), is closed once the copy returns, not left open with the bytes in it."""
     import threading
 
+    from dask_gpupool.handoff import exporter
     from dask_gpupool.handoff.exporter import Exported
 
     pool, leases, importer, broker = _exporting_broker(tmp_path)
     copying, go = threading.Event(), threading.Event()
+    copy_to_host = exporter.copy_to_host
 
-    def written() -> None:  # the GPU "still writes" the buffer: the copy waits for it on the broker's helper thread
+    def slow_copy(*args: Any, **kwargs: Any) -> Any:  # a long copy into the memfd, on the broker's helper thread
         copying.set()
         go.wait(30)
+        return copy_to_host(*args, **kwargs)
+
+    monkeypatch.setattr(exporter, "copy_to_host", slow_copy)
 
     outcome: list[BaseException] = []
     link = PeerLink(broker.address, 30.0, TOKEN, importer)
@@ -504,7 +509,7 @@ def test_a_copy_in_flight_when_the_broker_closes_closes_its_memfd(tmp_path):
             outcome.append(e)
 
     buf = pool.allocate(4096)
-    lease = leases.grant(Exported(buf, buf, written), 4096, importer)
+    lease = leases.grant(Exported(buf, buf), 4096, importer)
     fetcher = threading.Thread(target=fetch)
     try:
         assert _open_copies() == []
@@ -721,7 +726,7 @@ def test_a_copy_asked_with_no_fd_left_is_refused_and_the_connection_keeps_servin
     buf = pool.allocate(4096)
     data = os.urandom(4096)
     copy_from_host(buf, memoryview(data))
-    lease = leases.grant(Exported(buf, buf, None), 4096, importer)
+    lease = leases.grant(Exported(buf, buf), 4096, importer)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     filler: list[int] = []
     try:

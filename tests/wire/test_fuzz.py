@@ -111,9 +111,6 @@ VALID = {
     "forward-reply": ForwardReply(5, 2).to_msg(),
     "forward-settle": ForwardSettle((5, 6)).to_msg(),
     "transfer-failed": TransferFailed().to_msg(),
-    "header-claim": HandoffHeader(
-        "ipc", "device", 64, "tcp://h:1", desc=BufferDescriptor(POOL, 64, b"\1" * 64, 0), lease=3, ready="claim"
-    ).to_msg(),
     "header-by-reply": HandoffHeader(
         "ipc", "device", 64, "tcp://h:1", desc=BufferDescriptor(POOL, 64, b"\1" * 64, 0), lease=3, claim="reply"
     ).to_msg(),
@@ -137,7 +134,6 @@ PARSER_OF = {
     "forward-reply": ForwardReply.from_msg,
     "forward-settle": parse_request,
     "transfer-failed": parse_request,
-    "header-claim": HandoffHeader.from_msg,
     "header-by-reply": HandoffHeader.from_msg,
     "lease-query": LeaseQuery.from_msg,
     "lease-query-reply": LeaseQueryReply.from_msg,
