@@ -193,3 +193,16 @@ def test_every_test_the_docs_name_exists():
             if not source.is_file() or not re.search(rf"^(?:async )?def {name}\(", source.read_text(), re.M):
                 missing.append(f"{page.name}: {path}::{name}")
     assert missing == []
+
+
+def test_the_configuration_page_describes_every_option_and_no_other():
+    """docs/configuration.rst's table names each ``gpupool.*`` key of the schema once (the reference below it is
+    generated from the schema at build time)."""
+    import yaml
+
+    schema = yaml.safe_load((ROOT / "dask_gpupool" / "gpupool-schema.yaml").read_text())
+    keys = set(schema["properties"]["gpupool"]["properties"])
+    text = (ROOT / "docs" / "configuration.rst").read_text()
+    table = text[text.index("The options\n") : text.index("Reference\n")]
+    rows = re.findall(r"^   \* - ``([a-z-]+)``$", table, re.M)
+    assert sorted(rows) == sorted(keys)
