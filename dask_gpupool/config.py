@@ -141,7 +141,7 @@ class PoolOptions:
         runs of five, against 0.80-0.96x with VMM segments and the staging
         copy, one to three pairs of eight above), else ``vmm``, each when the
         GPU supports it (else the other one; a GPU with neither makes no
-        ``device`` pool: :func:`~dask_gpupool.memory.pool.segment_memory_of`
+        ``device`` pool: :func:`~dask_gpupool.memory.device_pool.segment_memory_of`
         raises :class:`~dask_gpupool.errors.ConfigError`). Either way the pool grants
         every other GPU with peer access to its GPU access, and workers there
         get its buffers zero-copy (others get copies, fallback ``other-gpu``).

@@ -28,13 +28,12 @@ trip, bounded by ``broker-timeout``).
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from dask_gpupool.config import PoolOptions
-from dask_gpupool.errors import PoolClosedError, PoolExhaustedError
+from dask_gpupool.errors import PoolClosedError
 from dask_gpupool.handoff import active
 from dask_gpupool.handoff.exporter import ExportSide
 from dask_gpupool.handoff.exports import Exports
@@ -52,7 +51,6 @@ from dask_gpupool.handoff.startup import start_parts
 from dask_gpupool.handoff.stats import HandoffStats
 from dask_gpupool.memory.lifetime import QUARANTINE, keep_until_exit
 from dask_gpupool.memory.pool import Pool, PoolStats
-from dask_gpupool.memory.segments import waiting_for_reclaim
 from dask_gpupool.memory.topology import LocalDevices
 from dask_gpupool.transport.broker import FdBroker
 from dask_gpupool.transport.link import PeerLink
@@ -200,28 +198,8 @@ class PoolService:
     # -- this worker's pool --------------------------------------------------------
 
     def allocate(self, nbytes: int, stream: Any = None, *, wait: bool = False) -> Buffer:
-        """A buffer of ``nbytes`` from this worker's pool (see :meth:`Pool.allocate`).
-
-        ``wait`` (a task's own allocation): a full pool may wait up to
-        ``broker-timeout`` for peers to release large buffers' spares it
-        reclaims, then collects garbage once (``gc.collect()``, in the
-        caller's thread) and tries once more: buffers that only reference
-        cycles hold go back to the pool first, such as those of a task that
-        failed (distributed keeps its frames in a cycle: docs/operations.rst).
-        Without ``wait`` it fails at once and the caller takes its fallback.
-        """
-        if not wait:
-            return self.pool.allocate(nbytes, stream)
-        with waiting_for_reclaim():
-            try:
-                return self.pool.allocate(nbytes, stream)
-            except PoolExhaustedError:
-                used = self.pool.stats().used
-        # 0: nothing unreachable, or a collection already runs in another thread (the retry raises as before)
-        if gc.collect():
-            freed = used - self.pool.stats().used
-            logger.debug("pool %s: full; a garbage collection gave %d bytes back", self.pool.uuid, freed)
-        return self.pool.allocate(nbytes, stream)  # without a second wait for reclaimed spares
+        """A buffer of ``nbytes`` from this worker's pool (see :meth:`Pool.allocate`)."""
+        return self.pool.allocate(nbytes, stream, wait=wait)
 
     def export(self, buf: Buffer) -> BufferDescriptor:
         """Describe a buffer of this worker's pool for a peer (see :meth:`Pool.export`)."""
@@ -452,12 +430,11 @@ class PoolService:
         allocating thread. Peers unmap those segments as retiring ones and
         release them; an allocation of :meth:`allocate` with ``wait`` waits
         up to ``broker-timeout`` for that
-        (:meth:`SegmentedResource.set_reclaimer
-        <dask_gpupool.memory.segments.SegmentedResource.set_reclaimer>`).
+        (:meth:`Reclaim.through <dask_gpupool.memory.reclaim.Reclaim.through>`).
         """
         segmented = self.pool.segmented
         if segmented is not None:
-            segmented.set_reclaimer(publish, self.options.broker_timeout)
+            segmented.reclaimer.through(publish, self.options.broker_timeout)
 
     def handoff_stats(self) -> dict[str, Any]:
         """Counters for :func:`dask_gpupool.stats`."""
@@ -498,7 +475,7 @@ class PoolService:
         self._closed = True
         segmented = self.pool.segmented
         if segmented is not None:
-            segmented.set_reclaimer(None, 0.0)  # drops the plugin's callback (and the worker it holds)
+            segmented.reclaimer.through(None, 0.0)  # drops the plugin's callback (and the worker it holds)
         self.routes.closed = True  # same-host handoffs go as copies from here on
         self.importer.closed = True  # no new mappings or links from here on
         active.remove(self)

@@ -11,8 +11,7 @@ full, the resource frees the idle spares no peer maps (:meth:`OwnSegments.idle`)
 and tries the allocation once more; then it *reclaims* the idle spares peers
 still map: retires them one by one and publishes their ids (the registry
 row's ``reclaim``), peers unmap them as retiring segments, and the allocation
-waits for their releases (:meth:`SegmentedResource.set_reclaimer
-<dask_gpupool.memory.segments.SegmentedResource.set_reclaimer>`).
+waits for their releases (:class:`~dask_gpupool.memory.reclaim.Reclaim`).
 
 A spare's reuse is stream-ordered: its last buffer's free records an event
 on the freeing stream (or the GPU's default stream), and the next buffer's

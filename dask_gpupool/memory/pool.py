@@ -1,11 +1,9 @@
 """A worker's own pool: one IPC-enabled memory resource of one of three kinds.
 
-- ``device``: a :class:`SegmentedResource` that places buffers in segments of
-  :class:`~dask_gpupool.memory.vmm.VmmMemoryResource` (one fd per segment) or
-  :class:`~dask_gpupool.memory.legacy.LegacyMemoryResource` (one IPC handle per
-  segment) memory; a buffer is its segment and an offset. The IPC-enabled
-  cuda.core ``DeviceMemoryResource`` under it names the pool (UUID, the fd
-  peers open first).
+- ``device``: a :class:`~dask_gpupool.memory.segments.SegmentedResource`
+  that places buffers in segments of VMM or legacy IPC memory; a buffer is
+  its segment and an offset (made by :mod:`dask_gpupool.memory.device_pool`,
+  loaded only for this kind).
 - ``pinned``: cuda.core ``PinnedMemoryResource(ipc_enabled=True)``: the CUDA
   pool's fd, and a 64-byte pointer export per buffer.
 - ``host``: :class:`~dask_gpupool.memory.host.SharedHostMemoryResource`: a
@@ -18,24 +16,25 @@ Peers' pools are mapped by :mod:`dask_gpupool.handoff.mappings`, never here.
 
 from __future__ import annotations
 
+import gc
 import logging
 import operator
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dask_gpupool.config import PoolOptions
 from dask_gpupool.errors import ConfigError, PoolClosedError, PoolExhaustedError, UnknownPoolError
 from dask_gpupool.memory.host import SharedHostMemoryResource
-from dask_gpupool.memory.segments import SEGMENT_SIZE, SegmentedResource
-from dask_gpupool.memory.topology import LocalDevices, current_gpu, device_memory, host_memory
+from dask_gpupool.memory.topology import LocalDevices, current_gpu, host_memory
 from dask_gpupool.wire.handoff import BufferDescriptor
 
 if TYPE_CHECKING:
     from cuda.core import Buffer
 
-__all__ = ["Pool", "PoolStats", "grant_peers", "ipc_payload", "segment_memory_of"]
+    from dask_gpupool.memory.segments import SegmentedResource
+
+__all__ = ["Pool", "PoolStats", "ipc_payload"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,91 +69,6 @@ class PoolStats:
         }
 
 
-def _no_payload(buf: Buffer) -> bytes:
-    """VMM segments carry no payload: peers fetch the segment's fd by id."""
-    return b""
-
-
-def _segment_payload(made_of: str) -> Any:
-    """How a segment made of ``made_of`` (:func:`_segment_memory`'s) is named to peers in descriptors."""
-    if made_of == "legacy":
-        from dask_gpupool.memory.legacy import legacy_payload
-
-        return legacy_payload
-    return _no_payload
-
-
-#: What each segment memory needs of the GPU, for the errors of :func:`_segment_memory`.
-_NEEDS = {"vmm": "export virtual memory as POSIX fds", "legacy": "share memory by IPC handles"}
-
-
-def _supported(made_of: str, ordinal: int) -> bool:
-    """Whether GPU ``ordinal`` can make segments of ``made_of`` (``"vmm"`` or ``"legacy"``) memory."""
-    if made_of == "legacy":
-        from dask_gpupool.memory.legacy import legacy_supported
-
-        return legacy_supported(ordinal)
-    from dask_gpupool.memory.vmm import vmm_supported
-
-    return vmm_supported(ordinal)
-
-
-def segment_memory_of(
-    options: PoolOptions, ordinal: int, supported: Callable[[str], bool], prefer_legacy: bool = False
-) -> str:
-    """What a ``device`` pool's segments on GPU ``ordinal`` are made of: ``"vmm"`` or ``"legacy"``.
-
-    ``supported(made_of)`` says whether the GPU can make segments of that memory (:func:`_supported`; asked only
-    as far as needed). ``segment-memory: auto`` is ``legacy`` when ``prefer_legacy`` (a worker that listens over
-    UCX, which sends legacy IPC memory GPU to GPU as it is) and the GPU shares memory by IPC handles, else ``vmm``
-    when it exports virtual memory as POSIX fds, else ``legacy``.
-
-    Raises
-    ------
-    ConfigError
-        For ``segment-memory: vmm`` on a GPU without VMM fd export, or ``legacy`` on one without IPC handles; and for
-        any value on a GPU with neither, whose memory no other process can map: there the worker takes a ``pinned``
-        or ``host`` pool (``gpupool.kind``), whose buffers other processes map without segments.
-    """
-    wanted = options.segment_memory
-    if wanted == "auto":
-        order = ("legacy", "vmm") if prefer_legacy else ("vmm", "legacy")
-    else:
-        order = (wanted, "legacy" if wanted == "vmm" else "vmm")
-    made_of = next((m for m in order if supported(m)), None)
-    if made_of is None:
-        raise ConfigError(
-            f"gpupool.kind={options.kind!r}: GPU {ordinal} can neither {_NEEDS['vmm']} nor {_NEEDS['legacy']}, "
-            "so no other process can map a device pool's memory; valid here: gpupool.kind 'pinned' or 'host'"
-        )
-    if wanted not in ("auto", made_of):
-        raise ConfigError(
-            f"gpupool.segment-memory={wanted!r}: GPU {ordinal} cannot {_NEEDS[wanted]}; "
-            f"valid here: {made_of!r} (or 'auto')"
-        )
-    return made_of
-
-
-def _segment_memory(options: PoolOptions, ordinal: int, size: int, prefer_legacy: bool = False) -> tuple[str, Any]:
-    """What a ``device`` pool's segments are made of (:func:`segment_memory_of`) and the resource they come from:
-    a :class:`~dask_gpupool.memory.vmm.VmmMemoryResource` or a
-    :class:`~dask_gpupool.memory.legacy.LegacyMemoryResource` of ``size`` bytes, owned by the caller.
-
-    Raises
-    ------
-    ConfigError
-        As :func:`segment_memory_of`.
-    """
-    made_of = segment_memory_of(options, ordinal, lambda m: _supported(m, ordinal), prefer_legacy)
-    if made_of == "legacy":
-        from dask_gpupool.memory.legacy import LegacyMemoryResource
-
-        return made_of, LegacyMemoryResource(ordinal, size)
-    from dask_gpupool.memory.vmm import VmmMemoryResource
-
-    return made_of, VmmMemoryResource(ordinal, size)
-
-
 def ipc_payload(buf: Buffer) -> bytes:
     """The 64 bytes of ``cuMemPoolExportPointer`` data that identify ``buf`` in its pool.
 
@@ -164,33 +78,6 @@ def ipc_payload(buf: Buffer) -> bytes:
     """
     _, (payload, _size) = buf.ipc_descriptor.__reduce__()
     return bytes(payload)
-
-
-def grant_peers(resource: Any, ordinal: int, devices: LocalDevices) -> tuple[str, ...]:
-    """Grant every other visible GPU with peer access to GPU ``ordinal`` access to ``resource``.
-
-    Done in the owner's process, before any import: on two H200s (driver 580)
-    a peer that mapped this pool's buffers across GPUs while it was still
-    growing, and had been granted access only in its own process, lost its
-    CUDA context (``CUDA_ERROR_LAUNCH_FAILED`` during an import); with access
-    granted here first, the same handoffs read the right bytes
-    (``scripts/probes/two_gpu_handoff.py``, ``docs/gpu-checks.md``).
-
-    Returns the UUIDs of the GPUs granted access. A GPU that cannot reach
-    ``ordinal`` (no peer access) is left out; so is every GPU when granting
-    fails, which is logged: buffers then go to those GPUs as copies.
-    """
-    from cuda.core import Device
-
-    others = [i for i in range(len(devices.uuids)) if i != ordinal and Device(i).can_access_peer(ordinal)]
-    if not others:
-        return ()
-    try:
-        resource.peer_accessible_by = set(others)
-    except Exception as e:
-        logger.warning("GPU %d: granting GPUs %s access to the pool failed (%s); they get copies", ordinal, others, e)
-        return ()
-    return tuple(devices.uuids[i] for i in others)
 
 
 class Pool:
@@ -213,10 +100,15 @@ class Pool:
         UUID of that GPU.
     peers : tuple of str
         UUIDs of the other GPUs this process granted access to a ``device``
-        pool (see :func:`grant_peers`); only workers on these GPUs (or on the
+        pool (see :func:`~dask_gpupool.memory.device_pool.grant_peers`); only workers on these GPUs (or on the
         pool's own) are handed its buffers zero-copy.
     resource : cuda.core.MemoryResource
         The memory resource; owned by the pool.
+    segmented : SegmentedResource or None
+        ``resource`` when it places buffers in segments (a ``device`` pool),
+        with their retire ledger; else ``None``.
+    shared_host : SharedHostMemoryResource or None
+        ``resource`` when it is a ``host`` pool's memfd; else ``None``.
     """
 
     kind: str
@@ -230,6 +122,8 @@ class Pool:
     #: it from the registry row.
     segment_memory: str
     resource: Any
+    segmented: SegmentedResource | None
+    shared_host: SharedHostMemoryResource | None
     _closed: bool
     _lock: threading.Lock
 
@@ -246,6 +140,8 @@ class Pool:
         self.kind = kind
         self.segment_memory = segment_memory
         self.resource = resource
+        self.segmented = resource if segment_memory != "pool" else None
+        self.shared_host = resource if isinstance(resource, SharedHostMemoryResource) else None
         self.max_size = max_size
         self.device = device
         self.device_uuid = device_uuid
@@ -268,8 +164,9 @@ class Pool:
         ConfigError
             For a kind this host cannot provide (a ``device`` pool on a GPU
             that can make neither VMM nor legacy IPC segments:
-            :func:`segment_memory_of`), a device it does not see, or a
-            ``max_size`` larger than the memory behind the pool.
+            :func:`~dask_gpupool.memory.device_pool.segment_memory_of`), a
+            device it does not see, or a ``max_size`` larger than the memory
+            behind the pool.
         """
         kind = options.kind
         if kind == "auto":
@@ -284,20 +181,10 @@ class Pool:
         ordinal = devices.resolve(options.device)
         dev = current_gpu(ordinal)
         if kind == "device":
-            if not dev.properties.memory_pools_supported:
-                raise ConfigError(f"gpupool.kind='device': GPU {ordinal} does not support memory pools")
-            size = options.max_size.resolve(device_memory(ordinal), f"GPU {ordinal} ({devices.uuids[ordinal]})")
-            from cuda.core import DeviceMemoryResource, DeviceMemoryResourceOptions
+            from dask_gpupool.memory.device_pool import device_resource
 
-            resource = DeviceMemoryResource(dev, DeviceMemoryResourceOptions(ipc_enabled=True, max_size=size))
-            try:
-                made_of, memory = _segment_memory(options, ordinal, size, prefer_legacy)
-                peers = grant_peers(resource, ordinal, devices)
-            except BaseException:
-                resource.close()
-                raise
-            resource = SegmentedResource(resource, min(SEGMENT_SIZE, size), ordinal, _segment_payload(made_of), memory)
-            return cls(kind, resource, size, ordinal, devices.uuids[ordinal], peers, segment_memory=made_of)
+            segmented, size, made_of, peers = device_resource(options, devices, ordinal, dev, prefer_legacy)
+            return cls(kind, segmented, size, ordinal, devices.uuids[ordinal], peers, segment_memory=made_of)
         else:
             if not dev.properties.host_numa_memory_pools_supported:
                 raise ConfigError(
@@ -330,11 +217,6 @@ class Pool:
         fd, size = segmented.segment_fd(segment)
         return int(fd), int(size)
 
-    @property
-    def segmented(self) -> SegmentedResource | None:
-        """The pool's :class:`SegmentedResource` (buffers in segments, and their retire ledger), if any."""
-        return self.resource if isinstance(self.resource, SegmentedResource) else None
-
     def forget_claims(self, segments: list[int], importer: str) -> None:
         """Take back retire-ledger claims of ``importer`` on ``segments`` (one per lease; 0 entries are skipped):
         leases noted for it that it never mapped. Makes the pool's GPU current first in the calling thread, since
@@ -347,24 +229,28 @@ class Pool:
             current_gpu(self.device)
         segmented.forget_claims(segments, importer)
 
-    @property
-    def shared_host(self) -> SharedHostMemoryResource | None:
-        """The ``host`` pool's memfd resource, if this is one."""
-        return self.resource if isinstance(self.resource, SharedHostMemoryResource) else None
-
     def allocation_handle(self) -> int:
         """The pool's shareable fd. Owned by the pool: callers must not close it."""
         if getattr(self, "_closed", False):
             raise PoolClosedError(f"pool {self.uuid} is closed")
         return int(self.resource.allocation_handle)
 
-    def allocate(self, nbytes: int, stream: Any = None) -> Buffer:
+    def allocate(self, nbytes: int, stream: Any = None, *, wait: bool = False) -> Buffer:
         """A buffer of ``nbytes`` from this pool, owned by the caller.
 
         CUDA kinds allocate stream-ordered on ``stream``, by default the
         device's default stream (which orders the memory with all blocking
         streams, CuPy's included). The buffer goes back to the pool when it is
         closed or garbage-collected.
+
+        ``wait`` (a task's own allocation): a full pool may wait for peers to
+        release large buffers' spares it reclaims (up to the timeout its
+        owner set: :meth:`Reclaim.through <dask_gpupool.memory.reclaim.Reclaim.through>`),
+        then collects garbage once (``gc.collect()``, in the caller's thread)
+        and tries once more: buffers that only reference cycles hold go back
+        to the pool first, such as those of a task that failed (distributed
+        keeps its frames in a cycle: docs/operations.rst). Without ``wait`` it
+        fails at once and the caller takes its fallback.
 
         Raises
         ------
@@ -375,6 +261,19 @@ class Pool:
         TypeError, ValueError
             If ``nbytes`` is not an integer (NumPy integers are), or negative.
         """
+        if not wait:
+            return self._allocate(nbytes, stream, False)
+        try:
+            return self._allocate(nbytes, stream, True)
+        except PoolExhaustedError:
+            used = self.stats().used
+        # 0: nothing unreachable, or a collection already runs in another thread (the retry raises as before)
+        if gc.collect():
+            logger.debug("pool %s: full; a garbage collection gave %d bytes back", self.uuid, used - self.stats().used)
+        return self._allocate(nbytes, stream, False)  # without a second wait for reclaimed spares
+
+    def _allocate(self, nbytes: int, stream: Any, wait: bool) -> Buffer:
+        """:meth:`allocate` once; ``wait``: a full segmented pool waits for the spares it reclaims."""
         nbytes = operator.index(nbytes)  # a Python int: NumPy's int64 wraps around when rounded up near 2**63
         if nbytes < 0:
             raise ValueError(f"pool {self.uuid} ({self.kind}): cannot allocate {nbytes} bytes")
@@ -384,7 +283,10 @@ class Pool:
             if self.kind == "host":
                 return self.resource.allocate(nbytes)
             dev = current_gpu(self.device)
-            return self.resource.allocate(nbytes, stream=stream if stream is not None else dev.default_stream)
+            stream = stream if stream is not None else dev.default_stream
+            if self.segmented is not None:
+                return self.segmented.allocate(nbytes, stream=stream, wait=wait)
+            return self.resource.allocate(nbytes, stream=stream)
         except PoolExhaustedError as e:  # the host arena's or the segments': name the pool
             raise PoolExhaustedError(f"pool {self.uuid} ({self.kind}) {e}") from None
         except Exception as e:

@@ -29,8 +29,8 @@ segments they place buffers in from the resource's
   up to 2 MiB), kept when the buffer is freed and reused by a later buffer
   that fits it (at most twice as small), so repeated large results map once
   (:class:`~dask_gpupool.memory.own_segments.OwnSegments`).
-  When the upstream pool is full, such idle segments that no peer maps are
-  freed and the allocation is tried once more.
+  When the upstream pool is full, such idle spares are freed, or reclaimed
+  from the peers that map them (:class:`~dask_gpupool.memory.reclaim.Reclaim`).
 
 Ownership, lifetime and retirement
 ----------------------------------
@@ -45,14 +45,10 @@ them even after they are freed here or this process died.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import operator
 import threading
-import time
-from collections.abc import Callable, Hashable, Iterator
-from contextvars import ContextVar
+from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
 
 from cuda.core import MemoryResource
@@ -62,6 +58,7 @@ from dask_gpupool.memory.arena_placement import BUFFER_ALIGNMENT, ArenaPlacement
 from dask_gpupool.memory.home_stream import HomeStream
 from dask_gpupool.memory.lifetime import keep_until_exit
 from dask_gpupool.memory.own_segments import OwnSegments
+from dask_gpupool.memory.reclaim import Reclaim
 from dask_gpupool.memory.retire import RetireLedger
 from dask_gpupool.memory.segment_source import SegmentSource
 from dask_gpupool.memory.segment_table import SEGMENT_ALIGNMENT, Segment, SegmentStats, SegmentTable
@@ -76,7 +73,6 @@ __all__ = [
     "Segment",
     "SegmentStats",
     "SegmentedResource",
-    "waiting_for_reclaim",
 ]
 
 #: Size of a ``device`` pool's ordinary segments: a peer maps each once, so a handoff from it is an offset and a
@@ -84,26 +80,6 @@ __all__ = [
 #: peer; with 1 GiB segments a 1 GiB handoff took 2.11 ms instead of 5.13 ms imported anew (two H200s, 2026-11-22,
 #: docs/performance.md). A larger buffer gets a segment of its own (:mod:`dask_gpupool.memory.own_segments`).
 SEGMENT_SIZE = 1 << 30
-
-#: Whether an allocation that finds the pool full may wait for reclaimed spares (:func:`waiting_for_reclaim`).
-_RECLAIM_WAIT: ContextVar[bool] = ContextVar("gpupool_reclaim_wait", default=False)
-
-
-@contextlib.contextmanager
-def waiting_for_reclaim() -> Iterator[None]:
-    """Allocations made inside may wait for peers to release reclaimed spares when the pool is full.
-
-    For a task's own allocation (``dask_gpupool.allocate``): it has nothing
-    better to do. Outside, a full pool still reclaims (so that later
-    allocations fit) but fails at once: callers with a fallback (staging, a
-    copy's landing buffer) take it instead of waiting.
-    """
-    token = _RECLAIM_WAIT.set(True)
-    try:
-        yield
-    finally:
-        _RECLAIM_WAIT.reset(token)
-
 
 logger = logging.getLogger(__name__)
 
@@ -134,9 +110,16 @@ class SegmentedResource(MemoryResource):
     Notes
     -----
     Thread-safe: task threads allocate, any thread (the garbage collector's
-    included) deallocates. The placements (``_arena`` and ``_own``) and the
-    segment source share ``_lock`` and ``_segments`` and take the lock
-    themselves.
+    included) deallocates. The placements (``_arena`` and ``_own``), the
+    segment source and :attr:`reclaimer` share ``_lock`` and ``_segments``
+    and take the lock themselves.
+
+    Attributes
+    ----------
+    reclaimer : Reclaim
+        What a full pool does with its large buffers' spares; its owner
+        sets how reclaimed spares are published
+        (:meth:`Reclaim.through <dask_gpupool.memory.reclaim.Reclaim.through>`).
     """
 
     upstream: Any
@@ -152,9 +135,7 @@ class SegmentedResource(MemoryResource):
     _closed: bool
     _lock: threading.RLock
     _ledger: RetireLedger
-    _reclaimer: Callable[[], None] | None
-    _reclaim_timeout: float
-    _freed: threading.Condition
+    reclaimer: Reclaim
 
     def __init__(
         self,
@@ -176,17 +157,22 @@ class SegmentedResource(MemoryResource):
         self._closed = False
         self._lock = lock = threading.RLock()
         self._ledger = RetireLedger()
-        self._reclaimer = None
-        self._reclaim_timeout = 0.0
-        self._freed = threading.Condition(lock)  # notified when _collect freed segments
         self._source = source = SegmentSource(self.memory, payload_of, segments, lock, self._ledger, home)
         self._arena = ArenaPlacement(segments, lock, source.new, self.segment_size, home)
         self._own = OwnSegments(segments, lock, source.new, home)
+        self.reclaimer = Reclaim(segments, lock, source, self._own, self._ledger, home, lambda: self.retire_below)
 
     # -- MemoryResource ----------------------------------------------------------------
 
-    def allocate(self, size: int, *, stream: Any = None) -> Buffer:
+    def allocate(self, size: int, *, stream: Any = None, wait: bool = False) -> Buffer:
         """A buffer of ``size`` bytes inside a segment, owned by the caller.
+
+        ``wait``: when the pool is full, wait for peers to release the spares
+        it reclaims (:meth:`Reclaim.when_full
+        <dask_gpupool.memory.reclaim.Reclaim.when_full>`): for a task's own
+        allocation, which has nothing better to do. Without it a full pool
+        still reclaims (so that later allocations fit) but fails at once:
+        callers with a fallback (staging, a copy's landing buffer) take it.
 
         Raises
         ------
@@ -211,7 +197,7 @@ class SegmentedResource(MemoryResource):
         try:
             ptr = place(size, stream)
         except PoolExhaustedError as full:
-            ptr = self._when_full(place, size, stream, full)
+            ptr = self.reclaimer.when_full(place, size, stream, full, wait)
         if stream is None:
             return Buffer.from_handle(ptr, size, mr=self)
         return Buffer.from_handle(ptr, size, mr=self, stream=stream)
@@ -371,8 +357,7 @@ class SegmentedResource(MemoryResource):
         self._collect(force=free_segments)
         with self._lock:
             self._closed = True
-            self._reclaimer = None
-            self._freed.notify_all()  # an allocation waiting for reclaimed spares ends
+            self.reclaimer.close()  # an allocation waiting for reclaimed spares ends
             segments = self._segments.clear()
             for seg in segments:
                 self._kept.add(seg)
@@ -384,63 +369,13 @@ class SegmentedResource(MemoryResource):
             self.memory.close()
         self.upstream.close()
 
-    def set_reclaimer(self, publish: Callable[[], None] | None, timeout: float) -> None:
-        """Let a full pool reclaim large buffers' spare segments that peers still map (``None``: no more).
-
-        ``publish()`` is called from the allocating thread, so it must not
-        block, each time a full pool has reclaimed spares not freed yet; the
-        caller makes peers see :attr:`reclaim` as it is when the row goes out
-        (the registry row's ``reclaim``). Peers then unmap those segments as
-        they do retiring ones, and their releases free them. An allocation
-        made under :func:`waiting_for_reclaim` waits up to ``timeout`` seconds
-        for that, except on a thread running an event loop; others fail at
-        once, and later allocations find the memory back.
-        """
-        with self._lock:
-            self._reclaimer, self._reclaim_timeout = publish, timeout
-
     @property
     def reclaim(self) -> tuple[int, ...]:
         """Ids of the segments reclaimed one by one and not freed yet, ascending (the row's ``reclaim``)."""
         with self._lock:
-            return tuple(sorted(self._reclaimed()))
+            return tuple(sorted(self.reclaimer.reclaimed()))
 
     # -- internals -----------------------------------------------------------------------
-
-    def _when_full(self, place: Callable[[int, Any], int], size: int, stream: Any, full: PoolExhaustedError) -> int:
-        """The upstream is full: free idle spares, then reclaim those peers map, and place ``size`` again.
-
-        Raises ``full`` when neither gives room in time.
-        """
-        if self._drop_spares():
-            try:
-                return place(size, stream)  # the upstream has the spares' memory back
-            except PoolExhaustedError as again:
-                full = again
-        pending = self._reclaim_spares()
-        if not pending or not _RECLAIM_WAIT.get() or _on_event_loop():
-            raise full
-        deadline = time.monotonic() + self._reclaim_timeout
-        while True:
-            with self._lock:
-                left = {i for i in pending if self._segments.get(i) is not None}
-                while left == pending and time.monotonic() < deadline and not self._closed:
-                    self._freed.wait(deadline - time.monotonic())
-                    left = {i for i in pending if self._segments.get(i) is not None}
-                if self._closed:
-                    raise PoolClosedError("the segmented resource closed while an allocation waited for room")
-            if left == pending:  # nothing freed in time
-                raise PoolExhaustedError(
-                    f"{full}; {len(pending)} spare segment(s) that peers map are being reclaimed "
-                    f"and were not released within {self._reclaim_timeout:g} s"
-                ) from full
-            self._drop_spares()
-            try:
-                return place(size, stream)
-            except PoolExhaustedError:
-                if not left:
-                    raise
-                pending = left
 
     def _freed_after_close(self, ptr: int) -> None:
         """A buffer freed after :meth:`close`: its segment stays kept (nothing is reused), its bytes leave
@@ -460,51 +395,6 @@ class SegmentedResource(MemoryResource):
             if nbytes:
                 seg.live -= 1
                 self._segments.count_freed(nbytes)
-
-    def _reclaimed(self) -> set[int]:
-        """Ids of spares retired one by one, not freed yet: own segments retiring at or above ``retire_below``.
-
-        (:meth:`retire` marks every segment below ``retire_below``; only a reclaim retires one above it.) Call
-        with ``_lock`` held.
-        """
-        return {s.id for s in self._segments if s.own and s.retiring and s.id >= self.retire_below}
-
-    def _reclaim_spares(self) -> set[int]:
-        """Retire the spares that no buffer uses but peers map; publish; return the reclaimed ids not freed yet."""
-        with self._lock:
-            if self._reclaimer is None or self._closed:
-                return set()
-            fresh = [s for s in self._segments if s.own and not s.live and not s.retiring and self._ledger.mapped(s.id)]
-            for s in fresh:
-                s.retiring = True
-            pending, publish = self._reclaimed(), self._reclaimer
-        if fresh:
-            logger.info(
-                "pool full: reclaiming %d large-buffer segment(s) that peers map, %d bytes",
-                len(fresh),
-                sum(s.size for s in fresh),
-            )
-        if pending:
-            try:  # every time, not only for fresh ones: an earlier row may have been lost or refused
-                publish()
-            except Exception:  # the worker is shutting down, say: no waiting for releases that cannot come
-                logger.warning("pool full: publishing the reclaimed segments failed", exc_info=True)
-                return set()
-        return pending
-
-    def _drop_spares(self) -> int:
-        """Free own segments that hold no buffer and that no peer maps (a full pool's last resort); how many."""
-        with self._lock:  # unregistered here, so that no allocation takes one meanwhile
-            spares = [self._source.unregister(s) for s in self._own.idle(self._ledger.mapped)]
-        if not spares:
-            return 0
-        if self._home is not None:
-            self._home.sync()  # their last buffers' frees have run
-        for s in spares:
-            self._source.free(s)
-        freed = sum(s.size for s in spares)
-        logger.info("pool full: freed %d idle large-buffer segment(s), %d bytes", len(spares), freed)
-        return len(spares)
 
     def _retire_all(self) -> None:
         """Mark every segment retiring: new buffers go to new segments (call with ``_lock`` held)."""
@@ -528,15 +418,5 @@ class SegmentedResource(MemoryResource):
             self._home.sync()  # frees queued on any stream have run
         for s in singles:
             self._source.free(s)
-        with self._lock:
-            self._freed.notify_all()
+        self.reclaimer.notify_freed()
         logger.info("freed %d retired segment(s)", len(singles))
-
-
-def _on_event_loop() -> bool:
-    """Whether this thread runs an asyncio event loop (a worker's, a broker's): it must not wait there."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True

@@ -10,7 +10,7 @@ from cuda.core import Buffer
 
 from dask_gpupool import PoolClosedError, PoolExhaustedError, UnknownPoolError
 from dask_gpupool.memory.host import HostOnlyResource
-from dask_gpupool.memory.segments import BUFFER_ALIGNMENT, SEGMENT_ALIGNMENT, SegmentedResource, waiting_for_reclaim
+from dask_gpupool.memory.segments import BUFFER_ALIGNMENT, SEGMENT_ALIGNMENT, SegmentedResource
 
 MiB = 1 << 20
 
@@ -243,9 +243,8 @@ def test_a_full_pool_reclaims_a_spare_that_a_peer_maps_and_waits_for_its_release
         published.append(res.reclaim)
         threading.Timer(0.2, res.note_released, ([(seg.id, 1)],), {"connection": 4}).start()
 
-    res.set_reclaimer(publish, timeout=10.0)
-    with waiting_for_reclaim():
-        big = res.allocate(32 * MiB)  # 30 + 31 + 32 > 64: fits only once the spare is gone
+    res.reclaimer.through(publish, timeout=10.0)
+    big = res.allocate(32 * MiB, wait=True)  # 30 + 31 + 32 > 64: fits only once the spare is gone
     assert published == [(seg.id,)]
     assert seg.base not in up.live and res.locate(int(big.handle))[0].size == 32 * MiB
     assert res.reclaim == ()  # freed: nothing left to reclaim
@@ -260,9 +259,9 @@ def test_a_reclaim_that_peers_do_not_answer_in_time_fails_is_published_again_and
     arriving later frees it, and the next allocation fits without waiting."""
     res, up, (seg, in_use) = full_with_a_mapped_spare()
     published: list[tuple[int, ...]] = []
-    res.set_reclaimer(lambda: published.append(res.reclaim), timeout=0.2)
-    with waiting_for_reclaim(), pytest.raises(PoolExhaustedError, match="being reclaimed"):
-        res.allocate(32 * MiB)
+    res.reclaimer.through(lambda: published.append(res.reclaim), timeout=0.2)
+    with pytest.raises(PoolExhaustedError, match="being reclaimed"):
+        res.allocate(32 * MiB, wait=True)
     assert published == [(seg.id,)] and res.reclaim == (seg.id,)
     with pytest.raises(PoolExhaustedError):
         res.allocate(30 * MiB)  # the spare would fit, but it is retired: not reused
@@ -275,21 +274,20 @@ def test_a_reclaim_that_peers_do_not_answer_in_time_fails_is_published_again_and
 
 
 def test_only_a_tasks_allocation_waits_and_never_on_an_event_loop():
-    """Outside waiting_for_reclaim (a caller with a fallback) and on a thread running an event loop (a worker's),
+    """Without ``wait`` (a caller with a fallback) and on a thread running an event loop (a worker's),
     a full pool publishes the reclaim and fails at once."""
     import asyncio
     import time
 
     res, _up, (seg, in_use) = full_with_a_mapped_spare()
     published: list[tuple[int, ...]] = []
-    res.set_reclaimer(lambda: published.append(res.reclaim), timeout=30.0)
+    res.reclaimer.through(lambda: published.append(res.reclaim), timeout=30.0)
     start = time.monotonic()
     with pytest.raises(PoolExhaustedError):
         res.allocate(32 * MiB)
 
     async def on_the_loop() -> None:
-        with waiting_for_reclaim():
-            res.allocate(32 * MiB)
+        res.allocate(32 * MiB, wait=True)
 
     with pytest.raises(PoolExhaustedError):
         asyncio.run(on_the_loop())
@@ -304,13 +302,12 @@ def test_closing_ends_an_allocation_that_waits_for_a_reclaim():
     import time
 
     res, _up, (_seg, in_use) = full_with_a_mapped_spare()
-    res.set_reclaimer(lambda: None, timeout=30.0)
+    res.reclaimer.through(lambda: None, timeout=30.0)
     got: list[BaseException] = []
 
     def allocate() -> None:
         try:
-            with waiting_for_reclaim():
-                res.allocate(32 * MiB)
+            res.allocate(32 * MiB, wait=True)
         except BaseException as e:
             got.append(e)
 
@@ -327,8 +324,8 @@ def test_closing_ends_an_allocation_that_waits_for_a_reclaim():
 
 def test_without_a_reclaimer_a_mapped_spare_stays_and_the_pool_is_full():
     res, up, (seg, in_use) = full_with_a_mapped_spare()
-    with waiting_for_reclaim(), pytest.raises(PoolExhaustedError):
-        res.allocate(32 * MiB)
+    with pytest.raises(PoolExhaustedError):
+        res.allocate(32 * MiB, wait=True)
     assert seg.base in up.live and not seg.retiring and res.reclaim == ()
     in_use.close()
     res.close()
@@ -442,7 +439,7 @@ def test_segments_are_vmm_or_legacy_ipc_memory_as_the_gpu_allows(wanted, prefer_
     """A ``device`` pool's segment memory, from the option, the worker's comm and what the GPU supports (the GPU's
     answers given here as a set; on a GPU they are its driver attributes)."""
     from dask_gpupool.config import PoolOptions
-    from dask_gpupool.memory.pool import segment_memory_of
+    from dask_gpupool.memory.device_pool import segment_memory_of
 
     options = PoolOptions.from_config(kind="device", segment_memory=wanted)
     assert segment_memory_of(options, 0, gpu_has.__contains__, prefer_legacy) == made_of
@@ -453,7 +450,7 @@ def test_a_gpu_without_vmm_or_legacy_ipc_memory_is_a_clear_error():
     GPU with neither makes no ``device`` pool, naming the kinds that need neither."""
     from dask_gpupool import ConfigError
     from dask_gpupool.config import PoolOptions
-    from dask_gpupool.memory.pool import segment_memory_of
+    from dask_gpupool.memory.device_pool import segment_memory_of
 
     vmm = PoolOptions.from_config(kind="device", segment_memory="vmm")
     with pytest.raises(ConfigError, match=r"segment-memory='vmm': GPU 1 cannot export .* valid here: 'legacy'"):
