@@ -44,7 +44,7 @@ def time_imports(descs: list[dict[str, Any]], repeats: int) -> dict[str, Any]:
     service = current_service()
     parsed = [BufferDescriptor.from_msg(d) for d in descs]
     t0 = time.perf_counter()
-    mapped = service.map_peer(parsed[0].pool)
+    mapped = service.importer.map_peer(parsed[0].pool)
     map_s = time.perf_counter() - t0
     imports = {}
     for d in parsed:
@@ -55,7 +55,7 @@ def time_imports(descs: list[dict[str, Any]], repeats: int) -> dict[str, Any]:
             times.append(time.perf_counter() - t0)
             mapped.release(buf)
         imports[d.size] = statistics.median(times)
-    service.mapped.unmap(parsed[0].pool)
+    service.importer.mapped.unmap(parsed[0].pool)
     return {"map_pool_s": map_s, "import_s": imports}
 
 
@@ -65,7 +65,7 @@ def step(name: str, *args: Any) -> float:
     t0 = time.perf_counter()
     if name == "allocate":  # producer
         key, nbytes = args
-        buf = service.allocate(nbytes)
+        buf = service.pool.allocate(nbytes)
         with held_buffers._held_lock:
             held_buffers._held[key] = buf
     elif name == "fill":  # producer: every byte set on the GPU
@@ -74,7 +74,7 @@ def step(name: str, *args: Any) -> float:
     elif name == "import":  # importer
         key, desc = args
         d = BufferDescriptor.from_msg(desc)
-        buf = service.map_peer(d.pool).import_buffer(d)
+        buf = service.importer.map_peer(d.pool).import_buffer(d)
         with held_buffers._held_lock:
             held_buffers._held[key] = buf
     elif name == "check":  # importer: every byte read on its GPU
@@ -85,13 +85,13 @@ def step(name: str, *args: Any) -> float:
         key, desc = args
         with held_buffers._held_lock:
             buf = held_buffers._held.pop(key)
-        service.map_peer(BufferDescriptor.from_msg(desc).pool).release(buf)
+        service.importer.map_peer(BufferDescriptor.from_msg(desc).pool).release(buf)
     return time.perf_counter() - t0
 
 
 def export(key: str) -> dict[str, Any]:
     """Task on the producer: the descriptor of a held buffer."""
-    return current_service().export(held_buffers._held[key]).to_msg()
+    return current_service().pool.export(held_buffers._held[key]).to_msg()
 
 
 def run_large(placement: str, workers: list[dict[str, Any]], sizes: list[int], kind: str = "device") -> dict[str, Any]:

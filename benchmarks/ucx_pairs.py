@@ -198,7 +198,7 @@ def _set_receive(mode: str) -> None:
     if mode == "pool":
 
         def device_array(n: int) -> Any:
-            buf = service.allocate(n)
+            buf = service.pool.allocate(n)
             return _DeviceFrame(int(buf.handle), n, buf)
 
         comm.device_array = device_array

@@ -97,7 +97,7 @@ def test_device_pool_stats_and_full_pool():
                 err = "no error"
             except dask_gpupool.PoolExhaustedError as e:
                 err = str(e)
-            stats = dask_gpupool.dask.api.current_service().stats().to_msg()
+            stats = dask_gpupool.dask.api.current_service().pool.stats().to_msg()
             del bufs
             return stats, err
 

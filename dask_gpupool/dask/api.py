@@ -72,7 +72,7 @@ def allocate(nbytes: int, stream: Any = None) -> Buffer:
         When the pool cannot hold ``nbytes`` more, even after a garbage collection (buffers that only reference
         cycles hold, such as a failed task's: docs/operations.rst).
     """
-    return current_service().allocate(nbytes, stream, wait=True)
+    return current_service().pool.allocate(nbytes, stream, wait=True)
 
 
 def to_pool(array: Any) -> Any:
@@ -117,7 +117,7 @@ def to_pool(array: Any) -> Any:
     held = pool_buffer_of(array)
     if held is not None and service.pool.owns(held):
         return array  # in this worker's pool already
-    buf = service.allocate(max(int(array.nbytes), 1), wait=True)
+    buf = service.pool.allocate(max(int(array.nbytes), 1), wait=True)
     if (module == "cupy" and not buf.is_device_accessible) or (module == "numpy" and not buf.is_host_accessible):
         # a host pool cannot hold a CuPy array, nor a device pool a NumPy one: leave it where it is
         buf.close()
@@ -180,8 +180,8 @@ def _worker_pool_stats(dask_worker: Worker) -> dict[str, Any]:
     return {
         "pool": service.pool.uuid,
         "kind": service.pool.kind,
-        **service.stats().to_msg(),
-        "mapped_pools": len(service.mapped),
+        **service.pool.stats().to_msg(),
+        "mapped_pools": len(service.importer.mapped),
     }
 
 
@@ -339,7 +339,7 @@ async def _worker_trim(dask_worker: Worker) -> dict[str, Any]:
         "ucx_staging_freed": staging,
         "segments": counters["segments"],
         "segments_retiring": counters["segments_retiring"],
-        "reserved": service.stats().reserved,
+        "reserved": service.pool.stats().reserved,
     }
 
 

@@ -426,7 +426,7 @@ def _buffer_from_host_frame(header: dict[str, Any], frames: list[Any]) -> Buffer
     service = _service(False)
     if service is None:
         raise ProtocolError("a host frame of a Buffer reached a process without a pool")
-    buf = service.importer.landing(nbytes, SENDER.get() or "unknown sender")  # outside a full pool
+    buf = service.importer.copies.landing(nbytes, SENDER.get() or "unknown sender")  # outside a full pool
     try:
         copy_from_host(buf, frame)
     except BaseException:

@@ -122,7 +122,7 @@ def stage(request: Request, arr: Any, module: str) -> tuple[dict[str, Any], list
     if not described(arr):  # a structured dtype: the header's dtype.str would lose its fields
         return None
     nbytes = int(arr.nbytes)
-    row = service.stage_route(request.requester, request.scheme, nbytes)
+    row = service.routes.stage_route(request.requester, request.scheme, nbytes)
     if row is None:
         return None
     start = time.perf_counter()
@@ -147,9 +147,9 @@ def stage(request: Request, arr: Any, module: str) -> tuple[dict[str, Any], list
         if side is not None:
             # stream-ordered on the staging stream, which waits for the frees queued on the default stream, not for
             # its kernels (memory/arena_placement.py)
-            buf = service.allocate(nbytes, side)
+            buf = service.pool.allocate(nbytes, side)
         else:
-            buf = service.allocate(nbytes)
+            buf = service.pool.allocate(nbytes)
     except PoolExhaustedError:
         return None
     except Exception as e:  # sent as before: staging is a shortcut, its failure must not fail the reply
@@ -193,7 +193,7 @@ def stage(request: Request, arr: Any, module: str) -> tuple[dict[str, Any], list
     else:
         service.handoffs.timed("stage-after-task", time.perf_counter() - start)
     meta = ArrayMeta(module, tuple(arr.shape), strides, arr.dtype.str, 0)
-    header = service.export_ipc(holder, buf, row, meta, written_on=stream)  # ordered after the copy
+    header = service.exports.export_ipc(holder, buf, row, meta, written_on=stream)  # ordered after the copy
     request.granted.append(header.lease)
     service.handoffs.add(pool_staged_bytes=nbytes)
     service.handoffs.fallback(row.worker, "staged-in-pool", service.record.worker)

@@ -9,7 +9,7 @@ in answer to a worker's ``get_data`` (the plugin wraps that handler, so the
 requesting worker is known: :data:`REQUEST`), the requester is a registered
 worker on the same host in another process, the comm is TCP, TLS or UCX, the
 memory lies in this worker's pool, and the requester can reach it (see
-:meth:`PoolService.plan`). Everything else - other hosts, a client's gather,
+:meth:`Routes.plan <dask_gpupool.handoff.routes.Routes.plan>`). Everything else - other hosts, a client's gather,
 the scheduler relaying one, spilling to disk, the same process -
 gets a host copy in the frames, which a receiving worker lands in its own
 pool so that it can be handed on again. Copies to a worker over ``tcp`` from
@@ -43,6 +43,7 @@ from dask_gpupool.dask.views import VIEWS, as_array, c_strides, described, read_
 from dask_gpupool.dask.worker_internals import REQUEST, Request, clear_tracebacks
 from dask_gpupool.errors import DataLostError, PoolUnavailableError, ProtocolError
 from dask_gpupool.handoff.active import active_service, active_services
+from dask_gpupool.handoff.deferred import SENDER
 from dask_gpupool.memory.buffers import buffer_kind, copy_to_host, host_buffer
 from dask_gpupool.wire.handoff import HEADER_KEY, ArrayMeta, HandoffHeader
 
@@ -90,9 +91,9 @@ def _dumps(
         if handed is not None:
             return {KEY: handed.to_msg()}, []
         if span is not None:
-            row = service.stream_route(request.requester, request.scheme, span[1])
+            row = service.routes.stream_route(request.requester, request.scheme, span[1])
             if row is not None:
-                header = service.export_stream(holder, buf, span[0], span[1], row, copy_meta)
+                header = service.exports.export_stream(holder, buf, span[0], span[1], row, copy_meta)
                 request.granted.extend((header.lease, *header.lanes))
                 return {KEY: header.to_msg()}, []
     frame = host_frame()
@@ -110,9 +111,9 @@ def hand_over(
     """The header of a zero-copy handoff of ``buf`` to ``request``'s requester, or ``None`` to copy.
 
     A buffer of this worker's pool is exported under a lease
-    (:meth:`PoolService.export_ipc <dask_gpupool.handoff.service.PoolService.export_ipc>`);
+    (:meth:`Exports.export_ipc <dask_gpupool.handoff.exports.Exports.export_ipc>`);
     one this worker imported is passed on as its exporter's memory
-    (:meth:`PoolService.forward <dask_gpupool.handoff.service.PoolService.forward>`:
+    (:meth:`Forwarder.forward <dask_gpupool.handoff.forwarding.Forwarder.forward>`:
     its resource knows its origin). The lease goes in ``request`` to be
     settled when the reply ends. A same-host fallback is counted. When
     ``value`` (what Dask serializes: an array over ``buf``; default
@@ -123,15 +124,15 @@ def hand_over(
     service = request.service
     origin = getattr(buf.memory_resource, "origin", None)
     if origin is not None:
-        header = service.forward(origin, request.requester, request.scheme, meta)
+        header = service.forwarder.forward(origin, request.requester, request.scheme, meta)
         if header is not None:
             request.forwarded.append((header.exporter, header.lease))
         return header
-    row, _reason = service.plan(request.requester, request.scheme, buf)
+    row, _reason = service.routes.plan(request.requester, request.scheme, buf)
     if row is None:
         return None
     written_by = request.task_event(holder if value is None else value)
-    header = service.export_ipc(holder, buf, row, meta, written_by=written_by)
+    header = service.exports.export_ipc(holder, buf, row, meta, written_by=written_by)
     request.granted.append(header.lease)
     return header
 
@@ -145,7 +146,7 @@ def data_lost(raw_header: Any, e: Exception) -> DataLostError:
     retried), while for an ``OSError`` it treats the transfer as failed and
     fetches the key again, from the same worker or another, or has it
     recomputed. The exporter then sends this worker copies
-    (:meth:`PoolService.settle`), so the retry succeeds.
+    (:meth:`Exports.settle <dask_gpupool.handoff.exports.Exports.settle>`), so the retry succeeds.
     """
     exporter = raw_header.get("exporter", "?") if isinstance(raw_header, dict) else "?"
     return DataLostError(f"a value from worker {exporter} could not be received: {type(e).__name__}: {e}")
@@ -166,14 +167,14 @@ def _receive(header: HandoffHeader, frames: list[Any], need: str) -> Buffer:
                 f"a handoff from {header.exporter} reached a process without a gpupool pool; "
                 "it should have been sent as a copy"
             )
-        return service.import_handoff(header)
+        return service.importer.import_handoff(header, SENDER.get())
     if header.path == "stream":
         if service is None:
             raise PoolUnavailableError(
                 f"a streamed copy from {header.exporter} reached a process without a gpupool pool; "
                 "it should have been sent in the frames"
             )
-        return service.pull_copy(header, need)
+        return service.importer.copies.pull_copy(header, need)
     data = frames[0] if frames else b""
     if len(frames) > 1 or memoryview(data).nbytes != header.nbytes:
         # distributed merges split frames before a deserializer runs: anything else is a malformed message, and the
@@ -183,7 +184,7 @@ def _receive(header: HandoffHeader, frames: list[Any], need: str) -> Buffer:
             f"{[memoryview(f).nbytes for f in frames]} bytes"
         )
     if service is not None:
-        return service.receive_copy(header.kind, data, header.exporter, need)
+        return service.importer.copies.receive_copy(header.kind, data, header.exporter, need)
     return host_buffer(bytearray(data))  # a client: host memory it owns
 
 

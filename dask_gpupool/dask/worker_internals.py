@@ -130,9 +130,9 @@ class Request:
         revoked, self.granted[granted:] = self.granted[granted:], []
         passed_on, self.forwarded[forwarded:] = self.forwarded[forwarded:], []
         if revoked:
-            self.service.revoke(revoked, self.requester)
+            self.service.exports.revoke(revoked, self.requester)
         if passed_on:
-            self.service.settle_forwarded(passed_on, self.requester)
+            self.service.forwarder.settle_forwarded(passed_on, self.requester)
 
     def count_plain_fallback(self, nbytes: int) -> None:
         """Count a value of ``nbytes`` outside every pool sent in this reply as a same-host fallback, if it is one.
@@ -145,7 +145,7 @@ class Request:
             return
         reason = self.plain_reason
         if reason == "not-in-pool" and self.scheme in TCP_SCHEMES:
-            reason = "small" if nbytes < self.service.stage_threshold(self.requester, self.scheme) else reason
+            reason = "small" if nbytes < self.service.routes.stage_threshold(self.requester, self.scheme) else reason
         self.service.handoffs.fallback(str(self.requester), reason, self.service.record.worker)
 
     def count_copy(self, reason: str, nbytes: int) -> None:
@@ -232,7 +232,9 @@ def install_get_data_hook(
             scheme = parse_address(comm.peer_address)[0]
         except Exception:
             scheme = ""
-        request = Request(who, scheme, service, plain_reason=service.plain_copy_reason(who), task_events=task_events)
+        request = Request(
+            who, scheme, service, plain_reason=service.routes.plain_copy_reason(who), task_events=task_events
+        )
         restore_write = _request_while_writing(comm, request)
         inline = getattr(comm, "allow_offload", False) and _inline_reply(worker, service, keys, who, scheme)
         if inline:
@@ -263,11 +265,11 @@ def install_get_data_hook(
             # reply is never used: either way such a lease still unclaimed now never will be. A lease claimed
             # by the reply is claimed with the "OK"; if the reply failed, the requester is asked.
             if request.granted:
-                doubt = service.settle(request.granted, who, ok)
+                doubt = service.exports.settle(request.granted, who, ok)
                 if doubt and who is not None:
                     _ask_later(worker, service, who, doubt)
             if request.forwarded:
-                service.settle_forwarded(request.forwarded, who)
+                service.forwarder.settle_forwarded(request.forwarded, who)
 
     get_data.__wrapped__ = original  # type: ignore[attr-defined]
     worker.handlers["get_data"] = get_data
@@ -317,7 +319,7 @@ def install_lease_query_handler(worker: Worker, service: PoolService | None) -> 
 
     def lease_query(exporter: Any = None, leases: Any = None) -> dict[str, Any]:
         query = LeaseQuery.from_msg({"exporter": exporter, "leases": leases})
-        return service.answer_lease_query(query).to_msg()
+        return service.importer.answer_lease_query(query).to_msg()
 
     lease_query.__gpupool__ = True  # type: ignore[attr-defined]
     worker.handlers[LEASE_QUERY_OP] = lease_query
@@ -348,7 +350,7 @@ def _ask_later(worker: Worker, service: PoolService, who: str, leases: list[int]
 async def _ask(worker: Worker, service: PoolService, who: str, leases: list[int]) -> None:
     delay, most = _ASK_BACKOFF
     while not service.closed:
-        pending = service.in_doubt(leases, who)
+        pending = service.leases.in_doubt(leases, who)
         if not pending:
             return
         try:
@@ -356,7 +358,7 @@ async def _ask(worker: Worker, service: PoolService, who: str, leases: list[int]
                 chunk = pending[i : i + MAX_LEASES_PER_MESSAGE]
                 query = LeaseQuery(service.record.broker, tuple(chunk))
                 raw = await getattr(worker.rpc(who), LEASE_QUERY_OP)(**query.to_msg())
-                service.resolve(chunk, who, list(LeaseQueryReply.from_msg(raw).held))
+                service.exports.resolve(chunk, who, list(LeaseQueryReply.from_msg(raw).held))
             continue
         except Exception as e:  # unreachable, closing, or a bad answer: keep the leases, ask again
             n = len(pending)
@@ -474,7 +476,9 @@ def _all_handed_over(worker: Worker, service: PoolService, keys: Any, who: str |
         if not described(value):  # a structured dtype: copied by distributed's serializer
             return False
         origin = getattr(buf.memory_resource, "origin", None)  # an import, passed on as its exporter's memory
-        row, reason = service.forward_route(origin, who, scheme)[0] if origin else service.route(who, scheme, buf)
+        row, reason = (
+            service.routes.forward_route(origin, who, scheme)[0] if origin else service.routes.route(who, scheme, buf)
+        )
         if row is None or reason is not None:
             return False
     return True
@@ -485,9 +489,9 @@ def _staged_on_device(service: PoolService, value: Any, who: str | None, scheme:
     (:func:`~dask_gpupool.dask.plain_arrays.stage`; it may still decline, for a full pool, and send the array)."""
     if who is None or service.pool.kind != "device" or type(value).__module__.split(".", 1)[0] != "cupy":
         return False
-    if not getattr(value, "size", 0) or service.plain_copy_reason(who) != "not-in-pool":
+    if not getattr(value, "size", 0) or service.routes.plain_copy_reason(who) != "not-in-pool":
         return False
-    return service.stage_route(who, scheme, int(value.nbytes)) is not None
+    return service.routes.stage_route(who, scheme, int(value.nbytes)) is not None
 
 
 def fill_after_read(worker: Worker, *, undo: bool = False) -> None:

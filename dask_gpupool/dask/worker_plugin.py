@@ -62,6 +62,7 @@ from dask_gpupool.dask.worker_internals import (
 from dask_gpupool.errors import PoolUnavailableError, ProtocolError
 from dask_gpupool.handoff.routing import TCP_SCHEMES, UCX_SCHEMES
 from dask_gpupool.handoff.service import PoolService
+from dask_gpupool.handoff.startup import start_service
 from dask_gpupool.memory.topology import current_gpu, sleeping_event
 from dask_gpupool.ops import metrics as _metrics
 from dask_gpupool.ops.dashboard import STATS_INTERVAL, STATS_OP
@@ -166,7 +167,7 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         # An unknown scheme gets TCP's thresholds (staging only ever uses the pool's own memory), not UCX's choices.
         over_tcp, over_ucx = scheme is None or scheme in TCP_SCHEMES, scheme in UCX_SCHEMES
         # Over UCX, segments of legacy IPC memory go to other hosts as they are (no staging copy).
-        service = PoolService.start(options, worker.address, prefer_legacy=over_ucx)
+        service = start_service(options, worker.address, prefer_legacy=over_ucx)
         service.name = str(worker.name)
         pool = service.pool
         service.routing["segment-memory"] = _segment_memory_line(options, pool.kind, pool.segment_memory, over_ucx)
@@ -271,7 +272,7 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         if service is None or service.closed or stream is None or stream.closed():
             return
         try:
-            stats = {**service.handoff_stats(), **service.stats().to_msg()}
+            stats = {**service.handoff_stats(), **service.pool.stats().to_msg()}
             stream.send({"op": STATS_OP, "stats": stats})
         except Exception:  # a closing stream; the next push or the teardown settles it
             logger.debug("gpupool: stats push failed", exc_info=True)

@@ -3,8 +3,11 @@
 Deserializers run without a worker at hand (Dask calls them with a header
 and frames only), so they find the process's service here. A process
 normally runs one worker with the plugin (Nanny, dask-cuda); with several,
-the most recent one is used. :class:`~dask_gpupool.handoff.service.PoolService`
-adds itself when made and removes itself when closed.
+the most recent one is used. Truly per process: what it lists are the
+services of this process. :func:`~dask_gpupool.handoff.startup.start_service`
+adds each service it makes and has the service remove itself when it closes
+(:attr:`PoolService.on_close <dask_gpupool.handoff.service.PoolService.on_close>`);
+this module imports neither (the service is only named for type checkers).
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@
 worker's pool, as :class:`~dask_gpupool.handoff.routes.Routes` decided: an
 IPC descriptor under a lease (:meth:`Exports.export_ipc`), or a stream
 lease for the pipelined copy (:meth:`Exports.export_stream`), and ends the
-leases a reply left unclaimed (:meth:`Exports.settle`). The
-:class:`~dask_gpupool.handoff.service.PoolService` owns one and delegates to
-it. Runs where Dask serializes: the event loop or its offload thread.
+leases a reply left unclaimed (:meth:`Exports.settle`). A value of this pool
+that a peer passed back is taken out of its lease (:meth:`Exports.take_back`).
+The :class:`~dask_gpupool.handoff.service.PoolService` owns one. Runs where
+Dask serializes: the event loop or its offload thread.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from cuda.core import Buffer
 
 from dask_gpupool import tuning
 from dask_gpupool.config import PoolOptions
+from dask_gpupool.errors import DataLostError
 from dask_gpupool.handoff.exporter import Exported
 from dask_gpupool.handoff.leases import LeaseTable
 from dask_gpupool.handoff.routes import Routes
@@ -219,6 +221,28 @@ class Exports:
             requester,
             self.options.lease_timeout,
         )
+
+    def take_back(self, header: HandoffHeader) -> Buffer:
+        """A value of this worker's pool that a peer passed back (:meth:`Forwarder.forward
+        <dask_gpupool.handoff.forwarding.Forwarder.forward>` on the peer): the pool buffer itself.
+
+        The lease the peer asked for in this worker's name kept the buffer
+        alive until here; it ends now (:meth:`LeaseTable.take
+        <dask_gpupool.handoff.leases.LeaseTable.take>`), and the caller's
+        reference keeps the buffer alive from then on. Nothing is mapped or
+        copied (counted in ``returns``).
+
+        Raises
+        ------
+        DataLostError
+            If the lease has ended (the peer died, or settled it first):
+            distributed then fetches the value again.
+        """
+        held = self.leases.take(header.lease, self.worker)
+        if not isinstance(held, Exported):
+            raise DataLostError(f"lease {header.lease} on this worker's pool {self.pool.uuid} has ended")
+        self.handoffs.add(returns=1, zero_copy_bytes=int(held.buf.size))
+        return held.buf
 
     def export_stream(
         self, holder: Any, buf: Buffer, offset: int, nbytes: int, row: PoolRecord, array: ArrayMeta | None

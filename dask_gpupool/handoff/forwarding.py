@@ -6,31 +6,26 @@ When B hands on to C a value it imported from A, B's serializer asks the
 and C gets A's descriptor, so the memory lives until C lets go, whatever B
 does. When the requester is A itself, A grants the lease in its own name
 and takes its own buffer back
-(:meth:`Forwarder.take_back`):
+(:meth:`Exports.take_back <dask_gpupool.handoff.exports.Exports.take_back>`):
 nothing is mapped or copied. A forwarded lease nobody claimed ends when B's reply ends
 (:meth:`Forwarder.settle_forwarded`) or B dies. The decision is
 :meth:`Routes.forward_route <dask_gpupool.handoff.routes.Routes.forward_route>`.
-The :class:`~dask_gpupool.handoff.service.PoolService` owns one and delegates to it.
+The :class:`~dask_gpupool.handoff.service.PoolService` owns one.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
-from dask_gpupool.errors import DataLostError, GPUPoolError
-from dask_gpupool.handoff.exporter import Exported
+from dask_gpupool.errors import GPUPoolError
 from dask_gpupool.handoff.imported import Origin
-from dask_gpupool.handoff.importer import Importer
-from dask_gpupool.handoff.leases import LeaseTable
+from dask_gpupool.handoff.links import ExporterLinks
 from dask_gpupool.handoff.registry import RegistryView
+from dask_gpupool.handoff.releaser import Releaser
 from dask_gpupool.handoff.routes import Routes
 from dask_gpupool.handoff.stats import HandoffStats
 from dask_gpupool.memory.pool import Pool
 from dask_gpupool.wire.handoff import ArrayMeta, HandoffHeader
-
-if TYPE_CHECKING:
-    from cuda.core import Buffer
 
 __all__ = ["Forwarder"]
 
@@ -50,21 +45,21 @@ class Forwarder:
         This worker's copy of the registry (read only here).
     routes : Routes
         This worker's routing decisions.
-    importer : Importer
-        This worker's importer, whose links reach the exporters.
+    links : ExporterLinks
+        The importer's links, which reach the exporters.
+    releaser : Releaser
+        The importer's releases: a settle that could not be sent goes with them once the exporter is reached again.
     handoffs : HandoffStats
-        The worker's counters (forwards, returns, fallbacks).
-    leases : LeaseTable
-        This worker's leases, out of which a value that came back is taken.
+        The worker's counters (forwards, fallbacks).
     """
 
     pool: Pool
     worker: str
     registry: RegistryView
     routes: Routes
-    importer: Importer
+    links: ExporterLinks
+    releaser: Releaser
     handoffs: HandoffStats
-    leases: LeaseTable
 
     def __init__(
         self,
@@ -72,17 +67,17 @@ class Forwarder:
         worker: str,
         registry: RegistryView,
         routes: Routes,
-        importer: Importer,
+        links: ExporterLinks,
+        releaser: Releaser,
         handoffs: HandoffStats,
-        leases: LeaseTable,
     ) -> None:
         self.pool = pool
         self.worker = worker
         self.registry = registry
         self.routes = routes
-        self.importer = importer
+        self.links = links
+        self.releaser = releaser
         self.handoffs = handoffs
-        self.leases = leases
 
     def forward(
         self, origin: Origin, requester: str | None, scheme: str, array: ArrayMeta | None
@@ -105,7 +100,7 @@ class Forwarder:
         if decision.row is None or owner is None:
             return None  # another host or a client: an expected copy
         try:
-            lease, _segment = self.importer.link(owner).forward(origin.lease, decision.row.worker)
+            lease, _segment = self.links.link(owner).forward(origin.lease, decision.row.worker)
         except GPUPoolError as e:
             self.handoffs.fallback(decision.row.worker, "forward-refused", self.worker, str(e))
             return None
@@ -119,27 +114,6 @@ class Forwarder:
             lease=lease,
             array=array,
         )
-
-    def take_back(self, header: HandoffHeader) -> Buffer:
-        """A value of this worker's pool that a peer passed back (:meth:`forward` on the peer): the pool buffer itself.
-
-        The lease the peer asked for in this worker's name kept the buffer
-        alive until here; it ends now (:meth:`LeaseTable.take
-        <dask_gpupool.handoff.leases.LeaseTable.take>`), and the caller's
-        reference keeps the buffer alive from then on. Nothing is mapped or
-        copied (counted in ``returns``).
-
-        Raises
-        ------
-        DataLostError
-            If the lease has ended (the peer died, or settled it first):
-            distributed then fetches the value again.
-        """
-        held = self.leases.take(header.lease, self.worker)
-        if not isinstance(held, Exported):
-            raise DataLostError(f"lease {header.lease} on this worker's pool {self.pool.uuid} has ended")
-        self.handoffs.add(returns=1, zero_copy_bytes=int(held.buf.size))
-        return held.buf
 
     def settle_forwarded(self, forwarded: list[tuple[str, int]], requester: str | None) -> None:
         """The reply that carried these ``(exporter, lease)`` forwards ended: the exporters end unclaimed ones.
@@ -157,7 +131,7 @@ class Forwarder:
             if owner is None:
                 continue  # it left: its leases went with it
             try:
-                self.importer.link(owner).settle_forwarded(leases)
+                self.links.link(owner).settle_forwarded(leases)
             except GPUPoolError as e:
                 logger.warning(
                     "pool %s: could not tell %s that %d forwarded lease(s) for %s may end (%s); told once it is "
@@ -168,4 +142,4 @@ class Forwarder:
                     requester,
                     e,
                 )
-                self.importer.releaser.settle_later(owner.broker, leases)
+                self.releaser.settle_later(owner.broker, leases)

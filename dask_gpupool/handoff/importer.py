@@ -2,13 +2,15 @@
 
 :class:`Importer` turns a :class:`~dask_gpupool.wire.handoff.HandoffHeader` into
 a Buffer of this process (:meth:`Importer.import_handoff`: map, claim, and on
-failure a host copy), lands copies (:meth:`Importer.receive_copy`,
-:meth:`Importer.pull_copy`) and owns what that needs: the links to exporters'
+failure a host copy) and owns what that needs: the links to exporters'
 brokers (:class:`~dask_gpupool.handoff.links.ExporterLinks`), the peers'
-pools mapped here, the releaser and the copies
-(:class:`~dask_gpupool.handoff.copies.Copies`). The
-:class:`~dask_gpupool.handoff.service.PoolService` makes one and closes it;
-tests can drive one with a registry view and a pool of their own.
+pools mapped here (:class:`~dask_gpupool.handoff.mappings.MappedPools`), the
+leases held here (:class:`~dask_gpupool.handoff.held.HeldLeases`) and their
+releases (:class:`~dask_gpupool.handoff.releaser.Releaser`), and the copies
+that land here instead (:class:`~dask_gpupool.handoff.copies.Copies`, which
+callers use directly). The :class:`~dask_gpupool.handoff.service.PoolService`
+makes one and closes it; tests can drive one with a registry view and a pool
+of their own.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from dask_gpupool.errors import (
     UnknownPoolError,
 )
 from dask_gpupool.handoff.copies import Copies
-from dask_gpupool.handoff.deferred import SENDER, claim_later
+from dask_gpupool.handoff.deferred import claim_later
 from dask_gpupool.handoff.held import HeldLeases
 from dask_gpupool.handoff.imported import ImportedMemoryResource, Origin
 from dask_gpupool.handoff.links import ExporterLinks
@@ -42,7 +44,7 @@ from dask_gpupool.handoff.stats import HandoffStats
 from dask_gpupool.memory.pool import Pool
 from dask_gpupool.memory.topology import LocalDevices, current_gpu
 from dask_gpupool.transport.link import PeerLink
-from dask_gpupool.wire.handoff import BufferDescriptor, HandoffHeader
+from dask_gpupool.wire.handoff import BufferDescriptor, HandoffHeader, LeaseQuery, LeaseQueryReply
 from dask_gpupool.wire.registry import PoolRecord
 
 if TYPE_CHECKING:
@@ -71,6 +73,9 @@ class Importer:
         The GPUs this process sees.
     handoffs : HandoffStats
         The worker's counters (imports, zero-copy and copied bytes, fallbacks).
+    take_back : callable
+        ``take_back(header)``: the buffer of a value of this worker's own pool that a
+        peer passed back (:meth:`Exports.take_back <dask_gpupool.handoff.exports.Exports.take_back>`).
 
     Attributes
     ----------
@@ -83,9 +88,9 @@ class Importer:
     links : ExporterLinks
         The links to exporters' brokers, and claims over them (owned; closed by :meth:`close`).
     copies : Copies
-        Lands the values that come as copies.
-    token : bytes or None
-        The cluster's membership token, which links present (set by the service's ``join``; kept by ``links``).
+        Lands the values that come as copies (:meth:`Copies.receive_copy
+        <dask_gpupool.handoff.copies.Copies.receive_copy>`, :meth:`Copies.pull_copy
+        <dask_gpupool.handoff.copies.Copies.pull_copy>`).
     closed : bool
     """
 
@@ -100,6 +105,7 @@ class Importer:
     releaser: Releaser
     links: ExporterLinks
     copies: Copies
+    take_back: Callable[[HandoffHeader], Buffer]
     closed: bool
 
     def __init__(
@@ -111,6 +117,7 @@ class Importer:
         registry: RegistryView,
         devices: LocalDevices,
         handoffs: HandoffStats,
+        take_back: Callable[[HandoffHeader], Buffer],
     ) -> None:
         self.options = options
         self.pool = pool
@@ -123,16 +130,8 @@ class Importer:
         self.releaser = Releaser(self._link_to, self.held)  # asks self.links, made next, once a release is queued
         self.links = ExporterLinks(options, pool, worker, self.held)
         self.copies = Copies(options, pool, worker, registry, handoffs, self.links, self.releaser)
+        self.take_back = take_back
         self.closed = False
-
-    @property
-    def token(self) -> bytes | None:
-        """The cluster's membership token, which links present (:attr:`ExporterLinks.token`)."""
-        return self.links.token
-
-    @token.setter
-    def token(self, token: bytes | None) -> None:
-        self.links.token = token
 
     def map_peer(self, pool: str) -> MappedPool:
         """Map a same-host peer's pool into this process, once. Blocking.
@@ -164,7 +163,7 @@ class Importer:
             )
 
         def fetch() -> int:
-            reply, fd = self.link(record).request_pool_fd(pool)
+            reply, fd = self.links.link(record).request_pool_fd(pool)
             if reply.kind != record.kind:
                 os.close(fd)
                 raise ProtocolError(f"pool {pool}: broker says kind {reply.kind!r}, registry {record.kind!r}")
@@ -195,7 +194,7 @@ class Importer:
         """What fetches the fd of ``desc``'s VMM segment from its owner's broker (the caller closes the fd)."""
 
         def fetch() -> int:
-            reply, fd = self.link(record).request_segment_fd(desc.pool, desc.segment)
+            reply, fd = self.links.link(record).request_segment_fd(desc.pool, desc.segment)
             if reply.size < desc.extent:
                 os.close(fd)
                 raise ProtocolError(
@@ -204,10 +203,6 @@ class Importer:
             return fd
 
         return fetch
-
-    def link(self, record: PoolRecord) -> PeerLink:
-        """This worker's connection to ``record``'s broker (:meth:`ExporterLinks.link`)."""
-        return self.links.link(record)
 
     def _claim(self, record: PoolRecord, link: PeerLink, leases: list[int]) -> None:
         """Claim ``leases`` of ``record``'s pool (:meth:`ExporterLinks.claim
@@ -221,13 +216,22 @@ class Importer:
         record = next((r for r in self.registry.records() if r.broker == broker), None)
         if record is None or self.closed:
             return None
-        return self.link(record)
+        return self.links.link(record)
 
-    def import_handoff(self, header: HandoffHeader) -> Buffer:
+    def import_handoff(self, header: HandoffHeader, sender: str | None = None) -> Buffer:
         """Map a handed-over buffer; fall back to a host copy from the exporter if that fails.
 
         Returns a Buffer owned by the caller: closing it (or dropping the last
-        reference) closes the import and releases the lease.
+        reference) closes the import and releases the lease. A value of this
+        worker's own pool that came back is taken back instead (:attr:`take_back`).
+
+        ``sender``: the worker whose message is being read (the address this
+        worker connected to), when the caller knows it
+        (:data:`~dask_gpupool.handoff.deferred.SENDER`). A lease claimed by its
+        reply (``claim="reply"``) is held here at once only when the header
+        names that worker as its exporter; otherwise it is claimed over the
+        exporter's broker, which refuses a lease it never granted (a lying or
+        confused sender).
 
         Raises
         ------
@@ -236,6 +240,8 @@ class Importer:
         """
         desc = header.desc
         assert desc is not None and header.path == "ipc"
+        if header.exporter == self.worker:
+            return self.take_back(header)
         record = self.registry.get(desc.pool)
         if record is not None and record.pid == os.getpid():
             raise ProtocolError(f"handoff header: pool {desc.pool} is this process's own; it is never handed over")
@@ -253,18 +259,18 @@ class Importer:
                 "a header naming it again is refused"
             )
         try:
-            return self._import_leased(header, record)
+            return self._import_leased(header, record, sender)
         except BaseException:
             self.held.end_import(record.broker, header.lease)  # its release, if any, was queued already
             raise
 
-    def _import_leased(self, header: HandoffHeader, record: PoolRecord) -> Buffer:
+    def _import_leased(self, header: HandoffHeader, record: PoolRecord, sender: str | None) -> Buffer:
         """:meth:`import_handoff` of a lease :meth:`HeldLeases.begin <dask_gpupool.handoff.held.HeldLeases.begin>`
         admitted: map it and claim it, or fetch a host copy. The Buffer is the caller's."""
         desc = header.desc
         assert desc is not None
         try:
-            link = self.link(record)
+            link = self.links.link(record)
         except GPUPoolError as e:
             raise DataLostError(f"pool {desc.pool} of worker {record.worker}: {e}") from e
         lease = header.lease
@@ -272,8 +278,8 @@ class Importer:
         # Claimed by the reply: held here at once, no round trip; the exporter learns it from the reply's
         # "OK" (or asks, if the reply failed there). Refused: the exporter was told this worker does not hold it.
         # None: a resync with the exporter is open, or the header names another worker than the one whose reply is
-        # read (deferred.SENDER): the exporter's broker claims it (below), and refuses a lease it never granted.
-        by_reply = header.claim == "reply" and SENDER.get() == header.exporter
+        # read (``sender``): the exporter's broker claims it (below), and refuses a lease it never granted.
+        by_reply = header.claim == "reply" and sender == header.exporter
         held_here = self.held.hold_here(broker, lease) if by_reply else None
         if held_here is False:
             raise DataLostError(
@@ -293,7 +299,7 @@ class Importer:
             else:
                 self.handoffs.fallback(record.worker, "import-failed", self.worker, why)
             try:
-                return self.fetch_copy(header, record, link)  # a held lease is claimed again there, then released
+                return self.copies.fetch_copy(header, record, link)  # a held lease is claimed again, then released
             except BaseException:
                 if held_here:  # held here, never mapped: give it back (twice is harmless)
                     self.releaser.put(broker, lease, unmapped=True)
@@ -327,7 +333,7 @@ class Importer:
                 lease,
                 functools.partial(self._claim, record, link),
                 abandon,
-                lambda: self.link(record).transfer_failed(),  # the live link: the claim may have reopened it
+                lambda: self.links.link(record).transfer_failed(),  # the live link: the claim may have reopened it
             )
         self.handoffs.add(imports=1, zero_copy_bytes=desc.size)
         logger.debug(
@@ -340,23 +346,7 @@ class Importer:
         )
         return buf
 
-    # -- copies (handoff/copies.py) ----------------------------------------------------
-
-    def fetch_copy(self, header: HandoffHeader, record: PoolRecord, link: PeerLink) -> Buffer:
-        """:meth:`Copies.fetch_copy <dask_gpupool.handoff.copies.Copies.fetch_copy>`."""
-        return self.copies.fetch_copy(header, record, link)
-
-    def receive_copy(self, kind: str, data: Any, sender: str, need: str = "any") -> Buffer:
-        """:meth:`Copies.receive_copy <dask_gpupool.handoff.copies.Copies.receive_copy>`."""
-        return self.copies.receive_copy(kind, data, sender, need)
-
-    def landing(self, n: int, sender: str, need: str = "any") -> Buffer:
-        """:meth:`Copies.landing <dask_gpupool.handoff.copies.Copies.landing>`."""
-        return self.copies.landing(n, sender, need)
-
-    def pull_copy(self, header: HandoffHeader, need: str = "any") -> Buffer:
-        """:meth:`Copies.pull_copy <dask_gpupool.handoff.copies.Copies.pull_copy>`."""
-        return self.copies.pull_copy(header, need)
+    # -- what the registry says --------------------------------------------------------
 
     def unmap_retired(self, mapped: MappedPool, record: PoolRecord) -> None:
         """Close the imports of ``record``'s retired (or reclaimed) segments that no buffer uses; tell the exporter."""
@@ -374,12 +364,6 @@ class Importer:
         if raws:
             logger.info("pool %s: unmapped %d retired segment(s) of %s", record.pool, len(raws), record.worker)
 
-    # -- links and lifecycle -----------------------------------------------------------
-
-    def drop_links(self) -> int:
-        """Close every link (the cluster's token changed: new links present the new one); return how many."""
-        return self.links.drop()
-
     def exporter_left(self, record: PoolRecord) -> None:
         """``record``'s worker left the cluster: close its link, forget its leases here, unmap its pool when idle."""
         self.links.close(record.broker)
@@ -395,6 +379,25 @@ class Importer:
             idle = mapped.imports == 0
         if idle:
             self.mapped.forget(mapped.record.pool)
+
+    def answer_lease_query(self, query: LeaseQuery) -> LeaseQueryReply:
+        """An exporter asks which of the leases it sent in a failed reply this worker holds.
+
+        Answered by :meth:`Releaser.answer <dask_gpupool.handoff.releaser.Releaser.answer>`: the
+        leases not held are refused for good, atomically with the answer.
+
+        Raises
+        ------
+        PoolClosedError
+            If this worker's service is closed: its imports may still be closing, so no answer is safe.
+        """
+        if self.closed:
+            raise PoolClosedError(f"pool service of {self.worker} is closed")
+        # refusals are kept even for an exporter this worker's registry does not know yet: its row may come
+        # before a header of that reply is deserialized (HeldLeases bounds the refusals and the exporters kept)
+        return LeaseQueryReply(tuple(self.releaser.answer(query.exporter, query.leases)))
+
+    # -- lifecycle ---------------------------------------------------------------------
 
     def stats(self) -> dict[str, int]:
         """The importer's part of :func:`dask_gpupool.stats`."""
@@ -416,7 +419,7 @@ class Importer:
         self.closed = True
         self.releaser.close()
         self.mapped.close_all()
-        self.drop_links()
+        self.links.drop()
 
 
 def _own_device(options: PoolOptions, devices: LocalDevices) -> int | None:

@@ -6,9 +6,10 @@ view, whether its service and pool are open, the bytes a requester would
 import) and keeps the one piece of state only routing reads: peers whose
 last transfer failed get copies for ``lease-timeout`` seconds
 (:meth:`Routes.mark_unreachable`, which
-:meth:`~dask_gpupool.handoff.service.PoolService.settle` calls).
+:meth:`Exports.settle <dask_gpupool.handoff.exports.Exports.settle>` calls).
 :meth:`Routes.plan` counts and warns about the fallbacks it decides. The
-:class:`~dask_gpupool.handoff.service.PoolService` owns one and delegates to it.
+:class:`~dask_gpupool.handoff.service.PoolService` owns one; the serializers
+ask it directly.
 """
 
 from __future__ import annotations

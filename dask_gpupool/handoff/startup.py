@@ -1,10 +1,11 @@
-"""Making one worker's parts (:func:`start_parts`): its pool, broker, copy server and registry row.
+"""Starting one worker's service (:func:`start_service`): its pool, broker, copy server and registry row.
 
 The pool first, then its broker (which serves the pool's fd to same-host
 peers) and its copy server (the pipelined copy path); a part that cannot be
-made closes those made before it. The registry row describes the result.
-:meth:`PoolService.start <dask_gpupool.handoff.service.PoolService.start>`
-wraps the parts in a service.
+made closes those made before it (:func:`start_parts`). The registry row
+describes the result. :func:`start_service` wraps the parts in a
+:class:`~dask_gpupool.handoff.service.PoolService` and lists it among the
+process's live services (:mod:`~dask_gpupool.handoff.active`), until it closes.
 """
 
 from __future__ import annotations
@@ -15,16 +16,18 @@ from typing import NamedTuple
 
 from dask_gpupool import tuning
 from dask_gpupool.config import PoolOptions
+from dask_gpupool.handoff import active
 from dask_gpupool.handoff.exporter import ExportSide, make_current
 from dask_gpupool.handoff.leases import LeaseTable
 from dask_gpupool.handoff.registry import RegistryView
+from dask_gpupool.handoff.service import PoolService
 from dask_gpupool.memory.pool import Pool
 from dask_gpupool.memory.topology import LocalDevices, host_identity, local_devices
 from dask_gpupool.transport.broker import FdBroker
 from dask_gpupool.transport.stream import CopyServer
 from dask_gpupool.wire.registry import PoolRecord
 
-__all__ = ["Parts", "start_parts"]
+__all__ = ["Parts", "start_parts", "start_service"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +42,36 @@ class Parts(NamedTuple):
     leases: LeaseTable
     copier: CopyServer | None
     registry: RegistryView
+
+
+def start_service(
+    options: PoolOptions, worker_address: str, devices: LocalDevices | None = None, *, prefer_legacy: bool = False
+) -> PoolService:
+    """Make the pool, start its broker (:func:`start_parts`) and wrap them in a service, listed as live in this
+    process (:func:`~dask_gpupool.handoff.active.add`) until it closes.
+
+    ``prefer_legacy``: ``segment-memory: auto`` makes segments of legacy IPC memory where the GPU allows
+    (:meth:`~dask_gpupool.memory.pool.Pool.create`); the worker plugin asks for it on workers that listen over UCX.
+
+    Raises
+    ------
+    ConfigError
+        If ``options`` cannot be honoured on this host.
+    """
+    parts = start_parts(options, worker_address, devices, prefer_legacy=prefer_legacy)
+    service = PoolService(
+        options,
+        parts.pool,
+        parts.broker,
+        parts.record,
+        parts.devices,
+        parts.leases,
+        parts.copier,
+        parts.registry,
+        on_close=active.remove,
+    )
+    active.add(service)
+    return service
 
 
 def start_parts(

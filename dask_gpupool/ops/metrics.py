@@ -152,7 +152,7 @@ def _worker_metrics() -> Iterator[Any]:
     )
     for s in services:
         pool = s.name  # the worker's name: a restarted worker continues its series
-        st = s.stats()
+        st = s.pool.stats()
         h = s.handoff_stats()
         pool_bytes.add_metric([pool, "used"], st.used)
         pool_bytes.add_metric([pool, "free"], max(st.reserved - st.used, 0))

@@ -70,7 +70,7 @@ def restore_broker(dask_worker: Worker) -> None:
 
 def close_links(dask_worker: Worker) -> int:
     """client.run target: close this worker's links to exporters (as if each broke); return how many."""
-    return service_of(dask_worker).importer.drop_links()
+    return service_of(dask_worker).importer.links.drop()
 
 
 def stop_copy_server(dask_worker: Worker) -> None:
@@ -95,7 +95,7 @@ def report_failed_transfer(exporter: str, dask_worker: Worker) -> bool:
     row = importer.registry.worker_row(exporter)
     if row is None:
         return False
-    importer.link(row).transfer_failed()
+    importer.links.link(row).transfer_failed()
     return True
 
 

@@ -55,11 +55,11 @@ def read_bytes(buf: Buffer, nbytes: int | None = None) -> bytes:
 def hold(key: str, nbytes: int, data: bytes) -> dict[str, Any]:
     """Task: allocate from this worker's pool, write ``data``, keep the buffer; return its descriptor."""
     service = current_service()
-    buf = service.allocate(nbytes)
+    buf = service.pool.allocate(nbytes)
     write_bytes(buf, data)
     with _held_lock:
         _held[key] = buf
-    return service.export(buf).to_msg()
+    return service.pool.export(buf).to_msg()
 
 
 def held_count() -> int:
@@ -85,11 +85,11 @@ def read_peer(desc: dict[str, Any], nbytes: int) -> bytes:
     """Task: map the buffer a peer described (mapping its pool once), read it, release it."""
     service = current_service()
     d = BufferDescriptor.from_msg(desc)
-    buf = service.import_buffer(d)
+    buf = service.importer.import_buffer(d)
     try:
         return read_bytes(buf, nbytes)
     finally:
-        service.map_peer(d.pool).release(buf)
+        service.importer.map_peer(d.pool).release(buf)
 
 
 def read_peer_on_gpu(desc: dict[str, Any], nbytes: int) -> bytes:
@@ -98,7 +98,7 @@ def read_peer_on_gpu(desc: dict[str, Any], nbytes: int) -> bytes:
 
     service = current_service()
     d = BufferDescriptor.from_msg(desc)
-    buf = service.import_buffer(d)
+    buf = service.importer.import_buffer(d)
     dev = Device()
     dev.set_current()
     stream = dev.create_stream()
@@ -112,18 +112,18 @@ def read_peer_on_gpu(desc: dict[str, Any], nbytes: int) -> bytes:
         stream.sync()
         return data
     finally:
-        service.map_peer(d.pool).release(buf)
+        service.importer.map_peer(d.pool).release(buf)
         stream.close()
 
 
 def map_peer(pool: str) -> str:
     """Task: map a peer's pool; return the mapped resource's repr."""
-    return repr(current_service().map_peer(pool).resource)
+    return repr(current_service().importer.map_peer(pool).resource)
 
 
 def unmap(pool: str) -> None:
     """Task: close this worker's mapping of a peer's pool."""
-    current_service().mapped.unmap(pool)
+    current_service().importer.mapped.unmap(pool)
 
 
 def make_cuda_context() -> bool:

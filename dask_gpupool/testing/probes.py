@@ -58,7 +58,7 @@ def resources(dask_worker: Worker) -> dict[str, Any]:
 
     service = service_of(dask_worker)
     gc.collect()
-    service.releaser.flush()
+    service.importer.releaser.flush()
     kinds = collections.Counter(_fd_kind(f) for f in open_fds())
     return {
         "fds": sum(kinds.values()),
@@ -66,8 +66,8 @@ def resources(dask_worker: Worker) -> dict[str, Any]:
         "sockets": kinds["socket"],
         "memfds": kinds["/memfd:dask-gpupool"],
         "broker_connections": service.broker.connections,
-        "mapped_pools": len(service.mapped),
-        "used": service.stats().used,
+        "mapped_pools": len(service.importer.mapped),
+        "used": service.pool.stats().used,
         "held": held_count(),
         "leases": len(service.leases),
         "imports_held": service.importer.held.live(),
@@ -93,7 +93,7 @@ def deserialize_headers(headers: list[dict[str, Any]], dask_worker: Worker) -> l
     out = []
     mapped_here: set[str] = set()
     for header in headers:
-        before = {r.pool for r in service.registry.records() if r.pool in service.mapped}
+        before = {r.pool for r in service.registry.records() if r.pool in service.importer.mapped}
         error, typed = None, False
         try:
             loads({KEY: header}, [])
@@ -101,17 +101,17 @@ def deserialize_headers(headers: list[dict[str, Any]], dask_worker: Worker) -> l
             error, typed = f"{type(e).__name__}: {e}", True
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
-        after = {r.pool for r in service.registry.records() if r.pool in service.mapped}
+        after = {r.pool for r in service.registry.records() if r.pool in service.importer.mapped}
         mapped_here |= after - before
         out.append({"error": error, "typed": typed, "mapped_new": sorted(after - before)})
     import gc
 
     gc.collect()
-    service.releaser.flush()
+    service.importer.releaser.flush()
     for pool in mapped_here:
-        mapped = service.mapped.get(pool)
+        mapped = service.importer.mapped.get(pool)
         if mapped is not None and mapped.imports == 0:
-            service.mapped.unmap(pool)
+            service.importer.mapped.unmap(pool)
     return out
 
 
@@ -137,7 +137,7 @@ def last_transfer(dask_worker: Worker, key: str) -> float | None:
 
 def has_cluster_token(dask_worker: Worker) -> bool:
     """client.run target: whether this worker got the cluster's membership token (not the token itself)."""
-    return service_of(dask_worker).token is not None
+    return service_of(dask_worker).importer.links.token is not None
 
 
 def mapped_segments(dask_worker: Worker) -> int:
@@ -145,7 +145,7 @@ def mapped_segments(dask_worker: Worker) -> int:
     service = service_of(dask_worker)
     total = 0
     for r in service.registry.records():
-        mapped = service.mapped.get(r.pool)
+        mapped = service.importer.mapped.get(r.pool)
         total += mapped.segments if mapped is not None else 0
     return total
 
@@ -187,8 +187,8 @@ def handoff_counters(dask_worker: Worker) -> dict[str, Any]:
     import gc
 
     gc.collect()
-    service.releaser.flush()
-    return {**service.handoff_stats(), "used": service.stats().used}
+    service.importer.releaser.flush()
+    return {**service.handoff_stats(), "used": service.pool.stats().used}
 
 
 def serialized_inline(keys: list[str], who: str, dask_worker: Worker, scheme: str = "tcp") -> bool:
@@ -205,13 +205,13 @@ def lease_counts(dask_worker: Worker) -> dict[str, int]:
     import gc
 
     gc.collect()
-    service.releaser.flush()
+    service.importer.releaser.flush()
     return {
         "leases": len(service.leases),
         "unclaimed": service.leases.unclaimed,
         "in_doubt": service.leases.doubtful,
         "held": service.importer.held.live(),
-        "resyncs": service.releaser.resyncs,
+        "resyncs": service.importer.releaser.resyncs,
     }
 
 

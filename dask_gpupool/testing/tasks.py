@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 def make_buffer(nbytes: int, data: bytes) -> Buffer:
     """Task: a Buffer from this worker's pool holding ``data`` at its start (the task's result)."""
-    buf = current_service().allocate(nbytes, wait=True)
+    buf = current_service().pool.allocate(nbytes, wait=True)
     write_bytes(buf, data)
     return buf
 
@@ -29,7 +29,7 @@ def serializer_families(n: int) -> dict[str, str]:
 
     ucx = ("cuda", "dask", "pickle", "error")
     arr = make_array(n)
-    buf = current_service().allocate(n, wait=True)
+    buf = current_service().pool.allocate(n, wait=True)
     try:
         return {
             "pool array": serialize(arr, serializers=ucx)[0]["serializer"],
@@ -45,7 +45,7 @@ def make_array(n: int, like: str | None = None) -> Any:
 
     from dask_gpupool import as_array
 
-    buf = current_service().allocate(n * 8, wait=True)
+    buf = current_service().pool.allocate(n * 8, wait=True)
     arr = as_array(buf, (n,), "f8", like=like)
     if type(arr).__module__.startswith("cupy"):
         import cupy
@@ -133,14 +133,14 @@ def overwrite(buf: Buffer, data: bytes) -> None:
 
 def scribble(nbytes: int, data: bytes) -> None:
     """Task: allocate ``nbytes`` from this pool, fill its start with ``data``, free it."""
-    buf = current_service().allocate(nbytes, wait=True)
+    buf = current_service().pool.allocate(nbytes, wait=True)
     write_bytes(buf, data)
     buf.close()
 
 
 def fill(nbytes: int, value: int) -> Buffer:
     """Task: a pool Buffer of ``nbytes`` with every byte set to ``value`` (GPU memset or memset)."""
-    buf = current_service().allocate(nbytes, wait=True)
+    buf = current_service().pool.allocate(nbytes, wait=True)
     set_all(buf, value)
     return buf
 
@@ -167,7 +167,7 @@ def slow_fill(nbytes: int, value: int, spin_ms: float, stream: str = "default") 
     """
     import cupy
 
-    buf = current_service().allocate(nbytes, wait=True)
+    buf = current_service().pool.allocate(nbytes, wait=True)
     with cupy.cuda.Device(buf.device_id):
         kernel = cupy.RawKernel(_SLOW_FILL, "slow_fill")
         s = cupy.cuda.Stream(non_blocking=True) if stream == "nonblocking" else cupy.cuda.get_current_stream()
@@ -349,7 +349,7 @@ def check_device_record(x: DeviceRecord, value: int) -> str:
 
 def scribble_all(nbytes: int, value: int) -> None:
     """Task: allocate ``nbytes`` from this pool, set every byte to ``value``, free it."""
-    buf = current_service().allocate(nbytes, wait=True)
+    buf = current_service().pool.allocate(nbytes, wait=True)
     set_all(buf, value)
     buf.close()
 
@@ -411,7 +411,7 @@ def view_of(x: Any, layout: str) -> Any:
         from dask_gpupool import as_array
 
         size = x.dtype.itemsize
-        f = as_array(current_service().allocate(x.nbytes), (20, 20), x.dtype, (size, 20 * size), like=module)
+        f = as_array(current_service().pool.allocate(x.nbytes), (20, 20), x.dtype, (size, 20 * size), like=module)
         f[...] = x.reshape(20, 20)
         return LAYOUTS[layout](xp, f)
     return LAYOUTS[layout](xp, x)

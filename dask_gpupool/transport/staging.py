@@ -2,8 +2,9 @@
 
 A process keeps its pinned slots (:data:`STAGING`) for the next pull or send
 rather than pinning memory for each: pinning costs more than the copy at
-these sizes. The slots go with the process's last pool
-(``PoolService.close``). The message helpers frame one length-prefixed
+these sizes. The slots are truly per process (a cache of this process's
+pinned memory) and go with its last pool service
+(:meth:`KeptSlots.let_go`). The message helpers frame one length-prefixed
 msgpack message on a TCP socket, at most ``MAX_MESSAGE_BYTES``.
 """
 
@@ -57,14 +58,30 @@ class KeptSlots(Generic[S]):
     Making slots (pinning host memory, mapping GPU memory) costs more than
     copying a chunk, so a transfer's set goes back here when it ends
     (:meth:`give`, only once its copies finished), and up to ``keep`` sets per
-    (GPU, chunk size) stay allocated until :meth:`clear`. Subclasses make
-    slots (``take``) and say how one is freed and how large it is.
+    (GPU, chunk size) stay allocated until :meth:`clear`, or until the last
+    of their users lets go (:meth:`hold`, :meth:`let_go`: the pool services
+    of the process). Subclasses make slots (``take``) and say how one is
+    freed and how large it is.
     """
 
     def __init__(self, keep: int = 8) -> None:
         self._keep = keep
         self._free: dict[tuple[int, int], list[list[S]]] = {}
         self._lock = threading.Lock()
+        self._users = 0
+
+    def hold(self) -> None:
+        """A user (a pool service of this process) keeps the slots until it lets go (:meth:`let_go`)."""
+        with self._lock:
+            self._users += 1
+
+    def let_go(self) -> None:
+        """A user of :meth:`hold` is done; the last one frees every kept set (:meth:`clear`)."""
+        with self._lock:
+            self._users -= 1
+            last = self._users <= 0
+        if last:
+            self.clear()
 
     def _kept(self, device: int, chunk: int) -> list[S] | None:
         """A kept set for ``(device, chunk)``, taken out, or ``None``."""
@@ -127,7 +144,7 @@ class Staging(KeptSlots["Buffer"]):
         return int(slot.size)
 
 
-#: This process's staging slots.
+#: This process's staging slots: truly per process (a cache of this process's pinned memory).
 STAGING = Staging()
 
 

@@ -15,7 +15,8 @@ receives each chunk into pinned host staging and copies it to the GPU
 
 Ownership: a :class:`VkgdrSlot` owns its vkgdr allocation, freed by
 :meth:`VkgdrSlot.free` with its GPU current; :data:`VKGDR` keeps sets of
-slots for the next pull like the pinned staging does, until :meth:`VkgdrStaging.clear`.
+slots for the next pull like the pinned staging does, until the process's last
+pool service lets go of them (:meth:`~dask_gpupool.transport.staging.KeptSlots.let_go`).
 """
 
 from __future__ import annotations
@@ -139,5 +140,5 @@ class VkgdrStaging(KeptSlots[VkgdrSlot]):
         return slot.size
 
 
-#: This process's vkgdr landing slots.
+#: This process's vkgdr landing slots: truly per process (a cache of this process's vkgdr mappings and handles).
 VKGDR = VkgdrStaging()

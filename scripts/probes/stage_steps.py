@@ -47,7 +47,7 @@ def steps(sizes: list[int], repeats: int, dask_worker: Any = None) -> list[dict[
         stream = cupy.cuda.Stream.null
         for i in range(repeats + 10):
             t0 = time.perf_counter()
-            buf = service.allocate(nbytes)
+            buf = service.pool.allocate(nbytes)
             t1 = time.perf_counter()
             out = as_array(buf, (n,), "f8", like="cupy")
             t2 = time.perf_counter()
@@ -55,7 +55,7 @@ def steps(sizes: list[int], repeats: int, dask_worker: Any = None) -> list[dict[
             t3 = time.perf_counter()
             stream.synchronize()
             t4 = time.perf_counter()
-            service.export(buf)
+            service.pool.export(buf)
             t5 = time.perf_counter()
             del out
             buf.close()

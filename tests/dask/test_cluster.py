@@ -74,7 +74,7 @@ def test_live_broker_refuses_malformed_input_and_keeps_serving(client):
     from dask_gpupool.wire.broker import Hello
     from dask_gpupool.wire.codec import encode
 
-    token = client.run(lambda dask_worker: dask_worker.plugins["gpupool"].service.token, workers=[a])[a]
+    token = client.run(lambda dask_worker: dask_worker.plugins["gpupool"].service.importer.links.token, workers=[a])[a]
     for member in (False, True):  # before the hello, and past it (a member that then sends garbage)
         s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         s.settimeout(5)

@@ -261,12 +261,12 @@ def test_a_buffers_host_frame_lands_in_the_receivers_pool_and_a_malformed_one_al
 
     from dask_gpupool import PoolOptions
     from dask_gpupool.dask import device_frames as F
-    from dask_gpupool.handoff.service import PoolService
+    from dask_gpupool.handoff.startup import start_service
 
     with pytest.raises(ProtocolError, match="without a pool"):
         F._buffer_from_host_frame({F.HOST_FRAME_KEY: True, "nbytes": 3}, [b"abc"])
     options = PoolOptions.from_config(kind="host", max_size="16 MiB", broker_dir=str(tmp_path))
-    service = PoolService.start(options, "tcp://127.0.0.1:40011")
+    service = start_service(options, "tcp://127.0.0.1:40011")
     try:
         got = F._buffer_from_host_frame({F.HOST_FRAME_KEY: True, "nbytes": 12}, [b"copied bytes"])
         assert service.pool.owns(got) and ctypes.string_at(int(got.handle), 12) == b"copied bytes"
@@ -300,12 +300,12 @@ def test_host_frames_go_only_in_small_ucx_replies_to_workers_that_run_the_plugin
     from dask_gpupool import PoolOptions
     from dask_gpupool.dask import device_frames as F
     from dask_gpupool.dask.worker_internals import REQUEST, Request
-    from dask_gpupool.handoff.service import PoolService
+    from dask_gpupool.handoff.startup import start_service
     from dask_gpupool.wire.registry import Membership, RegistryUpdate
 
     options = PoolOptions.from_config(kind="host", max_size="16 MiB", broker_dir=str(tmp_path))
-    a = PoolService.start(options, "ucxx://127.0.0.1:40021")
-    b = PoolService.start(options, "ucxx://127.0.0.1:40022")
+    a = start_service(options, "ucxx://127.0.0.1:40021")
+    b = start_service(options, "ucxx://127.0.0.1:40022")
     try:
         snapshot = RegistryUpdate(1, (a.record, b.record), (), snapshot=True)
         token = secrets.token_bytes(32)
@@ -343,12 +343,12 @@ def test_pool_memory_goes_to_ucx_unstaged_when_small_or_in_this_workers_own_lega
     from dask_gpupool import PoolOptions
     from dask_gpupool.dask import device_frames as F
     from dask_gpupool.dask.worker_internals import REQUEST, Request
-    from dask_gpupool.handoff.service import PoolService
+    from dask_gpupool.handoff.startup import start_service
     from dask_gpupool.wire.registry import Membership, RegistryUpdate
 
     options = PoolOptions.from_config(kind="host", max_size="16 MiB", broker_dir=str(tmp_path))
-    a = PoolService.start(options, "ucxx://127.0.0.1:40031")
-    b = PoolService.start(options, "ucxx://127.0.0.1:40032")
+    a = start_service(options, "ucxx://127.0.0.1:40031")
+    b = start_service(options, "ucxx://127.0.0.1:40032")
     own = a.pool.allocate(1 << 20)
     other = b.pool.allocate(1 << 20)
     try:
@@ -446,7 +446,7 @@ def test_a_ucx_reply_that_ends_without_its_ok_parks_what_its_device_frames_keep_
     from dask_gpupool import PoolOptions
     from dask_gpupool.dask import device_frames as F
     from dask_gpupool.dask.worker_internals import REQUEST, Request
-    from dask_gpupool.handoff.service import PoolService
+    from dask_gpupool.handoff.startup import start_service
     from dask_gpupool.memory.lifetime import QUARANTINE
     from dask_gpupool.wire.registry import Membership, RegistryUpdate
 
@@ -454,8 +454,8 @@ def test_a_ucx_reply_that_ends_without_its_ok_parks_what_its_device_frames_keep_
         nbytes = 1 << 20
 
     options = PoolOptions.from_config(kind="host", max_size="16 MiB", broker_dir=str(tmp_path))
-    a = PoolService.start(options, "ucxx://127.0.0.1:40061")
-    b = PoolService.start(options, "ucxx://127.0.0.1:40062")
+    a = start_service(options, "ucxx://127.0.0.1:40061")
+    b = start_service(options, "ucxx://127.0.0.1:40062")
     requester = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
         row = dataclasses.replace(b.record, pid=requester.pid)  # the requester's process, on this host

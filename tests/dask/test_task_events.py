@@ -86,14 +86,14 @@ def test_the_worker_plugin_wants_an_event_for_its_own_pool_buffers_only(tmp_path
     other values do not. A ``host`` pool stands in for the pool kind (the CUDA kinds run in the ``gpu`` tests)."""
     from dask_gpupool import PoolOptions
     from dask_gpupool.dask.worker_plugin import _wants_event
-    from dask_gpupool.handoff.service import PoolService
+    from dask_gpupool.handoff.startup import start_service
 
     options = PoolOptions.from_config(kind="host", max_size="1 MiB", broker_dir=str(tmp_path))
-    a = PoolService.start(options, "tcp://127.0.0.1:40001")
-    b = PoolService.start(options, "tcp://127.0.0.1:40002")
+    a = start_service(options, "tcp://127.0.0.1:40001")
+    b = start_service(options, "tcp://127.0.0.1:40002")
     try:
         wanted = _wants_event(a, 64 * 1024)
-        own, other = a.allocate(4096), b.allocate(4096)
+        own, other = a.pool.allocate(4096), b.pool.allocate(4096)
         assert wanted(own)
         assert not wanted(other)
         assert not wanted(np.zeros(1 << 20, dtype="u1"))  # not a CuPy array, whatever its size

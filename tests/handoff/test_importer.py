@@ -16,7 +16,7 @@ import secrets
 import pytest
 
 from dask_gpupool import DataLostError, PoolClosedError, PoolOptions, ProtocolError, UnknownPoolError
-from dask_gpupool.handoff.service import PoolService
+from dask_gpupool.handoff.startup import start_service
 from dask_gpupool.memory.buffers import copy_from_host
 from dask_gpupool.wire.handoff import BufferDescriptor, HandoffHeader
 from dask_gpupool.wire.registry import Membership, RegistryUpdate
@@ -25,8 +25,8 @@ from dask_gpupool.wire.registry import Membership, RegistryUpdate
 @pytest.fixture
 def pair(tmp_path, no_fd_leak):
     options = PoolOptions.from_config(kind="host", max_size="16 MiB", broker_dir=str(tmp_path))
-    a = PoolService.start(options, "tcp://127.0.0.1:40001")
-    b = PoolService.start(options, "tcp://127.0.0.1:40002")
+    a = start_service(options, "tcp://127.0.0.1:40001")
+    b = start_service(options, "tcp://127.0.0.1:40002")
     token = secrets.token_bytes(32)
     snapshot = RegistryUpdate(1, (a.record, b.record), (), snapshot=True)
     for s in (a, b):
@@ -38,9 +38,9 @@ def pair(tmp_path, no_fd_leak):
 
 def test_the_importer_maps_a_peer_pool_once_and_reads_its_bytes(pair):
     a, b = pair
-    buf = a.allocate(4096)
+    buf = a.pool.allocate(4096)
     copy_from_host(buf, b"from the exporter")
-    desc = a.export(buf)
+    desc = a.pool.export(buf)
     seen = b.importer.import_buffer(desc)
     again = b.importer.import_buffer(desc)
     assert ctypes.string_at(int(seen.handle), 17) == b"from the exporter"
@@ -56,7 +56,7 @@ def test_the_importer_maps_a_peer_pool_once_and_reads_its_bytes(pair):
 
 def test_the_importer_lands_copies_in_its_own_pool(pair):
     _a, b = pair
-    got = b.importer.receive_copy("host", b"copied bytes", "tcp://127.0.0.1:40001")
+    got = b.importer.copies.receive_copy("host", b"copied bytes", "tcp://127.0.0.1:40001")
     assert b.pool.owns(got) and ctypes.string_at(int(got.handle), 12) == b"copied bytes"
     assert b.handoffs.copied_bytes == 12
     got.close()
@@ -69,14 +69,14 @@ def test_what_the_importer_refuses_is_a_typed_error(pair):
         b.importer.import_buffer(stranger)
     with pytest.raises(DataLostError, match="not registered"):  # a header naming a pool nobody registered
         b.importer.import_handoff(HandoffHeader("ipc", "host", 16, exporter=a.record.worker, desc=stranger, lease=7))
-    own = a.export(a.allocate(16))
+    own = a.pool.export(a.pool.allocate(16))
     with pytest.raises(ProtocolError, match="this process's own"):  # handed over within one process: never
         b.importer.import_handoff(HandoffHeader("ipc", "host", 16, exporter=a.record.worker, desc=own, lease=7))
 
 
 def test_a_closed_importer_maps_nothing(pair):
     a, b = pair
-    desc = a.export(a.allocate(16))
+    desc = a.pool.export(a.pool.allocate(16))
     b.close()
     with pytest.raises(PoolClosedError, match="closed"):
         b.importer.import_buffer(desc)
@@ -92,7 +92,7 @@ def test_a_claim_refused_after_the_link_was_opened_again_tells_the_exporter(pair
     record = b.registry.get(a.record.pool)
     assert record is not None and not a.routes.is_unreachable(b.record.worker)
     with pytest.raises(DataLostError, match="refused lease"):
-        b.importer.links.claim(record, b.importer.link(record), [12345])  # never granted: refused twice
+        b.importer.links.claim(record, b.importer.links.link(record), [12345])  # never granted: refused twice
     deadline = time.monotonic() + 5
     while not a.routes.is_unreachable(b.record.worker) and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -109,7 +109,7 @@ def test_a_lease_granted_to_an_importer_that_already_left_dead_ends(tmp_path, no
     import time
 
     options = PoolOptions.from_config(kind="host", max_size="16 MiB", broker_dir=str(tmp_path))
-    a = PoolService.start(options, "tcp://127.0.0.1:40001")
+    a = start_service(options, "tcp://127.0.0.1:40001")
     try:
         dead = subprocess.Popen([sys.executable, "-c", "pass"])
         dead.wait(30)
@@ -119,8 +119,8 @@ def test_a_lease_granted_to_an_importer_that_already_left_dead_ends(tmp_path, no
         a.join(Membership(RegistryUpdate(1, (a.record, gone), (), snapshot=True), secrets.token_bytes(32)))
         row = a.registry.worker_row(gone.worker)  # the route of a reply to it, decided now
         assert row is not None
-        earlier = a.allocate(4096)
-        a.export_ipc(earlier, earlier, row, None)  # a lease of an earlier reply
+        earlier = a.pool.allocate(4096)
+        a.exports.export_ipc(earlier, earlier, row, None)  # a lease of an earlier reply
         del earlier
 
         def leases_end() -> None:
@@ -131,12 +131,12 @@ def test_a_lease_granted_to_an_importer_that_already_left_dead_ends(tmp_path, no
 
         a.apply_registry(RegistryUpdate(2, removed=(gone.pool,)))  # it left, dead, while the reply was serialized
         leases_end()  # the removal was handled: what it held then has ended
-        buf = a.allocate(4096)
-        header = a.export_ipc(buf, buf, row, None)
+        buf = a.pool.allocate(4096)
+        header = a.exports.export_ipc(buf, buf, row, None)
         del buf
         # The reply failed: the lease is in doubt, unless the broker's loop already ended it (export_ipc saw the
         # importer gone and told the broker, which runs on its own thread: on a loaded machine it may come first).
-        assert a.settle([header.lease], gone.worker, ok=False) in ([header.lease], [])
+        assert a.exports.settle([header.lease], gone.worker, ok=False) in ([header.lease], [])
         leases_end()
         assert a.pool.stats().used == 0 and a.broker.watched == 0
     finally:
@@ -154,14 +154,14 @@ def test_a_pool_mapped_while_its_owner_left_is_not_kept_mapped(pair):
     a, b = pair
     got: list[object] = []
     with IMPORT_LOCK:  # the import below stops at the lock, before it maps (the removal takes no import lock)
-        importing = threading.Thread(target=lambda: got.append(_outcome(b.map_peer, a.record.pool)))
+        importing = threading.Thread(target=lambda: got.append(_outcome(b.importer.map_peer, a.record.pool)))
         importing.start()
         importing.join(0.5)  # time to pass the registry check (microseconds) and stop at the lock
         b.apply_registry(RegistryUpdate(2, removed=(a.record.pool,)))  # a left meanwhile
     importing.join(30)
     assert not importing.is_alive() and len(got) == 1
     assert isinstance(got[0], UnknownPoolError), got[0]
-    assert a.record.pool not in b.mapped and b.importer.stats()["mapped_pools"] == 0
+    assert a.record.pool not in b.importer.mapped and b.importer.stats()["mapped_pools"] == 0
 
 
 def test_a_pool_mapped_while_the_importer_closed_is_not_kept_mapped(pair):
@@ -174,14 +174,14 @@ def test_a_pool_mapped_while_the_importer_closed_is_not_kept_mapped(pair):
     a, b = pair
     got: list[object] = []
     with IMPORT_LOCK:
-        importing = threading.Thread(target=lambda: got.append(_outcome(b.map_peer, a.record.pool)))
+        importing = threading.Thread(target=lambda: got.append(_outcome(b.importer.map_peer, a.record.pool)))
         importing.start()
         importing.join(0.5)  # time to pass the closed check (microseconds) and stop at the lock
         b.importer.mapped.close_all()  # what the importer's close does after its releaser stopped
     importing.join(30)
     assert not importing.is_alive() and len(got) == 1
     assert isinstance(got[0], PoolClosedError), got[0]
-    assert a.record.pool not in b.mapped and b.importer.stats()["mapped_pools"] == 0
+    assert a.record.pool not in b.importer.mapped and b.importer.stats()["mapped_pools"] == 0
 
 
 def _outcome(fn, *args):
@@ -200,13 +200,13 @@ def test_a_host_copy_of_another_size_than_the_header_says_is_data_lost(pair):
     from dask_gpupool.handoff.exporter import Exported
 
     a, b = pair
-    buf = a.allocate(4096)
+    buf = a.pool.allocate(4096)
     lease = a.leases.grant(Exported(buf, buf), 4096, b.record.worker)
     record = b.registry.get(a.record.pool)
     assert record is not None
-    header = HandoffHeader("ipc", "host", 16, exporter=a.record.worker, desc=a.export(buf), lease=lease)
+    header = HandoffHeader("ipc", "host", 16, exporter=a.record.worker, desc=a.pool.export(buf), lease=lease)
     with pytest.raises(DataLostError, match="4096 bytes"):
-        b.importer.fetch_copy(header, record, b.importer.link(record))
+        b.importer.copies.fetch_copy(header, record, b.importer.links.link(record))
     deadline = time.monotonic() + 10
     while a.leases.holder(lease) is not None and time.monotonic() < deadline:
         time.sleep(0.02)
