@@ -39,8 +39,8 @@ from dask_gpupool.dask.views import described, pool_buffer_of
 from dask_gpupool.errors import DataLostError
 from dask_gpupool.handoff.deferred import SENDER, abandon_all, collecting, resolve, run_fills
 from dask_gpupool.handoff.routing import TCP_SCHEMES, UCX_SCHEMES
-from dask_gpupool.memory.host import peer_resident_bytes
 from dask_gpupool.memory.lifetime import QUARANTINE
+from dask_gpupool.memory.peer_resident import peer_resident_bytes
 from dask_gpupool.wire.broker_leases import MAX_LEASES_PER_MESSAGE
 from dask_gpupool.wire.handoff import LEASE_QUERY_OP, LeaseQuery, LeaseQueryReply
 
@@ -617,7 +617,7 @@ def count_own_memory_only(worker: Worker, *, undo: bool = False) -> None:
     show. The kernel counts a shared page in the ``rss`` of every process that
     touched it, so a ``host`` pool handoff would count the producer's memory
     twice: in the producer, which owns it, and in every consumer that read it
-    (:func:`~dask_gpupool.memory.host.peer_resident_bytes`). The wrapper
+    (:func:`~dask_gpupool.memory.peer_resident.peer_resident_bytes`). The wrapper
     subtracts the latter. ``undo=True`` puts Dask's own method back.
 
     The nanny's terminate threshold reads ``rss`` itself, in another process:

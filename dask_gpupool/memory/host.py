@@ -39,6 +39,9 @@ SIGBUS. Peers can still write the pool's bytes (they map it read-write, as
 CUDA IPC peers do). A mapped resource checks that every imported range lies
 inside the mapping, so a malformed descriptor cannot reach memory outside the
 peer's pool; it cannot check that the owner still considers the range live.
+
+A mapped resource is noted in :mod:`dask_gpupool.memory.peer_resident` while
+it is mapped, so that a worker does not count the owner's pages as its own.
 """
 
 from __future__ import annotations
@@ -51,7 +54,6 @@ import operator
 import os
 import sys
 import threading
-import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -59,9 +61,10 @@ from typing import Any
 from cuda.core import Buffer, MemoryResource
 
 from dask_gpupool.errors import PoolClosedError, PoolUnavailableError, ProtocolError
+from dask_gpupool.memory import peer_resident
 from dask_gpupool.memory.arena import Arena
 
-__all__ = ["HostOnlyResource", "HostPoolAttributes", "SharedHostMemoryResource", "peer_resident_bytes"]
+__all__ = ["HostOnlyResource", "HostPoolAttributes", "SharedHostMemoryResource"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,62 +73,6 @@ _GIVE_BACK_MIN = 64 << 10
 
 #: Seals added to the pool's memfd once it is sized: its size is fixed for good.
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-
-
-#: Peer pools mapped in this process: mapping start address -> size. Kept by
-#: SharedHostMemoryResource (added when a peer's pool is mapped, removed when it is unmapped).
-_peer_mappings: dict[int, int] = {}
-#: (valid until, bytes): the last figure of peer_resident_bytes().
-_peer_resident_cache: tuple[float, int] = (float("-inf"), 0)
-
-
-def peer_resident_bytes(max_age: float = 1.0) -> int:
-    """Bytes of peer pools resident in this process: memory it maps but does not own.
-
-    The kernel counts a shared page in the ``rss`` (``RssShmem``) of every
-    process that touched it, so after a handoff the producer's pages appear
-    in the consumer's resident memory too. They belong to the producer, which
-    counts them already. This is their ``Rss`` in ``/proc/self/smaps``, summed
-    over this process's mappings of peer pools; what to subtract from the
-    process's ``rss`` for the memory it owns.
-
-    Parameters
-    ----------
-    max_age : float
-        Seconds a figure is reused, at least. Reading ``smaps`` walks every
-        mapping of the process (about 20 ms for a Python process with a
-        256 MiB peer mapping, on the CI machine), while Dask samples process
-        memory every 100 ms: a figure is also reused for 50 times what its read
-        took, so this costs at most 2% of one core.
-
-    Returns
-    -------
-    int
-        0 at once when no peer pool is mapped, or where ``smaps`` cannot be read.
-    """
-    global _peer_resident_cache
-    starts = set(_peer_mappings)
-    if not starts:
-        return 0
-    now = time.monotonic()
-    until, cached = _peer_resident_cache
-    if now < until and max_age > 0:
-        return cached
-    total = 0
-    try:
-        with open("/proc/self/smaps") as f:
-            counting = False
-            for line in f:
-                if counting and line.startswith("Rss:"):
-                    total += int(line.split()[1]) * 1024
-                    counting = False
-                elif not line[:1].isupper():  # a mapping's header line ("start-end perms ..."), not a field
-                    counting = int(line.split("-", 1)[0], 16) in starts
-    except (OSError, ValueError):
-        return 0
-    took = time.monotonic() - now
-    _peer_resident_cache = (now + max(max_age, 50 * took), total)
-    return total
 
 
 @dataclass(frozen=True)
@@ -235,7 +182,7 @@ class SharedHostMemoryResource(HostOnlyResource):
         self._pid = os.getpid()  # the owner's process: a forked child's copy neither allocates nor gives back pages
         self._lock = threading.RLock()
         if mapped:
-            _peer_mappings[self._base] = size
+            peer_resident.mapped(self._base, size)
 
     @classmethod
     def from_allocation_handle(cls, alloc_handle: int) -> SharedHostMemoryResource:
@@ -458,7 +405,7 @@ class SharedHostMemoryResource(HostOnlyResource):
     def _release(self) -> None:
         mm, self._mmap = self._mmap, None
         if mm is not None and self._mapped:
-            _peer_mappings.pop(self._base, None)
+            peer_resident.unmapped(self._base)
         if mm is not None:
             try:
                 mm.close()
