@@ -67,10 +67,10 @@ logger = logging.getLogger(__name__)
 
 
 #: The worker whose message is being read here (the address this worker connected to), set by the comm read
-#: wrapper (:func:`dask_gpupool.dask.worker_internals.fill_after_read`); ``None`` when not known. A lease claimed by
-#: its reply (``claim="reply"`` in the header) is held here only when the header names that worker as its
-#: exporter: a header that names another worker is claimed over that worker's broker, which refuses a lease it
-#: never granted (a lying or confused sender).
+#: wrapper (:func:`dask_gpupool.dask.worker_internals.fill_after_read`); ``None`` when not known. The deserializers
+#: read it and pass it on (:meth:`Importer.import_handoff <dask_gpupool.handoff.importer.Importer.import_handoff>`'s
+#: ``sender``). A context variable rather than a parameter because Dask calls deserializers with a header and frames
+#: only: the comm read reaches them through the context it runs them in. Per message read, not per process.
 SENDER: contextvars.ContextVar[str | None] = contextvars.ContextVar("gpupool_sender", default=None)
 
 
@@ -143,6 +143,10 @@ class _Collector:
         self.open = True
 
 
+#: The collector of the :func:`collecting` block this context runs in (``None``: outside one, fills run at once). A
+#: context variable rather than a parameter for the same reason as :data:`SENDER`: the fills are left by
+#: deserializers, which Dask calls with a header and frames only, several calls below the comm read that collects
+#: them. Per message read, not per process.
 _PENDING: contextvars.ContextVar[_Collector | None] = contextvars.ContextVar("gpupool_pending_fills", default=None)
 
 

@@ -32,7 +32,8 @@ __all__ = ["IMPORT_LOCK", "MappedPool"]
 
 logger = logging.getLogger(__name__)
 
-#: Serializes every CUDA IPC import and every close of an imported object.
+#: Serializes every CUDA IPC import and every close of an imported object. Truly per process: the driver's imports
+#: are the process's, whichever service made them.
 IMPORT_LOCK = threading.RLock()
 
 #: The size field of an :meth:`MappedPool.acquire` key that names a segment (kept mapped) rather than an import.

@@ -19,7 +19,8 @@ __all__ = ["KEPT_UNTIL_EXIT", "QUARANTINE", "Quarantine", "keep_until_exit", "op
 
 logger = logging.getLogger(__name__)
 
-#: Memory of closed CUDA pools that peers may still map: kept, never freed, until the process exits.
+#: Memory of closed CUDA pools that peers may still map: kept, never freed, until the process exits (so truly per
+#: process).
 KEPT_UNTIL_EXIT: list[Any] = []
 
 
@@ -188,5 +189,6 @@ class Quarantine:
             return sum(n for _, _, n in self._entries)
 
 
-#: This process's quarantine of device memory that UCX transfers which did not complete may still reach.
+#: This process's quarantine of device memory that UCX transfers which did not complete may still reach: truly per
+#: process, since an entry may be kept for the process's life, past the pool service that parked it.
 QUARANTINE = Quarantine()

@@ -47,11 +47,13 @@ KEEP_PER_CLASS = 2
 KEEP_BYTES = 4 << 30
 
 _lock = threading.Lock()
-#: (context handle as int, size class) -> free allocations [(context, pointer)].
+#: (context handle as int, size class) -> free allocations [(context, pointer)]. Truly per process: the free
+#: allocations of this process, kept because the receiving side's UCX caches its mapping of each allocation (a
+#: pool service's lifetime does not bound them: a UCX reply's staging outlives it when it is quarantined).
 _free: dict[tuple[int, int], list[tuple[Any, int]]] = {}
 _kept_bytes = 0
 #: GPU ordinal -> its primary context (as int), once made current here: a thread where it is current already
-#: skips making it current again.
+#: skips making it current again. Truly per process: the primary contexts of this process.
 _contexts: dict[int, int] = {}
 
 

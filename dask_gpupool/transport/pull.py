@@ -275,6 +275,8 @@ class _Lanes:
                 self._state.wait()
 
 
+#: The threads that receive lanes (:func:`_executor`), made on first use. Truly per process: every pull of the
+#: process shares them, whichever service asked, so that the lane threads stay bounded by MAX_LANE_THREADS.
 _EXECUTOR: Any = None
 _EXECUTOR_LOCK = threading.Lock()
 #: The shared pool's threads not given to a pull now: one taken per helper thread, given back when its future is
@@ -353,6 +355,7 @@ def _receive(conn: socket.socket, dst: Buffer, offset: int, n: int, chunk: int) 
         stream.close()
 
 
+#: GPUs of this process where vkgdr could not land copies (said once). Truly per process, as the vkgdr slots are.
 _VKGDR_REFUSED: set[int] = set()
 
 
