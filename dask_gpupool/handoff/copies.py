@@ -27,7 +27,6 @@ from dask_gpupool.memory.buffers import copy_from_host, host_buffer
 from dask_gpupool.memory.pool import Pool
 from dask_gpupool.memory.topology import current_gpu, local_devices
 from dask_gpupool.transport.link import PeerLink
-from dask_gpupool.transport.pull import pull
 from dask_gpupool.wire.handoff import HandoffHeader
 from dask_gpupool.wire.registry import PoolRecord
 
@@ -188,6 +187,8 @@ class Copies:
         leases, token = [header.lease, *header.lanes], self.links.token
 
         def copy() -> None:
+            from dask_gpupool.transport.pull import pull  # loaded by the first pull
+
             pull(header.address, record.pool, leases, token, buf, self.options.broker_timeout)
             self.handoffs.add(copied_bytes=header.nbytes, streamed_bytes=header.nbytes)
 

@@ -56,9 +56,8 @@ from dask_gpupool.memory.lifetime import QUARANTINE, keep_until_exit
 from dask_gpupool.memory.pool import Pool
 from dask_gpupool.memory.topology import LocalDevices
 from dask_gpupool.transport.broker import FdBroker
-from dask_gpupool.transport.staging import STAGING
+from dask_gpupool.transport.staging import STAGING, hold_slots, let_go_slots
 from dask_gpupool.transport.stream import CopyServer
-from dask_gpupool.transport.vkgdr_staging import VKGDR
 from dask_gpupool.wire.registry import MAX_RECLAIM, Membership, PoolRecord, RegistryUpdate
 
 __all__ = ["PoolService"]
@@ -165,8 +164,7 @@ class PoolService:
             handler.refuses = self.routes.is_unreachable
         self.on_close = on_close
         self._closed = False
-        STAGING.hold()  # the process's staging slots are kept while a service of this process is open
-        VKGDR.hold()
+        hold_slots()  # the process's staging slots are kept while a service of this process is open
 
     def _transfer_failed(self, importer: str) -> None:
         """``importer`` says a transfer failed after it claimed its leases: copies to it for ``lease-timeout``."""
@@ -332,7 +330,6 @@ class PoolService:
                     held,
                 )
         self.importer.close()
-        STAGING.let_go()  # the process's pinned staging slots go with its last pool
-        VKGDR.let_go()  # and its vkgdr landing slots
+        let_go_slots()  # the process's pinned staging and vkgdr landing slots go with its last pool
         self.pool.close()
         logger.info("pool %s: closed", self.pool.uuid)

@@ -3,8 +3,9 @@
 A process keeps its pinned slots (:data:`STAGING`) for the next pull or send
 rather than pinning memory for each: pinning costs more than the copy at
 these sizes. The slots are truly per process (a cache of this process's
-pinned memory) and go with its last pool service
-(:meth:`KeptSlots.let_go`). The message helpers frame one length-prefixed
+pinned memory) and go, with every other cache of slots of the process
+(:func:`per_process`), when its last pool service lets go of them
+(:func:`hold_slots`, :func:`let_go_slots`). The message helpers frame one length-prefixed
 msgpack message on a TCP socket, at most ``MAX_MESSAGE_BYTES``.
 """
 
@@ -32,9 +33,12 @@ __all__ = [
     "KeptSlots",
     "Staging",
     "chunks",
+    "hold_slots",
     "host_port",
     "host_view",
+    "let_go_slots",
     "memcpy",
+    "per_process",
     "recv_exactly",
     "recv_message",
     "send_message",
@@ -58,30 +62,15 @@ class KeptSlots(Generic[S]):
     Making slots (pinning host memory, mapping GPU memory) costs more than
     copying a chunk, so a transfer's set goes back here when it ends
     (:meth:`give`, only once its copies finished), and up to ``keep`` sets per
-    (GPU, chunk size) stay allocated until :meth:`clear`, or until the last
-    of their users lets go (:meth:`hold`, :meth:`let_go`: the pool services
-    of the process). Subclasses make slots (``take``) and say how one is
-    freed and how large it is.
+    (GPU, chunk size) stay allocated until :meth:`clear` (for the process's
+    own caches: :func:`let_go_slots`). Subclasses make slots (``take``) and
+    say how one is freed and how large it is.
     """
 
     def __init__(self, keep: int = 8) -> None:
         self._keep = keep
         self._free: dict[tuple[int, int], list[list[S]]] = {}
         self._lock = threading.Lock()
-        self._users = 0
-
-    def hold(self) -> None:
-        """A user (a pool service of this process) keeps the slots until it lets go (:meth:`let_go`)."""
-        with self._lock:
-            self._users += 1
-
-    def let_go(self) -> None:
-        """A user of :meth:`hold` is done; the last one frees every kept set (:meth:`clear`)."""
-        with self._lock:
-            self._users -= 1
-            last = self._users <= 0
-        if last:
-            self.clear()
 
     def _kept(self, device: int, chunk: int) -> list[S] | None:
         """A kept set for ``(device, chunk)``, taken out, or ``None``."""
@@ -144,8 +133,38 @@ class Staging(KeptSlots["Buffer"]):
         return int(slot.size)
 
 
+#: The caches of slots of this process (:func:`per_process`), and how many pool services hold them.
+_CACHES: list[KeptSlots[Any]] = []
+_users = 0
+_users_lock = threading.Lock()
+
+
+def per_process(cache: KeptSlots[Any]) -> None:
+    """``cache`` is one of this process's caches of slots: it is cleared when the last pool service lets go."""
+    with _users_lock:
+        _CACHES.append(cache)
+
+
+def hold_slots() -> None:
+    """A pool service of this process keeps the process's slots until it lets go (:func:`let_go_slots`)."""
+    global _users
+    with _users_lock:
+        _users += 1
+
+
+def let_go_slots() -> None:
+    """A pool service of :func:`hold_slots` closed; the last one frees every kept set of the process's caches."""
+    global _users
+    with _users_lock:
+        _users -= 1
+        caches = list(_CACHES) if _users <= 0 else []
+    for cache in caches:
+        cache.clear()
+
+
 #: This process's staging slots: truly per process (a cache of this process's pinned memory).
 STAGING = Staging()
+per_process(STAGING)
 
 
 def chunks(n: int, chunk: int) -> Iterator[tuple[int, int]]:

@@ -16,7 +16,8 @@ receives each chunk into pinned host staging and copies it to the GPU
 Ownership: a :class:`VkgdrSlot` owns its vkgdr allocation, freed by
 :meth:`VkgdrSlot.free` with its GPU current; :data:`VKGDR` keeps sets of
 slots for the next pull like the pinned staging does, until the process's last
-pool service lets go of them (:meth:`~dask_gpupool.transport.staging.KeptSlots.let_go`).
+pool service lets go of them (:func:`~dask_gpupool.transport.staging.let_go_slots`).
+Loaded only where a pull lands on a GPU.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import logging
 from typing import Any
 
 from dask_gpupool.memory.topology import current_gpu
-from dask_gpupool.transport.staging import SLOTS, KeptSlots
+from dask_gpupool.transport.staging import SLOTS, KeptSlots, per_process
 
 __all__ = ["VKGDR", "VkgdrSlot", "VkgdrStaging"]
 
@@ -142,3 +143,4 @@ class VkgdrStaging(KeptSlots[VkgdrSlot]):
 
 #: This process's vkgdr landing slots: truly per process (a cache of this process's vkgdr mappings and handles).
 VKGDR = VkgdrStaging()
+per_process(VKGDR)
