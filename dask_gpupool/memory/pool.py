@@ -157,7 +157,7 @@ class Pool:
 
         ``prefer_legacy``: ``segment-memory: auto`` makes segments of legacy IPC
         memory where the GPU allows (the worker listens over UCX, which sends
-        them GPU to GPU with no staging copy; :func:`segment_memory_of`).
+        them GPU to GPU with no staging copy; :func:`~dask_gpupool.memory.device_pool.segment_memory_of`).
 
         Raises
         ------
