@@ -66,7 +66,11 @@ logger = logging.getLogger(__name__)
 
 
 class PoolService:
-    """One worker's pool, broker, mapped peer pools and registry view.
+    """One worker's parts, owned and closed in order, and its place in the scheduler's registry.
+
+    Callers use the parts themselves (``service.routes.plan(...)``,
+    ``service.exports.export_ipc(...)``, ``service.importer.import_handoff(...)``);
+    the service makes, wires and closes them.
 
     Attributes
     ----------
