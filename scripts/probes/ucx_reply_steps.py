@@ -41,7 +41,7 @@ def steps(who: str, sizes: list[int], repeats: int, dask_worker: Any = None) -> 
     from distributed.protocol.serialize import serialize
 
     import dask_gpupool
-    from dask_gpupool.dask.worker_internals import REQUEST, Request
+    from dask_gpupool.dask.context import REQUEST, Request
     from dask_gpupool.handoff.active import active_service
     from dask_gpupool.memory.ucx_staging import UcxStaging
 
