@@ -266,7 +266,11 @@ def _connection_options(fn: Any) -> Any:
     return fn
 
 
-@click.group(name="gpupool", help="dask_gpupool: zero-copy handoffs between same-host workers.")
+@click.group(
+    name="gpupool",
+    help="dask_gpupool: zero-copy handoffs between same-host workers.",
+    context_settings={"help_option_names": ["-h", "--help"]},  # as Dask's own commands; the commands inherit it
+)
 def gpupool() -> None:
     pass
 

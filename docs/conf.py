@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import dask_gpupool
+
+sys.path.insert(0, str(Path(__file__).parent / "_ext"))
 
 project = "dask-gpupool"
 copyright = "2026, the dask-gpupool authors"
@@ -11,10 +16,11 @@ release = version = dask_gpupool.__version__
 extensions = [
     "sphinx.ext.autodoc",
     "numpydoc",  # the Dask ecosystem's docstring convention
-    "myst_parser",  # the Markdown pages (design, security, performance, ...)
+    "myst_parser",  # the Markdown pages
+    "gpupool_config",  # the configuration reference, generated from dask_gpupool/gpupool-schema.yaml
 ]
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
-exclude_patterns = ["_build"]
+exclude_patterns = ["_build", "_ext"]
 myst_heading_anchors = 3
 numpydoc_show_class_members = False
 # Every numpydoc check on the API reference, but: See Also, Examples and Extended Summary sections (optional

@@ -61,6 +61,14 @@ def test_ci_runs_the_readme_test_command():
     assert commands[1] in (ROOT / ".ci" / "run").read_text()
 
 
+def test_ci_tests_the_oldest_dask_and_distributed_the_package_allows():
+    """``.ci/run`` runs tests on ``OLDEST``, which must be the lower bound of both requirements in pyproject.toml."""
+    oldest = re.search(r"^OLDEST=(\S+)$", (ROOT / ".ci" / "run").read_text(), re.M)
+    assert oldest is not None, ".ci/run sets no OLDEST"
+    requirements = re.findall(r'^\s*"((?:dask|distributed)\b[^"]*)",', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert sorted(requirements) == [f"dask>={oldest[1]}", f"distributed>={oldest[1]}"], requirements
+
+
 def test_zero_copy_example_runs():
     import subprocess
     import sys

@@ -208,7 +208,8 @@ async def _per_worker_async(client: Client, fn: Any, timeout: float | None) -> d
 
     limit = parse_timedelta(dask.config.get("distributed.comm.timeouts.connect")) if timeout is None else timeout
     assert client.scheduler is not None, "the client is not connected"
-    workers = list((await client.scheduler.identity(n_workers=-1))["workers"])
+    # Every worker: no ``n_workers``, which distributed before 2025.4 does not take (-1, all, is its default since).
+    workers = list((await client.scheduler.identity())["workers"])
 
     async def one(worker: str) -> Any:
         try:

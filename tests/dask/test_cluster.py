@@ -361,6 +361,14 @@ def test_the_console_script_names_itself_in_its_usage():
     assert out.returncode == 0 and out.stdout.startswith("Usage: python -m dask_gpupool info "), out.stdout
 
 
+def test_dash_h_is_help_as_in_dask_own_commands():
+    """``python -m dask_gpupool -h`` (and of each command) prints the help, as ``dask scheduler -h`` does."""
+    for args in (("-h",), ("info", "-h"), ("demo", "-h")):
+        out = cli(*args)
+        assert out.returncode == 0 and out.stdout == cli(*args[:-1], "--help").stdout, (args, out.stderr)
+        assert out.stdout.startswith("Usage: python -m dask_gpupool"), out.stdout
+
+
 def test_a_scheduler_file_that_is_missing_or_not_one_is_one_line_and_status_2(tmp_path):
     """``--scheduler-file``: a file that does not appear within ``--timeout`` (Dask's Client waits for it for
     ever), or one that holds no scheduler address (the Client raised ``AssertionError`` after ten reads), is one
