@@ -171,7 +171,7 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         if self.registration is not None and serving != self.registration:
             # Sent by a registration that was replaced or removed before this worker answered (it was stopped, or its
             # event loop blocked): its pool would serve beside the registry of another. The scheduler sends this
-            # worker the plugin registered now, if any, once it has this answer (scheduler_plugin._settle).
+            # worker the plugin registered now, if any, once it has this answer (plugin_installs.settle).
             service.close()
             logger.info("gpupool: worker plugin of a registration replaced or removed since it was sent; no pool")
             return
