@@ -49,7 +49,7 @@ def set_mode(dask_worker: Any, hook: bool, wrap: bool, ours: bool) -> None:
     from distributed.protocol import numpy as dask_numpy
     from distributed.protocol.serialize import dask_deserialize, dask_serialize
 
-    from dask_gpupool.dask import worker_internals
+    from dask_gpupool.dask import distributed_seam
 
     if not hasattr(dask_worker, "_gpupool_bench_hooks"):
         dask_worker._gpupool_bench_hooks = {
@@ -59,7 +59,7 @@ def set_mode(dask_worker: Any, hook: bool, wrap: bool, ours: bool) -> None:
     installed = dask_worker._gpupool_bench_hooks
     hooked = installed["get_data"]
     dask_worker.handlers["get_data"] = hooked if hook else getattr(hooked, "__wrapped__", hooked)
-    worker_internals.fill_after_read(dask_worker, undo=not wrap)
+    distributed_seam.fill_after_read(dask_worker, undo=not wrap)
     dumps, loads = (
         installed["numpy"] if ours else (dask_numpy.serialize_numpy_ndarray, dask_numpy.deserialize_numpy_ndarray)
     )

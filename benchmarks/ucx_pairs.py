@@ -156,13 +156,11 @@ def _set_inline(on: bool) -> None:
     over 10 MiB, unless all descriptors of pool memory; every staging copy for UCX waited for). Both sides build a
     staged array's header directly (4fa406e); in call 6 of that session ``off`` also used distributed's serializer
     over the staged array, which took 0.03-0.06 ms more in ``device-serialize``."""
-    from dask_gpupool.dask import device_frames, worker_internals
+    from dask_gpupool.dask import cuda_family, replies, ucx_host_frames
 
-    saved = worker_internals.__dict__.setdefault(
-        "_bench_inline", (worker_internals.INLINE_MAX_VALUES, device_frames.SYNCHRONIZING_SCHEMES)
-    )
-    worker_internals.INLINE_MAX_VALUES = saved[0] if on else 0
-    device_frames.SYNCHRONIZING_SCHEMES = saved[1] if on else frozenset()
+    saved = replies.__dict__.setdefault("_bench_inline", (replies.INLINE_MAX_VALUES, cuda_family.SYNCHRONIZING_SCHEMES))
+    replies.INLINE_MAX_VALUES = saved[0] if on else 0
+    cuda_family.SYNCHRONIZING_SCHEMES = ucx_host_frames.SYNCHRONIZING_SCHEMES = saved[1] if on else frozenset()
 
 
 def _set_host_frames(below: int) -> None:
@@ -181,7 +179,7 @@ def _set_receive(mode: str) -> None:
     ``cudaMallocAsync`` resource made once per worker."""
     import distributed_ucxx.ucxx as comm
 
-    from dask_gpupool.dask.device_frames import _DeviceFrame
+    from dask_gpupool.dask.cuda_family import _DeviceFrame
     from dask_gpupool.dask.ucx_receive import ReceivePool
     from dask_gpupool.handoff.active import active_service
 

@@ -12,9 +12,9 @@ or ``dask scheduler --preload dask_gpupool``.
 from __future__ import annotations
 
 from dask_gpupool.config import PoolOptions
-from dask_gpupool.dask import device_frames, serializers  # noqa: F401  (register the Dask serializers)
 from dask_gpupool.dask.api import allocate, pool_stats, pools, stats, to_pool, trim
 from dask_gpupool.dask.preload import dask_setup
+from dask_gpupool.dask.registration import register_serializers
 from dask_gpupool.dask.scheduler_plugin import GPUPool
 from dask_gpupool.dask.views import as_array
 from dask_gpupool.errors import (
@@ -33,6 +33,8 @@ from dask_gpupool.errors import (
     UnknownPoolError,
 )
 from dask_gpupool.wire.registry import PoolRecord
+
+register_serializers()  # Dask's serializers for pool memory, in every process that imports the package
 
 __version__ = "0.1.0"
 

@@ -518,7 +518,7 @@ def test_a_received_device_frame_is_taken_at_its_own_size():
     gpus(1)
     import cupy
 
-    from dask_gpupool.dask.device_frames import _cuda_deserialize_buffer
+    from dask_gpupool.dask.cuda_family import _cuda_deserialize_buffer
 
     frames: list[Any] = [cupy.arange(16, dtype="u1")]
     try:
@@ -1136,7 +1136,7 @@ def test_a_staged_cupy_header_matches_distributeds_and_deserializes():
     import cupy
     from distributed.protocol.cupy import cuda_deserialize_cupy_ndarray, cuda_serialize_cupy_ndarray
 
-    from dask_gpupool.dask.device_frames import staged_cupy_header
+    from dask_gpupool.dask.cuda_family import staged_cupy_header
 
     for x in (
         cupy.arange(12, dtype="f8").reshape(3, 4),
@@ -1746,7 +1746,7 @@ def test_the_package_imports_after_cupy():
     import sys
 
     gpus(1)
-    code = "import cupy, dask_gpupool, dask_gpupool.dask.device_frames; print('ok')"
+    code = "import cupy, dask_gpupool, dask_gpupool.dask.cuda_family; print('ok')"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 

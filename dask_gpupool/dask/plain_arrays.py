@@ -11,7 +11,7 @@ other such array goes through distributed's own serializer and is counted
 (:func:`plain`: ``copied_out_bytes``, the receiving worker's ``copied_bytes``
 (:func:`sent_as_copy`) and, to a same-host worker, the fallback
 ``small`` or ``not-in-pool``: :meth:`Request.count_plain_fallback
-<dask_gpupool.dask.worker_internals.Request.count_plain_fallback>`). The
+<dask_gpupool.dask.context.Request.count_plain_fallback>`). The
 staged copy is owned by the lease (the exporter's ``Exported`` holds the
 array over it) and goes back to the pool when the requester lets go.
 """
@@ -21,13 +21,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from dask_gpupool.dask.context import Request
 from dask_gpupool.dask.views import as_array, c_strides, described
-from dask_gpupool.dask.worker_internals import REQUEST, Request
 from dask_gpupool.errors import PoolExhaustedError
-from dask_gpupool.handoff.active import active_service
 from dask_gpupool.wire.handoff import COPIED_KEY, HEADER_KEY, ArrayMeta
+
+if TYPE_CHECKING:
+    from dask_gpupool.handoff.service import PoolService
 
 __all__ = ["plain", "received_copy", "sent_as_copy", "stage", "warn_once"]
 
@@ -58,10 +60,11 @@ def _staging_stream(device: int | None) -> Any:
     return stream
 
 
-def plain(arr: Any, module: str, previous: Any, context: Any) -> tuple[dict[str, Any], list[Any]]:
-    """An array over no pool Buffer: staged into the pool and handed over, or distributed's serializer (counted).
-    Reads the ``get_data`` request once."""
-    request = REQUEST.get()
+def plain(
+    request: Request | None, arr: Any, module: str, previous: Any, context: Any
+) -> tuple[dict[str, Any], list[Any]]:
+    """An array over no pool Buffer, in ``request``'s reply (``None``: not a ``get_data`` reply): staged into the
+    pool and handed over, or distributed's serializer ``previous(arr, context)`` (counted)."""
     if request is None:  # spilling, a task graph, a client: distributed's serializer, nothing to count
         return previous(arr, context)
     staged = stage(request, arr, module)
@@ -83,14 +86,12 @@ def sent_as_copy(
     return header, frames
 
 
-def received_copy(header: dict[str, Any]) -> None:
-    """Count the bytes of a copy a peer sent in distributed's own frames (:func:`sent_as_copy`) in this worker's
-    ``copied_bytes``; nothing for any other header, or in a process without a pool (a client)."""
+def received_copy(header: dict[str, Any], service: PoolService | None) -> None:
+    """Count the bytes of a copy a peer sent in distributed's own frames (:func:`sent_as_copy`) in ``service``'s
+    ``copied_bytes`` (this worker's); nothing for any other header, or without a service (a client)."""
     nbytes = header.get(COPIED_KEY)
-    if type(nbytes) is int and nbytes > 0:
-        service = active_service()
-        if service is not None:
-            service.handoffs.add(copied_bytes=nbytes)
+    if type(nbytes) is int and nbytes > 0 and service is not None:
+        service.handoffs.add(copied_bytes=nbytes)
 
 
 def stage(request: Request, arr: Any, module: str) -> tuple[dict[str, Any], list[Any]] | None:

@@ -36,6 +36,7 @@ import hmac
 import logging
 import secrets
 import time
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import dask.config
@@ -54,6 +55,10 @@ if TYPE_CHECKING:
 __all__ = ["RegistryHandlers", "answer_timeout"]
 
 logger = logging.getLogger(__name__)
+
+
+#: Per scheduler: the secret of its workers' registry keys (:meth:`RegistryHandlers.serve`).
+_secrets: weakref.WeakKeyDictionary[Any, bytes] = weakref.WeakKeyDictionary()
 
 
 def answer_timeout() -> float:
@@ -118,11 +123,7 @@ class RegistryHandlers:
         a plugin registered again (new options) takes over while the old one's worker plugins are torn down, and
         their ``gpupool-unregister`` carries the key they have. Each key still belongs to its worker alone.
         """
-        secret = getattr(scheduler, "_gpupool_registry_secret", None)
-        if isinstance(secret, bytes):
-            self._secret = secret
-        else:
-            scheduler._gpupool_registry_secret = self._secret  # type: ignore[attr-defined]
+        self._secret = _secrets.setdefault(scheduler, self._secret)
         self.scheduler = scheduler
         self._joined = asyncio.Event()
 

@@ -21,22 +21,21 @@ logged (WARNING) and counted in :attr:`GPUPool.rejected`.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from typing import TYPE_CHECKING, Any
 
 from distributed import SchedulerPlugin
 from distributed.core import Status
-from distributed.protocol import Serialized, deserialize
-from distributed.protocol.pickle import dumps, loads
+from distributed.protocol.pickle import dumps
 from tornado.ioloop import PeriodicCallback
 
 from dask_gpupool.config import PoolOptions
 from dask_gpupool.core import JOINED_OP, PLUGIN_NAME, REGISTER_OP, UNREGISTER_OP, UPDATE_OP
+from dask_gpupool.dask import distributed_seam as seam
+from dask_gpupool.dask import plugin_installs as installs
 from dask_gpupool.dask.registry_handlers import RegistryHandlers, answer_timeout
 from dask_gpupool.errors import GPUPoolError
-from dask_gpupool.ops import dashboard as _dashboard
 from dask_gpupool.ops import metrics as _metrics
 from dask_gpupool.ops.dashboard import STATS_OP
 
@@ -254,7 +253,7 @@ class GPUPool(SchedulerPlugin):
     async def start(self, scheduler: Scheduler) -> None:
         """Install the registry's handlers and the worker plugin on every worker; wait for the workers to join.
 
-        One registration at a time per scheduler (:func:`_registrations`): distributed lists a plugin
+        One registration at a time per scheduler (:func:`~.plugin_installs.registrations`): distributed lists a plugin
         (``Scheduler.add_plugin``) as soon as its ``start`` returns, with nothing in between that could let another
         registration run, so the one that starts next finds this one listed and replaces it (its handlers, its
         worker plugin on every worker). Two starts at once instead left the scheduler listing one plugin while the
@@ -265,10 +264,10 @@ class GPUPool(SchedulerPlugin):
             # A plugin that a preload registered (and so started) is started again by distributed once
             # the preloads are done: once is enough.
             return
-        registrations = _registrations(scheduler)
-        if registrations.locked():
+        turns = installs.registrations(scheduler)
+        if turns.locked():
             logger.info("gpupool: another GPUPool registration is under way; this one %s waits for it", self.overrides)
-        async with registrations:
+        async with turns:
             listed = [plugin for plugin in _listed(scheduler).values() if plugin is not self]
             if self.idempotent and listed:
                 # Installed by a registration that ran while this one waited, or listed under a name of its own
@@ -289,21 +288,15 @@ class GPUPool(SchedulerPlugin):
 
         deadline = time.monotonic() + answer_timeout()
         self._registry_handlers.serve(scheduler)
-        scheduler.handlers.update(self._handlers)
+        seam.set_handlers(scheduler, self._handlers)
         # Never removed: an unknown op would end that worker's whole stream (see _drop).
-        scheduler.stream_handlers.update(self._stream_handlers)
-        _metrics.register_scheduler(self._registry_handlers.pools_by_kind, scheduler)
-        _dashboard.install(scheduler, self.snapshot)
+        seam.set_stream_handlers(scheduler, self._stream_handlers)
+        if _metrics.register_scheduler(self._registry_handlers.pools_by_kind):
+            seam.scope_metrics(scheduler, "scheduler")
+        seam.serve_page(scheduler, self.snapshot)
         worker_plugin = dumps(GPUPoolWorkerPlugin(self.overrides, self._registry_handlers.registration))
         self._worker_plugin = worker_plugin
-        # What Scheduler.register_worker_plugin does (its log line too, on distributed's logger), with each worker's
-        # answer awaited on its own and for at most the deadline: its broadcast waited for every worker, so one that
-        # never answered (stopped, its event loop blocked) held this registration, and every later one, until
-        # distributed.scheduler.worker-ttl removed it (never, with worker-ttl: null).
-        logging.getLogger("distributed.scheduler").info("Registering Worker plugin %s", PLUGIN_NAME)
-        scheduler.worker_plugins[PLUGIN_NAME] = worker_plugin
-        add = {"op": "plugin-add", "plugin": worker_plugin, "name": PLUGIN_NAME}
-        responses, late = await _tell(scheduler, add, worker_plugin, list(scheduler.workers), deadline)
+        responses, late = await installs.install(scheduler, worker_plugin, deadline)
         broken = {w: r for w, r in sorted(responses.items()) if isinstance(r, BaseException)}
         if broken:
             # A worker died while its plugin-add was under way (distributed's CommClosedError). Undone as a failed
@@ -322,14 +315,7 @@ class GPUPool(SchedulerPlugin):
             await self._undo(scheduler)
             worker, response = next(iter(failed.items()))
             logger.error("gpupool: setup failed on %d worker(s), e.g. %s", len(failed), worker)
-            exc = response.get("exception")
-            if isinstance(exc, Serialized):  # replies to a broadcast arrive undeserialized
-                exc = deserialize(exc.header, exc.frames)
-            if isinstance(exc, bytes):  # ... and Dask pickles the exception inside (its own error transport)
-                exc = loads(exc)
-            if isinstance(exc, BaseException):
-                raise exc
-            raise GPUPoolError(f"gpupool setup failed on {worker}: {response.get('exception_text')}")
+            raise installs.setup_error(worker, response)
         if late:
             logger.warning(
                 "gpupool: %d worker(s) did not answer the plugin install (within %.3g s, or one sent before): %s; "
@@ -350,7 +336,7 @@ class GPUPool(SchedulerPlugin):
     async def _undo(self, scheduler: Scheduler) -> None:
         """A failed registration: its worker plugin unregistered (from every worker), its handlers removed, and a
         plugin it was replacing delisted."""
-        await self._unregister_worker_plugin(scheduler)
+        await installs.uninstall(scheduler, self._worker_plugin)
         self._remove_handlers()
         self._registry_handlers.scheduler = None
         # Registered again over a running plugin: its worker plugins were replaced by ours and are gone with them,
@@ -376,27 +362,6 @@ class GPUPool(SchedulerPlugin):
             for name in [name for name, plugin in scheduler.plugins.items() if plugin is self]:
                 scheduler.remove_plugin(name=name)
 
-    async def _unregister_worker_plugin(self, scheduler: Scheduler) -> None:
-        """This registration's worker plugin, if still the one new workers get, unregistered from every worker: each
-        tears its pool down (closed once its leases end). A worker that does not answer within
-        :func:`~dask_gpupool.dask.registry_handlers.answer_timeout` is logged and gets it when it answers."""
-        if self._worker_plugin is None or scheduler.worker_plugins.get(PLUGIN_NAME) is not self._worker_plugin:
-            return  # another registration's since
-        del scheduler.worker_plugins[PLUGIN_NAME]
-        remove = {"op": "plugin-remove", "name": PLUGIN_NAME}
-        deadline = time.monotonic() + answer_timeout()
-        responses, late = await _tell(scheduler, remove, None, list(scheduler.workers), deadline)
-        broken = sorted(w for w, r in responses.items() if isinstance(r, BaseException))
-        if broken:  # a worker that cannot be reached (one that died): the others are told
-            logger.warning("gpupool: removing the worker plugin failed on %s", ", ".join(broken))
-        if late:
-            logger.warning(
-                "gpupool: %d worker(s) did not answer the plugin removal within %.3g s: %s; each is told on answering",
-                len(late),
-                answer_timeout(),
-                ", ".join(sorted(late)),
-            )
-
     def _check_listed(self, scheduler: Scheduler) -> None:
         """The watch (a periodic callback from the end of :meth:`start`, when distributed lists this plugin): once
         distributed no longer lists it (``client.unregister_scheduler_plugin``), stop serving (:meth:`_delisted`).
@@ -416,12 +381,12 @@ class GPUPool(SchedulerPlugin):
     async def _delisted(self, scheduler: Scheduler) -> None:
         """Delisted by ``client.unregister_scheduler_plugin``: no handler of this plugin serves from now on (late
         stream messages are dropped), and its worker plugin is unregistered from every worker. In turn with
-        registrations (:func:`_registrations`), so that one made meanwhile is left as it is."""
-        async with _registrations(scheduler):
+        registrations (:func:`~.plugin_installs.registrations`), so that one made meanwhile is left as it is."""
+        async with installs.registrations(scheduler):
             if _listed(scheduler):
                 return  # registered again meanwhile, under any name: the new one replaced all of this one
             await self.close()
-            await self._unregister_worker_plugin(scheduler)
+            await installs.uninstall(scheduler, self._worker_plugin)
             self._registry_handlers.scheduler = None
             logger.info(
                 "gpupool: GPUPool %s unregistered from the scheduler; its worker plugin removed", self.overrides
@@ -431,10 +396,11 @@ class GPUPool(SchedulerPlugin):
         self._stop_watch()
         self._remove_handlers()
         scheduler = self._scheduler
-        if scheduler is not None and getattr(scheduler, "_gpupool_page", {}).get("source") == self.snapshot:
+        if scheduler is not None and seam.page_source(scheduler) == self.snapshot:
             # The /gpupool page and the scheduler's gauge showed this registry: now none.
-            _dashboard.install(scheduler, _no_registry)
-            _metrics.register_scheduler(dict, scheduler)
+            seam.serve_page(scheduler, _no_registry)
+            if _metrics.register_scheduler(dict):
+                seam.scope_metrics(scheduler, "scheduler")
 
     def _stop_watch(self) -> None:
         if self._watch is not None:
@@ -443,20 +409,16 @@ class GPUPool(SchedulerPlugin):
 
     def _remove_handlers(self) -> None:
         if self._scheduler is not None:
-            for op, handler in self._handlers.items():
-                if self._scheduler.handlers.get(op) == handler:
-                    del self._scheduler.handlers[op]
-            for op, handler in self._stream_handlers.items():
-                if self._scheduler.stream_handlers.get(op) == handler:
-                    self._scheduler.stream_handlers[op] = _drop
+            seam.set_handlers(self._scheduler, self._handlers, remove=True)
+            seam.set_stream_handlers(self._scheduler, self._stream_handlers, replaced_by=_drop)
 
     def remove_worker(self, scheduler: Scheduler, worker: str, *, stimulus_id: str, **kwargs: Any) -> None:
         """Rows (published or pending) leave with their worker (:meth:`RegistryHandlers.remove_worker`); a plugin
         install or removal it never answered (stopped until ``worker-ttl`` removed it) is given up."""
         self._registry_handlers.remove_worker(worker)
-        unanswered = _outstanding(scheduler).pop(worker, None)
-        if unanswered is not None:
-            unanswered.cancel()
+        outstanding = installs.unanswered(scheduler).pop(worker, None)
+        if outstanding is not None:
+            outstanding.cancel()
 
 
 def _listed(scheduler: Scheduler) -> dict[str, GPUPool]:
@@ -466,15 +428,6 @@ def _listed(scheduler: Scheduler) -> dict[str, GPUPool]:
     return {name: plugin for name, plugin in scheduler.plugins.items() if isinstance(plugin, GPUPool)}
 
 
-def _registrations(scheduler: Scheduler) -> asyncio.Lock:
-    """The lock that runs ``scheduler``'s ``GPUPool`` registrations one at a time, in the order they came (FIFO)."""
-    lock = getattr(scheduler, "_gpupool_registrations", None)
-    if not isinstance(lock, asyncio.Lock):
-        lock = asyncio.Lock()
-        scheduler._gpupool_registrations = lock  # type: ignore[attr-defined]
-    return lock
-
-
 def _drop(**msg: Any) -> None:
     """Stands in for a stream handler after the plugin closed: late messages are dropped."""
 
@@ -482,95 +435,3 @@ def _drop(**msg: Any) -> None:
 def _no_registry() -> dict[str, Any]:
     """What the /gpupool page shows once the plugin is unregistered: no pools."""
     return {"pools": [], "workers": {}, "rejected": {}}
-
-
-def _outstanding(scheduler: Scheduler) -> dict[str, asyncio.Future[Any]]:
-    """The plugin install or removal each worker has not answered yet, by worker (at most one per worker)."""
-    outstanding = getattr(scheduler, "_gpupool_outstanding", None)
-    if not isinstance(outstanding, dict):
-        outstanding = {}
-        scheduler._gpupool_outstanding = outstanding  # type: ignore[attr-defined]
-    return outstanding
-
-
-async def _tell(
-    scheduler: Scheduler, msg: dict[str, Any], sent: bytes | None, workers: list[str], deadline: float
-) -> tuple[dict[str, Any], list[str]]:
-    """Send ``msg`` (a ``plugin-add`` of the worker plugin ``sent``, or a ``plugin-remove``: ``sent`` is ``None``) to
-    each of ``workers`` as ``Scheduler.broadcast`` does, each on its own; wait for their answers until ``deadline``.
-
-    Returns the answers that came (a worker's reply, or the exception its comm raised) by worker, and the workers
-    that did not answer (a worker removed meanwhile, :meth:`GPUPool.remove_worker`, is in neither). Those are not
-    waited for, and nothing later waits behind them: a worker gets one message at a time (a later one is not sent
-    while it has not answered the one before, so that two cannot reach it in the wrong order), and once it answers
-    it gets whatever is registered then (:func:`_settle`).
-    """
-    outstanding = _outstanding(scheduler)
-    late = [w for w in workers if w in outstanding]
-    tasks = {w: _send(scheduler, w, msg) for w in workers if w not in outstanding}
-    if tasks:
-        # Every answer, even once one worker's comm broke: returning at the first exception left the workers that
-        # answer a moment later outstanding, so undoing a failed registration skipped them, and they installed its
-        # worker plugin after register_plugin had raised.
-        await asyncio.wait(tasks.values(), timeout=max(0.0, deadline - time.monotonic()))
-    responses: dict[str, Any] = {}
-    for worker, task in tasks.items():
-        if not task.done():
-            late.append(worker)
-            task.add_done_callback(functools.partial(_settle, scheduler, worker, sent))
-        elif task.cancelled():
-            # Its worker was removed meanwhile (remove_worker gave the message up): it left the cluster, as any worker
-            # may during a registration, and is neither an answer nor late. As an answer, the CancelledError raised
-            # out of start undid the registration on every worker and ended the client's comm.
-            continue
-        elif task.exception() is not None:
-            responses[worker] = task.exception()
-        else:
-            responses[worker] = task.result().get(worker, {})
-    return responses, late
-
-
-def _send(scheduler: Scheduler, worker: str, msg: dict[str, Any]) -> asyncio.Future[Any]:
-    """``msg`` sent to ``worker`` alone, outstanding until it answers (:func:`_outstanding`)."""
-    outstanding = _outstanding(scheduler)
-    task = asyncio.ensure_future(scheduler.broadcast(msg=msg, workers=[worker]))
-    outstanding[worker] = task
-
-    def answered(task: asyncio.Future[Any]) -> None:
-        if outstanding.get(worker) is task:
-            del outstanding[worker]
-
-    task.add_done_callback(answered)
-    return task
-
-
-def _settle(scheduler: Scheduler, worker: str, sent: bytes | None, task: asyncio.Future[Any]) -> None:
-    """``worker`` answered late the ``plugin-add`` of ``sent`` (or, with ``sent`` ``None``, a ``plugin-remove``): if
-    that is not what is registered now (a registration replaced, made or removed meanwhile, which sent it nothing),
-    it gets what is: the worker plugin registered now, else the removal of the one it holds."""
-    if task.cancelled():
-        return
-    if task.exception() is not None:  # it left (distributed logged it); remove_worker takes its rows
-        return
-    current = scheduler.worker_plugins.get(PLUGIN_NAME)
-    answer = task.result().get(worker, {})
-    if sent is not None and sent is current:
-        if isinstance(answer, dict) and answer.get("status") == "error":
-            logger.warning(
-                "gpupool: %s answered the plugin install late: its setup failed (%s); it has no pool",
-                worker,
-                answer.get("exception_text"),
-            )
-        else:
-            logger.info("gpupool: %s answered the plugin install late; it joins the registry", worker)
-        return
-    if worker not in scheduler.workers or scheduler.status != Status.running or (current is sent is None):
-        return
-    if current is not None:
-        msg: dict[str, Any] = {"op": "plugin-add", "plugin": current, "name": PLUGIN_NAME}
-    else:
-        msg = {"op": "plugin-remove", "name": PLUGIN_NAME}
-    logger.info(
-        "gpupool: %s answered late for a registration since replaced or removed; it gets the current one", worker
-    )
-    _send(scheduler, worker, msg).add_done_callback(functools.partial(_settle, scheduler, worker, current))

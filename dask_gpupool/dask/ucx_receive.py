@@ -9,7 +9,8 @@ frame, and a ``cudaFree``, which waits for the whole device, when the value
 is released. dask-cuda's ``rmm_pool_size`` or ``distributed.rmm.pool-size``
 put an RMM pool there; a plain UCX worker has none.
 
-This module points ``device_array`` at :class:`ReceivePool`: an RMM
+The worker plugin points ``device_array`` at :class:`ReceivePool`
+(:func:`~dask_gpupool.dask.distributed_seam.point_device_array`): an RMM
 ``PoolMemoryResource`` over ``CudaMemoryResource`` of at most
 :data:`UCX_RECEIVE_POOL` bytes, made on the first frame. A frame that does
 not fit under that ceiling is received as before (counted in
@@ -24,9 +25,9 @@ lives until the last frame made from it is released, even after the plugin
 is removed and ``device_array`` put back. No file descriptor is involved.
 
 The pool gives blocks only to the comm reads the worker watches (its comm-read
-wrapper, :func:`~dask_gpupool.dask.worker_internals.fill_after_read`: the
+wrapper, :func:`~dask_gpupool.dask.comm_reads.read_then_fill`: the
 reads of values from other workers), which tell it how they ended
-(:data:`~dask_gpupool.dask.worker_internals.READ_BLOCKS`). The blocks of a read
+(:data:`~dask_gpupool.dask.context.READ_BLOCKS`). The blocks of a read
 that raised (cancelled, or its comm failed) may still be written by UCX: they
 are parked in :data:`~dask_gpupool.memory.lifetime.QUARANTINE` for the
 process's life, never given out again; at most the ceiling's worth, beyond
@@ -47,10 +48,10 @@ from typing import Any
 
 from dask.utils import format_bytes
 
-from dask_gpupool.dask.worker_internals import READ_BLOCKS, SYNCHRONIZED_DEVICE
+from dask_gpupool.dask.context import READ_BLOCKS, SYNCHRONIZED_DEVICE
 from dask_gpupool.handoff.stats import HandoffStats
 
-__all__ = ["UCX_RECEIVE_POOL", "ReceivePool", "decide", "install", "uninstall"]
+__all__ = ["UCX_RECEIVE_POOL", "ReceivePool", "comm_module", "current_resource", "decide"]
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +121,7 @@ class ReceivePool:
     Runs on the worker's event loop (distributed-ucxx's ``read``), on the worker's GPU. Each frame is an
     ``rmm.DeviceBuffer`` that owns its allocation and keeps the pool resource alive; dropping it returns the memory
     to the pool, stream-ordered on the default stream. A frame of a read that raised is never dropped: the read's
-    :class:`~dask_gpupool.dask.worker_internals.ReadBlocks` parks it, since UCX may still write into it (module
+    :class:`~dask_gpupool.dask.context.ReadBlocks` parks it, since UCX may still write into it (module
     docstring). A block given out again is written by UCX only after
     distributed-ucxx's ``read`` has synchronized the whole device (``ucxx._cuda_context.synchronize_default_stream``
     is cuda.core's ``Device(0).sync()``), so kernels of any stream that still read the value it held have ended, as
@@ -143,7 +144,7 @@ class ReceivePool:
     def device_array(self, n: int) -> Any:
         """A device buffer of ``n`` bytes for a frame: from the pool, else from ``fallback``.
 
-        From the pool only inside a read the worker watches (:data:`~dask_gpupool.dask.worker_internals.READ_BLOCKS`
+        From the pool only inside a read the worker watches (:data:`~dask_gpupool.dask.context.READ_BLOCKS`
         open), which holds the block until it knows whether the read completed; outside one, from ``fallback``
         (not counted).
         """
@@ -198,19 +199,3 @@ def current_resource(device: int) -> str | None:
         return None
     resource = rmm.mr.get_per_device_resource(device)
     return "default" if type(resource) is rmm.mr.CudaMemoryResource else type(resource).__name__
-
-
-def install(module: Any, pool: ReceivePool) -> Any:
-    """Point ``module.device_array`` at ``pool``; returns what was there (for :func:`uninstall`)."""
-    previous = module.device_array
-    module.device_array = pool.device_array
-    return previous
-
-
-def uninstall(module: Any, pool: ReceivePool, previous: Any) -> None:
-    """Put ``previous`` back as ``module.device_array`` if ``pool`` is still the one there.
-
-    Frames already received keep their memory (and the pool's resource) until they are released.
-    """
-    if getattr(module.device_array, "__self__", None) is pool:
-        module.device_array = previous

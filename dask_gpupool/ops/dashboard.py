@@ -6,7 +6,8 @@ Workers push their pool and handoff statistics to the scheduler every
 page lists the registry's pools (owner, host, kind, device, used and
 reserved bytes, peers) and every worker's handoffs (zero-copy vs copied
 bytes, fallbacks by reason, live leases), and reloads itself. It is served
-by the scheduler's own HTTP server, next to Dask's dashboard.
+by the scheduler's own HTTP server, next to Dask's dashboard, on the routes
+:func:`routes` gives (added by :func:`dask_gpupool.dask.distributed_seam.serve_page`).
 
 Trust boundary: the pushed statistics are each worker's own claim. The page
 escapes every value and key it shows (:func:`html.escape`, whatever the
@@ -23,17 +24,13 @@ from __future__ import annotations
 
 import html
 import json
-import logging
 import math
-import sys
 from collections.abc import Callable
 from typing import Any
 
 from tornado import web
 
-logger = logging.getLogger(__name__)
-
-__all__ = ["STATS_INTERVAL", "STATS_OP", "finite", "install"]
+__all__ = ["STATS_INTERVAL", "STATS_OP", "Source", "finite", "routes"]
 
 #: Seconds between a worker's statistics pushes (and the page's reloads).
 STATS_INTERVAL = 2.0
@@ -148,43 +145,7 @@ class _Json(web.RequestHandler):
         self.write(text.replace("&", "\\u0026").replace("<", "\\u003c").replace(">", "\\u003e"))
 
 
-def install(scheduler: Any, source: Source) -> bool:
-    """Serve ``/gpupool`` and ``/gpupool.json`` on the scheduler's HTTP server from ``source``.
-
-    Idempotent per scheduler (a later call replaces the source). ``False``
-    when the scheduler runs no HTTP server.
-    """
-    app = getattr(scheduler, "http_application", None)
-    if app is None:
-        return False
-    holder: dict[str, Source] | None = getattr(scheduler, "_gpupool_page", None)
-    if holder is None:
-        holder = {"source": source}
-        app.add_handlers(
-            ".*$", [(r"/gpupool", _Page, {"holder": holder}), (r"/gpupool\.json", _Json, {"holder": holder})]
-        )
-        scheduler._gpupool_page = holder
-        _link_from_dashboard(scheduler)
-    holder["source"] = source
-    return True
-
-
-def _link_from_dashboard(scheduler: Any) -> None:
-    """Add "GPU Pool" to the "More..." menu of Dask's Bokeh dashboard, when it runs.
-
-    Dask builds that menu from ``distributed.dashboard.scheduler.template_variables(scheduler)``,
-    memoized per scheduler; its ``plots`` list is shared by every page rendered afterwards, so an
-    entry appended here shows on each page opened from now on. Nothing happens when the
-    dashboard does not run (no Bokeh) or a future Dask lays the menu out differently.
-    """
-    if "distributed.dashboard.scheduler" not in sys.modules:
-        return  # no Bokeh dashboard in this scheduler (importing it would need Bokeh)
-    try:
-        from distributed.dashboard.scheduler import template_variables
-
-        plots = template_variables(scheduler)["plots"]
-        if not any(p.get("url") == "gpupool" for p in plots):
-            plots.append({"url": "gpupool", "name": "GPU Pool"})
-            plots.sort(key=lambda p: p["name"])
-    except Exception:  # a dashboard laid out differently: the page still serves at /gpupool
-        logger.debug("could not add /gpupool to the dashboard's menu", exc_info=True)
+def routes(holder: dict[str, Source]) -> list[tuple[str, type, dict[str, Any]]]:
+    """The page's tornado routes, ``/gpupool`` and ``/gpupool.json``, showing ``holder["source"]()`` (the holder's
+    owner may swap the source)."""
+    return [(r"/gpupool", _Page, {"holder": holder}), (r"/gpupool\.json", _Json, {"holder": holder})]

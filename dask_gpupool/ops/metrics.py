@@ -41,10 +41,11 @@ nothing is registered.
 Several workers in one process (``LocalCluster(processes=False)``, tests)
 share one Prometheus registry, which Dask serves on each of their ``/metrics``
 and on the scheduler's. So that each series is served once, by one endpoint,
-:func:`register` and :func:`register_scheduler` route the server's own
-``/metrics`` through a subclass of Dask's handler that tells the collectors
-which server asks (:data:`_SERVING`): a worker's serves that worker's series
-alone, the scheduler's the scheduler's alone. A figure of the whole process
+each server's own ``/metrics`` is routed through a subclass of Dask's handler
+(:func:`dask_gpupool.dask.distributed_seam.scope_metrics`) that tells the
+collectors which server asks (:func:`serving`, :data:`_SERVING`: ``collect()``
+takes no argument, so a ContextVar is the only way): a worker's serves that
+worker's series alone, the scheduler's the scheduler's alone. A figure of the whole process
 (``ucx_quarantined_bytes``: :data:`~dask_gpupool.memory.lifetime.QUARANTINE`
 is one per process) is served once, under the process's first worker with a
 pool. Scraped any other way (an exporter of the user's own), the registry
@@ -53,14 +54,13 @@ gives every series of the process, each once.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
-import inspect
 import threading
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["register", "register_scheduler"]
+__all__ = ["register", "register_scheduler", "serving"]
 
 #: ``received_bytes``: only ``zero-copy`` is same-host by nature; ``copy``, ``device-frames`` and ``host-frames``
 #: count whoever sent the value.
@@ -84,9 +84,17 @@ _scheduler_source: Callable[[], dict[str, int]] | None = None
 #: Which server's ``/metrics`` is being served, as ``(role, address)`` (``role``: ``"worker"`` or ``"scheduler"``);
 #: ``None`` outside Dask's handlers, where the collectors give every series of the process.
 _SERVING: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar("gpupool_serving", default=None)
-#: The HTTP applications whose ``/metrics`` is routed through :func:`_scoped` already.
-_scoped_apps: weakref.WeakSet[Any] = weakref.WeakSet()
-_scoped_classes: dict[tuple[type, str], type] = {}
+
+
+@contextlib.contextmanager
+def serving(role: str, address: str) -> Iterator[None]:
+    """The collectors give the series of the server at ``address`` (``role``: ``"worker"`` or ``"scheduler"``) alone
+    while this is open (the server's own ``/metrics`` handler opens it)."""
+    token = _SERVING.set((role, address))
+    try:
+        yield
+    finally:
+        _SERVING.reset(token)
 
 
 def _worker_metrics() -> Iterator[Any]:
@@ -202,70 +210,14 @@ def _register(key: str, collect: Callable[[], Iterator[Any]]) -> bool:
     return True
 
 
-def _scoped(base: type, role: str) -> type:
-    """``base`` (Dask's ``/metrics`` handler) telling the collectors, while it serves, which server asks."""
-    key = (base, role)
-    if key not in _scoped_classes:
-
-        class Scoped(base):
-            async def get(self, *args: Any, **kwargs: Any) -> None:
-                token = _SERVING.set((role, str(getattr(self.server, "address", None))))
-                try:
-                    result = super().get(*args, **kwargs)
-                    if inspect.isawaitable(result):
-                        await result
-                finally:
-                    _SERVING.reset(token)
-
-        Scoped.__name__ = Scoped.__qualname__ = f"GPUPoolScoped{base.__name__}"
-        _scoped_classes[key] = Scoped
-    return _scoped_classes[key]
+def register() -> bool:
+    """Add the worker collector to this process's Prometheus registry (once); ``False`` without prometheus_client."""
+    return _register("worker", _worker_metrics)
 
 
-def _scope(server: Any, role: str) -> bool:
-    """Route ``server``'s own ``/metrics`` through :func:`_scoped` (once per server); ``False`` where it has none.
-
-    Tornado tries handlers added to an application before the ones it was made with, so the scoped route (the same
-    path, handler arguments and behaviour as Dask's) answers in place of Dask's, on this server only.
-    """
-    from tornado import routing, web
-
-    app = getattr(server, "http_application", None)
-    if app is None:
-        return False
-    with _lock:
-        if app in _scoped_apps:
-            return True
-        routes = []
-        for rule in getattr(getattr(app, "wildcard_router", None), "rules", []):
-            matcher, target = rule.matcher, rule.target
-            if (
-                isinstance(matcher, routing.PathMatches)
-                and matcher.regex.pattern.rstrip("$").endswith("/metrics")
-                and isinstance(target, type)
-                and issubclass(target, web.RequestHandler)
-            ):
-                routes.append((matcher.regex.pattern, _scoped(target, role), rule.target_kwargs))
-        if not routes:
-            return False
-        app.add_handlers(".*$", routes)
-        _scoped_apps.add(app)
-    return True
-
-
-def register(worker: Any = None) -> bool:
-    """Add the worker collector to this process's Prometheus registry (once), and make ``worker``'s ``/metrics``
-    serve its own series only (:func:`_scope`); ``False`` without prometheus_client."""
-    if not _register("worker", _worker_metrics):
-        return False
-    if worker is not None:
-        _scope(worker, "worker")
-    return True
-
-
-def register_scheduler(pools_by_kind: Callable[[], dict[str, int]], scheduler: Any = None) -> bool:
-    """Add the scheduler collector (once per process); ``pools_by_kind`` reads the live registry. ``scheduler``'s
-    ``/metrics`` serves it, and no worker series of this process (:func:`_scope`).
+def register_scheduler(pools_by_kind: Callable[[], dict[str, int]]) -> bool:
+    """Add the scheduler collector (once per process); ``pools_by_kind`` reads the live registry. The scheduler's
+    ``/metrics`` serves it, and no worker series of this process (:func:`serving`).
 
     A later call (the plugin registered again) replaces the source.
     """
@@ -284,8 +236,4 @@ def register_scheduler(pools_by_kind: Callable[[], dict[str, int]], scheduler: A
             g.add_metric([kind], counts.get(kind, 0))
         yield g
 
-    if not _register("scheduler", collect):
-        return False
-    if scheduler is not None:
-        _scope(scheduler, "scheduler")
-    return True
+    return _register("scheduler", collect)

@@ -113,7 +113,7 @@ async def get_data_without_ok(exporter: str, key: str, deserialize: bool, dask_w
     from dask_gpupool.handoff.deferred import SENDER
 
     comm = await connect(exporter, deserialize=deserialize, **dask_worker.connection_args)
-    token = SENDER.set(exporter)  # as the worker's own comms do (worker_internals.fill_after_read)
+    token = SENDER.set(exporter)  # as the worker's own comms do (comm_reads.read_then_fill)
     try:
         await comm.write({"op": "get_data", "keys": [key], "who": dask_worker.address, "reply": True})
         msg = await comm.read()
@@ -242,7 +242,7 @@ def replay_import(key: str, sender: str, dask_worker: Worker) -> str:
     from cuda.core import Buffer
     from distributed.protocol import dask_deserialize
 
-    from dask_gpupool.dask.serializers import KEY
+    from dask_gpupool.dask.headers import KEY
     from dask_gpupool.handoff.deferred import SENDER
     from dask_gpupool.wire.handoff import HandoffHeader
 

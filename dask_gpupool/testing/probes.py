@@ -85,7 +85,7 @@ def deserialize_headers(headers: list[dict[str, Any]], dask_worker: Worker) -> l
     from cuda.core import Buffer
     from distributed.protocol import dask_deserialize
 
-    from dask_gpupool.dask.serializers import KEY
+    from dask_gpupool.dask.headers import KEY
     from dask_gpupool.errors import GPUPoolError
 
     service = service_of(dask_worker)
@@ -194,9 +194,10 @@ def handoff_counters(dask_worker: Worker) -> dict[str, Any]:
 def serialized_inline(keys: list[str], who: str, dask_worker: Worker, scheme: str = "tcp") -> bool:
     """client.run target: whether a ``get_data`` for ``keys`` from ``who`` over a ``scheme`` comm skips Dask's
     offload thread."""
-    from dask_gpupool.dask.worker_internals import _inline_reply
+    from dask_gpupool.dask.distributed_seam import DaskWorkerStore
+    from dask_gpupool.dask.replies import Replies
 
-    return _inline_reply(dask_worker, service_of(dask_worker), keys, who, scheme)
+    return Replies(service_of(dask_worker), DaskWorkerStore(dask_worker), dask_worker.rpc).inline(keys, who, scheme)
 
 
 def lease_counts(dask_worker: Worker) -> dict[str, int]:

@@ -289,7 +289,7 @@ class DeviceRecord:
     Its ``cuda_deserialize`` reads the array on arrival (``arrival_sum``), as a
     cuDF column's may: a consumer that read before the lease was claimed, or
     before the producer's kernel wrote, would record a wrong sum. For
-    ``dask/device_objects.py``.
+    ``dask/frames_family.py``.
     """
 
     def __init__(self, tag: str, data: Any, arrival_sum: int | None = None) -> None:

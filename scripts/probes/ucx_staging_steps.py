@@ -1,7 +1,7 @@
 """Probe: where the 0.16-0.39 ms of ``device-stage`` per value goes, in one process with the GPU to itself.
 
 ``benchmarks/ucx_pairs.py`` times staging pool memory for UCX (``UcxStaging.copy_of`` and, for CuPy arrays,
-``device_frames._stage_cupy``) at 0.16-0.39 ms per value on one H100 shared by four workers, for a copy of a few KiB
+``cuda_family._stage_cupy``) at 0.16-0.39 ms per value on one H100 shared by four workers, for a copy of a few KiB
 to 16 MiB that the GPU does in microseconds. This times each step of it on its own, ``REPEATS`` times (median,
 microseconds): making the GPU current (cuda.core ``Device.set_current``), ``cuCtxGetCurrent``, the device-to-device
 copy on the legacy default stream with its synchronize, the finalizer, the whole ``copy_of`` (which also takes kept

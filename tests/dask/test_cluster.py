@@ -1174,7 +1174,7 @@ def registration_state(client, name="gpupool"):
     plugin: on the scheduler, the plugin listed under ``name``, every name a ``GPUPool`` is listed under, whether its
     registry is the one the handlers serve, the worker plugin new workers get, and the listed registry's rows
     (worker -> pool); on each worker, its plugin, its pool, and whether the worker's registry stream handlers are
-    that plugin's."""
+    that plugin's (its ``RegistryMember``'s)."""
 
     def on_scheduler(dask_scheduler):
         from distributed.protocol.pickle import loads
@@ -1201,7 +1201,7 @@ def registration_state(client, name="gpupool"):
             "plugin": getattr(plugin, "overrides", {}).get("max_size"),
             "pool": None if service is None else service.pool.uuid,
             "handlers": all(
-                getattr(dask_worker.stream_handlers.get(op), "__self__", None) is plugin
+                getattr(dask_worker.stream_handlers.get(op), "__self__", None) is getattr(plugin, "_member", None)
                 for op in (MEMBERSHIP_OP, REGISTRY_OP)
             ),
         }

@@ -1,4 +1,4 @@
-"""The serialization family that sends "cuda"-serialized objects frame by frame (``dask/device_objects.py``).
+"""The serialization family that sends "cuda"-serialized objects frame by frame (``dask/frames_family.py``).
 
 Issue 18. What runs without a GPU: the family declines everything outside a same-host reply from a ``device``
 pool (so Dask's own families serialize as before), its wire format round-trips an object whose ``cuda``
@@ -16,7 +16,7 @@ from distributed.protocol.cuda import cuda_deserialize, cuda_serialize
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dask_gpupool.dask import device_objects as D
+from dask_gpupool.dask import frames_family as D
 from dask_gpupool.errors import DataLostError, ProtocolError
 
 
@@ -25,6 +25,15 @@ class HostRecord:
 
     def __init__(self, tag: str, payload: bytes) -> None:
         self.tag, self.payload = tag, payload
+
+
+def _no_cupy(deserialize: bool) -> Any:
+    """The CuPy serializer a family is given: objects whose frames are all host memory never ask for it."""
+    raise AssertionError("an object with host frames only went through the CuPy serializer")
+
+
+#: The family as the package registers it, but with no CuPy serializer.
+FAMILY = D.FramesFamily(_no_cupy)
 
 
 @cuda_serialize.register(HostRecord)
@@ -43,7 +52,7 @@ def test_the_family_is_registered_and_declines_outside_a_same_host_reply():
     family serializes the object, and it deserializes as before."""
     x = HostRecord("a", b"payload")
     with pytest.raises(NotImplementedError):
-        D.dumps(x)
+        FAMILY.dumps(x)
     header, frames = serialize(x, serializers=[D.FAMILY, "dask", "pickle"], on_error="raise")
     assert header["serializer"] == "pickle"
     back = deserialize(header, frames)
@@ -54,10 +63,10 @@ def test_the_family_is_registered_and_declines_outside_a_same_host_reply():
 def test_the_wire_format_round_trips_an_object_with_host_frames():
     """``_dumps_frames`` plus the family header, read back by ``loads``: the same object, the type found by name."""
     x = HostRecord("tag-1", b"\x00\x01\x02")
-    sub, frames = D._dumps_frames(x, cuda_serialize.dispatch(HostRecord))
+    sub, frames = D._dumps_frames(x, cuda_serialize.dispatch(HostRecord), _no_cupy)
     header = {"sub-header": sub, "type": D._type_name(HostRecord)}
     assert sub[D.FRAMES_KEY]["parts"] == [{"host": True}, {"host": True}]
-    back = D.loads(header, frames)
+    back = FAMILY.loads(header, frames)
     assert type(back) is HostRecord
     assert (back.tag, back.payload) == ("tag-1", b"\x00\x01\x02")
 
@@ -68,7 +77,7 @@ def test_the_header_survives_msgpack_as_distributed_reads_it():
     import msgpack
 
     x = HostRecord("tag-2", b"abc")
-    sub, frames = D._dumps_frames(x, cuda_serialize.dispatch(HostRecord))
+    sub, frames = D._dumps_frames(x, cuda_serialize.dispatch(HostRecord), _no_cupy)
     header = {"sub-header": sub, "type": D._type_name(HostRecord), "compression": (False,) * len(frames)}
     header["serializer"] = D.FAMILY
     wire = msgpack.loads(msgpack.dumps(header, use_bin_type=True), use_list=False, raw=False)
@@ -110,7 +119,7 @@ _EMPTY = {D.FRAMES_KEY: {"header": {}, "parts": []}}
 def test_a_malformed_header_is_data_lost_so_dask_fetches_again(header, frames, match):
     """A ``DataLostError`` (a ``ConnectionError``: Dask fetches the value again) whose cause names what is wrong."""
     with pytest.raises(DataLostError, match=match) as got:
-        D.loads(header, frames)
+        FAMILY.loads(header, frames)
     assert isinstance(got.value.__cause__, ProtocolError)
 
 
@@ -136,7 +145,7 @@ def test_any_garbage_in_the_header_is_data_lost(sub, nframes):
     header = {"type": D._type_name(HostRecord), "sub-header": sub}
     frames = [b"x"] * nframes
     try:
-        D.loads(header, frames)
+        FAMILY.loads(header, frames)
     except DataLostError:
         pass
 
@@ -147,18 +156,15 @@ def test_staging_for_ucx_is_timed_in_its_parts():
     import time
     from types import SimpleNamespace
 
-    from dask_gpupool.dask import device_frames as F
-    from dask_gpupool.dask.worker_internals import REQUEST
+    from dask_gpupool.dask import cuda_family as F
     from dask_gpupool.handoff.stats import HandoffStats
 
     stats = HandoffStats()
-    token = REQUEST.set(SimpleNamespace(service=SimpleNamespace(handoffs=stats)))  # type: ignore[arg-type]
-    try:
-        start = time.perf_counter()
-        F._timed_stage(start, SimpleNamespace(alloc_s=0.0), time.perf_counter())  # type: ignore[arg-type]
-        F._timed_stage(start, SimpleNamespace(alloc_s=0.002))  # type: ignore[arg-type]
-    finally:
-        REQUEST.reset(token)
+    request: Any = SimpleNamespace(service=SimpleNamespace(handoffs=stats))
+    start = time.perf_counter()
+    F._timed_stage(request, start, SimpleNamespace(alloc_s=0.0), time.perf_counter())  # type: ignore[arg-type]
+    F._timed_stage(request, start, SimpleNamespace(alloc_s=0.002))  # type: ignore[arg-type]
+    F._timed_stage(None, start, SimpleNamespace(alloc_s=0.002))  # type: ignore[arg-type]  # no reply: not timed
     timings = stats.to_msg()["timings"]
     assert timings["device-stage"]["count"] == 2
     assert timings["device-stage-alloc"]["count"] == 1 and timings["device-stage-alloc"]["total_s"] == 0.002
@@ -170,24 +176,17 @@ def test_staging_copies_are_waited_for_unless_the_comm_synchronizes_the_gpu():
     ``ucxx``), whose ``write`` synchronizes the GPU before it sends device frames; anywhere else it is waited for."""
     from types import SimpleNamespace
 
-    from dask_gpupool.dask import device_frames as F
-    from dask_gpupool.dask.worker_internals import REQUEST
+    from dask_gpupool.dask import cuda_family as F
 
-    assert not F._comm_synchronizes()  # no reply being serialized
+    assert not F._comm_synchronizes(None)  # no reply being serialized
     gpu0 = SimpleNamespace(pool=SimpleNamespace(device=0))
     for scheme, synchronizes in [("ucxx", True), ("ucx", True), ("tcp", False), ("tls", False), ("inproc", False)]:
-        token = REQUEST.set(SimpleNamespace(scheme=scheme, service=gpu0))  # type: ignore[arg-type]
-        try:
-            assert F._comm_synchronizes() is synchronizes, scheme
-        finally:
-            REQUEST.reset(token)
+        request: Any = SimpleNamespace(scheme=scheme, service=gpu0)
+        assert F._comm_synchronizes(request) is synchronizes, scheme
     # distributed-ucxx synchronizes device 0 of the process, whatever GPU the worker uses (thirtieth session's
     # review): a worker on another ordinal waits for its staging copy itself
-    token = REQUEST.set(SimpleNamespace(scheme="ucxx", service=SimpleNamespace(pool=SimpleNamespace(device=1))))  # type: ignore[arg-type]
-    try:
-        assert F._comm_synchronizes() is False
-    finally:
-        REQUEST.reset(token)
+    other_gpu: Any = SimpleNamespace(scheme="ucxx", service=SimpleNamespace(pool=SimpleNamespace(device=1)))
+    assert F._comm_synchronizes(other_gpu) is False
 
 
 def test_distributed_ucxx_synchronizes_the_gpu_before_it_sends_device_frames():
@@ -222,7 +221,7 @@ def test_a_staged_cupy_header_is_distributeds_for_a_c_ordered_array(shape, dtype
     import msgpack
     import numpy as np
 
-    from dask_gpupool.dask.device_frames import staged_cupy_header
+    from dask_gpupool.dask.cuda_family import staged_cupy_header
 
     header = staged_cupy_header(shape, np.dtype(dtype), 1234)
     assert header["shape"] == shape and header["typestr"] == np.dtype(dtype).str and header["strides"] == strides
@@ -245,10 +244,10 @@ def test_a_malformed_host_frame_is_a_protocol_error_before_anything_is_allocated
     """Host frames (tuning.UCX_HOST_FRAME_THRESHOLD): a host-frame header that does not describe its frame (no dtype,
     a size that does not match, more than one frame, a bad shape or dtype) raises ProtocolError, checked on the host
     before the receiver allocates GPU memory (so this runs without CuPy)."""
-    from dask_gpupool.dask import device_frames as F
+    from dask_gpupool.dask import ucx_host_frames as H
 
     with pytest.raises(ProtocolError, match="malformed host-frame header"):
-        F._from_host_frame(header, frames)
+        H.cupy_from_host_frame(header, frames, None)
 
 
 def test_a_buffers_host_frame_lands_in_the_receivers_pool_and_a_malformed_one_allocates_nothing(tmp_path, no_fd_leak):
@@ -260,28 +259,29 @@ def test_a_buffers_host_frame_lands_in_the_receivers_pool_and_a_malformed_one_al
     import ctypes
 
     from dask_gpupool import PoolOptions
-    from dask_gpupool.dask import device_frames as F
+    from dask_gpupool.dask import cuda_family as F
+    from dask_gpupool.dask.ucx_host_frames import HOST_FRAME_KEY
     from dask_gpupool.handoff.startup import start_service
 
     with pytest.raises(ProtocolError, match="without a pool"):
-        F._buffer_from_host_frame({F.HOST_FRAME_KEY: True, "nbytes": 3}, [b"abc"])
+        F._cuda_deserialize_buffer({HOST_FRAME_KEY: True, "nbytes": 3}, [b"abc"])
     options = PoolOptions.from_config(kind="host", max_size="16 MiB", broker_dir=str(tmp_path))
     service = start_service(options, "tcp://127.0.0.1:40011")
     try:
-        got = F._buffer_from_host_frame({F.HOST_FRAME_KEY: True, "nbytes": 12}, [b"copied bytes"])
+        got = F._cuda_deserialize_buffer({HOST_FRAME_KEY: True, "nbytes": 12}, [b"copied bytes"])
         assert service.pool.owns(got) and ctypes.string_at(int(got.handle), 12) == b"copied bytes"
         assert service.handoffs.to_msg()["host_frames_bytes"] == 12
         used = service.pool.stats().used
         for header, frames in [
-            ({F.HOST_FRAME_KEY: True}, [b"abc"]),  # no size
-            ({F.HOST_FRAME_KEY: True, "nbytes": 4}, [b"abc"]),  # 3 bytes for 4
-            ({F.HOST_FRAME_KEY: True, "nbytes": 3}, [b"abc", b"abc"]),  # two frames
+            ({HOST_FRAME_KEY: True}, [b"abc"]),  # no size
+            ({HOST_FRAME_KEY: True, "nbytes": 4}, [b"abc"]),  # 3 bytes for 4
+            ({HOST_FRAME_KEY: True, "nbytes": 3}, [b"abc", b"abc"]),  # two frames
         ]:
             with pytest.raises(ProtocolError, match="malformed host-frame header"):
-                F._buffer_from_host_frame(header, frames)
+                F._cuda_deserialize_buffer(header, frames)
         assert service.pool.stats().used == used  # nothing allocated for them
         big = bytes(range(256)) * (32 << 12)  # 32 MiB, more than the 16 MiB pool holds
-        outside = F._buffer_from_host_frame({F.HOST_FRAME_KEY: True, "nbytes": len(big)}, [big])
+        outside = F._cuda_deserialize_buffer({HOST_FRAME_KEY: True, "nbytes": len(big)}, [big])
         assert not service.pool.owns(outside) and ctypes.string_at(int(outside.handle), 256) == big[:256]
         assert service.handoffs.to_msg()["fallbacks"].get("receiver-pool-full") == 1
         outside.close()
@@ -298,8 +298,8 @@ def test_host_frames_go_only_in_small_ucx_replies_to_workers_that_run_the_plugin
     import secrets
 
     from dask_gpupool import PoolOptions
-    from dask_gpupool.dask import device_frames as F
-    from dask_gpupool.dask.worker_internals import REQUEST, Request
+    from dask_gpupool.dask.context import Request
+    from dask_gpupool.dask.ucx_host_frames import host_frame_reply
     from dask_gpupool.handoff.startup import start_service
     from dask_gpupool.wire.registry import Membership, RegistryUpdate
 
@@ -313,13 +313,9 @@ def test_host_frames_go_only_in_small_ucx_replies_to_workers_that_run_the_plugin
             s.join(Membership(snapshot, token))
 
         def decided(requester: str | None, scheme: str, nbytes: int) -> bool:
-            reply = REQUEST.set(Request(requester, scheme, a))
-            try:
-                return F._host_frame_reply(nbytes) is a
-            finally:
-                REQUEST.reset(reply)
+            return host_frame_reply(Request(requester, scheme, a), nbytes) is a
 
-        assert F._host_frame_reply(4096) is None  # not in a reply
+        assert host_frame_reply(None, 4096) is None  # not in a reply
         assert decided(b.record.worker, "ucxx", 4096) and decided(b.record.worker, "ucx", 8191)
         assert not decided(b.record.worker, "tcp", 4096)
         assert not decided(b.record.worker, "ucxx", 8192)  # the threshold itself goes as device frames
@@ -341,8 +337,8 @@ def test_pool_memory_goes_to_ucx_unstaged_when_small_or_in_this_workers_own_lega
     import secrets
 
     from dask_gpupool import PoolOptions
-    from dask_gpupool.dask import device_frames as F
-    from dask_gpupool.dask.worker_internals import REQUEST, Request
+    from dask_gpupool.dask import cuda_family as F
+    from dask_gpupool.dask.context import Request
     from dask_gpupool.handoff.startup import start_service
     from dask_gpupool.wire.registry import Membership, RegistryUpdate
 
@@ -358,11 +354,7 @@ def test_pool_memory_goes_to_ucx_unstaged_when_small_or_in_this_workers_own_lega
             s.join(Membership(snapshot, token))
 
         def unstaged(nbytes: int, buf: Any) -> bool:
-            reply = REQUEST.set(Request("ucxx://127.0.0.1:50000", "ucxx", a))
-            try:
-                return F._unstaged(nbytes, buf)
-            finally:
-                REQUEST.reset(reply)
+            return F._unstaged(Request("ucxx://127.0.0.1:50000", "ucxx", a), nbytes, buf)
 
         assert unstaged(8191, own) and unstaged(8191, other)  # small: UCX's eager protocol moves it
         assert not unstaged(8192, own) and not unstaged(1 << 20, own)  # pool memory: staged
@@ -387,7 +379,7 @@ def test_a_failed_read_leaves_no_frame_holding_what_it_received():
 
     from distributed.comm import CommClosedError, connect, listen
 
-    from dask_gpupool.dask.worker_internals import _read_then_fill
+    from dask_gpupool.dask.comm_reads import read_then_fill
 
     class Frame:
         pass
@@ -409,7 +401,7 @@ def test_a_failed_read_leaves_no_frame_holding_what_it_received():
         listener = await listen("inproc://", serve)  # awaited: started
         comm = await connect(listener.contact_address)
         try:
-            await _read_then_fill(comm, failing_read, "tcp://sender:1")()
+            await read_then_fill(comm, failing_read, "tcp://sender:1")()
         except CommClosedError as e:
             return e  # what Dask's log keeps
         finally:
@@ -444,8 +436,8 @@ def test_a_ucx_reply_that_ends_without_its_ok_parks_what_its_device_frames_keep_
     import weakref
 
     from dask_gpupool import PoolOptions
-    from dask_gpupool.dask import device_frames as F
-    from dask_gpupool.dask.worker_internals import REQUEST, Request
+    from dask_gpupool.dask import cuda_family as F
+    from dask_gpupool.dask.context import Request
     from dask_gpupool.handoff.startup import start_service
     from dask_gpupool.memory.lifetime import QUARANTINE
     from dask_gpupool.wire.registry import Membership, RegistryUpdate
@@ -465,11 +457,7 @@ def test_a_ucx_reply_that_ends_without_its_ok_parks_what_its_device_frames_keep_
             """One reply of one value staged for UCX; the weak reference to what its device frame keeps alive."""
             staged = Staging()
             request = Request(who, scheme, a)
-            token = REQUEST.set(request)
-            try:
-                _, frames = F._noted(({"nbytes": staged.nbytes}, [F._DeviceFrame(4096, staged.nbytes, staged)]))
-            finally:
-                REQUEST.reset(token)
+            _, frames = F._noted(request, ({"nbytes": staged.nbytes}, [F._DeviceFrame(4096, staged.nbytes, staged)]))
             ref = weakref.ref(staged)
             del staged, frames  # Dask's write dropped them (a cancelled send drops them at once)
             request.settle_frames(ok)  # what the get_data hook does when the reply ends

@@ -72,27 +72,27 @@ def test_cupy_arrays_are_told_by_their_module_without_importing_cupy():
 def test_the_worker_says_why_it_stages_or_not():
     """``stats()["routing"]["staging"]``: the plugin records task events only where it stages (on a UCX comm at
     ``auto`` it stages nothing, so records nothing either)."""
-    from dask_gpupool.dask.worker_plugin import _staging_line
+    from dask_gpupool.dask.worker_setup import staging_line
 
-    assert _staging_line("device", True, False).startswith("off: over UCX")
-    assert _staging_line("device", True, True).startswith("on: plain CuPy results of 64.00 kiB or more")
-    assert _staging_line("device", False, True) == "off: CuPy is not installed"
-    assert _staging_line("host", True, True) == "off: a host pool stages no CuPy results"
+    assert staging_line("device", True, False).startswith("off: over UCX")
+    assert staging_line("device", True, True).startswith("on: plain CuPy results of 64.00 kiB or more")
+    assert staging_line("device", False, True) == "off: CuPy is not installed"
+    assert staging_line("host", True, True) == "off: a host pool stages no CuPy results"
 
 
 def test_the_worker_plugin_wants_an_event_for_its_own_pool_buffers_only(tmp_path, no_fd_leak):
-    """``_wants_event``: a task result that is a Buffer of this worker's pool gets an event (its export waits for it
+    """``wants_event``: a task result that is a Buffer of this worker's pool gets an event (its export waits for it
     rather than for the whole GPU, ``gpupool.handoff-ordering: sync``); a Buffer of another pool, a NumPy array and
     other values do not. A ``host`` pool stands in for the pool kind (the CUDA kinds run in the ``gpu`` tests)."""
     from dask_gpupool import PoolOptions
-    from dask_gpupool.dask.worker_plugin import _wants_event
+    from dask_gpupool.dask.worker_setup import wants_event
     from dask_gpupool.handoff.startup import start_service
 
     options = PoolOptions.from_config(kind="host", max_size="1 MiB", broker_dir=str(tmp_path))
     a = start_service(options, "tcp://127.0.0.1:40001")
     b = start_service(options, "tcp://127.0.0.1:40002")
     try:
-        wanted = _wants_event(a, 64 * 1024)
+        wanted = wants_event(a, 64 * 1024)
         own, other = a.pool.allocate(4096), b.pool.allocate(4096)
         assert wanted(own)
         assert not wanted(other)
@@ -109,17 +109,15 @@ def test_the_segment_memory_line_says_what_segments_are_made_of_and_why():
     """``stats()["routing"]["segment-memory"]``: ``auto`` makes legacy IPC segments on a UCX worker (UCX sends them
     with no staging copy), VMM ones over TCP, each the other where the GPU lacks it; a set value is named as such."""
     from dask_gpupool.config import PoolOptions
-    from dask_gpupool.dask.worker_plugin import _segment_memory_line
+    from dask_gpupool.dask.worker_setup import segment_memory_line
 
     auto = PoolOptions.from_config()
-    assert _segment_memory_line(auto, "device", "legacy", True).startswith(
-        "legacy (auto): this worker listens over UCX"
-    )
-    assert _segment_memory_line(auto, "device", "vmm", False) == "vmm (auto): this worker does not listen over UCX"
-    assert _segment_memory_line(auto, "device", "vmm", True) == "vmm (auto): this GPU shares no memory by IPC handle"
-    assert _segment_memory_line(auto, "host", "pool", False) == "none: a host pool has no segments"
+    assert segment_memory_line(auto, "device", "legacy", True).startswith("legacy (auto): this worker listens over UCX")
+    assert segment_memory_line(auto, "device", "vmm", False) == "vmm (auto): this worker does not listen over UCX"
+    assert segment_memory_line(auto, "device", "vmm", True) == "vmm (auto): this GPU shares no memory by IPC handle"
+    assert segment_memory_line(auto, "host", "pool", False) == "none: a host pool has no segments"
     legacy = PoolOptions.from_config(segment_memory="legacy")
-    assert _segment_memory_line(legacy, "device", "legacy", False) == "legacy (gpupool.segment-memory)"
-    assert _segment_memory_line(auto, "device", "legacy", False) == (
+    assert segment_memory_line(legacy, "device", "legacy", False) == "legacy (gpupool.segment-memory)"
+    assert segment_memory_line(auto, "device", "legacy", False) == (
         "legacy (auto): this GPU exports no virtual memory as POSIX fds"
     )

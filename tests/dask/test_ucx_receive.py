@@ -9,6 +9,7 @@ import pytest
 from conftest import nanny_cluster
 
 from dask_gpupool import GPUPool
+from dask_gpupool.dask import distributed_seam as seam
 from dask_gpupool.dask import ucx_receive
 
 GiB = 1 << 30
@@ -66,17 +67,17 @@ def test_install_and_uninstall_put_back_only_what_was_there():
 
     module = types.ModuleType("comm")
     module.device_array = own
-    pool = ucx_receive.ReceivePool(None, GiB, HandoffStats(), module.device_array)
-    previous = ucx_receive.install(module, pool)
+    pool = ucx_receive.ReceivePool(None, GiB, HandoffStats(), seam.device_array(module))
+    previous = seam.point_device_array(module, pool.device_array)
     assert previous is own and pool.fallback is own
     assert module.device_array.__self__ is pool
-    ucx_receive.uninstall(module, pool, previous)
+    seam.restore_device_array(module, pool, previous)
     assert module.device_array is own
 
-    ucx_receive.install(module, pool)
+    seam.point_device_array(module, pool.device_array)
     later = ucx_receive.ReceivePool(None, GiB, HandoffStats(), module.device_array)
-    ucx_receive.install(module, later)
-    ucx_receive.uninstall(module, pool, own)  # not pool's any more: left as it is
+    seam.point_device_array(module, later.device_array)
+    seam.restore_device_array(module, pool, own)  # not pool's any more: left as it is
     assert module.device_array.__self__ is later and later.fallback.__self__ is pool
 
 
@@ -89,7 +90,7 @@ def test_a_device_frame_whose_header_says_another_size_is_a_protocol_error(heade
     import ctypes
 
     from dask_gpupool import ProtocolError
-    from dask_gpupool.dask.device_frames import _cuda_deserialize_buffer, _DeviceFrame
+    from dask_gpupool.dask.cuda_family import _cuda_deserialize_buffer, _DeviceFrame
 
     memory = ctypes.create_string_buffer(16)
     frame = _DeviceFrame(ctypes.addressof(memory), 16, memory)
@@ -120,7 +121,7 @@ def test_a_malformed_device_frame_message_reaches_dask_as_data_lost(header, fram
     from distributed.protocol.cuda import cuda_deserialize
 
     from dask_gpupool import DataLostError, ProtocolError
-    from dask_gpupool.dask.device_frames import _DeviceFrame
+    from dask_gpupool.dask.cuda_family import _DeviceFrame
 
     memory = ctypes.create_string_buffer(16)
     if frames == "device-frame":
@@ -141,11 +142,11 @@ def test_a_malformed_device_frame_message_reaches_dask_as_data_lost(header, fram
     ids=["too-short", "no-dtype"],
 )
 def test_a_malformed_cupy_host_frame_reaches_dask_as_data_lost(header, frames):
-    """The ``"cuda"`` family's CuPy deserializer (:func:`~dask_gpupool.dask.device_frames.cuda_loads_cupy`) raises
+    """The ``"cuda"`` family's CuPy deserializer (:func:`~dask_gpupool.dask.cuda_family.cuda_loads_cupy`) raises
     DataLostError caused by the ProtocolError for a host-frame header that does not describe its frame, before
     CuPy is imported (so this runs on a CPU-only host)."""
     from dask_gpupool import DataLostError, ProtocolError
-    from dask_gpupool.dask.device_frames import cuda_loads_cupy
+    from dask_gpupool.dask.cuda_family import cuda_loads_cupy
 
     with pytest.raises(DataLostError, match="could not be received") as info:
         cuda_loads_cupy(header, frames, lambda header, frames: None)
@@ -171,7 +172,7 @@ def test_a_receive_pool_block_of_a_read_that_did_not_complete_is_never_given_bac
 
     from distributed.comm import CommClosedError, connect, listen
 
-    from dask_gpupool.dask.worker_internals import _read_then_fill
+    from dask_gpupool.dask.comm_reads import read_then_fill
     from dask_gpupool.handoff.stats import HandoffStats
     from dask_gpupool.memory.lifetime import QUARANTINE
 
@@ -208,8 +209,8 @@ def test_a_receive_pool_block_of_a_read_that_did_not_complete_is_never_given_bac
         comm = await connect(listener.contact_address)
         try:
             with pytest.raises(CommClosedError):
-                await _read_then_fill(comm, failing_read, "ucxx://127.0.0.1:40051")()
-            assert await _read_then_fill(comm, read, "ucxx://127.0.0.1:40051")() == {"frames": 1}
+                await read_then_fill(comm, failing_read, "ucxx://127.0.0.1:40051")()
+            assert await read_then_fill(comm, read, "ucxx://127.0.0.1:40051")() == {"frames": 1}
         finally:
             comm.abort()
             listener.stop()

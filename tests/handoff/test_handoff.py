@@ -402,7 +402,7 @@ def test_an_array_header_that_does_not_fit_its_buffer_is_data_lost(shape, stride
     """An array header that passes the wire check but does not fit the buffer it came with is raised as a
     DataLostError like every other failure to receive (so Dask fetches again and the comm is not left waiting),
     never as NumPy's own ValueError (bad-input review, thirtieth session)."""
-    from dask_gpupool.dask.serializers import KEY, loads_array
+    from dask_gpupool.dask.headers import KEY, loads_array
     from dask_gpupool.wire.handoff import ArrayMeta, HandoffHeader
 
     meta = ArrayMeta("numpy", shape, strides, "<f8", offset)
@@ -428,7 +428,7 @@ def test_a_copy_header_whose_frames_do_not_hold_its_bytes_is_data_lost(nbytes, f
     from cuda.core import Buffer
     from distributed.protocol import dask_deserialize
 
-    from dask_gpupool.dask.serializers import KEY
+    from dask_gpupool.dask.headers import KEY
     from dask_gpupool.testing import read_bytes
     from dask_gpupool.wire.handoff import HandoffHeader
 
@@ -482,7 +482,7 @@ def test_a_failed_cupy_registration_is_retried_not_marked_done():
 
     code = (
         "import sys; sys.modules['cupy'] = None\n"
-        "from dask_gpupool.dask import serializers as _serialize\n"
+        "from dask_gpupool.dask import registration as _serialize\n"
         "for _ in range(2):\n"
         "    try:\n"
         "        _serialize.register_cupy()\n"
@@ -537,7 +537,7 @@ def test_on_a_comm_that_asks_for_device_frames_a_host_buffer_still_goes_in_a_hos
     to ours in the "dask" family, and the frame type UCX reads is shaped as distributed-ucxx expects."""
     from distributed.protocol import deserialize, serialize
 
-    from dask_gpupool.dask.device_frames import _DeviceFrame
+    from dask_gpupool.dask.cuda_family import _DeviceFrame
     from dask_gpupool.memory.buffers import host_buffer
 
     buf = host_buffer(bytearray(b"host bytes"))
@@ -559,7 +559,7 @@ def test_arrays_outside_the_pool_get_exactly_distributeds_serialization():
     import numpy as np
     from distributed.protocol import dask_serialize
 
-    from dask_gpupool.dask.serializers import _with_context
+    from dask_gpupool.dask.registration import _with_context
 
     x = np.arange(10.0)
     ours = dask_serialize.dispatch(np.ndarray)

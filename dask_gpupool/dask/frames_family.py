@@ -18,7 +18,7 @@ memory itself, or the copy) and rebuilds the object with distributed's own
 ``cuda_deserialize``. So any type with a ``"cuda"`` serializer gains, with no
 serializer per type and no change to Dask's registrations. Types the family
 does not take (pool ``Buffer`` s and CuPy and NumPy arrays, which have their
-own path in :mod:`~dask_gpupool.dask.serializers`; types with no ``cuda_serialize``; a
+own path in :mod:`~dask_gpupool.dask.dask_family`; types with no ``cuda_serialize``; a
 type that cannot be found again by its name) go to Dask's next family, as
 before. Every other requester (other hosts, clients, spilling, UCX comms)
 never sees the family.
@@ -51,6 +51,9 @@ Ownership: a frame handed over is the producer's memory under a lease, kept
 alive by the CuPy array over it, and so by whatever the deserializer built
 over that array.
 
+Registered by :func:`~dask_gpupool.dask.distributed_seam.register_serializers` (a :class:`FramesFamily` given the
+``"dask"`` family's CuPy serializers); :func:`serializers_for` names it for a reply.
+
 Wire format: Dask's header for a family, ``{"sub-header": {FRAMES_KEY: {"header": <cuda header>,
 "parts": [...]}}, "type": <module:qualname>, "compression": (False, ...)}``, one part per frame,
 ``{"device": <CuPy serializer header>, "frames": n}`` or ``{"host": True}``; msgpack-safe. The type travels
@@ -68,17 +71,16 @@ from typing import TYPE_CHECKING, Any
 
 from cuda.core import Buffer
 from distributed.protocol.cuda import cuda_deserialize, cuda_serialize
-from distributed.protocol.serialize import families, register_serialization_family
 
-from dask_gpupool.dask.worker_internals import REQUEST
+from dask_gpupool.dask.context import REQUEST
 from dask_gpupool.errors import DataLostError, GPUPoolError, ProtocolError
 from dask_gpupool.handoff.deferred import fill_later, make_later
 from dask_gpupool.handoff.routing import TCP_SCHEMES
 
 if TYPE_CHECKING:
-    from dask_gpupool.dask.worker_internals import Request
+    from dask_gpupool.dask.context import Request
 
-__all__ = ["FAMILY", "FRAMES_KEY", "register_device_objects", "serializers_for"]
+__all__ = ["FAMILY", "FRAMES_KEY", "FramesFamily", "serializers_for"]
 
 #: The serialization family's name (``header["serializer"]``).
 FAMILY = "gpupool-frames"
@@ -142,7 +144,7 @@ def _type_from_name(name: str) -> type:
 
 
 def _own_path(x: Any) -> bool:
-    """What this package's own serializers hand over (:mod:`~dask_gpupool.dask.serializers`): pool ``Buffer`` s and
+    """What this package's own serializers hand over (:mod:`~dask_gpupool.dask.dask_family`): pool ``Buffer`` s and
     CuPy and NumPy arrays. (``Buffer`` has a ``cuda_serialize`` of ours too, for UCX comms.)"""
     if isinstance(x, Buffer):
         return True
@@ -153,75 +155,92 @@ def _own_path(x: Any) -> bool:
     return False
 
 
-def dumps(x: Any) -> tuple[dict[str, Any], list[Any]]:
-    """The family's serializer: ``x`` frame by frame, or ``NotImplementedError`` (Dask's next family).
+class FramesFamily:
+    """The family's serializer (:meth:`dumps`) and deserializer (:meth:`loads`), registered under :data:`FAMILY`.
 
-    An object this cannot send (a device frame that is not contiguous, a
-    failure while staging a frame) goes to Dask's next family, logged once
-    per type; leases granted for its earlier frames end at once (their
-    headers are never sent, so no reply's "OK" may claim them).
+    Parameters
+    ----------
+    cupy_serializer : callable
+        ``cupy_serializer(deserialize)``: the ``"dask"`` family's CuPy serializer (``False``) or deserializer
+        (``True``) that each device frame goes through, registered first
+        (:func:`~dask_gpupool.dask.distributed_seam.cupy_dask_serializer`). Called only for objects with device
+        frames.
     """
-    if not _wanted(REQUEST.get()) or _own_path(x):
-        raise NotImplementedError(type(x).__name__)
-    typ = type(x)
-    try:
-        cuda_dumps = cuda_serialize.dispatch(typ)
-    except TypeError:
-        raise NotImplementedError(typ.__name__) from None
-    name = _type_name(typ)
-    try:
-        found = _type_from_name(name)
-    except ProtocolError:
-        found = None
-    if found is not typ:  # a type defined in __main__ or a function: Dask's pickle carries those
-        raise NotImplementedError(name)
-    request = REQUEST.get()
-    granted = len(request.granted) if request is not None else 0
-    forwarded = len(request.forwarded) if request is not None else 0
-    try:
-        sub, frames = _dumps_frames(x, cuda_dumps)
-    except Exception as e:
-        if request is not None:  # the headers of the frames handed over so far are never sent
-            request.revoke_since(granted, forwarded)
-        if typ not in _DECLINED:
-            _DECLINED.add(typ)
-            logger.warning("gpupool: %s goes through Dask's serializer: %s: %s", name, type(e).__name__, e)
-        raise NotImplementedError(name) from None
-    return {"sub-header": sub, "type": name, "compression": (False,) * len(frames)}, frames
 
+    def __init__(self, cupy_serializer: Callable[[bool], Any]) -> None:
+        self._cupy_serializer = cupy_serializer
 
-def loads(header: dict[str, Any], frames: list[Any]) -> Any:
-    """The family's deserializer: the object :func:`dumps` sent, rebuilt over its frames.
+    def dumps(self, x: Any) -> tuple[dict[str, Any], list[Any]]:
+        """The family's serializer: ``x`` frame by frame, or ``NotImplementedError`` (Dask's next family).
 
-    Raises
-    ------
-    DataLostError
-        For a malformed header, a type or deserializer this process lacks, or
-        frames that cannot be mapped: a ``ConnectionError``, so that Dask
-        fetches the value again (or recomputes it) rather than leave the
-        dependent task waiting.
-    """
-    try:
+        An object this cannot send (a device frame that is not contiguous, a
+        failure while staging a frame) goes to Dask's next family, logged once
+        per type; leases granted for its earlier frames end at once (their
+        headers are never sent, so no reply's "OK" may claim them).
+        """
+        request = REQUEST.get()
+        if not _wanted(request) or _own_path(x):
+            raise NotImplementedError(type(x).__name__)
+        typ = type(x)
         try:
-            name, sub = header["type"], header["sub-header"]
-            body = sub[FRAMES_KEY]
-            parts, cuda_header = body["parts"], body["header"]
-        except (KeyError, TypeError, IndexError) as e:
-            raise ProtocolError(f"device object header: missing field {e}") from None
-        typ = _type_from_name(str(name))
-        try:
-            cuda_loads = cuda_deserialize.dispatch(typ)
+            cuda_dumps = cuda_serialize.dispatch(typ)
         except TypeError:
-            raise ProtocolError(f"device object header: no cuda deserializer for {name} here") from None
-        return _loads_frames(typ, cuda_header, parts, frames, cuda_loads)
-    except DataLostError:
-        raise
-    except Exception as e:
-        raise DataLostError(f"a device object could not be received: {type(e).__name__}: {e}") from e
+            raise NotImplementedError(typ.__name__) from None
+        name = _type_name(typ)
+        try:
+            found = _type_from_name(name)
+        except ProtocolError:
+            found = None
+        if found is not typ:  # a type defined in __main__ or a function: Dask's pickle carries those
+            raise NotImplementedError(name)
+        granted = len(request.granted) if request is not None else 0
+        forwarded = len(request.forwarded) if request is not None else 0
+        try:
+            sub, frames = _dumps_frames(x, cuda_dumps, self._cupy_serializer)
+        except Exception as e:
+            if request is not None:  # the headers of the frames handed over so far are never sent
+                request.revoke_since(granted, forwarded)
+            if typ not in _DECLINED:
+                _DECLINED.add(typ)
+                logger.warning("gpupool: %s goes through Dask's serializer: %s: %s", name, type(e).__name__, e)
+            raise NotImplementedError(name) from None
+        return {"sub-header": sub, "type": name, "compression": (False,) * len(frames)}, frames
+
+    def loads(self, header: dict[str, Any], frames: list[Any]) -> Any:
+        """The family's deserializer: the object :meth:`dumps` sent, rebuilt over its frames.
+
+        Raises
+        ------
+        DataLostError
+            For a malformed header, a type or deserializer this process lacks, or
+            frames that cannot be mapped: a ``ConnectionError``, so that Dask
+            fetches the value again (or recomputes it) rather than leave the
+            dependent task waiting.
+        """
+        try:
+            try:
+                name, sub = header["type"], header["sub-header"]
+                body = sub[FRAMES_KEY]
+                parts, cuda_header = body["parts"], body["header"]
+            except (KeyError, TypeError, IndexError) as e:
+                raise ProtocolError(f"device object header: missing field {e}") from None
+            typ = _type_from_name(str(name))
+            try:
+                cuda_loads = cuda_deserialize.dispatch(typ)
+            except TypeError:
+                raise ProtocolError(f"device object header: no cuda deserializer for {name} here") from None
+            return _loads_frames(typ, cuda_header, parts, frames, cuda_loads, self._cupy_serializer)
+        except DataLostError:
+            raise
+        except Exception as e:
+            raise DataLostError(f"a device object could not be received: {type(e).__name__}: {e}") from e
 
 
-def _dumps_frames(x: Any, cuda_dumps: Callable[[Any], Any]) -> tuple[dict[str, Any], list[Any]]:
-    """``x`` as its ``"cuda"`` header plus each device frame through the CuPy serializer (see the module notes)."""
+def _dumps_frames(
+    x: Any, cuda_dumps: Callable[[Any], Any], cupy_serializer: Callable[[bool], Any]
+) -> tuple[dict[str, Any], list[Any]]:
+    """``x`` as its ``"cuda"`` header plus each device frame through the CuPy serializer ``cupy_serializer(False)``
+    (see the module notes)."""
     sub, frames = cuda_dumps(x)
     parts: list[dict[str, Any]] = []
     out: list[Any] = []
@@ -234,7 +253,7 @@ def _dumps_frames(x: Any, cuda_dumps: Callable[[Any], Any]) -> tuple[dict[str, A
         import cupy
 
         if dumps_cupy is None:
-            dumps_cupy = _cupy_serializer(cupy, deserialize=False)
+            dumps_cupy = cupy_serializer(False)
         header, part_frames = dumps_cupy(_raw_bytes(cupy, frame))
         parts.append({"device": header, "frames": len(part_frames)})
         out.extend(part_frames)
@@ -250,15 +269,6 @@ def _raw_bytes(cupy: Any, frame: Any) -> Any:
     if arr.nbytes == 0:
         return cupy.empty(0, dtype=cupy.uint8)
     return cupy.ndarray((int(arr.nbytes),), dtype=cupy.uint8, memptr=arr.data)
-
-
-def _cupy_serializer(cupy: Any, *, deserialize: bool) -> Any:
-    from distributed.protocol import dask_deserialize, dask_serialize
-
-    from dask_gpupool.dask.serializers import register_cupy
-
-    register_cupy()
-    return (dask_deserialize if deserialize else dask_serialize).dispatch(cupy.ndarray)
 
 
 def _part_frames(part: Any) -> tuple[bool, int]:
@@ -288,8 +298,16 @@ def _check_parts(parts: Any, nframes: int) -> list[tuple[bool, int]]:
     return kinds
 
 
-def _loads_frames(typ: type, cuda_header: Any, parts: Any, frames: list[Any], cuda_loads: Callable[..., Any]) -> Any:
-    """Rebuild an object :func:`_dumps_frames` sent: each part back in device memory, then ``cuda_loads``.
+def _loads_frames(
+    typ: type,
+    cuda_header: Any,
+    parts: Any,
+    frames: list[Any],
+    cuda_loads: Callable[..., Any],
+    cupy_serializer: Callable[[bool], Any],
+) -> Any:
+    """Rebuild an object :func:`_dumps_frames` sent: each part back in device memory (through the CuPy deserializer
+    ``cupy_serializer(True)``), then ``cuda_loads``.
 
     RMM's and Numba's deserializers read nothing, so they run here and the
     claims (and the copies into ``rmm.DeviceBuffer`` s) wait with the
@@ -301,11 +319,11 @@ def _loads_frames(typ: type, cuda_header: Any, parts: Any, frames: list[Any], cu
         return cuda_loads(cuda_header, list(frames))
     rmm = sys.modules.get("rmm")
     if rmm is not None and issubclass(typ, rmm.DeviceBuffer):
-        return cuda_loads(cuda_header, _device_frames(parts, kinds, frames, _as_rmm_buffer))
+        return cuda_loads(cuda_header, _device_frames(parts, kinds, frames, _as_rmm_buffer, cupy_serializer))
     numba_cuda = sys.modules.get("numba.cuda")
     if numba_cuda is not None and issubclass(typ, numba_cuda.devicearray.DeviceNDArray):
-        return cuda_loads(cuda_header, _device_frames(parts, kinds, frames, None))
-    device_frames = _device_frames(parts, kinds, frames, None)
+        return cuda_loads(cuda_header, _device_frames(parts, kinds, frames, None, cupy_serializer))
+    device_frames = _device_frames(parts, kinds, frames, None, cupy_serializer)
     return make_later(lambda: _rebuild(typ, cuda_header, device_frames, cuda_loads), device_frames.clear)
 
 
@@ -340,12 +358,14 @@ def _rmm_copies(frames: list[Any]) -> list[Any]:
 
 
 def _device_frames(
-    parts: Any, kinds: list[tuple[bool, int]], frames: list[Any], to_frame: Callable[[Any], Any] | None
+    parts: Any,
+    kinds: list[tuple[bool, int]],
+    frames: list[Any],
+    to_frame: Callable[[Any], Any] | None,
+    cupy_serializer: Callable[[bool], Any],
 ) -> list[Any]:
     """Each part of ``frames`` as its frame: host frames as they are, device parts as CuPy arrays (``to_frame``'d)."""
-    import cupy
-
-    loads_cupy = _cupy_serializer(cupy, deserialize=True)
+    loads_cupy = cupy_serializer(True)
     out: list[Any] = []
     i = 0
     for part, (on_device, n) in zip(parts, kinds, strict=True):
@@ -383,9 +403,3 @@ def _as_rmm_buffer(arr: Any) -> Any:
 
     fill_later(copy, lambda: None)  # nothing to give back: buf is the caller's, arr's lease ends with arr
     return buf
-
-
-def register_device_objects() -> None:
-    """Register :data:`FAMILY` with distributed (idempotent). Used only where :func:`serializers_for` names it."""
-    if FAMILY not in families:
-        register_serialization_family(FAMILY, dumps, loads)
