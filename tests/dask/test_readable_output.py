@@ -70,8 +70,11 @@ def test_stats_and_pool_stats_print_one_line_per_worker_and_still_index_as_dicts
 
 
 def preload_usage(command: list[str], *args: str) -> subprocess.CompletedProcess[str]:
-    """``COMMAND --preload dask_gpupool ARGS``, stopped by click before any server starts."""
-    return subprocess.run([*command, "--preload", "dask_gpupool", *args], capture_output=True, text=True, timeout=120)
+    """``COMMAND --preload dask_gpupool ARGS``, stopped by click before any server starts; its output's words one
+    space apart (click wraps a usage line longer than the terminal)."""
+    out = subprocess.run([*command, "--preload", "dask_gpupool", *args], capture_output=True, text=True, timeout=120)
+    out.stdout, out.stderr = " ".join(out.stdout.split()), " ".join(out.stderr.split())
+    return out
 
 
 def test_the_preload_usage_names_the_command_it_runs_in():
