@@ -34,6 +34,7 @@ from tornado.ioloop import PeriodicCallback
 
 from dask_gpupool.config import PoolOptions
 from dask_gpupool.core import JOINED_OP, PLUGIN_NAME, REGISTER_OP, UNREGISTER_OP, UPDATE_OP
+from dask_gpupool.dask import failure_logs
 from dask_gpupool.dask.registry_handlers import RegistryHandlers, answer_timeout
 from dask_gpupool.errors import GPUPoolError
 from dask_gpupool.ops import dashboard as _dashboard
@@ -261,6 +262,7 @@ class GPUPool(SchedulerPlugin):
         other's handlers served the registry (so dead workers' rows stayed), and the workers running the pools of
         both, in whichever order each got the two plugins.
         """
+        failure_logs.install()  # distributed logs a gpupool error raised here in one line, not with its traceback
         if self._scheduler is scheduler:
             # A plugin that a preload registered (and so started) is started again by distributed once
             # the preloads are done: once is enough.
@@ -321,13 +323,20 @@ class GPUPool(SchedulerPlugin):
         if failed:
             await self._undo(scheduler)
             worker, response = next(iter(failed.items()))
-            logger.error("gpupool: setup failed on %d worker(s), e.g. %s", len(failed), worker)
             exc = response.get("exception")
             if isinstance(exc, Serialized):  # replies to a broadcast arrive undeserialized
                 exc = deserialize(exc.header, exc.frames)
             if isinstance(exc, bytes):  # ... and Dask pickles the exception inside (its own error transport)
                 exc = loads(exc)
+            why = f"{type(exc).__name__}: {exc}" if isinstance(exc, BaseException) else response.get("exception_text")
+            logger.error(
+                "gpupool: setup failed on %d worker(s), e.g. %s: %s; the registration is undone",
+                len(failed),
+                worker,
+                why,
+            )
             if isinstance(exc, BaseException):
+                failure_logs.said(exc)  # said here, with the workers: distributed's record of it is left out
                 raise exc
             raise GPUPoolError(f"gpupool setup failed on {worker}: {response.get('exception_text')}")
         if late:

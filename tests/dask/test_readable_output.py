@@ -166,3 +166,42 @@ def test_expected_failures_log_one_line_on_each_process_and_no_traceback(tmp_pat
             assert len(lines) == 1 and "Error: " in lines[0], (name, needle, text[name])
     assert not list(brokers.iterdir()), "a broker directory outlived its worker"
     brokers.rmdir()
+
+
+def test_only_gpupool_errors_from_preloads_and_plugins_lose_their_traceback():
+    """The one-line rule is for this package's typed errors where distributed logs a preload or plugin failure:
+    any other exception, or the same error in another of distributed's records, keeps its traceback."""
+    import logging
+
+    from dask_gpupool.dask import failure_logs
+
+    failure_logs.install()
+    failure_logs.install()  # idempotent
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("distributed.worker")
+    assert sum(isinstance(f, failure_logs.OneLine) for f in logger.filters) == 1
+    logger.addHandler(handler)
+    try:
+        for error in (dask_gpupool.ConfigError("gpupool.kind='gpu' is not a pool kind"), RuntimeError("a bug")):
+            for message in ("Worker plugin %s failed to setup", "Compute Failed: %s"):
+                try:
+                    raise error
+                except Exception:
+                    logger.exception(message, "gpupool")
+        said = dask_gpupool.PoolUnavailableError("said already")
+        failure_logs.said(said)
+        try:
+            raise said
+        except Exception:
+            logger.exception("Worker plugin %s failed to setup", "gpupool")
+    finally:
+        logger.removeHandler(handler)
+    lines = [(r.getMessage(), r.exc_info is not None) for r in records]
+    assert lines == [
+        ("Worker plugin gpupool failed to setup: ConfigError: gpupool.kind='gpu' is not a pool kind", False),
+        ("Compute Failed: gpupool", True),
+        ("Worker plugin gpupool failed to setup", True),
+        ("Compute Failed: gpupool", True),
+    ]
