@@ -7,7 +7,9 @@
 worker to another (:mod:`dask_gpupool.demo`).
 
 ``info [ADDRESS]`` connects to a running cluster and prints its pool registry
-and every worker's pool and handoff statistics as tables.
+and every worker's pool and handoff statistics as tables. ``peer GPUs`` counts
+the other GPUs granted access to a ``device`` pool: workers there map it
+zero-copy (:attr:`~dask_gpupool.PoolRecord.peers`).
 
 ``trim [ADDRESS]`` has every worker give its pool's memory back
 (:func:`dask_gpupool.trim`) and prints what each holds right after.
@@ -37,6 +39,7 @@ def info(target: _Target) -> int:
     from dask.utils import format_bytes
 
     import dask_gpupool
+    from dask_gpupool.ops.summary import problem
 
     address = target.name
     with target.client() as client:
@@ -50,7 +53,7 @@ def info(target: _Target) -> int:
     print(f"{len(rows)} pool(s) at {address}\n")
     print(
         f"{'worker':28} {'host':16} {'kind':6} {'device':14} {'used':>10} {'reserved':>10} {'max':>10}  "
-        f"{'peers':>5}  pool"
+        f"{'peer GPUs':>9}  pool"
     )
     for r in rows:
         u = usage.get(r.worker, {})
@@ -58,7 +61,7 @@ def info(target: _Target) -> int:
         print(
             f"{r.worker:28} {r.hostname[:16]:16} {r.kind:6} {(r.device or '-')[:14]:14} "
             f"{used:>10} {reserved:>10} "
-            f"{format_bytes(r.max_size):>10}  {len(r.peers):>5}  {r.pool}"
+            f"{format_bytes(r.max_size):>10}  {len(r.peers):>9}  {r.pool}"
         )
     print(
         f"\n{'worker':28} {'exports':>8} {'imports':>8} {'leases':>7} {'leased':>10} {'zero-copy in':>13} "
@@ -66,7 +69,7 @@ def info(target: _Target) -> int:
     )
     for w, h in sorted(handoffs.items()):
         if "error" in h:
-            print(f"{w:28} {_problem(h['error'])}")
+            print(f"{w:28} {problem(h['error'])}")
             continue
         fallbacks = ", ".join(f"{k} {v}" for k, v in sorted(h["fallbacks"].items())) or "-"
         print(
@@ -75,13 +78,6 @@ def info(target: _Target) -> int:
             f"{format_bytes(h['copied_out_bytes']):>10} {_segments(h):>9}  {fallbacks}"
         )
     return 0
-
-
-def _problem(error: str) -> str:
-    """A worker's error row as a table line: ``no answer within N s`` (stopped, busy), else ``no pool: why``."""
-    if error.startswith("TimeoutError: no answer"):
-        return error.removeprefix("TimeoutError: ")
-    return f"no pool: {error}"
 
 
 def _segments(h: dict[str, Any]) -> str:
@@ -95,6 +91,7 @@ def trim(target: _Target) -> int:
     from dask.utils import format_bytes
 
     import dask_gpupool
+    from dask_gpupool.ops.summary import problem
 
     address = target.name
     with target.client() as client:
@@ -107,7 +104,7 @@ def trim(target: _Target) -> int:
     print(f"{'worker':28} {'segments':>9} {'retiring':>9} {'reserved':>10}")
     for w, t in sorted(result.items()):
         if "error" in t:
-            print(f"{w:28} {_problem(t['error'])}")
+            print(f"{w:28} {problem(t['error'])}")
             continue
         print(f"{w:28} {t['segments']:>9} {t['segments_retiring']:>9} {format_bytes(t['reserved']):>10}")
     print("\nRetiring segments are freed as soon as no buffer lives in them and no peer maps them.")

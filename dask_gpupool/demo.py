@@ -89,7 +89,7 @@ def demo(kind: str = "auto", workers: int = 2, max_size: str = "1 GiB") -> int:
         client.wait_for_workers(len(specs))
         try:
             client.register_plugin(dask_gpupool.GPUPool(kind=kind, max_size=max_size))
-        except dask_gpupool.GPUPoolError as e:  # each worker's log above has its traceback
+        except dask_gpupool.GPUPoolError as e:  # each worker's log above says why in one line
             print(
                 f"dask_gpupool demo: the workers could not make their pools: {type(e).__name__}: {e}", file=sys.stderr
             )

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from dask_gpupool.core import UPDATE_OP
 from dask_gpupool.errors import PoolUnavailableError
+from dask_gpupool.ops.summary import HandoffTable, PoolTable
 from dask_gpupool.wire.registry import PoolRecord
 
 if TYPE_CHECKING:
@@ -185,10 +186,11 @@ def _worker_pool_stats(dask_worker: Worker) -> dict[str, Any]:
     }
 
 
-def _per_worker(client: Client, fn: Any, timeout: float | None = None) -> dict[str, dict[str, Any]]:
+def _per_worker(client: Client, fn: Any, timeout: float | None = None, table: type[dict[str, Any]] = dict) -> Any:
     """``fn`` run on every worker (``client.run``), each given ``timeout`` seconds to answer (default:
     ``distributed.comm.timeouts.connect``); a worker where it fails (no pool: its set-up failed) or that does not
     answer in time (stopped, or its event loop held) gets ``{"error": text}``, and the others answer as usual.
+    The answers come in a ``table`` (a :class:`dict` or a :class:`~dask_gpupool.ops.summary.WorkerTable`).
 
     One ``client.run`` per worker, so that a worker that never answers (SIGSTOP) cannot hold back the others:
     ``client.run`` has no timeout, and one call to all of them waited for it with no end.
@@ -196,11 +198,10 @@ def _per_worker(client: Client, fn: Any, timeout: float | None = None) -> dict[s
     On an asynchronous client, an awaitable of the same (``client.sync`` returns the coroutine there, as for
     Dask's own methods).
     """
-    result: dict[str, dict[str, Any]] = client.sync(_per_worker_async, client, fn, timeout)
-    return result
+    return client.sync(_per_worker_async, client, fn, timeout, table)
 
 
-async def _per_worker_async(client: Client, fn: Any, timeout: float | None) -> dict[str, dict[str, Any]]:
+async def _per_worker_async(client: Client, fn: Any, timeout: float | None, table: type[dict[str, Any]]) -> Any:
     import asyncio
 
     import dask.config
@@ -221,10 +222,12 @@ async def _per_worker_async(client: Client, fn: Any, timeout: float | None) -> d
         return got.get(worker, KeyError(f"{worker} left")) if isinstance(got, dict) else got
 
     results = dict(zip(workers, await asyncio.gather(*(one(w) for w in workers)), strict=True))
-    return {w: {"error": f"{type(r).__name__}: {r}"} if isinstance(r, BaseException) else r for w, r in results.items()}
+    return table(
+        {w: {"error": f"{type(r).__name__}: {r}"} if isinstance(r, BaseException) else r for w, r in results.items()}
+    )
 
 
-def pool_stats(client: Client, timeout: float | None = None) -> dict[str, dict[str, Any]]:
+def pool_stats(client: Client, timeout: float | None = None) -> PoolTable:
     """Per worker: its pool's used and reserved bytes (now and high-water) and mapped peer pools.
 
     Parameters
@@ -236,8 +239,9 @@ def pool_stats(client: Client, timeout: float | None = None) -> dict[str, dict[s
 
     Returns
     -------
-    dict
-        ``{worker address: stats}`` with ``pool`` (its UUID), ``kind``,
+    PoolTable
+        ``{worker address: stats}``, a :class:`dict` that prints as a table (one line per worker, human sizes;
+        ``.raw`` is the plain dict), with ``pool`` (its UUID), ``kind``,
         ``used``, ``used_high``, ``reserved``, ``reserved_high`` (bytes),
         ``max_size`` and ``mapped_pools`` (peers' pools mapped there). A worker without
         a pool (its set-up failed), or that did not answer within ``timeout``, is listed as ``{"error": why}``.
@@ -248,15 +252,24 @@ def pool_stats(client: Client, timeout: float | None = None) -> dict[str, dict[s
     awaitable of the same, as Dask's own ``Client`` methods do:
     ``await pool_stats(client)``.
     """
-    return _per_worker(client, _worker_pool_stats, timeout)
+    result: PoolTable = _per_worker(client, _worker_pool_stats, timeout, PoolTable)
+    return result
 
 
 def _worker_handoff_stats(dask_worker: Worker) -> dict[str, Any]:
-    return _no_pool(dask_worker) or service_of(dask_worker).handoff_stats()
+    if (no_pool := _no_pool(dask_worker)) is not None:
+        return no_pool
+    service = service_of(dask_worker)
+    usage = service.pool.stats()
+    return {"kind": service.pool.kind, "used": usage.used, "max_size": usage.max_size, **service.handoff_stats()}
 
 
-def stats(client: Client, timeout: float | None = None) -> dict[str, dict[str, Any]]:
+def stats(client: Client, timeout: float | None = None) -> HandoffTable:
     """Per worker: its handoff counters.
+
+    ``print(stats(client))`` shows a table, one line per worker: its pool's kind, used and maximum bytes, the bytes
+    it received zero-copy, the buffers it handed over, the bytes copied in and out, the leases peers hold on its
+    pool and its fallbacks by reason. Every counter is in ``stats(client)[worker]``.
 
     Parameters
     ----------
@@ -267,9 +280,10 @@ def stats(client: Client, timeout: float | None = None) -> dict[str, dict[str, A
 
     Returns
     -------
-    dict
-        ``{worker address: counters}`` with ``exports`` and ``imports``
-        (buffers handed over / mapped), ``forwards`` (imported buffers passed
+    HandoffTable
+        ``{worker address: counters}``, a :class:`dict` that prints as that table (``.raw`` is the plain dict),
+        with ``kind``, ``used`` and ``max_size`` (the pool's kind, bytes in use and upper bound), ``exports`` and
+        ``imports`` (buffers handed over / mapped), ``forwards`` (imported buffers passed
         on as their exporter's memory), ``returns`` (values of this pool that
         came back from a peer: the buffer taken back), ``leases`` and ``lease_bytes`` (live
         leases this worker granted and the bytes they keep alive),
@@ -317,7 +331,8 @@ def stats(client: Client, timeout: float | None = None) -> dict[str, dict[str, A
     awaitable of the same, as Dask's own ``Client`` methods do:
     ``await stats(client)``.
     """
-    return _per_worker(client, _worker_handoff_stats, timeout)
+    result: HandoffTable = _per_worker(client, _worker_handoff_stats, timeout, HandoffTable)
+    return result
 
 
 async def _worker_trim(dask_worker: Worker) -> dict[str, Any]:
@@ -380,4 +395,5 @@ def trim(client: Client, timeout: float | None = None) -> dict[str, dict[str, An
     awaitable of the same, as Dask's own ``Client`` methods do:
     ``await trim(client)``.
     """
-    return _per_worker(client, _worker_trim, timeout)
+    result: dict[str, dict[str, Any]] = _per_worker(client, _worker_trim, timeout)
+    return result

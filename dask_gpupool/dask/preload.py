@@ -21,6 +21,7 @@ from distributed.protocol.pickle import dumps
 
 from dask_gpupool.config import KINDS, PoolOptions
 from dask_gpupool.core import PLUGIN_NAME
+from dask_gpupool.dask import failure_logs
 from dask_gpupool.dask.scheduler_plugin import GPUPool
 from dask_gpupool.errors import ConfigError
 
@@ -34,11 +35,58 @@ def _with_every_option(command: Any) -> Any:
     for name in reversed(list(PoolOptions.__dataclass_fields__)):
         key = name.replace("_", "-")
         kind: Any = click.Choice(KINDS) if name == "kind" else None
-        command = click.option(f"--gpupool-{key}", name, type=kind, default=None, help=f"gpupool.{key}")(command)
+        metavar = None if name == "kind" else "VALUE"
+        option = click.option(f"--gpupool-{key}", name, type=kind, default=None, metavar=metavar, help=f"gpupool.{key}")
+        command = option(command)
     return command
 
 
-@click.command(name="dask_gpupool")
+class _PreloadCommand(click.Command):
+    """The preload's arguments, whose usage and errors name the command they were given to.
+
+    Dask parses them in a context of their own with no name (``dask worker`` checks them before it starts a
+    worker; the worker parses them again as ``dask_setup``): click's usage read ``Usage:  [OPTIONS]`` and its hint
+    ``Try ' --help' for help.``. Here they read ``Usage: dask worker --preload dask_gpupool [--gpupool-<key>
+    VALUE]...``, with the command as it was run (``dask worker``, ``dask-scheduler``, ``python -m ...``), and the
+    hint names the command that prints this help: ``--help`` goes to the preload only after ``--`` (before it, it
+    is ``dask worker``'s own).
+    """
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        outer = click.get_current_context(silent=True)
+        program, help_command = "", "--preload dask_gpupool -- --help"
+        if outer is not None and outer is not ctx:  # dask worker's or dask scheduler's own context, checking these
+            program = f"{outer.command_path} "
+            arguments = [p for p in outer.command.params if isinstance(p, click.Argument) and p.name != "preload_argv"]
+            help_command = " ".join([outer.command_path, *(p.human_readable_name for p in arguments), help_command])
+        if not ctx.info_name or ctx.info_name == "dask_setup":
+            ctx.info_name = f"{program}--preload dask_gpupool"
+        ctx.meta[_HELP_COMMAND] = help_command
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as e:
+            if e.ctx is None:  # an option without its value: click would show dask worker's usage instead
+                e.ctx = ctx
+            raise
+
+    def get_usage(self, ctx: click.Context) -> str:
+        """The usage line and the hint that an error shows (click's hint is left out: ``add_help_option=False``)."""
+        return f"{super().get_usage(ctx)}\nTry '{ctx.meta.get(_HELP_COMMAND, '--help')}' for help."
+
+
+_HELP_COMMAND = "dask_gpupool.help-command"
+
+
+@click.command(
+    name="dask_gpupool",
+    cls=_PreloadCommand,
+    options_metavar="[--gpupool-<key> VALUE]...",
+    add_help_option=False,  # its own --help below: click's hint would name one that reaches dask worker instead
+    help="Run dask_gpupool in this scheduler or worker. Each --gpupool-<key> VALUE sets the option gpupool.<key> "
+    "for it (dask_gpupool's configuration page lists them); a worker checks the values before it starts, and one "
+    "with a bad value joins without a pool.",
+)
+@click.help_option("--help")
 @_with_every_option
 async def dask_setup(dask_object: Scheduler | Worker, **options: Any) -> None:
     """Install dask_gpupool (``--preload dask_gpupool``); options as ``--gpupool-<key> VALUE`` arguments.
@@ -52,6 +100,7 @@ async def dask_setup(dask_object: Scheduler | Worker, **options: Any) -> None:
     registration comes, reported as ``no pool: ConfigError: ...`` by
     ``stats()``, ``info`` and the ``/gpupool`` page.
     """
+    failure_logs.install()  # distributed logs a gpupool error raised here in one line, not with its traceback
     options = {k: v for k, v in options.items() if v is not None}
     if isinstance(dask_object, Scheduler):
         plugin = GPUPool(**options)  # checks the values given, each on its own and against each other

@@ -33,6 +33,7 @@ from tornado.ioloop import PeriodicCallback
 from dask_gpupool.config import PoolOptions
 from dask_gpupool.core import JOINED_OP, PLUGIN_NAME, REGISTER_OP, UNREGISTER_OP, UPDATE_OP
 from dask_gpupool.dask import distributed_seam as seam
+from dask_gpupool.dask import failure_logs
 from dask_gpupool.dask import plugin_installs as installs
 from dask_gpupool.dask.registry_handlers import RegistryHandlers, answer_timeout
 from dask_gpupool.errors import GPUPoolError
@@ -260,6 +261,7 @@ class GPUPool(SchedulerPlugin):
         other's handlers served the registry (so dead workers' rows stayed), and the workers running the pools of
         both, in whichever order each got the two plugins.
         """
+        failure_logs.install()  # distributed logs a gpupool error raised here in one line, not with its traceback
         if self._scheduler is scheduler:
             # A plugin that a preload registered (and so started) is started again by distributed once
             # the preloads are done: once is enough.
@@ -314,8 +316,16 @@ class GPUPool(SchedulerPlugin):
         if failed:
             await self._undo(scheduler)
             worker, response = next(iter(failed.items()))
-            logger.error("gpupool: setup failed on %d worker(s), e.g. %s", len(failed), worker)
-            raise installs.setup_error(worker, response)
+            exc = installs.setup_error(worker, response)
+            logger.error(
+                "gpupool: setup failed on %d worker(s), e.g. %s: %s: %s; the registration is undone",
+                len(failed),
+                worker,
+                type(exc).__name__,
+                exc,
+            )
+            failure_logs.said(exc)  # said here, with the workers: distributed's record of it is left out
+            raise exc
         if late:
             logger.warning(
                 "gpupool: %d worker(s) did not answer the plugin install (within %.3g s, or one sent before): %s; "

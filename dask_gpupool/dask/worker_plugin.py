@@ -27,6 +27,7 @@ from dask_gpupool import tuning
 from dask_gpupool.config import PoolOptions
 from dask_gpupool.core import PLUGIN_NAME
 from dask_gpupool.dask import distributed_seam as seam
+from dask_gpupool.dask import failure_logs
 from dask_gpupool.dask import ucx_receive as _receive
 from dask_gpupool.dask import worker_setup as decide
 from dask_gpupool.dask.frames_family import serializers_for
@@ -114,6 +115,7 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
 
     async def setup(self, worker: Worker) -> None:
         """Make the pool and join the registry; on failure, remember why (see :func:`service_of`) and raise."""
+        failure_logs.install()  # distributed logs a gpupool error raised here in one line, not with its traceback
         refused = _refused.get(worker)
         if refused is not None:  # logged when it was refused (refuse_pool)
             self._fail(worker, refused)
@@ -121,7 +123,7 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         try:
             await self._setup(worker)
         except BaseException as e:
-            # Dask logs the exception with its traceback
+            # Dask logs the exception: in one line for a GPUPoolError (failure_logs), with its traceback otherwise
             self._fail(worker, f"{type(e).__name__}: {e}")
             raise
 

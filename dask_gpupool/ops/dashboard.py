@@ -4,10 +4,12 @@ Workers push their pool and handoff statistics to the scheduler every
 :data:`STATS_INTERVAL` seconds over their batched stream
 (:data:`STATS_OP`); the scheduler plugin keeps the latest per worker. The
 page lists the registry's pools (owner, host, kind, device, used and
-reserved bytes, peers) and every worker's handoffs (zero-copy vs copied
-bytes, fallbacks by reason, live leases), and reloads itself. It is served
-by the scheduler's own HTTP server, next to Dask's dashboard, on the routes
-:func:`routes` gives (added by :func:`dask_gpupool.dask.distributed_seam.serve_page`).
+reserved bytes, and ``peer GPUs``: how many other GPUs were granted access
+to the pool, whose workers map it zero-copy) and every worker's handoffs
+(zero-copy vs copied bytes, fallbacks by reason, live leases), and reloads
+itself. It is served by the scheduler's own HTTP server, next to Dask's
+dashboard, on the routes :func:`routes` gives (added by
+:func:`dask_gpupool.dask.distributed_seam.serve_page`).
 
 Trust boundary: the pushed statistics are each worker's own claim. The page
 escapes every value and key it shows (:func:`html.escape`, whatever the
@@ -120,7 +122,7 @@ class _Page(web.RequestHandler):
             "td:first-child{text-align:left}</style></head><body>"
             f"<h2>gpupool: {len(snap['pools'])} pool(s)</h2>"
             "<table><tr><th>worker</th><th>host</th><th>kind</th><th>device</th><th>used</th><th>reserved</th>"
-            f"<th>max</th><th>peers</th><th>pool</th></tr>{rows}</table>"
+            f"<th>max</th><th>peer GPUs</th><th>pool</th></tr>{rows}</table>"
             "<h2>Handoffs per worker</h2>"
             "<table><tr><th>worker</th><th>exports</th><th>imports</th><th>passed on / back</th>"
             "<th>mean import, ms (claim)</th><th>live leases</th><th>leased</th>"
