@@ -210,6 +210,27 @@ def stop_processes(procs: list[Any]) -> None:
             p.wait(30)
 
 
+# -- the GPU layouts of the gpu-marked tests ------------------------------------------------
+
+#: A worker on GPU 0 (two of them share it).
+ONE_GPU = {"env": {"CUDA_VISIBLE_DEVICES": "0"}}
+#: dask-cuda's layout on two GPUs: each worker's own GPU is its ordinal 0, and both GPUs are visible.
+ROTATED = [{"env": {"CUDA_VISIBLE_DEVICES": "0,1"}}, {"env": {"CUDA_VISIBLE_DEVICES": "1,0"}}]
+
+
+def gpus(n: int) -> None:
+    """Skip unless ``n`` GPUs are visible, and CuPy (which the checks read device memory with) imports."""
+    if len(local_devices().uuids) < n:
+        pytest.skip(f"needs {n} GPUs, sees {len(local_devices().uuids)}")
+    pytest.importorskip("cupy", reason="the GPU tests read device memory with CuPy")
+
+
+def layout_workers(layout: str) -> list[dict]:
+    """Two workers on one GPU, or one on each of two (skips when the GPUs are missing)."""
+    gpus(2 if layout == "two-gpus" else 1)
+    return ROTATED if layout == "two-gpus" else [ONE_GPU, ONE_GPU]
+
+
 # -- cluster helpers shared by the multi-process tests ------------------------------------
 
 #: A small host pool: the plugin most CPU tests register.
