@@ -210,6 +210,52 @@ def stop_processes(procs: list[Any]) -> None:
             p.wait(30)
 
 
+# -- the registry, command-line, operations and registration tests ---------------------------
+
+#: A small host pool whose brokers drop a connection that sends nothing for 2 s: the plugin of the tests of the
+#: registry, the commands, the operations pages and the registrations.
+PLUGIN = GPUPool(kind="host", max_size="64MiB", broker_timeout="2s")
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[Any]:
+    """Two workers with :data:`PLUGIN`, shared by the tests of a module (each leaves the cluster as it found it)."""
+    with nanny_cluster([{}, {}], PLUGIN) as c:
+        yield c
+
+
+def by_worker(client: Any) -> dict[str, Any]:
+    """The registry's rows by worker address."""
+    import dask_gpupool
+
+    return {r.worker: r for r in dask_gpupool.pools(client)}
+
+
+def rejected_on_scheduler(client: Any, name: str = "gpupool") -> dict[str, int]:
+    """The scheduler plugin's count of refused registry messages, by reason (test inspection only)."""
+
+    def get(dask_scheduler: Any) -> dict[str, int]:
+        return dict(getattr(dask_scheduler.plugins[name], "rejected", {}))
+
+    return client.run_on_scheduler(get)
+
+
+def cli(*args: str) -> Any:
+    """``python -m dask_gpupool ARGS`` in a subprocess, its output captured (a ``subprocess.CompletedProcess``)."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "dask_gpupool", *args], capture_output=True, text=True, timeout=120)
+
+
+def dashboard_base(client: Any, worker: str | None = None) -> str:
+    """``http://host:port`` of ``worker``'s HTTP server (its dashboard's port), or of the scheduler's."""
+    info = client.scheduler_info()
+    host = info["address"].split("://")[1].rsplit(":", 1)[0]
+    port = T.workers(client)[worker]["services"]["dashboard"] if worker else info["services"]["dashboard"]
+    return f"http://{host}:{port}"
+
+
 # -- the GPU layouts of the gpu-marked tests ------------------------------------------------
 
 #: A worker on GPU 0 (two of them share it).
