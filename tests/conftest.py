@@ -277,6 +277,27 @@ def layout_workers(layout: str) -> list[dict]:
     return ROTATED if layout == "two-gpus" else [ONE_GPU, ONE_GPU]
 
 
+def pool_kinds(*layouts: str) -> pytest.MarkDecorator:
+    """Parametrize a test's ``kind`` over ``host`` pools and, gpu-marked, ``device`` pools on each of ``layouts``
+    (``one-gpu``, ``two-gpus``): ids ``host``, ``device-one-gpu``, ``device-two-gpus``. For the scenarios that
+    hold on any pool; :func:`kind_cluster` makes the cluster."""
+    kinds = [pytest.param(f"device-{layout}", marks=pytest.mark.gpu) for layout in layouts]
+    return pytest.mark.parametrize("kind", ["host", *kinds])
+
+
+def kind_cluster(kind: str, max_size: str | int, n: int = 2, **options: Any) -> Any:
+    """:func:`nanny_cluster` of ``n`` workers with a pool of ``kind`` (from :func:`pool_kinds`), ``max_size`` and
+    ``options``. ``device-one-gpu`` puts every worker on GPU 0; ``device-two-gpus`` makes them alternate between
+    GPUs 0 and 1 (:data:`ROTATED`); a ``device`` kind skips without its GPUs or CuPy."""
+    if kind == "host":
+        workers: list[dict[str, Any]] = [{}] * n
+    else:
+        two = kind == "device-two-gpus"
+        gpus(2 if two else 1)
+        workers = [ROTATED[i % 2] for i in range(n)] if two else [ONE_GPU] * n
+    return nanny_cluster(workers, GPUPool(kind=kind.split("-")[0], max_size=max_size, **options))
+
+
 # -- cluster helpers shared by the multi-process tests ------------------------------------
 
 #: A small host pool: the plugin most CPU tests register.

@@ -11,7 +11,6 @@ import pytest
 from conftest import (
     PLUGIN,
     by_worker,
-    handoff_round_trip,
     nanny_cluster,
     wait_for,
     worker_addresses,
@@ -44,10 +43,6 @@ def test_registry_lists_every_pool_with_the_right_fields(client):
     assert all(r["staging"] == "off: a host pool stages no CuPy results" for r in routing.values()), routing
     # every worker's cached view holds the whole registry
     assert client.run(T.known_pools) == {w: sorted(r.pool for r in rows.values()) for w in rows}
-
-
-def test_peer_maps_the_pool_once_and_reads_the_owners_bytes(client):
-    handoff_round_trip(client, MiB, b"bytes from A")
 
 
 def test_entries_vanish_when_a_worker_is_killed():

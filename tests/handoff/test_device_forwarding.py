@@ -11,7 +11,6 @@ from conftest import (
     back_to,
     counters,
     gpus,
-    kill_the_middle_of_a_chain,
     nanny_cluster,
     wait_for,
     wait_forgotten,
@@ -70,18 +69,6 @@ def test_a_chain_a_b_w_a_on_gpus_maps_the_first_exporter_and_outlives_the_middle
         assert now[a]["copied_bytes"] == before[a]["copied_bytes"]
         del z, back
         back_to(c, baseline)
-
-
-@pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
-def test_sigkill_of_the_middle_of_a_chain_on_gpus_leaves_the_last_ones_memory_readable(placement):
-    """Issue 18 on device pools: B killed after passing A's memory on to W: A ends B's lease, W's lives on, and W
-    reads the right bytes after A's pool was scribbled over."""
-    workers, plugin = _chain_cluster(placement)
-    with nanny_cluster(workers, plugin) as c:
-        a, b, w = worker_addresses(c)
-        baseline = warm_up(c, a, w)  # B's links and mappings go with it
-        kill_the_middle_of_a_chain(c, a, b, w, 8 * MiB, 16 * MiB)
-        back_to(c, {k: baseline[k] for k in (a, w)}, workers=[a, w])
 
 
 @pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])

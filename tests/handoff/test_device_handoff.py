@@ -29,17 +29,6 @@ pytestmark = pytest.mark.gpu
 MiB = 1 << 20
 
 
-def test_two_workers_on_one_gpu():
-    gpus(1)
-    one_gpu = {"env": {"CUDA_VISIBLE_DEVICES": local_devices().uuids[0]}}
-    with nanny_cluster([one_gpu, one_gpu], GPUPool(kind="device", max_size="1 GiB")) as c:
-        rows = handoff_round_trip(c, 8 * MiB, b"device bytes written by A" * 100)
-        a, b = worker_addresses(c)
-        assert {r.kind for r in rows.values()} == {"device"}
-        assert rows[a].device == rows[b].device == local_devices().uuids[0]
-        assert rows[a].max_size == 1 << 30
-
-
 def test_pinned_pools_on_one_gpu():
     """Pinned host pools: registered with the worker's GPU; a peer maps the pool and reads (CPU and GPU paths)."""
     gpus(1)
@@ -192,12 +181,6 @@ def test_device_pools_hand_small_pool_arrays_to_same_host_workers(placement):
         wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="the leases to end")
 
 
-def test_stress_producers_release_while_consumers_read_one_gpu():
-    gpus(1)
-    with nanny_cluster([ONE_GPU, ONE_GPU], GPUPool(kind="device", max_size="4 GiB")) as c:
-        stress(c, 40, 16 * MiB)
-
-
 def test_stress_with_segments_one_gpu():
     gpus(1)
     with nanny_cluster([ONE_GPU, ONE_GPU], GPUPool(kind="device", max_size="4 GiB")) as c:
@@ -282,22 +265,3 @@ def test_a_sync_export_waits_for_its_tasks_event_not_for_another_streams_kernel(
             assert timings["export"]["max_s"] > 1.0, timings  # the whole GPU, the 3 s kernel with it
         del x, busy
         back_to(c, baseline)
-
-
-@pytest.mark.parametrize("layout", ["one-gpu", "two-gpus"])
-def test_a_stalled_consumer_reads_the_original_device_bytes(layout):
-    from conftest import stalled_consumer
-
-    plugin = GPUPool(kind="device", max_size="1 GiB", lease_timeout="1s")
-    with nanny_cluster(layout_workers(layout), plugin) as c:
-        # a stalled consumer across GPUs must not kill its CUDA context either: it reads after resuming
-        stalled_consumer(c, 8 * MiB)
-
-
-@pytest.mark.parametrize("layout", ["one-gpu", "two-gpus"])
-def test_a_stalled_producer_keeps_the_device_leases_its_consumer_holds(layout):
-    from conftest import stalled_producer
-
-    plugin = GPUPool(kind="device", max_size="1 GiB", broker_timeout="1s")
-    with nanny_cluster(layout_workers(layout), plugin) as c:
-        stalled_producer(c, 8 * MiB)

@@ -14,7 +14,6 @@ from conftest import (
     back_to,
     counters,
     gpus,
-    kill_consumer_holding_leases,
     layout_workers,
     nanny_cluster,
     pid_of,
@@ -170,17 +169,6 @@ def test_buffers_of_8_and_16_gib_hand_over_zero_copy(layout, gib, memory):
         assert now[b]["copied_bytes"] == before[b]["copied_bytes"] and now[a]["fallbacks"] == before[a]["fallbacks"]
         del x, y
         back_to(c, baseline, timeout=120)
-
-
-def test_sigkill_of_the_consumer_releases_its_leases_on_a_device_pool():
-    gpus(1)
-
-    with nanny_cluster([ONE_GPU, ONE_GPU], GPUPool(kind="device", max_size="1 GiB")) as c:
-        a, b = worker_addresses(c)
-        xs = [c.submit(T.fill, 16 * MiB, 4, workers=[a], pure=False) for _ in range(8)]
-        kill_consumer_holding_leases(c, a, b, xs)
-        del xs
-        wait_for(lambda: counters(c, a)[a]["used"] == 0, what="A's pool bytes to return")
 
 
 def successors(workers: list[str], dead: str, kept: str) -> list[str]:

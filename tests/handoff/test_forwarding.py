@@ -16,7 +16,9 @@ from conftest import (
     back_to,
     counters,
     kill_the_middle_of_a_chain,
+    kind_cluster,
     nanny_cluster,
+    pool_kinds,
     wait_for,
     wait_forgotten,
     warm_up,
@@ -148,11 +150,15 @@ def test_a_plain_array_staged_for_one_worker_is_passed_on_as_the_staged_copy():
         back_to(c, baseline)
 
 
-def test_sigkill_of_the_middle_worker_leaves_the_last_ones_memory_readable():
-    with nanny_cluster([{}, {}, {}], HOST_POOL) as c:
+@pool_kinds("one-gpu", "two-gpus")
+def test_sigkill_of_the_middle_worker_leaves_the_last_ones_memory_readable(kind):
+    """B is killed after passing A's memory on to W: A ends B's lease, W's lives on, and W reads the right bytes
+    after A's pool was scribbled over. Across GPUs A and W are on GPU 0 and B on GPU 1: every hop crosses GPUs."""
+    nbytes, max_size = (MiB, "64 MiB") if kind == "host" else (8 * MiB, "1 GiB")
+    with kind_cluster(kind, max_size, n=3) as c:
         a, b, w = worker_addresses(c)
         baseline = _warm(c, a, w)  # B's links and mappings go with it
-        kill_the_middle_of_a_chain(c, a, b, w, MiB, 2 * MiB)
+        kill_the_middle_of_a_chain(c, a, b, w, nbytes, 2 * nbytes)
         survivors = [a, w]
         back_to(c, {k: baseline[k] for k in survivors}, workers=survivors)
 

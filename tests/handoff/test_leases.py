@@ -19,7 +19,9 @@ import pytest
 from conftest import (
     back_to,
     counters,
+    kind_cluster,
     nanny_cluster,
+    pool_kinds,
     stalled_consumer,
     stalled_producer,
     wait_for,
@@ -209,14 +211,17 @@ def test_a_stream_lease_cannot_be_forwarded():
 # -- case 1: a consumer stalled between grant and claim ------------------------------------
 
 
-def test_a_consumer_stalled_past_lease_timeout_reads_the_original_bytes():
+@pool_kinds("one-gpu", "two-gpus")
+def test_a_consumer_stalled_past_lease_timeout_reads_the_original_bytes(kind):
     """B stops after A granted the lease and before B claimed it, for longer than ``lease-timeout``.
 
     Before: the lease expired, B's claim went unanswered and B read what A
-    wrote into the reused memory. Now the lease waits for B.
+    wrote into the reused memory. Now the lease waits for B. Across GPUs the
+    stalled consumer's CUDA context survives too: it reads after resuming.
     """
-    with nanny_cluster([{}, {}], GPUPool(kind="host", max_size="64 MiB", lease_timeout="1s")) as c:
-        stalled_consumer(c, MiB)
+    nbytes, max_size = (MiB, "64 MiB") if kind == "host" else (8 * MiB, "1 GiB")
+    with kind_cluster(kind, max_size, lease_timeout="1s") as c:
+        stalled_consumer(c, nbytes)
 
 
 # -- case 1b: a reply that failed at the exporter (leases claimed by the reply) ----------------------
@@ -266,15 +271,17 @@ def _leases(n: int, unclaimed: int) -> dict[str, int]:
 # -- case 2: a producer stalled past broker-timeout while its consumer releases ---------------
 
 
-def test_a_producer_stalled_past_broker_timeout_keeps_the_leases_its_consumer_holds():
+@pool_kinds("one-gpu", "two-gpus")
+def test_a_producer_stalled_past_broker_timeout_keeps_the_leases_its_consumer_holds(kind):
     """A stops while B releases imports one by one until B's link to A times out and closes.
 
     Before: A, on resuming, saw the connection close and ended every lease
     claimed on it, including one B still held: B's data changed. Now a
     closed link is not a dead importer: B opens a new link and resyncs.
     """
-    with nanny_cluster([{}, {}], GPUPool(kind="host", max_size="256 MiB", broker_timeout="1s")) as c:
-        stalled_producer(c, MiB)
+    nbytes, max_size = (MiB, "256 MiB") if kind == "host" else (8 * MiB, "1 GiB")
+    with kind_cluster(kind, max_size, broker_timeout="1s") as c:
+        stalled_producer(c, nbytes)
 
 
 # -- case 4: every failure reaches the task or heals -------------------------------------------
