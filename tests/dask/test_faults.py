@@ -104,7 +104,7 @@ def test_a_worker_the_scheduler_removes_while_its_process_lives_keeps_its_leases
         try:
             c.run_on_scheduler(remove)
             wait_for(lambda: b_pool not in c.run(T.known_pools, workers=[a])[a], what="A to learn that B left")
-            time.sleep(0.5)
+            c.run(T.broker_barrier, workers=[a])  # A's broker handled B's departure (where it would end the lease)
             for _ in range(4):  # new values on A: none lands on the leased MiB
                 c.submit(T.scribble, MiB, b"SCRIBBLED!", workers=[a], pure=False).result()
             assert c.run(T.lease_counts, workers=[a])[a]["leases"] == 1

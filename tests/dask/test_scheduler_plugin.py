@@ -586,18 +586,38 @@ def test_unregistering_the_scheduler_plugin_stops_its_handlers_and_every_pool_an
     assert os.listdir(tmp_path) == []
 
 
+def watch_looks(client, name):
+    """How often the watch of the ``GPUPool`` listed as ``name`` looked whether distributed still lists it, counted
+    from this helper's first call, which starts counting (test inspection only)."""
+
+    def on_scheduler(dask_scheduler):
+        plugin = dask_scheduler.plugins[name]
+        if "_looks" not in vars(plugin):
+            plugin._looks = 0
+            look = plugin._check_listed
+
+            def counted(scheduler):
+                plugin._looks += 1
+                look(scheduler)
+
+            plugin._check_listed = counted  # the watch calls it by name each time
+        return plugin._looks
+
+    return client.run_on_scheduler(on_scheduler)
+
+
 def test_a_plugin_registered_under_a_name_of_its_own_serves_until_unregistered_under_that_name(tmp_path):
     """``client.register_plugin(GPUPool(...), name="pools")``: distributed lists the plugin under the name given. Its
     watch looked for it under ``"gpupool"`` only, took it for unregistered half a second after it started and tore
     it down (its handlers, every worker's pool). It now serves on, pools hand over zero-copy, and
     ``client.unregister_scheduler_plugin("pools")`` tears it down as unregistering ``"gpupool"`` does; nothing is
     refused or left behind."""
-    from dask_gpupool.dask.scheduler_plugin import _WATCH_INTERVAL
-
     plugin = GPUPool(kind="host", max_size="16MiB", broker_timeout="2s", broker_dir=str(tmp_path))
     with nanny_cluster([{}, {}]) as c:
         c.register_plugin(plugin, name="pools")
-        time.sleep(4 * _WATCH_INTERVAL)  # the watch looks several times
+        watch_looks(c, "pools")
+        # a watch that takes the plugin for unregistered stops looking (and tears it down)
+        wait_for(lambda: watch_looks(c, "pools") >= 4, timeout=30, what="the watch to look four times")
         served = {
             "handlers": sorted(gpupool_served(c)["handlers"]),
             "worker-plugin": gpupool_served(c)["worker-plugin"],
@@ -666,8 +686,7 @@ def test_an_idempotent_registration_finding_a_plugin_listed_under_another_name_d
         c.register_plugin(plugin, name="pools")
         before = by_worker(c)
         c.run(T.hold_plugin_add, "none", "none", 0.0)  # holds nothing; counts the installs
-        c.register_plugin(preloaded)
-        time.sleep(0.5)
+        c.register_plugin(preloaded)  # returns once its start did: any install it made was answered by then
         assert c.run(T.plugin_adds) == {w0: [], w1: []}
         c.run(T.release_plugin_add)
         assert listed_gpupools(c) == {"pools": "16MiB"}

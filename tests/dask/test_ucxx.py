@@ -471,7 +471,8 @@ async def _cancel_get_data_replies(dask_worker: Any) -> int:
     ]
     for task in tasks:
         task.cancel()
-    await asyncio.sleep(0.5)  # the handlers end: the get_data hook settles the reply
+    if tasks:  # the handlers end: the get_data hook settles the reply in its finally
+        await asyncio.wait(tasks, timeout=30)
     return len(tasks)
 
 

@@ -7,7 +7,6 @@ maps A's pool itself. The memory then lives until C lets go, whatever B does.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
@@ -223,7 +222,8 @@ def test_a_forward_settle_that_could_not_be_sent_is_sent_once_the_exporter_is_re
         c.run(F.hide_broker, workers=[a])
         try:
             c.run(F.abort_held_reply, workers=[w])  # B's reply fails; its ForwardSettle cannot reach A now
-            time.sleep(2.0)  # B notices at once (its read of the "OK" fails) and tries to settle meanwhile
+            # B notices at once (its read of the "OK" fails), cannot settle, and keeps the settle for a new link
+            wait_for(lambda: c.run(T.settles_waiting, workers=[b])[b] == 1, what="B to keep its unsent settle")
         finally:
             c.run(F.restore_broker, workers=[a])
         wait_for(

@@ -399,7 +399,8 @@ def test_another_worker_can_neither_claim_nor_release_a_lease(exporter):
         assert len(leases) == 1
         # closing B's link does not end B's lease: B's process lives
         as_b.close()
-        time.sleep(0.2)
+        wait_for(lambda: broker.connections == 1, what="the broker to see B's link close")
+        as_c.claim([1])  # a round trip: the broker's handling of that close has ended
         assert len(leases) == 1
         as_b = PeerLink(broker.address, 2.0, TOKEN, b, live=[])  # a resync that no longer lists it
         assert len(leases) == 0 and pool.stats().used == 0
@@ -626,6 +627,7 @@ def test_a_closed_link_keeps_the_leases_and_the_importers_exit_ends_them(exporte
     import sys
 
     from dask_gpupool.handoff.exporter import Exported
+    from dask_gpupool.transport.link import request_pool_fd
     from dask_gpupool.wire.registry import PoolRecord, RegistryUpdate
 
     pool, leases, broker, _ = exporter
@@ -646,7 +648,9 @@ def test_a_closed_link_keeps_the_leases_and_the_importers_exit_ends_them(exporte
         child.stdin.write(f"{lease}\n")
         child.stdin.flush()
         assert child.stdout.readline().strip() == "claimed"
-        time.sleep(0.5)
+        wait_for(lambda: broker.connections == 0, what="the broker to see the child's link close")
+        with pytest.raises(dask_gpupool.UnknownPoolError):  # a round trip: the broker handled that close
+            request_pool_fd(broker.address, str(uuid.uuid4()), 2.0, TOKEN)
         assert len(leases) == 1 and leases.unclaimed == 0  # claimed, its link closed, still held
         child.kill()
         child.wait(10)
