@@ -413,7 +413,7 @@ def stress(c, rounds: int, nbytes: int) -> int:
     return rounds
 
 
-# -- the stalled-process cases of the lease tests, on any pool kind (tests/handoff/test_leases.py, tests/test_gpu.py)
+# -- the stalled-process cases of the lease tests, on any pool kind (tests/handoff/test_leases.py)
 
 
 def stalled_consumer(c: Any, nbytes: int, stop: float = 3.0) -> None:

@@ -3,8 +3,8 @@
 Real ``Nanny`` worker processes on ``host`` pools, stopped with SIGSTOP and
 resumed with SIGCONT. Each case reads the bytes a stalled or surviving reader
 sees after the producer reused every byte it could, and ends back at the
-baseline (fds, sockets, leases, pool bytes). ``tests/test_gpu.py`` runs the
-stalled-consumer and stalled-producer cases on ``device`` pools.
+baseline (fds, sockets, leases, pool bytes). The stalled-consumer and
+stalled-producer cases run on ``device`` pools too (gpu-marked).
 """
 
 from __future__ import annotations
