@@ -3,7 +3,7 @@
 Issue 18. What runs without a GPU: the family declines everything outside a same-host reply from a ``device``
 pool (so Dask's own families serialize as before), its wire format round-trips an object whose ``cuda``
 serializer gives host frames, and malformed headers fail with a clear error. The device frames themselves are
-exercised on a GPU: ``tests/test_gpu.py::test_device_objects_go_frame_by_frame_over_tcp``.
+exercised on a GPU: ``tests/dask/test_device_values.py::test_device_objects_go_frame_by_frame_over_tcp``.
 """
 
 from __future__ import annotations
@@ -333,7 +333,7 @@ def test_pool_memory_goes_to_ucx_unstaged_when_small_or_in_this_workers_own_lega
     segments of legacy IPC memory (``segment-memory: legacy``, which UCX exports itself) and the buffer is that
     pool's own: a buffer imported from or made by another pool is staged, since an opened IPC handle cannot be
     exported again. The pool's ``segment_memory`` is set here as a ``device`` pool with legacy segments has it; the
-    CUDA side runs in ``tests/test_gpu.py`` (``test_on_ucxx_legacy_ipc_segments_*``)."""
+    CUDA side runs in ``tests/dask/test_ucxx.py`` (``test_on_ucxx_legacy_ipc_segments_*``)."""
     import secrets
 
     from dask_gpupool import PoolOptions

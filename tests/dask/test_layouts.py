@@ -1,6 +1,6 @@
 """Every layout of an array over pool memory hands over with its shape, strides and offset (NumPy on host pools).
 
-Issue 18. The GPU twin with CuPy is ``tests/test_gpu.py::test_every_layout_hands_over_on_a_gpu``.
+Issue 18. The GPU twin with CuPy is ``tests/handoff/test_device_forwarding.py::test_every_layout_hands_over_on_a_gpu``.
 """
 
 from __future__ import annotations

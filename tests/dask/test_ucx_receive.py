@@ -1,7 +1,7 @@
 """The UCX receive pool: when distributed-ucxx's device frames go into an RMM pool, and why not (CPU).
 
 The pool itself (RMM over cudaMalloc, frames received into it over UCXX) is covered by the GPU tests
-(``tests/test_gpu.py``, ``ucx_receive``)."""
+(``tests/dask/test_ucxx.py``, ``receive_pool``)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,6 @@ maps A's pool itself. The memory then lives until C lets go, whatever B does.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
@@ -16,7 +15,9 @@ from conftest import (
     back_to,
     counters,
     kill_the_middle_of_a_chain,
+    kind_cluster,
     nanny_cluster,
+    pool_kinds,
     wait_for,
     wait_forgotten,
     warm_up,
@@ -148,11 +149,15 @@ def test_a_plain_array_staged_for_one_worker_is_passed_on_as_the_staged_copy():
         back_to(c, baseline)
 
 
-def test_sigkill_of_the_middle_worker_leaves_the_last_ones_memory_readable():
-    with nanny_cluster([{}, {}, {}], HOST_POOL) as c:
+@pool_kinds("one-gpu", "two-gpus")
+def test_sigkill_of_the_middle_worker_leaves_the_last_ones_memory_readable(kind):
+    """B is killed after passing A's memory on to W: A ends B's lease, W's lives on, and W reads the right bytes
+    after A's pool was scribbled over. Across GPUs A and W are on GPU 0 and B on GPU 1: every hop crosses GPUs."""
+    nbytes, max_size = (MiB, "64 MiB") if kind == "host" else (8 * MiB, "1 GiB")
+    with kind_cluster(kind, max_size, n=3) as c:
         a, b, w = worker_addresses(c)
         baseline = _warm(c, a, w)  # B's links and mappings go with it
-        kill_the_middle_of_a_chain(c, a, b, w, MiB, 2 * MiB)
+        kill_the_middle_of_a_chain(c, a, b, w, nbytes, 2 * nbytes)
         survivors = [a, w]
         back_to(c, {k: baseline[k] for k in survivors}, workers=survivors)
 
@@ -217,7 +222,8 @@ def test_a_forward_settle_that_could_not_be_sent_is_sent_once_the_exporter_is_re
         c.run(F.hide_broker, workers=[a])
         try:
             c.run(F.abort_held_reply, workers=[w])  # B's reply fails; its ForwardSettle cannot reach A now
-            time.sleep(2.0)  # B notices at once (its read of the "OK" fails) and tries to settle meanwhile
+            # B notices at once (its read of the "OK" fails), cannot settle, and keeps the settle for a new link
+            wait_for(lambda: c.run(T.settles_waiting, workers=[b])[b] == 1, what="B to keep its unsent settle")
         finally:
             c.run(F.restore_broker, workers=[a])
         wait_for(

@@ -12,8 +12,10 @@ from conftest import (
     HOST_POOL,
     back_to,
     counters,
+    kind_cluster,
     nanny_cluster,
     pid_of,
+    pool_kinds,
     stress,
     wait_for,
     warm_up,
@@ -377,9 +379,11 @@ def test_sigkill_of_the_importer_releases_its_leases():
         wait_for(lambda: counters(c, a)[a]["used"] == 0, what="A's pool bytes to return")
 
 
-def test_stress_producers_release_while_consumers_read():
-    with nanny_cluster([{}, {}], GPUPool(kind="host", max_size="256 MiB")) as c:
-        stress(c, 10, 4 * MiB)
+@pool_kinds("one-gpu")
+def test_stress_producers_release_while_consumers_read(kind):
+    rounds, nbytes, max_size = (10, 4 * MiB, "256 MiB") if kind == "host" else (40, 16 * MiB, "4 GiB")
+    with kind_cluster(kind, max_size) as c:
+        stress(c, rounds, nbytes)
 
 
 @pytest.mark.parametrize("bad", [{"gpupool": {"path": "ipc", "kind": "host", "nbytes": 8}}, {"gpupool": 3}])

@@ -424,7 +424,8 @@ def test_an_importer_that_left_the_registry_is_released_when_its_process_exits(m
         deadline = time.monotonic() + 5
         while "tcp://other-host:1" not in exited and time.monotonic() < deadline:
             time.sleep(0.01)
-        time.sleep(0.2)
+        _reply, fd = request_pool_fd(b.address, POOL, 5, TOKEN)  # a round trip: the broker's loop went on since
+        os.close(fd)
         assert exited == ["tcp://other-host:1"] and b.watched == 1  # the live one is watched, not released
         child.stdin.close()
         child.wait(10)
