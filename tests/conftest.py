@@ -18,8 +18,8 @@ from dask_gpupool.tuning import HOST_HANDOFF_THRESHOLD
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """With ``GPUPOOL_FAILURES_LOG`` set, append each failure's report to that file as it happens.
 
-    pytest prints failure bodies only at the end of the session; a GPU-machine run cut off by its time limit
-    (``scripts/gpu-check.sh``) lost the body of a failure that way (fourteenth session).
+    pytest prints failure bodies only once the run ends; a GPU-machine run cut off by its time limit
+    (``scripts/gpu-check.sh``) would lose them.
     """
     path = os.environ.get("GPUPOOL_FAILURES_LOG")
     if path and report.failed:
@@ -68,7 +68,7 @@ def nanny_cluster(
     class Cluster(SpecCluster):
         def _update_worker_status(self, op: str, msg: Any) -> None:
             # dask/distributed#5407: a "remove" for a worker this cluster's view no longer (or never) lists, seen
-            # when a Nanny restarted a SIGKILLed worker under load, raised KeyError at close (thirtieth session).
+            # when a Nanny restarted a SIGKILLed worker under load, raises KeyError at close.
             if op == "remove" and msg not in self.scheduler_info.get("workers", {}):
                 return
             super()._update_worker_status(op, msg)
@@ -479,8 +479,8 @@ def stalled_producer(c: Any, nbytes: int, stop: float = 3.0) -> None:
 def assert_the_collector_collects() -> None:
     """Fail if ``gc.collect()`` collects no cycle here: a collection stuck on another thread (a finalizer that
     deadlocked in an earlier test) makes every later collection in the process return at once, so buffers in cycles
-    are never freed. That, and no leak, was the 461 MB the thirty-first session saw counted used in the ``[arena]``
-    garbage-collector test on an H100: it ran after the ``[rmm]`` case had deadlocked inside a collection."""
+    are never freed, and a used-bytes check then fails for a reason that is not the pool's (461 MB counted used in
+    the ``[arena]`` garbage-collector test on an H100, run after the ``[rmm]`` case deadlocked inside a collection)."""
     import gc
     import weakref
 

@@ -42,7 +42,7 @@ def test_info_and_trim_commands_print_the_registry_and_stats():
 def test_dask_gpupool_commands_take_a_scheduler_file_tls_and_report_a_bad_address_in_one_line(tmp_path):
     """`dask gpupool info|trim` (Dask's own command, through the dask_cli entry point): an address or
     --scheduler-file, Dask's TLS options; an unreachable scheduler is one line and status 2; a closed pipe
-    is no traceback (issue 20)."""
+    is no traceback."""
     import json
     import sys
 

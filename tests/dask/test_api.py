@@ -95,7 +95,7 @@ def test_a_worker_that_does_not_answer_is_reported_and_the_others_still_are():
 
 def test_a_worker_whose_pool_set_up_failed_is_reported_and_the_others_still_answer(tmp_path):
     """A worker joins with a bad gpupool config (no preload of its own): stats, pool_stats, trim, info, the trim
-    command and the page name its failure; the other workers' pools work and are listed (issue 20)."""
+    command and the page name its failure; the other workers' pools work and are listed."""
     import json
     import sys
     import urllib.request

@@ -84,7 +84,7 @@ def test_dask_cuda_local_cuda_cluster_hands_over(placement):
     ids=["no-rmm", "rmm-pool", "rmm-async", "rmm-managed"],
 )
 def test_dask_cuda_rmm_options_meet_the_plugin_at_its_defaults(rmm_options, placement):
-    """Issue 18, dask-cuda's RMM combinations: LocalCUDACluster with each RMM option (a pool, the async allocator,
+    """dask-cuda's RMM combinations: LocalCUDACluster with each RMM option (a pool, the async allocator,
     managed memory, none), the plugin registered at its defaults, two workers on one GPU or one per GPU. dask-cuda's
     allocator stays; an 8 MiB plain CuPy array, made by whatever dask-cuda set up, reaches the
     other worker staged into the pool and handed over (staged-in-pool: managed memory cannot be exported, its bytes

@@ -50,7 +50,7 @@ def test_a_staged_cupy_header_matches_distributeds_and_deserializes():
 
 def test_a_received_device_frame_is_taken_at_its_own_size():
     """On a GPU, the frames distributed-ucxx receives (a CuPy byte array, an ``rmm.DeviceBuffer``) give a Buffer of
-    their own size; a header that says another size is a ProtocolError (bad-input review, thirtieth session)."""
+    their own size; a header that says another size is a ProtocolError."""
     gpus(1)
     import cupy
 
@@ -104,7 +104,7 @@ def test_a_client_gathers_a_pool_cupy_array_whatever_registered_cupys_serializer
     """A client process that imported ``dask_gpupool`` before CuPy, and then distributed's CuPy module (directly, or
     through a first dispatch of the ``"cuda"`` family, as a UCX comm makes), gets a pool-backed CuPy array's copy
     header: distributed's CuPy serializers had taken the dispatch before the lazy hook that installs ours, and the
-    header reached distributed's deserializer (``KeyError: 'shape'``; found by the thirty-first session's GPU run)."""
+    header reached distributed's deserializer (``KeyError: 'shape'``)."""
     import subprocess
     import sys
 

@@ -32,7 +32,7 @@ MiB = 1 << 20
 @pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
 @pytest.mark.parametrize("kind", ["rmm", "numba"])
 def test_device_objects_go_frame_by_frame_over_tcp(kind, placement):
-    """Issue 18, every "cuda"-serialized object: an rmm.DeviceBuffer or a Numba device array of 8 MiB goes to a
+    """Every "cuda"-serialized object: an rmm.DeviceBuffer or a Numba device array of 8 MiB goes to a
     same-host worker over TCP as its device frame staged into the producer's pool and handed over (staged-in-pool),
     a 1 KiB one through the comm (small); the consumer rebuilds the same type with the right bytes, and keeps them
     after the producer's key is gone and its pool scribbled over. At the defaults; the consumer
@@ -62,7 +62,7 @@ def test_device_objects_go_frame_by_frame_over_tcp(kind, placement):
 @pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
 @pytest.mark.parametrize("kind", ["reads-on-arrival", "wants-rmm-frames"])
 def test_any_cuda_serialized_type_goes_frame_by_frame_and_is_read_only_after_its_claim(kind, placement):
-    """Issue 18, every "cuda"-serialized object: a type distributed does not know (``T.DeviceRecord``, registered
+    """Every "cuda"-serialized object: a type distributed does not know (``T.DeviceRecord``, registered
     with ``cuda_serialize`` only) over a 16 MiB pool buffer that a producer kernel is still filling (300 ms spin)
     reaches a same-host worker over TCP zero-copy. Its deserializer sums the bytes on arrival, as a cuDF column's
     may read them, and the sum is right: the export waited for the producer's kernel, and the object's claims ran
@@ -98,7 +98,7 @@ def _zero_d_cupy_in_pool() -> Any:
 
 def test_a_zero_d_cupy_array_goes_into_the_pool_and_hands_over():
     """The GPU twin of ``test_layouts.py::test_a_zero_d_array_goes_into_the_pool_and_hands_over``: ``as_array``
-    without strides failed for a 0-d shape (thirty-first session's review), on CuPy as on NumPy."""
+    without strides must not fail for a 0-d shape, on CuPy as on NumPy."""
     gpus(1)
     with nanny_cluster([ONE_GPU, ONE_GPU], GPUPool(kind="device", max_size="1 GiB")) as c:
         a, b = worker_addresses(c)
@@ -119,7 +119,7 @@ def _numpy_to_pool_on_a_device_pool() -> bool:
 def test_to_pool_of_a_numpy_array_on_a_device_pool_returns_it_as_it_is():
     """``to_pool`` of a NumPy result on a ``device`` pool (the default kind on a GPU) raised ``ValueError`` from
     ``as_array`` (GPU memory cannot be viewed as NumPy) instead of returning the array, as it does for a CuPy
-    array on a ``host`` pool (review of the user-facing operations, thirty-third session)."""
+    array on a ``host`` pool."""
     gpus(1)
     with nanny_cluster([ONE_GPU], GPUPool(kind="device", max_size="64 MiB")) as c:
         (a,) = worker_addresses(c)

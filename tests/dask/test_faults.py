@@ -1,4 +1,4 @@
-"""Faults with real worker processes, killed for real (issue 5), on ``host`` pools (CI).
+"""Faults with real worker processes, killed for real, on ``host`` pools (CI).
 
 Each case ends with the surviving workers back to their baseline: fds, sockets,
 broker connections, mappings, leases and pool bytes.
@@ -83,8 +83,8 @@ def test_a_worker_the_scheduler_removes_while_its_process_lives_keeps_its_leases
     """The scheduler can remove a worker whose process lives on (``worker-ttl`` after a stall, a broken stream).
     Leaving the registry is not dying: the exporter keeps its leases until the process is gone (its pid, watched
     with a pidfd), so the memory it maps is never reused under it. Here B is stalled (SIGSTOP) and removed; A's
-    pool cannot take the leased MiB back until B's process is killed (found by a review of the lease protocol,
-    thirtieth session: A used to end B's leases at once, and a task still running on B read A's next values)."""
+    pool cannot take the leased MiB back until B's process is killed (were B's leases ended at once, a task still
+    running on B would read A's next values)."""
     with nanny_cluster([{}, {}], GPUPool(kind="host", max_size="16 MiB")) as c:
         a, b = worker_addresses(c)
         x = c.submit(T.make_buffer, MiB, b"original", workers=[a], pure=False)
@@ -287,7 +287,7 @@ def test_scheduler_restart_workers_leave_nothing_and_a_restarted_cluster_hands_o
 
 def test_a_restarted_worker_removes_the_broker_directory_its_killed_process_left():
     """A SIGKILLed worker cannot remove its broker's directory; the next broker started in that
-    broker-dir (here: the Nanny's restarted worker) removes it, and leaves the live peer's (issue 15)."""
+    broker-dir (here: the Nanny's restarted worker) removes it, and leaves the live peer's."""
     import shutil
     import tempfile
 

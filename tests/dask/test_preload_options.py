@@ -112,7 +112,7 @@ def test_cli_preload_cluster_configured_by_environment(tmp_path):
 
 def test_preload_arguments_set_every_option_and_a_bad_value_is_logged_and_reported(tmp_path):
     """`dask worker --preload dask_gpupool --gpupool-<key> VALUE ...` sets options; a worker whose config is bad
-    logs a ConfigError naming the key at start-up and is reported without a pool (issue 20)."""
+    logs a ConfigError naming the key at start-up and is reported without a pool."""
     import sys
 
     from conftest import wait_for

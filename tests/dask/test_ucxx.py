@@ -31,7 +31,7 @@ MiB = 1 << 20
 
 
 def test_the_serializer_family_a_ucx_comm_gets_for_pool_memory():
-    """Issue 16: with a UCX comm's serializer list, pool arrays and pool Buffers go as device frames ("cuda"),
+    """With a UCX comm's serializer list, pool arrays and pool Buffers go as device frames ("cuda"),
     never through our host copy."""
     gpus(1)
     with nanny_cluster([ONE_GPU], GPUPool(kind="device", max_size="1 GiB")) as c:
@@ -58,7 +58,7 @@ def ucx_workers(placement: str, hosts: str) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
 def test_on_ucxx_pool_memory_hands_over_or_travels_as_device_frames(placement):
-    """Issue 16 on UCXX clusters, on one GPU and across two: values reach the consumer with the right bytes and
+    """On UCXX clusters, on one GPU and across two: values reach the consumer with the right bytes and
     never as a host copy. Same host: pool memory of every size goes zero-copy (descriptors in UCX's frames). Workers
     that look like two hosts (host-id): all pool memory goes as device frames staged into memory UCX can send GPU to
     GPU. A plain CuPy array goes as distributed's own device frames, which UCX copies GPU to GPU (to a same-host
@@ -111,7 +111,7 @@ def test_on_ucxx_pool_memory_hands_over_or_travels_as_device_frames(placement):
 @pytest.mark.parametrize("memory", ["auto", "legacy"])
 @pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
 def test_on_ucxx_legacy_ipc_segments_go_to_another_host_without_the_staging_copy(placement, memory):
-    """Issue 19, UCX clusters: ``gpupool.segment-memory: auto`` on workers that listen over UCX makes segments of
+    """UCX clusters: ``gpupool.segment-memory: auto`` on workers that listen over UCX makes segments of
     legacy IPC memory, as ``legacy`` does, and says so in ``stats()``. Pool memory sent to a worker of another
     "host" goes to UCX as it is, which exports ``cuMemAlloc`` memory itself (``cuda_ipc``), not through a staging
     copy: a 1 MiB Buffer, an 8 MiB array and a strided view of it (distributed's serializer copies the view, as for
@@ -325,7 +325,7 @@ def test_on_ucxx_plain_cupy_arrays_go_unstaged_as_ucx_device_frames_by_default(p
 
 @pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
 def test_every_pair_of_two_hosts_over_ucxx_hands_over_or_sends_device_frames(placement):
-    """Issue 19, UCX clusters: four workers that look like two hosts (gpupool.host-id) of two GPUs, w0 and w2 on
+    """UCX clusters: four workers that look like two hosts (gpupool.host-id) of two GPUs, w0 and w2 on
     GPU 0, w1 and w3 on GPU 1 (``two-gpus``), or all four on GPU 0 (``one-gpu``). For every ordered pair an 8 MiB
     pool array made on the first reaches a task on the second with the right values: the same-"host" pair as a
     descriptor (zero-copy), the other-"host" pairs as device frames that UCX moves GPU to GPU, none as a host copy;
@@ -508,7 +508,7 @@ def _scribble_staging(nbytes: int, dask_worker: Any) -> int:
 
 @pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
 def test_on_ucxx_a_cancelled_reply_keeps_its_staging_memory_until_the_consumer_exits(placement, tmp_path):
-    """Thirty-first session (the review's open UCX case): a ``get_data`` reply of a staged value cancelled while
+    """A ``get_data`` reply of a staged value cancelled while
     distributed-ucxx waits for its send (here: the consumer's receive of the device frame held back, the producer's
     handler task cancelled as a closing server cancels it) may leave the consumer's ``cuda_ipc`` read of the staging
     block running. The producer parks the block in its quarantine (``ucx_quarantined_bytes``), not in the staging

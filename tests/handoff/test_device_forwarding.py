@@ -39,7 +39,7 @@ def _chain_cluster(placement: str) -> tuple[list[dict[str, Any]], Any]:
 
 @pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
 def test_a_chain_a_b_w_a_on_gpus_maps_the_first_exporter_and_outlives_the_middle(placement):
-    """Issue 18 on device pools: A -> B -> W, each hop zero-copy (W maps A's memory under a lease A granted through
+    """On device pools: A -> B -> W, each hop zero-copy (W maps A's memory under a lease A granted through
     B), then back to A (A takes its own buffer back); B's and A's keys gone and A's pool scribbled over, W and A read
     the right bytes."""
     workers, plugin = _chain_cluster(placement)
@@ -110,7 +110,7 @@ def test_every_layout_hands_over_on_a_gpu_and_passes_on(placement):
 @pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
 def test_a_device_value_imported_twice_is_still_passed_on_once_its_other_import_went(placement):
     """The GPU twin of ``test_forwarding.py::test_a_value_imported_twice_is_still_passed_on_once_its_other_import_
-    went`` (thirty-first session's review): B maps one allocation of A (in a segment) under two keys, the second
+    went``: B maps one allocation of A (in a segment) under two keys, the second
     import goes, and B still passes the first one's CuPy array on to W as A's memory, not as a copy."""
     n = 1 << 20
     workers, plugin = _chain_cluster(placement)

@@ -194,7 +194,7 @@ def test_stress_with_segments_one_gpu():
 )
 def test_stress_with_segments_two_gpus(options):
     """Across two GPUs with segments: each segment is imported once and stays mapped, so the
-    per-allocation imports under which the consumer's context broke (docs/gpu-checks.md) are gone. Segments of VMM
+    per-allocation imports under which the consumer's context broke are gone. Segments of VMM
     memory, or of legacy IPC memory (``gpupool.segment-memory: legacy``, each opened once by its handle): handoffs,
     releases and reuse under load, every value read right, nothing copied."""
     gpus(2)
@@ -209,7 +209,7 @@ def test_stress_with_segments_two_gpus(options):
 @pytest.mark.parametrize("ordering", ["sync", "device"])
 @pytest.mark.parametrize("layout", ["one-gpu", "two-gpus"])
 def test_a_consumer_never_reads_before_the_producers_kernel_wrote(layout, ordering):
-    """Issue 19, stream order: the producer's task queues a kernel that spins 300 ms and then fills a 16 MiB pool
+    """Stream order: the producer's task queues a kernel that spins 300 ms and then fills a 16 MiB pool
     buffer, and returns without waiting for it. The consumer on the same GPU or the other one reads every byte
     right: with gpupool.handoff-ordering ``sync`` because the exporter waited for the event recorded when Dask
     stored the task's result (step ``export-task-wait``), with ``device`` because it synchronized its GPU."""
@@ -231,7 +231,7 @@ def test_a_consumer_never_reads_before_the_producers_kernel_wrote(layout, orderi
 @pytest.mark.parametrize("value", ["buffer", "array"])
 @pytest.mark.parametrize("ordering", ["sync", "device"])
 def test_a_sync_export_waits_for_its_tasks_event_not_for_another_streams_kernel(ordering, value):
-    """Issue 19, stream order without stalling the producer, at the default ordering: a task's 16 MiB pool result
+    """Stream order without stalling the producer, at the default ordering: a task's 16 MiB pool result
     (a pool Buffer, or a CuPy array over one) is stored, then a later task leaves a 3 s kernel running on a
     non-blocking stream of the producer. With gpupool.handoff-ordering ``sync`` the export waits for the result's
     own event only (step ``export-task-wait``) and the consumer reads the right values while the kernel still

@@ -52,7 +52,7 @@ def test_trim_frees_retired_segments_once_the_peer_let_go(memory):
         assert why == want, why
         baseline = warm_up(c, a, b)
         # after a handoff each way, so that each worker's copy of the registry holds both rows (it is filled as
-        # pools are looked up, not at start: the twenty-seventh session saw it without the peer's row before)
+        # pools are looked up, not at start: before that it may lack the peer's row)
         assert c.run(T.segment_memory, workers=[b])[b] == {"pool": made_of, "row": made_of, a: made_of, b: made_of}
         x = c.submit(T.fill, 64 * MiB, 3, workers=[a], pure=False)
         y = c.submit(T.keep, x, workers=[b], pure=False)
@@ -85,7 +85,7 @@ def test_a_value_in_a_segment_the_peer_released_after_a_trim_comes_as_a_copy_and
     """After a trim, B unmaps a retired segment and releases it with its claims; a value still living in that
     segment and fetched again goes to B as a copy (fallback ``retired-segment``), with the right bytes, instead of
     a new mapping whose claims the owner's ledger would never see settled; and A frees the segment once the value
-    goes (a review of the lease protocol, thirtieth session: A used to keep it until B exited)."""
+    goes, not when B exits."""
     gpus(1)
     plugin = GPUPool(kind="device", max_size="4 GiB")
     with nanny_cluster([ONE_GPU, ONE_GPU], plugin) as c:
@@ -148,7 +148,7 @@ LARGE_MEMORY = {"vmm": {}, "legacy": {"segment_memory": "legacy"}}
 @pytest.mark.parametrize("gib", [8, 16])
 @pytest.mark.parametrize("layout", ["one-gpu", "two-gpus"])
 def test_buffers_of_8_and_16_gib_hand_over_zero_copy(layout, gib, memory):
-    """Issue 19, any size: with VMM segments (or legacy IPC ones) an 8 or 16 GiB pool buffer
+    """Any size: with VMM segments (or legacy IPC ones) an 8 or 16 GiB pool buffer
     reaches the consumer on the same GPU or the other one mapped, not copied, with the right bytes at its start,
     middle and end and everywhere (all_equal), and everything back to the baseline once it is dropped. Workers
     without a host memory limit: Dask counts a device value's bytes as managed memory and would spill a 16 GiB
@@ -223,7 +223,7 @@ def test_sigkill_of_the_producer_leaves_the_consumers_device_mapping_readable(me
 @pytest.mark.parametrize("killed", ["producer", "consumer"])
 @pytest.mark.parametrize("layout", ["one-gpu", "two-gpus"])
 def test_sigkill_with_an_8_gib_mapping_held(layout, killed, memory):
-    """Issue 19, faults at any size: B maps an 8 GiB buffer of A's (VMM segments, or legacy IPC ones). A SIGKILLed:
+    """Faults at any size: B maps an 8 GiB buffer of A's (VMM segments, or legacy IPC ones). A SIGKILLed:
     B still reads every byte right. B SIGKILLed: A ends its lease and its pool is back to 0 bytes used."""
     nbytes = 8 << 30
     workers = [{**w, "memory_limit": 0} for w in layout_workers(layout)]

@@ -1,6 +1,6 @@
 """A value a worker received zero-copy and passes on is mapped from its exporter, under the next worker's own lease.
 
-Issue 18: B holds an import of A's memory and C asks B for it. B asks A (over
+B holds an import of A's memory and C asks B for it. B asks A (over
 its link) to grant C a lease on the same memory and sends C A's descriptor; C
 maps A's pool itself. The memory then lives until C lets go, whatever B does.
 """
@@ -176,8 +176,8 @@ def test_a_reply_of_values_to_pass_on_is_serialized_on_the_event_loop():
 
 def test_a_value_imported_twice_is_still_passed_on_once_its_other_import_went():
     """B fetches one allocation of A under two keys: two imports (one shared mapping), two Buffers at one address.
-    The view index kept one Buffer per address, the last one added: once that import went, B no longer knew the
-    other one's arrays for pool memory and sent them as copies (a review of the views, thirty-first session)."""
+    A view index of one Buffer per address, the last one added, would forget the other one's arrays once that
+    import went, and B would send them as copies: B still passes them on as pool memory."""
     n = 100_000
     with nanny_cluster([{}, {}, {}], HOST_POOL) as c:
         a, b, w = worker_addresses(c)
@@ -206,9 +206,8 @@ def test_a_value_imported_twice_is_still_passed_on_once_its_other_import_went():
 
 def test_a_forward_settle_that_could_not_be_sent_is_sent_once_the_exporter_is_reached_again():
     """B passes A's value on to W in a reply that fails before W claimed it, at a moment B cannot reach A's broker:
-    the ForwardSettle could not be sent. It was dropped (logged), and A kept the forwarded lease, and the memory,
-    until B died. Now B sends it again, as it does releases, once a link to A opens (a review of forwarding,
-    thirty-first session)."""
+    the ForwardSettle could not be sent. Dropped, A would keep the forwarded lease, and the memory, until B died:
+    B sends it again, as it does releases, once a link to A opens."""
     with nanny_cluster([{}, {}, {}], HOST_POOL) as c:
         a, b, w = worker_addresses(c)
         baseline = _warm(c, a, b, w)
@@ -269,11 +268,11 @@ def test_a_forward_and_its_settle_in_either_order(order):
 
 def test_a_forwarded_descriptor_replayed_by_its_forwarder_cannot_end_the_lease_of_the_import_it_came_with():
     """B passes A's value on to W (W maps A's memory under its own lease L), then, lying, sends W the same header
-    again for another key: a replayed descriptor. W claimed L a second time (A answers a second claim of a lease as
-    held) and had two imports under one lease: when the replayed key went, its release ended L at A while W's first
-    import still mapped the memory, so a member could make an exporter free memory another worker maps
-    (docs/security.md says it cannot), and W's own value read zeros (review of leases, thirty-fourth session). Now W
-    imports a lease once: a header naming a lease it holds is ``DataLostError``, and its value keeps its lease."""
+    again for another key: a replayed descriptor. Were W to claim L a second time (A answers a second claim of a
+    lease as held) and hold two imports under one lease, the replayed key's release would end L at A while W's
+    first import still mapped the memory, so a member could make an exporter free memory another worker maps
+    (docs/security.md says it cannot), and W's own value would read zeros. W imports a lease once: a header naming a
+    lease it holds is ``DataLostError``, and its value keeps its lease."""
     with nanny_cluster([{}, {}, {}], HOST_POOL) as c:
         a, b, w = worker_addresses(c)
         baseline = _warm(c, a, b, w)

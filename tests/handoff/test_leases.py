@@ -1,4 +1,4 @@
-"""Leases that hold through stalls, broken links and lying members (issue 15, cases 1, 2 and 4).
+"""Leases that hold through stalls, broken links and lying members.
 
 Real ``Nanny`` worker processes on ``host`` pools, stopped with SIGSTOP and
 resumed with SIGCONT. Each case reads the bytes a stalled or surviving reader
@@ -111,8 +111,8 @@ def test_a_lease_in_doubt_claimed_another_way_is_no_longer_counted_in_doubt():
     """A reply-claimed lease in doubt (its reply failed at the exporter) that its importer then claims over the
     broker (an import that fell back to a copy, or a claim while a resync was open) or lists in a resync is held:
     the exporter stops asking about it (``in_doubt``), and ``leases_in_doubt`` (``doubtful``) no longer counts it.
-    Before, the flag stayed set for as long as the importer held the value, and ``stats()`` showed the lease in
-    doubt, waiting for an answer nobody would ask for (error-path review, thirty-third session)."""
+    The flag must not stay set for as long as the importer holds the value, with ``stats()`` showing the lease in
+    doubt, waiting for an answer nobody would ask for."""
     table = LeaseTable(60)
     held = bytearray(8)
     by_claim, by_resync = (table.grant(held, 8, "tcp://b:1", by_reply=True) for _ in range(2))

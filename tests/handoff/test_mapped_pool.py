@@ -112,7 +112,7 @@ def test_a_legacy_ipc_segment_needs_its_handle_and_a_gpu_and_comes_only_as_a_seg
 def test_a_descriptor_past_the_end_of_a_segment_mapped_here_is_refused():
     """The bounds of a segment already mapped are those of its mapping, not the extent a later descriptor claims:
     a descriptor naming the same segment id with a larger extent and an offset past the mapping is a ProtocolError,
-    and the segment's users are not counted up (found by a review of bad input, thirtieth session)."""
+    and the segment's users are not counted up."""
     import pytest
 
     from dask_gpupool.errors import ProtocolError
@@ -132,8 +132,8 @@ def test_a_descriptor_past_the_end_of_a_segment_mapped_here_is_refused():
 def test_a_segment_released_here_is_not_mapped_again():
     """Once this process unmapped a retired segment and released it (its ``(id, claims)`` sent), the segment is
     not mapped here again: a later claim would restart its count where the owner's ledger goes on, and the owner
-    would keep the segment for good (a review of the lease protocol, thirtieth session; the handoff goes as a copy
-    instead, fallback ``retired-segment``). A retired segment unmapped with no claim sent nothing, and may be."""
+    would keep the segment for good (the handoff goes as a copy instead, fallback ``retired-segment``). A retired
+    segment unmapped with no claim sent nothing, and may be."""
     import pytest
 
     from dask_gpupool.errors import PeerAccessError
@@ -158,7 +158,7 @@ def test_a_segment_released_here_is_not_mapped_again():
 def test_a_claim_the_owner_never_acknowledged_is_taken_back_from_the_segments_count():
     """The ``(id, claims)`` of a release must count only claims the owner acknowledged: a broker claim it refused
     (or never answered) is taken back before the buffer closes (``unclaim``), so the release matches the owner's
-    ledger instead of keeping the segment there for good (a review of the lease protocol, thirtieth session)."""
+    ledger instead of keeping the segment there for good."""
     from dask_gpupool.wire.handoff import BufferDescriptor
 
     m = mapped_with((6, 0, 1))

@@ -245,8 +245,7 @@ def test_legacy_ipc_memory_resource_allocates_names_and_bounds_its_memory():
 def test_a_legacy_ipc_handle_given_for_a_larger_segment_than_its_allocation_is_refused():
     """``LegacyMapping.open`` maps what the handle names, whatever extent the descriptor says: a handle of a 4 MiB
     allocation (made in another process, as a peer's segment is) opens as a 4 MiB segment, and given for a 1 GiB
-    one it is a ProtocolError with the mapping closed again, so no buffer past the allocation's end is made (found
-    by a review of bad input, thirtieth session)."""
+    one it is a ProtocolError with the mapping closed again, so no buffer past the allocation's end is made."""
     gpus(1)
     import subprocess
     import sys

@@ -355,7 +355,7 @@ def test_segments_are_exported_by_fd_only_when_their_memory_says_so():
 
 def test_a_buffer_freed_by_the_garbage_collector_inside_a_placement_does_not_deadlock_it():
     """A segment buffer in a reference cycle freed by the collector inside the resource's own allocation (on the
-    thread that holds the segment's arena lock) must neither deadlock nor be freed twice (found by review)."""
+    thread that holds the segment's arena lock) must neither deadlock nor be freed twice."""
     import gc
 
     from conftest import run_with_frequent_collections

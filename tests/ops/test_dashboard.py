@@ -109,7 +109,7 @@ def test_dashboard_page_in_a_headless_browser(tmp_path):
 def test_dashboard_page_escapes_every_pushed_value():
     """A worker's stats push is the worker's claim: every value and key on /gpupool is escaped, and the page
     still renders when the values have the wrong types; /gpupool.json carries them back unchanged but with no raw
-    ``<`` (issue 15)."""
+    ``<``."""
     import json
     import urllib.error
     import urllib.request
