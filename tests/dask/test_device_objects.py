@@ -425,7 +425,7 @@ def test_a_ucx_reply_that_ends_without_its_ok_parks_what_its_device_frames_keep_
 
     Real services on ``host`` pools and a registry snapshot; the requester's row names a real process of this host.
     The device frames are the serializers' own ``_DeviceFrame`` s, noted as ``cuda_dumps_cupy`` and
-    ``_cuda_serialize_buffer`` note what they return (which needs device memory: the GPU test
+    ``cuda_family.serialize_buffer`` note what they return (which needs device memory: the GPU test
     ``test_on_ucxx_a_cancelled_reply_keeps_its_staging_memory_until_the_consumer_exits``); their owners are plain
     objects, which the code only keeps references to."""
     import dataclasses
