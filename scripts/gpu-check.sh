@@ -8,7 +8,8 @@
 # HANDOFF_BUDGET (seconds, default 360) bounds the handoff benchmark; 0 skips it.
 # PART=tests runs the suite, the demo and the example; PART=bench the benchmarks and the ETL example;
 # unset runs both (more than one 10-minute device call can hold when the handoff budget is large).
-# PYTEST_K selects tests (pytest -k), PYTEST_PATHS the paths (default tests), PYTEST_ARGS adds pytest options; HANDOFF_ARGS adds options to benchmarks/handoff.py; ETL=0 and
+# PYTEST_M selects tests by marker (pytest -m, e.g. "gpu", "not gpu"), PYTEST_K by name (pytest -k), PYTEST_PATHS the
+# paths (default tests), PYTEST_ARGS adds pytest options; HANDOFF_ARGS adds options to benchmarks/handoff.py; ETL=0 and
 # LARGE=0 skip the ETL example and the 5-8 GiB import check; MAPPING=0 the pool-mapping benchmark; DEMO=0
 # the demo and the example; SUBALLOC=0 the placement allocator benchmark. ETL_LAYOUTS (default "shared") lists
 # the ETL example's layouts (shared, per-gpu, dask-cuda); ETL_ARGS adds options to it. Everything under $OUT
@@ -104,11 +105,13 @@ if [ "$PART" != bench ]; then
 # -v: each test's name and outcome as it ends, so a call cut off by its time limit still says which ran and how
 # failures as they happen (tests/conftest.py): a run cut off by PYTEST_TIMEOUT keeps their bodies
 export GPUPOOL_FAILURES_LOG="$OUT/failures.log"
-timeout $(left ${PYTEST_TIMEOUT:-480}) python3 -m pytest ${PYTEST_PATHS:-tests} ${PYTEST_K:+-k "$PYTEST_K"} -p no:cacheprovider -o addopts="" -v -rA --durations=8 --timeout 180 ${PYTEST_ARGS:-} > "$OUT/pytest.log" 2>&1
+timeout $(left ${PYTEST_TIMEOUT:-480}) python3 -m pytest ${PYTEST_PATHS:-tests} ${PYTEST_M:+-m "$PYTEST_M"} ${PYTEST_K:+-k "$PYTEST_K"} -p no:cacheprovider -o addopts="" -v -rA --durations=8 --timeout 180 ${PYTEST_ARGS:-} > "$OUT/pytest.log" 2>&1
 TESTS_RC=$?
 echo "pytest exit: $TESTS_RC"
 echo "== failures/errors"; grep -aE "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20
-echo "== gpu tests"; grep -aE "^(PASSED|FAILED|SKIPPED|ERROR).*(test_gpu|test_leases)" "$OUT/pytest.log"
+# the gpu-marked tests: every result with PYTEST_M=gpu; else those of the GPU modules and the device cases
+echo "== gpu tests"; if [ "${PYTEST_M:-}" = gpu ]; then grep -aE "^(PASSED|FAILED|SKIPPED|ERROR) " "$OUT/pytest.log"
+else grep -aE "^(PASSED|FAILED|SKIPPED|ERROR) .*(/test_device_(memory|handoff|segments|forwarding|copies|frames|values)\.py|/test_(ucxx|dask_cuda|plain_cupy)\.py|\[device-)" "$OUT/pytest.log"; fi
 [ -s "$OUT/failures.log" ] && { echo "== failure bodies (failures.log, last 60 lines)"; tail -n 60 "$OUT/failures.log"; }
 [ "$TESTS_RC" = 124 ] && { echo "== cut off by PYTEST_TIMEOUT; the tests that ended:"; grep -aE "::.* (PASSED|FAILED|ERROR|SKIPPED)" "$OUT/pytest.log" | tail -40; }
 echo "== slowest"; grep -aE "^[0-9.]+s call" "$OUT/pytest.log" | head -8

@@ -18,8 +18,8 @@ from dask_gpupool.tuning import HOST_HANDOFF_THRESHOLD
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """With ``GPUPOOL_FAILURES_LOG`` set, append each failure's report to that file as it happens.
 
-    pytest prints failure bodies only at the end of the session; a GPU-machine run cut off by its time limit
-    (``scripts/gpu-check.sh``) lost the body of a failure that way (fourteenth session).
+    pytest prints failure bodies only once the run ends; a GPU-machine run cut off by its time limit
+    (``scripts/gpu-check.sh``) would lose them.
     """
     path = os.environ.get("GPUPOOL_FAILURES_LOG")
     if path and report.failed:
@@ -68,7 +68,7 @@ def nanny_cluster(
     class Cluster(SpecCluster):
         def _update_worker_status(self, op: str, msg: Any) -> None:
             # dask/distributed#5407: a "remove" for a worker this cluster's view no longer (or never) lists, seen
-            # when a Nanny restarted a SIGKILLed worker under load, raised KeyError at close (thirtieth session).
+            # when a Nanny restarted a SIGKILLed worker under load, raises KeyError at close.
             if op == "remove" and msg not in self.scheduler_info.get("workers", {}):
                 return
             super()._update_worker_status(op, msg)
@@ -210,6 +210,94 @@ def stop_processes(procs: list[Any]) -> None:
             p.wait(30)
 
 
+# -- the registry, command-line, operations and registration tests ---------------------------
+
+#: A small host pool whose brokers drop a connection that sends nothing for 2 s: the plugin of the tests of the
+#: registry, the commands, the operations pages and the registrations.
+PLUGIN = GPUPool(kind="host", max_size="64MiB", broker_timeout="2s")
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[Any]:
+    """Two workers with :data:`PLUGIN`, shared by the tests of a module (each leaves the cluster as it found it)."""
+    with nanny_cluster([{}, {}], PLUGIN) as c:
+        yield c
+
+
+def by_worker(client: Any) -> dict[str, Any]:
+    """The registry's rows by worker address."""
+    import dask_gpupool
+
+    return {r.worker: r for r in dask_gpupool.pools(client)}
+
+
+def rejected_on_scheduler(client: Any, name: str = "gpupool") -> dict[str, int]:
+    """The scheduler plugin's count of refused registry messages, by reason (test inspection only)."""
+
+    def get(dask_scheduler: Any) -> dict[str, int]:
+        return dict(getattr(dask_scheduler.plugins[name], "rejected", {}))
+
+    return client.run_on_scheduler(get)
+
+
+def cli(*args: str) -> Any:
+    """``python -m dask_gpupool ARGS`` in a subprocess, its output captured (a ``subprocess.CompletedProcess``)."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "dask_gpupool", *args], capture_output=True, text=True, timeout=120)
+
+
+def dashboard_base(client: Any, worker: str | None = None) -> str:
+    """``http://host:port`` of ``worker``'s HTTP server (its dashboard's port), or of the scheduler's."""
+    info = client.scheduler_info()
+    host = info["address"].split("://")[1].rsplit(":", 1)[0]
+    port = T.workers(client)[worker]["services"]["dashboard"] if worker else info["services"]["dashboard"]
+    return f"http://{host}:{port}"
+
+
+# -- the GPU layouts of the gpu-marked tests ------------------------------------------------
+
+#: A worker on GPU 0 (two of them share it).
+ONE_GPU = {"env": {"CUDA_VISIBLE_DEVICES": "0"}}
+#: dask-cuda's layout on two GPUs: each worker's own GPU is its ordinal 0, and both GPUs are visible.
+ROTATED = [{"env": {"CUDA_VISIBLE_DEVICES": "0,1"}}, {"env": {"CUDA_VISIBLE_DEVICES": "1,0"}}]
+
+
+def gpus(n: int) -> None:
+    """Skip unless ``n`` GPUs are visible, and CuPy (which the checks read device memory with) imports."""
+    if len(local_devices().uuids) < n:
+        pytest.skip(f"needs {n} GPUs, sees {len(local_devices().uuids)}")
+    pytest.importorskip("cupy", reason="the GPU tests read device memory with CuPy")
+
+
+def layout_workers(layout: str) -> list[dict]:
+    """Two workers on one GPU, or one on each of two (skips when the GPUs are missing)."""
+    gpus(2 if layout == "two-gpus" else 1)
+    return ROTATED if layout == "two-gpus" else [ONE_GPU, ONE_GPU]
+
+
+def pool_kinds(*layouts: str) -> pytest.MarkDecorator:
+    """Parametrize a test's ``kind`` over ``host`` pools and, gpu-marked, ``device`` pools on each of ``layouts``
+    (``one-gpu``, ``two-gpus``): ids ``host``, ``device-one-gpu``, ``device-two-gpus``. For the scenarios that
+    hold on any pool; :func:`kind_cluster` makes the cluster."""
+    kinds = [pytest.param(f"device-{layout}", marks=pytest.mark.gpu) for layout in layouts]
+    return pytest.mark.parametrize("kind", ["host", *kinds])
+
+
+def kind_cluster(kind: str, max_size: str | int, n: int = 2, **options: Any) -> Any:
+    """:func:`nanny_cluster` of ``n`` workers with a pool of ``kind`` (from :func:`pool_kinds`), ``max_size`` and
+    ``options``. ``device-one-gpu`` puts every worker on GPU 0; ``device-two-gpus`` makes them alternate between
+    GPUs 0 and 1 (:data:`ROTATED`); a ``device`` kind skips without its GPUs or CuPy."""
+    if kind == "host":
+        workers: list[dict[str, Any]] = [{}] * n
+    else:
+        two = kind == "device-two-gpus"
+        gpus(2 if two else 1)
+        workers = [ROTATED[i % 2] for i in range(n)] if two else [ONE_GPU] * n
+    return nanny_cluster(workers, GPUPool(kind=kind.split("-")[0], max_size=max_size, **options))
+
+
 # -- cluster helpers shared by the multi-process tests ------------------------------------
 
 #: A small host pool: the plugin most CPU tests register.
@@ -325,7 +413,7 @@ def stress(c, rounds: int, nbytes: int) -> int:
     return rounds
 
 
-# -- the stalled-process cases of the lease tests, on any pool kind (tests/handoff/test_leases.py, tests/test_gpu.py)
+# -- the stalled-process cases of the lease tests, on any pool kind (tests/handoff/test_leases.py)
 
 
 def stalled_consumer(c: Any, nbytes: int, stop: float = 3.0) -> None:
@@ -391,8 +479,8 @@ def stalled_producer(c: Any, nbytes: int, stop: float = 3.0) -> None:
 def assert_the_collector_collects() -> None:
     """Fail if ``gc.collect()`` collects no cycle here: a collection stuck on another thread (a finalizer that
     deadlocked in an earlier test) makes every later collection in the process return at once, so buffers in cycles
-    are never freed. That, and no leak, was the 461 MB the thirty-first session saw counted used in the ``[arena]``
-    garbage-collector test on an H100: it ran after the ``[rmm]`` case had deadlocked inside a collection."""
+    are never freed, and a used-bytes check then fails for a reason that is not the pool's (461 MB counted used in
+    the ``[arena]`` garbage-collector test on an H100, run after the ``[rmm]`` case deadlocked inside a collection)."""
     import gc
     import weakref
 

@@ -1,4 +1,4 @@
-"""What a user's client catches when a task raises one of our errors (issue 20: errors keep their class)."""
+"""What a user's client catches when a task raises one of our errors (errors keep their class)."""
 
 from __future__ import annotations
 

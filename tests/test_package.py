@@ -111,7 +111,7 @@ def test_etl_example_runs_small_on_host_pools(tmp_path):
     assert "plain Dask: every transfer is Dask's own (no plugin, nothing counted)" in out.stdout
 
 
-# -- the layers (issue 17) -------------------------------------------------------------------------------
+# -- the layers -------------------------------------------------------------------------------------
 
 PACKAGE = ROOT / "dask_gpupool"
 

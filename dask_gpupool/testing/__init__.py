@@ -46,6 +46,7 @@ from dask_gpupool.testing.memory import (
     write_bytes,
 )
 from dask_gpupool.testing.probes import (
+    broker_barrier,
     deserialize_headers,
     grant_unclaimed_lease,
     handoff_counters,
@@ -59,6 +60,7 @@ from dask_gpupool.testing.probes import (
     resources,
     segment_memory,
     serialized_inline,
+    settles_waiting,
     socket_peers,
     spilled_bytes,
     start_loop_ticks,
@@ -114,6 +116,7 @@ __all__ = [
     "array_equal",
     "as_nested_list",
     "block_imports",
+    "broker_barrier",
     "check_device_object",
     "check_device_record",
     "close_links",
@@ -170,6 +173,7 @@ __all__ = [
     "serialized_inline",
     "serializer_families",
     "set_all",
+    "settles_waiting",
     "slow_fill",
     "slow_plain_cupy",
     "socket_peers",

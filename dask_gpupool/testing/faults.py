@@ -1,6 +1,6 @@
 """Fault injection: stalls, hidden brokers, broken links (the lease tests, ``tests/handoff/test_leases.py``),
-plugin installs held back (the registration tests, ``tests/dask/test_cluster.py``), and routing sizes other than the
-measured ones (:func:`route_sizes`)."""
+plugin installs held back (the registration tests, ``tests/dask/test_scheduler_plugin.py``), and routing sizes
+other than the measured ones (:func:`route_sizes`)."""
 
 from __future__ import annotations
 

@@ -216,6 +216,33 @@ def lease_counts(dask_worker: Worker) -> dict[str, int]:
     }
 
 
+def broker_barrier(dask_worker: Worker) -> None:
+    """client.run target: one round trip to this worker's own broker (a request for a pool it does not serve, which
+    it refuses), answered on the broker's thread after everything queued there before it: a departed importer's
+    watch, say."""
+    import uuid
+
+    from dask_gpupool.errors import UnknownPoolError
+    from dask_gpupool.transport.link import request_pool_fd
+
+    broker = service_of(dask_worker).broker
+    assert broker.token is not None, "the worker has no cluster token yet"
+    try:
+        _reply, fd = request_pool_fd(broker.address, str(uuid.uuid4()), 10.0, broker.token)
+    except UnknownPoolError:
+        return
+    os.close(fd)
+    raise AssertionError("the broker served a pool it does not have")
+
+
+def settles_waiting(dask_worker: Worker) -> int:
+    """client.run target: forwarded leases whose settle this worker could not send, kept until a link to their
+    exporter opens again (:meth:`~dask_gpupool.handoff.releaser.Releaser.settle_later`)."""
+    releaser = service_of(dask_worker).importer.releaser
+    with releaser._cond:
+        return sum(len(entry.settled) for entry in releaser._retry.values())
+
+
 async def start_loop_ticks(dask_worker: Worker, interval: float = 0.01) -> None:
     """client.run target: tick on this worker's event loop every ``interval`` s, noting the longest gap."""
     import asyncio

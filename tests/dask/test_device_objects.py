@@ -1,9 +1,9 @@
 """The serialization family that sends "cuda"-serialized objects frame by frame (``dask/frames_family.py``).
 
-Issue 18. What runs without a GPU: the family declines everything outside a same-host reply from a ``device``
+What runs without a GPU: the family declines everything outside a same-host reply from a ``device``
 pool (so Dask's own families serialize as before), its wire format round-trips an object whose ``cuda``
 serializer gives host frames, and malformed headers fail with a clear error. The device frames themselves are
-exercised on a GPU: ``tests/test_gpu.py::test_device_objects_go_frame_by_frame_over_tcp``.
+exercised on a GPU: ``tests/dask/test_device_values.py::test_device_objects_go_frame_by_frame_over_tcp``.
 """
 
 from __future__ import annotations
@@ -183,8 +183,8 @@ def test_staging_copies_are_waited_for_unless_the_comm_synchronizes_the_gpu():
     for scheme, synchronizes in [("ucxx", True), ("ucx", True), ("tcp", False), ("tls", False), ("inproc", False)]:
         request: Any = SimpleNamespace(scheme=scheme, service=gpu0)
         assert F._comm_synchronizes(request) is synchronizes, scheme
-    # distributed-ucxx synchronizes device 0 of the process, whatever GPU the worker uses (thirtieth session's
-    # review): a worker on another ordinal waits for its staging copy itself
+    # distributed-ucxx synchronizes device 0 of the process, whatever GPU the worker uses: a worker on another
+    # ordinal waits for its staging copy itself
     other_gpu: Any = SimpleNamespace(scheme="ucxx", service=SimpleNamespace(pool=SimpleNamespace(device=1)))
     assert F._comm_synchronizes(other_gpu) is False
 
@@ -333,7 +333,7 @@ def test_pool_memory_goes_to_ucx_unstaged_when_small_or_in_this_workers_own_lega
     segments of legacy IPC memory (``segment-memory: legacy``, which UCX exports itself) and the buffer is that
     pool's own: a buffer imported from or made by another pool is staged, since an opened IPC handle cannot be
     exported again. The pool's ``segment_memory`` is set here as a ``device`` pool with legacy segments has it; the
-    CUDA side runs in ``tests/test_gpu.py`` (``test_on_ucxx_legacy_ipc_segments_*``)."""
+    CUDA side runs in ``tests/dask/test_ucxx.py`` (``test_on_ucxx_legacy_ipc_segments_*``)."""
     import secrets
 
     from dask_gpupool import PoolOptions
@@ -371,8 +371,8 @@ def test_pool_memory_goes_to_ucx_unstaged_when_small_or_in_this_workers_own_lega
 def test_a_failed_read_leaves_no_frame_holding_what_it_received():
     """Dask logs a failed read with its traceback and keeps the record (``gather_dep``'s ``logger.exception``):
     no frame of the exception, its cause or its context may keep what the read held alive (distributed-ucxx's
-    ``read`` holds the received device frames, and raises ``CommClosedError`` from the UCX error; thirtieth
-    session's review). The comm is a real one (inproc); the read is the comm's read as the wrapper is given it."""
+    ``read`` holds the received device frames, and raises ``CommClosedError`` from the UCX error). The comm is a real
+    one (inproc); the read is the comm's read as the wrapper is given it."""
     import asyncio
     import gc
     import weakref
@@ -425,7 +425,7 @@ def test_a_ucx_reply_that_ends_without_its_ok_parks_what_its_device_frames_keep_
 
     Real services on ``host`` pools and a registry snapshot; the requester's row names a real process of this host.
     The device frames are the serializers' own ``_DeviceFrame`` s, noted as ``cuda_dumps_cupy`` and
-    ``_cuda_serialize_buffer`` note what they return (which needs device memory: the GPU test
+    ``cuda_family.serialize_buffer`` note what they return (which needs device memory: the GPU test
     ``test_on_ucxx_a_cancelled_reply_keeps_its_staging_memory_until_the_consumer_exits``); their owners are plain
     objects, which the code only keeps references to."""
     import dataclasses

@@ -1,4 +1,4 @@
-"""Faults with real worker processes, killed for real (issue 5), on ``host`` pools (CI).
+"""Faults with real worker processes, killed for real, on ``host`` pools (CI).
 
 Each case ends with the surviving workers back to their baseline: fds, sockets,
 broker connections, mappings, leases and pool bytes.
@@ -17,8 +17,10 @@ from conftest import (
     counters,
     free_port,
     kill_consumer_holding_leases,
+    kind_cluster,
     nanny_cluster,
     pid_of,
+    pool_kinds,
     stop_processes,
     wait_for,
     warm_up,
@@ -81,8 +83,8 @@ def test_a_worker_the_scheduler_removes_while_its_process_lives_keeps_its_leases
     """The scheduler can remove a worker whose process lives on (``worker-ttl`` after a stall, a broken stream).
     Leaving the registry is not dying: the exporter keeps its leases until the process is gone (its pid, watched
     with a pidfd), so the memory it maps is never reused under it. Here B is stalled (SIGSTOP) and removed; A's
-    pool cannot take the leased MiB back until B's process is killed (found by a review of the lease protocol,
-    thirtieth session: A used to end B's leases at once, and a task still running on B read A's next values)."""
+    pool cannot take the leased MiB back until B's process is killed (were B's leases ended at once, a task still
+    running on B would read A's next values)."""
     with nanny_cluster([{}, {}], GPUPool(kind="host", max_size="16 MiB")) as c:
         a, b = worker_addresses(c)
         x = c.submit(T.make_buffer, MiB, b"original", workers=[a], pure=False)
@@ -102,7 +104,7 @@ def test_a_worker_the_scheduler_removes_while_its_process_lives_keeps_its_leases
         try:
             c.run_on_scheduler(remove)
             wait_for(lambda: b_pool not in c.run(T.known_pools, workers=[a])[a], what="A to learn that B left")
-            time.sleep(0.5)
+            c.run(T.broker_barrier, workers=[a])  # A's broker handled B's departure (where it would end the lease)
             for _ in range(4):  # new values on A: none lands on the leased MiB
                 c.submit(T.scribble, MiB, b"SCRIBBLED!", workers=[a], pure=False).result()
             assert c.run(T.lease_counts, workers=[a])[a]["leases"] == 1
@@ -155,11 +157,20 @@ def test_a_full_pool_is_a_clear_error_of_ours():
         assert "cannot allocate" in message and row.pool in message
 
 
-def test_consumer_killed_while_holding_many_leases_releases_them_all():
-    with nanny_cluster([{}, {}], HOST_POOL) as c:
+def _values_for_the_consumer(c, kind: str, a: str) -> list:
+    """A's values that its consumer keeps: 200 of the smallest buffer a ``host`` pool hands over rather than copies,
+    or 8 of 16 MiB on a ``device`` pool."""
+    if kind == "host":
+        return [c.submit(T.make_buffer, HOST_HANDOFF_THRESHOLD, b"x", workers=[a], pure=False) for _ in range(200)]
+    return [c.submit(T.fill, 16 * MiB, 4, workers=[a], pure=False) for _ in range(8)]
+
+
+@pool_kinds("one-gpu")
+def test_consumer_killed_while_holding_many_leases_releases_them_all(kind):
+    with kind_cluster(kind, "64 MiB" if kind == "host" else "1 GiB") as c:
         a, b = worker_addresses(c)
         baseline = warm_up(c, a, b)
-        xs = [c.submit(T.make_buffer, HOST_HANDOFF_THRESHOLD, b"x", workers=[a], pure=False) for _ in range(200)]
+        xs = _values_for_the_consumer(c, kind, a)
         kill_consumer_holding_leases(c, a, b, xs)
         del xs
         c.wait_for_workers(2, timeout=60)
@@ -276,7 +287,7 @@ def test_scheduler_restart_workers_leave_nothing_and_a_restarted_cluster_hands_o
 
 def test_a_restarted_worker_removes_the_broker_directory_its_killed_process_left():
     """A SIGKILLed worker cannot remove its broker's directory; the next broker started in that
-    broker-dir (here: the Nanny's restarted worker) removes it, and leaves the live peer's (issue 15)."""
+    broker-dir (here: the Nanny's restarted worker) removes it, and leaves the live peer's."""
     import shutil
     import tempfile
 

@@ -1,6 +1,6 @@
 """Every layout of an array over pool memory hands over with its shape, strides and offset (NumPy on host pools).
 
-Issue 18. The GPU twin with CuPy is ``tests/test_gpu.py::test_every_layout_hands_over_on_a_gpu``.
+The GPU twin with CuPy is ``tests/handoff/test_device_forwarding.py::test_every_layout_hands_over_on_a_gpu``.
 """
 
 from __future__ import annotations
@@ -76,8 +76,8 @@ def _unlock_and_write(x: Any) -> str:
 @pytest.mark.parametrize("hops", [1, 2], ids=["handed-over", "passed-on"])
 def test_a_received_array_cannot_be_made_writable_again(three_workers, hops):
     """NumPy refuses to set ``writeable`` back only on an array whose base is read-only memory: over a writable
-    base (the ctypes array over the mapping) a task could turn the flag on and write into the producer's memory
-    (a review of the array views, thirty-first session)."""
+    base (the ctypes array over the mapping) a task could turn the flag on and write into the producer's memory:
+    a received array's base is read-only."""
     c, a, b, w = three_workers
     x = c.submit(T.make_array, 400, workers=[a], pure=False)
     got = c.submit(T.keep, x, workers=[b], pure=False)
@@ -113,8 +113,8 @@ def _fields(x: Any) -> dict[str, Any]:
 
 @pytest.mark.parametrize("where", ["handed-over", "passed-on", "gathered", "staged"])
 def test_records_arrive_with_their_fields(three_workers, where):
-    """An array of a structured dtype keeps its fields on every path (a review of the array headers, thirty-first
-    session: they carried ``dtype.str``, ``"|V12"``, and the consumer got raw bytes with no fields). Such arrays
+    """An array of a structured dtype keeps its fields on every path (``dtype.str``, ``"|V12"``, would give the
+    consumer raw bytes with no fields). Such arrays
     go through distributed's serializer, which keeps them; ``staged``: a plain NumPy array over the stage
     threshold given to the producer (host pools stage nothing by default)."""
     n = 5000
@@ -141,8 +141,7 @@ def test_records_arrive_with_their_fields(three_workers, where):
 
 def test_a_pool_array_of_a_structured_dtype_is_a_counted_copy(three_workers):
     """A pool array whose dtype an array header cannot describe (structured) goes as distributed's copy: counted under
-    its own fallback reason, never a silent same-host copy (review of the thirty-first session's structured-dtype
-    fix)."""
+    its own fallback reason, never a silent same-host copy."""
     c, a, b, _w = three_workers
     before = counters(c)
     x = c.submit(_records, 5000, True, workers=[a], pure=False)
@@ -161,8 +160,8 @@ def _zero_d_in_pool() -> Any:
 
 
 def test_a_zero_d_array_goes_into_the_pool_and_hands_over(three_workers):
-    """``as_array`` without strides made the strides of a 0-d array those of a 1-d one, and failed (``zip()
-    argument 2 is longer``): ``to_pool`` of a 0-d result raised (a review of the views, thirty-first session)."""
+    """``as_array`` without strides must not make the strides of a 0-d array those of a 1-d one (``zip()
+    argument 2 is longer``): ``to_pool`` of a 0-d result goes into the pool and hands over."""
     c, a, b, _w = three_workers
     x = c.submit(_zero_d_in_pool, workers=[a], pure=False)
     y = c.submit(T.keep, x, workers=[b], pure=False)
@@ -185,8 +184,7 @@ def _view_and_write(buf: Any) -> str:
 @pytest.mark.parametrize("hops", [1, 2], ids=["handed-over", "passed-on"])
 def test_a_view_of_a_received_buffer_is_read_only(three_workers, hops):
     """A Buffer received zero-copy is the producer's memory as an array over it is: ``as_array`` views it
-    read-only. It gave a writable view, and a task wrote into the producer's value (a review of the views,
-    thirty-first session). The producer's own buffers stay writable."""
+    read-only, so that no task writes into the producer's value. The producer's own buffers stay writable."""
     c, a, b, w = three_workers
     x = c.submit(T.make_buffer, 4096, b"mine", workers=[a], pure=False)
     got = c.submit(T.keep, x, workers=[b], pure=False)

@@ -1,4 +1,4 @@
-"""The scheduler trusts only workers (issue 15, case 5), with a real Client and Nanny workers on ``host`` pools.
+"""The scheduler trusts only workers, with a real Client and Nanny workers on ``host`` pools.
 
 Registration, row updates and unregistration travel over the worker's own batched stream; the
 cluster token goes back only over that stream. A client (a plain ``Client``, its RPC or its own

@@ -1,7 +1,7 @@
 """The UCX receive pool: when distributed-ucxx's device frames go into an RMM pool, and why not (CPU).
 
 The pool itself (RMM over cudaMalloc, frames received into it over UCXX) is covered by the GPU tests
-(``tests/test_gpu.py``, ``ucx_receive``)."""
+(``tests/dask/test_ucxx.py``, ``receive_pool``)."""
 
 from __future__ import annotations
 
@@ -84,8 +84,8 @@ def test_install_and_uninstall_put_back_only_what_was_there():
 @pytest.mark.parametrize("header", [{"nbytes": 1 << 30}, {"nbytes": 15}, {"nbytes": -1}, {}, {"nbytes": "x"}])
 def test_a_device_frame_whose_header_says_another_size_is_a_protocol_error(header):
     """A UCX device frame is taken at the size it has, never at the size its header says: a header that names
-    another size (or none) is a ProtocolError, as for host frames, and no Buffer past the frame's end is made
-    (bad-input review, thirtieth session). The frame is the plugin's own ``_DeviceFrame`` (what the receive pool
+    another size (or none) is a ProtocolError, as for host frames, and no Buffer past the frame's end is made.
+    The frame is the plugin's own ``_DeviceFrame`` (what the receive pool
     gives distributed-ucxx) over host memory: the check runs before any CUDA call."""
     import ctypes
 
@@ -114,7 +114,7 @@ def test_a_malformed_device_frame_message_reaches_dask_as_data_lost(header, fram
     by the ProtocolError, for a device- or host-frame header that does not describe its frame: a ConnectionError,
     so Dask fetches the key again, where a bare ProtocolError left the dependent task waiting for ever (Dask
     2026.8's ``gather_dep`` never retries other errors). As the ``"dask"`` family's serializers do for a malformed
-    handoff header (error-path review, thirty-third session). Checked before any CUDA call or allocation."""
+    handoff header. Checked before any CUDA call or allocation."""
     import ctypes
 
     from cuda.core import Buffer

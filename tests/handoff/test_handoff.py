@@ -12,8 +12,10 @@ from conftest import (
     HOST_POOL,
     back_to,
     counters,
+    kind_cluster,
     nanny_cluster,
     pid_of,
+    pool_kinds,
     stress,
     wait_for,
     warm_up,
@@ -76,7 +78,7 @@ def test_arrays_over_pool_buffers_hand_over_and_plain_arrays_do_not():
 
 
 def test_a_plain_array_to_a_same_host_peer_is_counted_as_a_copy_with_its_reason():
-    """Issue 16: every same-host transfer that is not zero-copy appears in stats() with its reason."""
+    """Every same-host transfer that is not zero-copy appears in stats() with its reason."""
     import numpy as np
 
     hosts = [{}, {}, {"config": {"gpupool": {"host-id": "elsewhere"}}}]
@@ -377,9 +379,11 @@ def test_sigkill_of_the_importer_releases_its_leases():
         wait_for(lambda: counters(c, a)[a]["used"] == 0, what="A's pool bytes to return")
 
 
-def test_stress_producers_release_while_consumers_read():
-    with nanny_cluster([{}, {}], GPUPool(kind="host", max_size="256 MiB")) as c:
-        stress(c, 10, 4 * MiB)
+@pool_kinds("one-gpu")
+def test_stress_producers_release_while_consumers_read(kind):
+    rounds, nbytes, max_size = (10, 4 * MiB, "256 MiB") if kind == "host" else (40, 16 * MiB, "4 GiB")
+    with kind_cluster(kind, max_size) as c:
+        stress(c, rounds, nbytes)
 
 
 @pytest.mark.parametrize("bad", [{"gpupool": {"path": "ipc", "kind": "host", "nbytes": 8}}, {"gpupool": 3}])
@@ -401,7 +405,7 @@ def test_malformed_handoff_header_is_a_protocol_error(bad):
 def test_an_array_header_that_does_not_fit_its_buffer_is_data_lost(shape, strides, offset):
     """An array header that passes the wire check but does not fit the buffer it came with is raised as a
     DataLostError like every other failure to receive (so Dask fetches again and the comm is not left waiting),
-    never as NumPy's own ValueError (bad-input review, thirtieth session)."""
+    never as NumPy's own ValueError."""
     from dask_gpupool.dask.headers import KEY, loads_array
     from dask_gpupool.wire.handoff import ArrayMeta, HandoffHeader
 
@@ -424,7 +428,7 @@ def test_a_copy_header_whose_frames_do_not_hold_its_bytes_is_data_lost(nbytes, f
     """A ``copy`` header comes with exactly one frame of ``nbytes`` bytes (distributed merges split frames back
     before the deserializer runs). A message that does not (no frame, a frame of another size, frames to spare)
     is malformed: raised as a DataLostError caused by a ProtocolError, never a Buffer of the wrong size (a value
-    silently wrong; bad-input review, thirty-third session). The well-formed one still lands."""
+    silently wrong). The well-formed one still lands."""
     from cuda.core import Buffer
     from distributed.protocol import dask_deserialize
 
@@ -513,7 +517,7 @@ def _to_pool_twice() -> bool:
 
 
 def test_to_pool_puts_a_library_array_in_the_pool_so_it_hands_over_zero_copy():
-    """dask_gpupool.to_pool (what the ETL example used to hand-write, issue 20)."""
+    """dask_gpupool.to_pool (what the ETL example would otherwise hand-write)."""
     import numpy as np
 
     assert dask_gpupool.to_pool(arr := np.ones(3)) is arr  # outside a worker: the array itself
@@ -533,7 +537,7 @@ def test_to_pool_puts_a_library_array_in_the_pool_so_it_hands_over_zero_copy():
 
 
 def test_on_a_comm_that_asks_for_device_frames_a_host_buffer_still_goes_in_a_host_frame():
-    """The "cuda" serializer family (UCX comms) takes device Buffers only (issue 16); host memory falls through
+    """The "cuda" serializer family (UCX comms) takes device Buffers only; host memory falls through
     to ours in the "dask" family, and the frame type UCX reads is shaped as distributed-ucxx expects."""
     from distributed.protocol import deserialize, serialize
 

@@ -1,4 +1,4 @@
-"""The Importer and PoolService driven in one process, without Dask (issue 17: core classes without a cluster).
+"""The Importer and PoolService driven in one process, without Dask: the core classes without a cluster.
 
 Two services with ``host`` pools stand for two workers; the test plays the
 scheduler (one registry snapshot and the cluster's token for both). What is

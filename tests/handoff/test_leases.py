@@ -1,10 +1,10 @@
-"""Leases that hold through stalls, broken links and lying members (issue 15, cases 1, 2 and 4).
+"""Leases that hold through stalls, broken links and lying members.
 
 Real ``Nanny`` worker processes on ``host`` pools, stopped with SIGSTOP and
 resumed with SIGCONT. Each case reads the bytes a stalled or surviving reader
 sees after the producer reused every byte it could, and ends back at the
-baseline (fds, sockets, leases, pool bytes). ``tests/test_gpu.py`` runs the
-stalled-consumer and stalled-producer cases on ``device`` pools.
+baseline (fds, sockets, leases, pool bytes). The stalled-consumer and
+stalled-producer cases run on ``device`` pools too (gpu-marked).
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ import pytest
 from conftest import (
     back_to,
     counters,
+    kind_cluster,
     nanny_cluster,
+    pool_kinds,
     stalled_consumer,
     stalled_producer,
     wait_for,
@@ -109,8 +111,8 @@ def test_a_lease_in_doubt_claimed_another_way_is_no_longer_counted_in_doubt():
     """A reply-claimed lease in doubt (its reply failed at the exporter) that its importer then claims over the
     broker (an import that fell back to a copy, or a claim while a resync was open) or lists in a resync is held:
     the exporter stops asking about it (``in_doubt``), and ``leases_in_doubt`` (``doubtful``) no longer counts it.
-    Before, the flag stayed set for as long as the importer held the value, and ``stats()`` showed the lease in
-    doubt, waiting for an answer nobody would ask for (error-path review, thirty-third session)."""
+    The flag must not stay set for as long as the importer holds the value, with ``stats()`` showing the lease in
+    doubt, waiting for an answer nobody would ask for."""
     table = LeaseTable(60)
     held = bytearray(8)
     by_claim, by_resync = (table.grant(held, 8, "tcp://b:1", by_reply=True) for _ in range(2))
@@ -209,14 +211,17 @@ def test_a_stream_lease_cannot_be_forwarded():
 # -- case 1: a consumer stalled between grant and claim ------------------------------------
 
 
-def test_a_consumer_stalled_past_lease_timeout_reads_the_original_bytes():
+@pool_kinds("one-gpu", "two-gpus")
+def test_a_consumer_stalled_past_lease_timeout_reads_the_original_bytes(kind):
     """B stops after A granted the lease and before B claimed it, for longer than ``lease-timeout``.
 
     Before: the lease expired, B's claim went unanswered and B read what A
-    wrote into the reused memory. Now the lease waits for B.
+    wrote into the reused memory. Now the lease waits for B. Across GPUs the
+    stalled consumer's CUDA context survives too: it reads after resuming.
     """
-    with nanny_cluster([{}, {}], GPUPool(kind="host", max_size="64 MiB", lease_timeout="1s")) as c:
-        stalled_consumer(c, MiB)
+    nbytes, max_size = (MiB, "64 MiB") if kind == "host" else (8 * MiB, "1 GiB")
+    with kind_cluster(kind, max_size, lease_timeout="1s") as c:
+        stalled_consumer(c, nbytes)
 
 
 # -- case 1b: a reply that failed at the exporter (leases claimed by the reply) ----------------------
@@ -266,15 +271,17 @@ def _leases(n: int, unclaimed: int) -> dict[str, int]:
 # -- case 2: a producer stalled past broker-timeout while its consumer releases ---------------
 
 
-def test_a_producer_stalled_past_broker_timeout_keeps_the_leases_its_consumer_holds():
+@pool_kinds("one-gpu", "two-gpus")
+def test_a_producer_stalled_past_broker_timeout_keeps_the_leases_its_consumer_holds(kind):
     """A stops while B releases imports one by one until B's link to A times out and closes.
 
     Before: A, on resuming, saw the connection close and ended every lease
     claimed on it, including one B still held: B's data changed. Now a
     closed link is not a dead importer: B opens a new link and resyncs.
     """
-    with nanny_cluster([{}, {}], GPUPool(kind="host", max_size="256 MiB", broker_timeout="1s")) as c:
-        stalled_producer(c, MiB)
+    nbytes, max_size = (MiB, "256 MiB") if kind == "host" else (8 * MiB, "1 GiB")
+    with kind_cluster(kind, max_size, broker_timeout="1s") as c:
+        stalled_producer(c, nbytes)
 
 
 # -- case 4: every failure reaches the task or heals -------------------------------------------
@@ -392,7 +399,8 @@ def test_another_worker_can_neither_claim_nor_release_a_lease(exporter):
         assert len(leases) == 1
         # closing B's link does not end B's lease: B's process lives
         as_b.close()
-        time.sleep(0.2)
+        wait_for(lambda: broker.connections == 1, what="the broker to see B's link close")
+        as_c.claim([1])  # a round trip: the broker's handling of that close has ended
         assert len(leases) == 1
         as_b = PeerLink(broker.address, 2.0, TOKEN, b, live=[])  # a resync that no longer lists it
         assert len(leases) == 0 and pool.stats().used == 0
@@ -619,6 +627,7 @@ def test_a_closed_link_keeps_the_leases_and_the_importers_exit_ends_them(exporte
     import sys
 
     from dask_gpupool.handoff.exporter import Exported
+    from dask_gpupool.transport.link import request_pool_fd
     from dask_gpupool.wire.registry import PoolRecord, RegistryUpdate
 
     pool, leases, broker, _ = exporter
@@ -639,7 +648,9 @@ def test_a_closed_link_keeps_the_leases_and_the_importers_exit_ends_them(exporte
         child.stdin.write(f"{lease}\n")
         child.stdin.flush()
         assert child.stdout.readline().strip() == "claimed"
-        time.sleep(0.5)
+        wait_for(lambda: broker.connections == 0, what="the broker to see the child's link close")
+        with pytest.raises(dask_gpupool.UnknownPoolError):  # a round trip: the broker handled that close
+            request_pool_fd(broker.address, str(uuid.uuid4()), 2.0, TOKEN)
         assert len(leases) == 1 and leases.unclaimed == 0  # claimed, its link closed, still held
         child.kill()
         child.wait(10)

@@ -1,9 +1,10 @@
-"""A peer's view of an owner's retired and reclaimed segments (``MappedPool.retire`` / ``unshare``).
+"""A peer's mapping of an owner's pool (``MappedPool``): on a live cluster, the pool mapped once and read; and a
+peer's view of the owner's retired and reclaimed segments (``MappedPool.retire`` / ``unshare``).
 
-Segments are mapped only from ``device`` pools, so these tests put a mapped segment's record in place the way
+Segments are mapped only from ``device`` pools, so the segment tests put a mapped segment's record in place the way
 ``MappedPool._acquire_segment`` does (``[import, users, segment id, leases claimed]``), the import being a
 ``cuda.core`` Buffer over host memory: the bookkeeping of which segment goes when, and with which release, is what
-is tested here. The mapping itself is exercised on a GPU (``tests/test_gpu.py``, reclaim and trim tests).
+is tested there. The mapping itself is exercised on a GPU (``test_device_segments.py``, reclaim and trim tests).
 """
 
 from __future__ import annotations
@@ -11,12 +12,30 @@ from __future__ import annotations
 import ctypes
 import uuid
 
+from conftest import handoff_round_trip, kind_cluster, pool_kinds, worker_addresses
 from cuda.core import Buffer
 
 from dask_gpupool.handoff.mapped_pool import MappedPool
+from dask_gpupool.memory.topology import local_devices
 from dask_gpupool.wire.registry import PoolRecord
 
 RECORD = PoolRecord(str(uuid.uuid4()), "tcp://a:1", 42, "h", "h", "device", "GPU-1", 1 << 30, "/tmp/b.sock")
+
+
+MiB = 1 << 20
+
+
+@pool_kinds("one-gpu")
+def test_peer_maps_the_pool_once_and_reads_the_owners_bytes(kind):
+    """w1 maps w0's pool through w0's broker, once, reads what w0 wrote, and both end back at their baseline
+    (:func:`conftest.handoff_round_trip`); the registry rows name the pools' kind, GPU and bound."""
+    nbytes, max_size = (MiB, 64 * MiB) if kind == "host" else (8 * MiB, 1 << 30)
+    with kind_cluster(kind, max_size) as c:
+        rows = handoff_round_trip(c, nbytes, b"bytes written by A" * 100)
+        a, b = worker_addresses(c)
+        device = None if kind == "host" else local_devices().uuids[0]
+        assert {r.kind for r in rows.values()} == {kind.split("-")[0]}
+        assert rows[a].device == rows[b].device == device and rows[a].max_size == max_size
 
 
 _MEMORY: list[ctypes.Array[ctypes.c_char]] = []
@@ -93,7 +112,7 @@ def test_a_legacy_ipc_segment_needs_its_handle_and_a_gpu_and_comes_only_as_a_seg
 def test_a_descriptor_past_the_end_of_a_segment_mapped_here_is_refused():
     """The bounds of a segment already mapped are those of its mapping, not the extent a later descriptor claims:
     a descriptor naming the same segment id with a larger extent and an offset past the mapping is a ProtocolError,
-    and the segment's users are not counted up (found by a review of bad input, thirtieth session)."""
+    and the segment's users are not counted up."""
     import pytest
 
     from dask_gpupool.errors import ProtocolError
@@ -113,8 +132,8 @@ def test_a_descriptor_past_the_end_of_a_segment_mapped_here_is_refused():
 def test_a_segment_released_here_is_not_mapped_again():
     """Once this process unmapped a retired segment and released it (its ``(id, claims)`` sent), the segment is
     not mapped here again: a later claim would restart its count where the owner's ledger goes on, and the owner
-    would keep the segment for good (a review of the lease protocol, thirtieth session; the handoff goes as a copy
-    instead, fallback ``retired-segment``). A retired segment unmapped with no claim sent nothing, and may be."""
+    would keep the segment for good (the handoff goes as a copy instead, fallback ``retired-segment``). A retired
+    segment unmapped with no claim sent nothing, and may be."""
     import pytest
 
     from dask_gpupool.errors import PeerAccessError
@@ -139,7 +158,7 @@ def test_a_segment_released_here_is_not_mapped_again():
 def test_a_claim_the_owner_never_acknowledged_is_taken_back_from_the_segments_count():
     """The ``(id, claims)`` of a release must count only claims the owner acknowledged: a broker claim it refused
     (or never answered) is taken back before the buffer closes (``unclaim``), so the release matches the owner's
-    ledger instead of keeping the segment there for good (a review of the lease protocol, thirtieth session)."""
+    ledger instead of keeping the segment there for good."""
     from dask_gpupool.wire.handoff import BufferDescriptor
 
     m = mapped_with((6, 0, 1))

@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+from conftest import wait_for
 
 from dask_gpupool.errors import PeerLostError
 from dask_gpupool.handoff.held import HeldLeases
@@ -21,7 +22,7 @@ from dask_gpupool.handoff.releaser import Releaser
 
 class RecordingLink:
     """What the releaser calls on a link: ``release``, ``release_segments`` and ``settle_forwarded``; ``down`` makes
-    them fail."""
+    them fail (``failed`` counts those calls)."""
 
     def __init__(self) -> None:
         self.released: list[list[int]] = []
@@ -29,35 +30,41 @@ class RecordingLink:
         self.segments: list[list[tuple[int, int]]] = []
         self.settled: list[list[int]] = []
         self.down = False
+        self.failed = 0
+
+    def _check(self) -> None:
+        if self.down:
+            self.failed += 1
+            raise PeerLostError("link down")
 
     def release(self, leases: list[int], unmapped: bool = False) -> None:
-        if self.down:
-            raise PeerLostError("link down")
+        self._check()
         (self.unmapped if unmapped else self.released).append(list(leases))
 
     def release_segments(self, segments: list[tuple[int, int]]) -> None:
-        if self.down:
-            raise PeerLostError("link down")
+        self._check()
         self.segments.append(list(segments))
 
     def settle_forwarded(self, leases: list[int]) -> None:
-        if self.down:
-            raise PeerLostError("link down")
+        self._check()
         self.settled.append(list(leases))
 
 
 class Links:
-    """The releaser's LinkFactory: one RecordingLink per exporter; ``None`` for an exporter that left."""
+    """The releaser's LinkFactory: one RecordingLink per exporter; ``None`` for an exporter that left. ``asked``
+    lists the exporters asked for, in order."""
 
     def __init__(self) -> None:
         self.links: dict[str, RecordingLink] = {}
         self.left: set[str] = set()
         self.calls = 0
+        self.asked: list[str] = []
         self.lock = threading.Lock()
 
     def __call__(self, exporter: str) -> RecordingLink | None:
         with self.lock:
             self.calls += 1
+            self.asked.append(exporter)
             if exporter in self.left:
                 return None
             return self.links.setdefault(exporter, RecordingLink())
@@ -257,7 +264,7 @@ def test_a_forward_settle_that_could_not_be_sent_goes_once_the_link_is_back(rele
     assert link is not None
     link.down = True
     r.settle_later("a", [11, 12])
-    time.sleep(0.3)  # a few retries, all failed
+    wait_for(lambda: link.failed >= 2, what="a few retries, all failed")
     assert link.settled == []
     link.down = False
     deadline = time.monotonic() + 10
@@ -267,7 +274,7 @@ def test_a_forward_settle_that_could_not_be_sent_goes_once_the_link_is_back(rele
     links.left.add("gone")
     r.settle_later("gone", [13])
     r.flush()
-    time.sleep(0.3)
+    wait_for(lambda: "gone" in links.asked, what="the retry to ask for a link to the exporter that left")
     assert "gone" not in links.links  # no link to an exporter that left, nothing kept for it
 
 
@@ -350,7 +357,7 @@ def test_a_lease_whose_release_waits_for_a_broken_link_stays_refused_and_one_of_
     r.held.end_import("a", 1)
     r.put("a", 2)
     r.flush()
-    time.sleep(0.2)  # a few retries, all failed
+    wait_for(lambda: link.failed >= 2, what="a few retries, all failed")
     assert link.released == [] and not r.held.begin("a", 1) and not r.held.begin("a", 2)
     link.down = False
     deadline = time.monotonic() + 10

@@ -1,4 +1,4 @@
-"""The routing decision, one row per case: no cluster, no GPU (issue 17: routing as a pure function)."""
+"""The routing decision, one row per case, as a pure function: no cluster, no GPU."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Every fallback reason the code can count is named, explained and comes with advice (issue 16)."""
+"""Every fallback reason the code can count is named, explained and comes with advice."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 :class:`~dask_gpupool.memory.arena_placement.ArenaPlacement` takes the GPU's default stream as a collaborator (the
 resource's ``HomeStream``); here it gets a stand-in that counts the work queued on each stream and logs what each
 stream was made to wait for, so that the ordering itself is checked on every commit. The same order with cuda.core's
-streams runs on a GPU (``tests/test_gpu.py``).
+streams runs on a GPU (``tests/memory/test_device_memory.py``).
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ def test_attributes_track_used_and_resident_bytes():
 
 
 def test_freed_memory_goes_back_to_the_os_for_owner_and_peers(no_fd_leak):
-    """A freed large buffer's pages leave the memfd at once; a trim takes the small free ones (issue 20)."""
+    """A freed large buffer's pages leave the memfd at once; a trim takes the small free ones."""
     owner = SharedHostMemoryResource(64 << 20)
     big = owner.allocate(16 << 20)
     small = owner.allocate(1000)
@@ -197,7 +197,7 @@ def _peer_pages_left_out(dask_worker) -> int:
 
 def test_a_handoff_and_release_leave_no_shared_memory_resident_in_either_worker():
     """256 MiB handed over between Nanny workers, then released: both workers' RssShmem drops, and the
-    owner's pool reports it; a trim takes what is left (issue 20)."""
+    owner's pool reports it; a trim takes what is left."""
     from conftest import back_to, counters, nanny_cluster, wait_for, warm_up, worker_addresses
 
     import dask_gpupool
@@ -242,8 +242,8 @@ def test_a_handoff_and_release_leave_no_shared_memory_resident_in_either_worker(
 
 def test_a_peer_fd_that_cannot_be_mapped_read_write_is_a_protocol_error_and_leaks_no_fd(no_fd_leak):
     """A peer's pool fd that cannot be mapped for writing (a memfd sealed against writes) is a ProtocolError of
-    ours, and the mapping's own duplicate of it is closed: retried handoffs from that pool leak nothing
-    (bad-input review, thirtieth session). The caller's fd stays the caller's."""
+    ours, and the mapping's own duplicate of it is closed: retried handoffs from that pool leak nothing.
+    The caller's fd stays the caller's."""
     import fcntl
 
     fd = os.memfd_create("sealed", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -261,7 +261,7 @@ def test_a_peer_fd_that_cannot_be_mapped_read_write_is_a_protocol_error_and_leak
 def test_a_buffer_freed_by_the_garbage_collector_inside_an_allocation_does_not_deadlock_it():
     """A pool Buffer in a reference cycle (a traceback's frame, a task's closure) is freed whenever the
     collector runs: also inside the pool's own allocate or trim, on the thread that holds the pool's locks.
-    Its free must neither wait for those locks (a deadlock, found by review) nor lose its range."""
+    Its free must neither wait for those locks (a deadlock) nor lose its range."""
     from conftest import run_with_frequent_collections
 
     owner = SharedHostMemoryResource(64 << 20)
@@ -284,8 +284,8 @@ def test_a_buffer_freed_by_the_garbage_collector_inside_an_allocation_does_not_d
 def test_the_collector_check_fails_while_a_collection_is_stuck_on_another_thread():
     """Why the garbage-collector tests first check that ``gc.collect()`` collects: a finalizer blocked on another
     thread (an earlier case's deadlock) stops every later collection in the process, so pool Buffers in cycles stay
-    allocated and a used-bytes check fails for a reason that is not the pool's (thirty-first session, ``[arena]``
-    on an H100, after ``[rmm]`` deadlocked)."""
+    allocated and a used-bytes check fails for a reason that is not the pool's (``[arena]`` on an H100, after
+    ``[rmm]`` deadlocked)."""
     import threading
 
     from conftest import assert_the_collector_collects

@@ -302,7 +302,8 @@ def test_closing_ends_an_allocation_that_waits_for_a_reclaim():
     import time
 
     res, _up, (_seg, in_use) = full_with_a_mapped_spare()
-    res.reclaimer.through(lambda: None, timeout=30.0)
+    published = threading.Event()  # the allocation found the pool full, published the reclaim, and waits
+    res.reclaimer.through(published.set, timeout=30.0)
     got: list[BaseException] = []
 
     def allocate() -> None:
@@ -314,7 +315,7 @@ def test_closing_ends_an_allocation_that_waits_for_a_reclaim():
     t = threading.Thread(target=allocate)
     start = time.monotonic()
     t.start()
-    time.sleep(0.2)
+    assert published.wait(10), "the allocation did not wait for a reclaim"
     in_use.close()
     res.close()
     t.join(10)
@@ -354,7 +355,7 @@ def test_segments_are_exported_by_fd_only_when_their_memory_says_so():
 
 def test_a_buffer_freed_by_the_garbage_collector_inside_a_placement_does_not_deadlock_it():
     """A segment buffer in a reference cycle freed by the collector inside the resource's own allocation (on the
-    thread that holds the segment's arena lock) must neither deadlock nor be freed twice (found by review)."""
+    thread that holds the segment's arena lock) must neither deadlock nor be freed twice."""
     import gc
 
     from conftest import run_with_frequent_collections

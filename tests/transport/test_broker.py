@@ -193,7 +193,7 @@ def test_close_removes_socket_and_directory_and_leaks_no_fd(memfd, tmp_path, no_
     assert os.listdir(tmp_path) == []
 
 
-# -- the importer checks who answers on a broker socket (issue 15) ----------------------------------
+# -- the importer checks who answers on a broker socket -------------------------------------------
 
 
 @contextlib.contextmanager
@@ -325,7 +325,7 @@ def test_link_refuses_a_loose_or_foreign_broker_directory(tmp_path, how, no_fd_l
         assert outcome() == b"N"  # refused before connecting
 
 
-# -- directories of brokers that died without closing (issue 15) ------------------------------------
+# -- directories of brokers that died without closing ---------------------------------------------
 
 BROKER_PROCESS = """
 import sys, time
@@ -402,7 +402,7 @@ def test_a_broker_start_removes_our_stale_broker_directories_and_nothing_else(me
         live.close()
 
 
-# -- an importer that left the registry: its process, not the registry, ends its leases (thirtieth session) -------
+# -- an importer that left the registry: its process, not the registry, ends its leases ---------------------------
 
 
 def test_an_importer_that_left_the_registry_is_released_when_its_process_exits(memfd, tmp_path, no_fd_leak):
@@ -424,7 +424,8 @@ def test_an_importer_that_left_the_registry_is_released_when_its_process_exits(m
         deadline = time.monotonic() + 5
         while "tcp://other-host:1" not in exited and time.monotonic() < deadline:
             time.sleep(0.01)
-        time.sleep(0.2)
+        _reply, fd = request_pool_fd(b.address, POOL, 5, TOKEN)  # a round trip: the broker's loop went on since
+        os.close(fd)
         assert exited == ["tcp://other-host:1"] and b.watched == 1  # the live one is watched, not released
         child.stdin.close()
         child.wait(10)
@@ -600,7 +601,7 @@ def test_a_broker_that_hangs_up_between_its_reply_and_the_fd_is_a_lost_peer(tmp_
 
 
 def test_a_link_opened_with_no_fd_left_is_a_lost_peer_not_a_bare_os_error(broker, no_fd_leak):
-    """Out of fds (an fd flood, issue 15) the importer cannot even make the socket: ``PeerLostError`` like any
+    """Out of fds (an fd flood) the importer cannot even make the socket: ``PeerLostError`` like any
     broker it cannot reach, which its callers turn into ``DataLostError``, not an ``OSError`` from outside the
     hierarchy."""
     import resource
@@ -711,7 +712,7 @@ def test_a_member_that_never_reads_its_replies_is_dropped_after_the_timeout(brok
 
 
 def test_a_copy_asked_with_no_fd_left_is_refused_and_the_connection_keeps_serving(tmp_path, no_fd_leak):
-    """``CopyRequest`` while the exporter's process has no fd left (an fd flood, issue 15): the memfd of the copy
+    """``CopyRequest`` while the exporter's process has no fd left (an fd flood): the memfd of the copy
     cannot be made. That one request is answered with a refusal of ours (``BrokerRefusedError``, naming the cause),
     not an ``OSError`` that dropped the whole connection (the importer saw ``PeerLostError``, and its link, with
     every lease it held over it, had to be opened again and resynced). The link stays up, nothing is left open, and
@@ -751,7 +752,7 @@ def test_a_copy_asked_with_no_fd_left_is_refused_and_the_connection_keeps_servin
         finally:
             os.close(fd)
         # The broker counts a copy once its fd is sent, on its own thread: this one may read the fd first (seen on
-        # the GPU machine, thirty-third session).
+        # the GPU machine).
         wait_for(lambda: broker.copies == 1, 10.0, "the broker to count the copy")
         assert leases.holder(lease) is not None  # the lease is still the importer's to end
     finally:

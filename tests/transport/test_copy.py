@@ -392,9 +392,8 @@ def test_a_pull_interrupted_while_it_waits_for_its_other_lanes_stops_them_before
         assert sent.is_set()
         landed = read_bytes(dst, 400)
         assert receiving == [], "a thread still received a lane of the pull that raised"
-        time.sleep(0.3)
+        wait_for(lambda: len(slow.hung_up) == 2)  # the slow lane's server saw it closed: nothing more can land
         assert read_bytes(dst, 400) == landed, "bytes landed in dst after the pull raised"
-        wait_for(lambda: len(slow.hung_up) == 2)  # the slow lane's server saw it closed
     finally:
         watcher.join(10)
         slow.close()
@@ -482,8 +481,7 @@ def test_a_pull_interrupted_as_it_cancels_its_unstarted_helpers_still_waits_for_
         receiving = [t for t, f in sys._current_frames().items() if _in_frames(f, "pull.py:work")]
         landed = read_bytes(dst, 80)
         assert receiving == [], "a thread still received a lane of the pull that raised"
-        time.sleep(0.3)
+        wait_for(lambda: len(slow.hung_up) == 2)  # both lanes' servers saw them closed: nothing more can land
         assert read_bytes(dst, 80) == landed, "bytes landed in dst after the pull raised"
-        wait_for(lambda: len(slow.hung_up) == 2)
     finally:
         slow.close()

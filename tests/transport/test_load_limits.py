@@ -1,4 +1,4 @@
-"""Servers that cannot be killed by load (issue 15, case 3): fd floods, connection bounds, slow clients.
+"""Servers that cannot be killed by load: fd floods, connection bounds, slow clients.
 
 The broker and the copy server run in a child process of their own (a plain
 ``multiprocessing`` spawn child) whose ``RLIMIT_NOFILE`` is lowered to a few

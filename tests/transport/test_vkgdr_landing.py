@@ -1,7 +1,7 @@
 """Pulled copies land through vkgdr where it runs, through pinned staging (said once) where it does not.
 
 The vkgdr path itself needs a GPU with NVIDIA's Vulkan driver:
-``tests/test_gpu.py::test_handoff_copies_across_host_ids_on_gpus``.
+``tests/transport/test_device_copies.py::test_handoff_copies_across_host_ids_on_gpus``.
 """
 
 from __future__ import annotations

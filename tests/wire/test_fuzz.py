@@ -1,4 +1,4 @@
-"""Property-based fuzzing of everything that crosses a process boundary (issue 5).
+"""Property-based fuzzing of everything that crosses a process boundary.
 
 - every wire parser turns any msgpack value into its typed message or a
   :class:`ProtocolError`, never another exception;

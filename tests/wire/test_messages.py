@@ -248,7 +248,7 @@ def test_malformed_descriptor_is_a_protocol_error(msg):
 @pytest.mark.parametrize("dtype", ["object", "zz", "|O", "<f", "f8", "<f8 ", "<M8[ns", "", "<" + "f" * 15])
 def test_an_array_header_takes_only_plain_dtype_strings(dtype):
     """``numpy.dtype.str`` of a plain dtype (byte order, kind, item size, a datetime unit); anything else, Python
-    objects above all, is a ProtocolError before NumPy or CuPy sees it (bad-input review, thirtieth session)."""
+    objects above all, is a ProtocolError before NumPy or CuPy sees it."""
     meta = {"module": "numpy", "shape": [2], "strides": [8], "dtype": dtype, "offset": 0}
     with pytest.raises(ProtocolError, match="not a plain dtype"):
         ArrayMeta.from_msg(meta)
