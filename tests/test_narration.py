@@ -139,18 +139,15 @@ def test_no_documentation_narrates():
     assert narration_in_files([name for name in tracked_files() if name.startswith(DOCUMENTATION)]) == []
 
 
-# Still narrating, to be reworded (then this xfail goes): benchmarks/busy_producer.py, benchmarks/dask_array.py,
-# benchmarks/pool_mapping.py, benchmarks/ucx_pairs.py, benchmarks/vkgdr_landing.py, benchmarks/workloads.py,
-# dask_gpupool/testing/tasks.py, dask_gpupool/transport/accept.py, scripts/gpu-check.sh, scripts/gpu-suite.sh,
-# scripts/ucxx-bisect.sh, tests/conftest.py, tests/dask/test_cluster.py, tests/dask/test_device_objects.py,
-# tests/dask/test_faults.py, tests/dask/test_layouts.py, tests/dask/test_trust.py, tests/dask/test_ucx_receive.py,
-# tests/handoff/test_forwarding.py, tests/handoff/test_handoff.py, tests/handoff/test_importer.py,
-# tests/handoff/test_leases.py, tests/handoff/test_mapped_pool.py, tests/handoff/test_routing.py,
-# tests/handoff/test_stats.py, tests/memory/test_host_memory.py, tests/memory/test_segments.py,
-# tests/test_benchmark_scripts.py, tests/test_errors.py, tests/test_gpu.py, tests/test_package.py,
-# tests/transport/test_broker.py, tests/transport/test_load_limits.py, tests/wire/test_fuzz.py,
-# tests/wire/test_messages.py.
-@pytest.mark.xfail(strict=True, reason="code, tests, benchmarks and GPU scripts listed above still narrate")
+# Still narrating, to be reworded (then this xfail goes): scripts/gpu-suite.sh, tests/conftest.py,
+# tests/dask/test_cluster.py, tests/dask/test_device_objects.py, tests/dask/test_faults.py, tests/dask/test_layouts.py,
+# tests/dask/test_trust.py, tests/dask/test_ucx_receive.py, tests/handoff/test_forwarding.py,
+# tests/handoff/test_handoff.py, tests/handoff/test_importer.py, tests/handoff/test_leases.py,
+# tests/handoff/test_mapped_pool.py, tests/handoff/test_routing.py, tests/handoff/test_stats.py,
+# tests/memory/test_host_memory.py, tests/memory/test_segments.py, tests/test_benchmark_scripts.py,
+# tests/test_errors.py, tests/test_gpu.py, tests/test_package.py, tests/transport/test_broker.py,
+# tests/transport/test_load_limits.py, tests/wire/test_fuzz.py, tests/wire/test_messages.py.
+@pytest.mark.xfail(strict=True, reason="the tests and the GPU suite script listed above still narrate")
 def test_no_tracked_text_narrates():
     """Every tracked text file (code, tests, benchmarks, scripts, docs), data and pictures aside."""
     found = narration_in_files(tracked_files())
