@@ -1,4 +1,4 @@
-"""Handoff latency while the producer's GPU is busy with another stream's kernels (issue 19, stream order).
+"""Handoff latency while the producer's GPU is busy with another stream's kernels (stream order).
 
 With ``gpupool.handoff-ordering: device`` an exporter synchronizes its whole GPU before a descriptor goes out, so a
 handoff waits for every kernel the producer's process has queued, on any stream. With ``sync`` (the default) it waits

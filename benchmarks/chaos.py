@@ -344,8 +344,8 @@ def main() -> None:
     config = {
         "distributed.scheduler.allowed-failures": 1000,
         # SpecCluster closes a Nanny for good when its worker's name is still missing from the scheduler this
-        # long after the worker left; with kills every few seconds a worker can be down again at that moment,
-        # and the 2026-11-23 run lost three of its four Nannies that way (docs/gpu-checks.md).
+        # long after the worker left (15 s by default); with kills every few seconds a worker can be down again at
+        # that moment: a run on two H200s (2026-11-23) lost three of its four Nannies that way.
         "distributed.deploy.lost-worker-timeout": "1h",
     }
     rng = random.Random(args.seed)

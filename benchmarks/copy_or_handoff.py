@@ -2,8 +2,8 @@
 
 The handoff threshold (``dask_gpupool.tuning.handoff_threshold``) sends pool buffers under it to a same-host worker
 over TCP as a copy in Dask's frames instead of a handoff. Clusters started one after another differ by as much as the
-two paths do (0.1-0.5 ms, ``docs/cpu-users.md``), so one cluster with the plugin takes every sample handed over (the
-threshold 0) and copied (the threshold above every size) back to back, in alternating order, switching the
+two paths do (0.1-0.5 ms in a CPU container, 2026-11-23), so one cluster with the plugin takes every sample handed
+over (the threshold 0) and copied (the threshold above every size) back to back, in alternating order, switching the
 producer's threshold between them: :func:`dask_gpupool.testing.faults.route_sizes` gives it to the producer's
 routing (``client.run``), which holds values against it instead of the constant.
 

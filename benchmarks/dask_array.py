@@ -1,7 +1,7 @@
 """A dask.array program with and without the plugin at its default settings: what registering it costs.
 
-Issue 16 asks that registering dask_gpupool never makes a cluster slower where
-it does not help. This runs one program on the same cluster layout twice (a
+Registering dask_gpupool should never make a cluster slower where it does not
+help. This runs one program on the same cluster layout twice (a
 fresh cluster each time), plain Dask and ``GPUPool()`` with no options, and
 times each stage (median of ``--repeats``, after one warm-up), on ``--rounds`` fresh clusters per
 method, interleaved, reporting the median over rounds and plain Dask's own spread between rounds:

@@ -5,9 +5,9 @@ each method, placement and size the benchmark records, median of
 ``--repeats``:
 
 - ``transfer``: the consumer's own transfer duration from Dask's transfer log
-  (``worker.transfer_incoming_log``), the metric the issue names: ``stop - start``
-  of its entry (since 2026-11-23 07:10; before, its ``duration``, which Dask clamps
-  to at least 1 ms, so earlier results show 1.00 ms for anything faster);
+  (``worker.transfer_incoming_log``): ``stop - start`` of its entry (not its
+  ``duration``, which Dask clamps to at least 1 ms, so results from before
+  2026-11-23 07:10 show 1.00 ms for anything faster);
 - ``task``: the end-to-end time of the dependent task (submit to result, the
   result already in A's memory).
 
@@ -141,7 +141,7 @@ def cluster(workers: list[dict[str, Any]], protocol: str, plugin: Any) -> Iterat
                 "nthreads": 1,
                 # No host memory limit: Dask counts a device array's nbytes as managed memory, and with the
                 # default limit (host memory / cores: 8 GiB here) an 8 GiB result is spilled to disk through
-                # a host copy and pauses the worker, which is what stalled the 8 GiB rows of earlier runs.
+                # a host copy and pauses the worker, which stalls the 8 GiB rows.
                 "memory_limit": 0,
                 "dashboard_address": None,
                 "protocol": protocol,

@@ -9,8 +9,8 @@ writes JSON to $BENCH_RESULTS (default benchmarks/results/) and $OUT when set.
     python benchmarks/pool_mapping.py [--repeats 5]
     python benchmarks/pool_mapping.py --large   # single imports of 5-8 GiB, content checked
 
-``--large`` answers issue 4's question whether importing one allocation larger
-than 5 GiB works on this GPU (a driver crash was reported on others): the
+``--large`` checks whether importing one allocation larger than 5 GiB works
+on this GPU (a driver crash was reported on others): the
 producer fills each allocation with one byte value on the GPU, the importer
 imports it, checks every byte on its own GPU, and releases it.
 """

@@ -1,4 +1,4 @@
-"""Every pair of a four-worker, two-"host" UCX cluster: Dask UCXX alone against dask_gpupool over UCXX (issue 19).
+"""Every pair of a four-worker, two-"host" UCX cluster: Dask UCXX alone against dask_gpupool over UCXX.
 
 Four workers on one machine with two GPUs, ``gpupool.host-id`` set so that they look like two hosts of two GPUs each
 (w0, w1 on "host-a"; w2, w3 on "host-b"; w0 and w2 on GPU 0, w1 and w3 on GPU 1). For every ordered pair a float64
@@ -25,8 +25,8 @@ per-pair comparison without the 15-25% that separate two clusters);
 every sample taken with every size sent as one host frame (``dask_gpupool.tuning.UCX_HOST_FRAME_THRESHOLD`` above
 it) and as device frames (the threshold 0), back to back); ``ucxx+gpupool-hostalone-ab`` and
 ``ucxx+gpupool-plain-hostalone-ab`` (the same host frames against UCXX alone's path, as ``-alone-ab``);
-``ucxx+gpupool-inline-ab`` (one cluster, pool arrays, every sample taken with the plugin as it is and as before the
-twenty-fourth session, back to back: rows ``:inline``, a UCX reply of a few device values serialized on the event
+``ucxx+gpupool-inline-ab`` (one cluster, pool arrays, every sample taken with the plugin's inline replies on and off,
+back to back: rows ``:inline``, a UCX reply of a few device values serialized on the event
 loop with its staging copy left to distributed-ucxx's synchronize, and ``:offloaded``, Dask's offload thread over
 10 MiB and the staging copy waited for) and ``ucxx+gpupool-plain-inline-ab`` (the same with plain CuPy arrays).
 ``ucxx+gpupool-region-ab`` (an experiment, one cluster, the plugin at its defaults: every sample taken with a CuPy
@@ -43,8 +43,8 @@ as UCXX does (``:cudamalloc``: ``cudaMalloc`` per frame), and UCXX alone's path 
 variant receives as distributed-ucxx does by itself, not into the plugin's UCX receive pool.
 ``-legacy`` anywhere after ``gpupool`` (``ucxx+gpupool-legacy``, ``ucxx+gpupool-legacy-alone-ab``) gives the pools
 segments of legacy IPC memory (``gpupool.segment-memory: legacy``), which UCX sends to another "host" without the
-staging copy; since the twenty-ninth session ``auto`` makes those on UCX workers, and ``-vmm``
-(``ucxx+gpupool-vmm-alone-ab``) gives them VMM segments, whose memory is staged for another "host", as before.
+staging copy (``auto`` makes those on UCX workers), and ``-vmm``
+(``ucxx+gpupool-vmm-alone-ab``) gives them VMM segments, whose memory is staged for another "host".
 For pool arrays a same-"host" pair gets a descriptor (zero-copy), another-"host" pair the value's device frames,
 which UCX moves GPU to GPU. After each method the table of bytes by path (zero-copy, device frames, host copies)
 shows that no pair went through the host (``--proto-info`` has UCX print the protocols it picked, which says what
@@ -152,10 +152,8 @@ def _set_hooks(off: list[str], dask_worker: Any = None) -> None:
 def _set_inline(on: bool) -> None:
     """On a worker: the ``-inline-ab`` switch. On: the plugin as it is (a UCX reply of a few device values
     serialized on the event loop, a staging copy left to distributed-ucxx's synchronize; over TCP, replies of CuPy
-    arrays staged into the pool too). Off: as before the twenty-fourth session (Dask's offload thread for replies
-    over 10 MiB, unless all descriptors of pool memory; every staging copy for UCX waited for). Both sides build a
-    staged array's header directly (4fa406e); in call 6 of that session ``off`` also used distributed's serializer
-    over the staged array, which took 0.03-0.06 ms more in ``device-serialize``."""
+    arrays staged into the pool too). Off: Dask's offload thread for replies over 10 MiB, unless all descriptors of
+    pool memory; every staging copy for UCX waited for. Both sides build a staged array's header directly."""
     from dask_gpupool.dask import cuda_family, replies, ucx_host_frames
 
     saved = replies.__dict__.setdefault("_bench_inline", (replies.INLINE_MAX_VALUES, cuda_family.SYNCHRONIZING_SCHEMES))
@@ -238,7 +236,7 @@ def _produce_in_one_allocation(nbytes: int, rotate: bool) -> Any:
     """A float64 CuPy array of ``nbytes``, a view of one allocation from CuPy's own pool made once per size on this
     worker: at a new offset each call (``rotate``, cycling through :data:`REGION_SLOTS` slots) or always at offset 0.
     The ``-region-ab`` experiment: what a send from a new address inside one already exported allocation costs UCX
-    (pool buffers of one segment could sit at new offsets; in the twenty-seventh session each cell's were at one)."""
+    (pool buffers of one segment can sit at new offsets)."""
     import cupy
     from distributed import get_worker
 
@@ -313,7 +311,7 @@ def ab_summary(rows: list[dict[str, Any]], method: str, variants: list[str], run
     summed up on its own): each variant but the last against the last, per same/other "host" and size.
 
     The mean over the pairs of each pair's ratio and difference of medians (this variant over and minus the last),
-    and how many pairs were at or below it: the table earlier sessions computed by hand from the log.
+    and how many pairs were at or below it.
     """
     base = variants[-1]
     rows = [r for r in rows if r.get("run", 0) == run]

@@ -1,4 +1,4 @@
-"""Where a copy that arrives over TCP should land: pinned staging and a host-to-device copy, or vkgdr (issue 19).
+"""Where a copy that arrives over TCP should land: pinned staging and a host-to-device copy, or vkgdr.
 
 The pipelined copy path (values for another host over TCP, ``dask_gpupool/tuning.py``) receives each chunk into
 pinned host staging and copies it into the receiver's pool with ``cuMemcpyHtoDAsync``. vkgdr maps device memory

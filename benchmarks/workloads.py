@@ -1,8 +1,8 @@
 """Real ``dask.array`` programs with and without dask_gpupool at its defaults: wall time and bytes copied.
 
-Issue 18 asks that a user who adds the plugin gets zero-copy for what GPU Dask
-programs make, without changing a line of task code, and is never slower than
-Dask over UCXX. This runs each workload on the same cluster layout with each
+A user who adds the plugin should get zero-copy for what GPU Dask programs make,
+without changing a line of task code, and never be slower than Dask over UCXX.
+This runs each workload on the same cluster layout with each
 method (a fresh cluster per method and round, interleaved; each round starts one method later than the one
 before, so that no method always follows the same one) and reports:
 
@@ -34,7 +34,7 @@ worker-side hook undone, only its pool, broker and copy server running; or ``-go
 unregistered again (what stays behind in the processes); or ``-ab``: one cluster, every repeat run with the hooks
 in place and without them, back to back, the two sides alternating run by run (``ab:`` lines, ``ab_rounds`` in the
 JSON); or ``-inline-ab``: the same with replies of device values and staged CuPy arrays serialized on the event loop
-(``on``) or in Dask's offload thread as before the twenty-fourth session (``off``); or ``-hostframes-ab``: small
+(``on``) or in Dask's offload thread (``off``); or ``-hostframes-ab``: small
 CuPy arrays in UCX replies as one host frame (``dask_gpupool.tuning.UCX_HOST_FRAME_THRESHOLD`` at its value, ``on``)
 or as device frames (``off``); or ``-receive-ab``: device frames received into the plugin's UCX receive pool (``on``,
 :mod:`dask_gpupool.dask.ucx_receive`) or as distributed-ucxx does by itself (``off``). Layouts on a
@@ -70,7 +70,7 @@ from handoff import (  # benchmarks/handoff.py (this directory is on sys.path wh
 from ucx_pairs import (
     _set_hooks,  # benchmarks/ucx_pairs.py: the plugin's hooks swapped for distributed's own
     _set_host_frames,  # benchmarks/ucx_pairs.py: dask_gpupool.tuning.UCX_HOST_FRAME_THRESHOLD on every worker
-    _set_inline,  # benchmarks/ucx_pairs.py: this session's inline replies switched off
+    _set_inline,  # benchmarks/ucx_pairs.py: the plugin's inline replies switched on or off
     _set_receive,  # benchmarks/ucx_pairs.py: where distributed-ucxx receives device frames
 )
 
@@ -139,22 +139,21 @@ BARE = "-bare"
 GONE = "-gone"
 #: Method suffix: one cluster with the plugin, every repeat run twice back to back, with its ``get_data`` wrapper and
 #: CuPy serializers in place (``on``) and swapped for distributed's own (``off``: the comm's own path, the pool idle),
-#: in alternating order: the plugin's path against the comm's without the noise between clusters (call 7 of the
-#: twentieth session: one cluster's every workload 10% slower or faster than another's of the same method). Its row's
+#: in alternating order: the plugin's path against the comm's without the noise between clusters (on one H100,
+#: 2026-11-24, one cluster's every workload ran 10% slower or faster than another's of the same method). Its row's
 #: time is the ``on`` side's, its bytes those of both sides' runs; :func:`_print_ab` prints the pairs.
 #:
 #: The sides alternate run by run (on, off, on, off, ...; off first in odd rounds), so no two runs in a row are of
-#: one side. Until 5b660da each pair reversed the last one's order (off-on, on-off, off-on, ...), which put a new
-#: cluster's sixth and seventh runs of its first workload both on ``on``; in each of 23 new UCX clusters on one H100
-#: (four calls) the slower of the two took 1.85-3.7x the median of the cluster's other runs (elementwise: on [105,
-#: 215, 215] against off [222, 108, 93] ms, ``workloads-20261124-060452-h100x1-ucx-ab-defaults.json``), which made
-#: the plugin's hooks look 1.9x slower with three pairs and 1.0x with five. With alternating runs the slow sixth run
-#: fell on either side (``workloads-20261124-062514-h100x1-ucx-ab-alternating.json``): a transient of a new
-#: cluster, not a cost of one side; UCXX alone has it too (``…-065011-h100x1-ucx-new-cluster-transient.json``).
+#: one side. Pairs that reverse the last one's order (off-on, on-off, ...) put a new cluster's sixth and seventh
+#: runs of its first workload both on ``on``, and one of those is slow in a new cluster (UCXX alone too): on one
+#: H100 (2026-11-24), in 23 new UCX clusters, the slower of the two took 1.85-3.7x the median of the cluster's other
+#: runs, which made the plugin's hooks look 1.9x slower with three pairs
+#: (``workloads-20261124-060452-h100x1-ucx-ab-defaults.json``); with alternating runs the slow run falls on either
+#: side (``workloads-20261124-062514-h100x1-ucx-ab-alternating.json``).
 AB = "-ab"
 #: Method suffix: as ``-ab``, the two sides the plugin as it is (``on``) and with replies of device values and staged
-#: CuPy arrays serialized in Dask's offload thread again, the staging copy for UCX waited for (``off``: as before the
-#: twenty-fourth session; ``benchmarks/ucx_pairs.py``'s ``-inline-ab`` switch).
+#: CuPy arrays serialized in Dask's offload thread, the staging copy for UCX waited for (``off``;
+#: ``benchmarks/ucx_pairs.py``'s ``-inline-ab`` switch).
 INLINE_AB = "-inline-ab"
 #: Method suffix: as ``-ab``, the two sides small CuPy arrays in UCX replies sent as one host frame
 #: (``dask_gpupool.tuning.UCX_HOST_FRAME_THRESHOLD`` at its value, ``on``) and as device frames (the threshold 0,

@@ -1,7 +1,7 @@
 """The sizes and counts the transfer paths decide by: measured, not configured.
 
 No ``gpupool.*`` key sets these. Each constant is the value measured best, with what it decides and the figure
-behind it (machine, date); ``docs/performance.md`` and ``docs/cpu-users.md`` hold the runs. :func:`stage_threshold`
+behind it (machine, date); ``docs/performance.md`` holds the runs. :func:`stage_threshold`
 and :func:`handoff_threshold` give the thresholds of a pool kind and comm.
 
 The product never changes them. To measure or test another size: :class:`~dask_gpupool.handoff.routes.Routes`

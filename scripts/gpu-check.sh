@@ -1,40 +1,54 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine (device tool): the whole test suite (gpu-marked tests included), the
-# pool-mapping benchmark, the demo, the example and the handoff benchmark; full logs under $OUT, the
-# handoff table last. Same script every session:
-#   carry: [".whl", ".whl-ucx"]   command: bash scripts/gpu-check.sh
-# .whl-ucx (optional) holds the UCXX wheels (distributed-ucxx-cu13 0.52, ucxx-cu13 0.52, libucxx-cu13 0.52,
-# libucx-cu13 1.21, rmm-cu13/librmm-cu13 26.10, rapids-logger 0.3) for the benchmark's ucxx rows and the UCXX tests.
-# HANDOFF_BUDGET (seconds, default 360) bounds the handoff benchmark; 0 skips it.
-# PART=tests runs the suite, the demo and the example; PART=bench the benchmarks and the ETL example;
-# unset runs both (more than one 10-minute device call can hold when the handoff budget is large).
-# PYTEST_M selects tests by marker (pytest -m, e.g. "gpu", "not gpu"), PYTEST_K by name (pytest -k), PYTEST_PATHS the
-# paths (default tests), PYTEST_ARGS adds pytest options; HANDOFF_ARGS adds options to benchmarks/handoff.py; ETL=0 and
-# LARGE=0 skip the ETL example and the 5-8 GiB import check; MAPPING=0 the pool-mapping benchmark; DEMO=0
-# the demo and the example; SUBALLOC=0 the placement allocator benchmark. ETL_LAYOUTS (default "shared") lists
-# the ETL example's layouts (shared, per-gpu, dask-cuda); ETL_ARGS adds options to it. Everything under $OUT
-# is packed into logs.tgz at the end when more than 8 files would come back. DEATH=1 runs benchmarks/exporter_death.py
-# (what an importer reads after its exporter's SIGKILL, pool vs VMM memory). ARRAY_BENCH=1 runs benchmarks/dask_array.py
-# (plugin vs none at defaults; not DASK_*: Dask reads every DASK_* variable as config) for each of ARRAY_BENCH_PROTOCOLS (default "tcp"; "tcp ucxx" both), ARRAY_BENCH_ARGS adds options. WORKLOADS=1 runs
-# benchmarks/workloads.py (issue 18's dask.array workloads; WORKLOADS_ARGS adds options, WORKLOADS_TIMEOUT caps it, default 560 s).
-# COPY_OR_HANDOFF=1 runs benchmarks/copy_or_handoff.py (each sample handed over and copied, or staged and sent through the
-# comm, back to back; COPY_OR_HANDOFF_ARGS, e.g. "--placement other --plain").
-# GATHER=1 runs benchmarks/gather.py (one reply of 1, 8, 32 pool arrays; GATHER_ARGS). BUSY=1 runs
-# benchmarks/busy_producer.py (handoffs while the producer's GPU is busy, gpupool.handoff-ordering sync vs device; BUSY_ARGS).
-# STAGED=1 runs benchmarks/staged_behind_tasks.py (a staged task result while later tasks keep the default stream busy,
-# the task's event vs the default stream; STAGED_ARGS).
-# BUSY_PY=1 runs benchmarks/busy_python.py (a producer busy in Python, Dask vs handoff; BUSY_PY_ARGS).
-# UCX_PAIRS=1 runs benchmarks/ucx_pairs.py (four workers as two hosts of two GPUs, every pair, UCXX vs plugin; all on GPU 0 with one GPU;
-# UCX_PAIRS_TIMEOUT caps it, default 300 s).
-# VKGDR=1 runs benchmarks/vkgdr_landing.py (TCP into pinned staging + copy vs straight into vkgdr-mapped device
-# memory; carry .gl for the Vulkan loader and .whl-vk, which holds the vkgdr, cffi and pycparser wheels: apart from
-# .whl so that .whl and .whl-ucx stay under the tool's 64 MiB carry limit). CHAOS_SECONDS (default 0: skipped)
-# runs benchmarks/chaos.py for that long (CHAOS_ARGS adds options). The exit status is pytest's (0 when the tests
-# passed or were not run), so a caller sees a failed suite.
+# The GPU check: the whole test suite (gpu-marked tests included), the demo and the example, then benchmarks, on a
+# GPU machine, from a clone with the wheels beside it (with the device tool: carry [".whl", ".whl-ucx"], command
+# `bash scripts/gpu-check.sh`). Full logs go under $OUT; each step prints its table, the handoff table last. The exit
+# status is pytest's (0 when the tests passed or were not run), so a caller sees a failed suite.
+#
+# Wheels, installed without an index into /tmp/site, once per machine and set of wheels:
+#   .whl        the package and its dependencies.
+#   .whl-ucx    (optional) the UCXX wheels (distributed-ucxx-cu13 0.52, ucxx-cu13 0.52, libucxx-cu13 0.52,
+#               libucx-cu13 1.21, rmm-cu13/librmm-cu13 26.10, rapids-logger 0.3): the UCXX tests and ucxx rows.
+#   .whl-vk     (optional) the vkgdr, cffi and pycparser wheels, kept apart from .whl so that .whl and .whl-ucx stay
+#               under the tool's 64 MiB carry limit; .gl holds the Vulkan loader's .debs vkgdr needs (see below).
+#
+# What runs:
+#   PART        tests: the suite, the demo and the example; bench: the benchmarks and the ETL example; unset: both
+#               (both may not fit one 10-minute command when the handoff budget is large).
+#   PYTEST_M    selects tests by marker (pytest -m, e.g. "gpu"); PYTEST_K by name (pytest -k); PYTEST_PATHS the
+#               paths (default tests); PYTEST_ARGS adds pytest options;
+#               PYTEST_TIMEOUT caps the suite (default 480 s).
+#   DEMO=0      skips the demo and the example.
+#   MAPPING=0   skips the pool-mapping benchmark; LARGE=0 its single imports of 5-8 GiB (content checked).
+#   SUBALLOC=0  skips the placement allocator benchmark.
+#   ETL=0       skips the ETL example; ETL_LAYOUTS lists its layouts (default "shared"; per-gpu, dask-cuda);
+#               ETL_ARGS adds options to it.
+#   HANDOFF_BUDGET  seconds for benchmarks/handoff.py (default 360; 0 skips it); HANDOFF_ARGS adds options.
+# Benchmarks that run only when asked (NAME=1; NAME_ARGS adds options where named):
+#   ARRAY_BENCH      benchmarks/dask_array.py, a dask.array program with and without GPUPool() at its defaults, for
+#                    each of ARRAY_BENCH_PROTOCOLS (default "tcp"; "tcp ucxx" both); ARRAY_BENCH_ARGS. Not DASK_*:
+#                    Dask reads every DASK_* variable as config.
+#   WORKLOADS        benchmarks/workloads.py, dask.array workloads, plain Dask (TCP, UCXX) against GPUPool() at its
+#                    defaults; WORKLOADS_ARGS; WORKLOADS_TIMEOUT caps it (default 560 s).
+#   COPY_OR_HANDOFF  benchmarks/copy_or_handoff.py, each sample handed over and copied (or staged and sent through
+#                    the comm) back to back; COPY_OR_HANDOFF_ARGS, e.g. "--placement other --plain".
+#   GATHER           benchmarks/gather.py, one reply of 1, 8, 32 pool arrays; GATHER_ARGS.
+#   BUSY             benchmarks/busy_producer.py, handoffs while the producer's GPU runs another stream's kernels,
+#                    gpupool.handoff-ordering sync against device; BUSY_ARGS.
+#   STAGED           benchmarks/staged_behind_tasks.py, a staged task result while later tasks keep the default
+#                    stream busy, the task's event against the default stream; STAGED_ARGS.
+#   BUSY_PY          benchmarks/busy_python.py, a producer busy in Python, Dask against a handoff; BUSY_PY_ARGS.
+#   UCX_PAIRS        benchmarks/ucx_pairs.py, four workers as two hosts of two GPUs, every pair, UCXX against the
+#                    plugin (all on GPU 0 with one GPU); UCX_PAIRS_ARGS; UCX_PAIRS_TIMEOUT caps it (default 300 s).
+#   VKGDR            benchmarks/vkgdr_landing.py, TCP copies into pinned staging and a copy against straight into
+#                    vkgdr-mapped device memory; VKGDR_ARGS. Needs .gl and .whl-vk.
+#   DEATH            benchmarks/exporter_death.py, what an importer reads after its exporter's SIGKILL.
+#   CHAOS_SECONDS    runs benchmarks/chaos.py for that long (default 0: skipped); CHAOS_ARGS. CHAOS_BG runs it in
+#                    the background across two commands on one machine (below).
+#
 # DEADLINE (seconds from this script's start, default 570) caps every step's timeout so that the script ends, packs
-# its logs and prints its table before the device tool's 600 s limit: a call cut off by that limit brings nothing
-# back. A step with no time left is skipped and says so. Two runs side by side in one call each count from their
-# own start.
+# its logs and prints its tables before the tool's 600 s limit: a command cut off by that limit brings nothing
+# back. A step with no time left is skipped and says so. Two runs side by side each count from their own start.
+# Everything under $OUT is packed into logs.tgz at the end when more than 8 files would come back.
 set -uo pipefail
 DEADLINE=${DEADLINE:-570}
 # left LIMIT: LIMIT, or the seconds left before DEADLINE (less 15 s to pack the logs) when fewer; at least 1
@@ -48,13 +62,13 @@ mkdir -p "$OUT"
 WHEELS=(.whl/*.whl)
 [ -d .whl-ucx ] && WHEELS+=(.whl-ucx/*.whl)
 [ -d .whl-vk ] && WHEELS+=(.whl-vk/*.whl)
-# Once per machine: a second call on a warm machine (or a second run in one call) must not rewrite the
-# packages under a chaos run still going in the background. Under a lock: two runs started side by side in one
-# call both installed at once and one failed inside pip (FileNotFoundError on a file the other removed).
+# Once per machine: a second run on the same machine must not rewrite the packages under a chaos run still going
+# in the background. Under a lock: two runs started side by side would both install at once, and one can fail
+# inside pip (FileNotFoundError on a file the other removed).
 mkdir -p /tmp/site
 (
   flock 9
-  # one marker per set of wheels: a later call that carries more (.whl-vk) installs again
+  # one marker per set of wheels: a later run that carries more (.whl-vk) installs again
   marker=/tmp/site/.gpupool-installed-$(printf '%s\n' "${WHEELS[@]##*/}" | md5sum | cut -c1-12)
   if [ ! -f "$marker" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${WHEELS[@]}" || exit 1
@@ -65,9 +79,9 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 { nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv;
   python3 -c "import cuda.core, cuda.bindings, dask, distributed; print('cuda.core', cuda.core.__version__, 'cuda.bindings', cuda.bindings.__version__, 'dask', dask.__version__)"; } > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
-# CHAOS_BG=start starts the chaos benchmark (CHAOS_SECONDS, default 600) in a session of its own and returns: a
-# 10-minute run does not fit one device call. CHAOS_BG=collect, in the next call on the still-warm machine, waits
-# for it and brings its log and JSON back.
+# CHAOS_BG=start starts the chaos benchmark (CHAOS_SECONDS, default 600) detached (setsid) and returns: a 10-minute
+# run does not fit one 10-minute command. CHAOS_BG=collect, in the next command on the same machine, waits for it
+# and brings its log and JSON back.
 if [ "${CHAOS_BG:-}" = start ]; then
   mkdir -p /tmp/chaos-out
   OUT=/tmp/chaos-out setsid nohup python3 benchmarks/chaos.py --seconds "${CHAOS_SECONDS:-600}" ${CHAOS_ARGS:-} \
@@ -83,10 +97,10 @@ if [ "${CHAOS_BG:-}" = collect ]; then
 fi
 # The Vulkan loader and NVIDIA's GL dispatch libraries for vkgdr (where pulled copies land when it runs, its GPU test and
 # benchmarks/vkgdr_landing.py), when .gl is carried: the device README's .deb set (libvulkan1 libegl1 libglvnd0
-# libopengl0 libgl1 libglx0 libgles2). With libvulkan1 alone vkCreateInstance failed with
-# VK_ERROR_INCOMPATIBLE_DRIVER (fourteenth session); with the whole set vkgdr opened (fifteenth).
-# Under the install lock, once per machine: two runs side by side in one call unpacked at once and one dpkg -x failed
-# on a file the other had just written (seventeenth session).
+# libopengl0 libgl1 libglx0 libgles2). With libvulkan1 alone vkCreateInstance fails with
+# VK_ERROR_INCOMPATIBLE_DRIVER; with the whole set vkgdr opens.
+# Under the install lock, once per machine: two runs side by side would unpack at once, and one dpkg -x can fail on
+# a file the other has just written.
 if ls .gl/*.deb > /dev/null 2>&1; then
   (
     flock 9
@@ -102,7 +116,7 @@ if ls .gl/*.deb > /dev/null 2>&1; then
 fi
 PART=${PART:-all}
 if [ "$PART" != bench ]; then
-# -v: each test's name and outcome as it ends, so a call cut off by its time limit still says which ran and how
+# -v: each test's name and outcome as it ends, so a run cut off by its time limit still says which ran and how
 # failures as they happen (tests/conftest.py): a run cut off by PYTEST_TIMEOUT keeps their bodies
 export GPUPOOL_FAILURES_LOG="$OUT/failures.log"
 timeout $(left ${PYTEST_TIMEOUT:-480}) python3 -m pytest ${PYTEST_PATHS:-tests} ${PYTEST_M:+-m "$PYTEST_M"} ${PYTEST_K:+-k "$PYTEST_K"} -p no:cacheprovider -o addopts="" -v -rA --durations=8 --timeout 180 ${PYTEST_ARGS:-} > "$OUT/pytest.log" 2>&1
@@ -150,14 +164,14 @@ if [ "$BUDGET" != 0 ] && has_time "handoff benchmark"; then
   sed -n '/^consumer transfer time/,$p' "$OUT/handoff.log"
 fi
 fi
-if [ "${ARRAY_BENCH:-0}" != 0 ] && has_time dask_array; then  # issue 16: a dask.array program with and without GPUPool() at its defaults
+if [ "${ARRAY_BENCH:-0}" != 0 ] && has_time dask_array; then  # a dask.array program with and without GPUPool() at its defaults
   for proto in ${ARRAY_BENCH_PROTOCOLS:-tcp}; do
     echo "== dask.array, plugin vs none ($proto)"
     timeout $(left 240) python3 benchmarks/dask_array.py --protocol "$proto" ${ARRAY_BENCH_ARGS:-} > "$OUT/dask_array_$proto.log" 2>&1
     echo "dask_array exit: $?"; sed -n '/^-- /p;/^[0-9]*x[0-9]* f8/,$p' "$OUT/dask_array_$proto.log"
   done
 fi
-if [ "${WORKLOADS:-0}" != 0 ] && has_time workloads; then  # issue 18: dask.array workloads, plain Dask (TCP, UCXX) vs GPUPool() at defaults
+if [ "${WORKLOADS:-0}" != 0 ] && has_time workloads; then  # dask.array workloads, plain Dask (TCP, UCXX) vs GPUPool() at defaults
   echo "== workloads ${WORKLOADS_ARGS:-}"; timeout $(left ${WORKLOADS_TIMEOUT:-560}) python3 benchmarks/workloads.py ${WORKLOADS_ARGS:-} > "$OUT/workloads.log" 2>&1
   echo "workloads exit: $?"; sed -n '/^[0-9]*x[0-9]* f8/,$p' "$OUT/workloads.log"
 fi
@@ -169,7 +183,7 @@ if [ "${COPY_OR_HANDOFF:-0}" != 0 ] && has_time "copy or handoff"; then  # the h
   echo "== copy or handoff ${COPY_OR_HANDOFF_ARGS:-}"; timeout $(left 240) python3 benchmarks/copy_or_handoff.py ${COPY_OR_HANDOFF_ARGS:-} > "$OUT/copy_or_handoff.log" 2>&1
   echo "copy or handoff exit: $?"; sed -n '/median of/,$p' "$OUT/copy_or_handoff.log"
 fi
-if [ "${BUSY:-0}" != 0 ] && has_time "busy producer"; then  # issue 19: handoff latency while the producer's GPU runs another stream's kernels
+if [ "${BUSY:-0}" != 0 ] && has_time "busy producer"; then  # handoff latency while the producer's GPU runs another stream's kernels
   echo "== busy producer ${BUSY_ARGS:-}"; timeout $(left 240) python3 benchmarks/busy_producer.py ${BUSY_ARGS:-} > "$OUT/busy.log" 2>&1
   echo "busy producer exit: $?"; sed -n '/^consumer transfer time/,$p' "$OUT/busy.log"
 fi
@@ -181,11 +195,11 @@ if [ "${BUSY_PY:-0}" != 0 ] && has_time "busy python"; then  # a producer whose 
   echo "== busy python ${BUSY_PY_ARGS:-}"; timeout $(left 240) python3 benchmarks/busy_python.py ${BUSY_PY_ARGS:-} > "$OUT/busy_python.log" 2>&1
   echo "busy python exit: $?"; sed -n '/value A -> B/,$p' "$OUT/busy_python.log"
 fi
-if [ "${UCX_PAIRS:-0}" != 0 ] && has_time "ucx pairs"; then  # issue 19: every pair of four workers that look like two hosts, UCXX vs plugin
+if [ "${UCX_PAIRS:-0}" != 0 ] && has_time "ucx pairs"; then  # every pair of four workers that look like two hosts, UCXX vs plugin
   echo "== ucx pairs ${UCX_PAIRS_ARGS:-}"; timeout $(left ${UCX_PAIRS_TIMEOUT:-300}) python3 benchmarks/ucx_pairs.py ${UCX_PAIRS_ARGS:-} > "$OUT/ucx_pairs.log" 2>&1
   echo "ucx pairs exit: $?"; sed -n '/^consumer transfer time/,$p' "$OUT/ucx_pairs.log"
 fi
-if [ "${VKGDR:-0}" != 0 ] && has_time vkgdr; then  # issue 19: land TCP copies straight in device memory (vkgdr) vs pinned staging
+if [ "${VKGDR:-0}" != 0 ] && has_time vkgdr; then  # land TCP copies straight in device memory (vkgdr) vs pinned staging
   # (carry .gl and .whl-vk: the Vulkan set-up is at the top)
   echo "== vkgdr landing ${VKGDR_ARGS:-}"; timeout $(left 200) python3 benchmarks/vkgdr_landing.py ${VKGDR_ARGS:-} > "$OUT/vkgdr.log" 2>&1
   echo "vkgdr exit: $?"; sed -n '/over loopback TCP/,$p' "$OUT/vkgdr.log"; tail -n 3 "$OUT/vkgdr.log"

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Issue 16: where the plugin's cost on plain CuPy over UCXX comes from. Runs on the GPU machine (device tool,
-# carry .whl .whl-ucx, and .old for the snapshot variants: .old/snapshots.tar.xz, 150 KB, keeps the carry under 64 MiB):
+# Where the plugin's cost on plain CuPy over UCXX comes from: the handoff benchmark's UCXX baseline against the
+# plugin with a plain CuPy array, under variants of the setup and of the package. Runs on a GPU machine (with the
+# device tool: carry .whl .whl-ucx, and .old for the snapshot variants: .old/snapshots.tar.xz, 150 KB, keeps the
+# carry under 64 MiB):
 #   bash scripts/ucxx-bisect.sh
 # Each variant runs benchmarks/handoff.py --placements same --methods ucxx,ucxx+gpupool-plain, interleaved rounds,
 # so the plugin's run and its baseline share the cluster-to-cluster drift; the table of each lands in $OUT.
-# VARIANTS (default "default host onegpu old"; also nostage, at-<commit> for a snapshot)
-# picks which; BISECT_SIZES, BISECT_ROUNDS, BISECT_PLACEMENTS
-# (default "same"; "other": one worker per GPU) tune the run.
+# VARIANTS (default "default host onegpu old") picks which: default (this package), host (host pools), onegpu (one
+# GPU visible), old (the package of commit 6d06220), at-<commit> (the package of another commit's snapshot).
+# BISECT_SIZES, BISECT_ROUNDS, BISECT_PLACEMENTS (default "same"; "other": one worker per GPU) tune the run.
 set -uo pipefail
 OUT=${OUT:-/tmp/ucxx-bisect-out}
 mkdir -p "$OUT" /tmp/site
@@ -32,10 +34,7 @@ for v in ${VARIANTS:-default host onegpu old}; do
     # one GPU visible: no peer GPU at all, for the plugin and the baseline alike
     onegpu) (export PYTHONPATH=/tmp/site:$here CUDA_VISIBLE_DEVICES=0
              timeout 150 python3 benchmarks/handoff.py "${ARGS[@]}") ;;
-    # the defaults that changed since 6d06220, one at a time
-    nostage) (export PYTHONPATH=/tmp/site:$here DASK_GPUPOOL__STAGE_THRESHOLD=0
-              timeout 150 python3 benchmarks/handoff.py "${ARGS[@]}") ;;
-    # an earlier commit's package and handoff.py (.old/snapshots.tar.xz: one folder per commit, made with
+    # a commit's package and handoff.py (.old/snapshots.tar.xz: one folder per commit, made with
     # git archive <commit> dask_gpupool benchmarks/handoff.py); "old" is 6d06220
     old|at-*) c=${v#at-}; [ "$v" = old ] && c=6d06220
        mkdir -p /tmp/snapshots && tar xJf .old/snapshots.tar.xz -C /tmp/snapshots "./$c"

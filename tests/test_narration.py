@@ -139,10 +139,6 @@ def test_no_documentation_narrates():
     assert narration_in_files([name for name in tracked_files() if name.startswith(DOCUMENTATION)]) == []
 
 
-# Still narrating, to be reworded (then this xfail goes): benchmarks/busy_producer.py, benchmarks/dask_array.py,
-# benchmarks/pool_mapping.py, benchmarks/ucx_pairs.py, benchmarks/vkgdr_landing.py, benchmarks/workloads.py,
-# dask_gpupool/testing/tasks.py, dask_gpupool/transport/accept.py, scripts/gpu-check.sh, scripts/ucxx-bisect.sh.
-@pytest.mark.xfail(strict=True, reason="code, benchmarks and GPU scripts listed above still narrate")
 def test_no_tracked_text_narrates():
     """Every tracked text file (code, tests, benchmarks, scripts, docs), data and pictures aside."""
     found = narration_in_files(tracked_files())

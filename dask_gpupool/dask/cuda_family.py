@@ -15,8 +15,8 @@ pool Buffer under :data:`~dask_gpupool.tuning.UCX_HOST_FRAME_THRESHOLD` (8 KiB) 
 handed over goes to a worker running the plugin as one host frame
 (:mod:`dask_gpupool.dask.ucx_host_frames`).
 
-Registered by :func:`~dask_gpupool.dask.distributed_seam.register_serializers` (Buffers) and
-:func:`~dask_gpupool.dask.distributed_seam.register_cupy` (:func:`cupy_serializers`). Each serializer Dask calls
+Registered by :func:`~dask_gpupool.dask.registration.register_serializers` (Buffers) and
+:func:`~dask_gpupool.dask.registration.register_cupy` (:func:`cupy_serializers`). Each serializer Dask calls
 here reads :data:`~dask_gpupool.dask.context.REQUEST` once and passes the request on; each deserializer reads
 :data:`~dask_gpupool.handoff.deferred.SENDER` and the active service once.
 
@@ -139,7 +139,7 @@ def cupy_serializers(
     previous_dumps: Any, previous_loads: Any
 ) -> tuple[Callable[[Any], tuple[dict[str, Any], list[Any]]], Callable[[dict[str, Any], list[Any]], Any]]:
     """The ``"cuda"`` serializer and deserializer of CuPy arrays over distributed's own (``previous_dumps(x)``,
-    ``previous_loads(header, frames)``), for :func:`~dask_gpupool.dask.distributed_seam.register_cupy`."""
+    ``previous_loads(header, frames)``), for :func:`~dask_gpupool.dask.registration.register_cupy`."""
 
     def cuda_dumps(x: Any) -> tuple[dict[str, Any], list[Any]]:
         return cuda_dumps_cupy(x, previous_dumps)

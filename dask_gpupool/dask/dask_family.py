@@ -3,7 +3,7 @@
 Registered for cuda.core ``Buffer`` and for NumPy and CuPy arrays (the latter
 only those made over pool buffers with :func:`~dask_gpupool.dask.views.as_array`;
 every other array keeps distributed's own serializer, which these delegate
-to) by :func:`~dask_gpupool.dask.distributed_seam.register_serializers`.
+to) by :func:`~dask_gpupool.dask.registration.register_serializers`.
 
 **Which path.** A value goes as an IPC descriptor only when it is being sent
 in answer to a worker's ``get_data`` (the worker's ``get_data`` is wrapped, so
@@ -179,7 +179,7 @@ def reduce_buffer(buf: Buffer) -> Any:
     User code that pickles a value (``pickle.dumps``, a task argument, ``client.run``'s result) must not get a
     descriptor of pool memory, which would outlive the lease that keeps it: cuda.core's own ``__reduce__``
     exports an IPC descriptor (and fails on the resources of ``host`` pools). Other Buffers keep it. Registered
-    with ``copyreg`` (:func:`~dask_gpupool.dask.distributed_seam.register_serializers`).
+    with ``copyreg`` (:func:`~dask_gpupool.dask.registration.register_serializers`).
     """
     resource = buf.memory_resource
     ours = type(resource).__module__.startswith("dask_gpupool.") or any(s.pool.owns(buf) for s in active_services())

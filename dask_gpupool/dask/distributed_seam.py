@@ -205,11 +205,11 @@ def fill_after_read(worker: Worker, *, undo: bool = False) -> None:
 
 def count_own_memory_only(worker: Worker, *, undo: bool = False) -> None:
     """Make the process memory Dask reads for ``worker`` leave out the pages of peer pools it maps
-    (:func:`~dask_gpupool.memory.host.peer_resident_bytes`); ``undo=True`` puts Dask's own method back.
+    (:func:`~dask_gpupool.memory.peer_resident.peer_resident_bytes`); ``undo=True`` puts Dask's own method back.
 
     PATCH ``worker.monitor.get_process_memory``: Dask takes the process's ``rss`` (pause threshold, spilling, what
     the dashboard shows) with no way to discount pages the process maps but does not own (the kernel counts a shared
-    page in every process that touched it). The nanny's terminate threshold still counts them (docs/cpu-users.md).
+    page in every process that touched it). The nanny's terminate threshold still counts them (docs/user-guide.md).
     """
     monitor = getattr(worker, "monitor", None)
     current = getattr(monitor, "get_process_memory", None)

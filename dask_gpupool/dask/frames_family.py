@@ -20,7 +20,7 @@ serializer per type and no change to Dask's registrations. Types the family
 does not take (pool ``Buffer`` s and CuPy and NumPy arrays, which have their
 own path in :mod:`~dask_gpupool.dask.dask_family`; types with no ``cuda_serialize``; a
 type that cannot be found again by its name) go to Dask's next family, as
-before. Every other requester (other hosts, clients, spilling, UCX comms)
+without the plugin. Every other requester (other hosts, clients, spilling, UCX comms)
 never sees the family.
 
 What the consumer's deserializer gets, by type:
@@ -51,7 +51,7 @@ Ownership: a frame handed over is the producer's memory under a lease, kept
 alive by the CuPy array over it, and so by whatever the deserializer built
 over that array.
 
-Registered by :func:`~dask_gpupool.dask.distributed_seam.register_serializers` (a :class:`FramesFamily` given the
+Registered by :func:`~dask_gpupool.dask.registration.register_serializers` (a :class:`FramesFamily` given the
 ``"dask"`` family's CuPy serializers); :func:`serializers_for` names it for a reply.
 
 Wire format: Dask's header for a family, ``{"sub-header": {FRAMES_KEY: {"header": <cuda header>,
@@ -163,7 +163,7 @@ class FramesFamily:
     cupy_serializer : callable
         ``cupy_serializer(deserialize)``: the ``"dask"`` family's CuPy serializer (``False``) or deserializer
         (``True``) that each device frame goes through, registered first
-        (:func:`~dask_gpupool.dask.distributed_seam.cupy_dask_serializer`). Called only for objects with device
+        (:func:`~dask_gpupool.dask.registration.cupy_dask_serializer`). Called only for objects with device
         frames.
     """
 

@@ -42,9 +42,9 @@ def hand_over(
     """The header of a zero-copy handoff of ``buf`` to ``request``'s requester, or ``None`` to copy.
 
     A buffer of this worker's pool is exported under a lease
-    (:meth:`PoolService.export_ipc <dask_gpupool.handoff.service.PoolService.export_ipc>`);
+    (:meth:`Exports.export_ipc <dask_gpupool.handoff.exports.Exports.export_ipc>`);
     one this worker imported is passed on as its exporter's memory
-    (:meth:`PoolService.forward <dask_gpupool.handoff.service.PoolService.forward>`:
+    (:meth:`Forwarder.forward <dask_gpupool.handoff.forwarding.Forwarder.forward>`:
     its resource knows its origin). The lease goes in ``request`` to be
     settled when the reply ends. A same-host fallback is counted. When
     ``value`` (what Dask serializes: an array over ``buf``; default
@@ -77,7 +77,7 @@ def data_lost(raw_header: Any, e: Exception) -> DataLostError:
     retried), while for an ``OSError`` it treats the transfer as failed and
     fetches the key again, from the same worker or another, or has it
     recomputed. The exporter then sends this worker copies
-    (:meth:`PoolService.settle`), so the retry succeeds.
+    (:meth:`Exports.settle <dask_gpupool.handoff.exports.Exports.settle>`), so the retry succeeds.
     """
     exporter = raw_header.get("exporter", "?") if isinstance(raw_header, dict) else "?"
     return DataLostError(f"a value from worker {exporter} could not be received: {type(e).__name__}: {e}")

@@ -201,8 +201,8 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         seam.fill_after_read(worker)
         self.service = service
         if gpu_pool and has_cupy:
-            # CuPy's serializers at setup rather than lazily inside Dask's first dispatch: a dask-cuda
-            # worker was seen with no CuPy deserializer after the lazy path (docs/gpu-checks.md).
+            # CuPy's serializers at setup rather than lazily inside Dask's first dispatch: registered lazily,
+            # a dask-cuda worker can be left with no CuPy deserializer (``No dispatch for cupy.ndarray``).
             from dask_gpupool.dask.registration import register_cupy
 
             try:

@@ -103,8 +103,8 @@ class ImportedMemoryResource(MemoryResource):
         self._host_accessible = bool(raw.is_host_accessible)
         # The GPU that uses the import: this process's own GPU (granted access to the pool), not the
         # pool's resident GPU. Array libraries run on it; CuPy would otherwise enable context peer
-        # access to the owner's GPU for every kernel, which broke imports across H200s
-        # (docs/gpu-checks.md).
+        # access to the owner's GPU for every kernel, which breaks imports across GPUs (seen on two H200s;
+        # docs/design.md, "Handoff", across GPUs).
         self._device_id = int(mapped.device) if mapped.device is not None else int(raw.device_id)
 
     def allocate(self, size: int, *, stream: Any = None) -> Buffer:

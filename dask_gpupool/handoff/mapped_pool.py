@@ -412,8 +412,8 @@ class MappedPool:
                     except Exception:
                         logger.exception("pool %s: closing a segment import failed", self.record.pool)
                 # Frees of imports (segments here, buffers just before when the last handoff closed the
-                # mapping) are stream-ordered: let them finish before the imported pool goes. Without this,
-                # GPU runs kept one /dev/nvidiactl fd per closed mapping now and then (docs/gpu-checks.md).
+                # mapping) are stream-ordered: let them finish before the imported pool goes. Without this, a
+                # closed mapping can keep one /dev/nvidiactl fd now and then.
                 dev.default_stream.sync()
             self.resource.close()
 

@@ -124,7 +124,7 @@ def grant_peers(resource: Any, ordinal: int, devices: LocalDevices) -> tuple[str
     growing, and had been granted access only in its own process, lost its
     CUDA context (``CUDA_ERROR_LAUNCH_FAILED`` during an import); with access
     granted here first, the same handoffs read the right bytes
-    (``scripts/probes/two_gpu_handoff.py``, ``docs/gpu-checks.md``).
+    (``scripts/probes/two_gpu_handoff.py``; ``docs/design.md``, "Handoff").
 
     Returns the UUIDs of the GPUs granted access. A GPU that cannot reach
     ``ordinal`` (no peer access) is left out; so is every GPU when granting

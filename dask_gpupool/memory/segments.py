@@ -1,8 +1,8 @@
 """Segments: large IPC allocations that peers map once, with buffers placed inside.
 
 Importing a CUDA allocation costs time linear in its size (≈1.1 ms per GiB on
-one H200, ≈7.7 ms per GiB across two, as measured on the project's GPUs and
-seen again in docs/performance.md's first run), so a handoff that
+one H200, ≈7.7 ms per GiB across two, 2026-11-22; docs/design.md,
+"Alternatives measured and removed"), so a handoff that
 imports each buffer anew is slower than UCXX at GiB sizes. A ``device`` pool
 therefore takes *segments* of :data:`SEGMENT_SIZE` from its segment memory
 (VMM or legacy IPC memory) and places buffers inside them

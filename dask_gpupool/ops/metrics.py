@@ -26,8 +26,7 @@ metric                                                    type     labels
 ========================================================  =======  ==============================
 
 Summed over a label, a metric means something: ``pool_bytes`` over ``state`` (used, and free: reserved but in no
-live buffer) is the bytes the pool reserves; its bound is ``pool_limit_bytes``. (Formerly the bound was
-``pool_bytes{state="max"}`` and the reserve ``pool_bytes{state="reserved"}``: docs/operations.rst.)
+live buffer) is the bytes the pool reserves; its bound is ``pool_limit_bytes``.
 
 What each counts is its help text, and docs/operations.rst: ``received_bytes`` counts values from any sender
 (only its ``zero-copy`` path is same-host by nature), and ``sent_copy_bytes`` every host

@@ -19,7 +19,7 @@ def block_imports(seconds: float) -> None:
 
     A handoff arriving meanwhile stops inside the import, after the exporter
     granted its lease and before this worker claims it: the window in which
-    a stalled consumer used to lose its lease. The thread lets go by itself
+    a stalled consumer could lose its lease. The thread lets go by itself
     (the import may block this worker's event loop, so no later
     ``client.run`` could reach it).
     """

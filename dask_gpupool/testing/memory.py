@@ -130,7 +130,7 @@ def make_cuda_context() -> bool:
     """client.run target: make GPU 0's primary CUDA context current here, if this host has a GPU.
 
     A ``host``-pool worker on a GPU host makes a CUDA context once, at a moment
-    not yet pinned down (docs/gpu-checks.md); a test that compares fds with a
+    not yet pinned down (docs/design.md, "Known gaps"); a test that compares fds with a
     baseline makes it first. Returns whether a GPU was there.
     """
     from dask_gpupool.memory.topology import local_devices

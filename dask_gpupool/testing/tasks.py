@@ -23,7 +23,7 @@ def serializer_families(n: int) -> dict[str, str]:
     """Task: which serializer family distributed picks, with a UCX comm's list, for a pool array and a pool Buffer.
 
     ``"cuda"`` means device frames (UCX moves them GPU to GPU); ``"dask"`` means our serializer, a host copy
-    outside a same-host TCP handoff (issue 16).
+    outside a same-host TCP handoff.
     """
     from distributed.protocol import serialize
 

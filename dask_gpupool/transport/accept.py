@@ -1,7 +1,7 @@
 """The back-off that keeps an accept loop alive: shared by the fd broker and the copy server.
 
-A server that stops accepting for good is a denial of service (issue 15: an
-fd flood ended both accept loops with ``EMFILE``). An accept loop asks
+A server that stops accepting for good is a denial of service (an fd flood
+would end both accept loops with ``EMFILE``). An accept loop asks
 :meth:`AcceptBackoff.failed` what to do after each failed ``accept``: try again
 at once (a transient error: the peer gave up, a signal) or pause, 50 ms
 doubling up to :data:`ACCEPT_BACKOFF_MAX` (out of fds or memory), while the
