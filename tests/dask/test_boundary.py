@@ -1,0 +1,80 @@
+"""The trust boundary with processes that are not workers, and with members that lie, on real Nanny workers.
+
+A Dask client (no cluster token) speaks to workers over plain comms: it may ask for values and scatter values, as
+Dask allows, and gets what Dask would give it. It never gets a lease, never makes a worker import or pull, and a
+proof it captures is worth nothing. ``docs/security.md`` has the table.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from conftest import counters, nanny_cluster, warm_up, worker_addresses
+from distributed.comm import connect
+from distributed.protocol import Serialized, serialize
+
+from dask_gpupool import GPUPool
+from dask_gpupool import testing as T
+from dask_gpupool.dask.headers import KEY
+from dask_gpupool.memory.buffers import host_buffer
+
+MiB = 1 << 20
+PLUGIN = GPUPool(kind="host", max_size="64 MiB", broker_timeout="2s")
+
+
+@pytest.fixture(scope="module")
+def client():
+    with nanny_cluster([{}, {}], PLUGIN) as c:
+        yield c
+
+
+async def get_data_as(worker: str, key: str, who: str) -> Serialized:
+    """What a client gets for ``get_data(keys=[key], who=who)`` on ``worker``, read without deserializing, after it
+    sent the "OK" (and once the worker settled the reply: its next answer on the comm comes after)."""
+    comm = await connect(worker, deserialize=False)
+    try:
+        await comm.write({"op": "get_data", "keys": [key], "who": who, "reply": True})
+        msg = await comm.read()
+        await comm.write("OK")
+        await comm.write({"op": "identity", "reply": True})
+        await comm.read()
+    finally:
+        comm.abort()
+    return msg["data"][key]
+
+
+async def update_data(worker: str, key: str, header: dict[str, Any]) -> Any:
+    """Scatter to ``worker``, as a client does (``update_data``), a Buffer whose handoff sub-header is ``header``;
+    the reply, or the error."""
+    dask_header, _frames = serialize(host_buffer(bytearray(8)), serializers=["dask"])
+    crafted = Serialized({**dask_header, "sub-header": {KEY: header}}, [])
+    comm = await connect(worker)
+    try:
+        await comm.write({"op": "update_data", "data": {key: crafted}, "reply": True})
+        return await comm.read()
+    except Exception as e:
+        return e
+    finally:
+        comm.abort()
+
+
+def holds(client: Any, worker: str, key: str) -> bool:
+    def has(dask_worker: Any) -> bool:
+        return key in dask_worker.data
+
+    return client.run(has, workers=[worker])[worker]
+
+
+def test_a_client_naming_a_worker_in_get_data_gets_no_lease(client):
+    """Finding: a tokenless client's ``get_data(who=<B>)`` on A, answered "OK" without deserializing, left A counting
+    leases "claimed" by B, which never held them, pinning A's pool."""
+    a, b = worker_addresses(client)
+    warm_up(client, a, b)
+    x = client.submit(T.make_buffer, MiB, b"pinned?", workers=[a], pure=False)
+    x.result()
+    got = client.sync(get_data_as, a, x.key, b)
+    sub = got.header["sub-header"][KEY]
+    assert sub.get("path") != "ipc", sub  # what Dask would send a client: the bytes
+    assert counters(client, a)[a]["leases"] == 0
+    del x
