@@ -18,6 +18,7 @@ from dask_gpupool import GPUPool
 from dask_gpupool import testing as T
 from dask_gpupool.dask.headers import KEY
 from dask_gpupool.memory.buffers import host_buffer
+from dask_gpupool.testing import boundary as B
 
 MiB = 1 << 20
 PLUGIN = GPUPool(kind="host", max_size="64 MiB", broker_timeout="2s")
@@ -77,4 +78,20 @@ def test_a_client_naming_a_worker_in_get_data_gets_no_lease(client):
     sub = got.header["sub-header"][KEY]
     assert sub.get("path") != "ipc", sub  # what Dask would send a client: the bytes
     assert counters(client, a)[a]["leases"] == 0
+    del x
+
+
+def test_a_handoff_header_scattered_by_a_client_is_not_imported(client):
+    """Finding: an IPC header of A's (learned by a client) scattered to B made B hold A's memory under the client's
+    key."""
+    a, b = worker_addresses(client)
+    x = client.submit(T.make_buffer, MiB, b"A's memory", workers=[a], pure=False)
+    x.result()
+    header = client.run(B.export_header, x.key, b, workers=[a])[a]
+    try:
+        client.sync(update_data, b, "scattered-ipc", header)
+        assert not holds(client, b, "scattered-ipc")
+        assert counters(client, b)[b]["imports"] == 0
+    finally:
+        client.run(B.revoke, [header["lease"]], workers=[a])
     del x
