@@ -7,10 +7,11 @@ proof it captures is worth nothing. ``docs/security.md`` has the table.
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 import pytest
-from conftest import counters, nanny_cluster, warm_up, worker_addresses
+from conftest import counters, nanny_cluster, wait_for, warm_up, worker_addresses
 from distributed.comm import connect
 from distributed.protocol import Serialized, serialize
 
@@ -94,4 +95,58 @@ def test_a_handoff_header_scattered_by_a_client_is_not_imported(client):
         assert counters(client, b)[b]["imports"] == 0
     finally:
         client.run(B.revoke, [header["lease"]], workers=[a])
+    del x
+
+
+def _listener() -> tuple[socket.socket, str]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(8)
+    sock.setblocking(False)
+    return sock, f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def _connected(sock: socket.socket) -> bool:
+    try:
+        conn, _ = sock.accept()
+    except BlockingIOError:
+        return False
+    conn.close()
+    return True
+
+
+def test_a_stream_header_scattered_by_a_client_makes_no_worker_connect_anywhere(client):
+    """Finding: a client scattered to B a ``stream`` header naming the client's own address; B connected there and
+    sent a pull proof, which the client replayed to A's copy server."""
+    a, b = worker_addresses(client)
+    x = client.submit(T.make_buffer, MiB, b"streamed", workers=[a], pure=False)
+    x.result()
+    sock, address = _listener()
+    header = client.run(B.stream_header, x.key, b, address, workers=[a])[a]
+    try:
+        client.sync(update_data, b, "scattered-stream", header)
+        assert not holds(client, b, "scattered-stream")
+        assert not _connected(sock), "B connected to the address a client's header named"
+    finally:
+        sock.close()
+        client.run(B.revoke, [header["lease"], *header.get("lanes", [])], workers=[a])
+    del x
+
+
+def test_a_members_stream_header_is_pulled_only_from_the_exporters_own_copy_server(client):
+    """A header in a member's reply names the copy server; the importer pulls from the exporter's registered one."""
+    a, b = worker_addresses(client)
+    x = client.submit(T.make_buffer, MiB, b"from A's server", workers=[a], pure=False)
+    x.result()
+    sock, address = _listener()
+    header = client.run(B.stream_header, x.key, b, address, workers=[a])[a]
+    try:
+        error = client.run(B.read_as_reply_from, a, header, workers=[b])[b]
+        assert not _connected(sock), "B pulled from the address the header named"
+        assert error == "", error  # pulled from A's own copy server, under the lease A granted to B
+    finally:
+        sock.close()
+        client.run(B.drop_read, workers=[b])
+        client.run(B.revoke, [header["lease"], *header.get("lanes", [])], workers=[a])
+    wait_for(lambda: counters(client, a)[a]["leases"] == 0, what="A's stream leases to end")
     del x
