@@ -82,7 +82,7 @@ def wrap_get_data(worker: Worker, replies: Replies) -> Any:
             scheme = parse_address(comm.peer_address)[0]
         except Exception:
             scheme = ""
-        request, inline = replies.open(keys, who, scheme, getattr(comm, "allow_offload", False))
+        request, inline = replies.open(keys, who, comm, scheme, getattr(comm, "allow_offload", False))
         restore_write = _request_while_writing(comm, request)
         if inline:
             comm.allow_offload = False
@@ -176,11 +176,11 @@ class DaskWorkerStore:
 # -- worker: reads, memory, handlers ------------------------------------------------------------------------------
 
 
-def fill_after_read(worker: Worker, *, undo: bool = False) -> None:
-    """Make the comms ``worker`` connects with run deferred copies in a thread once a read returns
-    (:func:`~dask_gpupool.dask.comm_reads.read_then_fill`); ``undo=True`` puts Dask's ``connect`` back (wrapped comms
-    keep a wrapper that does nothing without collected copies). PATCH ``worker.rpc.connect`` and each comm's
-    ``read``: no hook runs after a read, before Dask sees the message (deserializers run inside it)."""
+def fill_after_read(worker: Worker, bind: Callable[[Any, str], Any] | None = None, *, undo: bool = False) -> None:
+    """Make each comm ``worker`` opens ``bind`` it first (:mod:`~dask_gpupool.dask.binding`) and run deferred copies
+    in a thread once a read returns (:func:`~dask_gpupool.dask.comm_reads.read_then_fill`); ``undo=True`` puts Dask's
+    ``connect`` back (wrapped comms keep a wrapper that does nothing without collected copies). PATCH
+    ``worker.rpc.connect`` and each comm's ``read``: no hook runs on a new comm, nor after a read (deserializers)."""
     rpc = getattr(worker, "rpc", None)
     current = getattr(rpc, "connect", None)
     if rpc is None or current is None:
@@ -195,8 +195,8 @@ def fill_after_read(worker: Worker, *, undo: bool = False) -> None:
     async def connect(addr: str, timeout: float | None = None) -> Any:
         comm = await current(addr, timeout)
         if not getattr(comm, "_gpupool_fills", False):
-            comm.read = read_then_fill(comm, comm.read, addr)
-            comm._gpupool_fills = True
+            comm._gpupool_fills = True  # the bind reads with the comm's own read, replaced after it
+            comm.read = read_then_fill(comm, comm.read, addr, bind is not None and await bind(comm, addr))
         return comm
 
     connect.__wrapped__ = current  # type: ignore[attr-defined]

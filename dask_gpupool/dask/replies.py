@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
+from dask_gpupool.dask.binding import granted_to
 from dask_gpupool.dask.context import SYNCHRONIZING_SCHEMES, Request
 from dask_gpupool.dask.views import described, pool_buffer_of
 from dask_gpupool.wire.broker_leases import MAX_LEASES_PER_MESSAGE
@@ -117,10 +118,12 @@ class Replies:
         self._serializers = serializers
         self._task_events = task_events
 
-    def open(self, keys: Any, who: str | None, scheme: str, offloads: bool) -> tuple[Request, bool]:
-        """The request of a reply of ``keys`` to ``who`` over a comm of ``scheme``, and whether to serialize it on
-        the event loop (``offloads``: the comm allows Dask's offload thread)."""
-        service = self.service
+    def open(self, keys: Any, who: str | None, comm: Any, scheme: str, offloads: bool) -> tuple[Request, bool]:
+        """The request of a reply of ``keys`` to ``who`` over ``comm`` (of ``scheme``), and whether to serialize it
+        on the event loop (``offloads``: the comm allows Dask's offload thread). Leases go to ``who`` only if
+        ``comm`` is bound to it (:func:`~dask_gpupool.dask.binding.granted_to`); otherwise the reply is Dask's own,
+        as to a client."""
+        service, who = self.service, granted_to(comm, who)
         request = Request(
             who, scheme, service, plain_reason=service.routes.plain_copy_reason(who), task_events=self._task_events
         )
