@@ -15,11 +15,13 @@ from conftest import counters, nanny_cluster, wait_for, warm_up, worker_addresse
 from distributed.comm import connect
 from distributed.protocol import Serialized, serialize
 
-from dask_gpupool import GPUPool
+import dask_gpupool
+from dask_gpupool import GPUPool, NotAMemberError
 from dask_gpupool import testing as T
 from dask_gpupool.dask.headers import KEY
 from dask_gpupool.memory.buffers import host_buffer
 from dask_gpupool.testing import boundary as B
+from dask_gpupool.wire.handoff import LEASE_QUERY_OP
 
 MiB = 1 << 20
 PLUGIN = GPUPool(kind="host", max_size="64 MiB", broker_timeout="2s")
@@ -151,3 +153,22 @@ def test_a_members_stream_header_is_pulled_only_from_the_exporters_own_copy_serv
         client.run(B.revoke, [header["lease"], *header.get("lanes", [])], workers=[a])
     wait_for(lambda: counters(client, a)[a]["leases"] == 0, what="A's stream leases to end")
     del x
+
+
+async def ask(worker: str, msg: dict[str, Any]) -> Any:
+    """A client's plain RPC call to ``worker``: its reply."""
+    comm = await connect(worker)
+    try:
+        await comm.write({**msg, "reply": True})
+        return await comm.read()
+    finally:
+        comm.abort()
+
+
+def test_a_client_asking_a_worker_about_leases_is_refused(client):
+    """Finding: ``gpupool_lease_query`` answered anyone, confirming lease ids a caller names (and a flood of fake
+    exporters evicted the refusals a worker remembers)."""
+    a, b = worker_addresses(client)
+    broker_of_a = next(r.broker for r in dask_gpupool.pools(client) if r.worker == a)
+    reply = client.sync(ask, b, {"op": LEASE_QUERY_OP, "exporter": broker_of_a, "leases": [1, 2]})
+    assert isinstance(reply, dict) and reply.get("error") == NotAMemberError.__name__, reply
