@@ -42,9 +42,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from dask_gpupool.dask.binding import granted_to
+from dask_gpupool.dask.binding import bound_worker, granted_to
 from dask_gpupool.dask.context import SYNCHRONIZING_SCHEMES, Request
 from dask_gpupool.dask.views import described, pool_buffer_of
+from dask_gpupool.errors import NotAMemberError
+from dask_gpupool.wire.broker_hello import ErrorReply, raise_for_error
 from dask_gpupool.wire.broker_leases import MAX_LEASES_PER_MESSAGE
 from dask_gpupool.wire.handoff import LEASE_QUERY_OP, LeaseQuery, LeaseQueryReply
 
@@ -242,6 +244,8 @@ class Replies:
                     chunk = pending[i : i + MAX_LEASES_PER_MESSAGE]
                     query = LeaseQuery(service.record.broker, tuple(chunk))
                     raw = await getattr(self._rpc(who), LEASE_QUERY_OP)(**query.to_msg())
+                    if isinstance(raw, dict):
+                        raise_for_error(raw, f"asking {who} about leases")
                     service.exports.resolve(chunk, who, list(LeaseQueryReply.from_msg(raw).held))
                 continue
             except Exception as e:  # unreachable, closing, or a bad answer: keep the leases, ask again
@@ -264,10 +268,20 @@ def _staged_on_device(service: PoolService, value: Any, who: str | None, scheme:
 def lease_query_handler(service: PoolService) -> Callable[..., dict[str, Any]]:
     """The handler of :data:`~dask_gpupool.wire.handoff.LEASE_QUERY_OP` on a worker: it parses an exporter's
     :class:`~dask_gpupool.wire.handoff.LeaseQuery` (a malformed one is a
-    :class:`~dask_gpupool.errors.ProtocolError` reply, and nothing changes) and answers from the service's releaser."""
+    :class:`~dask_gpupool.errors.ProtocolError` reply, and nothing changes) and answers from the service's releaser.
 
-    def lease_query(exporter: Any = None, leases: Any = None) -> dict[str, Any]:
+    Only a member asks, about its own leases: the comm must be bound to a worker
+    (:mod:`~dask_gpupool.dask.binding`) whose registry row, when this worker has it, names the broker the query
+    names; anything else is answered with :class:`~dask_gpupool.errors.NotAMemberError` and changes nothing."""
+
+    def lease_query(comm: Any, exporter: Any = None, leases: Any = None) -> dict[str, Any]:
         query = LeaseQuery.from_msg({"exporter": exporter, "leases": leases})
+        asker = bound_worker(comm)
+        row = None if asker is None else service.registry.worker_row(asker)
+        if asker is None or (row is not None and row.broker != query.exporter):
+            refusal = NotAMemberError(f"a lease query about {query.exporter} from {asker or 'a process not bound'}")
+            logger.info("gpupool: refused %s", refusal)
+            return ErrorReply.of(refusal).to_msg()
         return service.importer.answer_lease_query(query).to_msg()
 
     return lease_query
