@@ -15,7 +15,7 @@ from dask_gpupool.dask.worker_plugin import service_of
 if TYPE_CHECKING:
     from distributed import Worker
 
-__all__ = ["drop_read", "export_header", "read_as_reply_from", "revoke", "stream_header"]
+__all__ = ["allocate_in_task", "drop_read", "export_header", "read_as_reply_from", "revoke", "stream_header"]
 
 
 def export_header(key: str, importer: str, dask_worker: Worker) -> dict[str, Any]:
@@ -68,3 +68,12 @@ def revoke(leases: list[int], dask_worker: Worker) -> int:
     """client.run target: end ``leases`` of this worker's (granted by :func:`export_header` or
     :func:`stream_header` and never claimed); returns how many ended."""
     return service_of(dask_worker).leases.revoke(leases)[0]
+
+
+def allocate_in_task(nbytes: int) -> int:
+    """Task: allocate ``nbytes`` with :func:`dask_gpupool.allocate`, as a task does, and free it; returns ``nbytes``."""
+    from dask_gpupool import allocate
+
+    buf = allocate(nbytes)
+    buf.close()
+    return nbytes

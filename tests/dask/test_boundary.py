@@ -16,7 +16,7 @@ from distributed.comm import connect
 from distributed.protocol import Serialized, serialize
 
 import dask_gpupool
-from dask_gpupool import GPUPool, NotAMemberError
+from dask_gpupool import GPUPool, NotAMemberError, PoolExhaustedError
 from dask_gpupool import testing as T
 from dask_gpupool.dask.headers import KEY
 from dask_gpupool.memory.buffers import host_buffer
@@ -172,3 +172,26 @@ def test_a_client_asking_a_worker_about_leases_is_refused(client):
     broker_of_a = next(r.broker for r in dask_gpupool.pools(client) if r.worker == a)
     reply = client.sync(ask, b, {"op": LEASE_QUERY_OP, "exporter": broker_of_a, "leases": [1, 2]})
     assert isinstance(reply, dict) and reply.get("error") == NotAMemberError.__name__, reply
+
+
+def test_one_peer_pins_at_most_half_a_pool_and_a_full_pool_names_who_holds_it(client):
+    """Finding: a consumer holding the leases of many values (stalled, or keeping them) filled the producer's pool,
+    and the producer's own tasks failed with ``PoolExhaustedError``, with no fallback."""
+    a, b = worker_addresses(client)
+    base = counters(client, a)[a]["fallbacks"].get("peer-share", 0)
+    ys = []
+    for _ in range(6):  # 48 MiB of A's 64 MiB pool, each value held by B alone once A forgot it
+        x = client.submit(T.make_buffer, 8 * MiB, b"pinned", workers=[a], pure=False)
+        ys.append(client.submit(T.keep, x, workers=[b], pure=False))
+        ys[-1].result()
+        del x
+    try:
+        assert counters(client, a)[a]["lease_bytes"] <= 32 * MiB  # the rest went as copies
+        assert counters(client, a)[a]["fallbacks"].get("peer-share", 0) > base
+        assert client.submit(B.allocate_in_task, 24 * MiB, workers=[a], pure=False).result() == 24 * MiB
+        with pytest.raises(PoolExhaustedError, match=b):
+            client.submit(B.allocate_in_task, 40 * MiB, workers=[a], pure=False).result()
+        assert all(client.submit(T.head, y, 6, workers=[b], pure=False).result() == b"pinned" for y in ys)
+    finally:
+        del ys
+    wait_for(lambda: counters(client, a)[a]["leases"] == 0, what="B's leases on A to end")
