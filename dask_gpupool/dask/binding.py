@@ -41,6 +41,8 @@ logger = logging.getLogger(__name__)
 
 #: The attribute of a comm that names the worker at its other end, once bound.
 _BOUND = "_gpupool_bound"
+#: The attribute of a comm this worker opened once its peer was asked to bind it.
+_ASKED = "_gpupool_bind_asked"
 
 
 def bound_worker(comm: Any) -> str | None:
@@ -55,16 +57,21 @@ def granted_to(comm: Any, who: str | None) -> str | None:
 
 
 async def bind(service: PoolService, comm: Any, peer: str) -> bool:
-    """Bind ``comm``, just opened by this worker to ``peer``, to both ends; whether it is bound.
+    """Bind ``comm``, opened by this worker to ``peer``, to both ends, unless it was asked before: whether it is
+    bound. Called each time Dask hands the comm out; ``peer`` is asked once per comm.
 
-    Only a ``peer`` of this worker's registry is asked, and only once this worker holds the cluster's token. Never
-    raises but for cancellation: a refusal leaves the comm as Dask's (unbound); a comm whose bind broke off is
-    aborted (Dask's next use of it fails as a broken connection does).
+    Only a ``peer`` of this worker's registry is asked, and only once this worker holds the cluster's token (until
+    then the comm stays unbound, and is asked when Dask hands it out again). Never raises but for cancellation: a
+    refusal leaves the comm as Dask's (unbound); a comm whose bind broke off is aborted (Dask's next use of it
+    fails as a broken connection does).
     """
+    if getattr(comm, _ASKED, False):
+        return bound_worker(comm) == peer
     token = service.importer.links.token
     own = service.record.worker
     if token is None or peer == own or service.registry.worker_row(peer) is None:
         return False
+    setattr(comm, _ASKED, True)
     nonce = secrets.token_bytes(TOKEN_BYTES)
     in_step = True
     try:

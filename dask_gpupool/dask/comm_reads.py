@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from dask_gpupool.dask.binding import bound_worker
 from dask_gpupool.dask.context import READ_BLOCKS, ReadBlocks, clear_tracebacks
 from dask_gpupool.errors import DataLostError
 from dask_gpupool.handoff.deferred import SENDER, abandon_all, collecting, resolve, run_fills
@@ -35,10 +36,10 @@ from dask_gpupool.memory.lifetime import QUARANTINE
 __all__ = ["read_then_fill"]
 
 
-def read_then_fill(comm: Any, read: Any, sender: str, bound: bool = False) -> Any:
+def read_then_fill(comm: Any, read: Any, sender: str) -> Any:
     """``read`` (``comm``'s own ``read``, from a comm this worker opened to ``sender``) wrapped so that the copies,
     claims and values its deserializers left run in a thread once it returns (see the module docstring).
-    :data:`~dask_gpupool.handoff.deferred.SENDER` names ``sender`` only on a comm ``bound`` to it
+    :data:`~dask_gpupool.handoff.deferred.SENDER` names ``sender`` only while ``comm`` is bound to it
     (:mod:`~dask_gpupool.dask.binding`): outside such a read no handoff or stream header is imported.
 
     Uses ``comm``'s public :class:`~distributed.comm.Comm` API only (``abort``, ``peer_address``); the wrap is put in
@@ -47,7 +48,7 @@ def read_then_fill(comm: Any, read: Any, sender: str, bound: bool = False) -> An
 
     async def read_then_fill(deserializers: Any = None) -> Any:
         pending: list[Any] = []
-        token = SENDER.set(sender if bound else None)  # who answers on this comm, proven by its bind
+        token = SENDER.set(sender if bound_worker(comm) == sender else None)  # who answers, proven by its bind
         blocks = ReadBlocks()
         watched = READ_BLOCKS.set(blocks)  # the receive pool gives blocks to this read, and is told how it ended
         try:

@@ -177,10 +177,10 @@ class DaskWorkerStore:
 
 
 def fill_after_read(worker: Worker, bind: Callable[[Any, str], Any] | None = None, *, undo: bool = False) -> None:
-    """Make each comm ``worker`` opens ``bind`` it first (:mod:`~dask_gpupool.dask.binding`) and run deferred copies
-    in a thread once a read returns (:func:`~dask_gpupool.dask.comm_reads.read_then_fill`); ``undo=True`` puts Dask's
-    ``connect`` back (wrapped comms keep a wrapper that does nothing without collected copies). PATCH
-    ``worker.rpc.connect`` and each comm's ``read``: no hook runs on a new comm, nor after a read (deserializers)."""
+    """Make each comm ``worker`` opens ``bind`` it (:mod:`~dask_gpupool.dask.binding`) and run deferred copies in a
+    thread once a read returns (:func:`~dask_gpupool.dask.comm_reads.read_then_fill`); ``undo=True`` puts Dask's
+    ``connect`` back. PATCH ``worker.rpc.connect`` and each comm's ``read``: no hook runs on a new comm, nor after a
+    read, before Dask sees the message (deserializers run inside it)."""
     rpc = getattr(worker, "rpc", None)
     current = getattr(rpc, "connect", None)
     if rpc is None or current is None:
@@ -194,9 +194,9 @@ def fill_after_read(worker: Worker, bind: Callable[[Any, str], Any] | None = Non
 
     async def connect(addr: str, timeout: float | None = None) -> Any:
         comm = await current(addr, timeout)
-        if not getattr(comm, "_gpupool_fills", False):
-            comm._gpupool_fills = True  # the bind reads with the comm's own read, replaced after it
-            comm.read = read_then_fill(comm, comm.read, addr, bind is not None and await bind(comm, addr))
+        bind is None or await bind(comm, addr)  # binding.bind: once per comm
+        if not getattr(comm, "_gpupool_fills", False):  # kept by comms after undo: without copies it does nothing
+            comm.read, comm._gpupool_fills = read_then_fill(comm, comm.read, addr), True
         return comm
 
     connect.__wrapped__ = current  # type: ignore[attr-defined]

@@ -46,6 +46,7 @@ from dask_gpupool.dask.binding import bound_worker, granted_to
 from dask_gpupool.dask.context import SYNCHRONIZING_SCHEMES, Request
 from dask_gpupool.dask.views import described, pool_buffer_of
 from dask_gpupool.errors import NotAMemberError
+from dask_gpupool.handoff.routing import host_of
 from dask_gpupool.wire.broker_hello import ErrorReply, raise_for_error
 from dask_gpupool.wire.broker_leases import MAX_LEASES_PER_MESSAGE
 from dask_gpupool.wire.handoff import LEASE_QUERY_OP, LeaseQuery, LeaseQueryReply
@@ -124,12 +125,27 @@ class Replies:
         """The request of a reply of ``keys`` to ``who`` over ``comm`` (of ``scheme``), and whether to serialize it
         on the event loop (``offloads``: the comm allows Dask's offload thread). Leases go to ``who`` only if
         ``comm`` is bound to it (:func:`~dask_gpupool.dask.binding.granted_to`); otherwise the reply is Dask's own,
-        as to a client."""
-        service, who = self.service, granted_to(comm, who)
+        as to a client (a same-host worker's request counted as a fallback: :meth:`_not_granted`)."""
+        service, asked_by, who = self.service, who, granted_to(comm, who)
+        if who is None and asked_by is not None:
+            self._not_granted(asked_by)
         request = Request(
             who, scheme, service, plain_reason=service.routes.plain_copy_reason(who), task_events=self._task_events
         )
         return request, offloads and self.inline(keys, who, scheme)
+
+    def _not_granted(self, who: str) -> None:
+        """Count a request naming ``who`` on a comm not bound to it, if ``who`` is of this host: ``unknown-requester``
+        (no row: its pool set-up failed, or its row has not come yet) or ``unbound-comm``."""
+        service = self.service
+        row = service.registry.worker_row(who)
+        if row is None and host_of(who) == host_of(service.record.worker):
+            reason = "unknown-requester"
+        elif row is not None and row.host == service.record.host and row.pid != service.record.pid:
+            reason = "unbound-comm"
+        else:
+            return
+        service.handoffs.fallback(who, reason, service.record.worker)
 
     def serializers(self, request: Request) -> list[str] | None:
         """The serializer families for the reply of ``request`` (``None``: Dask's default)."""
