@@ -281,6 +281,7 @@ def stats(client: Client, timeout: float | None = None) -> dict[str, dict[str, A
         on as their exporter's memory), ``returns`` (values of this pool that
         came back from a peer: the buffer taken back), ``leases`` and ``lease_bytes`` (live
         leases this worker granted and the bytes they keep alive),
+        ``lease_bytes_by_peer`` (those bytes per importer),
         ``leases_unclaimed`` (granted, not claimed yet), ``leases_in_doubt``
         (claimed by a reply that failed: kept until the importer answers
         which it holds), ``leases_abandoned``
