@@ -97,4 +97,5 @@ def read_then_fill(comm: Any, read: Any, sender: str) -> Any:
                 f"a value from {comm.peer_address} could not be received: {type(e).__name__}: {e}"
             ) from e
 
+    read_then_fill.gpupool_fills = True  # type: ignore[attr-defined]  # how a comm already wrapped is told
     return read_then_fill

@@ -195,8 +195,8 @@ def fill_after_read(worker: Worker, bind: Callable[[Any, str], Any] | None = Non
     async def connect(addr: str, timeout: float | None = None) -> Any:
         comm = await current(addr, timeout)
         bind is None or await bind(comm, addr)  # binding.bind: once per comm
-        if not getattr(comm, "_gpupool_fills", False):  # kept by comms after undo: without copies it does nothing
-            comm.read, comm._gpupool_fills = read_then_fill(comm, comm.read, addr), True
+        if not getattr(comm.read, "gpupool_fills", False):  # kept after undo: without copies it does nothing
+            comm.read = read_then_fill(comm, comm.read, addr)
         return comm
 
     connect.__wrapped__ = current  # type: ignore[attr-defined]
