@@ -6,7 +6,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from dask_gpupool.core import UPDATE_OP
-from dask_gpupool.errors import PoolUnavailableError
+from dask_gpupool.errors import PoolExhaustedError, PoolUnavailableError
 from dask_gpupool.ops.summary import HandoffTable, PoolTable
 from dask_gpupool.wire.registry import PoolRecord
 
@@ -71,9 +71,17 @@ def allocate(nbytes: int, stream: Any = None) -> Buffer:
         Outside a task on a worker that runs the plugin.
     PoolExhaustedError
         When the pool cannot hold ``nbytes`` more, even after a garbage collection (buffers that only reference
-        cycles hold, such as a failed task's: docs/operations.rst).
+        cycles hold, such as a failed task's: docs/operations.rst); it says which peers' leases hold how much.
     """
-    return current_service().pool.allocate(nbytes, stream, wait=True)
+    service = current_service()
+    try:
+        return service.pool.allocate(nbytes, stream, wait=True)
+    except PoolExhaustedError as e:
+        held = sorted(service.leases.bytes_by_importer().items(), key=lambda kv: -kv[1])
+        if not held:
+            raise
+        holders = ", ".join(f"{peer}: {n} bytes" for peer, n in held)
+        raise PoolExhaustedError(f"{e}; peers' leases hold {holders}") from None
 
 
 def to_pool(array: Any) -> Any:
@@ -287,6 +295,7 @@ def stats(client: Client, timeout: float | None = None) -> HandoffTable:
         on as their exporter's memory), ``returns`` (values of this pool that
         came back from a peer: the buffer taken back), ``leases`` and ``lease_bytes`` (live
         leases this worker granted and the bytes they keep alive),
+        ``lease_bytes_by_peer`` (those bytes per importer),
         ``leases_unclaimed`` (granted, not claimed yet), ``leases_in_doubt``
         (claimed by a reply that failed: kept until the importer answers
         which it holds), ``leases_abandoned``

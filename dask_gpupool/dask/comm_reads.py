@@ -15,7 +15,7 @@ A copy that fails is raised as :class:`~dask_gpupool.errors.DataLostError`
 (a ``ConnectionError``: Dask fetches the key again or recomputes it) and the
 comm is aborted, since the sender still waits for this reader's "OK". The
 same holds for a ``DataLostError`` a deserializer raised. The read runs with
-:data:`~dask_gpupool.handoff.deferred.SENDER` naming the worker it reads from,
+:data:`~dask_gpupool.handoff.deferred.SENDER` naming the worker it reads from (on a bound comm),
 and a :class:`~dask_gpupool.dask.context.ReadBlocks` collector open
 (:data:`~dask_gpupool.dask.context.READ_BLOCKS`): the UCX receive pool's
 blocks of a read that raises are parked in
@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from dask_gpupool.dask.binding import bound_worker
 from dask_gpupool.dask.context import READ_BLOCKS, ReadBlocks, clear_tracebacks
 from dask_gpupool.errors import DataLostError
 from dask_gpupool.handoff.deferred import SENDER, abandon_all, collecting, resolve, run_fills
@@ -38,6 +39,8 @@ __all__ = ["read_then_fill"]
 def read_then_fill(comm: Any, read: Any, sender: str) -> Any:
     """``read`` (``comm``'s own ``read``, from a comm this worker opened to ``sender``) wrapped so that the copies,
     claims and values its deserializers left run in a thread once it returns (see the module docstring).
+    :data:`~dask_gpupool.handoff.deferred.SENDER` names ``sender`` only while ``comm`` is bound to it
+    (:mod:`~dask_gpupool.dask.binding`): outside such a read no handoff or stream header is imported.
 
     Uses ``comm``'s public :class:`~distributed.comm.Comm` API only (``abort``, ``peer_address``); the wrap is put in
     place by :func:`~dask_gpupool.dask.distributed_seam.fill_after_read`.
@@ -45,7 +48,7 @@ def read_then_fill(comm: Any, read: Any, sender: str) -> Any:
 
     async def read_then_fill(deserializers: Any = None) -> Any:
         pending: list[Any] = []
-        token = SENDER.set(sender)  # who answers on this comm: the worker this one connected to
+        token = SENDER.set(sender if bound_worker(comm) == sender else None)  # who answers, proven by its bind
         blocks = ReadBlocks()
         watched = READ_BLOCKS.set(blocks)  # the receive pool gives blocks to this read, and is told how it ended
         try:
@@ -94,4 +97,5 @@ def read_then_fill(comm: Any, read: Any, sender: str) -> Any:
                 f"a value from {comm.peer_address} could not be received: {type(e).__name__}: {e}"
             ) from e
 
+    read_then_fill.gpupool_fills = True  # type: ignore[attr-defined]  # how a comm already wrapped is told
     return read_then_fill

@@ -82,7 +82,7 @@ def wrap_get_data(worker: Worker, replies: Replies) -> Any:
             scheme = parse_address(comm.peer_address)[0]
         except Exception:
             scheme = ""
-        request, inline = replies.open(keys, who, scheme, getattr(comm, "allow_offload", False))
+        request, inline = replies.open(keys, who, comm, scheme, getattr(comm, "allow_offload", False))
         restore_write = _request_while_writing(comm, request)
         if inline:
             comm.allow_offload = False
@@ -176,11 +176,11 @@ class DaskWorkerStore:
 # -- worker: reads, memory, handlers ------------------------------------------------------------------------------
 
 
-def fill_after_read(worker: Worker, *, undo: bool = False) -> None:
-    """Make the comms ``worker`` connects with run deferred copies in a thread once a read returns
-    (:func:`~dask_gpupool.dask.comm_reads.read_then_fill`); ``undo=True`` puts Dask's ``connect`` back (wrapped comms
-    keep a wrapper that does nothing without collected copies). PATCH ``worker.rpc.connect`` and each comm's
-    ``read``: no hook runs after a read, before Dask sees the message (deserializers run inside it)."""
+def fill_after_read(worker: Worker, bind: Callable[[Any, str], Any] | None = None, *, undo: bool = False) -> None:
+    """Make each comm ``worker`` opens ``bind`` it (:mod:`~dask_gpupool.dask.binding`) and run deferred copies in a
+    thread once a read returns (:func:`~dask_gpupool.dask.comm_reads.read_then_fill`); ``undo=True`` puts Dask's
+    ``connect`` back. PATCH ``worker.rpc.connect`` and each comm's ``read``: no hook runs on a new comm, nor after a
+    read, before Dask sees the message (deserializers run inside it)."""
     rpc = getattr(worker, "rpc", None)
     current = getattr(rpc, "connect", None)
     if rpc is None or current is None:
@@ -194,9 +194,9 @@ def fill_after_read(worker: Worker, *, undo: bool = False) -> None:
 
     async def connect(addr: str, timeout: float | None = None) -> Any:
         comm = await current(addr, timeout)
-        if not getattr(comm, "_gpupool_fills", False):
+        bind is None or await bind(comm, addr)  # binding.bind: once per comm
+        if not getattr(comm.read, "gpupool_fills", False):  # kept after undo: without copies it does nothing
             comm.read = read_then_fill(comm, comm.read, addr)
-            comm._gpupool_fills = True
         return comm
 
     connect.__wrapped__ = current  # type: ignore[attr-defined]

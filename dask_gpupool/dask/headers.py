@@ -21,7 +21,7 @@ from cuda.core import Buffer
 from dask_gpupool.dask.context import Request, clear_tracebacks
 from dask_gpupool.dask.plain_arrays import received_copy
 from dask_gpupool.dask.views import as_array, read_only
-from dask_gpupool.errors import DataLostError, PoolUnavailableError, ProtocolError
+from dask_gpupool.errors import DataLostError, NotAMemberError, PoolUnavailableError, ProtocolError
 from dask_gpupool.handoff.active import active_service
 from dask_gpupool.handoff.deferred import SENDER
 from dask_gpupool.memory.buffers import host_buffer
@@ -90,20 +90,26 @@ def receive(header: HandoffHeader, frames: list[Any], need: str, service: PoolSe
     (a NumPy or CuPy array), else ``"any"``. A ``copy`` comes with one frame of
     exactly ``nbytes`` bytes (:class:`ProtocolError` otherwise). Callers raise
     its failures as :func:`data_lost`. ``service``: this process's (``None``: a client).
+
+    An ``ipc`` or ``stream`` header is taken only inside a read of a comm this worker bound to the member that
+    answers on it (:data:`~dask_gpupool.handoff.deferred.SENDER`, :mod:`~dask_gpupool.dask.binding`): one that
+    arrives any other way (scattered by a client, in any other message) is refused with
+    :class:`~dask_gpupool.errors.NotAMemberError` before anything is mapped or pulled.
     """
-    if header.path == "ipc":
+    if header.path in ("ipc", "stream"):
+        what = "handoff" if header.path == "ipc" else "streamed copy"
         if service is None:
             raise PoolUnavailableError(
-                f"a handoff from {header.exporter} reached a process without a gpupool pool; "
+                f"a {what} from {header.exporter} reached a process without a gpupool pool; "
                 "it should have been sent as a copy"
             )
-        return service.importer.import_handoff(header, SENDER.get())
-    if header.path == "stream":
-        if service is None:
-            raise PoolUnavailableError(
-                f"a streamed copy from {header.exporter} reached a process without a gpupool pool; "
-                "it should have been sent in the frames"
+        sender = SENDER.get()
+        if sender is None:
+            raise NotAMemberError(
+                f"a {what} header naming {header.exporter} came outside a member's get_data reply; not taken"
             )
+        if header.path == "ipc":
+            return service.importer.import_handoff(header, sender)
         return service.importer.copies.pull_copy(header, need)
     data = frames[0] if frames else b""
     if len(frames) > 1 or memoryview(data).nbytes != header.nbytes:

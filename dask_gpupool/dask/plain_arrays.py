@@ -31,9 +31,12 @@ from dask_gpupool.wire.handoff import COPIED_KEY, HEADER_KEY, ArrayMeta
 if TYPE_CHECKING:
     from dask_gpupool.handoff.service import PoolService
 
-__all__ = ["plain", "received_copy", "sent_as_copy", "stage", "warn_once"]
+__all__ = ["POOL_FULL", "plain", "received_copy", "sent_as_copy", "stage", "warn_once"]
 
 logger = logging.getLogger(__name__)
+
+#: What :func:`stage` returns when the pool has no room for the copy (the array goes in the comm's frames).
+POOL_FULL: tuple[dict[str, Any], list[Any]] = ({}, [])
 
 _streams_lock = threading.Lock()
 #: GPU ordinal -> the non-blocking stream staging copies that wait for a task's event run on (one per process).
@@ -68,9 +71,12 @@ def plain(
     if request is None:  # spilling, a task graph, a client: distributed's serializer, nothing to count
         return previous(arr, context)
     staged = stage(request, arr, module)
-    if staged is not None:
+    if staged is POOL_FULL:  # no room to stage it: Dask's own way, counted as such
+        request.service.handoffs.fallback(str(request.requester), "pool-full", request.service.record.worker)
+    elif staged is not None:
         return staged
-    request.count_plain_fallback(int(arr.nbytes))
+    else:
+        request.count_plain_fallback(int(arr.nbytes))
     return sent_as_copy(request, int(arr.nbytes), previous(arr, context))
 
 
@@ -110,8 +116,8 @@ def stage(request: Request, arr: Any, module: str) -> tuple[dict[str, Any], list
     is copied, while the device's default stream still has work queued, on
     a stream of its own after the event recorded when Dask stored it; any
     other, or with the default stream idle, on the default stream, after
-    everything queued there. Returns ``None`` (the caller sends the array as before)
-    when the request does not allow it, the pool has no room, the array's
+    everything queued there. Returns :data:`POOL_FULL` when the pool has no room, and ``None`` (the caller
+    sends the array as before in both cases) when the request does not allow it, the array's
     dtype is not one an array header describes (a structured dtype), or the
     allocation or the copy failed (logged once).
     """
@@ -152,7 +158,7 @@ def stage(request: Request, arr: Any, module: str) -> tuple[dict[str, Any], list
         else:
             buf = service.pool.allocate(nbytes)
     except PoolExhaustedError:
-        return None
+        return POOL_FULL
     except Exception as e:  # sent as before: staging is a shortcut, its failure must not fail the reply
         _stage_failed(e)
         return None

@@ -42,8 +42,12 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
+from dask_gpupool.dask.binding import bound_worker, granted_to
 from dask_gpupool.dask.context import SYNCHRONIZING_SCHEMES, Request
 from dask_gpupool.dask.views import described, pool_buffer_of
+from dask_gpupool.errors import NotAMemberError
+from dask_gpupool.handoff.routing import host_of
+from dask_gpupool.wire.broker_hello import ErrorReply, raise_for_error
 from dask_gpupool.wire.broker_leases import MAX_LEASES_PER_MESSAGE
 from dask_gpupool.wire.handoff import LEASE_QUERY_OP, LeaseQuery, LeaseQueryReply
 
@@ -117,14 +121,31 @@ class Replies:
         self._serializers = serializers
         self._task_events = task_events
 
-    def open(self, keys: Any, who: str | None, scheme: str, offloads: bool) -> tuple[Request, bool]:
-        """The request of a reply of ``keys`` to ``who`` over a comm of ``scheme``, and whether to serialize it on
-        the event loop (``offloads``: the comm allows Dask's offload thread)."""
-        service = self.service
+    def open(self, keys: Any, who: str | None, comm: Any, scheme: str, offloads: bool) -> tuple[Request, bool]:
+        """The request of a reply of ``keys`` to ``who`` over ``comm`` (of ``scheme``), and whether to serialize it
+        on the event loop (``offloads``: the comm allows Dask's offload thread). Leases go to ``who`` only if
+        ``comm`` is bound to it (:func:`~dask_gpupool.dask.binding.granted_to`); otherwise the reply is Dask's own,
+        as to a client (a same-host worker's request counted as a fallback: :meth:`_not_granted`)."""
+        service, asked_by, who = self.service, who, granted_to(comm, who)
+        if who is None and asked_by is not None:
+            self._not_granted(asked_by)
         request = Request(
             who, scheme, service, plain_reason=service.routes.plain_copy_reason(who), task_events=self._task_events
         )
         return request, offloads and self.inline(keys, who, scheme)
+
+    def _not_granted(self, who: str) -> None:
+        """Count a request naming ``who`` on a comm not bound to it, if ``who`` is of this host: ``unknown-requester``
+        (no row: its pool set-up failed, or its row has not come yet) or ``unbound-comm``."""
+        service = self.service
+        row = service.registry.worker_row(who)
+        if row is None and host_of(who) == host_of(service.record.worker):
+            reason = "unknown-requester"
+        elif row is not None and row.host == service.record.host and row.pid != service.record.pid:
+            reason = "unbound-comm"
+        else:
+            return
+        service.handoffs.fallback(who, reason, service.record.worker)
 
     def serializers(self, request: Request) -> list[str] | None:
         """The serializer families for the reply of ``request`` (``None``: Dask's default)."""
@@ -239,6 +260,8 @@ class Replies:
                     chunk = pending[i : i + MAX_LEASES_PER_MESSAGE]
                     query = LeaseQuery(service.record.broker, tuple(chunk))
                     raw = await getattr(self._rpc(who), LEASE_QUERY_OP)(**query.to_msg())
+                    if isinstance(raw, dict):
+                        raise_for_error(raw, f"asking {who} about leases")
                     service.exports.resolve(chunk, who, list(LeaseQueryReply.from_msg(raw).held))
                 continue
             except Exception as e:  # unreachable, closing, or a bad answer: keep the leases, ask again
@@ -261,10 +284,20 @@ def _staged_on_device(service: PoolService, value: Any, who: str | None, scheme:
 def lease_query_handler(service: PoolService) -> Callable[..., dict[str, Any]]:
     """The handler of :data:`~dask_gpupool.wire.handoff.LEASE_QUERY_OP` on a worker: it parses an exporter's
     :class:`~dask_gpupool.wire.handoff.LeaseQuery` (a malformed one is a
-    :class:`~dask_gpupool.errors.ProtocolError` reply, and nothing changes) and answers from the service's releaser."""
+    :class:`~dask_gpupool.errors.ProtocolError` reply, and nothing changes) and answers from the service's releaser.
 
-    def lease_query(exporter: Any = None, leases: Any = None) -> dict[str, Any]:
+    Only a member asks, about its own leases: the comm must be bound to a worker
+    (:mod:`~dask_gpupool.dask.binding`) whose registry row, when this worker has it, names the broker the query
+    names; anything else is answered with :class:`~dask_gpupool.errors.NotAMemberError` and changes nothing."""
+
+    def lease_query(comm: Any, exporter: Any = None, leases: Any = None) -> dict[str, Any]:
         query = LeaseQuery.from_msg({"exporter": exporter, "leases": leases})
+        asker = bound_worker(comm)
+        row = None if asker is None else service.registry.worker_row(asker)
+        if asker is None or (row is not None and row.broker != query.exporter):
+            refusal = NotAMemberError(f"a lease query about {query.exporter} from {asker or 'a process not bound'}")
+            logger.info("gpupool: refused %s", refusal)
+            return ErrorReply.of(refusal).to_msg()
         return service.importer.answer_lease_query(query).to_msg()
 
     return lease_query

@@ -14,6 +14,7 @@ decides, in :mod:`~dask_gpupool.dask.worker_setup`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import logging
 import weakref
@@ -26,6 +27,7 @@ from tornado.ioloop import PeriodicCallback
 from dask_gpupool import tuning
 from dask_gpupool.config import PoolOptions
 from dask_gpupool.core import PLUGIN_NAME
+from dask_gpupool.dask import binding
 from dask_gpupool.dask import distributed_seam as seam
 from dask_gpupool.dask import failure_logs
 from dask_gpupool.dask import ucx_receive as _receive
@@ -195,10 +197,10 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
             )
         replies = Replies(service, self._store, worker.rpc, serializers_for, self._task_events)
         self._get_data = seam.wrap_get_data(worker, replies)
-        self._handlers = {LEASE_QUERY_OP: lease_query_handler(service)}
+        self._handlers = {LEASE_QUERY_OP: lease_query_handler(service), binding.BIND_OP: binding.bind_handler(service)}
         seam.set_handlers(worker, self._handlers)
         seam.count_own_memory_only(worker)
-        seam.fill_after_read(worker)
+        seam.fill_after_read(worker, functools.partial(binding.bind, service))
         self.service = service
         if gpu_pool and has_cupy:
             # CuPy's serializers at setup rather than lazily inside Dask's first dispatch: registered lazily,

@@ -163,7 +163,8 @@ class Copies:
         return buf
 
     def pull_copy(self, header: HandoffHeader, need: str = "any") -> Buffer:
-        """Pull a ``stream`` handoff from the exporter's copy server into this worker's pool.
+        """Pull a ``stream`` handoff from the exporter's copy server (the address its registry row names, whatever
+        the header says) into this worker's pool.
 
         Lands like :meth:`receive_copy`. Returns a Buffer owned by the caller,
         filled by the pull through :func:`~dask_gpupool.handoff.deferred.fill_later`:
@@ -181,6 +182,8 @@ class Copies:
             raise DataLostError(
                 f"worker {header.exporter} is not registered (it left?); lease {header.lease} cannot be pulled"
             )
+        if not record.copier:
+            raise DataLostError(f"worker {header.exporter} runs no copy server; lease {header.lease} cannot be pulled")
         if self.links.token is None:
             raise NotAMemberError(f"pool {self.pool.uuid}: not registered with the scheduler yet (no cluster token)")
         buf = self.landing(header.nbytes, header.exporter, need)
@@ -189,7 +192,8 @@ class Copies:
         def copy() -> None:
             from dask_gpupool.transport.pull import pull  # loaded by the first pull
 
-            pull(header.address, record.pool, leases, token, buf, self.options.broker_timeout)
+            # the exporter's own copy server as its registry row names it: never an address a header names
+            pull(record.copier, record.pool, leases, token, self.worker, buf, self.options.broker_timeout)
             self.handoffs.add(copied_bytes=header.nbytes, streamed_bytes=header.nbytes)
 
         fill_later(copy, buf.close)  # a lease not pulled ends at the exporter (at its timeout or the hang-up)

@@ -391,6 +391,19 @@ class LeaseTable:
         with self._lock:
             return sum(not lease.claimed for lease in self._leases.values())
 
+    def bytes_by_importer(self) -> dict[str, int]:
+        """Bytes live leases keep alive, per importer."""
+        with self._lock:
+            out: dict[str, int] = {}
+            for lease in self._leases.values():
+                out[lease.importer] = out.get(lease.importer, 0) + lease.nbytes
+            return out
+
+    def nbytes_of(self, importer: str) -> int:
+        """Bytes live leases of ``importer`` keep alive."""
+        with self._lock:
+            return sum(lease.nbytes for lease in self._leases.values() if lease.importer == importer)
+
     def importers(self) -> dict[str, int]:
         """Live leases per importer."""
         with self._lock:

@@ -32,7 +32,12 @@ if TYPE_CHECKING:
 
     from dask_gpupool.transport.stream import CopyServer
 
-__all__ = ["Routes"]
+__all__ = ["PEER_SHARE", "Routes"]
+
+#: The share of this pool's ``max_size`` one peer's live leases may hold: a value that would take that peer past it
+#: goes as a copy (``peer-share``), unless the peer holds nothing yet (one value of any size is handed over). So a
+#: consumer that stalls, or keeps what it was handed, leaves the rest of the pool to this worker's own tasks.
+PEER_SHARE = 0.5
 
 
 class Routes:
@@ -51,6 +56,10 @@ class Routes:
         The worker's counters (:meth:`plan` counts fallbacks).
     copier : CopyServer or None
         This worker's copy server (``None``: the pipelined copy path is off).
+    pinned : callable, optional
+        ``pinned(worker)``: the bytes this pool's live leases of ``worker`` hold
+        (:meth:`LeaseTable.nbytes_of <dask_gpupool.handoff.leases.LeaseTable.nbytes_of>`), held against
+        :data:`PEER_SHARE`; by default nothing is.
     stage_threshold_of, handoff_threshold_of, stream_threshold
         What values are held against: by default :func:`dask_gpupool.tuning.stage_threshold` (of a pool kind,
         over TCP or TLS or not), :func:`dask_gpupool.tuning.handoff_threshold` (of a pool kind) and
@@ -74,6 +83,7 @@ class Routes:
     stage_threshold_of: Callable[[str, bool], int]
     handoff_threshold_of: Callable[[str], int]
     stream_threshold: int
+    pinned: Callable[[str], int] | None
     closed: bool
     _unreachable: dict[str, float]
 
@@ -88,6 +98,7 @@ class Routes:
         stage_threshold_of: Callable[[str, bool], int] = tuning.stage_threshold,
         handoff_threshold_of: Callable[[str], int] = tuning.handoff_threshold,
         stream_threshold: int = tuning.COPY_STREAM_THRESHOLD,
+        pinned: Callable[[str], int] | None = None,
     ) -> None:
         self.options = options
         self.pool = pool
@@ -98,6 +109,7 @@ class Routes:
         self.stage_threshold_of = stage_threshold_of
         self.handoff_threshold_of = handoff_threshold_of
         self.stream_threshold = stream_threshold
+        self.pinned = pinned
         self.closed = False
         self._unreachable = {}  # peer -> until when its handoffs go as copies
 
@@ -110,8 +122,18 @@ class Routes:
         return self._counted(self.route(requester, scheme, buf), requester)
 
     def route(self, requester: str | None, scheme: str, buf: Buffer) -> Route:
-        """:meth:`plan`'s decision without counting it (:func:`~dask_gpupool.handoff.routing.route`)."""
-        return self._route(self.record, requester, scheme, self.pool.owns(buf), int(buf.size))
+        """:meth:`plan`'s decision without counting it (:func:`~dask_gpupool.handoff.routing.route`), a requester
+        past its share of the pool copied (:meth:`over_share`)."""
+        decision = self._route(self.record, requester, scheme, self.pool.owns(buf), int(buf.size))
+        if decision.reason is None and decision.row is not None and self.over_share(decision.row.worker, buf.size):
+            return Route(decision.row, "peer-share")
+        return decision
+
+    def over_share(self, worker: str, nbytes: int) -> bool:
+        """Whether ``nbytes`` more leased to ``worker`` would take its live leases past :data:`PEER_SHARE` of the
+        pool (never while it holds none)."""
+        held = 0 if self.pinned is None else self.pinned(worker)
+        return held > 0 and held + int(nbytes) > PEER_SHARE * self.record.max_size
 
     def _counted(self, decision: Route, requester: str | None) -> tuple[PoolRecord | None, str | None]:
         """``decision`` as :meth:`plan` returns it, its same-host fallback counted (and warned once)."""
@@ -159,7 +181,9 @@ class Routes:
         if not threshold or nbytes < threshold:
             return None
         decision = self._route(self.record, requester, scheme, True)
-        return decision.row if decision.reason is None else None
+        if decision.reason is not None or decision.row is None or self.over_share(decision.row.worker, nbytes):
+            return None
+        return decision.row
 
     def stage_threshold(self, requester: str | None, scheme: str) -> int:
         """The smallest array outside this pool staged into it for ``requester`` asking over ``scheme``; 0: never

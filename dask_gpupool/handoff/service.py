@@ -152,7 +152,7 @@ class PoolService:
         #: This worker's registry key, from its Membership (:meth:`join`): its registry messages carry it.
         self.registry_key: bytes | None = None
         self.copier = copier
-        self.routes = Routes(options, pool, record, self.registry, self.handoffs, copier)
+        self.routes = Routes(options, pool, record, self.registry, self.handoffs, copier, pinned=self.leases.nbytes_of)
         self.exports = Exports(
             options, pool, record.worker, self.leases, self.handoffs, self.routes, copier, left=self._importer_left
         )
@@ -279,6 +279,7 @@ class PoolService:
             **self.handoffs.to_msg(),
             "leases": len(self.leases),
             "lease_bytes": self.leases.nbytes,
+            "lease_bytes_by_peer": self.leases.bytes_by_importer(),
             "leases_unclaimed": self.leases.unclaimed,
             "leases_in_doubt": self.leases.doubtful,
             "leases_abandoned": self.leases.abandoned_total,

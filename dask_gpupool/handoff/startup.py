@@ -117,6 +117,7 @@ def start_parts(
         devices=devices.uuids,
         peers=pool.peers,
         segment_memory=pool.segment_memory,
+        copier="" if copier is None else copier.address,
     )
     logger.info(
         "pool %s: %s pool of %d bytes on %s, broker %s",

@@ -37,9 +37,18 @@ FALLBACK_REASONS = {
         "and released: it fetched a copy rather than map the segment again"
     ),
     "receiver-pool-full": "the receiver's pool was full; the copy went to memory outside it",
+    "pool-full": "this worker's pool had no room to stage the array: it went in the comm's frames, as Dask sends it",
+    "peer-share": (
+        "the requester's live leases already held half of this worker's pool (what one peer may pin): the value "
+        "went as a copy"
+    ),
     "unknown-requester": (
         "the requester, at this host's address, has no pool in this worker's registry view "
         "(its gpupool set-up failed, or its row has not arrived yet)"
+    ),
+    "unbound-comm": (
+        "the request named a worker of this host on a comm not bound to it (its bind was refused or broke off, or "
+        "the process that asked is not that worker): the reply is Dask's own"
     ),
     "peer-unreachable": (
         "a recent transfer to this peer failed (its link could not be opened, or its claim never came): "
@@ -79,7 +88,10 @@ FALLBACK_ADVICE = {
     "import-failed": "see the consumer's log for the import error",
     "retired-segment": "nothing for new values (they go to new segments); values made before a trim() are copied",
     "receiver-pool-full": "raise the receiver's gpupool.max-size, or free its buffers sooner",
+    "pool-full": "raise this worker's gpupool.max-size, or let its peers release what they hold sooner",
+    "peer-share": "raise this worker's gpupool.max-size, or release the requester's results sooner",
     "unknown-requester": "see that worker's entry in dask_gpupool.stats(client): its pool set-up may have failed",
+    "unbound-comm": "see the requester's log for why its comm was not bound (gpupool: a comm to ... is not bound)",
     "peer-unreachable": "see both workers' logs: the peer's broker or copy server could not be reached",
     "forward-refused": "see this worker's log for the exporter's answer (it may have left)",
     "staged-in-pool": ("make the result in the pool to skip the copy: dask_gpupool.allocate + as_array, or to_pool"),

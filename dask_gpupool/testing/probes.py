@@ -76,7 +76,8 @@ def resources(dask_worker: Worker) -> dict[str, Any]:
 
 
 def deserialize_headers(headers: list[dict[str, Any]], dask_worker: Worker) -> list[dict[str, Any]]:
-    """client.run target (fuzzing): feed handoff headers to this worker's Buffer deserializer.
+    """client.run target (fuzzing): feed handoff headers to this worker's Buffer deserializer, each as read from a
+    ``get_data`` reply of the worker it names (``exporter``) on a bound comm.
 
     Per header: the error it raised (``None`` if it gave a Buffer, which is
     closed at once), whether that error is one of ours, and which pools it
@@ -87,6 +88,7 @@ def deserialize_headers(headers: list[dict[str, Any]], dask_worker: Worker) -> l
 
     from dask_gpupool.dask.headers import KEY
     from dask_gpupool.errors import GPUPoolError
+    from dask_gpupool.handoff.deferred import SENDER
 
     service = service_of(dask_worker)
     loads = dask_deserialize.dispatch(Buffer)
@@ -95,12 +97,16 @@ def deserialize_headers(headers: list[dict[str, Any]], dask_worker: Worker) -> l
     for header in headers:
         before = {r.pool for r in service.registry.records() if r.pool in service.importer.mapped}
         error, typed = None, False
+        exporter = header.get("exporter") if isinstance(header, dict) else None
+        token = SENDER.set(exporter if isinstance(exporter, str) and exporter else "tcp://fuzzer:1")
         try:
             loads({KEY: header}, [])
         except GPUPoolError as e:
             error, typed = f"{type(e).__name__}: {e}", True
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
+        finally:
+            SENDER.reset(token)
         after = {r.pool for r in service.registry.records() if r.pool in service.importer.mapped}
         mapped_here |= after - before
         out.append({"error": error, "typed": typed, "mapped_new": sorted(after - before)})

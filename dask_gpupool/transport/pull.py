@@ -48,10 +48,13 @@ def pull(
     pool: str,
     leases: list[int],
     token: bytes,
+    requester: str,
     dst: Buffer,
     timeout: float,
 ) -> None:
-    """Pull stream leases ``leases`` of ``pool`` from ``address`` into ``dst``, one connection each. Blocking.
+    """Pull stream leases ``leases`` of ``pool`` from ``address`` into ``dst``, one connection each, as worker
+    ``requester`` (whom the leases were granted to; each request's proof binds ``address``, ``pool``, its lease and
+    ``requester``: :func:`~dask_gpupool.wire.stream.pull_proof`). Blocking.
 
     Each lease is one lane: a contiguous part of the value, in order; lane k
     lands after the bytes of lanes 0..k-1. The calling thread and up to
@@ -97,7 +100,7 @@ def pull(
         raise DataLostError(f"{what}: {type(e).__name__}: {e}") from e
     if not leases:
         raise DataLostError(f"{what}: no lanes")
-    job = _Lanes(address, host, port, pool, leases, token, dst, timeout)
+    job = _Lanes(address, host, port, pool, leases, token, requester, dst, timeout)
     job.run(len(leases) - 1)
     error = job.error
     if error is None:
@@ -134,10 +137,12 @@ class _Lanes:
         pool: str,
         leases: list[int],
         token: bytes,
+        requester: str,
         dst: Buffer,
         timeout: float,
     ) -> None:
         self._address, self._host, self._port, self._pool, self._token = address, host, port, pool, token
+        self._requester = requester
         self._leases, self._dst, self._timeout = list(leases), dst, timeout
         self._order = threading.Lock()  # one lane connected and placed at a time, in order
         self._state = threading.Condition()  # the fields below
@@ -228,7 +233,8 @@ class _Lanes:
                 with self._state:
                     self._open.add(conn)
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                send_message(conn, PullRequest(self._pool, lease, pull_proof(self._token, self._pool, lease)).to_msg())
+                proof = pull_proof(self._token, self._address, self._pool, lease, self._requester)
+                send_message(conn, PullRequest(self._pool, lease, proof, self._requester).to_msg())
                 msg = decode(recv_message(conn))
                 raise_for_error(msg, f"copy server {self._address}")
                 reply = PullReply.from_msg(msg)

@@ -12,7 +12,7 @@ deserializer pulls the bytes with :func:`~dask_gpupool.transport.pull.pull`
 (:mod:`dask_gpupool.transport.pull`), both through pinned slots of
 :mod:`dask_gpupool.transport.staging`::
 
-    importer -> copy server   PullRequest{op: "pull", pool, lease, proof}   (length-prefixed msgpack)
+    importer -> copy server   PullRequest{op: "pull", pool, lease, proof, requester}   (length-prefixed msgpack)
     copy server -> importer   PullReply{op: "pull-ok", lease, size, chunk} | ErrorReply
     copy server -> importer   ``size`` raw bytes
 
@@ -32,8 +32,11 @@ releases it (the importer reads a copy, never this memory). A lease never
 pulled ends with the ``get_data`` reply that carried it.
 
 **Who may pull.** ``proof`` (:func:`~dask_gpupool.wire.stream.pull_proof`) is
-HMAC-SHA256 of ``pull:<pool>:<lease>`` under the cluster's membership token:
-only members of the cluster can make one, and it names one lease of one pool.
+HMAC-SHA256 under the cluster's membership token of this server's address, the
+pool, the lease and the requesting worker: only members of the cluster can make
+one, a proof captured elsewhere is worth nothing here, and a lease is served
+only to the worker it was granted to. Importers pull only from the address
+the exporter's registry row names (:attr:`~dask_gpupool.wire.registry.PoolRecord.copier`).
 The bytes themselves travel unencrypted, as they would in Dask's ``tcp``
 frames; with ``tls`` comms the copy path is not used (copies stay in Dask's
 frames, encrypted).
@@ -319,13 +322,19 @@ class CopyServer:
         token = self.token
         if request.pool != self.pool:
             raise DataLostError(f"pool {request.pool} is not served here (this is {self.pool})")
-        if token is None or not hmac.compare_digest(request.proof, pull_proof(token, self.pool, request.lease)):
+        expected = (
+            None if token is None else pull_proof(token, self.address, self.pool, request.lease, request.requester)
+        )
+        if expected is None or not hmac.compare_digest(request.proof, expected):
             raise NotAMemberError(f"pool {self.pool}: pull of lease {request.lease} without a valid proof")
-        staged = self._leases.holder(request.lease)
+        staged = self._leases.holder_for(request.lease, request.requester)
         if staged is not None and not isinstance(staged, Staged):
             raise ProtocolError(f"lease {request.lease} on pool {self.pool} is not a stream lease")
         if staged is None or not self._leases.claim_stream(request.lease, connection):
-            raise DataLostError(f"lease {request.lease} on pool {self.pool} has ended or was pulled already")
+            raise DataLostError(
+                f"lease {request.lease} on pool {self.pool} has ended or was pulled already (or is not "
+                f"{request.requester}'s)"
+            )
         return staged
 
     def _send(self, conn: socket.socket, staged: Staged) -> None:

@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 
 from dask_gpupool.errors import ProtocolError
 from dask_gpupool.wire.codec import TOKEN_BYTES, as_mapping, field_of, uuid_str
+from dask_gpupool.wire.stream import copy_server_address
 
 __all__ = ["MAX_RECLAIM", "Membership", "PoolRecord", "RegistryUpdate"]
 
@@ -66,6 +67,10 @@ class PoolRecord:
         64-byte ``cuIpcGetMemHandle`` handle) or ``"pool"`` (the pool's
         64-byte pointer export; also pools without segments, and the other
         kinds).
+    copier : str
+        The ``tcp://host:port`` address of the owner's copy server
+        (:mod:`dask_gpupool.transport.stream`); ``""`` when it runs none. Importers
+        pull streamed copies from this address only, never from one a header names.
     """
 
     pool: str
@@ -82,6 +87,7 @@ class PoolRecord:
     retire_below: int = 0
     reclaim: tuple[int, ...] = ()
     segment_memory: str = "pool"
+    copier: str = ""
 
     KINDS: ClassVar[tuple[str, ...]] = ("device", "pinned", "host")
     SEGMENT_MEMORY: ClassVar[tuple[str, ...]] = ("pool", "vmm", "legacy")
@@ -102,6 +108,7 @@ class PoolRecord:
             "retire_below": self.retire_below,
             "reclaim": list(self.reclaim),
             "segment_memory": self.segment_memory,
+            "copier": self.copier,
         }
 
     @classmethod
@@ -132,6 +139,9 @@ class PoolRecord:
         segment_memory = field_of(m, "segment_memory", str, what) if "segment_memory" in m else "pool"
         if segment_memory not in cls.SEGMENT_MEMORY or (segment_memory != "pool" and kind != "device"):
             raise ProtocolError(f"{what}: segment memory {segment_memory!r} for a {kind} pool")
+        copier = field_of(m, "copier", str, what) if "copier" in m else ""
+        if copier:
+            copy_server_address(copier)  # ProtocolError for anything but tcp://host:port
         return cls(
             pool=uuid_str(field_of(m, "pool", str, what), what),
             worker=field_of(m, "worker", str, what),
@@ -147,6 +157,7 @@ class PoolRecord:
             retire_below=retire_below,
             reclaim=tuple(reclaim),
             segment_memory=segment_memory,
+            copier=copier,
         )
 
 

@@ -16,30 +16,35 @@ from typing import Any, ClassVar
 from dask_gpupool.errors import ProtocolError
 from dask_gpupool.wire.codec import TOKEN_BYTES, as_message, field_of, uuid_str
 
-__all__ = ["MAX_COPY_CHUNK", "PullReply", "PullRequest", "copy_server_address", "pull_proof"]
+__all__ = ["MAX_COPY_CHUNK", "MAX_REQUESTER", "PullReply", "PullRequest", "copy_server_address", "pull_proof"]
 
 #: The largest chunk an importer takes from a copy server's :class:`PullReply`: each lane stages two chunks in
 #: pinned or vkgdr memory, so a peer's chunk is bounded (this package's servers send
 #: :data:`~dask_gpupool.tuning.COPY_CHUNK_SIZE`).
 MAX_COPY_CHUNK = 1 << 30
 
+#: The longest requester (a worker address) a pull request names.
+MAX_REQUESTER = 512
+
 
 @dataclass(frozen=True)
 class PullRequest:
-    """Importer -> exporter's copy server: stream me the bytes of leased buffer ``lease``.
+    """Importer -> exporter's copy server: stream me, worker ``requester``, the bytes of leased buffer ``lease``.
 
-    ``proof`` is HMAC-SHA256 of ``pull:<pool>:<lease>`` under the cluster's
-    membership token (:func:`pull_proof`): only members
-    of the cluster can make one, and it names one lease of one pool.
+    ``proof`` is HMAC-SHA256 under the cluster's membership token of the copy
+    server's address, the pool, the lease and the requester (:func:`pull_proof`):
+    only members of the cluster can make one, and it is worth nothing at another
+    server, for another lease, or for another worker than the one granted it.
     """
 
     pool: str
     lease: int
     proof: bytes = field(repr=False)
+    requester: str
     op: ClassVar[str] = "pull"
 
     def to_msg(self) -> dict[str, Any]:
-        return {"op": self.op, "pool": self.pool, "lease": self.lease, "proof": self.proof}
+        return {"op": self.op, "pool": self.pool, "lease": self.lease, "proof": self.proof, "requester": self.requester}
 
     @classmethod
     def from_msg(cls, msg: object) -> PullRequest:
@@ -51,7 +56,10 @@ class PullRequest:
         proof = field_of(m, "proof", bytes, what)
         if len(proof) != TOKEN_BYTES:
             raise ProtocolError(f"{what}: proof of {len(proof)} bytes (expected {TOKEN_BYTES})")
-        return cls(uuid_str(field_of(m, "pool", str, what), what), lease, proof)
+        requester = field_of(m, "requester", str, what)
+        if not requester or len(requester) > MAX_REQUESTER:
+            raise ProtocolError(f"{what}: a requester of {len(requester)} characters")
+        return cls(uuid_str(field_of(m, "pool", str, what), what), lease, proof, requester)
 
 
 @dataclass(frozen=True)
@@ -76,9 +84,10 @@ class PullReply:
         return cls(field_of(m, "lease", int, what), size, chunk)
 
 
-def pull_proof(token: bytes, pool: str, lease: int) -> bytes:
-    """What a member of the cluster presents to pull lease ``lease`` of ``pool``."""
-    return hmac.new(token, f"pull:{pool}:{lease}".encode(), hashlib.sha256).digest()
+def pull_proof(token: bytes, address: str, pool: str, lease: int, requester: str) -> bytes:
+    """What worker ``requester``, a member of the cluster, presents to the copy server at ``address`` to pull
+    lease ``lease`` of ``pool``."""
+    return hmac.new(token, f"pull:{address}:{pool}:{lease}:{requester}".encode(), hashlib.sha256).digest()
 
 
 def copy_server_address(address: str) -> tuple[str, int]:

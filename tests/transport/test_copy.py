@@ -26,6 +26,7 @@ from dask_gpupool.wire.stream import pull_proof
 
 POOL = str(uuid.uuid4())
 TOKEN = b"t" * 32
+IMPORTER = "tcp://importer:1"
 CHUNK = 1 << 16
 
 
@@ -43,7 +44,7 @@ def offer(leases: LeaseTable, data: bytes, offset: int = 0) -> tuple[int, int]:
     """Grant a stream lease on ``data[offset:]`` held in a host Buffer; return (lease, nbytes)."""
     buf = host_buffer(bytearray(data))
     n = len(data) - offset
-    return leases.grant(Staged(buf, buf, offset, n), n, "tcp://importer:1"), n
+    return leases.grant(Staged(buf, buf, offset, n), n, IMPORTER), n
 
 
 def wait_for(predicate, timeout: float = 10.0) -> None:
@@ -58,11 +59,11 @@ def test_pull_receives_every_chunk_and_ends_the_lease(server):
     data = os.urandom(5 * CHUNK + 123)
     lease, n = offer(leases, data, offset=7)
     dst = host_buffer(bytearray(n))
-    pull(srv.address, POOL, [lease], TOKEN, dst, 5.0)
+    pull(srv.address, POOL, [lease], TOKEN, IMPORTER, dst, 5.0)
     assert read_bytes(dst, n) == data[7:]
     wait_for(lambda: len(leases) == 0)
     with pytest.raises(DataLostError, match="ended or was pulled already"):
-        pull(srv.address, POOL, [lease], TOKEN, host_buffer(bytearray(n)), 5.0)
+        pull(srv.address, POOL, [lease], TOKEN, IMPORTER, host_buffer(bytearray(n)), 5.0)
 
 
 def test_lanes_split_whole_chunks_and_each_lands_at_its_offset(server):
@@ -77,9 +78,9 @@ def test_lanes_split_whole_chunks_and_each_lands_at_its_offset(server):
     srv, leases = server
     data = os.urandom(10 * CHUNK + 5)
     src = host_buffer(bytearray(data))
-    ids = [leases.grant(Staged(src, src, off, n), n, "tcp://importer:1") for off, n in lanes(len(data), CHUNK, 4)]
+    ids = [leases.grant(Staged(src, src, off, n), n, IMPORTER) for off, n in lanes(len(data), CHUNK, 4)]
     dst = host_buffer(bytearray(len(data)))
-    pull(srv.address, POOL, ids, TOKEN, dst, 5.0)
+    pull(srv.address, POOL, ids, TOKEN, IMPORTER, dst, 5.0)
     assert read_bytes(dst, len(data)) == data
     wait_for(lambda: len(leases) == 0)
 
@@ -87,10 +88,10 @@ def test_lanes_split_whole_chunks_and_each_lands_at_its_offset(server):
 def test_a_lost_lane_fails_the_pull_and_the_other_lanes_end(server):
     srv, leases = server
     src = host_buffer(bytearray(4 * CHUNK))
-    ids = [leases.grant(Staged(src, src, off, n), n, "tcp://importer:1") for off, n in lanes(4 * CHUNK, CHUNK, 2)]
+    ids = [leases.grant(Staged(src, src, off, n), n, IMPORTER) for off, n in lanes(4 * CHUNK, CHUNK, 2)]
     leases.release([ids[1]])  # as if expired
     with pytest.raises(DataLostError, match="has ended"):
-        pull(srv.address, POOL, ids, TOKEN, host_buffer(bytearray(4 * CHUNK)), 5.0)
+        pull(srv.address, POOL, ids, TOKEN, IMPORTER, host_buffer(bytearray(4 * CHUNK)), 5.0)
     wait_for(lambda: len(leases) == 0 and srv.transfers == 0)
 
 
@@ -98,27 +99,27 @@ def test_a_pull_without_the_token_is_refused_and_the_lease_stays(server):
     srv, leases = server
     lease, n = offer(leases, b"x" * 1000)
     with pytest.raises(DataLostError) as info:
-        pull(srv.address, POOL, [lease], b"u" * 32, host_buffer(bytearray(n)), 5.0)
+        pull(srv.address, POOL, [lease], b"u" * 32, IMPORTER, host_buffer(bytearray(n)), 5.0)
     assert isinstance(info.value.__cause__, NotAMemberError)
     assert len(leases) == 1
-    pull(srv.address, POOL, [lease], TOKEN, host_buffer(bytearray(n)), 5.0)  # the member still gets it
+    pull(srv.address, POOL, [lease], TOKEN, IMPORTER, host_buffer(bytearray(n)), 5.0)  # the member still gets it
     wait_for(lambda: len(leases) == 0)
 
 
 def test_an_unknown_pool_or_lease_is_data_lost(server):
     srv, _leases = server
     with pytest.raises(DataLostError, match="has ended"):
-        pull(srv.address, POOL, [12345], TOKEN, host_buffer(bytearray(8)), 5.0)
+        pull(srv.address, POOL, [12345], TOKEN, IMPORTER, host_buffer(bytearray(8)), 5.0)
     other = str(uuid.uuid4())
     with pytest.raises(DataLostError, match="not served here"):
-        pull(srv.address, other, [12345], TOKEN, host_buffer(bytearray(8)), 5.0)
+        pull(srv.address, other, [12345], TOKEN, IMPORTER, host_buffer(bytearray(8)), 5.0)
 
 
 def test_an_ipc_lease_cannot_be_pulled_or_ended_by_a_pull(server):
     srv, leases = server
-    ipc = leases.grant(host_buffer(bytearray(8)), 8, "tcp://importer:1")
+    ipc = leases.grant(host_buffer(bytearray(8)), 8, IMPORTER)
     with pytest.raises(DataLostError, match="not a stream lease"):
-        pull(srv.address, POOL, [ipc], TOKEN, host_buffer(bytearray(8)), 5.0)
+        pull(srv.address, POOL, [ipc], TOKEN, IMPORTER, host_buffer(bytearray(8)), 5.0)
     assert leases.holder(ipc) is not None
     leases.release([ipc])
 
@@ -127,7 +128,7 @@ def test_a_size_mismatch_is_refused_before_any_byte_lands(server):
     srv, leases = server
     lease, n = offer(leases, b"y" * 100)
     with pytest.raises(DataLostError, match="the lanes hold 100 bytes, the value 101"):
-        pull(srv.address, POOL, [lease], TOKEN, host_buffer(bytearray(n + 1)), 5.0)
+        pull(srv.address, POOL, [lease], TOKEN, IMPORTER, host_buffer(bytearray(n + 1)), 5.0)
     wait_for(lambda: len(leases) == 0 and srv.transfers == 0)  # the server saw the connection close
 
 
@@ -150,7 +151,7 @@ def test_a_malformed_request_closes_only_that_connection(server, raw):
         while s.recv(4096):
             pass
     lease, n = offer(leases, b"z" * 10)
-    pull(srv.address, POOL, [lease], TOKEN, host_buffer(bytearray(n)), 5.0)  # still serving
+    pull(srv.address, POOL, [lease], TOKEN, IMPORTER, host_buffer(bytearray(n)), 5.0)  # still serving
     wait_for(lambda: len(leases) == 0)
 
 
@@ -158,7 +159,13 @@ def test_an_importer_that_hangs_up_mid_transfer_releases_the_lease(server):
     srv, leases = server
     lease, _n = offer(leases, b"w" * (64 * CHUNK))
     host, port = srv.address[len("tcp://") :].rsplit(":", 1)
-    request = {"op": "pull", "pool": POOL, "lease": lease, "proof": pull_proof(TOKEN, POOL, lease)}
+    request = {
+        "op": "pull",
+        "pool": POOL,
+        "lease": lease,
+        "proof": pull_proof(TOKEN, srv.address, POOL, lease, IMPORTER),
+        "requester": IMPORTER,
+    }
     data = msgpack.packb(request, use_bin_type=True)
     with socket.create_connection((host, int(port)), timeout=5) as s:
         s.sendall(struct.pack("!I", len(data)) + data)
@@ -172,7 +179,7 @@ def test_a_dead_exporter_is_data_lost(no_fd_leak):  # noqa: F811
     address = srv.address
     srv.close()
     with pytest.raises(DataLostError, match="ConnectionRefusedError"):
-        pull(address, POOL, [1], TOKEN, host_buffer(bytearray(8)), 5.0)
+        pull(address, POOL, [1], TOKEN, IMPORTER, host_buffer(bytearray(8)), 5.0)
 
 
 @pytest.mark.parametrize("how", ["port over 65535", "not a port", "no port"])
@@ -190,9 +197,11 @@ def test_a_copy_server_address_that_is_not_host_and_port_is_data_lost_and_reache
     lease, n = offer(leases, data)
     dst = host_buffer(bytearray(n))
     with pytest.raises(DataLostError, match="not tcp://host:port"):
-        pull(address, POOL, [lease], TOKEN, dst, 5.0)
+        pull(address, POOL, [lease], TOKEN, IMPORTER, dst, 5.0)
     assert read_bytes(dst, n) == bytes(n)  # nothing landed
-    pull(srv.address, POOL, [lease], TOKEN, dst, 5.0)  # the lease was not pulled: its own address still serves it
+    pull(
+        srv.address, POOL, [lease], TOKEN, IMPORTER, dst, 5.0
+    )  # the lease was not pulled: its own address still serves it
     assert read_bytes(dst, n) == data
 
 
@@ -285,7 +294,7 @@ def test_lanes_waiting_behind_other_pulls_never_outlast_the_servers_send_timeout
     def slow_pull(first: int) -> None:
         dst = host_buffer(bytearray(3 * size))
         try:
-            pull(slow.address, POOL, [first, first + 1, first + 2], TOKEN, dst, 10.0)
+            pull(slow.address, POOL, [first, first + 1, first + 2], TOKEN, IMPORTER, dst, 10.0)
             outcomes.append(read_bytes(dst, 3 * size))
         except BaseException as e:
             outcomes.append(e)
@@ -297,10 +306,10 @@ def test_lanes_waiting_behind_other_pulls_never_outlast_the_servers_send_timeout
         wait_for(lambda: slow.replied == 24)  # every lane of theirs is being received: 16 in the shared threads
         data = os.urandom(32 << 20)
         src = host_buffer(bytearray(data))
-        ids = [leases.grant(Staged(src, src, off, n), n, "tcp://importer:1") for off, n in lanes(len(data), CHUNK, 4)]
+        ids = [leases.grant(Staged(src, src, off, n), n, IMPORTER) for off, n in lanes(len(data), CHUNK, 4)]
         assert len(ids) == 4
         dst = host_buffer(bytearray(len(data)))
-        pull(srv.address, POOL, ids, TOKEN, dst, 10.0)
+        pull(srv.address, POOL, ids, TOKEN, IMPORTER, dst, 10.0)
         assert read_bytes(dst, len(data)) == data
         pull_threads = [t for t in threading.enumerate() if t.name.startswith("gpupool-pull")]
         assert len(pull_threads) <= 16
@@ -387,7 +396,7 @@ def test_a_pull_interrupted_while_it_waits_for_its_other_lanes_stops_them_before
     try:
         watcher.start()
         with pytest.raises(KeyboardInterrupt):
-            pull(slow.address, POOL, [1, 2], TOKEN, dst, 10.0)
+            pull(slow.address, POOL, [1, 2], TOKEN, IMPORTER, dst, 10.0)
         receiving = [t for t, f in sys._current_frames().items() if _in_frames(f, "pull.py:work")]
         assert sent.is_set()
         landed = read_bytes(dst, 400)
@@ -412,7 +421,7 @@ def test_an_interrupt_as_the_calling_threads_lanes_end_cannot_leave_the_pull_wai
     srv, leases = server
     data = os.urandom(4 * CHUNK)
     src = host_buffer(bytearray(data))
-    ids = [leases.grant(Staged(src, src, off, n), n, "tcp://importer:1") for off, n in lanes(len(data), CHUNK, 1)]
+    ids = [leases.grant(Staged(src, src, off, n), n, IMPORTER) for off, n in lanes(len(data), CHUNK, 1)]
     outcome: list[BaseException | None] = []
 
     def tracer(frame: Any, event: str, _arg: Any) -> Any:
@@ -425,7 +434,7 @@ def test_an_interrupt_as_the_calling_threads_lanes_end_cannot_leave_the_pull_wai
     def caller() -> None:
         sys.settrace(tracer)
         try:
-            pull(srv.address, POOL, ids, TOKEN, host_buffer(bytearray(len(data))), 5.0)
+            pull(srv.address, POOL, ids, TOKEN, IMPORTER, host_buffer(bytearray(len(data))), 5.0)
             outcome.append(None)
         except BaseException as e:
             outcome.append(e)
@@ -477,7 +486,7 @@ def test_a_pull_interrupted_as_it_cancels_its_unstarted_helpers_still_waits_for_
     dst = host_buffer(bytearray(80))
     try:
         with pytest.raises(KeyboardInterrupt):
-            pull(slow.address, POOL, [1, 2], TOKEN, dst, 10.0)
+            pull(slow.address, POOL, [1, 2], TOKEN, IMPORTER, dst, 10.0)
         receiving = [t for t, f in sys._current_frames().items() if _in_frames(f, "pull.py:work")]
         landed = read_bytes(dst, 80)
         assert receiving == [], "a thread still received a lane of the pull that raised"

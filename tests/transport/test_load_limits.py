@@ -43,6 +43,7 @@ from dask_gpupool.wire.stream import pull_proof
 
 POOL = str(uuid.UUID(int=15))  # the same in the spawned owner, which imports this module anew
 TOKEN = b"cluster-token-0123456789abcdef!!"
+IMPORTER = "tcp://importer:1"
 CHUNK = 1 << 16
 PAYLOAD = b"served after the flood"
 #: fds the owner may open beyond those it holds when the flood starts.
@@ -120,7 +121,7 @@ def _owner(kind: str, timeout: float, pipe: Any) -> None:
         elif cmd == "offer":
             buf = host_buffer(bytearray(arg))
             keep.append(buf)
-            pipe.send(leases.grant(Staged(buf, buf, 0, len(arg)), len(arg), "tcp://importer:1"))
+            pipe.send(leases.grant(Staged(buf, buf, 0, len(arg)), len(arg), IMPORTER))
         elif cmd == "close":
             server.close()
             pipe.send(stats())
@@ -271,7 +272,7 @@ def test_an_fd_flood_does_not_stop_the_copy_server(no_fd_leak):  # noqa: F811
         data = os.urandom(3 * CHUNK + 5)
         lease = owner.ask("offer", data)
         dst = host_buffer(bytearray(len(data)))
-        pull(owner.address, POOL, [lease], TOKEN, dst, 10.0)
+        pull(owner.address, POOL, [lease], TOKEN, IMPORTER, dst, 10.0)
         assert read_bytes(dst, len(data)) == data
         base = owner.baseline
         wait_for(
@@ -295,7 +296,14 @@ def test_a_slow_loris_is_dropped_at_the_request_deadline(no_fd_leak):  # noqa: F
     try:
         host, port = srv.address[len("tcp://") :].rsplit(":", 1)
         request = msgpack.packb(
-            {"op": "pull", "pool": POOL, "lease": 1, "proof": pull_proof(TOKEN, POOL, 1)}, use_bin_type=True
+            {
+                "op": "pull",
+                "pool": POOL,
+                "lease": 1,
+                "proof": pull_proof(TOKEN, srv.address, POOL, 1, IMPORTER),
+                "requester": IMPORTER,
+            },
+            use_bin_type=True,
         )
         raw = struct.pack("!I", len(request)) + request
         hung_up = False
@@ -444,9 +452,9 @@ def test_a_copy_server_flood_beyond_the_per_ip_bound_is_refused_while_another_ip
         assert srv.transfers == 8  # one thread each for the first 8, until their deadline
         data = os.urandom(2 * CHUNK)
         buf = host_buffer(bytearray(data))
-        lease = leases.grant(Staged(buf, buf, 0, len(data)), len(data), "tcp://importer:1")
+        lease = leases.grant(Staged(buf, buf, 0, len(data)), len(data), IMPORTER)
         dst = host_buffer(bytearray(len(data)))
-        pull(srv.address, POOL, [lease], TOKEN, dst, 10.0)  # from 127.0.0.1: served
+        pull(srv.address, POOL, [lease], TOKEN, IMPORTER, dst, 10.0)  # from 127.0.0.1: served
         assert read_bytes(dst, len(data)) == data
         close_all(flood)
         flood = []

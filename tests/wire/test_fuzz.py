@@ -105,7 +105,7 @@ VALID = {
     "resync": Resync((3, 4), True).to_msg(),
     "resync-reply": ResyncReply(2).to_msg(),
     "stream": HandoffHeader("stream", "device", 64, "tcp://h:1", lease=3, address="tcp://h:2").to_msg(),
-    "pull": PullRequest(POOL, 3, b"p" * 32).to_msg(),
+    "pull": PullRequest(POOL, 3, b"p" * 32, "tcp://h:2").to_msg(),
     "segment-release": SegmentRelease(((3, 2), (4, 1))).to_msg(),
     "forward": LeaseForward(3, "tcp://h:3").to_msg(),
     "forward-reply": ForwardReply(5, 2).to_msg(),

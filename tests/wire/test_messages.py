@@ -160,7 +160,7 @@ def test_lease_queries_round_trip_and_refuse_bad_fields():
 
 
 def test_copy_path_messages_round_trip_and_refuse_bad_fields():
-    for m in (PullRequest(POOL, 9, b"p" * 32), PullReply(9, 1 << 30, 16 << 20)):
+    for m in (PullRequest(POOL, 9, b"p" * 32, "tcp://h:2"), PullReply(9, 1 << 30, 16 << 20)):
         assert type(m).from_msg(wire(m.to_msg())) == m
     header = HandoffHeader("stream", "device", 64, "tcp://h:1", lease=3, address="tcp://h:2", lanes=(4, 5))
     assert HandoffHeader.from_msg(wire(header.to_msg())) == header
@@ -176,9 +176,9 @@ def test_copy_path_messages_round_trip_and_refuse_bad_fields():
     with pytest.raises(ProtocolError, match="only a stream handoff has lanes"):
         HandoffHeader.from_msg({**header.to_msg(), "path": "copy"})
     with pytest.raises(ProtocolError, match="proof of 3 bytes"):
-        PullRequest.from_msg({**PullRequest(POOL, 9, b"p" * 32).to_msg(), "proof": b"abc"})
+        PullRequest.from_msg({**PullRequest(POOL, 9, b"p" * 32, "tcp://h:2").to_msg(), "proof": b"abc"})
     with pytest.raises(ProtocolError, match="lease ids are positive"):
-        PullRequest.from_msg({**PullRequest(POOL, 9, b"p" * 32).to_msg(), "lease": -1})
+        PullRequest.from_msg({**PullRequest(POOL, 9, b"p" * 32, "tcp://h:2").to_msg(), "lease": -1})
     with pytest.raises(ProtocolError, match="out of range"):
         PullReply.from_msg({**PullReply(9, 10, 16).to_msg(), "chunk": 0})
     with pytest.raises(ProtocolError, match="out of range"):  # a peer cannot make the importer pin without bound
