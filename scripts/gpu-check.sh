@@ -5,7 +5,9 @@
 # status is pytest's (0 when the tests passed or were not run), so a caller sees a failed suite.
 #
 # Wheels, installed without an index into /tmp/site, once per machine and set of wheels:
-#   .whl        the package and its dependencies.
+#   .whl        the dependencies the machine's Python lacks: dask and distributed 2026.8.0, tornado, zict, tblib,
+#               partd, locket, and cuda-core 1.2.2 with cuda-pathfinder where the machine's cuda-core is older
+#               (the package needs 1.2.2: it frees host-only buffers without a CUDA context).
 #   .whl-ucx    (optional) the UCXX wheels (distributed-ucxx-cu13 0.52, ucxx-cu13 0.52, libucxx-cu13 0.52,
 #               libucx-cu13 1.21, rmm-cu13/librmm-cu13 26.10, rapids-logger 0.3): the UCXX tests and ucxx rows.
 #   .whl-vk     (optional) the vkgdr, cffi and pycparser wheels, kept apart from .whl so that .whl and .whl-ucx stay

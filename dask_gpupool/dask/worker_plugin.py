@@ -27,9 +27,8 @@ from tornado.ioloop import PeriodicCallback
 from dask_gpupool import tuning
 from dask_gpupool.config import PoolOptions
 from dask_gpupool.core import PLUGIN_NAME
-from dask_gpupool.dask import binding
+from dask_gpupool.dask import binding, failure_logs
 from dask_gpupool.dask import distributed_seam as seam
-from dask_gpupool.dask import failure_logs
 from dask_gpupool.dask import ucx_receive as _receive
 from dask_gpupool.dask import worker_setup as decide
 from dask_gpupool.dask.frames_family import serializers_for
