@@ -71,8 +71,8 @@ def holds(client: Any, worker: str, key: str) -> bool:
 
 
 def test_a_client_naming_a_worker_in_get_data_gets_no_lease(client):
-    """Finding: a tokenless client's ``get_data(who=<B>)`` on A, answered "OK" without deserializing, left A counting
-    leases "claimed" by B, which never held them, pinning A's pool."""
+    """A tokenless client's ``get_data(who=<B>)`` on A, answered "OK" without deserializing, gets copies: A counts
+    no lease for B, which would never hold it, and its pool stays free."""
     a, b = worker_addresses(client)
     warm_up(client, a, b)
     x = client.submit(T.make_buffer, MiB, b"pinned?", workers=[a], pure=False)
@@ -85,8 +85,8 @@ def test_a_client_naming_a_worker_in_get_data_gets_no_lease(client):
 
 
 def test_a_handoff_header_scattered_by_a_client_is_not_imported(client):
-    """Finding: an IPC header of A's (learned by a client) scattered to B made B hold A's memory under the client's
-    key."""
+    """An IPC header of A's (learned by a client) scattered to B is refused: B maps nothing of A's memory under the
+    client's key."""
     a, b = worker_addresses(client)
     x = client.submit(T.make_buffer, MiB, b"A's memory", workers=[a], pure=False)
     x.result()
@@ -119,8 +119,8 @@ def _connected(sock: socket.socket) -> bool:
 
 
 def test_a_stream_header_scattered_by_a_client_makes_no_worker_connect_anywhere(client):
-    """Finding: a client scattered to B a ``stream`` header naming the client's own address; B connected there and
-    sent a pull proof, which the client replayed to A's copy server."""
+    """A ``stream`` header a client scatters to B, naming the client's own address, is refused: B connects nowhere
+    and sends no pull proof that the client could replay to A's copy server."""
     a, b = worker_addresses(client)
     x = client.submit(T.make_buffer, MiB, b"streamed", workers=[a], pure=False)
     x.result()
@@ -166,8 +166,8 @@ async def ask(worker: str, msg: dict[str, Any]) -> Any:
 
 
 def test_a_client_asking_a_worker_about_leases_is_refused(client):
-    """Finding: ``gpupool_lease_query`` answered anyone, confirming lease ids a caller names (and a flood of fake
-    exporters evicted the refusals a worker remembers)."""
+    """``gpupool_lease_query`` answers members only, about their own leases: a client confirms no lease id (nor
+    floods a worker's remembered refusals with fake exporters)."""
     a, b = worker_addresses(client)
     broker_of_a = next(r.broker for r in dask_gpupool.pools(client) if r.worker == a)
     reply = client.sync(ask, b, {"op": LEASE_QUERY_OP, "exporter": broker_of_a, "leases": [1, 2]})
@@ -175,8 +175,9 @@ def test_a_client_asking_a_worker_about_leases_is_refused(client):
 
 
 def test_one_peer_pins_at_most_half_a_pool_and_a_full_pool_names_who_holds_it(client):
-    """Finding: a consumer holding the leases of many values (stalled, or keeping them) filled the producer's pool,
-    and the producer's own tasks failed with ``PoolExhaustedError``, with no fallback."""
+    """A consumer holding the leases of many values (stalled, or keeping them) pins at most half the producer's
+    pool; the rest go as copies (``peer-share``), the producer's own tasks allocate the other half, and a full pool's
+    ``PoolExhaustedError`` names the peers' lease bytes."""
     a, b = worker_addresses(client)
     base = counters(client, a)[a]["fallbacks"].get("peer-share", 0)
     ys = []
