@@ -526,7 +526,8 @@ def test_on_ucxx_a_cancelled_reply_keeps_its_staging_memory_until_the_consumer_e
     plugin = GPUPool(kind="device", max_size="1 GiB", segment_memory="vmm", lease_timeout="600s")
     with dask.config.set(UCX_CONFIG), nanny_cluster(ucx_workers(placement, "same"), plugin, protocol="ucxx") as c:
         a, b = worker_addresses(c)
-        assert c.run(T.report_failed_transfer, a, workers=[b])[b]
+        # B learns of A's pool from the scheduler's registry, after the cluster is up: reported once it knows it
+        wait_for(lambda: c.run(T.report_failed_transfer, a, workers=[b])[b], what="B to know A's pool")
         before = c.run(_staging_blocks, workers=[a])[a]
         x = c.submit(T.make_array, n, "cupy", workers=[a], pure=False)
         x.result()
