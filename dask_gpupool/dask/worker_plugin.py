@@ -27,7 +27,7 @@ from tornado.ioloop import PeriodicCallback
 from dask_gpupool import tuning
 from dask_gpupool.config import PoolOptions
 from dask_gpupool.core import PLUGIN_NAME
-from dask_gpupool.dask import binding
+from dask_gpupool.dask import binding, spilling
 from dask_gpupool.dask import distributed_seam as seam
 from dask_gpupool.dask import ucx_receive as _receive
 from dask_gpupool.dask import worker_setup as decide
@@ -198,6 +198,7 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         self._handlers = {LEASE_QUERY_OP: lease_query_handler(service), binding.BIND_OP: binding.bind_handler(service)}
         seam.set_handlers(worker, self._handlers)
         seam.count_own_memory_only(worker)
+        spilling.count_once(worker.data, service)  # borrowed values cost nothing here; lent ones spill last
         seam.fill_after_read(worker, functools.partial(binding.bind, service))
         self.service = service
         if gpu_pool and has_cupy:
@@ -281,6 +282,7 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
             seam.set_stream_handlers(worker, member.stream_handlers, replaced_by=_drop_update)
             member.close()
         seam.count_own_memory_only(worker, undo=True)
+        spilling.count_plainly(worker.data)
         seam.fill_after_read(worker, undo=True)
         seam.set_handlers(worker, self._handlers, remove=True)
         self._handlers = {}

@@ -1,0 +1,206 @@
+"""What Dask's spilling counts and spills of pool values: each value's memory is counted once, by its owner.
+
+A value a worker imported from a peer's pool under a lease (*borrowed*: an array or Buffer over an
+:class:`~dask_gpupool.handoff.imported.ImportedMemoryResource` with an origin) costs that worker nothing: its memory
+is the exporter's, which counts it. Spilling it would read every shared page into the borrower and free nothing,
+since the exporter keeps the memory for as long as the lease lives. So a borrowed value weighs 0 in the worker's
+managed memory and is never evicted. A value of this worker's pool that peers' leases keep alive (*lent*) frees
+nothing when spilled either: it is counted (once, here) and evicted only once no lease holds it; values that free
+memory go first. A lent value Dask forgets here is still counted until its last lease ends.
+
+The mechanism is the worker's ``data=`` mapping, as dask-cuda's: Dask's :class:`~distributed.spill.SpillBuffer` (and
+dask-cuda's ``DeviceHostFile``) is a :class:`zict.Buffer` whose ``fast`` part, a :class:`zict.LRU`, decides what is
+weighed and what goes to ``slow`` (disk, or host for device values). :func:`count_once` puts a
+:class:`CountOnceLRU` there (public zict API: ``Buffer.fast``, ``Buffer.weight``, the LRU's constructor, ``n``,
+``offset``, ``on_evict``); :func:`count_plainly` puts a plain LRU back. Nothing is copied: the values stay where they
+are. The scheduler still sees each value's real size (``sizeof``), for what it costs to move it to another host.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import zict
+from zict.common import nodefault
+
+from dask_gpupool.dask.views import pool_buffer_of
+from dask_gpupool.handoff.active import active_service
+from dask_gpupool.handoff.imported import ImportedMemoryResource
+
+if TYPE_CHECKING:
+    from dask_gpupool.handoff.service import PoolService
+
+__all__ = ["CountOnceLRU", "borrowed", "count_once", "count_plainly", "spill_parts"]
+
+logger = logging.getLogger(__name__)
+
+
+def borrowed(value: Any) -> bool:
+    """Whether ``value`` (an array or Buffer) lies in a peer's pool, imported here under a lease."""
+    buf = pool_buffer_of(value)
+    if buf is None:
+        return False
+    resource = buf.memory_resource
+    return isinstance(resource, ImportedMemoryResource) and resource.origin is not None
+
+
+class CountOnceLRU(zict.LRU[Any, Any]):
+    """The ``fast`` part of a :class:`zict.Buffer` that weighs a borrowed value 0 and never evicts it, and evicts a
+    lent value only once no lease holds it.
+
+    Parameters
+    ----------
+    like : zict.LRU
+        The LRU it takes the place of: its values (kept, not copied), ``n``, ``offset`` and callbacks.
+    weight : callable
+        ``(key, value) -> bytes`` of a value this worker owns (Dask's ``sizeof``).
+    service : PoolService, optional
+        The worker's pool service, whose leases say what is lent; default: this process's
+        (:func:`~dask_gpupool.handoff.active.active_service`), read at each eviction.
+
+    Notes
+    -----
+    When nothing can be evicted (every value borrowed or lent), :meth:`evict` returns a weight of -1 with the key
+    ``None``: Dask's ``SpillBuffer.evict`` returns it, which its memory manager reads as "eviction failed, stop"
+    (:class:`distributed.spill.ManualEvictProto`); eviction to the target stops there too.
+    """
+
+    def __init__(self, like: zict.LRU[Any, Any], weight: Callable[[Any, Any], float], service: Any = None) -> None:
+        self.owned_weight = weight
+        self.service = service
+        super().__init__(
+            like.n,
+            like.d,
+            on_evict=list(like.on_evict),
+            on_cancel_evict=list(like.on_cancel_evict),
+            weight=self._weight,
+        )
+        self.offset = like.offset
+        #: Bytes of lent values Dask forgot here that a peer's lease still keeps (counted in ``offset``).
+        self.lent_away = 0
+        self._lent_lock = threading.Lock()
+        self._lent_refs: set[weakref.ref[Any]] = set()
+
+    def _weight(self, key: Any, value: Any) -> float:
+        return 0 if borrowed(value) else self.owned_weight(key, value)
+
+    def _service(self) -> PoolService | None:
+        return self.service if self.service is not None else active_service()
+
+    def _lent(self) -> set[int]:
+        """``id()`` of the pool buffers peers' leases keep alive now."""
+        service = self._service()
+        if service is None or service.closed:
+            return set()
+        return {id(buf) for holder in service.leases.holders() if (buf := pool_buffer_of(holder)) is not None}
+
+    def _candidates(self) -> Iterator[Any]:
+        """Keys in eviction order (heavy ones first, then least recently used) that free memory here."""
+        lent = self._lent()
+        seen = set()
+        for key in [*self.heavy, *self.order]:
+            if key in seen:
+                continue
+            seen.add(key)
+            try:
+                value = self.d[key]
+            except KeyError:  # gone meanwhile (another thread)
+                continue
+            if borrowed(value):
+                continue
+            buf = pool_buffer_of(value) if lent else None
+            if buf is not None and id(buf) in lent:
+                continue
+            yield key
+
+    def evict(self, key: Any = nodefault) -> tuple[Any, Any, float]:
+        """Evict ``key``, or else the first key whose eviction frees memory here; ``(None, None, -1)`` if none."""
+        if key is nodefault:
+            key = next(self._candidates(), nodefault)
+            if key is nodefault:
+                if not self.d:
+                    raise KeyError("evict(): dictionary is empty")
+                return None, None, -1
+        return super().evict(key)
+
+    def evict_until_below_target(self, n: float | None = None) -> None:
+        limit = self.n if n is None else n
+        while self.total_weight + self.offset > limit and not self.closed:
+            try:
+                key, _, weight = self.evict()
+            except KeyError:
+                return  # emptied meanwhile (another thread)
+            if key is None and weight == -1:
+                return  # the rest is borrowed or lent: spilling it frees nothing
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.set_noevict(key, value)
+        self.evict_until_below_target()
+
+    def __delitem__(self, key: Any) -> None:
+        buf = pool_buffer_of(self.d[key]) if key in self.d else None
+        if buf is not None and id(buf) in self._lent():
+            self._keep_counting(buf, self.weights.get(key, 0))
+        super().__delitem__(key)
+
+    def _keep_counting(self, buf: Any, nbytes: float) -> None:
+        """Count ``nbytes`` of ``buf`` (lent) in ``offset`` until the buffer dies: its last lease ended."""
+        if not nbytes:
+            return
+
+        def ended(ref: weakref.ref[Any], nbytes: float = nbytes) -> None:
+            with self._lent_lock:
+                self._lent_refs.discard(ref)
+                self.lent_away -= int(nbytes)
+                self.offset -= nbytes
+
+        with self._lent_lock:
+            self._lent_refs.add(weakref.ref(buf, ended))
+            self.lent_away += int(nbytes)
+            self.offset += nbytes
+
+
+def spill_parts(data: Any) -> list[zict.Buffer[Any, Any]]:
+    """The :class:`zict.Buffer` parts of a worker's ``data`` that spill: itself (Dask's ``SpillBuffer``), or
+    dask-cuda's ``device_buffer`` (device to host) and ``host_buffer`` (host to disk); none for other mappings."""
+    parts = [data, getattr(data, "device_buffer", None), getattr(data, "host_buffer", None)]
+    return [p for p in parts if isinstance(p, zict.Buffer) and isinstance(p.fast, zict.LRU)]
+
+
+def count_once(data: Any, service: PoolService | None = None) -> int:
+    """Make ``data`` (a worker's ``data`` mapping) count and spill pool values once (:class:`CountOnceLRU`); returns
+    how many parts it changed (0: a mapping it does not know, such as dask-cuda's ``ProxifyHostFile``). Idempotent."""
+    changed = 0
+    for part in spill_parts(data):
+        with part.lock, part.fast.lock:
+            if isinstance(part.fast, CountOnceLRU):
+                part.fast.service = service
+                continue
+            base = part.weight
+            part.fast = CountOnceLRU(part.fast, base, service)
+            part.weight = part.fast._weight
+        changed += 1
+    return changed
+
+
+def count_plainly(data: Any) -> None:
+    """Undo :func:`count_once` on ``data``: a plain :class:`zict.LRU` with the owned-value weight, values kept."""
+    for part in spill_parts(data):
+        with part.lock, part.fast.lock:
+            fast = part.fast
+            if not isinstance(fast, CountOnceLRU):
+                continue
+            plain: zict.LRU[Any, Any] = zict.LRU(
+                fast.n,
+                fast.d,
+                on_evict=list(fast.on_evict),
+                on_cancel_evict=list(fast.on_cancel_evict),
+                weight=fast.owned_weight,
+            )
+            plain.offset = fast.offset - fast.lent_away
+            part.fast = plain
+            part.weight = fast.owned_weight
