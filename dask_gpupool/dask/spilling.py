@@ -96,7 +96,7 @@ class CountOnceLRU(zict.LRU[Any, Any]):
         service = self._service()
         if service is None or service.closed:
             return set()
-        return {id(buf) for holder in service.leases.holders() if (buf := pool_buffer_of(holder)) is not None}
+        return {id(buf) for buf in service.leases.buffers()}
 
     def _candidates(self) -> Iterator[Any]:
         """Keys in eviction order (heavy ones first, then least recently used) that free memory here."""

@@ -391,10 +391,11 @@ class LeaseTable:
         with self._lock:
             return sum(not lease.claimed for lease in self._leases.values())
 
-    def holders(self) -> list[Any]:
-        """What live leases keep alive (each a Buffer, or an array over one): values lent to peers."""
+    def buffers(self) -> list[Any]:
+        """The pool buffers live leases keep alive (their holder's ``buf``): this pool's memory lent to peers."""
         with self._lock:
-            return [lease.holder for lease in self._leases.values()]
+            holders = [lease.holder for lease in self._leases.values()]
+        return [buf for h in holders if (buf := getattr(h, "buf", None)) is not None]
 
     def bytes_by_importer(self) -> dict[str, int]:
         """Bytes live leases keep alive, per importer."""

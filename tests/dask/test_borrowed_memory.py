@@ -14,6 +14,7 @@ from conftest import back_to, counters, nanny_cluster, wait_for, warm_up, worker
 
 from dask_gpupool import GPUPool
 from dask_gpupool import testing as T
+from dask_gpupool.dask.spilling import CountOnceLRU, count_once, count_plainly
 
 MiB = 1 << 20
 
@@ -30,6 +31,33 @@ def _spilling(limit: str) -> dict[str, Any]:
     return {"memory_limit": limit, "config": {f"distributed.worker.memory.{k}": v for k, v in memory.items()}}
 
 
+def _accounting(dask_worker: Any) -> dict[str, Any]:
+    """client.run target: what the worker's spill buffer counts (managed bytes, offset) and holds in memory."""
+    fast = dask_worker.data.fast
+    return {
+        "counted_once": isinstance(fast, CountOnceLRU),
+        "managed": int(fast.total_weight),
+        "offset": int(fast.offset),
+        "lent_away": int(getattr(fast, "lent_away", 0)),
+        "in_memory": sorted(str(k) for k in fast),
+    }
+
+
+def _evict(dask_worker: Any) -> int:
+    """client.run target: one eviction as Dask's memory manager asks for it past the ``spill`` threshold."""
+    return int(dask_worker.data.evict())
+
+
+def _evict_all(dask_worker: Any) -> list[int]:
+    """client.run target: evictions until one fails (-1) or nothing is left in memory."""
+    out = []
+    while dask_worker.data.fast:
+        out.append(int(dask_worker.data.evict()))
+        if out[-1] == -1:
+            break
+    return out
+
+
 def test_a_borrower_never_spills_a_borrowed_value():
     """B (target 32 MiB of managed memory) holds six 8 MiB arrays of A's pool, each under two keys (the fetched
     dependency and B's own result): 96 MiB by ``sizeof``, none of it B's memory. B spills none of them."""
@@ -41,9 +69,71 @@ def test_a_borrower_never_spills_a_borrowed_value():
         c.gather(ys)
         assert c.run(T.spilled_bytes, workers=[b])[b] == {}
         assert counters(c, a)[a]["leases"] == 6  # zero-copy, and still: B holds a lease on each
+        seen = c.run(_accounting, workers=[b])[b]
+        assert seen["counted_once"] and seen["managed"] == 0 and len(seen["in_memory"]) == 12, seen
+        # Past the spill threshold (process memory), Dask's memory manager asks for evictions: none frees anything.
+        assert c.run(_evict, workers=[b])[b] == -1
         totals = c.gather([c.submit(T.total, y, workers=[b], pure=False) for y in ys])
         assert totals == [float(sum(range(MiB)))] * 6
         assert c.run(T.spilled_bytes, workers=[b])[b] == {}
         del xs, ys
         wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="B's leases to end")
         back_to(c, baseline)
+
+
+def test_an_owner_spills_values_that_free_memory_and_counts_a_lent_value_until_its_last_lease_ends():
+    """A (target 32 MiB) lends three 8 MiB arrays to B, then makes more: it spills only the values no lease holds,
+    refuses to spill the lent ones, counts a lent value Dask forgot there until B's lease ends, and B reads the same
+    bytes throughout, A's pool reused meanwhile."""
+    with dask.config.set(NO_TERMINATE), nanny_cluster([_spilling("64 MiB"), {}], POOL) as c:
+        a, b = worker_addresses(c)
+        baseline = warm_up(c, a, b)
+        xs = [c.submit(T.make_array, MiB, workers=[a], pure=False) for _ in range(3)]
+        ys = [c.submit(T.keep, x, workers=[b], pure=False) for x in xs]
+        c.gather(c.map(T.total, ys, workers=[b], pure=False))
+        assert counters(c, a)[a]["leases"] == 3
+        zs = [c.submit(T.make_array, MiB, workers=[a], pure=False) for _ in range(3)]
+        c.gather(c.map(T.total, zs, workers=[a], pure=False))
+        spilled = c.run(T.spilled_bytes, workers=[a])[a]
+        assert spilled and set(spilled) <= {z.key for z in zs}, spilled  # over target: only what frees memory
+        assert c.run(_evict_all, workers=[a])[a][-1] == -1  # the lent values stay
+        seen = c.run(_accounting, workers=[a])[a]
+        assert sorted(seen["in_memory"]) == sorted(x.key for x in xs), seen
+        lent = seen["managed"]
+        assert lent >= 3 * 8 * MiB, seen  # counted once, by their owner
+
+        del xs  # Dask forgets them on A; B's leases keep their memory
+        wait_for(lambda: c.run(_accounting, workers=[a])[a]["in_memory"] == [], what="A to forget the lent values")
+        seen = c.run(_accounting, workers=[a])[a]
+        assert seen["managed"] == 0 and seen["offset"] == seen["lent_away"] == lent, seen
+        for value in range(1, 4):  # A's pool reused around the lent memory
+            c.submit(T.scribble_all, 16 * MiB, value, workers=[a], pure=False).result()
+        totals = c.gather(c.map(T.total, ys, workers=[b], pure=False))
+        assert totals == [float(sum(range(MiB)))] * 3  # nothing read under a lease changed
+
+        del ys, zs
+        wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="B's leases to end")
+        wait_for(lambda: c.run(_accounting, workers=[a])[a]["offset"] == 0, what="A to stop counting them")
+        back_to(c, baseline)
+
+
+def test_the_worker_plugin_counts_once_on_dasks_spill_buffer_and_puts_it_back(tmp_path: Any):
+    """What :func:`count_once` relies on in Dask's ``SpillBuffer``: a ``zict.Buffer`` whose ``fast`` part is a
+    ``zict.LRU`` it may replace, whose ``evict()`` returns what that LRU's returns. Fails if Dask changes it."""
+    import numpy as np
+    import zict
+    from distributed.spill import SpillBuffer
+
+    data = SpillBuffer(str(tmp_path), target=1 << 20)
+    data["a"] = np.ones(1000)
+    data["b"] = np.ones(2000)
+    assert count_once(data) == 1 and count_once(data) == 0  # once
+    assert isinstance(data.fast, CountOnceLRU) and set(data.fast) == {"a", "b"}
+    assert data.fast.total_weight >= 3000 * 8  # values of no pool weigh their sizeof
+    weight = data.evict()  # what Dask's memory manager calls past the spill threshold
+    assert weight >= 8000 and "a" in data.slow and list(data.fast) == ["b"]
+    data["c"] = np.ones(1 << 18)  # 2 MiB: heavier than the target, straight to disk
+    assert "c" in data.slow and "c" not in data.fast
+    count_plainly(data)
+    assert type(data.fast) is zict.LRU and list(data.fast) == ["b"]
+    assert float(data["a"].sum()) == 1000.0 and "a" in data.fast
