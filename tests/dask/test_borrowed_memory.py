@@ -71,6 +71,9 @@ def test_a_borrower_never_spills_a_borrowed_value():
         assert counters(c, a)[a]["leases"] == 6  # zero-copy, and still: B holds a lease on each
         seen = c.run(_accounting, workers=[b])[b]
         assert seen["counted_once"] and seen["managed"] == 0 and len(seen["in_memory"]) == 12, seen
+        where = counters(c)  # where the memory is: A's pool, lent to B; B borrows it
+        assert where[a]["pool_bytes"] >= 48 * MiB and where[a]["lease_bytes"] == 48 * MiB, where[a]
+        assert where[b]["borrowed_bytes"] == 48 * MiB and where[a]["borrowed_bytes"] == 0, where[b]
         # Past the spill threshold (process memory), Dask's memory manager asks for evictions: none frees anything.
         assert c.run(_evict, workers=[b])[b] == -1
         totals = c.gather([c.submit(T.total, y, workers=[b], pure=False) for y in ys])
@@ -78,6 +81,7 @@ def test_a_borrower_never_spills_a_borrowed_value():
         assert c.run(T.spilled_bytes, workers=[b])[b] == {}
         del xs, ys
         wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="B's leases to end")
+        assert counters(c, b)[b]["borrowed_bytes"] == 0
         back_to(c, baseline)
 
 
