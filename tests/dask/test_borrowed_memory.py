@@ -141,3 +141,44 @@ def test_the_worker_plugin_counts_once_on_dasks_spill_buffer_and_puts_it_back(tm
     count_plainly(data)
     assert type(data.fast) is zict.LRU and list(data.fast) == ["b"]
     assert float(data["a"].sum()) == 1000.0 and "a" in data.fast
+
+
+def _resident(dask_worker: Any) -> dict[str, Any]:
+    """client.run target: this process's resident bytes (what the nanny reads), the part of it that is peers' pool
+    pages, and the worker's status."""
+    import psutil
+
+    from dask_gpupool.memory.peer_resident import peer_resident_bytes
+
+    return {
+        "rss": psutil.Process().memory_info().rss,
+        "peer": peer_resident_bytes(max_age=0),
+        "status": str(dask_worker.status),
+    }
+
+
+def test_a_borrowers_resident_memory_leaves_out_the_borrowed_pages_past_its_spill_threshold():
+    """B (limit 320 MiB, spill at 70%) reads six 32 MiB arrays of A's pool: 192 MiB of A's pages in B's ``rss``
+    would take it past 224 MiB, where the nanny's figure says B holds memory it does not own. B drops them from its
+    page tables instead: its ``rss`` stays under the threshold, it neither spills nor pauses, and it reads the same
+    values again (the pages fault back in, unchanged)."""
+    memory = {"target": False, "spill": 0.7, "pause": 0.8, "terminate": False}
+    limited = {"memory_limit": "320 MiB", "config": {f"distributed.worker.memory.{k}": v for k, v in memory.items()}}
+    pool = GPUPool(kind="host", max_size="512 MiB")
+    with dask.config.set(NO_TERMINATE), nanny_cluster([{}, limited], pool) as c:
+        a, b = worker_addresses(c)
+        baseline = warm_up(c, a, b)
+        xs = [c.submit(T.make_array, 4 * MiB, workers=[a], pure=False) for _ in range(6)]
+        ys = [c.submit(T.keep, x, workers=[b], pure=False) for x in xs]
+        expected = [float(sum(range(4 * MiB)))] * 6
+        assert c.gather(c.map(T.total, ys, workers=[b], pure=False)) == expected
+        assert counters(c, b)[b]["borrowed_bytes"] == 192 * MiB
+        threshold = int(0.7 * 320 * MiB)
+        wait_for(lambda: c.run(_resident, workers=[b])[b]["rss"] < threshold, what="B's rss under its threshold")
+        seen = c.run(_resident, workers=[b])[b]
+        assert seen["peer"] < 192 * MiB and seen["status"] == "Status.running", seen
+        assert c.gather(c.map(T.total, ys, workers=[b], pure=False, key=[f"again-{i}" for i in range(6)])) == expected
+        assert c.run(T.spilled_bytes, workers=[b])[b] == {}
+        del xs, ys
+        wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="B's leases to end")
+        back_to(c, baseline)
