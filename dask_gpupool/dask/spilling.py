@@ -30,11 +30,14 @@ from zict.common import nodefault
 from dask_gpupool.dask.views import pool_buffer_of
 from dask_gpupool.handoff.active import active_service
 from dask_gpupool.handoff.imported import ImportedMemoryResource
+from dask_gpupool.memory.peer_resident import drop_peer_pages, peer_resident_bytes
 
 if TYPE_CHECKING:
+    from distributed.worker_memory import WorkerMemoryManager
+
     from dask_gpupool.handoff.service import PoolService
 
-__all__ = ["CountOnceLRU", "borrowed", "count_once", "count_plainly", "spill_parts"]
+__all__ = ["CountOnceLRU", "borrowed", "borrowed_pages_check", "count_once", "count_plainly", "spill_parts"]
 
 logger = logging.getLogger(__name__)
 
@@ -204,3 +207,41 @@ def count_plainly(data: Any) -> None:
             plain.offset = fast.offset - fast.lent_away
             part.fast = plain
             part.weight = fast.owned_weight
+
+
+def borrowed_pages_check(memory: WorkerMemoryManager) -> Callable[[], None] | None:
+    """What keeps peers' pages out of this process's resident memory past the first threshold Dask acts on.
+
+    A borrower that read a borrowed value has its pages in its ``rss`` (the kernel counts a shared page in every
+    process that touched it), which the nanny compares with ``memory_limit`` to restart the worker: a worker
+    holding more borrowed bytes than its limit would be killed for memory that is not its own, where plain Dask
+    spills. Past ``memory_limit`` times the lowest of the ``spill``, ``pause`` and ``terminate`` fractions, the check
+    drops the pages of every peer pool mapped here from this process's page tables
+    (:func:`~dask_gpupool.memory.peer_resident.drop_peer_pages`: nothing copied or freed, a read faults them back).
+
+    Parameters
+    ----------
+    memory : distributed.worker_memory.WorkerMemoryManager
+        The worker's (``worker.memory_manager``): its ``memory_limit`` and fractions.
+
+    Returns
+    -------
+    callable or None
+        ``check()``, to run every ``memory_monitor_interval``; ``None`` without a memory limit or any threshold.
+    """
+    import dask.config
+    import psutil
+
+    fractions = [memory.memory_spill_fraction, memory.memory_pause_fraction]
+    fractions.append(dask.config.get("distributed.worker.memory.terminate"))
+    fractions = [f for f in fractions if f]
+    if not memory.memory_limit or not fractions:
+        return None
+    threshold = memory.memory_limit * min(fractions)
+    process = psutil.Process()
+
+    def check() -> None:
+        if process.memory_info().rss > threshold and peer_resident_bytes(max_age=0):
+            drop_peer_pages()
+
+    return check

@@ -94,6 +94,8 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
     _get_data: Any
     _handlers: dict[str, Any]
     _push: PeriodicCallback | None
+    #: Keeps peers' pages out of this process's resident memory (:func:`.spilling.borrowed_pages_check`).
+    _pages: PeriodicCallback | None
     #: ``(comm module, pool, previous device_array)`` while distributed-ucxx receives into the receive pool.
     _receive: tuple[Any, _receive.ReceivePool, Any] | None
     #: Events after the kernels of each CuPy task result large enough to be staged (device pools with CuPy and a
@@ -111,6 +113,7 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         self._get_data = None
         self._handlers = {}
         self._push = None
+        self._pages = None
         self._receive = None
         self._task_events = None
 
@@ -218,6 +221,10 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
             seam.scope_metrics(worker, "worker")
         self._push = PeriodicCallback(member.push_stats, STATS_INTERVAL * 1000)
         self._push.start()
+        pages = spilling.borrowed_pages_check(worker.memory_manager)
+        if pages is not None and service.pool.kind == "host":  # peers' host pools mapped here
+            self._pages = PeriodicCallback(pages, worker.memory_manager.memory_monitor_interval * 1000)
+            self._pages.start()
         member.push_stats()
         # Last, with nothing after it that can fail: the answer arrives on this stream (RegistryMember.on_membership).
         member.register()
@@ -272,6 +279,9 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         if self._push is not None:
             self._push.stop()
             self._push = None
+        if self._pages is not None:
+            self._pages.stop()
+            self._pages = None
         if self._task_events is not None:
             self._task_events.clear()
             self._task_events = None

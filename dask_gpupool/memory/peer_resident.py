@@ -15,10 +15,14 @@ read for.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 
-__all__ = ["mapped", "peer_resident_bytes", "unmapped"]
+__all__ = ["drop_peer_pages", "mapped", "peer_resident_bytes", "unmapped"]
+
+#: ``madvise`` advice that drops a range from this process's page tables (``<sys/mman.h>``).
+MADV_DONTNEED = 4
 
 #: This process's mappings of peers' pools: mapping start address -> size.
 _peer_mappings: dict[int, int] = {}
@@ -83,4 +87,27 @@ def peer_resident_bytes(max_age: float = 1.0) -> int:
         return 0
     took = time.monotonic() - now
     _peer_resident_cache = (now + max(max_age, 50 * took), total)
+    return total
+
+
+def drop_peer_pages() -> int:
+    """Drop every page of peers' pools from this process's page tables (``madvise(MADV_DONTNEED)``); returns the
+    bytes of the mappings advised.
+
+    The memory stays: these are shared mappings of a peer's memfd, whose pages its owner keeps (and counts), and a
+    later read here faults the same pages back in, with the same contents, copying nothing. Only this process's
+    resident figure goes down, so that a peer's memory does not make it look over its limit (the nanny reads the
+    process's ``rss``). Under the lock that :func:`unmapped` takes before its mapping goes: no range advised here
+    can be unmapped (and its addresses reused) meanwhile.
+    """
+    global _peer_resident_cache
+    libc = ctypes.CDLL(None, use_errno=True)
+    madvise = libc.madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    total = 0
+    with _lock:
+        for base, size in _peer_mappings.items():
+            if madvise(base, size, MADV_DONTNEED) == 0:
+                total += size
+        _peer_resident_cache = (float("-inf"), 0)
     return total
