@@ -30,7 +30,7 @@ from zict.common import nodefault
 from dask_gpupool.dask.views import pool_buffer_of
 from dask_gpupool.handoff.active import active_service
 from dask_gpupool.handoff.imported import ImportedMemoryResource
-from dask_gpupool.memory.peer_resident import drop_peer_pages, peer_resident_bytes
+from dask_gpupool.memory.peer_resident import drop_peer_pages
 
 if TYPE_CHECKING:
     from distributed.worker_memory import WorkerMemoryManager
@@ -215,8 +215,8 @@ def borrowed_pages_check(memory: WorkerMemoryManager) -> Callable[[], None] | No
     A borrower that read a borrowed value has its pages in its ``rss`` (the kernel counts a shared page in every
     process that touched it), which the nanny compares with ``memory_limit`` to restart the worker: a worker
     holding more borrowed bytes than its limit would be killed for memory that is not its own, where plain Dask
-    spills. Past ``memory_limit`` times the lowest of the ``spill``, ``pause`` and ``terminate`` fractions, the check
-    drops the pages of every peer pool mapped here from this process's page tables
+    spills. Past ``memory_limit`` times the lowest of the ``target``, ``spill``, ``pause`` and ``terminate``
+    fractions, the check drops the pages of every peer pool mapped here from this process's page tables
     (:func:`~dask_gpupool.memory.peer_resident.drop_peer_pages`: nothing copied or freed, a read faults them back).
 
     Parameters
@@ -232,7 +232,7 @@ def borrowed_pages_check(memory: WorkerMemoryManager) -> Callable[[], None] | No
     import dask.config
     import psutil
 
-    fractions = [memory.memory_spill_fraction, memory.memory_pause_fraction]
+    fractions = [memory.memory_target_fraction, memory.memory_spill_fraction, memory.memory_pause_fraction]
     fractions.append(dask.config.get("distributed.worker.memory.terminate"))
     fractions = [f for f in fractions if f]
     if not memory.memory_limit or not fractions:
@@ -241,7 +241,8 @@ def borrowed_pages_check(memory: WorkerMemoryManager) -> Callable[[], None] | No
     process = psutil.Process()
 
     def check() -> None:
-        if process.memory_info().rss > threshold and peer_resident_bytes(max_age=0):
+        # No smaps read first (tens of ms with large mappings): advising ranges with few pages resident is cheap.
+        if process.memory_info().rss > threshold:
             drop_peer_pages()
 
     return check
