@@ -86,7 +86,8 @@ class CountOnceLRU(zict.LRU[Any, Any]):
         #: Bytes of lent values Dask forgot here that a peer's lease still keeps (counted in ``offset``).
         self.lent_away = 0
         self._lent_lock = threading.Lock()
-        self._lent_refs: set[weakref.ref[Any]] = set()
+        #: Lent buffers counted in ``offset``, by ``id``: (a weak reference to the buffer, its bytes).
+        self._counted: dict[int, tuple[weakref.ref[Any], float]] = {}
 
     def _weight(self, key: Any, value: Any) -> float:
         return 0 if borrowed(value) else self.owned_weight(key, value)
@@ -151,20 +152,37 @@ class CountOnceLRU(zict.LRU[Any, Any]):
         super().__delitem__(key)
 
     def _keep_counting(self, buf: Any, nbytes: float) -> None:
-        """Count ``nbytes`` of ``buf`` (lent) in ``offset`` until the buffer dies: its last lease ended."""
+        """Count ``nbytes`` of ``buf`` (lent) in ``offset`` until the buffer dies (its last lease ended) or it is
+        stored here again (a value that came back: then its key weighs it)."""
         if not nbytes:
             return
+        key = id(buf)
 
-        def ended(ref: weakref.ref[Any], nbytes: float = nbytes) -> None:
-            with self._lent_lock:
-                self._lent_refs.discard(ref)
-                self.lent_away -= int(nbytes)
-                self.offset -= nbytes
+        def ended(ref: weakref.ref[Any]) -> None:
+            self._stop_counting(key, ref)
 
         with self._lent_lock:
-            self._lent_refs.add(weakref.ref(buf, ended))
+            if key in self._counted:
+                return
+            self._counted[key] = (weakref.ref(buf, ended), nbytes)
             self.lent_away += int(nbytes)
             self.offset += nbytes
+
+    def _stop_counting(self, key: int, ref: weakref.ref[Any] | None = None) -> None:
+        with self._lent_lock:
+            entry = self._counted.get(key)
+            if entry is None or (ref is not None and entry[0] is not ref):
+                return
+            del self._counted[key]
+            self.lent_away -= int(entry[1])
+            self.offset -= entry[1]
+
+    def set_noevict(self, key: Any, value: Any) -> None:
+        if self._counted:
+            buf = pool_buffer_of(value)
+            if buf is not None and (entry := self._counted.get(id(buf))) is not None and entry[0]() is buf:
+                self._stop_counting(id(buf))
+        super().set_noevict(key, value)
 
 
 def spill_parts(data: Any) -> list[zict.Buffer[Any, Any]]:
