@@ -18,10 +18,11 @@ are. The scheduler still sees each value's real size (``sizeof``), for what it c
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import zict
@@ -102,29 +103,23 @@ class CountOnceLRU(zict.LRU[Any, Any]):
             return set()
         return {id(buf) for buf in service.leases.buffers()}
 
-    def _candidates(self) -> Iterator[Any]:
-        """Keys in eviction order (heavy ones first, then least recently used) that free memory here."""
-        lent = self._lent()
-        seen = set()
-        for key in [*self.heavy, *self.order]:
-            if key in seen:
-                continue
-            seen.add(key)
-            try:
-                value = self.d[key]
-            except KeyError:  # gone meanwhile (another thread)
-                continue
-            if borrowed(value):
-                continue
-            buf = pool_buffer_of(value) if lent else None
-            if buf is not None and id(buf) in lent:
-                continue
-            yield key
+    def _first_candidate(self) -> Any:
+        """The first key in eviction order (heavy ones first, then least recently used) whose eviction frees memory
+        here, or ``nodefault``. A key weighing 0 (borrowed, or empty) frees nothing; nor does a lent one."""
+        with self.lock:
+            lent = self._lent()
+            for key in itertools.chain(self.heavy, self.order):
+                if not self.weights.get(key):
+                    continue
+                if lent and (buf := pool_buffer_of(self.d[key])) is not None and id(buf) in lent:
+                    continue
+                return key
+        return nodefault
 
     def evict(self, key: Any = nodefault) -> tuple[Any, Any, float]:
         """Evict ``key``, or else the first key whose eviction frees memory here; ``(None, None, -1)`` if none."""
         if key is nodefault:
-            key = next(self._candidates(), nodefault)
+            key = self._first_candidate()
             if key is nodefault:
                 if not self.d:
                     raise KeyError("evict(): dictionary is empty")
