@@ -196,11 +196,19 @@ def count_once(data: Any, service: PoolService | None = None) -> int:
             if isinstance(part.fast, CountOnceLRU):
                 part.fast.service = service
                 continue
-            base = part.weight
-            part.fast = CountOnceLRU(part.fast, base, service)
-            part.weight = part.fast._weight
+            fast = CountOnceLRU(part.fast, part.weight, service)
+            _replace_fast(data, part, fast)
+            part.weight = fast._weight
         changed += 1
     return changed
+
+
+def _replace_fast(data: Any, part: zict.Buffer[Any, Any], fast: zict.LRU[Any, Any]) -> None:
+    """``fast`` in place of ``part.fast`` (the same values: ``fast.d`` is the old one's), and of ``data.fast`` where
+    that named the old one (dask-cuda's ``DeviceHostFile.fast``, its host buffer's, for the memory manager)."""
+    old, part.fast = part.fast, fast
+    if data is not part and getattr(data, "fast", None) is old:
+        data.fast = fast
 
 
 def count_plainly(data: Any) -> None:
@@ -218,7 +226,7 @@ def count_plainly(data: Any) -> None:
                 weight=fast.owned_weight,
             )
             plain.offset = fast.offset - fast.lent_away
-            part.fast = plain
+            _replace_fast(data, part, plain)
             part.weight = fast.owned_weight
 
 
