@@ -19,7 +19,6 @@ are. The scheduler still sees each value's real size (``sizeof``), for what it c
 from __future__ import annotations
 
 import itertools
-import logging
 import threading
 import weakref
 from collections.abc import Callable
@@ -39,8 +38,6 @@ if TYPE_CHECKING:
     from dask_gpupool.handoff.service import PoolService
 
 __all__ = ["CountOnceLRU", "borrowed", "borrowed_pages_check", "count_once", "count_plainly", "spill_parts"]
-
-logger = logging.getLogger(__name__)
 
 
 def borrowed(value: Any) -> bool:
