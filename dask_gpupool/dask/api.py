@@ -293,8 +293,11 @@ def stats(client: Client, timeout: float | None = None) -> HandoffTable:
         with ``kind``, ``used`` and ``max_size`` (the pool's kind, bytes in use and upper bound), ``exports`` and
         ``imports`` (buffers handed over / mapped), ``forwards`` (imported buffers passed
         on as their exporter's memory), ``returns`` (values of this pool that
-        came back from a peer: the buffer taken back), ``leases`` and ``lease_bytes`` (live
-        leases this worker granted and the bytes they keep alive),
+        came back from a peer: the buffer taken back), ``pool_bytes`` (bytes of this worker's own
+        pool in use), ``leases`` and ``lease_bytes`` (live leases this worker granted and the bytes
+        they keep alive: its memory lent to peers), ``borrowed_bytes`` (bytes of peers' pools this
+        worker holds under their leases: counted by their owner, not here; see
+        :mod:`~dask_gpupool.dask.spilling`),
         ``lease_bytes_by_peer`` (those bytes per importer),
         ``leases_unclaimed`` (granted, not claimed yet), ``leases_in_doubt``
         (claimed by a reply that failed: kept until the importer answers

@@ -209,7 +209,7 @@ def count_own_memory_only(worker: Worker, *, undo: bool = False) -> None:
 
     PATCH ``worker.monitor.get_process_memory``: Dask takes the process's ``rss`` (pause threshold, spilling, what
     the dashboard shows) with no way to discount pages the process maps but does not own (the kernel counts a shared
-    page in every process that touched it). The nanny's terminate threshold still counts them (docs/user-guide.md).
+    page in every process that touched it). The nanny reads ``rss`` itself: see ``spilling.borrowed_pages_check``.
     """
     monitor = getattr(worker, "monitor", None)
     current = getattr(monitor, "get_process_memory", None)

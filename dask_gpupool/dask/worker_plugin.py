@@ -27,7 +27,7 @@ from tornado.ioloop import PeriodicCallback
 from dask_gpupool import tuning
 from dask_gpupool.config import PoolOptions
 from dask_gpupool.core import PLUGIN_NAME
-from dask_gpupool.dask import binding, failure_logs
+from dask_gpupool.dask import binding, failure_logs, spilling
 from dask_gpupool.dask import distributed_seam as seam
 from dask_gpupool.dask import ucx_receive as _receive
 from dask_gpupool.dask import worker_setup as decide
@@ -94,6 +94,8 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
     _get_data: Any
     _handlers: dict[str, Any]
     _push: PeriodicCallback | None
+    #: Keeps peers' pages out of this process's resident memory (:func:`.spilling.borrowed_pages_check`).
+    _pages: PeriodicCallback | None
     #: ``(comm module, pool, previous device_array)`` while distributed-ucxx receives into the receive pool.
     _receive: tuple[Any, _receive.ReceivePool, Any] | None
     #: Events after the kernels of each CuPy task result large enough to be staged (device pools with CuPy and a
@@ -111,6 +113,7 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         self._get_data = None
         self._handlers = {}
         self._push = None
+        self._pages = None
         self._receive = None
         self._task_events = None
 
@@ -199,6 +202,7 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         self._handlers = {LEASE_QUERY_OP: lease_query_handler(service), binding.BIND_OP: binding.bind_handler(service)}
         seam.set_handlers(worker, self._handlers)
         seam.count_own_memory_only(worker)
+        spilling.count_once(worker.data, service)  # borrowed values cost nothing here; lent ones spill last
         seam.fill_after_read(worker, functools.partial(binding.bind, service))
         self.service = service
         if gpu_pool and has_cupy:
@@ -218,6 +222,10 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
             seam.scope_metrics(worker, "worker")
         self._push = PeriodicCallback(member.push_stats, STATS_INTERVAL * 1000)
         self._push.start()
+        pages = spilling.borrowed_pages_check(worker.memory_manager)
+        if pages is not None and service.pool.kind == "host":  # peers' host pools mapped here
+            self._pages = PeriodicCallback(pages, worker.memory_manager.memory_monitor_interval * 1000)
+            self._pages.start()
         member.push_stats()
         # Last, with nothing after it that can fail: the answer arrives on this stream (RegistryMember.on_membership).
         member.register()
@@ -272,6 +280,9 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         if self._push is not None:
             self._push.stop()
             self._push = None
+        if self._pages is not None:
+            self._pages.stop()
+            self._pages = None
         if self._task_events is not None:
             self._task_events.clear()
             self._task_events = None
@@ -282,6 +293,7 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
             seam.set_stream_handlers(worker, member.stream_handlers, replaced_by=_drop_update)
             member.close()
         seam.count_own_memory_only(worker, undo=True)
+        spilling.count_plainly(worker.data)
         seam.fill_after_read(worker, undo=True)
         seam.set_handlers(worker, self._handlers, remove=True)
         self._handlers = {}

@@ -107,6 +107,8 @@ class Importer:
     copies: Copies
     take_back: Callable[[HandoffHeader], Buffer]
     closed: bool
+    #: Bytes of peers' pools imported here under a lease and open now (borrowed: their exporter owns them).
+    borrowed_bytes: int
 
     def __init__(
         self,
@@ -132,6 +134,7 @@ class Importer:
         self.copies = Copies(options, pool, worker, registry, handoffs, self.links, self.releaser)
         self.take_back = take_back
         self.closed = False
+        self.borrowed_bytes = 0
 
     def map_peer(self, pool: str) -> MappedPool:
         """Map a same-host peer's pool into this process, once. Blocking.
@@ -306,6 +309,7 @@ class Importer:
                 raise
 
         def closed(event: Any, segment: tuple[int, int] | None) -> None:
+            self._borrow(-desc.size)
             self.releaser.put(broker, lease, event, (segment,) if segment else ())
             if mapped.orphaned and mapped.imports == 0:
                 self.mapped.forget(mapped.record.pool)
@@ -317,6 +321,7 @@ class Importer:
             if held_here:
                 self.releaser.put(broker, lease)  # held, never used: give it back
             raise
+        self._borrow(desc.size)
         self.handoffs.timed("import", time.perf_counter() - start)
         if not held_here:
             # Nothing is read from the memory before the exporter acknowledged the lease: a refused lease has
@@ -399,9 +404,14 @@ class Importer:
 
     # -- lifecycle ---------------------------------------------------------------------
 
+    def _borrow(self, nbytes: int) -> None:
+        with IMPORT_LOCK:  # closed from any thread (the Buffer's deallocation)
+            self.borrowed_bytes += nbytes
+
     def stats(self) -> dict[str, int]:
         """The importer's part of :func:`dask_gpupool.stats`."""
         return {
+            "borrowed_bytes": self.borrowed_bytes,
             "imports_held": self.held.live(),
             "resyncs": self.releaser.resyncs,
             "mapped_pools": len(self.mapped),

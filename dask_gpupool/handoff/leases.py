@@ -391,6 +391,12 @@ class LeaseTable:
         with self._lock:
             return sum(not lease.claimed for lease in self._leases.values())
 
+    def buffers(self) -> list[Any]:
+        """The pool buffers live leases keep alive (their holder's ``buf``): this pool's memory lent to peers."""
+        with self._lock:
+            holders = [lease.holder for lease in self._leases.values()]
+        return [buf for h in holders if (buf := getattr(h, "buf", None)) is not None]
+
     def bytes_by_importer(self) -> dict[str, int]:
         """Bytes live leases keep alive, per importer."""
         with self._lock:

@@ -277,6 +277,7 @@ class PoolService:
         segmented = self.pool.segmented
         return {
             **self.handoffs.to_msg(),
+            "pool_bytes": self.pool.stats().used,
             "leases": len(self.leases),
             "lease_bytes": self.leases.nbytes,
             "lease_bytes_by_peer": self.leases.bytes_by_importer(),

@@ -1,0 +1,284 @@
+"""Where the memory is when workers share values zero-copy, against plain Dask: host memory, spilling, pauses, restarts.
+
+On one host with ``host`` pools and a ``memory_limit`` per worker (real Nanny workers; the nanny's ``terminate``
+threshold on, as by default), two workloads run once per method: ``tcp`` (plain Dask: NumPy arrays copied over
+TCP), ``gpupool`` (the same values made in the producer's pool, handed over zero-copy) and ``gpupool-plain`` (the
+same with Dask's own accounting: each worker's spill buffer counting and spilling by ``sizeof``, and no page drop;
+:mod:`dask_gpupool.dask.spilling` taken out):
+
+- ``broadcast``: one ``--value`` array made on the first worker and read (summed, and held) by every worker;
+- ``fanout``: ``--count`` arrays of ``--part`` bytes made on a producer and held and read by one consumer whose
+  ``--consumer-limit`` is smaller than their sum (plain Dask must spill some of them to disk there).
+
+Reported per run: peak host memory (the workers' proportional set size summed, sampled every 50 ms: each worker's
+private memory plus each shared page counted once, so a pool page read by two workers counts once), and how much of
+it the workload added (over the workers' figure before it; also as a multiple of the values' size), each worker's peak
+``rss`` (what its nanny compares with ``memory_limit``), bytes each worker spilled to disk (Dask's ``disk-write``
+bytes), the seconds any worker was paused, the workers the nanny restarted, wall time, and whether every value read
+back right. Not a test: run by hand, results JSON to ``benchmarks/results/`` (and ``$OUT``).
+
+    python benchmarks/memory_once.py [--value 1GiB] [--workers 2,4] [--part 256MiB] [--count 6] \\
+        [--consumer-limit 1GiB] [--workloads broadcast,fanout] [--methods tcp,gpupool,gpupool-plain]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+from dask.utils import format_bytes, parse_bytes
+
+sys.path.insert(0, os.path.dirname(__file__))
+import handoff as H  # benchmarks/handoff.py: save_json
+
+GiB = 1 << 30
+
+
+def make(nbytes: int, value: float, pool: bool) -> Any:
+    """Task: ``nbytes`` of float64 equal to ``value``, in this worker's pool (``pool``) or a plain NumPy array."""
+    import numpy as np
+
+    n = nbytes // 8
+    if not pool:
+        return np.full(n, value)
+    from dask_gpupool import allocate, as_array
+
+    arr = as_array(allocate(nbytes), (n,), "f8")
+    arr[...] = value
+    return arr
+
+
+def hold(x: Any) -> Any:
+    """Task: the value itself (the worker running it holds it)."""
+    return x
+
+
+def read(x: Any) -> float:
+    """Task: the sum of every element (reads every page)."""
+    return float(x.sum())
+
+
+def _dask_accounting(dask_worker: Any) -> None:
+    """client.run target: the plugin's worker left with Dask's own accounting (the ``gpupool-plain`` method)."""
+    from dask_gpupool.dask.spilling import count_plainly
+
+    count_plainly(dask_worker.data)
+    pages = dask_worker.plugins["gpupool"]._pages
+    if pages is not None:
+        pages.stop()
+
+
+def _disk_written(dask_worker: Any) -> int:
+    metrics = getattr(dask_worker.data, "cumulative_metrics", {})
+    return int(metrics.get(("disk-write", "bytes"), 0))
+
+
+def _statuses(dask_scheduler: Any) -> dict[str, str]:
+    return {w: ws.status.name for w, ws in dask_scheduler.workers.items()}
+
+
+class Sampler(threading.Thread):
+    """Samples the workers' proportional and resident set sizes (``/proc/<pid>/smaps_rollup``) and, every 100 ms,
+    their statuses on the scheduler; keeps the peaks and the paused time."""
+
+    def __init__(self, client: Any) -> None:
+        super().__init__(daemon=True)
+        self.client = client
+        self.stop = threading.Event()
+        self.pids: dict[str, int] = client.run(os.getpid)
+        self.baseline_pss = sum((got or {}).get("Pss", 0) for got in map(_rollup, self.pids.values()))
+        self.peak_pss = 0
+        self.peak_rss: dict[str, int] = {}
+        self.paused_s = 0.0
+
+    def run(self) -> None:
+        last_status = time.monotonic()
+        while not self.stop.wait(0.05):
+            pss = 0
+            for worker, pid in list(self.pids.items()):
+                got = _rollup(pid)
+                if got is None:
+                    continue
+                pss += got["Pss"]
+                self.peak_rss[worker] = max(self.peak_rss.get(worker, 0), got["Rss"])
+            self.peak_pss = max(self.peak_pss, pss)
+            now = time.monotonic()
+            if now - last_status >= 0.1:
+                try:
+                    statuses = self.client.run_on_scheduler(_statuses)
+                except Exception:
+                    statuses = {}
+                if any(s == "paused" for s in statuses.values()):
+                    self.paused_s += now - last_status
+                last_status = now
+
+
+def _rollup(pid: int) -> dict[str, int] | None:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            out = {}
+            for line in f:
+                parts = line.split()
+                if len(parts) == 3 and parts[2] == "kB":
+                    out[parts[0].rstrip(":")] = int(parts[1]) * 1024
+            return out
+    except OSError:
+        return None
+
+
+def cluster(limits: list[int], pool_size: int | None) -> Any:
+    """A SpecCluster of Nanny workers (one thread each, the given memory limits) and its Client; with
+    ``pool_size``, ``GPUPool(kind="host", max_size=pool_size)`` registered."""
+    import contextlib
+
+    from distributed import Client, Nanny, Scheduler, SpecCluster
+
+    from dask_gpupool import GPUPool
+
+    @contextlib.contextmanager
+    def cm() -> Any:
+        specs = {
+            f"w{i}": {"cls": Nanny, "options": {"nthreads": 1, "memory_limit": limit, "dashboard_address": None}}
+            for i, limit in enumerate(limits)
+        }
+        scheduler = {"cls": Scheduler, "options": {"dashboard_address": None}}
+        with SpecCluster(workers=specs, scheduler=scheduler) as c, Client(c) as client:
+            client.wait_for_workers(len(limits))
+            if pool_size is not None:
+                client.register_plugin(GPUPool(kind="host", max_size=pool_size))
+            yield client
+
+    return cm()
+
+
+def run_one(workload: str, method: str, n_workers: int, args: argparse.Namespace) -> dict[str, Any]:
+    from distributed import wait
+
+    pool = method.startswith("gpupool")
+    if workload == "broadcast":
+        limits = [args.worker_limit] * n_workers
+        pool_size = 2 * args.value + 64 * (1 << 20)  # half a pool per peer (dask_gpupool's pin bound) holds it
+    else:
+        limits = [args.producer_limit, args.consumer_limit]
+        pool_size = 2 * args.part * args.count + 64 * (1 << 20)
+    with cluster(limits, pool_size if pool else None) as client:
+        workers = sorted(
+            client.scheduler_info()["workers"], key=lambda w: client.scheduler_info()["workers"][w]["name"]
+        )
+        if method == "gpupool-plain":
+            client.run(_dask_accounting)
+        # Every module the tasks use imported on every worker first, so that the baseline includes it.
+        client.gather(
+            [
+                client.submit(
+                    read, client.submit(make, 4096, 0.0, pool, workers=[w], pure=False), workers=[w], pure=False
+                )
+                for w in workers
+            ]
+        )
+        restarts_before = len(client.get_events("worker-restart-memory"))
+        sampler = Sampler(client)
+        sampler.start()
+        start = time.perf_counter()
+        ok, failure = True, ""
+        try:
+            if workload == "broadcast":
+                x = client.submit(make, args.value, 1.0, pool, workers=[workers[0]], pure=False)
+                held = [client.submit(hold, x, workers=[w], pure=False) for w in workers[1:]]
+                reads = [
+                    client.submit(read, h, workers=[w], pure=False) for h, w in zip(held, workers[1:], strict=True)
+                ]
+                reads.append(client.submit(read, x, workers=[workers[0]], pure=False))
+                wait(reads, timeout=args.timeout)
+                sums = client.gather(reads)
+                ok = sums == [float(args.value // 8)] * len(workers)
+                futures = [x, *held]
+            else:
+                producer, consumer = workers
+                xs = [
+                    client.submit(make, args.part, float(i + 1), pool, workers=[producer], pure=False)
+                    for i in range(args.count)
+                ]
+                held = [client.submit(hold, x, workers=[consumer], pure=False) for x in xs]
+                wait(held, timeout=args.timeout)
+                reads = [client.submit(read, h, workers=[consumer], pure=False) for h in held]
+                wait(reads, timeout=args.timeout)
+                sums = client.gather(reads)
+                ok = sums == [float(args.part // 8 * (i + 1)) for i in range(args.count)]
+                futures = [*xs, *held]
+            wall = time.perf_counter() - start
+            time.sleep(0.5)  # a last sample or two of memory held
+        except Exception as e:  # a worker restarted mid-run loses its values
+            wall, ok, futures, failure = time.perf_counter() - start, False, [], f"{type(e).__name__}: {e}"
+            print(f"  {workload}/{method}: failed: {failure}", flush=True)
+        sampler.stop.set()
+        sampler.join()
+        spilled = client.run(_disk_written)
+        restarts = client.get_events("worker-restart-memory")[restarts_before:]
+        del futures
+    return {
+        "workload": workload,
+        "method": method,
+        "workers": len(limits),
+        "memory_limits": limits,
+        "value_bytes": args.value if workload == "broadcast" else args.part * args.count,
+        "peak_host_bytes": sampler.peak_pss,
+        "baseline_host_bytes": sampler.baseline_pss,
+        "added_host_bytes": sampler.peak_pss - sampler.baseline_pss,
+        "peak_rss_bytes": [sampler.peak_rss.get(w, 0) for w in workers],
+        "spilled_bytes": [spilled.get(w, 0) for w in workers],
+        "paused_s": round(sampler.paused_s, 2),
+        "restarts": len(restarts),
+        "wall_s": round(wall, 3),
+        "values_right": ok,
+        "failure": failure,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--value", type=parse_bytes, default=GiB, help="broadcast value size")
+    p.add_argument("--workers", default="2", help="broadcast: how many workers read the value (a list: 2,4)")
+    p.add_argument("--worker-limit", type=parse_bytes, default=3 * GiB, help="broadcast: each worker's memory_limit")
+    p.add_argument("--part", type=parse_bytes, default=256 << 20, help="fanout: each value's size")
+    p.add_argument("--count", type=int, default=6, help="fanout: values")
+    p.add_argument("--consumer-limit", type=parse_bytes, default=GiB, help="fanout: the consumer's memory_limit")
+    p.add_argument("--producer-limit", type=parse_bytes, default=4 * GiB, help="fanout: the producer's memory_limit")
+    p.add_argument("--workloads", default="broadcast,fanout")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds a run may take before it counts as failed")
+    p.add_argument("--methods", default="tcp,gpupool,gpupool-plain")
+    args = p.parse_args()
+    import dask_gpupool
+
+    rows = []
+    runs = [
+        (w, n)
+        for w in args.workloads.split(",")
+        for n in (map(int, args.workers.split(",")) if w == "broadcast" else [2])
+    ]
+    for workload, n_workers in runs:
+        for method in args.methods.split(","):
+            row = run_one(workload, method, n_workers, args)
+            rows.append(row)
+            print(
+                f"{workload:9s} {method:8s} workers {row['workers']}  "
+                f"peak host {format_bytes(row['peak_host_bytes']):>10s} "
+                f"(+{format_bytes(row['added_host_bytes'])}, {row['added_host_bytes'] / row['value_bytes']:.2f}x)  "
+                f"peak rss {' '.join(format_bytes(r) for r in row['peak_rss_bytes'])}  "
+                f"spilled {' '.join(format_bytes(s) for s in row['spilled_bytes'])}  "
+                f"paused {row['paused_s']} s  restarts {row['restarts']}  wall {row['wall_s']} s  "
+                f"values {'right' if row['values_right'] else 'WRONG or lost'}",
+                flush=True,
+            )
+    H.save_json(
+        "memory_once",
+        {"version": dask_gpupool.__version__, "cpus": os.cpu_count(), "args": vars(args), "rows": rows},
+    )
+
+
+if __name__ == "__main__":
+    main()
