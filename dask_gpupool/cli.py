@@ -64,8 +64,8 @@ def info(target: _Target) -> int:
             f"{format_bytes(r.max_size):>10}  {len(r.peers):>9}  {r.pool}"
         )
     print(
-        f"\n{'worker':28} {'exports':>8} {'imports':>8} {'leases':>7} {'leased':>10} {'zero-copy in':>13} "
-        f"{'copied in':>10} {'copied out':>10} {'segments':>9}  fallbacks"
+        f"\n{'worker':28} {'exports':>8} {'imports':>8} {'leases':>7} {'lent':>10} {'borrowed':>10} "
+        f"{'zero-copy in':>13} {'copied in':>10} {'copied out':>10} {'segments':>9}  fallbacks"
     )
     for w, h in sorted(handoffs.items()):
         if "error" in h:
@@ -74,7 +74,8 @@ def info(target: _Target) -> int:
         fallbacks = ", ".join(f"{k} {v}" for k, v in sorted(h["fallbacks"].items())) or "-"
         print(
             f"{w:28} {h['exports']:>8} {h['imports']:>8} {h['leases']:>7} {format_bytes(h['lease_bytes']):>10} "
-            f"{format_bytes(h['zero_copy_bytes']):>13} {format_bytes(h['copied_bytes']):>10} "
+            f"{format_bytes(h.get('borrowed_bytes', 0)):>10} {format_bytes(h['zero_copy_bytes']):>13} "
+            f"{format_bytes(h['copied_bytes']):>10} "
             f"{format_bytes(h['copied_out_bytes']):>10} {_segments(h):>9}  {fallbacks}"
         )
     return 0

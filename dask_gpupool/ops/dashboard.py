@@ -99,13 +99,14 @@ class _Page(web.RequestHandler):
             for p in snap["pools"]
         )
         stats = "".join(
-            f"<tr><td>{_text(w)}</td><td colspan='11' style='text-align:left;color:#b00'>"
+            f"<tr><td>{_text(w)}</td><td colspan='12' style='text-align:left;color:#b00'>"
             f"no pool: {_text(s['error'])}</td></tr>"
             if "error" in s
             else f"<tr><td>{_text(w)}</td><td>{_text(s.get('exports', 0))}</td><td>{_text(s.get('imports', 0))}</td>"
             f"<td>{_text(s.get('forwards', 0))} / {_text(s.get('returns', 0))}</td>"
             f"<td>{_mean_ms(s.get('timings', {}), 'import')} ({_mean_ms(s.get('timings', {}), 'claim')})</td>"
             f"<td>{_text(s.get('leases', 0))}</td><td>{_bytes(s.get('lease_bytes', 0))}</td>"
+            f"<td>{_bytes(s.get('borrowed_bytes', 0))}</td>"
             f"<td>{_bytes(s.get('zero_copy_bytes', 0))}</td>"
             f"<td>{_bytes(s.get('copied_bytes', 0))}</td>"
             f"<td>{_bytes(s.get('copied_out_bytes', 0))}</td>"
@@ -125,7 +126,7 @@ class _Page(web.RequestHandler):
             f"<th>max</th><th>peer GPUs</th><th>pool</th></tr>{rows}</table>"
             "<h2>Handoffs per worker</h2>"
             "<table><tr><th>worker</th><th>exports</th><th>imports</th><th>passed on / back</th>"
-            "<th>mean import, ms (claim)</th><th>live leases</th><th>leased</th>"
+            "<th>mean import, ms (claim)</th><th>live leases</th><th>lent</th><th>borrowed</th>"
             "<th>zero-copy in</th><th>copied in</th><th>copied out</th><th>segments (retiring)</th>"
             "<th>fallbacks</th></tr>"
             f"{stats}</table><p>Reloads every {STATS_INTERVAL:g} s. JSON: <a href='gpupool.json'>gpupool.json</a>"

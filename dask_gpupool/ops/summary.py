@@ -102,7 +102,8 @@ class WorkerTable(dict[str, Row]):
 
 class HandoffTable(WorkerTable):
     """What :func:`dask_gpupool.stats` returns: the pool's kind and use, bytes received zero-copy, buffers handed
-    over, bytes copied in and out, leases peers hold and fallbacks, per worker."""
+    over, bytes copied in and out, what peers' leases hold here (lent) and what this worker
+    holds of peers' pools (borrowed), and fallbacks, per worker."""
 
     columns = (
         ("pool", _count("kind"), "<"),
@@ -111,7 +112,8 @@ class HandoffTable(WorkerTable):
         ("handed over", _count("exports"), ">"),
         ("copied in", _size("copied_bytes"), ">"),
         ("copied out", _size("copied_out_bytes"), ">"),
-        ("held by peers", _held_by_peers, ">"),
+        ("lent", _held_by_peers, ">"),
+        ("borrowed", _size("borrowed_bytes"), ">"),
         ("fallbacks", _fallbacks, "<"),
     )
 
