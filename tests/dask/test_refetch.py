@@ -9,6 +9,7 @@ with the ``DataLostError``, and the consumer lets the key go.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from distributed import wait
 
 from dask_gpupool import DataLostError, GPUPool
 from dask_gpupool import testing as T
+from dask_gpupool.dask.refetch import REFETCH_BOUND, FailedFetches
 from dask_gpupool.testing import boundary as B
 
 MiB = 1 << 20
@@ -64,3 +66,85 @@ def test_a_members_result_that_fails_every_receive_errs_its_dependent_with_the_c
     # B still takes A's values (a comm whose read failed was aborted: Dask opens another), and nothing leaked
     warm_up(client, a, b)
     back_to(client, baseline)
+
+
+def test_failed_fetches_count_per_sender_and_key_in_a_row_and_report_at_the_bound():
+    """Below the bound Dask's own retry stands (an honest exporter's next reply carries copies); a key that came starts
+    its count again; at the bound the key is reported once, and its count starts again."""
+    reports: list[tuple[Any, str, str]] = []
+    fetches = FailedFetches(lambda key, sender, error: reports.append((key, sender, error)))
+    lost = DataLostError("a value from worker tcp://a:1 could not be received")
+    for _ in range(REFETCH_BOUND - 1):
+        fetches.failed("tcp://a:1", ["x", ("y", 0)], lost)
+    fetches.failed("tcp://b:1", ["x"], lost)  # another sender counts on its own
+    assert reports == []
+    fetches.received("tcp://a:1", [("y", 0)])
+    fetches.failed("tcp://a:1", ["x", ("y", 0)], lost)
+    assert reports == [("x", "tcp://a:1", f"DataLostError: {lost}")]
+    assert len(fetches) == 2  # ("y", 0) from a, once; x from b, once
+    for _ in range(REFETCH_BOUND - 1):
+        fetches.failed("tcp://a:1", ["x"], lost)
+    assert len(reports) == 1  # counted from the start again
+
+
+def test_a_comms_reads_of_get_data_replies_tell_the_workers_failed_fetches():
+    """Each comm (a new one after a failed read: it is aborted) notes the keys its ``get_data`` request asked for;
+    its read's ``DataLostError`` counts for them, an ``"OK"`` reply clears the keys it carries; other errors and other
+    messages count nothing."""
+    import asyncio
+
+    from distributed.comm import CommClosedError, connect, listen
+
+    from dask_gpupool.dask.comm_reads import count_failures, read_then_fill, requests_noted
+
+    reports: list[Any] = []
+    fetches = FailedFetches(lambda key, sender, error: reports.append(key))
+    lost = DataLostError("could not be received")
+    outcomes: list[Any] = [
+        lost,
+        CommClosedError("not a failed fetch"),
+        {"status": "OK", "data": {"y": 1}},  # x missing from the reply: not counted as received
+        lost,
+        {"status": "OK", "data": {"x": 1, "y": 1}},
+        lost,
+        lost,
+        lost,
+    ]
+
+    async def read(deserializers: Any = None) -> Any:
+        outcome = outcomes.pop(0)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    async def fetch(address: str) -> None:
+        comm = await connect(address)
+        try:
+            comm.write = requests_noted(comm, comm.write)
+            count_failures(comm, fetches)
+            await comm.write({"op": "get_data", "keys": ("x", "y"), "who": "tcp://me:1"})
+            await read_then_fill(comm, read, "tcp://sender:1")()
+        except (DataLostError, CommClosedError):
+            pass
+        finally:
+            comm.abort()
+
+    async def main() -> list[int]:
+        async def serve(comm: Any) -> None:
+            with contextlib.suppress(CommClosedError):
+                while True:
+                    await comm.read()
+
+        listener = await listen("inproc://", serve)
+        counted = []
+        try:
+            while outcomes:
+                await fetch(listener.contact_address)
+                counted.append(len(fetches))
+        finally:
+            listener.stop()
+        return counted
+
+    counted = asyncio.run(main())
+    assert counted == [2, 2, 1, 2, 0, 2, 2, 0]
+    assert reports == ["x", "y"]
