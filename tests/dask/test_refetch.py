@@ -18,7 +18,7 @@ from distributed import wait
 
 from dask_gpupool import DataLostError, GPUPool
 from dask_gpupool import testing as T
-from dask_gpupool.dask.refetch import REFETCH_BOUND, FailedFetches
+from dask_gpupool.dask.refetch import LOST_OP, REFETCH_BOUND, FailedFetches
 from dask_gpupool.testing import boundary as B
 
 MiB = 1 << 20
@@ -148,3 +148,53 @@ def test_a_comms_reads_of_get_data_replies_tell_the_workers_failed_fetches():
     counted = asyncio.run(main())
     assert counted == [2, 2, 1, 2, 0, 2, 2, 0]
     assert reports == ["x", "y"]
+
+
+def rejected(client: Any) -> dict[str, int]:
+    """The scheduler plugin's count of refused messages, by reason (test inspection only)."""
+
+    def get(dask_scheduler: Any) -> dict[str, int]:
+        return dict(dask_scheduler.plugins["gpupool"].rejected)
+
+    return client.run_on_scheduler(get)
+
+
+def send_lost(msgs: list[dict[str, Any]], dask_worker: Any) -> None:
+    """client.run target: send ``msgs`` (``gpupool-lost``) over this worker's stream, with its own registry key
+    where a message has ``key=True``."""
+    from dask_gpupool.dask.worker_plugin import service_of
+
+    key = service_of(dask_worker).registry_key
+    for m in msgs:
+        dask_worker.batched_stream.send({"op": LOST_OP, **m, **({"key": key} if m.get("key") is True else {})})
+
+
+def test_a_lost_report_errs_only_the_reporting_workers_tasks_and_a_bad_one_is_refused(client):
+    """``gpupool-lost`` is taken only from a worker's own stream with its own registry key (naming another worker in
+    it is refused), and a report of a key in no task, or of a key that is no key, changes nothing and ends no
+    stream."""
+    a, b = worker_addresses(client)
+    before = rejected(client)
+    fields = {"task": "no-such-key", "sender": a, "error": "lost"}
+    client.run(
+        send_lost,
+        [
+            {**fields, "worker": a, "key": True},  # in A's name, with B's key
+            {**fields},  # no key
+            {**fields, "sender": 5, "key": True},
+            {**fields, "key": True},  # B's own: no such task, nothing to err
+            {**fields, "task": {"not": "a key"}, "key": True},
+        ],
+        workers=[b],
+    )
+    client.run(send_lost, [{"task": 1, "key": True}], workers=[b])  # handled after the others: missing fields
+
+    def counted() -> bool:
+        now = rejected(client)
+        return now.get("malformed", 0) >= before.get("malformed", 0) + 3
+
+    wait_for(counted, what="the scheduler to refuse the malformed reports")
+    more = {k: n - before.get(k, 0) for k, n in rejected(client).items() if n != before.get(k, 0)}
+    assert more == {"not-its-key": 1, "malformed": 3}
+    x = client.submit(T.make_buffer, MiB, b"still served", workers=[a], pure=False)
+    assert client.submit(T.head, x, 12, workers=[b], pure=False).result() == b"still served"  # B's stream is fine
