@@ -1,4 +1,4 @@
-"""The module that patches distributed's (and distributed-ucxx's) internals in workers, each patch with why.
+"""The module that patches distributed's (and distributed-ucxx's) internals in workers and every server, each with why.
 
 Every other module uses public API only (plugins, ``Dispatch.register``, ``register_serialization_family``,
 ``Server.rpc``, ``prometheus_client.REGISTRY``). Each ``PATCH`` here names the public API that is missing, and
