@@ -1,12 +1,12 @@
-"""The one module that patches distributed's (and distributed-ucxx's) internals, each patch with why.
+"""The module that patches distributed's (and distributed-ucxx's) internals in workers and every server, each with why.
 
 Every other module uses public API only (plugins, ``Dispatch.register``, ``register_serialization_family``,
 ``Server.rpc``, ``prometheus_client.REGISTRY``). Each ``PATCH`` here names the public API that is missing, and
 ``tests/dask/test_distributed_seam.py`` fails when distributed changes what it patches; ``READ`` marks internals
 only read. Sections: a worker's ``get_data`` and values, its comm reads, memory monitor and handlers (put back by
-each ``undo`` path when its plugin is removed); the scheduler's worker plugin and ``/gpupool`` page; every server's
-``/metrics``; and, in any process at import (:mod:`~dask_gpupool.dask.registration`), serializer families and
-``copyreg``.
+each ``undo`` path when its plugin is removed); every server's handlers and ``/metrics``; and, in any process at import
+(:mod:`~dask_gpupool.dask.registration`), serializer families and ``copyreg``. What the scheduler plugin does to the
+scheduler is its twin, :mod:`~dask_gpupool.dask.scheduler_seam`, under the same rules.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import copyreg
 import inspect
 import logging
-import sys
 import threading
 import time
 import weakref
@@ -25,15 +24,15 @@ from cuda.core import Buffer
 from distributed.comm import parse_address
 
 from dask_gpupool.dask import dask_family
-from dask_gpupool.dask.comm_reads import read_then_fill
+from dask_gpupool.dask.comm_reads import read_then_fill, requests_noted
 from dask_gpupool.dask.context import REQUEST, Request, clear_tracebacks
 from dask_gpupool.dask.plain_arrays import received_copy
 from dask_gpupool.handoff.active import active_service
 from dask_gpupool.memory.peer_resident import peer_resident_bytes
-from dask_gpupool.ops import dashboard, metrics
+from dask_gpupool.ops import metrics
 
 if TYPE_CHECKING:
-    from distributed import Scheduler, Worker
+    from distributed import Worker
 
     from dask_gpupool.dask.replies import Replies
 
@@ -44,15 +43,10 @@ __all__ = [
     "device_array",
     "ensure_first",
     "fill_after_read",
-    "list_worker_plugin",
-    "listed_worker_plugin",
-    "page_source",
     "pickle_buffers_as_copies",
-    "plugin_message",
     "point_device_array",
     "restore_device_array",
     "scope_metrics",
-    "serve_page",
     "set_handlers",
     "set_stream_handlers",
     "unwrap_get_data",
@@ -180,7 +174,9 @@ def fill_after_read(worker: Worker, bind: Callable[[Any, str], Any] | None = Non
     """Make each comm ``worker`` opens ``bind`` it (:mod:`~dask_gpupool.dask.binding`) and run deferred copies in a
     thread once a read returns (:func:`~dask_gpupool.dask.comm_reads.read_then_fill`); ``undo=True`` puts Dask's
     ``connect`` back. PATCH ``worker.rpc.connect`` and each comm's ``read``: no hook runs on a new comm, nor after a
-    read, before Dask sees the message (deserializers run inside it)."""
+    read, before Dask sees the message (deserializers run inside it); and its ``write``, which notes the keys a
+    ``get_data`` request asks for (:func:`~dask_gpupool.dask.comm_reads.requests_noted`): nothing tells a read which
+    request it answers. ``bind`` (``bind(comm, peer)``) runs each time Dask hands a comm out."""
     rpc = getattr(worker, "rpc", None)
     current = getattr(rpc, "connect", None)
     if rpc is None or current is None:
@@ -197,6 +193,7 @@ def fill_after_read(worker: Worker, bind: Callable[[Any, str], Any] | None = Non
         bind is None or await bind(comm, addr)  # binding.bind: once per comm
         if not getattr(comm.read, "gpupool_fills", False):  # kept after undo: without copies it does nothing
             comm.read = read_then_fill(comm, comm.read, addr)
+            comm.write = requests_noted(comm, comm.write)
         return comm
 
     connect.__wrapped__ = current  # type: ignore[attr-defined]
@@ -268,75 +265,6 @@ def restore_device_array(module: Any, owner: Any, previous: Any) -> None:
     installer's is left alone)."""
     if getattr(module.device_array, "__self__", None) is owner:
         module.device_array = previous
-
-
-# -- scheduler: the worker plugin, the /gpupool page ------------------------------------------------------------------
-
-
-def list_worker_plugin(scheduler: Scheduler, name: str, pickled: bytes | None) -> None:
-    """List ``pickled`` as what new workers get under ``name`` (``None``: delist it).
-
-    PATCH ``scheduler.worker_plugins``: ``Scheduler.register_worker_plugin`` lists and broadcasts in one call, and its
-    broadcast waits for every worker (one that never answers holds it); callers send :func:`plugin_message` to each
-    worker with ``Scheduler.broadcast`` instead.
-    """
-    if pickled is None:
-        scheduler.worker_plugins.pop(name, None)
-    else:
-        scheduler.worker_plugins[name] = pickled
-
-
-def listed_worker_plugin(scheduler: Scheduler, name: str) -> Any:
-    """What new workers get under ``name`` (READ ``scheduler.worker_plugins``), or ``None``."""
-    return scheduler.worker_plugins.get(name)
-
-
-def plugin_message(name: str, pickled: bytes | None) -> dict[str, Any]:
-    """The message that installs ``pickled`` under ``name`` on a worker (``None``: removes the plugin of that name):
-    the workers' ``plugin-add`` and ``plugin-remove`` handlers."""
-    if pickled is None:
-        return {"op": "plugin-remove", "name": name}
-    return {"op": "plugin-add", "plugin": pickled, "name": name}
-
-
-#: The /gpupool page's source per scheduler (the routes are added once per scheduler; a later call swaps the source).
-_pages: weakref.WeakKeyDictionary[Any, dict[str, dashboard.Source]] = weakref.WeakKeyDictionary()
-
-
-def serve_page(scheduler: Scheduler, source: dashboard.Source) -> bool:
-    """Serve ``/gpupool`` and ``/gpupool.json`` on the scheduler's HTTP server from ``source`` (a later call replaces
-    the source), linked from the dashboard's menu; ``False`` when it runs no HTTP server.
-
-    PATCH the scheduler's ``http_application`` routes (``distributed.scheduler.http.routes`` is read at start,
-    before a plugin is registered) and the dashboard's "More..." menu, the ``plots`` list of
-    ``distributed.dashboard.scheduler.template_variables(scheduler)`` (memoized, shared by every page); the menu is
-    left as it is without Bokeh, or where a future Dask lays it out differently.
-    """
-    app = getattr(scheduler, "http_application", None)
-    if app is None:
-        return False
-    holder = _pages.get(scheduler)
-    if holder is None:
-        holder = _pages[scheduler] = {"source": source}
-        app.add_handlers(".*$", dashboard.routes(holder))
-        if "distributed.dashboard.scheduler" in sys.modules:  # a Bokeh dashboard (importing it would need Bokeh)
-            try:
-                from distributed.dashboard.scheduler import template_variables
-
-                plots = template_variables(scheduler)["plots"]
-                if not any(p.get("url") == "gpupool" for p in plots):
-                    plots.append({"url": "gpupool", "name": "GPU Pool"})
-                    plots.sort(key=lambda p: p["name"])
-            except Exception:  # a dashboard laid out differently: the page still serves at /gpupool
-                logger.debug("could not add /gpupool to the dashboard's menu", exc_info=True)
-    holder["source"] = source
-    return True
-
-
-def page_source(scheduler: Scheduler) -> dashboard.Source | None:
-    """What ``scheduler``'s /gpupool page shows now (:func:`serve_page`), or ``None``."""
-    holder = _pages.get(scheduler)
-    return None if holder is None else holder["source"]
 
 
 # -- /metrics --------------------------------------------------------------------------------------------------------

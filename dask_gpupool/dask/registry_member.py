@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from dask_gpupool.core import JOINED_OP, MEMBERSHIP_OP, REGISTER_OP, REGISTRY_OP, UNREGISTER_OP, UPDATE_OP
+from dask_gpupool.dask.refetch import LOST_OP
 from dask_gpupool.errors import ProtocolError
 from dask_gpupool.ops.dashboard import STATS_OP
 from dask_gpupool.wire.registry import Membership, RegistryUpdate
@@ -90,6 +91,15 @@ class RegistryMember:
             stream = self._stream()
             if stream is not None and not stream.closed():
                 stream.send({"op": UPDATE_OP, "record": service.refresh_row().to_msg(), "key": key})
+
+    def report_lost(self, task: Any, sender: str, error: str) -> None:
+        """Tell the scheduler that this worker's fetches of key ``task`` from ``sender`` failed again and again (the
+        last with ``error``): the tasks here that wait for it err (:mod:`~dask_gpupool.dask.refetch`). Sent with
+        this worker's registry key; nothing before it joined, or once its stream is closed."""
+        service, stream = self.service, self._stream()
+        if self._closed or service.registry_key is None or stream is None or stream.closed():
+            return
+        stream.send({"op": LOST_OP, "task": task, "sender": sender, "error": error, "key": service.registry_key})
 
     def push_stats(self) -> None:
         """Send this worker's pool and handoff stats to the scheduler (the /gpupool page)."""

@@ -33,8 +33,9 @@ from tornado.ioloop import PeriodicCallback
 from dask_gpupool.config import PoolOptions
 from dask_gpupool.core import JOINED_OP, PLUGIN_NAME, REGISTER_OP, UNREGISTER_OP, UPDATE_OP
 from dask_gpupool.dask import distributed_seam as seam
-from dask_gpupool.dask import failure_logs
+from dask_gpupool.dask import failure_logs, scheduler_seam
 from dask_gpupool.dask import plugin_installs as installs
+from dask_gpupool.dask.refetch import LOST_OP
 from dask_gpupool.dask.registry_handlers import RegistryHandlers, answer_timeout
 from dask_gpupool.errors import GPUPoolError
 from dask_gpupool.ops import metrics as _metrics
@@ -249,6 +250,7 @@ class GPUPool(SchedulerPlugin):
             UPDATE_OP: h.handle_update,
             UNREGISTER_OP: h.handle_unregister,
             STATS_OP: h.handle_stats,
+            LOST_OP: h.handle_lost,
         }
 
     async def start(self, scheduler: Scheduler) -> None:
@@ -295,7 +297,7 @@ class GPUPool(SchedulerPlugin):
         seam.set_stream_handlers(scheduler, self._stream_handlers)
         if _metrics.register_scheduler(self._registry_handlers.pools_by_kind):
             seam.scope_metrics(scheduler, "scheduler")
-        seam.serve_page(scheduler, self.snapshot)
+        scheduler_seam.serve_page(scheduler, self.snapshot)
         worker_plugin = dumps(GPUPoolWorkerPlugin(self.overrides, self._registry_handlers.registration))
         self._worker_plugin = worker_plugin
         responses, late = await installs.install(scheduler, worker_plugin, deadline)
@@ -406,9 +408,9 @@ class GPUPool(SchedulerPlugin):
         self._stop_watch()
         self._remove_handlers()
         scheduler = self._scheduler
-        if scheduler is not None and seam.page_source(scheduler) == self.snapshot:
+        if scheduler is not None and scheduler_seam.page_source(scheduler) == self.snapshot:
             # The /gpupool page and the scheduler's gauge showed this registry: now none.
-            seam.serve_page(scheduler, _no_registry)
+            scheduler_seam.serve_page(scheduler, _no_registry)
             if _metrics.register_scheduler(dict):
                 seam.scope_metrics(scheduler, "scheduler")
 

@@ -27,7 +27,7 @@ from tornado.ioloop import PeriodicCallback
 from dask_gpupool import tuning
 from dask_gpupool.config import PoolOptions
 from dask_gpupool.core import PLUGIN_NAME
-from dask_gpupool.dask import binding, failure_logs, spilling
+from dask_gpupool.dask import binding, failure_logs, refetch, spilling
 from dask_gpupool.dask import distributed_seam as seam
 from dask_gpupool.dask import ucx_receive as _receive
 from dask_gpupool.dask import worker_setup as decide
@@ -203,7 +203,8 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         seam.set_handlers(worker, self._handlers)
         seam.count_own_memory_only(worker)
         spilling.count_once(worker.data, service)  # borrowed values cost nothing here; lent ones spill last
-        seam.fill_after_read(worker, functools.partial(binding.bind, service))
+        fetches = refetch.FailedFetches(member.report_lost)  # a key failing from one worker again and again
+        seam.fill_after_read(worker, refetch.counted(functools.partial(binding.bind, service), fetches))
         self.service = service
         if gpu_pool and has_cupy:
             # CuPy's serializers at setup rather than lazily inside Dask's first dispatch: registered lazily,

@@ -2,7 +2,8 @@
 
 A client or a member that turns against the cluster sends what these make: the header of a real export (what a
 pinned reply would have shown it), a stream header naming another copy server, a header read as if it came in a
-member's ``get_data`` reply.
+member's ``get_data`` reply, a task result whose every reply carries a header that cannot be received
+(:class:`Unreceivable`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,19 @@ from dask_gpupool.dask.worker_plugin import service_of
 if TYPE_CHECKING:
     from distributed import Worker
 
-__all__ = ["allocate_in_task", "drop_read", "export_header", "read_as_reply_from", "revoke", "stream_header"]
+__all__ = [
+    "Unreceivable",
+    "allocate_in_task",
+    "drop_read",
+    "export_header",
+    "read_as_reply_from",
+    "revoke",
+    "stream_header",
+    "unreceivable",
+]
+
+#: The lease an :class:`Unreceivable`'s header names: far above any lease a worker grants in a test.
+NEVER_GRANTED = 1 << 40
 
 
 def export_header(key: str, importer: str, dask_worker: Worker) -> dict[str, Any]:
@@ -77,3 +90,47 @@ def allocate_in_task(nbytes: int) -> int:
     buf = allocate(nbytes)
     buf.close()
     return nbytes
+
+
+class Unreceivable:
+    """A member's task result whose every ``get_data`` reply fails at the receiver: its serializer (``"dask"``
+    family) sends an ``ipc`` header of the member's own pool naming a lease (:data:`NEVER_GRANTED`) it never granted,
+    claimed over its broker, which refuses it; its deserializer is the one of a pool Buffer
+    (:func:`~dask_gpupool.dask.headers.buffer_from_header`). So every fetch ends in a
+    :class:`~dask_gpupool.errors.DataLostError`, as a lying member's replies would."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+
+def unreceivable(nbytes: int) -> Unreceivable:
+    """Task: an :class:`Unreceivable` of ``nbytes`` (the member's result that no peer can receive)."""
+    return Unreceivable(nbytes)
+
+
+def _lying_header(x: Unreceivable) -> tuple[dict[str, Any], list[Any]]:
+    from dask_gpupool.dask.headers import KEY
+    from dask_gpupool.handoff.active import active_service
+    from dask_gpupool.wire.handoff import BufferDescriptor, HandoffHeader
+
+    service = active_service()
+    assert service is not None, "an Unreceivable is sent by a worker with a pool"
+    desc = BufferDescriptor(pool=service.pool.uuid, size=x.nbytes)
+    header = HandoffHeader("ipc", service.pool.kind, x.nbytes, service.record.worker, desc, NEVER_GRANTED)
+    return {KEY: header.to_msg()}, []
+
+
+def _received(header: dict[str, Any], frames: list[Any]) -> Any:
+    from dask_gpupool.dask.headers import buffer_from_header
+
+    return buffer_from_header(header, frames)
+
+
+def _register() -> None:
+    from distributed.protocol import dask_deserialize, dask_serialize
+
+    dask_serialize.register(Unreceivable)(_lying_header)
+    dask_deserialize.register(Unreceivable)(_received)
+
+
+_register()

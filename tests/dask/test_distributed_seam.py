@@ -1,5 +1,5 @@
-"""What ``dask_gpupool/dask/distributed_seam.py`` patches of distributed (and distributed-ucxx) is still there, as
-it is patched.
+"""What ``dask_gpupool/dask/distributed_seam.py`` (workers) and ``scheduler_seam.py`` (the scheduler) patch, read and
+call of distributed (and distributed-ucxx) is still there, as it is used.
 
 One test per patch: each fails when a distributed release renames, re-signs or moves the handler, method,
 attribute or module global the seam replaces or wraps (so the seam is revisited before a cluster breaks), and
@@ -20,8 +20,11 @@ from distributed.scheduler import Scheduler
 from distributed.worker import Worker
 
 from dask_gpupool.dask import distributed_seam as seam
+from dask_gpupool.dask import scheduler_seam
 
 ROOT = pathlib.Path(__file__).parent.parent.parent
+#: The modules that may use distributed's internals.
+SEAMS = ("dask_gpupool/dask/distributed_seam.py", "dask_gpupool/dask/scheduler_seam.py")
 
 
 def params(fn: Any) -> list[str]:
@@ -63,12 +66,49 @@ def test_a_workers_values_and_recorded_sizes_are_where_the_store_reads_them():
 
 
 def test_comm_reads_come_from_the_workers_connection_pool():
-    """``fill_after_read`` wraps ``worker.rpc.connect`` (called ``(addr, timeout)``) and each comm's ``read``."""
+    """``fill_after_read`` wraps ``worker.rpc.connect`` (called ``(addr, timeout)``) and each comm's ``read``, and its
+    ``write``: a worker fetches with ``get_data_from_worker``, which writes ``{"op": "get_data", "keys": ...}`` on a
+    comm of ``rpc.connect`` and reads the reply (``{"status": "OK", "data": {key: value}}``) from it."""
     from distributed.comm.tcp import TCP
+    from distributed.worker import get_data_from_worker
 
     assert params(ConnectionPool.connect) == ["self", "addr", "timeout"]
     assert "self.rpc = ConnectionPool(" in inspect.getsource(Server.__init__)
     assert params(TCP.read) == ["self", "deserializers"]
+    source = inspect.getsource(get_data_from_worker)
+    assert "await rpc.connect(worker)" in source and 'op="get_data"' in source and "keys=keys" in source
+    assert "get_data_from_worker(" in inspect.getsource(Worker.gather_dep)
+    assert 'msg = {"status": "OK", "data": {k: to_serialize(v) for k, v in data.items()}}' in inspect.getsource(
+        Worker.get_data
+    )
+
+
+def test_a_failed_fetch_of_an_os_error_is_fetched_again_and_a_scheduler_plugin_can_err_its_dependents():
+    """Dask fetches again after an ``OSError`` (``DataLostError``) and marks the key failed, never to be retried,
+    after anything else (dask/distributed#6705); ``err_waiting_on`` reads ``scheduler.tasks`` and ``TaskState``,
+    calls ``Scheduler.handle_task_erred`` as the ``task-erred`` stream handler (``worker``, ``run_id`` and
+    ``error_message``'s fields) and sends the workers' ``free-keys``."""
+    from distributed.core import error_message
+    from distributed.scheduler import SchedulerState, TaskState
+    from distributed.worker_state_machine import WorkerState
+
+    from dask_gpupool.errors import DataLostError
+
+    assert issubclass(DataLostError, OSError)
+    assert "except OSError:" in inspect.getsource(Worker.gather_dep)
+    assert "GatherDepNetworkFailureEvent" in inspect.getsource(Worker.gather_dep)
+    assert '"error",' in inspect.getsource(WorkerState._handle_gather_dep_failure)  # the key errs, never retried
+    assert '"task-erred": self.handle_task_erred' in inspect.getsource(Scheduler.__init__)
+    assert params(Scheduler.handle_task_erred) == ["self", "key", "stimulus_id", "msg"]
+    assert {"worker", "stimulus_id", "key", "run_id"} <= set(params(Scheduler.stimulus_task_erred))
+    assert {"exception", "traceback", "exception_text", "traceback_text"} <= set(error_message(ValueError("x")))
+    assert "self.tasks = " in inspect.getsource(SchedulerState.__init__)
+    for slot in ("state", "who_has", "dependents", "processing_on", "run_id", "key"):
+        assert hasattr(TaskState, slot), slot  # a slot or a property
+    assert "self.stream_comms" in inspect.getsource(Scheduler.__init__)
+    assert '"free-keys": self._handle_remote_stimulus(FreeKeysEvent)' in inspect.getsource(Worker.__init__)
+    error = {k: v for k, v in error_message(DataLostError("lost")).items() if k != "status"}
+    assert scheduler_seam.err_waiting_on(SimpleNamespace(tasks={}), "x", "w", "h", error) == []
 
 
 def test_process_memory_is_sampled_by_the_monitors_get_process_memory():
@@ -104,9 +144,9 @@ def test_worker_plugins_are_listed_on_the_scheduler_and_added_by_the_workers_ops
         "name",
     ]
     assert {"msg", "workers"} <= set(params(Scheduler.broadcast))
-    add = seam.plugin_message("gpupool", b"pickled")
+    add = scheduler_seam.plugin_message("gpupool", b"pickled")
     assert add == {"op": "plugin-add", "plugin": b"pickled", "name": "gpupool"}
-    assert seam.plugin_message("gpupool", None) == {"op": "plugin-remove", "name": "gpupool"}
+    assert scheduler_seam.plugin_message("gpupool", None) == {"op": "plugin-remove", "name": "gpupool"}
 
 
 def _application(handler: type) -> Any:
@@ -228,8 +268,9 @@ def _code_lines(path: pathlib.Path) -> dict[int, str]:
 
 
 def test_no_other_library_module_patches_distributed():
-    """Outside ``distributed_seam.py`` (and the test helpers in ``testing/``), no module replaces a handler, a comm
-    method, a module global of distributed-ucxx, a serializer family or a route, nor lists a worker plugin."""
+    """Outside ``distributed_seam.py`` and ``scheduler_seam.py`` (and the test helpers in ``testing/``), no module
+    replaces a handler, a comm method, a module global of distributed-ucxx, a serializer family or a route, nor lists a
+    worker plugin."""
     patches = re.compile(
         r"\.(stream_)?handlers\[[^]]*\]=(?!=)|handlers\.update\("
         r"|\.(write|read|connect|get_process_memory|allow_offload|device_array)=(?!=)"
@@ -238,10 +279,12 @@ def test_no_other_library_module_patches_distributed():
     found = []
     for path in sorted((ROOT / "dask_gpupool").rglob("*.py")):
         relative = path.relative_to(ROOT).as_posix()
-        if relative == "dask_gpupool/dask/distributed_seam.py" or relative.startswith("dask_gpupool/testing/"):
+        if relative in SEAMS or relative.startswith("dask_gpupool/testing/"):
             continue
         found += [f"{relative}:{n}: {code}" for n, code in _code_lines(path).items() if patches.search(code)]
     assert not found, "\n".join(found)
-    seam_code = "\n".join(_code_lines(ROOT / "dask_gpupool/dask/distributed_seam.py").values())
+    seam_code = "\n".join(line for s in SEAMS for line in _code_lines(ROOT / s).values())
     for patched in ("handlers[", "stream_handlers[", ".write=", ".read=", ".connect=", "get_process_memory="):
         assert patched in seam_code, patched  # the patterns still find what the seam does
+    for patched in ("worker_plugins", "add_handlers(", "template_variables"):
+        assert patched in seam_code, patched
