@@ -18,6 +18,7 @@ __all__ = [
     "COPY_STREAMS",
     "COPY_STREAM_THRESHOLD",
     "HOST_HANDOFF_THRESHOLD",
+    "HOST_KEEP_RESIDENT",
     "STAGE_THRESHOLD",
     "UCX_HOST_FRAME_THRESHOLD",
     "UCX_STAGING_THRESHOLD",
@@ -52,6 +53,17 @@ STAGE_THRESHOLD = 64 << 10
 #: pairs per size) the two were within 0.08 ms up to 32 KiB; the copy was faster in 22-35% of pairs at 64 KiB and
 #: 3-13% at 128 KiB-1 MiB.
 HOST_HANDOFF_THRESHOLD = 64 << 10
+
+#: A ``host`` pool's freed buffers keep their pages in the pool's first this many bytes (where first fit places the
+#: next buffers); pages beyond go back to the OS at once, every free one at a trim
+#: (:class:`~dask_gpupool.memory.host.SharedHostMemoryResource`). A page given back costs its next write a fault that
+#: allocates and zeroes it, 4 KiB at a time: on a 2-vCPU container (2026-12-05, dask_gpupool 0.1.0,
+#: ``benchmarks/host_staging.py``, ``host_staging-20261205-114727-cpu-pages-given-back.json``) a copy of 64 MiB into
+#: given-back pages took 73.3 ms against 7.5 into resident ones (16,424 faults), 256 MiB 319 against 18.6, 1 GiB 1164
+#: against 69; giving 64 MiB back cost 11.7 ms more. That was the whole of a staged handoff's loss to Dask's TCP path
+#: (64 MiB: 77.8 ms staged against 28.4). It bounds the memory a worker keeps resident in no live buffer (``trim``
+#: gives it back), and the largest array staged into a ``host`` pool.
+HOST_KEEP_RESIDENT = 512 << 20
 
 #: Over UCX, pool memory under this size goes to UCX as it is rather than copied into ``cuMemAlloc`` memory first:
 #: UCX 1.21 sends any device memory under 8 KiB eagerly through host bounce buffers. On one H100 (2026-11-23,

@@ -129,6 +129,9 @@ def stage(request: Request, arr: Any, module: str) -> tuple[dict[str, Any], list
     if not described(arr):  # a structured dtype: the header's dtype.str would lose its fields
         return None
     nbytes = int(arr.nbytes)
+    host = service.pool.shared_host
+    if host is not None and nbytes > host.keep_resident:  # it would be written into pages given back: see below
+        return None
     row = service.routes.stage_route(request.requester, request.scheme, nbytes)
     if row is None:
         return None
@@ -163,6 +166,12 @@ def stage(request: Request, arr: Any, module: str) -> tuple[dict[str, Any], list
         _stage_failed(e)
         return None
     service.handoffs.timed("stage-alloc", time.perf_counter() - allocating)
+    if host is not None and not host.in_kept_range(buf):
+        # A host pool's pages past its kept range were given back: each 4 KiB written costs a fault that allocates
+        # and zeroes it, which made the copy ten times slower than into resident pages (tuning.HOST_KEEP_RESIDENT)
+        # and the staged handoff slower than Dask's own path.
+        buf.close()
+        return None
     stream = None
     holder: Any = buf
     try:
