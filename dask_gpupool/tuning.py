@@ -19,6 +19,7 @@ __all__ = [
     "COPY_STREAM_THRESHOLD",
     "HOST_HANDOFF_THRESHOLD",
     "HOST_KEEP_RESIDENT",
+    "HOST_STAGE_THRESHOLD",
     "STAGE_THRESHOLD",
     "UCX_HOST_FRAME_THRESHOLD",
     "UCX_STAGING_THRESHOLD",
@@ -47,6 +48,15 @@ COPY_STREAMS = 4
 #: back (``benchmarks/copy_or_handoff.py --plain``): staging won 31 of 40 pairs at 64 KiB and 20 of 40 at 1 KiB on one
 #: H100 (same GPU, 2026-11-24); the comm won 30-32% at 64-256 KiB and 60% at 1 KiB on two H200s (other GPU, 2026-11-24).
 STAGE_THRESHOLD = 64 << 10
+
+#: Plain NumPy arrays from this size up (to :data:`HOST_KEEP_RESIDENT`), asked for by a same-host worker over TCP or
+#: TLS, are copied into a ``host`` pool and handed over (:func:`stage_threshold`); smaller ones go Dask's way. Each
+#: sample staged, through the plugin's comm and through a cluster without the plugin, one after another
+#: (``benchmarks/host_staging.py --sizes 128KiB,256KiB,512KiB,768KiB,1MiB,2MiB --samples 20``, 2-vCPU container,
+#: 2026-12-05, dask_gpupool 0.1.0, ``host_staging-20261205-115129-cpu-threshold.json``), transfer plus the consumer's
+#: first read: staging won 5-6 of 20 pairs at 256 KiB (1.12-1.14x the comm's time), 9-11 at 512 KiB (0.97-1.01x),
+#: 11-12 at 768 KiB (0.89-0.93x), 16-17 at 1 MiB (0.82-0.84x) and 16 at 2 MiB (0.65-0.70x).
+HOST_STAGE_THRESHOLD = 1 << 20
 
 #: ``host`` pool buffers under this size go to a same-host worker over TCP or TLS as a copy in Dask's frames, not a
 #: handoff (:func:`handoff_threshold`). On a 2-vCPU container (2026-11-23, ``benchmarks/copy_or_handoff.py``, 300
@@ -81,12 +91,14 @@ def stage_threshold(kind: str, over_tcp: bool) -> int:
     """The smallest plain array a pool of ``kind`` stages for a same-host worker asking over TCP or TLS
     (``over_tcp``) or UCX; 0: never.
 
-    :data:`STAGE_THRESHOLD` for ``device`` pools over TCP or TLS. Never over UCX: UCX copies the array GPU to GPU
-    itself, and staging from 4 MiB was 0.97-1.02x of that on seven ``dask.array`` workloads, 0.92x on one (one H100,
-    2026-11-24). Never on ``host`` pools: a task rechunk of 8 MiB NumPy chunks staged took 1.25x as long (2-vCPU
-    container, 2026-11-23). Never on ``pinned`` pools (not measured).
+    :data:`STAGE_THRESHOLD` for ``device`` pools over TCP or TLS, :data:`HOST_STAGE_THRESHOLD` for ``host`` pools
+    (NumPy arrays) over TCP or TLS. Never over UCX: UCX copies the array GPU to GPU itself, and staging from 4 MiB
+    was 0.97-1.02x of that on seven ``dask.array`` workloads, 0.92x on one (one H100, 2026-11-24). Never on
+    ``pinned`` pools (not measured).
     """
-    return STAGE_THRESHOLD if kind == "device" and over_tcp else 0
+    if not over_tcp:
+        return 0
+    return STAGE_THRESHOLD if kind == "device" else HOST_STAGE_THRESHOLD if kind == "host" else 0
 
 
 def handoff_threshold(kind: str) -> int:
