@@ -171,9 +171,9 @@ VALUES = ("pool", "plain", "forwarded")
 
 async def stage_from(nbytes: int, dask_worker: Any) -> None:
     """client.run target: this worker's routing stages plain arrays from ``nbytes`` (``host`` pools from 1 MiB by
-    default, ``dask_gpupool.tuning.HOST_STAGE_THRESHOLD``; :func:`dask_gpupool.testing.faults.route_sizes`). A worker without its pool
-    yet (restarting) is left alone: the next round gives it the size. A coroutine, so that ``client.run`` need not
-    wait for it (``wait=False``): a stopped worker answers only once it runs again."""
+    default, ``dask_gpupool.tuning.HOST_STAGE_THRESHOLD``; :func:`dask_gpupool.testing.faults.route_sizes`). A
+    worker without its pool yet (restarting) is left alone: the next round gives it the size. A coroutine, so that
+    ``client.run`` need not wait for it (``wait=False``): a stopped worker answers only once it runs again."""
     try:
         T.route_sizes(dask_worker, stage=nbytes)
     except dask_gpupool.PoolUnavailableError:

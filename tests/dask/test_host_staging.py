@@ -135,7 +135,13 @@ def _summary(x: Any) -> Any:
 
 @pytest.mark.parametrize(
     ("kind", "reason"),
-    [("under", "small"), ("zero-d", "small"), ("empty", None), ("structured", "not-in-pool"), ("objects", "not-in-pool")],
+    [
+        ("under", "small"),
+        ("zero-d", "small"),
+        ("empty", None),
+        ("structured", "not-in-pool"),
+        ("objects", "not-in-pool"),
+    ],
 )
 def test_what_is_not_staged_goes_dasks_way_with_its_values_and_is_counted(three_workers, kind, reason):
     """Under the stage threshold, a 0-d or empty array, a structured dtype (an array header loses its fields), an
