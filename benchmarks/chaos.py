@@ -308,8 +308,7 @@ def main() -> None:
     parser.add_argument(
         "--stage-threshold",
         default="1 MiB",
-        help="the stage threshold given to every worker's routing each round ('': the defaults, 1 MiB on host "
-        "pools)",
+        help="the stage threshold given to every worker's routing each round ('': the defaults, 1 MiB on host pools)",
     )
     parser.add_argument(
         "--segment-memory",
