@@ -170,10 +170,10 @@ VALUES = ("pool", "plain", "forwarded")
 
 
 async def stage_from(nbytes: int, dask_worker: Any) -> None:
-    """client.run target: this worker's routing stages plain arrays from ``nbytes`` (``host`` pools stage nothing by
-    default, measured slower on the CPU; :func:`dask_gpupool.testing.faults.route_sizes`). A worker without its pool
-    yet (restarting) is left alone: the next round gives it the size. A coroutine, so that ``client.run`` need not
-    wait for it (``wait=False``): a stopped worker answers only once it runs again."""
+    """client.run target: this worker's routing stages plain arrays from ``nbytes`` (``host`` pools from 1 MiB by
+    default, ``dask_gpupool.tuning.HOST_STAGE_THRESHOLD``; :func:`dask_gpupool.testing.faults.route_sizes`). A
+    worker without its pool yet (restarting) is left alone: the next round gives it the size. A coroutine, so that
+    ``client.run`` need not wait for it (``wait=False``): a stopped worker answers only once it runs again."""
     try:
         T.route_sizes(dask_worker, stage=nbytes)
     except dask_gpupool.PoolUnavailableError:
@@ -308,8 +308,7 @@ def main() -> None:
     parser.add_argument(
         "--stage-threshold",
         default="1 MiB",
-        help="the stage threshold given to every worker's routing each round ('': the defaults, which stage nothing "
-        "on host pools)",
+        help="the stage threshold given to every worker's routing each round ('': the defaults, 1 MiB on host pools)",
     )
     parser.add_argument(
         "--segment-memory",

@@ -18,6 +18,8 @@ __all__ = [
     "COPY_STREAMS",
     "COPY_STREAM_THRESHOLD",
     "HOST_HANDOFF_THRESHOLD",
+    "HOST_KEEP_RESIDENT",
+    "HOST_STAGE_THRESHOLD",
     "STAGE_THRESHOLD",
     "UCX_HOST_FRAME_THRESHOLD",
     "UCX_STAGING_THRESHOLD",
@@ -47,11 +49,31 @@ COPY_STREAMS = 4
 #: H100 (same GPU, 2026-11-24); the comm won 30-32% at 64-256 KiB and 60% at 1 KiB on two H200s (other GPU, 2026-11-24).
 STAGE_THRESHOLD = 64 << 10
 
+#: Plain NumPy arrays from this size up (to :data:`HOST_KEEP_RESIDENT`), asked for by a same-host worker over TCP or
+#: TLS, are copied into a ``host`` pool and handed over (:func:`stage_threshold`); smaller ones go Dask's way. Each
+#: sample staged, through the plugin's comm and through a cluster without the plugin, one after another
+#: (``benchmarks/host_staging.py --sizes 128KiB,256KiB,512KiB,768KiB,1MiB,2MiB --samples 20``, 2-vCPU container,
+#: 2026-12-05, dask_gpupool 0.1.0, ``host_staging-20261205-115129-cpu-threshold.json``), transfer plus the consumer's
+#: first read: staging won 5-6 of 20 pairs at 256 KiB (1.12-1.14x the comm's time), 9-11 at 512 KiB (0.97-1.01x),
+#: 11-12 at 768 KiB (0.89-0.93x), 16-17 at 1 MiB (0.82-0.84x) and 16 at 2 MiB (0.65-0.70x).
+HOST_STAGE_THRESHOLD = 1 << 20
+
 #: ``host`` pool buffers under this size go to a same-host worker over TCP or TLS as a copy in Dask's frames, not a
 #: handoff (:func:`handoff_threshold`). On a 2-vCPU container (2026-11-23, ``benchmarks/copy_or_handoff.py``, 300
 #: pairs per size) the two were within 0.08 ms up to 32 KiB; the copy was faster in 22-35% of pairs at 64 KiB and
 #: 3-13% at 128 KiB-1 MiB.
 HOST_HANDOFF_THRESHOLD = 64 << 10
+
+#: A ``host`` pool's freed buffers keep their pages in the pool's first this many bytes (where first fit places the
+#: next buffers); pages beyond go back to the OS at once, every free one at a trim
+#: (:class:`~dask_gpupool.memory.host.SharedHostMemoryResource`). A page given back costs its next write a fault that
+#: allocates and zeroes it, 4 KiB at a time: on a 2-vCPU container (2026-12-05, dask_gpupool 0.1.0,
+#: ``benchmarks/host_staging.py``, ``host_staging-20261205-114727-cpu-pages-given-back.json``) a copy of 64 MiB into
+#: given-back pages took 73.3 ms against 7.5 into resident ones (16,424 faults), 256 MiB 319 against 18.6, 1 GiB 1164
+#: against 69; giving 64 MiB back cost 11.7 ms more. That was the whole of a staged handoff's loss to Dask's TCP path
+#: (64 MiB: 77.8 ms staged against 28.4). It bounds the memory a worker keeps resident in no live buffer (``trim``
+#: gives it back), and the largest array staged into a ``host`` pool.
+HOST_KEEP_RESIDENT = 512 << 20
 
 #: Over UCX, pool memory under this size goes to UCX as it is rather than copied into ``cuMemAlloc`` memory first:
 #: UCX 1.21 sends any device memory under 8 KiB eagerly through host bounce buffers. On one H100 (2026-11-23,
@@ -69,12 +91,14 @@ def stage_threshold(kind: str, over_tcp: bool) -> int:
     """The smallest plain array a pool of ``kind`` stages for a same-host worker asking over TCP or TLS
     (``over_tcp``) or UCX; 0: never.
 
-    :data:`STAGE_THRESHOLD` for ``device`` pools over TCP or TLS. Never over UCX: UCX copies the array GPU to GPU
-    itself, and staging from 4 MiB was 0.97-1.02x of that on seven ``dask.array`` workloads, 0.92x on one (one H100,
-    2026-11-24). Never on ``host`` pools: a task rechunk of 8 MiB NumPy chunks staged took 1.25x as long (2-vCPU
-    container, 2026-11-23). Never on ``pinned`` pools (not measured).
+    :data:`STAGE_THRESHOLD` for ``device`` pools over TCP or TLS, :data:`HOST_STAGE_THRESHOLD` for ``host`` pools
+    (NumPy arrays) over TCP or TLS. Never over UCX: UCX copies the array GPU to GPU itself, and staging from 4 MiB
+    was 0.97-1.02x of that on seven ``dask.array`` workloads, 0.92x on one (one H100, 2026-11-24). Never on
+    ``pinned`` pools (not measured).
     """
-    return STAGE_THRESHOLD if kind == "device" and over_tcp else 0
+    if not over_tcp:
+        return 0
+    return STAGE_THRESHOLD if kind == "device" else HOST_STAGE_THRESHOLD if kind == "host" else 0
 
 
 def handoff_threshold(kind: str) -> int:

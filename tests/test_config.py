@@ -74,9 +74,10 @@ def test_the_thresholds_are_measured_constants_not_options():
     are unknown options."""
     from dask_gpupool import tuning
 
-    # plain arrays staged into device pools over TCP or TLS from 64 KiB; never over UCX, on host or pinned pools
-    assert [tuning.stage_threshold(k, True) for k in ("device", "host", "pinned")] == [64 << 10, 0, 0]
-    assert tuning.stage_threshold("device", False) == 0
+    # plain arrays staged into device pools over TCP or TLS from 64 KiB, into host pools from 1 MiB; never over UCX,
+    # nor on pinned pools
+    assert [tuning.stage_threshold(k, True) for k in ("device", "host", "pinned")] == [64 << 10, 1 << 20, 0]
+    assert tuning.stage_threshold("device", False) == tuning.stage_threshold("host", False) == 0
     # host pool buffers under 64 KiB copied (the CPU crossover); every size handed over on device and pinned pools
     assert [tuning.handoff_threshold(k) for k in ("host", "device", "pinned")] == [64 << 10, 0, 0]
     assert (tuning.COPY_CHUNK_SIZE, tuning.COPY_STREAM_THRESHOLD, tuning.COPY_STREAMS) == (16 << 20, 4 << 20, 4)

@@ -5,7 +5,7 @@ RMM's) is not pool memory. Asked for by a same-host worker over TCP or TLS,
 one of the stage threshold or more (:meth:`Routes.stage_threshold
 <dask_gpupool.handoff.routes.Routes.stage_threshold>`) is copied into this
 worker's pool here (device to device for CuPy on a ``device`` pool, a memcpy
-for NumPy on a ``host`` pool where a test gives one a threshold) and handed over under the requester's lease
+for NumPy on a ``host`` pool) and handed over under the requester's lease
 (fallback ``staged-in-pool``, ``pool_staged_bytes``): :func:`stage`. Every
 other such array goes through distributed's own serializer and is counted
 (:func:`plain`: ``copied_out_bytes``, the receiving worker's ``copied_bytes``
@@ -104,11 +104,17 @@ def stage(request: Request, arr: Any, module: str) -> tuple[dict[str, Any], list
     """Copy ``arr`` into this worker's pool and hand the copy over, when a same-host worker asked over TCP or TLS
     (:meth:`Routes.stage_route <dask_gpupool.handoff.routes.Routes.stage_route>`).
 
-    From the stage threshold up, CuPy arrays on ``device`` pools (and NumPy
-    arrays on ``host`` pools, which stage only where a test or benchmark gives
-    a threshold: :func:`dask_gpupool.tuning.stage_threshold`): a memcpy or a device-to-device copy
+    From the stage threshold up (:func:`dask_gpupool.tuning.stage_threshold`), CuPy arrays on ``device`` pools
+    and NumPy arrays on ``host`` pools: a memcpy or a device-to-device copy
     here replaces the host copy, the comm's bytes and the receiver's copy.
     The lease keeps the staged copy alive until the receiver lets go.
+    A NumPy array is staged only into the pool's kept range
+    (:attr:`SharedHostMemoryResource.keep_resident <dask_gpupool.memory.host.SharedHostMemoryResource.keep_resident>`,
+    pages written without faults): a larger one, or one whose buffer
+    lands past it, goes Dask's way. It is copied in C order, or in Fortran
+    order when it is Fortran-contiguous (a transposed chunk), on the thread
+    that serializes the reply (the event loop, or Dask's offload thread from
+    ``distributed.comm.offload``).
     A C- or Fortran-contiguous CuPy array is copied with one ``cuMemcpyAsync``
     (under load a CuPy view and copy kernel cost about 0.13 ms more,
     ``scripts/probes/stage_steps.py``); any other layout through CuPy.
@@ -129,6 +135,9 @@ def stage(request: Request, arr: Any, module: str) -> tuple[dict[str, Any], list
     if not described(arr):  # a structured dtype: the header's dtype.str would lose its fields
         return None
     nbytes = int(arr.nbytes)
+    host = service.pool.shared_host
+    if host is not None and nbytes > host.keep_resident:  # it would be written into pages given back: see below
+        return None
     row = service.routes.stage_route(request.requester, request.scheme, nbytes)
     if row is None:
         return None
@@ -163,6 +172,12 @@ def stage(request: Request, arr: Any, module: str) -> tuple[dict[str, Any], list
         _stage_failed(e)
         return None
     service.handoffs.timed("stage-alloc", time.perf_counter() - allocating)
+    if host is not None and not host.in_kept_range(buf):
+        # A host pool's pages past its kept range were given back: each 4 KiB written costs a fault that allocates
+        # and zeroes it, which made the copy ten times slower than into resident pages (tuning.HOST_KEEP_RESIDENT)
+        # and the staged handoff slower than Dask's own path.
+        buf.close()
+        return None
     stream = None
     holder: Any = buf
     try:
@@ -185,7 +200,12 @@ def stage(request: Request, arr: Any, module: str) -> tuple[dict[str, Any], list
                         out[...] = arr
                     strides = tuple(out.strides)
         else:
-            holder = out = as_array(buf, tuple(arr.shape), arr.dtype, like=module)
+            # C order, or Fortran order for a Fortran-contiguous array (a chunk's transpose): a straight copy either way
+            fortran = not arr.flags.c_contiguous and arr.flags.f_contiguous
+            shape = tuple(arr.shape)
+            holder = out = as_array(buf, shape[::-1] if fortran else shape, arr.dtype, like=module)
+            if fortran:
+                out = out.T
             out[...] = arr
             strides = tuple(out.strides)
     except Exception as e:

@@ -21,8 +21,14 @@ Works with no NVIDIA driver at all: buffers are host pointers handed to
 Memory goes back to the OS: a freed buffer's whole pages (from 64 KiB) are
 removed from the memfd at once (``madvise(MADV_REMOVE)``, a hole punched in
 the file), so neither the owner nor any peer that mapped them keeps them
-resident; :meth:`~SharedHostMemoryResource.trim` does the same for every free
-range, small ones included. A page is removed only while no buffer uses it:
+resident, except those in the pool's first
+:attr:`~SharedHostMemoryResource.keep_resident` bytes
+(:data:`dask_gpupool.tuning.HOST_KEEP_RESIDENT`): first fit places the next
+buffers there, and a page given back costs its next write a fault that
+allocates and zeroes it (ten times the copy itself, measured), while a kept
+page stays mapped, without faults, in the owner and every peer that read it.
+:meth:`~SharedHostMemoryResource.trim` gives back every free
+range, small and kept ones included. A page is removed only while no buffer uses it:
 before its range goes back to the arena, or with allocation blocked; and
 never after :meth:`~SharedHostMemoryResource.keep_pages`, once the pool is
 closed, or while the interpreter exits: then buffers a peer still maps are
@@ -60,6 +66,7 @@ from typing import Any
 
 from cuda.core import Buffer, MemoryResource
 
+from dask_gpupool import tuning
 from dask_gpupool.errors import PoolClosedError, PoolUnavailableError, ProtocolError
 from dask_gpupool.memory import peer_resident
 from dask_gpupool.memory.arena import Arena
@@ -117,6 +124,10 @@ class SharedHostMemoryResource(HostOnlyResource):
     ----------
     max_size : int
         Size of the pool in bytes.
+    keep_resident : int, optional
+        Freed buffers keep their pages in the pool's first ``keep_resident`` bytes (at most ``max_size``); pages
+        beyond go back to the OS at once. By default :data:`dask_gpupool.tuning.HOST_KEEP_RESIDENT`; 0: every freed
+        page goes back.
 
     Notes
     -----
@@ -150,12 +161,16 @@ class SharedHostMemoryResource(HostOnlyResource):
     _imports: int
     _reserved_high: int
     _keep_pages: bool
+    _keep_below: int
     _pid: int
     _lock: threading.RLock
 
-    def __init__(self, max_size: int) -> None:
+    def __init__(self, max_size: int, keep_resident: int | None = None) -> None:
         if max_size <= 0:
             raise ValueError(f"max_size must be positive, got {max_size}")
+        keep = tuning.HOST_KEEP_RESIDENT if keep_resident is None else operator.index(keep_resident)
+        if keep < 0:
+            raise ValueError(f"keep_resident must not be negative, got {keep}")
         fd = os.memfd_create("dask-gpupool", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, max_size)
@@ -166,6 +181,7 @@ class SharedHostMemoryResource(HostOnlyResource):
             raise
         self._arena = Arena(max_size)
         self._uuid = uuid.uuid4()
+        self._keep_below = min(keep, max_size)
 
     def _init_mapping(self, fd: int, size: int, *, mapped: bool) -> None:
         self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -179,6 +195,7 @@ class SharedHostMemoryResource(HostOnlyResource):
         self._imports = 0
         self._reserved_high = 0
         self._keep_pages = False
+        self._keep_below = 0
         self._pid = os.getpid()  # the owner's process: a forked child's copy neither allocates nor gives back pages
         self._lock = threading.RLock()
         if mapped:
@@ -265,7 +282,10 @@ class SharedHostMemoryResource(HostOnlyResource):
                 # Nor in a forked child: its buffers are copies, the memfd's pages the owner's.
                 keep = self._closed or self._keep_pages or sys.is_finalizing() or os.getpid() != self._pid
                 if held is not None and held >= _GIVE_BACK_MIN and not keep:
-                    self._give_back(offset, held)  # still this buffer's: no one else in this pool uses it
+                    # still this buffer's: no one else in this pool uses it; pages in the kept range stay resident
+                    start = max(offset, self._keep_below)
+                    if start < offset + held:
+                        self._give_back(start, offset + held - start)
                 self._arena.free(offset)
                 last = self._arena.live == 0
             else:
@@ -302,6 +322,17 @@ class SharedHostMemoryResource(HostOnlyResource):
         """Bytes of the whole pool (its ``max_size``)."""
         return self._size
 
+    @property
+    def keep_resident(self) -> int:
+        """Bytes at the start of the pool whose pages freed buffers keep (resident until :meth:`trim`); 0 on a
+        mapped resource."""
+        return self._keep_below
+
+    def in_kept_range(self, buf: Buffer) -> bool:
+        """Whether all of ``buf`` lies in the pool's first :attr:`keep_resident` bytes (its pages stay resident
+        when it is freed, so the next buffer there is written without page faults)."""
+        return self.offset_of(buf) + buf.size <= self._keep_below
+
     def keep_pages(self) -> None:
         """From now on freed buffers keep their pages: the caller frees buffers that peers may still map.
 
@@ -313,7 +344,8 @@ class SharedHostMemoryResource(HostOnlyResource):
             self._keep_pages = True
 
     def trim(self) -> int:
-        """Give every free page of the pool back to the OS; return the pool's resident bytes after.
+        """Give every free page of the pool back to the OS (the kept range's too); return the pool's resident bytes
+        after.
 
         Allocation waits meanwhile. Only the owner trims (a mapped resource, and
         a process forked from the owner, return 0).

@@ -90,7 +90,7 @@ def test_a_plain_array_to_a_same_host_peer_is_counted_as_a_copy_with_its_reason(
         assert c.submit(T.total, near, workers=[b], pure=False).result() == float(np.arange(1000).sum())
         assert c.submit(T.total, away, workers=[far], pure=False).result() == float(np.arange(1000).sum())
         now = counters(c)
-        assert now[a]["fallbacks"] == {"not-in-pool": 1}  # to B; the other host's copy is expected, not a fallback
+        assert now[a]["fallbacks"] == {"small": 1}  # to B; the other host's copy is expected, not a fallback
         assert now[a]["copied_out_bytes"] - before[a]["copied_out_bytes"] == 2 * 8000
         assert now[b]["fallbacks"] == {} and now[far]["fallbacks"] == {}
 
@@ -139,7 +139,7 @@ def test_every_same_host_copy_is_counted_by_the_consumer_as_by_the_producer():
 
 
 def test_a_large_plain_array_is_staged_into_the_pool_and_handed_over():
-    """From the stage threshold up (given here: host pools stage nothing by default, device pools from 64 KiB), an
+    """From the stage threshold up (given here: host pools stage from 1 MiB by default, device pools from 64 KiB), an
     array outside the pool is copied into it on the producer and handed over to a same-host worker: no comm bytes,
     counted as fallback staged-in-pool; back to baseline after."""
     import numpy as np
@@ -226,7 +226,7 @@ def test_an_empty_plain_array_counts_no_fallback():
         assert counters(c)[a]["fallbacks"] == before[a]["fallbacks"]
         one = c.submit(np.zeros, 1, workers=[a], pure=False)
         assert c.submit(T.total, one, workers=[b], pure=False).result() == 0.0
-        assert counters(c)[a]["fallbacks"] == {**before[a]["fallbacks"], "not-in-pool": 1}
+        assert counters(c)[a]["fallbacks"] == {**before[a]["fallbacks"], "small": 1}
         del empty, one
 
 

@@ -147,14 +147,16 @@ def test_which_plain_arrays_are_staged_into_the_pool(requester, scheme, nbytes, 
         assert (row == requester) if staged else row is None
 
 
-def test_host_pools_stage_nothing_unless_given_a_threshold():
-    """tuning.stage_threshold is 0 on host pools (staging measured slower on the CPU); a test's own threshold
-    (testing.faults.route_sizes gives one to a worker) is what Routes holds arrays against then, over TCP only."""
+def test_host_pools_stage_from_their_threshold_over_tcp_only():
+    """tuning.stage_threshold is 1 MiB on host pools over TCP or TLS (tuning.HOST_STAGE_THRESHOLD); a test's own
+    threshold (testing.faults.route_sizes gives one to a worker) is what Routes holds arrays against then."""
     host = dataclasses.replace(OWN, kind="host", device=None, devices=(), peers=())
     requester = peer(devices=(), device=None)
     with _routes(requester, host) as (routes, _stats):
-        assert routes.stage_threshold(requester.worker, "tcp") == 0
-        assert routes.stage_route(requester.worker, "tcp", 8 * MiB) is None
+        assert routes.stage_threshold(requester.worker, "tcp") == 1 * MiB
+        assert routes.stage_route(requester.worker, "tcp", 8 * MiB) == requester
+        assert routes.stage_route(requester.worker, "tcp", MiB - 1) is None
+        assert routes.stage_route(requester.worker, "ucxx", 8 * MiB) is None
     given = {"stage_threshold_of": lambda kind, over_tcp: (1 * MiB) if over_tcp else 0}
     with _routes(requester, host, **given) as (routes, _stats):
         assert routes.stage_route(requester.worker, "tcp", 1 * MiB) == requester
