@@ -78,10 +78,15 @@ def segment_memory_line(options: PoolOptions, kind: str, made_of: str, over_ucx:
 
 
 def staging_line(kind: str, has_cupy: bool, over_tcp: bool) -> str:
-    """``stats()["routing"]["staging"]``: whether plain CuPy results are staged into the pool, and why (not)
-    (:func:`dask_gpupool.tuning.stage_threshold`)."""
+    """``stats()["routing"]["staging"]``: whether plain CuPy (``device`` pools) or NumPy (``host`` pools) results are
+    staged into the pool, and why (not) (:func:`dask_gpupool.tuning.stage_threshold`)."""
+    if kind == "host":
+        if not over_tcp:
+            return "off: a host pool stages plain NumPy results over TCP and TLS only"
+        low, high = format_bytes(tuning.HOST_STAGE_THRESHOLD), format_bytes(tuning.HOST_KEEP_RESIDENT)
+        return f"on: plain NumPy results of {low} to {high} are staged into the pool for same-host workers"
     if kind != "device":
-        return f"off: a {kind} pool stages no CuPy results"
+        return f"off: a {kind} pool stages no plain arrays"
     if not has_cupy:
         return "off: CuPy is not installed"
     threshold = tuning.stage_threshold(kind, over_tcp)

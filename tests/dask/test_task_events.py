@@ -77,7 +77,8 @@ def test_the_worker_says_why_it_stages_or_not():
     assert staging_line("device", True, False).startswith("off: over UCX")
     assert staging_line("device", True, True).startswith("on: plain CuPy results of 64.00 kiB or more")
     assert staging_line("device", False, True) == "off: CuPy is not installed"
-    assert staging_line("host", True, True) == "off: a host pool stages no CuPy results"
+    assert staging_line("host", True, True).startswith("on: plain NumPy results of 1.00 MiB to 512.00 MiB")
+    assert staging_line("pinned", True, True) == "off: a pinned pool stages no plain arrays"
 
 
 def test_the_worker_plugin_wants_an_event_for_its_own_pool_buffers_only(tmp_path, no_fd_leak):
