@@ -1,6 +1,6 @@
 """The benchmark scripts the GPU machines run still run: tiny CPU runs of ``handoff.py`` and ``workloads.py``.
 
-Device time is scarce and a script that fails on the GPU machine wastes it, so the options of each script that
+A script that fails on a GPU machine costs a GPU run, so the options of each script that
 ``scripts/gpu-check.sh`` runs are run here on ``host`` pools, small. Nothing here times anything: the
 checks are that a script exits 0, writes its JSON rows, and (``workloads.py``) that every method computed the same
 values and, with the input in bands, moved the same bytes.

@@ -1,7 +1,7 @@
 """Tracked text says what the software does and why, never how or when it was built.
 
 History lives in git and in CHANGELOG.md. A figure is cited by machine, date and package version or commit, never
-by the work period that produced it ("the fifteenth session", "call 4", "issue 19", "since f52af5b").
+by the work period that produced it (the phrases below list what counts as such).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ PATTERNS: dict[str, str] = {
     "an ordinal session": rf"\b(?:{_UNITS}|tenth|this|next|last|that|previous|earlier|later|same)\s+sess" + r"ions?\b",
     "a work session": r"\bsess" + r"ions?\b",
     "an issue number": r"\bissues?\s+#?\d+",
-    "a device call number": r"\bcalls?\s+\d+\b",
-    "a machine that was not lent": r"\bnot\s+le" + r"nt\b",
+    "a numbered run of a machine": r"\bcal" + r"ls?\s+\d+\b",
+    "a machine withheld": r"\bnot\s+le" + r"nt\b",
     "a change dated by a commit": r"\b(?:since|until|before|after)\s+(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b",
     "a review": r"\breviewers?\b|\bfound\s+by\s+(?:a\s+|the\s+|two\s+|three\s+)?reviews?\b",
 }
