@@ -342,12 +342,7 @@ class Importer:
             )
         self.handoffs.add(imports=1, zero_copy_bytes=desc.size)
         logger.debug(
-            "lease %d of %s: mapped %d bytes at %#x (GPU %s)",
-            lease,
-            record.worker,
-            desc.size,
-            ptr,
-            mapped.device,
+            "lease %d of %s: mapped %d bytes at %#x (GPU %s)", lease, record.worker, desc.size, ptr, mapped.device
         )
         return buf
 
