@@ -5,7 +5,7 @@ send one: a client naming a worker would have been granted that worker's leases.
 who it is, once per comm, before Dask uses it (:mod:`dask_gpupool.wire.bind`):
 
 - a worker that opens a comm to a worker of its registry binds it (:func:`bind`, from the ``rpc.connect`` wrap of
-  :func:`~dask_gpupool.dask.distributed_seam.fill_after_read`); Dask pools comms, so this costs two small round
+  :func:`~dask_gpupool.dask.distributed_seam.workers.fill_after_read`); Dask pools comms, so this costs two small round
   trips per connection, not per transfer;
 - the worker it connected to answers (:func:`bind_handler`) and marks its end of the comm as bound to that worker;
   its ``get_data`` wrapper grants leases only when the requester ``who`` is the worker the comm is bound to

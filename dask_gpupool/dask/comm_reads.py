@@ -51,7 +51,7 @@ _FETCHES = "_gpupool_fetches"
 def requests_noted(comm: Any, write: Any) -> Any:
     """``write`` (``comm``'s own ``write``) wrapped to note the keys of a ``get_data`` request (Dask's
     ``{"op": "get_data", "keys": ...}``) on ``comm``, for the read that answers it; put in place by
-    :func:`~dask_gpupool.dask.distributed_seam.fill_after_read`."""
+    :func:`~dask_gpupool.dask.distributed_seam.workers.fill_after_read`."""
 
     async def write_noting(msg: Any, *args: Any, **kwargs: Any) -> Any:
         if isinstance(msg, dict) and msg.get("op") == "get_data":
@@ -87,7 +87,7 @@ def read_then_fill(comm: Any, read: Any, sender: str) -> Any:
     (:mod:`~dask_gpupool.dask.binding`): outside such a read no handoff or stream header is imported.
 
     Uses ``comm``'s public :class:`~distributed.comm.Comm` API only (``abort``, ``peer_address``); the wrap is put in
-    place by :func:`~dask_gpupool.dask.distributed_seam.fill_after_read`.
+    place by :func:`~dask_gpupool.dask.distributed_seam.workers.fill_after_read`.
     """
 
     async def read_then_fill(deserializers: Any = None) -> Any:

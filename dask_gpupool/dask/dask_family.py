@@ -81,7 +81,7 @@ def array_serializers(
 def count_pickled(request: Request | None, serialized: Serialized) -> Serialized:
     """What distributed's ``"pickle"`` family made of a value (``serialized``), counted when it goes in ``request``'s
     reply (``None``: not a ``get_data`` reply); the family is wrapped for it
-    (:func:`~dask_gpupool.dask.distributed_seam.count_pickled_copies`).
+    (:func:`~dask_gpupool.dask.distributed_seam.workers.count_pickled_copies`).
 
     An object none of the ``"dask"`` serializers knows is pickled, and the arrays in it (pool memory or not) go
     as out-of-band frames: a copy between same-host workers that no serializer of ours sees

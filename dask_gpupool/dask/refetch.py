@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 from distributed.core import error_message
 
-from dask_gpupool.dask import scheduler_seam
 from dask_gpupool.dask.comm_reads import count_failures
+from dask_gpupool.dask.distributed_seam import scheduler as scheduler_seam
 from dask_gpupool.errors import DataLostError
 
 if TYPE_CHECKING:
@@ -99,7 +99,7 @@ class FailedFetches:
 
 def counted(bind: Callable[[Any, str], Awaitable[Any]], fetches: FailedFetches) -> Callable[[Any, str], Awaitable[Any]]:
     """``bind`` (``bind(comm, peer)``, run each time Dask hands this worker a comm:
-    :func:`~dask_gpupool.dask.distributed_seam.fill_after_read`) that also makes the comm's reads report to
+    :func:`~dask_gpupool.dask.distributed_seam.workers.fill_after_read`) that also makes the comm's reads report to
     ``fetches``."""
 
     async def bind_and_count(comm: Any, peer: str) -> Any:
@@ -113,8 +113,8 @@ def err_dependents(scheduler: Scheduler, key: Any, worker: str, sender: str, err
     """On the scheduler: ``worker`` failed :data:`REFETCH_BOUND` fetches of ``key`` from ``sender`` in a row (the
     last with ``error``). The tasks processing on ``worker`` that wait for ``key`` err with a
     :class:`DataLostError` saying so, and ``worker`` releases them
-    (:func:`~dask_gpupool.dask.scheduler_seam.err_waiting_on`); returns their keys. Nothing happens when ``key`` is
-    no longer in memory on ``sender`` (recomputed, released, or its holder left meanwhile)."""
+    (:func:`~dask_gpupool.dask.distributed_seam.scheduler.err_waiting_on`); returns their keys. Nothing happens when
+    ``key`` is no longer in memory on ``sender`` (recomputed, released, or its holder left meanwhile)."""
     lost = DataLostError(
         f"{key!r} could not be received from worker {sender}: {REFETCH_BOUND} fetches in a row by {worker} failed; "
         f"the last: {error}"

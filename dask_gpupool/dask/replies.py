@@ -1,7 +1,7 @@
 """A worker's ``get_data`` replies: who asked, whether to serialize on the event loop, and settling each reply.
 
 :class:`Replies` is what the ``get_data`` wrapper
-(:func:`~dask_gpupool.dask.distributed_seam.wrap_get_data`) asks for each
+(:func:`~dask_gpupool.dask.distributed_seam.workers.wrap_get_data`) asks for each
 reply: :meth:`Replies.open` makes its :class:`~dask_gpupool.dask.context.Request`
 (the requester, the comm's scheme, why a plain value would be a copy, the
 task events) and decides whether it is serialized on the event loop; the
@@ -78,7 +78,7 @@ INLINE_MAX_VALUES = 8
 
 class WorkerStore(Protocol):
     """What :class:`Replies` reads of a worker's stored values (:class:`~dask_gpupool.dask.distributed_seam.
-    DaskWorkerStore` reads it from distributed's ``Worker``)."""
+    workers.DaskWorkerStore` reads it from distributed's ``Worker``)."""
 
     def values_in_memory(self, keys: Any) -> list[Any] | None:
         """The values of ``keys`` in memory, or ``None`` if one is not there (spilled ones count as not there)."""

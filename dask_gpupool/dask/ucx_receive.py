@@ -10,7 +10,7 @@ is released. dask-cuda's ``rmm_pool_size`` or ``distributed.rmm.pool-size``
 put an RMM pool there; a plain UCX worker has none.
 
 The worker plugin points ``device_array`` at :class:`ReceivePool`
-(:func:`~dask_gpupool.dask.distributed_seam.point_device_array`): an RMM
+(:func:`~dask_gpupool.dask.distributed_seam.workers.point_device_array`): an RMM
 ``PoolMemoryResource`` over ``CudaMemoryResource`` of at most
 :data:`UCX_RECEIVE_POOL` bytes, made on the first frame. A frame that does
 not fit under that ceiling is received as before (counted in

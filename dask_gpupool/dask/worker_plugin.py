@@ -3,7 +3,7 @@
 Installed by the scheduler plugin (:class:`~dask_gpupool.GPUPool`) on every
 worker, present and future. On setup it makes the pool and broker, wraps the
 worker's ``get_data`` handler so that the serializers know which worker asked
-(:func:`~dask_gpupool.dask.distributed_seam.wrap_get_data`, over
+(:func:`~dask_gpupool.dask.distributed_seam.workers.wrap_get_data`, over
 :class:`~dask_gpupool.dask.replies.Replies`) and registers the pool over the
 worker's own batched stream (:class:`~dask_gpupool.dask.registry_member.RegistryMember`,
 which describes the handshake). Teardown undoes all of it. What it patches of
@@ -28,9 +28,9 @@ from dask_gpupool import tuning
 from dask_gpupool.config import PoolOptions
 from dask_gpupool.core import PLUGIN_NAME
 from dask_gpupool.dask import binding, failure_logs, refetch, spilling
-from dask_gpupool.dask import distributed_seam as seam
 from dask_gpupool.dask import ucx_receive as _receive
 from dask_gpupool.dask import worker_setup as decide
+from dask_gpupool.dask.distributed_seam import workers as seam
 from dask_gpupool.dask.frames_family import serializers_for
 from dask_gpupool.dask.registry_member import RegistryMember
 from dask_gpupool.dask.replies import Replies, lease_query_handler

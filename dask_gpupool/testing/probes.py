@@ -200,7 +200,7 @@ def handoff_counters(dask_worker: Worker) -> dict[str, Any]:
 def serialized_inline(keys: list[str], who: str, dask_worker: Worker, scheme: str = "tcp") -> bool:
     """client.run target: whether a ``get_data`` for ``keys`` from ``who`` over a ``scheme`` comm skips Dask's
     offload thread."""
-    from dask_gpupool.dask.distributed_seam import DaskWorkerStore
+    from dask_gpupool.dask.distributed_seam.workers import DaskWorkerStore
     from dask_gpupool.dask.replies import Replies
 
     return Replies(service_of(dask_worker), DaskWorkerStore(dask_worker), dask_worker.rpc).inline(keys, who, scheme)

@@ -9,8 +9,8 @@ import pytest
 from conftest import nanny_cluster
 
 from dask_gpupool import GPUPool
-from dask_gpupool.dask import distributed_seam as seam
 from dask_gpupool.dask import ucx_receive
+from dask_gpupool.dask.distributed_seam import workers as seam
 
 GiB = 1 << 30
 

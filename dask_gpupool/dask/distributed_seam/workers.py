@@ -1,12 +1,12 @@
-"""The module that patches distributed's (and distributed-ucxx's) internals in workers and every server, each with why.
+"""The Dask seam in workers and every server: what the package patches and reads of distributed's (and
+distributed-ucxx's) internals there, each with the public API it stands in for.
 
-Every other module uses public API only (plugins, ``Dispatch.register``, ``register_serialization_family``,
-``Server.rpc``, ``prometheus_client.REGISTRY``). Each ``PATCH`` here names the public API that is missing, and
-``tests/dask/test_distributed_seam.py`` fails when distributed changes what it patches; ``READ`` marks internals
-only read. Sections: a worker's ``get_data`` and values, its comm reads, memory monitor and handlers (put back by
-each ``undo`` path when its plugin is removed); every server's handlers and ``/metrics``; and, in any process at import
-(:mod:`~dask_gpupool.dask.registration`), serializer families and ``copyreg``. What the scheduler plugin does to the
-scheduler is its twin, :mod:`~dask_gpupool.dask.scheduler_seam`, under the same rules.
+Part of :mod:`~dask_gpupool.dask.distributed_seam` (which lists every patch), under its rules: each ``PATCH`` names
+the public API that is missing, ``READ`` marks internals only read, and ``tests/dask/test_distributed_seam.py``
+fails when distributed changes what is used. Sections: a worker's ``get_data`` and values, its comm reads, memory
+monitor and handlers (put back by each ``undo`` path when its plugin is removed); every server's handlers and
+``/metrics``; and, in any process at import (:mod:`~dask_gpupool.dask.registration`), serializer families and
+``copyreg``.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ __all__ = [
     "fill_after_read",
     "pickle_buffers_as_copies",
     "point_device_array",
+    "registered_family",
     "restore_device_array",
     "scope_metrics",
     "set_handlers",
@@ -352,6 +353,14 @@ def count_pickled_copies() -> None:
 
     pickle_dumps.__gpupool__ = True  # type: ignore[attr-defined]
     register_serialization_family("pickle", pickle_dumps, pickle_loads)
+
+
+def registered_family(name: str) -> bool:
+    """Whether a serialization family ``name`` is registered (READ ``distributed.protocol.serialize.families``: no
+    public API tells)."""
+    from distributed.protocol.serialize import families
+
+    return name in families
 
 
 def ensure_first(ensure: Callable[[], None]) -> None:
