@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from dask_gpupool.errors import GPUPoolError, NotAMemberError, ProtocolError
 from dask_gpupool.wire.bind import BIND_OP, BindBound, BindChallenge, BindHello, BindProof, bind_proof
-from dask_gpupool.wire.broker_hello import ErrorReply, raise_for_error
+from dask_gpupool.wire.broker import ErrorReply, raise_for_error
 from dask_gpupool.wire.codec import TOKEN_BYTES
 
 if TYPE_CHECKING:

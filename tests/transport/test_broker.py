@@ -633,7 +633,7 @@ def out_of_step_broker(directory: str) -> Iterator[tuple[str, int]]:
     its address and the fd it sent, whose memory says ``stale``."""
     import threading
 
-    from dask_gpupool.wire.broker_hello import Welcome
+    from dask_gpupool.wire.broker import Welcome
 
     os.mkdir(directory, 0o700)
     address = os.path.join(directory, "broker.sock")
