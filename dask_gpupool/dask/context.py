@@ -33,7 +33,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dask_gpupool.handoff.routing import TCP_SCHEMES, UCX_SCHEMES
+from dask_gpupool.handoff.routes import TCP_SCHEMES, UCX_SCHEMES
 from dask_gpupool.memory.lifetime import QUARANTINE
 
 if TYPE_CHECKING:

@@ -46,7 +46,7 @@ from dask_gpupool.dask.binding import bound_worker, granted_to
 from dask_gpupool.dask.context import SYNCHRONIZING_SCHEMES, Request
 from dask_gpupool.dask.views import described, pool_buffer_of
 from dask_gpupool.errors import NotAMemberError
-from dask_gpupool.handoff.routing import host_of
+from dask_gpupool.handoff.routes import host_of
 from dask_gpupool.wire.broker import ErrorReply, raise_for_error
 from dask_gpupool.wire.broker_leases import MAX_LEASES_PER_MESSAGE
 from dask_gpupool.wire.handoff import LEASE_QUERY_OP, LeaseQuery, LeaseQueryReply

@@ -36,7 +36,7 @@ from dask_gpupool.dask.registry_member import RegistryMember
 from dask_gpupool.dask.replies import Replies, lease_query_handler
 from dask_gpupool.dask.task_events import TaskEvents
 from dask_gpupool.errors import PoolUnavailableError
-from dask_gpupool.handoff.routing import TCP_SCHEMES, UCX_SCHEMES
+from dask_gpupool.handoff.routes import TCP_SCHEMES, UCX_SCHEMES
 from dask_gpupool.handoff.service import PoolService
 from dask_gpupool.handoff.startup import start_service
 from dask_gpupool.ops import metrics as _metrics

@@ -88,7 +88,7 @@ class Forwarder:
         worker's link (:meth:`PeerLink.forward <dask_gpupool.transport.link.PeerLink.forward>`),
         so the memory lives until the requester lets go, whatever this worker
         does. Decided as for the exporter's own buffers
-        (:func:`~dask_gpupool.handoff.routing.route` with the exporter's row).
+        (:func:`~dask_gpupool.handoff.routes.route` with the exporter's row).
         Returns the header, or ``None`` to copy (a same-host fallback is counted).
         """
         decision, owner = self.routes.forward_route(origin, requester, scheme)
