@@ -12,7 +12,7 @@ who it is, once per comm, before Dask uses it (:mod:`dask_gpupool.wire.bind`):
   (:func:`granted_to`); anyone else gets what Dask would send;
 - the binding worker marks its end too: its reads of that comm name the sender
   (:data:`~dask_gpupool.handoff.deferred.SENDER`), and a handoff or stream header is imported only inside such a
-  read (:func:`~dask_gpupool.dask.headers.receive`).
+  read (:func:`~dask_gpupool.dask.dask_family.receive`).
 
 A comm that is not bound (the bind was refused, the peer has no pool, or this worker has no token yet) carries
 what Dask would carry: copies.

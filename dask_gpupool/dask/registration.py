@@ -23,9 +23,9 @@ from cuda.core import Buffer
 from distributed.protocol import dask_deserialize, dask_serialize
 
 from dask_gpupool.dask import cuda_family, dask_family
+from dask_gpupool.dask.dask_family import buffer_from_header
 from dask_gpupool.dask.distributed_seam import workers as seam
 from dask_gpupool.dask.frames_family import FAMILY, FramesFamily
-from dask_gpupool.dask.headers import buffer_from_header
 
 __all__ = ["cupy_dask_serializer", "register_cupy", "register_serializers"]
 

@@ -247,7 +247,7 @@ def replay_import(key: str, sender: str, dask_worker: Worker) -> str:
     from cuda.core import Buffer
     from distributed.protocol import dask_deserialize
 
-    from dask_gpupool.dask.headers import KEY
+    from dask_gpupool.dask.dask_family import KEY
     from dask_gpupool.handoff.deferred import SENDER
     from dask_gpupool.wire.handoff import HandoffHeader
 

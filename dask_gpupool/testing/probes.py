@@ -86,7 +86,7 @@ def deserialize_headers(headers: list[dict[str, Any]], dask_worker: Worker) -> l
     from cuda.core import Buffer
     from distributed.protocol import dask_deserialize
 
-    from dask_gpupool.dask.headers import KEY
+    from dask_gpupool.dask.dask_family import KEY
     from dask_gpupool.errors import GPUPoolError
     from dask_gpupool.handoff.deferred import SENDER
 
