@@ -135,7 +135,7 @@ def receive(header: HandoffHeader, frames: list[Any], need: str, service: PoolSe
     its failures as :func:`data_lost`. ``service``: this process's (``None``: a client).
 
     An ``ipc`` or ``stream`` header is taken only inside a read of a comm this worker bound to the member that
-    answers on it (:data:`~dask_gpupool.handoff.deferred.SENDER`, :mod:`~dask_gpupool.dask.binding`): one that
+    answers on it (:data:`~dask_gpupool.handoff.deferred.SENDER`, :mod:`~dask_gpupool.dask.comms`): one that
     arrives any other way (scattered by a client, in any other message) is refused with
     :class:`~dask_gpupool.errors.NotAMemberError` before anything is mapped or pulled.
     """

@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from dask_gpupool.dask.binding import bound_worker, granted_to
+from dask_gpupool.dask.comms import bound_worker, granted_to
 from dask_gpupool.dask.context import SYNCHRONIZING_SCHEMES, Request
 from dask_gpupool.dask.views import described, pool_buffer_of
 from dask_gpupool.errors import NotAMemberError
@@ -124,7 +124,7 @@ class Replies:
     def open(self, keys: Any, who: str | None, comm: Any, scheme: str, offloads: bool) -> tuple[Request, bool]:
         """The request of a reply of ``keys`` to ``who`` over ``comm`` (of ``scheme``), and whether to serialize it
         on the event loop (``offloads``: the comm allows Dask's offload thread). Leases go to ``who`` only if
-        ``comm`` is bound to it (:func:`~dask_gpupool.dask.binding.granted_to`); otherwise the reply is Dask's own,
+        ``comm`` is bound to it (:func:`~dask_gpupool.dask.comms.granted_to`); otherwise the reply is Dask's own,
         as to a client (a same-host worker's request counted as a fallback: :meth:`_not_granted`)."""
         service, asked_by, who = self.service, who, granted_to(comm, who)
         if who is None and asked_by is not None:
@@ -287,7 +287,7 @@ def lease_query_handler(service: PoolService) -> Callable[..., dict[str, Any]]:
     :class:`~dask_gpupool.errors.ProtocolError` reply, and nothing changes) and answers from the service's releaser.
 
     Only a member asks, about its own leases: the comm must be bound to a worker
-    (:mod:`~dask_gpupool.dask.binding`) whose registry row, when this worker has it, names the broker the query
+    (:mod:`~dask_gpupool.dask.comms`) whose registry row, when this worker has it, names the broker the query
     names; anything else is answered with :class:`~dask_gpupool.errors.NotAMemberError` and changes nothing."""
 
     def lease_query(comm: Any, exporter: Any = None, leases: Any = None) -> dict[str, Any]:

@@ -25,7 +25,7 @@ lives until the last frame made from it is released, even after the plugin
 is removed and ``device_array`` put back. No file descriptor is involved.
 
 The pool gives blocks only to the comm reads the worker watches (its comm-read
-wrapper, :func:`~dask_gpupool.dask.comm_reads.read_then_fill`: the
+wrapper, :func:`~dask_gpupool.dask.comms.read_then_fill`: the
 reads of values from other workers), which tell it how they ended
 (:data:`~dask_gpupool.dask.context.READ_BLOCKS`). The blocks of a read
 that raised (cancelled, or its comm failed) may still be written by UCX: they

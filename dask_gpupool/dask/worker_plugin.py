@@ -27,7 +27,7 @@ from tornado.ioloop import PeriodicCallback
 from dask_gpupool import tuning
 from dask_gpupool.config import PoolOptions
 from dask_gpupool.core import PLUGIN_NAME
-from dask_gpupool.dask import binding, failure_logs, refetch, spilling
+from dask_gpupool.dask import comms, failure_logs, spilling
 from dask_gpupool.dask import ucx_receive as _receive
 from dask_gpupool.dask import worker_setup as decide
 from dask_gpupool.dask.distributed_seam import workers as seam
@@ -199,12 +199,12 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
             )
         replies = Replies(service, self._store, worker.rpc, serializers_for, self._task_events)
         self._get_data = seam.wrap_get_data(worker, replies)
-        self._handlers = {LEASE_QUERY_OP: lease_query_handler(service), binding.BIND_OP: binding.bind_handler(service)}
+        self._handlers = {LEASE_QUERY_OP: lease_query_handler(service), comms.BIND_OP: comms.bind_handler(service)}
         seam.set_handlers(worker, self._handlers)
         seam.count_own_memory_only(worker)
         spilling.count_once(worker.data, service)  # borrowed values cost nothing here; lent ones spill last
-        fetches = refetch.FailedFetches(member.report_lost)  # a key failing from one worker again and again
-        seam.fill_after_read(worker, refetch.counted(functools.partial(binding.bind, service), fetches))
+        fetches = comms.FailedFetches(member.report_lost)  # a key failing from one worker again and again
+        seam.fill_after_read(worker, comms.counted(functools.partial(comms.bind, service), fetches))
         self.service = service
         if gpu_pool and has_cupy:
             # CuPy's serializers at setup rather than lazily inside Dask's first dispatch: registered lazily,

@@ -3,7 +3,7 @@
 A worker that opens a comm to another worker of the registry proves, on that very comm and before Dask uses it,
 that it is a member and which worker it is; the worker it connected to proves the same back. Leases are granted
 only over a bound comm, to the worker it is bound to, and headers are imported only from replies read on one
-(:mod:`dask_gpupool.dask.binding`)::
+(:mod:`dask_gpupool.dask.comms`)::
 
     importer -> exporter   BindHello{op: "gpupool_bind", worker, nonce}       (Dask's RPC op)
     exporter -> importer   BindChallenge{op: "gpupool-bind-challenge", nonce, proof}

@@ -172,7 +172,7 @@ def test_a_receive_pool_block_of_a_read_that_did_not_complete_is_never_given_bac
 
     from distributed.comm import CommClosedError, connect, listen
 
-    from dask_gpupool.dask.comm_reads import read_then_fill
+    from dask_gpupool.dask.comms import read_then_fill
     from dask_gpupool.handoff.stats import HandoffStats
     from dask_gpupool.memory.lifetime import QUARANTINE
 

@@ -5,7 +5,7 @@ Part of :mod:`~dask_gpupool.dask.distributed_seam` (which lists every patch), un
 the public API that is missing, ``READ`` marks internals only read, ``CALL`` a method of the scheduler's that is no
 public API; and ``tests/dask/test_distributed_seam.py`` fails when distributed changes what is used here. Sections:
 the worker plugin (listed for new workers, the message that installs it), tasks erred for a plugin
-(:mod:`~dask_gpupool.dask.refetch`), the ``/gpupool`` page.
+(:mod:`~dask_gpupool.dask.comms`), the ``/gpupool`` page.
 """
 
 from __future__ import annotations

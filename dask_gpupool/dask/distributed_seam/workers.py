@@ -24,7 +24,7 @@ from cuda.core import Buffer
 from distributed.comm import parse_address
 
 from dask_gpupool.dask import dask_family
-from dask_gpupool.dask.comm_reads import read_then_fill, requests_noted
+from dask_gpupool.dask.comms import read_then_fill, requests_noted
 from dask_gpupool.dask.context import REQUEST, Request, clear_tracebacks
 from dask_gpupool.dask.plain_arrays import received_copy
 from dask_gpupool.handoff.active import active_service
@@ -172,11 +172,11 @@ class DaskWorkerStore:
 
 
 def fill_after_read(worker: Worker, bind: Callable[[Any, str], Any] | None = None, *, undo: bool = False) -> None:
-    """Make each comm ``worker`` opens ``bind`` it (:mod:`~dask_gpupool.dask.binding`) and run deferred copies in a
-    thread once a read returns (:func:`~dask_gpupool.dask.comm_reads.read_then_fill`); ``undo=True`` puts Dask's
+    """Make each comm ``worker`` opens ``bind`` it (:mod:`~dask_gpupool.dask.comms`) and run deferred copies in a
+    thread once a read returns (:func:`~dask_gpupool.dask.comms.read_then_fill`); ``undo=True`` puts Dask's
     ``connect`` back. PATCH ``worker.rpc.connect`` and each comm's ``read``: no hook runs on a new comm, nor after a
     read, before Dask sees the message (deserializers run inside it); and its ``write``, which notes the keys a
-    ``get_data`` request asks for (:func:`~dask_gpupool.dask.comm_reads.requests_noted`): nothing tells a read which
+    ``get_data`` request asks for (:func:`~dask_gpupool.dask.comms.requests_noted`): nothing tells a read which
     request it answers. ``bind`` (``bind(comm, peer)``) runs each time Dask hands a comm out."""
     rpc = getattr(worker, "rpc", None)
     current = getattr(rpc, "connect", None)
@@ -191,7 +191,7 @@ def fill_after_read(worker: Worker, bind: Callable[[Any, str], Any] | None = Non
 
     async def connect(addr: str, timeout: float | None = None) -> Any:
         comm = await current(addr, timeout)
-        bind is None or await bind(comm, addr)  # binding.bind: once per comm
+        bind is None or await bind(comm, addr)  # comms.bind: once per comm
         if not getattr(comm.read, "gpupool_fills", False):  # kept after undo: without copies it does nothing
             comm.read = read_then_fill(comm, comm.read, addr)
             comm.write = requests_noted(comm, comm.write)
