@@ -18,10 +18,9 @@ from __future__ import annotations
 import logging
 
 from dask_gpupool.errors import GPUPoolError
-from dask_gpupool.handoff.imported import Origin
+from dask_gpupool.handoff.imported import Origin, Releaser
 from dask_gpupool.handoff.links import ExporterLinks
 from dask_gpupool.handoff.registry import RegistryView
-from dask_gpupool.handoff.releaser import Releaser
 from dask_gpupool.handoff.routes import Routes
 from dask_gpupool.handoff.stats import HandoffStats
 from dask_gpupool.memory.pool import Pool
@@ -120,7 +119,7 @@ class Forwarder:
 
         An exporter that cannot be reached now is told once a link to it
         opens again (:meth:`Releaser.settle_later
-        <dask_gpupool.handoff.releaser.Releaser.settle_later>`): until then it
+        <dask_gpupool.handoff.imported.Releaser.settle_later>`): until then it
         keeps the leases, and their memory.
         """
         by_exporter: dict[str, list[int]] = {}

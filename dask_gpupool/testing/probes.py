@@ -243,7 +243,7 @@ def broker_barrier(dask_worker: Worker) -> None:
 
 def settles_waiting(dask_worker: Worker) -> int:
     """client.run target: forwarded leases whose settle this worker could not send, kept until a link to their
-    exporter opens again (:meth:`~dask_gpupool.handoff.releaser.Releaser.settle_later`)."""
+    exporter opens again (:meth:`~dask_gpupool.handoff.imported.Releaser.settle_later`)."""
     releaser = service_of(dask_worker).importer.releaser
     with releaser._cond:
         return sum(len(entry.settled) for entry in releaser._retry.values())
