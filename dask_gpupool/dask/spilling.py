@@ -30,7 +30,7 @@ from zict.common import nodefault
 from dask_gpupool.dask.views import pool_buffer_of
 from dask_gpupool.handoff.active import active_service
 from dask_gpupool.handoff.imported import ImportedMemoryResource
-from dask_gpupool.memory.peer_resident import drop_peer_pages
+from dask_gpupool.memory.lifetime import drop_peer_pages
 
 if TYPE_CHECKING:
     from distributed.worker_memory import WorkerMemoryManager
@@ -235,7 +235,7 @@ def borrowed_pages_check(memory: WorkerMemoryManager) -> Callable[[], None] | No
     holding more borrowed bytes than its limit would be killed for memory that is not its own, where plain Dask
     spills. Past ``memory_limit`` times the lowest of the ``target``, ``spill``, ``pause`` and ``terminate``
     fractions, the check drops the pages of every peer pool mapped here from this process's page tables
-    (:func:`~dask_gpupool.memory.peer_resident.drop_peer_pages`: nothing copied or freed, a read faults them back).
+    (:func:`~dask_gpupool.memory.lifetime.drop_peer_pages`: nothing copied or freed, a read faults them back).
 
     Parameters
     ----------

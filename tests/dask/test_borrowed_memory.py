@@ -157,7 +157,7 @@ def _resident(dask_worker: Any) -> dict[str, Any]:
     pages, and the worker's status."""
     import psutil
 
-    from dask_gpupool.memory.peer_resident import peer_resident_bytes
+    from dask_gpupool.memory.lifetime import peer_resident_bytes
 
     return {
         "rss": psutil.Process().memory_info().rss,

@@ -28,7 +28,7 @@ from dask_gpupool.dask.comms import read_then_fill, requests_noted
 from dask_gpupool.dask.context import REQUEST, Request, clear_tracebacks
 from dask_gpupool.dask.plain_arrays import received_copy
 from dask_gpupool.handoff.active import active_service
-from dask_gpupool.memory.peer_resident import peer_resident_bytes
+from dask_gpupool.memory.lifetime import peer_resident_bytes
 from dask_gpupool.ops import metrics
 
 if TYPE_CHECKING:
@@ -203,7 +203,7 @@ def fill_after_read(worker: Worker, bind: Callable[[Any, str], Any] | None = Non
 
 def count_own_memory_only(worker: Worker, *, undo: bool = False) -> None:
     """Make the process memory Dask reads for ``worker`` leave out the pages of peer pools it maps
-    (:func:`~dask_gpupool.memory.peer_resident.peer_resident_bytes`); ``undo=True`` puts Dask's own method back.
+    (:func:`~dask_gpupool.memory.lifetime.peer_resident_bytes`); ``undo=True`` puts Dask's own method back.
 
     PATCH ``worker.monitor.get_process_memory``: Dask takes the process's ``rss`` (pause threshold, spilling, what
     the dashboard shows) with no way to discount pages the process maps but does not own (the kernel counts a shared
