@@ -4,7 +4,7 @@ deserializers left before Dask sees the message, and stops fetching a key that f
 **Bound comms: who gets leases, and whose replies are imported.** Dask's ``get_data`` names the requester in the
 request (``who``), and any process that can reach a worker can send one: a client naming a worker would have been
 granted that worker's leases. So the process on the comm proves who it is, once per comm, before Dask uses it
-(:mod:`dask_gpupool.wire.bind`):
+(:mod:`dask_gpupool.wire.broker`):
 
 - a worker that opens a comm to a worker of its registry binds it (:func:`bind`, from the ``rpc.connect`` wrap of
   :func:`~dask_gpupool.dask.distributed_seam.workers.fill_after_read`); Dask pools comms, so this costs two small
@@ -70,8 +70,16 @@ from dask_gpupool.dask.distributed_seam import scheduler as scheduler_seam
 from dask_gpupool.errors import DataLostError, GPUPoolError, NotAMemberError, ProtocolError
 from dask_gpupool.handoff.deferred import SENDER, abandon_all, collecting, resolve, run_fills
 from dask_gpupool.memory.lifetime import QUARANTINE
-from dask_gpupool.wire.bind import BIND_OP, BindBound, BindChallenge, BindHello, BindProof, bind_proof
-from dask_gpupool.wire.broker import ErrorReply, raise_for_error
+from dask_gpupool.wire.broker import (
+    BIND_OP,
+    BindBound,
+    BindChallenge,
+    BindHello,
+    BindProof,
+    ErrorReply,
+    bind_proof,
+    raise_for_error,
+)
 from dask_gpupool.wire.codec import TOKEN_BYTES
 
 if TYPE_CHECKING:
@@ -168,7 +176,7 @@ async def bind(service: PoolService, comm: Any, peer: str) -> bool:
 
 
 def bind_handler(service: PoolService) -> Callable[..., Awaitable[dict[str, Any]]]:
-    """The handler of :data:`~dask_gpupool.wire.bind.BIND_OP` on a worker: answers a peer's bind on the comm it
+    """The handler of :data:`~dask_gpupool.wire.broker.BIND_OP` on a worker: answers a peer's bind on the comm it
     came on (a challenge, then its proof, within ``broker-timeout``), and marks that comm as bound to the peer. A
     process without the token (a client) is answered with :class:`~dask_gpupool.errors.NotAMemberError`; the comm
     stays as it was, unbound."""
