@@ -22,7 +22,7 @@ entry point Dask or UCX calls, which passes it on as a parameter:
 
 Everything else a serializer decides with is passed to it: the serializer Dask calls reads the ContextVar once
 and hands the :class:`Request` (or ``None``) to every helper. Deserializers find the worker's service with
-:func:`~dask_gpupool.handoff.active.active_service` (process-wide: a deserializer also runs in reads no wrapper
+:func:`~dask_gpupool.handoff.registry.active_service` (process-wide: a deserializer also runs in reads no wrapper
 sees, such as a handler's).
 """
 

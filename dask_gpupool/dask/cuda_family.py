@@ -60,8 +60,8 @@ from dask_gpupool.dask.ucx_host_frames import (
 )
 from dask_gpupool.dask.views import VIEWS, c_strides, device_of, viewed_buffer
 from dask_gpupool.errors import DataLostError, ProtocolError
-from dask_gpupool.handoff.active import active_service
 from dask_gpupool.handoff.deferred import SENDER
+from dask_gpupool.handoff.registry import active_service
 from dask_gpupool.memory.buffers import copy_to_host
 from dask_gpupool.memory.ucx_staging import UcxStaging
 from dask_gpupool.wire.handoff import ArrayMeta

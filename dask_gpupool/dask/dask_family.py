@@ -48,8 +48,8 @@ from dask_gpupool.dask.context import REQUEST, Request, clear_tracebacks
 from dask_gpupool.dask.plain_arrays import plain, received_copy, sent_as_copy
 from dask_gpupool.dask.views import VIEWS, as_array, c_strides, described, read_only, viewed_buffer
 from dask_gpupool.errors import DataLostError, NotAMemberError, PoolUnavailableError, ProtocolError
-from dask_gpupool.handoff.active import active_service, active_services
 from dask_gpupool.handoff.deferred import SENDER
+from dask_gpupool.handoff.registry import active_service, active_services
 from dask_gpupool.memory.buffers import buffer_kind, copy_to_host, host_buffer
 from dask_gpupool.wire.handoff import HEADER_KEY, ArrayMeta, HandoffHeader
 

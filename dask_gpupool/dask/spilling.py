@@ -28,8 +28,8 @@ import zict
 from zict.common import nodefault
 
 from dask_gpupool.dask.views import pool_buffer_of
-from dask_gpupool.handoff.active import active_service
 from dask_gpupool.handoff.imported import ImportedMemoryResource
+from dask_gpupool.handoff.registry import active_service
 from dask_gpupool.memory.lifetime import drop_peer_pages
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ class CountOnceLRU(zict.LRU[Any, Any]):
         ``(key, value) -> bytes`` of a value this worker owns (Dask's ``sizeof``).
     service : PoolService, optional
         The worker's pool service, whose leases say what is lent; default: this process's
-        (:func:`~dask_gpupool.handoff.active.active_service`), read at each eviction.
+        (:func:`~dask_gpupool.handoff.registry.active_service`), read at each eviction.
 
     Notes
     -----

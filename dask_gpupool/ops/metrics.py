@@ -99,7 +99,7 @@ def serving(role: str, address: str) -> Iterator[None]:
 def _worker_metrics() -> Iterator[Any]:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-    from dask_gpupool.handoff.active import active_services
+    from dask_gpupool.handoff.registry import active_services
     from dask_gpupool.handoff.stats import FALLBACK_REASONS
 
     every = active_services()

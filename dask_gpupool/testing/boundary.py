@@ -110,7 +110,7 @@ def unreceivable(nbytes: int) -> Unreceivable:
 
 def _lying_header(x: Unreceivable) -> tuple[dict[str, Any], list[Any]]:
     from dask_gpupool.dask.dask_family import KEY
-    from dask_gpupool.handoff.active import active_service
+    from dask_gpupool.handoff.registry import active_service
     from dask_gpupool.wire.handoff import BufferDescriptor, HandoffHeader
 
     service = active_service()

@@ -27,7 +27,7 @@ from dask_gpupool.dask import dask_family
 from dask_gpupool.dask.comms import read_then_fill, requests_noted
 from dask_gpupool.dask.context import REQUEST, Request, clear_tracebacks
 from dask_gpupool.dask.plain_arrays import received_copy
-from dask_gpupool.handoff.active import active_service
+from dask_gpupool.handoff.registry import active_service
 from dask_gpupool.memory.lifetime import peer_resident_bytes
 from dask_gpupool.ops import metrics
 
