@@ -196,3 +196,30 @@ def test_one_peer_pins_at_most_half_a_pool_and_a_full_pool_names_who_holds_it(cl
     finally:
         del ys
     wait_for(lambda: counters(client, a)[a]["leases"] == 0, what="B's leases on A to end")
+
+
+def test_a_comm_is_bound_once_and_later_handoffs_on_it_ask_no_bind(client):
+    """A comm between members is bound on its first use; later ``get_data`` requests on it (which note their keys on
+    the comm) do not make the consumer bind it again: a handoff costs one Dask round trip, not a bind besides."""
+    a, b = worker_addresses(client)
+    warm_up(client, a, b)
+
+    def count_binds(dask_worker: Any) -> None:
+        handler = dask_worker.handlers["gpupool_bind"]
+        dask_worker._gpupool_binds = 0
+
+        async def counting(*args: Any, **kwargs: Any) -> Any:
+            dask_worker._gpupool_binds += 1
+            return await handler(*args, **kwargs)
+
+        dask_worker.handlers["gpupool_bind"] = counting
+
+    def binds(dask_worker: Any) -> int:
+        return dask_worker._gpupool_binds
+
+    client.run(count_binds, workers=[a])
+    for i in range(5):
+        x = client.submit(T.make_buffer, MiB, b"%d" % i, workers=[a], pure=False)
+        assert client.submit(T.head, x, 1, workers=[b], pure=False).result() == b"%d" % i
+        del x
+    assert client.run(binds, workers=[a])[a] <= 1
