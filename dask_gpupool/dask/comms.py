@@ -213,7 +213,7 @@ def bind_handler(service: PoolService) -> Callable[..., Awaitable[dict[str, Any]
 
 
 #: The attribute of a comm holding the keys of the ``get_data`` request its next read answers.
-_ASKED = "_gpupool_asked"
+_REQUESTED = "_gpupool_requested"
 #: The attribute of a comm holding the :class:`FailedFetches` its reads report to.
 _FETCHES = "_gpupool_fetches"
 
@@ -225,7 +225,7 @@ def requests_noted(comm: Any, write: Any) -> Any:
 
     async def write_noting(msg: Any, *args: Any, **kwargs: Any) -> Any:
         if isinstance(msg, dict) and msg.get("op") == "get_data":
-            setattr(comm, _ASKED, tuple(msg.get("keys") or ()))
+            setattr(comm, _REQUESTED, tuple(msg.get("keys") or ()))
         return await write(msg, *args, **kwargs)
 
     return write_noting
@@ -261,9 +261,9 @@ def read_then_fill(comm: Any, read: Any, sender: str) -> Any:
     """
 
     async def read_then_fill(deserializers: Any = None) -> Any:
-        asked: tuple[Any, ...] = getattr(comm, _ASKED, ())  # a get_data reply's keys, or none
+        asked: tuple[Any, ...] = getattr(comm, _REQUESTED, ())  # a get_data reply's keys, or none
         if asked:
-            setattr(comm, _ASKED, ())
+            setattr(comm, _REQUESTED, ())
         pending: list[Any] = []
         token = SENDER.set(sender if bound_worker(comm) == sender else None)  # who answers, proven by its bind
         blocks = ReadBlocks()
