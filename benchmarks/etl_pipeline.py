@@ -3,10 +3,11 @@
 The example's tasks are plain NumPy (CuPy on a GPU) code; with the plugin registered, a chunk another worker asks
 for is staged into the producer's pool and handed over. Each round starts a fresh cluster per method (``plain``:
 no plugin; ``gpupool``: ``GPUPool`` as the example registers it), the order alternating round by round, and runs
-the pipeline ``--repeats`` times after one warm-up. Per run: each stage's time and the total, the bytes Dask moved
+the pipeline ``--repeats`` times after one warm-up. Per run: each stage's time and their sum, the bytes Dask moved
 between the workers (the sum of their ``transfer_incoming_log`` totals), of which the plugin handed over zero-copy
 (its ``zero_copy_bytes``); the rest were copied. Medians per round, then the median over rounds (with their
-min-max), and the pair ratio of each round (plugin ÷ plain). JSON to ``benchmarks/results/etl_pipeline-*.json``::
+min-max), and the pair ratio of each round (plugin ÷ plain); with the plugin, where its handoffs' time went
+(``timings``, as ``benchmarks/workloads.py`` prints them). JSON to ``benchmarks/results/etl_pipeline-*.json``::
 
     python benchmarks/etl_pipeline.py [--size 64MiB] [--chunks 16] [--workers 3] [--rounds 3] [--repeats 3]
 """
@@ -20,14 +21,13 @@ import os
 import platform
 import statistics
 import sys
-import time
 from typing import Any
 
 import dask
 from dask.utils import format_bytes, parse_bytes
 
 sys.path.insert(0, os.path.dirname(__file__))
-import handoff as H  # benchmarks/handoff.py: machine, save_json
+import handoff as H  # benchmarks/handoff.py: machine, save_json, steps_since, steps_line
 
 import dask_gpupool
 from dask_gpupool.memory.topology import local_devices
@@ -58,10 +58,11 @@ def one_cluster(etl: Any, method: str, args: argparse.Namespace, lib: str, worke
         with cl, client:
             for i in range(args.repeats + 1):
                 moved = sum(client.run(_transferred).values())
-                t0 = time.perf_counter()
+                stats = dask_gpupool.stats(client) if plugin is not None else {}
                 r = etl.run(client, size, args.chunks, lib, plugin is not None)
-                total = time.perf_counter() - t0
+                total = sum(r["stages"].values())  # the pipeline's own time: reading the counters is not timed
                 moved = sum(client.run(_transferred).values()) - moved
+                steps = H.steps_since(stats, dask_gpupool.stats(client)) if plugin is not None else {}
                 if i:  # the first is a warm-up
                     runs.append(
                         {
@@ -71,8 +72,11 @@ def one_cluster(etl: Any, method: str, args: argparse.Namespace, lib: str, worke
                             "moved_bytes": moved,
                             "zero_copy_bytes": r["zero_copy_bytes"],
                             "copied_bytes": max(moved - r["zero_copy_bytes"], 0),
+                            "timings": steps,
                         }
                     )
+    if plugin is not None:
+        print(f"   steps of the last run: {H.steps_line(runs[-1]['timings'])}", flush=True)
     return runs
 
 

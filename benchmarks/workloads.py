@@ -63,6 +63,7 @@ import dask.array as da
 from distributed import wait
 from handoff import (  # benchmarks/handoff.py (this directory is on sys.path when run as a script)
     cluster,
+    machine,
     results_dirs,
     save_json,
     steps_line,
@@ -505,7 +506,8 @@ def main() -> None:
         if ref["workload"] == r["workload"]
     )
     print("values agree across methods" if agree else "VALUES DIFFER between methods")
-    out = {"host": platform.node(), "gpus": gpus, "args": vars(args), "rows": rows}
+    out = {"host": platform.node(), "machine": {**machine(), "cpus": os.cpu_count()}, "gpus": gpus, "args": vars(args)}
+    out["rows"] = rows
     stamp = time.strftime("%Y%m%d-%H%M%S")
     save_json("workloads", out, stamp)
     for d in results_dirs():
