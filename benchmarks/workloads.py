@@ -38,13 +38,14 @@ JSON); or ``-inline-ab``: the same with replies of device values and staged CuPy
 CuPy arrays in UCX replies as one host frame (``dask_gpupool.tuning.UCX_HOST_FRAME_THRESHOLD`` at its value, ``on``)
 or as device frames (``off``); or ``-receive-ab``: device frames received into the plugin's UCX receive pool (``on``,
 :mod:`dask_gpupool.dask.ucx_receive`) or as distributed-ucxx does by itself (``off``). Layouts on a
-GPU machine: ``two-per-gpu`` and ``one-per-gpu``; two workers without a GPU.
+GPU machine: ``two-per-gpu`` and ``one-per-gpu``; ``--workers`` (two) workers without a GPU.
 
 JSON rows ``{workload, layout, method, median_s, copied_bytes, ...}`` go to
 ``benchmarks/results/workloads-*.json`` (and ``$OUT``)::
 
     python benchmarks/workloads.py [--n 8192] [--chunk 2048] [--repeats 3] [--rounds 2]
         [--methods tcp,ucxx,gpupool] [--layouts two-per-gpu,one-per-gpu] [--workloads matmul,rechunk]
+        [--workers 2]
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ import dask.array as da
 from distributed import wait
 from handoff import (  # benchmarks/handoff.py (this directory is on sys.path when run as a script)
     cluster,
+    machine,
     results_dirs,
     save_json,
     steps_line,
@@ -179,9 +181,10 @@ def _bare(dask_worker: Any = None) -> None:
             plugin._push.stop()
 
 
-def layouts(gpus: int) -> dict[str, list[dict[str, Any]]]:
+def layouts(gpus: int, cpu_workers: int = 2) -> dict[str, list[dict[str, Any]]]:
+    """Worker specs by layout name: ``cpu_workers`` workers without a GPU, or two per GPU and one per GPU."""
     if gpus == 0:
-        return {"cpu": [{}, {}]}
+        return {"cpu": [{} for _ in range(cpu_workers)]}
     order = list(range(gpus))
     rotated = [",".join(map(str, order[i:] + order[:i])) for i in range(gpus)]
     out = {"two-per-gpu": [{"env": {"CUDA_VISIBLE_DEVICES": r}} for r in rotated for _ in range(2)]}
@@ -422,6 +425,7 @@ def main() -> None:
     )
     p.add_argument("--methods", default="tcp,ucxx,gpupool,ucxx+gpupool")
     p.add_argument("--layouts", default="", help="comma-separated (default: all for this machine)")
+    p.add_argument("--workers", type=int, default=2, help="workers of one thread each without a GPU")
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument(
         "--placement",
@@ -443,7 +447,7 @@ def main() -> None:
     unknown = set(todo) - set(WORKLOADS)
     if unknown:
         p.error(f"unknown workloads {sorted(unknown)}; known: {', '.join(WORKLOADS)}")
-    places = layouts(gpus)
+    places = layouts(gpus, args.workers)
     if args.layouts:
         places = {k: v for k, v in places.items() if k in args.layouts.split(",")}
     methods = [m for m in args.methods.split(",") if m]
@@ -502,7 +506,8 @@ def main() -> None:
         if ref["workload"] == r["workload"]
     )
     print("values agree across methods" if agree else "VALUES DIFFER between methods")
-    out = {"host": platform.node(), "gpus": gpus, "args": vars(args), "rows": rows}
+    out = {"host": platform.node(), "machine": {**machine(), "cpus": os.cpu_count()}, "gpus": gpus, "args": vars(args)}
+    out["rows"] = rows
     stamp = time.strftime("%Y%m%d-%H%M%S")
     save_json("workloads", out, stamp)
     for d in results_dirs():

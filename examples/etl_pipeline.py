@@ -2,10 +2,11 @@
 
 Stages: **generate** (random values and integer keys), **transform**
 (pairs of chunks merged, then elementwise), **reduce by key** (per-chunk sums by key, combined across
-chunks), **combine** (join-like: every value meets the per-key table). Each
-stage's chunks are placed in the worker's pool (``dask_gpupool.to_pool``), so a chunk that
-another worker on the host needs is handed over zero-copy; without the plugin
-the same graph runs on plain Dask.
+chunks), **combine** (join-like: every value meets the per-key table). The
+tasks are plain NumPy or CuPy code: with the plugin registered, a chunk that
+another worker on the host asks for is copied into the producer's pool and
+handed over zero-copy (from :func:`dask_gpupool.tuning.stage_threshold`); without the plugin the
+same graph runs on plain Dask.
 
 CuPy chunks on GPU pools when GPUs are visible (``--layout shared``: all
 workers on GPU 0; ``--layout per-gpu``: one worker per GPU; ``--layout
@@ -53,20 +54,19 @@ def generate(block: Any, lib: str, block_info: Any = None) -> Any:
         import cupy
 
         data = cupy.asarray(data)
-    return dask_gpupool.to_pool(data)
+    return data
 
 
 def transform(block: Any) -> Any:
     """Stage 2: values * 2 + 1 (keys unchanged)."""
     xp = xp_of(block)
-    out = xp.stack([block[0] * 2 + 1, block[1]])
-    return dask_gpupool.to_pool(out)
+    return xp.stack([block[0] * 2 + 1, block[1]])
 
 
 def partial_sums(block: Any) -> Any:
     """Stage 3a: per-key sums of one chunk, shape (1, KEYS)."""
     xp = xp_of(block)
-    return dask_gpupool.to_pool(xp.bincount(block[1].astype("i8"), weights=block[0], minlength=KEYS)[None, :])
+    return xp.bincount(block[1].astype("i8"), weights=block[0], minlength=KEYS)[None, :]
 
 
 def add_tables(*tables: Any) -> Any:
@@ -74,12 +74,12 @@ def add_tables(*tables: Any) -> Any:
     total = tables[0].copy()
     for t in tables[1:]:
         total += t
-    return dask_gpupool.to_pool(total)
+    return total
 
 
 def combine(block: Any, table: Any) -> Any:
     """Stage 4: every value divided by its key's total (a join on the key)."""
-    return dask_gpupool.to_pool(block[0] / table[0][block[1].astype("i8")])
+    return block[0] / table[0][block[1].astype("i8")]
 
 
 def total_of(block: Any) -> float:

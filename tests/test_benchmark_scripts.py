@@ -101,3 +101,16 @@ def test_ucx_pairs_summarizes_each_ab_variant_against_the_last_pair_by_pair():
     again = [{**r, "run": 1} for r in rows[:2]] + [{**row("on", "w2", "w0", False, 0.0040), "run": 1}]
     (second,) = [s for s in ab_summary(rows + again, "m-ab", ["on", "off"], run=1) if not s["same_host"]]
     assert second["pairs"] == 1 and second["at_or_below"] == 0 and abs(second["ratio"] - 1.5) < 1e-12
+
+
+def test_etl_pipeline_compares_the_example_with_and_without_the_plugin(tmp_path):
+    """``etl_pipeline.py`` runs ``examples/etl_pipeline.py`` on a cluster without the plugin and one with it: both
+    compute the same values, the plugin's run hands its chunks over zero-copy and plain Dask's copies them."""
+    args = ["--size", "8MiB", "--chunks", "4", "--workers", "2", "--rounds", "1", "--repeats", "1"]
+    out = _run("etl_pipeline.py", args, tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "values agree" in out.stdout
+    summary = _rows(tmp_path, "etl_pipeline")["summary"]
+    assert summary["gpupool"]["zero_copy_bytes"]["median"] > 0
+    assert summary["plain"]["zero_copy_bytes"]["median"] == 0 and summary["plain"]["copied_bytes"]["median"] > 0
+    assert set(summary["plain"]) >= {"generate", "transform", "reduce by key", "combine", "total_s"}
