@@ -191,3 +191,44 @@ def test_a_borrowers_resident_memory_leaves_out_the_borrowed_pages_past_its_spil
         del xs, ys
         wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="B's leases to end")
         back_to(c, baseline)
+
+
+def _own_pool(dask_worker: Any) -> dict[str, Any]:
+    """client.run target: this worker's ``rss``, its pool's resident bytes and bytes in live buffers, its status."""
+    import psutil
+
+    from dask_gpupool.handoff.active import active_service
+
+    service = active_service()
+    assert service is not None and service.pool.shared_host is not None
+    attributes = service.pool.shared_host.attributes
+    return {
+        "rss": psutil.Process().memory_info().rss,
+        "resident": attributes.reserved_mem_current,
+        "used": attributes.used_mem_current,
+        "status": str(dask_worker.status),
+    }
+
+
+def test_a_worker_past_its_spill_threshold_gives_its_pools_free_pages_back():
+    """A (limit 256 MiB, spill at 70%) wrote and freed 160 MiB of its pool: freed pages stay resident (for the next
+    buffer there), which puts A's ``rss`` past 179 MiB with nothing Dask can spill, so Dask would pause A or spill its
+    values to disk while its pool holds memory no value uses. A gives those pages back instead: its ``rss`` goes under
+    the threshold, it does not pause, and its pool still hands out zeroed-then-written buffers."""
+    memory = {"target": False, "spill": 0.7, "pause": 0.8, "terminate": False}
+    limited = {"memory_limit": "256 MiB", "config": {f"distributed.worker.memory.{k}": v for k, v in memory.items()}}
+    pool = GPUPool(kind="host", max_size="512 MiB")
+    with dask.config.set(NO_TERMINATE), nanny_cluster([limited, {}], pool) as c:
+        a, b = worker_addresses(c)
+        baseline = warm_up(c, a, b)
+        c.submit(T.scribble_all, 160 * MiB, 7, workers=[a], pure=False).result()
+        threshold = int(0.7 * 256 * MiB)
+        wait_for(lambda: c.run(_own_pool, workers=[a])[a]["rss"] < threshold, what="A's rss under its threshold")
+        seen = c.run(_own_pool, workers=[a])[a]
+        assert seen["resident"] < 16 * MiB and seen["status"] == "Status.running", seen
+        x = c.submit(T.make_array, 4 * MiB, workers=[a], pure=False)
+        assert c.submit(T.total, x, workers=[b], pure=False).result() == float(sum(range(4 * MiB)))
+        assert c.run(T.spilled_bytes, workers=[a])[a] == {}
+        del x
+        wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="B's lease to end")
+        back_to(c, baseline)
