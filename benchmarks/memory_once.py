@@ -72,6 +72,25 @@ def _dask_accounting(dask_worker: Any) -> None:
         pages.stop()
 
 
+def _watch_evictions(dask_worker: Any) -> None:
+    """client.run target: tally the bytes of borrowed values the worker's spill buffer evicts (to disk)."""
+    from dask.sizeof import sizeof
+
+    from dask_gpupool.dask.spilling import borrowed
+
+    dask_worker.memory_once_borrowed_spilled = 0
+
+    def evicted(key: Any, value: Any) -> None:
+        if borrowed(value):
+            dask_worker.memory_once_borrowed_spilled += sizeof(value)
+
+    dask_worker.data.fast.on_evict.append(evicted)
+
+
+def _borrowed_spilled(dask_worker: Any) -> int:
+    return int(getattr(dask_worker, "memory_once_borrowed_spilled", 0))
+
+
 def _disk_written(dask_worker: Any) -> int:
     metrics = getattr(dask_worker.data, "cumulative_metrics", {})
     return int(metrics.get(("disk-write", "bytes"), 0))
@@ -262,6 +281,7 @@ def run_one(workload: str, method: str, n_workers: int, args: argparse.Namespace
         )
         if workload == "pipeline":
             client.compute(pipeline_input(4 * args.pipeline_chunk, args.pipeline_chunk).sum()).result()
+        client.run(_watch_evictions)
         restarts_before = len(client.get_events("worker-restart-memory"))
         sampler = Sampler(client)
         sampler.start()
@@ -302,6 +322,7 @@ def run_one(workload: str, method: str, n_workers: int, args: argparse.Namespace
         sampler.stop.set()
         sampler.join()
         spilled = client.run(_disk_written)
+        borrowed_spilled = client.run(_borrowed_spilled)
         restarts = client.get_events("worker-restart-memory")[restarts_before:]
         del futures
     peak, base = sampler.peak, sampler.baseline
@@ -320,6 +341,7 @@ def run_one(workload: str, method: str, n_workers: int, args: argparse.Namespace
         "baseline_parts": _parts(base, workers),
         "peak_rss_bytes": [sampler.peak_rss.get(w, 0) for w in workers],
         "spilled_bytes": [spilled.get(w, 0) for w in workers],
+        "borrowed_spilled_bytes": [borrowed_spilled.get(w, 0) for w in workers],
         "paused_s": round(sampler.paused_s, 2),
         "restarts": len(restarts),
         "wall_s": round(wall, 3),
@@ -371,7 +393,8 @@ def main() -> None:
                 f"peak host {format_bytes(row['peak_host_bytes']):>10s} "
                 f"(+{format_bytes(row['added_host_bytes'])}, {row['added_host_bytes'] / row['value_bytes']:.2f}x)  "
                 f"peak rss {' '.join(format_bytes(r) for r in row['peak_rss_bytes'])}  "
-                f"spilled {' '.join(format_bytes(s) for s in row['spilled_bytes'])}  "
+                f"spilled {' '.join(format_bytes(s) for s in row['spilled_bytes'])} "
+                f"(borrowed {' '.join(format_bytes(s) for s in row['borrowed_spilled_bytes'])})  "
                 f"paused {row['paused_s']} s  restarts {row['restarts']}  wall {row['wall_s']} s  "
                 f"values {'right' if row['values_right'] else 'WRONG or lost'}",
                 flush=True,
