@@ -227,20 +227,29 @@ def count_plainly(data: Any) -> None:
             part.weight = fast.owned_weight
 
 
-def borrowed_pages_check(memory: WorkerMemoryManager) -> Callable[[], None] | None:
-    """What keeps peers' pages out of this process's resident memory past the first threshold Dask acts on.
+def borrowed_pages_check(
+    memory: WorkerMemoryManager, trim: Callable[[], int] | None = None
+) -> Callable[[], None] | None:
+    """What keeps pool pages that no value of this worker uses out of its resident memory past the first threshold
+    Dask acts on.
 
     A borrower that read a borrowed value has its pages in its ``rss`` (the kernel counts a shared page in every
     process that touched it), which the nanny compares with ``memory_limit`` to restart the worker: a worker
     holding more borrowed bytes than its limit would be killed for memory that is not its own, where plain Dask
-    spills. Past ``memory_limit`` times the lowest of the ``target``, ``spill``, ``pause`` and ``terminate``
-    fractions, the check drops the pages of every peer pool mapped here from this process's page tables
-    (:func:`~dask_gpupool.memory.peer_resident.drop_peer_pages`: nothing copied or freed, a read faults them back).
+    spills. And a ``host`` pool keeps the pages of freed buffers resident (the next buffer there is written without
+    page faults): memory no value uses, which Dask's memory manager reads as this worker's and answers by spilling
+    values to disk or pausing. Past ``memory_limit`` times the lowest of the ``target``, ``spill``, ``pause`` and
+    ``terminate`` fractions, the check drops the pages of every peer pool mapped here from this process's page
+    tables (:func:`~dask_gpupool.memory.peer_resident.drop_peer_pages`: nothing copied or freed, a read faults them
+    back) and gives this worker's pool's free pages back to the OS (``trim``).
 
     Parameters
     ----------
     memory : distributed.worker_memory.WorkerMemoryManager
         The worker's (``worker.memory_manager``): its ``memory_limit`` and fractions.
+    trim : callable, optional
+        Gives this worker's pool's free pages back (:meth:`SharedHostMemoryResource.trim
+        <dask_gpupool.memory.host.SharedHostMemoryResource.trim>` of a ``host`` pool); ``None``: none to give.
 
     Returns
     -------
@@ -262,5 +271,7 @@ def borrowed_pages_check(memory: WorkerMemoryManager) -> Callable[[], None] | No
         # No smaps read first (tens of ms with large mappings): advising ranges with few pages resident is cheap.
         if process.memory_info().rss > threshold:
             drop_peer_pages()
+            if trim is not None and process.memory_info().rss > threshold:
+                trim()
 
     return check

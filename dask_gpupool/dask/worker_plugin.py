@@ -94,7 +94,8 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
     _get_data: Any
     _handlers: dict[str, Any]
     _push: PeriodicCallback | None
-    #: Keeps peers' pages out of this process's resident memory (:func:`.spilling.borrowed_pages_check`).
+    #: Keeps peers' pages and its pool's free pages out of this process's resident memory
+    #: (:func:`.spilling.borrowed_pages_check`).
     _pages: PeriodicCallback | None
     #: ``(comm module, pool, previous device_array)`` while distributed-ucxx receives into the receive pool.
     _receive: tuple[Any, _receive.ReceivePool, Any] | None
@@ -223,8 +224,9 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
             seam.scope_metrics(worker, "worker")
         self._push = PeriodicCallback(member.push_stats, STATS_INTERVAL * 1000)
         self._push.start()
-        pages = spilling.borrowed_pages_check(worker.memory_manager)
-        if pages is not None and service.pool.kind == "host":  # peers' host pools mapped here
+        host = service.pool.shared_host
+        pages = spilling.borrowed_pages_check(worker.memory_manager, None if host is None else host.trim)
+        if pages is not None and service.pool.kind == "host":  # peers' host pools mapped here, its own free pages
             self._pages = PeriodicCallback(pages, worker.memory_manager.memory_monitor_interval * 1000)
             self._pages.start()
         member.push_stats()
