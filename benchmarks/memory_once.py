@@ -1,24 +1,31 @@
 """Where the memory is when workers share values zero-copy, against plain Dask: host memory, spilling, pauses, restarts.
 
 On one host with ``host`` pools and a ``memory_limit`` per worker (real Nanny workers; the nanny's ``terminate``
-threshold on, as by default), two workloads run once per method: ``tcp`` (plain Dask: NumPy arrays copied over
-TCP), ``gpupool`` (the same values made in the producer's pool, handed over zero-copy) and ``gpupool-plain`` (the
-same with Dask's own accounting: each worker's spill buffer counting and spilling by ``sizeof``, and no page drop;
-:mod:`dask_gpupool.dask.spilling` taken out):
+threshold on, as by default), three workloads run once per method: ``tcp`` (plain Dask: NumPy arrays copied over
+TCP), ``gpupool`` (the plugin) and ``gpupool-plain`` (the plugin with Dask's own accounting: each worker's spill
+buffer counting and spilling by ``sizeof``, and no page drop; :mod:`dask_gpupool.dask.spilling` taken out):
 
-- ``broadcast``: one ``--value`` array made on the first worker and read (summed, and held) by every worker;
+- ``broadcast``: one ``--value`` array made in the first worker's pool (a NumPy array for ``tcp``) and read (summed,
+  and held) by each of ``--workers`` workers;
 - ``fanout``: ``--count`` arrays of ``--part`` bytes made on a producer and held and read by one consumer whose
-  ``--consumer-limit`` is smaller than their sum (plain Dask must spill some of them to disk there).
+  ``--consumer-limit`` is smaller than their sum (plain Dask must spill some of them to disk there);
+- ``pipeline``: a ``dask.array`` program on two workers of ``--pipeline-limit`` each, the plugin at its defaults
+  (``GPUPool()``: tasks make plain NumPy blocks, staged into the sender's pool when a peer asks for one):
+  ``x`` (``--pipeline-n`` squared float64, more than one worker's limit) persisted, ``y = x + x.T`` persisted, then
+  ``y.sum(axis=0)`` checked.
 
-Reported per run: peak host memory (the workers' proportional set size summed, sampled every 50 ms: each worker's
-private memory plus each shared page counted once, so a pool page read by two workers counts once), and how much of
-it the workload added (over the workers' figure before it; also as a multiple of the values' size), each worker's peak
-``rss`` (what its nanny compares with ``memory_limit``), bytes each worker spilled to disk (Dask's ``disk-write``
-bytes), the seconds any worker was paused, the workers the nanny restarted, wall time, and whether every value read
+Reported per run: peak host memory, counted once (sampled every 50 ms: each worker's private memory, ``Pss_Anon``
+and ``Pss_File``, summed, plus each pool's resident bytes once, its memfd's allocated blocks, however many workers
+map it), how much of it the workload added (over the figure before it; also as a multiple of the values' size), its
+parts at the peak, the workers' summed proportional set size at its own peak (for comparison: read one process after
+another, so a page mapped meanwhile can count twice), each worker's peak ``rss`` (what its nanny compares with
+``memory_limit``), bytes each worker spilled to disk (Dask's ``disk-write`` bytes) and of those the borrowed values'
+bytes, the seconds any worker was paused, the workers the nanny restarted, wall time, and whether every value read
 back right. Not a test: run by hand, results JSON to ``benchmarks/results/`` (and ``$OUT``).
 
     python benchmarks/memory_once.py [--value 1GiB] [--workers 2,4] [--part 256MiB] [--count 6] \\
-        [--consumer-limit 1GiB] [--workloads broadcast,fanout] [--methods tcp,gpupool,gpupool-plain]
+        [--consumer-limit 1GiB] [--pipeline-n 16384] [--pipeline-chunk 2048] [--pipeline-limit 1.5GiB] \\
+        [--workloads broadcast,fanout,pipeline] [--methods tcp,gpupool,gpupool-plain]
 """
 
 from __future__ import annotations
