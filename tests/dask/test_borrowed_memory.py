@@ -232,3 +232,24 @@ def test_a_worker_past_its_spill_threshold_gives_its_pools_free_pages_back():
         del x
         wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="B's lease to end")
         back_to(c, baseline)
+
+
+def test_an_owner_counts_a_copy_it_staged_for_a_peer_until_the_peers_lease_ends():
+    """A's plain NumPy arrays, asked for by B, are copied into A's pool and handed over (staged): the copies are
+    A's memory, lent to B, which counts them as nothing. A counts each once, beside the arrays themselves, until
+    B lets go; B reads the values A made."""
+    with dask.config.set(NO_TERMINATE), nanny_cluster([_spilling("64 MiB"), {}], POOL) as c:
+        a, b = worker_addresses(c)
+        baseline = warm_up(c, a, b)
+        xs = [c.submit(T.plain_fill, 4 * MiB, i + 1, workers=[a], pure=False) for i in range(3)]
+        ys = [c.submit(T.keep, x, workers=[b], pure=False) for x in xs]
+        assert c.gather(c.map(T.total, ys, workers=[b], pure=False)) == [float(4 * MiB * (i + 1)) for i in range(3)]
+        assert counters(c, a)[a]["leases"] == 3  # staged and handed over, not copied through the comm
+        assert c.run(_accounting, workers=[b])[b]["managed"] == 0
+        seen = c.run(_accounting, workers=[a])[a]
+        assert seen["managed"] >= 12 * MiB and seen["offset"] == seen["lent_away"] == 12 * MiB, seen
+        del ys
+        wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="B's leases to end")
+        wait_for(lambda: c.run(_accounting, workers=[a])[a]["offset"] == 0, what="A to stop counting the copies")
+        del xs
+        back_to(c, baseline)
