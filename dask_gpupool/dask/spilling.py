@@ -6,7 +6,8 @@ is the exporter's, which counts it. Spilling it would read every shared page int
 since the exporter keeps the memory for as long as the lease lives. So a borrowed value weighs 0 in the worker's
 managed memory and is never evicted. A value of this worker's pool that peers' leases keep alive (*lent*) frees
 nothing when spilled either: it is counted (once, here) and evicted only once no lease holds it; values that free
-memory go first. A lent value Dask forgets here is still counted until its last lease ends.
+memory go first. A lent value Dask forgets here is still counted until its last lease ends, and so is a copy of a plain
+array this worker staged into its pool for a peer (:func:`count_staged`): no key holds it, and the peer borrows it.
 
 The mechanism is the worker's ``data=`` mapping, as dask-cuda's: Dask's :class:`~distributed.spill.SpillBuffer` (and
 dask-cuda's ``DeviceHostFile``) is a :class:`zict.Buffer` whose ``fast`` part, a :class:`zict.LRU`, decides what is
@@ -37,7 +38,19 @@ if TYPE_CHECKING:
 
     from dask_gpupool.handoff.service import PoolService
 
-__all__ = ["CountOnceLRU", "borrowed", "borrowed_pages_check", "count_once", "count_plainly", "spill_parts"]
+__all__ = [
+    "CountOnceLRU",
+    "borrowed",
+    "borrowed_pages_check",
+    "count_once",
+    "count_plainly",
+    "count_staged",
+    "spill_parts",
+]
+
+#: The part of each worker's ``data`` that counts the copies its pool service stages (:func:`count_staged`), by
+#: service; set by :func:`count_once`, taken out by :func:`count_plainly`.
+_staged_counters: weakref.WeakKeyDictionary[Any, CountOnceLRU] = weakref.WeakKeyDictionary()
 
 
 def borrowed(value: Any) -> bool:
@@ -188,7 +201,8 @@ def count_once(data: Any, service: PoolService | None = None) -> int:
     """Make ``data`` (a worker's ``data`` mapping) count and spill pool values once (:class:`CountOnceLRU`); returns
     how many parts it changed (0: a mapping it does not know, such as dask-cuda's ``ProxifyHostFile``). Idempotent."""
     changed = 0
-    for part in spill_parts(data):
+    parts = spill_parts(data)
+    for part in parts:
         with part.lock, part.fast.lock:
             if isinstance(part.fast, CountOnceLRU):
                 part.fast.service = service
@@ -197,7 +211,25 @@ def count_once(data: Any, service: PoolService | None = None) -> int:
             _replace_fast(data, part, fast)
             part.weight = fast._weight
         changed += 1
+    if service is not None and parts:
+        # A staged copy lies in the pool's memory: device memory (dask-cuda's device buffer, the first part) for a
+        # ``device`` pool, host memory (the last part: Dask's SpillBuffer, dask-cuda's host buffer) otherwise.
+        part = parts[0] if service.pool.kind == "device" else parts[-1]
+        if isinstance(part.fast, CountOnceLRU):
+            _staged_counters[service] = part.fast
     return changed
+
+
+def count_staged(service: PoolService, buf: Any, nbytes: int) -> None:
+    """Count ``nbytes`` of ``buf``, a copy ``service`` staged into its pool and lent to a peer, in its worker's
+    managed memory (the ``offset`` of the :class:`CountOnceLRU` that :func:`count_once` put in its ``data``) until
+    the buffer dies, its last lease ended. The copy is this worker's memory that no key of it holds and no peer
+    counts (it borrows it); nothing is counted for a worker whose ``data`` counts plainly."""
+    fast = _staged_counters.get(service)
+    if fast is None:
+        return
+    with fast.lock:
+        fast._keep_counting(buf, nbytes)
 
 
 def _replace_fast(data: Any, part: zict.Buffer[Any, Any], fast: zict.LRU[Any, Any]) -> None:
@@ -211,6 +243,9 @@ def _replace_fast(data: Any, part: zict.Buffer[Any, Any], fast: zict.LRU[Any, An
 def count_plainly(data: Any) -> None:
     """Undo :func:`count_once` on ``data``: a plain :class:`zict.LRU` with the owned-value weight, values kept."""
     for part in spill_parts(data):
+        for service, counter in list(_staged_counters.items()):
+            if counter is part.fast:
+                del _staged_counters[service]
         with part.lock, part.fast.lock:
             fast = part.fast
             if not isinstance(fast, CountOnceLRU):

@@ -236,8 +236,8 @@ def test_a_worker_past_its_spill_threshold_gives_its_pools_free_pages_back():
 
 def test_an_owner_counts_a_copy_it_staged_for_a_peer_until_the_peers_lease_ends():
     """A's plain NumPy arrays, asked for by B, are copied into A's pool and handed over (staged): the copies are
-    A's memory, lent to B, which counts them as nothing. A counts each once, beside the arrays themselves, until
-    B lets go; B reads the values A made."""
+    A's memory, lent to B, which counts them as nothing. A counts each once, beside the arrays themselves, and
+    after it forgot them, until B lets go; B reads the values A made."""
     with dask.config.set(NO_TERMINATE), nanny_cluster([_spilling("64 MiB"), {}], POOL) as c:
         a, b = worker_addresses(c)
         baseline = warm_up(c, a, b)
@@ -248,8 +248,11 @@ def test_an_owner_counts_a_copy_it_staged_for_a_peer_until_the_peers_lease_ends(
         assert c.run(_accounting, workers=[b])[b]["managed"] == 0
         seen = c.run(_accounting, workers=[a])[a]
         assert seen["managed"] >= 12 * MiB and seen["offset"] == seen["lent_away"] == 12 * MiB, seen
+        del xs  # A forgets its arrays; B's leases keep the copies
+        wait_for(lambda: c.run(_accounting, workers=[a])[a]["in_memory"] == [], what="A to forget its arrays")
+        seen = c.run(_accounting, workers=[a])[a]
+        assert seen["managed"] == 0 and seen["offset"] == seen["lent_away"] == 12 * MiB, seen
         del ys
         wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="B's leases to end")
         wait_for(lambda: c.run(_accounting, workers=[a])[a]["offset"] == 0, what="A to stop counting the copies")
-        del xs
         back_to(c, baseline)
