@@ -256,3 +256,26 @@ def test_an_owner_counts_a_copy_it_staged_for_a_peer_until_the_peers_lease_ends(
         wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="B's leases to end")
         wait_for(lambda: c.run(_accounting, workers=[a])[a]["offset"] == 0, what="A to stop counting the copies")
         back_to(c, baseline)
+
+
+def test_a_borrower_drops_the_pages_it_read_once_each_task_ends_past_its_threshold():
+    """B (limit 320 MiB, its periodic memory checks a minute apart) reads six 32 MiB arrays of A's pool one task
+    after another: 192 MiB of A's pages would pile up in B's ``rss`` between two periodic checks, and the nanny,
+    checking as often, would restart B for memory that is not its own. B drops them as each task ends once past its
+    threshold, so its ``rss`` is under it when the last read ends, with no periodic check run."""
+    memory = {"target": False, "spill": 0.7, "pause": False, "terminate": False, "monitor-interval": "60s"}
+    limited = {"memory_limit": "320 MiB", "config": {f"distributed.worker.memory.{k}": v for k, v in memory.items()}}
+    pool = GPUPool(kind="host", max_size="512 MiB")
+    with dask.config.set(NO_TERMINATE), nanny_cluster([{}, limited], pool) as c:
+        a, b = worker_addresses(c)
+        baseline = warm_up(c, a, b)
+        xs = [c.submit(T.make_array, 4 * MiB, workers=[a], pure=False) for _ in range(6)]
+        ys = [c.submit(T.keep, x, workers=[b], pure=False) for x in xs]
+        expected = [float(sum(range(4 * MiB)))] * 6
+        assert c.gather(c.map(T.total, ys, workers=[b], pure=False)) == expected
+        seen = c.run(_resident, workers=[b])[b]
+        assert seen["rss"] < int(0.7 * 320 * MiB) and seen["peer"] < 192 * MiB, seen
+        assert c.run(T.spilled_bytes, workers=[b])[b] == {}
+        del xs, ys
+        wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="B's leases to end")
+        back_to(c, baseline)
