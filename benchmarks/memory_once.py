@@ -74,9 +74,10 @@ def _dask_accounting(dask_worker: Any) -> None:
     from dask_gpupool.dask.spilling import count_plainly
 
     count_plainly(dask_worker.data)
-    pages = dask_worker.plugins["gpupool"]._pages
-    if pages is not None:
-        pages.stop()
+    plugin = dask_worker.plugins["gpupool"]
+    plugin._pages_check = None  # no page drop as tasks end
+    if plugin._pages is not None:
+        plugin._pages.stop()
 
 
 def _watch_evictions(dask_worker: Any) -> None:
