@@ -158,7 +158,7 @@ PLOTS: list[tuple[str, Callable[..., None], str, str]] = [
     (
         "memory-once-cpu.png",
         memory_once_bars,
-        "memory_once-20261205-150723-cpu-three-workloads-staged-counted.json",
+        "memory_once-20261205-152832-cpu-three-workloads-28597e1.json",
         "Host memory and spilling, host pools on a 2-vCPU container (2026-12-05)",
     ),
 ]
