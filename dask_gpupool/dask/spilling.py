@@ -211,17 +211,16 @@ def count_once(data: Any, service: PoolService | None = None) -> int:
             _replace_fast(data, part, fast)
             part.weight = fast._weight
         changed += 1
-    if service is not None and parts:
-        # A staged copy lies in the pool's memory: device memory (dask-cuda's device buffer, the first part) for a
-        # ``device`` pool, host memory (the last part: Dask's SpillBuffer, dask-cuda's host buffer) otherwise.
-        part = parts[0] if service.pool.kind == "device" else parts[-1]
-        if isinstance(part.fast, CountOnceLRU):
-            _staged_counters[service] = part.fast
+    if service is not None and parts and service.pool.kind == "host":
+        # A staged NumPy copy lies in host memory: the last part (Dask's SpillBuffer, dask-cuda's host buffer) counts
+        # it. Copies staged into ``device`` pools are not counted here.
+        if isinstance(parts[-1].fast, CountOnceLRU):
+            _staged_counters[service] = parts[-1].fast
     return changed
 
 
 def count_staged(service: PoolService, buf: Any, nbytes: int) -> None:
-    """Count ``nbytes`` of ``buf``, a copy ``service`` staged into its pool and lent to a peer, in its worker's
+    """Count ``nbytes`` of ``buf``, a copy ``service`` staged into its ``host`` pool and lent to a peer, in its worker's
     managed memory (the ``offset`` of the :class:`CountOnceLRU` that :func:`count_once` put in its ``data``) until
     the buffer dies, its last lease ended. The copy is this worker's memory that no key of it holds and no peer
     counts (it borrows it); nothing is counted for a worker whose ``data`` counts plainly."""
