@@ -1,7 +1,7 @@
 """What binding a comm to the member at its other end costs a new connection, measured inside one cluster.
 
 A worker binds each comm it opens to a worker of its registry before Dask uses it (two small round trips under the
-cluster token: :mod:`dask_gpupool.dask.binding`). Dask pools comms, so the cost is paid once per connection, never
+cluster token: :mod:`dask_gpupool.dask.comms`). Dask pools comms, so the cost is paid once per connection, never
 per transfer. Here worker B opens a new comm to worker A and closes it, ``--samples`` times in each mode, in
 alternating order, on ``host`` pools (no GPU needed):
 
@@ -31,7 +31,7 @@ from dask_gpupool import testing as T
 
 async def connect_times(peer: str, samples: int, dask_worker: Any) -> dict[str, list[float]]:
     """On a worker: seconds to open (and bind) a new comm to ``peer``, by mode; each comm is closed after."""
-    from dask_gpupool.dask.binding import bound_worker
+    from dask_gpupool.dask.comms import bound_worker
 
     wrapped = dask_worker.rpc.connect
     modes = {"connect + bind": wrapped, "connect": wrapped.__wrapped__}

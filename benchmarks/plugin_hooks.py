@@ -50,7 +50,8 @@ def set_mode(dask_worker: Any, hook: bool, wrap: bool, ours: bool) -> None:
     from distributed.protocol import numpy as dask_numpy
     from distributed.protocol.serialize import dask_deserialize, dask_serialize
 
-    from dask_gpupool.dask import binding, distributed_seam, worker_plugin
+    from dask_gpupool.dask import comms, worker_plugin
+    from dask_gpupool.dask.distributed_seam import workers as seam
 
     if not hasattr(dask_worker, "_gpupool_bench_hooks"):
         dask_worker._gpupool_bench_hooks = {
@@ -60,9 +61,9 @@ def set_mode(dask_worker: Any, hook: bool, wrap: bool, ours: bool) -> None:
     installed = dask_worker._gpupool_bench_hooks
     hooked = installed["get_data"]
     dask_worker.handlers["get_data"] = hooked if hook else getattr(hooked, "__wrapped__", hooked)
-    # the plugin's wrap binds each new comm to its worker (dask/binding.py); "no read wrapper" leaves new comms unbound
-    bind = functools.partial(binding.bind, worker_plugin.service_of(dask_worker)) if wrap else None
-    distributed_seam.fill_after_read(dask_worker, bind, undo=not wrap)
+    # the plugin's wrap binds each new comm to its worker (dask/comms.py); "no read wrapper" leaves new comms unbound
+    bind = functools.partial(comms.bind, worker_plugin.service_of(dask_worker)) if wrap else None
+    seam.fill_after_read(dask_worker, bind, undo=not wrap)
     dumps, loads = (
         installed["numpy"] if ours else (dask_numpy.serialize_numpy_ndarray, dask_numpy.deserialize_numpy_ndarray)
     )

@@ -179,7 +179,7 @@ def _set_receive(mode: str) -> None:
 
     from dask_gpupool.dask.cuda_family import _DeviceFrame
     from dask_gpupool.dask.ucx_receive import ReceivePool
-    from dask_gpupool.handoff.active import active_service
+    from dask_gpupool.handoff.registry import active_service
 
     saved = comm.__dict__.setdefault("_bench_device_array", comm.device_array)  # the plugin's, if it installed one
     pool = getattr(saved, "__self__", None)

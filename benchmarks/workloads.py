@@ -166,7 +166,7 @@ RECEIVE_AB = "-receive-ab"
 
 def _bare(dask_worker: Any = None) -> None:
     """On a worker: the plugin's hooks undone, its service left running (the ``-bare`` methods)."""
-    from dask_gpupool.dask.distributed_seam import count_own_memory_only, fill_after_read
+    from dask_gpupool.dask.distributed_seam.workers import count_own_memory_only, fill_after_read
     from dask_gpupool.dask.worker_plugin import PLUGIN_NAME
 
     _set_hooks(["get_data", "serializers"], dask_worker=dask_worker)

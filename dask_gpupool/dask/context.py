@@ -12,7 +12,7 @@ entry point Dask or UCX calls, which passes it on as a parameter:
   only while the reply's ``comm.write`` runs (:mod:`~dask_gpupool.dask.distributed_seam`); read by the registered
   serializers of the ``"dask"``, ``"cuda"``, ``"pickle"`` and ``gpupool-frames`` families.
 - :data:`READ_BLOCKS` (here): the receive-pool blocks of the comm read being run (:class:`ReadBlocks`, owned by
-  that read, :mod:`~dask_gpupool.dask.comm_reads`); read by distributed-ucxx's ``device_array``
+  that read, :mod:`~dask_gpupool.dask.comms`); read by distributed-ucxx's ``device_array``
   (:meth:`ReceivePool.device_array <dask_gpupool.dask.ucx_receive.ReceivePool.device_array>`).
 - :data:`~dask_gpupool.handoff.deferred.SENDER`: the worker whose message is being read; read by deserializers
   (a lease claimed by the reply, a host frame's landing buffer, the worker a lost value came from).
@@ -22,7 +22,7 @@ entry point Dask or UCX calls, which passes it on as a parameter:
 
 Everything else a serializer decides with is passed to it: the serializer Dask calls reads the ContextVar once
 and hands the :class:`Request` (or ``None``) to every helper. Deserializers find the worker's service with
-:func:`~dask_gpupool.handoff.active.active_service` (process-wide: a deserializer also runs in reads no wrapper
+:func:`~dask_gpupool.handoff.registry.active_service` (process-wide: a deserializer also runs in reads no wrapper
 sees, such as a handler's).
 """
 
@@ -33,7 +33,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dask_gpupool.handoff.routing import TCP_SCHEMES, UCX_SCHEMES
+from dask_gpupool.handoff.routes import TCP_SCHEMES, UCX_SCHEMES
 from dask_gpupool.memory.lifetime import QUARANTINE
 
 if TYPE_CHECKING:
@@ -152,7 +152,7 @@ REQUEST: contextvars.ContextVar[Request | None] = contextvars.ContextVar("gpupoo
 @dataclass
 class ReadBlocks:
     """The receive-pool blocks given to one comm read of this worker while it runs
-    (:func:`~dask_gpupool.dask.comm_reads.read_then_fill`).
+    (:func:`~dask_gpupool.dask.comms.read_then_fill`).
 
     Ownership: while ``open``, ``blocks`` holds each block the receive pool gave the read
     (:meth:`ReceivePool.device_array <dask_gpupool.dask.ucx_receive.ReceivePool.device_array>`). When the read
@@ -166,7 +166,7 @@ class ReadBlocks:
     blocks: list[Any] = field(default_factory=list)
 
 
-#: Set while a comm read of this worker runs (:func:`~dask_gpupool.dask.comm_reads.read_then_fill`): the receive pool
+#: Set while a comm read of this worker runs (:func:`~dask_gpupool.dask.comms.read_then_fill`): the receive pool
 #: gives its blocks only to such reads, whose end it is told of (any other read's frames come from distributed-ucxx's
 #: own ``device_array``).
 READ_BLOCKS: contextvars.ContextVar[ReadBlocks | None] = contextvars.ContextVar("gpupool_read_blocks", default=None)

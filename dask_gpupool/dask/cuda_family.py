@@ -49,7 +49,7 @@ from dask_gpupool.dask.context import (
     Request,
     clear_tracebacks,
 )
-from dask_gpupool.dask.headers import KEY, buffer_from_header, data_lost, hand_over, loads_array
+from dask_gpupool.dask.dask_family import KEY, buffer_from_header, data_lost, hand_over, loads_array
 from dask_gpupool.dask.plain_arrays import warn_once
 from dask_gpupool.dask.ucx_host_frames import (
     HOST_FRAME_KEY,
@@ -60,8 +60,8 @@ from dask_gpupool.dask.ucx_host_frames import (
 )
 from dask_gpupool.dask.views import VIEWS, c_strides, device_of, viewed_buffer
 from dask_gpupool.errors import DataLostError, ProtocolError
-from dask_gpupool.handoff.active import active_service
 from dask_gpupool.handoff.deferred import SENDER
+from dask_gpupool.handoff.registry import active_service
 from dask_gpupool.memory.buffers import copy_to_host
 from dask_gpupool.memory.ucx_staging import UcxStaging
 from dask_gpupool.wire.handoff import ArrayMeta
@@ -269,7 +269,7 @@ def _cuda_serialize_pool_buffer(request: Request | None, buf: Buffer) -> tuple[d
 
 def _frame_lost(e: Exception, sender: str | None) -> DataLostError:
     """The :class:`DataLostError` a failure to receive a value of the ``"cuda"`` family is raised as, as the
-    ``"dask"`` family's (:func:`~dask_gpupool.dask.headers.data_lost`), naming the worker whose reply is read
+    ``"dask"`` family's (:func:`~dask_gpupool.dask.dask_family.data_lost`), naming the worker whose reply is read
     (``sender``: :data:`~dask_gpupool.handoff.deferred.SENDER`) when known. ``e``'s tracebacks are cleared first:
     a landing buffer or an import goes now, not with the traceback Dask logs."""
     clear_tracebacks(e)

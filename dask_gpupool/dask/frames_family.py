@@ -75,7 +75,7 @@ from distributed.protocol.cuda import cuda_deserialize, cuda_serialize
 from dask_gpupool.dask.context import REQUEST
 from dask_gpupool.errors import DataLostError, GPUPoolError, ProtocolError
 from dask_gpupool.handoff.deferred import fill_later, make_later
-from dask_gpupool.handoff.routing import TCP_SCHEMES
+from dask_gpupool.handoff.routes import TCP_SCHEMES
 
 if TYPE_CHECKING:
     from dask_gpupool.dask.context import Request

@@ -22,8 +22,8 @@ from distributed.protocol import Serialized, deserialize
 from distributed.protocol.pickle import loads
 
 from dask_gpupool.core import PLUGIN_NAME
+from dask_gpupool.dask.distributed_seam.scheduler import list_worker_plugin, listed_worker_plugin, plugin_message
 from dask_gpupool.dask.registry_handlers import answer_timeout
-from dask_gpupool.dask.scheduler_seam import list_worker_plugin, listed_worker_plugin, plugin_message
 from dask_gpupool.errors import GPUPoolError
 
 if TYPE_CHECKING:

@@ -22,9 +22,10 @@ from typing import Any
 from cuda.core import Buffer
 from distributed.protocol import dask_deserialize, dask_serialize
 
-from dask_gpupool.dask import cuda_family, dask_family, distributed_seam
+from dask_gpupool.dask import cuda_family, dask_family
+from dask_gpupool.dask.dask_family import buffer_from_header
+from dask_gpupool.dask.distributed_seam import workers as seam
 from dask_gpupool.dask.frames_family import FAMILY, FramesFamily
-from dask_gpupool.dask.headers import buffer_from_header
 
 __all__ = ["cupy_dask_serializer", "register_cupy", "register_serializers"]
 
@@ -33,7 +34,7 @@ def register_serializers() -> None:
     """Register this package's serializers with distributed (idempotent)."""
     from dask.sizeof import sizeof
     from distributed.protocol.cuda import cuda_deserialize, cuda_serialize
-    from distributed.protocol.serialize import families, register_serialization_family
+    from distributed.protocol.serialize import register_serialization_family
 
     dask_serialize.register(Buffer)(dask_family.serialize_buffer)
     dask_deserialize.register(Buffer)(buffer_from_header)
@@ -45,9 +46,9 @@ def register_serializers() -> None:
         pass
     else:
         is_device_object.register(Buffer)(_is_device_buffer)
-    distributed_seam.pickle_buffers_as_copies()
-    distributed_seam.count_pickled_copies()
-    if FAMILY not in families:  # used only where frames_family.serializers_for names it
+    seam.pickle_buffers_as_copies()
+    seam.count_pickled_copies()
+    if not seam.registered_family(FAMILY):  # used only where frames_family.serializers_for names it
         family = FramesFamily(cupy_dask_serializer)
         register_serialization_family(FAMILY, family.dumps, family.loads)
     if sys.modules.get("cupy") is not None:  # imported already (None: an import that is blocked)
@@ -61,7 +62,7 @@ def register_serializers() -> None:
         # is imported and they are not yet (a string compare otherwise).
         for dispatch in (dask_serialize, dask_deserialize, cuda_serialize, cuda_deserialize):
             dispatch.register_lazy("cupy")(register_cupy)
-        distributed_seam.ensure_first(_ensure_cupy)
+        seam.ensure_first(_ensure_cupy)
     cuda_serialize.register(Buffer)(cuda_family.serialize_buffer)
     cuda_deserialize.register(Buffer)(cuda_family.deserialize_buffer)
 

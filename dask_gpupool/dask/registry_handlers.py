@@ -44,7 +44,7 @@ from dask.utils import parse_timedelta
 from distributed.core import error_message
 
 from dask_gpupool.core import JOINED_OP, MEMBERSHIP_OP, REGISTER_OP, REGISTRY_OP, UNREGISTER_OP, UPDATE_OP
-from dask_gpupool.dask import refetch
+from dask_gpupool.dask import comms
 from dask_gpupool.errors import NotAMemberError, ProtocolError
 from dask_gpupool.handoff.registry import PoolRegistry
 from dask_gpupool.ops.dashboard import STATS_OP, finite
@@ -354,16 +354,16 @@ class RegistryHandlers:
                 self.worker_stats.pop(worker, None)  # its last push described a pool that is gone (the /gpupool page)
 
     def handle_lost(self, **msg: Any) -> None:
-        """``gpupool-lost`` (:data:`~dask_gpupool.dask.refetch.LOST_OP`): a worker failed
-        :data:`~dask_gpupool.dask.refetch.REFETCH_BOUND` fetches in a row of key ``task`` from ``sender``; the tasks
-        processing on that worker (only) that wait for it err (:func:`~dask_gpupool.dask.refetch.err_dependents`)."""
-        worker = self._source(refetch.LOST_OP, msg, ("task", "sender", "error", "key"))
+        """``gpupool-lost`` (:data:`~dask_gpupool.dask.comms.LOST_OP`): a worker failed
+        :data:`~dask_gpupool.dask.comms.REFETCH_BOUND` fetches in a row of key ``task`` from ``sender``; the tasks
+        processing on that worker (only) that wait for it err (:func:`~dask_gpupool.dask.comms.err_dependents`)."""
+        worker = self._source(comms.LOST_OP, msg, ("task", "sender", "error", "key"))
         if worker is None or self.scheduler is None:
             return
         if not isinstance(msg["sender"], str) or not isinstance(msg["error"], str):
-            self._reject(refetch.LOST_OP, "malformed", worker, "sender and error must be strings")
+            self._reject(comms.LOST_OP, "malformed", worker, "sender and error must be strings")
             return
-        refetch.err_dependents(self.scheduler, msg["task"], worker, msg["sender"], msg["error"])
+        comms.err_dependents(self.scheduler, msg["task"], worker, msg["sender"], msg["error"])
 
     # -- RPC handlers (scheduler's event loop; any comm, clients included) ----------------
 

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from dask_gpupool.core import JOINED_OP, MEMBERSHIP_OP, REGISTER_OP, REGISTRY_OP, UNREGISTER_OP, UPDATE_OP
-from dask_gpupool.dask.refetch import LOST_OP
+from dask_gpupool.dask.comms import LOST_OP
 from dask_gpupool.errors import ProtocolError
 from dask_gpupool.ops.dashboard import STATS_OP
 from dask_gpupool.wire.registry import Membership, RegistryUpdate
@@ -94,7 +94,7 @@ class RegistryMember:
 
     def report_lost(self, task: Any, sender: str, error: str) -> None:
         """Tell the scheduler that this worker's fetches of key ``task`` from ``sender`` failed again and again (the
-        last with ``error``): the tasks here that wait for it err (:mod:`~dask_gpupool.dask.refetch`). Sent with
+        last with ``error``): the tasks here that wait for it err (:mod:`~dask_gpupool.dask.comms`). Sent with
         this worker's registry key; nothing before it joined, or once its stream is closed."""
         service, stream = self.service, self._stream()
         if self._closed or service.registry_key is None or stream is None or stream.closed():

@@ -1,7 +1,7 @@
 """A worker's ``get_data`` replies: who asked, whether to serialize on the event loop, and settling each reply.
 
 :class:`Replies` is what the ``get_data`` wrapper
-(:func:`~dask_gpupool.dask.distributed_seam.wrap_get_data`) asks for each
+(:func:`~dask_gpupool.dask.distributed_seam.workers.wrap_get_data`) asks for each
 reply: :meth:`Replies.open` makes its :class:`~dask_gpupool.dask.context.Request`
 (the requester, the comm's scheme, why a plain value would be a copy, the
 task events) and decides whether it is serialized on the event loop; the
@@ -42,12 +42,12 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from dask_gpupool.dask.binding import bound_worker, granted_to
+from dask_gpupool.dask.comms import bound_worker, granted_to
 from dask_gpupool.dask.context import SYNCHRONIZING_SCHEMES, Request
 from dask_gpupool.dask.views import described, pool_buffer_of
 from dask_gpupool.errors import NotAMemberError
-from dask_gpupool.handoff.routing import host_of
-from dask_gpupool.wire.broker_hello import ErrorReply, raise_for_error
+from dask_gpupool.handoff.routes import host_of
+from dask_gpupool.wire.broker import ErrorReply, raise_for_error
 from dask_gpupool.wire.broker_leases import MAX_LEASES_PER_MESSAGE
 from dask_gpupool.wire.handoff import LEASE_QUERY_OP, LeaseQuery, LeaseQueryReply
 
@@ -78,7 +78,7 @@ INLINE_MAX_VALUES = 8
 
 class WorkerStore(Protocol):
     """What :class:`Replies` reads of a worker's stored values (:class:`~dask_gpupool.dask.distributed_seam.
-    DaskWorkerStore` reads it from distributed's ``Worker``)."""
+    workers.DaskWorkerStore` reads it from distributed's ``Worker``)."""
 
     def values_in_memory(self, keys: Any) -> list[Any] | None:
         """The values of ``keys`` in memory, or ``None`` if one is not there (spilled ones count as not there)."""
@@ -124,7 +124,7 @@ class Replies:
     def open(self, keys: Any, who: str | None, comm: Any, scheme: str, offloads: bool) -> tuple[Request, bool]:
         """The request of a reply of ``keys`` to ``who`` over ``comm`` (of ``scheme``), and whether to serialize it
         on the event loop (``offloads``: the comm allows Dask's offload thread). Leases go to ``who`` only if
-        ``comm`` is bound to it (:func:`~dask_gpupool.dask.binding.granted_to`); otherwise the reply is Dask's own,
+        ``comm`` is bound to it (:func:`~dask_gpupool.dask.comms.granted_to`); otherwise the reply is Dask's own,
         as to a client (a same-host worker's request counted as a fallback: :meth:`_not_granted`)."""
         service, asked_by, who = self.service, who, granted_to(comm, who)
         if who is None and asked_by is not None:
@@ -287,7 +287,7 @@ def lease_query_handler(service: PoolService) -> Callable[..., dict[str, Any]]:
     :class:`~dask_gpupool.errors.ProtocolError` reply, and nothing changes) and answers from the service's releaser.
 
     Only a member asks, about its own leases: the comm must be bound to a worker
-    (:mod:`~dask_gpupool.dask.binding`) whose registry row, when this worker has it, names the broker the query
+    (:mod:`~dask_gpupool.dask.comms`) whose registry row, when this worker has it, names the broker the query
     names; anything else is answered with :class:`~dask_gpupool.errors.NotAMemberError` and changes nothing."""
 
     def lease_query(comm: Any, exporter: Any = None, leases: Any = None) -> dict[str, Any]:

@@ -32,10 +32,11 @@ from tornado.ioloop import PeriodicCallback
 
 from dask_gpupool.config import PoolOptions
 from dask_gpupool.core import JOINED_OP, PLUGIN_NAME, REGISTER_OP, UNREGISTER_OP, UPDATE_OP
-from dask_gpupool.dask import distributed_seam as seam
-from dask_gpupool.dask import failure_logs, scheduler_seam
+from dask_gpupool.dask import failure_logs
 from dask_gpupool.dask import plugin_installs as installs
-from dask_gpupool.dask.refetch import LOST_OP
+from dask_gpupool.dask.comms import LOST_OP
+from dask_gpupool.dask.distributed_seam import scheduler as scheduler_seam
+from dask_gpupool.dask.distributed_seam import workers as seam
 from dask_gpupool.dask.registry_handlers import RegistryHandlers, answer_timeout
 from dask_gpupool.errors import GPUPoolError
 from dask_gpupool.ops import metrics as _metrics

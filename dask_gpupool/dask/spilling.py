@@ -29,9 +29,9 @@ import zict
 from zict.common import nodefault
 
 from dask_gpupool.dask.views import pool_buffer_of
-from dask_gpupool.handoff.active import active_service
 from dask_gpupool.handoff.imported import ImportedMemoryResource
-from dask_gpupool.memory.peer_resident import drop_peer_pages
+from dask_gpupool.handoff.registry import active_service
+from dask_gpupool.memory.lifetime import drop_peer_pages
 
 if TYPE_CHECKING:
     from distributed.worker_memory import WorkerMemoryManager
@@ -74,7 +74,7 @@ class CountOnceLRU(zict.LRU[Any, Any]):
         ``(key, value) -> bytes`` of a value this worker owns (Dask's ``sizeof``).
     service : PoolService, optional
         The worker's pool service, whose leases say what is lent; default: this process's
-        (:func:`~dask_gpupool.handoff.active.active_service`), read at each eviction.
+        (:func:`~dask_gpupool.handoff.registry.active_service`), read at each eviction.
 
     Notes
     -----
@@ -274,7 +274,7 @@ def borrowed_pages_check(
     page faults): memory no value uses, which Dask's memory manager reads as this worker's and answers by spilling
     values to disk or pausing. Past ``memory_limit`` times the lowest of the ``target``, ``spill``, ``pause`` and
     ``terminate`` fractions, the check drops the pages of every peer pool mapped here from this process's page
-    tables (:func:`~dask_gpupool.memory.peer_resident.drop_peer_pages`: nothing copied or freed, a read faults them
+    tables (:func:`~dask_gpupool.memory.lifetime.drop_peer_pages`: nothing copied or freed, a read faults them
     back) and gives this worker's pool's free pages back to the OS (``trim``).
 
     Parameters

@@ -10,7 +10,7 @@ is released. dask-cuda's ``rmm_pool_size`` or ``distributed.rmm.pool-size``
 put an RMM pool there; a plain UCX worker has none.
 
 The worker plugin points ``device_array`` at :class:`ReceivePool`
-(:func:`~dask_gpupool.dask.distributed_seam.point_device_array`): an RMM
+(:func:`~dask_gpupool.dask.distributed_seam.workers.point_device_array`): an RMM
 ``PoolMemoryResource`` over ``CudaMemoryResource`` of at most
 :data:`UCX_RECEIVE_POOL` bytes, made on the first frame. A frame that does
 not fit under that ceiling is received as before (counted in
@@ -25,7 +25,7 @@ lives until the last frame made from it is released, even after the plugin
 is removed and ``device_array`` put back. No file descriptor is involved.
 
 The pool gives blocks only to the comm reads the worker watches (its comm-read
-wrapper, :func:`~dask_gpupool.dask.comm_reads.read_then_fill`: the
+wrapper, :func:`~dask_gpupool.dask.comms.read_then_fill`: the
 reads of values from other workers), which tell it how they ended
 (:data:`~dask_gpupool.dask.context.READ_BLOCKS`). The blocks of a read
 that raised (cancelled, or its comm failed) may still be written by UCX: they

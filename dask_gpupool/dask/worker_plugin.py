@@ -3,7 +3,7 @@
 Installed by the scheduler plugin (:class:`~dask_gpupool.GPUPool`) on every
 worker, present and future. On setup it makes the pool and broker, wraps the
 worker's ``get_data`` handler so that the serializers know which worker asked
-(:func:`~dask_gpupool.dask.distributed_seam.wrap_get_data`, over
+(:func:`~dask_gpupool.dask.distributed_seam.workers.wrap_get_data`, over
 :class:`~dask_gpupool.dask.replies.Replies`) and registers the pool over the
 worker's own batched stream (:class:`~dask_gpupool.dask.registry_member.RegistryMember`,
 which describes the handshake). Teardown undoes all of it. What it patches of
@@ -27,16 +27,16 @@ from tornado.ioloop import PeriodicCallback
 from dask_gpupool import tuning
 from dask_gpupool.config import PoolOptions
 from dask_gpupool.core import PLUGIN_NAME
-from dask_gpupool.dask import binding, failure_logs, refetch, spilling
-from dask_gpupool.dask import distributed_seam as seam
+from dask_gpupool.dask import comms, failure_logs, spilling
 from dask_gpupool.dask import ucx_receive as _receive
 from dask_gpupool.dask import worker_setup as decide
+from dask_gpupool.dask.distributed_seam import workers as seam
 from dask_gpupool.dask.frames_family import serializers_for
 from dask_gpupool.dask.registry_member import RegistryMember
 from dask_gpupool.dask.replies import Replies, lease_query_handler
 from dask_gpupool.dask.task_events import TaskEvents
 from dask_gpupool.errors import PoolUnavailableError
-from dask_gpupool.handoff.routing import TCP_SCHEMES, UCX_SCHEMES
+from dask_gpupool.handoff.routes import TCP_SCHEMES, UCX_SCHEMES
 from dask_gpupool.handoff.service import PoolService
 from dask_gpupool.handoff.startup import start_service
 from dask_gpupool.ops import metrics as _metrics
@@ -204,12 +204,12 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
             )
         replies = Replies(service, self._store, worker.rpc, serializers_for, self._task_events)
         self._get_data = seam.wrap_get_data(worker, replies)
-        self._handlers = {LEASE_QUERY_OP: lease_query_handler(service), binding.BIND_OP: binding.bind_handler(service)}
+        self._handlers = {LEASE_QUERY_OP: lease_query_handler(service), comms.BIND_OP: comms.bind_handler(service)}
         seam.set_handlers(worker, self._handlers)
         seam.count_own_memory_only(worker)
         spilling.count_once(worker.data, service)  # borrowed values cost nothing here; lent ones spill last
-        fetches = refetch.FailedFetches(member.report_lost)  # a key failing from one worker again and again
-        seam.fill_after_read(worker, refetch.counted(functools.partial(binding.bind, service), fetches))
+        fetches = comms.FailedFetches(member.report_lost)  # a key failing from one worker again and again
+        seam.fill_after_read(worker, comms.counted(functools.partial(comms.bind, service), fetches))
         self.service = service
         if gpu_pool and has_cupy:
             # CuPy's serializers at setup rather than lazily inside Dask's first dispatch: registered lazily,

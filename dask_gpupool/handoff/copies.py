@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 from dask_gpupool.config import PoolOptions
 from dask_gpupool.errors import DataLostError, GPUPoolError, NotAMemberError, PoolExhaustedError
 from dask_gpupool.handoff.deferred import fill_later
+from dask_gpupool.handoff.imported import Releaser
 from dask_gpupool.handoff.links import ExporterLinks
 from dask_gpupool.handoff.registry import RegistryView
-from dask_gpupool.handoff.releaser import Releaser
 from dask_gpupool.handoff.stats import HandoffStats
 from dask_gpupool.memory.buffers import copy_from_host, host_buffer
 from dask_gpupool.memory.pool import Pool

@@ -8,7 +8,7 @@ exporter's memfd (:meth:`Copies.fetch_copy
 <dask_gpupool.handoff.copies.Copies.fetch_copy>`), moves 8 GiB (about
 1.5 s). So the importer allocates the landing buffer, returns it at once, and
 hands the copy that fills it to :func:`fill_later`. Inside :func:`collecting`
-(the worker's comm read, :func:`dask_gpupool.dask.comm_reads.read_then_fill`)
+(the worker's comm read, :func:`dask_gpupool.dask.comms.read_then_fill`)
 the copy waits in the collector until the caller runs :func:`run_fills` in a
 thread, before anyone sees the message. Outside it, the copy runs at once.
 
@@ -67,7 +67,7 @@ logger = logging.getLogger(__name__)
 
 
 #: The worker whose message is being read here (the address this worker connected to), set by the comm read
-#: wrapper (:func:`dask_gpupool.dask.comm_reads.read_then_fill`); ``None`` when not known. The deserializers
+#: wrapper (:func:`dask_gpupool.dask.comms.read_then_fill`); ``None`` when not known. The deserializers
 #: read it and pass it on (:meth:`Importer.import_handoff <dask_gpupool.handoff.importer.Importer.import_handoff>`'s
 #: ``sender``). A context variable rather than a parameter because Dask calls deserializers with a header and frames
 #: only: the comm read reaches them through the context it runs them in. Per message read, not per process.

@@ -18,10 +18,9 @@ from __future__ import annotations
 import logging
 
 from dask_gpupool.errors import GPUPoolError
-from dask_gpupool.handoff.imported import Origin
+from dask_gpupool.handoff.imported import Origin, Releaser
 from dask_gpupool.handoff.links import ExporterLinks
 from dask_gpupool.handoff.registry import RegistryView
-from dask_gpupool.handoff.releaser import Releaser
 from dask_gpupool.handoff.routes import Routes
 from dask_gpupool.handoff.stats import HandoffStats
 from dask_gpupool.memory.pool import Pool
@@ -88,7 +87,7 @@ class Forwarder:
         worker's link (:meth:`PeerLink.forward <dask_gpupool.transport.link.PeerLink.forward>`),
         so the memory lives until the requester lets go, whatever this worker
         does. Decided as for the exporter's own buffers
-        (:func:`~dask_gpupool.handoff.routing.route` with the exporter's row).
+        (:func:`~dask_gpupool.handoff.routes.route` with the exporter's row).
         Returns the header, or ``None`` to copy (a same-host fallback is counted).
         """
         decision, owner = self.routes.forward_route(origin, requester, scheme)
@@ -120,7 +119,7 @@ class Forwarder:
 
         An exporter that cannot be reached now is told once a link to it
         opens again (:meth:`Releaser.settle_later
-        <dask_gpupool.handoff.releaser.Releaser.settle_later>`): until then it
+        <dask_gpupool.handoff.imported.Releaser.settle_later>`): until then it
         keeps the leases, and their memory.
         """
         by_exporter: dict[str, list[int]] = {}

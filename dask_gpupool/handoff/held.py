@@ -8,7 +8,7 @@ query. The :class:`~dask_gpupool.handoff.importer.Importer` begins imports
 and holds the leases claimed by their reply;
 :class:`~dask_gpupool.handoff.links.ExporterLinks` snapshots the live set for
 resyncs and holds the leases claimed over the broker; the
-:class:`~dask_gpupool.handoff.releaser.Releaser` moves leases out of it as
+:class:`~dask_gpupool.handoff.imported.Releaser` moves leases out of it as
 their releases go. Thread-safe: one lock, held only inside these methods.
 """
 

@@ -4,9 +4,9 @@
 a Buffer of this process (:meth:`Importer.import_handoff`: map, claim, and on
 failure a host copy) and owns what that needs: the links to exporters'
 brokers (:class:`~dask_gpupool.handoff.links.ExporterLinks`), the peers'
-pools mapped here (:class:`~dask_gpupool.handoff.mappings.MappedPools`), the
+pools mapped here (:class:`~dask_gpupool.handoff.links.MappedPools`), the
 leases held here (:class:`~dask_gpupool.handoff.held.HeldLeases`) and their
-releases (:class:`~dask_gpupool.handoff.releaser.Releaser`), and the copies
+releases (:class:`~dask_gpupool.handoff.imported.Releaser`), and the copies
 that land here instead (:class:`~dask_gpupool.handoff.copies.Copies`, which
 callers use directly). The :class:`~dask_gpupool.handoff.service.PoolService`
 makes one and closes it; tests can drive one with a registry view and a pool
@@ -34,12 +34,10 @@ from dask_gpupool.errors import (
 from dask_gpupool.handoff.copies import Copies
 from dask_gpupool.handoff.deferred import claim_later
 from dask_gpupool.handoff.held import HeldLeases
-from dask_gpupool.handoff.imported import ImportedMemoryResource, Origin
-from dask_gpupool.handoff.links import ExporterLinks
+from dask_gpupool.handoff.imported import ImportedMemoryResource, Origin, Releaser
+from dask_gpupool.handoff.links import ExporterLinks, MappedPools
 from dask_gpupool.handoff.mapped_pool import IMPORT_LOCK, MappedPool
-from dask_gpupool.handoff.mappings import MappedPools
 from dask_gpupool.handoff.registry import RegistryView
-from dask_gpupool.handoff.releaser import Releaser
 from dask_gpupool.handoff.stats import HandoffStats
 from dask_gpupool.memory.pool import Pool
 from dask_gpupool.memory.topology import LocalDevices, current_gpu
@@ -342,12 +340,7 @@ class Importer:
             )
         self.handoffs.add(imports=1, zero_copy_bytes=desc.size)
         logger.debug(
-            "lease %d of %s: mapped %d bytes at %#x (GPU %s)",
-            lease,
-            record.worker,
-            desc.size,
-            ptr,
-            mapped.device,
+            "lease %d of %s: mapped %d bytes at %#x (GPU %s)", lease, record.worker, desc.size, ptr, mapped.device
         )
         return buf
 
@@ -388,7 +381,7 @@ class Importer:
     def answer_lease_query(self, query: LeaseQuery) -> LeaseQueryReply:
         """An exporter asks which of the leases it sent in a failed reply this worker holds.
 
-        Answered by :meth:`Releaser.answer <dask_gpupool.handoff.releaser.Releaser.answer>`: the
+        Answered by :meth:`Releaser.answer <dask_gpupool.handoff.imported.Releaser.answer>`: the
         leases not held are refused for good, atomically with the answer.
 
         Raises

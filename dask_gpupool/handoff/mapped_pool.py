@@ -4,7 +4,7 @@ A :class:`MappedPool` opens a peer's pool from the fd its broker sent
 (granting this process's GPU access), imports the peer's buffers, shares one
 import of an allocation between the handoffs that use it, and keeps the
 peer's segments mapped until the owner retires them. The cache of mappings,
-at most one per pool UUID, is :class:`~dask_gpupool.handoff.mappings.MappedPools`.
+at most one per pool UUID, is :class:`~dask_gpupool.handoff.links.MappedPools`.
 
 Every CUDA import and every close of an imported object runs under
 :data:`IMPORT_LOCK`, one lock per process: with cuda-core 1.2.0 several

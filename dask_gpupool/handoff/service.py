@@ -105,7 +105,7 @@ class PoolService:
     on_close : callable or None
         Called with the service when it closes, once it takes no new handoffs
         (:func:`~dask_gpupool.handoff.startup.start_service` sets it to take the
-        service out of the process's live ones, :mod:`~dask_gpupool.handoff.active`).
+        service out of the process's live ones, :mod:`~dask_gpupool.handoff.registry`).
     """
 
     options: PoolOptions

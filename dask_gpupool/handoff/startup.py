@@ -5,7 +5,7 @@ peers) and its copy server (the pipelined copy path); a part that cannot be
 made closes those made before it (:func:`start_parts`). The registry row
 describes the result. :func:`start_service` wraps the parts in a
 :class:`~dask_gpupool.handoff.service.PoolService` and lists it among the
-process's live services (:mod:`~dask_gpupool.handoff.active`), until it closes.
+process's live services (:mod:`~dask_gpupool.handoff.registry`), until it closes.
 """
 
 from __future__ import annotations
@@ -16,10 +16,9 @@ from typing import NamedTuple
 
 from dask_gpupool import tuning
 from dask_gpupool.config import PoolOptions
-from dask_gpupool.handoff import active
 from dask_gpupool.handoff.exporter import ExportSide, make_current
 from dask_gpupool.handoff.leases import LeaseTable
-from dask_gpupool.handoff.registry import RegistryView
+from dask_gpupool.handoff.registry import RegistryView, add_active, remove_active
 from dask_gpupool.handoff.service import PoolService
 from dask_gpupool.memory.pool import Pool
 from dask_gpupool.memory.topology import LocalDevices, host_identity, local_devices
@@ -48,7 +47,7 @@ def start_service(
     options: PoolOptions, worker_address: str, devices: LocalDevices | None = None, *, prefer_legacy: bool = False
 ) -> PoolService:
     """Make the pool, start its broker (:func:`start_parts`) and wrap them in a service, listed as live in this
-    process (:func:`~dask_gpupool.handoff.active.add`) until it closes.
+    process (:func:`~dask_gpupool.handoff.registry.add_active`) until it closes.
 
     ``prefer_legacy``: ``segment-memory: auto`` makes segments of legacy IPC memory where the GPU allows
     (:meth:`~dask_gpupool.memory.pool.Pool.create`); the worker plugin asks for it on workers that listen over UCX.
@@ -68,9 +67,9 @@ def start_service(
         parts.leases,
         parts.copier,
         parts.registry,
-        on_close=active.remove,
+        on_close=remove_active,
     )
-    active.add(service)
+    add_active(service)
     return service
 
 

@@ -46,7 +46,7 @@ CUDA IPC peers do). A mapped resource checks that every imported range lies
 inside the mapping, so a malformed descriptor cannot reach memory outside the
 peer's pool; it cannot check that the owner still considers the range live.
 
-A mapped resource is noted in :mod:`dask_gpupool.memory.peer_resident` while
+A mapped resource is noted in :mod:`dask_gpupool.memory.lifetime` while
 it is mapped, so that a worker does not count the owner's pages as its own.
 """
 
@@ -68,7 +68,7 @@ from cuda.core import Buffer, MemoryResource
 
 from dask_gpupool import tuning
 from dask_gpupool.errors import PoolClosedError, PoolUnavailableError, ProtocolError
-from dask_gpupool.memory import peer_resident
+from dask_gpupool.memory import lifetime as peer_resident
 from dask_gpupool.memory.arena import Arena
 
 __all__ = ["HostOnlyResource", "HostPoolAttributes", "SharedHostMemoryResource"]

@@ -11,7 +11,7 @@
 
 The :class:`Pool` owns its resource and the resource owns its allocation
 handle (the fd the broker hands to peers); :meth:`Pool.close` closes both.
-Peers' pools are mapped by :mod:`dask_gpupool.handoff.mappings`, never here.
+Peers' pools are mapped by :mod:`dask_gpupool.handoff.links`, never here.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ to the pool, whose workers map it zero-copy) and every worker's handoffs
 (zero-copy vs copied bytes, fallbacks by reason, live leases), and reloads
 itself. It is served by the scheduler's own HTTP server, next to Dask's
 dashboard, on the routes :func:`routes` gives (added by
-:func:`dask_gpupool.dask.scheduler_seam.serve_page`).
+:func:`dask_gpupool.dask.distributed_seam.scheduler.serve_page`).
 
 Trust boundary: the pushed statistics are each worker's own claim. The page
 escapes every value and key it shows (:func:`html.escape`, whatever the

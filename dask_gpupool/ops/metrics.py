@@ -41,7 +41,7 @@ Several workers in one process (``LocalCluster(processes=False)``, tests)
 share one Prometheus registry, which Dask serves on each of their ``/metrics``
 and on the scheduler's. So that each series is served once, by one endpoint,
 each server's own ``/metrics`` is routed through a subclass of Dask's handler
-(:func:`dask_gpupool.dask.distributed_seam.scope_metrics`) that tells the
+(:func:`dask_gpupool.dask.distributed_seam.workers.scope_metrics`) that tells the
 collectors which server asks (:func:`serving`, :data:`_SERVING`: ``collect()``
 takes no argument, so a ContextVar is the only way): a worker's serves that
 worker's series alone, the scheduler's the scheduler's alone. A figure of the whole process
@@ -99,7 +99,7 @@ def serving(role: str, address: str) -> Iterator[None]:
 def _worker_metrics() -> Iterator[Any]:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-    from dask_gpupool.handoff.active import active_services
+    from dask_gpupool.handoff.registry import active_services
     from dask_gpupool.handoff.stats import FALLBACK_REASONS
 
     every = active_services()

@@ -70,18 +70,15 @@ from dask_gpupool.testing.probes import (
     vkgdr_unavailable,
     workers,
 )
+from dask_gpupool.testing.records import DeviceRecord, RmmFramesRecord, check_device_record, device_record
 from dask_gpupool.testing.tasks import (
     LAYOUTS,
-    DeviceRecord,
-    RmmFramesRecord,
     all_equal,
     array_equal,
     as_nested_list,
     check_device_object,
-    check_device_record,
     describe,
     device_object,
-    device_record,
     every_other,
     fill,
     head,

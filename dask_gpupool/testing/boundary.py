@@ -59,7 +59,7 @@ def read_as_reply_from(sender: str, header: dict[str, Any], dask_worker: Worker)
     from cuda.core import Buffer
     from distributed.protocol import dask_deserialize
 
-    from dask_gpupool.dask.headers import KEY
+    from dask_gpupool.dask.dask_family import KEY
     from dask_gpupool.handoff.deferred import SENDER
 
     token = SENDER.set(sender)
@@ -96,7 +96,7 @@ class Unreceivable:
     """A member's task result whose every ``get_data`` reply fails at the receiver: its serializer (``"dask"``
     family) sends an ``ipc`` header of the member's own pool naming a lease (:data:`NEVER_GRANTED`) it never granted,
     claimed over its broker, which refuses it; its deserializer is the one of a pool Buffer
-    (:func:`~dask_gpupool.dask.headers.buffer_from_header`). So every fetch ends in a
+    (:func:`~dask_gpupool.dask.dask_family.buffer_from_header`). So every fetch ends in a
     :class:`~dask_gpupool.errors.DataLostError`, as a lying member's replies would."""
 
     def __init__(self, nbytes: int) -> None:
@@ -109,8 +109,8 @@ def unreceivable(nbytes: int) -> Unreceivable:
 
 
 def _lying_header(x: Unreceivable) -> tuple[dict[str, Any], list[Any]]:
-    from dask_gpupool.dask.headers import KEY
-    from dask_gpupool.handoff.active import active_service
+    from dask_gpupool.dask.dask_family import KEY
+    from dask_gpupool.handoff.registry import active_service
     from dask_gpupool.wire.handoff import BufferDescriptor, HandoffHeader
 
     service = active_service()
@@ -121,7 +121,7 @@ def _lying_header(x: Unreceivable) -> tuple[dict[str, Any], list[Any]]:
 
 
 def _received(header: dict[str, Any], frames: list[Any]) -> Any:
-    from dask_gpupool.dask.headers import buffer_from_header
+    from dask_gpupool.dask.dask_family import buffer_from_header
 
     return buffer_from_header(header, frames)
 

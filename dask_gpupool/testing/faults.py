@@ -110,12 +110,12 @@ async def get_data_without_ok(exporter: str, key: str, deserialize: bool, dask_w
     """
     from distributed.comm import connect
 
-    from dask_gpupool.dask.binding import bind
+    from dask_gpupool.dask.comms import bind
     from dask_gpupool.handoff.deferred import SENDER
 
     comm = await connect(exporter, deserialize=deserialize, **dask_worker.connection_args)
     assert await bind(service_of(dask_worker), comm, exporter), "the comm is not bound"  # as the worker's own are
-    token = SENDER.set(exporter)  # as the worker's own comms do (comm_reads.read_then_fill)
+    token = SENDER.set(exporter)  # as the worker's own comms do (comms.read_then_fill)
     try:
         await comm.write({"op": "get_data", "keys": [key], "who": dask_worker.address, "reply": True})
         msg = await comm.read()
@@ -166,7 +166,7 @@ async def get_data_held_open(exporter: str, key: str, dask_worker: Worker) -> in
     :func:`abort_held_reply`. Returns the reply's value count."""
     from distributed.comm import connect
 
-    from dask_gpupool.dask.binding import bind
+    from dask_gpupool.dask.comms import bind
 
     comm = await connect(exporter, deserialize=False, **dask_worker.connection_args)
     assert await bind(service_of(dask_worker), comm, exporter), "the comm is not bound"  # as the worker's own are
@@ -247,7 +247,7 @@ def replay_import(key: str, sender: str, dask_worker: Worker) -> str:
     from cuda.core import Buffer
     from distributed.protocol import dask_deserialize
 
-    from dask_gpupool.dask.headers import KEY
+    from dask_gpupool.dask.dask_family import KEY
     from dask_gpupool.handoff.deferred import SENDER
     from dask_gpupool.wire.handoff import HandoffHeader
 

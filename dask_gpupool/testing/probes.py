@@ -86,7 +86,7 @@ def deserialize_headers(headers: list[dict[str, Any]], dask_worker: Worker) -> l
     from cuda.core import Buffer
     from distributed.protocol import dask_deserialize
 
-    from dask_gpupool.dask.headers import KEY
+    from dask_gpupool.dask.dask_family import KEY
     from dask_gpupool.errors import GPUPoolError
     from dask_gpupool.handoff.deferred import SENDER
 
@@ -200,7 +200,7 @@ def handoff_counters(dask_worker: Worker) -> dict[str, Any]:
 def serialized_inline(keys: list[str], who: str, dask_worker: Worker, scheme: str = "tcp") -> bool:
     """client.run target: whether a ``get_data`` for ``keys`` from ``who`` over a ``scheme`` comm skips Dask's
     offload thread."""
-    from dask_gpupool.dask.distributed_seam import DaskWorkerStore
+    from dask_gpupool.dask.distributed_seam.workers import DaskWorkerStore
     from dask_gpupool.dask.replies import Replies
 
     return Replies(service_of(dask_worker), DaskWorkerStore(dask_worker), dask_worker.rpc).inline(keys, who, scheme)
@@ -243,7 +243,7 @@ def broker_barrier(dask_worker: Worker) -> None:
 
 def settles_waiting(dask_worker: Worker) -> int:
     """client.run target: forwarded leases whose settle this worker could not send, kept until a link to their
-    exporter opens again (:meth:`~dask_gpupool.handoff.releaser.Releaser.settle_later`)."""
+    exporter opens again (:meth:`~dask_gpupool.handoff.imported.Releaser.settle_later`)."""
     releaser = service_of(dask_worker).importer.releaser
     with releaser._cond:
         return sum(len(entry.settled) for entry in releaser._retry.values())

@@ -56,7 +56,7 @@ Parts: :class:`FdBroker` owns the socket, its thread and loop, and each
 connection until its hello; :mod:`~dask_gpupool.transport.broker_admission`
 bounds the open connections and checks each peer's uid and hello;
 :class:`~dask_gpupool.transport.broker_requests.BrokerRequests` answers the
-requests after it; :class:`~dask_gpupool.transport.importers.ImporterWatch`
+requests after it; :class:`~dask_gpupool.transport.broker_admission.ImporterWatch`
 watches the importers' processes.
 
 Threads: the broker runs its own asyncio loop in a daemon thread, so it
@@ -76,18 +76,18 @@ import threading
 from typing import cast
 
 from dask_gpupool.errors import BrokerRefusedError, ConfigError, GPUPoolError, ProtocolError
-from dask_gpupool.transport.accept import AcceptBackoff
 from dask_gpupool.transport.broker_admission import (
     MAX_CONNECTIONS,
     MAX_PER_PEER,
+    AcceptBackoff,
     ConnectionBounds,
+    ImporterWatch,
     hello_refusal,
     peer_credentials,
 )
 from dask_gpupool.transport.broker_dirs import DIR_PREFIX, SOCKET_NAME, remove_stale_broker_dirs
 from dask_gpupool.transport.broker_handler import BrokerHandler, LookupOnly, PoolLookup
 from dask_gpupool.transport.broker_requests import BrokerRequests
-from dask_gpupool.transport.importers import ImporterWatch
 from dask_gpupool.wire.broker import ErrorReply, Hello, Welcome
 from dask_gpupool.wire.codec import MAX_MESSAGE_BYTES, decode, encode
 
@@ -156,7 +156,7 @@ class FdBroker:
     accept is closed (one message, whole, on a ``SOCK_SEQPACKET`` socket, so
     no trickle can stretch it); at most ``max_per_peer`` connections per pid
     and ``max_connections`` in all are open; when the process runs out of fds
-    the accept loop logs once, backs off up to :data:`~dask_gpupool.transport.accept.ACCEPT_BACKOFF_MAX`
+    the accept loop logs once, backs off up to :data:`~dask_gpupool.transport.broker_admission.ACCEPT_BACKOFF_MAX`
     seconds (on its own asyncio loop, which keeps serving the open
     connections) and accepts again. See docs/reliability.md.
     """
@@ -287,7 +287,7 @@ class FdBroker:
         """Accept peers until the broker closes; no error ends it.
 
         Out of fds (``EMFILE``/``ENFILE``) or memory, it logs once, pauses
-        (50 ms, doubling up to :data:`~dask_gpupool.transport.accept.ACCEPT_BACKOFF_MAX`) and tries again; the
+        (50 ms, doubling up to :data:`~dask_gpupool.transport.broker_admission.ACCEPT_BACKOFF_MAX`) and tries again; the
         queued peers wait in the listen backlog meanwhile. Runs on the
         broker's thread.
         """
@@ -405,7 +405,7 @@ class FdBroker:
         """``importer`` (process ``pid`` on this host, 0: unknown) left the registry; any thread.
 
         Its leases end when its process exits, not now
-        (:meth:`ImporterWatch.left <dask_gpupool.transport.importers.ImporterWatch.left>`, on the broker's
+        (:meth:`ImporterWatch.left <dask_gpupool.transport.broker_admission.ImporterWatch.left>`, on the broker's
         thread); at once when this broker is closed.
         """
         try:

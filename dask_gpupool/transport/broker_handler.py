@@ -26,7 +26,7 @@ class BrokerHandler(Protocol):
     (``copy_out`` on a helper thread) and must not block for long.
 
     ``importer`` is the worker address a connection named in its
-    :class:`~dask_gpupool.wire.broker_hello.Hello`, accepted by :meth:`identify`;
+    :class:`~dask_gpupool.wire.broker.Hello`, accepted by :meth:`identify`;
     ``""`` for connections that only fetch pool fds.
     """
 

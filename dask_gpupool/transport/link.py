@@ -5,7 +5,7 @@ fetched over it, lease claims and releases travel on it, and when the
 importer dies the kernel closes it, which is how the exporter learns to
 release that importer's leases. Who uses it: the importer's links
 (:mod:`dask_gpupool.handoff.links`) and its releaser
-(:mod:`dask_gpupool.handoff.releaser`), through a :data:`LinkFactory`.
+(:mod:`dask_gpupool.handoff.imported`), through a :data:`LinkFactory`.
 """
 
 from __future__ import annotations

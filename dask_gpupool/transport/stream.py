@@ -52,7 +52,7 @@ length of the transfer (on two H200s: docs/performance.md).
 deadline, not a timeout per ``recv``: a client trickling a byte at a time is
 dropped at it). When accepting fails for want of fds or memory (``EMFILE``,
 ``ENFILE``, ``ENOBUFS``, ``ENOMEM``) the acceptor logs once, pauses (50 ms,
-doubling up to :data:`~dask_gpupool.transport.accept.ACCEPT_BACKOFF_MAX`) and accepts again. See
+doubling up to :data:`~dask_gpupool.transport.broker_admission.ACCEPT_BACKOFF_MAX`) and accepts again. See
 docs/reliability.md.
 """
 
@@ -69,7 +69,7 @@ from typing import TYPE_CHECKING, Any
 
 from dask_gpupool.errors import ConfigError, DataLostError, GPUPoolError, NotAMemberError, ProtocolError
 from dask_gpupool.memory.topology import current_gpu
-from dask_gpupool.transport.accept import AcceptBackoff
+from dask_gpupool.transport.broker_admission import AcceptBackoff
 from dask_gpupool.transport.staging import SLOTS, STAGING, chunks, host_view, memcpy, recv_message, send_message
 from dask_gpupool.wire.broker import ErrorReply
 from dask_gpupool.wire.codec import decode
@@ -212,7 +212,7 @@ class CopyServer:
         """The acceptor thread: accept until :meth:`close`; no error ends it.
 
         Out of fds or memory it logs once, pauses (50 ms, doubling up to
-        :data:`~dask_gpupool.transport.accept.ACCEPT_BACKOFF_MAX`) and tries again; queued peers wait in the
+        :data:`~dask_gpupool.transport.broker_admission.ACCEPT_BACKOFF_MAX`) and tries again; queued peers wait in the
         listen backlog meanwhile.
         """
         backoff = self._backoff

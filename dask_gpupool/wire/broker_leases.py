@@ -49,7 +49,7 @@ class LeaseClaim:
     """Importer -> exporter's broker: I imported these leased buffers. Answered by a :class:`ClaimReply`.
 
     A lease can be claimed only by the worker it was granted to (the one
-    that said so in its :class:`~dask_gpupool.wire.broker_hello.Hello`). The importer hands a buffer to its
+    that said so in its :class:`~dask_gpupool.wire.broker.Hello`). The importer hands a buffer to its
     user only once the reply says its lease is held; a refused lease ended
     (its reply to the importer failed, or it was never this importer's).
     """
@@ -198,7 +198,7 @@ class LeaseForward:
 
     Sent by a worker passing on a value it imported from this exporter:
     ``to`` then maps the exporter's memory itself. Answered by a
-    :class:`ForwardReply` or an :class:`~dask_gpupool.wire.broker_hello.ErrorReply` (the lease is not this
+    :class:`ForwardReply` or an :class:`~dask_gpupool.wire.broker.ErrorReply` (the lease is not this
     worker's, not claimed, or ``to`` is not a worker of this host).
     """
 

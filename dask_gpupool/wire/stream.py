@@ -1,7 +1,7 @@
 """The streamed copy's protocol, on the exporter's copy server (TCP): one pull request per lane.
 
 Messages are length-prefixed msgpack (:mod:`dask_gpupool.transport.staging`
-frames them); a refusal is an :class:`~dask_gpupool.wire.broker_hello.ErrorReply`.
+frames them); a refusal is an :class:`~dask_gpupool.wire.broker.ErrorReply`.
 The server side is :mod:`dask_gpupool.transport.stream`, the client side
 :mod:`dask_gpupool.transport.pull`.
 """

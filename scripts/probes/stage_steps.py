@@ -33,7 +33,7 @@ def steps(sizes: list[int], repeats: int, dask_worker: Any = None) -> list[dict[
     import cupy
 
     from dask_gpupool.dask.views import as_array
-    from dask_gpupool.handoff.active import active_service
+    from dask_gpupool.handoff.registry import active_service
 
     service = active_service()
     assert service is not None

@@ -157,7 +157,7 @@ def _resident(dask_worker: Any) -> dict[str, Any]:
     pages, and the worker's status."""
     import psutil
 
-    from dask_gpupool.memory.peer_resident import peer_resident_bytes
+    from dask_gpupool.memory.lifetime import peer_resident_bytes
 
     return {
         "rss": psutil.Process().memory_info().rss,
@@ -197,7 +197,7 @@ def _own_pool(dask_worker: Any) -> dict[str, Any]:
     """client.run target: this worker's ``rss``, its pool's resident bytes and bytes in live buffers, its status."""
     import psutil
 
-    from dask_gpupool.handoff.active import active_service
+    from dask_gpupool.handoff.registry import active_service
 
     service = active_service()
     assert service is not None and service.pool.shared_host is not None

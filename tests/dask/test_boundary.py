@@ -18,7 +18,7 @@ from distributed.protocol import Serialized, serialize
 import dask_gpupool
 from dask_gpupool import GPUPool, NotAMemberError, PoolExhaustedError
 from dask_gpupool import testing as T
-from dask_gpupool.dask.headers import KEY
+from dask_gpupool.dask.dask_family import KEY
 from dask_gpupool.memory.buffers import host_buffer
 from dask_gpupool.testing import boundary as B
 from dask_gpupool.wire.handoff import LEASE_QUERY_OP

@@ -379,7 +379,7 @@ def test_a_failed_read_leaves_no_frame_holding_what_it_received():
 
     from distributed.comm import CommClosedError, connect, listen
 
-    from dask_gpupool.dask.comm_reads import read_then_fill
+    from dask_gpupool.dask.comms import read_then_fill
 
     class Frame:
         pass

@@ -1,5 +1,5 @@
-"""What ``dask_gpupool/dask/distributed_seam.py`` (workers) and ``scheduler_seam.py`` (the scheduler) patch, read and
-call of distributed (and distributed-ucxx) is still there, as it is used.
+"""What the Dask seam (``dask_gpupool/dask/distributed_seam/``: ``workers.py``, ``scheduler.py``) patches, reads and
+calls of distributed (and distributed-ucxx) is still there, as it is used.
 
 One test per patch: each fails when a distributed release renames, re-signs or moves the handler, method,
 attribute or module global the seam replaces or wraps (so the seam is revisited before a cluster breaks), and
@@ -19,12 +19,14 @@ from distributed.core import ConnectionPool, Server
 from distributed.scheduler import Scheduler
 from distributed.worker import Worker
 
-from dask_gpupool.dask import distributed_seam as seam
-from dask_gpupool.dask import scheduler_seam
+from dask_gpupool.dask.distributed_seam import scheduler as scheduler_seam
+from dask_gpupool.dask.distributed_seam import workers as seam
 
 ROOT = pathlib.Path(__file__).parent.parent.parent
-#: The modules that may use distributed's internals.
-SEAMS = ("dask_gpupool/dask/distributed_seam.py", "dask_gpupool/dask/scheduler_seam.py")
+#: The modules that may use distributed's internals: the seam's.
+SEAMS = tuple(
+    p.relative_to(ROOT).as_posix() for p in sorted((ROOT / "dask_gpupool/dask/distributed_seam").glob("*.py"))
+)
 
 
 def params(fn: Any) -> list[str]:
@@ -214,7 +216,8 @@ def test_the_dashboards_menu_is_the_plots_list_of_its_template_variables():
 
 def test_serializer_families_are_a_table_of_dumps_loads_and_whether_dumps_takes_a_context():
     """``count_pickled_copies`` and ``ensure_first`` read ``families[name]`` as ``(dumps, loads, takes_context)`` and
-    register wrappers with ``register_serialization_family(name, dumps, loads)``; theirs are in place."""
+    register wrappers with ``register_serialization_family(name, dumps, loads)``; theirs are in place.
+    ``registered_family`` reads its keys: the package's ``gpupool-frames`` family is one once registered."""
     import distributed.protocol.cuda  # noqa: F401  (registers the "cuda" family)
     from distributed.protocol.serialize import families, register_serialization_family
 
@@ -224,6 +227,8 @@ def test_serializer_families_are_a_table_of_dumps_loads_and_whether_dumps_takes_
         assert callable(dumps) and callable(loads) and isinstance(takes_context, bool), name
     assert getattr(families["pickle"][0], "__gpupool__", False)
     assert all(getattr(families[name][1], "__gpupool_cupy__", False) for name in ("dask", "cuda"))
+    assert "gpupool-frames" in families and seam.registered_family("gpupool-frames")
+    assert not seam.registered_family("no-such-family")
 
 
 def test_distributeds_numpy_serializers_are_the_ones_ours_are_given():
@@ -268,13 +273,13 @@ def _code_lines(path: pathlib.Path) -> dict[int, str]:
 
 
 def test_no_other_library_module_patches_distributed():
-    """Outside ``distributed_seam.py`` and ``scheduler_seam.py`` (and the test helpers in ``testing/``), no module
+    """Outside the seam's modules (and the test helpers in ``testing/``), no module
     replaces a handler, a comm method, a module global of distributed-ucxx, a serializer family or a route, nor lists a
     worker plugin."""
     patches = re.compile(
         r"\.(stream_)?handlers\[[^]]*\]=(?!=)|handlers\.update\("
         r"|\.(write|read|connect|get_process_memory|allow_offload|device_array)=(?!=)"
-        r"|copyreg\.|families\[|add_handlers\(|worker_plugins|template_variables"
+        r"|copyreg\.|families\[|importfamilies\b|\.families\b|add_handlers\(|worker_plugins|template_variables"
     )
     found = []
     for path in sorted((ROOT / "dask_gpupool").rglob("*.py")):
@@ -286,5 +291,5 @@ def test_no_other_library_module_patches_distributed():
     seam_code = "\n".join(line for s in SEAMS for line in _code_lines(ROOT / s).values())
     for patched in ("handlers[", "stream_handlers[", ".write=", ".read=", ".connect=", "get_process_memory="):
         assert patched in seam_code, patched  # the patterns still find what the seam does
-    for patched in ("worker_plugins", "add_handlers(", "template_variables"):
+    for patched in ("worker_plugins", "add_handlers(", "template_variables", "importfamilies"):
         assert patched in seam_code, patched

@@ -246,7 +246,7 @@ def test_an_array_header_that_does_not_fit_its_bytes_is_a_data_lost_error(shape,
     """A header whose shape, strides and offset reach outside the 32 bytes that came is refused with the package's
     DataLostError (Dask then fetches the value again), never read: the lowest address of negative strides, empty
     arrays, overflowing sizes, strides and offsets."""
-    from dask_gpupool.dask.headers import KEY, loads_array
+    from dask_gpupool.dask.dask_family import KEY, loads_array
     from dask_gpupool.errors import DataLostError
     from dask_gpupool.wire.handoff import ArrayMeta, HandoffHeader
 

@@ -18,7 +18,7 @@ from distributed import wait
 
 from dask_gpupool import DataLostError, GPUPool
 from dask_gpupool import testing as T
-from dask_gpupool.dask.refetch import LOST_OP, REFETCH_BOUND, FailedFetches
+from dask_gpupool.dask.comms import LOST_OP, REFETCH_BOUND, FailedFetches
 from dask_gpupool.testing import boundary as B
 
 MiB = 1 << 20
@@ -95,7 +95,7 @@ def test_a_comms_reads_of_get_data_replies_tell_the_workers_failed_fetches():
 
     from distributed.comm import CommClosedError, connect, listen
 
-    from dask_gpupool.dask.comm_reads import count_failures, read_then_fill, requests_noted
+    from dask_gpupool.dask.comms import count_failures, read_then_fill, requests_noted
 
     reports: list[Any] = []
     fetches = FailedFetches(lambda key, sender, error: reports.append(key))

@@ -9,8 +9,8 @@ import pytest
 from conftest import nanny_cluster
 
 from dask_gpupool import GPUPool
-from dask_gpupool.dask import distributed_seam as seam
 from dask_gpupool.dask import ucx_receive
+from dask_gpupool.dask.distributed_seam import workers as seam
 
 GiB = 1 << 30
 
@@ -172,7 +172,7 @@ def test_a_receive_pool_block_of_a_read_that_did_not_complete_is_never_given_bac
 
     from distributed.comm import CommClosedError, connect, listen
 
-    from dask_gpupool.dask.comm_reads import read_then_fill
+    from dask_gpupool.dask.comms import read_then_fill
     from dask_gpupool.handoff.stats import HandoffStats
     from dask_gpupool.memory.lifetime import QUARANTINE
 

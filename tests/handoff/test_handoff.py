@@ -406,7 +406,7 @@ def test_an_array_header_that_does_not_fit_its_buffer_is_data_lost(shape, stride
     """An array header that passes the wire check but does not fit the buffer it came with is raised as a
     DataLostError like every other failure to receive (so Dask fetches again and the comm is not left waiting),
     never as NumPy's own ValueError."""
-    from dask_gpupool.dask.headers import KEY, loads_array
+    from dask_gpupool.dask.dask_family import KEY, loads_array
     from dask_gpupool.wire.handoff import ArrayMeta, HandoffHeader
 
     meta = ArrayMeta("numpy", shape, strides, "<f8", offset)
@@ -432,7 +432,7 @@ def test_a_copy_header_whose_frames_do_not_hold_its_bytes_is_data_lost(nbytes, f
     from cuda.core import Buffer
     from distributed.protocol import dask_deserialize
 
-    from dask_gpupool.dask.headers import KEY
+    from dask_gpupool.dask.dask_family import KEY
     from dask_gpupool.testing import read_bytes
     from dask_gpupool.wire.handoff import HandoffHeader
 

@@ -17,7 +17,7 @@ from conftest import wait_for
 
 from dask_gpupool.errors import PeerLostError
 from dask_gpupool.handoff.held import HeldLeases
-from dask_gpupool.handoff.releaser import Releaser
+from dask_gpupool.handoff.imported import Releaser
 
 
 class RecordingLink:

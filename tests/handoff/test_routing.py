@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from dask_gpupool.handoff.routing import Route, route
+from dask_gpupool.handoff.routes import Route, route
 from dask_gpupool.handoff.stats import FALLBACK_REASONS
 from dask_gpupool.wire.registry import PoolRecord
 
@@ -93,7 +93,7 @@ PLAIN_CASES = [
 
 @pytest.mark.parametrize(("case", "requester", "row", "expected"), PLAIN_CASES, ids=[c[0] for c in PLAIN_CASES])
 def test_plain_copy_reason(case, requester, row, expected):
-    from dask_gpupool.handoff.routing import plain_copy_reason
+    from dask_gpupool.handoff.routes import plain_copy_reason
 
     assert plain_copy_reason(OWN, requester, row) == expected
     assert expected is None or expected in FALLBACK_REASONS

@@ -190,7 +190,7 @@ def _peer_pages_left_out(dask_worker) -> int:
     """Bytes the worker's ``rss`` holds above the process memory Dask reads (``monitor.get_process_memory``)."""
     import psutil
 
-    from dask_gpupool.memory.peer_resident import peer_resident_bytes
+    from dask_gpupool.memory.lifetime import peer_resident_bytes
 
     peer_resident_bytes(max_age=0)  # a fresh figure for the call below
     return psutil.Process().memory_info().rss - dask_worker.monitor.get_process_memory()

@@ -541,8 +541,8 @@ def test_an_importer_gone_when_its_connection_closes_is_released_at_once_even_wi
     import asyncio
     import resource
 
+    from dask_gpupool.transport.broker_admission import ImporterWatch
     from dask_gpupool.transport.broker_handler import LookupOnly
-    from dask_gpupool.transport.importers import ImporterWatch
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard < 1200:
@@ -633,7 +633,7 @@ def out_of_step_broker(directory: str) -> Iterator[tuple[str, int]]:
     its address and the fd it sent, whose memory says ``stale``."""
     import threading
 
-    from dask_gpupool.wire.broker_hello import Welcome
+    from dask_gpupool.wire.broker import Welcome
 
     os.mkdir(directory, 0o700)
     address = os.path.join(directory, "broker.sock")

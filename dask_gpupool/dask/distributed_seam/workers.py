@@ -1,12 +1,12 @@
-"""The module that patches distributed's (and distributed-ucxx's) internals in workers and every server, each with why.
+"""The Dask seam in workers and every server: what the package patches and reads of distributed's (and
+distributed-ucxx's) internals there, each with the public API it stands in for.
 
-Every other module uses public API only (plugins, ``Dispatch.register``, ``register_serialization_family``,
-``Server.rpc``, ``prometheus_client.REGISTRY``). Each ``PATCH`` here names the public API that is missing, and
-``tests/dask/test_distributed_seam.py`` fails when distributed changes what it patches; ``READ`` marks internals
-only read. Sections: a worker's ``get_data`` and values, its comm reads, memory monitor and handlers (put back by
-each ``undo`` path when its plugin is removed); every server's handlers and ``/metrics``; and, in any process at import
-(:mod:`~dask_gpupool.dask.registration`), serializer families and ``copyreg``. What the scheduler plugin does to the
-scheduler is its twin, :mod:`~dask_gpupool.dask.scheduler_seam`, under the same rules.
+Part of :mod:`~dask_gpupool.dask.distributed_seam` (which lists every patch), under its rules: each ``PATCH`` names
+the public API that is missing, ``READ`` marks internals only read, and ``tests/dask/test_distributed_seam.py``
+fails when distributed changes what is used. Sections: a worker's ``get_data`` and values, its comm reads, memory
+monitor and handlers (put back by each ``undo`` path when its plugin is removed); every server's handlers and
+``/metrics``; and, in any process at import (:mod:`~dask_gpupool.dask.registration`), serializer families and
+``copyreg``.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from cuda.core import Buffer
 from distributed.comm import parse_address
 
 from dask_gpupool.dask import dask_family
-from dask_gpupool.dask.comm_reads import read_then_fill, requests_noted
+from dask_gpupool.dask.comms import read_then_fill, requests_noted
 from dask_gpupool.dask.context import REQUEST, Request, clear_tracebacks
 from dask_gpupool.dask.plain_arrays import received_copy
-from dask_gpupool.handoff.active import active_service
-from dask_gpupool.memory.peer_resident import peer_resident_bytes
+from dask_gpupool.handoff.registry import active_service
+from dask_gpupool.memory.lifetime import peer_resident_bytes
 from dask_gpupool.ops import metrics
 
 if TYPE_CHECKING:
@@ -45,6 +45,7 @@ __all__ = [
     "fill_after_read",
     "pickle_buffers_as_copies",
     "point_device_array",
+    "registered_family",
     "restore_device_array",
     "scope_metrics",
     "set_handlers",
@@ -171,11 +172,11 @@ class DaskWorkerStore:
 
 
 def fill_after_read(worker: Worker, bind: Callable[[Any, str], Any] | None = None, *, undo: bool = False) -> None:
-    """Make each comm ``worker`` opens ``bind`` it (:mod:`~dask_gpupool.dask.binding`) and run deferred copies in a
-    thread once a read returns (:func:`~dask_gpupool.dask.comm_reads.read_then_fill`); ``undo=True`` puts Dask's
+    """Make each comm ``worker`` opens ``bind`` it (:mod:`~dask_gpupool.dask.comms`) and run deferred copies in a
+    thread once a read returns (:func:`~dask_gpupool.dask.comms.read_then_fill`); ``undo=True`` puts Dask's
     ``connect`` back. PATCH ``worker.rpc.connect`` and each comm's ``read``: no hook runs on a new comm, nor after a
     read, before Dask sees the message (deserializers run inside it); and its ``write``, which notes the keys a
-    ``get_data`` request asks for (:func:`~dask_gpupool.dask.comm_reads.requests_noted`): nothing tells a read which
+    ``get_data`` request asks for (:func:`~dask_gpupool.dask.comms.requests_noted`): nothing tells a read which
     request it answers. ``bind`` (``bind(comm, peer)``) runs each time Dask hands a comm out."""
     rpc = getattr(worker, "rpc", None)
     current = getattr(rpc, "connect", None)
@@ -190,7 +191,7 @@ def fill_after_read(worker: Worker, bind: Callable[[Any, str], Any] | None = Non
 
     async def connect(addr: str, timeout: float | None = None) -> Any:
         comm = await current(addr, timeout)
-        bind is None or await bind(comm, addr)  # binding.bind: once per comm
+        bind is None or await bind(comm, addr)  # comms.bind: once per comm
         if not getattr(comm.read, "gpupool_fills", False):  # kept after undo: without copies it does nothing
             comm.read = read_then_fill(comm, comm.read, addr)
             comm.write = requests_noted(comm, comm.write)
@@ -202,7 +203,7 @@ def fill_after_read(worker: Worker, bind: Callable[[Any, str], Any] | None = Non
 
 def count_own_memory_only(worker: Worker, *, undo: bool = False) -> None:
     """Make the process memory Dask reads for ``worker`` leave out the pages of peer pools it maps
-    (:func:`~dask_gpupool.memory.peer_resident.peer_resident_bytes`); ``undo=True`` puts Dask's own method back.
+    (:func:`~dask_gpupool.memory.lifetime.peer_resident_bytes`); ``undo=True`` puts Dask's own method back.
 
     PATCH ``worker.monitor.get_process_memory``: Dask takes the process's ``rss`` (pause threshold, spilling, what
     the dashboard shows) with no way to discount pages the process maps but does not own (the kernel counts a shared
@@ -352,6 +353,14 @@ def count_pickled_copies() -> None:
 
     pickle_dumps.__gpupool__ = True  # type: ignore[attr-defined]
     register_serialization_family("pickle", pickle_dumps, pickle_loads)
+
+
+def registered_family(name: str) -> bool:
+    """Whether a serialization family ``name`` is registered (READ ``distributed.protocol.serialize.families``: no
+    public API tells)."""
+    from distributed.protocol.serialize import families
+
+    return name in families
 
 
 def ensure_first(ensure: Callable[[], None]) -> None:

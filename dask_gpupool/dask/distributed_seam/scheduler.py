@@ -1,11 +1,11 @@
-"""The twin of :mod:`~dask_gpupool.dask.distributed_seam` on the scheduler: what the scheduler plugin patches, reads
-and calls of distributed's scheduler, each with the public API it stands in for.
+"""The Dask seam on the scheduler: what the scheduler plugin patches, reads and calls of distributed's scheduler,
+each with the public API it stands in for.
 
-Same rules as the workers' seam: every other module uses public API only; each ``PATCH`` names the public API that
-is missing, ``READ`` marks internals only read, ``CALL`` a method of the scheduler's that is no public API; and
-``tests/dask/test_distributed_seam.py`` fails when distributed changes what is used here. Sections: the worker
-plugin (listed for new workers, the message that installs it), tasks erred for a plugin
-(:mod:`~dask_gpupool.dask.refetch`), the ``/gpupool`` page.
+Part of :mod:`~dask_gpupool.dask.distributed_seam` (which lists every patch), under its rules: each ``PATCH`` names
+the public API that is missing, ``READ`` marks internals only read, ``CALL`` a method of the scheduler's that is no
+public API; and ``tests/dask/test_distributed_seam.py`` fails when distributed changes what is used here. Sections:
+the worker plugin (listed for new workers, the message that installs it), tasks erred for a plugin
+(:mod:`~dask_gpupool.dask.comms`), the ``/gpupool`` page.
 """
 
 from __future__ import annotations
