@@ -26,7 +26,6 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from dask_gpupool.dask.context import Request
-from dask_gpupool.dask.spilling import count_staged
 from dask_gpupool.dask.views import as_array, c_strides, described
 from dask_gpupool.errors import PoolExhaustedError
 from dask_gpupool.wire.handoff import COPIED_KEY, HEADER_KEY, ArrayMeta
@@ -225,6 +224,8 @@ def stage(request: Request, arr: Any, module: str) -> tuple[dict[str, Any], list
     meta = ArrayMeta(module, tuple(arr.shape), strides, arr.dtype.str, 0)
     header = service.exports.export_ipc(holder, buf, row, meta, written_on=stream)  # ordered after the copy
     request.granted.append(header.lease)
+    from dask_gpupool.dask.spilling import count_staged  # the worker stack: not loaded by clients
+
     count_staged(service, buf, nbytes)  # this worker's memory, lent: counted here until the lease ends
     service.handoffs.add(pool_staged_bytes=nbytes)
     service.handoffs.fallback(row.worker, "staged-in-pool", service.record.worker)
