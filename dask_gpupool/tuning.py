@@ -72,7 +72,8 @@ HOST_HANDOFF_THRESHOLD = 64 << 10
 #: given-back pages took 73.3 ms against 7.5 into resident ones (16,424 faults), 256 MiB 319 against 18.6, 1 GiB 1164
 #: against 69; giving 64 MiB back cost 11.7 ms more. That was the whole of a staged handoff's loss to Dask's TCP path
 #: (64 MiB: 77.8 ms staged against 28.4). It bounds the memory a worker keeps resident in no live buffer (``trim``
-#: gives it back), and the largest array staged into a ``host`` pool.
+#: gives it back, as does a worker past its first memory threshold: ``dask.spilling.borrowed_pages_check``), and the
+#: largest array staged into a ``host`` pool.
 HOST_KEEP_RESIDENT = 512 << 20
 
 #: Over UCX, pool memory under this size goes to UCX as it is rather than copied into ``cuMemAlloc`` memory first:

@@ -26,6 +26,7 @@ LABELS = {
     "ucxx": "Dask UCXX",
     "gpupool": "dask-gpupool over TCP",
     "ucxx+gpupool": "dask-gpupool over UCXX",
+    "gpupool-plain": "dask-gpupool, Dask's accounting",
 }
 
 
@@ -92,6 +93,48 @@ def workloads_bars(plt: Any, source: str, title: str, out: Path) -> None:
     plt.close(fig)
 
 
+def memory_once_bars(plt: Any, source: str, title: str, out: Path) -> None:
+    """Host memory added and bytes spilled to disk per workload and method (``benchmarks/memory_once.py``); a run
+    that did not finish with right values is hatched."""
+    result = load(source)
+    rows = result["rows"]
+
+    def case(row: dict[str, Any]) -> str:
+        return f"{row['workload']}, {row['workers']} workers"
+
+    cases = list(dict.fromkeys(case(row) for row in rows))
+    methods = list(dict.fromkeys(row["method"] for row in rows))
+    by = {(case(row), row["method"]): row for row in rows}
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
+    width = 0.8 / len(methods)
+    panels = (
+        (axes[0], lambda row: row["added_host_bytes"] / row["value_bytes"], "host memory added (x the values' size)"),
+        (axes[1], lambda row: sum(row["spilled_bytes"]) / (1 << 30), "spilled to disk, all workers (GiB)"),
+    )
+    for ax, value, label in panels:
+        for i, method in enumerate(methods):
+            for c, name in enumerate(cases):
+                row = by.get((name, method))
+                if row is None:
+                    continue
+                x = c + (i - (len(methods) - 1) / 2) * width
+                bar = ax.bar(
+                    x, value(row), width=width, color=f"C{i}", label=LABELS.get(method, method) if c == 0 else None
+                )
+                if not row["values_right"]:
+                    bar[0].set_hatch("//")
+                    bar[0].set_edgecolor("black")
+        ax.set_xticks(range(len(cases)), cases, rotation=20, fontsize=8)
+        ax.set_ylabel(label, fontsize=9)
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"{title} (hatched: did not finish)", fontsize=10)
+    fig.text(0.01, 0.01, f"benchmarks/results/{source}", fontsize=6, color="gray")
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
 #: (picture, drawing, results file, title): every plot docs/performance.md shows.
 PLOTS: list[tuple[str, Callable[..., None], str, str]] = [
     (
@@ -111,6 +154,12 @@ PLOTS: list[tuple[str, Callable[..., None], str, str]] = [
         workloads_bars,
         "workloads-20261125-121547-h100x1-four-methods.json",
         "dask.array workloads, two workers on one H100 (2026-11-25)",
+    ),
+    (
+        "memory-once-cpu.png",
+        memory_once_bars,
+        "memory_once-20261205-152832-cpu-three-workloads-28597e1.json",
+        "Host memory and spilling, host pools on a 2-vCPU container (2026-12-05)",
     ),
 ]
 

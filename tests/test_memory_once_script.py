@@ -18,7 +18,10 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_memory_once_runs_every_workload_and_method(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("DASK_GPUPOOL") and k != "OUT"}
     env["BENCH_RESULTS"] = str(tmp_path)
-    args = "--value 32MiB --worker-limit 1GiB --part 16MiB --count 4 --consumer-limit 400MiB --producer-limit 1GiB"
+    args = (
+        "--value 32MiB --worker-limit 1GiB --part 16MiB --count 4 --consumer-limit 400MiB --producer-limit 1GiB "
+        "--pipeline-n 2048 --pipeline-chunk 512 --pipeline-limit 1GiB"
+    )
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "memory_once.py"), *args.split(), "--timeout", "60"],
         capture_output=True,
@@ -31,10 +34,12 @@ def test_memory_once_runs_every_workload_and_method(tmp_path):
     (path,) = tmp_path.glob("memory_once-*.json")
     rows = json.loads(path.read_text())["rows"]
     assert {(r["workload"], r["method"]) for r in rows} == {
-        (w, m) for w in ("broadcast", "fanout") for m in ("tcp", "gpupool", "gpupool-plain")
+        (w, m) for w in ("broadcast", "fanout", "pipeline") for m in ("tcp", "gpupool", "gpupool-plain")
     }
     for r in rows:
         assert r["peak_host_bytes"] > 0 and len(r["spilled_bytes"]) == r["workers"]
         if r["method"] == "gpupool":
             assert r["values_right"] and r["restarts"] == 0, r
-            assert r["spilled_bytes"][1:] == [0] * (r["workers"] - 1), r  # the borrowers spilled nothing
+            assert r["borrowed_spilled_bytes"] == [0] * r["workers"], r  # no borrowed value spilled
+            if r["workload"] != "pipeline":
+                assert r["spilled_bytes"][1:] == [0] * (r["workers"] - 1), r  # the borrowers spilled nothing

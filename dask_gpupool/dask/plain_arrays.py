@@ -13,7 +13,9 @@ other such array goes through distributed's own serializer and is counted
 ``small`` or ``not-in-pool``: :meth:`Request.count_plain_fallback
 <dask_gpupool.dask.context.Request.count_plain_fallback>`). The
 staged copy is owned by the lease (the exporter's ``Exported`` holds the
-array over it) and goes back to the pool when the requester lets go.
+array over it) and goes back to the pool when the requester lets go; until
+then this worker's managed memory counts it
+(:func:`~dask_gpupool.dask.spilling.count_staged`).
 """
 
 from __future__ import annotations
@@ -222,6 +224,9 @@ def stage(request: Request, arr: Any, module: str) -> tuple[dict[str, Any], list
     meta = ArrayMeta(module, tuple(arr.shape), strides, arr.dtype.str, 0)
     header = service.exports.export_ipc(holder, buf, row, meta, written_on=stream)  # ordered after the copy
     request.granted.append(header.lease)
+    from dask_gpupool.dask.spilling import count_staged  # the worker stack: not loaded by clients
+
+    count_staged(service, buf, nbytes)  # this worker's memory, lent: counted here until the lease ends
     service.handoffs.add(pool_staged_bytes=nbytes)
     service.handoffs.fallback(row.worker, "staged-in-pool", service.record.worker)
     return {HEADER_KEY: header.to_msg()}, []

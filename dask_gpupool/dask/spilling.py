@@ -6,7 +6,8 @@ is the exporter's, which counts it. Spilling it would read every shared page int
 since the exporter keeps the memory for as long as the lease lives. So a borrowed value weighs 0 in the worker's
 managed memory and is never evicted. A value of this worker's pool that peers' leases keep alive (*lent*) frees
 nothing when spilled either: it is counted (once, here) and evicted only once no lease holds it; values that free
-memory go first. A lent value Dask forgets here is still counted until its last lease ends.
+memory go first. A lent value Dask forgets here is still counted until its last lease ends, and so is a copy of a plain
+array this worker staged into its pool for a peer (:func:`count_staged`): no key holds it, and the peer borrows it.
 
 The mechanism is the worker's ``data=`` mapping, as dask-cuda's: Dask's :class:`~distributed.spill.SpillBuffer` (and
 dask-cuda's ``DeviceHostFile``) is a :class:`zict.Buffer` whose ``fast`` part, a :class:`zict.LRU`, decides what is
@@ -37,7 +38,19 @@ if TYPE_CHECKING:
 
     from dask_gpupool.handoff.service import PoolService
 
-__all__ = ["CountOnceLRU", "borrowed", "borrowed_pages_check", "count_once", "count_plainly", "spill_parts"]
+__all__ = [
+    "CountOnceLRU",
+    "borrowed",
+    "borrowed_pages_check",
+    "count_once",
+    "count_plainly",
+    "count_staged",
+    "spill_parts",
+]
+
+#: The part of each worker's ``data`` that counts the copies its pool service stages (:func:`count_staged`), by
+#: service; set by :func:`count_once`, taken out by :func:`count_plainly`.
+_staged_counters: weakref.WeakKeyDictionary[Any, CountOnceLRU] = weakref.WeakKeyDictionary()
 
 
 def borrowed(value: Any) -> bool:
@@ -188,7 +201,8 @@ def count_once(data: Any, service: PoolService | None = None) -> int:
     """Make ``data`` (a worker's ``data`` mapping) count and spill pool values once (:class:`CountOnceLRU`); returns
     how many parts it changed (0: a mapping it does not know, such as dask-cuda's ``ProxifyHostFile``). Idempotent."""
     changed = 0
-    for part in spill_parts(data):
+    parts = spill_parts(data)
+    for part in parts:
         with part.lock, part.fast.lock:
             if isinstance(part.fast, CountOnceLRU):
                 part.fast.service = service
@@ -197,7 +211,24 @@ def count_once(data: Any, service: PoolService | None = None) -> int:
             _replace_fast(data, part, fast)
             part.weight = fast._weight
         changed += 1
+    if service is not None and parts and service.pool.kind == "host":
+        # A staged NumPy copy lies in host memory: the last part (Dask's SpillBuffer, dask-cuda's host buffer) counts
+        # it. Copies staged into ``device`` pools are not counted here.
+        if isinstance(parts[-1].fast, CountOnceLRU):
+            _staged_counters[service] = parts[-1].fast
     return changed
+
+
+def count_staged(service: PoolService, buf: Any, nbytes: int) -> None:
+    """Count ``nbytes`` of ``buf``, a copy ``service`` staged into its ``host`` pool and lent to a peer, in its worker's
+    managed memory (the ``offset`` of the :class:`CountOnceLRU` that :func:`count_once` put in its ``data``) until
+    the buffer dies, its last lease ended. The copy is this worker's memory that no key of it holds and no peer
+    counts (it borrows it); nothing is counted for a worker whose ``data`` counts plainly."""
+    fast = _staged_counters.get(service)
+    if fast is None:
+        return
+    with fast.lock:
+        fast._keep_counting(buf, nbytes)
 
 
 def _replace_fast(data: Any, part: zict.Buffer[Any, Any], fast: zict.LRU[Any, Any]) -> None:
@@ -211,6 +242,9 @@ def _replace_fast(data: Any, part: zict.Buffer[Any, Any], fast: zict.LRU[Any, An
 def count_plainly(data: Any) -> None:
     """Undo :func:`count_once` on ``data``: a plain :class:`zict.LRU` with the owned-value weight, values kept."""
     for part in spill_parts(data):
+        for service, counter in list(_staged_counters.items()):
+            if counter is part.fast:
+                del _staged_counters[service]
         with part.lock, part.fast.lock:
             fast = part.fast
             if not isinstance(fast, CountOnceLRU):
@@ -227,20 +261,29 @@ def count_plainly(data: Any) -> None:
             part.weight = fast.owned_weight
 
 
-def borrowed_pages_check(memory: WorkerMemoryManager) -> Callable[[], None] | None:
-    """What keeps peers' pages out of this process's resident memory past the first threshold Dask acts on.
+def borrowed_pages_check(
+    memory: WorkerMemoryManager, trim: Callable[[], int] | None = None
+) -> Callable[[], None] | None:
+    """What keeps pool pages that no value of this worker uses out of its resident memory past the first threshold
+    Dask acts on.
 
     A borrower that read a borrowed value has its pages in its ``rss`` (the kernel counts a shared page in every
     process that touched it), which the nanny compares with ``memory_limit`` to restart the worker: a worker
     holding more borrowed bytes than its limit would be killed for memory that is not its own, where plain Dask
-    spills. Past ``memory_limit`` times the lowest of the ``target``, ``spill``, ``pause`` and ``terminate``
-    fractions, the check drops the pages of every peer pool mapped here from this process's page tables
-    (:func:`~dask_gpupool.memory.lifetime.drop_peer_pages`: nothing copied or freed, a read faults them back).
+    spills. And a ``host`` pool keeps the pages of freed buffers resident (the next buffer there is written without
+    page faults): memory no value uses, which Dask's memory manager reads as this worker's and answers by spilling
+    values to disk or pausing. Past ``memory_limit`` times the lowest of the ``target``, ``spill``, ``pause`` and
+    ``terminate`` fractions, the check drops the pages of every peer pool mapped here from this process's page
+    tables (:func:`~dask_gpupool.memory.lifetime.drop_peer_pages`: nothing copied or freed, a read faults them
+    back) and gives this worker's pool's free pages back to the OS (``trim``).
 
     Parameters
     ----------
     memory : distributed.worker_memory.WorkerMemoryManager
         The worker's (``worker.memory_manager``): its ``memory_limit`` and fractions.
+    trim : callable, optional
+        Gives this worker's pool's free pages back (:meth:`SharedHostMemoryResource.trim
+        <dask_gpupool.memory.host.SharedHostMemoryResource.trim>` of a ``host`` pool); ``None``: none to give.
 
     Returns
     -------
@@ -262,5 +305,7 @@ def borrowed_pages_check(memory: WorkerMemoryManager) -> Callable[[], None] | No
         # No smaps read first (tens of ms with large mappings): advising ranges with few pages resident is cheap.
         if process.memory_info().rss > threshold:
             drop_peer_pages()
+            if trim is not None and process.memory_info().rss > threshold:
+                trim()
 
     return check

@@ -44,6 +44,8 @@ from dask_gpupool.ops.dashboard import STATS_INTERVAL, STATS_OP
 from dask_gpupool.wire.handoff import LEASE_QUERY_OP
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from distributed import Worker
 
 __all__ = ["PLUGIN_NAME", "GPUPoolWorkerPlugin", "refuse_pool", "service_of"]
@@ -94,8 +96,10 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
     _get_data: Any
     _handlers: dict[str, Any]
     _push: PeriodicCallback | None
-    #: Keeps peers' pages out of this process's resident memory (:func:`.spilling.borrowed_pages_check`).
+    #: Keeps peers' pages and its pool's free pages out of this process's resident memory
+    #: (:func:`.spilling.borrowed_pages_check`): every ``memory_monitor_interval``, and as each task ends.
     _pages: PeriodicCallback | None
+    _pages_check: Callable[[], None] | None
     #: ``(comm module, pool, previous device_array)`` while distributed-ucxx receives into the receive pool.
     _receive: tuple[Any, _receive.ReceivePool, Any] | None
     #: Events after the kernels of each CuPy task result large enough to be staged (device pools with CuPy and a
@@ -114,6 +118,7 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         self._handlers = {}
         self._push = None
         self._pages = None
+        self._pages_check = None
         self._receive = None
         self._task_events = None
 
@@ -223,10 +228,12 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
             seam.scope_metrics(worker, "worker")
         self._push = PeriodicCallback(member.push_stats, STATS_INTERVAL * 1000)
         self._push.start()
-        pages = spilling.borrowed_pages_check(worker.memory_manager)
-        if pages is not None and service.pool.kind == "host":  # peers' host pools mapped here
+        host = service.pool.shared_host
+        pages = spilling.borrowed_pages_check(worker.memory_manager, None if host is None else host.trim)
+        if pages is not None and service.pool.kind == "host":  # peers' host pools mapped here, its own free pages
             self._pages = PeriodicCallback(pages, worker.memory_manager.memory_monitor_interval * 1000)
             self._pages.start()
+            self._pages_check = pages
         member.push_stats()
         # Last, with nothing after it that can fail: the answer arrives on this stream (RegistryMember.on_membership).
         member.register()
@@ -254,7 +261,13 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
 
         Runs in Dask's state machine on the event loop, for every key; only a
         result just computed here (``executing`` -> ``memory``) is looked at.
+        As a task ends, before the next one starts, past the memory threshold the
+        peers' pages it read leave this process's resident memory: a chain of reads
+        would pile them up between two periodic checks, and the nanny's own check
+        (as often) would restart the worker for memory that is not its own.
         """
+        if start == "executing" and self._pages_check is not None:
+            self._pages_check()
         events = self._task_events
         if events is None:
             return
@@ -281,6 +294,7 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         if self._push is not None:
             self._push.stop()
             self._push = None
+        self._pages_check = None
         if self._pages is not None:
             self._pages.stop()
             self._pages = None

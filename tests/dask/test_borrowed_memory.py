@@ -191,3 +191,91 @@ def test_a_borrowers_resident_memory_leaves_out_the_borrowed_pages_past_its_spil
         del xs, ys
         wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="B's leases to end")
         back_to(c, baseline)
+
+
+def _own_pool(dask_worker: Any) -> dict[str, Any]:
+    """client.run target: this worker's ``rss``, its pool's resident bytes and bytes in live buffers, its status."""
+    import psutil
+
+    from dask_gpupool.handoff.registry import active_service
+
+    service = active_service()
+    assert service is not None and service.pool.shared_host is not None
+    attributes = service.pool.shared_host.attributes
+    return {
+        "rss": psutil.Process().memory_info().rss,
+        "resident": attributes.reserved_mem_current,
+        "used": attributes.used_mem_current,
+        "status": str(dask_worker.status),
+    }
+
+
+def test_a_worker_past_its_spill_threshold_gives_its_pools_free_pages_back():
+    """A (limit 256 MiB, spill at 70%) wrote and freed 160 MiB of its pool: freed pages stay resident (for the next
+    buffer there), which puts A's ``rss`` past 179 MiB with nothing Dask can spill, so Dask would pause A or spill its
+    values to disk while its pool holds memory no value uses. A gives those pages back instead: its ``rss`` goes under
+    the threshold, it does not pause, and its pool still hands out zeroed-then-written buffers."""
+    memory = {"target": False, "spill": 0.7, "pause": 0.8, "terminate": False}
+    limited = {"memory_limit": "256 MiB", "config": {f"distributed.worker.memory.{k}": v for k, v in memory.items()}}
+    pool = GPUPool(kind="host", max_size="512 MiB")
+    with dask.config.set(NO_TERMINATE), nanny_cluster([limited, {}], pool) as c:
+        a, b = worker_addresses(c)
+        baseline = warm_up(c, a, b)
+        c.submit(T.scribble_all, 160 * MiB, 7, workers=[a], pure=False).result()
+        threshold = int(0.7 * 256 * MiB)
+        wait_for(lambda: c.run(_own_pool, workers=[a])[a]["rss"] < threshold, what="A's rss under its threshold")
+        seen = c.run(_own_pool, workers=[a])[a]
+        assert seen["resident"] < 16 * MiB and seen["status"] == "Status.running", seen
+        x = c.submit(T.make_array, 4 * MiB, workers=[a], pure=False)
+        assert c.submit(T.total, x, workers=[b], pure=False).result() == float(sum(range(4 * MiB)))
+        assert c.run(T.spilled_bytes, workers=[a])[a] == {}
+        del x
+        wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="B's lease to end")
+        back_to(c, baseline)
+
+
+def test_an_owner_counts_a_copy_it_staged_for_a_peer_until_the_peers_lease_ends():
+    """A's plain NumPy arrays, asked for by B, are copied into A's pool and handed over (staged): the copies are
+    A's memory, lent to B, which counts them as nothing. A counts each once, beside the arrays themselves, and
+    after it forgot them, until B lets go; B reads the values A made."""
+    with dask.config.set(NO_TERMINATE), nanny_cluster([_spilling("64 MiB"), {}], POOL) as c:
+        a, b = worker_addresses(c)
+        baseline = warm_up(c, a, b)
+        xs = [c.submit(T.plain_fill, 4 * MiB, i + 1, workers=[a], pure=False) for i in range(3)]
+        ys = [c.submit(T.keep, x, workers=[b], pure=False) for x in xs]
+        assert c.gather(c.map(T.total, ys, workers=[b], pure=False)) == [float(4 * MiB * (i + 1)) for i in range(3)]
+        assert counters(c, a)[a]["leases"] == 3  # staged and handed over, not copied through the comm
+        assert c.run(_accounting, workers=[b])[b]["managed"] == 0
+        seen = c.run(_accounting, workers=[a])[a]
+        assert seen["managed"] >= 12 * MiB and seen["offset"] == seen["lent_away"] == 12 * MiB, seen
+        del xs  # A forgets its arrays; B's leases keep the copies
+        wait_for(lambda: c.run(_accounting, workers=[a])[a]["in_memory"] == [], what="A to forget its arrays")
+        seen = c.run(_accounting, workers=[a])[a]
+        assert seen["managed"] == 0 and seen["offset"] == seen["lent_away"] == 12 * MiB, seen
+        del ys
+        wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="B's leases to end")
+        wait_for(lambda: c.run(_accounting, workers=[a])[a]["offset"] == 0, what="A to stop counting the copies")
+        back_to(c, baseline)
+
+
+def test_a_borrower_drops_the_pages_it_read_once_each_task_ends_past_its_threshold():
+    """B (limit 320 MiB, its periodic memory checks a minute apart) reads six 32 MiB arrays of A's pool one task
+    after another: 192 MiB of A's pages would pile up in B's ``rss`` between two periodic checks, and the nanny,
+    checking as often, would restart B for memory that is not its own. B drops them as each task ends once past its
+    threshold, so its ``rss`` is under it when the last read ends, with no periodic check run."""
+    memory = {"target": False, "spill": 0.7, "pause": False, "terminate": False, "monitor-interval": "60s"}
+    limited = {"memory_limit": "320 MiB", "config": {f"distributed.worker.memory.{k}": v for k, v in memory.items()}}
+    pool = GPUPool(kind="host", max_size="512 MiB")
+    with dask.config.set(NO_TERMINATE), nanny_cluster([{}, limited], pool) as c:
+        a, b = worker_addresses(c)
+        baseline = warm_up(c, a, b)
+        xs = [c.submit(T.make_array, 4 * MiB, workers=[a], pure=False) for _ in range(6)]
+        ys = [c.submit(T.keep, x, workers=[b], pure=False) for x in xs]
+        expected = [float(sum(range(4 * MiB)))] * 6
+        assert c.gather(c.map(T.total, ys, workers=[b], pure=False)) == expected
+        seen = c.run(_resident, workers=[b])[b]
+        assert seen["rss"] < int(0.7 * 320 * MiB) and seen["peer"] < 192 * MiB, seen
+        assert c.run(T.spilled_bytes, workers=[b])[b] == {}
+        del xs, ys
+        wait_for(lambda: counters(c, a)[a]["leases"] == 0, what="B's leases to end")
+        back_to(c, baseline)
