@@ -14,7 +14,7 @@ each size it times the first import (which maps the buffer's segment when no
 earlier buffer mapped it) and the median of the later ones (import and
 release, ``--repeats``), and checks the first byte of the import. Prints a
 table and writes JSON to $BENCH_RESULTS (default benchmarks/results/) and
-$OUT when set.
+$OUT when set; exits 1 when a run failed (its error is in the table).
 
     python benchmarks/pool_mapping.py [--repeats 5]
 """
@@ -128,6 +128,8 @@ def main() -> None:
         ]
         row = f"{r['placement']:10} {r['kind']:7} {r['map_pool_s'] * 1e3:>7.2f} ms "
         print(row + " ".join(f"{c:>19}" for c in cells))
+    if any("error" in r for r in runs):
+        sys.exit(1)
 
 
 def _h(n: int) -> str:
