@@ -1,18 +1,22 @@
-"""Cost of the pool layer on real workers: making a pool, mapping a peer's pool, importing buffers.
+"""Cost of the pool layer on real workers: mapping a peer's pool, and importing its buffers as a handoff does.
 
-Runs two Nanny workers per placement (same GPU; one per GPU with rotated
-CUDA_VISIBLE_DEVICES when two GPUs are visible; host pools otherwise) and
-times, inside the importing worker, the first mapping of the peer's pool and
-the import of one allocation per size (median of repeats). Prints a table and
-writes JSON to $BENCH_RESULTS (default benchmarks/results/) and $OUT when set.
+Runs two Nanny workers per pool kind and placement: ``host`` always; on a GPU
+machine also ``device`` and ``pinned`` on one GPU, and on the other GPU
+(rotated CUDA_VISIBLE_DEVICES) when two GPUs are visible. The producer
+allocates one buffer per size from its pool and exports its descriptor
+(``Pool.export``); the importer, in a task, maps the producer's pool through
+its broker (``Importer.map_peer``, timed once) and imports each buffer through
+``Importer.import_buffer``, the path a handoff takes without its lease: a
+``device`` pool's buffer is a view into its segment, the segment mapped on
+first use (its fd fetched from the producer's broker for VMM memory) and kept
+mapped; a ``host`` or ``pinned`` pool's buffer is imported on its own. For
+each size it times the first import (which maps the buffer's segment when no
+earlier buffer mapped it) and the median of the later ones (import and
+release, ``--repeats``), and checks the first byte of the import. Prints a
+table and writes JSON to $BENCH_RESULTS (default benchmarks/results/) and
+$OUT when set; exits 1 when a run failed (its error is in the table).
 
     python benchmarks/pool_mapping.py [--repeats 5]
-    python benchmarks/pool_mapping.py --large   # single imports of 5-8 GiB, content checked
-
-``--large`` checks whether importing one allocation larger than 5 GiB works
-on this GPU (a driver crash was reported on others): the
-producer fills each allocation with one byte value on the GPU, the importer
-imports it, checks every byte on its own GPU, and releases it.
 """
 
 from __future__ import annotations
@@ -30,151 +34,80 @@ from dask_gpupool import GPUPool
 from dask_gpupool import testing as T
 from dask_gpupool.dask.api import current_service
 from dask_gpupool.memory.topology import local_devices
-from dask_gpupool.testing import memory as held_buffers
 from dask_gpupool.wire.handoff import BufferDescriptor
 
 sys.path.insert(0, os.path.dirname(__file__))
 import handoff as H
 
 MiB = 1 << 20
+GPU_SIZES = [4096, MiB, 64 * MiB, 1024 * MiB]
+HOST_SIZES = [4096, MiB, 64 * MiB]
 
 
-def time_imports(descs: list[dict[str, Any]], repeats: int) -> dict[str, Any]:
-    """Task on the importer: time mapping the pool once, then importing each buffer."""
+def time_imports(descs: list[dict[str, Any]], repeats: int, first_byte: bytes) -> dict[str, Any]:
+    """Task on the importer: time mapping the peer's pool once, then each buffer's first and later imports."""
     service = current_service()
     parsed = [BufferDescriptor.from_msg(d) for d in descs]
     t0 = time.perf_counter()
     mapped = service.importer.map_peer(parsed[0].pool)
     map_s = time.perf_counter() - t0
-    imports = {}
+    first, again = {}, {}
     for d in parsed:
+        t0 = time.perf_counter()
+        buf = service.importer.import_buffer(d)
+        first[d.size] = time.perf_counter() - t0
+        try:
+            if T.read_bytes(buf, 1) != first_byte:
+                raise AssertionError(f"the import of {d.size} bytes does not hold what the producer wrote")
+        finally:
+            mapped.release(buf)
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            buf = mapped.import_buffer(d)
+            buf = service.importer.import_buffer(d)
             times.append(time.perf_counter() - t0)
             mapped.release(buf)
-        imports[d.size] = statistics.median(times)
+        again[d.size] = statistics.median(times)
+    segments = mapped.segments
     service.importer.mapped.unmap(parsed[0].pool)
-    return {"map_pool_s": map_s, "import_s": imports}
-
-
-def step(name: str, *args: Any) -> float:
-    """Task: one step of a large handoff, timed; buffers stay in ``dask_gpupool.testing.memory._held`` between steps."""
-    service = current_service()
-    t0 = time.perf_counter()
-    if name == "allocate":  # producer
-        key, nbytes = args
-        buf = service.pool.allocate(nbytes)
-        with held_buffers._held_lock:
-            held_buffers._held[key] = buf
-    elif name == "fill":  # producer: every byte set on the GPU
-        key, value = args
-        T.set_all(held_buffers._held[key], value)
-    elif name == "import":  # importer
-        key, desc = args
-        d = BufferDescriptor.from_msg(desc)
-        buf = service.importer.map_peer(d.pool).import_buffer(d)
-        with held_buffers._held_lock:
-            held_buffers._held[key] = buf
-    elif name == "check":  # importer: every byte read on its GPU
-        key, value = args
-        if not T.all_equal(held_buffers._held[key], value):
-            raise AssertionError("imported bytes differ from what the producer wrote")
-    elif name == "release":  # importer: closed under the import lock, by its mapping
-        key, desc = args
-        with held_buffers._held_lock:
-            buf = held_buffers._held.pop(key)
-        service.importer.map_peer(BufferDescriptor.from_msg(desc).pool).release(buf)
-    return time.perf_counter() - t0
-
-
-def export(key: str) -> dict[str, Any]:
-    """Task on the producer: the descriptor of a held buffer."""
-    return current_service().pool.export(held_buffers._held[key]).to_msg()
-
-
-def run_large(placement: str, workers: list[dict[str, Any]], sizes: list[int], kind: str = "device") -> dict[str, Any]:
-    """One cluster per size (a pool of just that size); each step timed on its own, so a stall names its step."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-    from conftest import nanny_cluster, worker_addresses
-
-    checks = []
-    for i, n in enumerate(sizes):
-        t0 = time.perf_counter()
-        check: dict[str, Any] = {"size": n, "ok": False}
-        try:
-            with nanny_cluster(workers, GPUPool(kind=kind, max_size=f"{n // MiB + 64} MiB")) as c:
-                a, b = worker_addresses(c)
-                value = 0x40 + i
-                plan: list[tuple[str, str, tuple[Any, ...]]] = [
-                    ("allocate", a, ("L", n)),
-                    ("fill", a, ("L", value)),
-                    ("export", a, ()),
-                    ("import", b, ()),
-                    ("check", b, ("I", value)),
-                    ("release", b, ()),
-                ]
-                desc = None
-                for name, where, args in plan:
-                    check["step"] = name
-                    if name == "export":
-                        desc = c.submit(export, "L", workers=[where], pure=False).result(timeout=60)
-                        continue
-                    call_args = ("I", desc) if name in ("import", "release") else args
-                    check[f"{name}_s"] = c.submit(step, name, *call_args, workers=[where], pure=False).result(
-                        timeout=60
-                    )
-                check["ok"], check["step"] = True, "done"
-        except Exception as e:
-            check["error"] = f"{type(e).__name__}: {e}"
-        check["wall_s"] = time.perf_counter() - t0
-        checks.append(check)
-        print(placement, check, flush=True)
-    return {"placement": placement, "kind": kind, "large": checks}
+    return {"map_pool_s": map_s, "first_import_s": first, "import_s": again, "segments_mapped": segments}
 
 
 def run(placement: str, workers: list[dict[str, Any]], kind: str, sizes: list[int], repeats: int) -> dict[str, Any]:
+    """One cluster of two workers with ``kind`` pools; the second imports what the first holds."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
     from conftest import nanny_cluster, worker_addresses
 
+    out: dict[str, Any] = {"placement": placement, "kind": kind}
     t0 = time.perf_counter()
-    with nanny_cluster(workers, GPUPool(kind=kind, max_size=f"{2 * sum(sizes) // MiB + 64} MiB")) as c:
-        setup_s = time.perf_counter() - t0
-        a, b = worker_addresses(c)
-        descs = [c.submit(T.hold, f"b{n}", n, b"x", workers=[a], pure=False).result() for n in sizes]
-        result = c.submit(time_imports, descs, repeats, workers=[b], pure=False).result()
-        for n in sizes:
-            c.submit(T.release, f"b{n}", workers=[a], pure=False).result()
-        rows = dask_gpupool.pools(c)
-    return {"placement": placement, "kind": kind, "cluster_setup_s": setup_s, "pools": len(rows), **result}
+    try:
+        with nanny_cluster(workers, GPUPool(kind=kind, max_size=f"{2 * sum(sizes) // MiB + 64} MiB")) as c:
+            out["cluster_setup_s"] = time.perf_counter() - t0
+            a, b = worker_addresses(c)
+            descs = [c.submit(T.hold, f"b{n}", n, b"x", workers=[a], pure=False).result() for n in sizes]
+            out.update(c.submit(time_imports, descs, repeats, b"x", workers=[b], pure=False).result())
+            for n in sizes:
+                c.submit(T.release, f"b{n}", workers=[a], pure=False).result()
+            out["pools"] = len(dask_gpupool.pools(c))
+    except Exception as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    print(placement, kind, {k: v for k, v in out.items() if k not in ("placement", "kind")}, flush=True)
+    return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--large", action="store_true", help="import single 5-8 GiB allocations and check them")
-    p.add_argument("--large-sizes", default="5,6,8", help="GiB, comma-separated (with --large)")
     args = p.parse_args()
     uuids = local_devices().uuids
-    runs = []
-    if args.large:
-        if not uuids:
-            sys.exit("--large needs a GPU")
-        sizes = [int(float(x) * (1 << 30)) for x in args.large_sizes.split(",")]
-        runs.append(run_large("same GPU", [{"env": {"CUDA_VISIBLE_DEVICES": "0"}}] * 2, sizes))
-        if len(uuids) >= 2:
-            rot = [{"env": {"CUDA_VISIBLE_DEVICES": "0,1"}}, {"env": {"CUDA_VISIBLE_DEVICES": "1,0"}}]
-            runs.append(run_large("other GPU", rot, sizes))
-    elif uuids:
-        sizes = [4096, MiB, 64 * MiB, 1024 * MiB]
+    runs = [run("host", [{}, {}], "host", HOST_SIZES, args.repeats)]
+    if uuids:
         same = {"env": {"CUDA_VISIBLE_DEVICES": "0"}}
-        runs.append(run("same GPU", [same, same], "device", sizes, args.repeats))
-        if len(uuids) >= 2:
-            rot = [{"env": {"CUDA_VISIBLE_DEVICES": "0,1"}}, {"env": {"CUDA_VISIBLE_DEVICES": "1,0"}}]
-            runs.append(run("other GPU", rot, "device", sizes, args.repeats))
-    else:
-        runs.append(run("host", [{}, {}], "host", [4096, MiB, 64 * MiB], args.repeats))
+        rot = [{"env": {"CUDA_VISIBLE_DEVICES": "0,1"}}, {"env": {"CUDA_VISIBLE_DEVICES": "1,0"}}]
+        for kind in ("device", "pinned"):
+            runs.append(run("same GPU", [same, same], kind, GPU_SIZES, args.repeats))
+            if len(uuids) >= 2:
+                runs.append(run("other GPU", rot, kind, GPU_SIZES, args.repeats))
     meta = {"python": platform.python_version(), "gpus": list(uuids), "host": platform.node(), "time": time.time()}
     try:
         import cuda.core
@@ -182,26 +115,21 @@ def main() -> None:
         meta["cuda_core"] = cuda.core.__version__
     except Exception:
         pass
-    out = {"meta": meta, "runs": runs}
-    H.save_json("pool_mapping", out)
-    if args.large:
-        print(f"\n{'placement':10} {'size':>8} {'import':>10}  result")
-        for r in runs:
-            for ch in r["large"]:
-                t = f"{ch['import_s'] * 1e3:7.2f} ms" if "import_s" in ch else f"{'-':>10}"
-                res = "all bytes right" if ch["ok"] else f"stopped at {ch.get('step')}: {ch.get('error')}"
-                print(f"{r['placement']:10} {ch['size'] / (1 << 30):>5.2f} GiB {t}  {res}")
-        return
-    print(
-        f"\n{'placement':10} {'kind':7} {'map pool':>10} "
-        + " ".join(f"{'import ' + _h(n):>16}" for n in (4096, MiB, 64 * MiB, 1024 * MiB))
-    )
+    H.save_json("pool_mapping", {"meta": meta, "runs": runs})
+    print("\nfirst import / median of later imports (us); map pool: the first mapping of the peer's pool")
+    print(f"{'placement':10} {'kind':7} {'map pool':>10} " + " ".join(f"{_h(n):>19}" for n in GPU_SIZES))
     for r in runs:
+        if "error" in r:
+            print(f"{r['placement']:10} {r['kind']:7} failed: {r['error']}")
+            continue
         cells = [
-            f"{r['import_s'][n] * 1e6:>13.1f} us" if n in r["import_s"] else f"{'-':>16}"
-            for n in (4096, MiB, 64 * MiB, 1024 * MiB)
+            f"{r['first_import_s'][n] * 1e6:>9.1f} /{r['import_s'][n] * 1e6:>7.1f}" if n in r["import_s"] else "-"
+            for n in GPU_SIZES
         ]
-        print(f"{r['placement']:10} {r['kind']:7} {r['map_pool_s'] * 1e3:>7.2f} ms " + " ".join(cells))
+        row = f"{r['placement']:10} {r['kind']:7} {r['map_pool_s'] * 1e3:>7.2f} ms "
+        print(row + " ".join(f"{c:>19}" for c in cells))
+    if any("error" in r for r in runs):
+        sys.exit(1)
 
 
 def _h(n: int) -> str:

@@ -20,7 +20,7 @@
 #               paths (default tests); PYTEST_ARGS adds pytest options;
 #               PYTEST_TIMEOUT caps the suite (default 480 s).
 #   DEMO=0      skips the demo and the example.
-#   MAPPING=0   skips the pool-mapping benchmark; LARGE=0 its single imports of 5-8 GiB (content checked).
+#   MAPPING=0   skips the pool-mapping benchmark (mapping a peer's pool and importing its buffers, every pool kind).
 #   SUBALLOC=0  skips the placement allocator benchmark.
 #   ETL=0       skips the ETL example; ETL_LAYOUTS lists its layouts (default "shared"; per-gpu, dask-cuda);
 #               ETL_ARGS adds options to it.
@@ -139,12 +139,8 @@ fi
 fi
 if [ "$PART" != tests ]; then
 if [ "${MAPPING:-1}" != 0 ] && has_time "pool mapping"; then
-timeout $(left 150) python3 benchmarks/pool_mapping.py > "$OUT/bench.log" 2>&1
-echo "pool mapping exit: $?"; tail -n 4 "$OUT/bench.log"
-fi
-if [ "${LARGE:-1}" != 0 ] && has_time "large imports"; then
-echo "== single imports of 5-8 GiB"; timeout $(left 150) python3 benchmarks/pool_mapping.py --large > "$OUT/large.log" 2>&1
-echo "large exit: $?"; sed -n '/^placement/,$p' "$OUT/large.log"
+echo "== pool mapping"; timeout $(left 150) python3 benchmarks/pool_mapping.py > "$OUT/bench.log" 2>&1
+echo "pool mapping exit: $?"; sed -n '/^first import/,$p' "$OUT/bench.log"
 fi
 if [ "${SUBALLOC:-1}" != 0 ] && has_time suballocator; then
 echo "== placement allocator: the arena alone and in a device pool's segments"; timeout $(left 120) python3 benchmarks/suballocator.py > "$OUT/suballocator.log" 2>&1

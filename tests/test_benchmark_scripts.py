@@ -68,6 +68,17 @@ def test_handoff_records_the_steps_of_the_timed_samples(tmp_path):
         assert row["timings"]["import"]["count"] == 2
 
 
+def test_pool_mapping_imports_every_buffer_of_the_peers_pool(tmp_path):
+    """The host run (the one pool kind here): the peer's pool mapped once, each size imported and read back."""
+    out = _run("pool_mapping.py", ["--repeats", "1"], tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (run,) = _rows(tmp_path, "pool_mapping")["runs"]
+    assert run["kind"] == "host" and "error" not in run and run["map_pool_s"] > 0
+    sizes = {str(n) for n in (4096, 1 << 20, 64 << 20)}
+    assert set(run["first_import_s"]) == set(run["import_s"]) == sizes
+    assert run["segments_mapped"] == 0  # host pools have no segments
+
+
 def test_ucx_pairs_summarizes_each_ab_variant_against_the_last_pair_by_pair():
     """``ucx_pairs.py``'s summary of an ``-ab`` method (printed and saved after each method, so that a run cut off by
     its time limit keeps it): per same/other "host" and size, the mean of each pair's ratio and difference, and the

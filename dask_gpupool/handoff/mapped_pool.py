@@ -175,12 +175,16 @@ class MappedPool:
         return cls(record, resource, own_device)
 
     def import_buffer(self, desc: BufferDescriptor) -> Buffer:
-        """Map one of the peer's buffers (no copy). The caller owns the Buffer.
+        """Map one of the peer's buffers of a ``host`` or ``pinned`` pool (no copy). The caller owns the Buffer.
+
+        A ``device`` pool's buffers lie in segments, mapped once each by
+        :meth:`acquire`: a descriptor of one is refused here.
 
         Raises
         ------
         ProtocolError
-            If the descriptor does not fit this pool's kind or size.
+            If the descriptor does not fit this pool's kind or size, or names
+            a ``device`` pool.
         PoolClosedError
             After :meth:`close`.
         """
@@ -194,10 +198,12 @@ class MappedPool:
             if desc.payload:
                 raise ProtocolError("host pool descriptors carry no payload")
             return self.resource.import_buffer(desc.offset, desc.size)
+        if self.record.kind == "device":
+            raise ProtocolError(
+                f"pool {self.record.pool} is a device pool: its buffers are mapped by segment (acquire), not one by one"
+            )
         if len(desc.payload) != BufferDescriptor.PAYLOAD_BYTES or desc.offset or desc.extent:
             raise ProtocolError(f"{self.record.kind} pool descriptors carry a 64-byte payload and no offset")
-        if self.record.segment_memory == "legacy":
-            raise ProtocolError(f"pool {self.record.pool} hands over segments of legacy IPC memory only")
         return self._import(desc.payload, desc.size)
 
     def _import(self, payload: bytes, size: int) -> Buffer:

@@ -29,41 +29,6 @@ def _debug_log(tag: str) -> None:
     faulthandler.enable(open(path + ".fault", "w"))
 
 
-def patch_imports(mode: str) -> None:
-    """Worker: wrap MappedPool.import_buffer to check the context after each import ("check"),
-    or re-grant access to the own GPU after each import ("regrant")."""
-    from cuda.bindings import driver
-
-    from dask_gpupool.handoff import mapped_pool as _mapping
-
-    orig = _mapping.MappedPool.import_buffer
-    log = logging.getLogger("dask_gpupool.probe")
-
-    def import_owner_ctx(self: Any, desc: Any) -> Any:
-        from cuda.core import Buffer, Device
-
-        dev = Device(self.resource.device_id)
-        dev.set_current()
-        with _mapping.IMPORT_LOCK:
-            return Buffer.from_ipc_descriptor(
-                self.resource, _mapping._ipc_descriptor(desc.payload, desc.size), stream=dev.default_stream
-            )
-
-    def import_buffer(self: Any, desc: Any) -> Any:
-        if "check" in mode:
-            (err,) = driver.cuCtxSynchronize()
-            log.warning("before import: ctx sync %s", err.name)
-        buf = import_owner_ctx(self, desc) if "ownerctx" in mode else orig(self, desc)
-        if "regrant" in mode:
-            _mapping._grant_access(self.resource, self.device)
-        if "check" in mode:
-            (err,) = driver.cuCtxSynchronize()
-            log.warning("after import of %#x: ctx sync %s", int(buf.handle), err.name)
-        return buf
-
-    _mapping.MappedPool.import_buffer = import_buffer  # type: ignore[method-assign]
-
-
 def exporter_grants_peers(dask_worker: Any) -> str:
     """Worker: grant every other visible GPU access to this worker's own pool (in the owner's process)."""
     from cuda.core import system
@@ -115,8 +80,6 @@ def variant(
         c.register_plugin(GPUPool(kind="device", max_size="2 GiB"))
         tag = "".join(ch if ch.isalnum() else "_" for ch in name)
         c.run(_debug_log, tag)
-        if patch:
-            c.run(patch_imports, patch)
         if "exporter-peer" in patch:
             print(c.run(exporter_grants_peers), flush=True)
         a, b = sorted((info := T.workers(c)), key=lambda w: info[w]["name"])
@@ -161,9 +124,6 @@ def main() -> None:
         ("8 x make_buffer 16MiB, head, produced first", 8, 16 * MiB, "make", "head"),
         ("8 x make_buffer 16MiB, all_equal", 8, 16 * MiB, "make", "all_equal"),
         ("8 x make_buffer 16MiB, inspect", 8, 16 * MiB, "make", "inspect"),
-        ("8 x make_buffer 16MiB, inspect, check", 8, 16 * MiB, "make", "inspect", None, "check"),
-        ("8 x make_buffer 16MiB, inspect, regrant", 8, 16 * MiB, "make", "inspect", None, "regrant"),
-        ("8 x make_buffer 16MiB, head, ownerctx", 8, 16 * MiB, "make", "head", None, "ownerctx"),
         ("8 x make_buffer 16MiB, head, exporter-peer", 8, 16 * MiB, "make", "head", None, "exporter-peer"),
         ("8 x make_buffer 16MiB, head, 1conn", 8, 16 * MiB, "make", "head", one_conn),
         ("8 x fill 16MiB, all_equal", 8, 16 * MiB, "fill", "all_equal"),

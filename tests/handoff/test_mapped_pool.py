@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import uuid
 
+import pytest
 from conftest import handoff_round_trip, kind_cluster, pool_kinds, worker_addresses
 from cuda.core import Buffer
 
@@ -92,8 +93,6 @@ def test_a_legacy_ipc_segment_needs_its_handle_and_a_gpu_and_comes_only_as_a_seg
     GPU, or a buffer descriptor outside a segment is a ProtocolError before any CUDA call."""
     import dataclasses
 
-    import pytest
-
     from dask_gpupool.errors import ProtocolError
     from dask_gpupool.wire.handoff import BufferDescriptor
 
@@ -104,16 +103,35 @@ def test_a_legacy_ipc_segment_needs_its_handle_and_a_gpu_and_comes_only_as_a_seg
         m.acquire(no_handle, segment_fd=lambda: -1)
     with pytest.raises(ProtocolError, match="legacy IPC memory needs its 64-byte handle and a GPU here"):
         m.acquire(BufferDescriptor(legacy.pool, 4096, b"\1" * 64, 0, 1 << 20, 3))
-    with pytest.raises(ProtocolError, match="segments of legacy IPC memory only"):
+    with pytest.raises(ProtocolError, match="mapped by segment"):
         m.import_buffer(BufferDescriptor(legacy.pool, 4096, b"\1" * 64))
     assert m.imports == 0 and m.segments == 0
+
+
+@pytest.mark.parametrize("memory", ["vmm", "legacy"])
+def test_a_device_pool_buffer_outside_a_segment_is_refused_before_any_cuda_call(memory):
+    """A ``device`` pool places every buffer in a segment, so a descriptor of one with no segment (a 64-byte handle,
+    no offset, no extent: a ``pinned`` pool's shape) names nothing its owner hands over: a ProtocolError, from
+    ``import_buffer`` and from ``acquire`` alike, with nothing counted."""
+    import dataclasses
+
+    from dask_gpupool.errors import ProtocolError
+    from dask_gpupool.wire.handoff import BufferDescriptor
+
+    record = dataclasses.replace(RECORD, segment_memory=memory)
+    m = MappedPool(record, object(), None)
+    desc = BufferDescriptor(record.pool, 4096, b"\1" * 64)
+    with pytest.raises(ProtocolError, match="device pool: its buffers are mapped by segment"):
+        m.import_buffer(desc)
+    with pytest.raises(ProtocolError, match="device pool: its buffers are mapped by segment"):
+        m.acquire(desc)
+    assert m.imports == 0 and m.segments == 0 and not m._shared
 
 
 def test_a_descriptor_past_the_end_of_a_segment_mapped_here_is_refused():
     """The bounds of a segment already mapped are those of its mapping, not the extent a later descriptor claims:
     a descriptor naming the same segment id with a larger extent and an offset past the mapping is a ProtocolError,
     and the segment's users are not counted up."""
-    import pytest
 
     from dask_gpupool.errors import ProtocolError
     from dask_gpupool.wire.handoff import BufferDescriptor
@@ -134,7 +152,6 @@ def test_a_segment_released_here_is_not_mapped_again():
     not mapped here again: a later claim would restart its count where the owner's ledger goes on, and the owner
     would keep the segment for good (the handoff goes as a copy instead, fallback ``retired-segment``). A retired
     segment unmapped with no claim sent nothing, and may be."""
-    import pytest
 
     from dask_gpupool.errors import PeerAccessError
     from dask_gpupool.wire.handoff import BufferDescriptor
