@@ -39,6 +39,7 @@ from dask_gpupool.errors import PoolUnavailableError
 from dask_gpupool.handoff.routes import TCP_SCHEMES, UCX_SCHEMES
 from dask_gpupool.handoff.service import PoolService
 from dask_gpupool.handoff.startup import start_service
+from dask_gpupool.memory.lifetime import maps_peer_pages
 from dask_gpupool.ops import metrics as _metrics
 from dask_gpupool.ops.dashboard import STATS_INTERVAL, STATS_OP
 from dask_gpupool.wire.handoff import LEASE_QUERY_OP
@@ -266,8 +267,8 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         would pile them up between two periodic checks, and the nanny's own check
         (as often) would restart the worker for memory that is not its own.
         """
-        if start == "executing" and self._pages_check is not None:
-            self._pages_check()
+        if start == "executing" and self._pages_check is not None and maps_peer_pages():
+            self._pages_check()  # a psutil read (~18 us): only where peers' pages can pile up
         events = self._task_events
         if events is None:
             return

@@ -33,6 +33,7 @@ __all__ = [
     "drop_peer_pages",
     "keep_until_exit",
     "mapped",
+    "maps_peer_pages",
     "open_pidfd",
     "peer_resident_bytes",
     "unmapped",
@@ -247,6 +248,12 @@ def unmapped(base: int) -> None:
     """The peer's pool mapped at ``base`` is unmapped. Unknown addresses are ignored."""
     with _lock:
         _peer_mappings.pop(base, None)
+
+
+def maps_peer_pages() -> bool:
+    """Whether this process maps any peer's ``host`` pool (whose pages :func:`drop_peer_pages` would drop); a dict
+    read, cheap enough for every task."""
+    return bool(_peer_mappings)
 
 
 def peer_resident_bytes(max_age: float = 1.0) -> int:
