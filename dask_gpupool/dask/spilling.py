@@ -302,7 +302,7 @@ def borrowed_pages_check(
     process = psutil.Process()
 
     def check() -> None:
-        # No smaps read first (tens of ms with large mappings): advising ranges with few pages resident is cheap.
+        # Advising ranges with few pages resident is cheap: no figure of the peers' pages is needed first.
         if process.memory_info().rss > threshold:
             drop_peer_pages()
             if trim is not None and process.memory_info().rss > threshold:

@@ -200,6 +200,8 @@ class SharedHostMemoryResource(HostOnlyResource):
         self._lock = threading.RLock()
         if mapped:
             peer_resident.mapped(self._base, size)
+        else:
+            peer_resident.owned(self._base, self._resident)
 
     @classmethod
     def from_allocation_handle(cls, alloc_handle: int) -> SharedHostMemoryResource:
@@ -438,6 +440,8 @@ class SharedHostMemoryResource(HostOnlyResource):
         mm, self._mmap = self._mmap, None
         if mm is not None and self._mapped:
             peer_resident.unmapped(self._base)
+        elif mm is not None:
+            peer_resident.disowned(self._base)
         if mm is not None:
             try:
                 mm.close()

@@ -161,7 +161,7 @@ def _resident(dask_worker: Any) -> dict[str, Any]:
 
     return {
         "rss": psutil.Process().memory_info().rss,
-        "peer": peer_resident_bytes(max_age=0),
+        "peer": peer_resident_bytes(),
         "status": str(dask_worker.status),
     }
 

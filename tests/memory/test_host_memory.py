@@ -28,6 +28,32 @@ def test_peer_mapping_sees_owner_bytes_without_copy(no_fd_leak):
     owner.close()
 
 
+def test_the_peer_pages_resident_here_are_counted_fresh_at_every_read(no_fd_leak):
+    """What Dask reads as this process's memory leaves out a peer's pages the moment they are read in, and counts
+    none of the owner's own pages: the owner's 64 MiB written here, then 8 MiB and 16 MiB of them read through a
+    peer's mapping of the same pool (the same process plays both: its page tables hold the pages once per mapping)."""
+    from dask_gpupool.memory.lifetime import peer_resident_bytes
+
+    MiB = 1 << 20
+    owner = SharedHostMemoryResource(128 * MiB)
+    buf = owner.allocate(64 * MiB)
+    np.from_dlpack(buf).view(np.uint8)[:] = 1
+    mapped = SharedHostMemoryResource.from_allocation_handle(owner.allocation_handle)
+    view = mapped.import_buffer(owner.offset_of(buf), buf.size)
+    pages = np.from_dlpack(view).view(np.uint8)
+    try:
+        assert peer_resident_bytes() < 1 * MiB
+        for read in (8, 24):
+            assert int(pages[: read * MiB : 4096].sum()) == read * MiB // 4096
+            assert abs(peer_resident_bytes() - read * MiB) < 1 * MiB, read
+    finally:
+        del pages
+        view.close()
+        mapped.close()
+        buf.close()
+        owner.close()
+
+
 def test_attributes_track_used_and_resident_bytes():
     owner = SharedHostMemoryResource(1 << 20)
     a, b = owner.allocate(4096), owner.allocate(100)
@@ -190,9 +216,6 @@ def _peer_pages_left_out(dask_worker) -> int:
     """Bytes the worker's ``rss`` holds above the process memory Dask reads (``monitor.get_process_memory``)."""
     import psutil
 
-    from dask_gpupool.memory.lifetime import peer_resident_bytes
-
-    peer_resident_bytes(max_age=0)  # a fresh figure for the call below
     return psutil.Process().memory_info().rss - dask_worker.monitor.get_process_memory()
 
 
