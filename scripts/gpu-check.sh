@@ -10,6 +10,9 @@
 #               (the package needs 1.2.2: it frees host-only buffers without a CUDA context).
 #   .whl-ucx    (optional) the UCXX wheels (distributed-ucxx-cu13 0.52, ucxx-cu13 0.52, libucxx-cu13 0.52,
 #               libucx-cu13 1.21, rmm-cu13/librmm-cu13 26.10, rapids-logger 0.3): the UCXX tests and ucxx rows.
+#   .whl-dc     (optional) dask-cuda 26.10 and what it imports that the machine lacks (nvidia-ml-py, click, pandas
+#               with python-dateutil, pytz, tzdata and six), with rmm-cu13/librmm-cu13 26.10 and rapids-logger 0.3 for
+#               its RMM options: the dask-cuda tests. Carried with .whl instead of .whl-ucx (64 MiB together).
 #   .whl-vk     (optional) the vkgdr, cffi and pycparser wheels, kept apart from .whl so that .whl and .whl-ucx stay
 #               under the tool's 64 MiB carry limit; .gl holds the Vulkan loader's .debs vkgdr needs (see below).
 #
@@ -63,6 +66,7 @@ OUT=${OUT:-/tmp/gpu-check-out}
 mkdir -p "$OUT"
 WHEELS=(.whl/*.whl)
 [ -d .whl-ucx ] && WHEELS+=(.whl-ucx/*.whl)
+[ -d .whl-dc ] && WHEELS+=(.whl-dc/*.whl)
 [ -d .whl-vk ] && WHEELS+=(.whl-vk/*.whl)
 # Once per machine: a second run on the same machine must not rewrite the packages under a chaos run still going
 # in the background. Under a lock: two runs started side by side would both install at once, and one can fail
