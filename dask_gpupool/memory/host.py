@@ -18,36 +18,27 @@ treats every kind alike:
 Works with no NVIDIA driver at all: buffers are host pointers handed to
 ``Buffer.from_handle``.
 
-Memory goes back to the OS: a freed buffer's whole pages (from 64 KiB) are
-removed from the memfd at once (``madvise(MADV_REMOVE)``, a hole punched in
-the file), so neither the owner nor any peer that mapped them keeps them
-resident, except those in the pool's first
-:attr:`~SharedHostMemoryResource.keep_resident` bytes
-(:data:`dask_gpupool.tuning.HOST_KEEP_RESIDENT`): first fit places the next
-buffers there, and a page given back costs its next write a fault that
-allocates and zeroes it (ten times the copy itself, measured), while a kept
-page stays mapped, without faults, in the owner and every peer that read it.
-:meth:`~SharedHostMemoryResource.trim` gives back every free
-range, small and kept ones included. A page is removed only while no buffer uses it:
-before its range goes back to the arena, or with allocation blocked; and
-never after :meth:`~SharedHostMemoryResource.keep_pages`, once the pool is
-closed, or while the interpreter exits: then buffers a peer still maps are
-freed without their leases ending; nor in a process forked from the owner
-(a task's ``multiprocessing`` child), whose copies of the owner's buffers
-and arena are not the owner's: its frees and trims leave the memfd alone,
-and it cannot allocate. The
-pool's ``reserved`` bytes are the memfd's resident pages (``st_blocks``).
+Memory goes back to the OS: a freed buffer's whole pages (from 64 KiB) are removed from the memfd at once
+(``madvise(MADV_REMOVE)``, a hole punched in the file), so neither the owner nor any peer that mapped them keeps them
+resident, except those in the pool's first :attr:`~SharedHostMemoryResource.keep_resident` bytes
+(:data:`dask_gpupool.tuning.HOST_KEEP_RESIDENT`): first fit places the next buffers there, and a page given back costs
+its next write a fault that allocates and zeroes it (ten times the copy itself, measured), while a kept page stays
+mapped, without faults, in the owner and every peer that read it. :meth:`~SharedHostMemoryResource.trim` gives back
+every free range, small and kept ones included. A page is removed only while no buffer uses it: before its range goes
+back to the arena, or with allocation blocked; and never after :meth:`~SharedHostMemoryResource.keep_pages`, once the
+pool is closed, or while the interpreter exits: then buffers a peer still maps are freed without their leases ending;
+nor in a process forked from the owner (a task's ``multiprocessing`` child), whose copies of the owner's buffers and
+arena are not the owner's: its frees and trims leave the memfd alone, and it cannot allocate. The pool's ``reserved``
+bytes are the memfd's resident pages (``st_blocks``).
 
-Trust boundary: the memfd is sealed once sized (``F_SEAL_SHRINK``,
-``F_SEAL_GROW``, ``F_SEAL_SEAL``), so no process that receives the fd can
-``ftruncate`` it, which would make every mapper's reads past the new end
-SIGBUS. Peers can still write the pool's bytes (they map it read-write, as
-CUDA IPC peers do). A mapped resource checks that every imported range lies
-inside the mapping, so a malformed descriptor cannot reach memory outside the
-peer's pool; it cannot check that the owner still considers the range live.
+Trust boundary: the memfd is sealed once sized (``F_SEAL_SHRINK``, ``F_SEAL_GROW``, ``F_SEAL_SEAL``), so no process that
+receives the fd can ``ftruncate`` it, which would make every mapper's reads past the new end SIGBUS. Peers can still
+write the pool's bytes (they map it read-write, as CUDA IPC peers do). A mapped resource checks that every imported
+range lies inside the mapping, so a malformed descriptor cannot reach memory outside the peer's pool; it cannot check
+that the owner still considers the range live.
 
-A mapped resource is noted in :mod:`dask_gpupool.memory.lifetime` while
-it is mapped, so that a worker does not count the owner's pages as its own.
+Each resource is noted in :mod:`dask_gpupool.memory.lifetime` while it is mapped (a peer's as mapped, the owner's with
+its resident bytes), so that a worker does not count the owner's pages as its own.
 """
 
 from __future__ import annotations

@@ -234,6 +234,9 @@ _peer_mappings: dict[int, int] = {}
 #: resident in memory.
 _own_pools: dict[int, weakref.WeakMethod[Callable[[], int]]] = {}
 _lock = threading.Lock()
+#: This process's resident shared memory that is neither its own pools' nor peers' (a driver's, a task's), as
+#: measured while no page of a peer's pool was resident here (:func:`_calibrate`).
+_other_shared = 0
 #: libc's ``madvise``, loaded on first use.
 _madvise: Any = None
 
@@ -241,7 +244,10 @@ _madvise: Any = None
 def mapped(base: int, size: int) -> None:
     """A peer's pool is mapped in this process at ``base``."""
     with _lock:
+        first = not _peer_mappings
         _peer_mappings[base] = size
+    if first:  # no page of a peer's pool is resident here yet
+        _calibrate()
 
 
 def unmapped(base: int) -> None:
@@ -274,13 +280,13 @@ def peer_resident_bytes() -> int:
     """Bytes of peer pools resident in this process: memory it maps but does not own.
 
     This process's resident shared memory (``RssShmem`` of ``/proc/self/status``) less its own pools' resident
-    bytes (each memfd's ``st_blocks``), at most the size of the peers' mappings: what to subtract from the
-    process's ``rss`` for the memory it owns. Two reads of about 20 µs each, fresh at every call. Reading each
-    mapping's ``Rss`` in ``/proc/self/smaps`` instead walks every mapping of the process: 25-40 ms on the event loop
-    of a worker of a 2-vCPU host, every time Dask samples its memory after a handoff.
-
-    Shared memory of other kinds that a task maps (a ``multiprocessing.shared_memory`` block) counts as peers'
-    here, up to the size of the peers' mappings; a Dask worker maps none of its own.
+    bytes (each memfd's ``st_blocks``) and less the shared memory of other kinds resident when no peer page was
+    (measured when the first peer pool is mapped, and again each time the peers' pages are dropped), at most the
+    size of the peers' mappings: what to subtract from the process's ``rss`` for the memory it owns. Two reads of
+    about 20 µs each, fresh at every call. Reading each mapping's ``Rss`` in ``/proc/self/smaps`` instead walks
+    every mapping of the process: 25-40 ms on the event loop of a worker of a 2-vCPU host, every time Dask samples
+    its memory after a handoff. Shared memory of other kinds mapped between those measurements (a task's
+    ``multiprocessing.shared_memory`` block) counts as peers' until the next.
 
     Returns
     -------
@@ -291,13 +297,26 @@ def peer_resident_bytes() -> int:
         if not _peer_mappings:
             return 0
         mapped_size = sum(_peer_mappings.values())
+    return min(max(_unaccounted() - _other_shared, 0), mapped_size)
+
+
+def _unaccounted() -> int:
+    """This process's resident shared memory less its own pools' resident bytes. Called without :data:`_lock`
+    (each pool's method takes the pool's lock, which a pool holds when it calls :func:`disowned`)."""
+    with _lock:
         own = list(_own_pools.values())
     shared = _shared_resident()
     for ref in own:
         resident = ref()
         if resident is not None:
             shared -= resident()
-    return min(max(shared, 0), mapped_size)
+    return shared
+
+
+def _calibrate() -> None:
+    """Measure :data:`_other_shared`, while no page of a peer's pool is resident here."""
+    global _other_shared
+    _other_shared = max(_unaccounted(), 0)
 
 
 def _shared_resident() -> int:
@@ -333,4 +352,5 @@ def drop_peer_pages() -> int:
         for base, size in _peer_mappings.items():
             if _madvise(base, size, MADV_DONTNEED) == 0:
                 total += size
+    _calibrate()
     return total

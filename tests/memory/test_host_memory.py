@@ -30,11 +30,17 @@ def test_peer_mapping_sees_owner_bytes_without_copy(no_fd_leak):
 
 def test_the_peer_pages_resident_here_are_counted_fresh_at_every_read(no_fd_leak):
     """What Dask reads as this process's memory leaves out a peer's pages the moment they are read in, and counts
-    none of the owner's own pages: the owner's 64 MiB written here, then 8 MiB and 16 MiB of them read through a
-    peer's mapping of the same pool (the same process plays both: its page tables hold the pages once per mapping)."""
+    neither the owner's own pages nor other shared memory resident before (a driver's; here 8 MiB of an
+    anonymous shared mapping): the owner's 64 MiB written here, then 8 MiB and 24 MiB of them read
+    through a peer's mapping of the same pool (the same process plays both: its page tables hold the pages once per
+    mapping)."""
+    import mmap
+
     from dask_gpupool.memory.lifetime import peer_resident_bytes
 
     MiB = 1 << 20
+    other = mmap.mmap(-1, 8 * MiB, flags=mmap.MAP_SHARED)
+    other.write(b"\1" * (8 * MiB))
     owner = SharedHostMemoryResource(128 * MiB)
     buf = owner.allocate(64 * MiB)
     np.from_dlpack(buf).view(np.uint8)[:] = 1
@@ -52,6 +58,7 @@ def test_the_peer_pages_resident_here_are_counted_fresh_at_every_read(no_fd_leak
         mapped.close()
         buf.close()
         owner.close()
+        other.close()
 
 
 def test_attributes_track_used_and_resident_bytes():
