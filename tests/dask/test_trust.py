@@ -21,7 +21,6 @@ import pytest
 from conftest import (
     back_to,
     counters,
-    fd_count,
     handoff_round_trip,
     nanny_cluster,
     stop_processes,
@@ -95,18 +94,33 @@ def rpc(client: Any, op: str, **kwargs: Any) -> Any:
 def rogue_client(client: Any) -> Iterator[Any]:
     """A second, plain Client of the cluster; fails if it leaves fds open in this process once closed.
 
-    (Measured around the rogue alone: the module's shared client keeps a pool of comms that may grow.)
+    (What the rogue opened is what opened while it lived, by the open files' names (``socket:[inode]``): the module's
+    shared client keeps a pool of comms that may grow meanwhile, and a count of fds would take those for the rogue's.)
     """
     gc.collect()
-    fds = fd_count()
+    before = _open_files()
     with Client(client.scheduler.address, timeout=30) as rogue:
-        yield rogue
+        try:
+            yield rogue
+        finally:
+            opened = _open_files() - before
 
     def closed() -> bool:  # its comms close on the client's loop thread, a moment after close() returns
         gc.collect()
-        return fd_count() <= fds
+        return not opened & _open_files()
 
     wait_for(closed, timeout=10, what="the rogue client's fds in this process to close")
+
+
+def _open_files() -> set[str]:
+    """What this process's fds name (``socket:[inode]``, ``pipe:[inode]``, paths)."""
+    names = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            names.add(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # closed meanwhile
+            pass
+    return names
 
 
 def test_a_client_calling_register_gets_no_token_and_leaves_no_row(client):
