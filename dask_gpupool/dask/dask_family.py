@@ -207,10 +207,13 @@ def aligned(x: Any) -> Any:
     """``x``, or where it is a NumPy array whose data does not sit at an address its dtype loads from, a copy that
     does (with ``x``'s layout and write flag).
 
-    Dask reads a small message into one buffer and cuts its frames out of it: an array's bytes land wherever the
-    headers before them end, and a (1, 64) float64 array could land 2 bytes past an 8-byte boundary, where NumPy's
-    fancy indexing from it took 2-4 times as long (``tests/dask/test_host_staging.py``). Only such arrays, all of
-    them in small messages, are copied. A handoff's array sits where the producer's did and is never copied here.
+    Dask reads a small message, and the first array of a large one, into one buffer with the headers before them
+    and cuts the frames out of it: an array's bytes land wherever those headers end. A reply of a worker with the
+    plugin carries headers of other lengths than plain Dask's, and a (1, 64) float64 array landed 2 bytes past an
+    8-byte boundary, where NumPy's fancy indexing from it took 2-4 times as long (``tests/dask/test_host_staging.py``);
+    a 600 MiB one landed misaligned too. The copy costs one pass over the bytes at memory speed (against a pass
+    over a socket that came before it), once, where a misaligned array slows every task that reads it. A handoff's
+    array sits where the producer's did and is never copied here.
     """
     if type(x).__module__ != "numpy" or x.flags.aligned:
         return x

@@ -171,10 +171,10 @@ def _alignment(x: Any) -> list[Any]:
 
 
 def test_a_small_plain_array_arrives_aligned_whatever_the_headers_beside_it(three_workers):
-    """Dask reads a small message into one buffer and cuts its frames out of it, so an array's bytes land wherever
-    the msgpack header before them ends: with the plugin's copy count in that header, a (1, 64) float64 table could
-    land 2 bytes past an 8-byte boundary, where NumPy's fancy indexing from it took 2-4 times as long. Each of these
-    arrives at an address its dtype loads from, with its values."""
+    """Dask reads a small message into one buffer and cuts its frames out of it, so an array's bytes land wherever the
+    headers before them end: a reply of a worker with the plugin carries headers of other lengths than plain Dask's,
+    and a (1, 64) float64 table could land 2 bytes past an 8-byte boundary, where NumPy's fancy indexing from it
+    took 2-4 times as long. Each of these arrives at an address its dtype loads from, with its values."""
     c, a, b, _w, baseline = three_workers
     cases = [(n, dtype) for n in (1, 3, 8, 63, 64, 65, 200, 1000) for dtype in ("f8", "i4", "c16")]
     xs = [c.submit(_small, n, dtype, workers=[a], pure=False) for n, dtype in cases]
