@@ -96,10 +96,6 @@ def pid_of(client: Any, worker: str) -> int:
     return next(r.pid for r in dask_gpupool.pools(client) if r.worker == worker)
 
 
-def fd_count() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
 @pytest.fixture
 def no_fd_leak() -> Iterator[None]:
     """Fails the test if it leaves more fds open in this process than it found (naming the new ones).
@@ -116,15 +112,16 @@ def no_fd_leak() -> Iterator[None]:
     for ordinal in range(len(local_devices().uuids)):
         current_gpu(ordinal)
     gc.collect()
-    before = _fd_targets()
+    before = fd_targets()
     yield
     gc.collect()
-    after = _fd_targets()
+    after = fd_targets()
     new = sorted(target for fd, target in after.items() if before.get(fd) != target)
     assert len(after) <= len(before), f"the test leaked file descriptors in the test process: {new}"
 
 
-def _fd_targets() -> dict[str, str]:
+def fd_targets() -> dict[str, str]:
+    """This process's open fds and what each names (``socket:[inode]``, ``pipe:[inode]``, a path)."""
     out = {}
     for fd in os.listdir("/proc/self/fd"):
         try:

@@ -21,6 +21,7 @@ import pytest
 from conftest import (
     back_to,
     counters,
+    fd_targets,
     handoff_round_trip,
     nanny_cluster,
     stop_processes,
@@ -98,29 +99,18 @@ def rogue_client(client: Any) -> Iterator[Any]:
     shared client keeps a pool of comms that may grow meanwhile, and a count of fds would take those for the rogue's.)
     """
     gc.collect()
-    before = _open_files()
+    before = set(fd_targets().values())
     with Client(client.scheduler.address, timeout=30) as rogue:
         try:
             yield rogue
         finally:
-            opened = _open_files() - before
+            opened = set(fd_targets().values()) - before
 
     def closed() -> bool:  # its comms close on the client's loop thread, a moment after close() returns
         gc.collect()
-        return not opened & _open_files()
+        return not opened & set(fd_targets().values())
 
     wait_for(closed, timeout=10, what="the rogue client's fds in this process to close")
-
-
-def _open_files() -> set[str]:
-    """What this process's fds name (``socket:[inode]``, ``pipe:[inode]``, paths)."""
-    names = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            names.add(os.readlink(f"/proc/self/fd/{fd}"))
-        except OSError:  # closed meanwhile
-            pass
-    return names
 
 
 def test_a_client_calling_register_gets_no_token_and_leaves_no_row(client):
