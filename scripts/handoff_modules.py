@@ -46,20 +46,21 @@ def _trace(dask_worker: Any) -> None:
     the package's modules whose functions are called while :func:`_record` is on (kept on the worker object)."""
     touched: set[str] = set()
     recording = threading.Event()
+    probing = threading.local()  # set while this script's own probe runs in a thread: its calls are not the handoff's
 
     def profile(frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and recording.is_set():
+        if event == "call" and recording.is_set() and not getattr(probing, "on", False):
             name = frame.f_globals.get("__name__") or ""
             if name.startswith("dask_gpupool"):
                 touched.add(name)
 
-    dask_worker.handoff_modules_trace = (touched, recording)
+    dask_worker.handoff_modules_trace = (touched, recording, probing)
     sys.setprofile(profile)
     threading.setprofile(profile)
 
 
 def _record(on: bool, dask_worker: Any) -> list[str]:
-    touched, recording = dask_worker.handoff_modules_trace
+    touched, recording, _ = dask_worker.handoff_modules_trace
     if on:
         touched.clear()
         recording.set()
@@ -69,11 +70,18 @@ def _record(on: bool, dask_worker: Any) -> list[str]:
 
 
 def _leases_and_imports(dask_worker: Any) -> tuple[int, int]:
+    """Live leases and imports of a worker: the wait for the lease's end (not recorded as the handoff's calls)."""
     from dask_gpupool.dask.worker_plugin import service_of
 
-    service = service_of(dask_worker)
-    service.importer.releaser.flush()
-    return len(service.leases), service.importer.held.live()
+    probing = dask_worker.handoff_modules_trace[2]
+    probing.on = True
+    try:
+        service = service_of(dask_worker)
+        if service.importer.held.live():  # a worker that imported nothing has no releases to push
+            service.importer.releaser.flush()
+        return len(service.leases), service.importer.held.live()
+    finally:
+        probing.on = False
 
 
 def produce(n: int) -> Any:

@@ -21,7 +21,7 @@ from distributed.protocol.pickle import dumps
 
 from dask_gpupool.config import KINDS, PoolOptions
 from dask_gpupool.core import PLUGIN_NAME
-from dask_gpupool.dask import failure_logs
+from dask_gpupool.dask.distributed_seam import workers as seam
 from dask_gpupool.dask.scheduler_plugin import GPUPool
 from dask_gpupool.errors import ConfigError
 
@@ -100,7 +100,7 @@ async def dask_setup(dask_object: Scheduler | Worker, **options: Any) -> None:
     registration comes, reported as ``no pool: ConfigError: ...`` by
     ``stats()``, ``info`` and the ``/gpupool`` page.
     """
-    failure_logs.install()  # distributed logs a gpupool error raised here in one line, not with its traceback
+    seam.one_line_failures()  # distributed logs a gpupool error raised here in one line, not with its traceback
     options = {k: v for k, v in options.items() if v is not None}
     if isinstance(dask_object, Scheduler):
         plugin = GPUPool(**options)  # checks the values given, each on its own and against each other

@@ -32,7 +32,6 @@ from tornado.ioloop import PeriodicCallback
 
 from dask_gpupool.config import PoolOptions
 from dask_gpupool.core import JOINED_OP, PLUGIN_NAME, REGISTER_OP, UNREGISTER_OP, UPDATE_OP
-from dask_gpupool.dask import failure_logs
 from dask_gpupool.dask import plugin_installs as installs
 from dask_gpupool.dask.comms import LOST_OP
 from dask_gpupool.dask.distributed_seam import scheduler as scheduler_seam
@@ -264,7 +263,7 @@ class GPUPool(SchedulerPlugin):
         other's handlers served the registry (so dead workers' rows stayed), and the workers running the pools of
         both, in whichever order each got the two plugins.
         """
-        failure_logs.install()  # distributed logs a gpupool error raised here in one line, not with its traceback
+        seam.one_line_failures()  # distributed logs a gpupool error raised here in one line, not with its traceback
         if self._scheduler is scheduler:
             # A plugin that a preload registered (and so started) is started again by distributed once
             # the preloads are done: once is enough.
@@ -327,7 +326,7 @@ class GPUPool(SchedulerPlugin):
                 type(exc).__name__,
                 exc,
             )
-            failure_logs.said(exc)  # said here, with the workers: distributed's record of it is left out
+            seam.said(exc)  # said here, with the workers: distributed's record of it is left out
             raise exc
         if late:
             logger.warning(

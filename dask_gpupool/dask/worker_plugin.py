@@ -27,7 +27,7 @@ from tornado.ioloop import PeriodicCallback
 from dask_gpupool import tuning
 from dask_gpupool.config import PoolOptions
 from dask_gpupool.core import PLUGIN_NAME
-from dask_gpupool.dask import comms, failure_logs, spilling
+from dask_gpupool.dask import comms, spilling
 from dask_gpupool.dask import ucx_receive as _receive
 from dask_gpupool.dask import worker_setup as decide
 from dask_gpupool.dask.distributed_seam import workers as seam
@@ -125,7 +125,7 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
 
     async def setup(self, worker: Worker) -> None:
         """Make the pool and join the registry; on failure, remember why (see :func:`service_of`) and raise."""
-        failure_logs.install()  # distributed logs a gpupool error raised here in one line, not with its traceback
+        seam.one_line_failures()  # distributed logs a gpupool error raised here in one line, not with its traceback
         refused = _refused.get(worker)
         if refused is not None:  # logged when it was refused (refuse_pool)
             self._fail(worker, refused)
@@ -133,7 +133,7 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         try:
             await self._setup(worker)
         except BaseException as e:
-            # Dask logs the exception: in one line for a GPUPoolError (failure_logs), with its traceback otherwise
+            # Dask logs the exception: in one line for a GPUPoolError (seam.OneLine), with its traceback otherwise
             self._fail(worker, f"{type(e).__name__}: {e}")
             raise
 

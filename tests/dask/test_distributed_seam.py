@@ -272,6 +272,24 @@ def _code_lines(path: pathlib.Path) -> dict[int, str]:
     return lines
 
 
+def test_a_failed_preload_plugin_setup_or_handler_is_logged_with_the_wording_and_loggers_the_filter_reads():
+    """``seam.OneLine`` recognises distributed's records of a failed preload or plugin by their logger and their
+    wording (``preload``, ``plugin``)."""
+    import distributed.core
+    import distributed.preloading
+    import distributed.worker
+
+    records = {
+        "distributed.preloading": (distributed.preloading, "Failed to start preload"),
+        "distributed.worker": (distributed.worker, "Worker plugin %s failed to setup"),
+        "distributed.core": (distributed.core, "Exception while handling op %s"),
+    }
+    assert set(records) == set(seam.FAILURE_LOGGERS)
+    for name, (module, wording) in records.items():
+        assert module.logger.name == name
+        assert f'logger.exception("{wording}' in inspect.getsource(module), (name, wording)
+
+
 def test_no_other_library_module_patches_distributed():
     """Outside the seam's modules (and the test helpers in ``testing/``), no module
     replaces a handler, a comm method, a module global of distributed-ucxx, a serializer family or a route, nor lists a

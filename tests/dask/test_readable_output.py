@@ -173,15 +173,15 @@ def test_only_gpupool_errors_from_preloads_and_plugins_lose_their_traceback():
     any other exception, or the same error in another of distributed's records, keeps its traceback."""
     import logging
 
-    from dask_gpupool.dask import failure_logs
+    from dask_gpupool.dask.distributed_seam import workers as seam
 
-    failure_logs.install()
-    failure_logs.install()  # idempotent
+    seam.one_line_failures()
+    seam.one_line_failures()  # idempotent
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append  # type: ignore[method-assign]
     logger = logging.getLogger("distributed.worker")
-    assert sum(isinstance(f, failure_logs.OneLine) for f in logger.filters) == 1
+    assert sum(isinstance(f, seam.OneLine) for f in logger.filters) == 1
     logger.addHandler(handler)
     try:
         for error in (dask_gpupool.ConfigError("gpupool.kind='gpu' is not a pool kind"), RuntimeError("a bug")):
@@ -191,7 +191,7 @@ def test_only_gpupool_errors_from_preloads_and_plugins_lose_their_traceback():
                 except Exception:
                     logger.exception(message, "gpupool")
         said = dask_gpupool.PoolUnavailableError("said already")
-        failure_logs.said(said)
+        seam.said(said)
         try:
             raise said
         except Exception:

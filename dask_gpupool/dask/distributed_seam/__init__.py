@@ -29,6 +29,9 @@ with the public API that is missing:
     received.
 ``workers.scope_metrics``
     PATCH the ``/metrics`` route of ``server.http_application``: a collector is not told which server is scraped.
+``workers.OneLine``
+    READ the loggers and wording of distributed's records of a failed preload, plugin setup or handler: no API shapes
+    how distributed logs a plugin's exception (a :class:`~dask_gpupool.errors.GPUPoolError` is made one line).
 ``workers.pickle_buffers_as_copies``
     PATCH ``copyreg`` for cuda.core ``Buffer``: its own ``__reduce__`` exports an IPC descriptor that would outlive
     the lease keeping the memory.

@@ -4,9 +4,9 @@ distributed-ucxx's) internals there, each with the public API it stands in for.
 Part of :mod:`~dask_gpupool.dask.distributed_seam` (which lists every patch), under its rules: each ``PATCH`` names
 the public API that is missing, ``READ`` marks internals only read, and ``tests/dask/test_distributed_seam.py``
 fails when distributed changes what is used. Sections: a worker's ``get_data`` and values, its comm reads, memory
-monitor and handlers (put back by each ``undo`` path when its plugin is removed); every server's handlers and
-``/metrics``; and, in any process at import (:mod:`~dask_gpupool.dask.registration`), serializer families and
-``copyreg``.
+monitor and handlers (put back by each ``undo`` path when its plugin is removed); every server's handlers,
+``/metrics`` and log records of a failed preload or plugin; and, in any process at import
+(:mod:`~dask_gpupool.dask.registration`), serializer families and ``copyreg``.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from dask_gpupool.dask import dask_family
 from dask_gpupool.dask.comms import read_then_fill, requests_noted
 from dask_gpupool.dask.context import REQUEST, Request, clear_tracebacks
 from dask_gpupool.dask.plain_arrays import received_copy
+from dask_gpupool.errors import GPUPoolError
 from dask_gpupool.handoff.registry import active_service
 from dask_gpupool.memory.lifetime import peer_resident_bytes
 from dask_gpupool.ops import metrics
@@ -38,15 +39,18 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DaskWorkerStore",
+    "OneLine",
     "count_own_memory_only",
     "count_pickled_copies",
     "device_array",
     "ensure_first",
     "fill_after_read",
+    "one_line_failures",
     "pickle_buffers_as_copies",
     "point_device_array",
     "registered_family",
     "restore_device_array",
+    "said",
     "scope_metrics",
     "set_handlers",
     "set_stream_handlers",
@@ -324,6 +328,54 @@ def _scoped(base: type, role: str) -> type:
         Scoped.__name__ = Scoped.__qualname__ = f"GPUPoolScoped{base.__name__}"
         _scoped_classes[key] = Scoped
     return _scoped_classes[key]
+
+
+# -- every server: distributed's records of a failed preload or plugin ---------------------------------------------
+
+#: distributed's loggers that log a failed preload, plugin setup or handler with its traceback.
+FAILURE_LOGGERS = ("distributed.preloading", "distributed.worker", "distributed.core")
+
+#: Errors logged in a line of this package's own already: distributed's record of them is left out.
+_SAID: weakref.WeakSet[BaseException] = weakref.WeakSet()
+
+
+def said(error: BaseException) -> None:
+    """``error`` has been logged in one line, before it is raised on: distributed's record of it is left out."""
+    if isinstance(error, GPUPoolError):  # the ones the filter looks at (and weakly referable: builtins are not)
+        _SAID.add(error)
+
+
+class OneLine(logging.Filter):
+    """A record of a :class:`GPUPoolError` from a preload or plugin, made one line (or left out: :func:`said`).
+
+    distributed logs an exception that leaves a preload (``Failed to start preload``), a worker plugin's ``setup``
+    (``Worker plugin gpupool failed to setup``) or a handler such as ``register_scheduler_plugin`` (``Exception while
+    handling op``) with its traceback, on every process it reaches. A :class:`GPUPoolError`'s own text says what is
+    wrong and what to do, so its record becomes ``<distributed's message>: ConfigError: ...``. Any other exception
+    keeps its traceback: it is no failure this package expects. READ the wording of those records (``preload``,
+    ``plugin``): no API shapes how distributed logs a plugin's exception.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if not isinstance(error, GPUPoolError):
+            return True
+        text = record.getMessage()
+        if "preload" not in text and "plugin" not in text:
+            return True  # another of distributed's records (a task's, a transfer's): as distributed logs it
+        if error in _SAID:
+            return False
+        record.msg, record.args = f"{text}: {type(error).__name__}: {error}", ()
+        record.exc_info, record.exc_text = None, None
+        return True
+
+
+def one_line_failures() -> None:
+    """Put :class:`OneLine` on distributed's loggers of this process (:data:`FAILURE_LOGGERS`), once. Idempotent."""
+    for name in FAILURE_LOGGERS:
+        failures = logging.getLogger(name)
+        if not any(isinstance(f, OneLine) for f in failures.filters):
+            failures.addFilter(OneLine())
 
 
 # -- serializers --------------------------------------------------------------------------------------------------
