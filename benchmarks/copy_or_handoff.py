@@ -1,15 +1,15 @@
 """Copy or handoff for small pool values, each sample taken both ways back to back in one cluster.
 
-The handoff threshold (``dask_gpupool.tuning.handoff_threshold``) sends pool buffers under it to a same-host worker
-over TCP as a copy in Dask's frames instead of a handoff. Clusters started one after another differ by as much as the
-two paths do (0.1-0.5 ms in a CPU container, 2026-11-23), so one cluster with the plugin takes every sample handed
+The handoff threshold (``dask_gpupool.handoff.routes.handoff_threshold_of``) sends pool buffers under it to a same-host
+worker over TCP as a copy in Dask's frames instead of a handoff. Clusters started one after another differ by as much as
+the two paths do (0.1-0.5 ms in a CPU container, 2026-11-23), so one cluster with the plugin takes every sample handed
 over (the threshold 0) and copied (the threshold above every size) back to back, in alternating order, switching the
-producer's threshold between them: :func:`dask_gpupool.testing.faults.route_sizes` gives it to the producer's
-routing (``client.run``), which holds values against it instead of the constant.
+producer's threshold between them: :func:`dask_gpupool.testing.faults.route_sizes` gives it to the producer's routing
+(``client.run``), which holds values against it instead of the constant.
 
-``--plain`` asks the same of the stage threshold (``dask_gpupool.tuning.stage_threshold``): plain CuPy (or NumPy)
-arrays, from the library's own allocator, staged into the producer's pool and handed over (the threshold at 1 byte)
-or sent through Dask's comm (0, fallback ``not-in-pool``).
+``--plain`` asks the same of the stage threshold (``dask_gpupool.handoff.routes.stage_threshold_of``): plain CuPy (or
+NumPy) arrays, from the library's own allocator, staged into the producer's pool and handed over (the threshold at 1
+byte) or sent through Dask's comm (0, fallback ``not-in-pool``).
 
 Two same-host workers (``--placement other`` with two GPUs: one per GPU); pool arrays of each ``--sizes`` over
 ``device`` pools with a GPU, ``host`` pools without (``--kind`` overrides); the transfer time is the consumer's

@@ -7,7 +7,7 @@ Nanny workers each, TCP):
 - ``staged``: the plugin's cluster, the producer staging every plain array into its ``host`` pool and handing it over
   (its stage threshold set to 1 byte, :func:`_stage_at`);
 - ``comm``: the same cluster, nothing staged (threshold 0): Dask's own path through the plugin's serializer;
-- ``defaults``: the same cluster at :func:`dask_gpupool.tuning.stage_threshold`, what a user gets;
+- ``defaults``: the same cluster at :func:`dask_gpupool.handoff.routes.stage_threshold_of`, what a user gets;
 - ``plain``: a second cluster without the plugin (plain Dask).
 
 Per sample: the consumer's transfer time (``stop - start`` of its transfer log entry), its first full read of the
@@ -41,9 +41,10 @@ from distributed import wait
 sys.path.insert(0, os.path.dirname(__file__))
 import handoff as H  # benchmarks/handoff.py: its cluster, produce, machine and save_json
 
-from dask_gpupool import GPUPool, tuning
+from dask_gpupool import GPUPool
 from dask_gpupool import testing as T
 from dask_gpupool.dask.worker_plugin import service_of
+from dask_gpupool.handoff.routes import stage_threshold_of
 
 STEPS = ("stage", "stage-alloc", "export", "import", "reply")
 MODES = ("staged", "comm", "defaults", "plain")
@@ -65,11 +66,11 @@ def _faults() -> int:
 
 
 def _stage_at(dask_worker: Any, threshold: int | None) -> None:
-    """This worker's stage threshold: ``None`` the product's (:func:`dask_gpupool.tuning.stage_threshold`), else
-    ``threshold`` over TCP (0: never)."""
+    """This worker's stage threshold: ``None`` the product's (:func:`~dask_gpupool.handoff.routes.stage_threshold_of`),
+    else ``threshold`` over TCP (0: never)."""
     routes = service_of(dask_worker).routes
     if threshold is None:
-        routes.stage_threshold_of = tuning.stage_threshold
+        routes.stage_threshold_of = stage_threshold_of
     else:
         routes.stage_threshold_of = lambda kind, over_tcp: threshold if over_tcp else 0
 

@@ -1,8 +1,9 @@
 """The sizes and counts the transfer paths decide by: measured, not configured.
 
 No ``gpupool.*`` key sets these. Each constant is the value measured best, with what it decides and the figure
-behind it (machine, date); ``docs/performance.md`` holds the runs. :func:`stage_threshold`
-and :func:`handoff_threshold` give the thresholds of a pool kind and comm.
+behind it (machine, date); ``docs/performance.md`` holds the runs.
+:func:`~dask_gpupool.handoff.routes.stage_threshold_of` and :func:`~dask_gpupool.handoff.routes.handoff_threshold_of`
+pick the thresholds of a pool kind and comm.
 
 The product never changes them. To measure or test another size: :class:`~dask_gpupool.handoff.routes.Routes`
 takes the routing thresholds as collaborators, which :func:`dask_gpupool.testing.faults.route_sizes` replaces in
@@ -23,8 +24,6 @@ __all__ = [
     "STAGE_THRESHOLD",
     "UCX_HOST_FRAME_THRESHOLD",
     "UCX_STAGING_THRESHOLD",
-    "handoff_threshold",
-    "stage_threshold",
 ]
 
 #: The smallest copy to another worker over TCP pulled over the pipelined copy path
@@ -43,25 +42,26 @@ COPY_CHUNK_SIZE = 16 << 20
 #: a 256 MiB pull took 56.4 ms over four lanes, 65.6 over one and 59.9 over eight, equal from 1 GiB.
 COPY_STREAMS = 4
 
-#: Plain arrays outside the pool from this size up, asked for by a same-host worker over TCP or TLS, are copied into
-#: a ``device`` pool and handed over (:func:`stage_threshold`). Each sample staged and sent through the comm back to
-#: back (``benchmarks/copy_or_handoff.py --plain``): staging won 31 of 40 pairs at 64 KiB and 20 of 40 at 1 KiB on one
-#: H100 (same GPU, 2026-11-24); the comm won 30-32% at 64-256 KiB and 60% at 1 KiB on two H200s (other GPU, 2026-11-24).
+#: Plain arrays outside the pool from this size up, asked for by a same-host worker over TCP or TLS, are copied into a
+#: ``device`` pool and handed over (:func:`~dask_gpupool.handoff.routes.stage_threshold_of`). Each sample staged and
+#: sent through the comm back to back (``benchmarks/copy_or_handoff.py --plain``): staging won 31 of 40 pairs at 64 KiB
+#: and 20 of 40 at 1 KiB on one H100 (same GPU, 2026-11-24); the comm won 30-32% at 64-256 KiB and 60% at 1 KiB on two
+#: H200s (other GPU, 2026-11-24).
 STAGE_THRESHOLD = 64 << 10
 
 #: Plain NumPy arrays from this size up (to :data:`HOST_KEEP_RESIDENT`), asked for by a same-host worker over TCP or
-#: TLS, are copied into a ``host`` pool and handed over (:func:`stage_threshold`); smaller ones go Dask's way. Each
-#: sample staged, through the plugin's comm and through a cluster without the plugin, one after another
-#: (``benchmarks/host_staging.py --sizes 128KiB,256KiB,512KiB,768KiB,1MiB,2MiB --samples 20``, 2-vCPU container,
-#: 2026-12-05, dask_gpupool 0.1.0, ``host_staging-20261205-115129-cpu-threshold.json``), transfer plus the consumer's
-#: first read: staging won 5-6 of 20 pairs at 256 KiB (1.12-1.14x the comm's time), 9-11 at 512 KiB (0.97-1.01x),
-#: 11-12 at 768 KiB (0.89-0.93x), 16-17 at 1 MiB (0.82-0.84x) and 16 at 2 MiB (0.65-0.70x).
+#: TLS, are copied into a ``host`` pool and handed over (:func:`~dask_gpupool.handoff.routes.stage_threshold_of`);
+#: smaller ones go Dask's way. Each sample staged, through the plugin's comm and through a cluster without the plugin,
+#: one after another (``benchmarks/host_staging.py --sizes 128KiB,256KiB,512KiB,768KiB,1MiB,2MiB --samples 20``, 2-vCPU
+#: container, 2026-12-05, dask_gpupool 0.1.0, ``host_staging-20261205-115129-cpu-threshold.json``), transfer plus the
+#: consumer's first read: staging won 5-6 of 20 pairs at 256 KiB (1.12-1.14x the comm's time), 9-11 at 512 KiB
+#: (0.97-1.01x), 11-12 at 768 KiB (0.89-0.93x), 16-17 at 1 MiB (0.82-0.84x) and 16 at 2 MiB (0.65-0.70x).
 HOST_STAGE_THRESHOLD = 1 << 20
 
 #: ``host`` pool buffers under this size go to a same-host worker over TCP or TLS as a copy in Dask's frames, not a
-#: handoff (:func:`handoff_threshold`). On a 2-vCPU container (2026-11-23, ``benchmarks/copy_or_handoff.py``, 300
-#: pairs per size) the two were within 0.08 ms up to 32 KiB; the copy was faster in 22-35% of pairs at 64 KiB and
-#: 3-13% at 128 KiB-1 MiB.
+#: handoff (:func:`~dask_gpupool.handoff.routes.handoff_threshold_of`). On a 2-vCPU container (2026-11-23,
+#: ``benchmarks/copy_or_handoff.py``, 300 pairs per size) the two were within 0.08 ms up to 32 KiB; the copy was faster
+#: in 22-35% of pairs at 64 KiB and 3-13% at 128 KiB-1 MiB.
 HOST_HANDOFF_THRESHOLD = 64 << 10
 
 #: A ``host`` pool's freed buffers keep their pages in the pool's first this many bytes (where first fit places the
@@ -86,27 +86,3 @@ UCX_STAGING_THRESHOLD = 8 << 10
 #: On one H100 (2026-11-24, ``benchmarks/ucx_pairs.py``) 4 KiB other-"host" pool arrays took 1.67 ms against 1.87 (8 of
 #: 8 pairs); at 1 MiB host frames were 1.45-1.51x slower.
 UCX_HOST_FRAME_THRESHOLD = 8 << 10
-
-
-def stage_threshold(kind: str, over_tcp: bool) -> int:
-    """The smallest plain array a pool of ``kind`` stages for a same-host worker asking over TCP or TLS
-    (``over_tcp``) or UCX; 0: never.
-
-    :data:`STAGE_THRESHOLD` for ``device`` pools over TCP or TLS, :data:`HOST_STAGE_THRESHOLD` for ``host`` pools
-    (NumPy arrays) over TCP or TLS. Never over UCX: UCX copies the array GPU to GPU itself, and staging from 4 MiB
-    was 0.97-1.02x of that on seven ``dask.array`` workloads, 0.92x on one (one H100, 2026-11-24). Never on
-    ``pinned`` pools (not measured).
-    """
-    if not over_tcp:
-        return 0
-    return STAGE_THRESHOLD if kind == "device" else HOST_STAGE_THRESHOLD if kind == "host" else 0
-
-
-def handoff_threshold(kind: str) -> int:
-    """The smallest buffer of a pool of ``kind`` handed over to a same-host worker over TCP or TLS; 0: every size.
-
-    :data:`HOST_HANDOFF_THRESHOLD` for ``host`` pools. Every size on ``device`` pools, to a worker on the same GPU or
-    another: handed over 1.83-2.02 ms from 1 KiB to 1 MiB against 2.18-2.54 copied on one H100 (2026-11-23), 1.65-1.81
-    against 1.79-2.64 across two H200s (2026-11-24). Every size on ``pinned`` pools (not measured).
-    """
-    return HOST_HANDOFF_THRESHOLD if kind == "host" else 0

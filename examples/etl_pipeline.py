@@ -5,7 +5,7 @@ Stages: **generate** (random values and integer keys), **transform**
 chunks), **combine** (join-like: every value meets the per-key table). The
 tasks are plain NumPy or CuPy code: with the plugin registered, a chunk that
 another worker on the host asks for is copied into the producer's pool and
-handed over zero-copy (from :func:`dask_gpupool.tuning.stage_threshold`); without the plugin the
+handed over zero-copy (from :func:`dask_gpupool.handoff.routes.stage_threshold_of`); without the plugin the
 same graph runs on plain Dask.
 
 CuPy chunks on GPU pools when GPUs are visible (``--layout shared``: all

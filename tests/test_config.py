@@ -69,17 +69,18 @@ def test_config_values_and_overrides():
 
 
 def test_the_thresholds_are_measured_constants_not_options():
-    """Staging, handoff, copy-path and UCX sizes are constants of dask_gpupool.tuning, each with its measured reason;
-    the keys that once set them, and the alternatives that went (device-objects off, peer-gpu-copy, tcp-landing),
-    are unknown options."""
+    """Staging, handoff, copy-path and UCX sizes are constants of dask_gpupool.tuning, each with its measured reason
+    (routes picks a pool kind's); the keys that once set them, and the alternatives that went (device-objects off,
+    peer-gpu-copy, tcp-landing), are unknown options."""
     from dask_gpupool import tuning
+    from dask_gpupool.handoff.routes import handoff_threshold_of, stage_threshold_of
 
     # plain arrays staged into device pools over TCP or TLS from 64 KiB, into host pools from 1 MiB; never over UCX,
     # nor on pinned pools
-    assert [tuning.stage_threshold(k, True) for k in ("device", "host", "pinned")] == [64 << 10, 1 << 20, 0]
-    assert tuning.stage_threshold("device", False) == tuning.stage_threshold("host", False) == 0
+    assert [stage_threshold_of(k, True) for k in ("device", "host", "pinned")] == [64 << 10, 1 << 20, 0]
+    assert stage_threshold_of("device", False) == stage_threshold_of("host", False) == 0
     # host pool buffers under 64 KiB copied (the CPU crossover); every size handed over on device and pinned pools
-    assert [tuning.handoff_threshold(k) for k in ("host", "device", "pinned")] == [64 << 10, 0, 0]
+    assert [handoff_threshold_of(k) for k in ("host", "device", "pinned")] == [64 << 10, 0, 0]
     assert (tuning.COPY_CHUNK_SIZE, tuning.COPY_STREAM_THRESHOLD, tuning.COPY_STREAMS) == (16 << 20, 4 << 20, 4)
     assert tuning.UCX_STAGING_THRESHOLD == tuning.UCX_HOST_FRAME_THRESHOLD == 8 << 10  # UCX 1.21's eager limit
     gone = [

@@ -10,7 +10,7 @@ worker's ``get_data`` hook puts this module's serialization family,
 a value with distributed's own ``cuda_serialize`` and sends **each device
 frame as a CuPy array through this package's CuPy serializer**: a frame in
 this worker's pool is handed over in place; one outside it, from the stage
-threshold up (:func:`dask_gpupool.tuning.stage_threshold`), is copied into the pool on the GPU and
+threshold up (:func:`dask_gpupool.handoff.routes.stage_threshold_of`), is copied into the pool on the GPU and
 handed over (fallback ``staged-in-pool``); a smaller one goes through the
 comm (fallback ``small``). Host frames (an object may mix both) go as they
 are. The consumer turns each frame back into device memory (the imported

@@ -106,9 +106,9 @@ def stage(request: Request, arr: Any, module: str) -> tuple[dict[str, Any], list
     """Copy ``arr`` into this worker's pool and hand the copy over, when a same-host worker asked over TCP or TLS
     (:meth:`Routes.stage_route <dask_gpupool.handoff.routes.Routes.stage_route>`).
 
-    From the stage threshold up (:func:`dask_gpupool.tuning.stage_threshold`), CuPy arrays on ``device`` pools
-    and NumPy arrays on ``host`` pools: a memcpy or a device-to-device copy
-    here replaces the host copy, the comm's bytes and the receiver's copy.
+    From the stage threshold up (:func:`dask_gpupool.handoff.routes.stage_threshold_of`), CuPy arrays on ``device``
+    pools and NumPy arrays on ``host`` pools: a memcpy or a device-to-device copy here replaces the host copy, the
+    comm's bytes and the receiver's copy.
     The lease keeps the staged copy alive until the receiver lets go.
     A NumPy array is staged only into the pool's kept range
     (:attr:`SharedHostMemoryResource.keep_resident <dask_gpupool.memory.host.SharedHostMemoryResource.keep_resident>`,

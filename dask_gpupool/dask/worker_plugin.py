@@ -24,7 +24,6 @@ from distributed import WorkerPlugin
 from distributed.core import Status
 from tornado.ioloop import PeriodicCallback
 
-from dask_gpupool import tuning
 from dask_gpupool.config import PoolOptions
 from dask_gpupool.core import PLUGIN_NAME
 from dask_gpupool.dask import comms, spilling
@@ -36,7 +35,7 @@ from dask_gpupool.dask.registry_member import RegistryMember
 from dask_gpupool.dask.replies import Replies, lease_query_handler
 from dask_gpupool.dask.task_events import TaskEvents
 from dask_gpupool.errors import PoolUnavailableError
-from dask_gpupool.handoff.routes import TCP_SCHEMES, UCX_SCHEMES
+from dask_gpupool.handoff.routes import TCP_SCHEMES, UCX_SCHEMES, stage_threshold_of
 from dask_gpupool.handoff.service import PoolService
 from dask_gpupool.handoff.startup import start_service
 from dask_gpupool.memory.lifetime import maps_peer_pages
@@ -195,7 +194,7 @@ class GPUPoolWorkerPlugin(WorkerPlugin):
         has_cupy = importlib.util.find_spec("cupy") is not None
         # Requests come over the comm this worker listens on: smaller results always go through it. Over UCX
         # nothing is staged, so no events for that reason.
-        stage_threshold = tuning.stage_threshold(service.pool.kind, over_tcp)
+        stage_threshold = stage_threshold_of(service.pool.kind, over_tcp)
         service.routing["staging"] = decide.staging_line(service.pool.kind, has_cupy, over_tcp)
         if service.pool.kind == "device" and has_cupy:
             # results large enough to be staged, and pool memory (exported after its task's event only)

@@ -14,6 +14,7 @@ from dask_gpupool.config import PoolOptions
 from dask_gpupool.dask.task_events import is_cupy_array
 from dask_gpupool.dask.views import pool_buffer_of
 from dask_gpupool.errors import PoolUnavailableError, ProtocolError
+from dask_gpupool.handoff.routes import stage_threshold_of
 from dask_gpupool.memory.topology import current_gpu, sleeping_event
 from dask_gpupool.wire.registry import PoolRecord
 
@@ -79,7 +80,7 @@ def segment_memory_line(options: PoolOptions, kind: str, made_of: str, over_ucx:
 
 def staging_line(kind: str, has_cupy: bool, over_tcp: bool) -> str:
     """``stats()["routing"]["staging"]``: whether plain CuPy (``device`` pools) or NumPy (``host`` pools) results are
-    staged into the pool, and why (not) (:func:`dask_gpupool.tuning.stage_threshold`)."""
+    staged into the pool, and why (not) (:func:`dask_gpupool.handoff.routes.stage_threshold_of`)."""
     if kind == "host":
         if not over_tcp:
             return "off: a host pool stages plain NumPy results over TCP and TLS only"
@@ -89,7 +90,7 @@ def staging_line(kind: str, has_cupy: bool, over_tcp: bool) -> str:
         return f"off: a {kind} pool stages no plain arrays"
     if not has_cupy:
         return "off: CuPy is not installed"
-    threshold = tuning.stage_threshold(kind, over_tcp)
+    threshold = stage_threshold_of(kind, over_tcp)
     if not threshold:
         return "off: over UCX, UCX copies plain CuPy arrays GPU to GPU"
     return f"on: plain CuPy results of {format_bytes(threshold)} or more are staged into the pool for same-host workers"

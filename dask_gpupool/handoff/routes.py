@@ -40,9 +40,11 @@ __all__ = [
     "UCX_SCHEMES",
     "Route",
     "Routes",
+    "handoff_threshold_of",
     "host_of",
     "plain_copy_reason",
     "route",
+    "stage_threshold_of",
 ]
 
 
@@ -56,6 +58,31 @@ UCX_SCHEMES = ("ucx", "ucxx")
 #: Comms over which a same-host worker gets IPC descriptors: the bytes of a descriptor travel in
 #: Dask's frames, so any comm that carries frames between processes would do; these are the ones tested.
 HANDOFF_SCHEMES = (*TCP_SCHEMES, *UCX_SCHEMES)
+
+
+def stage_threshold_of(kind: str, over_tcp: bool) -> int:
+    """The smallest plain array a pool of ``kind`` stages for a same-host worker asking over TCP or TLS
+    (``over_tcp``) or UCX; 0: never.
+
+    :data:`~dask_gpupool.tuning.STAGE_THRESHOLD` for ``device`` pools over TCP or TLS,
+    :data:`~dask_gpupool.tuning.HOST_STAGE_THRESHOLD` for ``host`` pools (NumPy arrays) over TCP or TLS. Never over UCX:
+    UCX copies the array GPU to GPU itself, and staging from 4 MiB was 0.97-1.02x of that on seven ``dask.array``
+    workloads, 0.92x on one (one H100, 2026-11-24). Never on ``pinned`` pools (not measured).
+    """
+    if not over_tcp:
+        return 0
+    return tuning.STAGE_THRESHOLD if kind == "device" else tuning.HOST_STAGE_THRESHOLD if kind == "host" else 0
+
+
+def handoff_threshold_of(kind: str) -> int:
+    """The smallest buffer of a pool of ``kind`` handed over to a same-host worker over TCP or TLS; 0: every size.
+
+    :data:`~dask_gpupool.tuning.HOST_HANDOFF_THRESHOLD` for ``host`` pools. Every size on ``device`` pools, to a worker
+    on the same GPU or another: handed over 1.83-2.02 ms from 1 KiB to 1 MiB against 2.18-2.54 copied on one H100
+    (2026-11-23), 1.65-1.81 against 1.79-2.64 across two H200s (2026-11-24). Every size on ``pinned`` pools (not
+    measured).
+    """
+    return tuning.HOST_HANDOFF_THRESHOLD if kind == "host" else 0
 
 
 class Route(NamedTuple):
@@ -192,8 +219,8 @@ class Routes:
         (:meth:`LeaseTable.nbytes_of <dask_gpupool.handoff.leases.LeaseTable.nbytes_of>`), held against
         :data:`PEER_SHARE`; by default nothing is.
     stage_threshold_of, handoff_threshold_of, stream_threshold
-        What values are held against: by default :func:`dask_gpupool.tuning.stage_threshold` (of a pool kind,
-        over TCP or TLS or not), :func:`dask_gpupool.tuning.handoff_threshold` (of a pool kind) and
+        What values are held against: by default :func:`stage_threshold_of` (of a pool kind,
+        over TCP or TLS or not), :func:`handoff_threshold_of` (of a pool kind) and
         :data:`dask_gpupool.tuning.COPY_STREAM_THRESHOLD`. Tests and benchmarks give others, to take a path at
         sizes the defaults route elsewhere (:func:`dask_gpupool.testing.faults.route_sizes`).
 
@@ -226,8 +253,8 @@ class Routes:
         registry: RegistryView,
         handoffs: HandoffStats,
         copier: CopyServer | None,
-        stage_threshold_of: Callable[[str, bool], int] = tuning.stage_threshold,
-        handoff_threshold_of: Callable[[str], int] = tuning.handoff_threshold,
+        stage_threshold_of: Callable[[str, bool], int] = stage_threshold_of,
+        handoff_threshold_of: Callable[[str], int] = handoff_threshold_of,
         stream_threshold: int = tuning.COPY_STREAM_THRESHOLD,
         pinned: Callable[[str], int] | None = None,
     ) -> None:
@@ -318,7 +345,7 @@ class Routes:
 
     def stage_threshold(self, requester: str | None, scheme: str) -> int:
         """The smallest array outside this pool staged into it for ``requester`` asking over ``scheme``; 0: never
-        (:attr:`stage_threshold_of`: by default :func:`dask_gpupool.tuning.stage_threshold`, nothing over UCX)."""
+        (:attr:`stage_threshold_of`: by default :func:`stage_threshold_of`, nothing over UCX)."""
         return self.stage_threshold_of(self.record.kind, scheme in TCP_SCHEMES)
 
     def plain_copy_reason(self, requester: str | None) -> str | None:

@@ -179,7 +179,7 @@ class HandoffStats:
     pool_staged_bytes : int
         Arrays outside the pool copied into it on this worker (device to
         device for CuPy) and then handed over to a same-host worker
-        (:func:`~dask_gpupool.tuning.stage_threshold`; fallback ``staged-in-pool``).
+        (:func:`~dask_gpupool.handoff.routes.stage_threshold_of`; fallback ``staged-in-pool``).
     fallbacks : dict of str to int
         Same-host transfers that were copied, by reason (see :data:`FALLBACK_REASONS`).
     timings : dict of str to list

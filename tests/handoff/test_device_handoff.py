@@ -160,7 +160,7 @@ def test_handoff_with_segments_on_one_gpu():
 
 @pytest.mark.parametrize("placement", ["one-gpu", "two-gpus"])
 def test_device_pools_hand_small_pool_arrays_to_same_host_workers(placement):
-    """Device pools hand over every size (tuning.handoff_threshold): a 16 KiB pool array goes to a worker on the
+    """Device pools hand over every size (routes.handoff_threshold_of): a 16 KiB pool array goes to a worker on the
     producer's GPU, or on another GPU, as a handoff (zero-copy, no fallback ``small``); the right values, and no lease
     left after."""
     gpus(2 if placement == "two-gpus" else 1)

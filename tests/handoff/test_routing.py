@@ -148,7 +148,7 @@ def test_which_plain_arrays_are_staged_into_the_pool(requester, scheme, nbytes, 
 
 
 def test_host_pools_stage_from_their_threshold_over_tcp_only():
-    """tuning.stage_threshold is 1 MiB on host pools over TCP or TLS (tuning.HOST_STAGE_THRESHOLD); a test's own
+    """routes.stage_threshold_of is 1 MiB on host pools over TCP or TLS (tuning.HOST_STAGE_THRESHOLD); a test's own
     threshold (testing.faults.route_sizes gives one to a worker) is what Routes holds arrays against then."""
     host = dataclasses.replace(OWN, kind="host", device=None, devices=(), peers=())
     requester = peer(devices=(), device=None)
@@ -176,7 +176,7 @@ def test_host_pools_stage_from_their_threshold_over_tcp_only():
     ],
 )
 def test_the_handoff_threshold_depends_on_the_pool_kind(own, requester, nbytes, handed):
-    """tuning.handoff_threshold: 0 on a device pool, for a worker on its GPU or another (a handoff measured faster at
+    """routes.handoff_threshold_of: 0 on a device pool, for a worker on its GPU or another (a handoff measured faster at
     every size on one H100 and across two H200s); 64 KiB on a host pool (the CPU crossover)."""
     with _routes(requester, dataclasses.replace(OWN, **own)) as (routes, stats):
         buf = routes.pool.allocate(nbytes)  # a host pool's buffer under the row given: the row decides
