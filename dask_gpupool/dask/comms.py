@@ -39,7 +39,7 @@ never given back.
 failure to receive a handed-over value is raised as :class:`~dask_gpupool.errors.DataLostError`, a
 ``ConnectionError`` (:func:`~dask_gpupool.dask.dask_family.data_lost`): Dask 2026.8 then drops the sender from the
 key's holders, asks the scheduler where else it is, and fetches it again, and an honest exporter's retry succeeds
-(it sends that worker copies: :meth:`Exports.settle <dask_gpupool.handoff.exports.Exports.settle>`). A member whose
+(it sends that worker copies: :meth:`Exports.settle <dask_gpupool.handoff.exporter.Exports.settle>`). A member whose
 every reply of a key fails (a lying member, or one whose value cannot be sent) was asked again forever, about four
 times a second, and the task waiting for the key never ran. Any other exception would leave that task waiting for
 good (Dask marks the dependency failed on the consumer, and its scheduler ignores that for a key in memory).

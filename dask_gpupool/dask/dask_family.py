@@ -85,7 +85,7 @@ def hand_over(
     """The header of a zero-copy handoff of ``buf`` to ``request``'s requester, or ``None`` to copy.
 
     A buffer of this worker's pool is exported under a lease
-    (:meth:`Exports.export_ipc <dask_gpupool.handoff.exports.Exports.export_ipc>`);
+    (:meth:`Exports.export_ipc <dask_gpupool.handoff.exporter.Exports.export_ipc>`);
     one this worker imported is passed on as its exporter's memory
     (:meth:`Forwarder.forward <dask_gpupool.handoff.forwarding.Forwarder.forward>`:
     its resource knows its origin). The lease goes in ``request`` to be
@@ -120,7 +120,7 @@ def data_lost(raw_header: Any, e: Exception) -> DataLostError:
     retried), while for an ``OSError`` it treats the transfer as failed and
     fetches the key again, from the same worker or another, or has it
     recomputed. The exporter then sends this worker copies
-    (:meth:`Exports.settle <dask_gpupool.handoff.exports.Exports.settle>`), so the retry succeeds.
+    (:meth:`Exports.settle <dask_gpupool.handoff.exporter.Exports.settle>`), so the retry succeeds.
     """
     exporter = raw_header.get("exporter", "?") if isinstance(raw_header, dict) else "?"
     return DataLostError(f"a value from worker {exporter} could not be received: {type(e).__name__}: {e}")

@@ -14,7 +14,7 @@ a stream of its own that waits for that event only. A task result over pool
 memory (a pool Buffer, an array over one)
 gets one too, whatever its size: its export waits for that event rather than
 for the whole GPU (``gpupool.handoff-ordering: sync``,
-:meth:`Exports._order <dask_gpupool.handoff.exports.Exports._order>`).
+:meth:`Exports._order <dask_gpupool.handoff.exporter.Exports._order>`).
 
 Ownership: the table holds a weak reference to each result (never keeping
 it, or its device memory, alive) and a reference to its event, dropped when

@@ -6,7 +6,7 @@ When B hands on to C a value it imported from A, B's serializer asks the
 and C gets A's descriptor, so the memory lives until C lets go, whatever B
 does. When the requester is A itself, A grants the lease in its own name
 and takes its own buffer back
-(:meth:`Exports.take_back <dask_gpupool.handoff.exports.Exports.take_back>`):
+(:meth:`Exports.take_back <dask_gpupool.handoff.exporter.Exports.take_back>`):
 nothing is mapped or copied. A forwarded lease nobody claimed ends when B's reply ends
 (:meth:`Forwarder.settle_forwarded`) or B dies. The decision is
 :meth:`Routes.forward_route <dask_gpupool.handoff.routes.Routes.forward_route>`.

@@ -73,7 +73,7 @@ class Importer:
         The worker's counters (imports, zero-copy and copied bytes, fallbacks).
     take_back : callable
         ``take_back(header)``: the buffer of a value of this worker's own pool that a
-        peer passed back (:meth:`Exports.take_back <dask_gpupool.handoff.exports.Exports.take_back>`).
+        peer passed back (:meth:`Exports.take_back <dask_gpupool.handoff.exporter.Exports.take_back>`).
 
     Attributes
     ----------

@@ -9,7 +9,7 @@ same-host peer could have been spared (a reason from :data:`~dask_gpupool.handof
 :class:`Routes` gathers the facts for one worker (its registry row and registry view, whether its service and pool
 are open, the bytes a requester would import) and keeps the one piece of state only routing reads: peers whose last
 transfer failed get copies for ``lease-timeout`` seconds (:meth:`Routes.mark_unreachable`, which
-:meth:`Exports.settle <dask_gpupool.handoff.exports.Exports.settle>` calls). :meth:`Routes.plan` counts and warns
+:meth:`Exports.settle <dask_gpupool.handoff.exporter.Exports.settle>` calls). :meth:`Routes.plan` counts and warns
 about the fallbacks it decides. The :class:`~dask_gpupool.handoff.service.PoolService` owns one; the serializers ask
 it directly. Importing this module loads no worker stack (the Dask adapters read its schemes).
 """

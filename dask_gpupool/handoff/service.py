@@ -7,7 +7,7 @@ callers hold the part that does it.
   allocation (``pool.allocate``), exports' descriptors, stats;
 - :attr:`~PoolService.routes` (:class:`~dask_gpupool.handoff.routes.Routes`):
   how each value goes to the worker that asked (``routes.plan``);
-- :attr:`~PoolService.exports` (:class:`~dask_gpupool.handoff.exports.Exports`):
+- :attr:`~PoolService.exports` (:class:`~dask_gpupool.handoff.exporter.Exports`):
   the export side of each handoff (``exports.export_ipc``, ``exports.settle``),
   under the leases of :attr:`~PoolService.leases`
   (:class:`~dask_gpupool.handoff.leases.LeaseTable`);
@@ -44,8 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dask_gpupool.config import PoolOptions
-from dask_gpupool.handoff.exporter import ExportSide
-from dask_gpupool.handoff.exports import Exports
+from dask_gpupool.handoff.exporter import Exports, ExportSide
 from dask_gpupool.handoff.forwarding import Forwarder
 from dask_gpupool.handoff.importer import Importer
 from dask_gpupool.handoff.leases import LeaseTable
@@ -101,7 +100,7 @@ class PoolService:
     forwarder : Forwarder
         Passes on values imported here (:mod:`~dask_gpupool.handoff.forwarding`).
     exports : Exports
-        Makes the export side of each handoff (:mod:`~dask_gpupool.handoff.exports`).
+        Makes the export side of each handoff (:mod:`~dask_gpupool.handoff.exporter`).
     on_close : callable or None
         Called with the service when it closes, once it takes no new handoffs
         (:func:`~dask_gpupool.handoff.startup.start_service` sets it to take the
