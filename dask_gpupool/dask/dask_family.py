@@ -254,15 +254,23 @@ def serialize_buffer(buf: Buffer, context: Any = None) -> Serialized:
     return _dumps(REQUEST.get(), buf, buf, None, None, lambda: copy_to_host(buf, 0, buf.size), (0, int(buf.size)))
 
 
+def _numpy_pointer(x: Any) -> int:
+    return int(x.__array_interface__["data"][0])
+
+
+def _cupy_pointer(x: Any) -> int:
+    return int(x.data.ptr)
+
+
 def array_serializers(
-    module: str, pointer: Callable[[Any], int], previous_dumps: Any, previous_loads: Any
+    module: str, previous_dumps: Any, previous_loads: Any
 ) -> tuple[Callable[..., Serialized], Callable[[dict[str, Any], list[Any]], Any]]:
     """The ``"dask"`` serializer and deserializer of ``module``'s arrays (``"numpy"`` or ``"cupy"``).
 
-    ``pointer(x)`` is the address of ``x``'s data; ``previous_dumps(x, context)`` and ``previous_loads(header,
-    frames)`` are distributed's own, which every array over no pool buffer (and every header without :data:`KEY`)
-    goes to.
+    ``previous_dumps(x, context)`` and ``previous_loads(header, frames)`` are distributed's own, which every array
+    over no pool buffer (and every header without :data:`KEY`) goes to.
     """
+    pointer = _numpy_pointer if module == "numpy" else _cupy_pointer  # the address of an array's data
 
     def serialize(x: Any, context: Any = None) -> Serialized:
         request = REQUEST.get()

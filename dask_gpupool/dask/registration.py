@@ -94,9 +94,7 @@ def _register_numpy() -> None:
     if getattr(previous_loads, "__gpupool__", False):
         return  # registered already
     previous_dumps = _with_context(dask_serialize.dispatch(np.ndarray))
-    dumps, loads = dask_family.array_serializers(
-        "numpy", lambda x: int(x.__array_interface__["data"][0]), previous_dumps, previous_loads
-    )
+    dumps, loads = dask_family.array_serializers("numpy", previous_dumps, previous_loads)
     loads.__gpupool__ = True  # type: ignore[attr-defined]
     dask_serialize.register(np.ndarray)(dumps)
     dask_deserialize.register(np.ndarray)(loads)
@@ -126,7 +124,7 @@ def register_cupy() -> None:
 
 
 def _ensure_cupy() -> None:
-    if _cupy_registered == "no" and sys.modules.get("cupy") is not None:
+    if _cupy_registered == "no":
         register_cupy()
 
 
@@ -138,7 +136,7 @@ def _register_cupy_now() -> None:
 
     previous_dumps = _with_context(dask_serialize.dispatch(cupy.ndarray))
     previous_loads = dask_deserialize.dispatch(cupy.ndarray)
-    dumps, loads = dask_family.array_serializers("cupy", lambda x: int(x.data.ptr), previous_dumps, previous_loads)
+    dumps, loads = dask_family.array_serializers("cupy", previous_dumps, previous_loads)
     dask_serialize.register(cupy.ndarray)(dumps)
     dask_deserialize.register(cupy.ndarray)(loads)
     cuda_dumps, cuda_loads = cuda_family.cupy_serializers(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copyreg
 import inspect
 import logging
+import sys
 import threading
 import time
 import weakref
@@ -417,9 +418,9 @@ def registered_family(name: str) -> bool:
 
 def ensure_first(ensure: Callable[[], None]) -> None:
     """PATCH (READ ``distributed.protocol.serialize.families``): the ``"dask"`` and ``"cuda"`` families wrapped, with
-    ``register_serialization_family``, to call ``ensure()`` first (:func:`~dask_gpupool.dask.registration.
-    register_cupy` once CuPy is imported: no hook runs on a module's import, and lazy hooks only while no serializer
-    of the type is registered)."""
+    ``register_serialization_family``, to call ``ensure()`` first once CuPy is imported (to run
+    :func:`~dask_gpupool.dask.registration.register_cupy`: no hook runs on a module's import, and lazy hooks only
+    while no serializer of the type is registered)."""
     from distributed.protocol.serialize import families, register_serialization_family
 
     for name in ("dask", "cuda"):
@@ -428,11 +429,13 @@ def ensure_first(ensure: Callable[[], None]) -> None:
             continue
 
         def checked_dumps(x: Any, context: Any = None, dumps: Any = dumps, takes: bool = takes_context) -> Any:
-            ensure()
+            if sys.modules.get("cupy") is not None:  # imported (None: an import that is blocked)
+                ensure()
             return dumps(x, context=context) if takes else dumps(x)
 
         def checked_loads(header: Any, frames: list[Any], loads: Any = loads) -> Any:
-            ensure()
+            if sys.modules.get("cupy") is not None:
+                ensure()
             return loads(header, frames)
 
         checked_loads.__gpupool_cupy__ = True  # type: ignore[attr-defined]
