@@ -25,10 +25,24 @@ NO_TERMINATE = {"distributed.worker.memory.terminate": False}
 POOL = GPUPool(kind="host", max_size="128 MiB")
 
 
+def _limited(limit: str, **memory: Any) -> dict[str, Any]:
+    """Nanny options: ``memory_limit`` ``limit`` and ``distributed.worker.memory.<key>`` set from ``memory``."""
+    return {"memory_limit": limit, "config": {f"distributed.worker.memory.{k}": v for k, v in memory.items()}}
+
+
 def _spilling(limit: str) -> dict[str, Any]:
     """Nanny options: spill by managed memory only, at half of ``limit`` (no pause, no spill by process memory)."""
-    memory = {"target": 0.5, "spill": False, "pause": False, "terminate": False}
-    return {"memory_limit": limit, "config": {f"distributed.worker.memory.{k}": v for k, v in memory.items()}}
+    return _limited(limit, target=0.5, spill=False, pause=False, terminate=False)
+
+
+def _six_reads(c: Any, a: str, b: str) -> tuple[list[Any], list[Any], list[float]]:
+    """B keeps six 32 MiB arrays of A's pool and reads each (a task each); returns A's and B's futures and the totals
+    B read, which are asserted."""
+    xs = [c.submit(T.make_array, 4 * MiB, workers=[a], pure=False) for _ in range(6)]
+    ys = [c.submit(T.keep, x, workers=[b], pure=False) for x in xs]
+    expected = [float(sum(range(4 * MiB)))] * 6
+    assert c.gather(c.map(T.total, ys, workers=[b], pure=False)) == expected
+    return xs, ys, expected
 
 
 def _accounting(dask_worker: Any) -> dict[str, Any]:
@@ -171,16 +185,12 @@ def test_a_borrowers_resident_memory_leaves_out_the_borrowed_pages_past_its_spil
     would take it past 224 MiB, where the nanny's figure says B holds memory it does not own. B drops them from its
     page tables instead: its ``rss`` stays under the threshold, it neither spills nor pauses, and it reads the same
     values again (the pages fault back in, unchanged)."""
-    memory = {"target": False, "spill": 0.7, "pause": 0.8, "terminate": False}
-    limited = {"memory_limit": "320 MiB", "config": {f"distributed.worker.memory.{k}": v for k, v in memory.items()}}
+    limited = _limited("320 MiB", target=False, spill=0.7, pause=0.8, terminate=False)
     pool = GPUPool(kind="host", max_size="512 MiB")
     with dask.config.set(NO_TERMINATE), nanny_cluster([{}, limited], pool) as c:
         a, b = worker_addresses(c)
         baseline = warm_up(c, a, b)
-        xs = [c.submit(T.make_array, 4 * MiB, workers=[a], pure=False) for _ in range(6)]
-        ys = [c.submit(T.keep, x, workers=[b], pure=False) for x in xs]
-        expected = [float(sum(range(4 * MiB)))] * 6
-        assert c.gather(c.map(T.total, ys, workers=[b], pure=False)) == expected
+        xs, ys, expected = _six_reads(c, a, b)
         assert counters(c, b)[b]["borrowed_bytes"] == 192 * MiB
         threshold = int(0.7 * 320 * MiB)
         wait_for(lambda: c.run(_resident, workers=[b])[b]["rss"] < threshold, what="B's rss under its threshold")
@@ -215,8 +225,7 @@ def test_a_worker_past_its_spill_threshold_gives_its_pools_free_pages_back():
     buffer there), which puts A's ``rss`` past 179 MiB with nothing Dask can spill, so Dask would pause A or spill its
     values to disk while its pool holds memory no value uses. A gives those pages back instead: its ``rss`` goes under
     the threshold, it does not pause, and its pool still hands out zeroed-then-written buffers."""
-    memory = {"target": False, "spill": 0.7, "pause": 0.8, "terminate": False}
-    limited = {"memory_limit": "256 MiB", "config": {f"distributed.worker.memory.{k}": v for k, v in memory.items()}}
+    limited = _limited("256 MiB", target=False, spill=0.7, pause=0.8, terminate=False)
     pool = GPUPool(kind="host", max_size="512 MiB")
     with dask.config.set(NO_TERMINATE), nanny_cluster([limited, {}], pool) as c:
         a, b = worker_addresses(c)
@@ -263,16 +272,12 @@ def test_a_borrower_drops_the_pages_it_read_once_each_task_ends_past_its_thresho
     after another: 192 MiB of A's pages would pile up in B's ``rss`` between two periodic checks, and the nanny,
     checking as often, would restart B for memory that is not its own. B drops them as each task ends once past its
     threshold, so its ``rss`` is under it when the last read ends, with no periodic check run."""
-    memory = {"target": False, "spill": 0.7, "pause": False, "terminate": False, "monitor-interval": "60s"}
-    limited = {"memory_limit": "320 MiB", "config": {f"distributed.worker.memory.{k}": v for k, v in memory.items()}}
+    limited = _limited("320 MiB", target=False, spill=0.7, pause=False, terminate=False, **{"monitor-interval": "60s"})
     pool = GPUPool(kind="host", max_size="512 MiB")
     with dask.config.set(NO_TERMINATE), nanny_cluster([{}, limited], pool) as c:
         a, b = worker_addresses(c)
         baseline = warm_up(c, a, b)
-        xs = [c.submit(T.make_array, 4 * MiB, workers=[a], pure=False) for _ in range(6)]
-        ys = [c.submit(T.keep, x, workers=[b], pure=False) for x in xs]
-        expected = [float(sum(range(4 * MiB)))] * 6
-        assert c.gather(c.map(T.total, ys, workers=[b], pure=False)) == expected
+        xs, ys, _ = _six_reads(c, a, b)
         seen = c.run(_resident, workers=[b])[b]
         assert seen["rss"] < int(0.7 * 320 * MiB) and seen["peer"] < 192 * MiB, seen
         assert c.run(T.spilled_bytes, workers=[b])[b] == {}
