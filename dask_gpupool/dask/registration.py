@@ -62,7 +62,7 @@ def register_serializers() -> None:
         # is imported and they are not yet (a string compare otherwise).
         for dispatch in (dask_serialize, dask_deserialize, cuda_serialize, cuda_deserialize):
             dispatch.register_lazy("cupy")(register_cupy)
-        seam.ensure_first(_ensure_cupy)
+        seam.ensure_first("cupy", _ensure_cupy)
     cuda_serialize.register(Buffer)(cuda_family.serialize_buffer)
     cuda_deserialize.register(Buffer)(cuda_family.deserialize_buffer)
 

@@ -416,11 +416,11 @@ def registered_family(name: str) -> bool:
     return name in families
 
 
-def ensure_first(ensure: Callable[[], None]) -> None:
+def ensure_first(module: str, ensure: Callable[[], None]) -> None:
     """PATCH (READ ``distributed.protocol.serialize.families``): the ``"dask"`` and ``"cuda"`` families wrapped, with
-    ``register_serialization_family``, to call ``ensure()`` first once CuPy is imported (to run
+    ``register_serialization_family``, to call ``ensure()`` first once ``module`` is imported (CuPy's registration,
     :func:`~dask_gpupool.dask.registration.register_cupy`: no hook runs on a module's import, and lazy hooks only
-    while no serializer of the type is registered)."""
+    while no serializer of the type is registered). Until then a call costs a ``sys.modules`` lookup."""
     from distributed.protocol.serialize import families, register_serialization_family
 
     for name in ("dask", "cuda"):
@@ -429,12 +429,12 @@ def ensure_first(ensure: Callable[[], None]) -> None:
             continue
 
         def checked_dumps(x: Any, context: Any = None, dumps: Any = dumps, takes: bool = takes_context) -> Any:
-            if sys.modules.get("cupy") is not None:  # imported (None: an import that is blocked)
+            if sys.modules.get(module) is not None:  # imported (None: an import that is blocked)
                 ensure()
             return dumps(x, context=context) if takes else dumps(x)
 
         def checked_loads(header: Any, frames: list[Any], loads: Any = loads) -> Any:
-            if sys.modules.get("cupy") is not None:
+            if sys.modules.get(module) is not None:
                 ensure()
             return loads(header, frames)
 
